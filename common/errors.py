@@ -1,0 +1,138 @@
+"""The one exception hierarchy of medfed.
+
+::
+
+    MedfedError                      base of everything medfed raises on purpose
+    ├── ConfigError                  bad configuration or flag; names the field
+    ├── DataError                    bad site data; names file, row and column
+    ├── ValidationError              a malformed message at a trust boundary
+    │                                (servicers map it to INVALID_ARGUMENT)
+    ├── CryptoError                  EVERY decryption, signature or key-agreement
+    │                                failure: one type, no detail an attacker can use
+    ├── ProtocolAbort(reason)        the secure-aggregation round must stop;
+    │                                `reason` is an `AbortReason`
+    ├── PkiError                     certificate or key material problems
+    │   └── CertificateRejected      peer certificate not acceptable (expired,
+    │                                revoked, wrong CA, no site id)
+    ├── PrivacyError
+    │   ├── BudgetExhausted          this round would exceed the site's epsilon budget
+    │   └── LedgerIntegrityError     the hash chain of a ledger does not verify
+    └── StateError                   persisted state is missing or inconsistent
+
+Servicers translate these to gRPC status codes in one place; nothing else in the
+product catches broad exceptions.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class MedfedError(Exception):
+    """Base class of every error medfed raises on purpose."""
+
+
+class ConfigError(MedfedError):
+    """Invalid configuration; `field` names the offending setting."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+class DataError(MedfedError):
+    """Invalid site data; names where it is so a data manager can fix it."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        row: int | None = None,
+        column: str | None = None,
+    ) -> None:
+        self.file = file
+        self.row = row
+        self.column = column
+        self.message = message
+        where = []
+        if file is not None:
+            where.append(f"file {file}")
+        if row is not None:
+            where.append(f"row {row}")
+        if column is not None:
+            where.append(f"column {column!r}")
+        prefix = (", ".join(where) + ": ") if where else ""
+        super().__init__(prefix + message)
+
+
+class ValidationError(MedfedError):
+    """A message from another party is malformed (wrong length, range, type)."""
+
+
+class CryptoError(MedfedError):
+    """A decryption, signature or key-agreement check failed.
+
+    Deliberately carries no detail: every such failure looks the same to the caller.
+    """
+
+    def __init__(self, message: str = "cryptographic verification failed") -> None:
+        super().__init__(message)
+
+
+class AbortReason(enum.Enum):
+    """Why a secure-aggregation round was aborted (client or server side)."""
+
+    TOO_FEW_PARTICIPANTS = "too_few_participants"
+    INVALID_PARAMETERS = "invalid_parameters"
+    BAD_SIGNATURE = "bad_signature"
+    DUPLICATE_PEER = "duplicate_peer"
+    UNKNOWN_PEER = "unknown_peer"
+    SELF_MISSING = "self_missing"
+    SELF_LISTED_AS_DROPPED = "self_listed_as_dropped"
+    PEER_BOTH_ALIVE_AND_DROPPED = "peer_both_alive_and_dropped"
+    KEY_MISMATCH = "key_mismatch"
+    NOT_A_NEIGHBOUR = "not_a_neighbour"
+    SURVIVORS_NOT_SUBSET = "survivors_not_subset"
+    INCONSISTENT_SURVIVOR_SETS = "inconsistent_survivor_sets"
+    DECRYPTION_FAILED = "decryption_failed"
+    UNEXPECTED_MESSAGE = "unexpected_message"
+    WRONG_ROUND = "wrong_round"
+    WRONG_SESSION = "wrong_session"
+    WRONG_LENGTH = "wrong_length"
+    RECONSTRUCTION_FAILED = "reconstruction_failed"
+    ROUND_ABANDONED = "round_abandoned"
+
+
+class ProtocolAbort(MedfedError):
+    """The secure-aggregation round stops; nothing more is revealed."""
+
+    def __init__(self, reason: AbortReason, detail: str = "") -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
+
+
+class PkiError(MedfedError):
+    """Certificate or key material cannot be created, loaded or used."""
+
+
+class CertificateRejected(PkiError):
+    """A peer certificate is not acceptable (expired, revoked, foreign CA, no id)."""
+
+
+class PrivacyError(MedfedError):
+    """Base of privacy-accounting errors."""
+
+
+class BudgetExhausted(PrivacyError):
+    """Training this round would take the site past its epsilon budget."""
+
+
+class LedgerIntegrityError(PrivacyError):
+    """A ledger's hash chain does not verify: an entry was edited, deleted or moved."""
+
+
+class StateError(MedfedError):
+    """Persisted state is missing or inconsistent."""

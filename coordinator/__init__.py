@@ -1,0 +1,1 @@
+"""The coordinator: gRPC servicer, round engine, server optimizers, metrics."""

@@ -1,0 +1,1 @@
+"""The site agent: client loop, Opacus trainer, data, models, budget guard, metrics."""
