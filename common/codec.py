@@ -1,0 +1,163 @@
+"""Tensor and ring-vector wire codec: dtype + shape + raw little-endian bytes.
+
+Nothing read from the network is ever unpickled. A model travels as the concatenation
+of its tensors' raw bytes (layout given separately as `TensorSpec`s), in chunks of
+`CHUNK_BYTES`; a receiver writes each chunk into a preallocated buffer at its offset
+and rejects anything that does not tile the declared length exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.errors import ValidationError
+
+CHUNK_BYTES = 1 << 20  # 1 MiB: inside the 1-4 MiB band, well under gRPC's 4 MiB default
+MAX_TENSOR_ELEMENTS = 1 << 31
+# Only these dtypes may cross the wire; always little-endian, never object arrays.
+ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<u4", "<i8", "<i4", "<f2"})
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, dtype and shape of one tensor of a flat parameter vector."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.name or len(self.name) > 256:
+            raise ValidationError("tensor name must be 1-256 characters")
+        if self.dtype not in ALLOWED_DTYPES:
+            raise ValidationError(f"tensor {self.name!r}: dtype {self.dtype!r} not allowed")
+        if any(d < 0 for d in self.shape) or len(self.shape) > 8:
+            raise ValidationError(f"tensor {self.name!r}: invalid shape {self.shape}")
+        if self.elements > MAX_TENSOR_ELEMENTS:
+            raise ValidationError(f"tensor {self.name!r}: too many elements")
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.elements * np.dtype(self.dtype).itemsize
+
+
+def _byte_view(data: bytes | bytearray | memoryview | np.ndarray) -> memoryview:
+    view = memoryview(np.ascontiguousarray(data).data) if isinstance(data, np.ndarray) else (
+        memoryview(data)
+    )
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def layout_bytes(layout: Sequence[TensorSpec]) -> int:
+    """Total bytes of a model with this layout."""
+    return sum(spec.nbytes for spec in layout)
+
+
+def layout_elements(layout: Sequence[TensorSpec]) -> int:
+    return sum(spec.elements for spec in layout)
+
+
+def digest(data: bytes | bytearray | memoryview | np.ndarray) -> bytes:
+    """SHA-256 of the raw bytes (models are checked end to end after download)."""
+    return hashlib.sha256(_byte_view(data)).digest()
+
+
+def iter_chunks(
+    data: bytes | bytearray | memoryview | np.ndarray, *, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[tuple[int, bytes]]:
+    """Yield (byte offset, bytes) chunks of at most `chunk_bytes`."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    view = _byte_view(data)
+    for offset in range(0, len(view), chunk_bytes):
+        yield offset, bytes(view[offset : offset + chunk_bytes])
+
+
+class ChunkAssembler:
+    """Reassemble an in-order stream of chunks into a preallocated buffer.
+
+    Chunks must arrive in order with no gap or overlap, each at most `max_chunk_bytes`,
+    and must end exactly at `total_bytes`; anything else is a `ValidationError` and the
+    buffer's content must be discarded by the caller.
+    """
+
+    def __init__(
+        self, buffer: np.ndarray | bytearray, *, total_bytes: int, max_chunk_bytes: int
+    ) -> None:
+        view = _byte_view(buffer)
+        if len(view) < total_bytes:
+            raise ValueError("buffer smaller than the declared length")
+        self._view = view
+        self.total_bytes = total_bytes
+        self.max_chunk_bytes = max_chunk_bytes
+        self.received = 0
+
+    def add(self, offset: int, data: bytes) -> None:
+        if offset != self.received:
+            raise ValidationError(
+                f"chunk at byte offset {offset}, expected {self.received} (gap, overlap or reorder)"
+            )
+        if not data:
+            raise ValidationError("empty chunk")
+        if len(data) > self.max_chunk_bytes:
+            raise ValidationError(
+                f"chunk of {len(data)} bytes exceeds the limit of {self.max_chunk_bytes}"
+            )
+        end = offset + len(data)
+        if end > self.total_bytes:
+            raise ValidationError(
+                f"chunk runs past the declared length of {self.total_bytes} bytes"
+            )
+        self._view[offset:end] = data
+        self.received = end
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.total_bytes
+
+    def finish(self) -> None:
+        if not self.complete:
+            raise ValidationError(
+                f"stream truncated: {self.received} of {self.total_bytes} bytes received"
+            )
+
+
+def flat_to_bytes(flat: np.ndarray, layout: Sequence[TensorSpec]) -> bytes:
+    """Serialize a float32 flat vector to the concatenated bytes of `layout`."""
+    if flat.ndim != 1 or flat.size != layout_elements(layout):
+        raise ValidationError("flat vector does not match the model layout")
+    parts = []
+    start = 0
+    for spec in layout:
+        part = flat[start : start + spec.elements].astype(np.dtype(spec.dtype), copy=False)
+        parts.append(part.tobytes())
+        start += spec.elements
+    return b"".join(parts)
+
+
+def bytes_to_flat(data: bytes | bytearray | memoryview, layout: Sequence[TensorSpec]) -> np.ndarray:
+    """Parse concatenated tensor bytes into one float32 flat vector (copying)."""
+    if len(data) != layout_bytes(layout):
+        raise ValidationError(
+            f"model bytes: got {len(data)}, layout needs {layout_bytes(layout)}"
+        )
+    out = np.empty(layout_elements(layout), dtype=np.float32)
+    offset = 0
+    start = 0
+    for spec in layout:
+        arr = np.frombuffer(data, dtype=np.dtype(spec.dtype), count=spec.elements, offset=offset)
+        if not np.all(np.isfinite(arr)):
+            raise ValidationError(f"tensor {spec.name!r} holds non-finite values")
+        out[start : start + spec.elements] = arr
+        offset += spec.nbytes
+        start += spec.elements
+    return out

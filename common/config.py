@@ -1,0 +1,298 @@
+"""Service configuration: one pydantic settings model per service.
+
+Sources, lowest to highest priority: built-in defaults < TOML file (``--config``) <
+environment (``MEDFED_COORDINATOR_*`` / ``MEDFED_SITE_*``, nested with ``__``) <
+command-line flags. Validated once at start-up; any problem becomes a `ConfigError`
+naming the field (``deadlines.phase_seconds: Input should be greater than 0``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from common.errors import ConfigError
+
+_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-_]+):(\d{1,5})$")
+SITE_ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+_TOML_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("toml", default=None)
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (IPv6 in brackets); port 0 means "any free port"."""
+    match = _HOST_PORT.match(value)
+    if not match or int(match.group(2)) > 65535:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    return match.group(1), int(match.group(2))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Settings(BaseSettings):
+    model_config = SettingsConfigDict(extra="forbid", frozen=True, env_nested_delimiter="__")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        toml_file = _TOML_FILE.get()
+        if toml_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+        return tuple(sources)
+
+
+def _check_listen(value: str) -> str:
+    parse_host_port(value)
+    return value
+
+
+# --------------------------------------------------------------------------- coordinator
+
+
+class ModelSection(_Section):
+    """Where the first global model comes from."""
+
+    init_file: Path | None = Field(
+        default=None, description="medfed model file (.mfm) written by `medfed model init`"
+    )
+    dim: int | None = Field(
+        default=None, ge=1, le=1 << 30, description="zero-initialised flat model of this size"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if (self.init_file is None) == (self.dim is None):
+            raise ValueError("set exactly one of model.init_file and model.dim")
+        return self
+
+
+class TrainingPlanSection(_Section):
+    local_epochs: int = Field(default=1, ge=1, le=1000)
+    learning_rate: float = Field(default=0.1, gt=0, le=10)
+    fedprox_mu: float = Field(default=0.0, ge=0, le=100)
+
+
+class AggregationSection(_Section):
+    secure_aggregation: bool = True
+    clip: float = Field(default=1.0, gt=0, description="update elements clipped to [-clip, clip]")
+    histogram_bins: int = Field(default=20, ge=2, le=1000)
+    weight_cap: int = Field(
+        default=1_000_000, ge=1, description="largest sample count a site may weigh in with"
+    )
+    threshold: int | Literal["auto"] = "auto"
+    neighbours: int | Literal["auto"] = "auto"
+    max_colluding_sites: int = Field(default=1, ge=0)
+    max_dropouts: int | Literal["auto"] = "auto"
+
+
+class OptimizerSection(_Section):
+    name: Literal["fedavg", "fedadam", "fedyogi"] = "fedavg"
+    server_lr: float = Field(default=1.0, gt=0)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.99, ge=0, lt=1)
+    tau: float = Field(default=1e-3, gt=0)
+
+
+class DeadlineSection(_Section):
+    selection_seconds: float = Field(
+        default=5.0, gt=0, description="how long to wait for more sites once min_sites are ready"
+    )
+    train_seconds: float = Field(default=600.0, gt=0)
+    phase_seconds: float = Field(default=60.0, gt=0)
+    round_start_timeout_seconds: float = Field(
+        default=3600.0, gt=0, description="give up waiting for min_sites after this long"
+    )
+
+
+class LimitsSection(_Section):
+    max_concurrent_uploads: int = Field(default=2, ge=1, le=64)
+    max_chunk_bytes: int = Field(default=4 << 20, ge=1 << 16, le=4 << 20)
+    max_sites: int = Field(default=1000, ge=2)
+
+
+class CoordinatorSettings(_Settings):
+    """Settings of `medfed coordinator serve`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="MEDFED_COORDINATOR_",
+        extra="forbid",
+        frozen=True,
+        env_nested_delimiter="__",
+    )
+
+    pki: Path = Field(description="folder with ca.crt, crl.pem, coordinator.crt/.key")
+    listen: str = "0.0.0.0:7443"  # public gRPC port (mTLS)
+    metrics_listen: str = "127.0.0.1:9464"
+    state: Path = Field(description="folder for the state database and checkpoints")
+    database_url: str | None = Field(
+        default=None, description="sqlite:///path or postgresql://...; default STATE/coordinator.db"
+    )
+    federation_id: str = Field(default="medfed", pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    rounds: int = Field(default=10, ge=1, le=1_000_000)
+    min_sites: int = Field(default=3, ge=2)
+    model: ModelSection
+    training: TrainingPlanSection = TrainingPlanSection()
+    aggregation: AggregationSection = AggregationSection()
+    optimizer: OptimizerSection = OptimizerSection()
+    deadlines: DeadlineSection = DeadlineSection()
+    limits: LimitsSection = LimitsSection()
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    debug_write_aggregates: bool = Field(
+        default=False, description="TEST ONLY: write each round's unmasked ring sum to STATE"
+    )
+
+    _listen = field_validator("listen", "metrics_listen")(_check_listen)
+
+
+# --------------------------------------------------------------------------- site agent
+
+
+class PrivacySection(_Section):
+    budget_epsilon: float = Field(default=8.0, gt=0, le=100)
+    delta: float = Field(default=1e-5, gt=0, lt=1)
+    accountant: Literal["prv", "rdp"] = "prv"
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    privacy_unit: Literal["auto", "record", "patient"] = "auto"
+
+
+class DataSection(_Section):
+    path: Path | None = Field(default=None, description="CSV or Parquet file of this site")
+    features: list[str] | None = Field(default=None, description="feature columns (default: all)")
+    label_column: str = "label"
+    patient_column: str | None = None
+    nan_policy: Literal["error", "drop_row", "impute_median"] = "error"
+    holdout_fraction: float = Field(default=0.2, gt=0, lt=1)
+    synthetic_cohort_seed: int | None = Field(
+        default=None, description="use the embedded synthetic cohort instead of a file"
+    )
+
+
+class LocalTrainingSection(_Section):
+    trainer: Literal["dpsgd", "nonprivate", "test-deterministic"] = "dpsgd"
+    model: Literal["mlp"] = "mlp"
+    batch_size: int = Field(default=256, ge=1)
+    max_physical_batch_size: int = Field(default=1024, ge=1)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    grad_sample_mode: Literal["auto", "ghost", "hooks"] = "auto"
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    seed: int = 0
+
+
+class SitePolicySection(_Section):
+    """What this site accepts from a coordinator (checked on every round announcement)."""
+
+    min_threshold: int = Field(default=2, ge=2)
+    max_colluding_sites: int = Field(default=1, ge=0)
+    max_vector_length: int = Field(default=1 << 28, ge=1)
+    allow_plain_aggregation: bool = Field(
+        default=False, description="accept rounds without secure aggregation (benchmarks)"
+    )
+
+
+class ReconnectSection(_Section):
+    initial_backoff_seconds: float = Field(default=0.5, gt=0)
+    max_backoff_seconds: float = Field(default=30.0, gt=0)
+
+
+class SiteSettings(_Settings):
+    """Settings of `medfed site run`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="MEDFED_SITE_", extra="forbid", frozen=True, env_nested_delimiter="__"
+    )
+
+    pki: Path | None = Field(default=None, description="folder with ca.crt and sites/SITE.crt/.key")
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    site: str = Field(pattern=SITE_ID_PATTERN)
+    coordinator: str
+    metrics_listen: str = "127.0.0.1:9465"
+    state: Path
+    privacy: PrivacySection = PrivacySection()
+    data: DataSection = DataSection()
+    training: LocalTrainingSection = LocalTrainingSection()
+    policy: SitePolicySection = SitePolicySection()
+    reconnect: ReconnectSection = ReconnectSection()
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    debug_write_updates: bool = Field(
+        default=False, description="TEST ONLY: write each round's plaintext ring update to STATE"
+    )
+    exit_after_rounds: int | None = Field(default=None, ge=1)
+
+    _listen = field_validator("coordinator", "metrics_listen")(_check_listen)
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> SiteSettings:
+        explicit = (self.tls_ca, self.tls_cert, self.tls_key)
+        if self.pki is None and not all(explicit):
+            raise ValueError("set pki, or all of tls_ca, tls_cert and tls_key")
+        return self
+
+    def tls_paths(self) -> tuple[Path, Path, Path]:
+        """(ca, cert, key): explicit files win over the PKI folder layout."""
+        base = self.pki
+        ca = self.tls_ca or (base / "ca.crt" if base else None)
+        cert = self.tls_cert or (base / "sites" / f"{self.site}.crt" if base else None)
+        key = self.tls_key or (base / "sites" / f"{self.site}.key" if base else None)
+        if ca is None or cert is None or key is None:
+            raise ConfigError("pki", "no TLS files configured")
+        return ca, cert, key
+
+
+SettingsT = TypeVar("SettingsT", bound=_Settings)
+
+
+def _drop_none(values: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            nested = _drop_none(value)
+            if nested:
+                out[key] = nested
+        elif value is not None:
+            out[key] = value
+    return out
+
+
+def load_settings(
+    cls: type[SettingsT], *, config_file: Path | None = None, overrides: Mapping[str, Any]
+) -> SettingsT:
+    """Build settings from defaults, TOML, environment and flags; errors name the field."""
+    if config_file is not None and not config_file.is_file():
+        raise ConfigError("config", f"config file {config_file} does not exist")
+    token = _TOML_FILE.set(config_file)
+    try:
+        return cls(**_drop_none(overrides))
+    except pydantic.ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "settings"
+            problems.append((field, err["msg"]))
+        first_field, first_message = problems[0]
+        rest = "".join(f"; {f}: {m}" for f, m in problems[1:])
+        raise ConfigError(first_field, first_message + rest) from None
+    except (ValueError, OSError) as exc:  # malformed TOML and friends
+        raise ConfigError("config", str(exc)) from None
+    finally:
+        _TOML_FILE.reset(token)

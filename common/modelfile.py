@@ -1,0 +1,123 @@
+"""The medfed model file: a JSON header and raw tensor bytes, never a pickle.
+
+Layout: ``MAGIC`` (8 bytes) | header length (4 bytes, big-endian) | UTF-8 JSON header |
+tensor bytes. The header holds the tensor layout, the SHA-256 of the tensor bytes and
+free-form metadata (round number, optimizer name). Checkpoints are written to a
+temporary file, fsynced and renamed, so a crash leaves the previous one intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common.codec import TensorSpec, bytes_to_flat, digest, flat_to_bytes, layout_bytes
+from common.errors import StateError, ValidationError
+
+MAGIC = b"MEDFEDM1"
+MAX_HEADER_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    layout: tuple[TensorSpec, ...]
+    flat: np.ndarray
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    extras: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+
+def _layout_json(layout: Sequence[TensorSpec]) -> list[dict[str, Any]]:
+    return [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in layout]
+
+
+def _layout_from_json(items: Any) -> tuple[TensorSpec, ...]:
+    if not isinstance(items, list):
+        raise ValidationError("model file: layout must be a list")
+    specs = []
+    for item in items:
+        if not isinstance(item, dict):
+            raise ValidationError("model file: bad layout entry")
+        shape = item.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
+            raise ValidationError("model file: bad shape")
+        specs.append(TensorSpec(str(item.get("name")), str(item.get("dtype")), tuple(shape)))
+    return tuple(specs)
+
+
+def write_model_file(path: Path, model: ModelFile) -> None:
+    """Atomically write `model` (and named extra float32 vectors) to `path`."""
+    body = flat_to_bytes(model.flat, model.layout)
+    extras = {name: np.ascontiguousarray(v, dtype="<f4") for name, v in model.extras.items()}
+    header = {
+        "format": 1,
+        "layout": _layout_json(model.layout),
+        "sha256": digest(body).hex(),
+        "metadata": dict(model.metadata),
+        "extras": [{"name": k, "elements": int(v.size)} for k, v in extras.items()],
+    }
+    raw_header = json.dumps(header, sort_keys=True).encode()
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(MAGIC + len(raw_header).to_bytes(4, "big") + raw_header + body)
+        for v in extras.values():
+            fh.write(v.tobytes())
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_model_file(path: Path) -> ModelFile:
+    """Read and verify a model file; any inconsistency is a `StateError`."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise StateError(f"cannot read model file {path}: {exc.strerror}") from None
+    try:
+        return _parse(data)
+    except ValidationError as exc:
+        raise StateError(f"model file {path} is invalid: {exc}") from None
+
+
+def _parse(data: bytes) -> ModelFile:
+    if len(data) < 12 or data[:8] != MAGIC:
+        raise ValidationError("not a medfed model file")
+    header_len = int.from_bytes(data[8:12], "big")
+    if header_len > MAX_HEADER_BYTES or 12 + header_len > len(data):
+        raise ValidationError("header length out of range")
+    try:
+        header = json.loads(data[12 : 12 + header_len])
+    except ValueError:
+        raise ValidationError("header is not JSON") from None
+    if not isinstance(header, dict) or header.get("format") != 1:
+        raise ValidationError("unsupported model file format")
+    layout = _layout_from_json(header.get("layout"))
+    start = 12 + header_len
+    end = start + layout_bytes(layout)
+    body = data[start:end]
+    if digest(body).hex() != header.get("sha256"):
+        raise ValidationError("tensor bytes do not match their SHA-256")
+    flat = bytes_to_flat(body, layout)
+    extras: dict[str, np.ndarray] = {}
+    offset = end
+    for item in header.get("extras", []):
+        count = int(item["elements"])
+        chunk = data[offset : offset + 4 * count]
+        if len(chunk) != 4 * count:
+            raise ValidationError("extras truncated")
+        extras[str(item["name"])] = np.frombuffer(chunk, dtype="<f4").astype(np.float32)
+        offset += 4 * count
+    if offset != len(data):
+        raise ValidationError("trailing bytes after the model")
+    metadata = header.get("metadata", {})
+    return ModelFile(layout, flat, metadata if isinstance(metadata, dict) else {}, extras)
+
+
+def flat_layout(elements: int, name: str = "flat") -> tuple[TensorSpec, ...]:
+    """A one-tensor layout for a plain float32 vector (tests, benchmarks)."""
+    return (TensorSpec(name, "<f4", (elements,)),)

@@ -1,0 +1,812 @@
+"""The federation PKI: one CA, a coordinator server certificate, one client certificate per site.
+
+Layout of a PKI directory ``D`` (made by ``medfed pki``)::
+
+    D/ca.crt               federation CA certificate (every party gets a copy)
+    D/ca.key               CA private key (never leaves the operator)
+    D/crl.pem              certificate revocation list, signed by the CA
+    D/coordinator.crt/.key coordinator server certificate (serverAuth)
+    D/sites/SITE_ID.crt    site client certificate (clientAuth), CN = SITE_ID,
+    D/sites/SITE_ID.key      SAN URI ``medfed://site/SITE_ID``
+    D/replaced/            old files moved aside by ``issue --force``
+
+A hospital receives only ``ca.crt`` and its own pair. Private keys are PKCS#8 PEM,
+*unencrypted*, written with mode 0600 into a 0700 directory: protect them with file
+permissions or hand them to a secret store (Kubernetes secret, Vault) instead of
+copying them around. Files are never overwritten silently.
+
+Identity rule of DESIGN.md ("Identity and trust"): the coordinator takes a caller's
+site id from the verified peer certificate (`PeerVerifier.verify`), never from a
+message field.
+
+Checks follow RFC 5280 for the one-level chain we issue (CA -> leaf): issuer name
+and signature (s. 6.1.3 (a)(1)), validity (s. 4.1.2.5), revocation by CRL (s. 5 and
+6.3, CRL signature and freshness included), extended key usage (s. 4.2.1.12).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, TypeAlias
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from common.errors import CertificateRejected, ConfigError, PkiError
+
+Algorithm: TypeAlias = Literal["ecdsa-p256", "ed25519"]
+ALGORITHMS: tuple[Algorithm, ...] = ("ecdsa-p256", "ed25519")
+
+PrivateKey: TypeAlias = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
+PublicKey: TypeAlias = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey
+
+CA_CERT = "ca.crt"
+CA_KEY = "ca.key"
+CRL_FILE = "crl.pem"
+COORDINATOR_CERT = "coordinator.crt"
+COORDINATOR_KEY = "coordinator.key"
+SITES_DIR = "sites"
+REPLACED_DIR = "replaced"
+
+SITE_URI_PREFIX = "medfed://site/"
+# `fullmatch` (not `match` with `$`) so that a trailing newline is not accepted.
+SITE_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+DEFAULT_CA_VALIDITY_DAYS = 3650
+# 397 days: the CA/Browser Forum ceiling for leaf certificates, a sane rotation period.
+DEFAULT_LEAF_VALIDITY_DAYS = 397
+DEFAULT_CRL_VALIDITY_DAYS = 30
+EXPIRY_WARNING_DAYS = 30
+# Leaf certificates start a little in the past so that a hospital clock running a few
+# minutes behind the operator's does not reject a freshly issued certificate.
+CLOCK_SKEW_ALLOWANCE = dt.timedelta(minutes=5)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _utc(now: dt.datetime | None) -> dt.datetime:
+    """`now` as an aware UTC datetime; the wall clock only when the caller passes None."""
+    if now is None:
+        return dt.datetime.now(dt.UTC)
+    if now.tzinfo is None:
+        return now.replace(tzinfo=dt.UTC)
+    return now.astimezone(dt.UTC)
+
+
+def validate_site_id(site_id: str) -> str:
+    """Return `site_id` if it is a legal site id (also a safe file name), else ConfigError."""
+    if not isinstance(site_id, str) or SITE_ID_PATTERN.fullmatch(site_id) is None:
+        raise ConfigError(
+            "site_id",
+            f"{site_id!r} is not a valid site id: use 1-63 characters from a-z, 0-9, "
+            "'.', '_', '-', starting with a letter or digit",
+        )
+    return site_id
+
+
+def _validate_algorithm(algorithm: str) -> Algorithm:
+    for known in ALGORITHMS:
+        if algorithm == known:
+            return known
+    raise ConfigError("algorithm", f"{algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+
+
+def _validate_days(field: str, days: int) -> int:
+    if isinstance(days, bool) or not isinstance(days, int) or days < 1:
+        raise ConfigError(field, f"must be a positive number of days, got {days!r}")
+    return days
+
+
+def _generate_key(algorithm: Algorithm) -> PrivateKey:
+    if algorithm == "ed25519":
+        return ed25519.Ed25519PrivateKey.generate()
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _signature_hash(key: PrivateKey) -> hashes.SHA256 | None:
+    # Ed25519 hashes internally (RFC 8410 s. 6: no separate digest algorithm).
+    return None if isinstance(key, ed25519.Ed25519PrivateKey) else hashes.SHA256()
+
+
+def _key_pem(key: PrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _cert_pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _write_new_file(path: Path, data: bytes, *, mode: int) -> None:
+    """Create `path` with `mode`; refuse if it exists (O_EXCL: no race, no silent overwrite)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        raise PkiError(
+            f"{path} already exists; refusing to overwrite it (use `issue --force` to move "
+            "the old files aside, or choose another directory)"
+        ) from None
+    except OSError as exc:
+        raise PkiError(f"cannot create {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+
+
+def _write_atomically(path: Path, data: bytes, *, mode: int) -> None:
+    """Replace `path` in one rename, so a reader (the coordinator) never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    _write_new_file(tmp, data, mode=mode)
+    os.replace(tmp, path)
+
+
+def _refuse_existing(paths: Sequence[Path]) -> None:
+    existing = [str(p) for p in paths if p.exists()]
+    if existing:
+        raise PkiError(
+            f"{', '.join(existing)} already exist(s); refusing to overwrite (pass --force "
+            "to move the old files aside into replaced/)"
+        )
+
+
+def _move_aside(directory: Path, paths: Sequence[Path], now: dt.datetime) -> None:
+    replaced = directory / REPLACED_DIR
+    replaced.mkdir(mode=0o700, exist_ok=True)
+    stamp = now.strftime("%Y%m%dT%H%M%SZ")
+    for path in paths:
+        if not path.exists():
+            continue
+        target = replaced / f"{path.name}.{stamp}"
+        counter = 1
+        while target.exists():
+            target = replaced / f"{path.name}.{stamp}.{counter}"
+            counter += 1
+        os.replace(path, target)
+
+
+def _load_private_key(path: Path) -> PrivateKey:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise PkiError(f"private key {path} does not exist") from None
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
+        raise PkiError(f"{path} is not an unencrypted PEM private key ({exc})") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey):
+        raise PkiError(f"{path}: unsupported key type {type(key).__name__}")
+    return key
+
+
+def _ski(cert: x509.Certificate) -> x509.SubjectKeyIdentifier:
+    return cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_certificate(path: str | os.PathLike[str]) -> x509.Certificate:
+    """Load one PEM (or DER) certificate; PkiError naming the file if that fails."""
+    file = Path(path)
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        raise PkiError(f"certificate {file} does not exist") from None
+    except OSError as exc:
+        raise PkiError(f"cannot read certificate {file}: {exc.strerror}") from None
+    try:
+        return parse_certificate(data)
+    except CertificateRejected:
+        raise PkiError(f"{file} is not a PEM or DER X.509 certificate") from None
+
+
+def parse_certificate(data: bytes) -> x509.Certificate:
+    """Parse PEM or DER bytes; CertificateRejected if they are not a certificate."""
+    try:
+        if data.lstrip().startswith(b"-----BEGIN"):
+            return x509.load_pem_x509_certificate(data)
+        return x509.load_der_x509_certificate(data)
+    except ValueError:
+        raise CertificateRejected("peer certificate cannot be parsed") from None
+
+
+def load_ca(directory: str | os.PathLike[str]) -> x509.Certificate:
+    """The federation CA certificate ``D/ca.crt``."""
+    return load_certificate(Path(directory) / CA_CERT)
+
+
+def _load_ca_key(directory: Path) -> tuple[x509.Certificate, PrivateKey]:
+    cert = load_ca(directory)
+    key = _load_private_key(directory / CA_KEY)
+    if key.public_key() != cert.public_key():
+        raise PkiError(f"{directory / CA_KEY} does not belong to {directory / CA_CERT}")
+    return cert, key
+
+
+def site_id_from_certificate(cert: x509.Certificate) -> str:
+    """The site id named by `cert`: its one ``medfed://site/ID`` SAN URI, equal to its CN."""
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        raise CertificateRejected("certificate has no subjectAltName naming a site") from None
+    uris = [
+        uri
+        for uri in san.get_values_for_type(x509.UniformResourceIdentifier)
+        if uri.startswith(SITE_URI_PREFIX)
+    ]
+    if len(uris) != 1:
+        raise CertificateRejected(
+            f"certificate must carry exactly one {SITE_URI_PREFIX}SITE_ID URI, found {len(uris)}"
+        )
+    site_id = uris[0][len(SITE_URI_PREFIX) :]
+    if SITE_ID_PATTERN.fullmatch(site_id) is None:
+        raise CertificateRejected(f"certificate names an invalid site id {site_id!r}")
+    common_names = [attr.value for attr in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if common_names != [site_id]:
+        raise CertificateRejected(
+            f"certificate subject CN {common_names!r} does not match its site id {site_id!r}"
+        )
+    return site_id
+
+
+def days_until_expiry(cert: x509.Certificate, now: dt.datetime) -> float:
+    """Days (fractional, negative once expired) until `cert`'s notAfter."""
+    return (cert.not_valid_after_utc - _utc(now)).total_seconds() / 86400.0
+
+
+def check_validity_window(cert: x509.Certificate, now: dt.datetime, *, what: str) -> None:
+    """CertificateRejected if `now` is outside [notBefore, notAfter] (RFC 5280 s. 4.1.2.5)."""
+    moment = _utc(now)
+    if moment < cert.not_valid_before_utc:
+        raise CertificateRejected(
+            f"{what} is not valid yet (notBefore {cert.not_valid_before_utc.isoformat()})"
+        )
+    if moment > cert.not_valid_after_utc:
+        raise CertificateRejected(f"{what} expired at {cert.not_valid_after_utc.isoformat()}")
+
+
+def check_issued_by(cert: x509.Certificate, ca_cert: x509.Certificate, *, what: str) -> None:
+    """CertificateRejected unless `ca_cert` issued `cert` (issuer name and signature)."""
+    try:
+        # Checks issuer == CA subject and the CA's signature (EC, Ed25519, RSA alike).
+        cert.verify_directly_issued_by(ca_cert)
+    except (ValueError, TypeError, InvalidSignature):
+        raise CertificateRejected(f"{what} is not signed by the federation CA") from None
+
+
+def has_extended_key_usage(cert: x509.Certificate, usage: x509.ObjectIdentifier) -> bool:
+    try:
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return False
+    return usage in eku
+
+
+# --------------------------------------------------------------------------- issuing
+
+
+def init_ca(
+    directory: str | os.PathLike[str],
+    *,
+    algorithm: str = "ecdsa-p256",
+    validity_days: int = DEFAULT_CA_VALIDITY_DAYS,
+    name: str = "medfed federation CA",
+    crl_validity_days: int = DEFAULT_CRL_VALIDITY_DAYS,
+    now: dt.datetime | None = None,
+) -> x509.Certificate:
+    """Create the federation CA in `directory` (0700) plus an empty, signed CRL.
+
+    Refuses if a CA is already there: replacing a CA silently would lock every site out.
+    """
+    root = Path(directory)
+    chosen = _validate_algorithm(algorithm)
+    _validate_days("validity_days", validity_days)
+    _validate_days("crl_validity_days", crl_validity_days)
+    moment = _utc(now)
+    _refuse_existing([root / CA_CERT, root / CA_KEY, root / CRL_FILE])
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (root / SITES_DIR).mkdir(mode=0o700, exist_ok=True)
+
+    key = _generate_key(chosen)
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    public_key = key.public_key()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(moment - CLOCK_SKEW_ALLOWANCE)
+        .not_valid_after(moment + dt.timedelta(days=validity_days))
+        # path_length=0: this CA signs leaves only, never another CA.
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
+        .sign(key, _signature_hash(key))
+    )
+    _write_new_file(root / CA_KEY, _key_pem(key), mode=0o600)
+    _write_new_file(root / CA_CERT, _cert_pem(cert), mode=0o644)
+    _write_crl(root, cert, key, revoked=[], number=1, now=moment, validity_days=crl_validity_days)
+    return cert
+
+
+@dataclass(frozen=True)
+class IssuedPair:
+    """Where `issue_*` wrote a certificate and its key, and the certificate itself."""
+
+    certificate: x509.Certificate
+    cert_path: Path
+    key_path: Path
+
+
+def _issue_leaf(
+    root: Path,
+    *,
+    subject_cn: str,
+    san: list[x509.GeneralName],
+    usage: x509.ObjectIdentifier,
+    cert_path: Path,
+    key_path: Path,
+    validity_days: int,
+    algorithm: str,
+    force: bool,
+    now: dt.datetime | None,
+) -> IssuedPair:
+    chosen = _validate_algorithm(algorithm)
+    _validate_days("validity_days", validity_days)
+    moment = _utc(now)
+    ca_cert, ca_key = _load_ca_key(root)
+    check_validity_window(ca_cert, moment, what="the federation CA certificate")
+    if force:
+        _move_aside(root, [cert_path, key_path], moment)
+    _refuse_existing([cert_path, key_path])
+
+    key = _generate_key(chosen)
+    public_key = key.public_key()
+    # A leaf never outlives its CA: clients would reject the chain anyway.
+    not_after = min(moment + dt.timedelta(days=validity_days), ca_cert.not_valid_after_utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject_cn)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(moment - CLOCK_SKEW_ALLOWANCE)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(san), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(_ski(ca_cert)),
+            critical=False,
+        )
+        .sign(ca_key, _signature_hash(ca_key))
+    )
+    cert_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _write_new_file(key_path, _key_pem(key), mode=0o600)
+    _write_new_file(cert_path, _cert_pem(cert), mode=0o644)
+    return IssuedPair(certificate=cert, cert_path=cert_path, key_path=key_path)
+
+
+def _host_names(hosts: Sequence[str]) -> list[x509.GeneralName]:
+    if isinstance(hosts, str):
+        raise ConfigError("hosts", "pass a sequence of host names, not one string")
+    names: list[x509.GeneralName] = []
+    for raw in hosts:
+        host = raw.strip()
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+            continue
+        except ValueError:
+            pass
+        labels = host.rstrip(".").split(".")
+        if not host or len(host) > 253 or not all(_DNS_LABEL.fullmatch(x) for x in labels):
+            raise ConfigError("hosts", f"{raw!r} is neither an IP address nor a DNS name")
+        names.append(x509.DNSName(host.rstrip(".").lower()))
+    if not names:
+        raise ConfigError("hosts", "the coordinator certificate needs at least one host name")
+    return names
+
+
+def issue_coordinator(
+    directory: str | os.PathLike[str],
+    hosts: Sequence[str],
+    *,
+    validity_days: int = DEFAULT_LEAF_VALIDITY_DAYS,
+    algorithm: str = "ecdsa-p256",
+    force: bool = False,
+    now: dt.datetime | None = None,
+) -> IssuedPair:
+    """Issue ``coordinator.crt/.key``: serverAuth, SANs exactly the given DNS names / IPs.
+
+    Loopback names are included only if listed: a production certificate should not be
+    valid for ``localhost``.
+    """
+    root = Path(directory)
+    return _issue_leaf(
+        root,
+        subject_cn="medfed coordinator",
+        san=_host_names(hosts),
+        usage=ExtendedKeyUsageOID.SERVER_AUTH,
+        cert_path=root / COORDINATOR_CERT,
+        key_path=root / COORDINATOR_KEY,
+        validity_days=validity_days,
+        algorithm=algorithm,
+        force=force,
+        now=now,
+    )
+
+
+def site_paths(directory: str | os.PathLike[str], site_id: str) -> tuple[Path, Path]:
+    """(certificate, key) paths of `site_id` inside a PKI directory."""
+    validate_site_id(site_id)
+    sites = Path(directory) / SITES_DIR
+    return sites / f"{site_id}.crt", sites / f"{site_id}.key"
+
+
+def issue_site(
+    directory: str | os.PathLike[str],
+    site_id: str,
+    *,
+    validity_days: int = DEFAULT_LEAF_VALIDITY_DAYS,
+    algorithm: str = "ecdsa-p256",
+    force: bool = False,
+    now: dt.datetime | None = None,
+) -> IssuedPair:
+    """Issue ``sites/SITE_ID.crt/.key``: clientAuth, CN and SAN URI name the site."""
+    cert_path, key_path = site_paths(directory, site_id)
+    return _issue_leaf(
+        Path(directory),
+        subject_cn=site_id,
+        san=[x509.UniformResourceIdentifier(SITE_URI_PREFIX + site_id)],
+        usage=ExtendedKeyUsageOID.CLIENT_AUTH,
+        cert_path=cert_path,
+        key_path=key_path,
+        validity_days=validity_days,
+        algorithm=algorithm,
+        force=force,
+        now=now,
+    )
+
+
+# --------------------------------------------------------------------------- revocation
+
+
+def _write_crl(
+    root: Path,
+    ca_cert: x509.Certificate,
+    ca_key: PrivateKey,
+    *,
+    revoked: Sequence[x509.RevokedCertificate],
+    number: int,
+    now: dt.datetime,
+    validity_days: int,
+) -> x509.CertificateRevocationList:
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca_cert.subject)
+        .last_update(now)
+        .next_update(now + dt.timedelta(days=validity_days))
+        .add_extension(x509.CRLNumber(number), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(_ski(ca_cert)),
+            critical=False,
+        )
+    )
+    for entry in revoked:
+        builder = builder.add_revoked_certificate(entry)
+    crl = builder.sign(ca_key, _signature_hash(ca_key))
+    _write_atomically(root / CRL_FILE, crl.public_bytes(serialization.Encoding.PEM), mode=0o644)
+    return crl
+
+
+def load_crl(
+    path: str | os.PathLike[str], ca_cert: x509.Certificate
+) -> x509.CertificateRevocationList:
+    """Load ``crl.pem`` and check it is signed by `ca_cert` (PkiError otherwise)."""
+    file = Path(path)
+    try:
+        data = file.read_bytes()
+    except OSError:
+        raise PkiError(f"CRL {file} cannot be read; run `medfed pki crl --dir D`") from None
+    try:
+        crl = x509.load_pem_x509_crl(data)
+    except ValueError:
+        raise PkiError(f"{file} is not a PEM CRL") from None
+    ca_key = ca_cert.public_key()
+    if crl.issuer != ca_cert.subject or not isinstance(
+        ca_key, ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey
+    ):
+        raise PkiError(f"CRL {file} was not issued by the federation CA")
+    if not crl.is_signature_valid(ca_key):
+        raise PkiError(f"CRL {file} does not carry a valid federation CA signature")
+    return crl
+
+
+def _crl_number(crl: x509.CertificateRevocationList) -> int:
+    try:
+        return crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
+    except x509.ExtensionNotFound:
+        return 0
+
+
+def _site_certificates(root: Path, site_id: str) -> list[x509.Certificate]:
+    """Every certificate in `root` naming `site_id`: current one and those moved aside."""
+    current, _ = site_paths(root, site_id)
+    candidates = [current, *sorted((root / REPLACED_DIR).glob(f"{site_id}.crt.*"))]
+    found = []
+    for path in candidates:
+        if not path.is_file():
+            continue
+        cert = load_certificate(path)
+        try:
+            if site_id_from_certificate(cert) == site_id:
+                found.append(cert)
+        except CertificateRejected:
+            continue
+    return found
+
+
+def refresh_crl(
+    directory: str | os.PathLike[str],
+    *,
+    crl_validity_days: int = DEFAULT_CRL_VALIDITY_DAYS,
+    now: dt.datetime | None = None,
+    add_serials: Sequence[int] = (),
+) -> x509.CertificateRevocationList:
+    """Re-sign ``crl.pem`` (new nextUpdate, incremented CRL number), optionally adding serials.
+
+    Verifiers refuse everyone once the CRL's nextUpdate has passed (fail closed), so an
+    operator re-runs this (``medfed pki crl``) before then, e.g. from cron.
+    """
+    root = Path(directory)
+    _validate_days("crl_validity_days", crl_validity_days)
+    moment = _utc(now)
+    ca_cert, ca_key = _load_ca_key(root)
+    old = load_crl(root / CRL_FILE, ca_cert)
+    entries = list(old)
+    known = {entry.serial_number for entry in entries}
+    for serial in add_serials:
+        if serial not in known:
+            known.add(serial)
+            entries.append(
+                x509.RevokedCertificateBuilder()
+                .serial_number(serial)
+                .revocation_date(moment)
+                .build()
+            )
+    return _write_crl(
+        root,
+        ca_cert,
+        ca_key,
+        revoked=entries,
+        number=_crl_number(old) + 1,
+        now=moment,
+        validity_days=crl_validity_days,
+    )
+
+
+def revoke_site(
+    directory: str | os.PathLike[str],
+    site_id: str,
+    *,
+    crl_validity_days: int = DEFAULT_CRL_VALIDITY_DAYS,
+    now: dt.datetime | None = None,
+) -> list[int]:
+    """Revoke every certificate issued to `site_id` (current and replaced); return serials.
+
+    The new CRL replaces ``crl.pem`` atomically; a running `PeerVerifier` notices the
+    file change on its next call, so the coordinator needs no restart.
+    """
+    validate_site_id(site_id)
+    root = Path(directory)
+    certs = _site_certificates(root, site_id)
+    if not certs:
+        raise PkiError(f"no certificate for site {site_id!r} in {root / SITES_DIR}")
+    serials = [cert.serial_number for cert in certs]
+    refresh_crl(root, crl_validity_days=crl_validity_days, now=now, add_serials=serials)
+    return serials
+
+
+def revoked_serials(directory: str | os.PathLike[str]) -> frozenset[int]:
+    """Serial numbers listed in the (signature-checked) CRL of a PKI directory."""
+    root = Path(directory)
+    crl = load_crl(root / CRL_FILE, load_ca(root))
+    return frozenset(entry.serial_number for entry in crl)
+
+
+# --------------------------------------------------------------------------- verifying
+
+
+@dataclass(frozen=True)
+class _CrlSnapshot:
+    stat_key: tuple[int, int, int]
+    revoked: frozenset[int]
+    next_update: dt.datetime | None
+
+
+class PeerVerifier:
+    """Decides whether a TLS peer certificate is a current, unrevoked site of this federation.
+
+    gRPC's TLS layer already checks the chain at the handshake; this repeats the checks
+    that matter (so the rule holds whatever the transport did) and adds what TLS does
+    not do: the CRL, the clientAuth usage and the site id. The CRL file is re-read
+    whenever its (inode, size, mtime) changes: one `stat` per call.
+    """
+
+    def __init__(self, ca_cert: x509.Certificate, crl_path: str | os.PathLike[str]) -> None:
+        self._ca = ca_cert
+        self._crl_path = Path(crl_path)
+        self._lock = threading.Lock()
+        self._snapshot: _CrlSnapshot | None = None
+        self._crl_error: str | None = None
+        # Fail fast at start-up if the CRL is missing or forged.
+        self._load_crl(self._stat_key())
+        if self._crl_error is not None:
+            raise PkiError(self._crl_error)
+
+    @classmethod
+    def from_pki_dir(cls, directory: str | os.PathLike[str]) -> PeerVerifier:
+        root = Path(directory)
+        return cls(load_ca(root), root / CRL_FILE)
+
+    def _stat_key(self) -> tuple[int, int, int] | None:
+        try:
+            st = self._crl_path.stat()
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _load_crl(self, key: tuple[int, int, int] | None) -> None:
+        if key is None:
+            self._snapshot = None
+            self._crl_error = f"CRL {self._crl_path} is missing"
+            return
+        try:
+            crl = load_crl(self._crl_path, self._ca)
+        except PkiError as exc:
+            # Fail closed: an unreadable or forged CRL rejects everyone until it is fixed.
+            self._snapshot = None
+            self._crl_error = str(exc)
+            return
+        self._snapshot = _CrlSnapshot(
+            stat_key=key,
+            revoked=frozenset(entry.serial_number for entry in crl),
+            next_update=crl.next_update_utc,
+        )
+        self._crl_error = None
+
+    def _current_crl(self) -> _CrlSnapshot:
+        key = self._stat_key()
+        with self._lock:
+            if self._snapshot is None or self._snapshot.stat_key != key:
+                self._load_crl(key)
+            if self._snapshot is None:
+                raise CertificateRejected(f"revocation status unknown: {self._crl_error}")
+            return self._snapshot
+
+    def verify(self, certificate: bytes | x509.Certificate, *, now: dt.datetime) -> str:
+        """Return the site id of a valid peer certificate; CertificateRejected otherwise."""
+        return self._verified(certificate, now)[0]
+
+    def verifying_key_for(
+        self, site_id: str, certificate: bytes | x509.Certificate, *, now: dt.datetime
+    ) -> PublicKey:
+        """The public key of `site_id`'s valid certificate (to check its SecAgg signatures)."""
+        named, key = self._verified(certificate, now)
+        if named != site_id:
+            raise CertificateRejected(f"certificate names site {named!r}, not {site_id!r}")
+        return key
+
+    def _verified(
+        self, certificate: bytes | x509.Certificate, now: dt.datetime
+    ) -> tuple[str, PublicKey]:
+        cert = (
+            certificate
+            if isinstance(certificate, x509.Certificate)
+            else parse_certificate(certificate)
+        )
+        moment = _utc(now)
+        check_validity_window(self._ca, moment, what="the federation CA certificate")
+        check_issued_by(cert, self._ca, what="peer certificate")
+        check_validity_window(cert, moment, what="peer certificate")
+        key = cert.public_key()
+        if not isinstance(key, ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey):
+            raise CertificateRejected("peer certificate key type is not EC or Ed25519")
+        try:
+            is_ca = cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+        except x509.ExtensionNotFound:
+            is_ca = False
+        if is_ca:
+            raise CertificateRejected("peer certificate is a CA certificate")
+        if not has_extended_key_usage(cert, ExtendedKeyUsageOID.CLIENT_AUTH):
+            raise CertificateRejected("peer certificate is not for TLS client authentication")
+        site_id = site_id_from_certificate(cert)
+        crl = self._current_crl()
+        if crl.next_update is not None and moment > crl.next_update:
+            raise CertificateRejected(
+                f"revocation status unknown: CRL expired at {crl.next_update.isoformat()} "
+                "(run `medfed pki crl --dir D`)"
+            )
+        if cert.serial_number in crl.revoked:
+            raise CertificateRejected(f"certificate of site {site_id!r} has been revoked")
+        return site_id, key
+
+
+# --------------------------------------------------------------------------- listing
+
+
+@dataclass(frozen=True)
+class CertificateInfo:
+    """One row of ``medfed pki list``."""
+
+    path: Path
+    subject: str
+    serial: int
+    not_after: dt.datetime
+    revoked: bool
+
+
+def list_certificates(directory: str | os.PathLike[str]) -> list[CertificateInfo]:
+    """CA, coordinator and site certificates of a PKI directory with their revocation state."""
+    root = Path(directory)
+    revoked = revoked_serials(root)
+    paths = [root / CA_CERT, root / COORDINATOR_CERT, *sorted((root / SITES_DIR).glob("*.crt"))]
+    rows = []
+    for path in paths:
+        if not path.is_file():
+            continue
+        cert = load_certificate(path)
+        rows.append(
+            CertificateInfo(
+                path=path,
+                subject=cert.subject.rfc4514_string(),
+                serial=cert.serial_number,
+                not_after=cert.not_valid_after_utc,
+                revoked=cert.serial_number in revoked,
+            )
+        )
+    return rows

@@ -1,0 +1,188 @@
+"""``medfed pki``: create the federation CA, issue, revoke and list certificates.
+
+Registered through the ``medfed.commands`` entry point (``pki``). Every failure is a
+`MedfedError`, which `common.cli` prints as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+from pathlib import Path
+from typing import Any
+
+from common import pki
+from common.errors import ConfigError, MedfedError
+
+
+def register(subparsers: Any) -> None:
+    """Add ``medfed pki {init,issue,revoke,crl,list}`` to the top-level sub-parsers."""
+    parser = subparsers.add_parser(
+        "pki",
+        help="federation CA and certificates (mutual TLS identities)",
+        description="Create the federation CA, issue coordinator/site certificates, "
+        "revoke sites. Private keys are written unencrypted with mode 0600: keep the "
+        "directory on the operator's machine or in a secret store; a hospital gets only "
+        "ca.crt and its own sites/SITE_ID.{crt,key}.",
+    )
+    actions = parser.add_subparsers(dest="pki_command", metavar="ACTION", required=True)
+
+    init = actions.add_parser("init", help="create the CA (ca.crt, ca.key, empty crl.pem)")
+    init.add_argument("--dir", required=True, type=Path, help="PKI directory (created 0700)")
+    init.add_argument("--algorithm", choices=pki.ALGORITHMS, default="ecdsa-p256")
+    init.add_argument("--validity-days", type=int, default=pki.DEFAULT_CA_VALIDITY_DAYS)
+    init.add_argument("--name", default="medfed federation CA", help="CA subject CN")
+    init.set_defaults(func=_init)
+
+    issue = actions.add_parser("issue", help="issue the coordinator or a site certificate")
+    issue.add_argument("--dir", required=True, type=Path)
+    who = issue.add_mutually_exclusive_group(required=True)
+    who.add_argument(
+        "--coordinator",
+        metavar="HOST[,HOST...]",
+        help="DNS names / IP addresses the sites dial (add 127.0.0.1,localhost only for tests)",
+    )
+    who.add_argument("--site", metavar="SITE_ID", help="site id, e.g. st-marys")
+    issue.add_argument("--validity-days", type=int, default=pki.DEFAULT_LEAF_VALIDITY_DAYS)
+    issue.add_argument(
+        "--algorithm",
+        # Ed25519 leaves are refused: gRPC's TLS stack cannot sign handshakes with them
+        # (see common/tls.py). An Ed25519 CA works.
+        choices=["ecdsa-p256"],
+        default="ecdsa-p256",
+        help="leaf key type (gRPC's TLS supports EC P-256 leaves only; the CA may be Ed25519)",
+    )
+    issue.add_argument(
+        "--force", action="store_true", help="move existing files aside into replaced/ first"
+    )
+    issue.set_defaults(func=_issue)
+
+    revoke = actions.add_parser("revoke", help="revoke every certificate of a site")
+    revoke.add_argument("--dir", required=True, type=Path)
+    revoke.add_argument("--site", required=True, metavar="SITE_ID")
+    revoke.add_argument(
+        "--crl-validity-days",
+        type=int,
+        default=pki.DEFAULT_CRL_VALIDITY_DAYS,
+        help="nextUpdate of the new CRL; verifiers refuse everyone after it",
+    )
+    revoke.set_defaults(func=_revoke)
+
+    crl = actions.add_parser("crl", help="re-sign crl.pem with a new nextUpdate (run from cron)")
+    crl.add_argument("--dir", required=True, type=Path)
+    crl.add_argument("--crl-validity-days", type=int, default=pki.DEFAULT_CRL_VALIDITY_DAYS)
+    crl.set_defaults(func=_crl)
+
+    listing = actions.add_parser("list", help="list certificates with expiry and revocation")
+    listing.add_argument("--dir", required=True, type=Path)
+    listing.set_defaults(func=_list)
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _warn_if_expiring(path: Path, not_after: dt.datetime, now: dt.datetime) -> None:
+    days = (not_after - now).total_seconds() / 86400.0
+    if days < 0:
+        print(f"warning: {path} EXPIRED on {not_after.date().isoformat()}", file=sys.stderr)
+    elif days <= pki.EXPIRY_WARNING_DAYS:
+        print(
+            f"warning: {path} expires in {days:.0f} days ({not_after.date().isoformat()})",
+            file=sys.stderr,
+        )
+
+
+def _init(args: argparse.Namespace) -> int:
+    cert = pki.init_ca(
+        args.dir, algorithm=args.algorithm, validity_days=args.validity_days, name=args.name
+    )
+    print(f"created CA {cert.subject.rfc4514_string()} in {args.dir}")
+    print(f"  {args.dir / pki.CA_KEY} is the CA private key: keep it offline / 0600")
+    return 0
+
+
+def _issue(args: argparse.Namespace) -> int:
+    now = _now()
+    if args.coordinator is not None:
+        hosts = [h for h in args.coordinator.split(",") if h.strip()]
+        if not hosts:
+            raise ConfigError("--coordinator", "give at least one host name or IP address")
+        issued = pki.issue_coordinator(
+            args.dir,
+            hosts,
+            validity_days=args.validity_days,
+            algorithm=args.algorithm,
+            force=args.force,
+            now=now,
+        )
+    else:
+        issued = pki.issue_site(
+            args.dir,
+            args.site,
+            validity_days=args.validity_days,
+            algorithm=args.algorithm,
+            force=args.force,
+            now=now,
+        )
+    cert = issued.certificate
+    print(f"issued {cert.subject.rfc4514_string()} serial {cert.serial_number:x}")
+    print(f"  certificate {issued.cert_path}")
+    print(f"  key         {issued.key_path} (mode 0600)")
+    print(f"  valid until {cert.not_valid_after_utc.isoformat()}")
+    _warn_if_expiring(issued.cert_path, cert.not_valid_after_utc, now)
+    ca = pki.load_ca(args.dir)
+    _warn_if_expiring(args.dir / pki.CA_CERT, ca.not_valid_after_utc, now)
+    return 0
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    serials = pki.revoke_site(
+        args.dir, args.site, crl_validity_days=args.crl_validity_days, now=_now()
+    )
+    listed = ", ".join(f"{s:x}" for s in serials)
+    print(f"revoked site {args.site} (serials {listed}); {args.dir / pki.CRL_FILE} updated")
+    return 0
+
+
+def _crl(args: argparse.Namespace) -> int:
+    crl = pki.refresh_crl(args.dir, crl_validity_days=args.crl_validity_days, now=_now())
+    next_update = crl.next_update_utc.isoformat() if crl.next_update_utc else "never"
+    print(f"re-signed {args.dir / pki.CRL_FILE}; next update {next_update}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    now = _now()
+    rows = pki.list_certificates(args.dir)
+    print(f"{'subject':<40} {'serial':<40} {'not_after':<26} revoked")
+    for row in rows:
+        print(
+            f"{row.subject:<40} {row.serial:<40x} {row.not_after.isoformat():<26} "
+            f"{'yes' if row.revoked else 'no'}"
+        )
+        if not row.revoked:
+            _warn_if_expiring(row.path, row.not_after, now)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m common.pki_cli ...``: the same commands without the other plug-ins.
+
+    Useful on an operator machine where only the PKI is needed, and in tests; errors are
+    printed the way `common.cli.main` prints them (one line, exit code 2).
+    """
+    parser = argparse.ArgumentParser(prog="medfed", description="medfed PKI")
+    register(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except MedfedError as exc:
+        print(f"medfed: error: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

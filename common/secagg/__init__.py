@@ -1,0 +1,36 @@
+"""SecAgg+ secure aggregation (Bonawitz et al. 2017; Bell et al. 2020) as pure state
+machines over typed messages: no I/O, no clock, randomness passed in.
+
+`SecAggClient` runs at each site, `SecAggServer` at the coordinator; the networked
+layers translate protobuf <-> the dataclasses of `messages`.
+"""
+
+from common.secagg.client import IdentityVerifier, PeerStatus, SecAggClient
+from common.secagg.graph import neighbourhoods
+from common.secagg.messages import ShareKind
+from common.secagg.params import (
+    SecAggParams,
+    ThreatModel,
+    choose_parameters,
+    validate_against_threat_model,
+)
+from common.secagg.phases import TRANSITIONS, Phase
+from common.secagg.server import SecAggServer, SiteProgress
+from common.secagg.session import session_id
+
+__all__ = [
+    "TRANSITIONS",
+    "IdentityVerifier",
+    "PeerStatus",
+    "Phase",
+    "SecAggClient",
+    "SecAggParams",
+    "SecAggServer",
+    "ShareKind",
+    "SiteProgress",
+    "ThreatModel",
+    "choose_parameters",
+    "neighbourhoods",
+    "session_id",
+    "validate_against_threat_model",
+]

@@ -1,0 +1,549 @@
+"""The site side of SecAgg+ as a pure state machine (no I/O, no clock, rng passed in).
+
+Bonawitz et al. 2017 (CCS), "Practical Secure Aggregation for Privacy-Preserving
+Machine Learning", sec. 4 (Fig. 4, the actively secure variant with signatures and the
+consistency check), restricted to SecAgg+ neighbourhoods (Bell et al. 2020, CCS,
+"Secure Single-Server Aggregation with (Poly)Logarithmic Overhead", sec. 3-4).
+
+Every method is accepted in exactly one phase. Any ProtocolAbort moves the client to
+ABORTED for good; afterwards every call raises UNEXPECTED_MESSAGE and no secret share
+is ever revealed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Concatenate, ParamSpec, TypeVar
+
+import numpy as np
+
+from common.crypto.aead import open_sealed, seal, share_associated_data
+from common.crypto.kdf import KdfInfo, hkdf_sha256
+from common.crypto.keyagreement import KEY_BYTES, X25519KeyPair, derive_key, generate_keypair
+from common.crypto.prg import apply_masks
+from common.crypto.random import RandomSource
+from common.crypto.shamir import SECRET_BYTES, SHARE_BYTES, split_secrets
+from common.crypto.signing import SigningKey, VerifyingKey
+from common.errors import (
+    AbortReason,
+    ConfigError,
+    CryptoError,
+    PkiError,
+    ProtocolAbort,
+    ValidationError,
+)
+from common.secagg.graph import neighbourhoods
+from common.secagg.messages import (
+    AdvertiseKeys,
+    ConsistencySignature,
+    ConsistencySignatures,
+    EncryptedShare,
+    MaskedInput,
+    Message,
+    RevealedShare,
+    Roster,
+    RosterEntry,
+    ShareKeysOut,
+    ShareKind,
+    SharesForRecipient,
+    SurvivorList,
+    UnmaskShares,
+    advertise_message,
+    survivors_message,
+)
+from common.secagg.params import SecAggParams
+from common.secagg.phases import Phase, PhaseTracker
+from common.secagg.session import session_id as compute_session_id
+
+IdentityVerifier = Callable[[str, bytes], VerifyingKey]
+"""(site_id, certificate_der) -> the key that must have signed for that site.
+
+Raises CryptoError or CertificateRejected. The networked layer checks the chain to
+the federation CA and that the certificate names `site_id`."""
+
+SHARE_PLAINTEXT_BYTES = 2 * SHARE_BYTES  # self-mask seed share || masking key share
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def self_mask_seed(seed: bytes, *, session: bytes) -> bytes:
+    """PRG seed of the self mask: HKDF(b_u, salt=session id, info=SELF_MASK_SEED)."""
+    return hkdf_sha256(seed, salt=session, info=KdfInfo.SELF_MASK_SEED.value)
+
+
+class PeerStatus(enum.Enum):
+    """What this client knows about one neighbour."""
+
+    AWAITING_SHARES = "awaiting_shares"
+    ALIVE = "alive"
+    DROPPED = "dropped"
+
+
+@dataclass
+class PeerState:
+    """Per-neighbour state: alive, or dropped and in which phase it was noticed."""
+
+    status: PeerStatus
+    dropped_in: Phase | None = None
+
+
+class RevealGuard:
+    """Remembers which kind of share was revealed for each owner.
+
+    The single most important rule of SecAgg (Bonawitz et al. 2017, sec. 4, Unmask):
+    revealing both b_u and s_u^SK of one site unmasks its input. Whatever the
+    coordinator says, a second kind for the same owner aborts instead.
+    """
+
+    def __init__(self) -> None:
+        self._revealed: dict[str, ShareKind] = {}
+
+    def record(self, owner: str, kind: ShareKind) -> None:
+        previous = self._revealed.get(owner)
+        if previous is not None and previous is not kind:
+            raise ProtocolAbort(
+                AbortReason.PEER_BOTH_ALIVE_AND_DROPPED,
+                f"refusing to reveal the {kind.name} share of {owner}: "
+                f"its {previous.name} share was already revealed",
+            )
+        self._revealed[owner] = kind
+
+    def revealed(self, owner: str) -> ShareKind | None:
+        return self._revealed.get(owner)
+
+
+def _aborts_on_failure(
+    method: Callable[Concatenate[SecAggClient, _P], _R],
+) -> Callable[Concatenate[SecAggClient, _P], _R]:
+    """Any ProtocolAbort leaves the client ABORTED (terminal)."""
+
+    def wrapper(self: SecAggClient, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(self, *args, **kwargs)
+        except ProtocolAbort:
+            self._tracker.abort()
+            raise
+
+    # Not functools.wraps: mypy cannot type it together with ParamSpec.
+    wrapper.__name__ = method.__name__
+    wrapper.__qualname__ = method.__qualname__
+    wrapper.__doc__ = method.__doc__
+    return wrapper
+
+
+class SecAggClient:
+    """One site's participation in one SecAgg+ round."""
+
+    def __init__(
+        self,
+        params: SecAggParams,
+        *,
+        site_id: str,
+        signing_key: SigningKey,
+        identity: IdentityVerifier,
+        rng: RandomSource,
+    ) -> None:
+        if site_id not in params.participants:
+            raise ConfigError("site_id", f"{site_id!r} is not a participant of this round")
+        self.params = params
+        self.site_id = site_id
+        self._signing_key = signing_key
+        self._identity = identity
+        self._rng = rng
+        self._tracker = PhaseTracker()
+        self._encryption_keys: X25519KeyPair | None = None
+        self._masking_keys: X25519KeyPair | None = None
+        self._roster: dict[str, RosterEntry] = {}
+        self._x: dict[str, int] = {}
+        self._graph: dict[str, tuple[str, ...]] = {}
+        self._session_id = b""
+        self._own_shares: tuple[bytes, bytes] = (b"", b"")
+        self._held_shares: dict[str, tuple[bytes, bytes]] = {}
+        self._self_mask_seed = b""
+        self.peers: dict[str, PeerState] = {}
+        self._survivors: SurvivorList | None = None
+        self._reveal_guard = RevealGuard()
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def phase(self) -> Phase:
+        return self._tracker.phase
+
+    @property
+    def session_id(self) -> bytes:
+        return self._session_id
+
+    @property
+    def neighbours(self) -> tuple[str, ...]:
+        return self._graph.get(self.site_id, ())
+
+    def revealed_kind(self, owner: str) -> ShareKind | None:
+        """Which share of `owner` this client revealed, if any (for audits and tests)."""
+        return self._reveal_guard.revealed(owner)
+
+    # ------------------------------------------------------- phase 1: AdvertiseKeys
+    @_aborts_on_failure
+    def advertise_keys(self) -> AdvertiseKeys:
+        """Two fresh X25519 key pairs, public halves signed with the site's key."""
+        self._tracker.require(Phase.ADVERTISE_KEYS, "advertise_keys")
+        if self._encryption_keys is not None:
+            raise ProtocolAbort(AbortReason.UNEXPECTED_MESSAGE, "keys already advertised")
+        self._encryption_keys = generate_keypair(self._rng)
+        self._masking_keys = generate_keypair(self._rng)
+        signature = self._signing_key.sign(
+            advertise_message(
+                round_number=self.params.round_number,
+                round_nonce=self.params.round_nonce,
+                site_id=self.site_id,
+                encryption_public_key=self._encryption_keys.public_key,
+                masking_public_key=self._masking_keys.public_key,
+            )
+        )
+        return AdvertiseKeys(
+            site_id=self.site_id,
+            encryption_public_key=self._encryption_keys.public_key,
+            masking_public_key=self._masking_keys.public_key,
+            signature=signature,
+        )
+
+    # ----------------------------------------------------------- phase 2: ShareKeys
+    @_aborts_on_failure
+    def receive_roster(self, roster: Roster) -> ShareKeysOut:
+        """Check the roster, then Shamir-share b_u and s_u^SK among the neighbourhood."""
+        self._tracker.require(Phase.ADVERTISE_KEYS, "roster")
+        encryption_keys, masking_keys = self._keys()
+        entries: dict[str, RosterEntry] = {}
+        for entry in roster.entries:
+            if entry.site_id not in self.params.participants:
+                raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"{entry.site_id!r} in roster")
+            if entry.site_id in entries:
+                raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"{entry.site_id!r} in roster")
+            if (
+                len(entry.encryption_public_key) != KEY_BYTES
+                or len(entry.masking_public_key) != KEY_BYTES
+            ):
+                raise ProtocolAbort(AbortReason.WRONG_LENGTH, f"keys of {entry.site_id!r}")
+            entries[entry.site_id] = entry
+        mine = entries.get(self.site_id)
+        if mine is None:
+            raise ProtocolAbort(AbortReason.SELF_MISSING, "this site is not in the roster")
+        if (
+            mine.encryption_public_key != encryption_keys.public_key
+            or mine.masking_public_key != masking_keys.public_key
+        ):
+            raise ProtocolAbort(AbortReason.KEY_MISMATCH, "roster has other keys for this site")
+        if len(entries) < self.params.threshold:
+            raise ProtocolAbort(
+                AbortReason.TOO_FEW_PARTICIPANTS,
+                f"{len(entries)} sites in roster, threshold is {self.params.threshold}",
+            )
+        for entry in entries.values():
+            # A coordinator swapping keys, or replaying a roster of another round,
+            # cannot produce these signatures (Bonawitz et al. 2017, sec. 4, Round 1).
+            self._verify(
+                entry.site_id,
+                entry.certificate_der,
+                advertise_message(
+                    round_number=self.params.round_number,
+                    round_nonce=self.params.round_nonce,
+                    site_id=entry.site_id,
+                    encryption_public_key=entry.encryption_public_key,
+                    masking_public_key=entry.masking_public_key,
+                ),
+                entry.signature,
+                AbortReason.BAD_SIGNATURE,
+            )
+        sites = sorted(entries)
+        self._roster = {site: entries[site] for site in sites}
+        self._x = {site: index + 1 for index, site in enumerate(sites)}
+        self._session_id = compute_session_id(self.params, self._roster.values())
+        self._graph = neighbourhoods(self._session_id, sites, self.params.neighbours)
+        neighbours = self._graph[self.site_id]
+
+        seed = self._rng(SECRET_BYTES)
+        holders = sorted((*neighbours, self.site_id))
+        shares = split_secrets(
+            [seed, masking_keys.private_key],
+            threshold=self.params.threshold,
+            xs=[self._x[site] for site in holders],
+            rng=self._rng,
+        )
+        out: list[EncryptedShare] = []
+        for holder, (seed_share, key_share) in zip(holders, shares):
+            if holder == self.site_id:
+                self._own_shares = (seed_share, key_share)
+                continue
+            key = self._agree(
+                encryption_keys.private_key,
+                self._roster[holder].encryption_public_key,
+                KdfInfo.SHARE_ENCRYPTION_KEY,
+            )
+            out.append(
+                EncryptedShare(
+                    peer_site_id=holder,
+                    ciphertext=seal(
+                        key,
+                        seed_share + key_share,
+                        associated_data=share_associated_data(
+                            sender=self.site_id,
+                            recipient=holder,
+                            round_number=self.params.round_number,
+                            session_id=self._session_id,
+                        ),
+                        rng=self._rng,
+                    ),
+                )
+            )
+        self._self_mask_seed = self_mask_seed(seed, session=self._session_id)
+        self.peers = {peer: PeerState(PeerStatus.AWAITING_SHARES) for peer in neighbours}
+        self._tracker.advance(Phase.SHARE_KEYS)
+        return ShareKeysOut(shares=tuple(out))
+
+    # --------------------------------------------------------- phase 3: MaskedInput
+    @_aborts_on_failure
+    def receive_shares(self, message: SharesForRecipient, input_vector: np.ndarray) -> MaskedInput:
+        """Decrypt neighbours' shares, then mask `input_vector` IN PLACE and return it.
+
+        y_u = x_u + PRG(b_u) + sum_{v in N(u) alive, u < v} PRG(s_uv)
+                             - sum_{v in N(u) alive, u > v} PRG(s_uv)   (mod 2^32)
+        """
+        self._tracker.require(Phase.SHARE_KEYS, "shares")
+        self._check_input(input_vector)
+        encryption_keys, masking_keys = self._keys()
+        received: dict[str, tuple[bytes, bytes]] = {}
+        for share in message.shares:
+            sender = share.peer_site_id
+            if sender not in self._roster:
+                raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"share from {sender!r}")
+            if sender not in self.peers:
+                raise ProtocolAbort(AbortReason.NOT_A_NEIGHBOUR, f"share from {sender!r}")
+            if sender in received:
+                raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"second share from {sender!r}")
+            key = self._agree(
+                encryption_keys.private_key,
+                self._roster[sender].encryption_public_key,
+                KdfInfo.SHARE_ENCRYPTION_KEY,
+            )
+            try:
+                plaintext = open_sealed(
+                    key,
+                    share.ciphertext,
+                    associated_data=share_associated_data(
+                        sender=sender,
+                        recipient=self.site_id,
+                        round_number=self.params.round_number,
+                        session_id=self._session_id,
+                    ),
+                )
+            except CryptoError:
+                raise ProtocolAbort(
+                    AbortReason.DECRYPTION_FAILED, f"share from {sender!r}"
+                ) from None
+            if len(plaintext) != SHARE_PLAINTEXT_BYTES:
+                raise ProtocolAbort(AbortReason.WRONG_LENGTH, f"share from {sender!r}")
+            received[sender] = (plaintext[:SHARE_BYTES], plaintext[SHARE_BYTES:])
+        if len(received) + 1 < self.params.threshold:
+            # Our own secrets could never be reconstructed (Bonawitz: |U2| >= t).
+            raise ProtocolAbort(
+                AbortReason.TOO_FEW_PARTICIPANTS,
+                f"only {len(received)} neighbours sent shares, threshold {self.params.threshold}",
+            )
+        add = [self._self_mask_seed]
+        subtract: list[bytes] = []
+        for peer in sorted(received):
+            seed = self._agree(
+                masking_keys.private_key,
+                self._roster[peer].masking_public_key,
+                KdfInfo.PAIRWISE_MASK_SEED,
+            )
+            (add if self.site_id < peer else subtract).append(seed)
+        for peer, state in self.peers.items():
+            if peer in received:
+                state.status = PeerStatus.ALIVE
+            else:
+                state.status, state.dropped_in = PeerStatus.DROPPED, Phase.SHARE_KEYS
+        self._held_shares = received
+        apply_masks(input_vector, add=add, subtract=subtract)
+        self._tracker.advance(Phase.MASKED_INPUT)
+        return MaskedInput(vector=input_vector)
+
+    # ---------------------------------------------------- phase 4: ConsistencyCheck
+    @_aborts_on_failure
+    def receive_survivors(self, message: SurvivorList) -> ConsistencySignature:
+        """Check the coordinator's survivor list and sign it (Bonawitz et al. 2017,
+        sec. 4, ConsistencyCheck); signatures are cross-checked in the next step."""
+        self._tracker.require(Phase.MASKED_INPUT, "survivor list")
+        survivors, dropped = message.survivors, message.dropped
+        for listed in (survivors, dropped):
+            if len(set(listed)) != len(listed):
+                raise ProtocolAbort(AbortReason.DUPLICATE_PEER, "survivor list repeats a site")
+            unknown = [site for site in listed if site not in self._roster]
+            if unknown:
+                raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"survivor list names {unknown}")
+        if self.site_id in dropped:
+            raise ProtocolAbort(AbortReason.SELF_LISTED_AS_DROPPED, "")
+        both = set(survivors) & set(dropped)
+        if both:
+            raise ProtocolAbort(AbortReason.PEER_BOTH_ALIVE_AND_DROPPED, f"{sorted(both)}")
+        if self.site_id not in survivors:
+            raise ProtocolAbort(AbortReason.SELF_MISSING, "not listed as a survivor")
+        listed_neighbours = (set(survivors) | set(dropped)) & set(self.peers)
+        if listed_neighbours != set(self._held_shares):
+            # Every neighbour whose shares we hold must be accounted for, and none
+            # whose shares we lack may be: otherwise the coordinator could ask us about
+            # a peer we did not mask against.
+            raise ProtocolAbort(
+                AbortReason.SURVIVORS_NOT_SUBSET,
+                "survivor list disagrees with the neighbours that sent shares",
+            )
+        if len(survivors) < self.params.threshold:
+            raise ProtocolAbort(AbortReason.TOO_FEW_PARTICIPANTS, f"{len(survivors)} survivors")
+        canonical = SurvivorList(tuple(sorted(survivors)), tuple(sorted(dropped)))
+        for peer in canonical.dropped:
+            state = self.peers.get(peer)
+            if state is not None:
+                state.status, state.dropped_in = PeerStatus.DROPPED, Phase.MASKED_INPUT
+        self._survivors = canonical
+        signature = self._signing_key.sign(self._survivors_message(canonical))
+        self._tracker.advance(Phase.CONSISTENCY_CHECK)
+        return ConsistencySignature(signature=signature)
+
+    # -------------------------------------------------------------- phase 5: Unmask
+    @_aborts_on_failure
+    def receive_consistency(self, message: ConsistencySignatures) -> UnmaskShares:
+        """Verify that enough survivors signed the same list, then reveal shares:
+        b_v for surviving neighbours, s_v^SK for dropped ones, never both for one v."""
+        self._tracker.require(Phase.CONSISTENCY_CHECK, "consistency signatures")
+        survivors = self._survivors
+        if survivors is None:  # unreachable through the phase table; defensive
+            raise ProtocolAbort(AbortReason.UNEXPECTED_MESSAGE, "no survivor list")
+        alive = set(survivors.survivors)
+        signed_message = self._survivors_message(survivors)
+        signers: set[str] = set()
+        for signer, signature in message.signatures:
+            if signer in signers:
+                raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"two signatures by {signer!r}")
+            if signer not in self._roster:
+                raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"signature by {signer!r}")
+            if signer not in alive:
+                raise ProtocolAbort(
+                    AbortReason.INCONSISTENT_SURVIVOR_SETS, f"{signer!r} signed but is not alive"
+                )
+            # A signature that does not verify on OUR list means the signer was shown
+            # another list (or the coordinator forged it): equivocation.
+            self._verify(
+                signer,
+                self._roster[signer].certificate_der,
+                signed_message,
+                signature,
+                AbortReason.INCONSISTENT_SURVIVOR_SETS,
+            )
+            signers.add(signer)
+        if len(signers) < self.params.threshold:
+            raise ProtocolAbort(
+                AbortReason.INCONSISTENT_SURVIVOR_SETS,
+                f"only {len(signers)} survivors confirmed the list, need {self.params.threshold}",
+            )
+        owners = [o for o in (*self.peers, self.site_id) if o in alive or o in survivors.dropped]
+        for owner in owners:
+            # SecAgg+ quorum: the t confirmations must come from the owner's own closed
+            # neighbourhood, the only sites holding its shares; otherwise two halves of
+            # a large federation could be told two stories about the same owner.
+            closed = {owner, *self._graph[owner]}
+            if len(signers & closed) < self.params.threshold:
+                raise ProtocolAbort(
+                    AbortReason.INCONSISTENT_SURVIVOR_SETS,
+                    f"fewer than t confirmations in the neighbourhood of {owner!r}",
+                )
+        revealed: list[RevealedShare] = []
+        for owner in sorted(owners):
+            seed_share, key_share = (
+                self._own_shares if owner == self.site_id else self._held_shares[owner]
+            )
+            if owner in alive:
+                kind, share = ShareKind.SELF_MASK_SEED, seed_share
+            else:
+                kind, share = ShareKind.MASKING_KEY, key_share
+            self._reveal_guard.record(owner, kind)
+            revealed.append(RevealedShare(owner_site_id=owner, kind=kind, share=share))
+        self._tracker.advance(Phase.UNMASK)
+        return UnmaskShares(shares=tuple(revealed))
+
+    @_aborts_on_failure
+    def complete(self) -> None:
+        """The coordinator reported the round complete; nothing is left to do."""
+        self._tracker.require(Phase.UNMASK, "completion")
+        self._tracker.advance(Phase.COMPLETED)
+
+    def abort(self) -> None:
+        """Give up on the round (deadline passed, coordinator reported an abort)."""
+        self._tracker.abort()
+
+    # ------------------------------------------------------------------ dispatcher
+    def handle(self, message: Message, input_vector: np.ndarray | None = None) -> Message:
+        """Route a coordinator message to its phase method (for the networked loop)."""
+        if isinstance(message, Roster):
+            return self.receive_roster(message)
+        if isinstance(message, SharesForRecipient):
+            if input_vector is None:
+                raise ValidationError("SharesForRecipient needs the input vector to mask")
+            return self.receive_shares(message, input_vector)
+        if isinstance(message, SurvivorList):
+            return self.receive_survivors(message)
+        if isinstance(message, ConsistencySignatures):
+            return self.receive_consistency(message)
+        self._tracker.abort()
+        raise ProtocolAbort(
+            AbortReason.UNEXPECTED_MESSAGE, f"a site never receives {type(message).__name__}"
+        )
+
+    # ------------------------------------------------------------------- helpers
+    def _keys(self) -> tuple[X25519KeyPair, X25519KeyPair]:
+        if self._encryption_keys is None or self._masking_keys is None:
+            raise ProtocolAbort(AbortReason.UNEXPECTED_MESSAGE, "keys were not advertised yet")
+        return self._encryption_keys, self._masking_keys
+
+    def _agree(self, private_key: bytes, peer_public_key: bytes, info: KdfInfo) -> bytes:
+        try:
+            return derive_key(private_key, peer_public_key, session_id=self._session_id, info=info)
+        except CryptoError:
+            # A low-order public key (only a malicious, yet validly signing, peer can
+            # send one) makes the agreed secret predictable: refuse the round.
+            raise ProtocolAbort(AbortReason.DECRYPTION_FAILED, "key agreement failed") from None
+
+    def _verify(
+        self,
+        site: str,
+        certificate_der: bytes,
+        message: bytes,
+        signature: bytes,
+        reason: AbortReason,
+    ) -> None:
+        try:
+            self._identity(site, certificate_der).verify(message, signature)
+        except (CryptoError, PkiError):
+            raise ProtocolAbort(reason, f"signature of {site!r} does not verify") from None
+
+    def _survivors_message(self, survivors: SurvivorList) -> bytes:
+        return survivors_message(
+            round_number=self.params.round_number,
+            session_id=self._session_id,
+            survivors=survivors.survivors,
+            dropped=survivors.dropped,
+        )
+
+    def _check_input(self, vector: np.ndarray) -> None:
+        if (
+            not isinstance(vector, np.ndarray)
+            or vector.dtype != np.uint32
+            or vector.shape != (self.params.vector_length,)
+            or not vector.flags.c_contiguous
+            or not vector.flags.writeable
+        ):
+            raise ValidationError(
+                f"input must be a writeable contiguous uint32 vector of length "
+                f"{self.params.vector_length}"
+            )

@@ -1,0 +1,85 @@
+"""SecAgg+ neighbourhoods: who shares secrets with (and masks against) whom.
+
+Bell et al. 2020 (sec. 3) replace the complete graph of Bonawitz et al. 2017 by a
+random k-regular graph with k = O(log n). We use the Harary graph H(k, n) (each node
+joined to the k/2 nearest on each side of a ring) laid over a random permutation of
+the sites. The permutation comes from a PRG keyed by HKDF(session_id, NEIGHBOUR_GRAPH):
+the session id hashes every site's fresh public keys, so the coordinator cannot choose
+the graph (it could only re-roll it by dropping advertisements, which costs it sites).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from common.crypto.kdf import KdfInfo, hkdf_sha256
+from common.crypto.prg import expand_mask
+from common.errors import ConfigError
+
+_GRAPH_SALT = b"medfed/v1/secagg/graph"
+
+
+def _random_permutation(seed: bytes, n: int) -> list[int]:
+    """Fisher-Yates driven by uint32 words of the AES-CTR PRG, with rejection sampling
+    so every permutation is exactly equally likely (no modulo bias)."""
+    words_needed = 2 * n + 16
+    while True:
+        words = expand_mask(seed, words_needed)
+        order = list(range(n))
+        cursor = 0
+        ok = True
+        for i in range(n - 1, 0, -1):
+            bound = i + 1
+            limit = (1 << 32) - ((1 << 32) % bound)
+            while True:
+                if cursor >= len(words):
+                    ok = False
+                    break
+                word = int(words[cursor])
+                cursor += 1
+                if word < limit:
+                    break
+            if not ok:
+                break
+            j = word % bound
+            order[i], order[j] = order[j], order[i]
+        if ok:
+            return order
+        words_needed *= 2  # astronomically rare; the prefix of the stream is reused
+
+
+def neighbourhoods(
+    session_id: bytes, site_ids: Sequence[str], k: int
+) -> dict[str, tuple[str, ...]]:
+    """Each site's neighbours (excluding itself), sorted by site id.
+
+    Complete graph when k == 0 or k >= n - 1; otherwise a Harary graph of even degree
+    k over a permutation derived from the session id. Symmetric and deterministic.
+    """
+    sites = sorted(site_ids)
+    if len(set(sites)) != len(sites):
+        raise ConfigError("site_ids", "must be unique")
+    n = len(sites)
+    if k < 0:
+        raise ConfigError("neighbours", "must be non-negative")
+    if k == 0 or k >= n - 1:
+        return {site: tuple(s for s in sites if s != site) for site in sites}
+    if k % 2:
+        raise ConfigError("neighbours", "a Harary graph needs an even degree k")
+    seed = hkdf_sha256(session_id, salt=_GRAPH_SALT, info=KdfInfo.NEIGHBOUR_GRAPH.value)
+    order = _random_permutation(seed, n)
+    ring = [sites[i] for i in order]
+    half = k // 2
+    result: dict[str, tuple[str, ...]] = {}
+    for position, site in enumerate(ring):
+        peers = {ring[(position + step) % n] for step in range(-half, half + 1) if step}
+        result[site] = tuple(sorted(peers))
+    return result
+
+
+def adjacency_is_symmetric(graph: dict[str, tuple[str, ...]]) -> bool:
+    """True when v in N(u) <=> u in N(v) (a cheap invariant the tests check)."""
+    return all(site in graph[peer] for site, peers in graph.items() for peer in peers)
+
+
+__all__ = ["adjacency_is_symmetric", "neighbourhoods"]

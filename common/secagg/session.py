@@ -1,0 +1,33 @@
+"""The session id: one hash that pins a round's parameters and its roster of keys.
+
+It salts every HKDF derivation and is bound into every AEAD associated data and every
+survivor-set signature, so nothing from one round (or one roster) can be replayed into
+another (Bonawitz et al. 2017, sec. 4: "session id" bound into each message).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+from common.crypto.encoding import encode_fields
+from common.secagg.messages import RosterEntry
+from common.secagg.params import SecAggParams
+
+SESSION_ID_BYTES = 32
+_SESSION_LABEL = "medfed/v1/secagg/session"
+
+
+def session_id(params: SecAggParams, roster: Iterable[RosterEntry]) -> bytes:
+    """SHA-256 over the canonical encoding of params and the roster sorted by site id."""
+    fields: list[bytes | str | int] = [
+        _SESSION_LABEL,
+        params.round_number,
+        params.round_nonce,
+        params.threshold,
+        params.neighbours,
+        params.vector_length,
+    ]
+    for entry in sorted(roster, key=lambda e: e.site_id):
+        fields += [entry.site_id, entry.encryption_public_key, entry.masking_public_key]
+    return hashlib.sha256(encode_fields(*fields)).digest()

@@ -1,0 +1,370 @@
+"""Mutual-TLS credentials for gRPC and the caller's identity from its certificate.
+
+There is one mode: the coordinator requires a client certificate signed by the
+federation CA (``require_client_auth=True``); no insecure port exists. Files are
+checked at start-up so that a misconfigured hospital container fails with one clear
+`PkiError` (missing file, key not matching the certificate, expired, foreign CA)
+instead of an opaque handshake failure later.
+
+After the handshake, `authenticate_peer` re-verifies the peer certificate with a
+`PeerVerifier` (CRL, clientAuth, site id) and returns the site id: the caller's
+identity comes from here, never from a message field (DESIGN.md, "Identity and trust").
+The servicer maps `CertificateRejected` to UNAUTHENTICATED in its one error mapper.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime as dt
+import inspect
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from common.errors import CertificateRejected, ConfigError, PkiError
+from common.pki import (
+    CA_CERT,
+    COORDINATOR_CERT,
+    COORDINATOR_KEY,
+    CRL_FILE,
+    PeerVerifier,
+    check_issued_by,
+    check_validity_window,
+    has_extended_key_usage,
+    load_certificate,
+    parse_certificate,
+    site_id_from_certificate,
+    site_paths,
+)
+
+# Key of the PEM peer certificate in gRPC's `ServicerContext.auth_context()`.
+PEER_CERT_KEY = "x509_pem_cert"
+
+
+@dataclass(frozen=True)
+class TlsMaterial:
+    """Validated PEM bytes, ready for gRPC."""
+
+    ca_pem: bytes
+    cert_pem: bytes
+    key_pem: bytes
+    certificate: x509.Certificate
+
+
+@dataclass(frozen=True)
+class SiteTlsFiles:
+    """What a hospital container mounts: ``--tls-ca``, ``--tls-cert``, ``--tls-key``."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    @classmethod
+    def from_pki_dir(cls, directory: str | os.PathLike[str], site_id: str) -> SiteTlsFiles:
+        cert, key = site_paths(directory, site_id)
+        return cls(ca=Path(directory) / CA_CERT, cert=cert, key=key)
+
+
+@dataclass(frozen=True)
+class CoordinatorTlsFiles:
+    """What the coordinator mounts: CA certificate, CRL and its own server pair."""
+
+    ca: Path
+    cert: Path
+    key: Path
+    crl: Path
+
+    @classmethod
+    def from_pki_dir(cls, directory: str | os.PathLike[str]) -> CoordinatorTlsFiles:
+        root = Path(directory)
+        return cls(
+            ca=root / CA_CERT,
+            cert=root / COORDINATOR_CERT,
+            key=root / COORDINATOR_KEY,
+            crl=root / CRL_FILE,
+        )
+
+    def peer_verifier(self) -> PeerVerifier:
+        """The verifier for incoming site certificates (PkiError if CA or CRL is bad)."""
+        return PeerVerifier(load_certificate(self.ca), self.crl)
+
+
+def _pick(
+    field: str, explicit: str | os.PathLike[str] | None, default: Path | None, hint: str
+) -> Path:
+    if explicit is not None:
+        return Path(explicit)
+    if default is not None:
+        return default
+    raise ConfigError(field, hint)
+
+
+def resolve_site_tls_files(
+    *,
+    pki_dir: str | os.PathLike[str] | None,
+    site_id: str | None,
+    ca: str | os.PathLike[str] | None = None,
+    cert: str | os.PathLike[str] | None = None,
+    key: str | os.PathLike[str] | None = None,
+) -> SiteTlsFiles:
+    """Site files from ``--pki D --site ID``, each overridden by ``--tls-ca/-cert/-key``.
+
+    A hospital container that mounts only its three files passes the explicit paths and
+    no PKI directory.
+    """
+    base = (
+        SiteTlsFiles.from_pki_dir(pki_dir, site_id)
+        if pki_dir is not None and site_id is not None
+        else None
+    )
+    hint = "give --pki and --site, or all of --tls-ca, --tls-cert, --tls-key"
+    return SiteTlsFiles(
+        ca=_pick("tls_ca", ca, base.ca if base else None, hint),
+        cert=_pick("tls_cert", cert, base.cert if base else None, hint),
+        key=_pick("tls_key", key, base.key if base else None, hint),
+    )
+
+
+def resolve_coordinator_tls_files(
+    *,
+    pki_dir: str | os.PathLike[str] | None,
+    ca: str | os.PathLike[str] | None = None,
+    cert: str | os.PathLike[str] | None = None,
+    key: str | os.PathLike[str] | None = None,
+    crl: str | os.PathLike[str] | None = None,
+) -> CoordinatorTlsFiles:
+    """Coordinator files from ``--pki D``, each overridden by ``--tls-ca/-cert/-key/-crl``."""
+    base = CoordinatorTlsFiles.from_pki_dir(pki_dir) if pki_dir is not None else None
+    hint = "give --pki, or all of --tls-ca, --tls-cert, --tls-key, --tls-crl"
+    return CoordinatorTlsFiles(
+        ca=_pick("tls_ca", ca, base.ca if base else None, hint),
+        cert=_pick("tls_cert", cert, base.cert if base else None, hint),
+        key=_pick("tls_key", key, base.key if base else None, hint),
+        crl=_pick("tls_crl", crl, base.crl if base else None, hint),
+    )
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise PkiError(f"{what} {path} does not exist") from None
+    except OSError as exc:
+        raise PkiError(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
+def load_tls_material(
+    files: SiteTlsFiles | CoordinatorTlsFiles,
+    *,
+    now: dt.datetime | None = None,
+) -> TlsMaterial:
+    """Read and cross-check CA, certificate and key; PkiError saying what is wrong.
+
+    `now` defaults to the wall clock: this runs once at service start-up, not inside
+    protocol code.
+    """
+    moment = now if now is not None else dt.datetime.now(dt.UTC)
+    ca_pem = _read(files.ca, "CA certificate")
+    cert_pem = _read(files.cert, "certificate")
+    key_pem = _read(files.key, "private key")
+    try:
+        ca_cert = x509.load_pem_x509_certificate(ca_pem)
+    except ValueError:
+        raise PkiError(f"{files.ca} is not a PEM certificate") from None
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError:
+        raise PkiError(f"{files.cert} is not a PEM certificate") from None
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError):
+        raise PkiError(f"{files.key} is not an unencrypted PEM private key") from None
+    if key.public_key() != cert.public_key():
+        raise PkiError(f"private key {files.key} does not match certificate {files.cert}")
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        # Measured with grpcio 1.85: its BoringSSL build offers no Ed25519 signature
+        # scheme, so an Ed25519 leaf fails every handshake (NO_COMMON_SIGNATURE_ALGORITHMS).
+        # An Ed25519 *CA* is fine: chain signatures are checked outside the handshake.
+        raise PkiError(
+            f"{files.key} is not an EC P-256 key; gRPC's TLS cannot use Ed25519 leaf keys: "
+            "re-issue this certificate with --algorithm ecdsa-p256"
+        )
+    try:
+        check_validity_window(ca_cert, moment, what=f"CA certificate {files.ca}")
+        check_validity_window(cert, moment, what=f"certificate {files.cert}")
+        check_issued_by(cert, ca_cert, what=f"certificate {files.cert}")
+    except CertificateRejected as exc:
+        raise PkiError(str(exc)) from None
+    if isinstance(files, SiteTlsFiles):
+        if not has_extended_key_usage(cert, ExtendedKeyUsageOID.CLIENT_AUTH):
+            raise PkiError(f"{files.cert} is not a site (clientAuth) certificate")
+        try:
+            site_id_from_certificate(cert)
+        except CertificateRejected as exc:
+            raise PkiError(f"{files.cert}: {exc}") from None
+    elif not has_extended_key_usage(cert, ExtendedKeyUsageOID.SERVER_AUTH):
+        raise PkiError(f"{files.cert} is not a coordinator (serverAuth) certificate")
+    return TlsMaterial(ca_pem=ca_pem, cert_pem=cert_pem, key_pem=key_pem, certificate=cert)
+
+
+def server_credentials_from_files(
+    files: CoordinatorTlsFiles, *, now: dt.datetime | None = None
+) -> grpc.ServerCredentials:
+    """Coordinator credentials: own pair, CA as the only trust root, client certs required."""
+    material = load_tls_material(files, now=now)
+    return grpc.ssl_server_credentials(
+        [(material.key_pem, material.cert_pem)],
+        root_certificates=material.ca_pem,
+        require_client_auth=True,
+    )
+
+
+def server_credentials(
+    pki_dir: str | os.PathLike[str], *, now: dt.datetime | None = None
+) -> grpc.ServerCredentials:
+    return server_credentials_from_files(CoordinatorTlsFiles.from_pki_dir(pki_dir), now=now)
+
+
+def channel_credentials_from_files(
+    files: SiteTlsFiles, *, now: dt.datetime | None = None
+) -> grpc.ChannelCredentials:
+    """Site credentials: presents the site's pair, trusts only the federation CA."""
+    material = load_tls_material(files, now=now)
+    return grpc.ssl_channel_credentials(
+        root_certificates=material.ca_pem,
+        private_key=material.key_pem,
+        certificate_chain=material.cert_pem,
+    )
+
+
+def channel_credentials(
+    pki_dir: str | os.PathLike[str], site_id: str, *, now: dt.datetime | None = None
+) -> grpc.ChannelCredentials:
+    return channel_credentials_from_files(SiteTlsFiles.from_pki_dir(pki_dir, site_id), now=now)
+
+
+def peer_certificate_pem(auth_context: Mapping[str, Sequence[bytes]]) -> bytes | None:
+    """The caller's PEM certificate from ``context.auth_context()``, or None if there is none."""
+    values = auth_context.get(PEER_CERT_KEY)
+    if not values:
+        return None
+    first = values[0]
+    return first if isinstance(first, bytes) and first else None
+
+
+def authenticate_peer(
+    auth_context: Mapping[str, Sequence[bytes]],
+    verifier: PeerVerifier,
+    *,
+    now: dt.datetime,
+) -> str:
+    """The verified site id of the caller; CertificateRejected if absent or not acceptable."""
+    pem = peer_certificate_pem(auth_context)
+    if pem is None:
+        raise CertificateRejected("caller presented no client certificate")
+    return verifier.verify(parse_certificate(pem), now=now)
+
+
+# --------------------------------------------------------------------------- interceptor
+
+_CURRENT_SITE: contextvars.ContextVar[str] = contextvars.ContextVar("medfed_peer_site_id")
+
+
+def current_site_id() -> str:
+    """Inside an RPC guarded by `RequireSiteCertificate`: the caller's verified site id."""
+    try:
+        return _CURRENT_SITE.get()
+    except LookupError:
+        raise CertificateRejected("no authenticated site for this call") from None
+
+
+def _utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class RequireSiteCertificate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """grpc.aio interceptor: every RPC (Health and reflection included) needs a valid site.
+
+    The TLS handshake already refuses callers without a CA-signed certificate; this adds
+    what TLS cannot see (CRL, clientAuth, site id) before any handler runs, answers
+    UNAUTHENTICATED otherwise, and exposes the site id via `current_site_id()` (a
+    context variable: each grpc.aio RPC runs in its own task).
+    """
+
+    def __init__(
+        self, verifier: PeerVerifier, *, clock: Callable[[], dt.datetime] = _utc_now
+    ) -> None:
+        self._verifier = verifier
+        self._clock = clock
+
+    async def _authenticate(self, context: Any) -> str:
+        try:
+            return authenticate_peer(context.auth_context(), self._verifier, now=self._clock())
+        except CertificateRejected as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            raise  # unreachable: abort raises; keeps the type checker honest
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[Any], Awaitable[Any]],
+        handler_call_details: Any,
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary))
+        if handler.stream_unary is not None:
+            return handler._replace(stream_unary=self._wrap_unary(handler.stream_unary))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream))
+        return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream))
+
+    def _wrap_unary(self, behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        async def guarded(request: Any, context: Any) -> Any:
+            token = _CURRENT_SITE.set(await self._authenticate(context))
+            try:
+                result = behavior(request, context)
+                return await result if inspect.isawaitable(result) else result
+            finally:
+                _CURRENT_SITE.reset(token)
+
+        return guarded
+
+    def _wrap_stream(self, behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        # grpc.aio streams either by yielding (generator handler) or by awaiting
+        # context.write() (coroutine handler); the wrapper must have the same shape,
+        # since a generator that calls context.write() is an error in grpc.aio.
+        if inspect.isasyncgenfunction(behavior) or inspect.isgeneratorfunction(behavior):
+
+            async def guarded_generator(request: Any, context: Any) -> AsyncIterator[Any]:
+                token = _CURRENT_SITE.set(await self._authenticate(context))
+                try:
+                    result = behavior(request, context)
+                    if inspect.isasyncgen(result):
+                        async for item in result:
+                            yield item
+                    else:
+                        for item in result:
+                            yield item
+                finally:
+                    _CURRENT_SITE.reset(token)
+
+            return guarded_generator
+
+        async def guarded_writer(request: Any, context: Any) -> None:
+            token = _CURRENT_SITE.set(await self._authenticate(context))
+            try:
+                await behavior(request, context)
+            finally:
+                _CURRENT_SITE.reset(token)
+
+        return guarded_writer

@@ -1,0 +1,67 @@
+"""`medfed coordinator ...` commands."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from common.config import CoordinatorSettings, load_settings
+from common.logs import configure_logging
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("coordinator", help="run the federation coordinator")
+    sub = parser.add_subparsers(dest="coordinator_command", required=True, metavar="ACTION")
+    serve = sub.add_parser(
+        "serve",
+        help="serve the federation API over mutual TLS and run the configured rounds",
+        description="Flags override the TOML config file, which overrides environment "
+        "variables MEDFED_COORDINATOR_* (nested with __) and built-in defaults.",
+    )
+    serve.add_argument("--config", type=Path, help="TOML settings file")
+    serve.add_argument("--pki", type=Path, help="folder with ca.crt, crl.pem, coordinator.*")
+    serve.add_argument("--listen", help="HOST:PORT of the mTLS gRPC port (port 0: any free)")
+    serve.add_argument("--metrics-listen", help="HOST:PORT of the Prometheus /metrics endpoint")
+    serve.add_argument("--state", type=Path, help="folder for state database and checkpoints")
+    serve.add_argument("--database-url", help="sqlite:///... (default: STATE/coordinator.db)")
+    serve.add_argument("--rounds", type=int, help="rounds to complete")
+    serve.add_argument("--min-sites", type=int, help="sites needed to start a round")
+    serve.add_argument("--model-dim", type=int, help="zero-initialised flat model of this size")
+    serve.add_argument("--model-init", type=Path, help="initial model file (.mfm)")
+    serve.add_argument(
+        "--plain", action="store_true", default=None,
+        help="plain FedAvg without secure aggregation (benchmarks only)",
+    )
+    serve.add_argument("--linger-seconds", type=float, default=5.0,
+                       help="keep serving this long after the last round")
+    serve.set_defaults(func=_serve)
+
+
+def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
+    model: dict[str, Any] = {}
+    if args.model_dim is not None:
+        model["dim"] = args.model_dim
+    if args.model_init is not None:
+        model["init_file"] = args.model_init
+    overrides: dict[str, Any] = {
+        "pki": args.pki,
+        "listen": args.listen,
+        "metrics_listen": args.metrics_listen,
+        "state": args.state,
+        "database_url": args.database_url,
+        "rounds": args.rounds,
+        "min_sites": args.min_sites,
+        "model": model or None,
+        "aggregation": {"secure_aggregation": False} if args.plain else None,
+    }
+    return load_settings(CoordinatorSettings, config_file=args.config, overrides=overrides)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from coordinator.service import serve
+
+    settings = settings_from_args(args)
+    configure_logging("coordinator", settings.log_level)
+    return asyncio.run(serve(settings, linger_seconds=args.linger_seconds))

@@ -1,0 +1,706 @@
+"""The round engine: selects sites, drives the SecAgg+ phases with deadlines, updates
+the global model and persists what must survive a crash.
+
+It speaks dataclasses only (`common.secagg.messages`); `servicer.py` translates
+protobuf and maps errors to gRPC status codes. Everything runs on one asyncio event
+loop; CPU-heavy steps (adding a masked vector, unmasking) run in a worker thread
+under `_accumulator_lock`, so long-polls from hundreds of sites never starve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from common.codec import ChunkAssembler, TensorSpec, digest, flat_to_bytes, layout_elements
+from common.config import CoordinatorSettings
+from common.crypto.quantize import bits_for_sites, decode_sum, max_integer_for_sites
+from common.crypto.signing import VerifyingKey
+from common.errors import (
+    AbortReason,
+    ConfigError,
+    MedfedError,
+    ProtocolAbort,
+    StateError,
+    ValidationError,
+)
+from common.modelfile import ModelFile, flat_layout, read_model_file, write_model_file
+from common.secagg import messages as sm
+from common.secagg.params import (
+    ROUND_NONCE_BYTES,
+    SecAggParams,
+    ThreatModel,
+    choose_parameters,
+    validate_against_threat_model,
+)
+from common.secagg.server import SecAggServer
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.optimizers import FedAdam, FedAvg, FedYogi, ServerOptimizer, weighted_mean
+from coordinator.rounds import ActiveRound, Announcement, PhaseState, RoundPhase
+from coordinator.store import Checkpoint, CoordinatorStore
+from site_agent.evaluation import metrics_from_histogram
+
+log = logging.getLogger("medfed.coordinator")
+
+IdentityVerifier = Callable[[str, bytes], VerifyingKey]
+
+
+@dataclass
+class SiteBudget:
+    epsilon_budget: float = 0.0
+    epsilon_spent: float = 0.0
+    delta: float = 0.0
+    privacy_unit: str = ""
+
+    @property
+    def exhausted(self) -> bool:
+        return self.epsilon_budget > 0 and self.epsilon_spent >= self.epsilon_budget
+
+
+@dataclass
+class SiteSession:
+    """What the coordinator knows about a connected site (not persisted)."""
+
+    site_id: str
+    certificate_der: bytes
+    budget: SiteBudget = field(default_factory=SiteBudget)
+    waiting: asyncio.Future[Announcement | None] | None = None
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    round_number: int
+    survivors: tuple[str, ...]
+    dropped: tuple[str, ...]
+    aggregate: np.ndarray  # ring sum (uint32)
+    mean_delta: np.ndarray
+    metrics: dict[str, float]
+
+
+def build_optimizer(settings: CoordinatorSettings) -> ServerOptimizer:
+    opt = settings.optimizer
+    if opt.name == "fedavg":
+        return FedAvg(server_lr=opt.server_lr)
+    cls = FedAdam if opt.name == "fedadam" else FedYogi
+    return cls(lr=opt.server_lr, beta1=opt.beta1, beta2=opt.beta2, tau=opt.tau)
+
+
+class RoundEngine:
+    """Runs `settings.rounds` rounds, one at a time."""
+
+    def __init__(
+        self,
+        settings: CoordinatorSettings,
+        store: CoordinatorStore,
+        *,
+        identity: IdentityVerifier,
+        metrics: CoordinatorMetrics,
+        clock: Callable[[], float] = time.time,
+        rng: Callable[[int], bytes] = os.urandom,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.identity = identity
+        self.metrics = metrics
+        self.clock = clock
+        self.rng = rng
+        self.threat = ThreatModel(
+            max_colluding_sites=settings.aggregation.max_colluding_sites,
+            max_dropouts=0,
+        )
+        self.sites: dict[str, SiteSession] = {}
+        self.round: ActiveRound | None = None
+        self.secagg: SecAggServer | None = None
+        self.finished = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._accumulator_lock = asyncio.Lock()
+        self._plain_sum: np.ndarray | None = None
+        self._staging: asyncio.Queue[np.ndarray] = asyncio.Queue()
+        self._staging_length = 0
+        self.optimizer = build_optimizer(settings)
+        self.layout, self.global_flat = self._load_model()
+        self.model_dim = layout_elements(self.layout)
+        self.last_round_number = 0
+        self.results: list[RoundResult] = []
+
+    # ------------------------------------------------------------------ start-up
+    def _load_model(self) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
+        """Latest good checkpoint if there is one, else the configured initial model."""
+        ckpt = self.store.latest_checkpoint()
+        if ckpt is not None:
+            model = read_model_file(ckpt.path)
+            if digest(flat_to_bytes(model.flat, model.layout)).hex() != ckpt.sha256:
+                raise StateError(f"checkpoint {ckpt.path} does not match its recorded digest")
+            self.optimizer.load_state_dict(dict(model.extras))
+            log.info("resuming from checkpoint of round %d", ckpt.round_number)
+            return model.layout, model.flat
+        cfg = self.settings.model
+        if cfg.init_file is not None:
+            model = read_model_file(cfg.init_file)
+            return model.layout, model.flat
+        if cfg.dim is None:  # excluded by ModelSection validation
+            raise ConfigError("model", "no initial model configured")
+        return flat_layout(cfg.dim), np.zeros(cfg.dim, dtype=np.float32)
+
+    def recover(self) -> None:
+        """After a crash: abandon the round that was in flight; nothing is unmasked."""
+        abandoned = self.store.abandon_in_flight(now=self.clock())
+        for number in abandoned:
+            log.warning("round %d was in flight at a crash: abandoned", number)
+            self.metrics.rounds_total.labels(outcome="abandoned").inc()
+        self.last_round_number = self.store.next_round_number() - 1
+
+    @property
+    def vector_length(self) -> int:
+        return self.model_dim + 1 + 2 * self.settings.aggregation.histogram_bins
+
+    # --------------------------------------------------------------- membership
+    def enroll(self, site_id: str, certificate_der: bytes, *, serial: str, version: str,
+               device: str, budget: SiteBudget) -> int:
+        session = self.sites.get(site_id)
+        if session is None:
+            session = self.sites[site_id] = SiteSession(site_id, certificate_der)
+        session.certificate_der = certificate_der
+        session.budget = budget
+        self.store.record_site(
+            site_id, cert_serial=serial, agent_version=version, device=device, now=self.clock()
+        )
+        self.metrics.observe_budget(site_id, budget.epsilon_spent, budget.epsilon_budget)
+        self.metrics.sites_enrolled.set(len(self.store.enrolled_sites()))
+        self._changed.set()
+        return self.last_round_number
+
+    def _session(self, site_id: str) -> SiteSession:
+        session = self.sites.get(site_id)
+        if session is None:
+            raise StateError(f"site {site_id} has not enrolled since the coordinator started")
+        return session
+
+    async def wait_for_round(
+        self, site_id: str, *, after_round: int, wait_seconds: float, budget: SiteBudget | None
+    ) -> Announcement | None:
+        """Long-poll until a round selecting this site opens (None on timeout)."""
+        session = self._session(site_id)
+        if budget is not None:
+            session.budget = budget
+            self.metrics.observe_budget(site_id, budget.epsilon_spent, budget.epsilon_budget)
+        current = self.round
+        if current is not None and current.number > after_round:
+            # A site that reconnects while the round it was chosen for is still in its
+            # first phase (and has not sent anything yet) may still join it.
+            first = current.phases.get(current.first_phase)
+            if (
+                first is not None
+                and current.phase is current.first_phase
+                and site_id in first.expected
+                and site_id not in first.arrived
+            ):
+                return current.announcement
+        if self.finished.is_set():
+            return None
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Announcement | None] = loop.create_future()
+        if session.waiting is not None and not session.waiting.done():
+            session.waiting.set_result(None)  # a newer poll replaces an older one
+        session.waiting = future
+        self._changed.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(future), timeout=wait_seconds)
+        if session.waiting is future:
+            session.waiting = None
+            self._changed.set()
+        # No await between the check and here: selection cannot pick this site after
+        # it stopped waiting, and an announcement that raced the timeout is not lost.
+        return future.result() if future.done() and not future.cancelled() else None
+
+    def decline(self, site_id: str, round_number: int, *, budget: SiteBudget | None) -> None:
+        session = self._session(site_id)
+        if budget is not None:
+            session.budget = budget
+            self.metrics.observe_budget(site_id, budget.epsilon_spent, budget.epsilon_budget)
+        rnd = self._round_for(site_id, round_number)
+        rnd.declined.add(site_id)
+        log.info("site %s declined round %d", site_id, round_number)
+        for state in rnd.phases.values():
+            if not state.closed.is_set():
+                state.expected.discard(site_id)
+                if state.expected <= state.arrived:
+                    state.all_arrived.set()
+
+    def _round_for(self, site_id: str, round_number: int) -> ActiveRound:
+        rnd = self.round
+        if rnd is None or rnd.number != round_number:
+            status = self.store.round_status(round_number)
+            if status == "abandoned":
+                raise ProtocolAbort(
+                    AbortReason.ROUND_ABANDONED,
+                    f"round {round_number} was abandoned (coordinator restart)",
+                )
+            raise ProtocolAbort(
+                AbortReason.WRONG_ROUND, f"round {round_number} is not the round in flight"
+            )
+        if site_id not in rnd.announcement.participants:
+            raise StateError(f"site {site_id} is not a participant of round {round_number}")
+        return rnd
+
+    def model_chunks(self, site_id: str, round_number: int, chunk_bytes: int) -> Iterator[
+        tuple[int, bytes]
+    ]:
+        rnd = self._round_for(site_id, round_number)
+        view = memoryview(rnd.model_bytes)
+        for offset in range(0, len(view), chunk_bytes):
+            yield offset, bytes(view[offset : offset + chunk_bytes])
+
+    # ------------------------------------------------------------ secure phases
+    def _secure(self) -> SecAggServer:
+        if self.secagg is None:
+            raise ProtocolAbort(AbortReason.UNEXPECTED_MESSAGE, "this round is not secure")
+        return self.secagg
+
+    def _check_session(self, session_id: bytes) -> None:
+        server = self._secure()
+        expected = server.session_id
+        if expected is None or session_id != expected:
+            raise ProtocolAbort(AbortReason.WRONG_SESSION, "session id does not match")
+
+    async def advertise(
+        self, site_id: str, round_number: int, nonce: bytes, msg: sm.AdvertiseKeys
+    ) -> sm.Roster:
+        rnd = self._round_for(site_id, round_number)
+        if nonce != rnd.announcement.round_nonce:
+            raise ProtocolAbort(AbortReason.WRONG_ROUND, "round nonce does not match")
+        state = rnd.require_phase(RoundPhase.ADVERTISE_KEYS, site_id)
+        if msg.site_id != site_id:
+            raise ValidationError("advertisement names another site")
+        cert = self._session(site_id).certificate_der
+        self._secure().receive_advertisement(site_id, msg, certificate_der=cert)
+        state.mark(site_id)
+        roster: sm.Roster = await rnd.wait_closed(RoundPhase.ADVERTISE_KEYS)
+        return roster
+
+    async def share_keys(
+        self, site_id: str, round_number: int, session_id: bytes, msg: sm.ShareKeysOut
+    ) -> sm.SharesForRecipient:
+        rnd = self._round_for(site_id, round_number)
+        state = rnd.require_phase(RoundPhase.SHARE_KEYS, site_id)
+        self._check_session(session_id)
+        self._secure().receive_shares(site_id, msg)
+        state.mark(site_id)
+        per_site: dict[str, sm.SharesForRecipient] = await rnd.wait_closed(RoundPhase.SHARE_KEYS)
+        return per_site.get(site_id, sm.SharesForRecipient(shares=()))
+
+    async def upload(
+        self,
+        site_id: str,
+        round_number: int,
+        session_id: bytes,
+        length: int,
+        chunks: AsyncIterator[tuple[int, bytes]],
+    ) -> sm.SurvivorList:
+        """Receive one masked (or, in plain rounds, quantized) vector in chunks."""
+        rnd = self._round_for(site_id, round_number)
+        state = rnd.require_phase(RoundPhase.MASKED_INPUT, site_id)
+        if rnd.announcement.secure_aggregation:
+            self._check_session(session_id)
+        elif session_id:
+            raise ValidationError("plain rounds carry no session id")
+        if length != rnd.announcement.vector_length:
+            raise ProtocolAbort(
+                AbortReason.WRONG_LENGTH,
+                f"vector of {length} elements, round needs {rnd.announcement.vector_length}",
+            )
+        buffer = await self._staging.get()
+        try:
+            await self._receive_into(buffer, length, chunks)
+            async with self._accumulator_lock:
+                # Re-check under the lock: the deadline may have closed the phase
+                # while this site was still streaming.
+                rnd.require_phase(RoundPhase.MASKED_INPUT, site_id)
+                await asyncio.to_thread(self._accumulate, rnd, site_id, buffer)
+                state.mark(site_id)
+            self.metrics.bytes_received.inc(length * 4)
+        finally:
+            self._staging.put_nowait(buffer)
+        survivors: sm.SurvivorList = await rnd.wait_closed(RoundPhase.MASKED_INPUT)
+        return survivors
+
+    async def _receive_into(
+        self, buffer: np.ndarray, length: int, chunks: AsyncIterator[tuple[int, bytes]]
+    ) -> None:
+        assembler = ChunkAssembler(
+            buffer, total_bytes=length * 4, max_chunk_bytes=self.settings.limits.max_chunk_bytes
+        )
+        async for offset, data in chunks:
+            assembler.add(offset, data)
+        assembler.finish()
+
+    def _accumulate(self, rnd: ActiveRound, site_id: str, vector: np.ndarray) -> None:
+        if rnd.announcement.secure_aggregation:
+            self._secure().receive_masked_input(site_id, sm.MaskedInput(vector=vector))
+        else:
+            if self._plain_sum is None:
+                raise StateError("no accumulator for this round")
+            np.add(self._plain_sum, vector, out=self._plain_sum)
+
+    async def consistency(
+        self, site_id: str, round_number: int, session_id: bytes, msg: sm.ConsistencySignature
+    ) -> sm.ConsistencySignatures:
+        rnd = self._round_for(site_id, round_number)
+        state = rnd.require_phase(RoundPhase.CONSISTENCY_CHECK, site_id)
+        self._check_session(session_id)
+        self._secure().receive_consistency(site_id, msg)
+        state.mark(site_id)
+        sigs: sm.ConsistencySignatures = await rnd.wait_closed(RoundPhase.CONSISTENCY_CHECK)
+        return sigs
+
+    async def unmask(
+        self, site_id: str, round_number: int, session_id: bytes, msg: sm.UnmaskShares
+    ) -> int:
+        rnd = self._round_for(site_id, round_number)
+        state = rnd.require_phase(RoundPhase.UNMASK, site_id)
+        self._check_session(session_id)
+        self._secure().receive_unmask(site_id, msg)
+        state.mark(site_id)
+        contributors: int = await rnd.wait_closed(RoundPhase.UNMASK)
+        return contributors
+
+    # --------------------------------------------------------------- main loop
+    async def run(self) -> None:
+        """Run rounds until `settings.rounds` have completed."""
+        self.recover()
+        try:
+            while self.store.completed_rounds() < self.settings.rounds:
+                participants = await self._select()
+                await self._run_round(participants)
+        finally:
+            self.finished.set()
+            for session in self.sites.values():
+                if session.waiting is not None and not session.waiting.done():
+                    session.waiting.set_result(None)
+
+    def _eligible_waiting(self) -> list[str]:
+        return sorted(
+            s.site_id
+            for s in self.sites.values()
+            if s.waiting is not None and not s.waiting.done() and not s.budget.exhausted
+        )
+
+    def _eligible_connected(self) -> list[str]:
+        return sorted(s.site_id for s in self.sites.values() if not s.budget.exhausted)
+
+    async def _wait_changed(self, timeout: float) -> None:
+        self._changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout=timeout)
+
+    async def _select(self) -> list[str]:
+        """Wait for `min_sites` eligible sites, then briefly for the rest to arrive."""
+        cfg = self.settings
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + cfg.deadlines.round_start_timeout_seconds
+        while len(self._eligible_waiting()) < cfg.min_sites:
+            remaining = give_up - loop.time()
+            if remaining <= 0:
+                raise StateError(
+                    f"fewer than min_sites={cfg.min_sites} eligible sites for "
+                    f"{cfg.deadlines.round_start_timeout_seconds:.0f} s"
+                )
+            self.metrics.sites_active.set(len(self._eligible_waiting()))
+            await self._wait_changed(min(remaining, 5.0))
+        grace_end = loop.time() + cfg.deadlines.selection_seconds
+        while set(self._eligible_waiting()) != set(self._eligible_connected()):
+            remaining = grace_end - loop.time()
+            if remaining <= 0:
+                break
+            await self._wait_changed(remaining)
+        chosen = self._eligible_waiting()[: cfg.limits.max_sites]
+        self.metrics.sites_active.set(len(chosen))
+        return chosen
+
+    def _round_parameters(self, n_sites: int) -> tuple[int, int]:
+        agg = self.settings.aggregation
+        if not agg.secure_aggregation:
+            return 0, 0
+        dropouts = agg.max_dropouts
+        if dropouts == "auto":
+            # As many dropouts as the collusion bound leaves room for.
+            dropouts = 0
+            while True:
+                try:
+                    choose_parameters(
+                        n_sites,
+                        ThreatModel(self.threat.max_colluding_sites, dropouts + 1),
+                        agg.neighbours,
+                    )
+                except ConfigError:
+                    break
+                dropouts += 1
+        threat = ThreatModel(self.threat.max_colluding_sites, dropouts)
+        threshold, neighbours = choose_parameters(n_sites, threat, agg.neighbours)
+        if agg.threshold != "auto":
+            threshold = agg.threshold
+        return threshold, neighbours
+
+    def _announce(self, participants: list[str]) -> Announcement:
+        cfg = self.settings
+        number = self.store.next_round_number()
+        threshold, neighbours = self._round_parameters(len(participants))
+        nonce = self.rng(ROUND_NONCE_BYTES)
+        model_bytes = flat_to_bytes(self.global_flat, self.layout)
+        weight_cap = min(cfg.aggregation.weight_cap, max_integer_for_sites(len(participants)))
+        now = self.clock()
+        return Announcement(
+            round_number=number,
+            round_nonce=nonce,
+            participants=tuple(participants),
+            threshold=threshold,
+            neighbours=neighbours,
+            vector_length=self.vector_length,
+            quantization_bits=bits_for_sites(len(participants)),
+            clip=cfg.aggregation.clip,
+            histogram_bins=cfg.aggregation.histogram_bins,
+            secure_aggregation=cfg.aggregation.secure_aggregation,
+            model_layout=self.layout,
+            model_sha256=digest(model_bytes),
+            model_bytes=len(model_bytes),
+            local_epochs=cfg.training.local_epochs,
+            learning_rate=cfg.training.learning_rate,
+            fedprox_mu=cfg.training.fedprox_mu,
+            planned_rounds=cfg.rounds,
+            train_deadline_ms=int((now + cfg.deadlines.train_seconds) * 1000),
+            phase_timeout_ms=int(cfg.deadlines.phase_seconds * 1000),
+            weight_cap=weight_cap,
+        )
+
+    def _prepare_buffers(self, length: int) -> None:
+        if self._staging_length != length:
+            self._staging = asyncio.Queue()
+            for _ in range(self.settings.limits.max_concurrent_uploads):
+                self._staging.put_nowait(np.empty(length, dtype=np.uint32))
+            self._staging_length = length
+
+    async def _run_round(self, participants: list[str]) -> None:
+        ann = self._announce(participants)
+        started = time.perf_counter()
+        self._prepare_buffers(ann.vector_length)
+        self.store.begin_round(ann.round_number, participants, now=self.clock())
+        rnd = ActiveRound(ann, flat_to_bytes(self.global_flat, self.layout))
+        self.round = rnd
+        if ann.secure_aggregation:
+            params = SecAggParams(
+                round_number=ann.round_number,
+                round_nonce=ann.round_nonce,
+                participants=ann.participants,
+                threshold=ann.threshold,
+                neighbours=ann.neighbours,
+                vector_length=ann.vector_length,
+            )
+            validate_against_threat_model(params, ThreatModel(self.threat.max_colluding_sites, 0))
+            self.secagg = SecAggServer(params, identity=self.identity)
+            self._plain_sum = None
+        else:
+            self.secagg = None
+            self._plain_sum = np.zeros(ann.vector_length, dtype=np.uint32)
+        log.info(
+            "round %d open: %d sites, threshold %d, neighbours %d, secure=%s",
+            ann.round_number, len(participants), ann.threshold, ann.neighbours,
+            ann.secure_aggregation,
+        )
+        for site_id in participants:
+            waiting = self.sites[site_id].waiting
+            if waiting is not None and not waiting.done():
+                waiting.set_result(ann)
+        try:
+            if ann.secure_aggregation:
+                aggregate, survivors, dropped = await self._secure_phases(rnd)
+            else:
+                aggregate, survivors, dropped = await self._plain_phases(rnd)
+            result = await asyncio.to_thread(
+                self._apply_update, ann, aggregate, survivors, dropped
+            )
+        except MedfedError as exc:
+            rnd.abort = exc if isinstance(exc, ProtocolAbort) else ProtocolAbort(
+                AbortReason.ROUND_ABANDONED, str(exc)
+            )
+            log.warning("round %d aborted: %s", ann.round_number, exc)
+            self.store.finish_round(
+                ann.round_number, status="aborted", now=self.clock(), detail=str(exc)
+            )
+            self.metrics.rounds_total.labels(outcome="aborted").inc()
+        else:
+            self._commit(result)
+            self.metrics.rounds_total.labels(outcome="completed").inc()
+            log.info(
+                "round %d completed: %d contributors, %d dropped, %.2f s, auc=%s",
+                ann.round_number, len(result.survivors), len(result.dropped),
+                time.perf_counter() - started, result.metrics.get("auc"),
+            )
+        finally:
+            rnd.phase = RoundPhase.FINISHED
+            rnd.finished.set()
+            self.last_round_number = ann.round_number
+            self.round = None
+            self.secagg = None
+            self._plain_sum = None
+
+    async def _close_when_ready(self, rnd: ActiveRound, state: PhaseState, timeout: float) -> None:
+        started = time.perf_counter()
+        try:
+            await asyncio.wait_for(state.all_arrived.wait(), timeout=max(timeout, 0.0))
+        except TimeoutError:
+            missing = sorted(state.expected - state.arrived)
+            log.info("round %d %s deadline: dropping %s", rnd.number, rnd.phase.value, missing)
+            self.metrics.dropouts_total.labels(phase=rnd.phase.value).inc(len(missing))
+        self.metrics.phase_seconds.labels(phase=rnd.phase.value).observe(
+            time.perf_counter() - started
+        )
+
+    def _advance(self, rnd: ActiveRound, current: PhaseState, output: object,
+                 nxt: RoundPhase | None, expected: set[str]) -> PhaseState | None:
+        """Publish a phase's output; open the next phase BEFORE waking the long-polls,
+        so a fast site's next message always finds its phase open."""
+        current.output = output
+        new_state = rnd.open_phase(nxt, expected) if nxt is not None else None
+        current.closed.set()
+        return new_state
+
+    async def _secure_phases(
+        self, rnd: ActiveRound
+    ) -> tuple[np.ndarray, tuple[str, ...], tuple[str, ...]]:
+        server = self._secure()
+        ann = rnd.announcement
+        phase_s = self.settings.deadlines.phase_seconds
+        # Sites train first; their AdvertiseKeys calls arrive when training is done.
+        state = rnd.open_phase(RoundPhase.ADVERTISE_KEYS, set(ann.participants))
+        train_left = ann.train_deadline_ms / 1000 - self.clock()
+        await self._close_when_ready(rnd, state, train_left + phase_s)
+        roster = server.close_advertise()
+        in_roster = {e.site_id for e in roster.entries}
+        state = self._advance(rnd, state, roster, RoundPhase.SHARE_KEYS, in_roster)
+        _require(state)
+        await self._close_when_ready(rnd, state, phase_s)
+        per_site = server.close_shares()
+        state = self._advance(rnd, state, per_site, RoundPhase.MASKED_INPUT, set(per_site))
+        _require(state)
+        await self._close_when_ready(rnd, state, phase_s)
+        async with self._accumulator_lock:
+            survivors = server.close_masked_input()
+            state = self._advance(
+                rnd, state, survivors, RoundPhase.CONSISTENCY_CHECK, set(survivors.survivors)
+            )
+        _require(state)
+        await self._close_when_ready(rnd, state, phase_s)
+        signatures = server.close_consistency()
+        signers = {site for site, _ in signatures.signatures}
+        state = self._advance(rnd, state, signatures, RoundPhase.UNMASK, signers)
+        _require(state)
+        await self._close_when_ready(rnd, state, phase_s)
+        unmask_started = time.perf_counter()
+        aggregate = await asyncio.to_thread(server.close_unmask)
+        self.metrics.unmask_seconds.observe(time.perf_counter() - unmask_started)
+        self.metrics.quorum_margin.set(len(survivors.survivors) - ann.threshold)
+        self._advance(rnd, state, len(survivors.survivors), None, set())
+        return aggregate, survivors.survivors, survivors.dropped
+
+    async def _plain_phases(
+        self, rnd: ActiveRound
+    ) -> tuple[np.ndarray, tuple[str, ...], tuple[str, ...]]:
+        ann = rnd.announcement
+        state = rnd.open_phase(RoundPhase.MASKED_INPUT, set(ann.participants))
+        train_left = ann.train_deadline_ms / 1000 - self.clock()
+        await self._close_when_ready(rnd, state, train_left + self.settings.deadlines.phase_seconds)
+        async with self._accumulator_lock:
+            survivors = tuple(sorted(state.arrived))
+            dropped = tuple(sorted(set(ann.participants) - state.arrived - rnd.declined))
+            listing = sm.SurvivorList(survivors=survivors, dropped=dropped)
+            self._advance(rnd, state, listing, None, set())
+            if self._plain_sum is None:
+                raise StateError("no accumulator for this round")
+            aggregate = self._plain_sum.copy()
+        if not survivors:
+            raise ProtocolAbort(AbortReason.TOO_FEW_PARTICIPANTS, "no site uploaded")
+        return aggregate, survivors, dropped
+
+    # ------------------------------------------------------------ model update
+    def _apply_update(
+        self,
+        ann: Announcement,
+        aggregate: np.ndarray,
+        survivors: tuple[str, ...],
+        dropped: tuple[str, ...],
+    ) -> RoundResult:
+        bins = ann.histogram_bins
+        floats, integers = decode_sum(
+            aggregate,
+            float_length=self.model_dim,
+            clip=ann.clip,
+            bits=ann.quantization_bits,
+            count=len(survivors),
+        )
+        weight_sum = integers[0]
+        histogram = np.asarray(integers[1:], dtype=np.int64)
+        metrics: dict[str, float] = {"contributors": float(len(survivors))}
+        if histogram.sum() > 0:
+            m = metrics_from_histogram(histogram, bins=bins)
+            metrics.update(
+                auc=m.auc, sensitivity=m.sensitivity, specificity=m.specificity, ppv=m.ppv,
+                evaluated=float(m.n),
+            )
+        if ann.local_epochs == 0 or weight_sum == 0:
+            mean_delta = np.zeros(self.model_dim, dtype=np.float32)
+        else:
+            # Sites send delta * n_k / weight_cap (so each element stays inside the
+            # clip range) plus n_k; undo the scale on the SUM only.
+            mean_delta = weighted_mean(floats * ann.weight_cap, float(weight_sum))
+            self.global_flat = self.optimizer.step(self.global_flat, mean_delta)
+        return RoundResult(ann.round_number, survivors, dropped, aggregate, mean_delta, metrics)
+
+    def _commit(self, result: RoundResult) -> None:
+        state_dir = Path(self.settings.state)
+        ckpt_dir = state_dir / "checkpoints"
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        path = ckpt_dir / f"round-{result.round_number:06d}.mfm"
+        model = ModelFile(
+            self.layout,
+            self.global_flat,
+            {"round": result.round_number, "optimizer": self.settings.optimizer.name},
+            self.optimizer.state_dict(),
+        )
+        write_model_file(path, model)
+        if self.settings.debug_write_aggregates:
+            debug = state_dir / "aggregates"
+            debug.mkdir(exist_ok=True)
+            result.aggregate.astype("<u4").tofile(debug / f"round-{result.round_number:06d}.u32")
+            (debug / f"round-{result.round_number:06d}.survivors").write_text(
+                "\n".join(result.survivors) + "\n"
+            )
+        checkpoint = Checkpoint(
+            result.round_number, path, digest(flat_to_bytes(self.global_flat, self.layout)).hex()
+        )
+        self.store.finish_round(
+            result.round_number,
+            status="completed",
+            now=self.clock(),
+            survivors=result.survivors,
+            dropped=result.dropped,
+            metrics=result.metrics,
+            checkpoint=checkpoint,
+        )
+        if "auc" in result.metrics:
+            self.metrics.model_auc.set(result.metrics["auc"])
+        self.results.append(result)
+
+
+def _require(state: PhaseState | None) -> PhaseState:
+    """Narrow Optional for the type checker (a next phase is always opened here)."""
+    if state is None:
+        raise StateError("internal: next phase missing")
+    return state

@@ -1,0 +1,125 @@
+"""`medfed coordinator serve`: the gRPC server (mTLS only), health, reflection, metrics
+and the round engine, on one asyncio event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.config import CoordinatorSettings
+from common.crypto.signing import VerifyingKey
+from common.metrics_http import serve_metrics
+from common.pki import PeerVerifier
+from common.proto.medfed.v1 import federation_pb2 as pb
+from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
+from common.tls import server_credentials
+from coordinator.engine import RoundEngine
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.servicer import FederationServicer
+from coordinator.store import CoordinatorStore
+
+log = logging.getLogger("medfed.coordinator")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Federation"].full_name
+
+
+@dataclass
+class RunningCoordinator:
+    server: grpc.aio.Server
+    engine: RoundEngine
+    port: int
+    metrics_port: int
+    health: health.aio.HealthServicer
+
+
+def database_url(settings: CoordinatorSettings) -> str:
+    return settings.database_url or f"sqlite:///{settings.state / 'coordinator.db'}"
+
+
+async def start(settings: CoordinatorSettings) -> RunningCoordinator:
+    settings.state.mkdir(parents=True, exist_ok=True)
+    store = CoordinatorStore(database_url(settings))
+    verifier = PeerVerifier.from_pki_dir(settings.pki)
+    metrics = CoordinatorMetrics()
+
+    def identity(site_id: str, certificate_der: bytes) -> VerifyingKey:
+        key = verifier.verifying_key_for(site_id, certificate_der, now=dt.datetime.now(dt.UTC))
+        return VerifyingKey.from_public_key(key)
+
+    engine = RoundEngine(settings, store, identity=identity, metrics=metrics)
+    limit = settings.limits.max_chunk_bytes + (64 << 10)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", 8 << 20),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ]
+    )
+    servicer = FederationServicer(
+        engine,
+        verifier,
+        metrics,
+        federation_id=settings.federation_id,
+        max_chunk_bytes=settings.limits.max_chunk_bytes,
+    )
+    pb_grpc.add_FederationServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME),
+        server,
+    )
+    # mTLS is the only transport: there is no insecure port to forget to close.
+    port = server.add_secure_port(settings.listen, server_credentials(settings.pki))
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    _, metrics_port = serve_metrics(settings.metrics_listen, metrics.registry)
+    return RunningCoordinator(server, engine, port, metrics_port, health_servicer)
+
+
+async def serve(settings: CoordinatorSettings, *, linger_seconds: float = 5.0) -> int:
+    running = await start(settings)
+    # One machine-readable line so scripts and tests learn the bound ports.
+    print(
+        json.dumps({"event": "listening", "port": running.port,
+                    "metrics_port": running.metrics_port}),
+        flush=True,
+    )
+    log.info("coordinator listening on port %d (metrics %d)", running.port, running.metrics_port)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine_task = asyncio.create_task(running.engine.run())
+    stop_task = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({engine_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if engine_task in done:
+        exc = engine_task.exception()
+        if exc is not None:
+            log.error("round engine stopped: %s", exc)
+            print(f"medfed: error: {exc}", file=sys.stderr)
+            code = 1
+        else:
+            log.info("all %d rounds done", settings.rounds)
+            # Let waiting sites hear that the federation is finished.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=linger_seconds)
+    else:
+        engine_task.cancel()
+    await running.health.enter_graceful_shutdown()
+    await running.server.stop(grace=2.0)
+    running.engine.store.close()
+    return code

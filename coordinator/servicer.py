@@ -1,0 +1,281 @@
+"""gRPC servicer: authenticates the caller, translates protobuf <-> dataclasses and maps
+exceptions to status codes. No protocol logic lives here.
+
+The caller's site id comes ONLY from its verified mTLS certificate (`_caller`); message
+fields naming a site are never trusted for identity.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
+
+from common import wire
+from common.codec import CHUNK_BYTES
+from common.errors import (
+    CertificateRejected,
+    ConfigError,
+    CryptoError,
+    MedfedError,
+    ProtocolAbort,
+    StateError,
+    ValidationError,
+)
+from common.pki import PeerVerifier, parse_certificate
+from common.proto.medfed.v1 import federation_pb2 as pb
+from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
+from common.tls import peer_certificate_pem
+from coordinator.engine import RoundEngine, SiteBudget
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.rounds import Announcement
+
+log = logging.getLogger("medfed.coordinator.rpc")
+
+MAX_WAIT_SECONDS = 60
+T = TypeVar("T")
+
+# One table maps every error we raise on purpose to a status code.
+STATUS_FOR_ERROR: tuple[tuple[type[MedfedError], grpc.StatusCode], ...] = (
+    (CertificateRejected, grpc.StatusCode.PERMISSION_DENIED),
+    (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
+    (CryptoError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ProtocolAbort, grpc.StatusCode.ABORTED),
+    (StateError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
+    (MedfedError, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+
+class Unauthenticated(MedfedError):
+    """The caller presented no certificate at all."""
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED
+    for cls, code in STATUS_FOR_ERROR:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def budget_from_pb(msg: pb.BudgetStatus) -> SiteBudget | None:
+    if not msg.ByteSize():
+        return None
+    values = (msg.epsilon_budget, msg.epsilon_spent, msg.delta)
+    if not all(v == v and 0 <= v < 1e9 for v in values):  # NaN fails v == v
+        raise ValidationError("budget: values must be finite and non-negative")
+    return SiteBudget(msg.epsilon_budget, msg.epsilon_spent, msg.delta, msg.privacy_unit[:16])
+
+
+def announcement_to_pb(ann: Announcement) -> pb.RoundAnnouncement:
+    return pb.RoundAnnouncement(
+        round=ann.round_number,
+        round_nonce=ann.round_nonce,
+        participants=list(ann.participants),
+        threshold=ann.threshold,
+        neighbours=ann.neighbours,
+        vector_length=ann.vector_length,
+        quantization_bits=ann.quantization_bits,
+        clip=ann.clip,
+        histogram_bins=ann.histogram_bins,
+        secure_aggregation=ann.secure_aggregation,
+        model=wire.layout_to_pb(ann.model_layout),
+        model_sha256=ann.model_sha256,
+        model_bytes=ann.model_bytes,
+        local_epochs=ann.local_epochs,
+        learning_rate=ann.learning_rate,
+        fedprox_mu=ann.fedprox_mu,
+        planned_rounds=ann.planned_rounds,
+        train_deadline_ms=ann.train_deadline_ms,
+        phase_timeout_ms=ann.phase_timeout_ms,
+        weight_cap=ann.weight_cap,
+    )
+
+
+def rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Map exceptions to gRPC status codes in one place and count every request."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def wrapper(self: FederationServicer, request: Any, context: Any) -> T:
+        try:
+            result = await method(self, request, context)
+        except MedfedError as exc:
+            code = status_for(exc)
+            self.metrics.grpc_requests.labels(method=name, code=code.name).inc()
+            log.info("%s -> %s: %s", name, code.name, exc)
+            await context.abort(code, str(exc)[:500])
+            raise  # unreachable: abort raises
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            self.metrics.grpc_requests.labels(method=name, code="INTERNAL").inc()
+            log.exception("%s failed unexpectedly", name)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+            raise
+        self.metrics.grpc_requests.labels(method=name, code="OK").inc()
+        return result
+
+    return wrapper
+
+
+class FederationServicer(pb_grpc.FederationServicer):
+    def __init__(
+        self,
+        engine: RoundEngine,
+        verifier: PeerVerifier,
+        metrics: CoordinatorMetrics,
+        *,
+        federation_id: str,
+        max_chunk_bytes: int,
+        clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
+    ) -> None:
+        self.engine = engine
+        self.verifier = verifier
+        self.metrics = metrics
+        self.federation_id = federation_id
+        self.max_chunk_bytes = max_chunk_bytes
+        self.clock = clock
+
+    def _caller(self, context: Any) -> tuple[str, x509.Certificate]:
+        """Verified site id of the caller, from its mTLS certificate only."""
+        pem = peer_certificate_pem(context.auth_context())
+        if pem is None:
+            raise Unauthenticated("no client certificate")
+        cert = parse_certificate(pem)
+        return self.verifier.verify(cert, now=self.clock()), cert
+
+    def _site(self, context: Any) -> str:
+        return self._caller(context)[0]
+
+    @rpc
+    async def Enroll(self, request: pb.EnrollRequest, context: Any) -> pb.EnrollResponse:
+        site_id, cert = self._caller(context)
+        budget = budget_from_pb(request.budget) or SiteBudget()
+        last = self.engine.enroll(
+            site_id,
+            cert.public_bytes(Encoding.DER),
+            serial=format(cert.serial_number, "x"),
+            version=request.agent_version,
+            device=request.device,
+            budget=budget,
+        )
+        return pb.EnrollResponse(federation_id=self.federation_id, current_round=last)
+
+    @rpc
+    async def WaitForRound(
+        self, request: pb.WaitForRoundRequest, context: Any
+    ) -> pb.WaitForRoundResponse:
+        site_id = self._site(context)
+        wait = min(max(request.wait_seconds, 1), MAX_WAIT_SECONDS)
+        ann = await self.engine.wait_for_round(
+            site_id,
+            after_round=request.after_round,
+            wait_seconds=wait,
+            budget=budget_from_pb(request.budget),
+        )
+        if ann is None:
+            return pb.WaitForRoundResponse(
+                has_round=False, federation_finished=self.engine.finished.is_set()
+            )
+        return pb.WaitForRoundResponse(has_round=True, round=announcement_to_pb(ann))
+
+    @rpc
+    async def DeclineRound(
+        self, request: pb.DeclineRoundRequest, context: Any
+    ) -> pb.DeclineRoundResponse:
+        site_id = self._site(context)
+        self.engine.decline(site_id, request.round, budget=budget_from_pb(request.budget))
+        return pb.DeclineRoundResponse()
+
+    async def DownloadModel(
+        self, request: pb.DownloadModelRequest, context: Any
+    ) -> AsyncIterator[pb.ModelChunk]:
+        try:
+            site_id = self._site(context)
+            chunks = list(self.engine.model_chunks(site_id, request.round, CHUNK_BYTES))
+        except MedfedError as exc:
+            code = status_for(exc)
+            self.metrics.grpc_requests.labels(method="DownloadModel", code=code.name).inc()
+            await context.abort(code, str(exc)[:500])
+            return
+        for offset, data in chunks:
+            yield pb.ModelChunk(offset=offset, data=data)
+        self.metrics.grpc_requests.labels(method="DownloadModel", code="OK").inc()
+
+    @rpc
+    async def AdvertiseKeys(
+        self, request: pb.AdvertiseKeysRequest, context: Any
+    ) -> pb.AdvertiseKeysResponse:
+        site_id = self._site(context)
+        msg = wire.advertise_from_pb(request, caller=site_id)
+        nonce = wire.bounded(request.round_nonce, what="round_nonce", exact=16)
+        roster = await self.engine.advertise(site_id, request.round, nonce, msg)
+        return wire.roster_to_pb(roster)
+
+    @rpc
+    async def ShareKeys(self, request: pb.ShareKeysRequest, context: Any) -> pb.ShareKeysResponse:
+        site_id = self._site(context)
+        msg = wire.share_keys_from_pb(request)
+        shares = await self.engine.share_keys(
+            site_id, request.round, wire.session_id(request.session_id), msg
+        )
+        return wire.shares_for_recipient_to_pb(shares)
+
+    @rpc
+    async def UploadMaskedInput(
+        self, request_iterator: AsyncIterator[pb.MaskedInputChunk], context: Any
+    ) -> pb.MaskedInputResponse:
+        site_id = self._site(context)
+        iterator = request_iterator.__aiter__()
+        try:
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            raise ValidationError("empty upload stream") from None
+        if first.WhichOneof("part") != "header":
+            raise ValidationError("upload must start with a header")
+        header = first.header
+        session = wire.session_id(header.session_id) if header.session_id else b""
+
+        async def chunks() -> AsyncIterator[tuple[int, bytes]]:
+            async for item in iterator:
+                if item.WhichOneof("part") != "chunk":
+                    raise ValidationError("only one header per upload")
+                yield item.chunk.offset, item.chunk.data
+
+        survivors = await self.engine.upload(
+            site_id, header.round, session, header.vector_length, chunks()
+        )
+        return wire.survivors_to_pb(survivors)
+
+    @rpc
+    async def ConsistencyCheck(
+        self, request: pb.ConsistencyCheckRequest, context: Any
+    ) -> pb.ConsistencyCheckResponse:
+        site_id = self._site(context)
+        sigs = await self.engine.consistency(
+            site_id,
+            request.round,
+            wire.session_id(request.session_id),
+            wire.consistency_from_pb(request),
+        )
+        return wire.signatures_to_pb(sigs)
+
+    @rpc
+    async def Unmask(self, request: pb.UnmaskRequest, context: Any) -> pb.UnmaskResponse:
+        site_id = self._site(context)
+        contributors = await self.engine.unmask(
+            site_id,
+            request.round,
+            wire.session_id(request.session_id),
+            wire.unmask_from_pb(request),
+        )
+        return pb.UnmaskResponse(completed=True, contributors=contributors)

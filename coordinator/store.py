@@ -1,0 +1,247 @@
+"""What the coordinator must remember across a crash: rounds, checkpoints, enrolment.
+
+SQLite by default (one file under the state folder, WAL, synchronous=FULL). The SQL is
+kept portable (no SQLite-only types) so the same schema runs on PostgreSQL.
+
+A round is written as ``in_flight`` before any site hears of it; after a crash the next
+start marks it ``abandoned`` (nothing from it is ever unmasked) and numbering goes on
+from the largest number ever used, so a site can never confuse two rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.errors import ConfigError
+
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS meta (
+        key TEXT PRIMARY KEY,
+        value TEXT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS rounds (
+        round_number INTEGER PRIMARY KEY,
+        status TEXT NOT NULL,
+        started_at DOUBLE PRECISION NOT NULL,
+        finished_at DOUBLE PRECISION,
+        participants TEXT NOT NULL,
+        survivors TEXT,
+        dropped TEXT,
+        detail TEXT,
+        metrics TEXT)""",
+    """CREATE TABLE IF NOT EXISTS checkpoints (
+        round_number INTEGER PRIMARY KEY,
+        path TEXT NOT NULL,
+        sha256 TEXT NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS sites (
+        site_id TEXT PRIMARY KEY,
+        enrolled_at DOUBLE PRECISION NOT NULL,
+        last_seen DOUBLE PRECISION NOT NULL,
+        cert_serial TEXT NOT NULL,
+        agent_version TEXT NOT NULL,
+        device TEXT NOT NULL)""",
+)
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    round_number: int
+    status: str
+    started_at: float
+    finished_at: float | None
+    participants: tuple[str, ...]
+    survivors: tuple[str, ...]
+    dropped: tuple[str, ...]
+    detail: str
+    metrics: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    round_number: int
+    path: Path
+    sha256: str
+
+
+class CoordinatorStore:
+    """Thread-safe access to the coordinator's state database."""
+
+    def __init__(self, database_url: str) -> None:
+        self.url = database_url
+        path = sqlite_path(database_url)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        with self._tx() as cur:
+            for statement in SCHEMA:
+                cur.execute(statement)
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Cursor]:
+        with self._lock:
+            cur = self._conn.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                yield cur
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+            cur.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    # ------------------------------------------------------------------ meta
+    def get_meta(self, key: str) -> str | None:
+        with self._tx() as cur:
+            row = cur.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._tx() as cur:
+            cur.execute(
+                "INSERT INTO meta (key, value) VALUES (?, ?) "
+                "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (key, value),
+            )
+
+    # ---------------------------------------------------------------- rounds
+    def abandon_in_flight(self, *, now: float) -> list[int]:
+        """Mark rounds a crash left open as abandoned; returns their numbers."""
+        with self._tx() as cur:
+            rows = cur.execute(
+                "SELECT round_number FROM rounds WHERE status = 'in_flight'"
+            ).fetchall()
+            cur.execute(
+                "UPDATE rounds SET status = 'abandoned', finished_at = ?, "
+                "detail = 'coordinator restarted' WHERE status = 'in_flight'",
+                (now,),
+            )
+        return [int(r[0]) for r in rows]
+
+    def next_round_number(self) -> int:
+        with self._tx() as cur:
+            row = cur.execute("SELECT MAX(round_number) FROM rounds").fetchone()
+        return 1 if row is None or row[0] is None else int(row[0]) + 1
+
+    def begin_round(self, round_number: int, participants: Sequence[str], *, now: float) -> None:
+        with self._tx() as cur:
+            cur.execute(
+                "INSERT INTO rounds (round_number, status, started_at, participants) "
+                "VALUES (?, 'in_flight', ?, ?)",
+                (round_number, now, json.dumps(sorted(participants))),
+            )
+
+    def finish_round(
+        self,
+        round_number: int,
+        *,
+        status: str,
+        now: float,
+        survivors: Sequence[str] = (),
+        dropped: Sequence[str] = (),
+        detail: str = "",
+        metrics: dict[str, Any] | None = None,
+        checkpoint: Checkpoint | None = None,
+    ) -> None:
+        """Close a round; a checkpoint is recorded in the same transaction."""
+        with self._tx() as cur:
+            cur.execute(
+                "UPDATE rounds SET status = ?, finished_at = ?, survivors = ?, dropped = ?, "
+                "detail = ?, metrics = ? WHERE round_number = ?",
+                (
+                    status,
+                    now,
+                    json.dumps(sorted(survivors)),
+                    json.dumps(sorted(dropped)),
+                    detail,
+                    json.dumps(metrics or {}),
+                    round_number,
+                ),
+            )
+            if checkpoint is not None:
+                cur.execute(
+                    "INSERT INTO checkpoints (round_number, path, sha256, created_at) "
+                    "VALUES (?, ?, ?, ?)",
+                    (checkpoint.round_number, str(checkpoint.path), checkpoint.sha256, now),
+                )
+
+    def rounds(self) -> list[RoundRecord]:
+        with self._tx() as cur:
+            rows = cur.execute(
+                "SELECT round_number, status, started_at, finished_at, participants, survivors, "
+                "dropped, detail, metrics FROM rounds ORDER BY round_number"
+            ).fetchall()
+        return [
+            RoundRecord(
+                round_number=int(r[0]),
+                status=str(r[1]),
+                started_at=float(r[2]),
+                finished_at=None if r[3] is None else float(r[3]),
+                participants=tuple(json.loads(r[4])),
+                survivors=tuple(json.loads(r[5] or "[]")),
+                dropped=tuple(json.loads(r[6] or "[]")),
+                detail=str(r[7] or ""),
+                metrics=json.loads(r[8] or "{}"),
+            )
+            for r in rows
+        ]
+
+    def round_status(self, round_number: int) -> str | None:
+        with self._tx() as cur:
+            row = cur.execute(
+                "SELECT status FROM rounds WHERE round_number = ?", (round_number,)
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def completed_rounds(self) -> int:
+        with self._tx() as cur:
+            row = cur.execute("SELECT COUNT(*) FROM rounds WHERE status = 'completed'").fetchone()
+        return int(row[0])
+
+    def latest_checkpoint(self) -> Checkpoint | None:
+        with self._tx() as cur:
+            row = cur.execute(
+                "SELECT round_number, path, sha256 FROM checkpoints "
+                "ORDER BY round_number DESC LIMIT 1"
+            ).fetchone()
+        return None if row is None else Checkpoint(int(row[0]), Path(row[1]), str(row[2]))
+
+    # ----------------------------------------------------------------- sites
+    def record_site(
+        self, site_id: str, *, cert_serial: str, agent_version: str, device: str, now: float
+    ) -> None:
+        with self._tx() as cur:
+            cur.execute(
+                "INSERT INTO sites (site_id, enrolled_at, last_seen, cert_serial, agent_version, "
+                "device) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (site_id) DO UPDATE SET "
+                "last_seen = excluded.last_seen, cert_serial = excluded.cert_serial, "
+                "agent_version = excluded.agent_version, device = excluded.device",
+                (site_id, now, now, cert_serial, agent_version[:64], device[:64]),
+            )
+
+    def enrolled_sites(self) -> list[str]:
+        with self._tx() as cur:
+            rows = cur.execute("SELECT site_id FROM sites ORDER BY site_id").fetchall()
+        return [str(r[0]) for r in rows]
+
+
+def sqlite_path(database_url: str) -> Path:
+    """Path of a ``sqlite:///...`` URL (a bare path is accepted too)."""
+    if database_url.startswith("sqlite:///"):
+        return Path(database_url[len("sqlite:///") :])
+    if "://" in database_url:
+        raise ConfigError(
+            "database_url", f"unsupported database URL scheme in {database_url.split('://')[0]!r}"
+        )
+    return Path(database_url)

@@ -1,0 +1,462 @@
+"""The site agent's client loop: enrol, wait for rounds, train, run SecAgg+, repeat.
+
+Dials out only. Every round announcement is checked against this site's own policy
+before anything is computed; the privacy ledger is consulted before training and
+written before the update leaves the site; the SecAgg+ client verifies every
+signature and aborts (sending nothing more) whenever the coordinator misbehaves.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from common import wire
+from common.codec import CHUNK_BYTES, ChunkAssembler, digest, iter_chunks
+from common.config import SiteSettings
+from common.crypto.quantize import encode_update, max_integer_for_sites
+from common.crypto.random import numpy_generator, system_random
+from common.crypto.signing import SigningKey, VerifyingKey
+from common.errors import (
+    AbortReason,
+    BudgetExhausted,
+    CertificateRejected,
+    ConfigError,
+    CryptoError,
+    MedfedError,
+    ProtocolAbort,
+    ValidationError,
+)
+from common.pki import (
+    check_issued_by,
+    check_validity_window,
+    load_certificate,
+    parse_certificate,
+    site_id_from_certificate,
+)
+from common.privacy.ledger import PrivacyLedger
+from common.proto.medfed.v1 import federation_pb2 as pb
+from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
+from common.secagg.client import SecAggClient
+from common.secagg.params import SecAggParams, ThreatModel, validate_against_threat_model
+from common.tls import SiteTlsFiles, channel_credentials_from_files
+from site_agent.hooks import LocalUpdate, RoundPlan, TrainingHook
+from site_agent.metrics import SiteMetrics
+
+log = logging.getLogger("medfed.site")
+
+AGENT_VERSION = "medfed-site/0.1"
+WAIT_SECONDS = 30
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class RoundFailed(MedfedError):
+    """This round cannot go on for this site (the next one may)."""
+
+
+class FederationFinished(MedfedError):
+    """The coordinator ran all its rounds."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """A verified round announcement."""
+
+    number: int
+    nonce: bytes
+    params: SecAggParams | None
+    plan: RoundPlan
+    vector_length: int
+    bits: int
+    clip: float
+    weight_cap: int
+    model_sha256: bytes
+    model_bytes: int
+    secure: bool
+    phase_timeout: float
+    train_deadline: float
+
+
+def _utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class SiteAgent:
+    def __init__(
+        self,
+        settings: SiteSettings,
+        hook: TrainingHook,
+        *,
+        metrics: SiteMetrics,
+        ledger: PrivacyLedger | None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.settings = settings
+        self.site_id = settings.site
+        self.hook = hook
+        self.metrics = metrics
+        self.ledger = ledger
+        self.stop = stop or threading.Event()
+        ca, cert, key = settings.tls_paths()
+        self.tls_files = SiteTlsFiles(ca=ca, cert=cert, key=key)
+        self.credentials = channel_credentials_from_files(self.tls_files)
+        self.signing_key = SigningKey.from_pem(key.read_bytes())
+        # Roster certificates are checked against our own copy of the federation CA;
+        # revocation is enforced by the coordinator (hospitals get no CRL).
+        self.ca_cert = load_certificate(ca)
+        self.last_round = 0
+        self.rounds_done = 0
+        self._backoff = settings.reconnect.initial_backoff_seconds
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.FederationStub | None = None
+
+    # ------------------------------------------------------------- connection
+    def _connect(self) -> pb_grpc.FederationStub:
+        if self._stub is None:
+            self._channel = grpc.secure_channel(
+                self.settings.coordinator,
+                self.credentials,
+                options=[
+                    ("grpc.max_receive_message_length", 8 << 20),
+                    ("grpc.max_send_message_length", 8 << 20),
+                    ("grpc.keepalive_time_ms", 30_000),
+                    # The coordinator's certificate names its host; tests and single-host
+                    # demos dial 127.0.0.1, which the certificate lists as an IP SAN.
+                ],
+            )
+            self._stub = pb_grpc.FederationStub(self._channel)
+        return self._stub
+
+    def _disconnect(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        self._stub = None
+
+    def _sleep_backoff(self) -> None:
+        """Exponential backoff with full jitter, so restarted coordinators are not
+        hammered by every hospital at once."""
+        delay = random.uniform(0, self._backoff)  # noqa: S311 - jitter, not a secret
+        self._backoff = min(self._backoff * 2, self.settings.reconnect.max_backoff_seconds)
+        self.stop.wait(delay)
+
+    def budget_pb(self) -> pb.BudgetStatus:
+        if self.ledger is None:
+            return pb.BudgetStatus(privacy_unit=self.hook.privacy_unit)
+        status = self.ledger.status()
+        self.metrics.observe_budget(status.spent_epsilon, status.budget_epsilon)
+        return pb.BudgetStatus(
+            epsilon_budget=status.budget_epsilon,
+            epsilon_spent=status.spent_epsilon,
+            delta=status.delta,
+            privacy_unit=status.privacy_unit,
+        )
+
+    # ------------------------------------------------------------------- loop
+    def run(self) -> int:
+        """Serve rounds until the federation finishes (0) or we are told to stop."""
+        while not self.stop.is_set():
+            try:
+                self._session()
+                return 0
+            except FederationFinished:
+                log.info("federation finished after round %d", self.last_round)
+                return 0
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                    log.error("coordinator refused our certificate: %s", exc.details())
+                    return 3
+                log.warning("connection problem (%s): %s; reconnecting", code, exc.details())
+                self.metrics.connected.set(0)
+                self._disconnect()
+                self._sleep_backoff()
+        return 0
+
+    def _session(self) -> None:
+        stub = self._connect()
+        resp = stub.Enroll(
+            pb.EnrollRequest(
+                agent_version=AGENT_VERSION, budget=self.budget_pb(), device=self.hook.device
+            ),
+            timeout=30,
+        )
+        self.metrics.connected.set(1)
+        self._backoff = self.settings.reconnect.initial_backoff_seconds
+        log.info("enrolled in federation %s", resp.federation_id)
+        while not self.stop.is_set():
+            waited = stub.WaitForRound(
+                pb.WaitForRoundRequest(
+                    wait_seconds=WAIT_SECONDS, after_round=self.last_round, budget=self.budget_pb()
+                ),
+                timeout=WAIT_SECONDS + 15,
+            )
+            if waited.federation_finished:
+                raise FederationFinished("done")
+            if not waited.has_round:
+                continue
+            self._take_part(stub, waited.round)
+            limit = self.settings.exit_after_rounds
+            if limit is not None and self.rounds_done >= limit:
+                return
+
+    def _take_part(self, stub: pb_grpc.FederationStub, ann: pb.RoundAnnouncement) -> None:
+        self.last_round = max(self.last_round, ann.round)
+        try:
+            rnd = self.verify_announcement(ann)
+            self._run_round(stub, rnd)
+        except BudgetExhausted as exc:
+            log.warning("declining round %d: %s", ann.round, exc)
+            self.metrics.rounds.labels(outcome="declined_budget").inc()
+            stub.DeclineRound(
+                pb.DeclineRoundRequest(
+                    round=ann.round,
+                    reason=pb.DeclineRoundRequest.BUDGET_EXHAUSTED,
+                    budget=self.budget_pb(),
+                ),
+                timeout=30,
+            )
+        except ProtocolAbort as exc:
+            log.error("round %d aborted: %s", ann.round, exc)
+            self.metrics.rounds.labels(outcome="aborted").inc()
+        except (RoundFailed, ValidationError, CryptoError, ConfigError,
+                CertificateRejected) as exc:
+            log.error("round %d failed: %s", ann.round, exc)
+            self.metrics.rounds.labels(outcome="failed").inc()
+        except grpc.RpcError as exc:
+            if exc.code() in RETRYABLE:
+                raise
+            log.warning("round %d ended by coordinator: %s %s", ann.round, exc.code(),
+                        exc.details())
+            self.metrics.rounds.labels(outcome="aborted").inc()
+
+    # --------------------------------------------------------- announcement
+    def verify_announcement(self, ann: pb.RoundAnnouncement) -> Round:
+        """Check a round against this site's policy before computing anything."""
+        participants = wire.site_ids(ann.participants, "participants")
+        if self.site_id not in participants:
+            raise RoundFailed(f"round {ann.round} does not list this site")
+        if len(ann.round_nonce) != 16:
+            raise ValidationError("round nonce must be 16 bytes")
+        layout = wire.layout_from_pb(ann.model)
+        model_elements = sum(s.elements for s in layout)
+        bins = ann.histogram_bins
+        if not 2 <= bins <= 1000:
+            raise ValidationError("histogram_bins out of range")
+        expected_length = model_elements + 1 + 2 * bins
+        policy = self.settings.policy
+        if ann.vector_length != expected_length or ann.vector_length > policy.max_vector_length:
+            raise ValidationError(
+                f"vector_length {ann.vector_length} does not match the model ({expected_length})"
+            )
+        if not (0 < ann.clip < 1e6) or not (1 <= ann.quantization_bits <= 31):
+            raise ValidationError("clip or quantization bits out of range")
+        if not 1 <= ann.weight_cap <= max_integer_for_sites(len(participants)):
+            raise ValidationError("weight_cap out of range")
+        params = None
+        if ann.secure_aggregation:
+            params = SecAggParams(
+                round_number=ann.round,
+                round_nonce=ann.round_nonce,
+                participants=participants,
+                threshold=ann.threshold,
+                neighbours=ann.neighbours,
+                vector_length=ann.vector_length,
+            )
+            if ann.threshold < policy.min_threshold:
+                raise RoundFailed(
+                    f"threshold {ann.threshold} below this site's minimum {policy.min_threshold}"
+                )
+            # A coordinator cannot lower t below what this site's threat model needs.
+            validate_against_threat_model(
+                params,
+                ThreatModel(max_colluding_sites=policy.max_colluding_sites, max_dropouts=0),
+            )
+        elif not policy.allow_plain_aggregation:
+            # Plain FedAvg shows the coordinator each update: for benchmarks only.
+            raise RoundFailed("this site's policy requires secure aggregation")
+        plan = RoundPlan(
+            round_number=ann.round,
+            planned_rounds=max(ann.planned_rounds, 1),
+            local_epochs=ann.local_epochs,
+            learning_rate=ann.learning_rate,
+            fedprox_mu=ann.fedprox_mu,
+            histogram_bins=bins,
+            layout=layout,
+        )
+        return Round(
+            number=ann.round,
+            nonce=ann.round_nonce,
+            params=params,
+            plan=plan,
+            vector_length=ann.vector_length,
+            bits=ann.quantization_bits,
+            clip=ann.clip,
+            weight_cap=ann.weight_cap,
+            model_sha256=ann.model_sha256,
+            model_bytes=ann.model_bytes,
+            secure=ann.secure_aggregation,
+            phase_timeout=max(ann.phase_timeout_ms / 1000, 1.0),
+            train_deadline=ann.train_deadline_ms / 1000,
+        )
+
+    # ----------------------------------------------------------------- round
+    def _run_round(self, stub: pb_grpc.FederationStub, rnd: Round) -> None:
+        segments = self.hook.planned_segments(rnd.plan)
+        if self.ledger is not None and segments:
+            after = self.ledger.preview(rnd.number, segments)
+            if after > self.ledger.budget_epsilon:
+                raise BudgetExhausted(
+                    f"round {rnd.number} would bring epsilon to {after:.3f} "
+                    f"> budget {self.ledger.budget_epsilon:g}"
+                )
+        global_flat = self._download(stub, rnd)
+        if self.ledger is not None and segments:
+            # Write-ahead: the spend is on disk before any update can leave the site.
+            self.ledger.reserve(rnd.number, segments, now=_utcnow())
+            self.budget_pb()
+        started = time.perf_counter()
+        update = self.hook.train(rnd.plan, global_flat)
+        self.metrics.training_seconds.observe(time.perf_counter() - started)
+        self.metrics.samples_used.set(update.num_samples)
+        self.metrics.patients_used.set(update.patients)
+        vector = self._encode(rnd, update)
+        if self.settings.debug_write_updates:
+            self._write_debug(rnd.number, vector)
+        if rnd.secure:
+            self._secure_aggregation(stub, rnd, vector)
+        else:
+            stub.UploadMaskedInput(
+                self._upload_stream(rnd, b"", vector),
+                timeout=self._deadline(rnd, training=True),
+            )
+        self.rounds_done += 1
+        self.metrics.rounds.labels(outcome="completed").inc()
+        log.info("round %d done", rnd.number)
+
+    def _deadline(self, rnd: Round, *, training: bool = False) -> float:
+        """RPC timeout for a long-poll: the phase deadline plus slack."""
+        base = rnd.phase_timeout * 2 + 30
+        if training:
+            base += max(rnd.train_deadline - time.time(), 0)
+        return base
+
+    def _download(self, stub: pb_grpc.FederationStub, rnd: Round) -> np.ndarray:
+        from common.codec import bytes_to_flat, layout_bytes
+
+        total = layout_bytes(rnd.plan.layout)
+        if total != rnd.model_bytes:
+            raise ValidationError("announced model size does not match its layout")
+        buffer = bytearray(total)
+        assembler = ChunkAssembler(buffer, total_bytes=total, max_chunk_bytes=4 << 20)
+        for chunk in stub.DownloadModel(pb.DownloadModelRequest(round=rnd.number), timeout=300):
+            assembler.add(chunk.offset, chunk.data)
+        assembler.finish()
+        if digest(buffer) != rnd.model_sha256:
+            raise ValidationError("downloaded model does not match the announced SHA-256")
+        return bytes_to_flat(buffer, rnd.plan.layout)
+
+    def _encode(self, rnd: Round, update: LocalUpdate) -> np.ndarray:
+        n_sites = len(rnd.params.participants) if rnd.params else 2
+        weight = min(int(update.num_samples), rnd.weight_cap)
+        if update.delta.size != rnd.vector_length - 1 - 2 * rnd.plan.histogram_bins:
+            raise RoundFailed("update does not match the model size")
+        if not np.all(np.isfinite(update.delta)):
+            raise RoundFailed("update contains NaN or infinity")
+        # Scale by n_k / cap so FedAvg's weights come out of the secure sum.
+        scaled = update.delta * np.float32(weight / rnd.weight_cap)
+        cap = max_integer_for_sites(n_sites)
+        histogram = [min(int(c), cap) for c in update.histogram]
+        out = np.empty(rnd.vector_length, dtype=np.uint32)
+        encode_update(
+            scaled,
+            integers=[weight, *histogram],
+            clip=rnd.clip,
+            bits=rnd.bits,
+            n_sites=n_sites,
+            rng=numpy_generator(system_random),
+            out=out,
+        )
+        return out
+
+    def _write_debug(self, round_number: int, vector: np.ndarray) -> None:
+        folder = self.settings.state / "debug-updates"
+        folder.mkdir(parents=True, exist_ok=True)
+        vector.astype("<u4").tofile(folder / f"round-{round_number:06d}.u32")
+
+    def _upload_stream(
+        self, rnd: Round, session: bytes, vector: np.ndarray
+    ) -> Iterator[pb.MaskedInputChunk]:
+        yield pb.MaskedInputChunk(
+            header=pb.MaskedInputHeader(
+                round=rnd.number, session_id=session, vector_length=vector.size
+            )
+        )
+        for offset, data in iter_chunks(vector, chunk_bytes=CHUNK_BYTES):
+            yield pb.MaskedInputChunk(chunk=pb.ModelChunk(offset=offset, data=data))
+
+    def _identity(self, site_id: str, certificate_der: bytes) -> VerifyingKey:
+        """The key a roster entry must be signed with: from a certificate that chains to
+        OUR copy of the federation CA and names that site (a coordinator cannot swap
+        in keys of its own)."""
+        cert = parse_certificate(certificate_der)
+        now = _utcnow()
+        check_issued_by(cert, self.ca_cert, what=f"certificate of {site_id}")
+        check_validity_window(cert, now, what=f"certificate of {site_id}")
+        if site_id_from_certificate(cert) != site_id:
+            raise CertificateRejected(f"roster certificate does not name {site_id}")
+        return VerifyingKey.from_certificate(cert)
+
+    def _secure_aggregation(
+        self, stub: pb_grpc.FederationStub, rnd: Round, vector: np.ndarray
+    ) -> None:
+        if rnd.params is None:
+            raise ProtocolAbort(AbortReason.INVALID_PARAMETERS, "no SecAgg parameters")
+        client = SecAggClient(
+            rnd.params,
+            site_id=self.site_id,
+            signing_key=self.signing_key,
+            identity=self._identity,
+            rng=system_random,
+        )
+        try:
+            adv = client.advertise_keys()
+            roster_pb = stub.AdvertiseKeys(
+                wire.advertise_to_pb(adv, round_number=rnd.number, nonce=rnd.nonce),
+                timeout=self._deadline(rnd, training=True),
+            )
+            shares_out = client.receive_roster(wire.roster_from_pb(roster_pb))
+            session = client.session_id
+            received = stub.ShareKeys(
+                wire.share_keys_to_pb(shares_out, round_number=rnd.number, session=session),
+                timeout=self._deadline(rnd),
+            )
+            masked = client.receive_shares(wire.shares_for_recipient_from_pb(received), vector)
+            survivors_pb = stub.UploadMaskedInput(
+                self._upload_stream(rnd, session, masked.vector), timeout=self._deadline(rnd)
+            )
+            signature = client.receive_survivors(wire.survivors_from_pb(survivors_pb))
+            sigs_pb = stub.ConsistencyCheck(
+                pb.ConsistencyCheckRequest(
+                    round=rnd.number, session_id=session, signature=signature.signature
+                ),
+                timeout=self._deadline(rnd),
+            )
+            reveal = client.receive_consistency(wire.signatures_from_pb(sigs_pb))
+            result = stub.Unmask(
+                wire.unmask_to_pb(reveal, round_number=rnd.number, session=session),
+                timeout=self._deadline(rnd),
+            )
+            client.complete()
+            log.info("round %d unmasked: %d contributors", rnd.number, result.contributors)
+        except BaseException:
+            client.abort()
+            raise

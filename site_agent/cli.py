@@ -1,0 +1,88 @@
+"""`medfed site ...` commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from common.config import SiteSettings, load_settings
+from common.logs import configure_logging
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("site", help="run a hospital's site agent")
+    sub = parser.add_subparsers(dest="site_command", required=True, metavar="ACTION")
+    run = sub.add_parser(
+        "run",
+        help="connect to the coordinator (outbound only) and take part in rounds",
+        description="Flags override the TOML config file, which overrides environment "
+        "variables MEDFED_SITE_* (nested with __) and built-in defaults.",
+    )
+    run.add_argument("--config", type=Path, help="TOML settings file")
+    run.add_argument("--pki", type=Path, help="folder with ca.crt and sites/SITE.crt/.key")
+    run.add_argument("--tls-ca", type=Path, help="federation CA certificate (instead of --pki)")
+    run.add_argument("--tls-cert", type=Path, help="this site's certificate")
+    run.add_argument("--tls-key", type=Path, help="this site's private key")
+    run.add_argument("--site", help="this site's id (must match its certificate)")
+    run.add_argument("--coordinator", help="HOST:PORT of the coordinator")
+    run.add_argument("--metrics-listen", help="HOST:PORT of the Prometheus /metrics endpoint")
+    run.add_argument("--state", type=Path, help="folder for the privacy ledger and state")
+    run.add_argument("--data", type=Path, help="CSV or Parquet file with this site's records")
+    run.add_argument("--label-column", help="label column (0/1)")
+    run.add_argument("--patient-column", help="patient id column: patient-level DP")
+    run.add_argument("--budget-epsilon", type=float, help="this site's epsilon budget")
+    run.add_argument("--delta", type=float, help="DP delta")
+    run.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    run.add_argument(
+        "--trainer", choices=["dpsgd", "nonprivate", "test-deterministic"],
+        help="dpsgd (default); test-deterministic is for transport tests only",
+    )
+    run.add_argument("--exit-after-rounds", type=int, help="leave after this many rounds")
+    run.add_argument(
+        "--debug-write-updates", action="store_true", default=None,
+        help="TEST ONLY: write each round's plaintext ring update under STATE",
+    )
+    run.add_argument(
+        "--allow-plain-aggregation", action="store_true", default=None,
+        help="accept rounds without secure aggregation (benchmarks only)",
+    )
+    run.set_defaults(func=_run)
+
+
+def settings_from_args(args: argparse.Namespace) -> SiteSettings:
+    overrides: dict[str, Any] = {
+        "pki": args.pki,
+        "tls_ca": args.tls_ca,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "site": args.site,
+        "coordinator": args.coordinator,
+        "metrics_listen": args.metrics_listen,
+        "state": args.state,
+        "exit_after_rounds": args.exit_after_rounds,
+        "debug_write_updates": args.debug_write_updates,
+        "data": {
+            "path": args.data,
+            "label_column": args.label_column,
+            "patient_column": args.patient_column,
+        },
+        "privacy": {"budget_epsilon": args.budget_epsilon, "delta": args.delta},
+        "training": {"device": args.device, "trainer": args.trainer},
+        "policy": {"allow_plain_aggregation": args.allow_plain_aggregation},
+    }
+    return load_settings(SiteSettings, config_file=args.config, overrides=overrides)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from site_agent.runner import run_site
+
+    settings = settings_from_args(args)
+    configure_logging(f"site:{settings.site}", settings.log_level)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return run_site(settings, stop=stop, announce=lambda info: print(json.dumps(info), flush=True))

@@ -1,0 +1,230 @@
+"""Training hooks: what a site contributes to a round.
+
+The agent asks a hook, before anything else, which DP mechanism this round would run
+(`planned_segments`, so the ledger can refuse or record it write-ahead), then for the
+update itself. `DeterministicTestHook` is for tests and benchmarks of the transport;
+`DpTrainingHook` trains with Opacus DP-SGD on the site's data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from common.codec import TensorSpec
+from common.config import SiteSettings
+from common.errors import ConfigError
+from common.privacy.accountant import Segment
+
+log = logging.getLogger("medfed.site")
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """The parts of a round announcement a hook needs."""
+
+    round_number: int
+    planned_rounds: int
+    local_epochs: int
+    learning_rate: float
+    fedprox_mu: float
+    histogram_bins: int
+    layout: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class LocalUpdate:
+    delta: np.ndarray  # float32, new - global (already DP-noised when DP is on)
+    num_samples: int
+    histogram: np.ndarray  # int64, 2 * bins: scores of the GLOBAL model on held-out data
+    seconds: float
+    patients: int = 0
+
+
+class TrainingHook(Protocol):
+    privacy_unit: str
+    device: str
+
+    def planned_segments(self, plan: RoundPlan) -> list[Segment]: ...
+
+    def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate: ...
+
+
+class DeterministicTestHook:
+    """TEST ONLY: an update derived from (site, round), no data, no privacy cost.
+
+    Lets transport and fault tests check the coordinator's unmasked sum exactly.
+    """
+
+    privacy_unit = "none"
+    device = "cpu"
+
+    def __init__(self, site_id: str, *, scale: float = 0.5, samples: int = 100) -> None:
+        self.site_id = site_id
+        self.scale = scale
+        self.samples = samples
+
+    def planned_segments(self, plan: RoundPlan) -> list[Segment]:
+        return []
+
+    def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate:
+        seed = hashlib.sha256(f"{self.site_id}/{plan.round_number}".encode()).digest()
+        gen = np.random.Generator(np.random.PCG64(int.from_bytes(seed[:8], "big")))
+        delta = gen.uniform(-self.scale, self.scale, size=global_flat.size).astype(np.float32)
+        hist = gen.integers(0, 5, size=2 * plan.histogram_bins).astype(np.int64)
+        return LocalUpdate(delta, self.samples, hist, 0.0)
+
+
+class DpTrainingHook:
+    """Opacus DP-SGD (or non-private, for baselines) on this site's own data.
+
+    The trainer, and so the noise multiplier, is built at the first round from the
+    announced planned rounds and local epochs, with this site's budget as its target
+    epsilon: calibrated once for the whole planned schedule (DESIGN.md "Privacy").
+    """
+
+    def __init__(self, settings: SiteSettings, *, dp: bool) -> None:
+        from site_agent.data import prepare_site_split
+        from site_agent.device import select_device
+
+        self.settings = settings
+        self.dp = dp
+        data = load_configured_data(settings)
+        self.train_data, self.holdout, _ = prepare_site_split(
+            data, held_out_fraction=settings.data.holdout_fraction, seed=settings.training.seed
+        )
+        has_patients = data.patient_ids is not None
+        unit = settings.privacy.privacy_unit
+        if not dp:
+            self.privacy_unit = "none"
+        elif unit == "auto":
+            self.privacy_unit = "patient" if has_patients else "record"
+        else:
+            self.privacy_unit = unit
+        self.device = str(select_device(settings.training.device))
+        self.n_features = int(data.features.shape[1])
+        self._trainer: object | None = None
+        self._trainer_key: tuple[int, int] | None = None
+        self.patients = self.train_data.num_patients if has_patients else 0
+        if self.privacy_unit == "record":
+            log.warning(
+                "record-level DP: no patient column, so each encounter (not each patient) "
+                "is the privacy unit"
+            )
+
+    def model(self) -> Any:
+        from site_agent.models import TabularMLP
+
+        return TabularMLP(self.n_features)
+
+    def layout(self) -> tuple[TensorSpec, ...]:
+        return model_layout(self.model())
+
+    def trainer_for(self, plan: RoundPlan) -> Any:
+        from site_agent.trainer import LocalTrainer, TrainingConfig
+
+        key = (plan.planned_rounds, max(plan.local_epochs, 1))
+        if self._trainer is None or self._trainer_key != key:
+            cfg = self.settings
+            config = TrainingConfig(
+                batch_size=min(cfg.training.batch_size, max(len(self.train_data) // 4, 1)),
+                max_physical_batch_size=cfg.training.max_physical_batch_size,
+                local_epochs=key[1],
+                lr=plan.learning_rate,
+                optimizer=cfg.training.optimizer,
+                max_grad_norm=cfg.privacy.max_grad_norm,
+                target_epsilon=cfg.privacy.budget_epsilon,
+                delta=cfg.privacy.delta,
+                planned_rounds=plan.planned_rounds,
+                fedprox_mu=plan.fedprox_mu,
+                accountant=cfg.privacy.accountant,
+                dp=self.dp,
+                privacy_unit="patient" if self.privacy_unit == "patient" else (
+                    "record" if self.dp else "auto"
+                ),
+                grad_sample_mode=cfg.training.grad_sample_mode,
+                device=cfg.training.device,
+            )
+            self._trainer = LocalTrainer(
+                self.model, self.train_data, config, seed=cfg.training.seed
+            )
+            self._trainer_key = key
+        return self._trainer
+
+    def planned_segments(self, plan: RoundPlan) -> list[Segment]:
+        if plan.local_epochs == 0 or not self.dp:
+            return []
+        segments: list[Segment] = self.trainer_for(plan).planned_segments(plan.local_epochs)
+        return segments
+
+    def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate:
+        from site_agent.evaluation import score_histogram
+        from site_agent.models import load_flat_parameters
+        from site_agent.trainer import predict_scores
+
+        check_layout(self.layout(), plan.layout)
+        started = time.perf_counter()
+        # Evaluate the GLOBAL model on held-out data before training: its score
+        # histogram rides along in the secure sum (the federation's ROC, not ours).
+        probe = self.model()
+        load_flat_parameters(probe, global_flat)
+        scores = predict_scores(probe, self.holdout.features)
+        histogram = score_histogram(scores, self.holdout.labels, bins=plan.histogram_bins)
+        if plan.local_epochs == 0:
+            delta = np.zeros_like(global_flat, dtype=np.float32)
+            return LocalUpdate(delta, 0, histogram, time.perf_counter() - started, self.patients)
+        result = self.trainer_for(plan).train_round(
+            global_flat,
+            local_epochs=plan.local_epochs,
+            lr=plan.learning_rate,
+            fedprox_mu=plan.fedprox_mu,
+        )
+        return LocalUpdate(
+            result.delta_flat,
+            result.num_samples,
+            histogram,
+            time.perf_counter() - started,
+            self.patients,
+        )
+
+
+def load_configured_data(settings: SiteSettings) -> Any:
+    """This site's records: its file with the declared schema, or its slice of the
+    embedded synthetic cohort."""
+    from site_agent.data import DatasetSchema, load_site_data
+    from site_agent.synthetic import FEATURES, generate_cohort
+
+    data_cfg = settings.data
+    if data_cfg.synthetic_cohort_seed is not None:
+        return generate_cohort([settings.site], seed=data_cfg.synthetic_cohort_seed)[settings.site]
+    if data_cfg.path is None:
+        raise ConfigError("data.path", "set a data file or data.synthetic_cohort_seed")
+    features = data_cfg.features or list(FEATURES)
+    schema = DatasetSchema(
+        features=features,
+        label=data_cfg.label_column,
+        patient_id=data_cfg.patient_column,
+        nan_policy=data_cfg.nan_policy,
+    )
+    return load_site_data(data_cfg.path, schema)
+
+
+def model_layout(model: Any) -> tuple[TensorSpec, ...]:
+    """Wire layout of a torch model's parameters (float32, little-endian)."""
+    return tuple(
+        TensorSpec(name, "<f4", tuple(int(d) for d in p.shape))
+        for name, p in model.named_parameters()
+    )
+
+
+def check_layout(expected: tuple[TensorSpec, ...], announced: tuple[TensorSpec, ...]) -> None:
+    """The coordinator's model must be the architecture this site trains."""
+    if tuple(expected) != tuple(announced):
+        raise ConfigError(
+            "model", "the coordinator's model layout does not match this site's model"
+        )

@@ -1,0 +1,53 @@
+"""Prometheus metrics of a site agent (every name prefixed ``medfed_site_``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+TRAINING_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+
+
+class SiteMetrics:
+    def __init__(self, site_id: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.site_id = site_id
+        self.training_seconds = Histogram(
+            "medfed_site_training_duration_seconds",
+            "Local training time per round.",
+            buckets=TRAINING_BUCKETS,
+            registry=r,
+        )
+        self.rounds = Counter(
+            "medfed_site_rounds",
+            "Rounds this site took part in, by outcome "
+            "(completed, aborted, failed, declined_budget).",
+            ["outcome"],
+            registry=r,
+        )
+        self.epsilon_spent = Gauge(
+            "medfed_site_epsilon_spent", "Epsilon spent, composed over the ledger.", registry=r
+        )
+        self.epsilon_remaining = Gauge(
+            "medfed_site_epsilon_remaining", "Epsilon budget left.", registry=r
+        )
+        self.epsilon_budget = Gauge("medfed_site_epsilon_budget", "Epsilon budget.", registry=r)
+        self.samples_used = Gauge(
+            "medfed_site_training_samples", "Training records used in the last round.", registry=r
+        )
+        self.patients_used = Gauge(
+            "medfed_site_training_patients",
+            "Distinct patients in the training split (0 if record-level).",
+            registry=r,
+        )
+        self.device = Gauge(
+            "medfed_site_device_info", "Device used for training (label).", ["device"], registry=r
+        )
+        self.connected = Gauge(
+            "medfed_site_connected", "1 while enrolled with the coordinator.", registry=r
+        )
+
+    def observe_budget(self, spent: float, budget: float) -> None:
+        self.epsilon_spent.set(spent)
+        self.epsilon_budget.set(budget)
+        self.epsilon_remaining.set(max(budget - spent, 0.0))

@@ -1,0 +1,54 @@
+"""Wire a site agent together from its settings: TLS, ledger, hook, metrics."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from common.config import SiteSettings
+from common.metrics_http import serve_metrics
+from common.privacy.ledger import PrivacyLedger
+from site_agent.agent import SiteAgent
+from site_agent.hooks import DeterministicTestHook, DpTrainingHook, TrainingHook
+from site_agent.metrics import SiteMetrics
+
+
+def build_hook(settings: SiteSettings) -> TrainingHook:
+    trainer = settings.training.trainer
+    if trainer == "test-deterministic":
+        return DeterministicTestHook(settings.site)
+    return DpTrainingHook(settings, dp=trainer == "dpsgd")
+
+
+def open_ledger(settings: SiteSettings, hook: TrainingHook) -> PrivacyLedger | None:
+    if hook.privacy_unit == "none":
+        return None
+    privacy = settings.privacy
+    return PrivacyLedger(
+        settings.state / "privacy-ledger.db",
+        site_id=settings.site,
+        budget_epsilon=privacy.budget_epsilon,
+        delta=privacy.delta,
+        accountant=privacy.accountant,
+        privacy_unit=hook.privacy_unit,
+    )
+
+
+def run_site(
+    settings: SiteSettings,
+    *,
+    stop: threading.Event | None = None,
+    announce: Callable[[dict[str, Any]], None] | None = None,
+) -> int:
+    settings.state.mkdir(parents=True, exist_ok=True)
+    metrics = SiteMetrics(settings.site)
+    hook = build_hook(settings)
+    metrics.device.labels(device=hook.device).set(1)
+    ledger = open_ledger(settings, hook)
+    agent = SiteAgent(settings, hook, metrics=metrics, ledger=ledger, stop=stop)
+    agent.budget_pb()
+    _, metrics_port = serve_metrics(settings.metrics_listen, metrics.registry)
+    if announce is not None:
+        announce({"event": "started", "site": settings.site, "metrics_port": metrics_port})
+    return agent.run()

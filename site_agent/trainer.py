@@ -1,0 +1,498 @@
+"""Private local training at a site: Opacus DP-SGD (ghost clipping), patient-level DP.
+
+Privacy plan (DESIGN.md "Privacy"): the noise multiplier is calibrated ONCE for the
+whole planned schedule, ``planned_rounds x local steps per round``, with the shared
+accountant, so the site's target epsilon holds at the END of training rather than per
+round. Each round's mechanism is known before it runs (`planned_segments`) so the site
+agent can check its ledger and write the spend ahead of training.
+
+Each local step is one Poisson-subsampled Gaussian mechanism (Abadi et al. 2016,
+"Deep Learning with Differential Privacy", Alg. 1): every unit (record or patient) is
+in the batch independently with probability q = batch_size / N; a fixed number of
+steps per epoch, round(N / batch_size), is taken so the accounting is exact.
+
+Record level uses Opacus: ghost clipping (Li et al. 2022, "Large Language Models Can
+Be Strong Differentially Private Learners"; Bu et al. 2023 for the book-keeping) when
+the model allows it, per-sample-gradient hooks otherwise. Large logical batches are
+split into physical batches with the protocol of Opacus' `BatchMemoryManager`
+(`signal_skip_step`), driven directly from tensor indices: no DataLoader, which is
+most of the per-step cost for a small tabular model.
+
+Randomness: batches and noise come from torch generators seeded by `seed`. Tests pass
+fixed seeds; the site agent must pass a fresh seed from the OS CSPRNG for every
+trainer, since noise an attacker can predict protects nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
+from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+from opacus.validators import ModuleValidator
+from torch import nn
+
+from common.errors import ConfigError, DataError
+from common.privacy.accountant import Segment, plan_noise_multiplier
+from site_agent.data import SiteData, check_cohort_size
+from site_agent.device import select_device
+from site_agent.models import flatten_parameters, load_flat_parameters
+from site_agent.patient_dp import PatientLevelDPSGD, PatientSampler
+
+logger = logging.getLogger(__name__)
+
+PrivacyUnit = Literal["patient", "record", "none"]
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """How a site trains locally. `batch_size` is the EXPECTED logical batch, in units."""
+
+    batch_size: int = 256
+    max_physical_batch_size: int = 1024
+    local_epochs: int = 1
+    lr: float = 0.1
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    momentum: float = 0.0
+    max_grad_norm: float = 1.0
+    target_epsilon: float = 8.0
+    delta: float = 1e-5
+    planned_rounds: int = 10
+    fedprox_mu: float = 0.0
+    accountant: str = "prv"
+    dp: bool = True
+    privacy_unit: Literal["auto", "patient", "record"] = "auto"
+    grad_sample_mode: Literal["ghost", "hooks", "auto"] = "auto"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        positive_ints = ("batch_size", "max_physical_batch_size", "local_epochs", "planned_rounds")
+        for name in positive_ints:
+            if getattr(self, name) < 1:
+                raise ConfigError(name, "must be >= 1")
+        for name in ("lr", "max_grad_norm", "target_epsilon"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, "must be positive")
+        if not 0.0 < self.delta < 1.0:
+            raise ConfigError("delta", "must be in (0, 1)")
+        if self.fedprox_mu < 0 or self.momentum < 0:
+            raise ConfigError("fedprox_mu", "fedprox_mu and momentum must be >= 0")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ConfigError("optimizer", "must be 'sgd' or 'adam'")
+        if self.privacy_unit not in ("auto", "patient", "record"):
+            raise ConfigError("privacy_unit", "must be 'auto', 'patient' or 'record'")
+        if self.grad_sample_mode not in ("ghost", "hooks", "auto"):
+            raise ConfigError("grad_sample_mode", "must be 'ghost', 'hooks' or 'auto'")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What one local round produced; `delta_flat` = new - global, float32."""
+
+    delta_flat: np.ndarray
+    num_samples: int
+    segments: list[Segment]
+    seconds: float
+    device: str
+    privacy_unit: PrivacyUnit
+    mean_loss: float
+
+
+def _linear_norm_sample(
+    layer: nn.Linear, activations: list[torch.Tensor], backprops: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradient norms of a Linear layer on [batch, features] inputs.
+
+    Ghost norm (Goodfellow 2015; Li et al. 2022): the per-sample weight gradient is the
+    outer product g_i a_i^T, whose Frobenius norm is ||g_i|| ||a_i||, so no per-sample
+    gradient is ever materialised. Same maths as Opacus' sampler, without its generic
+    einsum dispatch, which dominates the cost for small tabular models.
+    """
+    if backprops.dim() != 2:
+        result: dict[nn.Parameter, torch.Tensor] = _OPACUS_LINEAR_NORM(
+            layer, activations, backprops
+        )
+        return result
+    g_sq = backprops.square().sum(dim=1)
+    out = {}
+    if layer.weight.requires_grad:
+        a_sq = activations[0].to(backprops.dtype).square().sum(dim=1)
+        out[layer.weight] = (g_sq * a_sq).sqrt()
+    if layer.bias is not None and layer.bias.requires_grad:
+        out[layer.bias] = g_sq.sqrt()
+    return out
+
+
+_OPACUS_LINEAR_NORM = GradSampleModuleFastGradientClipping.NORM_SAMPLERS[nn.Linear]
+
+
+class _GhostModule(GradSampleModuleFastGradientClipping):  # type: ignore[misc]
+    """Opacus ghost clipping with a leaner Linear norm sampler (class-local registry)."""
+
+    NORM_SAMPLERS = {**GradSampleModuleFastGradientClipping.NORM_SAMPLERS}
+    NORM_SAMPLERS[nn.Linear] = _linear_norm_sample
+
+
+class _GhostOptimizer(DPOptimizerFastGradientClipping):  # type: ignore[misc]
+    """Opacus' ghost-clipping optimizer with cheaper accumulation and noise.
+
+    Opacus deep-copies every gradient to accumulate it and draws noise tensor by tensor;
+    for a small model that Python overhead costs more than the arithmetic. Same maths:
+    summed_grad = sum of the (already clipped) chunk gradients; noise N(0, (sigma C)^2).
+    """
+
+    def accumulate(self) -> None:
+        for p in self.params:
+            if p.summed_grad is not None:
+                p.summed_grad.add_(p.grad)
+            else:
+                p.summed_grad = p.grad.detach().clone()
+
+    def add_noise(self) -> None:
+        params = self.params
+        total = sum(p.numel() for p in params)
+        noise = torch.normal(
+            0.0,
+            self.noise_multiplier * self.max_grad_norm,
+            size=(total,),
+            generator=self.generator,
+            device=params[0].device,
+        )
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = (p.summed_grad + noise[offset : offset + n].view_as(p.summed_grad)).view_as(
+                p
+            )
+            offset += n
+
+
+def _bce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.binary_cross_entropy_with_logits(logits, targets, reduction="sum")
+
+
+class LocalTrainer:
+    """Trains one site's model for a round from the global weights; DP by default.
+
+    Opacus wrapping happens once, in the constructor; each round loads the new global
+    weights into the same (wrapped) model and optimizer.
+    """
+
+    def __init__(
+        self,
+        model_factory: Callable[[], nn.Module],
+        data: SiteData,
+        config: TrainingConfig,
+        *,
+        seed: int,
+    ) -> None:
+        self.config = config
+        self.device = select_device(config.device)
+        self.model = model_factory().to(self.device)
+        if len(data) == 0:
+            raise DataError("no training records", file=data.source or None)
+        self.features = torch.as_tensor(data.features, dtype=torch.float32, device=self.device)
+        self.labels = torch.as_tensor(data.labels, dtype=torch.float32, device=self.device)
+        self.num_samples = len(data)
+        self._sampling_generator = torch.Generator().manual_seed(seed)
+        self._noise_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
+
+        self.privacy_unit: PrivacyUnit = self._choose_unit(data)
+        if self.privacy_unit == "patient":
+            ids = data.patient_ids if data.patient_ids is not None else np.array([])
+            _, inverse = np.unique(ids, return_inverse=True)
+            self._patient_of_record = torch.as_tensor(inverse, device=self.device)
+            self.num_units = int(inverse.max()) + 1
+        else:
+            self.num_units = self.num_samples
+        if config.dp:
+            check_cohort_size(
+                self.num_units, delta=config.delta, unit=self.privacy_unit,
+                file=data.source or None,
+            )
+        if config.batch_size > self.num_units:
+            raise ConfigError(
+                "batch_size", f"{config.batch_size} exceeds the {self.num_units} available units"
+            )
+        self.sample_rate = config.batch_size / self.num_units
+        # A fixed number of steps per epoch (= 1/q) makes the accounting exact and
+        # independent of the sampled batch sizes.
+        self.steps_per_epoch = max(1, round(self.num_units / config.batch_size))
+
+        self.noise_multiplier = 0.0
+        if config.dp:
+            self.noise_multiplier = plan_noise_multiplier(
+                target_epsilon=config.target_epsilon,
+                delta=config.delta,
+                sample_rate=self.sample_rate,
+                steps=config.planned_rounds * config.local_epochs * self.steps_per_epoch,
+                accountant=config.accountant,
+            )
+        self.grad_sample_mode = "none"
+        self._build_training_objects()
+
+    # ----------------------------------------------------------------- setup
+    def _choose_unit(self, data: SiteData) -> PrivacyUnit:
+        if not self.config.dp:
+            return "none"
+        wanted = self.config.privacy_unit
+        if wanted == "patient" and data.patient_ids is None:
+            raise ConfigError("privacy_unit", "patient-level DP needs a patient id column")
+        if wanted == "record" or data.patient_ids is None:
+            return "record"
+        return "patient"
+
+    def _base_optimizer(self, params: Any) -> torch.optim.Optimizer:
+        if self.config.optimizer == "adam":
+            return torch.optim.Adam(params, lr=self.config.lr)
+        return torch.optim.SGD(params, lr=self.config.lr, momentum=self.config.momentum)
+
+    def _build_training_objects(self) -> None:
+        cfg = self.config
+        if cfg.dp:
+            errors = ModuleValidator.validate(self.model, strict=False)
+            if errors:
+                raise ConfigError("model", f"not usable with DP-SGD: {errors[0]}")
+        if self.privacy_unit in ("none", "patient"):
+            self.optimizer = self._base_optimizer(self.model.parameters())
+            self.trained_module: nn.Module = self.model
+            if self.privacy_unit == "patient":
+                self.grad_sample_mode = "functorch-per-patient"
+                self._patient_engine = PatientLevelDPSGD(
+                    self.model,
+                    noise_multiplier=self.noise_multiplier,
+                    max_grad_norm=cfg.max_grad_norm,
+                    expected_patients=cfg.batch_size,
+                    max_physical_batch_size=cfg.max_physical_batch_size,
+                    generator=self._noise_generator,
+                )
+                self._patient_sampler = PatientSampler(
+                    self._patient_of_record, sample_rate=self.sample_rate
+                )
+            logger.info("training with privacy unit %s", self.privacy_unit)
+            return
+        mode = cfg.grad_sample_mode
+        if mode in ("ghost", "auto"):
+            try:
+                self._build_ghost()
+                self.grad_sample_mode = "ghost"
+            except (NotImplementedError, ValueError) as exc:
+                if mode == "ghost":
+                    raise ConfigError("grad_sample_mode", f"ghost clipping unavailable: {exc}")
+                logger.info("ghost clipping unavailable (%s); falling back to hooks", exc)
+                self.model.zero_grad(set_to_none=True)
+        if self.grad_sample_mode != "ghost":
+            self._build_hooks()
+            self.grad_sample_mode = "hooks"
+        logger.info("record-level DP-SGD with grad_sample_mode=%s", self.grad_sample_mode)
+
+    def _build_ghost(self) -> None:
+        cfg = self.config
+        module = _GhostModule(
+            self.model,
+            batch_first=True,
+            loss_reduction="mean",
+            max_grad_norm=cfg.max_grad_norm,
+            use_ghost_clipping=True,
+        )
+        optimizer = _GhostOptimizer(
+            self._base_optimizer(self.model.parameters()),
+            noise_multiplier=self.noise_multiplier,
+            max_grad_norm=cfg.max_grad_norm,
+            expected_batch_size=cfg.batch_size,
+            loss_reduction="mean",
+            generator=self._noise_generator,
+        )
+        criterion = DPLossFastGradientClipping(
+            module, optimizer, nn.BCEWithLogitsLoss(reduction="mean"), "mean"
+        )
+        self.trained_module, self.optimizer, self._criterion = module, optimizer, criterion
+
+    def _build_hooks(self) -> None:
+        cfg = self.config
+        module = GradSampleModule(self.model, batch_first=True, loss_reduction="mean")
+        optimizer = DPOptimizer(
+            self._base_optimizer(self.model.parameters()),
+            noise_multiplier=self.noise_multiplier,
+            max_grad_norm=cfg.max_grad_norm,
+            expected_batch_size=cfg.batch_size,
+            loss_reduction="mean",
+            generator=self._noise_generator,
+        )
+        self.trained_module, self.optimizer = module, optimizer
+        self._criterion = nn.BCEWithLogitsLoss(reduction="mean")
+
+    # -------------------------------------------------------------- accounting
+    def planned_segments(self, local_epochs: int | None = None) -> list[Segment]:
+        """The DP mechanism one round will run, known BEFORE training (for the ledger)."""
+        if not self.config.dp:
+            return []
+        epochs = self.config.local_epochs if local_epochs is None else local_epochs
+        if epochs < 1:
+            raise ConfigError("local_epochs", "must be >= 1")
+        return [Segment(self.noise_multiplier, self.sample_rate, epochs * self.steps_per_epoch)]
+
+    # ---------------------------------------------------------------- training
+    def train_round(
+        self,
+        global_flat: np.ndarray,
+        *,
+        local_epochs: int | None = None,
+        lr: float | None = None,
+        fedprox_mu: float | None = None,
+    ) -> TrainResult:
+        """Train from `global_flat`; return the update and the mechanism that ran."""
+        cfg = self.config
+        epochs = cfg.local_epochs if local_epochs is None else local_epochs
+        mu = cfg.fedprox_mu if fedprox_mu is None else fedprox_mu
+        segments = self.planned_segments(epochs)
+        if mu < 0:
+            raise ConfigError("fedprox_mu", "must be >= 0")
+        started = time.perf_counter()
+        global_vec = np.asarray(global_flat, dtype=np.float32)
+        load_flat_parameters(self.model, global_vec)
+        self._reset_optimizer(cfg.lr if lr is None else lr)
+        anchor = [p.detach().clone() for p in self.model.parameters()] if mu > 0 else None
+        self.trained_module.train()
+        losses: list[float] = []
+        for _ in range(epochs):
+            if self.privacy_unit == "none":
+                losses.extend(self._nonprivate_epoch(anchor, mu))
+                continue
+            for _ in range(self.steps_per_epoch):
+                if self.privacy_unit == "patient":
+                    losses.append(self._patient_step(anchor, mu))
+                else:
+                    losses.append(self._record_step(anchor, mu))
+        delta = flatten_parameters(self.model) - global_vec
+        return TrainResult(
+            delta_flat=delta.astype(np.float32),
+            num_samples=self.num_samples,
+            segments=segments,
+            seconds=time.perf_counter() - started,
+            device=str(self.device),
+            privacy_unit=self.privacy_unit,
+            mean_loss=float(np.mean(losses)) if losses else float("nan"),
+        )
+
+    def _reset_optimizer(self, lr: float) -> None:
+        # Local optimizer state (momentum, Adam moments) does not carry across rounds:
+        # each round starts from a new global model.
+        base = getattr(self.optimizer, "original_optimizer", self.optimizer)
+        base.state.clear()
+        for group in base.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _add_proximal_gradient(self, anchor: list[torch.Tensor] | None, mu: float) -> None:
+        """FedProx (Li et al. 2020): add grad of mu/2 ||w - w_global||^2 = mu (w - w_global).
+
+        Added AFTER clipping and noise: the proximal term does not depend on any record,
+        so it needs no clipping and costs no privacy (post-processing). Adding it per
+        sample would waste clipping budget on a data-independent pull.
+        """
+        if anchor is None or mu == 0:
+            return
+        for p, w0 in zip(self.model.parameters(), anchor):
+            if p.grad is not None:
+                p.grad.add_(p.detach() - w0, alpha=mu)
+
+    def _base_step(self) -> None:
+        base = getattr(self.optimizer, "original_optimizer", self.optimizer)
+        base.step()
+
+    def _nonprivate_epoch(self, anchor: list[torch.Tensor] | None, mu: float) -> list[float]:
+        losses = []
+        order = torch.randperm(self.num_samples, generator=self._sampling_generator)
+        order = order.to(self.device)
+        for batch in order.split(self.config.batch_size):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.binary_cross_entropy_with_logits(
+                self.model(self.features[batch]), self.labels[batch]
+            )
+            loss.backward()
+            self._add_proximal_gradient(anchor, mu)
+            self.optimizer.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    def _poisson_records(self) -> torch.Tensor:
+        chosen = torch.rand(self.num_samples, generator=self._sampling_generator)
+        return torch.nonzero(chosen < self.sample_rate).reshape(-1).to(self.device)
+
+    def _record_step(self, anchor: list[torch.Tensor] | None, mu: float) -> float:
+        """One DP-SGD step over a Poisson batch, split into physical chunks."""
+        batch = self._poisson_records()
+        if batch.numel() == 0:
+            self._noise_only_step(anchor, mu)
+            return float("nan")
+        optimizer = self.optimizer
+        chunks = batch.split(self.config.max_physical_batch_size)
+        total_loss = 0.0
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            # BatchMemoryManager protocol: all but the last chunk only clip+accumulate.
+            optimizer.signal_skip_step(do_skip=not last)
+            logits = self.trained_module(self.features[chunk])
+            loss = self._criterion(logits, self.labels[chunk])
+            loss.backward()
+            total_loss += float(loss.detach()) * int(chunk.numel())
+            if last:
+                if optimizer.pre_step():
+                    self._add_proximal_gradient(anchor, mu)
+                    self._base_step()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return total_loss / int(batch.numel())
+
+    def _noise_only_step(self, anchor: list[torch.Tensor] | None, mu: float) -> None:
+        """An empty Poisson batch still releases noise (the mechanism ran; q is unchanged)."""
+        std = self.noise_multiplier * self.config.max_grad_norm
+        for p in self.model.parameters():
+            noise = torch.normal(
+                0.0, std, size=p.shape, generator=self._noise_generator, device=p.device
+            )
+            p.grad = noise / self.config.batch_size
+        self._add_proximal_gradient(anchor, mu)
+        self._base_step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _patient_step(self, anchor: list[torch.Tensor] | None, mu: float) -> float:
+        records, patient_index, num_patients = self._patient_sampler.sample(
+            self._sampling_generator
+        )
+        features, labels = self.features[records], self.labels[records]
+        self._patient_engine.compute_grad(features, labels, patient_index, num_patients)
+        self._add_proximal_gradient(anchor, mu)
+        self._base_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if records.numel() == 0:
+            return float("nan")
+        with torch.no_grad():
+            return float(_bce_sum(self.model(features), labels)) / int(records.numel())
+
+    # -------------------------------------------------------------- inference
+    def predict(self, features: np.ndarray) -> np.ndarray:
+        """Sigmoid scores of the current local model (for held-out evaluation)."""
+        return predict_scores(self.model, features, device=self.device)
+
+
+def predict_scores(
+    model: nn.Module, features: np.ndarray, *, device: torch.device | str = "cpu"
+) -> np.ndarray:
+    """Sigmoid scores in [0, 1] of a binary-logit model, in float64."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        x = torch.as_tensor(np.asarray(features, dtype=np.float32), device=device)
+        scores = torch.sigmoid(model(x)).to("cpu", torch.float64).numpy()
+    model.train(was_training)
+    return np.asarray(scores)

@@ -1,0 +1,410 @@
+"""One test per attack by a deviating coordinator, each asserting the abort reason.
+
+The coordinator's deviations are injected with the harness's `tamper` hook (what it
+delivers to one site is rewritten) or by driving the phases by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from secagg_harness import Federation, make_federation, random_inputs, run_round
+
+from common.crypto.keyagreement import generate_keypair
+from common.crypto.random import DeterministicRandom
+from common.errors import AbortReason, ProtocolAbort
+from common.secagg.client import RevealGuard
+from common.secagg.messages import (
+    ConsistencySignatures,
+    EncryptedShare,
+    Roster,
+    ShareKind,
+    SharesForRecipient,
+    SurvivorList,
+)
+from common.secagg.phases import Phase
+
+VICTIM = "site-000"
+
+
+def attack(
+    tamper_type: type,
+    rewrite: object,
+    *,
+    n: int = 6,
+    threshold: int = 4,
+    neighbours: int = 0,
+    rejected: list[str] | None = None,
+) -> tuple[ProtocolAbort, Federation]:
+    """Run a round in which the coordinator rewrites messages of `tamper_type` to VICTIM."""
+    federation = make_federation(n, threshold=threshold, neighbours=neighbours)
+
+    def tamper(site: str, message: object) -> object:
+        if site == VICTIM and isinstance(message, tamper_type):
+            return rewrite(message)  # type: ignore[operator]
+        return message
+
+    with pytest.raises(ProtocolAbort) as caught:
+        run_round(federation, random_inputs(federation.params, 1), tamper=tamper, rejected=rejected)
+    # The victim is now terminally aborted: it will answer nothing else.
+    assert federation.clients[VICTIM].phase is Phase.ABORTED
+    return caught.value, federation
+
+
+# ----------------------------------------------------------------- roster attacks
+def test_abort_when_server_swaps_a_public_key() -> None:
+    def swap(roster: Roster) -> Roster:
+        fake = generate_keypair(DeterministicRandom(b"coordinator"))
+        entries = list(roster.entries)
+        entries[1] = dataclasses.replace(entries[1], masking_public_key=fake.public_key)
+        return Roster(tuple(entries))
+
+    error, _ = attack(Roster, swap)
+    assert error.reason is AbortReason.BAD_SIGNATURE
+
+
+def test_abort_when_server_swaps_this_sites_own_key() -> None:
+    def swap(roster: Roster) -> Roster:
+        fake = generate_keypair(DeterministicRandom(b"coordinator"))
+        entries = list(roster.entries)
+        entries[0] = dataclasses.replace(entries[0], encryption_public_key=fake.public_key)
+        return Roster(tuple(entries))
+
+    error, _ = attack(Roster, swap)
+    assert error.reason is AbortReason.KEY_MISMATCH
+
+
+def test_abort_when_server_presents_another_sites_certificate() -> None:
+    def swap(roster: Roster) -> Roster:
+        entries = list(roster.entries)
+        entries[2] = dataclasses.replace(entries[2], certificate_der=entries[3].certificate_der)
+        return Roster(tuple(entries))
+
+    error, _ = attack(Roster, swap)
+    assert error.reason is AbortReason.BAD_SIGNATURE
+
+
+def test_abort_when_server_replays_roster_from_another_round() -> None:
+    old = make_federation(6, threshold=4, round_number=6)
+    run_round(old, random_inputs(old.params, 1))
+    old_roster = _roster_of(old)
+
+    def replay(roster: Roster) -> Roster:
+        # Our own entry is current (else KEY_MISMATCH); the peers' keys and signatures
+        # are last round's, whose secrets the coordinator might have learnt since.
+        return Roster((roster.entries[0], *old_roster[1:]))
+
+    error, _ = attack(Roster, replay)
+    assert error.reason is AbortReason.BAD_SIGNATURE
+
+
+def test_abort_when_roster_repeats_a_site() -> None:
+    error, _ = attack(Roster, lambda r: Roster((*r.entries, r.entries[1])))
+    assert error.reason is AbortReason.DUPLICATE_PEER
+
+
+def test_abort_when_roster_names_an_unknown_site() -> None:
+    def add_stranger(roster: Roster) -> Roster:
+        stranger = dataclasses.replace(roster.entries[1], site_id="site-999")
+        return Roster((*roster.entries, stranger))
+
+    error, _ = attack(Roster, add_stranger)
+    assert error.reason is AbortReason.UNKNOWN_PEER
+
+
+def test_abort_when_roster_omits_this_site() -> None:
+    error, _ = attack(Roster, lambda r: Roster(r.entries[1:]))
+    assert error.reason is AbortReason.SELF_MISSING
+
+
+def test_abort_when_roster_has_fewer_than_t_sites() -> None:
+    error, _ = attack(Roster, lambda r: Roster(r.entries[:3]))
+    assert error.reason is AbortReason.TOO_FEW_PARTICIPANTS
+
+
+# ------------------------------------------------------------------ share attacks
+def test_abort_when_server_tampers_with_a_share() -> None:
+    def flip(inbox: SharesForRecipient) -> SharesForRecipient:
+        first = inbox.shares[0]
+        corrupted = bytearray(first.ciphertext)
+        corrupted[20] ^= 0x01
+        return SharesForRecipient((EncryptedShare(first.peer_site_id, bytes(corrupted)),))
+
+    error, _ = attack(SharesForRecipient, flip)
+    assert error.reason is AbortReason.DECRYPTION_FAILED
+
+
+def test_abort_when_server_relabels_the_sender_of_a_share() -> None:
+    def relabel(inbox: SharesForRecipient) -> SharesForRecipient:
+        # Share from site-001 presented as coming from site-002 (AD binds the sender).
+        a, b, *rest = inbox.shares
+        return SharesForRecipient(
+            (
+                EncryptedShare(a.peer_site_id, b.ciphertext),
+                EncryptedShare(b.peer_site_id, a.ciphertext),
+                *rest,
+            )
+        )
+
+    error, _ = attack(SharesForRecipient, relabel)
+    assert error.reason is AbortReason.DECRYPTION_FAILED
+
+
+def test_abort_when_server_replays_a_share_from_another_round() -> None:
+    old = make_federation(6, threshold=4, round_number=6)
+    captured: dict[str, SharesForRecipient] = {}
+
+    def capture(site: str, message: object) -> object:
+        if site == VICTIM and isinstance(message, SharesForRecipient):
+            captured["inbox"] = message
+        return message
+
+    run_round(old, random_inputs(old.params, 1), tamper=capture)
+    error, _ = attack(SharesForRecipient, lambda _: captured["inbox"])
+    assert error.reason is AbortReason.DECRYPTION_FAILED
+
+
+def test_abort_when_server_duplicates_a_share() -> None:
+    error, _ = attack(
+        SharesForRecipient, lambda inbox: SharesForRecipient((*inbox.shares, inbox.shares[0]))
+    )
+    assert error.reason is AbortReason.DUPLICATE_PEER
+
+
+def test_abort_when_server_delivers_a_share_from_a_non_neighbour() -> None:
+    federation = make_federation(8, threshold=3, neighbours=2)
+    run_round(federation, random_inputs(federation.params, 1))
+    neighbours = set(federation.clients[VICTIM].neighbours)
+    stranger = next(s for s in federation.params.participants[1:] if s not in neighbours)
+
+    def forge(inbox: SharesForRecipient) -> SharesForRecipient:
+        return SharesForRecipient(
+            (*inbox.shares, EncryptedShare(stranger, inbox.shares[0].ciphertext))
+        )
+
+    error, _ = attack(SharesForRecipient, forge, n=8, threshold=3, neighbours=2)
+    assert error.reason is AbortReason.NOT_A_NEIGHBOUR
+
+
+# -------------------------------------------------------------- survivor attacks
+def test_abort_when_server_lists_peer_as_both_alive_and_dropped() -> None:
+    error, _ = attack(
+        SurvivorList, lambda s: SurvivorList(s.survivors, (*s.dropped, s.survivors[1]))
+    )
+    assert error.reason is AbortReason.PEER_BOTH_ALIVE_AND_DROPPED
+
+
+def test_abort_when_server_repeats_a_peer() -> None:
+    error, _ = attack(
+        SurvivorList, lambda s: SurvivorList((*s.survivors, s.survivors[1]), s.dropped)
+    )
+    assert error.reason is AbortReason.DUPLICATE_PEER
+
+
+def test_abort_when_server_names_an_unknown_peer() -> None:
+    error, _ = attack(SurvivorList, lambda s: SurvivorList((*s.survivors, "site-999"), s.dropped))
+    assert error.reason is AbortReason.UNKNOWN_PEER
+
+
+def test_abort_when_server_lists_this_site_as_dropped() -> None:
+    error, _ = attack(SurvivorList, lambda s: SurvivorList(s.survivors[1:], (*s.dropped, VICTIM)))
+    assert error.reason is AbortReason.SELF_LISTED_AS_DROPPED
+
+
+def test_abort_when_server_omits_this_site_from_survivors() -> None:
+    error, _ = attack(SurvivorList, lambda s: SurvivorList(s.survivors[1:], s.dropped))
+    assert error.reason is AbortReason.SELF_MISSING
+
+
+def test_abort_when_server_lists_a_peer_that_sent_no_shares() -> None:
+    # The coordinator withholds site-001's shares from the victim yet lists site-001
+    # as a survivor: the victim never masked against it.
+    def withhold(message: object) -> object:
+        if isinstance(message, SharesForRecipient):
+            return SharesForRecipient(
+                tuple(s for s in message.shares if s.peer_site_id != "site-001")
+            )
+        return message
+
+    federation = make_federation(6, threshold=4)
+
+    def tamper(site: str, message: object) -> object:
+        return withhold(message) if site == VICTIM else message
+
+    with pytest.raises(ProtocolAbort) as caught:
+        run_round(federation, random_inputs(federation.params, 1), tamper=tamper)
+    assert caught.value.reason is AbortReason.SURVIVORS_NOT_SUBSET
+
+
+def test_abort_when_server_hides_a_peer_that_sent_shares() -> None:
+    error, _ = attack(
+        SurvivorList,
+        lambda s: SurvivorList(tuple(x for x in s.survivors if x != "site-001"), s.dropped),
+    )
+    assert error.reason is AbortReason.SURVIVORS_NOT_SUBSET
+
+
+# ------------------------------------------------------------ consistency attacks
+def test_abort_when_server_sends_different_survivor_sets() -> None:
+    """Equivocation: the victim is told site-005 dropped, everybody else that it lived.
+
+    If the victim revealed site-005's mask key while the others revealed its self-mask
+    seed, the coordinator would unmask site-005's input. The victim's signature fails
+    at the coordinator; the others' signatures do not verify on the victim's list.
+    """
+    rejected: list[str] = []
+
+    def equivocate(s: SurvivorList) -> SurvivorList:
+        return SurvivorList(tuple(x for x in s.survivors if x != "site-005"), ("site-005",))
+
+    error, federation = attack(SurvivorList, equivocate, rejected=rejected)
+    assert error.reason is AbortReason.INCONSISTENT_SURVIVOR_SETS
+    assert rejected == [VICTIM]  # the honest coordinator refused the victim's signature
+    assert federation.clients[VICTIM].revealed_kind("site-005") is None
+
+
+def test_abort_when_two_groups_are_told_two_stories() -> None:
+    """A malicious coordinator relays to each group only that group's signatures: the
+    group that was told the minority story has fewer than t confirmations."""
+    federation = make_federation(5, threshold=3)
+    server, clients = federation.server, federation.clients
+    assert server is not None
+    for site, client in clients.items():
+        server.receive_advertisement(
+            site, client.advertise_keys(), certificate_der=federation.certificate(site)
+        )
+    roster = server.close_advertise()
+    for site in clients:
+        server.receive_shares(site, clients[site].receive_roster(roster))
+    inboxes = server.close_shares()
+    inputs = random_inputs(federation.params, 3)
+    for site, inbox in inboxes.items():
+        clients[site].receive_shares(inbox, inputs[site].copy())
+    truth = SurvivorList(federation.params.participants, ())
+    lie = SurvivorList(federation.params.participants[:4], ("site-004",))
+    group_a = ["site-000", "site-001"]  # told site-004 dropped
+    signatures = {
+        site: clients[site].receive_survivors(lie if site in group_a else truth).signature
+        for site in clients
+    }
+    to_a = ConsistencySignatures(tuple((s, signatures[s]) for s in group_a))
+    with pytest.raises(ProtocolAbort) as caught:
+        clients["site-000"].receive_consistency(to_a)
+    assert caught.value.reason is AbortReason.INCONSISTENT_SURVIVOR_SETS
+    everyone = ConsistencySignatures(tuple(sorted(signatures.items())))
+    with pytest.raises(ProtocolAbort) as caught:
+        clients["site-001"].receive_consistency(everyone)
+    assert caught.value.reason is AbortReason.INCONSISTENT_SURVIVOR_SETS
+    # Neither victim revealed anything about site-004.
+    assert clients["site-000"].revealed_kind("site-004") is None
+    assert clients["site-001"].revealed_kind("site-004") is None
+
+
+def test_abort_when_server_forges_a_consistency_signature() -> None:
+    def forge(sigs: ConsistencySignatures) -> ConsistencySignatures:
+        (site, signature), *rest = sigs.signatures[1:]
+        return ConsistencySignatures((sigs.signatures[0], (site, bytes(len(signature))), *rest))
+
+    error, _ = attack(ConsistencySignatures, forge)
+    assert error.reason is AbortReason.INCONSISTENT_SURVIVOR_SETS
+
+
+def test_abort_when_server_relays_fewer_than_t_signatures() -> None:
+    error, _ = attack(ConsistencySignatures, lambda s: ConsistencySignatures(s.signatures[:3]))
+    assert error.reason is AbortReason.INCONSISTENT_SURVIVOR_SETS
+
+
+def test_abort_when_server_relays_a_signature_from_a_dropped_site() -> None:
+    def add_dropped(sigs: ConsistencySignatures) -> ConsistencySignatures:
+        return ConsistencySignatures((*sigs.signatures, ("site-005", sigs.signatures[0][1])))
+
+    federation = make_federation(6, threshold=4)
+
+    def tamper(site: str, message: object) -> object:
+        if site == VICTIM and isinstance(message, ConsistencySignatures):
+            return add_dropped(message)
+        return message
+
+    with pytest.raises(ProtocolAbort) as caught:
+        run_round(
+            federation,
+            random_inputs(federation.params, 1),
+            dropouts={"site-005": Phase.MASKED_INPUT},
+            tamper=tamper,
+        )
+    assert caught.value.reason is AbortReason.INCONSISTENT_SURVIVOR_SETS
+
+
+def test_abort_when_server_asks_for_both_shares_of_a_peer() -> None:
+    """After revealing site-001's self-mask share, a second request (a survivor list
+    now calling site-001 dropped) is refused: the phase is over, nothing is revealed."""
+    federation = make_federation(6, threshold=4)
+    run_round(federation, random_inputs(federation.params, 1))
+    victim = federation.clients[VICTIM]
+    assert victim.revealed_kind("site-001") is ShareKind.SELF_MASK_SEED
+    survivors = tuple(s for s in federation.params.participants if s != "site-001")
+    with pytest.raises(ProtocolAbort) as caught:
+        victim.receive_survivors(SurvivorList(survivors, ("site-001",)))
+    assert caught.value.reason is AbortReason.UNEXPECTED_MESSAGE
+    with pytest.raises(ProtocolAbort) as caught:
+        victim.receive_consistency(ConsistencySignatures(()))
+    assert caught.value.reason is AbortReason.UNEXPECTED_MESSAGE
+    assert victim.revealed_kind("site-001") is ShareKind.SELF_MASK_SEED
+
+
+def test_reveal_guard_refuses_the_second_kind_of_share_for_one_owner() -> None:
+    guard = RevealGuard()
+    guard.record("site-001", ShareKind.SELF_MASK_SEED)
+    guard.record("site-001", ShareKind.SELF_MASK_SEED)  # idempotent for the same kind
+    with pytest.raises(ProtocolAbort) as caught:
+        guard.record("site-001", ShareKind.MASKING_KEY)
+    assert caught.value.reason is AbortReason.PEER_BOTH_ALIVE_AND_DROPPED
+    assert guard.revealed("site-001") is ShareKind.SELF_MASK_SEED
+
+
+# ---------------------------------------------------------------- out of order
+def test_abort_when_a_message_arrives_out_of_order() -> None:
+    federation = make_federation(4, threshold=3)
+    client = federation.clients[VICTIM]
+    with pytest.raises(ProtocolAbort) as caught:
+        client.receive_survivors(SurvivorList(federation.params.participants, ()))
+    assert caught.value.reason is AbortReason.UNEXPECTED_MESSAGE
+    assert client.phase is Phase.ABORTED
+    # Once aborted, even the first step is refused.
+    with pytest.raises(ProtocolAbort):
+        client.advertise_keys()
+
+
+def test_abort_when_keys_are_advertised_twice() -> None:
+    client = make_federation(4, threshold=3).clients[VICTIM]
+    client.advertise_keys()
+    with pytest.raises(ProtocolAbort) as caught:
+        client.advertise_keys()
+    assert caught.value.reason is AbortReason.UNEXPECTED_MESSAGE
+
+
+def test_masked_vector_hides_the_input() -> None:
+    """Sanity: what the coordinator receives is far from the plaintext (masking ran)."""
+    federation = make_federation(4, threshold=3, vector_length=4096)
+    inputs = random_inputs(federation.params, 5)
+    captured: dict[str, np.ndarray] = {}
+    server = federation.server
+    assert server is not None
+    original = server.receive_masked_input
+
+    def spy(site: str, vector: object) -> None:
+        captured[site] = np.array(vector.vector)  # type: ignore[attr-defined]
+        original(site, vector)  # type: ignore[arg-type]
+
+    server.receive_masked_input = spy  # type: ignore[method-assign]
+    run_round(federation, inputs)
+    for site, masked in captured.items():
+        assert np.mean(masked == inputs[site]) < 0.01
+
+
+def _roster_of(federation: Federation) -> tuple:
+    server = federation.server
+    assert server is not None
+    return tuple(server._roster.values())
