@@ -17,12 +17,6 @@ import warnings
 from typing import Any
 
 import numpy as np
-import torch
-
-from site_agent.data import prepare_site_split
-from site_agent.models import TabularMLP, flatten_parameters
-from site_agent.synthetic import FEATURES, generate_cohort
-from site_agent.trainer import LocalTrainer, TrainingConfig
 
 DEMO_SITE = "urban_academic"
 MODES = ("nonprivate", "ghost", "hooks")
@@ -32,6 +26,15 @@ def run(
     *, epochs: int = 5, batch_size: int = 256, threads: int = 1, seed: int = 0
 ) -> dict[str, Any]:
     """Median seconds per epoch of each mode and the DP/non-private ratios."""
+    # Imported here, not at module level: every `medfed` command registers the bench
+    # subcommands, and torch + Opacus would add seconds and ~300 MB to each process.
+    import torch
+
+    from site_agent.data import prepare_site_split
+    from site_agent.models import TabularMLP, flatten_parameters
+    from site_agent.synthetic import FEATURES, generate_cohort
+    from site_agent.trainer import LocalTrainer, TrainingConfig
+
     torch.set_num_threads(threads)
     cohort = generate_cohort([DEMO_SITE], seed=seed)
     train, _, _ = prepare_site_split(cohort[DEMO_SITE], seed=seed)

@@ -27,7 +27,8 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
@@ -46,22 +47,30 @@ _T = TypeVar("_T")
 
 
 class _Stopwatch:
-    """Accumulates wall time per (party, phase)."""
+    """Accumulates wall time per (party, phase), plus CPU time per party.
+
+    CPU time is reported too because the 2-core test machine is shared: when other
+    jobs run, wall time inflates while CPU time stays close to the unloaded figure.
+    """
 
     def __init__(self) -> None:
         self.client: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.server: dict[str, float] = defaultdict(float)
+        self.client_cpu: dict[str, float] = defaultdict(float)
+        self.server_cpu = 0.0
 
     def on_client(self, site: str, phase: str, call: Callable[[], _T]) -> _T:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         result = call()
         self.client[site][phase] += time.perf_counter() - start
+        self.client_cpu[site] += time.process_time() - start_cpu
         return result
 
     def on_server(self, phase: str, call: Callable[[], _T]) -> _T:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         result = call()
         self.server[phase] += time.perf_counter() - start
+        self.server_cpu += time.process_time() - start_cpu
         return result
 
 
@@ -82,7 +91,7 @@ def run(
     sites: int,
     dim: int,
     dropouts: int,
-    neighbours: str | int = "auto",
+    neighbours: Literal["auto"] | int = "auto",
     colluding: int = 0,
     drop_after: str = "masked_input",
     signature: str = "ed25519",
@@ -93,6 +102,7 @@ def run(
         raise ConfigError("drop_after", f"must be one of {DROP_AFTER}")
     if not 0 <= dropouts < sites:
         raise ConfigError("dropouts", "must be in [0, sites)")
+    rss_before = _peak_rss_mib()
     threat = ThreatModel(max_colluding_sites=colluding, max_dropouts=dropouts)
     threshold, k = choose_parameters(sites, threat, neighbours)
     site_ids = tuple(f"site-{i:04d}" for i in range(sites))
@@ -125,15 +135,13 @@ def run(
         advert = watch.on_client(site, "advertise_keys", clients[site].advertise_keys)
         watch.on_server(
             "advertise_keys",
-            lambda s=site, a=advert: server.receive_advertisement(
-                s, a, certificate_der=certificates[s]
-            ),
+            partial(server.receive_advertisement, site, advert, certificate_der=certificates[site]),
         )
     roster = watch.on_server("advertise_keys", server.close_advertise)
 
     for site in site_ids:
-        out = watch.on_client(site, "share_keys", lambda s=site: clients[s].receive_roster(roster))
-        watch.on_server("share_keys", lambda s=site, o=out: server.receive_shares(s, o))
+        out = watch.on_client(site, "share_keys", partial(clients[site].receive_roster, roster))
+        watch.on_server("share_keys", partial(server.receive_shares, site, out))
     inboxes = watch.on_server("share_keys", server.close_shares)
 
     plaintext = np.zeros(dim, dtype=np.uint32)
@@ -144,31 +152,25 @@ def run(
         vector = generator.integers(0, 2**32, size=dim, dtype=np.uint32)
         np.add(plaintext, vector, out=plaintext)
         masked = watch.on_client(
-            site,
-            "masked_input",
-            lambda s=site, v=vector: clients[s].receive_shares(inboxes[s], v),
+            site, "masked_input", partial(clients[site].receive_shares, inboxes[site], vector)
         )
-        watch.on_server("masked_input", lambda s=site, m=masked: server.receive_masked_input(s, m))
+        watch.on_server("masked_input", partial(server.receive_masked_input, site, masked))
         del vector, masked  # one input alive at a time
     survivor_list = watch.on_server("masked_input", server.close_masked_input)
 
     active = [site for site in survivor_list.survivors if site not in dropping]
     for site in active:
         signed = watch.on_client(
-            site,
-            "consistency_check",
-            lambda s=site: clients[s].receive_survivors(survivor_list),
+            site, "consistency_check", partial(clients[site].receive_survivors, survivor_list)
         )
-        watch.on_server(
-            "consistency_check", lambda s=site, g=signed: server.receive_consistency(s, g)
-        )
+        watch.on_server("consistency_check", partial(server.receive_consistency, site, signed))
     signatures = watch.on_server("consistency_check", server.close_consistency)
 
     for site in active:
         reveal = watch.on_client(
-            site, "unmask", lambda s=site: clients[s].receive_consistency(signatures)
+            site, "unmask", partial(clients[site].receive_consistency, signatures)
         )
-        watch.on_server("unmask", lambda s=site, r=reveal: server.receive_unmask(s, r))
+        watch.on_server("unmask", partial(server.receive_unmask, site, reveal))
     total = watch.on_server("unmask", server.close_unmask)
 
     exact = bool(np.array_equal(total, plaintext))
@@ -193,14 +195,26 @@ def run(
         "signature": signature,
         "client_seconds": {"mean": statistics.fmean(per_site), "max": max(per_site)},
         "server_seconds": sum(watch.server.values()),
+        "client_cpu_seconds": {
+            "mean": statistics.fmean(watch.client_cpu.values()),
+            "max": max(watch.client_cpu.values()),
+        },
+        "server_cpu_seconds": watch.server_cpu,
         "phases": {
             "client": client_phases,
             "server": {phase: watch.server.get(phase, 0.0) for phase in SERVER_PHASES},
         },
         # Whole process (all n simulated clients included): stays O(d) because only
         # one input vector exists at a time and the server keeps one accumulator.
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": _peak_rss_mib(),
+        # Growth of the peak during the round, i.e. without the interpreter and imports
+        # (torch, when run through `medfed`): compare with dim * 4 bytes per vector.
+        "round_rss_growth_mib": _peak_rss_mib() - rss_before,
     }
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _print_table(result: dict[str, Any]) -> None:
@@ -223,14 +237,21 @@ def _print_table(result: dict[str, Any]) -> None:
         f"{result['client_seconds']['max'] * 1e3:14.2f} {result['server_seconds'] * 1e3:10.2f}"
     )
     print(
+        f"  {'cpu total':<18} {result['client_cpu_seconds']['mean'] * 1e3:15.2f} "
+        f"{result['client_cpu_seconds']['max'] * 1e3:14.2f} "
+        f"{result['server_cpu_seconds'] * 1e3:10.2f}"
+    )
+    print(
         f"  exact: {result['exact']}   survivors: {result['survivors']}   "
-        f"peak RSS: {result['peak_rss_mib']:.0f} MiB"
+        f"peak RSS: {result['peak_rss_mib']:.0f} MiB "
+        f"(+{result['round_rss_growth_mib']:.0f} MiB during the round; one vector is "
+        f"{result['dim'] * 4 / 2**20:.1f} MiB)"
     )
 
 
-def _neighbours_arg(value: str) -> str | int:
+def _neighbours_arg(value: str) -> Literal["auto"] | int:
     if value == "auto":
-        return value
+        return "auto"
     try:
         return int(value)
     except ValueError:

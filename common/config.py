@@ -239,6 +239,12 @@ class SiteSettings(_Settings):
         default=False, description="TEST ONLY: write each round's plaintext ring update to STATE"
     )
     exit_after_rounds: int | None = Field(default=None, ge=1)
+    debug_pause_after: str | None = Field(
+        default=None,
+        pattern=r"^\d+:(advertise_keys|share_keys|masked_input|consistency_check)$",
+        description="TEST ONLY: ROUND:PHASE after which to pause (fault-injection tests)",
+    )
+    debug_pause_seconds: float = Field(default=3600.0, gt=0)
 
     _listen = field_validator("coordinator", "metrics_listen")(_check_listen)
 

@@ -34,6 +34,14 @@ def register(subparsers: Any) -> None:
         "--plain", action="store_true", default=None,
         help="plain FedAvg without secure aggregation (benchmarks only)",
     )
+    serve.add_argument("--phase-seconds", type=float, help="deadline of each SecAgg phase")
+    serve.add_argument("--train-seconds", type=float, help="deadline for local training")
+    serve.add_argument("--selection-seconds", type=float,
+                       help="wait this long for more sites once min_sites are ready")
+    serve.add_argument(
+        "--debug-write-aggregates", action="store_true", default=None,
+        help="TEST ONLY: write each round's unmasked ring sum under STATE",
+    )
     serve.add_argument("--linger-seconds", type=float, default=5.0,
                        help="keep serving this long after the last round")
     serve.set_defaults(func=_serve)
@@ -55,6 +63,12 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         "min_sites": args.min_sites,
         "model": model or None,
         "aggregation": {"secure_aggregation": False} if args.plain else None,
+        "deadlines": {
+            "phase_seconds": args.phase_seconds,
+            "train_seconds": args.train_seconds,
+            "selection_seconds": args.selection_seconds,
+        },
+        "debug_write_aggregates": args.debug_write_aggregates,
     }
     return load_settings(CoordinatorSettings, config_file=args.config, overrides=overrides)
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from common.codec import ChunkAssembler, TensorSpec, digest, flat_to_bytes, layout_elements
 from common.config import CoordinatorSettings
-from common.crypto.quantize import bits_for_sites, decode_sum, max_integer_for_sites
+from common.crypto.quantize import bits_for_sites, dequantize_sum, max_integer_for_sites
 from common.crypto.signing import VerifyingKey
 from common.errors import (
     AbortReason,
@@ -49,6 +49,13 @@ from coordinator.store import Checkpoint, CoordinatorStore
 from site_agent.evaluation import metrics_from_histogram
 
 log = logging.getLogger("medfed.coordinator")
+
+STAGING_BUDGET_BYTES = 64 << 20
+"""Upload staging memory: with a large model, fewer concurrent uploads are staged
+(at least one), so coordinator memory stays a small multiple of one model."""
+
+UPDATE_CHUNK_ELEMENTS = 1 << 18
+"""Window of the decode/optimizer pass: float64 temporaries stay at 2 MiB, not 2 x d."""
 
 IdentityVerifier = Callable[[str, bytes], VerifyingKey]
 
@@ -123,8 +130,7 @@ class RoundEngine:
         self._changed = asyncio.Event()
         self._accumulator_lock = asyncio.Lock()
         self._plain_sum: np.ndarray | None = None
-        self._staging: asyncio.Queue[np.ndarray] = asyncio.Queue()
-        self._staging_length = 0
+        self._upload_slots = asyncio.Semaphore(settings.limits.max_concurrent_uploads)
         self.optimizer = build_optimizer(settings)
         self.layout, self.global_flat = self._load_model()
         self.model_dim = layout_elements(self.layout)
@@ -254,9 +260,17 @@ class RoundEngine:
     def model_chunks(self, site_id: str, round_number: int, chunk_bytes: int) -> Iterator[
         tuple[int, bytes]
     ]:
+        """Check the caller now; then copy one chunk at a time (not the whole model)."""
         rnd = self._round_for(site_id, round_number)
+        return self._iter_model(rnd, chunk_bytes)
+
+    @staticmethod
+    def _iter_model(rnd: ActiveRound, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
         view = memoryview(rnd.model_bytes)
         for offset in range(0, len(view), chunk_bytes):
+            if rnd.phase is RoundPhase.FINISHED or rnd.model_released:
+                # The global model is being updated in place: stop rather than tear.
+                raise StateError(f"round {rnd.number} no longer serves its model")
             yield offset, bytes(view[offset : offset + chunk_bytes])
 
     # ------------------------------------------------------------ secure phases
@@ -317,20 +331,66 @@ class RoundEngine:
                 AbortReason.WRONG_LENGTH,
                 f"vector of {length} elements, round needs {rnd.announcement.vector_length}",
             )
-        buffer = await self._staging.get()
+        # One stream per site at a time: otherwise one site could take every upload
+        # slot with streams that stall after the header (slow loris).
+        if site_id in rnd.uploading:
+            raise StateError(f"an upload from {site_id} is already in progress")
+        rnd.uploading.add(site_id)
         try:
-            await self._receive_into(buffer, length, chunks)
+            await self._receive_and_add(rnd, state, site_id, length, chunks)
+        finally:
+            rnd.uploading.discard(site_id)
+        self.metrics.bytes_received.inc(length * 4)
+        survivors: sm.SurvivorList = await rnd.wait_closed(RoundPhase.MASKED_INPUT)
+        return survivors
+
+    async def _receive_and_add(
+        self,
+        rnd: ActiveRound,
+        state: PhaseState,
+        site_id: str,
+        length: int,
+        chunks: AsyncIterator[tuple[int, bytes]],
+    ) -> None:
+        # A bounded number of staging buffers, each freed after its upload: between
+        # uploads the coordinator holds only the accumulator.
+        async with self._upload_slots:
+            buffer = np.empty(length, dtype=np.uint32)
+            await self._receive_before_close(rnd, state, buffer, length, chunks)
             async with self._accumulator_lock:
                 # Re-check under the lock: the deadline may have closed the phase
                 # while this site was still streaming.
                 rnd.require_phase(RoundPhase.MASKED_INPUT, site_id)
                 await asyncio.to_thread(self._accumulate, rnd, site_id, buffer)
                 state.mark(site_id)
-            self.metrics.bytes_received.inc(length * 4)
+            del buffer
+
+    async def _receive_before_close(
+        self,
+        rnd: ActiveRound,
+        state: PhaseState,
+        buffer: np.ndarray,
+        length: int,
+        chunks: AsyncIterator[tuple[int, bytes]],
+    ) -> None:
+        """A stream still open when MaskedInput closes is cut off (its data could no
+        longer be used), so a stalled stream frees its upload slot at the deadline."""
+        receive = asyncio.ensure_future(self._receive_into(buffer, length, chunks))
+        closed = asyncio.ensure_future(state.closed.wait())
+        try:
+            await asyncio.wait({receive, closed}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            self._staging.put_nowait(buffer)
-        survivors: sm.SurvivorList = await rnd.wait_closed(RoundPhase.MASKED_INPUT)
-        return survivors
+            closed.cancel()
+            if not receive.done():
+                receive.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await receive
+        if receive.cancelled():
+            raise ProtocolAbort(
+                AbortReason.UNEXPECTED_MESSAGE,
+                f"round {rnd.number}: masked input closed before the upload ended",
+            )
+        receive.result()  # the stream's ValidationError, if any
 
     async def _receive_into(
         self, buffer: np.ndarray, length: int, chunks: AsyncIterator[tuple[int, bytes]]
@@ -454,7 +514,7 @@ class RoundEngine:
         number = self.store.next_round_number()
         threshold, neighbours = self._round_parameters(len(participants))
         nonce = self.rng(ROUND_NONCE_BYTES)
-        model_bytes = flat_to_bytes(self.global_flat, self.layout)
+        model_bytes = self._model_payload()
         weight_cap = min(cfg.aggregation.weight_cap, max_integer_for_sites(len(participants)))
         now = self.clock()
         return Announcement(
@@ -481,18 +541,31 @@ class RoundEngine:
         )
 
     def _prepare_buffers(self, length: int) -> None:
-        if self._staging_length != length:
-            self._staging = asyncio.Queue()
-            for _ in range(self.settings.limits.max_concurrent_uploads):
-                self._staging.put_nowait(np.empty(length, dtype=np.uint32))
-            self._staging_length = length
+        """Bound concurrent uploads by max_concurrent_uploads and the staging budget."""
+        fits = max(1, STAGING_BUDGET_BYTES // max(length * 4, 1))
+        self._upload_slots = asyncio.Semaphore(
+            min(self.settings.limits.max_concurrent_uploads, fits)
+        )
+
+    def _model_payload(self) -> bytes | memoryview:
+        """The model's wire bytes: a zero-copy view when the layout is all float32 LE."""
+        flat = self.global_flat
+        if (
+            all(spec.dtype == "<f4" for spec in self.layout)
+            and flat.dtype == np.dtype("<f4")
+            and flat.ndim == 1
+            and flat.flags.c_contiguous
+            and flat.size == self.model_dim
+        ):
+            return flat.data.cast("B")
+        return flat_to_bytes(flat, self.layout)
 
     async def _run_round(self, participants: list[str]) -> None:
         ann = self._announce(participants)
         started = time.perf_counter()
         self._prepare_buffers(ann.vector_length)
         self.store.begin_round(ann.round_number, participants, now=self.clock())
-        rnd = ActiveRound(ann, flat_to_bytes(self.global_flat, self.layout))
+        rnd = ActiveRound(ann, self._model_payload())
         self.round = rnd
         if ann.secure_aggregation:
             params = SecAggParams(
@@ -523,9 +596,13 @@ class RoundEngine:
                 aggregate, survivors, dropped = await self._secure_phases(rnd)
             else:
                 aggregate, survivors, dropped = await self._plain_phases(rnd)
+            # No chunk of the old model is served once the update starts (it may be
+            # applied in place); set on the event loop before the worker thread runs.
+            rnd.model_released = True
             result = await asyncio.to_thread(
                 self._apply_update, ann, aggregate, survivors, dropped
             )
+            del aggregate
         except MedfedError as exc:
             rnd.abort = exc if isinstance(exc, ProtocolAbort) else ProtocolAbort(
                 AbortReason.ROUND_ABANDONED, str(exc)
@@ -538,10 +615,19 @@ class RoundEngine:
         else:
             self._commit(result)
             self.metrics.rounds_total.labels(outcome="completed").inc()
+            seconds = time.perf_counter() - started
             log.info(
                 "round %d completed: %d contributors, %d dropped, %.2f s, auc=%s",
                 ann.round_number, len(result.survivors), len(result.dropped),
-                time.perf_counter() - started, result.metrics.get("auc"),
+                seconds, result.metrics.get("auc"),
+                extra={
+                    "round_number": ann.round_number,
+                    "secure": ann.secure_aggregation,
+                    "round_seconds": round(seconds, 6),
+                    # Idle time after a phase's last message until its deadline dropped
+                    # the missing sites (see ActiveRound.deadline_wait_seconds).
+                    "deadline_wait_seconds": round(rnd.deadline_wait_seconds, 6),
+                },
             )
         finally:
             rnd.phase = RoundPhase.FINISHED
@@ -556,6 +642,8 @@ class RoundEngine:
         try:
             await asyncio.wait_for(state.all_arrived.wait(), timeout=max(timeout, 0.0))
         except TimeoutError:
+            last = state.last_arrival if state.last_arrival is not None else started
+            rnd.deadline_wait_seconds += time.perf_counter() - max(last, started)
             missing = sorted(state.expected - state.arrived)
             log.info("round %d %s deadline: dropping %s", rnd.number, rnd.phase.value, missing)
             self.metrics.dropouts_total.labels(phase=rnd.phase.value).inc(len(missing))
@@ -638,13 +726,12 @@ class RoundEngine:
         dropped: tuple[str, ...],
     ) -> RoundResult:
         bins = ann.histogram_bins
-        floats, integers = decode_sum(
-            aggregate,
-            float_length=self.model_dim,
-            clip=ann.clip,
-            bits=ann.quantization_bits,
-            count=len(survivors),
-        )
+        count = len(survivors)
+        if aggregate.dtype != np.uint32 or aggregate.ndim != 1 or aggregate.size < self.model_dim:
+            raise ValidationError("aggregate must be a uint32 vector covering the model")
+        # Validates clip, bits and that `count` sums cannot have wrapped (decode_sum's checks).
+        dequantize_sum(aggregate[:0], clip=ann.clip, bits=ann.quantization_bits, count=count)
+        integers = [int(v) for v in aggregate[self.model_dim :]]
         weight_sum = integers[0]
         histogram = np.asarray(integers[1:], dtype=np.int64)
         metrics: dict[str, float] = {"contributors": float(len(survivors))}
@@ -657,11 +744,45 @@ class RoundEngine:
         if ann.local_epochs == 0 or weight_sum == 0:
             mean_delta = np.zeros(self.model_dim, dtype=np.float32)
         else:
+            mean_delta = self._mean_delta(ann, aggregate, count=count, weight_sum=weight_sum)
+            self._server_step(mean_delta)
+        return RoundResult(ann.round_number, survivors, dropped, aggregate, mean_delta, metrics)
+
+    def _mean_delta(
+        self, ann: Announcement, aggregate: np.ndarray, *, count: int, weight_sum: int
+    ) -> np.ndarray:
+        """Decode the ring sum window by window into the float32 weighted mean delta.
+
+        Elementwise the same arithmetic as decoding the whole vector at once, without
+        d-sized float64 temporaries (2 x 8 bytes per parameter at d = 10^7).
+        """
+        mean_delta = np.empty(self.model_dim, dtype=np.float32)
+        scratch = np.empty(min(self.model_dim, UPDATE_CHUNK_ELEMENTS), dtype=np.float64)
+        for start in range(0, self.model_dim, UPDATE_CHUNK_ELEMENTS):
+            stop = min(start + UPDATE_CHUNK_ELEMENTS, self.model_dim)
+            floats = dequantize_sum(
+                aggregate[start:stop], clip=ann.clip, bits=ann.quantization_bits, count=count,
+                out=scratch[: stop - start],
+            )
             # Sites send delta * n_k / weight_cap (so each element stays inside the
             # clip range) plus n_k; undo the scale on the SUM only.
-            mean_delta = weighted_mean(floats * ann.weight_cap, float(weight_sum))
+            floats *= ann.weight_cap
+            mean_delta[start:stop] = weighted_mean(floats, float(weight_sum))
+        return mean_delta
+
+    def _server_step(self, mean_delta: np.ndarray) -> None:
+        """Apply the server optimizer; FedAvg (elementwise, stateless) in place by windows.
+
+        In place is safe: the round's model is no longer served (`model_released`).
+        Adaptive optimizers keep whole-vector moments anyway and step on the full vector.
+        """
+        if not isinstance(self.optimizer, FedAvg):
             self.global_flat = self.optimizer.step(self.global_flat, mean_delta)
-        return RoundResult(ann.round_number, survivors, dropped, aggregate, mean_delta, metrics)
+            return
+        flat = self.global_flat
+        for start in range(0, self.model_dim, UPDATE_CHUNK_ELEMENTS):
+            stop = min(start + UPDATE_CHUNK_ELEMENTS, self.model_dim)
+            flat[start:stop] = self.optimizer.step(flat[start:stop], mean_delta[start:stop])
 
     def _commit(self, result: RoundResult) -> None:
         state_dir = Path(self.settings.state)
@@ -678,13 +799,13 @@ class RoundEngine:
         if self.settings.debug_write_aggregates:
             debug = state_dir / "aggregates"
             debug.mkdir(exist_ok=True)
-            result.aggregate.astype("<u4").tofile(debug / f"round-{result.round_number:06d}.u32")
+            np.asarray(result.aggregate, dtype="<u4").tofile(
+                debug / f"round-{result.round_number:06d}.u32"
+            )
             (debug / f"round-{result.round_number:06d}.survivors").write_text(
                 "\n".join(result.survivors) + "\n"
             )
-        checkpoint = Checkpoint(
-            result.round_number, path, digest(flat_to_bytes(self.global_flat, self.layout)).hex()
-        )
+        checkpoint = Checkpoint(result.round_number, path, digest(self._model_payload()).hex())
         self.store.finish_round(
             result.round_number,
             status="completed",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,9 +70,12 @@ class PhaseState:
     all_arrived: asyncio.Event = field(default_factory=asyncio.Event)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     output: Any = None
+    opened_at: float = field(default_factory=time.perf_counter)
+    last_arrival: float | None = None  # perf_counter of the latest accepted message
 
     def mark(self, site_id: str) -> None:
         self.arrived.add(site_id)
+        self.last_arrival = time.perf_counter()
         if self.expected <= self.arrived:
             self.all_arrived.set()
 
@@ -79,15 +83,22 @@ class PhaseState:
 class ActiveRound:
     """Long-poll bookkeeping of the round in flight."""
 
-    def __init__(self, announcement: Announcement, model_bytes: bytes) -> None:
+    def __init__(self, announcement: Announcement, model_bytes: bytes | memoryview) -> None:
         self.announcement = announcement
+        # Read-only bytes of the round's model; may be a view of the engine's float32
+        # vector (no serialized copy), which the engine never mutates while served.
         self.model_bytes = model_bytes
         self.phase = RoundPhase.TRAINING
         self.phases: dict[RoundPhase, PhaseState] = {}
         self.declined: set[str] = set()
+        self.uploading: set[str] = set()  # sites with an upload stream in progress
         self.abort: ProtocolAbort | None = None
         self.finished = asyncio.Event()
         self.contributors = 0
+        # Time spent after a phase's last accepted message waiting for its deadline
+        # (i.e. waiting for sites that had dropped): benchmarks subtract it.
+        self.deadline_wait_seconds = 0.0
+        self.model_released = False  # set when the engine starts updating the model
 
     @property
     def first_phase(self) -> RoundPhase:

@@ -21,11 +21,10 @@ from common.crypto.signing import VerifyingKey
 from common.metrics_http import serve_metrics
 from common.pki import PeerVerifier
 from common.proto.medfed.v1 import federation_pb2 as pb
-from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.tls import server_credentials
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.servicer import FederationServicer
+from coordinator.servicer import FederationServicer, add_to_server
 from coordinator.store import CoordinatorStore
 
 log = logging.getLogger("medfed.coordinator")
@@ -72,7 +71,7 @@ async def start(settings: CoordinatorSettings) -> RunningCoordinator:
         federation_id=settings.federation_id,
         max_chunk_bytes=settings.limits.max_chunk_bytes,
     )
-    pb_grpc.add_FederationServicer_to_server(servicer, server)
+    add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
+from google.protobuf.message import DecodeError
 
 from common import wire
 from common.codec import CHUNK_BYTES
@@ -100,6 +101,55 @@ def announcement_to_pb(ann: Announcement) -> pb.RoundAnnouncement:
     )
 
 
+class MalformedRequest:
+    """Stands in for request bytes that do not parse as the RPC's message.
+
+    gRPC answers a deserializer exception with UNKNOWN before any handler runs; parsing
+    leniently and refusing in the handler gives hostile bytes a clear INVALID_ARGUMENT.
+    """
+
+    def __init__(self, message_name: str) -> None:
+        self.message_name = message_name
+
+
+def _lenient_parser(message_class: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except DecodeError:
+            return MalformedRequest(message_class.DESCRIPTOR.full_name)
+
+    return parse
+
+
+def require_parsed(request: Any) -> None:
+    if isinstance(request, MalformedRequest):
+        raise ValidationError(f"request is not a valid {request.message_name}")
+
+
+def add_to_server(servicer: FederationServicer, server: grpc.aio.Server) -> None:
+    """Register the Federation service like the generated helper, with lenient parsers."""
+    service = pb.DESCRIPTOR.services_by_name["Federation"]
+    factories = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {}
+    for method in service.methods:
+        factory = factories[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient_parser(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 def rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     """Map exceptions to gRPC status codes in one place and count every request."""
     name = method.__name__
@@ -107,6 +157,7 @@ def rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     @functools.wraps(method)
     async def wrapper(self: FederationServicer, request: Any, context: Any) -> T:
         try:
+            require_parsed(request)
             result = await method(self, request, context)
         except MedfedError as exc:
             code = status_for(exc)
@@ -200,8 +251,10 @@ class FederationServicer(pb_grpc.FederationServicer):
         self, request: pb.DownloadModelRequest, context: Any
     ) -> AsyncIterator[pb.ModelChunk]:
         try:
+            require_parsed(request)
             site_id = self._site(context)
-            chunks = list(self.engine.model_chunks(site_id, request.round, CHUNK_BYTES))
+            # model_chunks checks the caller now and copies one chunk at a time later.
+            chunks = self.engine.model_chunks(site_id, request.round, CHUNK_BYTES)
         except MedfedError as exc:
             code = status_for(exc)
             self.metrics.grpc_requests.labels(method="DownloadModel", code=code.name).inc()
@@ -240,6 +293,7 @@ class FederationServicer(pb_grpc.FederationServicer):
             first = await iterator.__anext__()
         except StopAsyncIteration:
             raise ValidationError("empty upload stream") from None
+        require_parsed(first)
         if first.WhichOneof("part") != "header":
             raise ValidationError("upload must start with a header")
         header = first.header
@@ -247,6 +301,7 @@ class FederationServicer(pb_grpc.FederationServicer):
 
         async def chunks() -> AsyncIterator[tuple[int, bytes]]:
             async for item in iterator:
+                require_parsed(item)
                 if item.WhichOneof("part") != "chunk":
                     raise ValidationError("only one header per upload")
                 yield item.chunk.offset, item.chunk.data

@@ -198,6 +198,10 @@ class CoordinatorStore:
         ]
 
     def round_status(self, round_number: int) -> str | None:
+        # Round numbers come off the wire as uint64; SQLite integers are signed 64-bit,
+        # and no round that large was ever stored.
+        if not 0 <= round_number < 1 << 63:
+            return None
         with self._tx() as cur:
             row = cur.execute(
                 "SELECT status FROM rounds WHERE round_number = ?", (round_number,)

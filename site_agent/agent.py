@@ -9,6 +9,7 @@ signature and aborts (sending nothing more) whenever the coordinator misbehaves.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import random
 import threading
@@ -403,6 +404,15 @@ class SiteAgent:
         for offset, data in iter_chunks(vector, chunk_bytes=CHUNK_BYTES):
             yield pb.MaskedInputChunk(chunk=pb.ModelChunk(offset=offset, data=data))
 
+    def _debug_pause(self, round_number: int, phase: str) -> None:
+        """TEST ONLY fault injection: stop after a phase so a test can kill -9 us there."""
+        if self.settings.debug_pause_after != f"{round_number}:{phase}":
+            return
+        print(
+            json.dumps({"event": "paused", "round": round_number, "phase": phase}), flush=True
+        )
+        self.stop.wait(self.settings.debug_pause_seconds)
+
     def _identity(self, site_id: str, certificate_der: bytes) -> VerifyingKey:
         """The key a roster entry must be signed with: from a certificate that chains to
         OUR copy of the federation CA and names that site (a coordinator cannot swap
@@ -433,16 +443,19 @@ class SiteAgent:
                 wire.advertise_to_pb(adv, round_number=rnd.number, nonce=rnd.nonce),
                 timeout=self._deadline(rnd, training=True),
             )
+            self._debug_pause(rnd.number, "advertise_keys")
             shares_out = client.receive_roster(wire.roster_from_pb(roster_pb))
             session = client.session_id
             received = stub.ShareKeys(
                 wire.share_keys_to_pb(shares_out, round_number=rnd.number, session=session),
                 timeout=self._deadline(rnd),
             )
+            self._debug_pause(rnd.number, "share_keys")
             masked = client.receive_shares(wire.shares_for_recipient_from_pb(received), vector)
             survivors_pb = stub.UploadMaskedInput(
                 self._upload_stream(rnd, session, masked.vector), timeout=self._deadline(rnd)
             )
+            self._debug_pause(rnd.number, "masked_input")
             signature = client.receive_survivors(wire.survivors_from_pb(survivors_pb))
             sigs_pb = stub.ConsistencyCheck(
                 pb.ConsistencyCheckRequest(
@@ -450,6 +463,7 @@ class SiteAgent:
                 ),
                 timeout=self._deadline(rnd),
             )
+            self._debug_pause(rnd.number, "consistency_check")
             reveal = client.receive_consistency(wire.signatures_from_pb(sigs_pb))
             result = stub.Unmask(
                 wire.unmask_to_pb(reveal, round_number=rnd.number, session=session),

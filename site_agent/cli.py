@@ -46,6 +46,9 @@ def register(subparsers: Any) -> None:
         "--debug-write-updates", action="store_true", default=None,
         help="TEST ONLY: write each round's plaintext ring update under STATE",
     )
+    run.add_argument("--debug-pause-after", metavar="ROUND:PHASE",
+                     help="TEST ONLY: pause after this phase of this round")
+    run.add_argument("--debug-pause-seconds", type=float, help="TEST ONLY: pause length")
     run.add_argument(
         "--allow-plain-aggregation", action="store_true", default=None,
         help="accept rounds without secure aggregation (benchmarks only)",
@@ -65,6 +68,8 @@ def settings_from_args(args: argparse.Namespace) -> SiteSettings:
         "state": args.state,
         "exit_after_rounds": args.exit_after_rounds,
         "debug_write_updates": args.debug_write_updates,
+        "debug_pause_after": args.debug_pause_after,
+        "debug_pause_seconds": args.debug_pause_seconds,
         "data": {
             "path": args.data,
             "label_column": args.label_column,

@@ -309,4 +309,3 @@ def prepare_site_split(
     train, held_out = split_by_patient(data, held_out_fraction=held_out_fraction, seed=seed)
     standardizer = Standardizer.fit(train.features)
     return standardizer.transform(train), standardizer.transform(held_out), standardizer
-

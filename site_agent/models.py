@@ -141,7 +141,9 @@ def build_model(name: str, **kwargs: Any) -> nn.Module:
     try:
         builder = MODEL_BUILDERS[name]
     except KeyError:
-        raise ConfigError("model", f"unknown model {name!r}; known: {sorted(MODEL_BUILDERS)}")
+        raise ConfigError(
+            "model", f"unknown model {name!r}; known: {sorted(MODEL_BUILDERS)}"
+        ) from None
     return builder(**kwargs)
 
 

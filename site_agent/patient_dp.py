@@ -44,9 +44,7 @@ def per_record_gradients(
 ) -> dict[str, torch.Tensor]:
     """Gradient of each record's loss w.r.t. each parameter: name -> [B, *shape]."""
 
-    def record_loss(
-        p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
-    ) -> torch.Tensor:
+    def record_loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         out = functional_call(model, p, (x.unsqueeze(0),))
         return loss_fn(out.reshape(-1), y.reshape(-1))
 
@@ -179,7 +177,5 @@ class PatientLevelDPSGD:
             clipped = {name: torch.zeros_like(p) for name, p in params.items()}
         std = self.noise_multiplier * self.max_grad_norm
         for name, p in self.model.named_parameters():
-            noise = torch.normal(
-                0.0, std, size=p.shape, generator=self.generator, device=p.device
-            )
+            noise = torch.normal(0.0, std, size=p.shape, generator=self.generator, device=p.device)
             p.grad = (clipped[name] + noise) / self.expected_patients

@@ -25,6 +25,7 @@ trainer, since noise an attacker can predict protects nothing.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -33,9 +34,19 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
-from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
-from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+from opacus.optimizers import (
+    DistributedDPOptimizer,
+    DistributedDPOptimizerFastGradientClipping,
+    DPOptimizer,
+    DPOptimizerFastGradientClipping,
+)
+from opacus.utils.fast_gradient_clipping_utils import (
+    DPLossFastGradientClipping,
+    DPTensorFastGradientClipping,
+)
+from opacus.utils.module_utils import trainable_modules
 from opacus.validators import ModuleValidator
 from torch import nn
 
@@ -134,26 +145,105 @@ _OPACUS_LINEAR_NORM = GradSampleModuleFastGradientClipping.NORM_SAMPLERS[nn.Line
 
 
 class _GhostModule(GradSampleModuleFastGradientClipping):  # type: ignore[misc]
-    """Opacus ghost clipping with a leaner Linear norm sampler (class-local registry)."""
+    """Opacus ghost clipping, plus book-keeping for models made of Linear layers.
+
+    Opacus' ghost clipping runs TWO backward passes: one to get per-sample gradient
+    norms, a second on the re-weighted loss sum_i c_i * loss_i to get the clipped
+    gradient sum. For a Linear layer on [batch, features] inputs that second pass is
+    unnecessary: the clipped sum is (c * G)^T A, with A the layer inputs and G the
+    per-sample output gradients the first pass already produced. This is the
+    "book-keeping" trick of Bu et al. 2023 ("Differentially Private Optimization on
+    Large Model at Small Cost", ICML, Alg. 1). Models with any other trainable layer
+    (or Linear layers on sequences) keep Opacus' two-pass path unchanged.
+    """
 
     NORM_SAMPLERS = {**GradSampleModuleFastGradientClipping.NORM_SAMPLERS}
     NORM_SAMPLERS[nn.Linear] = _linear_norm_sample
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        trainable = [m for _, m in trainable_modules(self._module)]
+        # Book-keeping only where every trainable layer is a plain Linear layer.
+        self.bookkeeping = bool(trainable) and all(type(m) is nn.Linear for m in trainable)
+        self._bk_layers: list[nn.Linear] = [m for m in trainable if type(m) is nn.Linear]
 
-class _GhostOptimizer(DPOptimizerFastGradientClipping):  # type: ignore[misc]
-    """Opacus' ghost-clipping optimizer with cheaper accumulation and noise.
+    def capture_backprops_hook(
+        self,
+        module: nn.Module,
+        _forward_input: Any,
+        forward_output: Any,
+        loss_reduction: str,
+        batch_first: bool,
+    ) -> None:
+        if not (self.bookkeeping and self.hooks_enabled and forward_output[0].dim() == 2):
+            super().capture_backprops_hook(
+                module, _forward_input, forward_output, loss_reduction, batch_first
+            )
+            return
+        activations, backprops = self.rearrange_grad_samples(
+            module=module,
+            backprops=forward_output[0].detach(),
+            loss_reduction=loss_reduction,
+            batch_first=batch_first,
+        )
+        inputs = activations[0].to(backprops.dtype)
+        for param, norm in _linear_norm_sample(module, [inputs], backprops).items():
+            param._norm_sample = norm
+            param._forward_counter -= 1
+        module._medfed_bk = (inputs, backprops)
+        if len(module.activations) == 0:
+            del module.max_batch_len
 
-    Opacus deep-copies every gradient to accumulate it and draws noise tensor by tensor;
-    for a small model that Python overhead costs more than the arithmetic. Same maths:
-    summed_grad = sum of the (already clipped) chunk gradients; noise N(0, (sigma C)^2).
+    def write_clipped_gradients(self, coefficients: torch.Tensor) -> bool:
+        """p.grad = sum_i c_i * grad_i for every Linear layer; False if not possible."""
+        saved = [getattr(m, "_medfed_bk", None) for m in self._bk_layers]
+        for layer in self._bk_layers:
+            layer._medfed_bk = None
+        if not self.bookkeeping or any(s is None for s in saved):
+            return False
+        for layer, (inputs, backprops) in zip(self._bk_layers, saved):
+            weighted = backprops * coefficients.to(backprops.dtype).unsqueeze(1)
+            if layer.weight.requires_grad:
+                layer.weight.grad = weighted.t().mm(inputs)
+            if layer.bias is not None and layer.bias.requires_grad:
+                layer.bias.grad = weighted.sum(dim=0)
+        return True
+
+
+class _GhostLossTensor(DPTensorFastGradientClipping):  # type: ignore[misc]
+    """Ghost-clipping loss whose backward uses book-keeping when the model allows it."""
+
+    def backward(self) -> None:
+        module = self.module
+        if not getattr(module, "bookkeeping", False):
+            super().backward()
+            return
+        reduced = self.loss_per_sample.mean(dim=0)
+        # One backward pass: per-sample output gradients (hooks) and norms.
+        reduced.backward(retain_graph=False)
+        coefficients = module.get_clipping_coef()
+        if not module.write_clipped_gradients(coefficients):
+            raise ConfigError("grad_sample_mode", "book-keeping state incomplete")
+
+
+class _GhostLoss(DPLossFastGradientClipping):  # type: ignore[misc]
+    def __call__(self, *args: Any, **kwargs: Any) -> DPTensorFastGradientClipping:
+        loss = super().__call__(*args, **kwargs)
+        return _GhostLossTensor(self.module, self.optimizer, loss.loss_per_sample, "mean")
+
+
+class _FlatNoiseMixin:
+    """Draw the Gaussian noise of a step as ONE flat vector, split over the parameters.
+
+    Same distribution as Opacus' per-tensor draws (N(0, (sigma C)^2) per coordinate),
+    one generator call instead of one per tensor; and ghost and hook modes then
+    consume the generator identically, so equal seeds give equal noise in both.
     """
 
-    def accumulate(self) -> None:
-        for p in self.params:
-            if p.summed_grad is not None:
-                p.summed_grad.add_(p.grad)
-            else:
-                p.summed_grad = p.grad.detach().clone()
+    params: list[torch.nn.Parameter]
+    noise_multiplier: float
+    max_grad_norm: float
+    generator: torch.Generator | None
 
     def add_noise(self) -> None:
         params = self.params
@@ -168,10 +258,51 @@ class _GhostOptimizer(DPOptimizerFastGradientClipping):  # type: ignore[misc]
         offset = 0
         for p in params:
             n = p.numel()
-            p.grad = (p.summed_grad + noise[offset : offset + n].view_as(p.summed_grad)).view_as(
-                p
-            )
+            summed = p.summed_grad
+            p.grad = (summed + noise[offset : offset + n].view_as(summed)).view_as(p)
             offset += n
+
+
+class _GhostOptimizer(_FlatNoiseMixin, DPOptimizerFastGradientClipping):  # type: ignore[misc]
+    """Opacus' ghost-clipping optimizer without its per-step deep copies.
+
+    Opacus deep-copies every gradient to accumulate it; for a small model that Python
+    overhead costs more than the arithmetic. Same maths: summed_grad = sum of the
+    (already clipped) chunk gradients.
+    """
+
+    def accumulate(self) -> None:
+        for p in self.params:
+            if p.summed_grad is not None:
+                p.summed_grad.add_(p.grad)
+            else:
+                p.summed_grad = p.grad.detach().clone()
+
+
+class _HooksOptimizer(_FlatNoiseMixin, DPOptimizer):  # type: ignore[misc]
+    """Opacus' per-sample-gradient optimizer with the shared flat noise draw."""
+
+
+@functools.lru_cache(maxsize=64)
+def _planned_noise_multiplier(
+    *, target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str
+) -> float:
+    """plan_noise_multiplier, memoised: the search runs the accountant dozens of times."""
+    return plan_noise_multiplier(
+        target_epsilon=target_epsilon,
+        delta=delta,
+        sample_rate=sample_rate,
+        steps=steps,
+        accountant=accountant,
+    )
+
+
+def _distributed_rank_and_size() -> tuple[int, int]:
+    """(rank, world size) of an initialised torch.distributed group, else (0, 1)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def _bce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -201,7 +332,9 @@ class LocalTrainer:
         self.features = torch.as_tensor(data.features, dtype=torch.float32, device=self.device)
         self.labels = torch.as_tensor(data.labels, dtype=torch.float32, device=self.device)
         self.num_samples = len(data)
-        self._sampling_generator = torch.Generator().manual_seed(seed)
+        self.rank, self.world_size = _distributed_rank_and_size()
+        # Ranks sample disjoint shards independently; only rank 0 adds noise.
+        self._sampling_generator = torch.Generator().manual_seed(seed + 7919 * self.rank)
         self._noise_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
 
         self.privacy_unit: PrivacyUnit = self._choose_unit(data)
@@ -214,7 +347,9 @@ class LocalTrainer:
             self.num_units = self.num_samples
         if config.dp:
             check_cohort_size(
-                self.num_units, delta=config.delta, unit=self.privacy_unit,
+                self.num_units,
+                delta=config.delta,
+                unit=self.privacy_unit,
                 file=data.source or None,
             )
         if config.batch_size > self.num_units:
@@ -228,7 +363,7 @@ class LocalTrainer:
 
         self.noise_multiplier = 0.0
         if config.dp:
-            self.noise_multiplier = plan_noise_multiplier(
+            self.noise_multiplier = _planned_noise_multiplier(
                 target_epsilon=config.target_epsilon,
                 delta=config.delta,
                 sample_rate=self.sample_rate,
@@ -236,6 +371,13 @@ class LocalTrainer:
                 accountant=config.accountant,
             )
         self.grad_sample_mode = "none"
+        if self.world_size > 1 and self.privacy_unit != "record":
+            raise ConfigError(
+                "privacy_unit", "multi-GPU (torch.distributed) training supports record level only"
+            )
+        # Record i belongs to rank i % world_size: each record is in exactly one shard
+        # and is sampled there with probability q, so (sigma, q, steps) are unchanged.
+        self._shard = torch.arange(self.rank, self.num_samples, self.world_size)
         self._build_training_objects()
 
     # ----------------------------------------------------------------- setup
@@ -278,6 +420,9 @@ class LocalTrainer:
                 )
             logger.info("training with privacy unit %s", self.privacy_unit)
             return
+        if self.world_size > 1:
+            self._build_distributed()
+            return
         mode = cfg.grad_sample_mode
         if mode in ("ghost", "auto"):
             try:
@@ -285,7 +430,9 @@ class LocalTrainer:
                 self.grad_sample_mode = "ghost"
             except (NotImplementedError, ValueError) as exc:
                 if mode == "ghost":
-                    raise ConfigError("grad_sample_mode", f"ghost clipping unavailable: {exc}")
+                    raise ConfigError(
+                        "grad_sample_mode", f"ghost clipping unavailable: {exc}"
+                    ) from exc
                 logger.info("ghost clipping unavailable (%s); falling back to hooks", exc)
                 self.model.zero_grad(set_to_none=True)
         if self.grad_sample_mode != "ghost":
@@ -310,15 +457,51 @@ class LocalTrainer:
             loss_reduction="mean",
             generator=self._noise_generator,
         )
-        criterion = DPLossFastGradientClipping(
-            module, optimizer, nn.BCEWithLogitsLoss(reduction="mean"), "mean"
-        )
+        criterion = _GhostLoss(module, optimizer, nn.BCEWithLogitsLoss(reduction="mean"), "mean")
         self.trained_module, self.optimizer, self._criterion = module, optimizer, criterion
+
+    def _build_distributed(self) -> None:
+        """Opacus DPDDP (rank 0's weights broadcast) + the distributed DP optimizers.
+
+        Each rank clips its own per-sample gradients, rank 0 alone adds the noise, and
+        the sum is all-reduced: the same Gaussian mechanism as one process.
+        """
+        cfg = self.config
+        wrapped = DPDDP(self.model)
+        per_worker_batch = cfg.batch_size / self.world_size
+        optimizer_kwargs: dict[str, Any] = {
+            "noise_multiplier": self.noise_multiplier,
+            "max_grad_norm": cfg.max_grad_norm,
+            "expected_batch_size": per_worker_batch,
+            "loss_reduction": "mean",
+            "generator": self._noise_generator,
+        }
+        base = self._base_optimizer(self.model.parameters())
+        if cfg.grad_sample_mode in ("ghost", "auto"):
+            module = _GhostModule(
+                wrapped,
+                batch_first=True,
+                loss_reduction="mean",
+                max_grad_norm=cfg.max_grad_norm,
+                use_ghost_clipping=True,
+            )
+            optimizer = DistributedDPOptimizerFastGradientClipping(base, **optimizer_kwargs)
+            self._criterion = DPLossFastGradientClipping(
+                module, optimizer, nn.BCEWithLogitsLoss(reduction="mean"), "mean"
+            )
+            self.grad_sample_mode = "ghost-distributed"
+        else:
+            module = GradSampleModule(wrapped, batch_first=True, loss_reduction="mean")
+            optimizer = DistributedDPOptimizer(base, **optimizer_kwargs)
+            self._criterion = nn.BCEWithLogitsLoss(reduction="mean")
+            self.grad_sample_mode = "hooks-distributed"
+        self.trained_module, self.optimizer = module, optimizer
+        logger.info("distributed DP-SGD, rank %d of %d", self.rank, self.world_size)
 
     def _build_hooks(self) -> None:
         cfg = self.config
         module = GradSampleModule(self.model, batch_first=True, loss_reduction="mean")
-        optimizer = DPOptimizer(
+        optimizer = _HooksOptimizer(
             self._base_optimizer(self.model.parameters()),
             noise_multiplier=self.noise_multiplier,
             max_grad_norm=cfg.max_grad_norm,
@@ -424,14 +607,17 @@ class LocalTrainer:
         return losses
 
     def _poisson_records(self) -> torch.Tensor:
-        chosen = torch.rand(self.num_samples, generator=self._sampling_generator)
-        return torch.nonzero(chosen < self.sample_rate).reshape(-1).to(self.device)
+        chosen = torch.rand(self._shard.numel(), generator=self._sampling_generator)
+        return self._shard[chosen < self.sample_rate].to(self.device)
 
     def _record_step(self, anchor: list[torch.Tensor] | None, mu: float) -> float:
         """One DP-SGD step over a Poisson batch, split into physical chunks."""
         batch = self._poisson_records()
         if batch.numel() == 0:
-            self._noise_only_step(anchor, mu)
+            if self.world_size > 1:
+                self._distributed_empty_step(anchor, mu)
+            else:
+                self._noise_only_step(anchor, mu)
             return float("nan")
         optimizer = self.optimizer
         chunks = batch.split(self.config.max_physical_batch_size)
@@ -446,12 +632,29 @@ class LocalTrainer:
             total_loss += float(loss.detach()) * int(chunk.numel())
             if last:
                 if optimizer.pre_step():
+                    if self.world_size > 1:
+                        optimizer.reduce_gradients()
                     self._add_proximal_gradient(anchor, mu)
                     self._base_step()
             else:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return total_loss / int(batch.numel())
+
+    def _distributed_empty_step(self, anchor: list[torch.Tensor] | None, mu: float) -> None:
+        """This rank sampled nothing: contribute a zero sum, but still join the all-reduce
+        (and add the noise if rank 0), so every rank takes the same step."""
+        optimizer = self.optimizer
+        for p in self.model.parameters():
+            p.summed_grad = torch.zeros_like(p)
+        optimizer.add_noise()
+        optimizer.scale_grad()
+        optimizer.reduce_gradients()
+        self._add_proximal_gradient(anchor, mu)
+        self._base_step()
+        for p in self.model.parameters():
+            p.summed_grad = None
+        optimizer.zero_grad(set_to_none=True)
 
     def _noise_only_step(self, anchor: list[torch.Tensor] | None, mu: float) -> None:
         """An empty Poisson batch still releases noise (the mechanism ran; q is unchanged)."""

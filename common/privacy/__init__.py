@@ -12,12 +12,27 @@ from common.privacy.accountant import (
     epsilon_after,
     plan_noise_multiplier,
 )
+from common.privacy.federation import FederationBudgetView, SiteBudget
+from common.privacy.ledger import (
+    BudgetStatus,
+    LedgerEntry,
+    PrivacyLedger,
+    VerifyReport,
+    verify_ledger,
+)
 
 __all__ = [
+    "BudgetStatus",
     "EpsilonReport",
+    "FederationBudgetView",
+    "LedgerEntry",
+    "PrivacyLedger",
     "Segment",
+    "SiteBudget",
+    "VerifyReport",
     "account",
     "compose_epsilon",
     "epsilon_after",
     "plan_noise_multiplier",
+    "verify_ledger",
 ]

@@ -41,7 +41,14 @@ ACCOUNTANTS = ("prv", "rdp")
 RDP_ORDERS: tuple[float, ...] = (
     *(1 + x / 10.0 for x in range(1, 100)),
     *(float(a) for a in range(12, 64)),
-    64.0, 80.0, 96.0, 128.0, 192.0, 256.0, 512.0, 1024.0,
+    64.0,
+    80.0,
+    96.0,
+    128.0,
+    192.0,
+    256.0,
+    512.0,
+    1024.0,
 )
 
 # Largest PRV discretisation mesh we accept (points). Each point costs a few float64 /
@@ -178,9 +185,7 @@ def _rdp_epsilon(history: list[tuple[float, float, int]], delta: float) -> float
         return float(accountant.get_epsilon(delta, alphas=list(RDP_ORDERS)))
 
 
-def account(
-    segments: Sequence[Segment], *, delta: float, accountant: str = "prv"
-) -> EpsilonReport:
+def account(segments: Sequence[Segment], *, delta: float, accountant: str = "prv") -> EpsilonReport:
     """(epsilon, delta) of the composition of ALL `segments`, with provenance."""
     _check_delta(delta)
     _check_accountant(accountant)
@@ -200,9 +205,7 @@ def account(
     return EpsilonReport(epsilon, float(delta), "prv", "prv")
 
 
-def compose_epsilon(
-    segments: Sequence[Segment], *, delta: float, accountant: str = "prv"
-) -> float:
+def compose_epsilon(segments: Sequence[Segment], *, delta: float, accountant: str = "prv") -> float:
     """Epsilon after the whole history `segments` (see `account` for provenance)."""
     return account(segments, delta=delta, accountant=accountant).epsilon
 

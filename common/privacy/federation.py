@@ -62,9 +62,7 @@ class FederationBudgetView:
     ``"format"`` (psycopg). Use `FederationBudgetView.sqlite(path)` for the default.
     """
 
-    def __init__(
-        self, connect: Callable[[], _Connection], *, paramstyle: str = "qmark"
-    ) -> None:
+    def __init__(self, connect: Callable[[], _Connection], *, paramstyle: str = "qmark") -> None:
         if paramstyle not in ("qmark", "format"):
             raise ConfigError("paramstyle", f"unsupported: {paramstyle!r}")
         self._connect = connect

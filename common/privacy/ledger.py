@@ -320,9 +320,7 @@ def _computed_entry_hash(entry: LedgerEntry, segments_json: str) -> str:
     )
 
 
-def _check_chain(
-    connection: sqlite3.Connection, *, path: Path, recompose: bool
-) -> VerifyReport:
+def _check_chain(connection: sqlite3.Connection, *, path: Path, recompose: bool) -> VerifyReport:
     """Walk header + entries; collect every problem (the first one is what users see)."""
     header = _read_header(connection)
     if header is None:

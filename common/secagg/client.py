@@ -162,6 +162,7 @@ class SecAggClient:
         self._session_id = b""
         self._own_shares: tuple[bytes, bytes] = (b"", b"")
         self._held_shares: dict[str, tuple[bytes, bytes]] = {}
+        self._share_keys: dict[str, bytes] = {}  # neighbour -> AEAD key (both directions)
         self._self_mask_seed = b""
         self.peers: dict[str, PeerState] = {}
         self._survivors: SurvivorList | None = None
@@ -281,6 +282,9 @@ class SecAggClient:
                 self._roster[holder].encryption_public_key,
                 KdfInfo.SHARE_ENCRYPTION_KEY,
             )
+            # The same key decrypts what this neighbour sends us (derive_key is
+            # symmetric): keep it rather than redoing the X25519 + HKDF next phase.
+            self._share_keys[holder] = key
             out.append(
                 EncryptedShare(
                     peer_site_id=holder,
@@ -312,7 +316,7 @@ class SecAggClient:
         """
         self._tracker.require(Phase.SHARE_KEYS, "shares")
         self._check_input(input_vector)
-        encryption_keys, masking_keys = self._keys()
+        _, masking_keys = self._keys()
         received: dict[str, tuple[bytes, bytes]] = {}
         for share in message.shares:
             sender = share.peer_site_id
@@ -322,11 +326,7 @@ class SecAggClient:
                 raise ProtocolAbort(AbortReason.NOT_A_NEIGHBOUR, f"share from {sender!r}")
             if sender in received:
                 raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"second share from {sender!r}")
-            key = self._agree(
-                encryption_keys.private_key,
-                self._roster[sender].encryption_public_key,
-                KdfInfo.SHARE_ENCRYPTION_KEY,
-            )
+            key = self._share_keys[sender]
             try:
                 plaintext = open_sealed(
                     key,

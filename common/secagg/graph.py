@@ -10,42 +10,37 @@ the graph (it could only re-roll it by dropping advertisements, which costs it s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from common.crypto.kdf import KdfInfo, hkdf_sha256
 from common.crypto.prg import expand_mask
 from common.errors import ConfigError
 
-_GRAPH_SALT = b"medfed/v1/secagg/graph"
+
+def _prg_words(seed: bytes, batch: int) -> Iterator[int]:
+    """Endless uint32 words of the ChaCha20 mask PRG keyed by `seed`, in order."""
+    produced = 0
+    while True:
+        # expand_mask(seed, L) is a prefix of expand_mask(seed, L') for L < L'.
+        words = expand_mask(seed, produced + batch)[produced:]
+        produced += batch
+        yield from (int(word) for word in words)
 
 
 def _random_permutation(seed: bytes, n: int) -> list[int]:
-    """Fisher-Yates driven by uint32 words of the AES-CTR PRG, with rejection sampling
-    so every permutation is exactly equally likely (no modulo bias)."""
-    words_needed = 2 * n + 16
-    while True:
-        words = expand_mask(seed, words_needed)
-        order = list(range(n))
-        cursor = 0
-        ok = True
-        for i in range(n - 1, 0, -1):
-            bound = i + 1
-            limit = (1 << 32) - ((1 << 32) % bound)
-            while True:
-                if cursor >= len(words):
-                    ok = False
-                    break
-                word = int(words[cursor])
-                cursor += 1
-                if word < limit:
-                    break
-            if not ok:
-                break
-            j = word % bound
-            order[i], order[j] = order[j], order[i]
-        if ok:
-            return order
-        words_needed *= 2  # astronomically rare; the prefix of the stream is reused
+    """Fisher-Yates driven by PRG words, with rejection sampling so that every
+    permutation is exactly equally likely (no modulo bias)."""
+    words = _prg_words(seed, 2 * n + 16)
+    order = list(range(n))
+    for i in range(n - 1, 0, -1):
+        bound = i + 1
+        limit = (1 << 32) - ((1 << 32) % bound)  # largest multiple of bound <= 2^32
+        word = next(words)
+        while word >= limit:
+            word = next(words)
+        j = word % bound
+        order[i], order[j] = order[j], order[i]
+    return order
 
 
 def neighbourhoods(
@@ -66,7 +61,9 @@ def neighbourhoods(
         return {site: tuple(s for s in sites if s != site) for site in sites}
     if k % 2:
         raise ConfigError("neighbours", "a Harary graph needs an even degree k")
-    seed = hkdf_sha256(session_id, salt=_GRAPH_SALT, info=KdfInfo.NEIGHBOUR_GRAPH.value)
+    # Public randomness (everyone can recompute it), derived like every other key:
+    # its own info label, the session id as salt (DESIGN.md, crypto rules).
+    seed = hkdf_sha256(session_id, salt=session_id, info=KdfInfo.NEIGHBOUR_GRAPH.value)
     order = _random_permutation(seed, n)
     ring = [sites[i] for i in order]
     half = k // 2

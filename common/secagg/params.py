@@ -174,6 +174,8 @@ def choose_parameters(
         raise ConfigError("neighbours", "must be 'auto' or a non-negative even integer")
     else:
         k = neighbours
+        if 0 < k < n_sites - 1 and k % 2:
+            raise ConfigError("neighbours", "a Harary graph needs an even degree k")
     m = n_sites if k == 0 or k >= n_sites - 1 else k + 1
     t = minimum_threshold(neighbourhood_size=m, colluding=colluding)
     if t > m - dropouts:

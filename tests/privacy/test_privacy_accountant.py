@@ -124,7 +124,7 @@ def test_rdp_plan_agrees_with_opacus_search() -> None:
     assert compose_epsilon([Segment(ours, 0.02, 500)], delta=DELTA, accountant="rdp") <= 3.0
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     sigmas=st.lists(st.floats(0.6, 5.0), min_size=1, max_size=3),
     rate=st.floats(0.001, 0.2),
@@ -143,7 +143,7 @@ def test_more_training_never_lowers_epsilon(
     assert after > before > 0
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(total=st.integers(2, 2000), cut=st.floats(0.01, 0.99), rate=st.floats(0.001, 0.1))
 def test_splitting_a_segment_anywhere_keeps_epsilon(total: int, cut: float, rate: float) -> None:
     first = max(1, min(total - 1, round(total * cut)))

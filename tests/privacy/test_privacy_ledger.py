@@ -78,9 +78,7 @@ def test_reserve_is_write_ahead_and_durable(tmp_path: Path) -> None:
         row = connection.execute(
             "SELECT round, epsilon_after, status, entry_hash FROM ledger_entries"
         ).fetchone()
-        header = connection.execute(
-            "SELECT entry_count, head_hash FROM ledger_header"
-        ).fetchone()
+        header = connection.execute("SELECT entry_count, head_hash FROM ledger_header").fetchone()
     assert row == (7, entry.epsilon_after, "committed", entry.entry_hash)
     assert header == (1, entry.entry_hash)
     assert entry.prev_hash == header_hash(
@@ -172,7 +170,7 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     assert info.value.field == "privacy_unit"
     ledger = open_ledger(tmp_path / "b.ledger")
     with pytest.raises(ConfigError) as info:
-        ledger.reserve(1, [ROUND_SEGMENT], now=datetime(2026, 1, 1))  # noqa: DTZ001
+        ledger.reserve(1, [ROUND_SEGMENT], now=datetime(2026, 1, 1))
     assert info.value.field == "now"
     with pytest.raises(ConfigError) as info:
         ledger.reserve(1, [], now=T0)
@@ -320,3 +318,27 @@ def test_read_ledger_and_verify_refuse_missing_or_foreign_files(tmp_path: Path) 
         connection.execute("CREATE TABLE t (x INTEGER)")
     with pytest.raises(StateError):
         read_ledger(foreign)
+
+
+VECTORS = Path(__file__).resolve().parents[1] / "vectors" / "privacy_ledger_hashes.json"
+
+
+def test_hash_format_is_pinned() -> None:
+    """Existing ledgers must keep verifying: the canonical encoding may not drift."""
+    import hashlib
+    import json
+
+    vector = json.loads(VECTORS.read_text())
+    header = dict(vector["header"])
+    expected_header = header.pop("header_hash")
+    assert header_hash(**header) == expected_header
+    # The documented encoding, spelled out independently of the product code.
+    documented = json.dumps(
+        {"format": "medfed-privacy-ledger/1", **header}, sort_keys=True, separators=(",", ":")
+    )
+    assert hashlib.sha256(documented.encode()).hexdigest() == expected_header
+    entry = dict(vector["entry"])
+    expected_entry = entry.pop("entry_hash")
+    segments = entry.pop("segments")
+    assert entry["segments_json"] == json.dumps(segments, separators=(",", ":"))
+    assert entry_hash(**entry) == expected_entry

@@ -20,9 +20,11 @@ from common.secagg.messages import (
     ConsistencySignatures,
     EncryptedShare,
     Roster,
+    ShareKeysOut,
     ShareKind,
     SharesForRecipient,
     SurvivorList,
+    advertise_message,
 )
 from common.secagg.phases import Phase
 
@@ -408,3 +410,93 @@ def _roster_of(federation: Federation) -> tuple:
     server = federation.server
     assert server is not None
     return tuple(server._roster.values())
+
+
+def test_abort_when_server_gathers_confirmations_outside_the_peers_neighbourhood() -> None:
+    """SecAgg+ specific: far-away sites (which hold no share of u) happily sign a list
+    calling u dropped; their signatures must not count towards u's quorum."""
+    federation = make_federation(12, threshold=3, neighbours=4)
+    server, clients = federation.server, federation.clients
+    assert server is not None
+    for site, client in clients.items():
+        server.receive_advertisement(
+            site, client.advertise_keys(), certificate_der=federation.certificate(site)
+        )
+    roster = server.close_advertise()
+    for site in clients:
+        server.receive_shares(site, clients[site].receive_roster(roster))
+    inboxes = server.close_shares()
+    inputs = random_inputs(federation.params, 11)
+    for site, inbox in inboxes.items():
+        clients[site].receive_shares(inbox, inputs[site].copy())
+    victim = clients[VICTIM]
+    target = victim.neighbours[0]
+    closed = {target, *server.graph[target]}
+    far = [site for site in federation.params.participants if site not in closed]
+    lie = SurvivorList(tuple(s for s in federation.params.participants if s != target), (target,))
+    signatures = [(VICTIM, victim.receive_survivors(lie).signature)]
+    signatures += [(site, clients[site].receive_survivors(lie).signature) for site in far]
+    assert len(signatures) >= federation.params.threshold  # a global quorum alone is met
+    with pytest.raises(ProtocolAbort) as caught:
+        victim.receive_consistency(ConsistencySignatures(tuple(sorted(signatures))))
+    assert caught.value.reason is AbortReason.INCONSISTENT_SURVIVOR_SETS
+    assert victim.revealed_kind(target) is None
+
+
+def test_abort_when_a_colluding_site_advertises_a_low_order_key() -> None:
+    """A validly signed all-zero X25519 key would make the agreed secret predictable
+    (RFC 7748 sec. 6.1); the victim refuses the round instead of using it."""
+    federation = make_federation(6, threshold=4)
+
+    def low_order(roster: Roster) -> Roster:
+        entries = list(roster.entries)
+        bad = entries[1]
+        message = advertise_message(
+            round_number=federation.params.round_number,
+            round_nonce=federation.params.round_nonce,
+            site_id=bad.site_id,
+            encryption_public_key=bytes(32),
+            masking_public_key=bad.masking_public_key,
+        )
+        entries[1] = dataclasses.replace(
+            bad,
+            encryption_public_key=bytes(32),
+            signature=federation.signing_keys[bad.site_id].sign(message),
+        )
+        return Roster(tuple(entries))
+
+    def tamper(site: str, message: object) -> object:
+        return low_order(message) if site == VICTIM and isinstance(message, Roster) else message
+
+    with pytest.raises(ProtocolAbort) as caught:
+        run_round(federation, random_inputs(federation.params, 1), tamper=tamper)
+    assert caught.value.reason is AbortReason.DECRYPTION_FAILED
+    assert federation.clients[VICTIM].phase is Phase.ABORTED
+
+
+def test_abort_when_roster_keys_have_the_wrong_length() -> None:
+    def shorten(roster: Roster) -> Roster:
+        short = dataclasses.replace(roster.entries[1], masking_public_key=b"\x01" * 31)
+        return Roster((roster.entries[0], short, *roster.entries[2:]))
+
+    error, _ = attack(Roster, shorten)
+    assert error.reason is AbortReason.WRONG_LENGTH
+
+
+def test_handle_dispatches_by_message_type_and_refuses_site_messages() -> None:
+    federation = make_federation(4, threshold=3)
+    server = federation.server
+    assert server is not None
+    clients = federation.clients
+    for site, client in clients.items():
+        server.receive_advertisement(
+            site, client.advertise_keys(), certificate_der=federation.certificate(site)
+        )
+    roster = server.close_advertise()
+    out = clients[VICTIM].handle(roster)
+    assert isinstance(out, ShareKeysOut)
+    assert clients[VICTIM].phase is Phase.SHARE_KEYS
+    with pytest.raises(ProtocolAbort) as caught:
+        clients["site-001"].handle(out)  # a site never receives another site's upload
+    assert caught.value.reason is AbortReason.UNEXPECTED_MESSAGE
+    assert clients["site-001"].phase is Phase.ABORTED

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import tracemalloc
 
 import numpy as np
 import pytest
 from secagg_harness import make_federation, plaintext_sum, random_inputs, run_round
 
 from common.errors import AbortReason, CryptoError, ProtocolAbort, ValidationError
+from common.secagg.client import PeerStatus
 from common.secagg.messages import (
     ConsistencySignature,
     RevealedShare,
@@ -179,6 +182,16 @@ def test_per_site_status_records_progress_and_dropout_phase() -> None:
     assert status["site-004"].dropped_in is Phase.CONSISTENCY_CHECK
     assert status["site-005"].progress is SiteProgress.CONFIRMED
     assert server.phase is Phase.COMPLETED
+    # The same story from a surviving site's point of view (per-peer state).
+    peers = federation.clients["site-000"].peers
+    assert "site-001" not in peers  # never advertised: not in the roster
+    assert peers["site-002"].status is PeerStatus.DROPPED
+    assert peers["site-002"].dropped_in is Phase.SHARE_KEYS
+    assert peers["site-003"].status is PeerStatus.DROPPED
+    assert peers["site-003"].dropped_in is Phase.MASKED_INPUT
+    assert peers["site-004"].status is PeerStatus.ALIVE
+    assert federation.clients["site-000"].revealed_kind("site-003") is ShareKind.MASKING_KEY
+    assert federation.clients["site-000"].revealed_kind("site-004") is ShareKind.SELF_MASK_SEED
 
 
 def test_both_signature_algorithms_interoperate_in_one_round() -> None:
@@ -189,3 +202,34 @@ def test_both_signature_algorithms_interoperate_in_one_round() -> None:
         np.testing.assert_array_equal(total, plaintext_sum(inputs, survivors))
         key = next(iter(federation.signing_keys.values()))
         assert key.algorithm == algorithm
+
+
+def test_server_keeps_one_accumulator_not_one_vector_per_site() -> None:
+    """Memory O(d): after n masked inputs arrived (and the senders dropped their
+    copies), the server holds about one vector, not n."""
+
+    n, dim = 8, 250_000  # one vector is ~1 MB
+    federation = make_federation(n, threshold=5, vector_length=dim)
+    server, clients = federation.server, federation.clients
+    assert server is not None
+    for site, client in clients.items():
+        server.receive_advertisement(
+            site, client.advertise_keys(), certificate_der=federation.certificate(site)
+        )
+    roster = server.close_advertise()
+    for site in clients:
+        server.receive_shares(site, clients[site].receive_roster(roster))
+    tracemalloc.start()
+    try:
+        baseline = tracemalloc.get_traced_memory()[0]
+        inboxes = server.close_shares()
+        for index, site in enumerate(clients):
+            vector = np.full(dim, index, dtype=np.uint32)
+            server.receive_masked_input(site, clients[site].receive_shares(inboxes[site], vector))
+            del vector
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0] - baseline
+    finally:
+        tracemalloc.stop()
+    vector_bytes = dim * 4
+    assert vector_bytes <= retained < 2 * vector_bytes

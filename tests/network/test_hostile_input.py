@@ -1,0 +1,567 @@
+"""Hostile and broken input against the live coordinator (issue 3, section 4).
+
+Each test is named after its attack and asserts the exact gRPC status code. Attacks on
+the protocol run inside a real round: honest site agents (threads) take part next to a
+scripted participant "d" that misbehaves, then either recovers or is dropped. The round
+must still complete, and the coordinator's unmasked aggregate must equal the ring sum
+of the survivors' plaintext updates (debug files written by both sides).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import pytest
+
+from common import pki
+from common.crypto.signing import SigningKey
+from common.proto.medfed.v1 import federation_pb2 as pb
+from common.secagg.messages import advertise_message
+from tests.network.conftest import (
+    MAX_CHUNK_BYTES,
+    HonestSites,
+    InProcessCoordinator,
+    PkiLayout,
+    ScriptedSite,
+    health_status,
+    raw_channel,
+    raw_stub,
+    read_aggregate,
+    ring_sum,
+    status_of,
+)
+
+OK = grpc.StatusCode.OK
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
+FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+ABORTED = grpc.StatusCode.ABORTED
+PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+SERVING = 1  # grpc.health.v1 HealthCheckResponse.SERVING
+
+# A length-delimited field 1 that claims 255 bytes and has one: never a valid message.
+UNPARSEABLE = b"\x0a\xff\x01"
+
+
+def rpc_error(call: Callable[..., object], *args: object, **kwargs: object) -> grpc.RpcError:
+    """The RpcError an RPC must end with (fails the test if it succeeds)."""
+    try:
+        call(*args, **kwargs)
+    except grpc.RpcError as exc:
+        return exc
+    raise AssertionError("the call was accepted")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@dataclass
+class LiveRound:
+    coordinator: InProcessCoordinator
+    honest: HonestSites
+    hostile: ScriptedSite
+    announcement: pb.RoundAnnouncement
+
+    @property
+    def number(self) -> int:
+        return int(self.announcement.round)
+
+
+@pytest.fixture
+def live_round(
+    coordinator: Callable[..., InProcessCoordinator],
+    honest_sites: Callable[[str, Sequence[str]], HonestSites],
+    pki_layout: PkiLayout,
+) -> LiveRound:
+    """Round 1 open for honest a, b, c and scripted (hostile) d; n=4, t=3."""
+    coord = coordinator()
+    hostile = ScriptedSite(pki_layout, coord.address, "d")
+    hostile.enroll()
+    honest = honest_sites(coord.address, ["a", "b", "c"])
+    ann = hostile.wait_for_round()
+    assert list(ann.participants) == ["a", "b", "c", "d"]
+    assert ann.threshold == 3
+    return LiveRound(coord, honest, hostile, ann)
+
+
+def finish_honestly(site: ScriptedSite, shares: pb.ShareKeysRequest) -> None:
+    """From ShareKeys on, behave: the site stays a survivor."""
+    masked = site.send_shares(shares)
+    consistency = site.send_upload(site.upload_chunks(masked))
+    unmask = site.send_consistency(consistency)
+    reply = site.send_unmask(unmask)
+    assert reply.completed
+
+
+def assert_round_completed(
+    live: LiveRound, *, survivors: Sequence[str], extra: Sequence[ScriptedSite] = ()
+) -> None:
+    """Honest agents finished cleanly and aggregate == ring sum of the survivors."""
+    codes = live.honest.join(60)
+    assert codes == dict.fromkeys(live.honest.threads, 0)
+    live.coordinator.wait_engine_done(20)
+    aggregate, listed = read_aggregate(live.coordinator.settings.state, live.number)
+    assert listed == tuple(sorted(survivors))
+    scripted = {s.site_id: s for s in (live.hostile, *extra)}
+    vectors = []
+    for site in survivors:
+        if site in scripted:
+            vector = scripted[site].plain_vector
+            assert vector is not None
+            vectors.append(vector)
+        else:
+            vectors.append(live.honest.update(site, live.number))
+    assert np.array_equal(aggregate, ring_sum(vectors))
+    assert health_status(live.hostile.pki_layout, live.coordinator.address) == SERVING
+
+
+# ----------------------------------------------------------- transport identity
+
+
+def test_no_client_certificate_is_refused_at_handshake(
+    coordinator: Callable[..., InProcessCoordinator], pki_layout: PkiLayout
+) -> None:
+    coord = coordinator()
+    stub = raw_stub(pki_layout, coord.address, cert_of=None)
+    assert status_of(stub.Enroll, pb.EnrollRequest(), timeout=10) == UNAVAILABLE
+    assert health_status(pki_layout, coord.address) == SERVING
+
+
+def test_certificate_from_foreign_ca_is_refused_at_handshake(
+    coordinator: Callable[..., InProcessCoordinator], pki_layout: PkiLayout
+) -> None:
+    coord = coordinator()
+    # The foreign CA's site is also called "a" and its CA has our CA's name.
+    stub = raw_stub(pki_layout, coord.address, cert_of="a", foreign=True)
+    assert status_of(stub.Enroll, pb.EnrollRequest(), timeout=10) == UNAVAILABLE
+    assert health_status(pki_layout, coord.address) == SERVING
+
+
+def test_expired_site_certificate_is_refused(
+    coordinator: Callable[..., InProcessCoordinator], pki_layout: PkiLayout
+) -> None:
+    coord = coordinator()
+    stub = raw_stub(pki_layout, coord.address, cert_of="expired")
+    code = status_of(stub.Enroll, pb.EnrollRequest(), timeout=10)
+    assert code in (UNAVAILABLE, PERMISSION_DENIED)
+    assert health_status(pki_layout, coord.address) == SERVING
+
+
+def test_revoked_site_certificate_is_permission_denied_on_every_rpc(
+    coordinator: Callable[..., InProcessCoordinator], pki_layout: PkiLayout
+) -> None:
+    coord = coordinator()
+    stub = raw_stub(pki_layout, coord.address, cert_of="revoked")
+    calls: list[tuple[Callable[..., object], object]] = [
+        (stub.Enroll, pb.EnrollRequest()),
+        (stub.WaitForRound, pb.WaitForRoundRequest(wait_seconds=1)),
+        (stub.DeclineRound, pb.DeclineRoundRequest(round=1)),
+            (stub.AdvertiseKeys, pb.AdvertiseKeysRequest(round=1)),
+        (stub.ShareKeys, pb.ShareKeysRequest(round=1)),
+        (stub.ConsistencyCheck, pb.ConsistencyCheckRequest(round=1)),
+        (stub.Unmask, pb.UnmaskRequest(round=1)),
+    ]
+    for call, request in calls:
+        error = rpc_error(call, request, timeout=10)
+        assert error.code() == PERMISSION_DENIED, call
+        assert "revoked" in (error.details() or "")
+    download = stub.DownloadModel(pb.DownloadModelRequest(round=1), timeout=10)
+    assert status_of(lambda: list(download)) == PERMISSION_DENIED
+    upload = iter([pb.MaskedInputChunk(header=pb.MaskedInputHeader(round=1))])
+    assert status_of(stub.UploadMaskedInput, upload, timeout=10) == PERMISSION_DENIED
+
+
+def test_site_revoked_after_coordinator_started_is_refused_without_restart(
+    coordinator: Callable[..., InProcessCoordinator], pki_layout: PkiLayout
+) -> None:
+    coord = coordinator()
+    late = raw_stub(pki_layout, coord.address, cert_of="late")
+    assert status_of(late.Enroll, pb.EnrollRequest(), timeout=10) == OK
+    pki.revoke_site(pki_layout.root, "late", now=dt.datetime.now(dt.UTC))
+    # Same coordinator, same TLS connection: the next call sees the new CRL.
+    assert status_of(late.Enroll, pb.EnrollRequest(), timeout=10) == PERMISSION_DENIED
+    fresh = raw_stub(pki_layout, coord.address, cert_of="late")
+    assert status_of(fresh.Enroll, pb.EnrollRequest(), timeout=10) == PERMISSION_DENIED
+    other = raw_stub(pki_layout, coord.address, cert_of="e")
+    assert status_of(other.Enroll, pb.EnrollRequest(), timeout=10) == OK
+
+
+# -------------------------------------------------------------- message identity
+
+
+def test_non_participant_replaying_participants_messages_is_refused_as_itself(
+    live_round: LiveRound, pki_layout: PkiLayout
+) -> None:
+    """Site e (valid certificate, not selected) re-sends d's exact messages in every
+    phase: each is judged as e's (the error names e), never as d's."""
+    live, d = live_round, live_round.hostile
+    e = ScriptedSite(pki_layout, live.coordinator.address, "e")
+    e.enroll()
+
+    def refused_as_e(call: Callable[..., object], request: object) -> None:
+        error = rpc_error(call, request, timeout=10)
+        assert error.code() == FAILED_PRECONDITION
+        assert "site e is not a participant" in (error.details() or "")
+
+    advertise = d.advertise_request()
+    refused_as_e(e.stub.AdvertiseKeys, advertise)
+    # e signs keys "for b" with its own key: still e's message, still refused.
+    forged = pb.AdvertiseKeysRequest()
+    forged.CopyFrom(advertise)
+    forged.signature = SigningKey.from_pem(pki_layout.site_pair("e")[1]).sign(
+        advertise_message(
+            round_number=live.number,
+            round_nonce=live.announcement.round_nonce,
+            site_id="b",
+            encryption_public_key=advertise.encryption_public_key,
+            masking_public_key=advertise.masking_public_key,
+        )
+    )
+    refused_as_e(e.stub.AdvertiseKeys, forged)
+    download = e.stub.DownloadModel(pb.DownloadModelRequest(round=live.number), timeout=10)
+    assert status_of(lambda: list(download)) == FAILED_PRECONDITION
+    shares = d.send_advertise(advertise)
+    refused_as_e(e.stub.ShareKeys, shares)
+    masked = d.send_shares(shares)
+    upload = d.upload_chunks(masked)
+    error = rpc_error(e.stub.UploadMaskedInput, iter(upload), timeout=10)
+    assert error.code() == FAILED_PRECONDITION
+    assert "site e is not a participant" in (error.details() or "")
+    consistency = d.send_upload(upload)
+    refused_as_e(e.stub.ConsistencyCheck, consistency)
+    unmask = d.send_consistency(consistency)
+    refused_as_e(e.stub.Unmask, unmask)
+    refused_as_e(e.stub.DeclineRound, pb.DeclineRoundRequest(round=live.number))
+    assert d.send_unmask(unmask).completed
+    assert_round_completed(live, survivors=["a", "b", "c", "d"])
+
+
+def test_participant_advertising_keys_signed_as_another_site_is_refused(
+    live_round: LiveRound, pki_layout: PkiLayout
+) -> None:
+    """d signs an advertisement naming b: the coordinator checks it as d's (the caller's
+    certificate), so the signature does not verify."""
+    live, d = live_round, live_round.hostile
+    honest_request = d.advertise_request()
+    as_b = pb.AdvertiseKeysRequest()
+    as_b.CopyFrom(honest_request)
+    as_b.signature = d.signing_key.sign(
+        advertise_message(
+            round_number=live.number,
+            round_nonce=live.announcement.round_nonce,
+            site_id="b",
+            encryption_public_key=honest_request.encryption_public_key,
+            masking_public_key=honest_request.masking_public_key,
+        )
+    )
+    assert status_of(d.stub.AdvertiseKeys, as_b, timeout=10) == INVALID_ARGUMENT
+    # The refused message left no trace: d's honest advertisement is still accepted.
+    finish_honestly(d, d.send_advertise(honest_request))
+    assert_round_completed(live, survivors=["a", "b", "c", "d"])
+
+
+# ------------------------------------------------------------- protocol misuse
+
+
+def test_wrong_round_number_is_aborted(live_round: LiveRound) -> None:
+    live, d = live_round, live_round.hostile
+    request = d.advertise_request()
+    for wrong in (0, live.number + 1, 2**64 - 1):
+        bad = pb.AdvertiseKeysRequest()
+        bad.CopyFrom(request)
+        bad.round = wrong
+        assert status_of(d.stub.AdvertiseKeys, bad, timeout=10) == ABORTED
+        download = d.stub.DownloadModel(pb.DownloadModelRequest(round=wrong), timeout=10)
+        assert status_of(lambda it=download: list(it)) == ABORTED
+    wrong_nonce = pb.AdvertiseKeysRequest()
+    wrong_nonce.CopyFrom(request)
+    wrong_nonce.round_nonce = bytes(16)
+    assert status_of(d.stub.AdvertiseKeys, wrong_nonce, timeout=10) == ABORTED
+    finish_honestly(d, d.send_advertise(request))
+    assert_round_completed(live, survivors=["a", "b", "c", "d"])
+
+
+def test_wrong_session_id_is_aborted_in_every_phase(live_round: LiveRound) -> None:
+    live, d = live_round, live_round.hostile
+    other_session = os.urandom(32)
+    shares = d.send_advertise(d.advertise_request())
+    for bad_session, code in ((other_session, ABORTED), (b"short", INVALID_ARGUMENT)):
+        bad = pb.ShareKeysRequest()
+        bad.CopyFrom(shares)
+        bad.session_id = bad_session
+        assert status_of(d.stub.ShareKeys, bad, timeout=10) == code
+    masked = d.send_shares(shares)
+    bad_upload = d.upload_chunks(masked)
+    bad_upload[0].header.session_id = other_session
+    assert status_of(d.stub.UploadMaskedInput, iter(bad_upload), timeout=10) == ABORTED
+    consistency = d.send_upload(d.upload_chunks(masked))
+    bad_consistency = pb.ConsistencyCheckRequest()
+    bad_consistency.CopyFrom(consistency)
+    bad_consistency.session_id = other_session
+    assert status_of(d.stub.ConsistencyCheck, bad_consistency, timeout=10) == ABORTED
+    unmask = d.send_consistency(consistency)
+    bad_unmask = pb.UnmaskRequest()
+    bad_unmask.CopyFrom(unmask)
+    bad_unmask.session_id = other_session
+    assert status_of(d.stub.Unmask, bad_unmask, timeout=10) == ABORTED
+    assert d.send_unmask(unmask).completed
+    assert_round_completed(live, survivors=["a", "b", "c", "d"])
+
+
+def test_phase_messages_out_of_order_are_aborted(live_round: LiveRound) -> None:
+    """ShareKeys, MaskedInput, ConsistencyCheck and Unmask before AdvertiseKeys closed."""
+    live, d = live_round, live_round.hostile
+    session = os.urandom(32)
+    n = live.number
+    early_upload = iter([pb.MaskedInputChunk(header=pb.MaskedInputHeader(
+        round=n, session_id=session, vector_length=live.announcement.vector_length))])
+    assert status_of(
+        d.stub.ShareKeys, pb.ShareKeysRequest(round=n, session_id=session), timeout=10
+    ) == ABORTED
+    assert status_of(d.stub.UploadMaskedInput, early_upload, timeout=10) == ABORTED
+    assert status_of(
+        d.stub.ConsistencyCheck,
+        pb.ConsistencyCheckRequest(round=n, session_id=session, signature=b"x" * 64),
+        timeout=10,
+    ) == ABORTED
+    assert status_of(
+        d.stub.Unmask, pb.UnmaskRequest(round=n, session_id=session), timeout=10
+    ) == ABORTED
+    shares = d.send_advertise(d.advertise_request())
+    # AdvertiseKeys after its phase closed is out of order too.
+    late = pb.AdvertiseKeysRequest(round=n, round_nonce=live.announcement.round_nonce,
+                                   encryption_public_key=os.urandom(32),
+                                   masking_public_key=os.urandom(32), signature=b"s")
+    assert status_of(d.stub.AdvertiseKeys, late, timeout=10) == ABORTED
+    finish_honestly(d, shares)
+    assert_round_completed(live, survivors=["a", "b", "c", "d"])
+
+
+def test_replayed_advertise_keys_is_refused(
+    coordinator: Callable[..., InProcessCoordinator],
+    honest_sites: Callable[[str, Sequence[str]], HonestSites],
+    pki_layout: PkiLayout,
+) -> None:
+    """d sends the same AdvertiseKeys twice while the phase is open (scripted e holds
+    it open): exactly one is taken, the other is a duplicate. A replay after the phase
+    closed is out of order."""
+    coord = coordinator()
+    d = ScriptedSite(pki_layout, coord.address, "d")
+    e = ScriptedSite(pki_layout, coord.address, "e")
+    d.enroll()
+    e.enroll()
+    honest = honest_sites(coord.address, ["a", "b"])
+    wait_e = e.stub.WaitForRound.future(pb.WaitForRoundRequest(wait_seconds=30), timeout=35)
+    d.wait_for_round()
+    assert wait_e.result().has_round
+    e.join_round(wait_e.result().round)
+    request = d.advertise_request()
+    first = d.stub.AdvertiseKeys.future(request, timeout=30)
+    second = d.stub.AdvertiseKeys.future(request, timeout=30)
+    e_shares = e.send_advertise(e.advertise_request())  # closes the phase
+    outcomes = []
+    for future in (first, second):
+        try:
+            outcomes.append((OK, future.result()))
+        except grpc.RpcError as exc:
+            outcomes.append((exc.code(), None))
+    assert sorted(code.name for code, _ in outcomes) == ["FAILED_PRECONDITION", "OK"]
+    roster = next(reply for code, reply in outcomes if code == OK)
+    assert status_of(d.stub.AdvertiseKeys, request, timeout=10) == ABORTED
+    d_shares = d.accept_roster(roster)
+    # d and e go on concurrently: every phase waits for both.
+    e_thread = threading.Thread(target=finish_honestly, args=(e, e_shares), daemon=True)
+    e_thread.start()
+    finish_honestly(d, d_shares)
+    e_thread.join(30)
+    assert not e_thread.is_alive()
+    live = LiveRound(coord, honest, d, d.ann)
+    assert_round_completed(live, survivors=["a", "b", "d", "e"], extra=[e])
+
+
+def test_vector_of_wrong_length_is_aborted(live_round: LiveRound) -> None:
+    live, d = live_round, live_round.hostile
+    masked = d.send_shares(d.send_advertise(d.advertise_request()))
+    length = masked.size
+    for claimed in (length - 1, length + 1, 0, 2**64 - 1):
+        chunks = d.upload_chunks(masked, length=claimed)
+        assert status_of(d.stub.UploadMaskedInput, iter(chunks), timeout=10) == ABORTED
+    # Header right, data one element short: truncated.
+    short = d.upload_chunks(masked[:-1], length=length)
+    assert status_of(d.stub.UploadMaskedInput, iter(short), timeout=10) == INVALID_ARGUMENT
+    # Header right, data one element long: runs past the declared length.
+    long = d.upload_chunks(np.append(masked, np.uint32(7)), length=length)
+    assert status_of(d.stub.UploadMaskedInput, iter(long), timeout=10) == INVALID_ARGUMENT
+    unmask = d.send_consistency(d.send_upload(d.upload_chunks(masked)))
+    assert d.send_unmask(unmask).completed
+    assert_round_completed(live, survivors=["a", "b", "c", "d"])
+
+
+def test_upload_chunk_larger_than_limit_is_refused(live_round: LiveRound) -> None:
+    live, d = live_round, live_round.hostile
+    masked = d.send_shares(d.send_advertise(d.advertise_request()))
+    header = d.upload_chunks(masked)[0]
+    for size, code in (
+        (MAX_CHUNK_BYTES + 4, INVALID_ARGUMENT),  # over our chunk limit
+        (MAX_CHUNK_BYTES * 3, RESOURCE_EXHAUSTED),  # over gRPC's message limit too
+    ):
+        oversized = pb.MaskedInputChunk(chunk=pb.ModelChunk(offset=0, data=bytes(size)))
+        assert status_of(d.stub.UploadMaskedInput, iter([header, oversized]), timeout=10) == code
+    unmask = d.send_consistency(d.send_upload(d.upload_chunks(masked)))
+    assert d.send_unmask(unmask).completed
+    assert_round_completed(live, survivors=["a", "b", "c", "d"])
+
+
+def test_chunk_offset_gap_overlap_and_reorder_are_refused(live_round: LiveRound) -> None:
+    live, d = live_round, live_round.hostile
+    masked = d.send_shares(d.send_advertise(d.advertise_request()))
+    header, *chunks = d.upload_chunks(masked, chunk_bytes=64)
+    assert len(chunks) >= 3
+    attacks = {
+        "gap": [chunks[0], *chunks[2:]],
+        "overlap": [chunks[0], chunks[0], *chunks[1:]],
+        "reorder": [chunks[1], chunks[0], *chunks[2:]],
+        "second header": [chunks[0], header, *chunks[1:]],
+        "empty chunk": [pb.MaskedInputChunk(chunk=pb.ModelChunk(offset=0)), *chunks],
+    }
+    for name, body in attacks.items():
+        code = status_of(d.stub.UploadMaskedInput, iter([header, *body]), timeout=10)
+        assert code == INVALID_ARGUMENT, name
+    assert status_of(d.stub.UploadMaskedInput, iter(chunks), timeout=10) == INVALID_ARGUMENT
+    assert status_of(d.stub.UploadMaskedInput, iter([]), timeout=10) == INVALID_ARGUMENT
+    unmask = d.send_consistency(d.send_upload(d.upload_chunks(masked)))
+    assert d.send_unmask(unmask).completed
+    assert_round_completed(live, survivors=["a", "b", "c", "d"])
+
+
+def test_truncated_upload_drops_the_site_and_round_completes(live_round: LiveRound) -> None:
+    """d's stream ends early (twice), then d goes silent: it is dropped at MaskedInput,
+    its masks are recovered and the sum of a, b, c is exact."""
+    live, d = live_round, live_round.hostile
+    masked = d.send_shares(d.send_advertise(d.advertise_request()))
+    header, *chunks = d.upload_chunks(masked, chunk_bytes=64)
+    assert status_of(d.stub.UploadMaskedInput, iter([header]), timeout=10) == INVALID_ARGUMENT
+    truncated = iter([header, *chunks[:-1]])
+    assert status_of(d.stub.UploadMaskedInput, truncated, timeout=10) == INVALID_ARGUMENT
+    assert_round_completed(live, survivors=["a", "b", "c"])
+
+
+def test_garbage_bytes_in_every_field_are_refused(live_round: LiveRound) -> None:
+    """Per phase: unparseable bytes, then each field garbled in turn; all refused with
+    INVALID_ARGUMENT, after which d's real message is still accepted."""
+    live, d = live_round, live_round.hostile
+    channel = raw_channel(d.pki_layout, live.coordinator.address, cert_of="d")
+
+    def raw(method: str) -> Callable[..., object]:
+        return channel.unary_unary(f"/medfed.v1.Federation/{method}")
+
+    for method in ("Enroll", "WaitForRound", "DeclineRound", "AdvertiseKeys", "ShareKeys",
+                   "ConsistencyCheck", "Unmask"):
+        assert status_of(raw(method), UNPARSEABLE, timeout=10) == INVALID_ARGUMENT, method
+    download = channel.unary_stream("/medfed.v1.Federation/DownloadModel")
+    assert status_of(lambda: list(download(UNPARSEABLE, timeout=10))) == INVALID_ARGUMENT
+    upload = channel.stream_unary("/medfed.v1.Federation/UploadMaskedInput")
+    assert status_of(upload, iter([UNPARSEABLE]), timeout=10) == INVALID_ARGUMENT
+
+    def garbled(message: object, **fields: object) -> list[object]:
+        out = []
+        for name, value in fields.items():
+            copy = type(message)()  # type: ignore[operator]
+            copy.CopyFrom(message)  # type: ignore[attr-defined]
+            setattr(copy, name, value)
+            out.append(copy)
+        return out
+
+    nan_budget = pb.BudgetStatus(epsilon_budget=float("nan"))
+    assert status_of(d.stub.Enroll, pb.EnrollRequest(budget=nan_budget), timeout=10) \
+        == INVALID_ARGUMENT
+
+    advertise = d.advertise_request()
+    junk = os.urandom(32)
+    for bad in garbled(
+        advertise,
+        round_nonce=os.urandom(15),
+        encryption_public_key=os.urandom(31),
+        masking_public_key=os.urandom(33),
+        signature=os.urandom(200),
+    ) + garbled(advertise, signature=os.urandom(64), encryption_public_key=junk) + garbled(
+        advertise, masking_public_key=advertise.encryption_public_key
+    ):
+        assert status_of(d.stub.AdvertiseKeys, bad, timeout=10) == INVALID_ARGUMENT, bad
+    shares = d.send_advertise(advertise)
+
+    def share_variant(peer: str, ciphertext: bytes) -> pb.ShareKeysRequest:
+        bad = pb.ShareKeysRequest()
+        bad.CopyFrom(shares)
+        bad.shares[0].peer_site_id = peer
+        bad.shares[0].ciphertext = ciphertext
+        return bad
+
+    good_cipher = shares.shares[0].ciphertext
+    first_peer = shares.shares[0].peer_site_id
+    for bad in (
+        share_variant("NOT A SITE\x00", good_cipher),
+        share_variant("zz", good_cipher),  # a site that is not a neighbour
+        share_variant(first_peer, os.urandom(len(good_cipher) - 1)),
+        share_variant(first_peer, os.urandom(600)),
+    ):
+        assert status_of(d.stub.ShareKeys, bad, timeout=10) == INVALID_ARGUMENT
+    masked = d.send_shares(shares)
+    consistency = d.send_upload(d.upload_chunks(masked))
+    for bad in garbled(consistency, signature=os.urandom(64)) + garbled(
+        consistency, signature=os.urandom(161)
+    ):
+        assert status_of(d.stub.ConsistencyCheck, bad, timeout=10) == INVALID_ARGUMENT
+    unmask = d.send_consistency(consistency)
+
+    def unmask_variant(**fields: object) -> pb.UnmaskRequest:
+        bad = pb.UnmaskRequest()
+        bad.CopyFrom(unmask)
+        for name, value in fields.items():
+            setattr(bad.shares[0], name, value)
+        return bad
+
+    for bad in (
+        unmask_variant(owner_site_id="??"),
+        unmask_variant(owner_site_id="zz"),
+        unmask_variant(kind=pb.RevealedShare.KIND_UNSPECIFIED),
+        unmask_variant(kind=pb.RevealedShare.MASKING_KEY),  # owner survived
+        unmask_variant(kind=7),
+        unmask_variant(share=os.urandom(7)),
+        unmask_variant(share=os.urandom(129)),
+    ):
+        assert status_of(d.stub.Unmask, bad, timeout=10) == INVALID_ARGUMENT, bad
+    assert d.send_unmask(unmask).completed
+    channel.close()
+    assert_round_completed(live, survivors=["a", "b", "c", "d"])
+
+
+def test_stalled_concurrent_uploads_do_not_block_honest_sites(live_round: LiveRound) -> None:
+    """Slow loris: d opens two uploads that send a header and then stall. Each upload
+    holds a staging buffer; the coordinator must refuse the second stream of the same
+    site and cut the first when the phase closes, so honest uploads still get through."""
+    live, d = live_round, live_round.hostile
+    masked = d.send_shares(d.send_advertise(d.advertise_request()))
+    header = d.upload_chunks(masked)[0]
+    release = threading.Event()
+
+    def stalled() -> Iterator[pb.MaskedInputChunk]:
+        yield header
+        release.wait(30)  # the stream stays open, sending nothing
+
+    try:
+        first = d.stub.UploadMaskedInput.future(stalled(), timeout=30)
+        second = d.stub.UploadMaskedInput.future(stalled(), timeout=30)
+        codes = sorted(status_of(future.result).name for future in (first, second))
+    finally:
+        release.set()
+    # One is refused at once; the other is cut when MaskedInput closes without d.
+    assert codes == ["ABORTED", "FAILED_PRECONDITION"]
+    assert_round_completed(live, survivors=["a", "b", "c"])
