@@ -90,6 +90,10 @@ class TrainingPlanSection(_Section):
     local_epochs: int = Field(default=1, ge=1, le=1000)
     learning_rate: float = Field(default=0.1, gt=0, le=10)
     fedprox_mu: float = Field(default=0.0, ge=0, le=100)
+    final_evaluation: bool = Field(
+        default=False,
+        description="after the training rounds, run one evaluation-only round (no privacy cost)",
+    )
 
 
 class AggregationSection(_Section):
@@ -184,6 +188,9 @@ class DataSection(_Section):
     holdout_fraction: float = Field(default=0.2, gt=0, lt=1)
     synthetic_cohort_seed: int | None = Field(
         default=None, description="use the embedded synthetic cohort instead of a file"
+    )
+    synthetic_patients: int | None = Field(
+        default=None, ge=1, description="patients of this site's synthetic slice"
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 import os
 import time
@@ -33,6 +34,8 @@ from common.errors import (
     ValidationError,
 )
 from common.modelfile import ModelFile, flat_layout, read_model_file, write_model_file
+from common.privacy.federation import FederationBudgetView, has_budget_left
+from common.privacy.ledger import BudgetStatus
 from common.secagg import messages as sm
 from common.secagg.params import (
     ROUND_NONCE_BYTES,
@@ -46,7 +49,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.optimizers import FedAdam, FedAvg, FedYogi, ServerOptimizer, weighted_mean
 from coordinator.rounds import ActiveRound, Announcement, PhaseState, RoundPhase
 from coordinator.store import Checkpoint, CoordinatorStore
-from site_agent.evaluation import metrics_from_histogram
+from site_agent.evaluation import operating_point_metrics
 
 log = logging.getLogger("medfed.coordinator")
 
@@ -62,14 +65,38 @@ IdentityVerifier = Callable[[str, bytes], VerifyingKey]
 
 @dataclass
 class SiteBudget:
+    """What a site last reported about its own ledger (epsilon_budget 0: no ledger,
+    i.e. a run without DP accounting)."""
+
     epsilon_budget: float = 0.0
     epsilon_spent: float = 0.0
     delta: float = 0.0
     privacy_unit: str = ""
+    reported_exhausted: bool = False
+    ledger_entries: int = 0
+    ledger_head: str = ""
+    ledger_last_round: int | None = None
 
     @property
     def exhausted(self) -> bool:
+        if self.reported_exhausted:
+            return True
         return self.epsilon_budget > 0 and self.epsilon_spent >= self.epsilon_budget
+
+    def as_status(self, site_id: str) -> BudgetStatus:
+        """The report in the federation view's terms."""
+        return BudgetStatus(
+            site_id=site_id,
+            budget_epsilon=self.epsilon_budget,
+            delta=self.delta,
+            spent_epsilon=self.epsilon_spent,
+            remaining_epsilon=max(0.0, self.epsilon_budget - self.epsilon_spent),
+            last_round=self.ledger_last_round,
+            exhausted=self.exhausted,
+            privacy_unit=self.privacy_unit or "record",
+            ledger_entries=self.ledger_entries,
+            ledger_head=self.ledger_head,
+        )
 
 
 @dataclass
@@ -112,9 +139,13 @@ class RoundEngine:
         metrics: CoordinatorMetrics,
         clock: Callable[[], float] = time.time,
         rng: Callable[[int], bytes] = os.urandom,
+        budget_view: FederationBudgetView | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
+        # The federation budget view lives in the same state database as the store
+        # (SQLite or PostgreSQL), so a restarted or fail-over coordinator keeps it.
+        self.budget_view = budget_view or FederationBudgetView(store.database)
         self.identity = identity
         self.metrics = metrics
         self.clock = clock
@@ -156,6 +187,13 @@ class RoundEngine:
             raise ConfigError("model", "no initial model configured")
         return flat_layout(cfg.dim), np.zeros(cfg.dim, dtype=np.float32)
 
+    @property
+    def total_rounds(self) -> int:
+        return self.settings.rounds + (1 if self.settings.training.final_evaluation else 0)
+
+    def is_evaluation_round(self) -> bool:
+        return self.store.completed_rounds() >= self.settings.rounds
+
     def recover(self) -> None:
         """After a crash: abandon the round that was in flight; nothing is unmasked."""
         abandoned = self.store.abandon_in_flight(now=self.clock())
@@ -163,6 +201,9 @@ class RoundEngine:
             log.warning("round %d was in flight at a crash: abandoned", number)
             self.metrics.rounds_total.labels(outcome="abandoned").inc()
         self.last_round_number = self.store.next_round_number() - 1
+        # Budget gauges show the persisted federation view before any site reports again.
+        for row in self.budget_view.snapshot():
+            self.metrics.observe_budget(row.site_id, row.spent_epsilon, row.budget_epsilon)
 
     @property
     def vector_length(self) -> int:
@@ -175,14 +216,51 @@ class RoundEngine:
         if session is None:
             session = self.sites[site_id] = SiteSession(site_id, certificate_der)
         session.certificate_der = certificate_der
-        session.budget = budget
         self.store.record_site(
             site_id, cert_serial=serial, agent_version=version, device=device, now=self.clock()
         )
-        self.metrics.observe_budget(site_id, budget.epsilon_spent, budget.epsilon_budget)
+        self._record_budget(session, budget)
         self.metrics.sites_enrolled.set(len(self.store.enrolled_sites()))
         self._changed.set()
         return self.last_round_number
+
+    def _record_budget(self, session: SiteSession, budget: SiteBudget) -> None:
+        """Keep a site's budget report in the session and in the federation view.
+
+        A site without a ledger (budget 0: no DP accounting) is not entered in the view.
+        A report whose spend or ledger length went DOWN is refused by the view (a ledger
+        is append-only): the higher recorded spend keeps governing selection, and the
+        operator is warned, since that site's ledger was reset or rewritten."""
+        session.budget = budget
+        site_id = session.site_id
+        spent, total = budget.epsilon_spent, budget.epsilon_budget
+        if budget.epsilon_budget > 0 or budget.ledger_entries > 0:
+            now = dt.datetime.fromtimestamp(self.clock(), dt.UTC)
+            try:
+                row = self.budget_view.update_site(site_id, budget.as_status(site_id), now=now)
+            except StateError as exc:
+                log.warning("budget report of site %s ignored: %s", site_id, exc)
+                recorded = self.budget_view.get(site_id)
+                if recorded is not None:
+                    spent, total = recorded.spent_epsilon, recorded.budget_epsilon
+            else:
+                spent, total = row.spent_epsilon, row.budget_epsilon
+        self.metrics.observe_budget(site_id, spent, total)
+        self._changed.set()
+
+    def _with_budget(self, site_ids: list[str]) -> list[str]:
+        """The sites (order kept) that selection may pick, judged by the federation view:
+        not exhausted and more than `MIN_REMAINING_EPSILON` left. A site with no row
+        in the view is one that keeps no ledger (runs without DP accounting)."""
+        rows = {row.site_id: row for row in self.budget_view.snapshot()}
+        chosen = []
+        for site_id in site_ids:
+            row = rows.get(site_id)
+            if self.sites[site_id].budget.exhausted:
+                continue
+            if row is None or has_budget_left(row):
+                chosen.append(site_id)
+        return chosen
 
     def _session(self, site_id: str) -> SiteSession:
         session = self.sites.get(site_id)
@@ -196,8 +274,7 @@ class RoundEngine:
         """Long-poll until a round selecting this site opens (None on timeout)."""
         session = self._session(site_id)
         if budget is not None:
-            session.budget = budget
-            self.metrics.observe_budget(site_id, budget.epsilon_spent, budget.epsilon_budget)
+            self._record_budget(session, budget)
         current = self.round
         if current is not None and current.number > after_round:
             # A site that reconnects while the round it was chosen for is still in its
@@ -230,8 +307,7 @@ class RoundEngine:
     def decline(self, site_id: str, round_number: int, *, budget: SiteBudget | None) -> None:
         session = self._session(site_id)
         if budget is not None:
-            session.budget = budget
-            self.metrics.observe_budget(site_id, budget.epsilon_spent, budget.epsilon_budget)
+            self._record_budget(session, budget)
         rnd = self._round_for(site_id, round_number)
         rnd.declined.add(site_id)
         log.info("site %s declined round %d", site_id, round_number)
@@ -437,7 +513,7 @@ class RoundEngine:
         """Run rounds until `settings.rounds` have completed."""
         self.recover()
         try:
-            while self.store.completed_rounds() < self.settings.rounds:
+            while self.store.completed_rounds() < self.total_rounds:
                 participants = await self._select()
                 await self._run_round(participants)
         finally:
@@ -447,14 +523,16 @@ class RoundEngine:
                     session.waiting.set_result(None)
 
     def _eligible_waiting(self) -> list[str]:
-        return sorted(
-            s.site_id
-            for s in self.sites.values()
-            if s.waiting is not None and not s.waiting.done() and not s.budget.exhausted
+        return self._with_budget(
+            sorted(
+                s.site_id
+                for s in self.sites.values()
+                if s.waiting is not None and not s.waiting.done()
+            )
         )
 
     def _eligible_connected(self) -> list[str]:
-        return sorted(s.site_id for s in self.sites.values() if not s.budget.exhausted)
+        return self._with_budget(sorted(self.sites))
 
     async def _wait_changed(self, timeout: float) -> None:
         self._changed.clear()
@@ -531,7 +609,9 @@ class RoundEngine:
             model_layout=self.layout,
             model_sha256=digest(model_bytes),
             model_bytes=len(model_bytes),
-            local_epochs=cfg.training.local_epochs,
+            # After the planned training rounds, one evaluation-only round (no training,
+            # no privacy spend) measures the final model through the same secure sum.
+            local_epochs=0 if self.is_evaluation_round() else cfg.training.local_epochs,
             learning_rate=cfg.training.learning_rate,
             fedprox_mu=cfg.training.fedprox_mu,
             planned_rounds=cfg.rounds,
@@ -599,21 +679,31 @@ class RoundEngine:
             # No chunk of the old model is served once the update starts (it may be
             # applied in place); set on the event loop before the worker thread runs.
             rnd.model_released = True
+            update_started = time.perf_counter()
             result = await asyncio.to_thread(
                 self._apply_update, ann, aggregate, survivors, dropped
             )
             del aggregate
+            log.debug("round %d model updated in %.3f s", ann.round_number,
+                      time.perf_counter() - update_started)
         except MedfedError as exc:
             rnd.abort = exc if isinstance(exc, ProtocolAbort) else ProtocolAbort(
                 AbortReason.ROUND_ABANDONED, str(exc)
             )
-            log.warning("round %d aborted: %s", ann.round_number, exc)
+            log.warning(
+                "round %d aborted: %s", ann.round_number, exc,
+                extra={"event": "round_aborted", "round_number": ann.round_number,
+                       "participants": ",".join(participants), "reason": str(exc)},
+            )
             self.store.finish_round(
                 ann.round_number, status="aborted", now=self.clock(), detail=str(exc)
             )
             self.metrics.rounds_total.labels(outcome="aborted").inc()
         else:
+            commit_started = time.perf_counter()
             self._commit(result)
+            log.debug("round %d checkpoint committed in %.3f s", ann.round_number,
+                      time.perf_counter() - commit_started)
             self.metrics.rounds_total.labels(outcome="completed").inc()
             seconds = time.perf_counter() - started
             log.info(
@@ -621,7 +711,13 @@ class RoundEngine:
                 ann.round_number, len(result.survivors), len(result.dropped),
                 seconds, result.metrics.get("auc"),
                 extra={
+                    "event": "round_completed",
                     "round_number": ann.round_number,
+                    "participants": ",".join(participants),
+                    "survivors": ",".join(result.survivors),
+                    "dropped": ",".join(result.dropped),
+                    "evaluation_only": ann.local_epochs == 0,
+                    **result.metrics,
                     "secure": ann.secure_aggregation,
                     "round_seconds": round(seconds, 6),
                     # Idle time after a phase's last message until its deadline dropped
@@ -647,9 +743,10 @@ class RoundEngine:
             missing = sorted(state.expected - state.arrived)
             log.info("round %d %s deadline: dropping %s", rnd.number, rnd.phase.value, missing)
             self.metrics.dropouts_total.labels(phase=rnd.phase.value).inc(len(missing))
-        self.metrics.phase_seconds.labels(phase=rnd.phase.value).observe(
-            time.perf_counter() - started
-        )
+        elapsed = time.perf_counter() - started
+        self.metrics.phase_seconds.labels(phase=rnd.phase.value).observe(elapsed)
+        log.debug("round %d %s closed after %.3f s: %d of %d arrived", rnd.number,
+                  rnd.phase.value, elapsed, len(state.arrived), len(state.expected))
 
     def _advance(self, rnd: ActiveRound, current: PhaseState, output: object,
                  nxt: RoundPhase | None, expected: set[str]) -> PhaseState | None:
@@ -694,6 +791,7 @@ class RoundEngine:
         unmask_started = time.perf_counter()
         aggregate = await asyncio.to_thread(server.close_unmask)
         self.metrics.unmask_seconds.observe(time.perf_counter() - unmask_started)
+        log.debug("round %d unmasked in %.3f s", rnd.number, time.perf_counter() - unmask_started)
         self.metrics.quorum_margin.set(len(survivors.survivors) - ann.threshold)
         self._advance(rnd, state, len(survivors.survivors), None, set())
         return aggregate, survivors.survivors, survivors.dropped
@@ -736,7 +834,7 @@ class RoundEngine:
         histogram = np.asarray(integers[1:], dtype=np.int64)
         metrics: dict[str, float] = {"contributors": float(len(survivors))}
         if histogram.sum() > 0:
-            m = metrics_from_histogram(histogram, bins=bins)
+            m = operating_point_metrics(histogram, bins=bins)
             metrics.update(
                 auc=m.auc, sensitivity=m.sensitivity, specificity=m.specificity, ppv=m.ppv,
                 evaluated=float(m.n),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -67,13 +68,29 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+LEDGER_HEAD_RE = re.compile(r"[0-9a-f]{64}")
+
+
 def budget_from_pb(msg: pb.BudgetStatus) -> SiteBudget | None:
     if not msg.ByteSize():
         return None
     values = (msg.epsilon_budget, msg.epsilon_spent, msg.delta)
     if not all(v == v and 0 <= v < 1e9 for v in values):  # NaN fails v == v
         raise ValidationError("budget: values must be finite and non-negative")
-    return SiteBudget(msg.epsilon_budget, msg.epsilon_spent, msg.delta, msg.privacy_unit[:16])
+    if msg.ledger_head and not LEDGER_HEAD_RE.fullmatch(msg.ledger_head):
+        raise ValidationError("budget: ledger_head must be a hex SHA-256")
+    if msg.ledger_entries >= 1 << 63 or msg.ledger_last_round >= 1 << 63:
+        raise ValidationError("budget: ledger_entries / ledger_last_round out of range")
+    return SiteBudget(
+        msg.epsilon_budget,
+        msg.epsilon_spent,
+        msg.delta,
+        msg.privacy_unit[:16],
+        reported_exhausted=msg.exhausted,
+        ledger_entries=msg.ledger_entries,
+        ledger_head=msg.ledger_head,
+        ledger_last_round=msg.ledger_last_round if msg.ledger_entries else None,
+    )
 
 
 def announcement_to_pb(ann: Announcement) -> pb.RoundAnnouncement:
@@ -260,8 +277,16 @@ class FederationServicer(pb_grpc.FederationServicer):
             self.metrics.grpc_requests.labels(method="DownloadModel", code=code.name).inc()
             await context.abort(code, str(exc)[:500])
             return
-        for offset, data in chunks:
-            yield pb.ModelChunk(offset=offset, data=data)
+        try:
+            for offset, data in chunks:
+                yield pb.ModelChunk(offset=offset, data=data)
+        except MedfedError as exc:
+            # The round ended mid-stream (the model is being replaced): a clear status,
+            # not UNKNOWN.
+            code = status_for(exc)
+            self.metrics.grpc_requests.labels(method="DownloadModel", code=code.name).inc()
+            await context.abort(code, str(exc)[:500])
+            return
         self.metrics.grpc_requests.labels(method="DownloadModel", code="OK").inc()
 
     @rpc

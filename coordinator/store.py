@@ -1,7 +1,8 @@
 """What the coordinator must remember across a crash: rounds, checkpoints, enrolment.
 
-SQLite by default (one file under the state folder, WAL, synchronous=FULL). The SQL is
-kept portable (no SQLite-only types) so the same schema runs on PostgreSQL.
+SQLite by default (one file under the state folder, WAL, synchronous=FULL); PostgreSQL
+when `database_url` is ``postgresql://...`` (a highly available coordinator). The SQL is
+written once, portably; `common.sqldb` holds the few dialect differences.
 
 A round is written as ``in_flight`` before any site hears of it; after a crash the next
 start marks it ``abandoned`` (nothing from it is ever unmasked) and numbering goes on
@@ -11,22 +12,20 @@ from the largest number ever used, so a site can never confuse two rounds.
 from __future__ import annotations
 
 import json
-import sqlite3
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
+from common.sqldb import SQLITE, Database, parse_database_url
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS meta (
         key TEXT PRIMARY KEY,
         value TEXT NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS rounds (
-        round_number INTEGER PRIMARY KEY,
+        round_number BIGINT PRIMARY KEY,
         status TEXT NOT NULL,
         started_at DOUBLE PRECISION NOT NULL,
         finished_at DOUBLE PRECISION,
@@ -36,7 +35,7 @@ SCHEMA = (
         detail TEXT,
         metrics TEXT)""",
     """CREATE TABLE IF NOT EXISTS checkpoints (
-        round_number INTEGER PRIMARY KEY,
+        round_number BIGINT PRIMARY KEY,
         path TEXT NOT NULL,
         sha256 TEXT NOT NULL,
         created_at DOUBLE PRECISION NOT NULL)""",
@@ -75,35 +74,22 @@ class CoordinatorStore:
 
     def __init__(self, database_url: str) -> None:
         self.url = database_url
-        path = sqlite_path(database_url)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
+        self.database = Database(database_url)
+        self._tx = self.database.transaction
         with self._tx() as cur:
             for statement in SCHEMA:
                 cur.execute(statement)
 
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Cursor]:
-        with self._lock:
-            cur = self._conn.cursor()
-            cur.execute("BEGIN IMMEDIATE")
-            try:
-                yield cur
-            except BaseException:
-                cur.execute("ROLLBACK")
-                raise
-            cur.execute("COMMIT")
+    @property
+    def dialect(self) -> str:
+        return self.database.dialect
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+        self.database.close()
 
     # ------------------------------------------------------------------ meta
     def get_meta(self, key: str) -> str | None:
-        with self._tx() as cur:
+        with self._tx(write=False) as cur:
             row = cur.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else str(row[0])
 
@@ -130,7 +116,7 @@ class CoordinatorStore:
         return [int(r[0]) for r in rows]
 
     def next_round_number(self) -> int:
-        with self._tx() as cur:
+        with self._tx(write=False) as cur:
             row = cur.execute("SELECT MAX(round_number) FROM rounds").fetchone()
         return 1 if row is None or row[0] is None else int(row[0]) + 1
 
@@ -177,7 +163,7 @@ class CoordinatorStore:
                 )
 
     def rounds(self) -> list[RoundRecord]:
-        with self._tx() as cur:
+        with self._tx(write=False) as cur:
             rows = cur.execute(
                 "SELECT round_number, status, started_at, finished_at, participants, survivors, "
                 "dropped, detail, metrics FROM rounds ORDER BY round_number"
@@ -198,23 +184,23 @@ class CoordinatorStore:
         ]
 
     def round_status(self, round_number: int) -> str | None:
-        # Round numbers come off the wire as uint64; SQLite integers are signed 64-bit,
+        # Round numbers come off the wire as uint64; SQL BIGINTs are signed 64-bit,
         # and no round that large was ever stored.
         if not 0 <= round_number < 1 << 63:
             return None
-        with self._tx() as cur:
+        with self._tx(write=False) as cur:
             row = cur.execute(
                 "SELECT status FROM rounds WHERE round_number = ?", (round_number,)
             ).fetchone()
         return None if row is None else str(row[0])
 
     def completed_rounds(self) -> int:
-        with self._tx() as cur:
+        with self._tx(write=False) as cur:
             row = cur.execute("SELECT COUNT(*) FROM rounds WHERE status = 'completed'").fetchone()
         return int(row[0])
 
     def latest_checkpoint(self) -> Checkpoint | None:
-        with self._tx() as cur:
+        with self._tx(write=False) as cur:
             row = cur.execute(
                 "SELECT round_number, path, sha256 FROM checkpoints "
                 "ORDER BY round_number DESC LIMIT 1"
@@ -235,17 +221,14 @@ class CoordinatorStore:
             )
 
     def enrolled_sites(self) -> list[str]:
-        with self._tx() as cur:
+        with self._tx(write=False) as cur:
             rows = cur.execute("SELECT site_id FROM sites ORDER BY site_id").fetchall()
         return [str(r[0]) for r in rows]
 
 
 def sqlite_path(database_url: str) -> Path:
     """Path of a ``sqlite:///...`` URL (a bare path is accepted too)."""
-    if database_url.startswith("sqlite:///"):
-        return Path(database_url[len("sqlite:///") :])
-    if "://" in database_url:
-        raise ConfigError(
-            "database_url", f"unsupported database URL scheme in {database_url.split('://')[0]!r}"
-        )
-    return Path(database_url)
+    parsed = parse_database_url(database_url)
+    if parsed.dialect != SQLITE:
+        raise ConfigError("database_url", f"not a SQLite URL: {parsed.redacted()}")
+    return Path(parsed.target)

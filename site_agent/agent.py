@@ -115,6 +115,7 @@ class SiteAgent:
         self.ca_cert = load_certificate(ca)
         self.last_round = 0
         self.rounds_done = 0
+        self._declined_for_budget = False
         self._backoff = settings.reconnect.initial_backoff_seconds
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.FederationStub | None = None
@@ -159,6 +160,12 @@ class SiteAgent:
             epsilon_spent=status.spent_epsilon,
             delta=status.delta,
             privacy_unit=status.privacy_unit,
+            # Once the ledger refused a round of the federation's (fixed) plan, every
+            # later one would be refused too: say so, and the coordinator stops asking.
+            exhausted=status.exhausted or self._declined_for_budget,
+            ledger_entries=status.ledger_entries,
+            ledger_head=status.ledger_head,
+            ledger_last_round=status.last_round or 0,
         )
 
     # ------------------------------------------------------------------- loop
@@ -216,6 +223,7 @@ class SiteAgent:
             self._run_round(stub, rnd)
         except BudgetExhausted as exc:
             log.warning("declining round %d: %s", ann.round, exc)
+            self._declined_for_budget = True
             self.metrics.rounds.labels(outcome="declined_budget").inc()
             stub.DeclineRound(
                 pb.DeclineRoundRequest(

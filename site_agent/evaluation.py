@@ -119,3 +119,29 @@ def metrics_from_scores(
         ppv=_ratio(tp, tp + fp),
         n=len(s),
     )
+
+
+def youden_threshold(hist: np.ndarray, *, bins: int) -> float:
+    """The bucket edge that maximises Youden's J = sensitivity + specificity - 1.
+
+    A screening tool is operated at a chosen threshold, not at 0.5 (sepsis is rare, so
+    0.5 would flag almost nobody). Computed from the federation's summed histogram, so
+    choosing it reveals nothing about any one site.
+    """
+    counts = np.asarray(hist, dtype=np.int64).reshape(-1)
+    if counts.shape != (2 * bins,):
+        raise ValidationError(f"histogram must be {2 * bins} counts")
+    negatives, positives = counts[:bins].astype(np.float64), counts[bins:].astype(np.float64)
+    n_neg, n_pos = negatives.sum(), positives.sum()
+    if n_neg == 0 or n_pos == 0:
+        return 0.5
+    # Predict positive for buckets >= k: sensitivity(k) and specificity(k) for every k.
+    sens = np.cumsum(positives[::-1])[::-1] / n_pos
+    spec = np.concatenate([[0.0], np.cumsum(negatives)[:-1]]) / n_neg
+    best = int(np.argmax(sens + spec - 1.0))
+    return best / bins
+
+
+def operating_point_metrics(hist: np.ndarray, *, bins: int) -> Metrics:
+    """Metrics at the Youden-optimal threshold of the same histogram (AUC unaffected)."""
+    return metrics_from_histogram(hist, bins=bins, threshold=youden_threshold(hist, bins=bins))

@@ -201,7 +201,11 @@ def load_configured_data(settings: SiteSettings) -> Any:
 
     data_cfg = settings.data
     if data_cfg.synthetic_cohort_seed is not None:
-        return generate_cohort([settings.site], seed=data_cfg.synthetic_cohort_seed)[settings.site]
+        return generate_cohort(
+            [settings.site],
+            seed=data_cfg.synthetic_cohort_seed,
+            patients_per_site=data_cfg.synthetic_patients,
+        )[settings.site]
     if data_cfg.path is None:
         raise ConfigError("data.path", "set a data file or data.synthetic_cohort_seed")
     features = data_cfg.features or list(FEATURES)

@@ -160,70 +160,79 @@ class _GhostModule(GradSampleModuleFastGradientClipping):  # type: ignore[misc]
     NORM_SAMPLERS = {**GradSampleModuleFastGradientClipping.NORM_SAMPLERS}
     NORM_SAMPLERS[nn.Linear] = _linear_norm_sample
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        trainable = [m for _, m in trainable_modules(self._module)]
+    def __init__(self, m: nn.Module, **kwargs: Any) -> None:
+        trainable = [module for _, module in trainable_modules(m)]
         # Book-keeping only where every trainable layer is a plain Linear layer.
-        self.bookkeeping = bool(trainable) and all(type(m) is nn.Linear for m in trainable)
-        self._bk_layers: list[nn.Linear] = [m for m in trainable if type(m) is nn.Linear]
+        self.bookkeeping = bool(trainable) and all(type(x) is nn.Linear for x in trainable)
+        self._bk_layers: list[nn.Linear] = [x for x in trainable if type(x) is nn.Linear]
+        self._bk_records: list[tuple[nn.Linear, torch.Tensor, torch.Tensor]] = []
+        super().__init__(m, **kwargs)  # calls add_hooks
 
-    def capture_backprops_hook(
-        self,
-        module: nn.Module,
-        _forward_input: Any,
-        forward_output: Any,
-        loss_reduction: str,
-        batch_first: bool,
-    ) -> None:
-        if not (self.bookkeeping and self.hooks_enabled and forward_output[0].dim() == 2):
-            super().capture_backprops_hook(
-                module, _forward_input, forward_output, loss_reduction, batch_first
-            )
+    def add_hooks(self, **kwargs: Any) -> None:
+        """Opacus' hooks, or for book-keeping models one light forward hook per layer.
+
+        Opacus wraps every module in full backward hooks; book-keeping only needs each
+        Linear layer's input A and output (to differentiate the loss against).
+        """
+        if not self.bookkeeping:
+            super().add_hooks(**kwargs)
             return
-        activations, backprops = self.rearrange_grad_samples(
-            module=module,
-            backprops=forward_output[0].detach(),
-            loss_reduction=loss_reduction,
-            batch_first=batch_first,
-        )
-        inputs = activations[0].to(backprops.dtype)
-        for param, norm in _linear_norm_sample(module, [inputs], backprops).items():
-            param._norm_sample = norm
-            param._forward_counter -= 1
-        module._medfed_bk = (inputs, backprops)
-        if len(module.activations) == 0:
-            del module.max_batch_len
-
-    def write_clipped_gradients(self, coefficients: torch.Tensor) -> bool:
-        """p.grad = sum_i c_i * grad_i for every Linear layer; False if not possible."""
-        saved = [getattr(m, "_medfed_bk", None) for m in self._bk_layers]
+        self._module.autograd_grad_sample_hooks = []
+        self.autograd_grad_sample_hooks = self._module.autograd_grad_sample_hooks
         for layer in self._bk_layers:
-            layer._medfed_bk = None
-        if not self.bookkeeping or any(s is None for s in saved):
-            return False
-        for layer, (inputs, backprops) in zip(self._bk_layers, saved):
-            weighted = backprops * coefficients.to(backprops.dtype).unsqueeze(1)
+            self.autograd_grad_sample_hooks.append(
+                layer.register_forward_hook(self._bk_forward_hook)
+            )
+        self.enable_hooks()
+
+    def _bk_forward_hook(self, layer: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        if not (self.hooks_enabled and layer.training and torch.is_grad_enabled()):
+            return
+        if output.dim() != 2 or any(r[0] is layer for r in self._bk_records):
+            # Sequences or a layer applied twice (tied weights): not book-keepable.
+            self._bk_records.clear()
+            raise ConfigError("grad_sample_mode", "book-keeping needs each Linear once, 2-D")
+        self._bk_records.append((layer, inputs[0].detach(), output))
+
+    def bookkeeping_backward(self, loss_per_sample: torch.Tensor) -> None:
+        """Set p.grad = sum_i min(1, C / ||g_i||) g_i with ONE pass over activations only.
+
+        d(sum_i loss_i)/d(output) gives every sample's output gradient G (rows are
+        independent across samples); the per-sample weight gradient is g_i a_i^T, so
+        ||grad_i||^2 = sum_layers ||g_i||^2 (||a_i||^2 + 1 [bias]) and the clipped sum
+        is (c * G)^T A. No parameter gradient of the unclipped loss is ever formed.
+        """
+        records, self._bk_records = self._bk_records, []
+        if len(records) != len(self._bk_layers):
+            raise ConfigError("grad_sample_mode", "book-keeping saw an incomplete forward pass")
+        grads = torch.autograd.grad(loss_per_sample.sum(), [out for _, _, out in records])
+        squared = torch.zeros_like(loss_per_sample, dtype=grads[0].dtype)
+        for (layer, activation, _), g in zip(records, grads):
+            factor = torch.zeros_like(squared)
             if layer.weight.requires_grad:
-                layer.weight.grad = weighted.t().mm(inputs)
+                factor = factor + activation.to(g.dtype).square().sum(dim=1)
+            if layer.bias is not None and layer.bias.requires_grad:
+                factor = factor + 1.0
+            squared = squared + g.square().sum(dim=1) * factor
+        norms = squared.sqrt()
+        self._per_sample_gradient_norms = norms
+        coefficients = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)  # as Opacus
+        for (layer, activation, _), g in zip(records, grads):
+            weighted = g * coefficients.unsqueeze(1)
+            if layer.weight.requires_grad:
+                layer.weight.grad = weighted.t().mm(activation.to(g.dtype))
             if layer.bias is not None and layer.bias.requires_grad:
                 layer.bias.grad = weighted.sum(dim=0)
-        return True
 
 
 class _GhostLossTensor(DPTensorFastGradientClipping):  # type: ignore[misc]
     """Ghost-clipping loss whose backward uses book-keeping when the model allows it."""
 
     def backward(self) -> None:
-        module = self.module
-        if not getattr(module, "bookkeeping", False):
+        if getattr(self.module, "bookkeeping", False):
+            self.module.bookkeeping_backward(self.loss_per_sample)
+        else:
             super().backward()
-            return
-        reduced = self.loss_per_sample.mean(dim=0)
-        # One backward pass: per-sample output gradients (hooks) and norms.
-        reduced.backward(retain_graph=False)
-        coefficients = module.get_clipping_coef()
-        if not module.write_clipped_gradients(coefficients):
-            raise ConfigError("grad_sample_mode", "book-keeping state incomplete")
 
 
 class _GhostLoss(DPLossFastGradientClipping):  # type: ignore[misc]
@@ -241,6 +250,8 @@ class _FlatNoiseMixin:
     """
 
     params: list[torch.nn.Parameter]
+    expected_batch_size: float
+    loss_reduction: str
     noise_multiplier: float
     max_grad_norm: float
     generator: torch.Generator | None
@@ -255,12 +266,18 @@ class _FlatNoiseMixin:
             generator=self.generator,
             device=params[0].device,
         )
+        # Opacus' scale_grad (divide by the expected batch size) is fused in here.
+        scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
         offset = 0
         for p in params:
             n = p.numel()
             summed = p.summed_grad
-            p.grad = (summed + noise[offset : offset + n].view_as(summed)).view_as(p)
+            noisy = summed + noise[offset : offset + n].view_as(summed)
+            p.grad = noisy.mul_(scale).view_as(p)
             offset += n
+
+    def scale_grad(self) -> None:
+        """Already done in `add_noise`."""
 
 
 class _GhostOptimizer(_FlatNoiseMixin, DPOptimizerFastGradientClipping):  # type: ignore[misc]
@@ -486,7 +503,7 @@ class LocalTrainer:
                 use_ghost_clipping=True,
             )
             optimizer = DistributedDPOptimizerFastGradientClipping(base, **optimizer_kwargs)
-            self._criterion = DPLossFastGradientClipping(
+            self._criterion = _GhostLoss(
                 module, optimizer, nn.BCEWithLogitsLoss(reduction="mean"), "mean"
             )
             self.grad_sample_mode = "ghost-distributed"
@@ -544,7 +561,8 @@ class LocalTrainer:
         self._reset_optimizer(cfg.lr if lr is None else lr)
         anchor = [p.detach().clone() for p in self.model.parameters()] if mu > 0 else None
         self.trained_module.train()
-        losses: list[float] = []
+        # Losses stay tensors until the end: a .item() per step is a needless sync.
+        losses: list[torch.Tensor] = []
         for _ in range(epochs):
             if self.privacy_unit == "none":
                 losses.extend(self._nonprivate_epoch(anchor, mu))
@@ -562,7 +580,7 @@ class LocalTrainer:
             seconds=time.perf_counter() - started,
             device=str(self.device),
             privacy_unit=self.privacy_unit,
-            mean_loss=float(np.mean(losses)) if losses else float("nan"),
+            mean_loss=float(torch.stack(losses).nanmean()) if losses else float("nan"),
         )
 
     def _reset_optimizer(self, lr: float) -> None:
@@ -591,7 +609,7 @@ class LocalTrainer:
         base = getattr(self.optimizer, "original_optimizer", self.optimizer)
         base.step()
 
-    def _nonprivate_epoch(self, anchor: list[torch.Tensor] | None, mu: float) -> list[float]:
+    def _nonprivate_epoch(self, anchor: list[torch.Tensor] | None, mu: float) -> list[torch.Tensor]:
         losses = []
         order = torch.randperm(self.num_samples, generator=self._sampling_generator)
         order = order.to(self.device)
@@ -603,14 +621,14 @@ class LocalTrainer:
             loss.backward()
             self._add_proximal_gradient(anchor, mu)
             self.optimizer.step()
-            losses.append(float(loss.detach()))
+            losses.append(loss.detach())
         return losses
 
     def _poisson_records(self) -> torch.Tensor:
         chosen = torch.rand(self._shard.numel(), generator=self._sampling_generator)
         return self._shard[chosen < self.sample_rate].to(self.device)
 
-    def _record_step(self, anchor: list[torch.Tensor] | None, mu: float) -> float:
+    def _record_step(self, anchor: list[torch.Tensor] | None, mu: float) -> torch.Tensor:
         """One DP-SGD step over a Poisson batch, split into physical chunks."""
         batch = self._poisson_records()
         if batch.numel() == 0:
@@ -618,10 +636,10 @@ class LocalTrainer:
                 self._distributed_empty_step(anchor, mu)
             else:
                 self._noise_only_step(anchor, mu)
-            return float("nan")
+            return torch.tensor(float("nan"), device=self.device)
         optimizer = self.optimizer
         chunks = batch.split(self.config.max_physical_batch_size)
-        total_loss = 0.0
+        total_loss = torch.zeros((), device=self.device)
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1
             # BatchMemoryManager protocol: all but the last chunk only clip+accumulate.
@@ -629,7 +647,7 @@ class LocalTrainer:
             logits = self.trained_module(self.features[chunk])
             loss = self._criterion(logits, self.labels[chunk])
             loss.backward()
-            total_loss += float(loss.detach()) * int(chunk.numel())
+            total_loss += loss.detach() * int(chunk.numel())
             if last:
                 if optimizer.pre_step():
                     if self.world_size > 1:
@@ -668,7 +686,7 @@ class LocalTrainer:
         self._base_step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _patient_step(self, anchor: list[torch.Tensor] | None, mu: float) -> float:
+    def _patient_step(self, anchor: list[torch.Tensor] | None, mu: float) -> torch.Tensor:
         records, patient_index, num_patients = self._patient_sampler.sample(
             self._sampling_generator
         )
@@ -678,9 +696,9 @@ class LocalTrainer:
         self._base_step()
         self.optimizer.zero_grad(set_to_none=True)
         if records.numel() == 0:
-            return float("nan")
+            return torch.tensor(float("nan"), device=self.device)
         with torch.no_grad():
-            return float(_bce_sum(self.model(features), labels)) / int(records.numel())
+            return _bce_sum(self.model(features), labels) / int(records.numel())
 
     # -------------------------------------------------------------- inference
     def predict(self, features: np.ndarray) -> np.ndarray:

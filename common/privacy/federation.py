@@ -5,37 +5,50 @@ site's own ledger (`common.privacy.ledger`) stays authoritative, and a site decl
 round its ledger refuses whatever this view says. The view also keeps each site's ledger
 head hash and entry count: an external anchor that makes a rewritten site ledger visible.
 
-Schema is plain SQL (TEXT / INTEGER / DOUBLE PRECISION, INSERT ... ON CONFLICT) so the
-same statements run on PostgreSQL; only the parameter marker differs (`paramstyle`).
+It lives in the coordinator's state database (`common.sqldb`: SQLite by default,
+PostgreSQL by URL); the SQL is written once (TEXT / BIGINT / DOUBLE PRECISION,
+INSERT ... ON CONFLICT) and runs on both.
 """
 
 from __future__ import annotations
 
 import math
-import sqlite3
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 from common.errors import ConfigError, StateError
 from common.privacy.ledger import BudgetStatus
+from common.sqldb import Database, Statements
 
 STATUS_ACTIVE: Final = "active"
 STATUS_EXHAUSTED: Final = "exhausted"
+
+MIN_REMAINING_EPSILON: Final = 1e-6
+"""A site with this little epsilon left (or less) is treated as exhausted: no useful
+round fits in it, and float rounding in the accountant is far larger than this."""
 
 _COLUMNS = (
     "site_id, budget_epsilon, delta, spent_epsilon, remaining_epsilon, last_round, "
     "status, privacy_unit, ledger_entries, ledger_head, updated_at"
 )
 
-
-class _Connection(Protocol):
-    def execute(self, sql: str, parameters: Sequence[Any] = ..., /) -> Any: ...
-    def commit(self) -> None: ...
-    def rollback(self) -> None: ...
-    def close(self) -> None: ...
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS federation_site_budgets ("
+    " site_id TEXT PRIMARY KEY,"
+    " budget_epsilon DOUBLE PRECISION NOT NULL,"
+    " delta DOUBLE PRECISION NOT NULL,"
+    " spent_epsilon DOUBLE PRECISION NOT NULL,"
+    " remaining_epsilon DOUBLE PRECISION NOT NULL,"
+    " last_round BIGINT,"
+    " status TEXT NOT NULL,"
+    " privacy_unit TEXT NOT NULL,"
+    " ledger_entries BIGINT NOT NULL,"
+    " ledger_head TEXT NOT NULL,"
+    " updated_at TEXT NOT NULL)"
+)
 
 
 @dataclass(frozen=True)
@@ -58,79 +71,39 @@ class SiteBudget:
 class FederationBudgetView:
     """Per-site budget, spent, delta, remaining, last round and status.
 
-    `connect` returns a DB-API connection; `paramstyle` is ``"qmark"`` (sqlite3) or
-    ``"format"`` (psycopg). Use `FederationBudgetView.sqlite(path)` for the default.
+    Give it the coordinator's `Database` (shared with `CoordinatorStore`), or use
+    `FederationBudgetView.open(url)` / `.sqlite(path)` for a standalone view.
     """
 
-    def __init__(self, connect: Callable[[], _Connection], *, paramstyle: str = "qmark") -> None:
-        if paramstyle not in ("qmark", "format"):
-            raise ConfigError("paramstyle", f"unsupported: {paramstyle!r}")
-        self._connect = connect
-        self._marker = "?" if paramstyle == "qmark" else "%s"
-        self._run(
-            "CREATE TABLE IF NOT EXISTS federation_site_budgets ("
-            " site_id TEXT PRIMARY KEY,"
-            " budget_epsilon DOUBLE PRECISION NOT NULL,"
-            " delta DOUBLE PRECISION NOT NULL,"
-            " spent_epsilon DOUBLE PRECISION NOT NULL,"
-            " remaining_epsilon DOUBLE PRECISION NOT NULL,"
-            " last_round INTEGER,"
-            " status TEXT NOT NULL,"
-            " privacy_unit TEXT NOT NULL,"
-            " ledger_entries INTEGER NOT NULL,"
-            " ledger_head TEXT NOT NULL,"
-            " updated_at TEXT NOT NULL)",
-            (),
-        )
+    def __init__(self, database: Database) -> None:
+        self.database = database
+        with database.transaction() as cur:
+            cur.execute(_SCHEMA)
+
+    @classmethod
+    def open(cls, database_url: str) -> FederationBudgetView:
+        return cls(Database(database_url))
 
     @classmethod
     def sqlite(cls, path: str | Path) -> FederationBudgetView:
-        def connect() -> _Connection:
-            connection = sqlite3.connect(path)
-            connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute("PRAGMA synchronous=FULL")
-            return connection
+        return cls(Database(f"sqlite:///{path}"))
 
-        return cls(connect, paramstyle="qmark")
-
-    def _sql(self, statement: str) -> str:
-        return statement.replace("?", self._marker)
-
-    def _run(self, statement: str, parameters: Sequence[Any]) -> list[Any]:
-        connection = self._connect()
-        try:
-            cursor = connection.execute(self._sql(statement), parameters)
-            rows = list(cursor.fetchall()) if cursor.description else []
-            connection.commit()
-            return rows
-        except BaseException:
-            connection.rollback()
-            raise
-        finally:
-            connection.close()
+    def close(self) -> None:
+        self.database.close()
 
     def update_site(self, site_id: str, status: BudgetStatus, *, now: datetime) -> SiteBudget:
         """Record what `site_id` reported. The spend of a site never goes down: a report
-        with less spent, an earlier round or a shorter ledger than already recorded is
-        refused (StateError), since a site's ledger is append-only."""
+        with less spent or a shorter ledger than already recorded is refused (StateError,
+        nothing written), since a site's ledger is append-only.
+
+        Read, check and write happen in one write transaction, so two coordinator
+        replicas cannot interleave between the check and the write."""
         if site_id != status.site_id:
             raise ConfigError("site_id", f"report is for {status.site_id!r}, not {site_id!r}")
         for name in ("budget_epsilon", "delta", "spent_epsilon", "remaining_epsilon"):
             value = getattr(status, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(name, f"must be finite and >= 0, got {value!r}")
-        previous = self.get(site_id)
-        if previous is not None:
-            if status.spent_epsilon < previous.spent_epsilon:
-                raise StateError(
-                    f"site {site_id} reports spent {status.spent_epsilon} < recorded "
-                    f"{previous.spent_epsilon}: a ledger cannot shrink"
-                )
-            if status.ledger_entries < previous.ledger_entries:
-                raise StateError(
-                    f"site {site_id} reports {status.ledger_entries} ledger entries < "
-                    f"recorded {previous.ledger_entries}"
-                )
         row = SiteBudget(
             site_id=site_id,
             budget_epsilon=float(status.budget_epsilon),
@@ -144,63 +117,92 @@ class FederationBudgetView:
             ledger_head=status.ledger_head,
             updated_at=now.isoformat(),
         )
-        self._run(
-            f"INSERT INTO federation_site_budgets ({_COLUMNS}) "  # noqa: S608 (constant)
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-            "ON CONFLICT (site_id) DO UPDATE SET "
-            "budget_epsilon = excluded.budget_epsilon, delta = excluded.delta, "
-            "spent_epsilon = excluded.spent_epsilon, "
-            "remaining_epsilon = excluded.remaining_epsilon, "
-            "last_round = excluded.last_round, status = excluded.status, "
-            "privacy_unit = excluded.privacy_unit, "
-            "ledger_entries = excluded.ledger_entries, ledger_head = excluded.ledger_head, "
-            "updated_at = excluded.updated_at",
-            (
-                row.site_id,
-                row.budget_epsilon,
-                row.delta,
-                row.spent_epsilon,
-                row.remaining_epsilon,
-                row.last_round,
-                row.status,
-                row.privacy_unit,
-                row.ledger_entries,
-                row.ledger_head,
-                row.updated_at,
-            ),
-        )
+        with self.database.transaction() as cur:
+            previous = _select_one(cur, site_id)
+            if previous is not None:
+                if row.spent_epsilon < previous.spent_epsilon:
+                    raise StateError(
+                        f"site {site_id} reports spent {row.spent_epsilon} < recorded "
+                        f"{previous.spent_epsilon}: a ledger cannot shrink"
+                    )
+                if row.ledger_entries < previous.ledger_entries:
+                    raise StateError(
+                        f"site {site_id} reports {row.ledger_entries} ledger entries < "
+                        f"recorded {previous.ledger_entries}"
+                    )
+            cur.execute(
+                f"INSERT INTO federation_site_budgets ({_COLUMNS}) "  # noqa: S608 (constant)
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (site_id) DO UPDATE SET "
+                "budget_epsilon = excluded.budget_epsilon, delta = excluded.delta, "
+                "spent_epsilon = excluded.spent_epsilon, "
+                "remaining_epsilon = excluded.remaining_epsilon, "
+                "last_round = excluded.last_round, status = excluded.status, "
+                "privacy_unit = excluded.privacy_unit, "
+                "ledger_entries = excluded.ledger_entries, ledger_head = excluded.ledger_head, "
+                "updated_at = excluded.updated_at",
+                (
+                    row.site_id,
+                    row.budget_epsilon,
+                    row.delta,
+                    row.spent_epsilon,
+                    row.remaining_epsilon,
+                    row.last_round,
+                    row.status,
+                    row.privacy_unit,
+                    row.ledger_entries,
+                    row.ledger_head,
+                    row.updated_at,
+                ),
+            )
         return row
 
     def get(self, site_id: str) -> SiteBudget | None:
-        rows = self._run(
-            f"SELECT {_COLUMNS} FROM federation_site_budgets WHERE site_id = ?",  # noqa: S608
-            (site_id,),
-        )
-        return _to_site_budget(rows[0]) if rows else None
+        with self.database.transaction(write=False) as cur:
+            return _select_one(cur, site_id)
 
     def snapshot(self) -> list[SiteBudget]:
         """Every site's row, sorted by site id (for `medfed` status pages and metrics)."""
-        rows = self._run(
-            f"SELECT {_COLUMNS} FROM federation_site_budgets ORDER BY site_id",  # noqa: S608
-            (),
-        )
+        with self.database.transaction(write=False) as cur:
+            rows = cur.execute(
+                f"SELECT {_COLUMNS} FROM federation_site_budgets ORDER BY site_id"  # noqa: S608
+            ).fetchall()
         return [_to_site_budget(row) for row in rows]
 
-    def eligible_sites(self, candidates: Iterable[str], *, min_remaining: float) -> list[str]:
-        """Candidates (order kept) with a reported budget that is not exhausted and has at
-        least `min_remaining` epsilon left. A site that never reported is not selected:
-        the coordinator only opens rounds for sites that report budget left."""
-        if not (math.isfinite(min_remaining) and min_remaining >= 0):
-            raise ConfigError("min_remaining", f"must be finite and >= 0, got {min_remaining}")
+    def eligible_sites(
+        self, candidates: Iterable[str], *, min_remaining: float = MIN_REMAINING_EPSILON
+    ) -> list[str]:
+        """Candidates (order kept) with a reported budget that is not exhausted and has
+        more than `min_remaining` epsilon left. A site that never reported is not
+        selected: the coordinator only opens rounds for sites that report budget left."""
+        _check_min_remaining(min_remaining)
         by_site = {row.site_id: row for row in self.snapshot()}
-        chosen = []
-        for site_id in candidates:
-            row = by_site.get(site_id)
-            if row is None or row.status == STATUS_EXHAUSTED:
-                continue
-            if row.remaining_epsilon >= min_remaining and row.remaining_epsilon > 0:
-                chosen.append(site_id)
-        return chosen
+        return [
+            site_id
+            for site_id in candidates
+            if site_id in by_site and has_budget_left(by_site[site_id], min_remaining=min_remaining)
+        ]
+
+
+def has_budget_left(row: SiteBudget, *, min_remaining: float = MIN_REMAINING_EPSILON) -> bool:
+    """The selection rule: not reported exhausted, and more than `min_remaining` left."""
+    _check_min_remaining(min_remaining)
+    if row.status == STATUS_EXHAUSTED:
+        return False
+    return row.remaining_epsilon > min_remaining and row.remaining_epsilon > 0
+
+
+def _check_min_remaining(min_remaining: float) -> None:
+    if not (math.isfinite(min_remaining) and min_remaining >= 0):
+        raise ConfigError("min_remaining", f"must be finite and >= 0, got {min_remaining}")
+
+
+def _select_one(cur: Statements, site_id: str) -> SiteBudget | None:
+    row = cur.execute(
+        f"SELECT {_COLUMNS} FROM federation_site_budgets WHERE site_id = ?",  # noqa: S608
+        (site_id,),
+    ).fetchone()
+    return None if row is None else _to_site_budget(row)
 
 
 def _to_site_budget(row: Sequence[Any]) -> SiteBudget:

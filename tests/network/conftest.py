@@ -73,15 +73,15 @@ class PkiLayout:
 @pytest.fixture(scope="session")
 def pki_layout(tmp_path_factory: pytest.TempPathFactory) -> PkiLayout:
     """CA (back-dated a month), coordinator for 127.0.0.1, sites a..f, one expired site,
-    one revoked site, one site ("late") that a test revokes while the coordinator runs,
-    and a foreign CA with its own site "a"."""
+    one revoked site, two ("late", "midround") that tests revoke while the coordinator
+    runs, and a foreign CA with its own site "a"."""
     base = tmp_path_factory.mktemp("network-pki")
     now = dt.datetime.now(dt.UTC)
     root = base / "pki"
     pki.init_ca(root, now=now - dt.timedelta(days=30))
     pki.refresh_crl(root, now=now)
     pki.issue_coordinator(root, ["127.0.0.1"], now=now)
-    for site in (*HONEST_SITES, "revoked", "late"):
+    for site in (*HONEST_SITES, "revoked", "late", "midround"):
         pki.issue_site(root, site, now=now)
     # Valid for one day, ten days ago: expired now, but chains to our CA.
     pki.issue_site(root, "expired", validity_days=1, now=now - dt.timedelta(days=10))

@@ -22,8 +22,10 @@ import pytest
 from common import pki
 from common.crypto.signing import SigningKey
 from common.proto.medfed.v1 import federation_pb2 as pb
+from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.secagg.messages import advertise_message
 from tests.network.conftest import (
+    CHUNK_BYTES,
     MAX_CHUNK_BYTES,
     HonestSites,
     InProcessCoordinator,
@@ -81,14 +83,44 @@ def live_round(
     pki_layout: PkiLayout,
 ) -> LiveRound:
     """Round 1 open for honest a, b, c and scripted (hostile) d; n=4, t=3."""
+    return open_live_round(coordinator, honest_sites, pki_layout, hostile="d")
+
+
+def open_live_round(
+    coordinator: Callable[..., InProcessCoordinator],
+    honest_sites: Callable[[str, Sequence[str]], HonestSites],
+    pki_layout: PkiLayout,
+    *,
+    hostile: str,
+) -> LiveRound:
     coord = coordinator()
-    hostile = ScriptedSite(pki_layout, coord.address, "d")
-    hostile.enroll()
+    scripted = ScriptedSite(pki_layout, coord.address, hostile)
+    scripted.enroll()
     honest = honest_sites(coord.address, ["a", "b", "c"])
-    ann = hostile.wait_for_round()
-    assert list(ann.participants) == ["a", "b", "c", "d"]
+    ann = scripted.wait_for_round()
+    assert list(ann.participants) == sorted(["a", "b", "c", hostile])
     assert ann.threshold == 3
-    return LiveRound(coord, honest, hostile, ann)
+    return LiveRound(coord, honest, scripted, ann)
+
+
+def open_round_with_holder(
+    coordinator: Callable[..., InProcessCoordinator],
+    honest_sites: Callable[[str, Sequence[str]], HonestSites],
+    pki_layout: PkiLayout,
+) -> tuple[LiveRound, ScriptedSite]:
+    """Round 1 for honest a, b and scripted d (hostile) and e; until e advertises, the
+    AdvertiseKeys phase stays open, so d's misbehaviour there is timed exactly."""
+    coord = coordinator()
+    d = ScriptedSite(pki_layout, coord.address, "d")
+    e = ScriptedSite(pki_layout, coord.address, "e")
+    d.enroll()
+    e.enroll()
+    honest = honest_sites(coord.address, ["a", "b"])
+    wait_e = e.stub.WaitForRound.future(pb.WaitForRoundRequest(wait_seconds=30), timeout=35)
+    ann = d.wait_for_round()
+    assert list(ann.participants) == ["a", "b", "d", "e"]
+    e.join_round(wait_e.result().round)
+    return LiveRound(coord, honest, d, ann), e
 
 
 def finish_honestly(site: ScriptedSite, shares: pb.ShareKeysRequest) -> None:
@@ -191,6 +223,20 @@ def test_site_revoked_after_coordinator_started_is_refused_without_restart(
     assert status_of(fresh.Enroll, pb.EnrollRequest(), timeout=10) == PERMISSION_DENIED
     other = raw_stub(pki_layout, coord.address, cert_of="e")
     assert status_of(other.Enroll, pb.EnrollRequest(), timeout=10) == OK
+
+
+def test_participant_revoked_mid_round_is_refused_and_dropped(
+    coordinator: Callable[..., InProcessCoordinator],
+    honest_sites: Callable[[str, Sequence[str]], HonestSites],
+    pki_layout: PkiLayout,
+) -> None:
+    """The CRL changes while "midround" is a selected participant: its next message is
+    refused, it is dropped at AdvertiseKeys and a, b, c complete the round."""
+    live = open_live_round(coordinator, honest_sites, pki_layout, hostile="midround")
+    pki.revoke_site(pki_layout.root, "midround", now=dt.datetime.now(dt.UTC))
+    request = live.hostile.advertise_request()
+    assert status_of(live.hostile.stub.AdvertiseKeys, request, timeout=10) == PERMISSION_DENIED
+    assert_round_completed(live, survivors=["a", "b", "c"])
 
 
 # -------------------------------------------------------------- message identity
@@ -352,28 +398,23 @@ def test_replayed_advertise_keys_is_refused(
     """d sends the same AdvertiseKeys twice while the phase is open (scripted e holds
     it open): exactly one is taken, the other is a duplicate. A replay after the phase
     closed is out of order."""
-    coord = coordinator()
-    d = ScriptedSite(pki_layout, coord.address, "d")
-    e = ScriptedSite(pki_layout, coord.address, "e")
-    d.enroll()
-    e.enroll()
-    honest = honest_sites(coord.address, ["a", "b"])
-    wait_e = e.stub.WaitForRound.future(pb.WaitForRoundRequest(wait_seconds=30), timeout=35)
-    d.wait_for_round()
-    assert wait_e.result().has_round
-    e.join_round(wait_e.result().round)
+    live, e = open_round_with_holder(coordinator, honest_sites, pki_layout)
+    d = live.hostile
     request = d.advertise_request()
-    first = d.stub.AdvertiseKeys.future(request, timeout=30)
-    second = d.stub.AdvertiseKeys.future(request, timeout=30)
+    one_done = threading.Event()
+    calls = [d.stub.AdvertiseKeys.future(request, timeout=30) for _ in range(2)]
+    for call in calls:
+        call.add_done_callback(lambda _call: one_done.set())
+    # Whichever copy the server saw second is refused at once; the first one is
+    # accepted and long-polls until e closes the phase.
+    assert one_done.wait(20)
+    refused = [call for call in calls if call.done()]
+    assert len(refused) == 1
+    assert refused[0].code() == FAILED_PRECONDITION
+    assert "duplicate" in (refused[0].details() or "")
+    accepted = next(call for call in calls if call is not refused[0])
     e_shares = e.send_advertise(e.advertise_request())  # closes the phase
-    outcomes = []
-    for future in (first, second):
-        try:
-            outcomes.append((OK, future.result()))
-        except grpc.RpcError as exc:
-            outcomes.append((exc.code(), None))
-    assert sorted(code.name for code, _ in outcomes) == ["FAILED_PRECONDITION", "OK"]
-    roster = next(reply for code, reply in outcomes if code == OK)
+    roster = accepted.result()
     assert status_of(d.stub.AdvertiseKeys, request, timeout=10) == ABORTED
     d_shares = d.accept_roster(roster)
     # d and e go on concurrently: every phase waits for both.
@@ -382,8 +423,26 @@ def test_replayed_advertise_keys_is_refused(
     finish_honestly(d, d_shares)
     e_thread.join(30)
     assert not e_thread.is_alive()
-    live = LiveRound(coord, honest, d, d.ann)
     assert_round_completed(live, survivors=["a", "b", "d", "e"], extra=[e])
+
+
+def test_declined_participant_cannot_rejoin_the_round(
+    coordinator: Callable[..., InProcessCoordinator],
+    honest_sites: Callable[[str, Sequence[str]], HonestSites],
+    pki_layout: PkiLayout,
+) -> None:
+    """d declines (so nobody waits for it), then tries to take part after all while the
+    phase is still open (scripted e has not advertised yet)."""
+    live, e = open_round_with_holder(coordinator, honest_sites, pki_layout)
+    d = live.hostile
+    request = d.advertise_request()
+    decline = pb.DeclineRoundRequest(round=live.number, reason=pb.DeclineRoundRequest.NOT_READY)
+    assert status_of(d.stub.DeclineRound, decline, timeout=10) == OK
+    error = rpc_error(d.stub.AdvertiseKeys, request, timeout=10)
+    assert error.code() == FAILED_PRECONDITION
+    assert "dropped" in (error.details() or "")
+    finish_honestly(e, e.send_advertise(e.advertise_request()))
+    assert_round_completed(live, survivors=["a", "b", "e"], extra=[e])
 
 
 def test_vector_of_wrong_length_is_aborted(live_round: LiveRound) -> None:
@@ -565,3 +624,31 @@ def test_stalled_concurrent_uploads_do_not_block_honest_sites(live_round: LiveRo
     # One is refused at once; the other is cut when MaskedInput closes without d.
     assert codes == ["ABORTED", "FAILED_PRECONDITION"]
     assert_round_completed(live, survivors=["a", "b", "c"])
+
+
+def test_model_download_held_open_past_the_round_ends_with_a_clear_status(
+    coordinator: Callable[..., InProcessCoordinator],
+    honest_sites: Callable[[str, Sequence[str]], HonestSites],
+    pki_layout: PkiLayout,
+) -> None:
+    """d starts a multi-chunk model download, stops reading, completes the round, then
+    reads on: the old round's model is no longer served, with a status, not UNKNOWN."""
+    dim = 4 * (CHUNK_BYTES // 4) + 16  # just over four 1 MiB chunks
+    coord = coordinator(model={"dim": dim}, limits={"max_chunk_bytes": CHUNK_BYTES})
+    d = ScriptedSite(pki_layout, coord.address, "d")
+    d.enroll()
+    honest = honest_sites(coord.address, ["a", "b", "c"])
+    ann = d.wait_for_round()
+    # No BDP probing: the receive window stays small, so the server cannot run ahead.
+    slow = raw_channel(pki_layout, coord.address, cert_of="d",
+                       options=[("grpc.http2.bdp_probe", 0)])
+    download = pb_grpc.FederationStub(slow).DownloadModel(
+        pb.DownloadModelRequest(round=ann.round), timeout=60
+    )
+    first = next(download)
+    assert first.offset == 0 and len(first.data) == CHUNK_BYTES
+    finish_honestly(d, d.send_advertise(d.advertise_request()))
+    live = LiveRound(coord, honest, d, ann)
+    assert_round_completed(live, survivors=["a", "b", "c", "d"])
+    assert status_of(lambda: list(download)) == FAILED_PRECONDITION
+    slow.close()

@@ -18,16 +18,24 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BudgetStatus(_message.Message):
-    __slots__ = ("epsilon_budget", "epsilon_spent", "delta", "privacy_unit")
+    __slots__ = ("epsilon_budget", "epsilon_spent", "delta", "privacy_unit", "exhausted", "ledger_entries", "ledger_head", "ledger_last_round")
     EPSILON_BUDGET_FIELD_NUMBER: _ClassVar[int]
     EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     PRIVACY_UNIT_FIELD_NUMBER: _ClassVar[int]
+    EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_HEAD_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_LAST_ROUND_FIELD_NUMBER: _ClassVar[int]
     epsilon_budget: float
     epsilon_spent: float
     delta: float
     privacy_unit: str
-    def __init__(self, epsilon_budget: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., delta: _Optional[float] = ..., privacy_unit: _Optional[str] = ...) -> None: ...
+    exhausted: bool
+    ledger_entries: int
+    ledger_head: str
+    ledger_last_round: int
+    def __init__(self, epsilon_budget: _Optional[float] = ..., epsilon_spent: _Optional[float] = ..., delta: _Optional[float] = ..., privacy_unit: _Optional[str] = ..., exhausted: _Optional[bool] = ..., ledger_entries: _Optional[int] = ..., ledger_head: _Optional[str] = ..., ledger_last_round: _Optional[int] = ...) -> None: ...
 
 class EnrollRequest(_message.Message):
     __slots__ = ("agent_version", "budget", "device")

@@ -1,0 +1,172 @@
+"""The coordinator's SQL database: SQLite (default) or PostgreSQL, chosen by URL.
+
+Callers write ONE set of portable SQL statements; this module is the whole dialect layer:
+
+- placeholders: statements use ``?``; on PostgreSQL they become ``%s`` (psycopg), with
+  any literal ``%`` escaped. Statements must not contain a literal ``?``;
+- upserts: ``INSERT ... ON CONFLICT (key) DO UPDATE SET c = excluded.c`` is valid on both
+  (SQLite >= 3.24), so nothing is translated;
+- write transactions: SQLite's ``BEGIN IMMEDIATE`` takes the database write lock up
+  front. The PostgreSQL equivalent used here is a transaction-scoped advisory lock taken
+  as the first statement (``pg_advisory_xact_lock``): every writer of the federation's
+  state queues on it, so read-check-write sequences (the next round number, a spend that
+  may only grow) are serialised across coordinator replicas with no retry loop, as under
+  SERIALIZABLE but without serialization failures to handle.
+
+psycopg (3) is imported only when a ``postgresql://`` URL is used, so the SQLite default
+needs nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+from common.errors import ConfigError
+
+SQLITE: Final = "sqlite"
+POSTGRESQL: Final = "postgresql"
+
+# Key of the advisory lock that plays the role of SQLite's database write lock
+# (a fixed signed 64-bit value, "medfed" in ASCII followed by 0x0001).
+WRITE_LOCK_KEY: Final = 0x6D65_6466_6564_0001
+
+SQLITE_BUSY_TIMEOUT_SECONDS: Final = 30.0
+
+
+@dataclass(frozen=True)
+class DatabaseUrl:
+    """A parsed database URL: `target` is a file path (SQLite) or a libpq URL."""
+
+    dialect: str
+    target: str
+
+    def redacted(self) -> str:
+        """The URL without its password (safe for logs and error messages)."""
+        if self.dialect != POSTGRESQL:
+            return self.target
+        parts = urlsplit(self.target)
+        if parts.password is None:
+            return self.target
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+        return urlunsplit(parts._replace(netloc=netloc))
+
+
+def parse_database_url(url: str) -> DatabaseUrl:
+    """``sqlite:///PATH`` (or a bare path) or ``postgresql://...`` / ``postgres://...``."""
+    if url.startswith("sqlite:///"):
+        return DatabaseUrl(SQLITE, url[len("sqlite:///") :])
+    if url.startswith(("postgresql://", "postgres://")):
+        return DatabaseUrl(POSTGRESQL, url)
+    if "://" in url:
+        scheme = url.split("://", 1)[0]
+        raise ConfigError(
+            "database_url",
+            f"unsupported scheme {scheme!r}: use sqlite:///PATH or postgresql://...",
+        )
+    if not url:
+        raise ConfigError("database_url", "must not be empty")
+    return DatabaseUrl(SQLITE, url)
+
+
+class _DbApiCursor(Protocol):
+    def execute(self, sql: str, parameters: Sequence[Any] = ..., /) -> Any: ...
+    def fetchone(self) -> Any: ...
+    def fetchall(self) -> list[Any]: ...
+
+
+class Statements:
+    """Runs portable statements (``?`` placeholders) inside one transaction."""
+
+    def __init__(self, cursor: _DbApiCursor, dialect: str) -> None:
+        self._cursor = cursor
+        self._dialect = dialect
+
+    def execute(self, sql: str, parameters: Sequence[Any] = ()) -> Statements:
+        self._cursor.execute(translate(sql, self._dialect), tuple(parameters))
+        return self
+
+    def fetchone(self) -> tuple[Any, ...] | None:
+        row = self._cursor.fetchone()
+        return None if row is None else tuple(row)
+
+    def fetchall(self) -> list[tuple[Any, ...]]:
+        return [tuple(row) for row in self._cursor.fetchall()]
+
+
+def translate(sql: str, dialect: str) -> str:
+    """Rewrite a portable statement for `dialect` (placeholders only; see module doc)."""
+    if dialect == POSTGRESQL:
+        return sql.replace("%", "%%").replace("?", "%s")
+    return sql
+
+
+class Database:
+    """One connection to the state database, shared by the coordinator's store and its
+    federation budget view; thread-safe (one transaction at a time per process)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = parse_database_url(url)
+        self.dialect = self.url.dialect
+        self._lock = threading.Lock()
+        self._conn: Any = self._open()
+
+    def _open(self) -> Any:
+        if self.dialect == SQLITE:
+            path = Path(self.url.target)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(
+                path,
+                check_same_thread=False,
+                isolation_level=None,  # transactions are explicit (BEGIN IMMEDIATE)
+                timeout=SQLITE_BUSY_TIMEOUT_SECONDS,
+            )
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            return conn
+        try:
+            psycopg = importlib.import_module("psycopg")
+        except ImportError as exc:
+            raise ConfigError(
+                "database_url", "PostgreSQL needs the psycopg package (pip install psycopg)"
+            ) from exc
+        try:
+            # autocommit: transactions are opened explicitly by `transaction()`.
+            return psycopg.connect(self.url.target, autocommit=True, connect_timeout=10)
+        except psycopg.Error as exc:
+            raise ConfigError(
+                "database_url", f"cannot connect to {self.url.redacted()}: {exc}"
+            ) from exc
+
+    @contextmanager
+    def transaction(self, *, write: bool = True) -> Iterator[Statements]:
+        """One transaction; committed on success, rolled back on any exception."""
+        with self._lock:
+            if self.dialect == SQLITE:
+                cursor = self._conn.cursor()
+                cursor.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                try:
+                    yield Statements(cursor, self.dialect)
+                except BaseException:
+                    cursor.execute("ROLLBACK")
+                    raise
+                cursor.execute("COMMIT")
+                return
+            if self._conn.closed or self._conn.broken:
+                # A failover or a restarted server: reconnect for the next transaction.
+                self._conn = self._open()
+            with self._conn.transaction(), self._conn.cursor() as cursor:
+                if write:
+                    cursor.execute("SELECT pg_advisory_xact_lock(%s)", (WRITE_LOCK_KEY,))
+                yield Statements(cursor, self.dialect)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()

@@ -1,0 +1,496 @@
+"""`medfed demo`: the whole product on one machine, in a few minutes.
+
+A PKI, one coordinator and five site agents as separate processes over mutual TLS on
+127.0.0.1, each site with its own non-IID slice of the embedded synthetic sepsis cohort
+(or one CSV per site from ``--data``), its own privacy ledger and an epsilon budget.
+Several rounds of DP-SGD with SecAgg+; one site is killed mid-round (its masks are
+recovered) and restarted later. Then the privacy/utility table of seed 002:
+centralized non-private vs federated non-private vs federated with DP and secure
+aggregation, and each site's epsilon against its budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common.errors import ConfigError
+from common.processes import Line, ManagedProcess, medfed_argv
+
+HISTOGRAM_BINS = 50
+
+
+@dataclass
+class DemoOptions:
+    out: Path = Path("demo-run")
+    sites: int = 5
+    rounds: int = 4
+    patients_per_site: int = 100_000
+    seed: int = 7
+    budget_epsilon: float = 8.0
+    delta: float = 1e-5
+    kill_round: int = 2
+    data: Path | None = None
+    label_column: str = "sepsis"
+    patient_column: str | None = "patient_id"
+    local_epochs: int = 1
+    learning_rate: float = 0.5
+    batch_size: int = 2048
+    phase_seconds: float = 30.0
+    quiet: bool = False
+
+
+@dataclass
+class RoundRow:
+    round: int
+    participants: list[str]
+    dropped: list[str]
+    secure_aggregation: bool
+    auc: float | None
+    evaluation_only: bool
+    epsilon: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="run a whole federation on this machine and print the privacy/utility table",
+    )
+    d = DemoOptions()
+    parser.add_argument("--out", type=Path, default=d.out, help="output folder (demo-run)")
+    parser.add_argument("--data", type=Path, help="folder with one CSV per site (stem = site)")
+    parser.add_argument("--label-column", default=d.label_column)
+    parser.add_argument("--patient-column", default=None,
+                        help="patient id column (patient-level DP); default for the "
+                        "synthetic cohort: patient_id")
+    parser.add_argument("--sites", type=int, default=d.sites)
+    parser.add_argument("--rounds", type=int, default=d.rounds)
+    parser.add_argument("--patients-per-site", type=int, default=d.patients_per_site)
+    parser.add_argument("--budget-epsilon", type=float, default=d.budget_epsilon)
+    parser.add_argument("--delta", type=float, default=d.delta)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--kill-round", type=int, default=d.kill_round,
+                        help="round in which one site is killed (0: none)")
+    parser.add_argument("--quiet", action="store_true")
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    patient_column = args.patient_column
+    if args.data is None and patient_column is None:
+        patient_column = "patient_id"
+    options = DemoOptions(
+        out=args.out,
+        sites=args.sites,
+        rounds=args.rounds,
+        patients_per_site=args.patients_per_site,
+        seed=args.seed,
+        budget_epsilon=args.budget_epsilon,
+        delta=args.delta,
+        kill_round=args.kill_round,
+        data=args.data,
+        label_column=args.label_column,
+        patient_column=patient_column,
+        quiet=args.quiet,
+    )
+    validate_options(options)
+    report = Demo(options).run()
+    return 0 if report["final"].get("auc") is not None else 1
+
+
+def validate_options(o: DemoOptions) -> None:
+    if not 3 <= o.sites <= 20:
+        raise ConfigError("--sites", "the demo runs 3 to 20 sites")
+    if o.rounds < 1:
+        raise ConfigError("--rounds", "must be >= 1")
+    if o.kill_round < 0 or o.kill_round > o.rounds:
+        raise ConfigError("--kill-round", f"must be between 0 and --rounds ({o.rounds})")
+    if o.data is not None and not o.data.is_dir():
+        raise ConfigError("--data", f"{o.data} is not a folder")
+
+
+class Demo:
+    def __init__(self, options: DemoOptions) -> None:
+        self.o = options
+        self.out = options.out
+        self.procs: dict[str, ManagedProcess] = {}
+        self.rows: list[RoundRow] = []
+        self.started = time.monotonic()
+        self._print_lock = threading.Lock()
+
+    def say(self, text: str) -> None:
+        if not self.o.quiet:
+            with self._print_lock:
+                print(text, flush=True)
+
+    # ------------------------------------------------------------------ setup
+    def prepare(self) -> dict[str, Path | None]:
+        """Site ids and their data files (None: the site's slice of the embedded cohort)."""
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        self.out.mkdir(parents=True)
+        if self.o.data is not None:
+            files: dict[str, Path | None] = {
+                p.stem: p.resolve() for p in sorted(self.o.data.glob("*.csv"))
+            }
+            if len(files) < 3:
+                raise ConfigError("--data", f"need at least 3 site CSVs in {self.o.data}")
+            return files
+        from site_agent.synthetic import site_names
+
+        names = site_names(self.o.sites)
+        self.say(f"[setup] synthetic sepsis cohort: {len(names)} hospitals x "
+                 f"{self.o.patients_per_site:,} patients, several encounters each, "
+                 f"non-IID ({', '.join(names)}); each site generates only its own slice")
+        return dict.fromkeys(names)
+
+    def load_datasets(self, files: dict[str, Path | None]) -> tuple[dict[str, Any], list[str]]:
+        """The same records the sites train on, for the in-process baselines."""
+        from site_agent.data import DatasetSchema, load_site_data
+        from site_agent.synthetic import FEATURES, generate_cohort
+
+        sites = sorted(files)
+        if self.o.data is None:
+            cohort = generate_cohort(sites, seed=self.o.seed,
+                                     patients_per_site=self.o.patients_per_site)
+            return cohort, list(FEATURES)
+        first = files[sites[0]]
+        if first is None:
+            raise ConfigError("--data", "missing data file")
+        features = _csv_features(first, self.o.label_column, self.o.patient_column)
+        schema = DatasetSchema(features=features, label=self.o.label_column,
+                               patient_id=self.o.patient_column)
+        return {s: load_site_data(p, schema) for s, p in files.items() if p}, features
+
+    def make_pki(self, sites: list[str]) -> Path:
+        from common.pki import init_ca, issue_coordinator, issue_site
+
+        pki = self.out / "pki"
+        init_ca(pki)
+        issue_coordinator(pki, ["127.0.0.1", "localhost"])
+        for site in sites:
+            issue_site(pki, site)
+        self.say(f"[setup] PKI: federation CA, coordinator and {len(sites)} site certificates "
+                 f"in {pki}")
+        return pki
+
+    def initial_model(self, n_features: int) -> Path:
+        import torch
+
+        from common.modelfile import ModelFile, write_model_file
+        from site_agent.hooks import model_layout
+        from site_agent.models import TabularMLP, flatten_parameters
+
+        torch.manual_seed(self.o.seed)
+        model = TabularMLP(n_features)
+        path = self.out / "initial-model.mfm"
+        write_model_file(path, ModelFile(model_layout(model), flatten_parameters(model)))
+        return path
+
+    # -------------------------------------------------------------- federation
+    def start_coordinator(self, pki: Path, model: Path) -> ManagedProcess:
+        config = self.out / "coordinator.toml"
+        config.write_text(
+            f"""rounds = {self.o.rounds}
+min_sites = {max(self.o.sites - 1, 3)}
+federation_id = "medfed-demo"
+
+[model]
+init_file = "{model.resolve()}"
+
+[training]
+local_epochs = {self.o.local_epochs}
+learning_rate = {self.o.learning_rate}
+final_evaluation = true
+
+[aggregation]
+histogram_bins = {HISTOGRAM_BINS}
+clip = 0.5
+
+[deadlines]
+selection_seconds = 20
+train_seconds = 600
+phase_seconds = {self.o.phase_seconds}
+"""
+        )
+        proc = ManagedProcess(
+            "coordinator",
+            medfed_argv("coordinator", "serve", "--config", str(config), "--pki", str(pki),
+                        "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                        "--state", str(self.out / "coordinator"), "--linger-seconds", "5"),
+            log_dir=self.out / "logs",
+        )
+        event = proc.wait_event("listening", timeout=120)
+        self.port = int(event["port"])
+        self.say(f"[setup] coordinator listening on 127.0.0.1:{self.port} (mTLS only)")
+        return proc
+
+    def start_site(self, site: str, pki: Path, data: Path | None, *extra: str) -> ManagedProcess:
+        config = self.out / "sites" / f"{site}.toml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        if data is None:
+            source = (f"synthetic_cohort_seed = {self.o.seed}\n"
+                      f"synthetic_patients = {self.o.patients_per_site}\n")
+        else:
+            patient = (f'patient_column = "{self.o.patient_column}"\n'
+                       if self.o.patient_column else "")
+            source = f'path = "{data}"\nlabel_column = "{self.o.label_column}"\n{patient}'
+        config.write_text(
+            f"""[data]
+{source}
+[privacy]
+budget_epsilon = {self.o.budget_epsilon}
+delta = {self.o.delta}
+
+[training]
+batch_size = {self.o.batch_size}
+max_physical_batch_size = 4096
+device = "cpu"
+seed = {self.o.seed}
+"""
+        )
+        proc = ManagedProcess(
+            site,
+            medfed_argv("site", "run", "--config", str(config), "--pki", str(pki),
+                        "--site", site, "--coordinator", f"127.0.0.1:{self.port}",
+                        "--metrics-listen", "127.0.0.1:0",
+                        "--state", str(self.out / "sites" / site), *extra),
+            log_dir=self.out / "logs",
+            env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+        )
+        self.procs[site] = proc
+        return proc
+
+    def epsilon_by_site(self, sites: list[str]) -> dict[str, float]:
+        from common.privacy.ledger import read_ledger
+
+        spent = {}
+        for site in sites:
+            path = self.out / "sites" / site / "privacy-ledger.db"
+            if not path.exists():
+                spent[site] = 0.0
+                continue
+            _, entries = read_ledger(path)
+            spent[site] = entries[-1].epsilon_after if entries else 0.0
+        return spent
+
+    def run(self) -> dict[str, Any]:
+        files = self.prepare()
+        sites = sorted(files)
+        pki = self.make_pki(sites)
+        datasets, features = self.load_datasets(files)
+        model = self.initial_model(len(features))
+        self.say("[baseline] training centralized and federated non-private baselines ...")
+        baselines = compute_baselines(datasets, self.o)
+        for name, m in baselines.items():
+            self.say(f"[baseline] {name:<18} AUC {m['auc']:.3f}")
+        coordinator = self.start_coordinator(pki, model)
+        victim = sites[-1]
+        try:
+            for site in sites:
+                extra = ()
+                if site == victim and self.o.kill_round:
+                    extra = ("--debug-pause-after", f"{self.o.kill_round}:share_keys")
+                self.start_site(site, pki, files[site], *extra)
+            self.say(f"[federation] {len(sites)} site agents started; budget "
+                     f"epsilon={self.o.budget_epsilon:g} at delta={self.o.delta:g} each")
+            self.say("[federation] AUC = the global model entering each round, measured on every "
+                     "site's held-out split through securely summed score histograms")
+            self.follow_rounds(coordinator, sites, victim, pki, files)
+        finally:
+            for proc in self.procs.values():
+                proc.stop()
+            coordinator.stop()
+        return self.write_report(sites, baselines)
+
+    def follow_rounds(self, coordinator: ManagedProcess, sites: list[str], victim: str,
+                      pki: Path, files: dict[str, Path | None]) -> None:
+        total = self.o.rounds + 1  # training rounds + the final evaluation round
+        done = 0
+        restarted = False
+        seen = 0
+        while done < total:
+            line, seen = self._next_round_event(coordinator, seen)
+            if line.get("event") == "round_aborted":
+                self.say(f"[round {line.get('round_number')}] aborted: {line.get('reason')}")
+                continue
+            done += 1
+            self.record_round(line, sites)
+            if (self.o.kill_round and not restarted
+                    and int(line.get("round_number", 0)) >= self.o.kill_round):
+                self.start_site(victim, pki, files[victim])
+                restarted = True
+                self.say(f"[fault] {victim} restarted with its ledger: it rejoins next round")
+
+    def _next_round_event(self, coordinator: ManagedProcess, seen: int) -> tuple[Line, int]:
+        """Wait for the coordinator's next round event; meanwhile kill a paused victim."""
+        while True:
+            lines = coordinator.lines
+            for index in range(seen, len(lines)):
+                if lines[index].get("event") in ("round_completed", "round_aborted"):
+                    return lines[index], index + 1
+            seen = len(lines)
+            if not coordinator.alive:
+                raise RuntimeError(f"coordinator exited\n{coordinator.tail()}")
+            for site, proc in self.procs.items():
+                if proc.alive and any(x.get("event") == "paused" for x in list(proc.lines)):
+                    proc.kill9()
+                    self.say(f"[fault] kill -9 {site} mid-round, after it shared its keys: "
+                             "the survivors will recover its masks")
+            try:
+                coordinator.wait_for(
+                    lambda e: e.get("event") in ("round_completed", "round_aborted"),
+                    timeout=1.0, what="a round event", start=seen,
+                )
+            except RuntimeError:
+                continue
+
+    def record_round(self, line: Line, sites: list[str]) -> None:
+        participants = [s for s in str(line.get("participants", "")).split(",") if s]
+        dropped = [s for s in str(line.get("dropped", "")).split(",") if s]
+        eps = self.epsilon_by_site(sites)
+        auc = line.get("auc")
+        row = RoundRow(
+            round=int(line["round_number"]),
+            participants=participants,
+            dropped=dropped,
+            secure_aggregation=bool(line.get("secure", True)),
+            auc=float(auc) if auc is not None else None,
+            evaluation_only=bool(line.get("evaluation_only", False)),
+            epsilon=eps,
+            metrics={k: line.get(k) for k in ("auc", "sensitivity", "specificity", "ppv")},
+        )
+        self.rows.append(row)
+        kind = "final evaluation" if row.evaluation_only else "training"
+        auc_text = f"{row.auc:.3f}" if row.auc is not None else "  -  "
+        eps_text = " ".join(f"{s}={e:.2f}" for s, e in eps.items())
+        lost = f" ({','.join(dropped)})" if dropped else ""
+        self.say(
+            f"[round {row.round}] {kind:<16} sites {len(participants)}, dropped "
+            f"{len(dropped)}{lost} | AUC {auc_text} | epsilon {eps_text}"
+        )
+
+    # ------------------------------------------------------------------ report
+    def write_report(self, sites: list[str], baselines: dict[str, dict[str, float]]) -> dict[
+        str, Any
+    ]:
+        final_row = self.rows[-1] if self.rows else None
+        final_metrics = dict(final_row.metrics) if final_row else {}
+        eps = self.epsilon_by_site(sites)
+        report: dict[str, Any] = {
+            "sites": sites,
+            "privacy_unit": "patient" if self.o.patient_column else "record",
+            "delta": self.o.delta,
+            "rounds": [
+                {
+                    "round": r.round,
+                    "participants": r.participants,
+                    "dropped": r.dropped,
+                    "secure_aggregation": r.secure_aggregation,
+                    "evaluation_only": r.evaluation_only,
+                    "auc": r.auc,
+                    "epsilon": r.epsilon,
+                }
+                for r in self.rows
+            ],
+            "final": {
+                **{k: final_metrics.get(k) for k in ("auc", "sensitivity", "specificity", "ppv")},
+                "epsilon": eps,
+                "budget": {s: self.o.budget_epsilon for s in sites},
+            },
+            "baselines": baselines,
+            "seconds": round(time.monotonic() - self.started, 1),
+        }
+        (self.out / "report.json").write_text(json.dumps(report, indent=2, default=_json))
+        self.plot(report)
+        self.print_table(report)
+        return report
+
+    def plot(self, report: dict[str, Any]) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rounds = [r for r in report["rounds"] if r["auc"] is not None]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["round"] for r in rounds], [r["auc"] for r in rounds], marker="o",
+                label="federated, DP + SecAgg+")
+        for name, m in report["baselines"].items():
+            ax.axhline(m["auc"], linestyle="--", linewidth=1, label=name.replace("_", " "))
+        ax.set_xlabel("round (AUC of the global model entering it)")
+        ax.set_ylabel("AUC (federation held-out, secure histograms)")
+        ax.legend(loc="lower right", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(self.out / "auc_by_round.png", dpi=120)
+        plt.close(fig)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for site in report["sites"]:
+            ax.plot([r["round"] for r in report["rounds"]],
+                    [r["epsilon"].get(site, 0.0) for r in report["rounds"]], marker=".",
+                    label=site)
+        ax.axhline(self.o.budget_epsilon, color="red", linestyle=":", label="budget")
+        ax.set_xlabel("round")
+        ax.set_ylabel(f"epsilon spent (delta={self.o.delta:g}, composed)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(self.out / "epsilon_by_round.png", dpi=120)
+        plt.close(fig)
+
+    def print_table(self, report: dict[str, Any]) -> None:
+        cols = ("auc", "sensitivity", "specificity", "ppv")
+        rows = [
+            ("Centralized (no DP)", report["baselines"]["centralized_nodp"]),
+            ("Federated (no DP)", report["baselines"]["federated_nodp"]),
+            (f"Federated + DP (eps<={self.o.budget_epsilon:g}) + SecAgg+", report["final"]),
+        ]
+        width = max(len(r[0]) for r in rows) + 2
+        self.say("")
+        self.say(f"{'Metric':<{width}}" + "".join(f"{c.upper():>13}" for c in cols))
+        for name, metrics in rows:
+            values = "".join(
+                f"{metrics[c]:>13.3f}" if isinstance(metrics.get(c), float) else f"{'-':>13}"
+                for c in cols
+            )
+            self.say(f"{name:<{width}}{values}")
+        self.say("")
+        self.say(f"Privacy ({report['privacy_unit']}-level DP, delta={self.o.delta:g}):")
+        for site in report["sites"]:
+            spent = report["final"]["epsilon"][site]
+            budget = report["final"]["budget"][site]
+            self.say(f"  {site:<18} epsilon {spent:6.2f} of {budget:g} "
+                     f"({100 * spent / budget:4.0f}% of budget)")
+        self.say(f"\nReport: {self.out / 'report.json'}; plots: auc_by_round.png, "
+                 f"epsilon_by_round.png ({report['seconds']:.0f} s)")
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    return str(value)
+
+
+def _csv_features(path: Path, label: str, patient: str | None) -> list[str]:
+    with path.open(encoding="utf-8") as handle:
+        header = handle.readline().strip().split(",")
+    return [c for c in header if c not in {label, patient}]
+
+
+def compute_baselines(datasets: dict[str, Any], o: DemoOptions) -> dict[str, dict[str, float]]:
+    """Centralized and federated non-private baselines, in process (no DP, no SecAgg)."""
+    from site_agent.baselines import centralized_nodp, federated_nodp
+
+    return {
+        "centralized_nodp": centralized_nodp(datasets, o, bins=HISTOGRAM_BINS),
+        "federated_nodp": federated_nodp(datasets, o, bins=HISTOGRAM_BINS),
+    }
+

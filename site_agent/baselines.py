@@ -1,0 +1,91 @@
+"""Non-private baselines for the demo's privacy/utility table (seed 002's table):
+centralized training on the pooled data, and federated averaging without DP or secure
+aggregation. Both use the same splits, model and metrics as the federation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from site_agent.data import SiteData, Standardizer, prepare_site_split, split_by_patient
+from site_agent.evaluation import operating_point_metrics, score_histogram
+from site_agent.models import TabularMLP, flatten_parameters
+from site_agent.trainer import LocalTrainer, TrainingConfig, predict_scores
+
+
+def _config(o: Any, *, epochs: int) -> TrainingConfig:
+    return TrainingConfig(
+        batch_size=o.batch_size,
+        max_physical_batch_size=4096,
+        local_epochs=epochs,
+        lr=o.learning_rate,
+        dp=False,
+        device="cpu",
+    )
+
+
+def _pool(parts: list[SiteData]) -> SiteData:
+    return SiteData(
+        features=np.concatenate([p.features for p in parts]),
+        labels=np.concatenate([p.labels for p in parts]),
+        patient_ids=None,
+        feature_names=parts[0].feature_names,
+    )
+
+
+def _metrics(scores: np.ndarray, labels: np.ndarray, bins: int) -> dict[str, float]:
+    m = operating_point_metrics(score_histogram(scores, labels, bins=bins), bins=bins)
+    return {"auc": m.auc, "sensitivity": m.sensitivity, "specificity": m.specificity,
+            "ppv": m.ppv}
+
+
+def _initial_model(n_features: int, seed: int) -> TabularMLP:
+    torch.manual_seed(seed)  # same initial weights as the federation's initial model
+    return TabularMLP(n_features)
+
+
+def centralized_nodp(datasets: dict[str, SiteData], o: Any, *, bins: int) -> dict[str, float]:
+    """Every site's training split pooled in one place (what federation avoids)."""
+    splits = [split_by_patient(d, held_out_fraction=0.2, seed=o.seed) for d in datasets.values()]
+    train = _pool([t for t, _ in splits])
+    held_out = _pool([h for _, h in splits])
+    standardizer = Standardizer.fit(train.features)
+    train, held_out = standardizer.transform(train), standardizer.transform(held_out)
+    n_features = train.features.shape[1]
+    trainer = LocalTrainer(lambda: _initial_model(n_features, o.seed), train,
+                           _config(o, epochs=o.rounds * o.local_epochs), seed=o.seed)
+    start = flatten_parameters(trainer.model)
+    trainer.train_round(start)
+    return _metrics(trainer.predict(held_out.features), held_out.labels, bins)
+
+
+def federated_nodp(datasets: dict[str, SiteData], o: Any, *, bins: int) -> dict[str, float]:
+    """FedAvg (sample-weighted) over the same sites and rounds, without DP or SecAgg."""
+    prepared = {
+        site: prepare_site_split(d, held_out_fraction=0.2, seed=o.seed)
+        for site, d in datasets.items()
+    }
+    n_features = next(iter(prepared.values()))[0].features.shape[1]
+    model = _initial_model(n_features, o.seed)
+    global_flat = flatten_parameters(model)
+    trainers = {
+        site: LocalTrainer(lambda: TabularMLP(n_features), train,
+                           _config(o, epochs=o.local_epochs), seed=o.seed)
+        for site, (train, _, _) in prepared.items()
+    }
+    for _ in range(o.rounds):
+        total = np.zeros_like(global_flat, dtype=np.float64)
+        weight = 0
+        for trainer in trainers.values():
+            result = trainer.train_round(global_flat)
+            total += result.num_samples * result.delta_flat.astype(np.float64)
+            weight += result.num_samples
+        global_flat = (global_flat + total / weight).astype(np.float32)
+    from site_agent.models import load_flat_parameters
+
+    load_flat_parameters(model, global_flat)
+    scores = np.concatenate([predict_scores(model, h.features) for _, h, _ in prepared.values()])
+    labels = np.concatenate([h.labels for _, h, _ in prepared.values()])
+    return _metrics(scores, labels, bins)

@@ -1,0 +1,212 @@
+"""The coordinator's federation budget view decides who is selected: exhausted sites
+are never asked again.
+
+Engine level on SQLite and PostgreSQL (every kind of report, one `_select`), then the
+whole federation over real mTLS sockets with real site ledgers: a site whose ledger
+refuses a round declines it, reports itself exhausted and is never selected again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from common.config import SiteSettings
+from common.errors import StateError
+from common.privacy.accountant import Segment
+from common.privacy.federation import FederationBudgetView
+from common.privacy.ledger import PrivacyLedger, verify_ledger
+from coordinator.engine import RoundEngine, SiteBudget
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.store import CoordinatorStore
+from site_agent.agent import SiteAgent
+from site_agent.hooks import DeterministicTestHook, RoundPlan
+from site_agent.metrics import SiteMetrics
+from tests.network.conftest import InProcessCoordinator, PkiLayout, coordinator_settings
+
+HEAD = "ab" * 32
+
+
+def _refuse_identity(site_id: str, certificate_der: bytes) -> object:
+    raise AssertionError("no secure phase runs in this test")
+
+
+def _ledger_budget(spent: float, budget: float, *, entries: int, exhausted: bool = False
+                   ) -> SiteBudget:
+    return SiteBudget(
+        epsilon_budget=budget, epsilon_spent=spent, delta=1e-5, privacy_unit="record",
+        reported_exhausted=exhausted, ledger_entries=entries, ledger_head=HEAD,
+        ledger_last_round=entries,
+    )
+
+
+def test_selection_follows_the_federation_view(
+    pki_layout: PkiLayout, tmp_path: Path, database_url: str
+) -> None:
+    settings = coordinator_settings(
+        pki_layout, tmp_path / "state", database_url=database_url, min_sites=2,
+        deadlines={"selection_seconds": 5.0},
+    )
+    store = CoordinatorStore(database_url)
+    metrics = CoordinatorMetrics()
+    reports = {
+        "fresh": _ledger_budget(1.0, 8.0, entries=1),
+        "spent": _ledger_budget(8.0, 8.0, entries=4),
+        "sliver": _ledger_budget(4.0 - 5e-7, 4.0, entries=3),  # remaining <= 1e-6
+        "declined": _ledger_budget(2.0, 8.0, entries=2, exhausted=True),
+        "nodp": SiteBudget(privacy_unit="none"),  # keeps no ledger: not in the view
+        "reset": _ledger_budget(4.0, 4.0, entries=5),
+    }
+
+    async def scenario() -> list[str]:
+        engine = RoundEngine(
+            settings, store, identity=_refuse_identity,  # type: ignore[arg-type]
+            metrics=metrics,
+        )
+        for site_id, budget in reports.items():
+            engine.enroll(site_id, b"", serial="1", version="t", device="cpu", budget=budget)
+        # "reset" comes back with an empty ledger: the view refuses to lower its spend,
+        # so a wiped ledger does not buy the site a fresh budget.
+        waits = [
+            asyncio.ensure_future(
+                engine.wait_for_round(
+                    site_id, after_round=0, wait_seconds=30,
+                    budget=SiteBudget(4.0, 0.0, 1e-5, "record") if site_id == "reset" else None,
+                )
+            )
+            for site_id in reports
+        ]
+        try:
+            return await asyncio.wait_for(engine._select(), timeout=30)
+        finally:
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    chosen = asyncio.run(scenario())
+    assert chosen == ["fresh", "nodp"]
+    spent = metrics.registry.get_sample_value(
+        "medfed_coordinator_site_epsilon_spent", {"site": "reset"}
+    )
+    assert spent == 4.0  # the recorded spend, not the refused report of 0
+    store.close()
+
+    view = FederationBudgetView.open(database_url)  # persisted in the state database
+    rows = {row.site_id: row for row in view.snapshot()}
+    assert sorted(rows) == ["declined", "fresh", "reset", "sliver", "spent"]
+    assert rows["declined"].status == "exhausted" and rows["spent"].status == "exhausted"
+    assert rows["reset"].spent_epsilon == 4.0 and rows["reset"].ledger_entries == 5
+    with pytest.raises(StateError):
+        view.update_site("reset", SiteBudget(4.0, 0.0, 1e-5).as_status("reset"),
+                         now=datetime.now(UTC))
+    view.close()
+
+
+# ------------------------------------------------------------- whole federation
+
+ROUND_COST = [Segment(noise_multiplier=1.0, sample_rate=0.05, steps=20)]
+"""What each round costs a site with a ledger (about 2.0 epsilon for the first round and
+2.5 for two at delta 1e-5 with PRV), as if it had trained with DP-SGD."""
+
+TIGHT_BUDGET = 2.2  # one round fits, a second does not
+
+
+class LedgerTestHook(DeterministicTestHook):
+    """TEST ONLY: the deterministic update, with a fixed privacy cost per round so the
+    site's real ledger is consulted, written and eventually exhausted."""
+
+    privacy_unit = "record"
+
+    def planned_segments(self, plan: RoundPlan) -> list[Segment]:
+        return list(ROUND_COST)
+
+
+def _agent(
+    pki_layout: PkiLayout, address: str, site: str, state: Path, *,
+    ledger: PrivacyLedger | None, stop: threading.Event,
+) -> SiteAgent:
+    settings = SiteSettings(
+        pki=pki_layout.root, site=site, coordinator=address, metrics_listen="127.0.0.1:0",
+        state=state, training={"trainer": "test-deterministic"},
+        reconnect={"initial_backoff_seconds": 0.1, "max_backoff_seconds": 0.5},
+    )
+    hook = LedgerTestHook(site) if ledger is not None else DeterministicTestHook(site)
+    return SiteAgent(settings, hook, metrics=SiteMetrics(site), ledger=ledger, stop=stop)
+
+
+def test_site_with_exhausted_ledger_is_never_selected_again(
+    pki_layout: PkiLayout, tmp_path: Path, coordinator: Callable[..., InProcessCoordinator]
+) -> None:
+    ledgers = {
+        "d": PrivacyLedger(tmp_path / "d.ledger", site_id="d", budget_epsilon=100.0,
+                           delta=1e-5),
+        "e": PrivacyLedger(tmp_path / "e.ledger", site_id="e", budget_epsilon=TIGHT_BUDGET,
+                           delta=1e-5),
+    }
+    # The premise: one round fits e's budget, two do not (also warms up the accountant).
+    assert ledgers["e"].preview(1, ROUND_COST) < TIGHT_BUDGET
+    assert ledgers["e"].preview(1, ROUND_COST * 2) > TIGHT_BUDGET
+
+    coord = coordinator(
+        rounds=4, min_sites=4,
+        deadlines={"selection_seconds": 5.0, "train_seconds": 20.0},
+    )
+    stop = threading.Event()
+    threads = []
+    codes: dict[str, int] = {}
+    for site in ("a", "b", "c", "d", "e"):
+        agent = _agent(pki_layout, coord.address, site, tmp_path / f"site-{site}",
+                       ledger=ledgers.get(site), stop=stop)
+
+        def run(agent: SiteAgent = agent, site: str = site) -> None:
+            codes[site] = agent.run()
+
+        threads.append(threading.Thread(target=run, name=f"site-{site}", daemon=True))
+    for thread in threads:
+        thread.start()
+    try:
+        coord.wait_engine_done(180)
+    finally:
+        for thread in threads:
+            thread.join(30)
+        stop.set()
+    assert codes == dict.fromkeys("abcde", 0)
+
+    rounds = coord.engine.store.rounds()
+    assert [r.status for r in rounds] == ["completed"] * 4
+    e_trained = [r.round_number for r in rounds if "e" in r.survivors]
+    e_declined = [r.round_number for r in rounds
+                  if "e" in r.participants and "e" not in r.survivors]
+    # e trained once, was asked once more, declined (its ledger refused), and no later
+    # round selected it although four other sites kept going.
+    assert len(e_trained) == 1 and len(e_declined) == 1
+    assert e_declined[0] > e_trained[0]
+    later = [r for r in rounds if r.round_number > e_declined[0]]
+    assert later and all("e" not in r.participants for r in later)
+    assert all(set(r.survivors) >= {"a", "b", "c", "d"} for r in later)
+
+    e_ledger = ledgers["e"]
+    assert [entry.round for entry in e_ledger.entries()] == e_trained  # written once
+    assert verify_ledger(e_ledger.path).ok
+    view = coord.engine.budget_view
+    e_row, d_row = view.get("e"), view.get("d")
+    assert e_row is not None and d_row is not None
+    assert e_row.status == "exhausted"
+    assert e_row.spent_epsilon == pytest.approx(e_ledger.spent())
+    assert e_row.ledger_entries == 1 and e_row.ledger_head == e_ledger.head_hash()
+    d_trained = [r.round_number for r in rounds if "d" in r.survivors]
+    assert d_row.status == "active" and len(d_trained) >= 3
+    assert d_row.ledger_entries == len(ledgers["d"].entries()) == len(d_trained)
+    assert view.get("a") is None  # no ledger, no row
+    registry = coord.engine.metrics.registry
+    assert registry.get_sample_value(
+        "medfed_coordinator_site_epsilon_spent", {"site": "e"}
+    ) == pytest.approx(e_ledger.spent())
+    assert registry.get_sample_value(
+        "medfed_coordinator_site_epsilon_budget", {"site": "e"}
+    ) == TIGHT_BUDGET
