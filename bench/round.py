@@ -253,7 +253,7 @@ class RoundBench:
                         "--coordinator", f"127.0.0.1:{listening['port']}",
                         "--metrics-listen", "127.0.0.1:0", "--state", str(run_dir / site),
                         "--trainer", "test-deterministic", "--debug-write-updates",
-                        "--exit-after-rounds", "1", *extra,
+                        *extra,
                     ),
                     env=self.env, log=run_dir / f"{site}.log",
                 ))

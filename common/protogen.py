@@ -47,9 +47,16 @@ def _generate(out: Path) -> None:
         (folder / "__init__.py").write_text(_INIT)
 
 
+def _files(root: Path) -> set[Path]:
+    return {
+        p.relative_to(root)
+        for p in root.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
 def _differences(a: Path, b: Path) -> list[str]:
-    names_a = {p.relative_to(a) for p in a.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
-    names_b = {p.relative_to(b) for p in b.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    names_a, names_b = _files(a), _files(b)
     diffs = sorted(str(n) for n in names_a ^ names_b)
     for name in sorted(names_a & names_b):
         if not filecmp.cmp(a / name, b / name, shallow=False):

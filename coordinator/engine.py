@@ -106,6 +106,7 @@ class SiteSession:
     site_id: str
     certificate_der: bytes
     budget: SiteBudget = field(default_factory=SiteBudget)
+    budget_reported: bool = False
     waiting: asyncio.Future[Announcement | None] | None = None
 
 
@@ -231,7 +232,10 @@ class RoundEngine:
         A report whose spend or ledger length went DOWN is refused by the view (a ledger
         is append-only): the higher recorded spend keeps governing selection, and the
         operator is warned, since that site's ledger was reset or rewritten."""
+        if session.budget_reported and budget == session.budget:
+            return  # every long-poll repeats the report: no database write when unchanged
         session.budget = budget
+        session.budget_reported = True
         site_id = session.site_id
         spent, total = budget.epsilon_spent, budget.epsilon_budget
         if budget.epsilon_budget > 0 or budget.ledger_entries > 0:

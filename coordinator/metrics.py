@@ -9,6 +9,12 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+ROUND_OUTCOMES = ("completed", "aborted", "abandoned")
+# Phases a site can be dropped in (coordinator.rounds.RoundPhase values, listed here so
+# that this module stays import-free of the engine).
+DROPOUT_PHASES = (
+    "training", "advertise_keys", "share_keys", "masked_input", "consistency_check", "unmask",
+)
 
 
 class CoordinatorMetrics:
@@ -84,6 +90,17 @@ class CoordinatorMetrics:
         self.current_round = Gauge(
             "medfed_coordinator_round_number", "Number of the latest round.", registry=r
         )
+
+        # Labelled series print nothing until first used; create them at zero so that
+        # dashboards and alert rules see every outcome/phase from the first scrape.
+        for outcome in ROUND_OUTCOMES:
+            self.rounds_total.labels(outcome=outcome)
+        for phase in DROPOUT_PHASES:
+            self.dropouts_total.labels(phase=phase)
+        # Unknown until the first secure round / evaluation: NaN, not a misleading 0
+        # (a 0 margin would fire MedfedQuorumMarginLow on a fresh coordinator).
+        self.quorum_margin.set(float("nan"))
+        self.model_auc.set(float("nan"))
 
     def observe_budget(self, site: str, spent: float, budget: float) -> None:
         self.site_epsilon_spent.labels(site=site).set(spent)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 TRAINING_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+ROUND_OUTCOMES = ("completed", "aborted", "failed", "declined_budget")
 
 
 class SiteMetrics:
@@ -46,6 +47,11 @@ class SiteMetrics:
         self.connected = Gauge(
             "medfed_site_connected", "1 while enrolled with the coordinator.", registry=r
         )
+
+        # Labelled series print nothing until first used; create them at zero so that
+        # dashboards and alert rules see every outcome from the first scrape.
+        for outcome in ROUND_OUTCOMES:
+            self.rounds.labels(outcome=outcome)
 
     def observe_budget(self, spent: float, budget: float) -> None:
         self.epsilon_spent.set(spent)

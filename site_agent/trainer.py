@@ -12,11 +12,14 @@ in the batch independently with probability q = batch_size / N; a fixed number o
 steps per epoch, round(N / batch_size), is taken so the accounting is exact.
 
 Record level uses Opacus: ghost clipping (Li et al. 2022, "Large Language Models Can
-Be Strong Differentially Private Learners"; Bu et al. 2023 for the book-keeping) when
-the model allows it, per-sample-gradient hooks otherwise. Large logical batches are
-split into physical batches with the protocol of Opacus' `BatchMemoryManager`
-(`signal_skip_step`), driven directly from tensor indices: no DataLoader, which is
-most of the per-step cost for a small tabular model.
+Be Strong Differentially Private Learners") when the model allows it, per-sample-
+gradient hooks otherwise. For models whose trainable layers are all Linear, the
+clipped sum comes from one backward pass by book-keeping (Bu et al. 2023, see
+`_GhostModule`); other models run Opacus' two-pass ghost clipping. Opacus' optimizers
+add the noise either way. Large logical batches are split into physical batches with
+the protocol of Opacus' `BatchMemoryManager` (`signal_skip_step`), driven directly
+from tensor indices: no DataLoader, which is most of the per-step cost for a small
+tabular model (docs/benchmarks.md has the measurements).
 
 Randomness: batches and noise come from torch generators seeded by `seed`. Tests pass
 fixed seeds; the site agent must pass a fresh seed from the OS CSPRNG for every

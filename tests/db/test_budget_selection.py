@@ -17,12 +17,14 @@ from pathlib import Path
 import pytest
 
 from common.config import SiteSettings
-from common.errors import StateError
+from common.errors import StateError, ValidationError
 from common.privacy.accountant import Segment
 from common.privacy.federation import FederationBudgetView
 from common.privacy.ledger import PrivacyLedger, verify_ledger
+from common.proto.medfed.v1 import federation_pb2 as pb
 from coordinator.engine import RoundEngine, SiteBudget
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.servicer import budget_from_pb
 from coordinator.store import CoordinatorStore
 from site_agent.agent import SiteAgent
 from site_agent.hooks import DeterministicTestHook, RoundPlan
@@ -105,6 +107,46 @@ def test_selection_follows_the_federation_view(
         view.update_site("reset", SiteBudget(4.0, 0.0, 1e-5).as_status("reset"),
                          now=datetime.now(UTC))
     view.close()
+
+    # A restarted coordinator shows the persisted figures before any site reports again.
+    restarted_store, restarted_metrics = CoordinatorStore(database_url), CoordinatorMetrics()
+    RoundEngine(
+        settings, restarted_store, identity=_refuse_identity,  # type: ignore[arg-type]
+        metrics=restarted_metrics,
+    ).recover()
+    for site_id, spent_epsilon, budget_epsilon in (("spent", 8.0, 8.0), ("fresh", 1.0, 8.0)):
+        labels = {"site": site_id}
+        assert restarted_metrics.registry.get_sample_value(
+            "medfed_coordinator_site_epsilon_spent", labels
+        ) == spent_epsilon
+        assert restarted_metrics.registry.get_sample_value(
+            "medfed_coordinator_site_epsilon_budget", labels
+        ) == budget_epsilon
+    restarted_store.close()
+
+
+def test_budget_reports_from_the_wire_are_checked() -> None:
+    ok = pb.BudgetStatus(
+        epsilon_budget=8.0, epsilon_spent=1.5, delta=1e-5, privacy_unit="patient",
+        exhausted=True, ledger_entries=3, ledger_head=HEAD, ledger_last_round=7,
+    )
+    budget = budget_from_pb(ok)
+    assert budget == SiteBudget(
+        8.0, 1.5, 1e-5, "patient", reported_exhausted=True, ledger_entries=3,
+        ledger_head=HEAD, ledger_last_round=7,
+    )
+    assert budget.exhausted  # reported exhausted although 6.5 epsilon is "left"
+    no_entries = budget_from_pb(pb.BudgetStatus(epsilon_budget=8.0, ledger_last_round=5))
+    assert no_entries is not None and no_entries.ledger_last_round is None
+    for bad in (
+        pb.BudgetStatus(epsilon_budget=8.0, ledger_head="not hex"),
+        pb.BudgetStatus(epsilon_budget=8.0, ledger_head="AB" * 32),  # upper case
+        pb.BudgetStatus(epsilon_budget=8.0, ledger_head="ab" * 33),
+        pb.BudgetStatus(epsilon_budget=8.0, ledger_entries=1 << 63),
+        pb.BudgetStatus(epsilon_budget=float("nan")),
+    ):
+        with pytest.raises(ValidationError):
+            budget_from_pb(bad)
 
 
 # ------------------------------------------------------------- whole federation

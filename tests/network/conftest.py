@@ -13,10 +13,9 @@ import datetime as dt
 import hashlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import numpy as np
@@ -39,8 +38,6 @@ from coordinator.service import RunningCoordinator, start
 from site_agent.agent import SiteAgent
 from site_agent.hooks import DeterministicTestHook
 from site_agent.metrics import SiteMetrics
-
-T = TypeVar("T")
 
 HONEST_SITES = ("a", "b", "c", "d", "e", "f")
 MODEL_DIM = 64
@@ -190,19 +187,6 @@ class InProcessCoordinator:
         if self._running is None:
             raise RuntimeError("not started")
         return self._running.engine
-
-    def on_loop(self, function: Callable[[], T], timeout: float = 10) -> T:
-        """Run `function` on the coordinator's loop (its state is not thread-safe)."""
-        future: Future[T] = Future()
-
-        def call() -> None:
-            try:
-                future.set_result(function())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-        self.loop.call_soon_threadsafe(call)
-        return future.result(timeout)
 
     def engine_error(self) -> BaseException | None:
         task = self._engine_task

@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -206,7 +207,7 @@ def _with_live_values(target: FuzzTarget, data: bytes, method: str) -> bytes:
     message_class = getattr(pb, f"{method}Request")
     try:
         message = message_class.FromString(data)
-    except Exception:
+    except DecodeError:
         return data
     if hasattr(message, "round") and message.round % 2 == 0:
         message.round = target.round_number

@@ -127,26 +127,37 @@ def test_fedprox_with_dp_runs_and_shrinks_update(site_split) -> None:
     assert np.linalg.norm(prox.delta_flat) < np.linalg.norm(plain.delta_flat)
 
 
-def test_model_without_ghost_support_falls_back_to_hooks() -> None:
-    # A conv model: Opacus ghost clipping has no norm sampler for Conv2d, but fast
-    # gradient clipping still covers it, so "auto" picks ghost; force "hooks" works too.
+def test_conv_model_uses_opacus_two_pass_ghost_and_matches_hooks() -> None:
+    # Conv/GroupNorm layers are not book-keepable: ghost mode keeps Opacus' own two
+    # backward passes there, and must still compute the same step as hook mode.
     rng = np.random.default_rng(0)
     images = SiteData(
         features=rng.normal(size=(120, 1, 8, 8)).astype(np.float32),
         labels=rng.integers(0, 2, size=120),
         patient_ids=None,
     )
-    config = TrainingConfig(
-        **{**BASE.__dict__, "batch_size": 30, "grad_sample_mode": "hooks", "planned_rounds": 1}
-    )
-    trainer = LocalTrainer(
-        lambda: _BinaryHead(build_model("small_cnn", in_channels=1, num_classes=1)),
-        images,
-        config,
-        seed=0,
-    )
-    result = trainer.train_round(flatten_parameters(trainer.model))
-    assert trainer.grad_sample_mode == "hooks" and np.isfinite(result.delta_flat).all()
+    deltas = {}
+    for mode in ("ghost", "hooks"):
+        config = TrainingConfig(
+            **{**BASE.__dict__, "batch_size": 30, "grad_sample_mode": mode, "planned_rounds": 1}
+        )
+
+        def cnn() -> torch.nn.Module:
+            torch.manual_seed(0)
+            return _BinaryHead(build_model("small_cnn", in_channels=1, num_classes=1))
+
+        trainer = LocalTrainer(cnn, images, config, seed=0)
+        assert trainer.grad_sample_mode == mode
+        assert getattr(trainer.trained_module, "bookkeeping", False) is False
+        deltas[mode] = trainer.train_round(flatten_parameters(trainer.model)).delta_flat
+    assert np.isfinite(deltas["ghost"]).all() and np.linalg.norm(deltas["ghost"]) > 0
+    np.testing.assert_allclose(deltas["ghost"], deltas["hooks"], rtol=1e-3, atol=1e-5)
+
+
+def test_mlp_ghost_uses_bookkeeping(site_split) -> None:
+    train, _ = site_split
+    trainer = LocalTrainer(mlp, train, BASE, seed=0)
+    assert trainer.trained_module.bookkeeping is True
 
 
 class _BinaryHead(torch.nn.Module):
