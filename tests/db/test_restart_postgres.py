@@ -9,8 +9,10 @@ the round-1 checkpoint and continue numbering at 3.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -23,6 +25,16 @@ from tests.network.conftest import (
 )
 
 SITES = ("a", "b", "c", "d")
+T = TypeVar("T")
+
+
+def on_loop(coordinator: InProcessCoordinator, function: Callable[[], T]) -> T:
+    """Run `function` on the coordinator's event loop (its state is not thread-safe)."""
+
+    async def call() -> T:
+        return function()
+
+    return asyncio.run_coroutine_threadsafe(call(), coordinator.loop).result(10)
 
 
 def test_coordinator_restart_resumes_from_postgresql(
@@ -38,7 +50,7 @@ def test_coordinator_restart_resumes_from_postgresql(
         sites = honest_sites(first.address, SITES)
         first.wait_engine_done(120)
         assert sites.join(60) == dict.fromkeys(SITES, 0)
-        model_after_round_1 = first.on_loop(lambda: first.engine.global_flat.copy())
+        model_after_round_1 = on_loop(first, lambda: first.engine.global_flat.copy())
     assert np.any(model_after_round_1 != 0)  # round 1 really moved the model
 
     crashed = CoordinatorStore(postgres_url)
@@ -52,8 +64,8 @@ def test_coordinator_restart_resumes_from_postgresql(
     with InProcessCoordinator(second_settings) as second:
         engine = second.engine
         # The engine task ran `recover()` before this call reached the loop.
-        last_round, start_model = second.on_loop(
-            lambda: (engine.last_round_number, engine.global_flat.copy())
+        last_round, start_model = on_loop(
+            second, lambda: (engine.last_round_number, engine.global_flat.copy())
         )
         assert last_round == 2
         np.testing.assert_array_equal(start_model, model_after_round_1)
@@ -66,7 +78,7 @@ def test_coordinator_restart_resumes_from_postgresql(
         sites = honest_sites(second.address, SITES)
         second.wait_engine_done(120)
         assert sites.join(60) == dict.fromkeys(SITES, 0)
-        final_model = second.on_loop(lambda: engine.global_flat.copy())
+        final_model = on_loop(second, lambda: engine.global_flat.copy())
 
     reopened = CoordinatorStore(postgres_url)
     rounds = reopened.rounds()
