@@ -132,6 +132,13 @@ class LimitsSection(_Section):
     max_concurrent_uploads: int = Field(default=2, ge=1, le=64)
     max_chunk_bytes: int = Field(default=4 << 20, ge=1 << 16, le=4 << 20)
     max_sites: int = Field(default=1000, ge=2)
+    upload_idle_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="cut a masked-input upload that sends no chunk for this long (slow "
+        "loris): its staging slot is freed and the site is dropped from that phase",
+    )
 
 
 class CoordinatorSettings(_Settings):
@@ -186,6 +193,9 @@ class DataSection(_Section):
     patient_column: str | None = None
     nan_policy: Literal["error", "drop_row", "impute_median"] = "error"
     holdout_fraction: float = Field(default=0.2, gt=0, lt=1)
+    split_seed: int = Field(
+        default=0, description="train/held-out split by patient; keep it fixed across restarts"
+    )
     synthetic_cohort_seed: int | None = Field(
         default=None, description="use the embedded synthetic cohort instead of a file"
     )
@@ -202,7 +212,11 @@ class LocalTrainingSection(_Section):
     optimizer: Literal["sgd", "adam"] = "sgd"
     grad_sample_mode: Literal["auto", "ghost", "hooks"] = "auto"
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
-    seed: int = 0
+    seed: int | None = Field(
+        default=None,
+        description="TESTS ONLY: fixed seed for Poisson sampling and DP noise; default draws "
+        "a fresh seed from the OS CSPRNG (predictable noise would void the DP guarantee)",
+    )
 
 
 class SitePolicySection(_Section):

@@ -103,6 +103,7 @@ class AbortReason(enum.Enum):
     WRONG_LENGTH = "wrong_length"
     RECONSTRUCTION_FAILED = "reconstruction_failed"
     ROUND_ABANDONED = "round_abandoned"
+    UPLOAD_IDLE = "upload_idle"  # an upload stream sent nothing for too long
 
 
 class ProtocolAbort(MedfedError):

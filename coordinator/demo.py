@@ -238,12 +238,13 @@ phase_seconds = {self.o.phase_seconds}
         config = self.out / "sites" / f"{site}.toml"
         config.parent.mkdir(parents=True, exist_ok=True)
         if data is None:
-            source = (f"synthetic_cohort_seed = {self.o.seed}\n"
+            source = (f"synthetic_cohort_seed = {self.o.seed}\nsplit_seed = {self.o.seed}\n"
                       f"synthetic_patients = {self.o.patients_per_site}\n")
         else:
             patient = (f'patient_column = "{self.o.patient_column}"\n'
                        if self.o.patient_column else "")
-            source = f'path = "{data}"\nlabel_column = "{self.o.label_column}"\n{patient}'
+            source = (f'path = "{data}"\nlabel_column = "{self.o.label_column}"\n'
+                      f"split_seed = {self.o.seed}\n{patient}")
         config.write_text(
             f"""[data]
 {source}
@@ -255,7 +256,6 @@ delta = {self.o.delta}
 batch_size = {self.o.batch_size}
 max_physical_batch_size = 4096
 device = "cpu"
-seed = {self.o.seed}
 """
         )
         proc = ManagedProcess(

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import datetime as dt
 import logging
 import os
@@ -57,10 +59,41 @@ STAGING_BUDGET_BYTES = 64 << 20
 """Upload staging memory: with a large model, fewer concurrent uploads are staged
 (at least one), so coordinator memory stays a small multiple of one model."""
 
+MIN_CONCURRENT_DOWNLOADS = 2
+"""Model downloads streamed at once, at least; more while they fit STAGING_BUDGET_BYTES.
+Each open stream can hold up to a flow-control window of sent-but-unread chunks in
+gRPC's buffers, so ten concurrent 40 MB downloads cost the coordinator ~150 MB."""
+
 UPDATE_CHUNK_ELEMENTS = 1 << 18
 """Window of the decode/optimizer pass: float64 temporaries stay at 2 MiB, not 2 x d."""
 
 IdentityVerifier = Callable[[str, bytes], VerifyingKey]
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None elsewhere (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return trim
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by the upload streams back to the OS.
+
+    A round streams hundreds of 1 MiB chunks through gRPC and Python; glibc keeps
+    the freed chunks in its arenas, so without a trim the coordinator's RSS carries
+    ~2 models' worth of dead buffers into the unmask and checkpoint steps.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 @dataclass
@@ -163,6 +196,7 @@ class RoundEngine:
         self._accumulator_lock = asyncio.Lock()
         self._plain_sum: np.ndarray | None = None
         self._upload_slots = asyncio.Semaphore(settings.limits.max_concurrent_uploads)
+        self.download_slots = asyncio.Semaphore(MIN_CONCURRENT_DOWNLOADS)
         self.optimizer = build_optimizer(settings)
         self.layout, self.global_flat = self._load_model()
         self.model_dim = layout_elements(self.layout)
@@ -418,11 +452,28 @@ class RoundEngine:
         rnd.uploading.add(site_id)
         try:
             await self._receive_and_add(rnd, state, site_id, length, chunks)
+        except ProtocolAbort as exc:
+            if exc.reason is AbortReason.UPLOAD_IDLE:
+                self._drop_stalled_uploader(rnd, state, site_id)
+            raise
         finally:
             rnd.uploading.discard(site_id)
         self.metrics.bytes_received.inc(length * 4)
         survivors: sm.SurvivorList = await rnd.wait_closed(RoundPhase.MASKED_INPUT)
         return survivors
+
+    def _drop_stalled_uploader(self, rnd: ActiveRound, state: PhaseState, site_id: str) -> None:
+        """Drop a site whose upload stalled from MaskedInput now, as the deadline would
+        later: site agents do not resend an upload the coordinator cut, so waiting for
+        it would only hold every other site until the phase deadline. SecAgg+ treats it
+        as any dropout (its masks are recovered at Unmask)."""
+        if state.closed.is_set() or site_id in state.arrived or site_id not in state.expected:
+            return
+        state.expected.discard(site_id)
+        log.info("round %d: upload of %s stalled: dropped", rnd.number, site_id)
+        self.metrics.dropouts_total.labels(phase=RoundPhase.MASKED_INPUT.value).inc()
+        if state.expected <= state.arrived:
+            state.all_arrived.set()
 
     async def _receive_and_add(
         self,
@@ -478,8 +529,20 @@ class RoundEngine:
         assembler = ChunkAssembler(
             buffer, total_bytes=length * 4, max_chunk_bytes=self.settings.limits.max_chunk_bytes
         )
-        async for offset, data in chunks:
-            assembler.add(offset, data)
+        idle = self.settings.limits.upload_idle_seconds
+        loop = asyncio.get_running_loop()
+        try:
+            # One deadline, pushed forward after every chunk: a stream that sends nothing
+            # for `idle` seconds is cut and frees its staging slot (slow loris), while a
+            # large model that streams steadily may take as long as the phase allows.
+            async with asyncio.timeout(idle) as window:
+                async for offset, data in chunks:
+                    assembler.add(offset, data)
+                    window.reschedule(loop.time() + idle)
+        except TimeoutError:
+            raise ProtocolAbort(
+                AbortReason.UPLOAD_IDLE, f"no upload chunk for {idle:g} s: stream cut"
+            ) from None
         assembler.finish()
 
     def _accumulate(self, rnd: ActiveRound, site_id: str, vector: np.ndarray) -> None:
@@ -630,6 +693,7 @@ class RoundEngine:
         self._upload_slots = asyncio.Semaphore(
             min(self.settings.limits.max_concurrent_uploads, fits)
         )
+        self.download_slots = asyncio.Semaphore(max(MIN_CONCURRENT_DOWNLOADS, fits))
 
     def _model_payload(self) -> bytes | memoryview:
         """The model's wire bytes: a zero-copy view when the layout is all float32 LE."""
@@ -785,6 +849,7 @@ class RoundEngine:
             state = self._advance(
                 rnd, state, survivors, RoundPhase.CONSISTENCY_CHECK, set(survivors.survivors)
             )
+        release_freed_memory()
         _require(state)
         await self._close_when_ready(rnd, state, phase_s)
         signatures = server.close_consistency()
@@ -815,6 +880,7 @@ class RoundEngine:
             if self._plain_sum is None:
                 raise StateError("no accumulator for this round")
             aggregate = self._plain_sum.copy()
+        release_freed_memory()
         if not survivors:
             raise ProtocolAbort(AbortReason.TOO_FEW_PARTICIPANTS, "no site uploaded")
         return aggregate, survivors, dropped

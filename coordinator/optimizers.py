@@ -99,7 +99,8 @@ class _AdaptiveServerOptimizer:
         self.m = self.beta1 * self.m + (1.0 - self.beta1) * delta
         self.v = self._second_moment(self.v, delta * delta)
         update = self.lr * self.m / (np.sqrt(self.v) + self.tau)
-        return (global_flat.astype(np.float64) + update).astype(np.float32)
+        new_global: np.ndarray = (global_flat.astype(np.float64) + update).astype(np.float32)
+        return new_global
 
     def state_dict(self) -> dict[str, np.ndarray]:
         if self.m is None or self.v is None:
@@ -125,7 +126,8 @@ class FedAdam(_AdaptiveServerOptimizer):
         super().__init__(lr=lr, beta1=beta1, beta2=beta2, tau=tau)
 
     def _second_moment(self, v: np.ndarray, delta_sq: np.ndarray) -> np.ndarray:
-        return self.beta2 * v + (1.0 - self.beta2) * delta_sq
+        updated: np.ndarray = self.beta2 * v + (1.0 - self.beta2) * delta_sq
+        return updated
 
 
 class FedYogi(_AdaptiveServerOptimizer):
@@ -141,4 +143,5 @@ class FedYogi(_AdaptiveServerOptimizer):
         super().__init__(lr=lr, beta1=beta1, beta2=beta2, tau=tau)
 
     def _second_moment(self, v: np.ndarray, delta_sq: np.ndarray) -> np.ndarray:
-        return v - (1.0 - self.beta2) * delta_sq * np.sign(v - delta_sq)
+        updated: np.ndarray = v - (1.0 - self.beta2) * delta_sq * np.sign(v - delta_sq)
+        return updated

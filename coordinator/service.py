@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -38,6 +39,22 @@ class RunningCoordinator:
     port: int
     metrics_port: int
     health: health.aio.HealthServicer
+    metrics_server: WSGIServer | None = None
+
+    async def stop(self, *, grace: float | None = 0.0) -> None:
+        """Stop serving and release every port and file: gRPC (in-flight calls get
+        `grace` seconds), the Prometheus exporter, then the state store. The round
+        engine task is the caller's to cancel."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        exporter = self.metrics_server
+        if exporter is not None:
+            self.metrics_server = None
+            # shutdown() blocks until the exporter's serve_forever loop notices (up to
+            # its 0.5 s poll interval): off the event loop.
+            await asyncio.to_thread(exporter.shutdown)
+            exporter.server_close()
+        self.engine.store.close()
 
 
 def database_url(settings: CoordinatorSettings) -> str:
@@ -84,8 +101,10 @@ async def start(settings: CoordinatorSettings) -> RunningCoordinator:
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    _, metrics_port = serve_metrics(settings.metrics_listen, metrics.registry)
-    return RunningCoordinator(server, engine, port, metrics_port, health_servicer)
+    metrics_server, metrics_port = serve_metrics(settings.metrics_listen, metrics.registry)
+    return RunningCoordinator(
+        server, engine, port, metrics_port, health_servicer, metrics_server=metrics_server
+    )
 
 
 async def serve(settings: CoordinatorSettings, *, linger_seconds: float = 5.0) -> int:
@@ -118,7 +137,5 @@ async def serve(settings: CoordinatorSettings, *, linger_seconds: float = 5.0) -
                 await asyncio.wait_for(stop.wait(), timeout=linger_seconds)
     else:
         engine_task.cancel()
-    await running.health.enter_graceful_shutdown()
-    await running.server.stop(grace=2.0)
-    running.engine.store.close()
+    await running.stop(grace=2.0)
     return code

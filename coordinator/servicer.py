@@ -7,6 +7,7 @@ fields naming a site are never trusted for identity.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import functools
 import logging
@@ -22,6 +23,7 @@ from google.protobuf.message import DecodeError
 from common import wire
 from common.codec import CHUNK_BYTES
 from common.errors import (
+    AbortReason,
     CertificateRejected,
     ConfigError,
     CryptoError,
@@ -278,8 +280,11 @@ class FederationServicer(pb_grpc.FederationServicer):
             await context.abort(code, str(exc)[:500])
             return
         try:
-            for offset, data in chunks:
-                yield pb.ModelChunk(offset=offset, data=data)
+            # Bounded concurrent streams: each can hold a flow-control window of
+            # sent-but-unread chunks in gRPC's buffers (large models, many sites).
+            async with self.engine.download_slots:
+                for offset, data in chunks:
+                    yield pb.ModelChunk(offset=offset, data=data)
         except MedfedError as exc:
             # The round ended mid-stream (the model is being replaced): a clear status,
             # not UNKNOWN.
@@ -314,10 +319,18 @@ class FederationServicer(pb_grpc.FederationServicer):
     ) -> pb.MaskedInputResponse:
         site_id = self._site(context)
         iterator = request_iterator.__aiter__()
+        idle = self.engine.settings.limits.upload_idle_seconds
         try:
-            first = await iterator.__anext__()
+            # A stream that never sends its header holds no staging slot, but it is cut
+            # after the same idle time as one that stalls mid-upload.
+            async with asyncio.timeout(idle):
+                first = await iterator.__anext__()
         except StopAsyncIteration:
             raise ValidationError("empty upload stream") from None
+        except TimeoutError:
+            raise ProtocolAbort(
+                AbortReason.UPLOAD_IDLE, f"no upload header for {idle:g} s: stream cut"
+            ) from None
         require_parsed(first)
         if first.WhichOneof("part") != "header":
             raise ValidationError("upload must start with a header")

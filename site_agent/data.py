@@ -134,7 +134,7 @@ def _iter_csv_rows(path: Path) -> tuple[list[str], Iterator[tuple[int, dict[str,
 
 
 def _iter_parquet_rows(path: Path) -> tuple[list[str], Iterator[tuple[int, dict[str, str]]]]:
-    import pyarrow.parquet as pq  # optional dependency; only needed for Parquet
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]  # only needed for Parquet
 
     table = pq.read_table(path)
     columns = {name: table.column(name).to_pylist() for name in table.column_names}

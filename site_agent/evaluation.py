@@ -28,7 +28,7 @@ class Metrics:
 
 
 def _ratio(num: float, den: float) -> float:
-    return num / den if den > 0 else math.nan
+    return float(num) / float(den) if den > 0 else math.nan
 
 
 def score_histogram(scores: np.ndarray, labels: np.ndarray, *, bins: int) -> np.ndarray:

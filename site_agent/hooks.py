@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -96,7 +97,7 @@ class DpTrainingHook:
         self.dp = dp
         data = load_configured_data(settings)
         self.train_data, self.holdout, _ = prepare_site_split(
-            data, held_out_fraction=settings.data.holdout_fraction, seed=settings.training.seed
+            data, held_out_fraction=settings.data.holdout_fraction, seed=settings.data.split_seed
         )
         has_patients = data.patient_ids is not None
         unit = settings.privacy.privacy_unit
@@ -150,9 +151,12 @@ class DpTrainingHook:
                 grad_sample_mode=cfg.training.grad_sample_mode,
                 device=cfg.training.device,
             )
-            self._trainer = LocalTrainer(
-                self.model, self.train_data, config, seed=cfg.training.seed
-            )
+            seed = cfg.training.seed
+            if seed is None:
+                # Sampling and noise seeds from the OS CSPRNG, so nobody can predict the
+                # DP noise from the configuration (torch's generators hold 64 bits).
+                seed = int.from_bytes(os.urandom(8), "big") >> 1
+            self._trainer = LocalTrainer(self.model, self.train_data, config, seed=seed)
             self._trainer_key = key
         return self._trainer
 

@@ -393,7 +393,7 @@ class LocalTrainer:
         self.grad_sample_mode = "none"
         if self.world_size > 1 and self.privacy_unit != "record":
             raise ConfigError(
-                "privacy_unit", "multi-GPU (torch.distributed) training supports record level only"
+                "privacy_unit", "multi-process training is implemented for record-level DP-SGD only"
             )
         # Record i belongs to rank i % world_size: each record is in exactly one shard
         # and is sampled there with probability q, so (sigma, q, steps) are unchanged.

@@ -163,12 +163,15 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
             "site": scrape(site_port),
         }
     finally:
+        # Coordinator first: its shutdown ends the sites' long-polls, so they exit promptly.
+        if fed.coordinator is not None:
+            fed.coordinator.stop()
         fed.stop()
 
 
 def scrape(port: int) -> str:
     url = f"http://127.0.0.1:{port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - fixed http URL
+    with urllib.request.urlopen(url, timeout=10) as response:
         assert response.status == 200
         return response.read().decode()
 
@@ -230,8 +233,9 @@ def test_live_values_reflect_the_completed_round(live_metrics: dict[str, str]) -
     assert value(coordinator, "medfed_coordinator_received_bytes_total") >= 3 * 1000 * 4
     # The test trainer keeps no ledger (budget 0); the per-site series exist all the same.
     for site_id in SITES:
-        assert value(coordinator, f'medfed_coordinator_site_epsilon_budget{{site="{site_id}"}}') >= 0
-        assert value(coordinator, f'medfed_coordinator_site_epsilon_spent{{site="{site_id}"}}') >= 0
+        for gauge in ("budget", "spent"):
+            series = f'medfed_coordinator_site_epsilon_{gauge}{{site="{site_id}"}}'
+            assert value(coordinator, series) >= 0
     assert 0.0 <= value(coordinator, "medfed_coordinator_model_auc_ratio") <= 1.0
     assert value(site, 'medfed_site_rounds_total{outcome="completed"}') == 1.0
     assert value(site, "medfed_site_connected") == 1.0

@@ -169,8 +169,8 @@ class InProcessCoordinator:
             self._ready.set()
         await self._stop.wait()
         self._engine_task.cancel()
-        await self._running.server.stop(grace=0)
-        self._running.engine.store.close()
+        await asyncio.wait({self._engine_task})  # its outcome is engine_error()'s to report
+        await self._running.stop(grace=0)
 
     @property
     def port(self) -> int:
@@ -181,6 +181,17 @@ class InProcessCoordinator:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_port(self) -> int:
+        if self._running is None:
+            raise RuntimeError("not started")
+        return self._running.metrics_port
+
+    @property
+    def stopped(self) -> bool:
+        """True once `RunningCoordinator.stop()` returned and the loop thread ended."""
+        return self._running is not None and not self._thread.is_alive()
 
     @property
     def engine(self) -> RoundEngine:
@@ -534,6 +545,7 @@ __all__ = [
     "InProcessCoordinator",
     "PkiLayout",
     "ScriptedSite",
+    "coordinator_settings",
     "health_status",
     "raw_channel",
     "raw_stub",

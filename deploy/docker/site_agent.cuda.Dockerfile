@@ -1,0 +1,61 @@
+# syntax=docker/dockerfile:1
+# medfed site agent, CUDA variant. From the repo root:
+#   docker build -f deploy/docker/site_agent.cuda.Dockerfile -t medfed-site-agent:cuda .
+#   docker run --gpus all ... medfed-site-agent:cuda   (NVIDIA Container Toolkit on the host)
+# Same volumes, ports and health check as site_agent.Dockerfile; set
+# training.device = "cuda" (or "auto") in site.toml.
+#
+# Base: NVIDIA's CUDA runtime image (CUDA user-space libraries matched to the driver
+# range the NVIDIA Container Toolkit expects). Python 3.11 is Ubuntu 22.04's own
+# python3.11 package (no third-party apt source); the torch wheel brings cuDNN/cuBLAS.
+# The venv is built and run with the same /usr/bin/python3.11, so it copies over as is.
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu22.04
+# PyTorch wheel index matching the CUDA major/minor of the base image.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+
+FROM ${CUDA_IMAGE} AS build
+ARG TORCH_INDEX
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3.11 python3.11-venv \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3.11 -m venv /opt/medfed
+RUN /opt/medfed/bin/pip install torch==2.13.0 --index-url "${TORCH_INDEX}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY common ./common
+COPY coordinator ./coordinator
+COPY site_agent ./site_agent
+COPY bench ./bench
+RUN /opt/medfed/bin/pip install .
+
+FROM ${CUDA_IMAGE}
+ARG MEDFED_UID=10001
+ENV DEBIAN_FRONTEND=noninteractive
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3.11 \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --system --gid "${MEDFED_UID}" medfed \
+    && useradd --system --uid "${MEDFED_UID}" --gid medfed --home-dir /nonexistent \
+       --no-create-home --shell /usr/sbin/nologin medfed \
+    && mkdir -p /pki /config /data /state \
+    && chown medfed:medfed /state
+COPY --from=build /opt/medfed /opt/medfed
+COPY deploy/docker/healthcheck.py /usr/local/bin/medfed-healthcheck
+RUN chmod 0755 /usr/local/bin/medfed-healthcheck
+ENV PATH=/opt/medfed/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/tmp \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    MEDFED_HEALTH_URL=http://127.0.0.1:9465/metrics \
+    MEDFED_HEALTH_EXPECT=medfed_site_
+USER medfed
+WORKDIR /state
+VOLUME ["/state"]
+EXPOSE 9465
+HEALTHCHECK --interval=30s --timeout=10s --start-period=120s --retries=3 \
+    CMD ["python", "/usr/local/bin/medfed-healthcheck", "http"]
+ENTRYPOINT ["medfed", "site", "run"]
+CMD ["--config", "/config/site.toml"]
