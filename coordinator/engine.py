@@ -713,6 +713,7 @@ class RoundEngine:
         started = time.perf_counter()
         self._prepare_buffers(ann.vector_length)
         self.store.begin_round(ann.round_number, participants, now=self.clock())
+        self.metrics.current_round.set(ann.round_number)
         rnd = ActiveRound(ann, self._model_payload())
         self.round = rnd
         if ann.secure_aggregation:
