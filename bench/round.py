@@ -4,7 +4,8 @@ Real processes over mutual TLS on 127.0.0.1: a temporary PKI, one coordinator an
 agents (`--trainer test-deterministic`, so an update costs no training time). Each
 measured round gets a fresh coordinator (`--rounds 1`) and fresh sites; secure and plain
 rounds alternate (S P, P S, S P, ...) so machine load affects both alike, with the same
-process count, model size and transport.
+process count, model size and transport. Sites stay up until the round is logged as
+completed, so no process exit competes with the coordinator inside the timed window.
 
 Dropouts (K sites, both modes, so both sum N - K updates):
 - secure rounds: K sites run `--debug-pause-after 1:share_keys` (they train, advertise

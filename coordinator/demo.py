@@ -420,13 +420,17 @@ device = "cpu"
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
         rounds = [r for r in report["rounds"] if r["auc"] is not None]
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot([r["round"] for r in rounds], [r["auc"] for r in rounds], marker="o",
                 label="federated, DP + SecAgg+")
+        colours = {"centralized_nodp": "tab:gray", "federated_nodp": "tab:green"}
         for name, m in report["baselines"].items():
-            ax.axhline(m["auc"], linestyle="--", linewidth=1, label=name.replace("_", " "))
+            ax.axhline(m["auc"], linestyle="--", linewidth=1, color=colours.get(name, "black"),
+                       label=name.replace("_", " "))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("round (AUC of the global model entering it)")
         ax.set_ylabel("AUC (federation held-out, secure histograms)")
         ax.legend(loc="lower right", fontsize=8)
@@ -439,6 +443,7 @@ device = "cpu"
                     [r["epsilon"].get(site, 0.0) for r in report["rounds"]], marker=".",
                     label=site)
         ax.axhline(self.o.budget_epsilon, color="red", linestyle=":", label="budget")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("round")
         ax.set_ylabel(f"epsilon spent (delta={self.o.delta:g}, composed)")
         ax.legend(fontsize=8)
