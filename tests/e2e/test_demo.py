@@ -1,0 +1,62 @@
+"""`medfed demo` end to end on hospital CSVs (the `--data` path), small and quick:
+real processes, real DP-SGD, SecAgg+, one site killed mid-round and restarted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from common.processes import medfed_argv
+from site_agent.synthetic import generate_cohort, write_site_csvs
+from tests.e2e.harness import REPO
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+SITES = ["north", "south", "east", "west"]
+
+
+def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
+    cohort = generate_cohort(SITES, seed=3, patients_per_site=400)
+    write_site_csvs(tmp_path / "data", cohort)
+    out = tmp_path / "run"
+    result = subprocess.run(
+        medfed_argv(
+            "demo", "--data", str(tmp_path / "data"), "--label-column", "sepsis",
+            "--patient-column", "patient_id", "--out", str(out), "--rounds", "2",
+            "--kill-round", "1", "--delta", "1e-3", "--budget-epsilon", "4",
+        ),
+        cwd=REPO, capture_output=True, text=True, timeout=850, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["sites"] == sorted(SITES)
+    assert report["privacy_unit"] == "patient"
+    rounds = report["rounds"]
+    # Two training rounds and the final evaluation round, all with secure aggregation.
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    assert all(r["secure_aggregation"] for r in rounds)
+    assert rounds[-1]["evaluation_only"] and not rounds[0]["evaluation_only"]
+    # The site killed in round 1 after sharing its keys was dropped, and the round
+    # still completed with the others.
+    assert rounds[0]["dropped"] == ["west"]
+    assert len(rounds[0]["participants"]) == 4
+    for key in ("auc", "sensitivity", "specificity", "ppv"):
+        assert 0.0 <= report["final"][key] <= 1.0
+        for baseline in ("centralized_nodp", "federated_nodp"):
+            assert 0.0 <= report["baselines"][baseline][key] <= 1.0
+    for site in SITES:
+        spent = report["final"]["epsilon"][site]
+        assert 0.0 < spent <= report["final"]["budget"][site] == 4.0
+        assert set(rounds[-1]["epsilon"]) == set(SITES)
+    assert (out / "auc_by_round.png").stat().st_size > 1000
+    assert (out / "epsilon_by_round.png").stat().st_size > 1000
+    assert "Federated + DP" in result.stdout
+    # Each site's own ledger verifies.
+    for site in SITES:
+        ledger = out / "sites" / site / "privacy-ledger.db"
+        verify = subprocess.run(medfed_argv("ledger", "verify", "--ledger", str(ledger)),
+                                cwd=REPO, capture_output=True, text=True, check=False)
+        assert verify.returncode == 0, verify.stdout + verify.stderr
