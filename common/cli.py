@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
+from typing import Any
 
 from common.errors import MedfedError
 
@@ -31,19 +32,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def run_parsed(args: argparse.Namespace) -> int:
+    """Run a parsed command: expected failures (bad config, bad data, exhausted budget...)
+    get one clear line on stderr and exit code 2, never a traceback."""
     try:
         code: int = args.func(args)
     except MedfedError as exc:
-        # Expected failures (bad config, bad data, exhausted budget...) get one clear
-        # line on stderr and a non-zero exit, never a traceback.
         print(f"medfed: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
     return code
+
+
+def main_with(
+    registrars: Sequence[Callable[[Any], None]], argv: Sequence[str] | None = None
+) -> int:
+    """A `medfed` with only the given plug-ins (``python -m common.pki_cli`` and friends)."""
+    parser = argparse.ArgumentParser(prog="medfed")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for register in registrars:
+        register(sub)
+    return run_parsed(parser.parse_args(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_parsed(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from common import pki
-from common.errors import ConfigError, MedfedError
+from common.errors import ConfigError
 
 
 def register(subparsers: Any) -> None:
@@ -173,15 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     Useful on an operator machine where only the PKI is needed, and in tests; errors are
     printed the way `common.cli.main` prints them (one line, exit code 2).
     """
-    parser = argparse.ArgumentParser(prog="medfed", description="medfed PKI")
-    register(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    args = parser.parse_args(argv)
-    try:
-        code: int = args.func(args)
-    except MedfedError as exc:
-        print(f"medfed: error: {exc}", file=sys.stderr)
-        return 2
-    return code
+    from common.cli import main_with
+
+    return main_with([register], argv)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ MAX_CIPHERTEXT_BYTES = 512
 MAX_SHARE_BYTES = 128
 X25519_KEY_BYTES = 32
 SESSION_ID_BYTES = 32
+COMMITMENT_BYTES = sm.COMMITMENT_BYTES
 MAX_TENSORS = 10_000
 
 
@@ -154,14 +155,22 @@ def _shares_to_pb(shares: Sequence[sm.EncryptedShare]) -> list[pb.EncryptedShare
 
 
 def share_keys_from_pb(req: pb.ShareKeysRequest) -> sm.ShareKeysOut:
-    return sm.ShareKeysOut(shares=_shares(req.shares, "shares"))
+    return sm.ShareKeysOut(
+        shares=_shares(req.shares, "shares"),
+        self_mask_commitment=bounded(
+            req.self_mask_commitment, what="self_mask_commitment", exact=COMMITMENT_BYTES
+        ),
+    )
 
 
 def share_keys_to_pb(msg: sm.ShareKeysOut, *, round_number: int, session: bytes) -> (
     pb.ShareKeysRequest
 ):
     return pb.ShareKeysRequest(
-        round=round_number, session_id=session, shares=_shares_to_pb(msg.shares)
+        round=round_number,
+        session_id=session,
+        shares=_shares_to_pb(msg.shares),
+        self_mask_commitment=msg.self_mask_commitment,
     )
 
 

@@ -35,6 +35,7 @@ from common.errors import (
     StateError,
     ValidationError,
 )
+from common.evaluation import operating_point_metrics
 from common.modelfile import ModelFile, flat_layout, read_model_file, write_model_file
 from common.privacy.federation import FederationBudgetView, has_budget_left
 from common.privacy.ledger import BudgetStatus
@@ -51,7 +52,6 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.optimizers import FedAdam, FedAvg, FedYogi, ServerOptimizer, weighted_mean
 from coordinator.rounds import ActiveRound, Announcement, PhaseState, RoundPhase
 from coordinator.store import Checkpoint, CoordinatorStore
-from site_agent.evaluation import operating_point_metrics
 
 log = logging.getLogger("medfed.coordinator")
 
@@ -63,6 +63,10 @@ MIN_CONCURRENT_DOWNLOADS = 2
 """Model downloads streamed at once, at least; more while they fit STAGING_BUDGET_BYTES.
 Each open stream can hold up to a flow-control window of sent-but-unread chunks in
 gRPC's buffers, so ten concurrent 40 MB downloads cost the coordinator ~150 MB."""
+
+DOWNLOAD_SLOT_WAIT_SECONDS = 10.0
+"""A download waits at most this long for a slot, then streams anyway: a site that
+opens downloads and never reads them can cost memory, but cannot stall the round."""
 
 UPDATE_CHUNK_ELEMENTS = 1 << 18
 """Window of the decode/optimizer pass: float64 temporaries stay at 2 MiB, not 2 x d."""
@@ -695,6 +699,22 @@ class RoundEngine:
         )
         self.download_slots = asyncio.Semaphore(max(MIN_CONCURRENT_DOWNLOADS, fits))
 
+    @contextlib.asynccontextmanager
+    async def download_slot(self) -> AsyncIterator[None]:
+        """Hold one of the bounded download slots while streaming the model."""
+        slots = self.download_slots
+        try:
+            await asyncio.wait_for(slots.acquire(), timeout=DOWNLOAD_SLOT_WAIT_SECONDS)
+        except TimeoutError:
+            log.warning("no free download slot after %.0f s: streaming without one",
+                        DOWNLOAD_SLOT_WAIT_SECONDS)
+            yield
+            return
+        try:
+            yield
+        finally:
+            slots.release()
+
     def _model_payload(self) -> bytes | memoryview:
         """The model's wire bytes: a zero-copy view when the layout is all float32 LE."""
         flat = self.global_flat
@@ -859,12 +879,27 @@ class RoundEngine:
         _require(state)
         await self._close_when_ready(rnd, state, phase_s)
         unmask_started = time.perf_counter()
-        aggregate = await asyncio.to_thread(server.close_unmask)
+        try:
+            aggregate = await asyncio.to_thread(server.close_unmask)
+        finally:
+            self._report_misbehaving(rnd, server)
         self.metrics.unmask_seconds.observe(time.perf_counter() - unmask_started)
         log.debug("round %d unmasked in %.3f s", rnd.number, time.perf_counter() - unmask_started)
         self.metrics.quorum_margin.set(len(survivors.survivors) - ann.threshold)
         self._advance(rnd, state, len(survivors.survivors), None, set())
         return aggregate, survivors.survivors, survivors.dropped
+
+    @staticmethod
+    def _report_misbehaving(rnd: ActiveRound, server: SecAggServer) -> None:
+        """Name the sites whose Unmask shares were wrong (corrected, or the round
+        aborted): they are malicious or broken, and an operator should know."""
+        for holder, owners in sorted(server.misbehaving_sites.items()):
+            log.warning(
+                "round %d: %s revealed wrong unmask shares of %s",
+                rnd.number, holder, ",".join(owners),
+                extra={"event": "misbehaving_site", "round_number": rnd.number,
+                       "site": holder, "owners": ",".join(owners)},
+            )
 
     async def _plain_phases(
         self, rnd: ActiveRound

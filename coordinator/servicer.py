@@ -282,7 +282,7 @@ class FederationServicer(pb_grpc.FederationServicer):
         try:
             # Bounded concurrent streams: each can hold a flow-control window of
             # sent-but-unread chunks in gRPC's buffers (large models, many sites).
-            async with self.engine.download_slots:
+            async with self.engine.download_slot():
                 for offset, data in chunks:
                     yield pb.ModelChunk(offset=offset, data=data)
         except MedfedError as exc:

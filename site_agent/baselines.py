@@ -9,15 +9,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.evaluation import operating_point_metrics, score_histogram
 from site_agent.data import SiteData, Standardizer, prepare_site_split, split_by_patient
-from site_agent.evaluation import operating_point_metrics, score_histogram
+from site_agent.hooks import fit_batch_size
 from site_agent.models import TabularMLP, flatten_parameters
 from site_agent.trainer import LocalTrainer, TrainingConfig, predict_scores
 
 
-def _config(o: Any, *, epochs: int) -> TrainingConfig:
+def _config(o: Any, *, epochs: int, records: int) -> TrainingConfig:
     return TrainingConfig(
-        batch_size=o.batch_size,
+        batch_size=fit_batch_size(o.batch_size, units=records),
         max_physical_batch_size=4096,
         local_epochs=epochs,
         lr=o.learning_rate,
@@ -55,7 +56,8 @@ def centralized_nodp(datasets: dict[str, SiteData], o: Any, *, bins: int) -> dic
     train, held_out = standardizer.transform(train), standardizer.transform(held_out)
     n_features = train.features.shape[1]
     trainer = LocalTrainer(lambda: _initial_model(n_features, o.seed), train,
-                           _config(o, epochs=o.rounds * o.local_epochs), seed=o.seed)
+                           _config(o, epochs=o.rounds * o.local_epochs, records=len(train)),
+                           seed=o.seed)
     start = flatten_parameters(trainer.model)
     trainer.train_round(start)
     return _metrics(trainer.predict(held_out.features), held_out.labels, bins)
@@ -72,7 +74,7 @@ def federated_nodp(datasets: dict[str, SiteData], o: Any, *, bins: int) -> dict[
     global_flat = flatten_parameters(model)
     trainers = {
         site: LocalTrainer(lambda: TabularMLP(n_features), train,
-                           _config(o, epochs=o.local_epochs), seed=o.seed)
+                           _config(o, epochs=o.local_epochs, records=len(train)), seed=o.seed)
         for site, (train, _, _) in prepared.items()
     }
     for _ in range(o.rounds):

@@ -133,7 +133,11 @@ class DpTrainingHook:
         if self._trainer is None or self._trainer_key != key:
             cfg = self.settings
             config = TrainingConfig(
-                batch_size=min(cfg.training.batch_size, max(len(self.train_data) // 4, 1)),
+                batch_size=fit_batch_size(
+                    cfg.training.batch_size,
+                    units=self.train_data.num_patients
+                    if self.privacy_unit == "patient" else len(self.train_data),
+                ),
                 max_physical_batch_size=cfg.training.max_physical_batch_size,
                 local_epochs=key[1],
                 lr=plan.learning_rate,
@@ -167,7 +171,7 @@ class DpTrainingHook:
         return segments
 
     def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate:
-        from site_agent.evaluation import score_histogram
+        from common.evaluation import score_histogram
         from site_agent.models import load_flat_parameters
         from site_agent.trainer import predict_scores
 
@@ -195,6 +199,12 @@ class DpTrainingHook:
             time.perf_counter() - started,
             self.patients,
         )
+
+
+def fit_batch_size(requested: int, *, units: int) -> int:
+    """The expected batch, capped at a quarter of the privacy units a site has (a small
+    site still gets several steps per epoch, and sampling rate q stays below 1)."""
+    return max(1, min(requested, units // 4))
 
 
 def load_configured_data(settings: SiteSettings) -> Any:

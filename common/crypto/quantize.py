@@ -100,8 +100,9 @@ def quantize(
         rng.random(out=uniforms)
         values += uniforms
         np.floor(values, out=values)
-        # (clip + clip) * scale can round one ulp above `levels`; keep the range exact.
-        np.minimum(values, levels, out=values)
+        # Float rounding can land one ulp outside [0, levels] (a float32 input clipped to
+        # -clip is slightly below -clip in float64); keep the range exact, never wrap.
+        np.clip(values, 0.0, levels, out=values)
         np.copyto(out[start : start + size], values, casting="unsafe")
     return out
 

@@ -223,19 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     Same behaviour as `medfed privacy|ledger ...` (one error line, exit 2, for expected
     failures) without loading the other packages' commands.
     """
-    from common.errors import MedfedError
+    from common.cli import main_with
 
-    parser = argparse.ArgumentParser(prog="medfed")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    register_privacy(subparsers)
-    register_ledger(subparsers)
-    args = parser.parse_args(argv)
-    try:
-        code: int = args.func(args)
-    except MedfedError as exc:
-        print(f"medfed: error: {exc}", file=sys.stderr)
-        return 2
-    return code
+    return main_with([register_privacy, register_ledger], argv)
 
 
 if __name__ == "__main__":

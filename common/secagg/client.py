@@ -51,6 +51,7 @@ from common.secagg.messages import (
     SurvivorList,
     UnmaskShares,
     advertise_message,
+    self_mask_commitment,
     survivors_message,
 )
 from common.secagg.params import SecAggParams
@@ -304,7 +305,8 @@ class SecAggClient:
         self._self_mask_seed = self_mask_seed(seed, session=self._session_id)
         self.peers = {peer: PeerState(PeerStatus.AWAITING_SHARES) for peer in neighbours}
         self._tracker.advance(Phase.SHARE_KEYS)
-        return ShareKeysOut(shares=tuple(out))
+        commitment = self_mask_commitment(seed, session_id=self._session_id, site_id=self.site_id)
+        return ShareKeysOut(shares=tuple(out), self_mask_commitment=commitment)
 
     # --------------------------------------------------------- phase 3: MaskedInput
     @_aborts_on_failure

@@ -9,6 +9,7 @@ they are bound into every signature and AEAD associated data built below.
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,8 @@ from common.crypto.encoding import encode_fields
 
 ADVERTISE_LABEL = "medfed/v1/advertise"
 SURVIVORS_LABEL = "medfed/v1/survivors"
+SELF_MASK_COMMITMENT_LABEL = "medfed/v1/self-mask-commitment"
+COMMITMENT_BYTES = 32  # SHA-256
 
 
 class ShareKind(enum.Enum):
@@ -67,9 +70,11 @@ class EncryptedShare:
 
 @dataclass(frozen=True)
 class ShareKeysOut:
-    """Phase 2, site -> coordinator: one encrypted share pair per neighbour."""
+    """Phase 2, site -> coordinator: one encrypted share pair per neighbour, and the
+    commitment to the self-mask seed b_u (see `self_mask_commitment`)."""
 
     shares: tuple[EncryptedShare, ...]
+    self_mask_commitment: bytes
 
 
 @dataclass(frozen=True)
@@ -178,3 +183,17 @@ def survivors_message(
         len(dropped),
         *dropped,
     )
+
+
+def self_mask_commitment(seed: bytes, *, session_id: bytes, site_id: str) -> bytes:
+    """SHA-256(encode("medfed/v1/self-mask-commitment", session id, site id, b_u)).
+
+    Lets the coordinator check a b_u rebuilt from Shamir shares at Unmask: a wrong
+    share then changes the secret and fails the check instead of silently corrupting
+    the sum. Hiding because b_u is a fresh uniform 256-bit secret (SHA-256 as a random
+    oracle); binding by collision resistance; the session id and site id stop a
+    commitment being replayed in another round or for another site.
+    """
+    return hashlib.sha256(
+        encode_fields(SELF_MASK_COMMITMENT_LABEL, session_id, site_id, seed)
+    ).digest()

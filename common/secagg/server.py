@@ -9,13 +9,22 @@ abort the round, and then nothing is revealed.
 
 Memory is O(d): masked vectors are added into one accumulator as they arrive, and the
 masks are removed with the chunked PRG of common.crypto.prg.
+
+Unmask is robust (common.secagg.reconstruction): each secret is accepted only if it
+passes its check (the owner's ShareKeys commitment to b_u, or its advertised masking
+public key) and every share beyond the first t is checked against the polynomial.
+Wrong shares are corrected when enough right ones remain, and their holders are
+reported in `misbehaving_sites`; otherwise the round aborts (RECONSTRUCTION_FAILED)
+and no sum is returned. Never a silently wrong sum.
 """
 
 from __future__ import annotations
 
 import enum
+import hmac
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -23,11 +32,12 @@ from common.crypto.aead import NONCE_BYTES, TAG_BYTES
 from common.crypto.kdf import KdfInfo
 from common.crypto.keyagreement import KEY_BYTES, derive_key, public_key_of
 from common.crypto.prg import apply_masks
-from common.crypto.shamir import SHARE_BYTES, reconstruct_secrets
+from common.crypto.shamir import PRIME, SHARE_BYTES
 from common.errors import AbortReason, CryptoError, ProtocolAbort, ValidationError
 from common.secagg.client import SHARE_PLAINTEXT_BYTES, IdentityVerifier, self_mask_seed
 from common.secagg.graph import neighbourhoods
 from common.secagg.messages import (
+    COMMITMENT_BYTES,
     AdvertiseKeys,
     ConsistencySignature,
     ConsistencySignatures,
@@ -41,10 +51,12 @@ from common.secagg.messages import (
     SurvivorList,
     UnmaskShares,
     advertise_message,
+    self_mask_commitment,
     survivors_message,
 )
 from common.secagg.params import SecAggParams
 from common.secagg.phases import Phase, PhaseTracker
+from common.secagg.reconstruction import SecretCheck, reconstruct_checked
 from common.secagg.session import session_id as compute_session_id
 
 CIPHERTEXT_BYTES = NONCE_BYTES + SHARE_PLAINTEXT_BYTES + TAG_BYTES
@@ -88,7 +100,8 @@ class SecAggServer:
         self._survivor_list: SurvivorList | None = None
         self._survivor_message = b""
         self._signatures: dict[str, bytes] = {}
-        self._revealed: dict[str, dict[str, bytes]] = {}  # holder -> owner -> share
+        self._revealed: dict[str, dict[str, int]] = {}  # holder -> owner -> share y
+        self._misbehaving: dict[str, set[str]] = {}  # holder -> owners of its wrong shares
 
     # ----------------------------------------------------------------- properties
     @property
@@ -102,6 +115,14 @@ class SecAggServer:
     @property
     def graph(self) -> Mapping[str, tuple[str, ...]]:
         return self._graph
+
+    @property
+    def misbehaving_sites(self) -> Mapping[str, tuple[str, ...]]:
+        """Holder -> owners whose secrets it revealed wrong shares of at Unmask.
+
+        Filled by `close_unmask` (also when it aborts) for the operator to act on; a
+        wrong share was corrected, or the round aborted: it never reached the sum."""
+        return {holder: tuple(sorted(owners)) for holder, owners in self._misbehaving.items()}
 
     @property
     def survivors(self) -> tuple[str, ...]:
@@ -170,6 +191,8 @@ class SecAggServer:
             raise ValidationError("shares must go to each neighbour exactly once")
         if any(len(share.ciphertext) != CIPHERTEXT_BYTES for share in message.shares):
             raise ValidationError(f"share ciphertexts must be {CIPHERTEXT_BYTES} bytes")
+        if len(message.self_mask_commitment) != COMMITMENT_BYTES:
+            raise ValidationError(f"self-mask commitment must be {COMMITMENT_BYTES} bytes")
         self._outgoing_shares[site_id] = message
         self.status[site_id].progress = SiteProgress.SHARED
 
@@ -271,7 +294,7 @@ class SecAggServer:
         survivor_list = self._require_survivor_list()
         alive, dropped = set(survivor_list.survivors), set(survivor_list.dropped)
         closed = {site_id, *self._graph[site_id]}
-        accepted: dict[str, bytes] = {}
+        accepted: dict[str, int] = {}
         for revealed in message.shares:
             owner = revealed.owner_site_id
             if owner not in closed:
@@ -289,7 +312,10 @@ class SecAggServer:
                 raise ValidationError(f"wrong share kind for {owner!r}")
             if len(revealed.share) != SHARE_BYTES:
                 raise ValidationError(f"shares must be {SHARE_BYTES} bytes")
-            accepted[owner] = revealed.share
+            y = int.from_bytes(revealed.share, "big")
+            if y >= PRIME:
+                raise ValidationError("share is not a field element")
+            accepted[owner] = y
         self._revealed[site_id] = accepted
         self.status[site_id].progress = SiteProgress.UNMASKED
 
@@ -298,8 +324,9 @@ class SecAggServer:
 
         sum_{u in U3} x_u = sum y_u - sum_{u in U3} PRG(b_u)
                             -/+ sum_{u dropped, v in N(u) & U3} PRG(s_uv)
-        If any needed secret has fewer than t shares the round aborts and nothing
-        (not even a partial sum) is returned.
+        If any needed secret has fewer than t shares, or no t-subset of its shares
+        yields a secret that passes its check, the round aborts and nothing (not even a
+        partial sum) is returned. Holders of wrong shares land in `misbehaving_sites`.
         """
         self._tracker.require(Phase.UNMASK, "close_unmask")
         survivor_list = self._require_survivor_list()
@@ -321,15 +348,10 @@ class SecAggServer:
         subtract: list[bytes] = []
         survivors = set(survivor_list.survivors)
         for owner, kind in needed:
-            secret = self._reconstruct(owner, holders_of[owner])
+            secret = self._reconstruct(owner, kind, holders_of[owner])
             if kind is ShareKind.SELF_MASK_SEED:
                 subtract.append(self_mask_seed(secret, session=self._session_id))
                 continue
-            if public_key_of(secret) != self._roster[owner].masking_public_key:
-                self._tracker.abort()
-                raise ProtocolAbort(
-                    AbortReason.RECONSTRUCTION_FAILED, f"mask key of {owner!r} does not match"
-                )
             for peer in self._graph[owner]:
                 if peer not in survivors:
                     continue
@@ -347,20 +369,37 @@ class SecAggServer:
         self._accumulator = None
 
     # ------------------------------------------------------------------- helpers
-    def _reconstruct(self, owner: str, holders: list[str]) -> bytes:
-        chosen = holders[: self.params.threshold]
+    def _reconstruct(self, owner: str, kind: ShareKind, holders: list[str]) -> bytes:
+        """The owner's secret of `kind`, checked and error-corrected (see module doc)."""
+        check: SecretCheck
+        if kind is ShareKind.SELF_MASK_SEED:
+            commitment = self._outgoing_shares[owner].self_mask_commitment
+            check = partial(
+                _matches_commitment, commitment=commitment, session=self._session_id, owner=owner
+            )
+        else:
+            check = partial(
+                _matches_public_key, public_key=self._roster[owner].masking_public_key
+            )
+        holder_at = {self._x[holder]: holder for holder in holders}
         try:
-            (secret,) = reconstruct_secrets(
-                [self._x[holder] for holder in chosen],
-                [[self._revealed[holder][owner]] for holder in chosen],
+            result = reconstruct_checked(
+                [self._x[holder] for holder in holders],
+                [self._revealed[holder][owner] for holder in holders],
                 threshold=self.params.threshold,
+                check=check,
             )
         except (CryptoError, ValidationError):
-            self._tracker.abort()
+            self.abort()
             raise ProtocolAbort(
-                AbortReason.RECONSTRUCTION_FAILED, f"shares of {owner!r} are inconsistent"
+                AbortReason.RECONSTRUCTION_FAILED,
+                f"no {self.params.threshold} shares of {owner!r} yield its committed "
+                f"{kind.name.lower()} (wrong shares from too many holders, or {owner!r} "
+                "committed to another value)",
             ) from None
-        return secret
+        for x in result.disagreeing:
+            self._misbehaving.setdefault(holder_at[x], set()).add(owner)
+        return result.secret
 
     def _derive(self, private_key: bytes, peer_public_key: bytes) -> bytes:
         try:
@@ -371,7 +410,7 @@ class SecAggServer:
                 info=KdfInfo.PAIRWISE_MASK_SEED,
             )
         except CryptoError:
-            self._tracker.abort()
+            self.abort()
             raise ProtocolAbort(AbortReason.RECONSTRUCTION_FAILED, "key agreement failed") from None
 
     def _check_site(self, site_id: str, allowed: Container[str], what: str) -> None:
@@ -404,3 +443,15 @@ class SecAggServer:
         if self._survivor_list is None:
             raise ProtocolAbort(AbortReason.UNEXPECTED_MESSAGE, "no survivor list yet")
         return self._survivor_list
+
+
+def _matches_commitment(secret: bytes, *, commitment: bytes, session: bytes, owner: str) -> bool:
+    expected = self_mask_commitment(secret, session_id=session, site_id=owner)
+    return hmac.compare_digest(expected, commitment)
+
+
+def _matches_public_key(secret: bytes, *, public_key: bytes) -> bool:
+    try:
+        return hmac.compare_digest(public_key_of(secret), public_key)
+    except (CryptoError, ValidationError):
+        return False

@@ -191,7 +191,8 @@ REQUESTS: dict[str, st.SearchStrategy[bytes]] = {
         pb.ShareKeysRequest, round=ROUNDS, session_id=SESSIONS,
         shares=st.lists(st.builds(pb.EncryptedShare, peer_site_id=SITE_IDS,
                                   ciphertext=CIPHERTEXTS),
-                        max_size=4))),
+                        max_size=4),
+        self_mask_commitment=st.one_of(st.binary(min_size=32, max_size=32), RAW))),
     "ConsistencyCheck": _as_bytes(st.builds(
         pb.ConsistencyCheckRequest, round=ROUNDS, session_id=SESSIONS, signature=SIGNATURES)),
     "Unmask": _as_bytes(st.builds(

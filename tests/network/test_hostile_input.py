@@ -371,9 +371,10 @@ def test_phase_messages_out_of_order_are_aborted(live_round: LiveRound) -> None:
     n = live.number
     early_upload = iter([pb.MaskedInputChunk(header=pb.MaskedInputHeader(
         round=n, session_id=session, vector_length=live.announcement.vector_length))])
-    assert status_of(
-        d.stub.ShareKeys, pb.ShareKeysRequest(round=n, session_id=session), timeout=10
-    ) == ABORTED
+    early_shares = pb.ShareKeysRequest(
+        round=n, session_id=session, self_mask_commitment=os.urandom(32)
+    )
+    assert status_of(d.stub.ShareKeys, early_shares, timeout=10) == ABORTED
     assert status_of(d.stub.UploadMaskedInput, early_upload, timeout=10) == ABORTED
     assert status_of(
         d.stub.ConsistencyCheck,
@@ -657,12 +658,6 @@ def test_model_download_held_open_past_the_round_ends_with_a_clear_status(
     slow.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="common/secagg/server.py reconstructs each secret from the first t shares "
-    "without checking the others, so one participant's garbage Unmask shares silently "
-    "corrupt the aggregate (needs a consistency check over > t shares, or VSS)",
-)
 def test_garbage_unmask_shares_never_yield_a_wrong_aggregate(
     coordinator: Callable[..., InProcessCoordinator],
     honest_sites: Callable[[str, Sequence[str]], HonestSites],

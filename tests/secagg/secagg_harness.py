@@ -117,6 +117,7 @@ def run_round(
     dropouts: Mapping[str, Phase] | None = None,
     tamper: Tamper | None = None,
     rejected: list[str] | None = None,
+    outgoing: Tamper | None = None,
 ) -> tuple[np.ndarray, tuple[str, ...]]:
     """One honest-coordinator round; returns (unmasked sum, survivors).
 
@@ -124,6 +125,8 @@ def run_round(
     ProtocolAbort from a client or from closing a server phase propagates. When
     `rejected` is a list, a site message the server refuses (ValidationError or
     CryptoError, as the networked layer would) is recorded there and the round goes on.
+    `outgoing` (sending site, its ShareKeysOut or UnmaskShares) -> what the server gets:
+    a misbehaving site.
     """
     dropouts = dict(dropouts or {})
     server = federation.server
@@ -132,6 +135,9 @@ def run_round(
 
     def deliver(site: str, message: object) -> object:
         return tamper(site, message) if tamper else message
+
+    def send(site: str, message: object) -> object:
+        return outgoing(site, message) if outgoing else message
 
     def to_server(receive: Callable[..., None], site: str, *args: object, **kw: object) -> None:
         if rejected is None:
@@ -158,7 +164,8 @@ def run_round(
             client.advertise_keys()  # keys made, but the message is lost
     roster = server.close_advertise()
     for site in [s for s in roster_sites(roster) if active(s, Phase.SHARE_KEYS)]:
-        to_server(server.receive_shares, site, clients[site].receive_roster(deliver(site, roster)))
+        out = clients[site].receive_roster(deliver(site, roster))
+        to_server(server.receive_shares, site, send(site, out))
     inboxes = server.close_shares()
     for site, inbox in inboxes.items():
         if active(site, Phase.MASKED_INPUT):
@@ -176,7 +183,7 @@ def run_round(
     for site in signed:
         if active(site, Phase.UNMASK):
             shares = clients[site].receive_consistency(deliver(site, signatures))
-            to_server(server.receive_unmask, site, shares)
+            to_server(server.receive_unmask, site, send(site, shares))
     total = server.close_unmask()
     return total, survivor_list.survivors
 

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from site_agent.evaluation import metrics_from_histogram, metrics_from_scores, score_histogram
+from common.evaluation import metrics_from_histogram, metrics_from_scores, score_histogram
 
 
 def _pairs_sharing_a_bucket(scores: np.ndarray, labels: np.ndarray, bins: int) -> float:

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.evaluation import metrics_from_scores
 from common.privacy.accountant import compose_epsilon
-from site_agent.evaluation import metrics_from_scores
 from site_agent.models import TabularMLP, flatten_parameters, load_flat_parameters
 from site_agent.patient_dp import PatientLevelDPSGD, PatientSampler, clipped_gradient_sum
 from site_agent.synthetic import FEATURES

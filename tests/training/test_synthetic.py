@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from common.evaluation import metrics_from_scores
 from site_agent.data import load_site_data
-from site_agent.evaluation import metrics_from_scores
 from site_agent.synthetic import (
     FEATURES,
     SCHEMA,

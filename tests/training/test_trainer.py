@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from common.errors import ConfigError, DataError
+from common.evaluation import metrics_from_scores
 from common.privacy.accountant import Segment, compose_epsilon
 from site_agent.data import SiteData
 from site_agent.device import select_device
-from site_agent.evaluation import metrics_from_scores
 from site_agent.models import TabularMLP, build_model, flatten_parameters, load_flat_parameters
 from site_agent.synthetic import FEATURES
 from site_agent.trainer import LocalTrainer, TrainingConfig, predict_scores

@@ -198,14 +198,16 @@ class EncryptedShare(_message.Message):
     def __init__(self, peer_site_id: _Optional[str] = ..., ciphertext: _Optional[bytes] = ...) -> None: ...
 
 class ShareKeysRequest(_message.Message):
-    __slots__ = ("round", "session_id", "shares")
+    __slots__ = ("round", "session_id", "shares", "self_mask_commitment")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SHARES_FIELD_NUMBER: _ClassVar[int]
+    SELF_MASK_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
     round: int
     session_id: bytes
     shares: _containers.RepeatedCompositeFieldContainer[EncryptedShare]
-    def __init__(self, round: _Optional[int] = ..., session_id: _Optional[bytes] = ..., shares: _Optional[_Iterable[_Union[EncryptedShare, _Mapping]]] = ...) -> None: ...
+    self_mask_commitment: bytes
+    def __init__(self, round: _Optional[int] = ..., session_id: _Optional[bytes] = ..., shares: _Optional[_Iterable[_Union[EncryptedShare, _Mapping]]] = ..., self_mask_commitment: _Optional[bytes] = ...) -> None: ...
 
 class ShareKeysResponse(_message.Message):
     __slots__ = ("shares",)
