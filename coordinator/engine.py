@@ -205,7 +205,7 @@ class RoundEngine:
         self.layout, self.global_flat = self._load_model()
         self.model_dim = layout_elements(self.layout)
         self.last_round_number = 0
-        self.results: list[RoundResult] = []
+        self.last_result: RoundResult | None = None
 
     # ------------------------------------------------------------------ start-up
     def _load_model(self) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
@@ -852,10 +852,11 @@ class RoundEngine:
         server = self._secure()
         ann = rnd.announcement
         phase_s = self.settings.deadlines.phase_seconds
-        # Sites train first; their AdvertiseKeys calls arrive when training is done.
+        # Keys first: sites advertise and share keys as soon as they hear of the round,
+        # then download and train; uploads then overlap other sites' training exactly as
+        # in plain FedAvg, and only Consistency and Unmask come after the last upload.
         state = rnd.open_phase(RoundPhase.ADVERTISE_KEYS, set(ann.participants))
-        train_left = ann.train_deadline_ms / 1000 - self.clock()
-        await self._close_when_ready(rnd, state, train_left + phase_s)
+        await self._close_when_ready(rnd, state, phase_s)
         roster = server.close_advertise()
         in_roster = {e.site_id for e in roster.entries}
         state = self._advance(rnd, state, roster, RoundPhase.SHARE_KEYS, in_roster)
@@ -864,7 +865,8 @@ class RoundEngine:
         per_site = server.close_shares()
         state = self._advance(rnd, state, per_site, RoundPhase.MASKED_INPUT, set(per_site))
         _require(state)
-        await self._close_when_ready(rnd, state, phase_s)
+        train_left = ann.train_deadline_ms / 1000 - self.clock()
+        await self._close_when_ready(rnd, state, max(train_left, 0.0) + phase_s)
         async with self._accumulator_lock:
             survivors = server.close_masked_input()
             state = self._advance(
@@ -1021,7 +1023,9 @@ class RoundEngine:
         )
         if "auc" in result.metrics:
             self.metrics.model_auc.set(result.metrics["auc"])
-        self.results.append(result)
+        # Only the latest result is kept: a long-running coordinator must not grow by
+        # two model-sized vectors per round.
+        self.last_result = result
 
 
 def _require(state: PhaseState | None) -> PhaseState:

@@ -46,6 +46,7 @@ from common.pki import (
 from common.privacy.ledger import PrivacyLedger
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
+from common.secagg import messages as sm
 from common.secagg.client import SecAggClient
 from common.secagg.params import SecAggParams, ThreatModel, validate_against_threat_model
 from common.tls import SiteTlsFiles, channel_credentials_from_files
@@ -327,26 +328,35 @@ class SiteAgent:
                     f"round {rnd.number} would bring epsilon to {after:.3f} "
                     f"> budget {self.ledger.budget_epsilon:g}"
                 )
-        global_flat = self._download(stub, rnd)
-        if self.ledger is not None and segments:
-            # Write-ahead: the spend is on disk before any update can leave the site.
-            self.ledger.reserve(rnd.number, segments, now=_utcnow())
-            self.budget_pb()
-        started = time.perf_counter()
-        update = self.hook.train(rnd.plan, global_flat)
-        self.metrics.training_seconds.observe(time.perf_counter() - started)
-        self.metrics.samples_used.set(update.num_samples)
-        self.metrics.patients_used.set(update.patients)
-        vector = self._encode(rnd, update)
-        if self.settings.debug_write_updates:
-            self._write_debug(rnd.number, vector)
-        if rnd.secure:
-            self._secure_aggregation(stub, rnd, vector)
-        else:
-            stub.UploadMaskedInput(
-                self._upload_stream(rnd, b"", vector),
-                timeout=self._deadline(rnd, training=True),
-            )
+        client = self._secagg_client(rnd) if rnd.secure else None
+        try:
+            # Keys first (two short barriers), then download and train: uploads then
+            # overlap other sites' training, as they would in plain FedAvg.
+            keys = self._exchange_keys(stub, rnd, client) if client is not None else None
+            global_flat = self._download(stub, rnd)
+            if self.ledger is not None and segments:
+                # Write-ahead: the spend is on disk before any update can leave the site.
+                self.ledger.reserve(rnd.number, segments, now=_utcnow())
+                self.budget_pb()
+            started = time.perf_counter()
+            update = self.hook.train(rnd.plan, global_flat)
+            self.metrics.training_seconds.observe(time.perf_counter() - started)
+            self.metrics.samples_used.set(update.num_samples)
+            self.metrics.patients_used.set(update.patients)
+            vector = self._encode(rnd, update)
+            if self.settings.debug_write_updates:
+                self._write_debug(rnd.number, vector)
+            if client is not None and keys is not None:
+                self._finish_secure_aggregation(stub, rnd, client, keys, vector)
+            else:
+                stub.UploadMaskedInput(
+                    self._upload_stream(rnd, b"", vector),
+                    timeout=self._deadline(rnd, training=True),
+                )
+        except BaseException:
+            if client is not None:
+                client.abort()  # nothing more is ever revealed for this round
+            raise
         self.rounds_done += 1
         self.metrics.rounds.labels(outcome="completed").inc()
         log.info("round %d done", rnd.number)
@@ -433,52 +443,65 @@ class SiteAgent:
             raise CertificateRejected(f"roster certificate does not name {site_id}")
         return VerifyingKey.from_certificate(cert)
 
-    def _secure_aggregation(
-        self, stub: pb_grpc.FederationStub, rnd: Round, vector: np.ndarray
-    ) -> None:
+    def _secagg_client(self, rnd: Round) -> SecAggClient:
         if rnd.params is None:
             raise ProtocolAbort(AbortReason.INVALID_PARAMETERS, "no SecAgg parameters")
-        client = SecAggClient(
+        return SecAggClient(
             rnd.params,
             site_id=self.site_id,
             signing_key=self.signing_key,
             identity=self._identity,
             rng=system_random,
         )
-        try:
-            adv = client.advertise_keys()
-            roster_pb = stub.AdvertiseKeys(
-                wire.advertise_to_pb(adv, round_number=rnd.number, nonce=rnd.nonce),
-                timeout=self._deadline(rnd, training=True),
-            )
-            self._debug_pause(rnd.number, "advertise_keys")
-            shares_out = client.receive_roster(wire.roster_from_pb(roster_pb))
-            session = client.session_id
-            received = stub.ShareKeys(
-                wire.share_keys_to_pb(shares_out, round_number=rnd.number, session=session),
-                timeout=self._deadline(rnd),
-            )
-            self._debug_pause(rnd.number, "share_keys")
-            masked = client.receive_shares(wire.shares_for_recipient_from_pb(received), vector)
-            survivors_pb = stub.UploadMaskedInput(
-                self._upload_stream(rnd, session, masked.vector), timeout=self._deadline(rnd)
-            )
-            self._debug_pause(rnd.number, "masked_input")
-            signature = client.receive_survivors(wire.survivors_from_pb(survivors_pb))
-            sigs_pb = stub.ConsistencyCheck(
-                pb.ConsistencyCheckRequest(
-                    round=rnd.number, session_id=session, signature=signature.signature
-                ),
-                timeout=self._deadline(rnd),
-            )
-            self._debug_pause(rnd.number, "consistency_check")
-            reveal = client.receive_consistency(wire.signatures_from_pb(sigs_pb))
-            result = stub.Unmask(
-                wire.unmask_to_pb(reveal, round_number=rnd.number, session=session),
-                timeout=self._deadline(rnd),
-            )
-            client.complete()
-            log.info("round %d unmasked: %d contributors", rnd.number, result.contributors)
-        except BaseException:
-            client.abort()
-            raise
+
+    def _exchange_keys(
+        self, stub: pb_grpc.FederationStub, rnd: Round, client: SecAggClient
+    ) -> sm.SharesForRecipient:
+        """AdvertiseKeys and ShareKeys: returns the encrypted shares addressed to us."""
+        adv = client.advertise_keys()
+        roster_pb = stub.AdvertiseKeys(
+            wire.advertise_to_pb(adv, round_number=rnd.number, nonce=rnd.nonce),
+            timeout=self._deadline(rnd),
+        )
+        self._debug_pause(rnd.number, "advertise_keys")
+        shares_out = client.receive_roster(wire.roster_from_pb(roster_pb))
+        received = stub.ShareKeys(
+            wire.share_keys_to_pb(
+                shares_out, round_number=rnd.number, session=client.session_id
+            ),
+            timeout=self._deadline(rnd),
+        )
+        self._debug_pause(rnd.number, "share_keys")
+        return wire.shares_for_recipient_from_pb(received)
+
+    def _finish_secure_aggregation(
+        self,
+        stub: pb_grpc.FederationStub,
+        rnd: Round,
+        client: SecAggClient,
+        shares: sm.SharesForRecipient,
+        vector: np.ndarray,
+    ) -> None:
+        """MaskedInput, ConsistencyCheck and Unmask."""
+        session = client.session_id
+        masked = client.receive_shares(shares, vector)
+        survivors_pb = stub.UploadMaskedInput(
+            self._upload_stream(rnd, session, masked.vector),
+            timeout=self._deadline(rnd, training=True),
+        )
+        self._debug_pause(rnd.number, "masked_input")
+        signature = client.receive_survivors(wire.survivors_from_pb(survivors_pb))
+        sigs_pb = stub.ConsistencyCheck(
+            pb.ConsistencyCheckRequest(
+                round=rnd.number, session_id=session, signature=signature.signature
+            ),
+            timeout=self._deadline(rnd),
+        )
+        self._debug_pause(rnd.number, "consistency_check")
+        reveal = client.receive_consistency(wire.signatures_from_pb(sigs_pb))
+        result = stub.Unmask(
+            wire.unmask_to_pb(reveal, round_number=rnd.number, session=session),
+            timeout=self._deadline(rnd),
+        )
+        client.complete()
+        log.info("round %d unmasked: %d contributors", rnd.number, result.contributors)

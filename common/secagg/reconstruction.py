@@ -129,7 +129,7 @@ def reconstruct_checked(
 
     # 1. Fast path: the first t shares, every other share must agree.
     polynomial = _Newton(xs[:threshold], ys[:threshold])
-    agreeing = _agreeing(polynomial, xs, ys)
+    agreeing = _agreeing(polynomial, xs, ys, start=threshold)  # the first t lie on it
     secret = _passing_secret(polynomial, check)
     if secret is not None and len(agreeing) == count:
         return CheckedSecret(secret=secret, disagreeing=())
@@ -206,8 +206,13 @@ def _result(xs: Sequence[int], agreeing: frozenset[int], secret: bytes) -> Check
     )
 
 
-def _agreeing(polynomial: Polynomial, xs: Sequence[int], ys: Sequence[int]) -> frozenset[int]:
-    return frozenset(i for i, (x, y) in enumerate(zip(xs, ys)) if polynomial(x) == y % PRIME)
+def _agreeing(
+    polynomial: Polynomial, xs: Sequence[int], ys: Sequence[int], *, start: int = 0
+) -> frozenset[int]:
+    """Indices of the shares on `polynomial`; those before `start` are taken as on it."""
+    return frozenset(range(start)) | frozenset(
+        i for i in range(start, len(xs)) if polynomial(xs[i]) == ys[i] % PRIME
+    )
 
 
 def _passing_secret(polynomial: Polynomial, check: SecretCheck) -> bytes | None:

@@ -92,7 +92,8 @@ def test_coordinator_restart_resumes_from_postgresql(
     reopened.close()
     # Round 3 was applied on top of the round-1 model (FedAvg, server_lr 1), not on the
     # configured initial model.
-    (result,) = engine.results
+    result = engine.last_result
+    assert result is not None
     assert result.round_number == 3
     np.testing.assert_allclose(
         final_model, model_after_round_1 + result.mean_delta, rtol=1e-6, atol=1e-6
