@@ -8,6 +8,7 @@ temporary file, fsynced and renamed, so a crash leaves the previous one intact.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from common.codec import TensorSpec, bytes_to_flat, digest, flat_to_bytes, layout_bytes
+from common.codec import TensorSpec, bytes_to_flat, digest, layout_bytes
 from common.errors import StateError, ValidationError
 
 MAGIC = b"MEDFEDM1"
@@ -50,23 +51,44 @@ def _layout_from_json(items: Any) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
+def _tensor_views(flat: np.ndarray, layout: Sequence[TensorSpec]) -> list[memoryview]:
+    """Each tensor's bytes as a view into `flat` (a copy only when the dtype differs), so
+    writing a checkpoint of a large model does not hold a second copy of it."""
+    if flat.ndim != 1 or flat.size != sum(spec.elements for spec in layout):
+        raise ValidationError("flat vector does not match the model layout")
+    views = []
+    start = 0
+    for spec in layout:
+        part = np.ascontiguousarray(
+            flat[start : start + spec.elements].astype(np.dtype(spec.dtype), copy=False)
+        )
+        views.append(part.data.cast("B"))
+        start += spec.elements
+    return views
+
+
 def write_model_file(path: Path, model: ModelFile) -> None:
     """Atomically write `model` (and named extra float32 vectors) to `path`."""
-    body = flat_to_bytes(model.flat, model.layout)
+    views = _tensor_views(model.flat, model.layout)
+    hasher = hashlib.sha256()
+    for view in views:
+        hasher.update(view)
     extras = {name: np.ascontiguousarray(v, dtype="<f4") for name, v in model.extras.items()}
     header = {
         "format": 1,
         "layout": _layout_json(model.layout),
-        "sha256": digest(body).hex(),
+        "sha256": hasher.hexdigest(),
         "metadata": dict(model.metadata),
         "extras": [{"name": k, "elements": int(v.size)} for k, v in extras.items()],
     }
     raw_header = json.dumps(header, sort_keys=True).encode()
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
-        fh.write(MAGIC + len(raw_header).to_bytes(4, "big") + raw_header + body)
+        fh.write(MAGIC + len(raw_header).to_bytes(4, "big") + raw_header)
+        for view in views:
+            fh.write(view)
         for v in extras.values():
-            fh.write(v.tobytes())
+            fh.write(v.data.cast("B"))
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)

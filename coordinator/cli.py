@@ -17,8 +17,8 @@ def register(subparsers: Any) -> None:
     serve = sub.add_parser(
         "serve",
         help="serve the federation API over mutual TLS and run the configured rounds",
-        description="Flags override the TOML config file, which overrides environment "
-        "variables MEDFED_COORDINATOR_* (nested with __) and built-in defaults.",
+        description="Precedence: flags > environment variables MEDFED_COORDINATOR_* (nested "
+        "with __) > the TOML config file > built-in defaults.",
     )
     serve.add_argument("--config", type=Path, help="TOML settings file")
     serve.add_argument("--pki", type=Path, help="folder with ca.crt, crl.pem, coordinator.*")

@@ -19,8 +19,8 @@ def register(subparsers: Any) -> None:
     run = sub.add_parser(
         "run",
         help="connect to the coordinator (outbound only) and take part in rounds",
-        description="Flags override the TOML config file, which overrides environment "
-        "variables MEDFED_SITE_* (nested with __) and built-in defaults.",
+        description="Precedence: flags > environment variables MEDFED_SITE_* (nested "
+        "with __) > the TOML config file > built-in defaults.",
     )
     run.add_argument("--config", type=Path, help="TOML settings file")
     run.add_argument("--pki", type=Path, help="folder with ca.crt and sites/SITE.crt/.key")
