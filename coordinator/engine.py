@@ -891,8 +891,7 @@ class RoundEngine:
         self._advance(rnd, state, len(survivors.survivors), None, set())
         return aggregate, survivors.survivors, survivors.dropped
 
-    @staticmethod
-    def _report_misbehaving(rnd: ActiveRound, server: SecAggServer) -> None:
+    def _report_misbehaving(self, rnd: ActiveRound, server: SecAggServer) -> None:
         """Name the sites whose Unmask shares were wrong (corrected, or the round
         aborted): they are malicious or broken, and an operator should know."""
         for holder, owners in sorted(server.misbehaving_sites.items()):
@@ -902,6 +901,7 @@ class RoundEngine:
                 extra={"event": "misbehaving_site", "round_number": rnd.number,
                        "site": holder, "owners": ",".join(owners)},
             )
+            self.metrics.misbehaving_total.labels(site=holder).inc()
 
     async def _plain_phases(
         self, rnd: ActiveRound

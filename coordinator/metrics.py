@@ -87,6 +87,13 @@ class CoordinatorMetrics:
             ["method", "code"],
             registry=r,
         )
+        self.misbehaving_total = Counter(
+            "medfed_coordinator_misbehaving_reports",
+            "Rounds in which a site revealed Shamir shares that failed the checks "
+            "(corrected or the round aborted): a broken or malicious site.",
+            ["site"],
+            registry=r,
+        )
         self.current_round = Gauge(
             "medfed_coordinator_round_number", "Number of the latest round.", registry=r
         )

@@ -679,6 +679,11 @@ def test_garbage_unmask_shares_never_yield_a_wrong_aggregate(
     status_of(a.stub.Unmask, unmask, timeout=30)
     live.honest.join(60)
     assert live.coordinator.engine_done.wait(30)
+    # Whatever the outcome, the forger is named to the operator.
+    reports = live.coordinator.engine.metrics.registry.get_sample_value(
+        "medfed_coordinator_misbehaving_reports_total", {"site": "a"}
+    )
+    assert reports == 1.0
     folder = live.coordinator.settings.state / "aggregates"
     if not (folder / f"round-{live.number:06d}.u32").exists():
         return  # aborted: nothing revealed, nothing wrong
