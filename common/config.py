@@ -24,6 +24,7 @@ from pydantic_settings import (
 )
 
 from common.errors import ConfigError
+from common.sqldb import parse_database_url
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-_]+):(\d{1,5})$")
 SITE_ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
@@ -156,7 +157,10 @@ class CoordinatorSettings(_Settings):
     metrics_listen: str = "127.0.0.1:9464"
     state: Path = Field(description="folder for the state database and checkpoints")
     database_url: str | None = Field(
-        default=None, description="sqlite:///path or postgresql://...; default STATE/coordinator.db"
+        default=None,
+        # A PostgreSQL URL may carry a password: keep it out of repr() and tracebacks.
+        repr=False,
+        description="sqlite:///path or postgresql://...; default STATE/coordinator.db",
     )
     federation_id: str = Field(default="medfed", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     rounds: int = Field(default=10, ge=1, le=1_000_000)
@@ -173,6 +177,17 @@ class CoordinatorSettings(_Settings):
     )
 
     _listen = field_validator("listen", "metrics_listen")(_check_listen)
+
+    @field_validator("database_url")
+    @classmethod
+    def _check_database_url(cls, value: str | None) -> str | None:
+        """Refuse a mistyped scheme at start-up, not at the first database access."""
+        if value is not None:
+            try:
+                parse_database_url(value)
+            except ConfigError as exc:
+                raise ValueError(exc.message) from None
+        return value
 
 
 # --------------------------------------------------------------------------- site agent
@@ -315,7 +330,8 @@ def load_settings(
         problems = []
         for err in exc.errors():
             field = ".".join(str(p) for p in err["loc"]) or "settings"
-            problems.append((field, err["msg"]))
+            # Our validators raise ValueError; pydantic prefixes their text with noise.
+            problems.append((field, err["msg"].removeprefix("Value error, ")))
         first_field, first_message = problems[0]
         rest = "".join(f"; {f}: {m}" for f, m in problems[1:])
         raise ConfigError(first_field, first_message + rest) from None

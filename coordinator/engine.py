@@ -152,7 +152,7 @@ class RoundResult:
     round_number: int
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
-    aggregate: np.ndarray  # ring sum (uint32)
+    aggregate: np.ndarray | None  # ring sum (uint32); kept only with debug_write_aggregates
     mean_delta: np.ndarray
     metrics: dict[str, float]
 
@@ -337,11 +337,16 @@ class RoundEngine:
             session.waiting.set_result(None)  # a newer poll replaces an older one
         session.waiting = future
         self._changed.set()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(future), timeout=wait_seconds)
-        if session.waiting is future:
-            session.waiting = None
-            self._changed.set()
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(future), timeout=wait_seconds)
+        finally:
+            # Also when the RPC is cancelled (the site hung up or its deadline passed):
+            # a site that is no longer polling must not count as waiting, or selection
+            # would open a round for it and the round would wait out its first phase.
+            if session.waiting is future:
+                session.waiting = None
+                self._changed.set()
         # No await between the check and here: selection cannot pick this site after
         # it stopped waiting, and an announcement that raced the timeout is not lost.
         return future.result() if future.done() and not future.cancelled() else None
@@ -947,12 +952,13 @@ class RoundEngine:
                 auc=m.auc, sensitivity=m.sensitivity, specificity=m.specificity, ppv=m.ppv,
                 evaluated=float(m.n),
             )
+        kept = aggregate.copy() if self.settings.debug_write_aggregates else None
         if ann.local_epochs == 0 or weight_sum == 0:
             mean_delta = np.zeros(self.model_dim, dtype=np.float32)
         else:
             mean_delta = self._mean_delta(ann, aggregate, count=count, weight_sum=weight_sum)
             self._server_step(mean_delta)
-        return RoundResult(ann.round_number, survivors, dropped, aggregate, mean_delta, metrics)
+        return RoundResult(ann.round_number, survivors, dropped, kept, mean_delta, metrics)
 
     def _mean_delta(
         self, ann: Announcement, aggregate: np.ndarray, *, count: int, weight_sum: int
@@ -962,7 +968,10 @@ class RoundEngine:
         Elementwise the same arithmetic as decoding the whole vector at once, without
         d-sized float64 temporaries (2 x 8 bytes per parameter at d = 10^7).
         """
-        mean_delta = np.empty(self.model_dim, dtype=np.float32)
+        # The mean is written over the ring sum itself (same 4 bytes per element, each
+        # window decoded into `scratch` before it is overwritten): no third model-sized
+        # vector next to the global model and the accumulator.
+        mean_delta = aggregate[: self.model_dim].view(np.float32)
         scratch = np.empty(min(self.model_dim, UPDATE_CHUNK_ELEMENTS), dtype=np.float64)
         for start in range(0, self.model_dim, UPDATE_CHUNK_ELEMENTS):
             stop = min(start + UPDATE_CHUNK_ELEMENTS, self.model_dim)
@@ -1002,7 +1011,7 @@ class RoundEngine:
             self.optimizer.state_dict(),
         )
         write_model_file(path, model)
-        if self.settings.debug_write_aggregates:
+        if result.aggregate is not None:
             debug = state_dir / "aggregates"
             debug.mkdir(exist_ok=True)
             np.asarray(result.aggregate, dtype="<u4").tofile(

@@ -110,6 +110,13 @@ class SiteAgent:
         ca, cert, key = settings.tls_paths()
         self.tls_files = SiteTlsFiles(ca=ca, cert=cert, key=key)
         self.credentials = channel_credentials_from_files(self.tls_files)
+        # The coordinator knows us by the id in our certificate; a different `site`
+        # setting would make every announcement look as if it left us out.
+        certified = site_id_from_certificate(load_certificate(cert))
+        if certified != self.site_id:
+            raise ConfigError(
+                "site", f"is {self.site_id!r} but certificate {cert} names site {certified!r}"
+            )
         self.signing_key = SigningKey.from_pem(key.read_bytes())
         # Roster certificates are checked against our own copy of the federation CA;
         # revocation is enforced by the coordinator (hospitals get no CRL).
@@ -271,6 +278,12 @@ class SiteAgent:
             raise ValidationError("clip or quantization bits out of range")
         if not 1 <= ann.weight_cap <= max_integer_for_sites(len(participants)):
             raise ValidationError("weight_cap out of range")
+        # The training plan, within the bounds the coordinator's own config enforces
+        # (NaN fails every comparison): a bad plan would spend budget on a wasted update.
+        if not (0 < ann.learning_rate <= 10 and 0 <= ann.fedprox_mu <= 100):
+            raise ValidationError("learning_rate or fedprox_mu out of range")
+        if not (ann.local_epochs <= 1000 and ann.planned_rounds <= 1_000_000):
+            raise ValidationError("local_epochs or planned_rounds out of range")
         params = None
         if ann.secure_aggregation:
             params = SecAggParams(
@@ -322,6 +335,15 @@ class SiteAgent:
     def _run_round(self, stub: pb_grpc.FederationStub, rnd: Round) -> None:
         segments = self.hook.planned_segments(rnd.plan)
         if self.ledger is not None and segments:
+            # The ledger's reserve() is idempotent per round number (a crash-restart
+            # must not double-charge), so a second training for a round number already
+            # on the ledger would release a fresh noisy update at no recorded cost: a
+            # coordinator re-announcing a round could average the DP noise away.
+            if any(entry.round == rnd.number for entry in self.ledger.entries()):
+                raise RoundFailed(
+                    f"round {rnd.number} is already on this site's privacy ledger: "
+                    "refusing to release a second update for it"
+                )
             after = self.ledger.preview(rnd.number, segments)
             if after > self.ledger.budget_epsilon:
                 raise BudgetExhausted(
