@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -91,15 +92,19 @@ class ChunkAssembler:
     """
 
     def __init__(
-        self, buffer: np.ndarray | bytearray, *, total_bytes: int, max_chunk_bytes: int
+        self, buffer: np.ndarray | bytearray | None, *, total_bytes: int, max_chunk_bytes: int
     ) -> None:
-        view = _byte_view(buffer)
-        if len(view) < total_bytes:
-            raise ValueError("buffer smaller than the declared length")
-        self._view = view
+        if buffer is not None:
+            view = _byte_view(buffer)
+            if len(view) < total_bytes:
+                raise ValueError("buffer smaller than the declared length")
+            self._view = view
         self.total_bytes = total_bytes
         self.max_chunk_bytes = max_chunk_bytes
         self.received = 0
+
+    def _write(self, offset: int, data: bytes) -> None:
+        self._view[offset : offset + len(data)] = data
 
     def add(self, offset: int, data: bytes) -> None:
         if offset != self.received:
@@ -117,7 +122,7 @@ class ChunkAssembler:
             raise ValidationError(
                 f"chunk runs past the declared length of {self.total_bytes} bytes"
             )
-        self._view[offset:end] = data
+        self._write(offset, data)
         self.received = end
 
     @property
@@ -129,6 +134,36 @@ class ChunkAssembler:
             raise ValidationError(
                 f"stream truncated: {self.received} of {self.total_bytes} bytes received"
             )
+
+
+class SpoolAssembler(ChunkAssembler):
+    """The same checks, but the bytes go to an anonymous temporary file (unlinked at
+    creation, gone when closed): a very large upload is staged on disk, not in memory,
+    until it is complete and can be added to the accumulator window by window."""
+
+    def __init__(self, directory: str | None, *, total_bytes: int, max_chunk_bytes: int) -> None:
+        super().__init__(None, total_bytes=total_bytes, max_chunk_bytes=max_chunk_bytes)
+        self._file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 - closed in close()
+
+    def _write(self, offset: int, data: bytes) -> None:
+        self._file.write(data)  # in order, no gaps: checked by `add`
+
+    def windows(self, elements: int) -> Iterator[np.ndarray]:
+        """The staged vector as consecutive little-endian uint32 windows."""
+        self.finish()
+        self._file.flush()
+        self._file.seek(0)
+        remaining = self.total_bytes // 4
+        while remaining:
+            count = min(elements, remaining)
+            window = np.frombuffer(self._file.read(count * 4), dtype="<u4")
+            if window.size != count:
+                raise ValidationError("staged upload shorter than expected")
+            yield window.astype(np.uint32, copy=False)
+            remaining -= count
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def flat_to_bytes(flat: np.ndarray, layout: Sequence[TensorSpec]) -> bytes:

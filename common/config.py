@@ -133,6 +133,12 @@ class LimitsSection(_Section):
     max_concurrent_uploads: int = Field(default=2, ge=1, le=64)
     max_chunk_bytes: int = Field(default=4 << 20, ge=1 << 16, le=4 << 20)
     max_sites: int = Field(default=1000, ge=2)
+    upload_spool_bytes: int = Field(
+        default=16 << 20,
+        ge=0,
+        description="uploads larger than this are staged in a temporary file under STATE "
+        "instead of memory (0: always)",
+    )
     upload_idle_seconds: float = Field(
         default=30.0,
         gt=0,

@@ -53,10 +53,15 @@ class DatabaseUrl:
         if self.dialect != POSTGRESQL:
             return self.target
         parts = urlsplit(self.target)
-        if parts.password is None:
-            return self.target
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-        return urlunsplit(parts._replace(netloc=netloc))
+        netloc = parts.netloc
+        if parts.password is not None:
+            netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
+        # libpq also takes the password as a query parameter (?password=...).
+        query = "&".join(
+            "password=***" if item.split("=", 1)[0].lower() == "password" else item
+            for item in parts.query.split("&")
+        ) if parts.query else parts.query
+        return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def parse_database_url(url: str) -> DatabaseUrl:

@@ -23,7 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
-from common.codec import ChunkAssembler, TensorSpec, digest, flat_to_bytes, layout_elements
+from common.codec import (
+    ChunkAssembler,
+    SpoolAssembler,
+    TensorSpec,
+    digest,
+    flat_to_bytes,
+    layout_elements,
+)
 from common.config import CoordinatorSettings
 from common.crypto.quantize import bits_for_sites, dequantize_sum, max_integer_for_sites
 from common.crypto.signing import VerifyingKey
@@ -494,9 +501,29 @@ class RoundEngine:
     ) -> None:
         # A bounded number of staging buffers, each freed after its upload: between
         # uploads the coordinator holds only the accumulator.
+        limits = self.settings.limits
         async with self._upload_slots:
+            if length * 4 > limits.upload_spool_bytes:
+                # Very large vectors are staged on disk: the coordinator's memory then
+                # holds the model and the accumulator, not one more vector per upload.
+                spool = SpoolAssembler(
+                    str(self.settings.state), total_bytes=length * 4,
+                    max_chunk_bytes=limits.max_chunk_bytes,
+                )
+                try:
+                    await self._receive_before_close(rnd, state, spool, chunks)
+                    async with self._accumulator_lock:
+                        rnd.require_phase(RoundPhase.MASKED_INPUT, site_id)
+                        await asyncio.to_thread(self._accumulate_windows, rnd, site_id, spool)
+                        state.mark(site_id)
+                finally:
+                    spool.close()
+                return
             buffer = np.empty(length, dtype=np.uint32)
-            await self._receive_before_close(rnd, state, buffer, length, chunks)
+            assembler = ChunkAssembler(
+                buffer, total_bytes=length * 4, max_chunk_bytes=limits.max_chunk_bytes
+            )
+            await self._receive_before_close(rnd, state, assembler, chunks)
             async with self._accumulator_lock:
                 # Re-check under the lock: the deadline may have closed the phase
                 # while this site was still streaming.
@@ -509,13 +536,12 @@ class RoundEngine:
         self,
         rnd: ActiveRound,
         state: PhaseState,
-        buffer: np.ndarray,
-        length: int,
+        assembler: ChunkAssembler,
         chunks: AsyncIterator[tuple[int, bytes]],
     ) -> None:
         """A stream still open when MaskedInput closes is cut off (its data could no
         longer be used), so a stalled stream frees its upload slot at the deadline."""
-        receive = asyncio.ensure_future(self._receive_into(buffer, length, chunks))
+        receive = asyncio.ensure_future(self._receive_into(assembler, chunks))
         closed = asyncio.ensure_future(state.closed.wait())
         try:
             await asyncio.wait({receive, closed}, return_when=asyncio.FIRST_COMPLETED)
@@ -533,11 +559,8 @@ class RoundEngine:
         receive.result()  # the stream's ValidationError, if any
 
     async def _receive_into(
-        self, buffer: np.ndarray, length: int, chunks: AsyncIterator[tuple[int, bytes]]
+        self, assembler: ChunkAssembler, chunks: AsyncIterator[tuple[int, bytes]]
     ) -> None:
-        assembler = ChunkAssembler(
-            buffer, total_bytes=length * 4, max_chunk_bytes=self.settings.limits.max_chunk_bytes
-        )
         idle = self.settings.limits.upload_idle_seconds
         loop = asyncio.get_running_loop()
         try:
@@ -553,6 +576,19 @@ class RoundEngine:
                 AbortReason.UPLOAD_IDLE, f"no upload chunk for {idle:g} s: stream cut"
             ) from None
         assembler.finish()
+
+    def _accumulate_windows(self, rnd: ActiveRound, site_id: str, spool: SpoolAssembler) -> None:
+        windows = spool.windows(UPDATE_CHUNK_ELEMENTS)
+        if rnd.announcement.secure_aggregation:
+            self._secure().receive_masked_input_windows(site_id, windows)
+            return
+        if self._plain_sum is None:
+            raise StateError("no accumulator for this round")
+        position = 0
+        for window in windows:
+            part = self._plain_sum[position : position + window.size]
+            np.add(part, window, out=part)
+            position += window.size
 
     def _accumulate(self, rnd: ActiveRound, site_id: str, vector: np.ndarray) -> None:
         if rnd.announcement.secure_aggregation:
@@ -694,6 +730,7 @@ class RoundEngine:
             train_deadline_ms=int((now + cfg.deadlines.train_seconds) * 1000),
             phase_timeout_ms=int(cfg.deadlines.phase_seconds * 1000),
             weight_cap=weight_cap,
+            max_chunk_bytes=cfg.limits.max_chunk_bytes,
         )
 
     def _prepare_buffers(self, length: int) -> None:

@@ -61,6 +61,7 @@ class Announcement:
     train_deadline_ms: int
     phase_timeout_ms: int
     weight_cap: int
+    max_chunk_bytes: int = 1 << 20
 
 
 @dataclass

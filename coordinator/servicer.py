@@ -117,6 +117,7 @@ def announcement_to_pb(ann: Announcement) -> pb.RoundAnnouncement:
         train_deadline_ms=ann.train_deadline_ms,
         phase_timeout_ms=ann.phase_timeout_ms,
         weight_cap=ann.weight_cap,
+        max_chunk_bytes=ann.max_chunk_bytes,
     )
 
 

@@ -85,6 +85,7 @@ class Round:
     secure: bool
     phase_timeout: float
     train_deadline: float
+    chunk_bytes: int = CHUNK_BYTES
 
 
 def _utcnow() -> dt.datetime:
@@ -284,6 +285,8 @@ class SiteAgent:
             raise ValidationError("learning_rate or fedprox_mu out of range")
         if not (ann.local_epochs <= 1000 and ann.planned_rounds <= 1_000_000):
             raise ValidationError("local_epochs or planned_rounds out of range")
+        if ann.round >= 1 << 63:  # the ledger stores round numbers as signed 64-bit
+            raise ValidationError("round number out of range")
         params = None
         if ann.secure_aggregation:
             params = SecAggParams(
@@ -328,6 +331,9 @@ class SiteAgent:
             model_bytes=ann.model_bytes,
             secure=ann.secure_aggregation,
             phase_timeout=max(ann.phase_timeout_ms / 1000, 1.0),
+            # Chunks as large as the coordinator accepts (1 MiB unless it says less),
+            # never below 64 KiB (a coordinator cannot make us send a million messages).
+            chunk_bytes=min(CHUNK_BYTES, max(ann.max_chunk_bytes or CHUNK_BYTES, 1 << 16)),
             train_deadline=ann.train_deadline_ms / 1000,
         )
 
@@ -441,7 +447,7 @@ class SiteAgent:
                 round=rnd.number, session_id=session, vector_length=vector.size
             )
         )
-        for offset, data in iter_chunks(vector, chunk_bytes=CHUNK_BYTES):
+        for offset, data in iter_chunks(vector, chunk_bytes=rnd.chunk_bytes):
             yield pb.MaskedInputChunk(chunk=pb.ModelChunk(offset=offset, data=data))
 
     def _debug_pause(self, round_number: int, phase: str) -> None:

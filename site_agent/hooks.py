@@ -108,6 +108,12 @@ class DpTrainingHook:
         else:
             self.privacy_unit = unit
         self.device = str(select_device(settings.training.device))
+        if dp and settings.training.seed is not None:
+            # Whoever knows the configuration can regenerate the noise and subtract it.
+            log.warning(
+                "training.seed is set: the DP noise is reproducible and protects nothing "
+                "(tests only; leave it unset in production)"
+            )
         self.n_features = int(data.features.shape[1])
         self._trainer: object | None = None
         self._trainer_key: tuple[int, int] | None = None

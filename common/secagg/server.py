@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import hmac
-from collections.abc import Container, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -96,6 +96,7 @@ class SecAggServer:
         self._session_id = b""
         self._outgoing_shares: dict[str, ShareKeysOut] = {}
         self._accumulator: np.ndarray | None = None
+        self._poisoned = False
         self._masked: set[str] = set()
         self._survivor_list: SurvivorList | None = None
         self._survivor_message = b""
@@ -234,9 +235,44 @@ class SecAggServer:
         self._masked.add(site_id)
         self.status[site_id].progress = SiteProgress.MASKED
 
+    def receive_masked_input_windows(
+        self, site_id: str, windows: Iterable[np.ndarray]
+    ) -> None:
+        """As `receive_masked_input`, for a vector delivered in consecutive windows (the
+        coordinator stages very large uploads on disk, not in memory).
+
+        The windows must cover exactly `vector_length` elements. If they do not, or the
+        iterator fails part-way, the accumulator already holds part of the vector and
+        cannot be repaired: the round is poisoned and `close_masked_input` aborts it
+        (nothing is ever unmasked from a corrupted sum).
+        """
+        self._tracker.require(Phase.MASKED_INPUT, "masked input")
+        self._check_site(site_id, self._outgoing_shares, "a site that sent shares")
+        if site_id in self._masked:
+            raise ValidationError(f"{site_id!r} already sent its masked input")
+        accumulator = self._require_accumulator()
+        position = 0
+        try:
+            for window in windows:
+                end = position + window.size
+                if window.dtype != np.uint32 or window.ndim != 1 or end > accumulator.size:
+                    raise ValidationError("masked input window does not fit the vector")
+                part = accumulator[position:end]
+                np.add(part, window, out=part)  # wraps modulo 2^32
+                position = end
+            if position != accumulator.size:
+                raise ValidationError("masked input windows do not cover the vector")
+        except BaseException:
+            if position:
+                self._poisoned = True
+            raise
+        self._masked.add(site_id)
+        self.status[site_id].progress = SiteProgress.MASKED
+
     def close_masked_input(self) -> SurvivorList:
         """End phase 3: survivors (masked input in the sum) and dropped (shares only)."""
         self._tracker.require(Phase.MASKED_INPUT, "close_masked_input")
+        self._require_accumulator()  # aborts if a windowed input was added only in part
         dropped = set(self._outgoing_shares) - self._masked
         self._mark_dropped(dropped, Phase.MASKED_INPUT)
         self._require_quorum(len(self._masked), "sites sent masked input")
@@ -437,6 +473,11 @@ class SecAggServer:
     def _require_accumulator(self) -> np.ndarray:
         if self._accumulator is None:
             raise ProtocolAbort(AbortReason.UNEXPECTED_MESSAGE, "no accumulator")
+        if self._poisoned:
+            self._accumulator = None
+            raise ProtocolAbort(
+                AbortReason.RECONSTRUCTION_FAILED, "a masked input was added only in part"
+            )
         return self._accumulator
 
     def _require_survivor_list(self) -> SurvivorList:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -288,3 +289,23 @@ def test_stop_releases_the_grpc_and_metrics_ports(pki_layout: PkiLayout, tmp_pat
     assert running.stopped
     assert refuses_connections(grpc_port)
     assert refuses_connections(metrics_port)
+
+
+def test_uploads_staged_on_disk_give_the_exact_sum(
+    coordinator: Callable[..., InProcessCoordinator],
+    honest_sites: Callable[[str, Sequence[str]], Any],
+) -> None:
+    """With `limits.upload_spool_bytes = 0` every masked vector is staged in a temporary
+    file and added to the accumulator window by window (what very large models do, so the
+    coordinator's memory does not hold an extra vector per upload): same exact sum."""
+    coord = coordinator(model={"dim": 300_000}, limits={"upload_spool_bytes": 0})
+    sites = ["a", "b", "c", "d"]
+    honest = honest_sites(coord.address, sites)
+    assert coord.engine_done.wait(120)
+    honest.join(60)
+    aggregate, survivors = read_aggregate(coord.settings.state, 1)
+    assert list(survivors) == sites
+    assert np.array_equal(aggregate, ring_sum([honest.update(s, 1) for s in survivors]))
+    # The staging files are anonymous (unlinked at creation): nothing is left behind.
+    files = sorted(p.name for p in coord.settings.state.iterdir() if p.is_file())
+    assert all(name.startswith("coordinator.db") for name in files), files

@@ -7,6 +7,7 @@ stub only records whether the agent contacted it.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from common.privacy.accountant import Segment
 from common.privacy.ledger import PrivacyLedger
 from common.proto.medfed.v1 import federation_pb2 as pb
 from site_agent.agent import Round, RoundFailed, SiteAgent
-from site_agent.hooks import LocalUpdate, RoundPlan
+from site_agent.hooks import DpTrainingHook, LocalUpdate, RoundPlan
 from site_agent.metrics import SiteMetrics
 
 SEGMENT = Segment(noise_multiplier=1.2, sample_rate=0.05, steps=20)
@@ -194,6 +195,7 @@ def test_well_formed_announcement_is_accepted(plain_agent: SiteAgent) -> None:
         {"fedprox_mu": -1.0},
         {"local_epochs": 100_000},
         {"planned_rounds": 4_000_000_000},
+        {"round": 1 << 63},
     ],
 )
 def test_training_plan_out_of_range_is_refused(
@@ -223,3 +225,22 @@ def test_site_setting_must_match_the_certificate(tmp_path: Path) -> None:
         SiteAgent(settings, CountingHook(), metrics=SiteMetrics("alpha"), ledger=None)
     assert caught.value.field == "site"
     assert "'beta'" in str(caught.value)
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_fixed_dp_seed_is_loudly_flagged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, seed: int | None
+) -> None:
+    """A fixed seed makes the DP noise predictable; the site operator must be told."""
+    settings = SiteSettings(
+        site="alpha",
+        coordinator="127.0.0.1:9",
+        state=tmp_path,
+        pki=tmp_path,
+        data={"synthetic_cohort_seed": 1, "synthetic_patients": 40},
+        training={"seed": seed, "device": "cpu"},
+    )
+    with caplog.at_level(logging.WARNING, logger="medfed.site"):
+        DpTrainingHook(settings, dp=True)
+    flagged = any("training.seed is set" in r.getMessage() for r in caplog.records)
+    assert flagged == (seed is not None)

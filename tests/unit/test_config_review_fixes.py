@@ -8,6 +8,7 @@ import pytest
 
 from common.config import CoordinatorSettings, load_settings
 from common.errors import ConfigError
+from common.sqldb import parse_database_url
 
 
 def coordinator(tmp_path: Path, **overrides: object) -> CoordinatorSettings:
@@ -49,3 +50,23 @@ def test_validator_messages_read_cleanly(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         coordinator(tmp_path, database_url="mysql://h/db")
     assert str(caught.value).startswith("database_url: unsupported scheme 'mysql'")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://medfed:hunter2@db:5432/medfed?sslmode=require",
+        "postgresql://medfed@db/medfed?sslmode=require&password=hunter2",
+        "postgresql://medfed@db/medfed?PASSWORD=hunter2",
+    ],
+)
+def test_redacted_database_url_hides_every_password_form(url: str) -> None:
+    redacted = parse_database_url(url).redacted()
+    assert "hunter2" not in redacted
+    assert "db" in redacted and "medfed" in redacted
+    assert "***" in redacted
+
+
+def test_redaction_keeps_a_password_free_url_unchanged() -> None:
+    url = "postgresql://medfed@db/medfed?sslmode=verify-full"
+    assert parse_database_url(url).redacted() == url
