@@ -8,7 +8,7 @@ process count, model size and transport. Sites stay up until the round is logged
 completed, so no process exit competes with the coordinator inside the timed window.
 
 Dropouts (K sites, both modes, so both sum N - K updates):
-- secure rounds: K sites run `--debug-pause-after 1:share_keys` (they train, advertise
+- secure rounds: K sites run `--debug-pause-after 1:share_keys` (they advertise
   keys and send their shares, then stop responding); they are dropped at the masked-input
   deadline and the coordinator reconstructs their pairwise masks (the expensive dropout
   case of SecAgg+; Bonawitz et al. 2017, section 4).

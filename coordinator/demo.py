@@ -299,7 +299,7 @@ device = "cpu"
             for site in sites:
                 extra = ()
                 if site == victim and self.o.kill_round:
-                    extra = ("--debug-pause-after", f"{self.o.kill_round}:share_keys")
+                    extra = ("--debug-pause-after", f"{self.o.kill_round}:masked_input")
                 self.start_site(site, pki, files[site], *extra)
             self.say(f"[federation] {len(sites)} site agents started; budget "
                      f"epsilon={self.o.budget_epsilon:g} at delta={self.o.delta:g} each")
@@ -344,8 +344,8 @@ device = "cpu"
             for site, proc in self.procs.items():
                 if proc.alive and any(x.get("event") == "paused" for x in list(proc.lines)):
                     proc.kill9()
-                    self.say(f"[fault] kill -9 {site} mid-round, after it shared its keys: "
-                             "the survivors will recover its masks")
+                    self.say(f"[fault] kill -9 {site} mid-round, after it sent its masked "
+                             "update: the survivors' Shamir shares will remove its masks")
             try:
                 coordinator.wait_for(
                     lambda e: e.get("event") in ("round_completed", "round_aborted"),
@@ -356,7 +356,10 @@ device = "cpu"
 
     def record_round(self, line: Line, sites: list[str]) -> None:
         participants = [s for s in str(line.get("participants", "")).split(",") if s]
-        dropped = [s for s in str(line.get("dropped", "")).split(",") if s]
+        dropped = sorted(
+            s for key in ("dropped", "dropped_after_input")
+            for s in str(line.get(key, "")).split(",") if s
+        )
         eps = self.epsilon_by_site(sites)
         auc = line.get("auc")
         row = RoundRow(

@@ -847,6 +847,7 @@ class RoundEngine:
                     "participants": ",".join(participants),
                     "survivors": ",".join(result.survivors),
                     "dropped": ",".join(result.dropped),
+                    "dropped_after_input": ",".join(sorted(rnd.dropped_after_input)),
                     "evaluation_only": ann.local_epochs == 0,
                     **result.metrics,
                     "secure": ann.secure_aggregation,
@@ -930,6 +931,9 @@ class RoundEngine:
         self.metrics.unmask_seconds.observe(time.perf_counter() - unmask_started)
         log.debug("round %d unmasked in %.3f s", rnd.number, time.perf_counter() - unmask_started)
         self.metrics.quorum_margin.set(len(survivors.survivors) - ann.threshold)
+        # Sites whose input is in the sum but that vanished before unmasking: their
+        # self-masks were removed with the other survivors' shares.
+        rnd.dropped_after_input = set(survivors.survivors) - state.arrived
         self._advance(rnd, state, len(survivors.survivors), None, set())
         return aggregate, survivors.survivors, survivors.dropped
 

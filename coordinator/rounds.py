@@ -92,6 +92,7 @@ class ActiveRound:
         self.phase = RoundPhase.TRAINING
         self.phases: dict[RoundPhase, PhaseState] = {}
         self.declined: set[str] = set()
+        self.dropped_after_input: set[str] = set()
         self.uploading: set[str] = set()  # sites with an upload stream in progress
         self.abort: ProtocolAbort | None = None
         self.finished = asyncio.Event()
