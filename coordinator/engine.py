@@ -159,7 +159,6 @@ class RoundResult:
     round_number: int
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
-    aggregate: np.ndarray | None  # ring sum (uint32); kept only with debug_write_aggregates
     mean_delta: np.ndarray
     metrics: dict[str, float]
 
@@ -993,13 +992,16 @@ class RoundEngine:
                 auc=m.auc, sensitivity=m.sensitivity, specificity=m.specificity, ppv=m.ppv,
                 evaluated=float(m.n),
             )
-        kept = aggregate.copy() if self.settings.debug_write_aggregates else None
+        if self.settings.debug_write_aggregates:
+            # TEST ONLY: streamed straight from the ring sum before it is decoded in
+            # place (a copy would add a model-sized vector to the coordinator's peak).
+            self._write_debug_aggregate(ann.round_number, aggregate, survivors)
         if ann.local_epochs == 0 or weight_sum == 0:
             mean_delta = np.zeros(self.model_dim, dtype=np.float32)
         else:
             mean_delta = self._mean_delta(ann, aggregate, count=count, weight_sum=weight_sum)
             self._server_step(mean_delta)
-        return RoundResult(ann.round_number, survivors, dropped, kept, mean_delta, metrics)
+        return RoundResult(ann.round_number, survivors, dropped, mean_delta, metrics)
 
     def _mean_delta(
         self, ann: Announcement, aggregate: np.ndarray, *, count: int, weight_sum: int
@@ -1040,6 +1042,14 @@ class RoundEngine:
             stop = min(start + UPDATE_CHUNK_ELEMENTS, self.model_dim)
             flat[start:stop] = self.optimizer.step(flat[start:stop], mean_delta[start:stop])
 
+    def _write_debug_aggregate(
+        self, round_number: int, aggregate: np.ndarray, survivors: tuple[str, ...]
+    ) -> None:
+        debug = Path(self.settings.state) / "aggregates"
+        debug.mkdir(parents=True, exist_ok=True)
+        aggregate.astype("<u4", copy=False).tofile(debug / f"round-{round_number:06d}.u32")
+        (debug / f"round-{round_number:06d}.survivors").write_text("\n".join(survivors) + "\n")
+
     def _commit(self, result: RoundResult) -> None:
         state_dir = Path(self.settings.state)
         ckpt_dir = state_dir / "checkpoints"
@@ -1052,15 +1062,6 @@ class RoundEngine:
             self.optimizer.state_dict(),
         )
         write_model_file(path, model)
-        if result.aggregate is not None:
-            debug = state_dir / "aggregates"
-            debug.mkdir(exist_ok=True)
-            np.asarray(result.aggregate, dtype="<u4").tofile(
-                debug / f"round-{result.round_number:06d}.u32"
-            )
-            (debug / f"round-{result.round_number:06d}.survivors").write_text(
-                "\n".join(result.survivors) + "\n"
-            )
         checkpoint = Checkpoint(result.round_number, path, digest(self._model_payload()).hex())
         self.store.finish_round(
             result.round_number,
