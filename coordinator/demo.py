@@ -197,11 +197,13 @@ class Demo:
         return path
 
     # -------------------------------------------------------------- federation
-    def start_coordinator(self, pki: Path, model: Path) -> ManagedProcess:
+    def start_coordinator(self, pki: Path, model: Path, n_sites: int) -> ManagedProcess:
+        # Every round waits for all sites (the killed one is restarted right after its
+        # round), so each hospital's epsilon tells the same story.
         config = self.out / "coordinator.toml"
         config.write_text(
             f"""rounds = {self.o.rounds}
-min_sites = {max(self.o.sites - 1, 3)}
+min_sites = {n_sites}
 federation_id = "medfed-demo"
 
 [model]
@@ -217,7 +219,8 @@ histogram_bins = {HISTOGRAM_BINS}
 clip = 0.5
 
 [deadlines]
-selection_seconds = 20
+selection_seconds = 5
+round_start_timeout_seconds = 600
 train_seconds = 600
 phase_seconds = {self.o.phase_seconds}
 """
@@ -293,7 +296,7 @@ device = "cpu"
         baselines = compute_baselines(datasets, self.o)
         for name, m in baselines.items():
             self.say(f"[baseline] {name:<18} AUC {m['auc']:.3f}")
-        coordinator = self.start_coordinator(pki, model)
+        coordinator = self.start_coordinator(pki, model, len(sites))
         victim = sites[-1]
         try:
             for site in sites:

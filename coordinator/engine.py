@@ -299,7 +299,10 @@ class RoundEngine:
     def _with_budget(self, site_ids: list[str]) -> list[str]:
         """The sites (order kept) that selection may pick, judged by the federation view:
         not exhausted and more than `MIN_REMAINING_EPSILON` left. A site with no row
-        in the view is one that keeps no ledger (runs without DP accounting)."""
+        in the view is one that keeps no ledger (runs without DP accounting). The final
+        evaluation round trains nothing and spends no budget: every site may join it."""
+        if self.is_evaluation_round():
+            return list(site_ids)
         rows = {row.site_id: row for row in self.budget_view.snapshot()}
         chosen = []
         for site_id in site_ids:
