@@ -40,9 +40,13 @@ lint: $(STAMP_DEV)
 demo: $(STAMP_RUNTIME)
 	$(VENV)/bin/medfed demo
 
+# The benchmarks recorded in docs/benchmarks.md (several minutes on 2 cores).
 bench: $(STAMP_RUNTIME)
 	$(VENV)/bin/medfed bench secagg --sites 10 --dim 1000000 --dropouts 2
-	$(VENV)/bin/medfed bench secagg --sites 50 --dim 100000 --dropouts 5
+	$(VENV)/bin/medfed bench secagg --sites 50 --dim 100000 --dropouts 5 --neighbors 0
+	$(VENV)/bin/medfed bench secagg --sites 100 --dim 1000000 --dropouts 10
+	$(VENV)/bin/medfed bench dpsgd
+	$(VENV)/bin/medfed bench round --sites 10 --dim 1000000 --dropouts 2 --rounds 3
 
 # Regenerate the committed gRPC/protobuf stubs from protos/.
 proto: $(STAMP_DEV)
