@@ -62,7 +62,8 @@ def database_url(settings: CoordinatorSettings) -> str:
 
 
 async def start(settings: CoordinatorSettings) -> RunningCoordinator:
-    settings.state.mkdir(parents=True, exist_ok=True)
+    # Ledger, state database and checkpoints: readable by this service only.
+    settings.state.mkdir(parents=True, exist_ok=True, mode=0o700)
     store = CoordinatorStore(database_url(settings))
     verifier = PeerVerifier.from_pki_dir(settings.pki)
     metrics = CoordinatorMetrics()

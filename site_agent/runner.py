@@ -41,7 +41,8 @@ def run_site(
     stop: threading.Event | None = None,
     announce: Callable[[dict[str, Any]], None] | None = None,
 ) -> int:
-    settings.state.mkdir(parents=True, exist_ok=True)
+    # Ledger, state database and checkpoints: readable by this service only.
+    settings.state.mkdir(parents=True, exist_ok=True, mode=0o700)
     metrics = SiteMetrics(settings.site)
     hook = build_hook(settings)
     metrics.device.labels(device=hook.device).set(1)
