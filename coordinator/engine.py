@@ -703,7 +703,7 @@ class RoundEngine:
 
     def _announce(self, participants: list[str]) -> Announcement:
         cfg = self.settings
-        number = self.store.next_round_number()
+        number = self.next_round_number(participants)
         threshold, neighbours = self._round_parameters(len(participants))
         nonce = self.rng(ROUND_NONCE_BYTES)
         model_bytes = self._model_payload()
@@ -734,6 +734,16 @@ class RoundEngine:
             weight_cap=weight_cap,
             max_chunk_bytes=cfg.limits.max_chunk_bytes,
         )
+
+    def next_round_number(self, participants: list[str]) -> int:
+        """The next round number: after every round this coordinator ever recorded AND
+        after every round the participants' own ledgers already hold. A coordinator
+        restored from an old backup (or started on empty state) would otherwise reuse
+        round numbers that sites have spent budget on, and they refuse such rounds."""
+        seen = [
+            self.sites[s].budget.ledger_last_round or 0 for s in participants if s in self.sites
+        ]
+        return max([self.store.next_round_number(), *(n + 1 for n in seen)])
 
     def _prepare_buffers(self, length: int) -> None:
         """Bound concurrent uploads by max_concurrent_uploads and the staging budget."""

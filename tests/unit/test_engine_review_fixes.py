@@ -60,3 +60,25 @@ def test_a_cancelled_long_poll_no_longer_counts_as_waiting(tmp_path: Path) -> No
         engine.store.close()
     assert during == ["alpha", "beta"]
     assert after == ["beta"]
+
+
+def test_round_numbers_continue_after_the_sites_ledgers_on_a_fresh_coordinator(
+    tmp_path: Path,
+) -> None:
+    """A coordinator started on empty (or restored, older) state must not reuse round
+    numbers its sites have already spent budget on: they would refuse those rounds."""
+    engine = make_engine(tmp_path)
+    try:
+        assert engine.next_round_number(["alpha", "beta"]) == 1
+        engine.enroll("alpha", b"", serial="1", version="t", device="cpu",
+                      budget=SiteBudget(epsilon_budget=8, epsilon_spent=3,
+                                        ledger_entries=7, ledger_last_round=7))
+        engine.enroll("beta", b"", serial="2", version="t", device="cpu",
+                      budget=SiteBudget(epsilon_budget=8, epsilon_spent=1,
+                                        ledger_entries=2, ledger_last_round=2))
+        assert engine.next_round_number(["alpha", "beta"]) == 8
+        assert engine.next_round_number(["beta"]) == 3
+        engine.store.begin_round(11, ["alpha", "beta"], now=0.0)
+        assert engine.next_round_number(["alpha", "beta"]) == 12  # the store's own record
+    finally:
+        engine.store.close()
