@@ -449,6 +449,7 @@ device = "cpu"
                     [r["epsilon"].get(site, 0.0) for r in report["rounds"]], marker=".",
                     label=site)
         ax.axhline(self.o.budget_epsilon, color="red", linestyle=":", label="budget")
+        ax.set_ylim(bottom=0)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("round")
         ax.set_ylabel(f"epsilon spent (delta={self.o.delta:g}, composed)")
