@@ -33,7 +33,6 @@ from common.codec import (
 )
 from common.config import CoordinatorSettings
 from common.crypto.quantize import bits_for_sites, dequantize_sum, max_integer_for_sites
-from common.crypto.signing import VerifyingKey
 from common.errors import (
     AbortReason,
     ConfigError,
@@ -47,6 +46,7 @@ from common.modelfile import ModelFile, flat_layout, read_model_file, write_mode
 from common.privacy.federation import FederationBudgetView, has_budget_left
 from common.privacy.ledger import BudgetStatus
 from common.secagg import messages as sm
+from common.secagg.client import IdentityVerifier
 from common.secagg.params import (
     ROUND_NONCE_BYTES,
     SecAggParams,
@@ -78,7 +78,6 @@ opens downloads and never reads them can cost memory, but cannot stall the round
 UPDATE_CHUNK_ELEMENTS = 1 << 18
 """Window of the decode/optimizer pass: float64 temporaries stay at 2 MiB, not 2 x d."""
 
-IdentityVerifier = Callable[[str, bytes], VerifyingKey]
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:

@@ -27,16 +27,6 @@ class RoundPhase(enum.Enum):
     FINISHED = "finished"
 
 
-SECURE_PHASES = (
-    RoundPhase.ADVERTISE_KEYS,
-    RoundPhase.SHARE_KEYS,
-    RoundPhase.MASKED_INPUT,
-    RoundPhase.CONSISTENCY_CHECK,
-    RoundPhase.UNMASK,
-)
-PLAIN_PHASES = (RoundPhase.MASKED_INPUT,)
-
-
 @dataclass(frozen=True)
 class Announcement:
     """Everything a site needs to take part in a round (mirrors RoundAnnouncement)."""

@@ -87,7 +87,6 @@ async def start(settings: CoordinatorSettings) -> RunningCoordinator:
         verifier,
         metrics,
         federation_id=settings.federation_id,
-        max_chunk_bytes=settings.limits.max_chunk_bytes,
     )
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

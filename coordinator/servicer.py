@@ -206,14 +206,12 @@ class FederationServicer(pb_grpc.FederationServicer):
         metrics: CoordinatorMetrics,
         *,
         federation_id: str,
-        max_chunk_bytes: int,
         clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
     ) -> None:
         self.engine = engine
         self.verifier = verifier
         self.metrics = metrics
         self.federation_id = federation_id
-        self.max_chunk_bytes = max_chunk_bytes
         self.clock = clock
 
     def _caller(self, context: Any) -> tuple[str, x509.Certificate]:

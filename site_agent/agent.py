@@ -21,7 +21,14 @@ import grpc
 import numpy as np
 
 from common import wire
-from common.codec import CHUNK_BYTES, ChunkAssembler, digest, iter_chunks
+from common.codec import (
+    CHUNK_BYTES,
+    ChunkAssembler,
+    bytes_to_flat,
+    digest,
+    iter_chunks,
+    layout_bytes,
+)
 from common.config import SiteSettings
 from common.crypto.quantize import encode_update, max_integer_for_sites
 from common.crypto.random import numpy_generator, system_random
@@ -397,8 +404,6 @@ class SiteAgent:
         return base
 
     def _download(self, stub: pb_grpc.FederationStub, rnd: Round) -> np.ndarray:
-        from common.codec import bytes_to_flat, layout_bytes
-
         total = layout_bytes(rnd.plan.layout)
         if total != rnd.model_bytes:
             raise ValidationError("announced model size does not match its layout")
