@@ -104,6 +104,10 @@ class AbortReason(enum.Enum):
     RECONSTRUCTION_FAILED = "reconstruction_failed"
     ROUND_ABANDONED = "round_abandoned"
     UPLOAD_IDLE = "upload_idle"  # an upload stream sent nothing for too long
+    ROUND_TOO_SMALL = "round_too_small"  # fewer sites than this site's floor
+    SURVIVORS_BELOW_FLOOR = "survivors_below_floor"  # the sum would cover too few sites
+    UNKNOWN_MEMBER = "unknown_member"  # roster peer not in the site's pinned members
+    REVOKED_PEER = "revoked_peer"  # roster peer's certificate is on the CA's CRL
 
 
 class ProtocolAbort(MedfedError):
