@@ -525,8 +525,9 @@ class SecAggClient:
                 )
             relayed[signer] = signature
         signed_message = self._survivors_message(survivors)
-        signers: set[str] = set()
-        for signer in sorted(relayed.keys() & holders):
+        # Our own confirmation needs no check: we signed this very list to get here.
+        signers = {self.site_id}
+        for signer in sorted((relayed.keys() & holders) - signers):
             # A signature that does not verify on OUR list means the signer was shown
             # another list or session (or the coordinator forged it): equivocation.
             self._verify(
