@@ -70,7 +70,7 @@ from common.errors import (
     ProtocolAbort,
     ValidationError,
 )
-from common.secagg.graph import neighbourhoods
+from common.secagg.graph import NeighbourGraph, neighbour_graph
 from common.secagg.messages import (
     AdvertiseKeys,
     ConsistencySignature,
@@ -218,7 +218,7 @@ class SecAggClient:
         self._masking_keys: X25519KeyPair | None = None
         self._roster: dict[str, RosterEntry] = {}
         self._x: dict[str, int] = {}
-        self._graph: dict[str, tuple[str, ...]] = {}
+        self._graph: NeighbourGraph = NeighbourGraph((), 0)
         self._session_id = b""
         self._own_shares: tuple[bytes, bytes] = (b"", b"")
         self._held_shares: dict[str, tuple[bytes, bytes]] = {}
@@ -323,7 +323,7 @@ class SecAggClient:
         self._roster = {site: entries[site] for site in sites}
         self._x = {site: index + 1 for index, site in enumerate(sites)}
         self._session_id = compute_session_id(self.params, self._roster.values())
-        self._graph = neighbourhoods(self._session_id, sites, self.params.neighbours)
+        self._graph = neighbour_graph(self._session_id, sites, self.params.neighbours)
         for peer in self._graph[self.site_id]:
             # Only neighbours: they alone receive our shares and mask against us (see
             # the module docstring for why the others need no check here). A swapped
