@@ -25,7 +25,8 @@ obtained from `identity` at most once per site and round):
   graph, which it can already do by choosing which advertisements to include (or via
   one colluding site's fresh keys); nothing here relies on the graph being random
   against the coordinator: the thresholds are checked for the worst-case graph
-  (params.py) and the survivor floor counts only authenticated sites (below).
+  (`validate_against_threat_model`, applied by the site to every announcement) and
+  the survivor floor counts only authenticated sites (below).
 * Consistency check: only the survivor-list signatures of sites in the closed
   neighbourhoods of the owners whose shares u reveals (its two-hop neighbourhood,
   2k + 1 sites in a Harary graph), plus, only if the floor is not met otherwise, just
