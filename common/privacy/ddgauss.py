@@ -35,7 +35,6 @@ from dataclasses import dataclass
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
-from scipy import optimize
 
 from common.crypto.random import RandomSource
 from common.errors import ConfigError, PrivacyError, ValidationError
@@ -54,6 +53,7 @@ MAX_ROUNDING_TRIES = 1000
 """Conditional rounding succeeds with probability >= 1 - beta per try (KLS21 Thm 1)."""
 
 _EXP_MINUS_ONE = math.exp(-1.0)
+_FINEST_GRID = 2.0**-30
 _KEY_BYTES = 32
 _ZERO_NONCE = bytes(16)
 _WORD = np.dtype("<u8")
@@ -170,9 +170,7 @@ def _geometric_exp_minus_one(count: int, stream: NoiseStream) -> np.ndarray:
     return out
 
 
-def _fill_discrete_gaussian(
-    out: np.ndarray, *, sigma2: float, t: int, stream: NoiseStream
-) -> None:
+def _fill_discrete_gaussian(out: np.ndarray, *, sigma2: float, t: int, stream: NoiseStream) -> None:
     """CKS20 Algorithm 3 (with Algorithm 2 for the discrete Laplace proposal), batched."""
     pending = np.arange(out.size)
     while pending.size:
@@ -217,18 +215,29 @@ def sample_discrete_gaussian(
     return out
 
 
+_POISSON_SUMMATION_SIGMA = 10.0
+"""Above this sigma, the normaliser and variance of N_Z(0, sigma^2) equal the continuous
+ones to relative 1e-800 (Poisson summation: the corrections are O(exp(-2 pi^2 sigma^2)))."""
+
+
 def discrete_gaussian_pmf(values: np.ndarray, *, sigma: float) -> np.ndarray:
-    """P(Y = y) of N_Z(0, sigma^2) at integer `values` (normaliser summed to 1e-300)."""
+    """P(Y = y) of N_Z(0, sigma^2) at integer `values`."""
     sigma = _positive("sigma", sigma)
-    support = np.arange(-_tail(sigma), _tail(sigma) + 1, dtype=np.float64)
-    norm = float(np.exp(-(support**2) / (2 * sigma * sigma)).sum())
+    if sigma > _POISSON_SUMMATION_SIGMA:
+        norm = sigma * math.sqrt(2 * math.pi)
+    else:
+        support = np.arange(-_tail(sigma), _tail(sigma) + 1, dtype=np.float64)
+        norm = float(np.exp(-(support**2) / (2 * sigma * sigma)).sum())
     y = np.asarray(values, np.float64)
-    return np.exp(-(y**2) / (2 * sigma * sigma)) / norm
+    result: np.ndarray = np.exp(-(y**2) / (2 * sigma * sigma)) / norm
+    return result
 
 
 def discrete_gaussian_variance(sigma: float) -> float:
     """The exact variance of N_Z(0, sigma^2): slightly below sigma^2 for small sigma."""
     sigma = _positive("sigma", sigma)
+    if sigma > _POISSON_SUMMATION_SIGMA:
+        return sigma * sigma
     support = np.arange(-_tail(sigma), _tail(sigma) + 1, dtype=np.float64)
     weights = np.exp(-(support**2) / (2 * sigma * sigma))
     return float((support**2 * weights).sum() / weights.sum())
@@ -236,7 +245,7 @@ def discrete_gaussian_variance(sigma: float) -> float:
 
 def _tail(sigma: float) -> int:
     """Support half-width beyond which the pmf mass is below 1e-300."""
-    return int(math.ceil(38 * sigma)) + 2
+    return math.ceil(38 * sigma) + 2
 
 
 # ---------------------------------------------------------------------------------------
@@ -283,7 +292,8 @@ def conditional_round(
     fraction = z - floor
     limit = math.floor(bound * bound)
     base = floor.astype(np.int64)
-    rounded = np.empty_like(base)
+    del floor
+    rounded: np.ndarray = np.empty_like(base)
     for _ in range(max_tries):
         up = stream.uniform(z.size) < fraction
         np.add(base, up, out=rounded)
@@ -295,7 +305,13 @@ def conditional_round(
 
 
 def _modular_wrap_log2(
-    *, gamma: float, bits: int, clip: float, padded_dim: int, max_sites: int, sigma: float,
+    *,
+    gamma: float,
+    bits: int,
+    clip: float,
+    padded_dim: int,
+    max_sites: int,
+    sigma: float,
     n_noise: int,
 ) -> float:
     """log2 of an upper bound on P(some coordinate of the integer sum leaves the ring).
@@ -417,7 +433,7 @@ def plan_ddgauss(
     rounding_inflation) * c, then bits is the smallest width with P(wrap) <=
     2^log2_wrap_probability (bound in `_modular_wrap_log2`). bits given (e.g. 32, the
     SecAgg ring): gamma is the smallest (finest) step for which that ring keeps the
-    wrap bound.
+    wrap bound, but never below 2^-30 * clip.
     """
     clip = _positive("clip", clip)
     sigma = _positive("sigma", sigma)
@@ -441,8 +457,15 @@ def plan_ddgauss(
         def excess(gamma: float) -> float:
             return gamma * rounded_l2_bound(clip / gamma, beta=beta, dim=padded) - target
 
-        gamma = float(optimize.brentq(excess, clip * 1e-15, clip, xtol=clip * 1e-15))
-        gamma *= 1 - 1e-9  # stay on the safe side of the root
+        # excess() increases with gamma; bisect in log space, keeping the feasible end.
+        low, high = clip * 1e-15, clip
+        for _ in range(200):
+            middle = math.sqrt(low * high)
+            if excess(middle) <= 0:
+                low = middle
+            else:
+                high = middle
+        gamma = low
         headroom = spread / gamma + 1 + max_sites
         bits = max(2, math.ceil(math.log2(headroom)) + 1)
         if bits > MAX_BITS:
@@ -453,16 +476,30 @@ def plan_ddgauss(
         room = 2.0 ** (bits - 1) - 1 - max_sites
         if room <= 0:
             raise ConfigError("bits", f"a {bits}-bit ring cannot hold {max_sites} sites")
-        gamma = spread / room * (1 + 1e-9)
-    if clip / gamma > 2.0**30:
+        # Never finer than 2^-30 of the clip (int64 norms stay exact; the wrap bound only
+        # improves with a coarser grid).
+        gamma = max(spread / room * (1 + 1e-9), clip * _FINEST_GRID)
+    if clip / gamma > 1 / _FINEST_GRID * (1 + 1e-6):
         raise ConfigError("bits", "grid finer than 2^-30 of the clip: int64 norms could overflow")
     log2_wrap = _modular_wrap_log2(
-        gamma=gamma, bits=bits, clip=clip, padded_dim=padded, max_sites=max_sites,
-        sigma=sigma, n_noise=n_noise,
+        gamma=gamma,
+        bits=bits,
+        clip=clip,
+        padded_dim=padded,
+        max_sites=max_sites,
+        sigma=sigma,
+        n_noise=n_noise,
     )
     return DDGaussPlan(
-        clip=clip, dim=dim, padded_dim=padded, sigma=sigma, n_noise=n_noise,
-        max_sites=max_sites, gamma=gamma, beta=beta, bits=bits,
+        clip=clip,
+        dim=dim,
+        padded_dim=padded,
+        sigma=sigma,
+        n_noise=n_noise,
+        max_sites=max_sites,
+        gamma=gamma,
+        beta=beta,
+        bits=bits,
         log2_wrap_probability=log2_wrap,
     )
 
@@ -594,7 +631,7 @@ def epsilon_from_rho(rho: float, delta: float) -> float:
     """(eps, delta)-DP implied by rho-zCDP: the smaller of Bun & Steinke (2016, Prop. 1.3)
     eps = rho + 2 sqrt(rho ln(1/delta)) and CKS20 Corollary 13,
     eps = inf_{alpha>1} alpha rho + (ln(1/delta) + (alpha-1) ln(1-1/alpha) - ln alpha)/(alpha-1).
-    Both are valid for every alpha, so a coarse minimiser can only over-report."""
+    The latter holds at every alpha, so minimising over a grid can only over-report."""
     if not (math.isfinite(rho) and rho >= 0):
         raise ConfigError("rho", "must be a finite number >= 0")
     if not 0 < delta < 1:
@@ -604,19 +641,21 @@ def epsilon_from_rho(rho: float, delta: float) -> float:
     log_inv_delta = math.log(1 / delta)
     classic = rho + 2 * math.sqrt(rho * log_inv_delta)
 
-    def cks(alpha: float) -> float:
-        return (
+    # CKS20 Cor. 13 on a log grid of alpha - 1, refined once around the best point.
+    exponents = np.linspace(-20.0, 20.0, 4001)
+    for _ in range(2):
+        alpha_minus_one = np.exp(exponents)
+        alpha = 1 + alpha_minus_one
+        values = (
             alpha * rho
-            + (log_inv_delta + (alpha - 1) * math.log1p(-1 / alpha) - math.log(alpha))
-            / (alpha - 1)
+            + (log_inv_delta + alpha_minus_one * np.log1p(-1 / alpha) - np.log(alpha))
+            / alpha_minus_one
         )
-
-    guess = 1 + math.sqrt(log_inv_delta / rho)
-    result = optimize.minimize_scalar(
-        cks, bounds=(1 + 1e-9, max(10 * guess, 2.0)), method="bounded"
-    )
-    best = min(classic, cks(float(result.x)), cks(guess))
-    return max(0.0, best)
+        best = int(np.nanargmin(values))
+        exponents = np.linspace(
+            exponents[max(best - 1, 0)], exponents[min(best + 1, exponents.size - 1)], 201
+        )
+    return max(0.0, min(classic, float(np.nanmin(values))))
 
 
 # ---------------------------------------------------------------------------------------
