@@ -14,6 +14,7 @@ BENCHMARK_MODULES: list[str] = [
     "bench.secagg",
     "bench.dpsgd",
     "bench.round",
+    "bench.ddgauss",
 ]
 """Registrars of `medfed bench` subcommands, in help order."""
 
