@@ -15,6 +15,7 @@ BENCHMARK_MODULES: list[str] = [
     "bench.dpsgd",
     "bench.round",
     "bench.soak",
+    "bench.ddgauss",
 ]
 """Registrars of `medfed bench` subcommands, in help order."""
 
