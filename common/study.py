@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from common.errors import ConfigError, PrivacyError, ValidationError
 
-STUDY_FORMAT = 1
+STUDY_FORMAT: Literal[1] = 1
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 # ``package.module:factory``: a callable returning an nn.Module, from installed packages.
 FACTORY_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
@@ -245,7 +245,7 @@ class Study(_Section):
         if duplicates:
             raise ValueError(f"feature names must be distinct; repeated: {duplicates}")
         reserved = {self.data.label_column, self.data.patient_column, self.data.file_column}
-        clash = sorted(reserved & set(names) - {None})  # type: ignore[operator]
+        clash = sorted(n for n in names if n in reserved)
         if clash:
             raise ValueError(f"label/patient/file columns cannot also be features: {clash}")
         encoded = encoded_feature_names(self)

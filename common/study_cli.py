@@ -182,28 +182,28 @@ def _toml_key(key: str) -> str:
 _COMMENTS = {
     "study": [
         "What the federation predicts. classes: labels as written in the label column;",
-        "for task = \"binary\" the second one is the positive class.",
+        'for task = "binary" the second one is the positive class.',
     ],
     "data": [
         "Column names every site's file must have (each site keeps its own file path).",
     ],
     "features": [
         "One block per input column, in the model's input order.",
-        "type: \"numeric\", or \"categorical\" with levels = [...] as written in the file",
+        'type: "numeric", or "categorical" with levels = [...] as written in the file',
         "  (one-hot encoded in this order; a level not declared here is an error).",
-        "missing: \"error\" refuses the file, \"impute\" fills in the federated DP global",
-        "  value, \"indicator\" imputes and adds a was-missing column.",
-        "range: \"auto\" (estimated in the federated DP statistics) or [low, high]; values",
+        'missing: "error" refuses the file, "impute" fills in the federated DP global',
+        '  value, "indicator" imputes and adds a was-missing column.',
+        'range: "auto" (estimated in the federated DP statistics) or [low, high]; values',
         "  are clipped into it before standardising with the global statistics.",
     ],
     "model": [
-        "name: \"mlp\" (hidden = layer sizes) for tables; \"cnn\", \"resnet18-gn\",",
-        "\"densenet121\" for images; or custom = \"package.module:factory\" instead of name.",
+        'name: "mlp" (hidden = layer sizes) for tables; "cnn", "resnet18-gn",',
+        '"densenet121" for images; or custom = "package.module:factory" instead of name.',
     ],
     "training": ["Local DP-SGD and the server optimizer (fedavg, fedadam, fedyogi)."],
     "privacy": [
         "Requests: a site joins only if they are at least as strict as its own policy,",
-        "which always wins. unit: \"record\", \"patient\" or \"hospital\".",
+        'which always wins. unit: "record", "patient" or "hospital".',
     ],
 }
 
@@ -306,7 +306,7 @@ def _init(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     study = load_study(args.study)
-    summary = {
+    summary: dict[str, Any] = {
         "study": study.study.name,
         "sha256": study_sha256(study),
         "task": study.study.task,
