@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import re
 import sys
@@ -88,14 +89,7 @@ def read_header(path: Path) -> list[str]:
 
         names = list(pq.read_schema(path).names)
     else:
-        # utf-8-sig: spreadsheet exports often start with a byte-order mark.
-        with path.open(newline="", encoding="utf-8-sig") as handle:
-            try:
-                names = next(csv.reader(handle))
-            except StopIteration:
-                raise ConfigError("header-from", f"{path} is empty (no header line)") from None
-            except (csv.Error, UnicodeDecodeError) as exc:
-                raise ConfigError("header-from", f"{path}: unreadable header: {exc}") from None
+        names = _csv_header(path)
     stripped = [name.strip() for name in names]
     if any(not name for name in stripped):
         raise ConfigError("header-from", f"{path}: the header has an empty column name")
@@ -103,6 +97,35 @@ def read_header(path: Path) -> list[str]:
     if repeated:
         raise ConfigError("header-from", f"{path}: repeated column names {repeated}")
     return stripped
+
+
+MAX_HEADER_BYTES = 1 << 20
+
+
+def _csv_header(path: Path) -> list[str]:
+    """The first CSV record, reading physical lines only until it is complete (a quoted
+    name may span lines): the bytes after the header are never read or decoded."""
+    buffer = b""
+    with path.open("rb") as handle:
+        while True:
+            line = handle.readline(MAX_HEADER_BYTES)
+            buffer += line
+            if not buffer:
+                raise ConfigError("header-from", f"{path} is empty (no header line)")
+            if len(buffer) >= MAX_HEADER_BYTES:
+                raise ConfigError("header-from", f"{path}: header line too long")
+            try:
+                # utf-8-sig: spreadsheet exports often start with a byte-order mark.
+                text = buffer.decode("utf-8-sig")
+            except UnicodeDecodeError as exc:
+                raise ConfigError("header-from", f"{path}: header is not UTF-8: {exc}") from None
+            try:
+                return next(csv.reader(io.StringIO(text), strict=True))
+            except csv.Error:
+                if not line:  # end of file inside a quoted name
+                    raise ConfigError("header-from", f"{path}: unreadable header") from None
+            except StopIteration:
+                raise ConfigError("header-from", f"{path} is empty (no header line)") from None
 
 
 def _split_list(text: str, what: str) -> list[str]:
