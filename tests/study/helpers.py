@@ -116,3 +116,59 @@ def noiseless_statistics(study: Study, table: StudyTable) -> GlobalStatistics:
         numeric=numeric,
         categorical=categorical,
     )
+
+
+def privacy_card(study: Study) -> Any:
+    from common.bundle import GroupGuarantee, PrivacyCard, SecAggCard, SitePrivacy
+
+    return PrivacyCard(
+        unit=study.privacy.unit,
+        accountant="prv",
+        mechanisms=("sampled-gaussian (DP-SGD)", "gaussian (evaluation histograms)"),
+        rounds=study.study.rounds,
+        sites=(
+            SitePrivacy(site="st-marys", epsilon=3.2, delta=1e-5),
+            SitePrivacy(site="county", epsilon=2.9, delta=1e-5),
+        ),
+        group_guarantees=(
+            GroupGuarantee(unit="hospital", epsilon=12.8, delta=4e-5, note="4-fold group"),
+        ),
+        secagg=SecAggCard(threshold=2, neighbours=2, max_colluding_sites=1, ring_bits=32),
+        statistics_release="test: noiseless fit",
+    )
+
+
+def trained_bundle(train_csv: Path, *, steps: int = 300) -> Any:
+    """A real TabularMLP trained (non-privately, for speed) on one hospital's file."""
+    import torch
+
+    from common.bundle import ModelBundle, Threshold, architecture_from_study
+    from site_agent.data import Preprocessor, load_study_table
+    from site_agent.predict import build_model
+
+    torch.manual_seed(0)
+    study = hospital_study()
+    table = load_study_table(train_csv, study)
+    stats = noiseless_statistics(study, table)
+    data = Preprocessor(study, stats).site_data(table)
+    arch = architecture_from_study(study)
+    model = build_model(arch)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    x = torch.from_numpy(data.features)
+    y = torch.from_numpy(data.labels.astype(np.float32))
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x), y)
+        loss.backward()
+        optimizer.step()
+    parameters = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    return ModelBundle(
+        study=study,
+        architecture=arch,
+        statistics=stats,
+        threshold=Threshold(value=0.45, method="youden-dp-roc", histogram_bins=20),
+        card=privacy_card(study),
+        parameters=parameters,
+        round=study.study.rounds,
+        final=True,
+    )
