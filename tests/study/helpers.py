@@ -159,7 +159,7 @@ def trained_bundle(train_csv: Path, *, steps: int = 300) -> Any:
     for _ in range(steps):
         optimizer.zero_grad()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
     parameters = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
     return ModelBundle(

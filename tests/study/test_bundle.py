@@ -65,11 +65,11 @@ def test_tampering_is_detected(bundle) -> None:  # type: ignore[no-untyped-def]
     edited = dict(tensors)
     edited[name] = tensors[name].copy()
     edited[name].flat[0] += 1.0
-    with pytest.raises(ValidationError, match="medfed.sha256"):
+    with pytest.raises(ValidationError, match=r"medfed\.sha256"):
         bundle_from_bytes(save(edited, metadata=metadata))
     # A lowered threshold (a laxer operating point), digest not recomputed.
     lowered = {**metadata, "medfed.threshold": json.dumps({"value": 0.01})}
-    with pytest.raises(ValidationError, match="medfed.sha256"):
+    with pytest.raises(ValidationError, match=r"medfed\.sha256"):
         bundle_from_bytes(save(tensors, metadata=lowered))
     # A flipped byte anywhere in the tensor data.
     flipped = bytearray(data)
@@ -105,7 +105,7 @@ def test_bad_metadata_names_the_key(bundle, key: str, value: str, words: str) ->
 def test_missing_key_and_foreign_files(tmp_path: Path, bundle) -> None:  # type: ignore[no-untyped-def]
     metadata, tensors = _metadata_and_tensors(bundle_bytes(bundle))
     del metadata["medfed.privacy_card"]
-    with pytest.raises(ValidationError, match="medfed.privacy_card: missing"):
+    with pytest.raises(ValidationError, match=r"medfed\.privacy_card: missing"):
         bundle_from_bytes(save(tensors, metadata=metadata))
     with pytest.raises(ValidationError, match="no medfed metadata"):
         bundle_from_bytes(save(tensors))

@@ -146,7 +146,7 @@ def test_operational_settings_stay_out(tmp_path: Path) -> None:
 def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "broken.toml"
     path.write_text("[study\nname = 1", encoding="utf-8")
-    with pytest.raises(ConfigError, match="broken.toml is not valid TOML"):
+    with pytest.raises(ConfigError, match=r"broken\.toml is not valid TOML"):
         load_study(path)
     with pytest.raises(ConfigError, match="cannot read study file"):
         load_study(tmp_path / "absent.toml")
