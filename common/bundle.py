@@ -39,6 +39,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common.errors import StateError, ValidationError
+from common.evaluation import youden_threshold
 from common.study import (
     FACTORY_PATTERN,
     GlobalStatistics,
@@ -171,6 +172,14 @@ class PrivacyCard(_Section):
         if len(set(names)) != len(names):
             raise ValueError("a site appears twice")
         return self
+
+
+def threshold_from_histogram(hist: np.ndarray, *, bins: int) -> Threshold:
+    """Youden's threshold of the federation's summed DP score histogram (the evaluation
+    round's), as the bundle records it."""
+    return Threshold(
+        value=youden_threshold(hist, bins=bins), method="youden-dp-roc", histogram_bins=bins
+    )
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from common.study import Study
+from common.config import SiteSettings
+from common.errors import DataError
+from common.study import SitePrivacyPolicy, Study, check_study_against_policy
 from site_agent.data import MIN_PRIVACY_UNITS, StudyTable, load_study_table
 
 
@@ -161,3 +163,34 @@ def format_report(report: DataReport) -> list[str]:
     lines.extend(f"  warning: {text}" for text in report.warnings)
     lines.extend(f"  problem: {text}" for text in report.problems)
     return lines
+
+
+def site_policy(settings: SiteSettings) -> SitePrivacyPolicy:
+    """The site's own privacy policy, from its config (its limits, never the study's).
+
+    ``privacy_unit = "auto"`` accepts any unit the study asks for; an explicit unit is
+    the weakest this site accepts.
+    """
+    privacy = settings.privacy
+    unit = "record" if privacy.privacy_unit == "auto" else privacy.privacy_unit
+    return SitePrivacyPolicy(
+        epsilon=privacy.budget_epsilon,
+        delta=privacy.delta,
+        unit=unit,
+        max_epsilon_per_round=getattr(privacy, "max_epsilon_per_round", None),
+        allowed_model_factories=tuple(getattr(settings.policy, "allowed_model_factories", ())),
+    )
+
+
+def check_site_can_join(
+    study: Study, policy: SitePrivacyPolicy, data_path: str | Path
+) -> DataReport:
+    """What a site runs on receiving a study at enrolment, before it sends any key or
+    update: the study's privacy requests against the site's policy (`PrivacyError`),
+    then its data against the study (`DataError` naming file, row and column, or a
+    cohort-level problem)."""
+    check_study_against_policy(study, policy)
+    report = check_data_against_study(data_path, study, delta=policy.delta)
+    if not report.ok:
+        raise DataError("; ".join(report.problems), file=str(data_path))
+    return report

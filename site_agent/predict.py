@@ -20,9 +20,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.bundle import Architecture, ModelBundle
+from common.bundle import Architecture, ModelBundle, architecture_from_study
 from common.errors import ConfigError, ValidationError
 from common.evaluation import metrics_from_scores
+from common.study import Study
 from site_agent.data import Preprocessor, StudyTable
 from site_agent.models import SmallCNN, TabularMLP, load_flat_parameters, resnet18_gn
 
@@ -171,3 +172,10 @@ def predict_table(
 def _num(value: float) -> float | None:
     """JSON has no NaN: an undefined metric (no positives, say) is null."""
     return None if math.isnan(value) else float(value)
+
+
+def initial_model(study: Study, *, seed: int, allowed_factories: Sequence[str] = ()) -> nn.Module:
+    """The study's untrained network, the same at every call for a seed: what
+    `coordinator serve --study` starts round 1 from (its initial weights are public)."""
+    torch.manual_seed(seed)
+    return build_model(architecture_from_study(study), allowed_factories=allowed_factories)

@@ -168,3 +168,33 @@ def test_numeric_labels_match_declared_integers(tmp_path: Path) -> None:
         r[5] = ["0", "1.0"][i % 2]
     table = load_study_table(write_rows(tmp_path / "n.csv", COLUMNS, rows), study)
     assert table.labels is not None and table.labels.tolist()[:4] == [0, 1, 0, 1]
+
+
+def test_site_checks_policy_then_data_before_joining(tmp_path: Path) -> None:
+    from common.config import SiteSettings
+    from common.errors import PrivacyError
+    from common.study import SitePrivacyPolicy
+    from site_agent.datacheck import check_site_can_join, site_policy
+
+    settings = SiteSettings(
+        site="st-marys",
+        coordinator="127.0.0.1:7443",
+        state=tmp_path / "state",
+        pki=tmp_path / "pki",
+        privacy={"budget_epsilon": 8.0, "delta": 1e-3, "privacy_unit": "patient"},
+    )
+    policy = site_policy(settings)
+    assert (policy.epsilon, policy.delta, policy.unit) == (8.0, 1e-3, "patient")
+    data = write_hospital_csv(tmp_path / "h.csv", n_patients=120)
+    report = check_site_can_join(hospital_study(), policy, data)
+    assert report.ok and report.units == 120
+    with pytest.raises(PrivacyError, match=r"privacy\.epsilon"):
+        check_site_can_join(hospital_study(), SitePrivacyPolicy(epsilon=1.0, delta=1e-3), data)
+    small = write_hospital_csv(tmp_path / "small.csv", n_patients=60)
+    with pytest.raises(DataError, match="too large for 60 patients") as info:
+        check_site_can_join(
+            study_from_mapping(study_mapping(delta=1e-3)),
+            SitePrivacyPolicy(epsilon=8.0, delta=0.05),
+            small,
+        )
+    assert info.value.file == str(small)

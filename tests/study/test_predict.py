@@ -128,3 +128,24 @@ def test_model_show(model_file: Path, capsys: pytest.CaptureFixture[str]) -> Non
     card = json.loads(capsys.readouterr().out)
     assert card["privacy"]["sites"][1]["site"] == "county" and card["final"] is True
     assert card["encoded_features"][0] == "Age (years)"
+
+
+def test_initial_model_and_threshold_for_the_coordinator() -> None:
+    import numpy as np
+
+    from common.bundle import parameters_from_flat, threshold_from_histogram
+    from site_agent.models import flatten_parameters
+    from site_agent.predict import initial_model
+    from tests.study.helpers import hospital_study
+
+    study = hospital_study()
+    a = initial_model(study, seed=7)
+    b = initial_model(study, seed=7)
+    np.testing.assert_array_equal(flatten_parameters(a), flatten_parameters(b))
+    layout = [(n, tuple(p.shape)) for n, p in a.named_parameters()]
+    assert layout[0] == ("net.0.weight", (16, 8))  # 8 encoded inputs, hidden [16]
+    parameters = parameters_from_flat(layout, flatten_parameters(a))
+    assert list(parameters) == [n for n, _ in layout]
+    histogram = np.array([5, 5, 0, 0, 0, 0, 5, 5])  # negatives low, positives high
+    threshold = threshold_from_histogram(histogram, bins=4)
+    assert threshold.value == 0.5 and threshold.histogram_bins == 4
