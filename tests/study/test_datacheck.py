@@ -171,7 +171,7 @@ def test_numeric_labels_match_declared_integers(tmp_path: Path) -> None:
 
 
 def test_site_checks_policy_then_data_before_joining(tmp_path: Path) -> None:
-    from common.config import SiteSettings
+    from common.config import PrivacySection, SiteSettings
     from common.errors import PrivacyError
     from common.study import SitePrivacyPolicy
     from site_agent.datacheck import check_site_can_join, site_policy
@@ -181,7 +181,7 @@ def test_site_checks_policy_then_data_before_joining(tmp_path: Path) -> None:
         coordinator="127.0.0.1:7443",
         state=tmp_path / "state",
         pki=tmp_path / "pki",
-        privacy={"budget_epsilon": 8.0, "delta": 1e-3, "privacy_unit": "patient"},
+        privacy=PrivacySection(budget_epsilon=8.0, delta=1e-3, privacy_unit="patient"),
     )
     policy = site_policy(settings)
     assert (policy.epsilon, policy.delta, policy.unit) == (8.0, 1e-3, "patient")
