@@ -364,6 +364,17 @@ def study_from_bytes(data: bytes) -> Study:
         raise ValidationError(f"study: {field}: {message}") from None
 
 
+def study_from_enrolment(data: bytes, *, announced_sha256: str) -> Study:
+    """The study a site receives at enrolment: canonical bytes whose SHA-256 is the one
+    bound into the round announcements. Anything else is a `ValidationError`."""
+    if hashlib.sha256(data).hexdigest() != announced_sha256:
+        raise ValidationError("study bytes do not match the announced study_sha256")
+    study = study_from_bytes(data)
+    if study_bytes(study) != data:
+        raise ValidationError("study is not in canonical form")
+    return study
+
+
 # --------------------------------------------------------------------------- encoding
 
 

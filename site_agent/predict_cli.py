@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -96,12 +97,13 @@ def _data_check(args: argparse.Namespace) -> int:
 def _model_show(args: argparse.Namespace) -> int:
     bundle = read_bundle(args.model)
     summary = bundle_summary(bundle)
+    summary["file_sha256"] = hashlib.sha256(args.model.read_bytes()).hexdigest()
     if args.json:
         print(json.dumps(summary, sort_keys=True))
         return 0
     card = bundle.card
     arch = bundle.architecture
-    print(f"model bundle {args.model}")
+    print(f"model bundle {args.model} (sha256 {summary['file_sha256']})")
     print(f"  study {summary['study']} (sha256 {summary['study_sha256'][:16]}...)")
     state = "final" if bundle.final else "intermediate"
     print(f"  round {bundle.round} ({state}); task {summary['task']}, classes {summary['classes']}")

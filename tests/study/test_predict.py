@@ -149,3 +149,18 @@ def test_initial_model_and_threshold_for_the_coordinator() -> None:
     histogram = np.array([5, 5, 0, 0, 0, 0, 5, 5])  # negatives low, positives high
     threshold = threshold_from_histogram(histogram, bins=4)
     assert threshold.value == 0.5 and threshold.histogram_bins == 4
+
+
+def test_unknown_or_unbuildable_models_are_refused() -> None:
+    from common.bundle import Architecture
+    from common.errors import ConfigError
+    from site_agent.predict import build_model
+
+    with pytest.raises(ConfigError, match="multi-class"):
+        build_model(Architecture(name="mlp", in_features=3, num_outputs=3))
+    with pytest.raises(ConfigError, match="not available here"):
+        build_model(Architecture(name="densenet121", in_channels=1, num_outputs=2))
+    with pytest.raises(ConfigError, match="in_channels"):
+        build_model(Architecture(name="cnn", num_outputs=2))
+    cnn = build_model(Architecture(name="resnet18-gn", in_channels=1, num_outputs=2))
+    assert sum(p.numel() for p in cnn.parameters()) > 1_000_000

@@ -203,3 +203,18 @@ def test_site_policy_always_wins() -> None:
         custom,
         SitePrivacyPolicy(epsilon=8.0, delta=1e-2, allowed_model_factories=("hosp.models:net",)),
     )
+
+
+def test_study_from_enrolment_checks_the_announced_hash() -> None:
+    from common.study import study_from_enrolment
+
+    study = hospital_study()
+    data = study_bytes(study)
+    assert study_from_enrolment(data, announced_sha256=study_sha256(study)) == study
+    with pytest.raises(ValidationError, match="announced"):
+        study_from_enrolment(data, announced_sha256="0" * 64)
+    spaced = json.dumps(json.loads(data), indent=1).encode()
+    import hashlib
+
+    with pytest.raises(ValidationError, match="canonical"):
+        study_from_enrolment(spaced, announced_sha256=hashlib.sha256(spaced).hexdigest())
