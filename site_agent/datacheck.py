@@ -19,7 +19,7 @@ import numpy as np
 from common.config import SiteSettings
 from common.errors import DataError
 from common.study import SitePrivacyPolicy, Study, check_study_against_policy
-from site_agent.data import MIN_PRIVACY_UNITS, StudyTable, load_study_table
+from site_agent.data import StudyTable, check_cohort_size, load_study_table
 
 
 @dataclass(frozen=True)
@@ -82,13 +82,11 @@ def report_for_table(table: StudyTable, study: Study, *, delta: float) -> DataRe
             f"{unit}s, the unit DP-SGD may still run on underneath"
         )
     max_delta = 1.0 / units
-    if units < MIN_PRIVACY_UNITS:
-        problems.append(f"too few {unit}s: {units} < {MIN_PRIVACY_UNITS} needed for DP training")
-    if delta > max_delta:
-        problems.append(
-            f"delta {delta:g} is too large for {units} {unit}s: need delta <= 1/N = "
-            f"{max_delta:.3g} (ask the coordinator for a smaller delta)"
-        )
+    try:
+        # The one definition of the cohort-size rule (site_agent.data's docstring).
+        check_cohort_size(units, delta=delta, unit=unit)
+    except DataError as exc:
+        problems.append(exc.message)
     missing = table.missing_counts()
     for name, count in missing.items():
         if count == len(table):

@@ -198,3 +198,9 @@ def test_site_checks_policy_then_data_before_joining(tmp_path: Path) -> None:
             small,
         )
     assert info.value.file == str(small)
+
+
+def test_too_few_patients_is_a_problem(tmp_path: Path) -> None:
+    data = write_hospital_csv(tmp_path / "tiny.csv", n_patients=30)
+    report = check_data_against_study(data, hospital_study())
+    assert not report.ok and "too few patients: 30 < 50" in report.problems[0]
