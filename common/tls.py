@@ -398,8 +398,9 @@ class RequireCertificateRole(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     unrevoked certificate whose role `rules` allow for that method.
 
     The TLS handshake already refuses callers without a CA-signed certificate; this adds
-    what TLS cannot see (CRL, clientAuth, role) before any handler runs. A bad or revoked
-    certificate gets UNAUTHENTICATED, a good one of the wrong role PERMISSION_DENIED.
+    what TLS cannot see (CRL, clientAuth, role) before any handler runs. A refused
+    certificate (revoked, expired CRL, wrong role) gets PERMISSION_DENIED, none at all
+    UNAUTHENTICATED, as in the servicer's error mapper.
     The identity is exposed via `current_identity()` / `current_site_id()` (a context
     variable: each grpc.aio RPC runs in its own task).
     """
@@ -416,13 +417,18 @@ class RequireCertificateRole(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._clock = clock
 
     async def _authenticate(self, context: Any, allowed: frozenset[Role]) -> CertificateIdentity:
+        # Same codes as the Federation servicer's error mapper: no certificate at all is
+        # UNAUTHENTICATED, a certificate we refuse (revoked, wrong role) PERMISSION_DENIED.
+        pem = peer_certificate_pem(context.auth_context())
+        if pem is None:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "caller presented no client certificate"
+            )
+            raise CertificateRejected("no client certificate")  # unreachable: abort raises
         try:
-            pem = peer_certificate_pem(context.auth_context())
-            if pem is None:
-                raise CertificateRejected("caller presented no client certificate")
             identity = self._verifier.verify_identity(parse_certificate(pem), now=self._clock())
         except CertificateRejected as exc:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
             raise  # unreachable: abort raises; keeps the type checker honest
         if identity.role not in allowed:
             await context.abort(

@@ -131,6 +131,15 @@ async def _code(call: object) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+async def _refusal(call: object) -> str:
+    """The details of a refused call (AssertionError if it was served)."""
+    try:
+        await call  # type: ignore[misc]
+    except grpc.aio.AioRpcError as exc:
+        return f"{exc.code().name}: {exc.details()}"
+    raise AssertionError("the call was served")
+
+
 async def _reflection_code(channel: grpc.aio.Channel) -> grpc.StatusCode:
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
     call = stub.ServerReflectionInfo(
@@ -198,7 +207,7 @@ def test_revoked_site_refused_on_every_rpc_including_health(pki_dir: Path) -> No
                 try:
                     await call
                 except grpc.aio.AioRpcError as exc:
-                    assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
+                    assert exc.code() == grpc.StatusCode.PERMISSION_DENIED
                     assert "revoked" in (exc.details() or "")
                 else:
                     raise AssertionError("revoked site was served")
@@ -206,7 +215,7 @@ def test_revoked_site_refused_on_every_rpc_including_health(pki_dir: Path) -> No
             try:
                 _ = [item async for item in counted]
             except grpc.aio.AioRpcError as exc:
-                assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert exc.code() == grpc.StatusCode.PERMISSION_DENIED
             else:
                 raise AssertionError("revoked site was served a stream")
 
@@ -227,9 +236,9 @@ def test_monitor_calls_health_reflection_and_status_but_no_federation_rpc(
             for method in ("/medfed.v1.Federation/Status", "/medfed.v1.Monitor/Status"):
                 assert await channel.unary_unary(method)(b"", timeout=5) == b"monitor:probe"
             for method in ("/medfed.v1.Federation/Enroll", "/medfed.v1.Unlisted/Anything"):
-                assert (
-                    await _code(channel.unary_unary(method)(b"", timeout=5))
-                    == grpc.StatusCode.PERMISSION_DENIED
+                refusal = await _refusal(channel.unary_unary(method)(b"", timeout=5))
+                assert refusal == (
+                    "PERMISSION_DENIED: a monitor certificate may not call this method"
                 )
 
     asyncio.run(scenario())
@@ -262,8 +271,9 @@ def test_revoked_monitor_refused_for_health_and_reflection(monitor_pki: Path) ->
         ):
             assert await _code(_health(channel)) == grpc.StatusCode.OK
             pki.revoke(monitor_pki, Role.MONITOR, "probe", now=dt.datetime.now(dt.UTC))
-            assert await _code(_health(channel)) == grpc.StatusCode.UNAUTHENTICATED
-            assert await _reflection_code(channel) == grpc.StatusCode.UNAUTHENTICATED
+            refusal = await _refusal(_health(channel))
+            assert refusal.startswith("PERMISSION_DENIED") and "revoked" in refusal
+            assert await _reflection_code(channel) == grpc.StatusCode.PERMISSION_DENIED
             # The other roles are untouched by a monitor's revocation.
         async with (
             guarded_server(monitor_pki) as address,
@@ -386,7 +396,7 @@ def test_the_coordinator_installs_the_role_interceptor(
                 enroll = stub.Enroll(pb.EnrollRequest(), timeout=5)
                 assert await _code(enroll) == grpc.StatusCode.PERMISSION_DENIED
                 pki.revoke(monitor_pki, Role.MONITOR, "probe", now=dt.datetime.now(dt.UTC))
-                assert await _code(_health(channel)) == grpc.StatusCode.UNAUTHENTICATED
+                assert "revoked" in await _refusal(_health(channel))
         finally:
             await running.stop()
 
