@@ -381,9 +381,8 @@ def test_probe_verifies_a_name_that_is_in_the_coordinator_certificate() -> None:
     k8s_env = _env_of(pod["containers"][0])
     tls_items = next(v for v in pod["volumes"] if v["name"] == "tls")["secret"]["items"]
     mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "tls")
-    assert k8s_env["MEDFED_HEALTH_SERVER_CERT"] == (
-        f"{mount['mountPath']}/{next(i['path'] for i in tls_items if i['key'] == 'coordinator.crt')}"
-    )
+    cert_path = next(i["path"] for i in tls_items if i["key"] == "coordinator.crt")
+    assert k8s_env["MEDFED_HEALTH_SERVER_CERT"] == f"{mount['mountPath']}/{cert_path}"
     assert _dockerfile_env(DEPLOY / "docker/coordinator.Dockerfile")[
         "MEDFED_HEALTH_SERVER_CERT"] == "/pki/coordinator.crt"
 
