@@ -108,6 +108,7 @@ class AbortReason(enum.Enum):
     SURVIVORS_BELOW_FLOOR = "survivors_below_floor"  # the sum would cover too few sites
     UNKNOWN_MEMBER = "unknown_member"  # roster peer not in the site's pinned members
     REVOKED_PEER = "revoked_peer"  # roster peer's certificate is on the CA's CRL
+    NOT_A_SITE = "not_a_site"  # a roster entry's certificate is not a site certificate
 
 
 class ProtocolAbort(MedfedError):
