@@ -250,8 +250,8 @@ def _rdp_epsilon(history: CanonicalHistory, delta: float) -> float:
 
 def _pld_epsilon(history: CanonicalHistory, delta: float) -> float:
     """dp_accounting's PLD accountant over Poisson-sampled / plain Gaussian events."""
-    import dp_accounting
-    from dp_accounting.pld import PLDAccountant
+    import dp_accounting  # type: ignore[import-untyped]
+    from dp_accounting.pld import PLDAccountant  # type: ignore[import-untyped]
 
     accountant = PLDAccountant(value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL)
     events: list[Any] = []

@@ -748,11 +748,13 @@ class PrivacyLedger:
                     "spend; " + _recovery_hint(self.path),
                 )
             _check_writable(self.path)
-            with _guard(self.path, "creating the ledger"):
-                with _connect(self.path, mode="rwc") as conn:
-                    conn.execute("PRAGMA journal_mode=WAL")
-                    with _transaction(conn):
-                        _create_schema(conn, self.terms)
+            with (
+                _guard(self.path, "creating the ledger"),
+                _connect(self.path, mode="rwc") as conn,
+            ):
+                conn.execute("PRAGMA journal_mode=WAL")
+                with _transaction(conn):
+                    _create_schema(conn, self.terms)
         else:
             _check_writable(self.path)
             with _guard(self.path, "opening the ledger"), self._open() as conn:
@@ -933,11 +935,10 @@ class PrivacyLedger:
         if self.signer is None:
             raise ConfigError("signer", "recording a spend needs the site's signing key")
         _check_writable(self.path)
-        with _guard(self.path, "recording a spend"), self._open() as conn:
-            with _transaction(conn):
-                entry, entries = self._reserve_locked(
-                    conn, round_number, purpose, mechanisms, created_at
-                )
+        with _guard(self.path, "recording a spend"), self._open() as conn, _transaction(conn):
+            entry, entries = self._reserve_locked(
+                conn, round_number, purpose, mechanisms, created_at
+            )
         self._write_anchor(entries)
         return entry
 

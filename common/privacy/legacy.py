@@ -12,24 +12,21 @@ sampled-Gaussian entry for purpose "training". This module keeps the format-1 ch
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import math
 import sqlite3
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
 from common.errors import (
-    BudgetExhausted,
     ConfigError,
     LedgerIntegrityError,
     StateError,
 )
-from common.privacy.accountant import ACCOUNTANTS, EpsilonReport, Segment, account
+from common.privacy.accountant import Segment, account
 
 LEDGER_FORMAT: Final = "medfed-privacy-ledger/1"
 STATUS_COMMITTED: Final = "committed"
