@@ -73,7 +73,7 @@ def parse_segment(text: str) -> Segment:
 
 def _numbers(text: str, parts: list[str], names: list[str]) -> list[float]:
     values = []
-    for part, name in zip(parts, names, strict=True):
+    for part, name in zip(parts, names[: len(parts)], strict=True):
         try:
             values.append(float(part))
         except ValueError:
@@ -101,7 +101,7 @@ def parse_mechanism(text: str) -> Mechanism:
     if text.lstrip().startswith("{"):
         try:
             return mechanism_from_json_dict(json.loads(text))
-        except ValueError as exc:  # JSON errors and ConfigError alike
+        except (ValueError, ConfigError) as exc:
             raise argparse.ArgumentTypeError(f"mechanism {text!r}: {exc}") from None
     parts = text.split(":")
     kind = parts[0]
