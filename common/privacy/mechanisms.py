@@ -27,9 +27,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from common.privacy.ddgauss import DDGaussPlan
 
 KIND_SAMPLED_GAUSSIAN: Final = "sampled_gaussian"
 KIND_GAUSSIAN: Final = "gaussian"
@@ -144,8 +147,13 @@ def ddgauss_tau(*, noise_variance_per_site: float, contributors: int) -> float:
 class DistributedDiscreteGaussian:
     """One securely summed release with noise added by `contributors` sites in the ring.
 
-    `l1_sensitivity` None: the bound min(sqrt(d) * Delta2, Delta2^2) is used, valid for
-    integer vectors (|v_i| <= v_i^2). `count` identical releases compose as `count`.
+    `noise_variance_per_site` is s^2 for each site's N_Z(0, s^2), s the discrete
+    Gaussian's parameter in grid units (its actual variance is at most s^2, KLS21); the
+    sum's is `total_noise_variance` = n s^2. `contributors` = n is the planned worst case
+    (round-size floor minus colluding sites). `l1_sensitivity` None: the bound
+    min(sqrt(d) * Delta2, Delta2^2) is used, valid for integer vectors (|v_i| <= v_i^2).
+    `count` identical releases compose as `count`. Build it from a round's plan with
+    `from_plan` so the ledger records exactly what `common.privacy.ddgauss` ran.
     """
 
     noise_variance_per_site: float
@@ -175,6 +183,21 @@ class DistributedDiscreteGaussian:
                 self, "l1_sensitivity", _positive("l1_sensitivity", self.l1_sensitivity)
             )
         _count("count", self.count, minimum=1)
+
+    @classmethod
+    def from_plan(
+        cls, plan: DDGaussPlan, *, replacement: bool = False
+    ) -> DistributedDiscreteGaussian:
+        """The mechanism of one round planned by `common.privacy.ddgauss.plan_ddgauss`
+        (`replacement`: sensitivities doubled, for the replace-one-site relation)."""
+        factor = 2.0 if replacement else 1.0
+        return cls(
+            noise_variance_per_site=plan.site_sigma**2,
+            contributors=plan.n_noise,
+            l2_sensitivity=factor * plan.l2_sensitivity,
+            dimension=plan.padded_dim,
+            l1_sensitivity=factor * plan.l1_sensitivity,
+        )
 
     @property
     def total_noise_variance(self) -> float:
@@ -207,17 +230,17 @@ class DistributedDiscreteGaussian:
 
     @property
     def zcdp_rho(self) -> float:
-        """rho of the pure (xi = 0) zCDP bound: min of Proposition 14's last two terms."""
-        return self.rdp_linear_coefficient()
-
-    def rdp_linear_coefficient(self) -> float:
+        """rho with D_alpha <= rho * alpha for all alpha > 1 (what the ledger reports as
+        the zCDP guarantee): Proposition 14's three terms bounded by linear ones, the
+        first via tau*d <= tau*d*alpha. The accountant composes `rdp` (tighter) instead."""
         n, d, tau = self.contributors, self.dimension, self.tau
         central_std = math.sqrt(n * self.noise_variance_per_site)
         l2_scale = self.l2_sensitivity / central_std
         l1_scale = self.effective_l1_sensitivity / central_std
+        rho_1 = l2_scale**2 / 2.0 + tau * d
         rho_2 = (l2_scale**2 + 2.0 * l1_scale * tau + tau**2 * d) / 2.0
         rho_3 = (l2_scale + math.sqrt(d) * tau) ** 2 / 2.0
-        return min(rho_2, rho_3)
+        return min(rho_1, rho_2, rho_3)
 
     def to_json_dict(self) -> dict[str, Any]:
         return {

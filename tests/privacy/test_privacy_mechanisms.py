@@ -235,3 +235,22 @@ def test_round_plan_refuses_a_spent_budget_and_bad_arguments() -> None:
         plan_round_noise(history=[], remaining_rounds=2, max_epsilon_per_round=-1.0,
                          **PLAN)  # type: ignore[arg-type]
     assert info.value.field == "max_epsilon_per_round"
+
+
+def test_ddgauss_from_a_round_plan_records_what_the_plan_accounts() -> None:
+    """The ledger's DDGauss entry built from `plan_ddgauss` has the plan's own RDP and
+    rho (common.privacy.ddgauss), for add/remove and for replacement."""
+    import numpy as np
+
+    from common.privacy.ddgauss import plan_ddgauss
+
+    plan = plan_ddgauss(clip=1.0, dim=1000, sigma=0.8, n_noise=3)
+    orders = [1.5, 2.0, 4.0, 32.0]
+    for replacement in (False, True):
+        mechanism = DistributedDiscreteGaussian.from_plan(plan, replacement=replacement)
+        assert mechanism.dimension == plan.padded_dim and mechanism.contributors == 3
+        assert np.allclose([mechanism.rdp(a) for a in orders],
+                           plan.rdp(orders, replacement=replacement), rtol=1e-12)
+        assert mechanism.zcdp_rho == pytest.approx(plan.rho(replacement=replacement), rel=1e-12)
+        restored = mechanism_from_json_dict(json.loads(mechanisms_to_json([mechanism]))[0])
+        assert restored == mechanism
