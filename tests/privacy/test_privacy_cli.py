@@ -153,7 +153,7 @@ def test_ledger_show_reports_rounds_budget_unit_and_purposes(
     assert "patient-level DP" in text and "remaining" in text
     ledger.reserve(1, [Gaussian(40.0, 1.0)], now=T0, purpose="evaluation")
     shown = run_json(capsys, "ledger", "show", "--ledger", str(path), "--json")
-    assert set(shown["epsilon_by_purpose"]) == {"training", "evaluation"}  # type: ignore[arg-type]
+    assert set(shown["epsilon_by_purpose"]) == {"training", "evaluation"}  # type: ignore[call-overload]
     assert shown["entries"][2]["mechanisms"] == [  # type: ignore[index]
         {"kind": "gaussian", "noise_std": 40.0, "l2_sensitivity": 1.0, "count": 1}]
     assert main(["ledger", "show", "--ledger", str(path)]) == 0

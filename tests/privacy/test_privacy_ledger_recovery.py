@@ -220,7 +220,7 @@ def test_read_only_file(ledger_file: Path, pki_material: Pki) -> None:
 
 def test_read_only_folder(ledger_file: Path, pki_material: Pki) -> None:
     ledger_file.parent.chmod(stat.S_IRUSR | stat.S_IXUSR)
-    with pytest.raises(LedgerUnavailable, match="folder .* is read-only") as info:
+    with pytest.raises(LedgerUnavailable, match=r"folder .* is read-only") as info:
         open_ledger(ledger_file, pki_material.signer_a)
     assert str(ledger_file) in str(info.value)
 

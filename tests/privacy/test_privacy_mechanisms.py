@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import math
 
-import dp_accounting
+import dp_accounting  # type: ignore[import-untyped]
 import pytest
-from dp_accounting.pld import PLDAccountant
-from dp_accounting.rdp import RdpAccountant
-from scipy.stats import norm
+from dp_accounting.pld import PLDAccountant  # type: ignore[import-untyped]
+from dp_accounting.rdp import RdpAccountant  # type: ignore[import-untyped]
+from scipy.stats import norm  # type: ignore[import-untyped]
 
 from common.errors import ConfigError
 from common.privacy.accountant import (
@@ -24,6 +24,7 @@ from common.privacy.accountant import (
 from common.privacy.mechanisms import (
     DistributedDiscreteGaussian,
     Gaussian,
+    Mechanism,
     mechanism_from_json_dict,
     mechanisms_from_json,
     mechanisms_to_json,
@@ -69,7 +70,7 @@ def test_single_gaussian_matches_the_closed_form_and_never_goes_below(
     assert rdp.epsilon >= pld.epsilon
 
 
-HISTORIES = [
+HISTORIES: list[list[Mechanism]] = [
     [Segment(1.0, 0.01, 1000)],
     [Segment(1.1, 0.02, 300), Segment(0.8, 0.01, 200), Gaussian(20.0, 1.0)],
     [Segment(2.0, 0.05, 200), Gaussian(5.0, 2.0, count=3)],
@@ -77,7 +78,9 @@ HISTORIES = [
 
 
 @pytest.mark.parametrize("history", HISTORIES, ids=["sgd", "sgd+count", "sgd+stats"])
-def test_pld_agrees_with_prv_and_the_reference_and_rdp_is_above(history: list) -> None:  # type: ignore[type-arg]
+def test_pld_agrees_with_prv_and_the_reference_and_rdp_is_above(
+    history: list[Mechanism],
+) -> None:
     reference = PLDAccountant(value_discretization_interval=1e-4)
     for mechanism in history:
         if isinstance(mechanism, Segment):
@@ -85,7 +88,7 @@ def test_pld_agrees_with_prv_and_the_reference_and_rdp_is_above(history: list) -
                 mechanism.sample_rate, dp_accounting.GaussianDpEvent(mechanism.noise_multiplier)
             )
             reference.compose(dp_accounting.SelfComposedDpEvent(event, mechanism.steps))
-        else:
+        elif isinstance(mechanism, Gaussian):
             reference.compose(dp_accounting.SelfComposedDpEvent(
                 dp_accounting.GaussianDpEvent(mechanism.noise_multiplier), mechanism.count))
     fine = float(reference.get_epsilon(DELTA))
@@ -136,7 +139,7 @@ def test_ddgauss_history_is_composed_in_rdp_flagged_and_matches_dp_accounting() 
     )
     rho = 600.0**2 / (2 * 8 * 2500.0)
     assert ddg.tau < 1e-100 and ddg.zcdp_rho == pytest.approx(rho, rel=1e-9)
-    history = [Segment(1.0, 0.01, 200), ddg, ddg]
+    history: list[Mechanism] = [Segment(1.0, 0.01, 200), ddg, ddg]
     for requested in ("prv", "pld"):
         report = account(history, delta=DELTA, accountant=requested)
         assert report.accountant == "rdp" and report.requested_accountant == requested
@@ -182,8 +185,11 @@ def test_tagged_json_round_trip_and_format1_segments() -> None:
 # --- the site plans its own noise -------------------------------------------------------
 
 
-PLAN = {"budget_epsilon": 4.0, "delta": DELTA, "sample_rate": 0.02, "steps_per_round": 20,
-        "accountant": "pld"}
+BUDGET = 4.0
+PLAN: dict[str, object] = {
+    "budget_epsilon": BUDGET, "delta": DELTA, "sample_rate": 0.02, "steps_per_round": 20,
+    "accountant": "pld",
+}
 
 
 def test_round_plan_never_exceeds_the_cap_and_spends_from_the_ledger() -> None:
@@ -198,7 +204,7 @@ def test_round_plan_never_exceeds_the_cap_and_spends_from_the_ledger() -> None:
                             delta=DELTA, accountant="pld")
     assert after - spent == pytest.approx(plan.round_epsilon)
     assert plan.round_epsilon <= 0.2
-    assert plan.epsilon_after_plan <= PLAN["budget_epsilon"]
+    assert plan.epsilon_after_plan <= BUDGET
 
 
 def test_a_one_round_announcement_cannot_buy_a_cheap_round() -> None:
@@ -220,7 +226,7 @@ def test_a_one_round_announcement_cannot_buy_a_cheap_round() -> None:
         plan = plan_round_noise(history=history, remaining_rounds=remaining,
                                 **PLAN)  # type: ignore[arg-type]
         history.append(Segment(plan.noise_multiplier, 0.02, 20))
-    assert compose_epsilon(history, delta=DELTA, accountant="pld") <= PLAN["budget_epsilon"]
+    assert compose_epsilon(history, delta=DELTA, accountant="pld") <= BUDGET
 
 
 def test_round_plan_refuses_a_spent_budget_and_bad_arguments() -> None:
