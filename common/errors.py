@@ -17,7 +17,11 @@
     ├── PrivacyError
     │   ├── BudgetExhausted          this round would exceed the site's epsilon budget
     │   └── LedgerIntegrityError     the hash chain of a ledger does not verify
+    │       └── LedgerForkError      a ledger head does not extend the known history
+    │                                (fork, shrink, reset)
     └── StateError                   persisted state is missing or inconsistent
+        └── LedgerUnavailable        a ledger file is missing, unreadable, read-only
+                                     or damaged; names the file and what to do
 
 Servicers translate these to gRPC status codes in one place; nothing else in the
 product catches broad exceptions.
@@ -140,5 +144,21 @@ class LedgerIntegrityError(PrivacyError):
     """A ledger's hash chain does not verify: an entry was edited, deleted or moved."""
 
 
+class LedgerForkError(LedgerIntegrityError):
+    """A reported or restored ledger head does not extend the history already known
+    (the coordinator's replica or the site's anchor): a fork, a shrink or a reset."""
+
+
 class StateError(MedfedError):
     """Persisted state is missing or inconsistent."""
+
+
+class LedgerUnavailable(StateError):
+    """A privacy ledger cannot be used as it is (missing, unreadable, read-only, damaged).
+
+    The message names the file and the operator's way out; the site does not start (or
+    stops) rather than train on a budget it cannot record."""
+
+    def __init__(self, path: object, message: str) -> None:
+        self.path = str(path)
+        super().__init__(message)

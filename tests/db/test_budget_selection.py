@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from common import pki
 from common.config import SiteSettings
 from common.errors import StateError, ValidationError
 from common.privacy.accountant import Segment
 from common.privacy.federation import FederationBudgetView
-from common.privacy.ledger import PrivacyLedger, verify_ledger
+from common.privacy.ledger import LedgerSigner, PrivacyLedger, verify_ledger
 from common.proto.medfed.v1 import federation_pb2 as pb
 from coordinator.engine import RoundEngine, SiteBudget
 from coordinator.metrics import CoordinatorMetrics
@@ -186,9 +187,11 @@ def test_site_with_exhausted_ledger_is_never_selected_again(
 ) -> None:
     ledgers = {
         "d": PrivacyLedger(tmp_path / "d.ledger", site_id="d", budget_epsilon=100.0,
-                           delta=1e-5),
+                           delta=1e-5,
+                           signer=LedgerSigner.from_files(*pki.site_paths(pki_layout.root, "d"))),
         "e": PrivacyLedger(tmp_path / "e.ledger", site_id="e", budget_epsilon=TIGHT_BUDGET,
-                           delta=1e-5),
+                           delta=1e-5,
+                           signer=LedgerSigner.from_files(*pki.site_paths(pki_layout.root, "e"))),
     }
     # The premise: one round fits e's budget, two do not (also warms up the accountant).
     assert ledgers["e"].preview(1, ROUND_COST) < TIGHT_BUDGET

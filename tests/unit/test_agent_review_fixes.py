@@ -19,7 +19,7 @@ from common.config import SiteSettings
 from common.errors import ConfigError, ValidationError
 from common.modelfile import flat_layout
 from common.privacy.accountant import Segment
-from common.privacy.ledger import PrivacyLedger
+from common.privacy.ledger import LedgerSigner, PrivacyLedger
 from common.proto.medfed.v1 import federation_pb2 as pb
 from site_agent.agent import Round, RoundFailed, SiteAgent
 from site_agent.hooks import DpTrainingHook, LocalUpdate, RoundPlan
@@ -74,6 +74,7 @@ def agent_and_ledger(tmp_path: Path) -> tuple[SiteAgent, PrivacyLedger, Counting
         delta=1e-5,
         accountant="rdp",
         privacy_unit="record",
+        signer=LedgerSigner.from_files(*pki.site_paths(root, "alpha")),
     )
     hook = CountingHook()
     agent = SiteAgent(settings, hook, metrics=SiteMetrics("alpha"), ledger=ledger)
