@@ -17,10 +17,15 @@
     ├── PrivacyError
     │   ├── BudgetExhausted          this round would exceed the site's epsilon budget
     │   └── LedgerIntegrityError     the hash chain of a ledger does not verify
-    └── StateError                   persisted state is missing or inconsistent
+    ├── StateError                   persisted state is missing or inconsistent
+    ├── Unauthenticated              the caller presented no certificate at all
+    ├── Unavailable                  the coordinator cannot serve now (its round engine
+    │                                failed); sites retry with backoff
+    ├── RoundFailed                  this round cannot go on for this site
+    └── FederationFinished           the coordinator ran its whole study
 
-Servicers translate these to gRPC status codes in one place; nothing else in the
-product catches broad exceptions.
+`common.wire.status_for` translates these to gRPC status codes (one table); nothing
+else in the product catches broad exceptions.
 """
 
 from __future__ import annotations
@@ -137,3 +142,22 @@ class LedgerIntegrityError(PrivacyError):
 
 class StateError(MedfedError):
     """Persisted state is missing or inconsistent."""
+
+
+class Unauthenticated(MedfedError):
+    """The caller presented no certificate at all."""
+
+
+class Unavailable(MedfedError):
+    """The coordinator cannot serve now: its round engine stopped on an error.
+
+    Never "finished": sites keep retrying with backoff until a restarted coordinator
+    (on the same state) takes the federation up again."""
+
+
+class RoundFailed(MedfedError):
+    """This round cannot go on for this site (the next one may)."""
+
+
+class FederationFinished(MedfedError):
+    """The coordinator ran all its rounds: the study is complete."""
