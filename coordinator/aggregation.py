@@ -19,6 +19,8 @@ from common.crypto.quantize import dequantize_sum
 from common.errors import AbortReason, ProtocolAbort, StateError, ValidationError
 from common.evaluation import operating_point_metrics
 from common.secagg import messages as sm
+from common.secagg.client import IdentityVerifier
+from common.secagg.params import SecAggParams, ThreatModel, validate_against_threat_model
 from common.secagg.server import SecAggServer
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.optimizers import weighted_mean
@@ -199,3 +201,24 @@ class SecureAggregator:
 
 
 Aggregator = PlainAggregator | SecureAggregator
+
+
+def aggregator_for(
+    rnd: ActiveRound,
+    *,
+    identity: IdentityVerifier,
+    metrics: CoordinatorMetrics,
+    max_colluding_sites: int,
+) -> Aggregator:
+    """The aggregator of a round: SecAgg+ with parameters checked against the
+    coordinator's own threat model, or the plain sum."""
+    ann = rnd.announcement
+    if not ann.secure_aggregation:
+        return PlainAggregator(rnd)
+    params = SecAggParams(
+        round_number=ann.round_number, round_nonce=ann.round_nonce,
+        participants=ann.participants, threshold=ann.threshold,
+        neighbours=ann.neighbours, vector_length=ann.vector_length,
+    )
+    validate_against_threat_model(params, ThreatModel(max_colluding_sites, 0))
+    return SecureAggregator(rnd, SecAggServer(params, identity=identity), metrics=metrics)

@@ -14,11 +14,10 @@ coordinator restarted on the same state resumes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,35 +28,33 @@ from common.errors import (
     AbortReason,
     MedfedError,
     ProtocolAbort,
-    StateError,
     Unavailable,
-    ValidationError,
 )
 from common.privacy.federation import FederationBudgetView
 from common.round import Announcement, SiteBudget
-from common.secagg import messages as sm
 from common.secagg.client import IdentityVerifier
 from common.secagg.params import (
     ROUND_NONCE_BYTES,
-    SecAggParams,
-    ThreatModel,
-    validate_against_threat_model,
 )
-from common.secagg.server import SecAggServer
 from coordinator import checkpoints, selection
 from coordinator.aggregation import (
     UPDATE_CHUNK_ELEMENTS,
     Aggregator,
-    PlainAggregator,
-    SecureAggregator,
+    aggregator_for,
     decode_round_sum,
 )
+from coordinator.inbox import RoundInbox
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.optimizers import apply_step, build_optimizer
-from coordinator.phases import ActiveRound, PhaseClosed, PhaseState, RoundPhase, drive
+from coordinator.phases import (
+    ActiveRound,
+    PhaseClosed,
+    drive,
+    phase_timeout,
+)
 from coordinator.sessions import SiteRegistry
 from coordinator.store import CoordinatorStore
-from coordinator.uploads import Transfers, iter_model
+from coordinator.uploads import Transfers
 
 log = logging.getLogger("medfed.coordinator")
 
@@ -96,10 +93,8 @@ class RoundEngine:
         self.rng = rng
         self.sessions = SiteRegistry(store, self.budget_view, metrics=metrics, clock=clock)
         self.transfers = Transfers(settings.limits, settings.state, metrics=metrics)
-        self.round: ActiveRound | None = None
-        self.aggregator: Aggregator | None = None
+        self.inbox = RoundInbox(store, self.sessions, self.transfers)
         self.finished = asyncio.Event()  # set only when the whole study completed
-        self._accumulator_lock = asyncio.Lock()
         self.optimizer = build_optimizer(settings.optimizer)
         self.layout, self.global_flat = checkpoints.load_model(
             store, settings.model, self.optimizer
@@ -137,130 +132,20 @@ class RoundEngine:
                              device=device, budget=budget)
         return self.last_round_number
 
+    def decline(self, site_id: str, round_number: int, *, budget: SiteBudget | None) -> None:
+        self.sessions.record_budget(self.sessions.session(site_id), budget)
+        self.inbox.decline(site_id, round_number)
+        log.info("site %s declined round %d", site_id, round_number)
+
     async def wait_for_round(
         self, site_id: str, *, after_round: int, wait_seconds: float, budget: SiteBudget | None
     ) -> Announcement | None:
         """Long-poll until a round selecting this site opens (None on timeout)."""
         self.sessions.record_budget(self.sessions.session(site_id), budget)
-        current = self.round
-        if current is not None and current.number > after_round and current.can_rejoin(site_id):
+        current = self.inbox.rejoin(site_id, after_round=after_round)
+        if current is not None:
             return current.announcement
         return await self.sessions.poll(site_id, wait_seconds=wait_seconds)
-
-    def decline(self, site_id: str, round_number: int, *, budget: SiteBudget | None) -> None:
-        self.sessions.record_budget(self.sessions.session(site_id), budget)
-        self._round_for(site_id, round_number).decline(site_id)
-        log.info("site %s declined round %d", site_id, round_number)
-
-    def _round_for(self, site_id: str, round_number: int) -> ActiveRound:
-        rnd = self.round
-        if rnd is None or rnd.number != round_number:
-            if self.store.round_status(round_number) == "abandoned":
-                raise ProtocolAbort(
-                    AbortReason.ROUND_ABANDONED,
-                    f"round {round_number} was abandoned (coordinator restart)",
-                )
-            raise ProtocolAbort(
-                AbortReason.WRONG_ROUND, f"round {round_number} is not the round in flight"
-            )
-        if site_id not in rnd.announcement.participants:
-            raise StateError(f"site {site_id} is not a participant of round {round_number}")
-        return rnd
-
-    def _in_phase(self, site_id: str, round_number: int, phase: RoundPhase, *,
-                  session_id: bytes | None) -> tuple[ActiveRound, PhaseState, Aggregator]:
-        """The round, phase and aggregator a site's `phase` message belongs to (the
-        session id is checked unless None)."""
-        rnd = self._round_for(site_id, round_number)
-        state = rnd.require_phase(phase, site_id)
-        aggregator = self.aggregator
-        if aggregator is None:
-            raise ProtocolAbort(AbortReason.UNEXPECTED_MESSAGE, "no round in flight")
-        if session_id is not None:
-            aggregator.check_session(session_id)
-        return rnd, state, aggregator
-
-    def model_chunks(self, site_id: str, round_number: int, chunk_bytes: int) -> Iterator[
-        tuple[int, bytes]
-    ]:
-        """Check the caller now; then copy one chunk at a time (not the whole model)."""
-        return iter_model(self._round_for(site_id, round_number), chunk_bytes)
-
-    def download_slot(self) -> contextlib.AbstractAsyncContextManager[None]:
-        return self.transfers.download_slot()
-
-    async def advertise(
-        self, site_id: str, round_number: int, nonce: bytes, msg: sm.AdvertiseKeys
-    ) -> sm.Roster:
-        rnd = self._round_for(site_id, round_number)
-        if nonce != rnd.announcement.round_nonce:
-            raise ProtocolAbort(AbortReason.WRONG_ROUND, "round nonce does not match")
-        _, state, aggregator = self._in_phase(
-            site_id, round_number, RoundPhase.ADVERTISE_KEYS, session_id=None
-        )
-        if msg.site_id != site_id:
-            raise ValidationError("advertisement names another site")
-        cert = self.sessions.session(site_id).certificate_der
-        _secure(aggregator).receive_advertisement(site_id, msg, certificate_der=cert)
-        state.mark(site_id)
-        roster: sm.Roster = await rnd.wait_closed(RoundPhase.ADVERTISE_KEYS)
-        return roster
-
-    async def share_keys(
-        self, site_id: str, round_number: int, session_id: bytes, msg: sm.ShareKeysOut
-    ) -> sm.SharesForRecipient:
-        rnd, state, aggregator = self._in_phase(
-            site_id, round_number, RoundPhase.SHARE_KEYS, session_id=session_id
-        )
-        _secure(aggregator).receive_shares(site_id, msg)
-        state.mark(site_id)
-        per_site: dict[str, sm.SharesForRecipient] = await rnd.wait_closed(RoundPhase.SHARE_KEYS)
-        return per_site.get(site_id, sm.SharesForRecipient(shares=()))
-
-    async def upload(
-        self,
-        site_id: str,
-        round_number: int,
-        session_id: bytes,
-        length: int,
-        chunks: AsyncIterator[tuple[int, bytes]],
-    ) -> sm.SurvivorList:
-        """Receive one masked (or, in plain rounds, quantized) vector in chunks."""
-        rnd, _, aggregator = self._in_phase(
-            site_id, round_number, RoundPhase.MASKED_INPUT, session_id=session_id
-        )
-        if length != rnd.announcement.vector_length:
-            raise ProtocolAbort(
-                AbortReason.WRONG_LENGTH,
-                f"vector of {length} elements, round needs {rnd.announcement.vector_length}",
-            )
-        await self.transfers.receive(
-            rnd, site_id, length, chunks, into=aggregator, lock=self._accumulator_lock
-        )
-        survivors: sm.SurvivorList = await rnd.wait_closed(RoundPhase.MASKED_INPUT)
-        return survivors
-
-    async def consistency(
-        self, site_id: str, round_number: int, session_id: bytes, msg: sm.ConsistencySignature
-    ) -> sm.ConsistencySignatures:
-        rnd, state, aggregator = self._in_phase(
-            site_id, round_number, RoundPhase.CONSISTENCY_CHECK, session_id=session_id
-        )
-        _secure(aggregator).receive_consistency(site_id, msg)
-        state.mark(site_id)
-        sigs: sm.ConsistencySignatures = await rnd.wait_closed(RoundPhase.CONSISTENCY_CHECK)
-        return sigs
-
-    async def unmask(
-        self, site_id: str, round_number: int, session_id: bytes, msg: sm.UnmaskShares
-    ) -> int:
-        rnd, state, aggregator = self._in_phase(
-            site_id, round_number, RoundPhase.UNMASK, session_id=session_id
-        )
-        _secure(aggregator).receive_unmask(site_id, msg)
-        state.mark(site_id)
-        contributors: int = await rnd.wait_closed(RoundPhase.UNMASK)
-        return contributors
 
     # --------------------------------------------------------------- main loop
     async def run(self) -> None:
@@ -282,14 +167,10 @@ class RoundEngine:
     async def select_participants(self) -> list[str]:
         """Wait for `min_sites` eligible sites, then briefly for the rest to arrive."""
         cfg = self.settings
+        evaluation = self.is_evaluation_round()
 
         def eligible(site_ids: list[str]) -> list[str]:
-            return selection.with_budget(
-                site_ids,
-                reports={s: self.sessions.sites[s].budget for s in site_ids},
-                view={row.site_id: row for row in self.budget_view.snapshot()},
-                evaluation_round=self.is_evaluation_round(),
-            )
+            return self.sessions.with_budget(site_ids, evaluation_round=evaluation)
 
         return await self.sessions.gather(
             eligible, min_sites=cfg.min_sites, max_sites=cfg.limits.max_sites,
@@ -312,30 +193,6 @@ class RoundEngine:
             evaluation_round=self.is_evaluation_round(), now=self.clock(),
         )
 
-    def _aggregator_for(self, rnd: ActiveRound) -> Aggregator:
-        ann = rnd.announcement
-        if not ann.secure_aggregation:
-            return PlainAggregator(rnd)
-        params = SecAggParams(
-            round_number=ann.round_number, round_nonce=ann.round_nonce,
-            participants=ann.participants, threshold=ann.threshold,
-            neighbours=ann.neighbours, vector_length=ann.vector_length,
-        )
-        colluding = self.settings.aggregation.max_colluding_sites
-        validate_against_threat_model(params, ThreatModel(colluding, 0))
-        server = SecAggServer(params, identity=self.identity)
-        return SecureAggregator(rnd, server, metrics=self.metrics)
-
-    def _timeout_for(self, rnd: ActiveRound) -> Callable[[RoundPhase], float]:
-        phase_s = self.settings.deadlines.phase_seconds
-
-        def timeout(phase: RoundPhase) -> float:
-            if phase is not RoundPhase.MASKED_INPUT:
-                return phase_s
-            return max(rnd.announcement.train_deadline_ms / 1000 - self.clock(), 0.0) + phase_s
-
-        return timeout
-
     def _phase_closed(self, rnd: ActiveRound, closed: PhaseClosed) -> None:
         name = closed.phase.value
         if closed.missing:
@@ -350,8 +207,11 @@ class RoundEngine:
         self.store.begin_round(ann.round_number, participants, now=self.clock())
         self.metrics.current_round.set(ann.round_number)
         rnd = ActiveRound(ann, checkpoints.model_payload(self.layout, self.global_flat))
-        aggregator = self._aggregator_for(rnd)
-        self.round, self.aggregator = rnd, aggregator
+        aggregator = aggregator_for(
+            rnd, identity=self.identity, metrics=self.metrics,
+            max_colluding_sites=self.settings.aggregation.max_colluding_sites,
+        )
+        self.inbox.open(rnd, aggregator)
         log.info(
             "round %d open: %d sites, threshold %d, neighbours %d, secure=%s",
             ann.round_number, len(participants), ann.threshold, ann.neighbours,
@@ -360,9 +220,11 @@ class RoundEngine:
         self.sessions.announce(ann)
         abort: ProtocolAbort | None = ProtocolAbort(AbortReason.ROUND_ABANDONED, "round ended")
         try:
-            await drive(rnd, aggregator.phases, timeout_for=self._timeout_for(rnd),
-                        close=aggregator.close, lock=self._accumulator_lock,
-                        on_closed=self._phase_closed)
+            phase_s = self.settings.deadlines.phase_seconds
+            await drive(rnd, aggregator.phases, close=aggregator.close,
+                        timeout_for=lambda p: phase_timeout(ann, p, now=self.clock(),
+                                                            phase_seconds=phase_s),
+                        lock=self.inbox.lock, on_closed=self._phase_closed)
             # Before the sum is used: a crash from here on is reported as "abandoned
             # after unmasking" at the next start (the sum existed in the clear).
             self.store.mark_unmasked(ann.round_number)
@@ -387,8 +249,7 @@ class RoundEngine:
         finally:
             rnd.end(abort=abort)
             self.last_round_number = ann.round_number
-            self.round = None
-            self.aggregator = None
+            self.inbox.close()
 
     def _apply_update(self, ann: Announcement, aggregator: Aggregator) -> RoundResult:
         """Decode the sum and step the model (worker thread; the model is no longer
@@ -460,8 +321,3 @@ class RoundEngine:
             },
         )
 
-
-def _secure(aggregator: Aggregator) -> SecAggServer:
-    if not isinstance(aggregator, SecureAggregator):
-        raise ProtocolAbort(AbortReason.UNEXPECTED_MESSAGE, "this round is not secure")
-    return aggregator.server

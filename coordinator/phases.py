@@ -223,6 +223,14 @@ class ActiveRound:
         return PhaseClosed(self.phase, missing, time.perf_counter() - started, idle)
 
 
+def phase_timeout(ann: Announcement, phase: RoundPhase, *, now: float,
+                  phase_seconds: float) -> float:
+    """Seconds a phase stays open: MaskedInput waits out local training too."""
+    if phase is not RoundPhase.MASKED_INPUT:
+        return phase_seconds
+    return max(ann.train_deadline_ms / 1000 - now, 0.0) + phase_seconds
+
+
 CloseFn = Callable[[RoundPhase, PhaseState], Awaitable[tuple[object, set[str]]]]
 
 

@@ -193,7 +193,7 @@ class FederationServicer(pb_grpc.FederationServicer):
             require_parsed(request)
             site_id = self._site(context)
             # model_chunks checks the caller now and copies one chunk at a time later.
-            chunks = self.engine.model_chunks(site_id, request.round, CHUNK_BYTES)
+            chunks = self.engine.inbox.model_chunks(site_id, request.round, CHUNK_BYTES)
         except MedfedError as exc:
             code = wire.status_for(exc)
             self.metrics.grpc_requests.labels(method="DownloadModel", code=code.name).inc()
@@ -202,7 +202,7 @@ class FederationServicer(pb_grpc.FederationServicer):
         try:
             # Bounded concurrent streams: each can hold a flow-control window of
             # sent-but-unread chunks in gRPC's buffers (large models, many sites).
-            async with self.engine.download_slot():
+            async with self.engine.inbox.download_slot():
                 for offset, data in chunks:
                     yield pb.ModelChunk(offset=offset, data=data)
         except MedfedError as exc:
@@ -221,14 +221,14 @@ class FederationServicer(pb_grpc.FederationServicer):
         site_id = self._site(context)
         msg = wire.advertise_from_pb(request, caller=site_id)
         nonce = wire.bounded(request.round_nonce, what="round_nonce", exact=16)
-        roster = await self.engine.advertise(site_id, request.round, nonce, msg)
+        roster = await self.engine.inbox.advertise(site_id, request.round, nonce, msg)
         return wire.roster_to_pb(roster)
 
     @rpc
     async def ShareKeys(self, request: pb.ShareKeysRequest, context: Any) -> pb.ShareKeysResponse:
         site_id = self._site(context)
         msg = wire.share_keys_from_pb(request)
-        shares = await self.engine.share_keys(
+        shares = await self.engine.inbox.share_keys(
             site_id, request.round, wire.session_id(request.session_id), msg
         )
         return wire.shares_for_recipient_to_pb(shares)
@@ -264,7 +264,7 @@ class FederationServicer(pb_grpc.FederationServicer):
                     raise ValidationError("only one header per upload")
                 yield item.chunk.offset, item.chunk.data
 
-        survivors = await self.engine.upload(
+        survivors = await self.engine.inbox.upload(
             site_id, header.round, session, header.vector_length, chunks()
         )
         return wire.survivors_to_pb(survivors)
@@ -274,7 +274,7 @@ class FederationServicer(pb_grpc.FederationServicer):
         self, request: pb.ConsistencyCheckRequest, context: Any
     ) -> pb.ConsistencyCheckResponse:
         site_id = self._site(context)
-        sigs = await self.engine.consistency(
+        sigs = await self.engine.inbox.consistency(
             site_id,
             request.round,
             wire.session_id(request.session_id),
@@ -285,7 +285,7 @@ class FederationServicer(pb_grpc.FederationServicer):
     @rpc
     async def Unmask(self, request: pb.UnmaskRequest, context: Any) -> pb.UnmaskResponse:
         site_id = self._site(context)
-        contributors = await self.engine.unmask(
+        contributors = await self.engine.inbox.unmask(
             site_id,
             request.round,
             wire.session_id(request.session_id),

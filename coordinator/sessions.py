@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from common.errors import StateError, Unavailable
 from common.privacy.federation import FederationBudgetView
 from common.round import Announcement, SiteBudget
+from coordinator import selection
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.store import CoordinatorStore
 
@@ -102,6 +103,15 @@ class SiteRegistry:
                 spent, total = row.spent_epsilon, row.budget_epsilon
         self.metrics.observe_budget(site_id, spent, total)
         self.changed.set()
+
+    def with_budget(self, site_ids: list[str], *, evaluation_round: bool) -> list[str]:
+        """`selection.with_budget` over these sessions' reports and the federation view."""
+        return selection.with_budget(
+            site_ids,
+            reports={s: self.sites[s].budget for s in site_ids},
+            view={row.site_id: row for row in self.budget_view.snapshot()},
+            evaluation_round=evaluation_round,
+        )
 
     def ledger_last_rounds(self, site_ids: list[str]) -> list[int | None]:
         return [self.sites[s].budget.ledger_last_round for s in site_ids if s in self.sites]
