@@ -109,6 +109,7 @@ class AbortReason(enum.Enum):
     RECONSTRUCTION_FAILED = "reconstruction_failed"
     ROUND_ABANDONED = "round_abandoned"
     UPLOAD_IDLE = "upload_idle"  # an upload stream sent nothing for too long
+    NOT_A_SITE = "not_a_site"  # a roster entry's certificate is not a site certificate
 
 
 class ProtocolAbort(MedfedError):
