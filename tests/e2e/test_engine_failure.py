@@ -42,11 +42,13 @@ def _mount_tmpfs(folder: Path) -> None:
 def federation(tmp_path: Path) -> Iterator[Federation]:
     state = tmp_path / "coordinator"  # the harness's coordinator state folder
     _mount_tmpfs(state)
-    fed = Federation(tmp_path, SITES)
+    fed: Federation | None = None
     try:
+        fed = Federation(tmp_path, SITES)
         yield fed
     finally:
-        fed.stop()
+        if fed is not None:
+            fed.stop()
         subprocess.run(["umount", "-l", str(state)], check=False)
 
 
