@@ -156,10 +156,12 @@ class RoundEngine:
             while self.store.completed_rounds() < self.total_rounds:
                 await self._run_round(await self.select_participants())
         except BaseException as exc:
-            cause = "shutting down" if isinstance(exc, asyncio.CancelledError) else (
-                f"round engine failed: {type(exc).__name__}: {exc}"
+            # The cause stays in the coordinator's log (service.serve): sites learn only
+            # that they should retry, not the coordinator's paths or database errors.
+            what = "is shutting down" if isinstance(exc, asyncio.CancelledError) else (
+                "stopped on an error"
             )
-            self.sessions.close(failure=Unavailable(f"coordinator {cause}"))
+            self.sessions.close(failure=Unavailable(f"coordinator {what}: retry later"))
             raise
         self.finished.set()
         self.sessions.close(failure=None)

@@ -92,7 +92,6 @@ class PhaseClosed:
     phase: RoundPhase
     missing: tuple[str, ...]  # expected sites the deadline dropped
     seconds: float
-    idle_seconds: float  # waited after the last message for sites that never came
 
 
 class ActiveRound:
@@ -212,15 +211,13 @@ class ActiveRound:
     async def wait_ready(self, state: PhaseState, timeout: float) -> PhaseClosed:
         """Until every expected site arrived or `timeout` seconds passed."""
         started = time.perf_counter()
-        idle = 0.0
         try:
             await asyncio.wait_for(state.all_arrived.wait(), timeout=max(timeout, 0.0))
         except TimeoutError:
             last = state.last_arrival if state.last_arrival is not None else started
-            idle = time.perf_counter() - max(last, started)
-            self.deadline_wait_seconds += idle
+            self.deadline_wait_seconds += time.perf_counter() - max(last, started)
         missing = tuple(sorted(state.expected - state.arrived))
-        return PhaseClosed(self.phase, missing, time.perf_counter() - started, idle)
+        return PhaseClosed(self.phase, missing, time.perf_counter() - started)
 
 
 def phase_timeout(ann: Announcement, phase: RoundPhase, *, now: float,
