@@ -35,7 +35,7 @@ test: $(STAMP_DEV)
 
 lint: $(STAMP_DEV)
 	$(VENV)/bin/ruff check common coordinator site_agent bench tests
-	$(VENV)/bin/mypy common
+	$(VENV)/bin/mypy common coordinator site_agent
 
 demo: $(STAMP_RUNTIME)
 	$(VENV)/bin/medfed demo

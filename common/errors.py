@@ -19,12 +19,17 @@
     │   └── LedgerIntegrityError     the hash chain of a ledger does not verify
     │       └── LedgerForkError      a ledger head does not extend the known history
     │                                (fork, shrink, reset)
-    └── StateError                   persisted state is missing or inconsistent
-        └── LedgerUnavailable        a ledger file is missing, unreadable, read-only
-                                     or damaged; names the file and what to do
+    ├── StateError                   persisted state is missing or inconsistent
+    │   └── LedgerUnavailable        a ledger file is missing, unreadable, read-only
+    │                                or damaged; names the file and what to do
+    ├── Unauthenticated              the caller presented no certificate at all
+    ├── Unavailable                  the coordinator cannot serve now (its round engine
+    │                                failed); sites retry with backoff
+    ├── RoundFailed                  this round cannot go on for this site
+    └── FederationFinished           the coordinator ran its whole study
 
-Servicers translate these to gRPC status codes in one place; nothing else in the
-product catches broad exceptions.
+`common.wire.status_for` translates these to gRPC status codes (one table); nothing
+else in the product catches broad exceptions.
 """
 
 from __future__ import annotations
@@ -162,3 +167,22 @@ class LedgerUnavailable(StateError):
     def __init__(self, path: object, message: str) -> None:
         self.path = str(path)
         super().__init__(message)
+
+
+class Unauthenticated(MedfedError):
+    """The caller presented no certificate at all."""
+
+
+class Unavailable(MedfedError):
+    """The coordinator cannot serve now: its round engine stopped on an error.
+
+    Never "finished": sites keep retrying with backoff until a restarted coordinator
+    (on the same state) takes the federation up again."""
+
+
+class RoundFailed(MedfedError):
+    """This round cannot go on for this site (the next one may)."""
+
+
+class FederationFinished(MedfedError):
+    """The coordinator ran all its rounds: the study is complete."""

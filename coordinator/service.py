@@ -130,8 +130,12 @@ async def serve(settings: CoordinatorSettings, *, linger_seconds: float = 5.0) -
     if engine_task in done:
         exc = engine_task.exception()
         if exc is not None:
-            log.error("round engine stopped: %s", exc)
-            print(f"medfed: error: {exc}", file=sys.stderr)
+            # Waiting sites were told UNAVAILABLE (never "finished"): they retry until a
+            # coordinator restarted on the same state resumes the study.
+            cause = f"{type(exc).__name__}: {exc}"
+            log.error("round engine failed: %s", cause, exc_info=exc,
+                      extra={"event": "engine_failed", "reason": cause})
+            print(f"medfed: error: round engine failed: {cause}", file=sys.stderr)
             code = 1
         else:
             log.info("all %d rounds done", settings.rounds)
