@@ -11,12 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
 from common.privacy.accountant import ACCOUNTANTS, Segment, account, plan_noise_multiplier
 from common.privacy.ledger import read_ledger, verify_ledger
+
+PRIVACY_COMMAND_GROUP = "medfed.privacy_commands"
 
 
 def parse_segment(text: str) -> Segment:
@@ -113,6 +116,9 @@ def register_privacy(subparsers: Any) -> None:
     plan.add_argument("--steps", type=int, required=True, help="ALL local steps of ALL rounds")
     plan.add_argument("--accountant", choices=ACCOUNTANTS, default="prv")
     plan.set_defaults(func=_cmd_plan)
+    # Plug-ins (e.g. `audit` from site_agent.audit): `common` never imports site_agent.
+    for plugin in sorted(entry_points(group=PRIVACY_COMMAND_GROUP), key=lambda e: e.name):
+        plugin.load()(commands)
 
 
 def _ledger_summary(path: Path) -> dict[str, Any]:
