@@ -63,7 +63,7 @@ def test_record_level_without_patient_column(
 ) -> None:
     cohort = generate_cohort(["community"], seed=1, patients_per_site=300)
     csv = write_site_csvs(tmp_path, cohort)["community"]
-    # patient_id is then just another numeric-looking column? No: ids are text, so drop it.
+    # Drop the patient column: every record is then its own privacy unit.
     lines = csv.read_text().splitlines()
     csv.write_text("\n".join(",".join(line.split(",")[1:]) for line in lines) + "\n")
     out = audit_json(capsys, csv, "--epsilon", "8", "--epochs", "2", "--canaries", "50")
@@ -105,3 +105,17 @@ def test_canaries_are_one_unit_each_and_settings_validate() -> None:
     assert report.result.canaries == 40
     assert 0 < report.canaries_included < 40
     assert np.isfinite(report.result.epsilon_lower_bound)
+
+
+def test_registered_under_medfed_privacy(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import entry_points
+
+    from common.privacy.cli import PRIVACY_COMMAND_GROUP
+    from common.privacy.cli import main as privacy_main
+
+    if not any(ep.name == "audit" for ep in entry_points(group=PRIVACY_COMMAND_GROUP)):
+        pytest.skip("entry point not installed: run `pip install -e .` after pyproject.toml")
+    with pytest.raises(SystemExit) as stop:
+        privacy_main(["privacy", "audit", "--help"])
+    assert stop.value.code == 0
+    assert "--label-column" in capsys.readouterr().out
