@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ from common.privacy.mechanisms import (
     mechanism_from_json_dict,
     mechanism_to_json_dict,
 )
+
+PRIVACY_COMMAND_GROUP = "medfed.privacy_commands"
 
 
 def parse_segment(text: str) -> Segment:
@@ -238,6 +241,9 @@ def register_privacy(subparsers: Any) -> None:
     plan.add_argument("--steps", type=int, required=True, help="ALL local steps of ALL rounds")
     plan.add_argument("--accountant", choices=ACCOUNTANTS, default="prv")
     plan.set_defaults(func=_cmd_plan)
+    # Plug-ins (e.g. `audit` from site_agent.audit): `common` never imports site_agent.
+    for plugin in sorted(entry_points(group=PRIVACY_COMMAND_GROUP), key=lambda e: e.name):
+        plugin.load()(commands)
 
     plan_round = commands.add_parser(
         "plan-round",

@@ -1,0 +1,88 @@
+"""How many intermediaries a hospital splits into: the adaptive rule of Jiang et al.
+
+Jiang, Zhong, Le, Li, Dou, "Client-Level Differential Privacy via Adaptive
+Intermediary in Federated Medical Imaging" (MICCAI 2023): with client-level DP and
+few hospitals the aggregate is dominated by noise; splitting each hospital into v
+disjoint intermediaries (each its own clipped unit) shrinks the noise relative to the
+signal but adds heterogeneity. With the noise ratio xi = ||noise|| / ||aggregate|| and
+the update ratio phi = (sum of unit update norms) / ||aggregate||, the paper picks
+v = sqrt(N * xi / phi) for N hospitals.
+
+`split_count` follows the authors' public code exactly: github med-air/Client-DP-FL,
+``federated_dp/private_trainer.py``, ``PrivateFederatedTrainer.select_split_num``:
+``ratio = xi / phi``, ``vn = sqrt(ratio * N)``, then, with ``current`` the number of
+intermediaries per hospital in the round that was measured,
+
+- ``vn < 1``: ``floor(current * vn)``;
+- default mode: ``floor(vn * current)``;
+- ``ada_stable``: ``floor(vn) * current``;
+- ``ada_prog``: ``floor((vn * current - current) / 2) + current``.
+
+The code has no lower clamp: ``vn < 1`` with one intermediary gives 0, which its
+`split_virtual_client` cannot use (it divides by it). We return ``max(1, .)`` and,
+with `maximum` (e.g. the hospital's patient count / a minimum group size), cap it;
+both clamps are ours and are applied after the authors' rounding.
+
+Norms: the authors sum each client's norm BEFORE clipping; in medfed the sum must
+leave the site privately, so the caller passes norms clipped to S (noised like the
+update, see issue 13 section 2). The formula is the same; only the input differs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from common.errors import ConfigError
+
+SplitMode = Literal["default", "stable", "progressive"]
+SPLIT_MODES: tuple[SplitMode, ...] = ("default", "stable", "progressive")
+
+
+def intermediary_ratio(*, noise_norm: float, aggregate_norm: float, unit_norm_sum: float) -> float:
+    """lambda = xi / phi = ||noise|| / (sum of unit update norms); ||aggregate|| cancels."""
+    if not (noise_norm >= 0 and math.isfinite(noise_norm)):
+        raise ConfigError("noise_norm", "must be finite and >= 0")
+    if not (aggregate_norm > 0 and math.isfinite(aggregate_norm)):
+        raise ConfigError("aggregate_norm", "must be finite and > 0")
+    if not (unit_norm_sum > 0 and math.isfinite(unit_norm_sum)):
+        raise ConfigError("unit_norm_sum", "must be finite and > 0")
+    # Computed as the authors do (both ratios first), so results match bit for bit.
+    xi = noise_norm / aggregate_norm
+    phi = unit_norm_sum / aggregate_norm
+    return xi / phi
+
+
+def split_count(
+    *,
+    noise_norm: float,
+    aggregate_norm: float,
+    unit_norm_sum: float,
+    hospitals: int,
+    current: int = 1,
+    mode: SplitMode = "default",
+    maximum: int | None = None,
+) -> int:
+    """Intermediaries per hospital for the next round (module docstring: the exact rule)."""
+    if hospitals < 1:
+        raise ConfigError("hospitals", "must be >= 1")
+    if current < 1:
+        raise ConfigError("current", "intermediaries per hospital must be >= 1")
+    if mode not in SPLIT_MODES:
+        raise ConfigError("mode", f"must be one of {SPLIT_MODES}")
+    if maximum is not None and maximum < 1:
+        raise ConfigError("maximum", "must be >= 1")
+    ratio = intermediary_ratio(
+        noise_norm=noise_norm, aggregate_norm=aggregate_norm, unit_norm_sum=unit_norm_sum
+    )
+    vn = float(pow(ratio * hospitals, 1.0 / 2))  # as the authors write it
+    if vn < 1:
+        count = math.floor(current * vn)
+    elif mode == "stable":
+        count = math.floor(vn) * current
+    elif mode == "progressive":
+        count = math.floor((vn * current - current) / 2.0) + current
+    else:
+        count = math.floor(vn * current)
+    count = max(1, count)
+    return count if maximum is None else min(count, maximum)
