@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from common.errors import MedfedError
+from common.logs import quiet_grpc_core
 
 COMMAND_GROUP = "medfed.commands"
 
@@ -57,6 +58,7 @@ def main_with(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    quiet_grpc_core()  # before any plug-in imports grpc
     return run_parsed(build_parser().parse_args(argv))
 
 

@@ -229,7 +229,8 @@ phase_seconds = {self.o.phase_seconds}
             "coordinator",
             medfed_argv("coordinator", "serve", "--config", str(config), "--pki", str(pki),
                         "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                        "--state", str(self.out / "coordinator"), "--linger-seconds", "5"),
+                        "--state", str(self.out / "coordinator"), "--exit-when-finished",
+                        "--linger-seconds", "5"),
             log_dir=self.out / "logs",
         )
         event = proc.wait_event("listening", timeout=120)

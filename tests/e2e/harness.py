@@ -53,7 +53,8 @@ class Federation:
             f"coordinator-{self._restarts}",
             medfed_argv("coordinator", "serve", "--pki", str(self.pki), "--listen", listen,
                    "--metrics-listen", "127.0.0.1:0", "--state", str(self.root / "coordinator"),
-                   "--debug-write-aggregates", "--linger-seconds", "3", *extra),
+                   "--debug-write-aggregates", "--exit-when-finished", "--linger-seconds", "3",
+                   *extra),
             env=self.env, log_dir=self.logs, cwd=REPO,
         )
         event = proc.wait_event("listening", timeout=60)
