@@ -64,6 +64,28 @@ log = logging.getLogger("medfed.site")
 AGENT_VERSION = "medfed-site/0.1"
 WAIT_SECONDS = 30
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# What gRPC's details say when the TLS handshake itself failed (another CA, an expired or
+# revoked certificate, a server name that does not match): retrying does not heal these.
+TLS_FAILURE_MARKERS = ("handshake", "CERTIFICATE_VERIFY_FAILED", "certificate", "tlsv1 alert",
+                       "SSL_ERROR")
+
+
+def tls_failure(exc: grpc.RpcError) -> str | None:
+    """The handshake failure gRPC reports in `exc`, or None if it is not one."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    details = str(exc.details() or "")
+    lowered = details.lower()
+    if any(marker.lower() in lowered for marker in TLS_FAILURE_MARKERS):
+        return details
+    return None
+
+
+def round_of(number: int, planned: int) -> str:
+    """``round 3 of 5`` (round numbers keep growing over aborted rounds and restarts)."""
+    return f"round {number} of {planned}" if number <= planned else (
+        f"round {number} (planned: {planned})"
+    )
 
 
 def _utcnow() -> dt.datetime:
@@ -104,6 +126,7 @@ class SiteAgent:
         self.rounds_done = 0
         self._declined_for_budget = False
         self._backoff = settings.reconnect.initial_backoff_seconds
+        self._tls_failures = 0
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.FederationStub | None = None
 
@@ -164,6 +187,16 @@ class SiteAgent:
                 if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                     log.error("coordinator refused our certificate: %s", exc.details())
                     return 3
+                cause = tls_failure(exc)
+                self._tls_failures = self._tls_failures + 1 if cause is not None else 0
+                if cause is not None and (
+                        self._tls_failures >= self.settings.reconnect.max_tls_failures):
+                    raise CertificateRejected(
+                        f"TLS handshake with coordinator {self.settings.coordinator} failed "
+                        f"{self._tls_failures} times in a row, giving up: {cause}. Check "
+                        "that the CA file is this federation's and that this site's "
+                        "certificate is valid and not expired"
+                    ) from None
                 log.warning("connection problem (%s): %s; reconnecting", code, exc.details())
                 self.metrics.connected.set(0)
                 self._disconnect()
@@ -180,6 +213,7 @@ class SiteAgent:
         )
         self.metrics.connected.set(1)
         self._backoff = self.settings.reconnect.initial_backoff_seconds
+        self._tls_failures = 0
         log.info("enrolled in federation %s", resp.federation_id)
         while not self.stop.is_set():
             waited = stub.WaitForRound(
@@ -249,6 +283,13 @@ class SiteAgent:
                     f"round {rnd.number} would bring epsilon to {after:.3f} "
                     f"> budget {self.ledger.budget_epsilon:g}"
                 )
+        plan = rnd.plan
+        what = "evaluation only" if plan.local_epochs == 0 else (
+            f"{plan.local_epochs} local epoch(s)")
+        log.info("%s: selected with %d sites (%s)", round_of(rnd.number, plan.planned_rounds),
+                 len(rnd.announcement.participants), what,
+                 extra={"event": "round_selected", "round_number": rnd.number,
+                        "planned_rounds": plan.planned_rounds})
         client = self._secagg_client(rnd) if rnd.announcement.secure_aggregation else None
         try:
             # Keys first (two short barriers), then download and train: uploads then
@@ -280,7 +321,35 @@ class SiteAgent:
             raise
         self.rounds_done += 1
         self.metrics.rounds.labels(outcome="completed").inc()
-        log.info("round %d done", rnd.number)
+        self._log_done(rnd, update)
+
+    def _log_done(self, rnd: VerifiedRound, update: LocalUpdate) -> None:
+        """What the ML engineer wants per round: data used, local loss, privacy spent."""
+        parts = []
+        if rnd.plan.local_epochs == 0:
+            parts.append("evaluated the global model (no training)")
+        else:
+            used = f"trained on {update.num_samples} records"
+            if update.patients:
+                used += f" ({update.patients} patients)"
+            parts.append(used)
+            if update.loss is not None:
+                parts.append(f"local loss {update.loss:.4f}")
+        extra: dict[str, object] = {
+            "event": "round_done", "round_number": rnd.number,
+            "planned_rounds": rnd.plan.planned_rounds, "records": update.num_samples,
+            "patients": update.patients, "evaluation_only": rnd.plan.local_epochs == 0,
+        }
+        if update.loss is not None:
+            extra["local_loss"] = update.loss
+        if self.ledger is not None:
+            status = self.ledger.status()
+            parts.append(f"epsilon {status.spent_epsilon:.3f} of {status.budget_epsilon:g} "
+                         f"spent (delta {status.delta:g})")
+            extra["epsilon_spent"] = status.spent_epsilon
+            extra["epsilon_budget"] = status.budget_epsilon
+        log.info("%s done: %s", round_of(rnd.number, rnd.plan.planned_rounds),
+                 ", ".join(parts), extra=extra)
 
     def _deadline(self, rnd: VerifiedRound, *, training: bool = False) -> float:
         """RPC timeout for a long-poll: the phase deadline plus slack."""

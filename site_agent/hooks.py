@@ -33,6 +33,7 @@ class LocalUpdate:
     histogram: np.ndarray  # int64, 2 * bins: scores of the GLOBAL model on held-out data
     seconds: float
     patients: int = 0
+    loss: float | None = None  # mean local training loss (None: no training this round)
 
 
 class TrainingHook(Protocol):
@@ -192,6 +193,7 @@ class DpTrainingHook:
             histogram,
             time.perf_counter() - started,
             self.patients,
+            loss=result.mean_loss,
         )
 
 
