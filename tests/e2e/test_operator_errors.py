@@ -5,6 +5,7 @@ log format is for people."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from common.pki import issue_site
 from common.processes import ManagedProcess, medfed_argv
 from tests.e2e.harness import REPO, Federation, make_pki
 
@@ -100,3 +102,18 @@ def test_a_site_of_another_ca_gives_up_after_bounded_tries(federation: Federatio
         assert "TLS handshake" in text and "3 times" in text, site.tail()
     finally:
         site.stop()
+
+
+def test_an_expired_site_certificate_stops_the_agent_naming_it(federation: Federation) -> None:
+    """Checked before any connection: the agent exits at once, naming the file and
+    the expiry (a handshake would only say that the peer hung up)."""
+    long_ago = dt.datetime.now(dt.UTC) - dt.timedelta(days=400)
+    issue_site(federation.pki, "site-old", validity_days=1, now=long_ago)
+    result = run(medfed_argv(
+        "site", "run", "--pki", str(federation.pki), "--site", "site-old",
+        "--coordinator", "127.0.0.1:9", "--metrics-listen", "127.0.0.1:0",
+        "--state", str(federation.root / "old-site"), "--trainer", "test-deterministic",
+    ))
+    assert result.returncode != 0
+    assert "site-old.crt" in result.stderr and "expired" in result.stderr
+    assert "Traceback" not in result.stderr
