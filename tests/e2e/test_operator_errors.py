@@ -18,12 +18,14 @@ from common.pki import issue_site
 from common.processes import ManagedProcess, medfed_argv
 from tests.e2e.harness import REPO, Federation, make_pki
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
-@pytest.fixture
-def federation(tmp_path: Path) -> Iterator[Federation]:
-    fed = Federation(tmp_path, ["site-a"])
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]:
+    """One PKI for the module (issuing it is the slow part); each test stops the
+    coordinator it started."""
+    fed = Federation(tmp_path_factory.mktemp("operator-errors"), ["site-a"])
     yield fed
     fed.stop()
 
@@ -56,6 +58,8 @@ def test_a_second_coordinator_on_the_same_port_fails_clearly(federation: Federat
     assert any(r.get("logger") == "grpc.core" for r in records), second.stderr
     assert "Traceback" not in second.stderr
     assert first.alive
+    first.stop()
+    assert first.proc.returncode == 0
 
 
 def test_a_busy_metrics_port_fails_clearly(federation: Federation) -> None:
@@ -82,7 +86,8 @@ def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
 def test_a_site_of_another_ca_gives_up_after_bounded_tries(federation: Federation) -> None:
     """The coordinator presents a certificate our CA did not sign: every handshake
     fails the same way, so the agent stops after max_tls_failures and says why."""
-    federation.start_coordinator("--model-dim", "100", exit_when_finished=False)
+    coordinator = federation.start_coordinator("--model-dim", "100",
+                                               exit_when_finished=False)
     other = make_pki(federation.root / "other", ["site-a"])
     site = ManagedProcess(
         "site-a-other-ca",
@@ -102,6 +107,7 @@ def test_a_site_of_another_ca_gives_up_after_bounded_tries(federation: Federatio
         assert "TLS handshake" in text and "3 times" in text, site.tail()
     finally:
         site.stop()
+        coordinator.stop()
 
 
 def test_an_expired_site_certificate_stops_the_agent_naming_it(federation: Federation) -> None:
