@@ -145,3 +145,9 @@ def youden_threshold(hist: np.ndarray, *, bins: int) -> float:
 def operating_point_metrics(hist: np.ndarray, *, bins: int) -> Metrics:
     """Metrics at the Youden-optimal threshold of the same histogram (AUC unaffected)."""
     return metrics_from_histogram(hist, bins=bins, threshold=youden_threshold(hist, bins=bins))
+
+
+def clipped_noisy_histogram(summed: np.ndarray) -> np.ndarray:
+    """A DP-noised summed histogram made usable for ROC: negative counts (noise only)
+    clipped to 0. Post-processing of the DP release, so it costs nothing more."""
+    return np.maximum(np.asarray(summed, dtype=np.int64), 0)

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 
-from common import wire
+from common import egress, wire
 from common.codec import (
     ChunkAssembler,
     bytes_to_flat,
@@ -28,7 +28,6 @@ from common.codec import (
     layout_bytes,
 )
 from common.config import SiteSettings
-from common.crypto.quantize import encode_update, max_integer_for_sites
 from common.crypto.random import numpy_generator, system_random
 from common.crypto.signing import SigningKey, VerifyingKey
 from common.errors import (
@@ -303,27 +302,28 @@ class SiteAgent:
         return bytes_to_flat(buffer, rnd.plan.layout)
 
     def _encode(self, rnd: VerifiedRound, update: LocalUpdate) -> np.ndarray:
+        """The upload, built from the round's egress manifest (common.egress): the
+        segments listed there and nothing else."""
         n_sites = len(rnd.params.participants) if rnd.params else 2
-        weight = min(int(update.num_samples), rnd.announcement.weight_cap)
-        if update.delta.size != rnd.announcement.vector_length - 1 - 2 * rnd.plan.histogram_bins:
+        manifest = rnd.announcement.manifest()
+        if update.delta.size != manifest.slice_of(egress.MODEL_UPDATE).stop:
             raise RoundFailed("update does not match the model size")
         if not np.all(np.isfinite(update.delta)):
             raise RoundFailed("update contains NaN or infinity")
+        weight = min(int(update.num_samples), rnd.announcement.weight_cap)
         # Scale by n_k / cap so FedAvg's weights come out of the secure sum.
         scaled = update.delta * np.float32(weight / rnd.announcement.weight_cap)
-        cap = max_integer_for_sites(n_sites)
-        histogram = [min(int(c), cap) for c in update.histogram]
-        out = np.empty(rnd.announcement.vector_length, dtype=np.uint32)
-        encode_update(
-            scaled,
-            integers=[weight, *histogram],
+        return manifest.encode(
+            {
+                egress.MODEL_UPDATE: scaled,
+                egress.WEIGHT: [weight],
+                egress.EVALUATION_HISTOGRAM: np.asarray(update.histogram, dtype=np.int64),
+            },
             clip=rnd.announcement.clip,
             bits=rnd.announcement.quantization_bits,
             n_sites=n_sites,
             rng=numpy_generator(system_random),
-            out=out,
         )
-        return out
 
     def _write_debug(self, round_number: int, vector: np.ndarray) -> None:
         folder = self.settings.state / "debug-updates"
