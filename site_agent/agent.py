@@ -8,6 +8,7 @@ signature and aborts (sending nothing more) whenever the coordinator misbehaves.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -49,12 +50,14 @@ from common.pki import (
     site_id_from_certificate,
 )
 from common.privacy.ledger import PrivacyLedger
+from common.privacy.mechanisms import Mechanism
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.round import VerifiedRound, validate_for_site
 from common.secagg import messages as sm
 from common.secagg.client import SecAggClient
 from common.tls import SiteTlsFiles, channel_credentials_from_files
+from site_agent import dp_release
 from site_agent.hooks import LocalUpdate, TrainingHook
 from site_agent.metrics import SiteMetrics
 
@@ -63,6 +66,8 @@ log = logging.getLogger("medfed.site")
 AGENT_VERSION = "medfed-site/0.1"
 WAIT_SECONDS = 30
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# Ledger purposes released within a round (the cohort count has its own numbering).
+ROUND_PURPOSES = (dp_release.PURPOSE_TRAINING, dp_release.PURPOSE_EVALUATION)
 
 
 def _utcnow() -> dt.datetime:
@@ -232,17 +237,19 @@ class SiteAgent:
     # ----------------------------------------------------------------- round
     def _run_round(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
         segments = self.hook.planned_segments(rnd.plan)
-        if self.ledger is not None and segments:
+        evaluation = self._evaluation_mechanisms(rnd)
+        if self.ledger is not None and (segments or evaluation):
             # The ledger's reserve() is idempotent per round number (a crash-restart
             # must not double-charge), so a second training for a round number already
             # on the ledger would release a fresh noisy update at no recorded cost: a
             # coordinator re-announcing a round could average the DP noise away.
-            if any(entry.round == rnd.number for entry in self.ledger.entries()):
+            if any(entry.round == rnd.number and entry.purpose in ROUND_PURPOSES
+                   for entry in self.ledger.entries()):
                 raise RoundFailed(
                     f"round {rnd.number} is already on this site's privacy ledger: "
                     "refusing to release a second update for it"
                 )
-            after = self.ledger.preview(rnd.number, segments)
+            after = self.ledger.preview(rnd.number, [*segments, *evaluation])
             if after > self.ledger.budget_epsilon:
                 raise BudgetExhausted(
                     f"round {rnd.number} would bring epsilon to {after:.3f} "
@@ -257,9 +264,14 @@ class SiteAgent:
             if self.ledger is not None and segments:
                 # Write-ahead: the spend is on disk before any update can leave the site.
                 self.ledger.reserve(rnd.number, segments, now=_utcnow())
+            if self.ledger is not None and evaluation:
+                self.ledger.reserve(rnd.number, evaluation, now=_utcnow(),
+                                    purpose=dp_release.PURPOSE_EVALUATION)
+            if self.ledger is not None and (segments or evaluation):
                 self.budget_pb()
             started = time.perf_counter()
-            update = self.hook.train(rnd.plan, global_flat)
+            update = self._private_histogram(rnd, self.hook.train(rnd.plan, global_flat),
+                                             evaluated=bool(evaluation))
             self.metrics.training_seconds.observe(time.perf_counter() - started)
             self.metrics.samples_used.set(update.num_samples)
             self.metrics.patients_used.set(update.patients)
@@ -280,6 +292,46 @@ class SiteAgent:
         self.rounds_done += 1
         self.metrics.rounds.labels(outcome="completed").inc()
         log.info("round %d done", rnd.number)
+
+    def _evaluation_mechanisms(self, rnd: VerifiedRound) -> list[Mechanism]:
+        """The ledger record of this round's DP score histogram ([] when the site keeps
+        no ledger, or its `max_evaluations` are used up in a training round)."""
+        if self.ledger is None:
+            return []
+        policy = self.settings.policy
+        if not dp_release.check_evaluation_allowed(self.ledger, policy):
+            if rnd.plan.local_epochs == 0:
+                raise dp_release.refuse_evaluation_only(rnd.number)
+            return []
+        ann = rnd.announcement
+        return [dp_release.evaluation_mechanism(
+            noise_std=self.settings.privacy.evaluation_noise_std,
+            n_noise=self._noise_sites(rnd),
+            bins=ann.histogram_bins,
+        )]
+
+    def _noise_sites(self, rnd: VerifiedRound) -> int:
+        ann = rnd.announcement
+        return dp_release.evaluation_noise_sites(
+            self.settings.policy, threshold=ann.threshold, secure=ann.secure_aggregation
+        )
+
+    def _private_histogram(
+        self, rnd: VerifiedRound, update: LocalUpdate, *, evaluated: bool
+    ) -> LocalUpdate:
+        """Noise the histogram (its ledger entry is already written), or send zeros when
+        this round carries no evaluation; unchanged when the site keeps no ledger."""
+        if self.ledger is None:
+            return update
+        if not evaluated:
+            histogram = np.zeros_like(np.asarray(update.histogram, dtype=np.int64))
+        else:
+            histogram = dp_release.noised_histogram(
+                update.histogram,
+                noise_std=self.settings.privacy.evaluation_noise_std,
+                n_noise=self._noise_sites(rnd),
+            )
+        return dataclasses.replace(update, histogram=histogram)
 
     def _deadline(self, rnd: VerifiedRound, *, training: bool = False) -> float:
         """RPC timeout for a long-poll: the phase deadline plus slack."""
