@@ -88,6 +88,13 @@ SITE_FIELDS: Final[dict[str, FieldEntry]] = {
     "BudgetStatus.ledger_entries": _f(DD, "how many ledger entries (releases) exist"),
     "BudgetStatus.ledger_head": _f(DD, "hash of the last signed ledger entry"),
     "BudgetStatus.ledger_last_round": _f(DD, "round of the last ledger entry"),
+    # --- Ledger replica (issue 10, section 7)
+    "ReplicateLedgerRequest.history": _f(
+        DD,
+        "signed ledger entries after the replica's head: mechanism parameters and "
+        "composed epsilons only, never data",
+        "training, evaluation, statistics, count",
+    ),
     # --- Model download
     "DownloadModelRequest.round": _f(P, "announced round number"),
     # --- SecAgg+ (Bell et al. 2020)

@@ -108,6 +108,7 @@ class SiteAgent:
         self.rounds_done = 0
         self._declined_for_budget = False
         self._backoff = settings.reconnect.initial_backoff_seconds
+        self._replica_seq = 0
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.FederationStub | None = None
 
@@ -185,7 +186,9 @@ class SiteAgent:
         self.metrics.connected.set(1)
         self._backoff = self.settings.reconnect.initial_backoff_seconds
         log.info("enrolled in federation %s", resp.federation_id)
+        self._replica_seq = resp.ledger_seq_held
         while not self.stop.is_set():
+            self._replicate(stub)
             waited = stub.WaitForRound(
                 pb.WaitForRoundRequest(
                     wait_seconds=WAIT_SECONDS, after_round=self.last_round, budget=self.budget_pb()
@@ -200,6 +203,16 @@ class SiteAgent:
             limit = self.settings.exit_after_rounds
             if limit is not None and self.rounds_done >= limit:
                 return
+
+    def _replicate(self, stub: pb_grpc.FederationStub) -> None:
+        """Send the coordinator's replica the signed entries it lacks (parameters only)."""
+        if self.ledger is None:
+            return
+        if len(self.ledger.entries()) <= self._replica_seq:
+            return
+        history = self.ledger.export(after_seq=self._replica_seq).to_bytes()
+        resp = stub.ReplicateLedger(pb.ReplicateLedgerRequest(history=history), timeout=30)
+        self._replica_seq = resp.ledger_seq_held
 
     def _take_part(self, stub: pb_grpc.FederationStub, ann: pb.RoundAnnouncement) -> None:
         self.last_round = max(self.last_round, ann.round)
