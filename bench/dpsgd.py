@@ -4,9 +4,9 @@ One epoch of (a) non-private SGD, (b) DP-SGD with Opacus ghost clipping and (c) 
 with Opacus per-sample-gradient hooks, record-level privacy so that Opacus' paths are
 what is measured: on the demo MLP and the demo site data (the largest synthetic demo
 hospital), or with ``--model cnn|resnet18-gn|densenet121-gn`` on synthetic images held
-in memory (``--image-size``, ``--batches`` steps per epoch). The three are timed in turn, epoch after epoch, in one process,
-so machine load affects them alike; medians are reported, of wall-clock time and of
-process CPU time (the steadier figure on a shared machine).
+in memory (``--image-size``, ``--batches`` steps per epoch). The three are timed in
+turn, epoch after epoch, in one process, so machine load affects them alike; medians
+are reported, of wall-clock time and of process CPU time (the steadier figure on a shared machine).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _image_data(
     from site_agent.data import SiteData
     from site_agent.synthetic_imaging import in_memory_images
 
-    images, labels, patients = in_memory_images(
+    images, labels, _ = in_memory_images(
         IMAGE_SITE, seed=seed, patients=records, image_size=image_size
     )
     if images.shape[0] < records:

@@ -199,9 +199,7 @@ def _to_channels(planes: np.ndarray, channels: int, path: Path) -> np.ndarray:
         return planes
     if have == 1 and channels == 3:
         return np.repeat(planes, 3, axis=0)
-    raise DataError(
-        f"image has {have} channels, the study declares {channels}", file=str(path)
-    )
+    raise DataError(f"image has {have} channels, the study declares {channels}", file=str(path))
 
 
 def _raster_channels(mode: str) -> int:
@@ -248,9 +246,7 @@ def _first(value: Any) -> float:
         return float(value)
 
 
-def dicom_window(
-    values: np.ndarray, *, center: float, width: float
-) -> np.ndarray:
+def dicom_window(values: np.ndarray, *, center: float, width: float) -> np.ndarray:
     """Linear VOI window to [0, 1] (PS3.3 C.11.2.1.2.1, without its half-pixel offsets)."""
     low = center - width / 2.0
     return np.clip((values - low) / width, 0.0, 1.0).astype(np.float32)
@@ -328,7 +324,9 @@ def _check_header(path: Path, kind: str, spec: ImageSpec) -> None:
             raise DataError("DICOM file has no pixel data", file=str(path))
         have = int(ds.get("SamplesPerPixel", 1))
     if not (have == spec.channels or (have == 1 and spec.channels == 3)):
-        raise DataError(f"image has {have} channels, the study declares {spec.channels}", file=str(path))
+        raise DataError(
+            f"image has {have} channels, the study declares {spec.channels}", file=str(path)
+        )
 
 
 def _kind(path: Path) -> str | None:
@@ -372,20 +370,27 @@ def load_image_folder(
         for line, record in enumerate(reader, start=2):
             name = (record.get(spec.file_column) or "").strip()
             if not name:
-                raise DataError("empty file name", file=str(csv_path), row=line,
-                                column=spec.file_column)
+                raise DataError(
+                    "empty file name", file=str(csv_path), row=line, column=spec.file_column
+                )
             label = (record.get(spec.label_column) or "").strip()
             if label not in class_index:
                 raise DataError(
                     f"label {label!r} of {name} is not one of the classes {list(spec.classes)}",
-                    file=str(csv_path), row=line, column=spec.label_column,
+                    file=str(csv_path),
+                    row=line,
+                    column=spec.label_column,
                 )
             patient: str | None = None
             if spec.patient_column is not None:
                 patient = (record.get(spec.patient_column) or "").strip()
                 if not patient:
-                    raise DataError("missing patient id", file=str(csv_path), row=line,
-                                    column=spec.patient_column)
+                    raise DataError(
+                        "missing patient id",
+                        file=str(csv_path),
+                        row=line,
+                        column=spec.patient_column,
+                    )
             key = Path(name).as_posix()
             if key in rows:
                 raise DataError(f"{name} is listed twice", file=str(csv_path), row=line)
@@ -405,7 +410,9 @@ def load_image_folder(
         path = root / key
         kind = _kind(path)
         if kind is None:
-            raise DataError(f"{key}: not a PNG, JPEG or DICOM file name", file=str(csv_path), row=line)
+            raise DataError(
+                f"{key}: not a PNG, JPEG or DICOM file name", file=str(csv_path), row=line
+            )
         if key not in on_disk:
             raise DataError(f"image {key} listed but not found", file=str(csv_path), row=line)
         if check_headers:

@@ -86,7 +86,8 @@ class SmallCNN(nn.Module):
         self.head = nn.Linear(32, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.flatten(self.features(x), 1))
+        out: torch.Tensor = self.head(torch.flatten(self.features(x), 1))
+        return out
 
 
 class _BasicBlock(nn.Module):
@@ -108,7 +109,8 @@ class _BasicBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu(self.norm1(self.conv1(x)))
         out = self.norm2(self.conv2(out))
-        return self.relu(out + self.shortcut(x))
+        result: torch.Tensor = self.relu(out + self.shortcut(x))
+        return result
 
 
 class ResNet18GN(nn.Module):
@@ -133,7 +135,8 @@ class ResNet18GN(nn.Module):
         self.fc = nn.Linear(512, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
+        out: torch.Tensor = self.fc(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
+        return out
 
 
 Task = Literal["binary", "multiclass"]
@@ -210,7 +213,7 @@ def _densenet121_gn(
     """
     _check_params(params, {"num_groups", "dropout_prob"}, "densenet121-gn")
     try:
-        from monai.networks.nets import DenseNet121
+        from monai.networks.nets.densenet import DenseNet121
     except ImportError as exc:  # pragma: no cover - monai is a declared dependency
         raise ConfigError("model", f"densenet121-gn needs MONAI ({exc})") from exc
     num_groups = int(params.get("num_groups", 8))
@@ -250,7 +253,9 @@ def _load_factory(reference: str, allowed: Sequence[str]) -> Callable[..., nn.Mo
         ) from exc
     factory = getattr(module, attribute, None)
     if not callable(factory):
-        raise ConfigError("model.custom", f"{reference!r}: {module_name} has no callable {attribute!r}")
+        raise ConfigError(
+            "model.custom", f"{reference!r}: {module_name} has no callable {attribute!r}"
+        )
     return cast(Callable[..., nn.Module], factory)
 
 
@@ -338,7 +343,9 @@ def build_model(
         )
     elif name == "custom":
         if spec.custom is None:
-            raise ConfigError("model.custom", "model 'custom' needs custom = 'package.module:factory'")
+            raise ConfigError(
+                "model.custom", "model 'custom' needs custom = 'package.module:factory'"
+            )
         factory = _load_factory(spec.custom, allowed_model_factories)
         built = factory(
             in_features=in_features,
@@ -398,7 +405,9 @@ def build_from_record(
 ) -> nn.Module:
     """Rebuild a recorded architecture; a custom factory must be installed and allowed."""
     if record.get("format") != RECORD_FORMAT:
-        raise ConfigError("model", f"unsupported architecture record format {record.get('format')!r}")
+        raise ConfigError(
+            "model", f"unsupported architecture record format {record.get('format')!r}"
+        )
     try:
         spec = ModelSpec(
             name=str(record["name"]), params=dict(record["params"]), custom=record["custom"]

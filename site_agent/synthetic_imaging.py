@@ -68,9 +68,7 @@ def _rng(seed: int, site: str) -> np.random.Generator:
     return np.random.default_rng(int.from_bytes(digest[:8], "big"))
 
 
-def _one_image(
-    rng: np.random.Generator, scanner: Scanner, label: int
-) -> np.ndarray:
+def _one_image(rng: np.random.Generator, scanner: Scanner, label: int) -> np.ndarray:
     r = scanner.resolution
     y, x = np.mgrid[0:r, 0:r].astype(np.float64) / r
     # "Anatomy": an ellipse of soft tissue with a smooth random texture.
@@ -150,9 +148,8 @@ def write_dicom(
 
     Stored values v satisfy HU = slope * v + intercept (PS3.3 C.11.1).
     """
-    from pydicom.dataset import FileMetaDataset
+    from pydicom.dataset import Dataset, FileMetaDataset
     from pydicom.uid import ExplicitVRLittleEndian, SecondaryCaptureImageStorage, generate_uid
-    from pydicom.dataset import Dataset
 
     stored = np.round((hounsfield(image) - intercept) / slope)
     stored = np.clip(stored, 0, 65535).astype(np.uint16)
@@ -200,9 +197,7 @@ def write_site_folder(
     folder.mkdir(parents=True, exist_ok=True)
     kind = fmt or data.scanner.format
     rows = []
-    for i, (image, label, patient) in enumerate(
-        zip(data.images, data.labels, data.patient_ids)
-    ):
+    for i, (image, label, patient) in enumerate(zip(data.images, data.labels, data.patient_ids)):
         if kind == "dicom":
             name = f"img{i:05d}.dcm"
             write_dicom(
@@ -241,7 +236,12 @@ def write_imaging_cohort(
 
 
 def in_memory_images(
-    site: str, *, seed: int, patients: int, image_size: int, num_classes: int = 2,
+    site: str,
+    *,
+    seed: int,
+    patients: int,
+    image_size: int,
+    num_classes: int = 2,
     channels: int = 1,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(images float32 [N, C, S, S], labels, patient ids) without writing files

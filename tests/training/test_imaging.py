@@ -59,7 +59,7 @@ def test_png_and_dicom_folders_load_with_patients(folders: dict[str, Path]) -> N
         assert {e.kind for e in data.entries} == {"raster" if kind == "png" else "dicom"}
         batch = data.load([0, 1, 2])
         assert batch.shape == (3, 1, 16, 16) and batch.dtype == torch.float32
-        assert 0.0 <= float(batch.min()) and float(batch.max()) <= 1.0
+        assert float(batch.min()) >= 0.0 and float(batch.max()) <= 1.0
         rgb = load_image_folder(folder, ImageSpec(image_size=16, channels=3))
         torch.testing.assert_close(rgb.load([0])[:, 0], batch[:1, 0])  # gray replicated
         train, held_out = split_images(data, held_out_fraction=0.25, seed=0)
@@ -69,8 +69,14 @@ def test_png_and_dicom_folders_load_with_patients(folders: dict[str, Path]) -> N
 
 def test_dicom_rescale_and_window(tmp_path: Path) -> None:
     image = np.linspace(0.0, 1.0, 64, dtype=np.float32).reshape(8, 8)
-    write_dicom(tmp_path / "a.dcm", image, slope=2.0, intercept=-1024.0, uid_seed="t/p/0",
-                window=(0.0, 2000.0))
+    write_dicom(
+        tmp_path / "a.dcm",
+        image,
+        slope=2.0,
+        intercept=-1024.0,
+        uid_seed="t/p/0",
+        window=(0.0, 2000.0),
+    )
     write_labels(tmp_path, [("a.dcm", "1", "p")])
     spec = ImageSpec(image_size=8, patient_column="patient_id")
     got = load_image_folder(tmp_path, spec).load([0])[0, 0].numpy()
@@ -78,9 +84,13 @@ def test_dicom_rescale_and_window(tmp_path: Path) -> None:
     # (up to the slope-2 quantisation of the stored values, 2 HU = 0.001).
     np.testing.assert_allclose(got, image, atol=2e-3)
     # A study-given window (HU -200..200) overrides the file's.
-    windowed = load_image_folder(
-        tmp_path, ImageSpec(image_size=8, patient_column="patient_id", window=(0.0, 400.0))
-    ).load([0])[0, 0].numpy()
+    windowed = (
+        load_image_folder(
+            tmp_path, ImageSpec(image_size=8, patient_column="patient_id", window=(0.0, 400.0))
+        )
+        .load([0])[0, 0]
+        .numpy()
+    )
     expected = dicom_window(hounsfield(image), center=0.0, width=400.0)
     np.testing.assert_allclose(windowed, expected, atol=6e-3)
     assert windowed.min() == 0.0 and windowed.max() == 1.0
@@ -122,12 +132,18 @@ def test_bad_input_names_the_file(tmp_path: Path) -> None:
 
     missing = folder("missing")
     write_labels(missing, [("ok.png", "0", "a"), ("gone.png", "1", "b")])
-    with pytest.raises(DataError, match="gone.png listed but not found"):
+    with pytest.raises(DataError, match=r"gone\.png listed but not found"):
         load_image_folder(missing, SPEC)
 
     no_pixels = folder("nopixels")
-    write_dicom(no_pixels / "empty.dcm", np.zeros((8, 8), np.float32), slope=1.0,
-                intercept=-1024.0, uid_seed="x/y/z", with_pixels=False)
+    write_dicom(
+        no_pixels / "empty.dcm",
+        np.zeros((8, 8), np.float32),
+        slope=1.0,
+        intercept=-1024.0,
+        uid_seed="x/y/z",
+        with_pixels=False,
+    )
     write_labels(no_pixels, [("ok.png", "0", "a"), ("empty.dcm", "1", "b")])
     with pytest.raises(DataError, match="no pixel data") as info:
         load_image_folder(no_pixels, SPEC)
@@ -146,8 +162,10 @@ def test_bad_input_names_the_file(tmp_path: Path) -> None:
 
 def test_decoded_images_stream_through_a_bounded_cache(folders: dict[str, Path]) -> None:
     one_image = 1 * 16 * 16 * 4
-    data = load_image_folder(folders["png"], ImageSpec(
-        image_size=16, patient_column="patient_id", cache_bytes=5 * one_image))
+    data = load_image_folder(
+        folders["png"],
+        ImageSpec(image_size=16, patient_column="patient_id", cache_bytes=5 * one_image),
+    )
     first = data.load(np.arange(len(data)))
     assert len(data.cache) == 5 and data.cache.bytes <= 5 * one_image
     torch.testing.assert_close(data.load(np.arange(len(data))), first)  # re-decoded alike
@@ -155,8 +173,15 @@ def test_decoded_images_stream_through_a_bounded_cache(folders: dict[str, Path])
 
 def image_config(**changes: object) -> TrainingConfig:
     base = dict(
-        batch_size=16, max_physical_batch_size=64, lr=0.5, target_epsilon=30.0, delta=1e-3,
-        planned_rounds=1, local_epochs=4, privacy_unit="patient", device="cpu",
+        batch_size=16,
+        max_physical_batch_size=64,
+        lr=0.5,
+        target_epsilon=30.0,
+        delta=1e-3,
+        planned_rounds=1,
+        local_epochs=4,
+        privacy_unit="patient",
+        device="cpu",
     )
     base.update(changes)
     return TrainingConfig(**base)  # type: ignore[arg-type]
@@ -201,9 +226,7 @@ def test_multiclass_images_record_level_with_per_class_auc(tmp_path: Path) -> No
     data = load_image_folder(folder, spec)
     assert set(np.unique(data.labels)) == {0, 1, 2}
     train, held_out = split_images(data, held_out_fraction=0.25, seed=1)
-    config = image_config(
-        task="multiclass", num_classes=3, privacy_unit="record", local_epochs=6
-    )
+    config = image_config(task="multiclass", num_classes=3, privacy_unit="record", local_epochs=6)
     trainer = LocalTrainer(cnn(3), train, config, seed=0)
     assert trainer.grad_sample_mode == "hooks"  # auto: conv net -> hooks (faster)
     trainer.train_round(flatten_parameters(trainer.model))

@@ -86,7 +86,8 @@ def test_unknown_model_is_config_error() -> None:
 
 def test_mlp_hidden_sizes_from_params() -> None:
     model = build_model(ModelSpec("mlp", {"hidden": [5, 3]}), in_features=4)
-    assert [tuple(p.shape) for p in model.parameters()] == [(5, 4), (5,), (3, 5), (3,), (1, 3), (1,)]
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert shapes == [(5, 4), (5,), (3, 5), (3,), (1, 3), (1,)]
     with pytest.raises(ConfigError, match="unknown parameter"):
         build_model(ModelSpec("mlp", {"layers": [5]}), in_features=4)
     with pytest.raises(ConfigError) as info:
@@ -119,7 +120,9 @@ def lstm_factory(**kwargs: object) -> torch.nn.Module:
     return torch.nn.LSTM(4, 4)
 
 
-def good_factory(*, in_channels: int, num_outputs: int, width: int = 8, **_: object) -> torch.nn.Module:
+def good_factory(
+    *, in_channels: int, num_outputs: int, width: int = 8, **_: object
+) -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Conv2d(in_channels, width, 3, padding=1),
         torch.nn.GroupNorm(2, width),
@@ -168,9 +171,9 @@ def test_custom_factory_needs_the_allow_list_and_round_trips_by_name() -> None:
     with pytest.raises(ConfigError, match="cannot import"):
         build_from_record(missing, allowed_model_factories=[missing["custom"]])
     bad = f"{HERE}:not_a_module_factory"
-    with pytest.raises(ConfigError, match="not an nn.Module"):
+    with pytest.raises(ConfigError, match=r"not an nn\.Module"):
         build_model(ModelSpec(custom=bad), allowed_model_factories=[bad])
-    with pytest.raises(ConfigError, match="package.module:factory"):
+    with pytest.raises(ConfigError, match=r"package\.module:factory"):
         build_model(ModelSpec(custom="nocolon"), allowed_model_factories=["nocolon"])
 
 
