@@ -50,6 +50,7 @@ from opacus.utils.fast_gradient_clipping_utils import (
     DPTensorFastGradientClipping,
 )
 from opacus.utils.module_utils import trainable_modules
+from opacus.utils.tensor_utils import unfold2d
 from torch import nn
 
 from common.errors import ConfigError, DataError
@@ -161,6 +162,59 @@ def _linear_norm_sample(
 _OPACUS_LINEAR_NORM = GradSampleModuleFastGradientClipping.NORM_SAMPLERS[nn.Linear]
 
 
+def _conv2d_norm_sample(
+    layer: nn.Conv2d, activations: list[torch.Tensor], backprops: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradient norms of a Conv2d layer, by mixed ghost clipping.
+
+    Bu et al. 2022 ("Scalable and Efficient Training of Large Convolutional Neural
+    Networks with Differential Privacy", NeurIPS, Sec. 3): with A_i the unfolded
+    input [D, T] and G_i the output gradient [O, T] of sample i, the weight gradient
+    is G_i A_i^T and ||G_i A_i^T||_F^2 = <A_i^T A_i, G_i^T G_i> (two T x T Gram
+    matrices, the "ghost norm"). That costs ~T^2 (D + O) per sample, the explicit
+    per-sample gradient ~T D O; each layer takes the cheaper (ghost where
+    2 T^2 < D O: the deep layers of a ResNet, which hold most parameters). Opacus
+    has no conv norm sampler and materialises every per-sample gradient instead.
+    """
+    a = activations[0].to(backprops.dtype)
+    n = a.shape[0]
+    out: dict[nn.Parameter, torch.Tensor] = {}
+    unfolded = unfold2d(
+        a,
+        kernel_size=layer.kernel_size,
+        padding=layer.padding,
+        stride=layer.stride,
+        dilation=layer.dilation,
+    )  # [n, D, T]
+    grads = backprops.reshape(n, layer.out_channels, -1)  # [n, O, T]
+    if layer.weight.requires_grad:
+        d, t = unfolded.shape[1], unfolded.shape[2]
+        if 2 * t * t < d * layer.out_channels:
+            gram_a = torch.bmm(unfolded.transpose(1, 2), unfolded)
+            gram_g = torch.bmm(grads.transpose(1, 2), grads)
+            squared = (gram_a * gram_g).sum(dim=(1, 2))
+        else:
+            squared = torch.bmm(grads, unfolded.transpose(1, 2)).square().sum(dim=(1, 2))
+        out[layer.weight] = squared.clamp_min(0.0).sqrt()
+    if layer.bias is not None and layer.bias.requires_grad:
+        out[layer.bias] = grads.sum(dim=2).norm(dim=1)
+    return out
+
+
+def conv_ghost_norms(
+    layer: nn.Conv2d, activations: list[torch.Tensor], backprops: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Mixed ghost norms for plain (ungrouped, zero-padded) Conv2d; Opacus' own
+    per-sample gradients (then their norms) for anything else."""
+    if layer.groups == 1 and layer.padding_mode == "zeros":
+        return _conv2d_norm_sample(layer, activations, backprops)
+    samples = _OPACUS_CONV_GRAD(layer, activations, backprops)
+    return {p: g.reshape(g.shape[0], -1).norm(dim=1) for p, g in samples.items()}
+
+
+_OPACUS_CONV_GRAD = GradSampleModuleFastGradientClipping.GRAD_SAMPLERS[nn.Conv2d]
+
+
 class _GhostModule(GradSampleModuleFastGradientClipping):  # type: ignore[misc]
     """Opacus ghost clipping, plus book-keeping for models made of Linear layers.
 
@@ -176,6 +230,7 @@ class _GhostModule(GradSampleModuleFastGradientClipping):  # type: ignore[misc]
 
     NORM_SAMPLERS = {**GradSampleModuleFastGradientClipping.NORM_SAMPLERS}
     NORM_SAMPLERS[nn.Linear] = _linear_norm_sample
+    NORM_SAMPLERS[nn.Conv2d] = conv_ghost_norms
 
     def __init__(self, m: nn.Module, **kwargs: Any) -> None:
         trainable = [module for _, module in trainable_modules(m)]

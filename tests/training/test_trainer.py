@@ -15,6 +15,7 @@ from site_agent.models import TabularMLP, build_model, flatten_parameters, load_
 from site_agent.synthetic import FEATURES
 from site_agent.trainer import (
     LocalTrainer,
+    conv_ghost_norms,
     TrainingConfig,
     choose_grad_sample_mode,
     predict_scores,
@@ -260,3 +261,25 @@ def test_auto_picks_ghost_for_linear_models_and_hooks_for_conv_nets() -> None:
     assert choose_grad_sample_mode(build_model("mlp", in_features=3), "auto") == "ghost"
     assert choose_grad_sample_mode(build_model("cnn", in_channels=1), "auto") == "hooks"
     assert choose_grad_sample_mode(build_model("cnn", in_channels=1), "ghost") == "ghost"
+
+
+@pytest.mark.parametrize(
+    ("conv", "size"),
+    [
+        (torch.nn.Conv2d(3, 4, 3, padding=1), 10),  # large T: explicit per-sample grads
+        (torch.nn.Conv2d(8, 64, 3, stride=2, padding=1, bias=False), 4),  # small T: ghost
+        (torch.nn.Conv2d(2, 4, 3, groups=2), 6),  # grouped: Opacus' sampler
+    ],
+)
+def test_conv_ghost_norms_equal_explicit_per_sample_gradient_norms(conv, size) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, conv.in_channels, size, size)
+    out = conv(x)
+    backprops = torch.randn_like(out)
+    norms = conv_ghost_norms(conv, [x], backprops)
+    for i in range(5):
+        grads = torch.autograd.grad(
+            (conv(x[i : i + 1]) * backprops[i : i + 1]).sum(), list(conv.parameters())
+        )
+        for param, grad in zip(conv.parameters(), grads):
+            torch.testing.assert_close(norms[param][i], grad.norm(), rtol=1e-4, atol=1e-5)
