@@ -12,11 +12,14 @@ in the batch independently with probability q = batch_size / N; a fixed number o
 steps per epoch, round(N / batch_size), is taken so the accounting is exact.
 
 Record level uses Opacus: ghost clipping (Li et al. 2022, "Large Language Models Can
-Be Strong Differentially Private Learners") when the model allows it, per-sample-
-gradient hooks otherwise. For models whose trainable layers are all Linear, the
-clipped sum comes from one backward pass by book-keeping (Bu et al. 2023, see
-`_GhostModule`); other models run Opacus' two-pass ghost clipping. Opacus' optimizers
-add the noise either way. Large logical batches are split into physical batches with
+Be Strong Differentially Private Learners") or per-sample-gradient hooks, whichever
+`choose_grad_sample_mode` measured faster for the kind of model. For models whose
+trainable layers are all Linear, the clipped sum comes from one backward pass by
+book-keeping (Bu et al. 2023, see `_GhostModule`); other models run Opacus' two-pass
+ghost clipping, with mixed ghost norms for Conv2d (Bu et al. 2022, see
+`conv_ghost_norms`). Opacus' optimizers add the noise either way. The loss follows
+the task: BCE with logits (binary) or cross-entropy (multi-class), `TaskLoss`.
+Image datasets (`site_agent.imaging.ImageDataset`) are decoded per physical batch. Large logical batches are split into physical batches with
 the protocol of Opacus' `BatchMemoryManager` (`signal_skip_step`), driven directly
 from tensor indices: no DataLoader, which is most of the per-step cost for a small
 tabular model (docs/benchmarks.md has the measurements).
@@ -898,19 +901,29 @@ class LocalTrainer:
         )
 
 
+GHOST_MIN_PARAMETERS = 1_000_000
+"""Conv nets at least this large train faster with ghost clipping (see below)."""
+
+
 def choose_grad_sample_mode(model: nn.Module, requested: str) -> Literal["ghost", "hooks"]:
     """The record-level DP path for `model`; "auto" picks the faster one.
 
-    Measured with `medfed bench dpsgd` (docs/benchmarks.md): for models made only of
-    Linear layers, book-keeping ghost clipping (one backward pass) beats per-sample
-    hooks; for conv nets Opacus' ghost clipping needs two backward passes plus unfolded
-    activations per layer and is slower than hooks, so auto picks hooks there.
+    Measured with `medfed bench dpsgd` on CPU (docs/benchmarks.md). Hook mode pays for
+    materialising and clipping B x P per-sample gradients; ghost clipping pays for a
+    second backward pass instead. So: all-Linear models -> ghost (book-keeping, one
+    pass: 2.8x vs hooks 6.0x for the demo MLP); large conv nets -> ghost (mixed ghost
+    norms: ResNet-18-GN 2.2x vs hooks 5.3x); small conv nets, where the second
+    backward costs more than their few per-sample gradients -> hooks (SmallCNN 1.9x
+    vs ghost 2.5x).
     """
     if requested == "ghost":
         return "ghost"
     if requested == "hooks":
         return "hooks"
-    return "ghost" if all_linear(model) else "hooks"
+    if all_linear(model):
+        return "ghost"
+    parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return "ghost" if parameters >= GHOST_MIN_PARAMETERS else "hooks"
 
 
 def predict_scores(

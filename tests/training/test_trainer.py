@@ -257,10 +257,13 @@ def test_labels_outside_the_classes_are_a_data_error(site_split) -> None:
         TrainingConfig(task="multiclass", num_classes=2)
 
 
-def test_auto_picks_ghost_for_linear_models_and_hooks_for_conv_nets() -> None:
+def test_auto_picks_ghost_for_linear_and_large_conv_models_hooks_for_small_ones() -> None:
     assert choose_grad_sample_mode(build_model("mlp", in_features=3), "auto") == "ghost"
     assert choose_grad_sample_mode(build_model("cnn", in_channels=1), "auto") == "hooks"
     assert choose_grad_sample_mode(build_model("cnn", in_channels=1), "ghost") == "ghost"
+    resnet = build_model("resnet18-gn", in_channels=1)
+    assert choose_grad_sample_mode(resnet, "auto") == "ghost"
+    assert choose_grad_sample_mode(resnet, "hooks") == "hooks"
 
 
 @pytest.mark.parametrize(
