@@ -15,9 +15,9 @@ from site_agent.models import TabularMLP, build_model, flatten_parameters, load_
 from site_agent.synthetic import FEATURES
 from site_agent.trainer import (
     LocalTrainer,
-    conv_ghost_norms,
     TrainingConfig,
     choose_grad_sample_mode,
+    conv_ghost_norms,
     predict_scores,
 )
 
