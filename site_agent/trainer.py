@@ -22,7 +22,8 @@ the task: BCE with logits (binary) or cross-entropy (multi-class), `TaskLoss`.
 Image datasets (`site_agent.imaging.ImageDataset`) are decoded per physical batch.
 Large logical batches are split into physical batches with the protocol of Opacus'
 `BatchMemoryManager` (`signal_skip_step`), driven directly from tensor indices: no
-DataLoader, which is most of the per-step cost for a small tabular model (docs/benchmarks.md has the measurements).
+DataLoader, which is most of the per-step cost for a small tabular model
+(docs/benchmarks.md has the measurements).
 
 Randomness: batches and noise come from torch generators seeded by `seed`. Tests pass
 fixed seeds; the site agent must pass a fresh seed from the OS CSPRNG for every
