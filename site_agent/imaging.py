@@ -52,21 +52,50 @@ class ImageSpec:
     (e.g. Hounsfield: (40, 80) is a brain window).
     """
 
-    image_size: int = 64
+    image_size: int | tuple[int, int] = 64
     channels: int = 1
-    classes: tuple[str, ...] = ("0", "1")
+    classes: tuple[str | int, ...] = ("0", "1")
     file_column: str = "file"
     label_column: str = "label"
     patient_column: str | None = None
     window: tuple[float, float] | None = None
     cache_bytes: int = DEFAULT_CACHE_BYTES
 
+    @property
+    def size(self) -> tuple[int, int]:
+        """(height, width) every image is resized to."""
+        size = self.image_size
+        return (size, size) if isinstance(size, int) else size
+
+    def class_index(self, cell: str) -> int | None:
+        """Index of the class a label cell names (``1.0`` matches 1); None if none."""
+        text = cell.strip()
+        for i, name in enumerate(self.classes):
+            if text == str(name).strip():
+                return i
+        try:
+            value = float(text)
+        except ValueError:
+            return None
+        for i, name in enumerate(self.classes):
+            try:
+                if float(str(name)) == value:
+                    return i
+            except ValueError:
+                continue
+        return None
+
     def __post_init__(self) -> None:
-        if self.image_size < 4:
-            raise ConfigError("data.image_size", "must be >= 4 pixels")
+        size = self.image_size
+        if isinstance(size, int):
+            size = (size, size)
+        if len(size) != 2 or min(size) < 4:
+            raise ConfigError("data.image_size", "must be >= 4 pixels (one size, or [h, w])")
+        object.__setattr__(self, "image_size", (int(size[0]), int(size[1])))
         if self.channels not in (1, 3):
             raise ConfigError("data.channels", "must be 1 (grayscale) or 3 (RGB)")
-        if len(self.classes) < 2 or len(set(self.classes)) != len(self.classes):
+        texts = [str(c).strip() for c in self.classes]
+        if len(texts) < 2 or len(set(texts)) != len(texts):
             raise ConfigError("data.classes", "need at least 2 distinct classes")
         if self.window is not None and not self.window[1] > 0:
             raise ConfigError("data.window", "width must be positive")
@@ -146,7 +175,8 @@ class ImageDataset:
     @property
     def shape(self) -> tuple[int, int, int]:
         """(channels, height, width) of one decoded image."""
-        return (self.spec.channels, self.spec.image_size, self.spec.image_size)
+        height, width = self.spec.size
+        return (self.spec.channels, height, width)
 
     def subset(self, index: np.ndarray) -> ImageDataset:
         """The images at `index` (own cache of the same size)."""
@@ -182,14 +212,16 @@ class ImageDataset:
 
 
 # ---------------------------------------------------------------- decoding
-def _resize(plane: np.ndarray, size: int) -> np.ndarray:
-    """Bilinear resize of a float32 [H, W] plane to [size, size] (Pillow, mode F)."""
+def _resize(plane: np.ndarray, size: int | tuple[int, int]) -> np.ndarray:
+    """Bilinear resize of a float32 [H, W] plane to `size` = (h, w) (Pillow, mode F)."""
     from PIL import Image
 
-    if plane.shape == (size, size):
+    height, width = (size, size) if isinstance(size, int) else size
+    if plane.shape == (height, width):
         return plane
     image = Image.fromarray(np.ascontiguousarray(plane, dtype=np.float32), mode="F")
-    return np.asarray(image.resize((size, size), Image.Resampling.BILINEAR), dtype=np.float32)
+    resized = image.resize((width, height), Image.Resampling.BILINEAR)
+    return np.asarray(resized, dtype=np.float32)
 
 
 def _to_channels(planes: np.ndarray, channels: int, path: Path) -> np.ndarray:
@@ -233,7 +265,7 @@ def _decode_raster(path: Path, spec: ImageSpec) -> np.ndarray:
     except (OSError, UnidentifiedImageError, ValueError) as exc:
         raise DataError(f"unreadable image: {exc}", file=str(path)) from exc
     planes = _to_channels(planes, spec.channels, path)
-    return np.stack([_resize(p, spec.image_size) for p in planes]).astype(np.float32)
+    return np.stack([_resize(p, spec.size) for p in planes]).astype(np.float32)
 
 
 def _first(value: Any) -> float:
@@ -294,7 +326,7 @@ def _decode_dicom(path: Path, spec: ImageSpec) -> np.ndarray:
     else:
         raise DataError(f"DICOM has {samples} samples per pixel", file=str(path))
     planes = _to_channels(planes.astype(np.float32), spec.channels, path)
-    return np.stack([_resize(p, spec.image_size) for p in planes]).astype(np.float32)
+    return np.stack([_resize(p, spec.size) for p in planes]).astype(np.float32)
 
 
 # ------------------------------------------------------------- validation
@@ -356,7 +388,6 @@ def load_image_folder(
     csv_path = Path(labels_csv) if labels_csv is not None else root / "labels.csv"
     if not csv_path.is_file():
         raise DataError("labels CSV not found", file=str(csv_path))
-    class_index = {name: i for i, name in enumerate(spec.classes)}
     rows: dict[str, tuple[int, int, str | None]] = {}
     with csv_path.open(newline="", encoding="utf-8") as handle:
         reader = csv.DictReader(handle)
@@ -374,7 +405,8 @@ def load_image_folder(
                     "empty file name", file=str(csv_path), row=line, column=spec.file_column
                 )
             label = (record.get(spec.label_column) or "").strip()
-            if label not in class_index:
+            index = spec.class_index(label)
+            if index is None:
                 raise DataError(
                     f"label {label!r} of {name} is not one of the classes {list(spec.classes)}",
                     file=str(csv_path),
@@ -394,7 +426,7 @@ def load_image_folder(
             key = Path(name).as_posix()
             if key in rows:
                 raise DataError(f"{name} is listed twice", file=str(csv_path), row=line)
-            rows[key] = (line, class_index[label], patient)
+            rows[key] = (line, index, patient)
     on_disk = {
         p.relative_to(root).as_posix(): p
         for p in sorted(root.rglob("*"))

@@ -148,6 +148,7 @@ MODEL_ALIASES = {
     "small_cnn": "cnn",
     "resnet18_gn": "resnet18-gn",
     "densenet121_gn": "densenet121-gn",
+    "densenet121": "densenet121-gn",
 }
 """Earlier registry names, kept so existing configs still load."""
 
@@ -163,6 +164,24 @@ class ModelSpec:
     name: str = "mlp"
     params: Mapping[str, Any] = field(default_factory=dict)
     custom: str | None = None
+
+    @classmethod
+    def from_fields(
+        cls,
+        *,
+        name: str | None,
+        custom: str | None = None,
+        hidden: Sequence[int] = (64, 32),
+        dropout: float = 0.0,
+        options: Mapping[str, Any] | None = None,
+    ) -> ModelSpec:
+        """From a study's ``[model]`` fields: mlp takes hidden/dropout, a custom factory
+        its options; other built-ins take their options."""
+        if custom is not None:
+            return cls(name="custom", params=dict(options or {}), custom=custom)
+        if (name or "mlp") == "mlp":
+            return cls(name="mlp", params={"hidden": list(hidden), "dropout": dropout})
+        return cls(name=str(name), params=dict(options or {}))
 
     @property
     def canonical_name(self) -> str:
@@ -203,7 +222,11 @@ def _check_params(params: Mapping[str, Any], allowed: set[str], model: str) -> N
 
 
 def _densenet121_gn(
-    *, in_channels: int, image_size: int | None, outputs: int, params: Mapping[str, Any]
+    *,
+    in_channels: int,
+    image_size: int | Sequence[int] | None,
+    outputs: int,
+    params: Mapping[str, Any],
 ) -> nn.Module:
     """MONAI's DenseNet-121 (Huang et al. 2017) with GroupNorm instead of BatchNorm.
 
@@ -301,7 +324,7 @@ def build_model(
     task: Task | None = None,
     in_features: int | None = None,
     in_channels: int | None = None,
-    image_size: int | None = None,
+    image_size: int | Sequence[int] | None = None,
     allowed_model_factories: Sequence[str] = (),
     check_dp: bool = True,
 ) -> nn.Module:
@@ -377,7 +400,7 @@ def architecture_record(
     task: Task | None = None,
     in_features: int | None = None,
     in_channels: int | None = None,
-    image_size: int | None = None,
+    image_size: int | Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """JSON-safe description from which `build_from_record` rebuilds the same model
     (for model bundles: no pickled code, a custom factory is recorded by name)."""
@@ -395,7 +418,8 @@ def architecture_record(
         "num_classes": num_classes,
         "in_features": in_features,
         "in_channels": in_channels,
-        "image_size": image_size,
+        "image_size": image_size if image_size is None or isinstance(image_size, int)
+        else [int(d) for d in image_size],
     }
     return record
 

@@ -235,3 +235,14 @@ def test_multiclass_images_record_level_with_per_class_auc(tmp_path: Path) -> No
     np.testing.assert_allclose(scores.sum(axis=1), 1.0, rtol=1e-6)
     metrics = multiclass_metrics_from_scores(scores, held_out.labels)
     assert len(metrics.per_class_auc) == 3 and metrics.macro_auc > 0.6
+
+
+def test_study_style_spec_non_square_size_and_numeric_classes(tmp_path: Path) -> None:
+    Image.fromarray(np.full((12, 20), 200, dtype=np.uint8), mode="L").save(tmp_path / "a.png")
+    write_labels(tmp_path, [("a.png", "1.0", "p1")])
+    spec = ImageSpec(image_size=(8, 16), classes=(0, 1), patient_column="patient_id")
+    data = load_image_folder(tmp_path, spec)
+    assert data.labels.tolist() == [1]  # "1.0" names class 1, as in the study
+    image = data.load([0])
+    assert image.shape == (1, 1, 8, 16)
+    torch.testing.assert_close(image, torch.full((1, 1, 8, 16), 200 / 255))

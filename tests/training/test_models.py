@@ -186,3 +186,11 @@ def test_architecture_record_rebuilds_registry_models(name: str) -> None:
     a = build_from_record(record)
     b = build_model(name, num_classes=3, **dims)
     assert parameter_layout(a) == parameter_layout(b)
+
+
+def test_spec_from_study_fields() -> None:
+    mlp = ModelSpec.from_fields(name=None, hidden=(8,), dropout=0.1)
+    assert mlp == ModelSpec("mlp", {"hidden": [8], "dropout": 0.1})
+    assert ModelSpec.from_fields(name="densenet121").canonical_name == "densenet121-gn"
+    custom = ModelSpec.from_fields(name=None, custom="pkg.mod:make", options={"width": 4})
+    assert (custom.canonical_name, custom.params) == ("custom", {"width": 4})
