@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -196,7 +197,9 @@ def cnn(num_classes: int = 2):  # type: ignore[no-untyped-def]
 
 
 def test_patient_level_dp_on_an_image_folder_learns(folders: dict[str, Path]) -> None:
-    data = load_image_folder(folders["dicom"], SPEC)
+    # A cache of 12 decoded images for ~100: training streams from disk.
+    bound = 12 * 16 * 16 * 4
+    data = load_image_folder(folders["dicom"], replace(SPEC, cache_bytes=bound))
     train, held_out = split_images(data, held_out_fraction=0.25, seed=0)
     trainer = LocalTrainer(cnn(), train, image_config(), seed=0)
     assert trainer.privacy_unit == "patient" and trainer.num_units == train.num_patients
@@ -205,6 +208,7 @@ def test_patient_level_dp_on_an_image_folder_learns(folders: dict[str, Path]) ->
     result = trainer.train_round(start)
     after = metrics_from_scores(trainer.predict(held_out), held_out.labels).auc
     assert np.isfinite(result.mean_loss) and after > max(before, 0.7)
+    assert len(train) > 12 * 5 and 0 < train.cache.bytes <= bound
 
 
 def test_patient_groups_split_into_physical_batches_give_the_same_step(
