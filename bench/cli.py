@@ -14,6 +14,8 @@ BENCHMARK_MODULES: list[str] = [
     "bench.secagg",
     "bench.dpsgd",
     "bench.round",
+    "bench.soak",
+    "bench.ddgauss",
 ]
 """Registrars of `medfed bench` subcommands, in help order."""
 

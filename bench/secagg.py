@@ -15,6 +15,10 @@ pairwise mask they had with surviving neighbours).
 
 The result is checked against the plaintext ring sum of the survivors' inputs computed
 in the same run (``exact``).
+
+``--scaling 50,100,200`` runs the round at each n (``--repeat`` times, medians) and
+prints per-client time and signature checks against n, with the ratio to the first n:
+a client's work must grow with its neighbourhood (log n), not with n.
 """
 
 from __future__ import annotations
@@ -174,6 +178,7 @@ def run(
     total = watch.on_server("unmask", server.close_unmask)
 
     exact = bool(np.array_equal(total, plaintext))
+    checks = [client.signatures_verified for client in clients.values()]
     per_site = [sum(phases.values()) for phases in watch.client.values()]
     client_phases = {}
     for phase in CLIENT_PHASES:
@@ -200,6 +205,7 @@ def run(
             "max": max(watch.client_cpu.values()),
         },
         "server_cpu_seconds": watch.server_cpu,
+        "client_signature_checks": {"mean": statistics.fmean(checks), "max": max(checks)},
         "phases": {
             "client": client_phases,
             "server": {phase: watch.server.get(phase, 0.0) for phase in SERVER_PHASES},
@@ -211,6 +217,69 @@ def run(
         # (torch, when run through `medfed`): compare with dim * 4 bytes per vector.
         "round_rss_growth_mib": _peak_rss_mib() - rss_before,
     }
+
+
+def scaling(
+    site_counts: list[int],
+    *,
+    dim: int,
+    dropouts: int,
+    repeat: int,
+    signature: str = "ed25519",
+) -> list[dict[str, Any]]:
+    """Per-client cost against n: medians over `repeat` rounds at each n."""
+    rows = []
+    for n in site_counts:
+        results = [
+            run(sites=n, dim=dim, dropouts=dropouts, signature=signature, seed=seed)
+            for seed in range(repeat)
+        ]
+        rows.append(
+            {
+                "sites": n,
+                "dim": dim,
+                "neighbours": results[0]["neighbours"],
+                "threshold": results[0]["threshold"],
+                "exact": all(result["exact"] for result in results),
+                "client_ms": 1e3 * statistics.median(r["client_seconds"]["mean"] for r in results),
+                "client_cpu_ms": 1e3
+                * statistics.median(r["client_cpu_seconds"]["mean"] for r in results),
+                "signature_checks": statistics.median(
+                    r["client_signature_checks"]["mean"] for r in results
+                ),
+            }
+        )
+    return rows
+
+
+def _print_scaling(rows: list[dict[str, Any]], *, repeat: int, dropouts: int) -> None:
+    first = rows[0]
+    print(
+        f"SecAgg+ per-client cost against n: d={first['dim']:,}, {dropouts} dropouts, "
+        f"medians of {repeat} rounds"
+    )
+    print(
+        f"  {'n':>5} {'k':>4} {'t':>4} {'client ms':>10} {'cpu ms':>8} "
+        f"{'cpu / first':>11} {'sig checks':>10}"
+    )
+    for row in rows:
+        print(
+            f"  {row['sites']:>5} {row['neighbours'] or 'all':>4} {row['threshold']:>4} "
+            f"{row['client_ms']:10.1f} {row['client_cpu_ms']:8.1f} "
+            f"{row['client_cpu_ms'] / first['client_cpu_ms']:11.2f} "
+            f"{row['signature_checks']:10.1f}"
+        )
+    print(f"  exact: {all(row['exact'] for row in rows)}")
+
+
+def _site_counts(value: str) -> list[int]:
+    try:
+        counts = [int(part) for part in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected comma-separated site counts") from None
+    if not counts or min(counts) < 2:
+        raise argparse.ArgumentTypeError("every site count must be >= 2")
+    return counts
 
 
 def _peak_rss_mib() -> float:
@@ -283,9 +352,31 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--signature", choices=("ed25519", "ecdsa-p256-sha256"), default="ed25519")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    parser.add_argument(
+        "--scaling",
+        type=_site_counts,
+        default=None,
+        metavar="N1,N2,...",
+        help="per-client cost against n: one round per n and repeat (overrides --sites)",
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="rounds per n in --scaling (medians)")
 
 
 def main_from_args(args: argparse.Namespace) -> int:
+    if args.scaling:
+        if args.repeat < 1:
+            raise ConfigError("repeat", "must be >= 1")
+        rows = scaling(
+            args.scaling,
+            dim=args.dim,
+            dropouts=args.dropouts,
+            repeat=args.repeat,
+            signature=args.signature,
+        )
+        _print_scaling(rows, repeat=args.repeat, dropouts=args.dropouts)
+        if args.json:
+            print(json.dumps(rows, sort_keys=True))
+        return 0 if all(row["exact"] for row in rows) else 1
     result = run(
         sites=args.sites,
         dim=args.dim,

@@ -17,10 +17,19 @@
     ├── PrivacyError
     │   ├── BudgetExhausted          this round would exceed the site's epsilon budget
     │   └── LedgerIntegrityError     the hash chain of a ledger does not verify
-    └── StateError                   persisted state is missing or inconsistent
+    │       └── LedgerForkError      a ledger head does not extend the known history
+    │                                (fork, shrink, reset)
+    ├── StateError                   persisted state is missing or inconsistent
+    │   └── LedgerUnavailable        a ledger file is missing, unreadable, read-only
+    │                                or damaged; names the file and what to do
+    ├── Unauthenticated              the caller presented no certificate at all
+    ├── Unavailable                  the coordinator cannot serve now (its round engine
+    │                                failed); sites retry with backoff
+    ├── RoundFailed                  this round cannot go on for this site
+    └── FederationFinished           the coordinator ran its whole study
 
-Servicers translate these to gRPC status codes in one place; nothing else in the
-product catches broad exceptions.
+`common.wire.status_for` translates these to gRPC status codes (one table); nothing
+else in the product catches broad exceptions.
 """
 
 from __future__ import annotations
@@ -104,6 +113,11 @@ class AbortReason(enum.Enum):
     RECONSTRUCTION_FAILED = "reconstruction_failed"
     ROUND_ABANDONED = "round_abandoned"
     UPLOAD_IDLE = "upload_idle"  # an upload stream sent nothing for too long
+    ROUND_TOO_SMALL = "round_too_small"  # fewer sites than this site's floor
+    SURVIVORS_BELOW_FLOOR = "survivors_below_floor"  # the sum would cover too few sites
+    UNKNOWN_MEMBER = "unknown_member"  # roster peer not in the site's pinned members
+    REVOKED_PEER = "revoked_peer"  # roster peer's certificate is on the CA's CRL
+    NOT_A_SITE = "not_a_site"  # a roster entry's certificate is not a site certificate
 
 
 class ProtocolAbort(MedfedError):
@@ -135,5 +149,40 @@ class LedgerIntegrityError(PrivacyError):
     """A ledger's hash chain does not verify: an entry was edited, deleted or moved."""
 
 
+class LedgerForkError(LedgerIntegrityError):
+    """A reported or restored ledger head does not extend the history already known
+    (the coordinator's replica or the site's anchor): a fork, a shrink or a reset."""
+
+
 class StateError(MedfedError):
     """Persisted state is missing or inconsistent."""
+
+
+class LedgerUnavailable(StateError):
+    """A privacy ledger cannot be used as it is (missing, unreadable, read-only, damaged).
+
+    The message names the file and the operator's way out; the site does not start (or
+    stops) rather than train on a budget it cannot record."""
+
+    def __init__(self, path: object, message: str) -> None:
+        self.path = str(path)
+        super().__init__(message)
+
+
+class Unauthenticated(MedfedError):
+    """The caller presented no certificate at all."""
+
+
+class Unavailable(MedfedError):
+    """The coordinator cannot serve now: its round engine stopped on an error.
+
+    Never "finished": sites keep retrying with backoff until a restarted coordinator
+    (on the same state) takes the federation up again."""
+
+
+class RoundFailed(MedfedError):
+    """This round cannot go on for this site (the next one may)."""
+
+
+class FederationFinished(MedfedError):
+    """The coordinator ran all its rounds: the study is complete."""

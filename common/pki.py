@@ -1,19 +1,30 @@
-"""The federation PKI: one CA, a coordinator server certificate, one client certificate per site.
+"""The federation PKI: one CA, a coordinator server certificate, client certificates
+for sites and monitors.
 
 Layout of a PKI directory ``D`` (made by ``medfed pki``)::
 
     D/ca.crt               federation CA certificate (every party gets a copy)
     D/ca.key               CA private key (never leaves the operator)
     D/crl.pem              certificate revocation list, signed by the CA
-    D/coordinator.crt/.key coordinator server certificate (serverAuth)
+    D/coordinator.crt/.key coordinator server certificate (serverAuth),
+                             SAN URI ``medfed://coordinator/NAME`` plus its host names
     D/sites/SITE_ID.crt    site client certificate (clientAuth), CN = SITE_ID,
-    D/sites/SITE_ID.key      SAN URI ``medfed://site/SITE_ID``
-    D/replaced/            old files moved aside by ``issue --force``
+                             SAN URI ``medfed://site/SITE_ID``; signed from the
+                             hospital's CSR (``pki sign``): the key stays at the hospital
+    D/monitors/NAME.crt/.key  monitor client certificate (health probes, status),
+                             SAN URI ``medfed://monitor/NAME``
+    D/replaced/            old files moved aside by ``issue --force`` / ``sign --replace``
 
-A hospital receives only ``ca.crt`` and its own pair. Private keys are PKCS#8 PEM,
-*unencrypted*, written with mode 0600 into a 0700 directory: protect them with file
-permissions or hand them to a secret store (Kubernetes secret, Vault) instead of
-copying them around. Files are never overwritten silently.
+Every leaf names its *role* in exactly one ``medfed://ROLE/NAME`` SAN URI. Only a site
+certificate may enrol, appear in a roster or sign SecAgg messages; a monitor may call
+Health and read-only status RPCs; a coordinator certificate is a server identity only.
+
+A hospital makes its own key and a CSR (``pki request``), the operator signs the CSR
+(``pki sign``) and returns the certificate: the operator never holds a site key.
+``pki issue --site`` (the operator generates the key) is for single-host demos only.
+Private keys are PKCS#8 PEM, *unencrypted*, written with mode 0600 into a 0700
+directory; a key file readable by others is refused (`load_private_key_file`). Files
+are never overwritten silently.
 
 Identity rule of DESIGN.md ("Identity and trust"): the coordinator takes a caller's
 site id from the verified peer certificate (`PeerVerifier.verify`), never from a
@@ -27,9 +38,11 @@ and signature (s. 6.1.3 (a)(1)), validity (s. 4.1.2.5), revocation by CRL (s. 5 
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import ipaddress
 import os
 import re
+import stat
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,7 +55,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from common.errors import CertificateRejected, ConfigError, PkiError
+from common.errors import (
+    AbortReason,
+    CertificateRejected,
+    ConfigError,
+    PkiError,
+    ProtocolAbort,
+)
 
 Algorithm: TypeAlias = Literal["ecdsa-p256", "ed25519"]
 ALGORITHMS: tuple[Algorithm, ...] = ("ecdsa-p256", "ed25519")
@@ -56,9 +75,22 @@ CRL_FILE = "crl.pem"
 COORDINATOR_CERT = "coordinator.crt"
 COORDINATOR_KEY = "coordinator.key"
 SITES_DIR = "sites"
+MONITORS_DIR = "monitors"
 REPLACED_DIR = "replaced"
+CSR_SUFFIX = ".csr"
 
-SITE_URI_PREFIX = "medfed://site/"
+
+class Role(enum.Enum):
+    """What a certificate may do; named by its ``medfed://ROLE/NAME`` SAN URI."""
+
+    SITE = "site"
+    COORDINATOR = "coordinator"
+    MONITOR = "monitor"
+
+
+ROLE_URI_SCHEME = "medfed://"
+SITE_URI_PREFIX = ROLE_URI_SCHEME + Role.SITE.value + "/"
+DEFAULT_COORDINATOR_NAME = "coordinator"
 # `fullmatch` (not `match` with `$`) so that a trailing newline is not accepted.
 SITE_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 _DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
@@ -179,17 +211,53 @@ def _move_aside(directory: Path, paths: Sequence[Path], now: dt.datetime) -> Non
         os.replace(path, target)
 
 
-def _load_private_key(path: Path) -> PrivateKey:
+def _check_key_file_mode(path: Path, st: os.stat_result) -> None:
+    """PkiError unless only the owner can read `path`.
+
+    The rule of PostgreSQL's ``ssl_key_file`` check: 0600 (or stricter) for a file the
+    service owns; a root-owned file may also be readable by its group (0640), which is
+    how a Kubernetes Secret mounted with ``fsGroup`` reaches a non-root service.
+    """
+    mode = stat.S_IMODE(st.st_mode)
+    allowed = 0o037 if st.st_uid == 0 else 0o077
+    if mode & allowed:
+        raise PkiError(
+            f"private key {path} is readable by {'others' if mode & 0o007 else 'its group'} "
+            f"(mode {mode:04o}); only its owner may read it: run `chmod 600 {path}`"
+        )
+
+
+def read_private_key_pem(path: str | os.PathLike[str]) -> bytes:
+    """The PEM bytes of a private key file, after checking that only its owner can read it.
+
+    Call this (or `load_private_key_file`) wherever a service loads a key at start-up,
+    so a key left world-readable stops the service with one clear error.
+    """
+    file = Path(path)
     try:
-        data = path.read_bytes()
+        with open(file, "rb") as handle:
+            _check_key_file_mode(file, os.fstat(handle.fileno()))
+            return handle.read()
     except FileNotFoundError:
-        raise PkiError(f"private key {path} does not exist") from None
+        raise PkiError(f"private key {file} does not exist") from None
+    except IsADirectoryError:
+        raise PkiError(f"private key {file} is a directory, not a key file") from None
+    except PermissionError:
+        raise PkiError(f"private key {file} cannot be read by this user") from None
+    except OSError as exc:
+        raise PkiError(f"cannot read private key {file}: {exc.strerror}") from None
+
+
+def load_private_key_file(path: str | os.PathLike[str]) -> PrivateKey:
+    """Load an unencrypted PEM EC or Ed25519 key; PkiError if it is readable by others."""
+    file = Path(path)
+    data = read_private_key_pem(file)
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:
-        raise PkiError(f"{path} is not an unencrypted PEM private key ({exc})") from None
+        raise PkiError(f"{file} is not an unencrypted PEM private key ({exc})") from None
     if not isinstance(key, ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey):
-        raise PkiError(f"{path}: unsupported key type {type(key).__name__}")
+        raise PkiError(f"{file}: unsupported key type {type(key).__name__}")
     return key
 
 
@@ -232,36 +300,134 @@ def load_ca(directory: str | os.PathLike[str]) -> x509.Certificate:
 
 def _load_ca_key(directory: Path) -> tuple[x509.Certificate, PrivateKey]:
     cert = load_ca(directory)
-    key = _load_private_key(directory / CA_KEY)
+    key = load_private_key_file(directory / CA_KEY)
     if key.public_key() != cert.public_key():
         raise PkiError(f"{directory / CA_KEY} does not belong to {directory / CA_CERT}")
     return cert, key
 
 
-def site_id_from_certificate(cert: x509.Certificate) -> str:
-    """The site id named by `cert`: its one ``medfed://site/ID`` SAN URI, equal to its CN."""
+@dataclass(frozen=True)
+class CertificateIdentity:
+    """Role and name a certificate carries in its ``medfed://ROLE/NAME`` SAN URI."""
+
+    role: Role
+    name: str
+
+
+def _identity_from_names(
+    uris: Sequence[str], common_names: Sequence[str], *, what: str
+) -> CertificateIdentity:
+    """The one ``medfed://ROLE/NAME`` URI among `uris`; CN must equal NAME for a site."""
+    ours = [uri for uri in uris if uri.startswith(ROLE_URI_SCHEME)]
+    if len(ours) != 1:
+        raise CertificateRejected(
+            f"{what} must carry exactly one {ROLE_URI_SCHEME}ROLE/NAME URI, found {len(ours)}"
+        )
+    role_name, _, name = ours[0][len(ROLE_URI_SCHEME) :].partition("/")
+    try:
+        role = Role(role_name)
+    except ValueError:
+        raise CertificateRejected(f"{what} names an unknown role {role_name!r}") from None
+    if SITE_ID_PATTERN.fullmatch(name) is None:
+        label = "site id" if role is Role.SITE else f"{role.value} name"
+        raise CertificateRejected(f"{what} names an invalid {label} {name!r}")
+    if role is not Role.COORDINATOR and list(common_names) != [name]:
+        raise CertificateRejected(
+            f"{what} subject CN {list(common_names)!r} does not match its "
+            f"{role.value} name {name!r}"
+        )
+    return CertificateIdentity(role=role, name=name)
+
+
+def certificate_identity(cert: x509.Certificate) -> CertificateIdentity:
+    """Role and name of `cert`; CertificateRejected if it names none, several or a bad one."""
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
-        raise CertificateRejected("certificate has no subjectAltName naming a site") from None
-    uris = [
-        uri
-        for uri in san.get_values_for_type(x509.UniformResourceIdentifier)
-        if uri.startswith(SITE_URI_PREFIX)
-    ]
-    if len(uris) != 1:
-        raise CertificateRejected(
-            f"certificate must carry exactly one {SITE_URI_PREFIX}SITE_ID URI, found {len(uris)}"
-        )
-    site_id = uris[0][len(SITE_URI_PREFIX) :]
-    if SITE_ID_PATTERN.fullmatch(site_id) is None:
-        raise CertificateRejected(f"certificate names an invalid site id {site_id!r}")
+        raise CertificateRejected("certificate has no subjectAltName naming its role") from None
     common_names = [attr.value for attr in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
-    if common_names != [site_id]:
+    return _identity_from_names(
+        san.get_values_for_type(x509.UniformResourceIdentifier),
+        [str(cn) for cn in common_names],
+        what="certificate",
+    )
+
+
+def certificate_role(cert: x509.Certificate) -> Role:
+    """The role `cert` names (site, coordinator, monitor); CertificateRejected if none."""
+    return certificate_identity(cert).role
+
+
+def site_id_from_certificate(cert: x509.Certificate) -> str:
+    """The site id named by `cert`: its one ``medfed://site/ID`` SAN URI, equal to its CN.
+
+    A monitor or coordinator certificate is refused: only sites enrol and sign.
+    """
+    identity = certificate_identity(cert)
+    if identity.role is not Role.SITE:
         raise CertificateRejected(
-            f"certificate subject CN {common_names!r} does not match its site id {site_id!r}"
+            f"certificate is a {identity.role.value} certificate ({identity.name!r}), "
+            "not a site certificate"
         )
-    return site_id
+    return identity.name
+
+
+def check_roster_certificate(
+    certificate: bytes | x509.Certificate,
+    *,
+    ca_cert: x509.Certificate,
+    now: dt.datetime,
+    site_id: str,
+) -> x509.Certificate:
+    """The certificate of roster entry `site_id`, checked as a site would check it.
+
+    It must chain to the site's own copy of the CA, be valid at `now`, be a clientAuth
+    leaf and name the role *site* with id `site_id`. A certificate of another role
+    (a monitor, or the coordinator posing as a hospital) aborts the round with
+    ``not_a_site``; other failures raise CertificateRejected.
+    """
+    cert = (
+        certificate
+        if isinstance(certificate, x509.Certificate)
+        else parse_certificate(certificate)
+    )
+    what = f"roster certificate of {site_id!r}"
+    check_issued_by(cert, ca_cert, what=what)
+    check_validity_window(cert, now, what=what)
+    identity = certificate_identity(cert)
+    if identity.role is not Role.SITE:
+        raise ProtocolAbort(
+            AbortReason.NOT_A_SITE,
+            f"roster entry {site_id!r} carries a {identity.role.value} certificate "
+            f"({identity.name!r}); only site certificates may take part in a round",
+        )
+    if _is_ca(cert) or not has_extended_key_usage(cert, ExtendedKeyUsageOID.CLIENT_AUTH):
+        raise ProtocolAbort(
+            AbortReason.NOT_A_SITE,
+            f"roster entry {site_id!r} carries a certificate that is not a site "
+            "(clientAuth leaf) certificate",
+        )
+    if identity.name != site_id:
+        raise CertificateRejected(f"{what} names site {identity.name!r}")
+    return cert
+
+
+def _is_ca(cert: x509.Certificate) -> bool:
+    try:
+        return bool(cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
+    except x509.ExtensionNotFound:
+        return False
+
+
+def public_key_fingerprint(cert: x509.Certificate) -> str:
+    """Hex SHA-256 of the certificate's SubjectPublicKeyInfo (DER): what a hospital reads
+    to the operator over the phone to confirm the CSR is its own."""
+    spki = cert.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    digest = hashes.Hash(hashes.SHA256())
+    digest.update(spki)
+    return digest.finalize().hex()
 
 
 def days_until_expiry(cert: x509.Certificate, now: dt.datetime) -> float:
@@ -367,33 +533,22 @@ class IssuedPair:
     key_path: Path
 
 
-def _issue_leaf(
+def _sign_leaf(
     root: Path,
     *,
     subject_cn: str,
     san: list[x509.GeneralName],
     usage: x509.ObjectIdentifier,
-    cert_path: Path,
-    key_path: Path,
+    public_key: PublicKey,
     validity_days: int,
-    algorithm: str,
-    force: bool,
-    now: dt.datetime | None,
-) -> IssuedPair:
-    chosen = _validate_algorithm(algorithm)
-    _validate_days("validity_days", validity_days)
-    moment = _utc(now)
+    moment: dt.datetime,
+) -> x509.Certificate:
+    """A CA-signed end-entity certificate for `public_key` (never sees a private key)."""
     ca_cert, ca_key = _load_ca_key(root)
     check_validity_window(ca_cert, moment, what="the federation CA certificate")
-    if force:
-        _move_aside(root, [cert_path, key_path], moment)
-    _refuse_existing([cert_path, key_path])
-
-    key = _generate_key(chosen)
-    public_key = key.public_key()
     # A leaf never outlives its CA: clients would reject the chain anyway.
     not_after = min(moment + dt.timedelta(days=validity_days), ca_cert.not_valid_after_utc)
-    cert = (
+    return (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject_cn)]))
         .issuer_name(ca_cert.subject)
@@ -425,10 +580,46 @@ def _issue_leaf(
         )
         .sign(ca_key, _signature_hash(ca_key))
     )
+
+
+def _issue_leaf(
+    root: Path,
+    *,
+    subject_cn: str,
+    san: list[x509.GeneralName],
+    usage: x509.ObjectIdentifier,
+    cert_path: Path,
+    key_path: Path,
+    validity_days: int,
+    algorithm: str,
+    force: bool,
+    now: dt.datetime | None,
+) -> IssuedPair:
+    chosen = _validate_algorithm(algorithm)
+    _validate_days("validity_days", validity_days)
+    moment = _utc(now)
+    _load_ca_key(root)  # fail before moving anything aside
+    if force:
+        _move_aside(root, [cert_path, key_path], moment)
+    _refuse_existing([cert_path, key_path])
+    key = _generate_key(chosen)
+    cert = _sign_leaf(
+        root,
+        subject_cn=subject_cn,
+        san=san,
+        usage=usage,
+        public_key=key.public_key(),
+        validity_days=validity_days,
+        moment=moment,
+    )
     cert_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     _write_new_file(key_path, _key_pem(key), mode=0o600)
     _write_new_file(cert_path, _cert_pem(cert), mode=0o644)
     return IssuedPair(certificate=cert, cert_path=cert_path, key_path=key_path)
+
+
+def _role_uri(role: Role, name: str) -> x509.UniformResourceIdentifier:
+    return x509.UniformResourceIdentifier(f"{ROLE_URI_SCHEME}{role.value}/{name}")
 
 
 def _host_names(hosts: Sequence[str]) -> list[x509.GeneralName]:
@@ -459,17 +650,21 @@ def issue_coordinator(
     algorithm: str = "ecdsa-p256",
     force: bool = False,
     now: dt.datetime | None = None,
+    name: str = DEFAULT_COORDINATOR_NAME,
 ) -> IssuedPair:
-    """Issue ``coordinator.crt/.key``: serverAuth, SANs exactly the given DNS names / IPs.
+    """Issue ``coordinator.crt/.key``: serverAuth, SANs the given DNS names / IPs plus
+    the role URI ``medfed://coordinator/NAME``.
 
     Loopback names are included only if listed: a production certificate should not be
     valid for ``localhost``.
     """
     root = Path(directory)
+    if SITE_ID_PATTERN.fullmatch(name) is None:
+        raise ConfigError("name", f"{name!r} is not a valid coordinator name")
     return _issue_leaf(
         root,
         subject_cn="medfed coordinator",
-        san=_host_names(hosts),
+        san=[*_host_names(hosts), _role_uri(Role.COORDINATOR, name)],
         usage=ExtendedKeyUsageOID.SERVER_AUTH,
         cert_path=root / COORDINATOR_CERT,
         key_path=root / COORDINATOR_KEY,
@@ -496,12 +691,16 @@ def issue_site(
     force: bool = False,
     now: dt.datetime | None = None,
 ) -> IssuedPair:
-    """Issue ``sites/SITE_ID.crt/.key``: clientAuth, CN and SAN URI name the site."""
+    """Issue ``sites/SITE_ID.crt/.key``: clientAuth, CN and SAN URI name the site.
+
+    SINGLE-HOST DEMOS AND TESTS ONLY: the operator generates the hospital's private key
+    here. A real hospital runs `request_certificate` and the operator `sign_request`.
+    """
     cert_path, key_path = site_paths(directory, site_id)
     return _issue_leaf(
         Path(directory),
         subject_cn=site_id,
-        san=[x509.UniformResourceIdentifier(SITE_URI_PREFIX + site_id)],
+        san=[_role_uri(Role.SITE, site_id)],
         usage=ExtendedKeyUsageOID.CLIENT_AUTH,
         cert_path=cert_path,
         key_path=key_path,
@@ -510,6 +709,218 @@ def issue_site(
         force=force,
         now=now,
     )
+
+
+def monitor_paths(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
+    """(certificate, key) paths of monitor `name` inside a PKI directory."""
+    _validate_name("monitor", name)
+    monitors = Path(directory) / MONITORS_DIR
+    return monitors / f"{name}.crt", monitors / f"{name}.key"
+
+
+def _validate_name(role: str, name: str) -> str:
+    if not isinstance(name, str) or SITE_ID_PATTERN.fullmatch(name) is None:
+        raise ConfigError(
+            role,
+            f"{name!r} is not a valid {role} name: use 1-63 characters from a-z, 0-9, "
+            "'.', '_', '-', starting with a letter or digit",
+        )
+    return name
+
+
+def issue_monitor(
+    directory: str | os.PathLike[str],
+    name: str,
+    *,
+    validity_days: int = DEFAULT_LEAF_VALIDITY_DAYS,
+    algorithm: str = "ecdsa-p256",
+    force: bool = False,
+    now: dt.datetime | None = None,
+) -> IssuedPair:
+    """Issue ``monitors/NAME.crt/.key``: clientAuth, SAN URI ``medfed://monitor/NAME``.
+
+    A monitor (health probe, status dashboard) may call Health, reflection and the
+    read-only status RPCs and nothing else; it can never enrol or sign as a site.
+    """
+    cert_path, key_path = monitor_paths(directory, name)
+    return _issue_leaf(
+        Path(directory),
+        subject_cn=name,
+        san=[_role_uri(Role.MONITOR, name)],
+        usage=ExtendedKeyUsageOID.CLIENT_AUTH,
+        cert_path=cert_path,
+        key_path=key_path,
+        validity_days=validity_days,
+        algorithm=algorithm,
+        force=force,
+        now=now,
+    )
+
+
+# --------------------------------------------------------------------------- CSR flow
+
+_REQUESTABLE = (Role.SITE, Role.MONITOR)
+
+
+@dataclass(frozen=True)
+class RequestFiles:
+    """What `request_certificate` wrote: the key (stays here) and the CSR (sent out)."""
+
+    key_path: Path
+    csr_path: Path
+
+
+@dataclass(frozen=True)
+class SignedCertificate:
+    """What `sign_request` wrote, and the serials of certificates it revoked (--replace)."""
+
+    certificate: x509.Certificate
+    cert_path: Path
+    identity: CertificateIdentity
+    revoked_serials: tuple[int, ...]
+
+
+def request_certificate(
+    out_dir: str | os.PathLike[str], name: str, *, role: Role = Role.SITE
+) -> RequestFiles:
+    """At the hospital: a fresh P-256 key ``OUT/NAME.key`` (0600) and ``OUT/NAME.csr``.
+
+    The key never leaves the hospital; only the CSR (public key, site id in CN and SAN
+    URI ``medfed://site/NAME``, self-signed with the key, RFC 2986) goes to the operator.
+    """
+    if role not in _REQUESTABLE:
+        raise ConfigError("role", f"certificate requests are for sites and monitors, not {role}")
+    _validate_name(role.value, name)
+    out = Path(out_dir)
+    key_path, csr_path = out / f"{name}.key", out / f"{name}{CSR_SUFFIX}"
+    _refuse_existing([key_path, csr_path])
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # P-256: gRPC's TLS cannot use Ed25519 leaf keys (see common/tls.py).
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .add_extension(x509.SubjectAlternativeName([_role_uri(role, name)]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    _write_new_file(key_path, _key_pem(key), mode=0o600)
+    _write_new_file(csr_path, csr.public_bytes(serialization.Encoding.PEM), mode=0o644)
+    return RequestFiles(key_path=key_path, csr_path=csr_path)
+
+
+def load_request(
+    path: str | os.PathLike[str],
+) -> tuple[x509.CertificateSigningRequest, CertificateIdentity]:
+    """Load a CSR, check its self-signature and the role and name it asks for."""
+    file = Path(path)
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise PkiError(f"cannot read certificate request {file}: {exc.strerror}") from None
+    if b"PRIVATE KEY" in data:
+        raise PkiError(
+            f"{file} contains a private key: send only the .csr; the key stays at the hospital"
+        )
+    try:
+        if data.lstrip().startswith(b"-----BEGIN"):
+            csr = x509.load_pem_x509_csr(data)
+        else:
+            csr = x509.load_der_x509_csr(data)
+    except ValueError:
+        raise PkiError(f"{file} is not a PEM or DER certificate request") from None
+    if not csr.is_signature_valid:
+        raise PkiError(f"{file}: the request's signature does not verify (altered in transit?)")
+    key = csr.public_key()
+    if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(
+        key.curve, ec.SECP256R1
+    ):
+        raise PkiError(f"{file}: the request's key is not EC P-256 (run `medfed pki request`)")
+    try:
+        san = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        uris = san.get_values_for_type(x509.UniformResourceIdentifier)
+    except x509.ExtensionNotFound:
+        uris = []
+    common_names = [str(a.value) for a in csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    try:
+        identity = _identity_from_names(uris, common_names, what=f"request {file}")
+    except CertificateRejected as exc:
+        raise PkiError(str(exc)) from None
+    if identity.role not in _REQUESTABLE:
+        raise PkiError(
+            f"{file} asks for a {identity.role.value} certificate; only site and monitor "
+            "requests are signed (the coordinator's comes from `pki issue --coordinator`)"
+        )
+    return csr, identity
+
+
+def _leaf_paths(directory: Path, identity: CertificateIdentity) -> Path:
+    if identity.role is Role.SITE:
+        return site_paths(directory, identity.name)[0]
+    return monitor_paths(directory, identity.name)[0]
+
+
+def sign_request(
+    directory: str | os.PathLike[str],
+    csr_path: str | os.PathLike[str],
+    *,
+    replace: bool = False,
+    validity_days: int = DEFAULT_LEAF_VALIDITY_DAYS,
+    crl_validity_days: int = DEFAULT_CRL_VALIDITY_DAYS,
+    now: dt.datetime | None = None,
+) -> SignedCertificate:
+    """At the operator: sign a hospital's (or monitor's) CSR into ``sites/ID.crt``.
+
+    Refuses an id that already holds a valid (unexpired, unrevoked) certificate unless
+    `replace`; then the old certificates are moved aside *and revoked*, so at most one
+    key speaks for a site id at any time. Writes no private key.
+    """
+    root = Path(directory)
+    _validate_days("validity_days", validity_days)
+    moment = _utc(now)
+    csr, identity = load_request(csr_path)
+    cert_path = _leaf_paths(root, identity)
+    ca_cert = load_ca(root)
+    revoked = revoked_serials(root)
+    live = [
+        cert
+        for cert in _role_certificates(root, identity.role, identity.name)
+        if cert.serial_number not in revoked
+        and cert.not_valid_after_utc > moment
+        and _is_issued_by(cert, ca_cert)
+    ]
+    if live and not replace:
+        raise PkiError(
+            f"{identity.role.value} {identity.name!r} already has a valid certificate "
+            f"(serial {live[0].serial_number:x}, until "
+            f"{live[0].not_valid_after_utc.date().isoformat()}); pass --replace to revoke "
+            "it and sign this request instead"
+        )
+    cert = _sign_leaf(
+        root,
+        subject_cn=identity.name,
+        san=[_role_uri(identity.role, identity.name)],
+        usage=ExtendedKeyUsageOID.CLIENT_AUTH,
+        public_key=csr.public_key(),  # type: ignore[arg-type]  # checked P-256 above
+        validity_days=validity_days,
+        moment=moment,
+    )
+    serials = tuple(c.serial_number for c in live)
+    if serials:
+        refresh_crl(root, crl_validity_days=crl_validity_days, now=moment, add_serials=serials)
+    _move_aside(root, [cert_path], moment)
+    cert_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _write_new_file(cert_path, _cert_pem(cert), mode=0o644)
+    return SignedCertificate(
+        certificate=cert, cert_path=cert_path, identity=identity, revoked_serials=serials
+    )
+
+
+def _is_issued_by(cert: x509.Certificate, ca_cert: x509.Certificate) -> bool:
+    try:
+        check_issued_by(cert, ca_cert, what="certificate")
+    except CertificateRejected:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- revocation
@@ -573,20 +984,26 @@ def _crl_number(crl: x509.CertificateRevocationList) -> int:
         return 0
 
 
-def _site_certificates(root: Path, site_id: str) -> list[x509.Certificate]:
-    """Every certificate in `root` naming `site_id`: current one and those moved aside."""
-    current, _ = site_paths(root, site_id)
-    candidates = [current, *sorted((root / REPLACED_DIR).glob(f"{site_id}.crt.*"))]
+def _role_certificates(root: Path, role: Role, name: str) -> list[x509.Certificate]:
+    """Every certificate in `root` naming (role, name): current one and those moved aside."""
+    if role is Role.SITE:
+        current, _ = site_paths(root, name)
+    elif role is Role.MONITOR:
+        current, _ = monitor_paths(root, name)
+    else:
+        current = root / COORDINATOR_CERT
+    candidates = [current, *sorted((root / REPLACED_DIR).glob(f"{current.name}.*"))]
     found = []
     for path in candidates:
         if not path.is_file():
             continue
         cert = load_certificate(path)
         try:
-            if site_id_from_certificate(cert) == site_id:
-                found.append(cert)
+            identity = certificate_identity(cert)
         except CertificateRejected:
             continue
+        if identity.role is role and (role is Role.COORDINATOR or identity.name == name):
+            found.append(cert)
     return found
 
 
@@ -629,6 +1046,29 @@ def refresh_crl(
     )
 
 
+def revoke(
+    directory: str | os.PathLike[str],
+    role: Role,
+    name: str,
+    *,
+    crl_validity_days: int = DEFAULT_CRL_VALIDITY_DAYS,
+    now: dt.datetime | None = None,
+) -> list[int]:
+    """Revoke every certificate issued to (role, name), current and replaced; return serials.
+
+    The new CRL replaces ``crl.pem`` atomically; a running `PeerVerifier` notices the
+    file change on its next call, so the coordinator needs no restart.
+    """
+    _validate_name(role.value, name)
+    root = Path(directory)
+    certs = _role_certificates(root, role, name)
+    if not certs:
+        raise PkiError(f"no certificate for {role.value} {name!r} in {root}")
+    serials = [cert.serial_number for cert in certs]
+    refresh_crl(root, crl_validity_days=crl_validity_days, now=now, add_serials=serials)
+    return serials
+
+
 def revoke_site(
     directory: str | os.PathLike[str],
     site_id: str,
@@ -636,19 +1076,9 @@ def revoke_site(
     crl_validity_days: int = DEFAULT_CRL_VALIDITY_DAYS,
     now: dt.datetime | None = None,
 ) -> list[int]:
-    """Revoke every certificate issued to `site_id` (current and replaced); return serials.
-
-    The new CRL replaces ``crl.pem`` atomically; a running `PeerVerifier` notices the
-    file change on its next call, so the coordinator needs no restart.
-    """
+    """Revoke every certificate issued to `site_id` (current and replaced); return serials."""
     validate_site_id(site_id)
-    root = Path(directory)
-    certs = _site_certificates(root, site_id)
-    if not certs:
-        raise PkiError(f"no certificate for site {site_id!r} in {root / SITES_DIR}")
-    serials = [cert.serial_number for cert in certs]
-    refresh_crl(root, crl_validity_days=crl_validity_days, now=now, add_serials=serials)
-    return serials
+    return revoke(directory, Role.SITE, site_id, crl_validity_days=crl_validity_days, now=now)
 
 
 def revoked_serials(directory: str | os.PathLike[str]) -> frozenset[int]:
@@ -729,21 +1159,39 @@ class PeerVerifier:
             return self._snapshot
 
     def verify(self, certificate: bytes | x509.Certificate, *, now: dt.datetime) -> str:
-        """Return the site id of a valid peer certificate; CertificateRejected otherwise."""
+        """Return the site id of a valid peer *site* certificate; CertificateRejected
+        otherwise (a valid monitor or coordinator certificate included)."""
+        return self._verified_site(certificate, now)[0]
+
+    def verify_identity(
+        self, certificate: bytes | x509.Certificate, *, now: dt.datetime
+    ) -> CertificateIdentity:
+        """Role and name of a valid, unrevoked client certificate of any role."""
         return self._verified(certificate, now)[0]
 
     def verifying_key_for(
         self, site_id: str, certificate: bytes | x509.Certificate, *, now: dt.datetime
     ) -> PublicKey:
         """The public key of `site_id`'s valid certificate (to check its SecAgg signatures)."""
-        named, key = self._verified(certificate, now)
+        named, key = self._verified_site(certificate, now)
         if named != site_id:
             raise CertificateRejected(f"certificate names site {named!r}, not {site_id!r}")
         return key
 
-    def _verified(
+    def _verified_site(
         self, certificate: bytes | x509.Certificate, now: dt.datetime
     ) -> tuple[str, PublicKey]:
+        identity, key = self._verified(certificate, now)
+        if identity.role is not Role.SITE:
+            raise CertificateRejected(
+                f"a {identity.role.value} certificate ({identity.name!r}) is not a site "
+                "certificate"
+            )
+        return identity.name, key
+
+    def _verified(
+        self, certificate: bytes | x509.Certificate, now: dt.datetime
+    ) -> tuple[CertificateIdentity, PublicKey]:
         cert = (
             certificate
             if isinstance(certificate, x509.Certificate)
@@ -756,15 +1204,11 @@ class PeerVerifier:
         key = cert.public_key()
         if not isinstance(key, ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey):
             raise CertificateRejected("peer certificate key type is not EC or Ed25519")
-        try:
-            is_ca = cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
-        except x509.ExtensionNotFound:
-            is_ca = False
-        if is_ca:
+        if _is_ca(cert):
             raise CertificateRejected("peer certificate is a CA certificate")
         if not has_extended_key_usage(cert, ExtendedKeyUsageOID.CLIENT_AUTH):
             raise CertificateRejected("peer certificate is not for TLS client authentication")
-        site_id = site_id_from_certificate(cert)
+        identity = certificate_identity(cert)
         crl = self._current_crl()
         if crl.next_update is not None and moment > crl.next_update:
             raise CertificateRejected(
@@ -772,8 +1216,10 @@ class PeerVerifier:
                 "(run `medfed pki crl --dir D`)"
             )
         if cert.serial_number in crl.revoked:
-            raise CertificateRejected(f"certificate of site {site_id!r} has been revoked")
-        return site_id, key
+            raise CertificateRejected(
+                f"certificate of {identity.role.value} {identity.name!r} has been revoked"
+            )
+        return identity, key
 
 
 # --------------------------------------------------------------------------- listing
@@ -791,10 +1237,15 @@ class CertificateInfo:
 
 
 def list_certificates(directory: str | os.PathLike[str]) -> list[CertificateInfo]:
-    """CA, coordinator and site certificates of a PKI directory with their revocation state."""
+    """CA, coordinator, site and monitor certificates of a PKI directory, with revocation."""
     root = Path(directory)
     revoked = revoked_serials(root)
-    paths = [root / CA_CERT, root / COORDINATOR_CERT, *sorted((root / SITES_DIR).glob("*.crt"))]
+    paths = [
+        root / CA_CERT,
+        root / COORDINATOR_CERT,
+        *sorted((root / SITES_DIR).glob("*.crt")),
+        *sorted((root / MONITORS_DIR).glob("*.crt")),
+    ]
     rows = []
     for path in paths:
         if not path.is_file():

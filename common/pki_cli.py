@@ -1,4 +1,8 @@
-"""``medfed pki``: create the federation CA, issue, revoke and list certificates.
+"""``medfed pki``: create the federation CA, sign hospitals' requests, revoke and list.
+
+Real federation: the hospital runs ``pki request`` (its key never leaves it) and sends
+the CSR; the operator runs ``pki sign`` and returns the certificate. ``pki issue
+--site`` generates the key at the operator and is for single-host demos only.
 
 Registered through the ``medfed.commands`` entry point (``pki``). Every failure is a
 `MedfedError`, which `common.cli` prints as one line.
@@ -17,14 +21,15 @@ from common.errors import ConfigError
 
 
 def register(subparsers: Any) -> None:
-    """Add ``medfed pki {init,issue,revoke,crl,list}`` to the top-level sub-parsers."""
+    """Add ``medfed pki {init,issue,request,sign,revoke,crl,list}`` to the sub-parsers."""
     parser = subparsers.add_parser(
         "pki",
         help="federation CA and certificates (mutual TLS identities)",
-        description="Create the federation CA, issue coordinator/site certificates, "
-        "revoke sites. Private keys are written unencrypted with mode 0600: keep the "
-        "directory on the operator's machine or in a secret store; a hospital gets only "
-        "ca.crt and its own sites/SITE_ID.{crt,key}.",
+        description="Create the federation CA, issue the coordinator and monitor "
+        "certificates, sign hospitals' certificate requests, revoke. A hospital makes "
+        "its own key with `pki request` and sends only the CSR; the operator signs it "
+        "with `pki sign` and returns ca.crt and sites/SITE_ID.crt. Private keys are "
+        "written unencrypted with mode 0600.",
     )
     actions = parser.add_subparsers(dest="pki_command", metavar="ACTION", required=True)
 
@@ -35,7 +40,13 @@ def register(subparsers: Any) -> None:
     init.add_argument("--name", default="medfed federation CA", help="CA subject CN")
     init.set_defaults(func=_init)
 
-    issue = actions.add_parser("issue", help="issue the coordinator or a site certificate")
+    issue = actions.add_parser(
+        "issue",
+        help="issue the coordinator or a monitor certificate (or a demo site's)",
+        description="Generate a key pair and certificate at the operator. For a real "
+        "hospital use `pki request` there and `pki sign` here instead: --site is for "
+        "single-host demos only (the operator would hold the hospital's private key).",
+    )
     issue.add_argument("--dir", required=True, type=Path)
     who = issue.add_mutually_exclusive_group(required=True)
     who.add_argument(
@@ -43,7 +54,16 @@ def register(subparsers: Any) -> None:
         metavar="HOST[,HOST...]",
         help="DNS names / IP addresses the sites dial (add 127.0.0.1,localhost only for tests)",
     )
-    who.add_argument("--site", metavar="SITE_ID", help="site id, e.g. st-marys")
+    who.add_argument(
+        "--monitor",
+        metavar="NAME",
+        help="monitor (health probe) certificate: may call Health and status RPCs only",
+    )
+    who.add_argument(
+        "--site",
+        metavar="SITE_ID",
+        help="DEMO ONLY: generates the hospital's key here; real sites use request/sign",
+    )
     issue.add_argument("--validity-days", type=int, default=pki.DEFAULT_LEAF_VALIDITY_DAYS)
     issue.add_argument(
         "--algorithm",
@@ -58,9 +78,42 @@ def register(subparsers: Any) -> None:
     )
     issue.set_defaults(func=_issue)
 
-    revoke = actions.add_parser("revoke", help="revoke every certificate of a site")
+    request = actions.add_parser(
+        "request",
+        help="(at the hospital) make this site's key and a certificate request",
+        description="Writes OUT/SITE_ID.key (mode 0600: it never leaves this machine) "
+        "and OUT/SITE_ID.csr. Send only the .csr to the federation operator, who runs "
+        "`medfed pki sign` and returns SITE_ID.crt and ca.crt.",
+    )
+    request.add_argument("--out", required=True, type=Path, help="folder (created 0700)")
+    requester = request.add_mutually_exclusive_group(required=True)
+    requester.add_argument("--site", metavar="SITE_ID", help="this hospital's site id")
+    requester.add_argument("--monitor", metavar="NAME", help="a monitor's name")
+    request.set_defaults(func=_request)
+
+    sign = actions.add_parser(
+        "sign",
+        help="(at the operator) sign a hospital's certificate request",
+        description="Checks the request's signature and the site id, and writes "
+        "PKI/sites/SITE_ID.crt (or monitors/NAME.crt). Refuses an id that already has "
+        "a valid certificate unless --replace, which also revokes the old one.",
+    )
+    sign.add_argument("--dir", required=True, type=Path)
+    sign.add_argument("--csr", required=True, type=Path, help="the .csr file received")
+    sign.add_argument(
+        "--replace",
+        action="store_true",
+        help="revoke the id's current certificate(s) and sign this request (lost key, "
+        "compromise, rotation)",
+    )
+    sign.add_argument("--validity-days", type=int, default=pki.DEFAULT_LEAF_VALIDITY_DAYS)
+    sign.set_defaults(func=_sign)
+
+    revoke = actions.add_parser("revoke", help="revoke every certificate of a site or monitor")
     revoke.add_argument("--dir", required=True, type=Path)
-    revoke.add_argument("--site", required=True, metavar="SITE_ID")
+    revoked = revoke.add_mutually_exclusive_group(required=True)
+    revoked.add_argument("--site", metavar="SITE_ID")
+    revoked.add_argument("--monitor", metavar="NAME")
     revoke.add_argument(
         "--crl-validity-days",
         type=int,
@@ -117,6 +170,15 @@ def _issue(args: argparse.Namespace) -> int:
             force=args.force,
             now=now,
         )
+    elif args.monitor is not None:
+        issued = pki.issue_monitor(
+            args.dir,
+            args.monitor,
+            validity_days=args.validity_days,
+            algorithm=args.algorithm,
+            force=args.force,
+            now=now,
+        )
     else:
         issued = pki.issue_site(
             args.dir,
@@ -132,17 +194,53 @@ def _issue(args: argparse.Namespace) -> int:
     print(f"  key         {issued.key_path} (mode 0600)")
     print(f"  valid until {cert.not_valid_after_utc.isoformat()}")
     _warn_if_expiring(issued.cert_path, cert.not_valid_after_utc, now)
+    if args.site is not None:
+        print(
+            "  note        SINGLE-HOST DEMO ONLY: this machine generated the hospital's "
+            "private key; a real hospital runs `medfed pki request` and you `medfed pki sign`"
+        )
     ca = pki.load_ca(args.dir)
     _warn_if_expiring(args.dir / pki.CA_CERT, ca.not_valid_after_utc, now)
     return 0
 
 
+def _request(args: argparse.Namespace) -> int:
+    role, name = (pki.Role.SITE, args.site) if args.site else (pki.Role.MONITOR, args.monitor)
+    files = pki.request_certificate(args.out, name, role=role)
+    print(f"wrote {files.key_path} (mode 0600): the private key, it never leaves this machine")
+    print(f"wrote {files.csr_path}: send this request to the federation operator")
+    return 0
+
+
+def _sign(args: argparse.Namespace) -> int:
+    now = _now()
+    signed = pki.sign_request(
+        args.dir, args.csr, replace=args.replace, validity_days=args.validity_days, now=now
+    )
+    cert = signed.certificate
+    identity = signed.identity
+    print(
+        f"signed {identity.role.value} {identity.name} serial {cert.serial_number:x} "
+        f"(public key SHA-256 {pki.public_key_fingerprint(cert)})"
+    )
+    print(f"  certificate {signed.cert_path}: return it with {args.dir / pki.CA_CERT}")
+    print(f"  valid until {cert.not_valid_after_utc.isoformat()}")
+    if signed.revoked_serials:
+        listed = ", ".join(f"{s:x}" for s in signed.revoked_serials)
+        print(f"  revoked the previous certificate(s) {listed}; {args.dir / pki.CRL_FILE} updated")
+    _warn_if_expiring(signed.cert_path, cert.not_valid_after_utc, now)
+    return 0
+
+
 def _revoke(args: argparse.Namespace) -> int:
-    serials = pki.revoke_site(
-        args.dir, args.site, crl_validity_days=args.crl_validity_days, now=_now()
+    role, name = (pki.Role.SITE, args.site) if args.site else (pki.Role.MONITOR, args.monitor)
+    serials = pki.revoke(
+        args.dir, role, name, crl_validity_days=args.crl_validity_days, now=_now()
     )
     listed = ", ".join(f"{s:x}" for s in serials)
-    print(f"revoked site {args.site} (serials {listed}); {args.dir / pki.CRL_FILE} updated")
+    print(
+        f"revoked {role.value} {name} (serials {listed}); {args.dir / pki.CRL_FILE} updated"
+    )
     return 0
 
 

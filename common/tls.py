@@ -10,6 +10,10 @@ After the handshake, `authenticate_peer` re-verifies the peer certificate with a
 `PeerVerifier` (CRL, clientAuth, site id) and returns the site id: the caller's
 identity comes from here, never from a message field (DESIGN.md, "Identity and trust").
 The servicer maps `CertificateRejected` to UNAUTHENTICATED in its one error mapper.
+
+`RequireCertificateRole`, installed on the coordinator's server, decides per method
+which certificate roles may call it (`ACCESS_RULES`): sites the Federation service,
+monitors Health, reflection and read-only status; revoked certificates nothing.
 """
 
 from __future__ import annotations
@@ -35,13 +39,17 @@ from common.pki import (
     COORDINATOR_CERT,
     COORDINATOR_KEY,
     CRL_FILE,
+    CertificateIdentity,
     PeerVerifier,
+    Role,
+    certificate_identity,
     check_issued_by,
     check_validity_window,
     has_extended_key_usage,
     load_certificate,
+    monitor_paths,
     parse_certificate,
-    site_id_from_certificate,
+    read_private_key_pem,
     site_paths,
 )
 
@@ -70,6 +78,20 @@ class SiteTlsFiles:
     @classmethod
     def from_pki_dir(cls, directory: str | os.PathLike[str], site_id: str) -> SiteTlsFiles:
         cert, key = site_paths(directory, site_id)
+        return cls(ca=Path(directory) / CA_CERT, cert=cert, key=key)
+
+
+@dataclass(frozen=True)
+class MonitorTlsFiles:
+    """A monitor's client files (health probe, status dashboard): CA, certificate, key."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    @classmethod
+    def from_pki_dir(cls, directory: str | os.PathLike[str], name: str) -> MonitorTlsFiles:
+        cert, key = monitor_paths(directory, name)
         return cls(ca=Path(directory) / CA_CERT, cert=cert, key=key)
 
 
@@ -162,7 +184,7 @@ def _read(path: Path, what: str) -> bytes:
 
 
 def load_tls_material(
-    files: SiteTlsFiles | CoordinatorTlsFiles,
+    files: SiteTlsFiles | MonitorTlsFiles | CoordinatorTlsFiles,
     *,
     now: dt.datetime | None = None,
 ) -> TlsMaterial:
@@ -174,7 +196,8 @@ def load_tls_material(
     moment = now if now is not None else dt.datetime.now(dt.UTC)
     ca_pem = _read(files.ca, "CA certificate")
     cert_pem = _read(files.cert, "certificate")
-    key_pem = _read(files.key, "private key")
+    # Refuses a key file that group or others can read (names the file and the fix).
+    key_pem = read_private_key_pem(files.key)
     try:
         ca_cert = x509.load_pem_x509_certificate(ca_pem)
     except ValueError:
@@ -203,16 +226,41 @@ def load_tls_material(
         check_issued_by(cert, ca_cert, what=f"certificate {files.cert}")
     except CertificateRejected as exc:
         raise PkiError(str(exc)) from None
-    if isinstance(files, SiteTlsFiles):
-        if not has_extended_key_usage(cert, ExtendedKeyUsageOID.CLIENT_AUTH):
-            raise PkiError(f"{files.cert} is not a site (clientAuth) certificate")
-        try:
-            site_id_from_certificate(cert)
-        except CertificateRejected as exc:
-            raise PkiError(f"{files.cert}: {exc}") from None
-    elif not has_extended_key_usage(cert, ExtendedKeyUsageOID.SERVER_AUTH):
-        raise PkiError(f"{files.cert} is not a coordinator (serverAuth) certificate")
+    expected = (
+        Role.SITE
+        if isinstance(files, SiteTlsFiles)
+        else Role.MONITOR
+        if isinstance(files, MonitorTlsFiles)
+        else Role.COORDINATOR
+    )
+    usage = (
+        ExtendedKeyUsageOID.SERVER_AUTH
+        if expected is Role.COORDINATOR
+        else ExtendedKeyUsageOID.CLIENT_AUTH
+    )
+    if not has_extended_key_usage(cert, usage):
+        kind = "serverAuth" if expected is Role.COORDINATOR else "clientAuth"
+        raise PkiError(f"{files.cert} is not a {expected.value} ({kind}) certificate")
+    try:
+        identity = certificate_identity(cert)
+    except CertificateRejected as exc:
+        raise PkiError(
+            f"{files.cert}: {exc} (re-issue it: certificates name their role, "
+            f"{ROLE_URI_HINT[expected]})"
+        ) from None
+    if identity.role is not expected:
+        raise PkiError(
+            f"{files.cert} is a {identity.role.value} certificate ({identity.name!r}), "
+            f"not a {expected.value} certificate"
+        )
     return TlsMaterial(ca_pem=ca_pem, cert_pem=cert_pem, key_pem=key_pem, certificate=cert)
+
+
+ROLE_URI_HINT = {
+    Role.SITE: "medfed://site/ID from `medfed pki request` + `medfed pki sign`",
+    Role.MONITOR: "medfed://monitor/NAME from `medfed pki issue --monitor NAME`",
+    Role.COORDINATOR: "medfed://coordinator/NAME from `medfed pki issue --coordinator HOSTS`",
+}
 
 
 def server_credentials_from_files(
@@ -234,9 +282,9 @@ def server_credentials(
 
 
 def channel_credentials_from_files(
-    files: SiteTlsFiles, *, now: dt.datetime | None = None
+    files: SiteTlsFiles | MonitorTlsFiles, *, now: dt.datetime | None = None
 ) -> grpc.ChannelCredentials:
-    """Site credentials: presents the site's pair, trusts only the federation CA."""
+    """Client credentials: presents the site's (or monitor's) pair, trusts only the CA."""
     material = load_tls_material(files, now=now)
     return grpc.ssl_channel_credentials(
         root_certificates=material.ca_pem,
@@ -249,6 +297,12 @@ def channel_credentials(
     pki_dir: str | os.PathLike[str], site_id: str, *, now: dt.datetime | None = None
 ) -> grpc.ChannelCredentials:
     return channel_credentials_from_files(SiteTlsFiles.from_pki_dir(pki_dir, site_id), now=now)
+
+
+def monitor_channel_credentials(
+    pki_dir: str | os.PathLike[str], name: str, *, now: dt.datetime | None = None
+) -> grpc.ChannelCredentials:
+    return channel_credentials_from_files(MonitorTlsFiles.from_pki_dir(pki_dir, name), now=now)
 
 
 def peer_certificate_pem(auth_context: Mapping[str, Sequence[bytes]]) -> bytes | None:
@@ -275,42 +329,113 @@ def authenticate_peer(
 
 # --------------------------------------------------------------------------- interceptor
 
-_CURRENT_SITE: contextvars.ContextVar[str] = contextvars.ContextVar("medfed_peer_site_id")
+FEDERATION_PREFIX = "/medfed.v1.Federation/"
+MONITOR_SERVICE_PREFIX = "/medfed.v1.Monitor/"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+REFLECTION_PREFIXES = (
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+)
+
+AccessRules = Mapping[str, frozenset[Role]]
+
+ACCESS_RULES: AccessRules = {
+    # Read-only status (hospital-data issue): a future Federation/Status method or a
+    # separate Monitor service. Longer prefixes win, so Status is not a "site" method.
+    FEDERATION_PREFIX + "Status": frozenset({Role.MONITOR, Role.SITE}),
+    MONITOR_SERVICE_PREFIX: frozenset({Role.MONITOR}),
+    # Enrolment, rounds, SecAgg: hospitals only.
+    FEDERATION_PREFIX: frozenset({Role.SITE}),
+    # Liveness and schema: reveal nothing about a round. Sites may call them too (a
+    # hospital's operator checking reachability with grpcurl and its own certificate).
+    HEALTH_PREFIX: frozenset({Role.MONITOR, Role.SITE}),
+    **{prefix: frozenset({Role.MONITOR, Role.SITE}) for prefix in REFLECTION_PREFIXES},
+}
+"""Who may call what, keyed by full-method-name prefix (longest match wins; no match:
+denied). A coordinator certificate appears nowhere: it is a server identity only."""
+
+
+def allowed_roles(method: str, rules: AccessRules = ACCESS_RULES) -> frozenset[Role]:
+    """The roles that may call `method` ("/package.Service/Method"); empty if none."""
+    best = ""
+    for prefix in rules:
+        if method.startswith(prefix) and len(prefix) > len(best):
+            best = prefix
+    return rules[best] if best else frozenset()
+
+
+_CURRENT_PEER: contextvars.ContextVar[CertificateIdentity] = contextvars.ContextVar(
+    "medfed_peer_identity"
+)
+
+
+def current_identity() -> CertificateIdentity:
+    """Inside an RPC guarded by `RequireCertificateRole`: the caller's verified identity."""
+    try:
+        return _CURRENT_PEER.get()
+    except LookupError:
+        raise CertificateRejected("no authenticated caller for this call") from None
 
 
 def current_site_id() -> str:
-    """Inside an RPC guarded by `RequireSiteCertificate`: the caller's verified site id."""
+    """Inside a guarded RPC: the caller's verified site id (CertificateRejected if the
+    caller is not a site)."""
     try:
-        return _CURRENT_SITE.get()
+        identity = _CURRENT_PEER.get()
     except LookupError:
         raise CertificateRejected("no authenticated site for this call") from None
+    if identity.role is not Role.SITE:
+        raise CertificateRejected(f"the caller is a {identity.role.value}, not a site")
+    return identity.name
 
 
 def _utc_now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-class RequireSiteCertificate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """grpc.aio interceptor: every RPC (Health and reflection included) needs a valid site.
+class RequireCertificateRole(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """grpc.aio interceptor: every RPC (Health and reflection included) needs a valid,
+    unrevoked certificate whose role `rules` allow for that method.
 
     The TLS handshake already refuses callers without a CA-signed certificate; this adds
-    what TLS cannot see (CRL, clientAuth, site id) before any handler runs, answers
-    UNAUTHENTICATED otherwise, and exposes the site id via `current_site_id()` (a
-    context variable: each grpc.aio RPC runs in its own task).
+    what TLS cannot see (CRL, clientAuth, role) before any handler runs. A refused
+    certificate (revoked, expired CRL, wrong role) gets PERMISSION_DENIED, none at all
+    UNAUTHENTICATED, as in the servicer's error mapper.
+    The identity is exposed via `current_identity()` / `current_site_id()` (a context
+    variable: each grpc.aio RPC runs in its own task).
     """
 
     def __init__(
-        self, verifier: PeerVerifier, *, clock: Callable[[], dt.datetime] = _utc_now
+        self,
+        verifier: PeerVerifier,
+        *,
+        rules: AccessRules = ACCESS_RULES,
+        clock: Callable[[], dt.datetime] = _utc_now,
     ) -> None:
         self._verifier = verifier
+        self._rules = dict(rules)
         self._clock = clock
 
-    async def _authenticate(self, context: Any) -> str:
+    async def _authenticate(self, context: Any, allowed: frozenset[Role]) -> CertificateIdentity:
+        # Same codes as the Federation servicer's error mapper: no certificate at all is
+        # UNAUTHENTICATED, a certificate we refuse (revoked, wrong role) PERMISSION_DENIED.
+        pem = peer_certificate_pem(context.auth_context())
+        if pem is None:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "caller presented no client certificate"
+            )
+            raise CertificateRejected("no client certificate")  # unreachable: abort raises
         try:
-            return authenticate_peer(context.auth_context(), self._verifier, now=self._clock())
+            identity = self._verifier.verify_identity(parse_certificate(pem), now=self._clock())
         except CertificateRejected as exc:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
             raise  # unreachable: abort raises; keeps the type checker honest
+        if identity.role not in allowed:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"a {identity.role.value} certificate may not call this method",
+            )
+        return identity
 
     async def intercept_service(
         self,
@@ -320,33 +445,42 @@ class RequireSiteCertificate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
+        allowed = allowed_roles(handler_call_details.method, self._rules)
         if handler.unary_unary is not None:
-            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary))
+            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, allowed))
         if handler.stream_unary is not None:
-            return handler._replace(stream_unary=self._wrap_unary(handler.stream_unary))
+            return handler._replace(
+                stream_unary=self._wrap_unary(handler.stream_unary, allowed)
+            )
         if handler.unary_stream is not None:
-            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream))
-        return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream))
+            return handler._replace(
+                unary_stream=self._wrap_stream(handler.unary_stream, allowed)
+            )
+        return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream, allowed))
 
-    def _wrap_unary(self, behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def _wrap_unary(
+        self, behavior: Callable[[Any, Any], Any], allowed: frozenset[Role]
+    ) -> Callable[[Any, Any], Any]:
         async def guarded(request: Any, context: Any) -> Any:
-            token = _CURRENT_SITE.set(await self._authenticate(context))
+            token = _CURRENT_PEER.set(await self._authenticate(context, allowed))
             try:
                 result = behavior(request, context)
                 return await result if inspect.isawaitable(result) else result
             finally:
-                _CURRENT_SITE.reset(token)
+                _CURRENT_PEER.reset(token)
 
         return guarded
 
-    def _wrap_stream(self, behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def _wrap_stream(
+        self, behavior: Callable[[Any, Any], Any], allowed: frozenset[Role]
+    ) -> Callable[[Any, Any], Any]:
         # grpc.aio streams either by yielding (generator handler) or by awaiting
         # context.write() (coroutine handler); the wrapper must have the same shape,
         # since a generator that calls context.write() is an error in grpc.aio.
         if inspect.isasyncgenfunction(behavior) or inspect.isgeneratorfunction(behavior):
 
             async def guarded_generator(request: Any, context: Any) -> AsyncIterator[Any]:
-                token = _CURRENT_SITE.set(await self._authenticate(context))
+                token = _CURRENT_PEER.set(await self._authenticate(context, allowed))
                 try:
                     result = behavior(request, context)
                     if inspect.isasyncgen(result):
@@ -356,15 +490,15 @@ class RequireSiteCertificate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                         for item in result:
                             yield item
                 finally:
-                    _CURRENT_SITE.reset(token)
+                    _CURRENT_PEER.reset(token)
 
             return guarded_generator
 
         async def guarded_writer(request: Any, context: Any) -> None:
-            token = _CURRENT_SITE.set(await self._authenticate(context))
+            token = _CURRENT_PEER.set(await self._authenticate(context, allowed))
             try:
                 await behavior(request, context)
             finally:
-                _CURRENT_SITE.reset(token)
+                _CURRENT_PEER.reset(token)
 
         return guarded_writer

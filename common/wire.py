@@ -10,9 +10,23 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
+import grpc
+
 from common.codec import TensorSpec
-from common.errors import ValidationError
+from common.errors import (
+    CertificateRejected,
+    ConfigError,
+    CryptoError,
+    MedfedError,
+    ProtocolAbort,
+    StateError,
+    Unauthenticated,
+    Unavailable,
+    ValidationError,
+)
+from common.privacy.ledger import BudgetStatus
 from common.proto.medfed.v1 import federation_pb2 as pb
+from common.round import Announcement, SiteBudget
 from common.secagg import messages as sm
 
 SITE_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
@@ -25,6 +39,29 @@ X25519_KEY_BYTES = 32
 SESSION_ID_BYTES = 32
 COMMITMENT_BYTES = sm.COMMITMENT_BYTES
 MAX_TENSORS = 10_000
+LEDGER_HEAD_RE = re.compile(r"[0-9a-f]{64}")
+
+# The one table from the errors medfed raises on purpose to gRPC status codes (first
+# match wins, so subclasses come before their bases).
+STATUS_FOR_ERROR: tuple[tuple[type[MedfedError], grpc.StatusCode], ...] = (
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (CertificateRejected, grpc.StatusCode.PERMISSION_DENIED),
+    (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
+    (CryptoError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ProtocolAbort, grpc.StatusCode.ABORTED),
+    (StateError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
+    (MedfedError, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """gRPC status for an exception; INTERNAL for anything not raised on purpose."""
+    for cls, code in STATUS_FOR_ERROR:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
 
 
 def site_id(value: str, what: str = "site id") -> str:
@@ -63,6 +100,103 @@ def layout_from_pb(specs: Sequence[pb.TensorSpec]) -> tuple[TensorSpec, ...]:
     if len(specs) > MAX_TENSORS:
         raise ValidationError("model layout has too many tensors")
     return tuple(TensorSpec(s.name, s.dtype, tuple(int(d) for d in s.shape)) for s in specs)
+
+
+# ---------------------------------------------------------------- rounds
+
+
+def announcement_to_pb(ann: Announcement) -> pb.RoundAnnouncement:
+    return pb.RoundAnnouncement(
+        round=ann.round_number,
+        round_nonce=ann.round_nonce,
+        participants=list(ann.participants),
+        threshold=ann.threshold,
+        neighbours=ann.neighbours,
+        vector_length=ann.vector_length,
+        quantization_bits=ann.quantization_bits,
+        clip=ann.clip,
+        histogram_bins=ann.histogram_bins,
+        secure_aggregation=ann.secure_aggregation,
+        model=layout_to_pb(ann.model_layout),
+        model_sha256=ann.model_sha256,
+        model_bytes=ann.model_bytes,
+        local_epochs=ann.local_epochs,
+        learning_rate=ann.learning_rate,
+        fedprox_mu=ann.fedprox_mu,
+        planned_rounds=ann.planned_rounds,
+        train_deadline_ms=ann.train_deadline_ms,
+        phase_timeout_ms=ann.phase_timeout_ms,
+        weight_cap=ann.weight_cap,
+        max_chunk_bytes=ann.max_chunk_bytes,
+    )
+
+
+def announcement_from_pb(msg: pb.RoundAnnouncement) -> Announcement:
+    """Bounded translation only; `common.round.validate_for_site` judges the content."""
+    return Announcement(
+        round_number=msg.round,
+        round_nonce=bytes(msg.round_nonce),
+        participants=site_ids(msg.participants, "participants"),
+        threshold=msg.threshold,
+        neighbours=msg.neighbours,
+        vector_length=msg.vector_length,
+        quantization_bits=msg.quantization_bits,
+        clip=msg.clip,
+        histogram_bins=msg.histogram_bins,
+        secure_aggregation=msg.secure_aggregation,
+        model_layout=layout_from_pb(msg.model),
+        model_sha256=bytes(msg.model_sha256),
+        model_bytes=msg.model_bytes,
+        local_epochs=msg.local_epochs,
+        learning_rate=msg.learning_rate,
+        fedprox_mu=msg.fedprox_mu,
+        planned_rounds=msg.planned_rounds,
+        train_deadline_ms=msg.train_deadline_ms,
+        phase_timeout_ms=msg.phase_timeout_ms,
+        weight_cap=msg.weight_cap,
+        max_chunk_bytes=msg.max_chunk_bytes,
+    )
+
+
+def budget_from_pb(msg: pb.BudgetStatus) -> SiteBudget | None:
+    """A site's budget report; None when the message carried none."""
+    if not msg.ByteSize():
+        return None
+    values = (msg.epsilon_budget, msg.epsilon_spent, msg.delta)
+    if not all(v == v and 0 <= v < 1e9 for v in values):  # NaN fails v == v
+        raise ValidationError("budget: values must be finite and non-negative")
+    if msg.ledger_head and not LEDGER_HEAD_RE.fullmatch(msg.ledger_head):
+        raise ValidationError("budget: ledger_head must be a hex SHA-256")
+    if msg.ledger_entries >= 1 << 63 or msg.ledger_last_round >= 1 << 63:
+        raise ValidationError("budget: ledger_entries / ledger_last_round out of range")
+    return SiteBudget(
+        msg.epsilon_budget,
+        msg.epsilon_spent,
+        msg.delta,
+        msg.privacy_unit[:16],
+        reported_exhausted=msg.exhausted,
+        ledger_entries=msg.ledger_entries,
+        ledger_head=msg.ledger_head,
+        ledger_last_round=msg.ledger_last_round if msg.ledger_entries else None,
+    )
+
+
+def budget_to_pb(status: BudgetStatus | None, *, privacy_unit: str, exhausted: bool
+                 ) -> pb.BudgetStatus:
+    """A site's ledger status as reported with every poll (None: the site keeps no
+    ledger)."""
+    if status is None:
+        return pb.BudgetStatus(privacy_unit=privacy_unit)
+    return pb.BudgetStatus(
+        epsilon_budget=status.budget_epsilon,
+        epsilon_spent=status.spent_epsilon,
+        delta=status.delta,
+        privacy_unit=status.privacy_unit,
+        exhausted=status.exhausted or exhausted,
+        ledger_entries=status.ledger_entries,
+        ledger_head=status.ledger_head,
+        ledger_last_round=status.last_round or 0,
+    )
 
 
 # ---------------------------------------------------------------- phase 1

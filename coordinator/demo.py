@@ -300,7 +300,7 @@ device = "cpu"
         victim = sites[-1]
         try:
             for site in sites:
-                extra = ()
+                extra: tuple[str, ...] = ()
                 if site == victim and self.o.kill_round:
                     extra = ("--debug-pause-after", f"{self.o.kill_round}:masked_input")
                 self.start_site(site, pki, files[site], *extra)

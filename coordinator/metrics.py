@@ -10,10 +10,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 ROUND_OUTCOMES = ("completed", "aborted", "abandoned")
-# Phases a site can be dropped in (coordinator.rounds.RoundPhase values, listed here so
-# that this module stays import-free of the engine).
+# Phases a site can be dropped in (coordinator.phases.SECURE_PHASES values, listed here
+# so that this module stays import-free of the engine).
 DROPOUT_PHASES = (
-    "training", "advertise_keys", "share_keys", "masked_input", "consistency_check", "unmask",
+    "advertise_keys", "share_keys", "masked_input", "consistency_check", "unmask",
 )
 
 

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
+from common.config import OptimizerSection
 from common.errors import ConfigError, StateError, ValidationError
 
 
@@ -39,7 +40,13 @@ def _check_shapes(global_flat: np.ndarray, mean_delta: np.ndarray) -> None:
 
 
 class ServerOptimizer(Protocol):
-    """One server step from the current global model and the federation's mean delta."""
+    """One server step from the current global model and the federation's mean delta.
+
+    `elementwise` optimizers (stateless, each element's step depends on that element
+    only) may be stepped window by window in place, keeping coordinator memory near one
+    model; the others step on the whole vector."""
+
+    elementwise: bool
 
     def step(self, global_flat: np.ndarray, mean_delta: np.ndarray) -> np.ndarray: ...
 
@@ -50,6 +57,8 @@ class ServerOptimizer(Protocol):
 
 class FedAvg:
     """x <- x + server_lr * mean_delta (McMahan et al. 2017 when server_lr = 1)."""
+
+    elementwise = True
 
     def __init__(self, server_lr: float = 1.0) -> None:
         if server_lr <= 0:
@@ -70,6 +79,8 @@ class FedAvg:
 
 class _AdaptiveServerOptimizer:
     """Shared first/second-moment machinery of FedAdam and FedYogi (Reddi et al., Alg. 2)."""
+
+    elementwise = False  # whole-vector moments
 
     def __init__(self, *, lr: float, beta1: float, beta2: float, tau: float) -> None:
         if lr <= 0:
@@ -145,3 +156,32 @@ class FedYogi(_AdaptiveServerOptimizer):
     def _second_moment(self, v: np.ndarray, delta_sq: np.ndarray) -> np.ndarray:
         updated: np.ndarray = v - (1.0 - self.beta2) * delta_sq * np.sign(v - delta_sq)
         return updated
+
+
+OPTIMIZERS = ("fedavg", "fedadam", "fedyogi")
+
+
+def build_optimizer(cfg: OptimizerSection) -> ServerOptimizer:
+    """The configured server optimizer (the one registry of names)."""
+    if cfg.name == "fedavg":
+        return FedAvg(server_lr=cfg.server_lr)
+    if cfg.name == "fedadam":
+        return FedAdam(lr=cfg.server_lr, beta1=cfg.beta1, beta2=cfg.beta2, tau=cfg.tau)
+    if cfg.name == "fedyogi":
+        return FedYogi(lr=cfg.server_lr, beta1=cfg.beta1, beta2=cfg.beta2, tau=cfg.tau)
+    raise ConfigError("optimizer.name", f"unknown optimizer {cfg.name!r}; one of {OPTIMIZERS}")
+
+
+def apply_step(
+    optimizer: ServerOptimizer, global_flat: np.ndarray, mean_delta: np.ndarray, *, window: int
+) -> np.ndarray:
+    """One server step. Elementwise optimizers step in place, `window` elements at a
+    time (the caller guarantees nobody reads `global_flat` meanwhile); the result is
+    the same bit for bit as one whole-vector step."""
+    if not optimizer.elementwise:
+        return optimizer.step(global_flat, mean_delta)
+    _check_shapes(global_flat, mean_delta)
+    for start in range(0, global_flat.size, window):
+        stop = min(start + window, global_flat.size)
+        global_flat[start:stop] = optimizer.step(global_flat[start:stop], mean_delta[start:stop])
+    return global_flat

@@ -22,7 +22,7 @@ from common.crypto.signing import VerifyingKey
 from common.metrics_http import serve_metrics
 from common.pki import PeerVerifier
 from common.proto.medfed.v1 import federation_pb2 as pb
-from common.tls import server_credentials
+from common.tls import RequireCertificateRole, server_credentials
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.servicer import FederationServicer, add_to_server
@@ -75,6 +75,9 @@ async def start(settings: CoordinatorSettings) -> RunningCoordinator:
     engine = RoundEngine(settings, store, identity=identity, metrics=metrics)
     limit = settings.limits.max_chunk_bytes + (64 << 10)
     server = grpc.aio.server(
+        # Per-method certificate roles: sites call Federation, monitors Health/status,
+        # revoked certificates nothing (common/tls.py, ACCESS_RULES).
+        interceptors=[RequireCertificateRole(verifier)],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", 8 << 20),
@@ -127,8 +130,12 @@ async def serve(settings: CoordinatorSettings, *, linger_seconds: float = 5.0) -
     if engine_task in done:
         exc = engine_task.exception()
         if exc is not None:
-            log.error("round engine stopped: %s", exc)
-            print(f"medfed: error: {exc}", file=sys.stderr)
+            # Waiting sites were told UNAVAILABLE (never "finished"): they retry until a
+            # coordinator restarted on the same state resumes the study.
+            cause = f"{type(exc).__name__}: {exc}"
+            log.error("round engine failed: %s", cause, exc_info=exc,
+                      extra={"event": "engine_failed", "reason": cause})
+            print(f"medfed: error: round engine failed: {cause}", file=sys.stderr)
             code = 1
         else:
             log.info("all %d rounds done", settings.rounds)

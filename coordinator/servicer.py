@@ -11,7 +11,6 @@ import asyncio
 import datetime as dt
 import functools
 import logging
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -24,101 +23,23 @@ from common import wire
 from common.codec import CHUNK_BYTES
 from common.errors import (
     AbortReason,
-    CertificateRejected,
-    ConfigError,
-    CryptoError,
     MedfedError,
     ProtocolAbort,
-    StateError,
+    Unauthenticated,
     ValidationError,
 )
 from common.pki import PeerVerifier, parse_certificate
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
+from common.round import SiteBudget
 from common.tls import peer_certificate_pem
-from coordinator.engine import RoundEngine, SiteBudget
+from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.rounds import Announcement
 
 log = logging.getLogger("medfed.coordinator.rpc")
 
 MAX_WAIT_SECONDS = 60
 T = TypeVar("T")
-
-# One table maps every error we raise on purpose to a status code.
-STATUS_FOR_ERROR: tuple[tuple[type[MedfedError], grpc.StatusCode], ...] = (
-    (CertificateRejected, grpc.StatusCode.PERMISSION_DENIED),
-    (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
-    (CryptoError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ProtocolAbort, grpc.StatusCode.ABORTED),
-    (StateError, grpc.StatusCode.FAILED_PRECONDITION),
-    (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
-    (MedfedError, grpc.StatusCode.FAILED_PRECONDITION),
-)
-
-
-class Unauthenticated(MedfedError):
-    """The caller presented no certificate at all."""
-
-
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    if isinstance(exc, Unauthenticated):
-        return grpc.StatusCode.UNAUTHENTICATED
-    for cls, code in STATUS_FOR_ERROR:
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
-
-
-LEDGER_HEAD_RE = re.compile(r"[0-9a-f]{64}")
-
-
-def budget_from_pb(msg: pb.BudgetStatus) -> SiteBudget | None:
-    if not msg.ByteSize():
-        return None
-    values = (msg.epsilon_budget, msg.epsilon_spent, msg.delta)
-    if not all(v == v and 0 <= v < 1e9 for v in values):  # NaN fails v == v
-        raise ValidationError("budget: values must be finite and non-negative")
-    if msg.ledger_head and not LEDGER_HEAD_RE.fullmatch(msg.ledger_head):
-        raise ValidationError("budget: ledger_head must be a hex SHA-256")
-    if msg.ledger_entries >= 1 << 63 or msg.ledger_last_round >= 1 << 63:
-        raise ValidationError("budget: ledger_entries / ledger_last_round out of range")
-    return SiteBudget(
-        msg.epsilon_budget,
-        msg.epsilon_spent,
-        msg.delta,
-        msg.privacy_unit[:16],
-        reported_exhausted=msg.exhausted,
-        ledger_entries=msg.ledger_entries,
-        ledger_head=msg.ledger_head,
-        ledger_last_round=msg.ledger_last_round if msg.ledger_entries else None,
-    )
-
-
-def announcement_to_pb(ann: Announcement) -> pb.RoundAnnouncement:
-    return pb.RoundAnnouncement(
-        round=ann.round_number,
-        round_nonce=ann.round_nonce,
-        participants=list(ann.participants),
-        threshold=ann.threshold,
-        neighbours=ann.neighbours,
-        vector_length=ann.vector_length,
-        quantization_bits=ann.quantization_bits,
-        clip=ann.clip,
-        histogram_bins=ann.histogram_bins,
-        secure_aggregation=ann.secure_aggregation,
-        model=wire.layout_to_pb(ann.model_layout),
-        model_sha256=ann.model_sha256,
-        model_bytes=ann.model_bytes,
-        local_epochs=ann.local_epochs,
-        learning_rate=ann.learning_rate,
-        fedprox_mu=ann.fedprox_mu,
-        planned_rounds=ann.planned_rounds,
-        train_deadline_ms=ann.train_deadline_ms,
-        phase_timeout_ms=ann.phase_timeout_ms,
-        weight_cap=ann.weight_cap,
-        max_chunk_bytes=ann.max_chunk_bytes,
-    )
 
 
 class MalformedRequest:
@@ -180,7 +101,7 @@ def rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             require_parsed(request)
             result = await method(self, request, context)
         except MedfedError as exc:
-            code = status_for(exc)
+            code = wire.status_for(exc)
             self.metrics.grpc_requests.labels(method=name, code=code.name).inc()
             log.info("%s -> %s: %s", name, code.name, exc)
             await context.abort(code, str(exc)[:500])
@@ -228,7 +149,7 @@ class FederationServicer(pb_grpc.FederationServicer):
     @rpc
     async def Enroll(self, request: pb.EnrollRequest, context: Any) -> pb.EnrollResponse:
         site_id, cert = self._caller(context)
-        budget = budget_from_pb(request.budget) or SiteBudget()
+        budget = wire.budget_from_pb(request.budget) or SiteBudget()
         last = self.engine.enroll(
             site_id,
             cert.public_bytes(Encoding.DER),
@@ -249,20 +170,20 @@ class FederationServicer(pb_grpc.FederationServicer):
             site_id,
             after_round=request.after_round,
             wait_seconds=wait,
-            budget=budget_from_pb(request.budget),
+            budget=wire.budget_from_pb(request.budget),
         )
         if ann is None:
             return pb.WaitForRoundResponse(
                 has_round=False, federation_finished=self.engine.finished.is_set()
             )
-        return pb.WaitForRoundResponse(has_round=True, round=announcement_to_pb(ann))
+        return pb.WaitForRoundResponse(has_round=True, round=wire.announcement_to_pb(ann))
 
     @rpc
     async def DeclineRound(
         self, request: pb.DeclineRoundRequest, context: Any
     ) -> pb.DeclineRoundResponse:
         site_id = self._site(context)
-        self.engine.decline(site_id, request.round, budget=budget_from_pb(request.budget))
+        self.engine.decline(site_id, request.round, budget=wire.budget_from_pb(request.budget))
         return pb.DeclineRoundResponse()
 
     async def DownloadModel(
@@ -272,22 +193,22 @@ class FederationServicer(pb_grpc.FederationServicer):
             require_parsed(request)
             site_id = self._site(context)
             # model_chunks checks the caller now and copies one chunk at a time later.
-            chunks = self.engine.model_chunks(site_id, request.round, CHUNK_BYTES)
+            chunks = self.engine.inbox.model_chunks(site_id, request.round, CHUNK_BYTES)
         except MedfedError as exc:
-            code = status_for(exc)
+            code = wire.status_for(exc)
             self.metrics.grpc_requests.labels(method="DownloadModel", code=code.name).inc()
             await context.abort(code, str(exc)[:500])
             return
         try:
             # Bounded concurrent streams: each can hold a flow-control window of
             # sent-but-unread chunks in gRPC's buffers (large models, many sites).
-            async with self.engine.download_slot():
+            async with self.engine.inbox.download_slot():
                 for offset, data in chunks:
                     yield pb.ModelChunk(offset=offset, data=data)
         except MedfedError as exc:
             # The round ended mid-stream (the model is being replaced): a clear status,
             # not UNKNOWN.
-            code = status_for(exc)
+            code = wire.status_for(exc)
             self.metrics.grpc_requests.labels(method="DownloadModel", code=code.name).inc()
             await context.abort(code, str(exc)[:500])
             return
@@ -300,14 +221,14 @@ class FederationServicer(pb_grpc.FederationServicer):
         site_id = self._site(context)
         msg = wire.advertise_from_pb(request, caller=site_id)
         nonce = wire.bounded(request.round_nonce, what="round_nonce", exact=16)
-        roster = await self.engine.advertise(site_id, request.round, nonce, msg)
+        roster = await self.engine.inbox.advertise(site_id, request.round, nonce, msg)
         return wire.roster_to_pb(roster)
 
     @rpc
     async def ShareKeys(self, request: pb.ShareKeysRequest, context: Any) -> pb.ShareKeysResponse:
         site_id = self._site(context)
         msg = wire.share_keys_from_pb(request)
-        shares = await self.engine.share_keys(
+        shares = await self.engine.inbox.share_keys(
             site_id, request.round, wire.session_id(request.session_id), msg
         )
         return wire.shares_for_recipient_to_pb(shares)
@@ -343,7 +264,7 @@ class FederationServicer(pb_grpc.FederationServicer):
                     raise ValidationError("only one header per upload")
                 yield item.chunk.offset, item.chunk.data
 
-        survivors = await self.engine.upload(
+        survivors = await self.engine.inbox.upload(
             site_id, header.round, session, header.vector_length, chunks()
         )
         return wire.survivors_to_pb(survivors)
@@ -353,7 +274,7 @@ class FederationServicer(pb_grpc.FederationServicer):
         self, request: pb.ConsistencyCheckRequest, context: Any
     ) -> pb.ConsistencyCheckResponse:
         site_id = self._site(context)
-        sigs = await self.engine.consistency(
+        sigs = await self.engine.inbox.consistency(
             site_id,
             request.round,
             wire.session_id(request.session_id),
@@ -364,7 +285,7 @@ class FederationServicer(pb_grpc.FederationServicer):
     @rpc
     async def Unmask(self, request: pb.UnmaskRequest, context: Any) -> pb.UnmaskResponse:
         site_id = self._site(context)
-        contributors = await self.engine.unmask(
+        contributors = await self.engine.inbox.unmask(
             site_id,
             request.round,
             wire.session_id(request.session_id),

@@ -4,9 +4,11 @@ SQLite by default (one file under the state folder, WAL, synchronous=FULL); Post
 when `database_url` is ``postgresql://...`` (a highly available coordinator). The SQL is
 written once, portably; `common.sqldb` holds the few dialect differences.
 
-A round is written as ``in_flight`` before any site hears of it; after a crash the next
-start marks it ``abandoned`` (nothing from it is ever unmasked) and numbering goes on
-from the largest number ever used, so a site can never confuse two rounds.
+A round is written as ``in_flight`` before any site hears of it, and ``unmasked`` once
+its sum exists in the clear (before the model update and checkpoint). After a crash the
+next start marks either ``abandoned`` and says which ones had been unmasked: the
+coordinator may have seen their sum, although no model was built from it. Numbering goes
+on from the largest number ever used, so a site can never confuse two rounds.
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ class RoundRecord:
 
 
 @dataclass(frozen=True)
+class AbandonedRound:
+    round_number: int
+    unmasked: bool  # its sum had been unmasked before the crash
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     round_number: int
     path: Path
@@ -102,18 +110,33 @@ class CoordinatorStore:
             )
 
     # ---------------------------------------------------------------- rounds
-    def abandon_in_flight(self, *, now: float) -> list[int]:
-        """Mark rounds a crash left open as abandoned; returns their numbers."""
+    def abandon_in_flight(self, *, now: float) -> list[AbandonedRound]:
+        """Mark rounds a crash left open as abandoned; returns them."""
         with self._tx() as cur:
             rows = cur.execute(
-                "SELECT round_number FROM rounds WHERE status = 'in_flight'"
+                "SELECT round_number, status FROM rounds "
+                "WHERE status IN ('in_flight', 'unmasked') ORDER BY round_number"
             ).fetchall()
+            cur.execute(
+                "UPDATE rounds SET status = 'abandoned', finished_at = ?, detail = "
+                "'coordinator restarted after its sum was unmasked' WHERE status = 'unmasked'",
+                (now,),
+            )
             cur.execute(
                 "UPDATE rounds SET status = 'abandoned', finished_at = ?, "
                 "detail = 'coordinator restarted' WHERE status = 'in_flight'",
                 (now,),
             )
-        return [int(r[0]) for r in rows]
+        return [AbandonedRound(int(r[0]), str(r[1]) == "unmasked") for r in rows]
+
+    def mark_unmasked(self, round_number: int) -> None:
+        """The round's sum now exists in the clear (written before it is used)."""
+        with self._tx() as cur:
+            cur.execute(
+                "UPDATE rounds SET status = 'unmasked' WHERE round_number = ? "
+                "AND status = 'in_flight'",
+                (round_number,),
+            )
 
     def next_round_number(self) -> int:
         with self._tx(write=False) as cur:
@@ -197,7 +220,7 @@ class CoordinatorStore:
     def completed_rounds(self) -> int:
         with self._tx(write=False) as cur:
             row = cur.execute("SELECT COUNT(*) FROM rounds WHERE status = 'completed'").fetchone()
-        return int(row[0])
+        return 0 if row is None else int(row[0])
 
     def latest_checkpoint(self) -> Checkpoint | None:
         with self._tx(write=False) as cur:

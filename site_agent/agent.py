@@ -15,14 +15,12 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
 from common import wire
 from common.codec import (
-    CHUNK_BYTES,
     ChunkAssembler,
     bytes_to_flat,
     digest,
@@ -39,8 +37,9 @@ from common.errors import (
     CertificateRejected,
     ConfigError,
     CryptoError,
-    MedfedError,
+    FederationFinished,
     ProtocolAbort,
+    RoundFailed,
     ValidationError,
 )
 from common.pki import (
@@ -53,11 +52,11 @@ from common.pki import (
 from common.privacy.ledger import PrivacyLedger
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
+from common.round import VerifiedRound, validate_for_site
 from common.secagg import messages as sm
 from common.secagg.client import SecAggClient
-from common.secagg.params import SecAggParams, ThreatModel, validate_against_threat_model
 from common.tls import SiteTlsFiles, channel_credentials_from_files
-from site_agent.hooks import LocalUpdate, RoundPlan, TrainingHook
+from site_agent.hooks import LocalUpdate, TrainingHook
 from site_agent.metrics import SiteMetrics
 
 log = logging.getLogger("medfed.site")
@@ -65,34 +64,6 @@ log = logging.getLogger("medfed.site")
 AGENT_VERSION = "medfed-site/0.1"
 WAIT_SECONDS = 30
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-
-
-class RoundFailed(MedfedError):
-    """This round cannot go on for this site (the next one may)."""
-
-
-class FederationFinished(MedfedError):
-    """The coordinator ran all its rounds."""
-
-
-@dataclass(frozen=True)
-class Round:
-    """A verified round announcement."""
-
-    number: int
-    nonce: bytes
-    params: SecAggParams | None
-    plan: RoundPlan
-    vector_length: int
-    bits: int
-    clip: float
-    weight_cap: int
-    model_sha256: bytes
-    model_bytes: int
-    secure: bool
-    phase_timeout: float
-    train_deadline: float
-    chunk_bytes: int = CHUNK_BYTES
 
 
 def _utcnow() -> dt.datetime:
@@ -150,7 +121,8 @@ class SiteAgent:
                     # demos dial 127.0.0.1, which the certificate lists as an IP SAN.
                 ],
             )
-            self._stub = pb_grpc.FederationStub(self._channel)
+            # The generated stub is untyped; every call on it is checked by the tests.
+            self._stub = pb_grpc.FederationStub(self._channel)  # type: ignore[no-untyped-call]
         return self._stub
 
     def _disconnect(self) -> None:
@@ -167,21 +139,14 @@ class SiteAgent:
         self.stop.wait(delay)
 
     def budget_pb(self) -> pb.BudgetStatus:
-        if self.ledger is None:
-            return pb.BudgetStatus(privacy_unit=self.hook.privacy_unit)
-        status = self.ledger.status()
-        self.metrics.observe_budget(status.spent_epsilon, status.budget_epsilon)
-        return pb.BudgetStatus(
-            epsilon_budget=status.budget_epsilon,
-            epsilon_spent=status.spent_epsilon,
-            delta=status.delta,
-            privacy_unit=status.privacy_unit,
-            # Once the ledger refused a round of the federation's (fixed) plan, every
-            # later one would be refused too: say so, and the coordinator stops asking.
-            exhausted=status.exhausted or self._declined_for_budget,
-            ledger_entries=status.ledger_entries,
-            ledger_head=status.ledger_head,
-            ledger_last_round=status.last_round or 0,
+        status = None
+        if self.ledger is not None:
+            status = self.ledger.status()
+            self.metrics.observe_budget(status.spent_epsilon, status.budget_epsilon)
+        # Once the ledger refused a round of the federation's (fixed) plan, every later
+        # one would be refused too: say so, and the coordinator stops asking.
+        return wire.budget_to_pb(
+            status, privacy_unit=self.hook.privacy_unit, exhausted=self._declined_for_budget
         )
 
     # ------------------------------------------------------------------- loop
@@ -235,7 +200,9 @@ class SiteAgent:
     def _take_part(self, stub: pb_grpc.FederationStub, ann: pb.RoundAnnouncement) -> None:
         self.last_round = max(self.last_round, ann.round)
         try:
-            rnd = self.verify_announcement(ann)
+            rnd = validate_for_site(
+                wire.announcement_from_pb(ann), policy=self.settings.policy, site_id=self.site_id
+            )
             self._run_round(stub, rnd)
         except BudgetExhausted as exc:
             log.warning("declining round %d: %s", ann.round, exc)
@@ -263,89 +230,8 @@ class SiteAgent:
                         exc.details())
             self.metrics.rounds.labels(outcome="aborted").inc()
 
-    # --------------------------------------------------------- announcement
-    def verify_announcement(self, ann: pb.RoundAnnouncement) -> Round:
-        """Check a round against this site's policy before computing anything."""
-        participants = wire.site_ids(ann.participants, "participants")
-        if self.site_id not in participants:
-            raise RoundFailed(f"round {ann.round} does not list this site")
-        if len(ann.round_nonce) != 16:
-            raise ValidationError("round nonce must be 16 bytes")
-        layout = wire.layout_from_pb(ann.model)
-        model_elements = sum(s.elements for s in layout)
-        bins = ann.histogram_bins
-        if not 2 <= bins <= 1000:
-            raise ValidationError("histogram_bins out of range")
-        expected_length = model_elements + 1 + 2 * bins
-        policy = self.settings.policy
-        if ann.vector_length != expected_length or ann.vector_length > policy.max_vector_length:
-            raise ValidationError(
-                f"vector_length {ann.vector_length} does not match the model ({expected_length})"
-            )
-        if not (0 < ann.clip < 1e6) or not (1 <= ann.quantization_bits <= 31):
-            raise ValidationError("clip or quantization bits out of range")
-        if not 1 <= ann.weight_cap <= max_integer_for_sites(len(participants)):
-            raise ValidationError("weight_cap out of range")
-        # The training plan, within the bounds the coordinator's own config enforces
-        # (NaN fails every comparison): a bad plan would spend budget on a wasted update.
-        if not (0 < ann.learning_rate <= 10 and 0 <= ann.fedprox_mu <= 100):
-            raise ValidationError("learning_rate or fedprox_mu out of range")
-        if not (ann.local_epochs <= 1000 and ann.planned_rounds <= 1_000_000):
-            raise ValidationError("local_epochs or planned_rounds out of range")
-        if ann.round >= 1 << 63:  # the ledger stores round numbers as signed 64-bit
-            raise ValidationError("round number out of range")
-        params = None
-        if ann.secure_aggregation:
-            params = SecAggParams(
-                round_number=ann.round,
-                round_nonce=ann.round_nonce,
-                participants=participants,
-                threshold=ann.threshold,
-                neighbours=ann.neighbours,
-                vector_length=ann.vector_length,
-            )
-            if ann.threshold < policy.min_threshold:
-                raise RoundFailed(
-                    f"threshold {ann.threshold} below this site's minimum {policy.min_threshold}"
-                )
-            # A coordinator cannot lower t below what this site's threat model needs.
-            validate_against_threat_model(
-                params,
-                ThreatModel(max_colluding_sites=policy.max_colluding_sites, max_dropouts=0),
-            )
-        elif not policy.allow_plain_aggregation:
-            # Plain FedAvg shows the coordinator each update: for benchmarks only.
-            raise RoundFailed("this site's policy requires secure aggregation")
-        plan = RoundPlan(
-            round_number=ann.round,
-            planned_rounds=max(ann.planned_rounds, 1),
-            local_epochs=ann.local_epochs,
-            learning_rate=ann.learning_rate,
-            fedprox_mu=ann.fedprox_mu,
-            histogram_bins=bins,
-            layout=layout,
-        )
-        return Round(
-            number=ann.round,
-            nonce=ann.round_nonce,
-            params=params,
-            plan=plan,
-            vector_length=ann.vector_length,
-            bits=ann.quantization_bits,
-            clip=ann.clip,
-            weight_cap=ann.weight_cap,
-            model_sha256=ann.model_sha256,
-            model_bytes=ann.model_bytes,
-            secure=ann.secure_aggregation,
-            phase_timeout=max(ann.phase_timeout_ms / 1000, 1.0),
-            # Chunks as large as the coordinator accepts (1 MiB unless it says less),
-            # never below 64 KiB (a coordinator cannot make us send a million messages).
-            chunk_bytes=min(CHUNK_BYTES, max(ann.max_chunk_bytes or CHUNK_BYTES, 1 << 16)),
-            train_deadline=ann.train_deadline_ms / 1000,
-        )
-
     # ----------------------------------------------------------------- round
-    def _run_round(self, stub: pb_grpc.FederationStub, rnd: Round) -> None:
+    def _run_round(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
         segments = self.hook.planned_segments(rnd.plan)
         if self.ledger is not None and segments:
             # The ledger's reserve() is idempotent per round number (a crash-restart
@@ -363,7 +249,7 @@ class SiteAgent:
                     f"round {rnd.number} would bring epsilon to {after:.3f} "
                     f"> budget {self.ledger.budget_epsilon:g}"
                 )
-        client = self._secagg_client(rnd) if rnd.secure else None
+        client = self._secagg_client(rnd) if rnd.announcement.secure_aggregation else None
         try:
             # Keys first (two short barriers), then download and train: uploads then
             # overlap other sites' training, as they would in plain FedAvg.
@@ -396,43 +282,43 @@ class SiteAgent:
         self.metrics.rounds.labels(outcome="completed").inc()
         log.info("round %d done", rnd.number)
 
-    def _deadline(self, rnd: Round, *, training: bool = False) -> float:
+    def _deadline(self, rnd: VerifiedRound, *, training: bool = False) -> float:
         """RPC timeout for a long-poll: the phase deadline plus slack."""
         base = rnd.phase_timeout * 2 + 30
         if training:
             base += max(rnd.train_deadline - time.time(), 0)
         return base
 
-    def _download(self, stub: pb_grpc.FederationStub, rnd: Round) -> np.ndarray:
+    def _download(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> np.ndarray:
         total = layout_bytes(rnd.plan.layout)
-        if total != rnd.model_bytes:
+        if total != rnd.announcement.model_bytes:
             raise ValidationError("announced model size does not match its layout")
         buffer = bytearray(total)
         assembler = ChunkAssembler(buffer, total_bytes=total, max_chunk_bytes=4 << 20)
         for chunk in stub.DownloadModel(pb.DownloadModelRequest(round=rnd.number), timeout=300):
             assembler.add(chunk.offset, chunk.data)
         assembler.finish()
-        if digest(buffer) != rnd.model_sha256:
+        if digest(buffer) != rnd.announcement.model_sha256:
             raise ValidationError("downloaded model does not match the announced SHA-256")
         return bytes_to_flat(buffer, rnd.plan.layout)
 
-    def _encode(self, rnd: Round, update: LocalUpdate) -> np.ndarray:
+    def _encode(self, rnd: VerifiedRound, update: LocalUpdate) -> np.ndarray:
         n_sites = len(rnd.params.participants) if rnd.params else 2
-        weight = min(int(update.num_samples), rnd.weight_cap)
-        if update.delta.size != rnd.vector_length - 1 - 2 * rnd.plan.histogram_bins:
+        weight = min(int(update.num_samples), rnd.announcement.weight_cap)
+        if update.delta.size != rnd.announcement.vector_length - 1 - 2 * rnd.plan.histogram_bins:
             raise RoundFailed("update does not match the model size")
         if not np.all(np.isfinite(update.delta)):
             raise RoundFailed("update contains NaN or infinity")
         # Scale by n_k / cap so FedAvg's weights come out of the secure sum.
-        scaled = update.delta * np.float32(weight / rnd.weight_cap)
+        scaled = update.delta * np.float32(weight / rnd.announcement.weight_cap)
         cap = max_integer_for_sites(n_sites)
         histogram = [min(int(c), cap) for c in update.histogram]
-        out = np.empty(rnd.vector_length, dtype=np.uint32)
+        out = np.empty(rnd.announcement.vector_length, dtype=np.uint32)
         encode_update(
             scaled,
             integers=[weight, *histogram],
-            clip=rnd.clip,
-            bits=rnd.bits,
+            clip=rnd.announcement.clip,
+            bits=rnd.announcement.quantization_bits,
             n_sites=n_sites,
             rng=numpy_generator(system_random),
             out=out,
@@ -445,7 +331,7 @@ class SiteAgent:
         vector.astype("<u4").tofile(folder / f"round-{round_number:06d}.u32")
 
     def _upload_stream(
-        self, rnd: Round, session: bytes, vector: np.ndarray
+        self, rnd: VerifiedRound, session: bytes, vector: np.ndarray
     ) -> Iterator[pb.MaskedInputChunk]:
         yield pb.MaskedInputChunk(
             header=pb.MaskedInputHeader(
@@ -476,7 +362,7 @@ class SiteAgent:
             raise CertificateRejected(f"roster certificate does not name {site_id}")
         return VerifyingKey.from_certificate(cert)
 
-    def _secagg_client(self, rnd: Round) -> SecAggClient:
+    def _secagg_client(self, rnd: VerifiedRound) -> SecAggClient:
         if rnd.params is None:
             raise ProtocolAbort(AbortReason.INVALID_PARAMETERS, "no SecAgg parameters")
         return SecAggClient(
@@ -488,12 +374,12 @@ class SiteAgent:
         )
 
     def _exchange_keys(
-        self, stub: pb_grpc.FederationStub, rnd: Round, client: SecAggClient
+        self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, client: SecAggClient
     ) -> sm.SharesForRecipient:
         """AdvertiseKeys and ShareKeys: returns the encrypted shares addressed to us."""
         adv = client.advertise_keys()
         roster_pb = stub.AdvertiseKeys(
-            wire.advertise_to_pb(adv, round_number=rnd.number, nonce=rnd.nonce),
+            wire.advertise_to_pb(adv, round_number=rnd.number, nonce=rnd.announcement.round_nonce),
             timeout=self._deadline(rnd),
         )
         self._debug_pause(rnd.number, "advertise_keys")
@@ -510,7 +396,7 @@ class SiteAgent:
     def _finish_secure_aggregation(
         self,
         stub: pb_grpc.FederationStub,
-        rnd: Round,
+        rnd: VerifiedRound,
         client: SecAggClient,
         shares: sm.SharesForRecipient,
         vector: np.ndarray,

@@ -1,4 +1,4 @@
-"""Loading a site's data under a declared schema, splitting it by patient, standardising it.
+"""Loading a site's data under a study (or a legacy schema), splitting it by patient, encoding it.
 
 Bad data never reaches training: every problem raises `DataError` naming the file, the
 row as a spreadsheet shows it (the header is row 1, the first record row 2) and the
@@ -28,6 +28,13 @@ from typing import Literal
 import numpy as np
 
 from common.errors import ConfigError, DataError
+from common.study import (
+    GlobalStatistics,
+    Study,
+    check_statistics,
+    class_index,
+    encoded_feature_names,
+)
 
 NanPolicy = Literal["error", "drop_row", "impute_median"]
 MIN_PRIVACY_UNITS = 50
@@ -116,14 +123,25 @@ def _parse_float(text: str | None) -> float | None:
 
 
 def _iter_csv_rows(path: Path) -> tuple[list[str], Iterator[tuple[int, dict[str, str]]]]:
-    handle = path.open(newline="", encoding="utf-8")
+    # utf-8-sig: spreadsheet exports often start with a byte-order mark, which would
+    # otherwise become part of the first column's name.
+    handle = path.open(newline="", encoding="utf-8-sig")
     reader = csv.DictReader(handle)
-    header = reader.fieldnames
+    try:
+        header = reader.fieldnames
+    except (csv.Error, UnicodeDecodeError) as exc:
+        handle.close()
+        raise DataError(f"unreadable header: {exc}", file=str(path), row=_HEADER_ROW) from None
+    if header is not None:
+        header = [name.strip() for name in header]
+        reader.fieldnames = header
 
     def rows() -> Iterator[tuple[int, dict[str, str]]]:
         try:
             for index, row in enumerate(reader):
                 yield _HEADER_ROW + 1 + index, row
+        except (csv.Error, UnicodeDecodeError) as exc:
+            raise DataError(f"unreadable CSV: {exc}", file=str(path), row=reader.line_num) from None
         finally:
             handle.close()
 
@@ -309,3 +327,255 @@ def prepare_site_split(
     train, held_out = split_by_patient(data, held_out_fraction=held_out_fraction, seed=seed)
     standardizer = Standardizer.fit(train.features)
     return standardizer.transform(train), standardizer.transform(held_out), standardizer
+
+
+# --------------------------------------------------------------------------- under a study
+
+_MISSING_TOKENS = ("", "nan", "na", "n/a", "null", "none")
+
+
+@dataclass(frozen=True)
+class StudyTable:
+    """A site's records read under a study, before encoding.
+
+    What the preprocessor, `medfed data check` and the DP statistics release (issue 10)
+    start from: numeric columns as float64 with NaN for a missing value, categorical
+    columns as indices into the declared levels with -1 for a missing value, labels as
+    class indices (None when the file has no label column, as for `predict`).
+    """
+
+    numeric: dict[str, np.ndarray]
+    categorical: dict[str, np.ndarray]
+    labels: np.ndarray | None
+    patient_ids: np.ndarray | None
+    rows: np.ndarray
+    source: str = ""
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def num_patients(self) -> int:
+        """Distinct patients (records count as patients when there is no id column)."""
+        if self.patient_ids is None:
+            return len(self)
+        return int(np.unique(self.patient_ids).shape[0])
+
+    def missing_counts(self) -> dict[str, int]:
+        """Missing values per feature column."""
+        counts = {name: int(np.isnan(v).sum()) for name, v in self.numeric.items()}
+        counts.update({name: int((v < 0).sum()) for name, v in self.categorical.items()})
+        return counts
+
+
+def _is_missing(text: str) -> bool:
+    return text.strip().lower() in _MISSING_TOKENS
+
+
+def load_study_table(path: str | Path, study: Study, *, for_prediction: bool = False) -> StudyTable:
+    """Read a CSV or Parquet file under `study`; a mismatch is a `DataError` naming the
+    file, the row (as a spreadsheet shows it) and the column.
+
+    Checks: every feature column is present (any order, extra columns ignored), numeric
+    cells are numbers, categorical cells are declared levels, a missing value only where
+    the feature's policy allows it, labels are among the study's classes, patient ids
+    are present. With `for_prediction`, the label and patient columns may be absent.
+    """
+    path = Path(path)
+    file = str(path)
+    if study.data.kind != "table":
+        raise DataError(f"study data.kind is {study.data.kind!r}; this file is a table", file=file)
+    if not path.is_file():
+        raise DataError("file not found", file=file)
+    if path.suffix.lower() in (".parquet", ".pq"):
+        header, rows = _iter_parquet_rows(path)
+    else:
+        header, rows = _iter_csv_rows(path)
+    repeated = sorted({name for name in header if header.count(name) > 1})
+    if repeated:
+        raise DataError(f"repeated column names {repeated}", file=file, row=_HEADER_ROW)
+    label_column = study.data.label_column
+    patient_column = study.data.patient_column
+    has_label = label_column in header
+    has_patient = patient_column is not None and patient_column in header
+    required = [f.name for f in study.features]
+    if not for_prediction:
+        required.append(label_column)
+        if patient_column is not None:
+            required.append(patient_column)
+    for column in required:
+        if column not in header:
+            raise DataError(
+                "missing column (the study requires it)", file=file, row=_HEADER_ROW, column=column
+            )
+
+    numeric_specs = [f for f in study.features if f.type == "numeric"]
+    categorical_specs = [f for f in study.features if f.type == "categorical"]
+    level_index = {
+        f.name: {lv: i for i, lv in enumerate(f.levels or ())} for f in categorical_specs
+    }
+    numeric: dict[str, list[float]] = {f.name: [] for f in numeric_specs}
+    categorical: dict[str, list[int]] = {f.name: [] for f in categorical_specs}
+    labels: list[int] = []
+    patients: list[str] = []
+    row_numbers: list[int] = []
+    for row_number, row in rows:
+        for spec in numeric_specs:
+            cell = row.get(spec.name) or ""
+            try:
+                value = _parse_float(cell)
+            except ValueError:
+                raise DataError(
+                    f"not a number: {cell!r} (the study declares this feature numeric)",
+                    file=file,
+                    row=row_number,
+                    column=spec.name,
+                ) from None
+            if value is not None and not math.isfinite(value):
+                raise DataError("infinite value", file=file, row=row_number, column=spec.name)
+            if value is None and spec.missing == "error":
+                raise DataError(
+                    "missing value, and the study says missing = 'error' for this feature",
+                    file=file,
+                    row=row_number,
+                    column=spec.name,
+                )
+            numeric[spec.name].append(math.nan if value is None else value)
+        for spec in categorical_specs:
+            cell = (row.get(spec.name) or "").strip()
+            code = level_index[spec.name].get(cell)
+            if code is None:
+                if not _is_missing(cell):
+                    raise DataError(
+                        f"level {cell!r} is not declared; the study's levels are "
+                        f"{list(spec.levels or ())}",
+                        file=file,
+                        row=row_number,
+                        column=spec.name,
+                    )
+                if spec.missing == "error":
+                    raise DataError(
+                        "missing value, and the study says missing = 'error' for this feature",
+                        file=file,
+                        row=row_number,
+                        column=spec.name,
+                    )
+                code = -1
+            categorical[spec.name].append(code)
+        if has_label:
+            cell = row.get(label_column) or ""
+            if _is_missing(cell):
+                raise DataError("missing label", file=file, row=row_number, column=label_column)
+            index = class_index(study, cell)
+            if index is None:
+                raise DataError(
+                    f"label {cell.strip()!r} is not one of the study's classes "
+                    f"{list(study.study.classes)}",
+                    file=file,
+                    row=row_number,
+                    column=label_column,
+                )
+            labels.append(index)
+        if has_patient:
+            patient = (row.get(patient_column or "") or "").strip()
+            if not patient:
+                raise DataError(
+                    "missing patient id", file=file, row=row_number, column=patient_column
+                )
+            patients.append(patient)
+        row_numbers.append(row_number)
+    if not row_numbers:
+        raise DataError("no records", file=file)
+    return StudyTable(
+        numeric={k: np.array(v, dtype=np.float64) for k, v in numeric.items()},
+        categorical={k: np.array(v, dtype=np.int64) for k, v in categorical.items()},
+        labels=np.array(labels, dtype=np.int64) if has_label else None,
+        patient_ids=np.array(patients, dtype=object) if has_patient else None,
+        rows=np.array(row_numbers, dtype=np.int64),
+        source=file,
+    )
+
+
+class Preprocessor:
+    """The one encoding of a study's features, used for training and for `predict`.
+
+    Per feature, in the study's order: a numeric value is imputed (if missing) with the
+    global imputation value, clipped into the global range and standardised with the
+    global mean and scale; a categorical value is one-hot encoded in the declared level
+    order (a missing one imputes the global level, or is all zeros under ``indicator``);
+    ``indicator`` features add a 0/1 was-missing column. The statistics are required:
+    they come from the federated DP release (issue 10) or the model bundle, never from
+    this site's data alone, so every site and every hospital using the model scale alike.
+    """
+
+    def __init__(self, study: Study, statistics: GlobalStatistics) -> None:
+        check_statistics(study, statistics)
+        self.study = study
+        self.statistics = statistics
+
+    def feature_names(self) -> list[str]:
+        return encoded_feature_names(self.study)
+
+    def transform(self, table: StudyTable) -> np.ndarray:
+        """Encoded float32 matrix [records, len(feature_names())]."""
+        columns: list[np.ndarray] = []
+        n = len(table)
+        for spec in self.study.features:
+            if spec.type == "numeric":
+                raw = table.numeric[spec.name]
+                missing = np.isnan(raw)
+                stats = self.statistics.numeric[spec.name]
+                values = np.where(missing, stats.impute, raw)
+                values = np.clip(values, stats.clip_low, stats.clip_high)
+                columns.append(((values - stats.mean) / stats.scale).reshape(n, 1))
+            else:
+                codes = table.categorical[spec.name]
+                missing = codes < 0
+                levels = list(spec.levels or ())
+                impute = self.statistics.categorical[spec.name].impute
+                if spec.missing == "impute" and impute is not None:
+                    codes = np.where(missing, levels.index(impute), codes)
+                one_hot = np.zeros((n, len(levels)), dtype=np.float64)
+                present = codes >= 0
+                one_hot[np.flatnonzero(present), codes[present]] = 1.0
+                columns.append(one_hot)
+            if spec.missing == "indicator":
+                columns.append(missing.astype(np.float64).reshape(n, 1))
+        matrix = np.concatenate(columns, axis=1) if columns else np.zeros((n, 0))
+        return matrix.astype(np.float32)
+
+    def imputations(self, table: StudyTable) -> dict[str, int]:
+        """How many values of each feature were filled in (for the site's log)."""
+        return {name: count for name, count in table.missing_counts().items() if count}
+
+    def site_data(self, table: StudyTable) -> SiteData:
+        """Encoded records ready for training (labels are class indices)."""
+        if table.labels is None:
+            raise DataError("no label column: cannot train", file=table.source)
+        return SiteData(
+            features=self.transform(table),
+            labels=table.labels,
+            patient_ids=table.patient_ids,
+            feature_names=self.feature_names(),
+            source=table.source,
+        )
+
+
+def load_site_data_for_study(
+    path: str | Path,
+    study: Study,
+    statistics: GlobalStatistics,
+    *,
+    delta: float | None = None,
+) -> SiteData:
+    """Load, check and encode a site's file for training under `study`.
+
+    With `delta`, also enforce the cohort-size rule (module docstring) on the privacy
+    unit: patients when the study has a patient column, records otherwise.
+    """
+    table = load_study_table(path, study)
+    data = Preprocessor(study, statistics).site_data(table)
+    if delta is not None:
+        unit = "patient" if data.patient_ids is not None else "record"
+        check_cohort_size(data.num_patients, delta=delta, unit=unit, file=str(path))
+    return data

@@ -21,21 +21,9 @@ from common.codec import TensorSpec
 from common.config import SiteSettings
 from common.errors import ConfigError
 from common.privacy.accountant import Segment
+from common.round import RoundPlan
 
 log = logging.getLogger("medfed.site")
-
-
-@dataclass(frozen=True)
-class RoundPlan:
-    """The parts of a round announcement a hook needs."""
-
-    round_number: int
-    planned_rounds: int
-    local_epochs: int
-    learning_rate: float
-    fedprox_mu: float
-    histogram_bins: int
-    layout: tuple[TensorSpec, ...]
 
 
 @dataclass(frozen=True)

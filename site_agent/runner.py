@@ -8,7 +8,7 @@ from typing import Any
 
 from common.config import SiteSettings
 from common.metrics_http import serve_metrics
-from common.privacy.ledger import PrivacyLedger
+from common.privacy.ledger import LedgerSigner, PrivacyLedger
 from site_agent.agent import SiteAgent
 from site_agent.hooks import DeterministicTestHook, DpTrainingHook, TrainingHook
 from site_agent.metrics import SiteMetrics
@@ -25,6 +25,10 @@ def open_ledger(settings: SiteSettings, hook: TrainingHook) -> PrivacyLedger | N
     if hook.privacy_unit == "none":
         return None
     privacy = settings.privacy
+    _, cert, key = settings.tls_paths()
+    # Entries are signed with the site's certificate key; the ledger refuses to open
+    # (LedgerUnavailable / LedgerForkError) when it is missing, damaged, older or
+    # rewritten while its anchor (state/privacy-ledger.db.anchor) shows history.
     return PrivacyLedger(
         settings.state / "privacy-ledger.db",
         site_id=settings.site,
@@ -32,6 +36,7 @@ def open_ledger(settings: SiteSettings, hook: TrainingHook) -> PrivacyLedger | N
         delta=privacy.delta,
         accountant=privacy.accountant,
         privacy_unit=hook.privacy_unit,
+        signer=LedgerSigner.from_files(cert, key),
     )
 
 

@@ -1,16 +1,20 @@
-"""Privacy accounting and budgets: the accountant, each site's ledger, the federation view.
+"""Privacy accounting and budgets: mechanisms, the accountant, each site's signed ledger,
+the coordinator's replica of it and its federation view.
 
 The site's own ledger (`ledger.PrivacyLedger`) is authoritative for that site; the
-coordinator only keeps a view (`federation.FederationBudgetView`) for the operator.
+coordinator keeps a replica of the signed entries (`replica.LedgerReplica`) and a view
+(`federation.FederationBudgetView`) for the operator.
 """
 
 from common.privacy.accountant import (
     EpsilonReport,
+    RoundNoisePlan,
     Segment,
     account,
     compose_epsilon,
     epsilon_after,
     plan_noise_multiplier,
+    plan_round_noise,
 )
 from common.privacy.federation import FederationBudgetView, SiteBudget
 from common.privacy.ledger import (
@@ -20,19 +24,35 @@ from common.privacy.ledger import (
     VerifyReport,
     verify_ledger,
 )
+from common.privacy.mechanisms import (
+    DistributedDiscreteGaussian,
+    Gaussian,
+    Mechanism,
+    SampledGaussian,
+)
+from common.privacy.signed import LedgerSigner, SignedEntry, SignedHistory
 
 __all__ = [
     "BudgetStatus",
+    "DistributedDiscreteGaussian",
     "EpsilonReport",
     "FederationBudgetView",
+    "Gaussian",
     "LedgerEntry",
+    "LedgerSigner",
+    "Mechanism",
     "PrivacyLedger",
+    "RoundNoisePlan",
+    "SampledGaussian",
     "Segment",
+    "SignedEntry",
+    "SignedHistory",
     "SiteBudget",
     "VerifyReport",
     "account",
     "compose_epsilon",
     "epsilon_after",
     "plan_noise_multiplier",
+    "plan_round_noise",
     "verify_ledger",
 ]

@@ -1,9 +1,11 @@
 """`medfed privacy ...` and `medfed ledger ...`: commands for privacy officers.
 
-``medfed privacy epsilon`` composes a whole history of DP-SGD segments (so two halves
-give the same epsilon as the whole), ``medfed privacy plan`` calibrates the noise
-multiplier once for a planned schedule, ``medfed ledger show|verify`` read a site's
-ledger without changing it.
+``medfed privacy epsilon`` composes a whole history of mechanisms (so two halves give the
+same epsilon as the whole), ``medfed privacy plan`` calibrates the noise multiplier once
+for a planned schedule, ``medfed privacy plan-round`` plans the next round from what a
+ledger already spent. ``medfed ledger show|verify`` read a site's ledger without
+changing it, ``medfed ledger export`` (coordinator) writes a site's replicated signed
+history and ``medfed ledger restore`` (site) rebuilds a lost ledger from it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,27 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError
-from common.privacy.accountant import ACCOUNTANTS, Segment, account, plan_noise_multiplier
-from common.privacy.ledger import read_ledger, verify_ledger
+from common.errors import ConfigError, LedgerIntegrityError
+from common.privacy.accountant import (
+    ACCOUNTANTS,
+    Segment,
+    account,
+    plan_noise_multiplier,
+    plan_round_noise,
+)
+from common.privacy.ledger import (
+    read_ledger,
+    restore_ledger,
+    verify_ledger,
+)
+from common.privacy.mechanisms import (
+    DistributedDiscreteGaussian,
+    Gaussian,
+    Mechanism,
+    describe,
+    mechanism_from_json_dict,
+    mechanism_to_json_dict,
+)
 
 
 def parse_segment(text: str) -> Segment:
@@ -51,12 +71,81 @@ def parse_segment(text: str) -> Segment:
         raise argparse.ArgumentTypeError(f"segment {text!r}: {exc}") from None
 
 
+def _numbers(text: str, parts: list[str], names: list[str]) -> list[float]:
+    values = []
+    for part, name in zip(parts, names[: len(parts)], strict=True):
+        try:
+            values.append(float(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"mechanism {text!r}: {name} {part!r} is not a number"
+            ) from None
+    return values
+
+
+def _whole(text: str, value: float, name: str) -> int:
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"mechanism {text!r}: {name} must be an integer")
+    return int(value)
+
+
+def parse_mechanism(text: str) -> Mechanism:
+    """One mechanism of a history, in any of these forms (errors name the bad part):
+
+    * ``SIGMA:Q:STEPS`` (or ``sampled_gaussian:SIGMA:Q:STEPS``): DP-SGD steps;
+    * ``gaussian:NOISE_STD:L2_SENSITIVITY[:COUNT]``: Gaussian releases (absolute std);
+    * ``ddgauss:VARIANCE_PER_SITE:CONTRIBUTORS:L2_SENSITIVITY:DIMENSION[:L1_SENSITIVITY]``
+      (ring units): one distributed discrete Gaussian release;
+    * the ledger's tagged JSON, e.g. ``{"kind": "gaussian", ...}``.
+    """
+    if text.lstrip().startswith("{"):
+        try:
+            return mechanism_from_json_dict(json.loads(text))
+        except (ValueError, ConfigError) as exc:
+            raise argparse.ArgumentTypeError(f"mechanism {text!r}: {exc}") from None
+    parts = text.split(":")
+    kind = parts[0]
+    try:
+        if kind == "gaussian":
+            if len(parts) not in (3, 4):
+                raise argparse.ArgumentTypeError(
+                    f"mechanism {text!r} must be gaussian:NOISE_STD:L2_SENSITIVITY[:COUNT]"
+                )
+            values = _numbers(text, parts[1:], ["NOISE_STD", "L2_SENSITIVITY", "COUNT"])
+            count = _whole(text, values[2], "COUNT") if len(values) == 3 else 1
+            return Gaussian(values[0], values[1], count)
+        if kind in ("ddgauss", "distributed_discrete_gaussian"):
+            if len(parts) not in (5, 6):
+                raise argparse.ArgumentTypeError(
+                    f"mechanism {text!r} must be ddgauss:VARIANCE_PER_SITE:CONTRIBUTORS:"
+                    "L2_SENSITIVITY:DIMENSION[:L1_SENSITIVITY]"
+                )
+            values = _numbers(
+                text,
+                parts[1:],
+                ["VARIANCE_PER_SITE", "CONTRIBUTORS", "L2_SENSITIVITY", "DIMENSION",
+                 "L1_SENSITIVITY"],
+            )
+            return DistributedDiscreteGaussian(
+                noise_variance_per_site=values[0],
+                contributors=_whole(text, values[1], "CONTRIBUTORS"),
+                l2_sensitivity=values[2],
+                dimension=_whole(text, values[3], "DIMENSION"),
+                l1_sensitivity=values[4] if len(values) == 5 else None,
+            )
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(f"mechanism {text!r}: {exc}") from None
+    if kind == "sampled_gaussian":
+        return parse_segment(":".join(parts[1:]))
+    return parse_segment(text)
+
+
 def _print_json(value: Any) -> None:
     print(json.dumps(value, sort_keys=True))
 
 
 def _cmd_epsilon(args: argparse.Namespace) -> int:
-    report = account(args.segments, delta=args.delta, accountant=args.accountant)
+    report = account(args.mechanisms, delta=args.delta, accountant=args.accountant)
     output: dict[str, Any] = {
         "epsilon": report.epsilon,
         "delta": report.delta,
@@ -81,6 +170,40 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan_round(args: argparse.Namespace) -> int:
+    history: list[Mechanism] = list(args.mechanisms)
+    budget, delta, accountant = args.budget_epsilon, args.delta, args.accountant
+    if args.ledger is not None:
+        header, entries = read_ledger(Path(args.ledger))
+        history.extend(m for entry in entries for m in _entry_mechanisms(entry))
+        budget = budget if budget is not None else header.budget_epsilon
+        delta = delta if delta is not None else header.delta
+        accountant = accountant if accountant is not None else header.accountant
+    if budget is None or delta is None:
+        raise ConfigError("budget_epsilon", "give --ledger, or --budget-epsilon and --delta")
+    plan = plan_round_noise(
+        history=history,
+        budget_epsilon=budget,
+        delta=delta,
+        sample_rate=args.sample_rate,
+        steps_per_round=args.steps_per_round,
+        remaining_rounds=args.remaining_rounds,
+        max_epsilon_per_round=args.max_epsilon_per_round,
+        accountant=accountant or "prv",
+    )
+    _print_json(
+        {
+            "noise_multiplier": plan.noise_multiplier,
+            "epsilon_spent": plan.epsilon_spent,
+            "epsilon_after_round": plan.epsilon_after_round,
+            "epsilon_after_plan": plan.epsilon_after_plan,
+            "round_epsilon": plan.round_epsilon,
+            "binding": plan.binding,
+        }
+    )
+    return 0
+
+
 def register_privacy(subparsers: Any) -> None:
     """Entry point ``privacy``: adds `medfed privacy epsilon|plan`."""
     parser = subparsers.add_parser(
@@ -96,11 +219,13 @@ def register_privacy(subparsers: Any) -> None:
     epsilon.add_argument("--delta", type=float, required=True, help="target delta")
     epsilon.add_argument("--accountant", choices=ACCOUNTANTS, default="prv")
     epsilon.add_argument(
-        "segments",
-        metavar="SIGMA:Q:STEPS",
+        "mechanisms",
+        metavar="MECHANISM",
         nargs="+",
-        type=parse_segment,
-        help="noise multiplier, Poisson sample rate, number of steps",
+        type=parse_mechanism,
+        help="SIGMA:Q:STEPS (DP-SGD), gaussian:NOISE_STD:L2_SENSITIVITY[:COUNT], "
+        "ddgauss:VARIANCE_PER_SITE:CONTRIBUTORS:L2_SENSITIVITY:DIMENSION[:L1_SENSITIVITY] "
+        "(ring units), or a ledger's tagged JSON object",
     )
     epsilon.set_defaults(func=_cmd_epsilon)
 
@@ -114,16 +239,45 @@ def register_privacy(subparsers: Any) -> None:
     plan.add_argument("--accountant", choices=ACCOUNTANTS, default="prv")
     plan.set_defaults(func=_cmd_plan)
 
+    plan_round = commands.add_parser(
+        "plan-round",
+        help="noise multiplier for the next round from what a ledger already spent "
+        "(eps(ledger + round) - eps(ledger) <= cap; remaining rounds fit the budget)",
+    )
+    plan_round.add_argument("--ledger", help="the site's ledger (its history, budget, delta)")
+    plan_round.add_argument("--budget-epsilon", type=float)
+    plan_round.add_argument("--delta", type=float)
+    plan_round.add_argument("--accountant", choices=ACCOUNTANTS)
+    plan_round.add_argument("--sample-rate", type=float, required=True)
+    plan_round.add_argument("--steps-per-round", type=int, required=True)
+    plan_round.add_argument("--remaining-rounds", type=int, required=True,
+                            help="the site's own plan, not the coordinator's announcement")
+    plan_round.add_argument("--max-epsilon-per-round", type=float)
+    plan_round.add_argument("mechanisms", metavar="MECHANISM", nargs="*", type=parse_mechanism,
+                            help="extra history (same forms as `privacy epsilon`)")
+    plan_round.set_defaults(func=_cmd_plan_round)
+
+
+def _entry_mechanisms(entry: Any) -> tuple[Mechanism, ...]:
+    """Mechanisms of a format-2 entry, or the segments of a format-1 one."""
+    return tuple(getattr(entry, "mechanisms", entry.segments))
+
 
 def _ledger_summary(path: Path) -> dict[str, Any]:
     header, entries = read_ledger(path)
     rows = []
     previous = 0.0
+    by_purpose: dict[str, list[Mechanism]] = {}
     for entry in entries:
+        mechanisms = _entry_mechanisms(entry)
+        purpose = getattr(entry, "purpose", "training")
+        by_purpose.setdefault(purpose, []).extend(mechanisms)
         rows.append(
             {
                 "seq": entry.seq,
                 "round": entry.round,
+                "purpose": purpose,
+                "mechanisms": [mechanism_to_json_dict(m) for m in mechanisms],
                 "segments": [list(s.as_tuple()) for s in entry.segments],
                 "steps": sum(s.steps for s in entry.segments),
                 # Increase of the COMPOSED epsilon, not a stand-alone per-round epsilon
@@ -134,12 +288,14 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
                 "created_at": entry.created_at,
                 "status": entry.status,
                 "entry_hash": entry.entry_hash,
+                "signed": bool(getattr(entry, "signature", b"")),
             }
         )
         previous = entry.epsilon_after
     spent = entries[-1].epsilon_after if entries else 0.0
     return {
         "ledger": str(path),
+        "format": 2 if header.format.endswith("/2") else 1,
         "site_id": header.site_id,
         "privacy_unit": header.privacy_unit,
         "budget_epsilon": header.budget_epsilon,
@@ -147,6 +303,11 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
         "accountant": header.accountant,
         "spent_epsilon": spent,
         "remaining_epsilon": max(0.0, header.budget_epsilon - spent),
+        # Each purpose composed ALONE: these do not add up to spent_epsilon.
+        "epsilon_by_purpose": {
+            purpose: account(ms, delta=header.delta, accountant=header.accountant).epsilon
+            for purpose, ms in sorted(by_purpose.items())
+        },
         "entries": rows,
         "head_hash": header.head_hash,
     }
@@ -158,9 +319,10 @@ def _cmd_ledger_show(args: argparse.Namespace) -> int:
         _print_json(summary)
         return 0
     unit = summary["privacy_unit"]
-    print(f"ledger        {summary['ledger']}")
+    level = {"patient": "patient-level", "hospital": "hospital-level"}.get(unit, "record-level")
+    print(f"ledger        {summary['ledger']} (format {summary['format']})")
     print(f"site          {summary['site_id']}")
-    print(f"privacy unit  {unit} ({'patient-level' if unit == 'patient' else 'record-level'} DP)")
+    print(f"privacy unit  {unit} ({level} DP)")
     print(
         f"budget        epsilon={summary['budget_epsilon']:g} at delta={summary['delta']:g} "
         f"({summary['accountant']} accountant)"
@@ -169,24 +331,48 @@ def _cmd_ledger_show(args: argparse.Namespace) -> int:
         f"spent         {summary['spent_epsilon']:.4f}   "
         f"remaining {summary['remaining_epsilon']:.4f}"
     )
+    for purpose, epsilon in summary["epsilon_by_purpose"].items():
+        print(f"  {purpose:<11} {epsilon:.4f} (alone; purposes compose, they do not add)")
     print(f"head hash     {summary['head_hash']}")
     print()
-    print(f"{'seq':>4} {'round':>6} {'steps':>7} {'+epsilon':>9} {'epsilon':>9}  created_at")
+    print(
+        f"{'seq':>4} {'round':>6} {'purpose':<10} {'+epsilon':>9} {'epsilon':>9}  "
+        "created_at / mechanisms"
+    )
     for row in summary["entries"]:
         print(
-            f"{row['seq']:>4} {row['round']:>6} {row['steps']:>7} "
+            f"{row['seq']:>4} {row['round']:>6} {row['purpose']:<10} "
             f"{row['epsilon_increase']:>9.4f} {row['epsilon_after']:>9.4f}  {row['created_at']}"
         )
+        for raw in row["mechanisms"]:
+            print(f"{'':>33}{describe(mechanism_from_json_dict(raw))}")
     return 0
 
 
+def _load_ca(path: str | None) -> Any:
+    if path is None:
+        return None
+    from common.pki import load_certificate
+
+    return load_certificate(path)
+
+
 def _cmd_ledger_verify(args: argparse.Namespace) -> int:
-    report = verify_ledger(args.ledger, recompose=not args.hashes_only)
+    report = verify_ledger(
+        args.ledger, recompose=not args.hashes_only, ca_certificate=_load_ca(args.ca)
+    )
     if report.ok:
         checked = "hash chain and epsilons" if report.epsilons_recomposed else "hash chain"
+        if report.format == 1:
+            signatures = "format 1: NOT signed (the site agent signs it when it next starts)"
+        else:
+            signatures = f"{report.signatures_checked} signatures verified" + (
+                " against the CA" if report.ca_checked else " (certificates not checked "
+                "against a CA: give --ca)"
+            )
         print(
             f"ledger {report.path}: OK ({report.entries_checked} entries; {checked} verified; "
-            f"head {report.head_hash})"
+            f"{signatures}; head {report.head_hash})"
         )
         return 0
     print(f"ledger {report.path}: INTEGRITY FAILURE", file=sys.stderr)
@@ -196,8 +382,57 @@ def _cmd_ledger_verify(args: argparse.Namespace) -> int:
     return 1
 
 
+def _cmd_ledger_export(args: argparse.Namespace) -> int:
+    from common.privacy.replica import export_from_state
+
+    data = export_from_state(args.site, state=args.state, database_url=args.database_url)
+    if args.out is None:
+        sys.stdout.write(data.decode("ascii") + "\n")
+        return 0
+    out = Path(args.out)
+    try:
+        with out.open("xb") as handle:
+            handle.write(data)
+    except FileExistsError:
+        raise ConfigError("out", f"{out} exists; choose a new file") from None
+    except OSError as exc:
+        raise ConfigError("out", f"cannot write {out}: {exc.strerror}") from None
+    print(f"wrote the signed ledger history of {args.site} to {out}")
+    return 0
+
+
+def _cmd_ledger_restore(args: argparse.Namespace) -> int:
+    from common.privacy.signed import SignedHistory
+
+    source = Path(args.source)
+    try:
+        data = source.read_bytes()
+    except OSError as exc:
+        raise ConfigError("from", f"cannot read {source}: {exc.strerror}") from None
+    try:
+        history = SignedHistory.from_bytes(data)
+    except LedgerIntegrityError as exc:
+        raise LedgerIntegrityError(f"{source}: {exc}") from None
+    if args.min_seq < 0:
+        raise ConfigError("min_seq", "must be >= 0")
+    anchor = restore_ledger(
+        history,
+        Path(args.ledger),
+        anchor_path=args.anchor,
+        min_seq=args.min_seq,
+        ca_certificate=_load_ca(args.ca),
+        site_id=args.site,
+    )
+    print(
+        f"restored {anchor.seq} signed entries of site {anchor.site_id} into {args.ledger} "
+        f"(head {anchor.head_hash}); this is a LOWER bound on the site's spend: anything "
+        "recorded after the export was taken is not in it"
+    )
+    return 0
+
+
 def register_ledger(subparsers: Any) -> None:
-    """Entry point ``ledger``: adds `medfed ledger show|verify`."""
+    """Entry point ``ledger``: adds `medfed ledger show|verify|export|restore`."""
     parser = subparsers.add_parser("ledger", help="read and verify a site's privacy ledger")
     commands = parser.add_subparsers(dest="ledger_command", metavar="SUBCOMMAND")
     commands.required = True
@@ -214,7 +449,37 @@ def register_ledger(subparsers: Any) -> None:
     verify.add_argument(
         "--hashes-only", action="store_true", help="skip recomposing epsilons (faster)"
     )
+    verify.add_argument(
+        "--ca", help="federation CA certificate (PEM): signing certificates must be its"
+    )
     verify.set_defaults(func=_cmd_ledger_verify)
+
+    export = commands.add_parser(
+        "export", help="(coordinator) a site's replicated signed ledger history, for restore"
+    )
+    export.add_argument("--site", required=True, help="site id")
+    where = export.add_mutually_exclusive_group(required=True)
+    where.add_argument("--state", help="the coordinator's state folder (coordinator.db)")
+    where.add_argument("--database-url", help="the coordinator's state database URL")
+    export.add_argument("--out", help="write to this new file instead of stdout")
+    export.set_defaults(func=_cmd_ledger_export)
+
+    restore = commands.add_parser(
+        "restore",
+        help="(site) rebuild a lost ledger from an export, verifying every signature",
+    )
+    restore.add_argument("--from", dest="source", required=True, help="the export file")
+    restore.add_argument("--ledger", required=True, help="where the ledger goes (must not exist)")
+    restore.add_argument(
+        "--anchor", help="the ledger's anchor file (default: LEDGER.anchor beside it)"
+    )
+    restore.add_argument(
+        "--min-seq", type=int, default=0,
+        help="refuse a history with fewer entries (e.g. the last head the site reported)",
+    )
+    restore.add_argument("--ca", help="federation CA certificate (PEM) the signers must chain to")
+    restore.add_argument("--site", help="refuse an export for another site")
+    restore.set_defaults(func=_cmd_ledger_restore)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,185 +1,127 @@
-"""Each site's own privacy-budget ledger: SQLite, write-ahead, hash-chained.
+"""Each site's own privacy-budget ledger: SQLite, write-ahead, signed, anchored.
 
 The ledger is authoritative for its site (DESIGN.md "Privacy"): the coordinator is not
-trusted with it. Before an update leaves the site, the round's DP-SGD segments are
-committed here (write-ahead), so a crash can over-count the spend, never under-count it.
+trusted with it, it only keeps a replica (`common.privacy.replica`). Before anything
+private leaves the site, the mechanisms that produced it are committed here
+(write-ahead), so a crash can over-count the spend, never under-count it. A site's ledger
+and budget belong to its data for life, across studies.
 
-Integrity (see docs/privacy.md for what is and is not detectable):
+Format 2 (``medfed-privacy-ledger/2``, see `common.privacy.signed`):
 
-* the header row holds the budget, delta, accountant and privacy unit; its hash is the
-  genesis ``prev_hash``;
-* each entry's ``entry_hash`` = SHA-256 over a canonical encoding of all its fields and
-  ``prev_hash`` (the previous entry's hash);
-* the header also keeps a running ``entry_count`` and ``head_hash`` updated in the same
-  transaction as each insert, so a deleted LAST entry is detected too;
-* `verify_ledger` re-walks the chain and recomposes every ``epsilon_after``.
+* the header holds the budget, delta, accountant and privacy unit; its hash is the
+  genesis ``prev_hash``; it also keeps ``entry_count`` and ``head_hash``, updated in the
+  same transaction as each insert, so a deleted LAST entry is detected too;
+* each entry records one or more mechanisms (`common.privacy.mechanisms`), its purpose
+  (training, evaluation, statistics, count), its round and the composed epsilon of the
+  whole history after it, and is signed with the site's certificate key; the
+  certificates are stored in the file, so the history verifies after a key rotation;
+* a small anchor file beside the ledger (``<ledger>.anchor``: latest seq and head hash,
+  rewritten after each commit) makes a deleted, truncated or older copy of the ledger
+  refuse to open instead of restarting at zero.
 
-The hashes are unkeyed: someone able to rewrite the whole file can recompute them. Anchor
-the head hash elsewhere (the federation view records it) to detect that.
+Format-1 files (unsigned) are migrated on first open with the signing key
+(`common.privacy.legacy`). Every I/O fault surfaces as one `LedgerUnavailable` naming the
+file and the way out, never as a traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
 import json
 import math
+import os
 import sqlite3
+import stat
+import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
+from cryptography import x509
+
 from common.errors import (
     BudgetExhausted,
     ConfigError,
+    LedgerForkError,
     LedgerIntegrityError,
+    LedgerUnavailable,
     StateError,
 )
-from common.privacy.accountant import ACCOUNTANTS, EpsilonReport, Segment, account
-
-LEDGER_FORMAT: Final = "medfed-privacy-ledger/1"
-PRIVACY_UNITS: Final = ("record", "patient")
-STATUS_COMMITTED: Final = "committed"
-
-# epsilon_after is recomposed on verify; allow for FFT round-off across machines/numpy.
-EPSILON_RELATIVE_TOLERANCE: Final = 1e-6
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS ledger_header (
-    id              INTEGER PRIMARY KEY CHECK (id = 1),
-    format          TEXT    NOT NULL,
-    site_id         TEXT    NOT NULL,
-    budget_epsilon  REAL    NOT NULL,
-    delta           REAL    NOT NULL,
-    accountant      TEXT    NOT NULL,
-    privacy_unit    TEXT    NOT NULL,
-    header_hash     TEXT    NOT NULL,
-    entry_count     INTEGER NOT NULL,
-    head_hash       TEXT    NOT NULL
-);
-CREATE TABLE IF NOT EXISTS ledger_entries (
-    seq             INTEGER PRIMARY KEY,
-    round           INTEGER NOT NULL UNIQUE,
-    segments        TEXT    NOT NULL,
-    epsilon_after   REAL    NOT NULL,
-    accountant_used TEXT    NOT NULL,
-    created_at      TEXT    NOT NULL,
-    status          TEXT    NOT NULL,
-    prev_hash       TEXT    NOT NULL,
-    entry_hash      TEXT    NOT NULL
-);
-"""
-
-_ENTRY_COLUMNS = (
-    "seq, round, segments, epsilon_after, accountant_used, created_at, status, "
-    "prev_hash, entry_hash"
+from common.privacy import legacy
+from common.privacy.accountant import ACCOUNTANTS, EpsilonReport, account
+from common.privacy.legacy import LedgerHeader, LedgerProblem, VerifyReport
+from common.privacy.mechanisms import (
+    MECHANISM_TYPES,
+    Mechanism,
+    Segment,
+    canonical_json,
+    mechanisms_to_json,
+)
+from common.privacy.signed import (
+    LEDGER_FORMAT,
+    PRIVACY_UNITS,
+    PURPOSES,
+    HistoryProblem,
+    LedgerSigner,
+    LedgerTerms,
+    SignedEntry,
+    SignedHistory,
+    check_entries,
+    utc_timestamp,
 )
 
+__all__ = [
+    "ANCHOR_FORMAT",
+    "LEDGER_FORMAT",
+    "PRIVACY_UNITS",
+    "PURPOSES",
+    "BudgetStatus",
+    "LedgerAnchor",
+    "LedgerEntry",
+    "LedgerHeader",
+    "LedgerProblem",
+    "LedgerSigner",
+    "PrivacyLedger",
+    "VerifyReport",
+    "anchor_path_for",
+    "export_ledger",
+    "read_anchor",
+    "read_ledger",
+    "restore_ledger",
+    "verify_ledger",
+]
 
-def _sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+ANCHOR_FORMAT: Final = "medfed-ledger-anchor/1"
+EPSILON_RELATIVE_TOLERANCE: Final = legacy.EPSILON_RELATIVE_TOLERANCE
+
+LedgerEntry = SignedEntry
+
+_SCHEMA: Final = (
+    "CREATE TABLE IF NOT EXISTS ledger_header ("
+    " id INTEGER PRIMARY KEY CHECK (id = 1), format TEXT NOT NULL, site_id TEXT NOT NULL,"
+    " budget_epsilon REAL NOT NULL, delta REAL NOT NULL, accountant TEXT NOT NULL,"
+    " privacy_unit TEXT NOT NULL, header_hash TEXT NOT NULL, entry_count INTEGER NOT NULL,"
+    " head_hash TEXT NOT NULL)",
+    # `body` is the canonical JSON the signature covers; round and purpose are copies
+    # kept as columns for the one-entry-per-(round, purpose) rule (checked on read).
+    "CREATE TABLE IF NOT EXISTS ledger_entries ("
+    " seq INTEGER PRIMARY KEY, round INTEGER NOT NULL, purpose TEXT NOT NULL,"
+    " body TEXT NOT NULL, signature BLOB NOT NULL, entry_hash TEXT NOT NULL,"
+    " UNIQUE (round, purpose))",
+    "CREATE TABLE IF NOT EXISTS ledger_certificates ("
+    " sha256 TEXT PRIMARY KEY, der BLOB NOT NULL)",
+)
+_ENTRY_COLUMNS: Final = "seq, round, purpose, body, signature, entry_hash"
 
 
-def _canonical_json(value: Any) -> bytes:
-    # Sorted keys, no whitespace, floats as Python's shortest round-trip repr: the same
-    # values always give the same bytes, and REAL columns store these doubles exactly.
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
-    ).encode("ascii")
-
-
-def segments_to_json(segments: Sequence[Segment]) -> str:
-    """Canonical text of a round's segments (order kept: it is what the site ran)."""
-    return _canonical_json([list(s.as_tuple()) for s in segments]).decode("ascii")
-
-
-def segments_from_json(text: str) -> tuple[Segment, ...]:
-    raw = json.loads(text)
-    if not isinstance(raw, list):
-        raise StateError("ledger segments are not a JSON list")
-    segments = []
-    for item in raw:
-        if not (isinstance(item, list) and len(item) == 3):
-            raise StateError("ledger segment is not [sigma, q, steps]")
-        sigma, rate, steps = item
-        try:
-            segments.append(Segment(sigma, rate, steps))
-        except ConfigError as exc:
-            raise StateError(f"invalid segment in ledger: {exc}") from exc
-    return tuple(segments)
-
-
-def header_hash(
-    *,
-    site_id: str,
-    budget_epsilon: float,
-    delta: float,
-    accountant: str,
-    privacy_unit: str,
-) -> str:
-    """SHA-256 of the header's fixed fields; the chain's genesis `prev_hash`."""
-    return _sha256_hex(
-        _canonical_json(
-            {
-                "format": LEDGER_FORMAT,
-                "site_id": site_id,
-                "budget_epsilon": float(budget_epsilon),
-                "delta": float(delta),
-                "accountant": accountant,
-                "privacy_unit": privacy_unit,
-            }
-        )
+def _recovery_hint(path: Path) -> str:
+    return (
+        f"restore it from the coordinator's replica: `medfed ledger export --site SITE "
+        f"--state COORDINATOR_STATE > export.json` there, then `medfed ledger restore --from "
+        f"export.json --ledger {path}` here (docs/privacy.md, 'Restoring a ledger')"
     )
-
-
-def entry_hash(
-    *,
-    seq: int,
-    round_number: int,
-    segments_json: str,
-    epsilon_after: float,
-    accountant_used: str,
-    created_at: str,
-    status: str,
-    prev_hash: str,
-) -> str:
-    """SHA-256 over every field of an entry and the previous entry's hash."""
-    return _sha256_hex(
-        _canonical_json(
-            {
-                "seq": seq,
-                "round": round_number,
-                "segments": segments_json,
-                "epsilon_after": float(epsilon_after),
-                "accountant_used": accountant_used,
-                "created_at": created_at,
-                "status": status,
-                "prev_hash": prev_hash,
-            }
-        )
-    )
-
-
-@dataclass(frozen=True)
-class LedgerEntry:
-    """One committed round: its segments and the epsilon of the whole history after it."""
-
-    seq: int
-    round: int
-    segments: tuple[Segment, ...]
-    epsilon_after: float
-    accountant_used: str
-    created_at: str
-    status: str
-    prev_hash: str
-    entry_hash: str
-
-    @property
-    def segments_json(self) -> str:
-        return segments_to_json(self.segments)
 
 
 @dataclass(frozen=True)
@@ -198,81 +140,117 @@ class BudgetStatus:
     ledger_head: str = ""
 
 
-@dataclass(frozen=True)
-class LedgerProblem:
-    """One integrity failure; `seq` is the entry concerned (None: the header)."""
-
-    seq: int | None
-    message: str
-
-    def __str__(self) -> str:
-        where = "header" if self.seq is None else f"entry seq={self.seq}"
-        return f"{where}: {self.message}"
+# ------------------------------------------------------------------------- I/O faults
 
 
-@dataclass(frozen=True)
-class VerifyReport:
-    """Result of `verify_ledger`; `problems[0]` is the first bad entry."""
-
-    path: str
-    entries_checked: int
-    head_hash: str
-    problems: tuple[LedgerProblem, ...] = field(default_factory=tuple)
-    epsilons_recomposed: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def raise_if_broken(self) -> None:
-        if self.problems:
-            raise LedgerIntegrityError(
-                f"ledger {self.path} does not verify: {self.problems[0]}"
-                + (f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else "")
-            )
-
-
-@dataclass(frozen=True)
-class LedgerHeader:
-    """The header row: the site's fixed budget terms plus the chain's anchors."""
-
-    site_id: str
-    budget_epsilon: float
-    delta: float
-    accountant: str
-    privacy_unit: str
-    header_hash: str
-    entry_count: int
-    head_hash: str
-    format: str
+def _fault(path: Path, exc: BaseException, doing: str) -> LedgerUnavailable:
+    """One clear error for any SQLite / OS failure on the ledger file."""
+    text = str(exc)
+    lowered = text.lower()
+    if not path.exists():
+        return LedgerUnavailable(
+            path,
+            f"privacy ledger {path} disappeared while {doing}; stop the site and "
+            + _recovery_hint(path),
+        )
+    if "readonly" in lowered or "read-only" in lowered or isinstance(exc, PermissionError):
+        return LedgerUnavailable(
+            path,
+            f"privacy ledger {path} cannot be written ({text}): the site agent needs "
+            f"read-write access to the file and to its folder {path.parent} (SQLite "
+            "creates its journal there); fix the permissions and start again",
+        )
+    if "no such table" in lowered or "no such column" in lowered:
+        return LedgerUnavailable(
+            path,
+            f"privacy ledger {path} is damaged ({text}); do not delete it: "
+            + _recovery_hint(path),
+        )
+    if isinstance(exc, sqlite3.DatabaseError):
+        return LedgerUnavailable(
+            path,
+            f"privacy ledger {path} is unreadable or not a ledger ({text}); keep the file "
+            "for investigation (move it aside) and " + _recovery_hint(path),
+        )
+    return LedgerUnavailable(path, f"privacy ledger {path}: {doing} failed ({text})")
 
 
 @contextlib.contextmanager
-def _connect(path: Path, *, read_only: bool = False) -> Iterator[sqlite3.Connection]:
-    # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves so each reserve is
-    # exactly one durable transaction (WAL + synchronous=FULL: survives power loss).
-    if read_only:
-        uri = f"{path.resolve().as_uri()}?mode=ro"
-        connection = sqlite3.connect(uri, uri=True, isolation_level=None)
-    else:
-        connection = sqlite3.connect(path, isolation_level=None)
+def _guard(path: Path, doing: str) -> Iterator[None]:
     try:
-        connection.execute("PRAGMA synchronous=FULL")
+        yield
+    except (sqlite3.Error, OSError) as exc:
+        raise _fault(path, exc, doing) from None
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse a ledger its owner made read-only (also when running as root, where the
+    OS would let SQLite write anyway): such a site could not record its spend."""
+    for target, what in ((path, "file"), (path.parent, "folder")):
+        if not target.exists():
+            continue
+        if not target.stat().st_mode & stat.S_IWUSR or not os.access(target, os.W_OK):
+            raise LedgerUnavailable(
+                path,
+                f"privacy ledger {path} cannot be written: its {what} {target} is read-only; "
+                "the site agent needs read-write access to the file and its folder (SQLite "
+                "creates its journal there); fix the permissions and start again",
+            )
+
+
+@contextlib.contextmanager
+def _connect(path: Path, *, mode: str) -> Iterator[sqlite3.Connection]:
+    """mode "ro", "rw" (never creates: a deleted ledger must not come back empty) or
+    "rwc" (creation only)."""
+    if mode != "rwc" and not path.exists():
+        raise LedgerUnavailable(path, f"no privacy ledger at {path}")
+    uri = f"{path.resolve().as_uri()}?mode={mode}"
+    # isolation_level=None: BEGIN IMMEDIATE / COMMIT are explicit, so each reserve is one
+    # durable transaction (WAL + synchronous=FULL: survives power loss).
+    connection = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30.0)
+    try:
+        if mode != "ro":
+            connection.execute("PRAGMA synchronous=FULL")
         yield connection
     finally:
         connection.close()
 
 
-def _read_header(connection: sqlite3.Connection) -> LedgerHeader | None:
+@contextlib.contextmanager
+def _transaction(connection: sqlite3.Connection) -> Iterator[None]:
+    connection.execute("BEGIN IMMEDIATE")
     try:
-        row = connection.execute(
-            "SELECT site_id, budget_epsilon, delta, accountant, privacy_unit, header_hash, "
-            "entry_count, head_hash, format FROM ledger_header WHERE id = 1"
-        ).fetchone()
-    except sqlite3.DatabaseError as exc:
-        raise StateError(f"not a medfed privacy ledger: {exc}") from exc
+        yield
+    except BaseException:
+        connection.execute("ROLLBACK")
+        raise
+    connection.execute("COMMIT")
+
+
+# --------------------------------------------------------------------- reading rows
+
+
+def _file_format(connection: sqlite3.Connection, path: Path) -> int:
+    row = connection.execute(
+        "SELECT format FROM ledger_header WHERE id = 1"
+    ).fetchone()
     if row is None:
-        return None
+        raise LedgerUnavailable(path, f"privacy ledger {path} has no header row; "
+                                + _recovery_hint(path))
+    if row[0] == LEDGER_FORMAT:
+        return 2
+    if row[0] == legacy.LEDGER_FORMAT:
+        return 1
+    raise LedgerUnavailable(path, f"{path}: unknown ledger format {row[0]!r}")
+
+
+def _read_header(connection: sqlite3.Connection) -> LedgerHeader:
+    row = connection.execute(
+        "SELECT site_id, budget_epsilon, delta, accountant, privacy_unit, header_hash, "
+        "entry_count, head_hash, format FROM ledger_header WHERE id = 1"
+    ).fetchone()
+    if row is None:
+        raise StateError("ledger has no header row")
     return LedgerHeader(
         site_id=str(row[0]),
         budget_epsilon=float(row[1]),
@@ -286,113 +264,118 @@ def _read_header(connection: sqlite3.Connection) -> LedgerHeader | None:
     )
 
 
-def _row_to_entry(row: Sequence[Any]) -> LedgerEntry:
-    return LedgerEntry(
-        seq=int(row[0]),
-        round=int(row[1]),
-        segments=segments_from_json(str(row[2])),
-        epsilon_after=float(row[3]),
-        accountant_used=str(row[4]),
-        created_at=str(row[5]),
-        status=str(row[6]),
-        prev_hash=str(row[7]),
-        entry_hash=str(row[8]),
-    )
-
-
-def _read_entries(connection: sqlite3.Connection) -> list[LedgerEntry]:
-    rows = connection.execute(
-        f"SELECT {_ENTRY_COLUMNS} FROM ledger_entries ORDER BY seq"  # noqa: S608 (constant)
-    ).fetchall()
-    return [_row_to_entry(row) for row in rows]
-
-
-def _computed_entry_hash(entry: LedgerEntry, segments_json: str) -> str:
-    return entry_hash(
-        seq=entry.seq,
-        round_number=entry.round,
-        segments_json=segments_json,
-        epsilon_after=entry.epsilon_after,
-        accountant_used=entry.accountant_used,
-        created_at=entry.created_at,
-        status=entry.status,
-        prev_hash=entry.prev_hash,
-    )
-
-
-def _check_chain(connection: sqlite3.Connection, *, path: Path, recompose: bool) -> VerifyReport:
-    """Walk header + entries; collect every problem (the first one is what users see)."""
-    header = _read_header(connection)
-    if header is None:
-        return VerifyReport(str(path), 0, "", (LedgerProblem(None, "header row missing"),))
-    problems: list[LedgerProblem] = []
-    if header.format != LEDGER_FORMAT:
-        problems.append(LedgerProblem(None, f"unknown ledger format {header.format!r}"))
-    expected_header_hash = header_hash(
+def _terms(header: LedgerHeader) -> LedgerTerms:
+    return LedgerTerms(
         site_id=header.site_id,
         budget_epsilon=header.budget_epsilon,
         delta=header.delta,
         accountant=header.accountant,
         privacy_unit=header.privacy_unit,
     )
-    if expected_header_hash != header.header_hash:
-        problems.append(LedgerProblem(None, "header fields do not match header_hash"))
-    # Raw rows first: an edited segments column may not even parse.
-    raw_rows = connection.execute(
+
+
+def _parse_row(row: Sequence[Any]) -> SignedEntry:
+    """An entries row -> SignedEntry; ConfigError if the stored copies disagree."""
+    seq, round_number, purpose, body, signature, digest = row
+    try:
+        raw = json.loads(str(body))
+    except ValueError:
+        raise ConfigError("body", "not JSON") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("body", "not a JSON object")
+    entry = SignedEntry.from_json_dict(
+        {**raw, "signature": bytes(signature).hex(), "entry_hash": str(digest)}
+    )
+    if canonical_json(raw).decode("ascii") != str(body):
+        raise ConfigError("body", "not in canonical form")
+    if (entry.seq, entry.round, entry.purpose) != (int(seq), int(round_number), str(purpose)):
+        raise ConfigError("body", "seq/round/purpose columns differ from the signed body")
+    return entry
+
+
+def _read_entries(connection: sqlite3.Connection) -> list[SignedEntry]:
+    rows = connection.execute(
         f"SELECT {_ENTRY_COLUMNS} FROM ledger_entries ORDER BY seq"  # noqa: S608 (constant)
     ).fetchall()
-    prev_hash = expected_header_hash
-    checked: list[LedgerEntry] = []
-    for position, row in enumerate(raw_rows, start=1):
-        seq = int(row[0])
+    entries = []
+    for row in rows:
         try:
-            entry = _row_to_entry(row)
-        except (StateError, ValueError, TypeError) as exc:
-            problems.append(LedgerProblem(seq, f"unreadable entry ({exc})"))
-            prev_hash = str(row[8])
-            continue
-        if entry.seq != position:
-            problems.append(
-                LedgerProblem(seq, f"sequence gap: expected seq {position} (entry deleted?)")
-            )
-        if entry.prev_hash != prev_hash:
-            problems.append(
-                LedgerProblem(
-                    seq, "prev_hash does not match the previous entry (deleted/moved/inserted)"
-                )
-            )
-        if _computed_entry_hash(entry, entry.segments_json) != entry.entry_hash:
-            problems.append(LedgerProblem(seq, "entry_hash does not match its fields (edited)"))
-        if entry.status != STATUS_COMMITTED:
-            problems.append(LedgerProblem(seq, f"unknown status {entry.status!r}"))
-        checked.append(entry)
-        prev_hash = entry.entry_hash
-    if header.entry_count != len(raw_rows):
+            entries.append(_parse_row(row))
+        except ConfigError as exc:
+            raise LedgerIntegrityError(f"entry seq={row[0]}: unreadable ({exc})") from None
+    return entries
+
+
+def _read_certificates(connection: sqlite3.Connection) -> dict[str, bytes]:
+    rows = connection.execute("SELECT sha256, der FROM ledger_certificates").fetchall()
+    return {str(digest): bytes(der) for digest, der in rows}
+
+
+def _check_v2(
+    connection: sqlite3.Connection,
+    *,
+    path: Path,
+    recompose: bool,
+    ca_certificate: x509.Certificate | None = None,
+) -> VerifyReport:
+    """Header, chain, signatures (and epsilons if `recompose`): every problem found."""
+    header = _read_header(connection)
+    terms = _terms(header)
+    problems: list[LedgerProblem] = []
+    if terms.header_hash != header.header_hash:
+        problems.append(LedgerProblem(None, "header fields do not match header_hash"))
+    rows = connection.execute(
+        f"SELECT {_ENTRY_COLUMNS} FROM ledger_entries ORDER BY seq"  # noqa: S608 (constant)
+    ).fetchall()
+    entries: list[SignedEntry] = []
+    unreadable = False
+    for row in rows:
+        try:
+            entries.append(_parse_row(row))
+        except ConfigError as exc:
+            problems.append(LedgerProblem(int(row[0]), f"unreadable entry ({exc})"))
+            unreadable = True
+    if not unreadable:
+        found = check_entries(
+            terms, entries, _read_certificates(connection), ca_certificate=ca_certificate
+        )
+        problems.extend(_as_problem(p) for p in found)
+    head = entries[-1].entry_hash if entries else terms.header_hash
+    if header.entry_count != len(rows):
         problems.append(
             LedgerProblem(
                 None,
-                f"header records {header.entry_count} entries but {len(raw_rows)} are present"
+                f"header records {header.entry_count} entries but {len(rows)} are present"
                 " (last entry deleted or entry inserted?)",
             )
         )
-    if header.head_hash != prev_hash:
+    if header.head_hash != head:
         problems.append(LedgerProblem(None, "head_hash does not match the last entry"))
-    # Recompose only an intact chain: a broken one already fails, and recomposing costs
-    # an accountant call per entry. This catches an epsilon edited with rehashed chain.
     recomposed = recompose and not problems
     if recomposed:
-        problems.extend(_recompose_problems(header, checked))
+        problems.extend(_recompose_problems(terms, entries))
     return VerifyReport(
-        str(path), len(raw_rows), prev_hash, tuple(problems), epsilons_recomposed=recomposed
+        str(path),
+        len(rows),
+        head,
+        tuple(problems),
+        epsilons_recomposed=recomposed,
+        format=2,
+        signatures_checked=len(entries) if not unreadable else 0,
+        ca_checked=ca_certificate is not None,
     )
 
 
-def _recompose_problems(header: LedgerHeader, entries: list[LedgerEntry]) -> list[LedgerProblem]:
+def _as_problem(problem: HistoryProblem) -> LedgerProblem:
+    return LedgerProblem(problem.seq, problem.message)
+
+
+def _recompose_problems(terms: LedgerTerms, entries: Sequence[SignedEntry]) -> list[LedgerProblem]:
     problems = []
-    history: list[Segment] = []
+    history: list[Mechanism] = []
     for entry in entries:
-        history.extend(entry.segments)
-        report = account(history, delta=header.delta, accountant=header.accountant)
+        history.extend(entry.mechanisms)
+        report = account(history, delta=terms.delta, accountant=terms.accountant)
         if not math.isclose(
             report.epsilon, entry.epsilon_after, rel_tol=EPSILON_RELATIVE_TOLERANCE
         ):
@@ -410,46 +393,300 @@ def _recompose_problems(header: LedgerHeader, entries: list[LedgerEntry]) -> lis
     return problems
 
 
-def read_ledger(path: str | Path) -> tuple[LedgerHeader, list[LedgerEntry]]:
-    """Header and entries of a ledger, read-only and WITHOUT verifying it."""
-    ledger_path = Path(path)
-    if not ledger_path.is_file():
-        raise StateError(f"no ledger at {ledger_path}")
+def history_problems(
+    history: SignedHistory,
+    *,
+    recompose: bool = True,
+    ca_certificate: x509.Certificate | None = None,
+) -> list[LedgerProblem]:
+    """Every problem of a whole exported history (signatures, chain, epsilons)."""
+    from common.privacy.signed import verify_history
+
+    problems = [_as_problem(p) for p in verify_history(history, ca_certificate=ca_certificate)]
+    if recompose and not problems:
+        problems.extend(_recompose_problems(history.terms, history.entries))
+    return problems
+
+
+# --------------------------------------------------------------------------- anchor
+
+
+@dataclass(frozen=True)
+class LedgerAnchor:
+    """The latest head the site recorded OUTSIDE its ledger file."""
+
+    site_id: str
+    seq: int
+    head_hash: str
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(
+            {
+                "format": ANCHOR_FORMAT,
+                "site_id": self.site_id,
+                "seq": self.seq,
+                "head_hash": self.head_hash,
+            }
+        )
+
+
+def anchor_path_for(ledger_path: str | Path) -> Path:
+    """``<ledger>.anchor``, in the site's state folder beside the ledger."""
+    path = Path(ledger_path)
+    return path.with_name(path.name + ".anchor")
+
+
+def read_anchor(path: str | Path) -> LedgerAnchor | None:
+    """The anchor at `path`, None if there is none; LedgerUnavailable if unreadable."""
+    anchor_path = Path(path)
     try:
-        with _connect(ledger_path, read_only=True) as connection:
-            header = _read_header(connection)
+        data = anchor_path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise LedgerUnavailable(
+            anchor_path, f"ledger anchor {anchor_path} is unreadable ({exc.strerror})"
+        ) from None
+    try:
+        raw = json.loads(data)
+        if not isinstance(raw, dict) or raw.get("format") != ANCHOR_FORMAT:
+            raise ValueError("not a ledger anchor")
+        seq, head, site = raw["seq"], raw["head_hash"], raw["site_id"]
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+            raise ValueError("bad seq")
+        if not (isinstance(head, str) and isinstance(site, str)):
+            raise ValueError("bad head_hash or site_id")
+    except (ValueError, KeyError) as exc:
+        raise LedgerUnavailable(
+            anchor_path,
+            f"ledger anchor {anchor_path} is damaged ({exc}); it is the site's only record "
+            "of its ledger head outside the ledger: compare the ledger with the "
+            "coordinator's replica (`medfed ledger export`) before removing it",
+        ) from None
+    return LedgerAnchor(site_id=site, seq=seq, head_hash=head)
+
+
+def write_anchor(path: str | Path, anchor: LedgerAnchor) -> None:
+    """Atomic, durable replace (temp file, fsync, rename, fsync of the folder)."""
+    anchor_path = Path(path)
+    with _guard(anchor_path, "writing the ledger anchor"):
+        descriptor, temporary = tempfile.mkstemp(
+            prefix=anchor_path.name + ".", suffix=".tmp", dir=anchor_path.parent
+        )
+        try:
+            with os.fdopen(descriptor, "wb") as handle:
+                handle.write(anchor.to_bytes())
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.chmod(temporary, 0o600)
+            os.replace(temporary, anchor_path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+        folder = os.open(anchor_path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+
+
+def _check_anchor(
+    path: Path, anchor: LedgerAnchor, site_id: str, entries: Sequence[SignedEntry]
+) -> None:
+    if anchor.site_id != site_id:
+        raise LedgerForkError(
+            f"ledger anchor of {path} belongs to site {anchor.site_id!r}, not {site_id!r}"
+        )
+    if len(entries) < anchor.seq:
+        raise LedgerForkError(
+            f"privacy ledger {path} holds {len(entries)} entries but its anchor records "
+            f"{anchor.seq} (head {anchor.head_hash[:16]}...): this is an older, truncated or "
+            "reset copy and the site will not spend a budget it already spent; "
+            + _recovery_hint(path)
+        )
+    if anchor.seq > 0 and entries[anchor.seq - 1].entry_hash != anchor.head_hash:
+        raise LedgerForkError(
+            f"privacy ledger {path} entry seq={anchor.seq} differs from the head its anchor "
+            "records: the history was rewritten (a fork); " + _recovery_hint(path)
+        )
+
+
+# ----------------------------------------------------------------- read-only access
+
+
+def read_ledger(path: str | Path) -> tuple[LedgerHeader, list[Any]]:
+    """Header and entries of a ledger (format 2: `SignedEntry`; format 1: the legacy
+    entries), read-only and WITHOUT verifying signatures."""
+    ledger_path = Path(path)
+    with _guard(ledger_path, "reading the ledger"), _connect(ledger_path, mode="ro") as conn:
+        if _file_format(conn, ledger_path) == 1:
+            header, entries = legacy.read_format1(conn)
             if header is None:
-                raise StateError(f"ledger {ledger_path} has no header row")
-            return header, _read_entries(connection)
-    except sqlite3.DatabaseError as exc:
-        raise StateError(f"{ledger_path} is not a readable ledger: {exc}") from exc
+                raise LedgerUnavailable(ledger_path, f"ledger {ledger_path} has no header row")
+            return header, list(entries)
+        return _read_header(conn), list(_read_entries(conn))
 
 
-def verify_ledger(path: str | Path, *, recompose: bool = True) -> VerifyReport:
-    """Re-walk a ledger's hash chain (read-only) and, if the chain is intact and
-    `recompose` is set, recompose every `epsilon_after` from the stored segments.
+def verify_ledger(
+    path: str | Path,
+    *,
+    recompose: bool = True,
+    ca_certificate: x509.Certificate | None = None,
+) -> VerifyReport:
+    """Re-walk a ledger (read-only): header, hash chain, every signature with the
+    certificate it names (issued by `ca_certificate` if given) and, when the rest is
+    intact and `recompose` is set, every `epsilon_after`.
 
-    Detects an edited, deleted (including the last), reordered or inserted entry, an
-    edited header, and a wrong `epsilon_after` even when its hashes were recomputed.
-    Raises StateError if the file is missing or is not a ledger.
-    """
+    A format-1 file is checked as format 1 (unsigned: `signatures_checked` is 0).
+    LedgerUnavailable if the file is missing or is not a ledger."""
     ledger_path = Path(path)
-    if not ledger_path.is_file():
-        raise StateError(f"no ledger at {ledger_path}")
-    try:
-        with _connect(ledger_path, read_only=True) as connection:
-            return _check_chain(connection, path=ledger_path, recompose=recompose)
-    except sqlite3.DatabaseError as exc:
-        raise StateError(f"{ledger_path} is not a readable ledger: {exc}") from exc
+    with _guard(ledger_path, "verifying the ledger"), _connect(ledger_path, mode="ro") as conn:
+        if _file_format(conn, ledger_path) == 1:
+            return legacy.check_chain_format1(conn, path=ledger_path, recompose=recompose)
+        return _check_v2(conn, path=ledger_path, recompose=recompose,
+                         ca_certificate=ca_certificate)
+
+
+def export_ledger(path: str | Path, *, after_seq: int = 0) -> SignedHistory:
+    """The ledger's signed history (entries after `after_seq`) and certificates."""
+    ledger_path = Path(path)
+    with _guard(ledger_path, "exporting the ledger"), _connect(ledger_path, mode="ro") as conn:
+        if _file_format(conn, ledger_path) != 2:
+            raise LedgerUnavailable(
+                ledger_path, f"{ledger_path} is a format-1 ledger: start the site once to "
+                "sign and migrate it before exporting"
+            )
+        header = _read_header(conn)
+        entries = [e for e in _read_entries(conn) if e.seq > after_seq]
+        certificates = _read_certificates(conn)
+    used = {e.cert_sha256 for e in entries}
+    return SignedHistory(
+        _terms(header),
+        tuple(entries),
+        {digest: der for digest, der in certificates.items() if digest in used},
+    )
+
+
+def restore_ledger(
+    history: SignedHistory,
+    path: str | Path,
+    *,
+    anchor_path: str | Path | None = None,
+    min_seq: int = 0,
+    ca_certificate: x509.Certificate | None = None,
+    site_id: str | None = None,
+) -> LedgerAnchor:
+    """Write `history` as a new ledger at `path` after verifying all of it.
+
+    Refuses (LedgerIntegrityError / LedgerForkError, nothing written) a history whose
+    signatures, chain or epsilons do not verify, that is for another site, that is
+    shorter than `min_seq` or than the anchor's head, or that does not contain the
+    anchor's head. Never overwrites an existing ledger. A restore proves a LOWER bound on
+    the spend: entries the site made after the export was taken cannot be in it."""
+    ledger_path = Path(path)
+    anchor_file = anchor_path_for(ledger_path) if anchor_path is None else Path(anchor_path)
+    if ledger_path.exists():
+        raise LedgerUnavailable(
+            ledger_path, f"{ledger_path} exists; a restore never overwrites a ledger "
+            "(move it aside first if it is damaged)"
+        )
+    if site_id is not None and history.terms.site_id != site_id:
+        raise LedgerIntegrityError(
+            f"the export is for site {history.terms.site_id!r}, not {site_id!r}"
+        )
+    problems = history_problems(history, ca_certificate=ca_certificate)
+    if problems:
+        raise LedgerIntegrityError(f"the export does not verify: {problems[0]}"
+                                   + (f" (+{len(problems) - 1} more)" if len(problems) > 1
+                                      else ""))
+    anchor = read_anchor(anchor_file)
+    floor = max(min_seq, anchor.seq if anchor is not None else 0)
+    if history.head_seq < floor:
+        raise LedgerForkError(
+            f"the export ends at seq {history.head_seq}, but this site is known to have "
+            f"reached seq {floor}: restoring it would forget spent budget"
+        )
+    if anchor is not None:
+        _check_anchor(ledger_path, anchor, history.terms.site_id, history.entries)
+    _write_new_ledger(ledger_path, history)
+    restored = LedgerAnchor(history.terms.site_id, history.head_seq, history.head_hash)
+    write_anchor(anchor_file, restored)
+    return restored
+
+
+def _write_new_ledger(path: Path, history: SignedHistory) -> None:
+    temporary = path.with_name(path.name + ".restoring")
+    with _guard(path, "restoring the ledger"):
+        for leftover in (temporary, Path(f"{temporary}-wal"), Path(f"{temporary}-shm")):
+            leftover.unlink(missing_ok=True)
+        with _connect(temporary, mode="rwc") as conn:
+            with _transaction(conn):
+                _create_schema(conn, history.terms)
+                for digest, der in history.certificates.items():
+                    conn.execute(
+                        "INSERT INTO ledger_certificates (sha256, der) VALUES (?, ?)",
+                        (digest, der),
+                    )
+                for entry in history.entries:
+                    _insert_entry(conn, entry)
+            _check_v2(conn, path=path, recompose=False).raise_if_broken()
+        os.replace(temporary, path)
+
+
+def _create_schema(connection: sqlite3.Connection, terms: LedgerTerms) -> None:
+    for statement in _SCHEMA:
+        connection.execute(statement)
+    genesis = terms.header_hash
+    connection.execute(
+        "INSERT INTO ledger_header (id, format, site_id, budget_epsilon, delta, accountant, "
+        "privacy_unit, header_hash, entry_count, head_hash) VALUES (1, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
+        (
+            LEDGER_FORMAT,
+            terms.site_id,
+            terms.budget_epsilon,
+            terms.delta,
+            terms.accountant,
+            terms.privacy_unit,
+            genesis,
+            genesis,
+        ),
+    )
+
+
+def _insert_entry(connection: sqlite3.Connection, entry: SignedEntry) -> None:
+    digest = entry.entry_hash
+    connection.execute(
+        f"INSERT INTO ledger_entries ({_ENTRY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",  # noqa: S608
+        (
+            entry.seq,
+            entry.round,
+            entry.purpose,
+            entry.body_bytes().decode("ascii"),
+            entry.signature,
+            digest,
+        ),
+    )
+    connection.execute(
+        "UPDATE ledger_header SET entry_count = ?, head_hash = ? WHERE id = 1",
+        (entry.seq, digest),
+    )
+
+
+# ----------------------------------------------------------------------- the ledger
 
 
 class PrivacyLedger:
     """The site's authoritative record of its DP spend; enforces its epsilon budget.
 
     Opening an existing file resumes its history: the stored site id, budget, delta,
-    accountant and privacy unit must equal the ones given (a restarted site cannot
-    silently change its budget; ConfigError names the field that differs). The hash
-    chain is checked on open (LedgerIntegrityError if broken).
+    accountant and privacy unit must equal the ones given (ConfigError names the field).
+    The chain and every signature are checked on open (LedgerIntegrityError), and the
+    file is compared with its anchor (LedgerForkError if older, shorter or rewritten). A
+    missing ledger whose anchor shows history is NOT recreated (LedgerUnavailable).
+
+    `signer` (the site's certificate key + certificate) is needed to record anything and
+    to migrate a format-1 file; without it the ledger can only be read.
     """
 
     def __init__(
@@ -461,6 +698,8 @@ class PrivacyLedger:
         delta: float,
         accountant: str = "prv",
         privacy_unit: str = "record",
+        signer: LedgerSigner | None = None,
+        anchor_path: str | Path | None = None,
     ) -> None:
         if not site_id:
             raise ConfigError("site_id", "must not be empty")
@@ -474,120 +713,184 @@ class PrivacyLedger:
             raise ConfigError(
                 "privacy_unit", f"must be one of {PRIVACY_UNITS}, got {privacy_unit!r}"
             )
+        if signer is not None and signer.site_id != site_id:
+            raise ConfigError(
+                "signer", f"certificate names site {signer.site_id!r}, not {site_id!r}"
+            )
         self.path = Path(path)
+        self.anchor_path = anchor_path_for(self.path) if anchor_path is None else Path(anchor_path)
         self.site_id = site_id
         self.budget_epsilon = float(budget_epsilon)
         self.delta = float(delta)
         self.accountant = accountant
         self.privacy_unit = privacy_unit
+        self.signer = signer
+        self.terms = LedgerTerms(
+            site_id=site_id,
+            budget_epsilon=self.budget_epsilon,
+            delta=self.delta,
+            accountant=accountant,
+            privacy_unit=privacy_unit,
+        )
         self._open_or_create()
 
     # -- setup -------------------------------------------------------------------------
 
     def _open_or_create(self) -> None:
-        wanted = {
-            "site_id": self.site_id,
-            "budget_epsilon": self.budget_epsilon,
-            "delta": self.delta,
-            "accountant": self.accountant,
-            "privacy_unit": self.privacy_unit,
-        }
-        with _connect(self.path) as connection:
-            connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute("BEGIN IMMEDIATE")
-            try:
-                # One statement at a time: executescript() would COMMIT our transaction.
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        connection.execute(statement)
-                header = _read_header(connection)
-                if header is None:
-                    genesis = header_hash(
-                        site_id=self.site_id,
-                        budget_epsilon=self.budget_epsilon,
-                        delta=self.delta,
-                        accountant=self.accountant,
-                        privacy_unit=self.privacy_unit,
+        anchor = read_anchor(self.anchor_path)
+        if not self.path.exists():
+            if anchor is not None and anchor.seq > 0:
+                raise LedgerUnavailable(
+                    self.path,
+                    f"privacy ledger {self.path} is missing, but its anchor "
+                    f"{self.anchor_path} records {anchor.seq} entries (head "
+                    f"{anchor.head_hash[:16]}...): the site refuses to start again at zero "
+                    "spend; " + _recovery_hint(self.path),
+                )
+            _check_writable(self.path)
+            with (
+                _guard(self.path, "creating the ledger"),
+                _connect(self.path, mode="rwc") as conn,
+            ):
+                conn.execute("PRAGMA journal_mode=WAL")
+                with _transaction(conn):
+                    _create_schema(conn, self.terms)
+        else:
+            _check_writable(self.path)
+            with _guard(self.path, "opening the ledger"), self._open() as conn:
+                conn.execute("PRAGMA journal_mode=WAL")
+                if _file_format(conn, self.path) == 1:
+                    self._migrate_format1(conn)
+        with _guard(self.path, "opening the ledger"), self._open() as conn:
+            _check_v2(conn, path=self.path, recompose=False).raise_if_broken()
+            header = _read_header(conn)
+            entries = _read_entries(conn)
+        stored = _terms(header)
+        for name in ("site_id", "budget_epsilon", "delta", "accountant", "privacy_unit"):
+            if getattr(stored, name) != getattr(self.terms, name):
+                raise ConfigError(
+                    name,
+                    f"ledger {self.path} was created with {name}="
+                    f"{getattr(stored, name)!r}, not {getattr(self.terms, name)!r}; a site "
+                    "resumes its ledger, it cannot change it",
+                )
+        if anchor is not None:
+            _check_anchor(self.path, anchor, self.site_id, entries)
+        self._write_anchor(entries)
+
+    def _open(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        return _connect(self.path, mode="rw")
+
+    def _write_anchor(self, entries: Sequence[SignedEntry]) -> None:
+        head = entries[-1].entry_hash if entries else self.terms.header_hash
+        write_anchor(self.anchor_path, LedgerAnchor(self.site_id, len(entries), head))
+
+    def _migrate_format1(self, conn: sqlite3.Connection) -> None:
+        """Sign a format-1 history into format 2, once; the old rows stay for audit."""
+        if self.signer is None:
+            raise ConfigError(
+                "signer",
+                f"ledger {self.path} is format 1 (unsigned): open it once with the site's "
+                "certificate key to sign and migrate it",
+            )
+        legacy.check_chain_format1(conn, path=self.path, recompose=False).raise_if_broken()
+        old_header, old_entries = legacy.read_format1(conn)
+        if old_header is None:
+            raise LedgerUnavailable(self.path, f"ledger {self.path} has no header row")
+        terms = LedgerTerms(
+            site_id=old_header.site_id,
+            budget_epsilon=old_header.budget_epsilon,
+            delta=old_header.delta,
+            accountant=old_header.accountant,
+            privacy_unit=old_header.privacy_unit,
+        )
+        with _transaction(conn):
+            conn.execute("ALTER TABLE ledger_entries RENAME TO ledger_entries_format1")
+            conn.execute("ALTER TABLE ledger_header RENAME TO ledger_header_format1")
+            _create_schema(conn, terms)
+            self._store_certificate(conn)
+            previous = terms.header_hash
+            for old in old_entries:
+                entry = self.signer.sign(
+                    SignedEntry(
+                        site_id=terms.site_id,
+                        seq=old.seq,
+                        round=old.round,
+                        purpose="training",
+                        mechanisms=tuple(old.segments),
+                        epsilon_after=old.epsilon_after,
+                        accountant_used=old.accountant_used,
+                        created_at=old.created_at,
+                        prev_hash=previous,
+                        cert_sha256=self.signer.cert_sha256,
                     )
-                    connection.execute(
-                        "INSERT INTO ledger_header (id, format, site_id, budget_epsilon, "
-                        "delta, accountant, privacy_unit, header_hash, entry_count, "
-                        "head_hash) VALUES (1, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
-                        (
-                            LEDGER_FORMAT,
-                            self.site_id,
-                            self.budget_epsilon,
-                            self.delta,
-                            self.accountant,
-                            self.privacy_unit,
-                            genesis,
-                            genesis,
-                        ),
-                    )
-                connection.execute("COMMIT")
-            except BaseException:
-                connection.execute("ROLLBACK")
-                raise
-            # Hashes only here (cheap); `medfed ledger verify` also recomposes epsilons.
-            _check_chain(connection, path=self.path, recompose=False).raise_if_broken()
-            if header is not None:
-                stored = {
-                    "site_id": header.site_id,
-                    "budget_epsilon": header.budget_epsilon,
-                    "delta": header.delta,
-                    "accountant": header.accountant,
-                    "privacy_unit": header.privacy_unit,
-                }
-                for name, value in wanted.items():
-                    if stored[name] != value:
-                        raise ConfigError(
-                            name,
-                            f"ledger {self.path} was created with {name}={stored[name]!r}, "
-                            f"not {value!r}; a site resumes its ledger, it cannot change it",
-                        )
+                )
+                _insert_entry(conn, entry)
+                previous = entry.entry_hash
+
+    def _store_certificate(self, conn: sqlite3.Connection) -> None:
+        if self.signer is None:
+            raise ConfigError("signer", "recording needs the site's signing key")
+        conn.execute(
+            "INSERT INTO ledger_certificates (sha256, der) VALUES (?, ?) "
+            "ON CONFLICT (sha256) DO NOTHING",
+            (self.signer.cert_sha256, self.signer.certificate_der),
+        )
 
     # -- reading ---------------------------------------------------------------------------
 
-    def entries(self) -> list[LedgerEntry]:
-        with _connect(self.path) as connection:
-            return _read_entries(connection)
+    def entries(self) -> list[SignedEntry]:
+        with _guard(self.path, "reading the ledger"), self._open() as conn:
+            return _read_entries(conn)
 
-    def history(self) -> list[Segment]:
-        """Every DP-SGD segment this site has committed, in order."""
-        return [segment for entry in self.entries() for segment in entry.segments]
+    def history(self) -> list[Mechanism]:
+        """Every mechanism this site has committed, in order."""
+        return [mechanism for entry in self.entries() for mechanism in entry.mechanisms]
 
     def spent(self) -> float:
         """Epsilon of the whole committed history (as composed when last committed)."""
         entries = self.entries()
         return entries[-1].epsilon_after if entries else 0.0
 
+    def spent_by_purpose(self) -> dict[str, float]:
+        """Epsilon of each purpose's entries composed ALONE (for reports: what is spent
+        on what). These do not add up to `spent()`, which composes everything."""
+        by_purpose: dict[str, list[Mechanism]] = {}
+        for entry in self.entries():
+            by_purpose.setdefault(entry.purpose, []).extend(entry.mechanisms)
+        return {
+            purpose: self._compose(mechanisms).epsilon
+            for purpose, mechanisms in sorted(by_purpose.items())
+        }
+
     def remaining(self) -> float:
         return max(0.0, self.budget_epsilon - self.spent())
 
     def head_hash(self) -> str:
-        with _connect(self.path) as connection:
-            header = _read_header(connection)
-        if header is None:
-            raise StateError(f"ledger {self.path} has no header")
-        return header.head_hash
+        with _guard(self.path, "reading the ledger"), self._open() as conn:
+            return _read_header(conn).head_hash
 
-    def preview(self, round_number: int, segments: Sequence[Segment]) -> float:
-        """Epsilon of the whole history if `segments` were added for `round_number`."""
+    def export(self, *, after_seq: int = 0) -> SignedHistory:
+        """Signed entries after `after_seq` + their certificates (for the replica)."""
+        return export_ledger(self.path, after_seq=after_seq)
+
+    def preview(self, round_number: int, mechanisms: Sequence[Mechanism]) -> float:
+        """Epsilon of the whole history if `mechanisms` were added for `round_number`."""
         del round_number  # the round does not change the maths; kept for call symmetry
-        return self._compose([*self.history(), *segments]).epsilon
+        return self._compose([*self.history(), *mechanisms]).epsilon
 
-    def exhausted(self, next_segments: Sequence[Segment]) -> bool:
-        """True if training `next_segments` would take the site past its budget."""
-        return self.preview(-1, next_segments) > self.budget_epsilon
+    def exhausted(self, next_mechanisms: Sequence[Mechanism]) -> bool:
+        """True if releasing `next_mechanisms` would take the site past its budget."""
+        return self.preview(-1, next_mechanisms) > self.budget_epsilon
 
-    def status(self, next_segments: Sequence[Segment] | None = None) -> BudgetStatus:
+    def status(self, next_mechanisms: Sequence[Mechanism] | None = None) -> BudgetStatus:
         """What the site tells the coordinator: figures only, never data."""
         entries = self.entries()
         spent = entries[-1].epsilon_after if entries else 0.0
-        if next_segments is None:
+        if next_mechanisms is None:
             exhausted = spent >= self.budget_epsilon
         else:
-            exhausted = self.exhausted(next_segments)
+            exhausted = self.exhausted(next_mechanisms)
         return BudgetStatus(
             site_id=self.site_id,
             budget_epsilon=self.budget_epsilon,
@@ -598,111 +901,101 @@ class PrivacyLedger:
             exhausted=exhausted,
             privacy_unit=self.privacy_unit,
             ledger_entries=len(entries),
-            ledger_head=entries[-1].entry_hash if entries else self.head_hash(),
+            ledger_head=entries[-1].entry_hash if entries else self.terms.header_hash,
         )
 
     # -- writing ---------------------------------------------------------------------------
 
     def reserve(
-        self, round_number: int, segments: Sequence[Segment], *, now: datetime
-    ) -> LedgerEntry:
-        """Commit this round's spend BEFORE its update leaves the site (write-ahead).
+        self,
+        round_number: int,
+        mechanisms: Sequence[Mechanism],
+        *,
+        now: datetime,
+        purpose: str = "training",
+    ) -> SignedEntry:
+        """Commit this release's spend BEFORE it leaves the site (write-ahead).
 
-        One transaction: checks the budget, appends the chained entry, moves the header's
-        count and head hash. Raises BudgetExhausted (nothing written) if the composed
-        epsilon would exceed the budget. Reserving a round twice returns the existing
-        entry if the segments are identical, else raises StateError.
+        One transaction: checks the budget, appends the signed, chained entry, moves the
+        header's count and head hash; then the anchor is rewritten. Raises
+        BudgetExhausted (nothing written) if the composed epsilon would exceed the
+        budget. Reserving the same (round, purpose) twice returns the existing entry if
+        the mechanisms are identical, else raises StateError.
         """
         if isinstance(round_number, bool) or not isinstance(round_number, int):
             raise ConfigError("round", f"must be an integer, got {round_number!r}")
-        if round_number < 0:
-            raise ConfigError("round", f"must be >= 0, got {round_number}")
-        segments = tuple(segments)
-        if not segments or not all(isinstance(s, Segment) for s in segments):
-            raise ConfigError("segments", "a reservation needs at least one Segment")
-        if now.tzinfo is None or now.utcoffset() is None:
-            raise ConfigError("now", "must be timezone-aware")
-        segments_json = segments_to_json(segments)
-        created_at = now.isoformat()
-        with _connect(self.path) as connection:
-            # IMMEDIATE takes the write lock first, so two agents on one file serialise.
-            connection.execute("BEGIN IMMEDIATE")
-            try:
-                result = self._reserve_locked(
-                    connection, round_number, segments, segments_json, created_at
-                )
-                connection.execute("COMMIT")
-            except BaseException:
-                connection.execute("ROLLBACK")
-                raise
-        return result
+        if not 0 <= round_number < 1 << 63:
+            raise ConfigError("round", f"must be in [0, 2^63), got {round_number}")
+        if purpose not in PURPOSES:
+            raise ConfigError("purpose", f"must be one of {PURPOSES}, got {purpose!r}")
+        mechanisms = tuple(mechanisms)
+        if not mechanisms or not all(isinstance(m, MECHANISM_TYPES) for m in mechanisms):
+            raise ConfigError("mechanisms", "a reservation needs at least one mechanism")
+        created_at = utc_timestamp(now)
+        if self.signer is None:
+            raise ConfigError("signer", "recording a spend needs the site's signing key")
+        _check_writable(self.path)
+        with _guard(self.path, "recording a spend"), self._open() as conn, _transaction(conn):
+            entry, entries = self._reserve_locked(
+                conn, round_number, purpose, mechanisms, created_at
+            )
+        self._write_anchor(entries)
+        return entry
 
     def _reserve_locked(
         self,
-        connection: sqlite3.Connection,
+        conn: sqlite3.Connection,
         round_number: int,
-        segments: tuple[Segment, ...],
-        segments_json: str,
+        purpose: str,
+        mechanisms: tuple[Mechanism, ...],
         created_at: str,
-    ) -> LedgerEntry:
-        existing = connection.execute(
-            f"SELECT {_ENTRY_COLUMNS} FROM ledger_entries WHERE round = ?",  # noqa: S608
-            (round_number,),
-        ).fetchone()
-        if existing is not None:
-            entry = _row_to_entry(existing)
-            if entry.segments_json == segments_json:
-                return entry
-            raise StateError(
-                f"round {round_number} is already reserved with different segments "
-                f"({entry.segments_json} != {segments_json})"
-            )
-        header = _read_header(connection)
-        if header is None:
-            raise StateError(f"ledger {self.path} has no header")
-        entries = _read_entries(connection)
-        history = [segment for entry in entries for segment in entry.segments]
-        report = self._compose([*history, *segments])
+    ) -> tuple[SignedEntry, list[SignedEntry]]:
+        signer = self.signer
+        if signer is None:
+            raise ConfigError("signer", "recording a spend needs the site's signing key")
+        entries = _read_entries(conn)
+        for existing in entries:
+            if existing.round == round_number and existing.purpose == purpose:
+                if mechanisms_to_json(existing.mechanisms) == mechanisms_to_json(mechanisms):
+                    return existing, entries
+                raise StateError(
+                    f"round {round_number} ({purpose}) is already reserved with different "
+                    f"mechanisms ({mechanisms_to_json(existing.mechanisms)} != "
+                    f"{mechanisms_to_json(mechanisms)})"
+                )
+        header = _read_header(conn)
+        history = [m for entry in entries for m in entry.mechanisms]
+        report = self._compose([*history, *mechanisms])
         if report.epsilon > self.budget_epsilon:
             spent = entries[-1].epsilon_after if entries else 0.0
             raise BudgetExhausted(
-                f"site {self.site_id}: round {round_number} would bring epsilon to "
-                f"{report.epsilon:.4f} > budget {self.budget_epsilon} (spent {spent:.4f}, "
-                f"delta {self.delta})"
+                f"site {self.site_id}: {purpose} for round {round_number} would bring "
+                f"epsilon to {report.epsilon:.4f} > budget {self.budget_epsilon} (spent "
+                f"{spent:.4f}, delta {self.delta})"
             )
-        seq = len(entries) + 1
-        entry = LedgerEntry(
-            seq=seq,
-            round=round_number,
-            segments=segments,
-            epsilon_after=report.epsilon,
-            accountant_used=report.accountant,
-            created_at=created_at,
-            status=STATUS_COMMITTED,
-            prev_hash=header.head_hash,
-            entry_hash="",
+        entry = signer.sign(
+            SignedEntry(
+                site_id=self.site_id,
+                seq=len(entries) + 1,
+                round=round_number,
+                purpose=purpose,
+                mechanisms=mechanisms,
+                epsilon_after=report.epsilon,
+                accountant_used=report.accountant,
+                created_at=created_at,
+                prev_hash=header.head_hash,
+                cert_sha256=signer.cert_sha256,
+            )
         )
-        digest = _computed_entry_hash(entry, segments_json)
-        connection.execute(
-            f"INSERT INTO ledger_entries ({_ENTRY_COLUMNS}) "  # noqa: S608 (constant)
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                seq,
-                round_number,
-                segments_json,
-                report.epsilon,
-                report.accountant,
-                created_at,
-                STATUS_COMMITTED,
-                header.head_hash,
-                digest,
-            ),
-        )
-        connection.execute(
-            "UPDATE ledger_header SET entry_count = ?, head_hash = ? WHERE id = 1",
-            (seq, digest),
-        )
-        return dataclasses.replace(entry, entry_hash=digest)
+        self._store_certificate(conn)
+        _insert_entry(conn, entry)
+        return entry, [*entries, entry]
 
-    def _compose(self, segments: Sequence[Segment]) -> EpsilonReport:
-        return account(segments, delta=self.delta, accountant=self.accountant)
+    def _compose(self, mechanisms: Sequence[Mechanism]) -> EpsilonReport:
+        return account(mechanisms, delta=self.delta, accountant=self.accountant)
+
+
+def segments_of(entries: Sequence[SignedEntry]) -> list[Segment]:
+    """The DP-SGD segments of `entries` (format-1 view of a history)."""
+    return [s for entry in entries for s in entry.segments]
+

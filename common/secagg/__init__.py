@@ -9,9 +9,14 @@ from common.secagg.client import IdentityVerifier, PeerStatus, SecAggClient
 from common.secagg.graph import neighbourhoods
 from common.secagg.messages import ShareKind
 from common.secagg.params import (
+    ANNOUNCEMENT_DIGEST_BYTES,
+    DEFAULT_MAX_COLLUDING_SITES,
+    DEFAULT_MIN_ROUND_SITES,
+    NO_ANNOUNCEMENT_DIGEST,
     SecAggParams,
     ThreatModel,
     choose_parameters,
+    round_floor,
     validate_against_threat_model,
 )
 from common.secagg.phases import TRANSITIONS, Phase
@@ -19,6 +24,10 @@ from common.secagg.server import SecAggServer, SiteProgress
 from common.secagg.session import session_id
 
 __all__ = [
+    "ANNOUNCEMENT_DIGEST_BYTES",
+    "DEFAULT_MAX_COLLUDING_SITES",
+    "DEFAULT_MIN_ROUND_SITES",
+    "NO_ANNOUNCEMENT_DIGEST",
     "TRANSITIONS",
     "IdentityVerifier",
     "PeerStatus",
@@ -31,6 +40,7 @@ __all__ = [
     "ThreatModel",
     "choose_parameters",
     "neighbourhoods",
+    "round_floor",
     "session_id",
     "validate_against_threat_model",
 ]

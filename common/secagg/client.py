@@ -8,6 +8,43 @@ consistency check), restricted to SecAgg+ neighbourhoods (Bell et al. 2020, CCS,
 Every method is accepted in exactly one phase. Any ProtocolAbort moves the client to
 ABORTED for good; afterwards every call raises UNEXPECTED_MESSAGE and no secret share
 is ever revealed.
+
+Which signatures a client verifies (each at most once per round, the signer's key
+obtained from `identity` at most once per site and round):
+
+* Roster: only the AdvertiseKeys signatures of its neighbours N(u) (Bell et al. 2020,
+  sec. 4: a client needs only its neighbourhood), not all n. Why that suffices:
+  u encrypts its shares only under neighbours' encryption keys and masks only against
+  neighbours' masking keys, and those entries ARE verified; its own entry is checked
+  against the keys it made. A forged non-neighbour entry is never used for u's secrets.
+  It does change u's session id (the hash of the whole roster), and with it u's
+  neighbour graph; but the session id salts every pairwise mask and share key and sits
+  in every AEAD associated data and survivor-list signature, so u only ever combines
+  with sites that hold the identical roster, and each of them verified ITS neighbours
+  in it and checked its own entry. A coordinator forging far entries can re-roll the
+  graph, which it can already do by choosing which advertisements to include (or via
+  one colluding site's fresh keys); nothing here relies on the graph being random
+  against the coordinator: the thresholds are checked for the worst-case graph
+  (`validate_against_threat_model`, applied by the site to every announcement) and
+  the survivor floor counts only authenticated sites (below).
+* Consistency check: only the survivor-list signatures of sites in the closed
+  neighbourhoods of the owners whose shares u reveals (its two-hop neighbourhood,
+  2k + 1 sites in a Harary graph), plus, only if the floor is not met otherwise, just
+  enough further signers to meet it. Why that suffices: the rule that protects owner o
+  is "t holders of o's shares confirmed the same list" and only o's closed
+  neighbourhood holds them; a signature from outside concerns owners whose shares u
+  never reveals, so ignoring it (forged or not) changes nothing u sends. A signature
+  that verifies on u's list under the signer's certified key proves that the signer
+  derived u's session id (so saw u's roster and announcement) and was shown u's list.
+* Survivor floor: a listed survivor counts towards the floor only if u authenticated
+  it: u itself, a neighbour (verified entry, and it sent u shares bound to u's session
+  id), or a signer whose signature u verified. A coordinator padding the list with
+  forged entries (keys it holds, so inputs it knows) therefore cannot lift a sum of
+  too few real sites over the floor.
+With the complete graph (up to 20 sites) N(u) is everyone, so every entry is verified
+and sites told different announcements all abort at the roster. With SecAgg+
+neighbourhoods, every site with a neighbour told another story aborts there; sites
+further apart end up in different sessions, whose inputs cannot meet in one sum.
 """
 
 from __future__ import annotations
@@ -34,7 +71,7 @@ from common.errors import (
     ProtocolAbort,
     ValidationError,
 )
-from common.secagg.graph import neighbourhoods
+from common.secagg.graph import NeighbourGraph, neighbour_graph
 from common.secagg.messages import (
     AdvertiseKeys,
     ConsistencySignature,
@@ -54,15 +91,23 @@ from common.secagg.messages import (
     self_mask_commitment,
     survivors_message,
 )
-from common.secagg.params import SecAggParams
+from common.secagg.params import (
+    DEFAULT_MAX_COLLUDING_SITES,
+    DEFAULT_MIN_ROUND_SITES,
+    SecAggParams,
+    round_floor,
+)
 from common.secagg.phases import Phase, PhaseTracker
 from common.secagg.session import session_id as compute_session_id
 
 IdentityVerifier = Callable[[str, bytes], VerifyingKey]
 """(site_id, certificate_der) -> the key that must have signed for that site.
 
-Raises CryptoError or CertificateRejected. The networked layer checks the chain to
-the federation CA and that the certificate names `site_id`."""
+Raises CryptoError or CertificateRejected (the client turns these into the abort
+reason of the check at hand), or ProtocolAbort with its own reason (NOT_A_SITE,
+UNKNOWN_MEMBER, REVOKED_PEER), which propagates unchanged. The networked layer checks
+the chain to the federation CA and that the certificate names `site_id`. Called only
+for the sites whose signatures this client verifies (see the module docstring)."""
 
 SHARE_PLAINTEXT_BYTES = 2 * SHARE_BYTES  # self-mask seed share || masking key share
 
@@ -146,10 +191,25 @@ class SecAggClient:
         signing_key: SigningKey,
         identity: IdentityVerifier,
         rng: RandomSource,
+        min_round_sites: int = DEFAULT_MIN_ROUND_SITES,
+        max_colluding_sites: int = DEFAULT_MAX_COLLUDING_SITES,
     ) -> None:
+        """Raises ProtocolAbort(ROUND_TOO_SMALL) when the announced participants are
+        fewer than max(min_round_sites, max_colluding_sites + 2): such a round is
+        refused before any key is made."""
         if site_id not in params.participants:
             raise ConfigError("site_id", f"{site_id!r} is not a participant of this round")
+        self.round_floor = round_floor(
+            min_round_sites=min_round_sites, max_colluding_sites=max_colluding_sites
+        )
+        if len(params.participants) < self.round_floor:
+            raise ProtocolAbort(
+                AbortReason.ROUND_TOO_SMALL,
+                f"{len(params.participants)} participants; this site needs at least "
+                f"{self.round_floor}",
+            )
         self.params = params
+        self._participants = frozenset(params.participants)
         self.site_id = site_id
         self._signing_key = signing_key
         self._identity = identity
@@ -159,7 +219,7 @@ class SecAggClient:
         self._masking_keys: X25519KeyPair | None = None
         self._roster: dict[str, RosterEntry] = {}
         self._x: dict[str, int] = {}
-        self._graph: dict[str, tuple[str, ...]] = {}
+        self._graph: NeighbourGraph = NeighbourGraph((), 0)
         self._session_id = b""
         self._own_shares: tuple[bytes, bytes] = (b"", b"")
         self._held_shares: dict[str, tuple[bytes, bytes]] = {}
@@ -168,6 +228,8 @@ class SecAggClient:
         self.peers: dict[str, PeerState] = {}
         self._survivors: SurvivorList | None = None
         self._reveal_guard = RevealGuard()
+        self._verifying_keys: dict[str, VerifyingKey] = {}
+        self._signatures_verified = 0
 
     # ----------------------------------------------------------------- properties
     @property
@@ -181,6 +243,16 @@ class SecAggClient:
     @property
     def neighbours(self) -> tuple[str, ...]:
         return self._graph.get(self.site_id, ())
+
+    @property
+    def aborted_in(self) -> Phase | None:
+        """Where the round was aborted (ADVERTISE_KEYS: at the roster, nothing sent)."""
+        return self._tracker.aborted_in
+
+    @property
+    def signatures_verified(self) -> int:
+        """How many signatures this client verified so far this round."""
+        return self._signatures_verified
 
     def revealed_kind(self, owner: str) -> ShareKind | None:
         """Which share of `owner` this client revealed, if any (for audits and tests)."""
@@ -202,6 +274,7 @@ class SecAggClient:
                 site_id=self.site_id,
                 encryption_public_key=self._encryption_keys.public_key,
                 masking_public_key=self._masking_keys.public_key,
+                announcement_digest=self.params.announcement_digest,
             )
         )
         return AdvertiseKeys(
@@ -219,7 +292,7 @@ class SecAggClient:
         encryption_keys, masking_keys = self._keys()
         entries: dict[str, RosterEntry] = {}
         for entry in roster.entries:
-            if entry.site_id not in self.params.participants:
+            if entry.site_id not in self._participants:
                 raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"{entry.site_id!r} in roster")
             if entry.site_id in entries:
                 raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"{entry.site_id!r} in roster")
@@ -237,32 +310,40 @@ class SecAggClient:
             or mine.masking_public_key != masking_keys.public_key
         ):
             raise ProtocolAbort(AbortReason.KEY_MISMATCH, "roster has other keys for this site")
+        if len(entries) < self.round_floor:
+            raise ProtocolAbort(
+                AbortReason.ROUND_TOO_SMALL,
+                f"{len(entries)} sites in roster; this site needs at least {self.round_floor}",
+            )
         if len(entries) < self.params.threshold:
             raise ProtocolAbort(
                 AbortReason.TOO_FEW_PARTICIPANTS,
                 f"{len(entries)} sites in roster, threshold is {self.params.threshold}",
             )
-        for entry in entries.values():
-            # A coordinator swapping keys, or replaying a roster of another round,
-            # cannot produce these signatures (Bonawitz et al. 2017, sec. 4, Round 1).
-            self._verify(
-                entry.site_id,
-                entry.certificate_der,
-                advertise_message(
-                    round_number=self.params.round_number,
-                    round_nonce=self.params.round_nonce,
-                    site_id=entry.site_id,
-                    encryption_public_key=entry.encryption_public_key,
-                    masking_public_key=entry.masking_public_key,
-                ),
-                entry.signature,
-                AbortReason.BAD_SIGNATURE,
-            )
         sites = sorted(entries)
         self._roster = {site: entries[site] for site in sites}
         self._x = {site: index + 1 for index, site in enumerate(sites)}
         self._session_id = compute_session_id(self.params, self._roster.values())
-        self._graph = neighbourhoods(self._session_id, sites, self.params.neighbours)
+        self._graph = neighbour_graph(self._session_id, sites, self.params.neighbours)
+        for peer in self._graph[self.site_id]:
+            # Only neighbours: they alone receive our shares and mask against us (see
+            # the module docstring for why the others need no check here). A swapped
+            # key, a roster replayed from another round, or a neighbour told another
+            # announcement cannot produce these (Bonawitz et al. 2017, sec. 4, Round 1).
+            entry = self._roster[peer]
+            self._verify(
+                peer,
+                advertise_message(
+                    round_number=self.params.round_number,
+                    round_nonce=self.params.round_nonce,
+                    site_id=peer,
+                    encryption_public_key=entry.encryption_public_key,
+                    masking_public_key=entry.masking_public_key,
+                    announcement_digest=self.params.announcement_digest,
+                ),
+                entry.signature,
+                AbortReason.BAD_SIGNATURE,
+            )
         neighbours = self._graph[self.site_id]
 
         seed = self._rng(SECRET_BYTES)
@@ -403,6 +484,13 @@ class SecAggClient:
             )
         if len(survivors) < self.params.threshold:
             raise ProtocolAbort(AbortReason.TOO_FEW_PARTICIPANTS, f"{len(survivors)} survivors")
+        if len(survivors) < self.round_floor:
+            # Checked again on the authenticated survivors before Unmask; refusing to
+            # sign already stops the round here.
+            raise ProtocolAbort(
+                AbortReason.SURVIVORS_BELOW_FLOOR,
+                f"{len(survivors)} survivors; this site needs at least {self.round_floor}",
+            )
         canonical = SurvivorList(tuple(sorted(survivors)), tuple(sorted(dropped)))
         for peer in canonical.dropped:
             state = self.peers.get(peer)
@@ -423,10 +511,12 @@ class SecAggClient:
         if survivors is None:  # unreachable through the phase table; defensive
             raise ProtocolAbort(AbortReason.UNEXPECTED_MESSAGE, "no survivor list")
         alive = set(survivors.survivors)
-        signed_message = self._survivors_message(survivors)
-        signers: set[str] = set()
+        owners = [o for o in (*self.peers, self.site_id) if o in alive or o in survivors.dropped]
+        # Holders of the shares we reveal: the closed neighbourhoods of their owners.
+        holders = {h for owner in owners for h in (owner, *self._graph[owner])}
+        relayed: dict[str, bytes] = {}
         for signer, signature in message.signatures:
-            if signer in signers:
+            if signer in relayed:
                 raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"two signatures by {signer!r}")
             if signer not in self._roster:
                 raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"signature by {signer!r}")
@@ -434,14 +524,15 @@ class SecAggClient:
                 raise ProtocolAbort(
                     AbortReason.INCONSISTENT_SURVIVOR_SETS, f"{signer!r} signed but is not alive"
                 )
+            relayed[signer] = signature
+        signed_message = self._survivors_message(survivors)
+        # Our own confirmation needs no check: we signed this very list to get here.
+        signers = {self.site_id}
+        for signer in sorted((relayed.keys() & holders) - signers):
             # A signature that does not verify on OUR list means the signer was shown
-            # another list (or the coordinator forged it): equivocation.
+            # another list or session (or the coordinator forged it): equivocation.
             self._verify(
-                signer,
-                self._roster[signer].certificate_der,
-                signed_message,
-                signature,
-                AbortReason.INCONSISTENT_SURVIVOR_SETS,
+                signer, signed_message, relayed[signer], AbortReason.INCONSISTENT_SURVIVOR_SETS
             )
             signers.add(signer)
         if len(signers) < self.params.threshold:
@@ -449,7 +540,6 @@ class SecAggClient:
                 AbortReason.INCONSISTENT_SURVIVOR_SETS,
                 f"only {len(signers)} survivors confirmed the list, need {self.params.threshold}",
             )
-        owners = [o for o in (*self.peers, self.site_id) if o in alive or o in survivors.dropped]
         for owner in owners:
             # SecAgg+ quorum: the t confirmations must come from the owner's own closed
             # neighbourhood, the only sites holding its shares; otherwise two halves of
@@ -460,6 +550,7 @@ class SecAggClient:
                     AbortReason.INCONSISTENT_SURVIVOR_SETS,
                     f"fewer than t confirmations in the neighbourhood of {owner!r}",
                 )
+        self._require_survivor_floor(alive, signers, relayed, signed_message)
         revealed: list[RevealedShare] = []
         for owner in sorted(owners):
             seed_share, key_share = (
@@ -516,18 +607,51 @@ class SecAggClient:
             # send one) makes the agreed secret predictable: refuse the round.
             raise ProtocolAbort(AbortReason.DECRYPTION_FAILED, "key agreement failed") from None
 
-    def _verify(
-        self,
-        site: str,
-        certificate_der: bytes,
-        message: bytes,
-        signature: bytes,
-        reason: AbortReason,
-    ) -> None:
+    def _verify(self, site: str, message: bytes, signature: bytes, reason: AbortReason) -> None:
+        """Check `site`'s signature with the key of its roster certificate.
+
+        The key comes from `identity` once per site and round; a ProtocolAbort raised
+        by `identity` (not_a_site, unknown_member, revoked_peer) propagates unchanged.
+        """
+        key = self._verifying_keys.get(site)
         try:
-            self._identity(site, certificate_der).verify(message, signature)
+            if key is None:
+                key = self._identity(site, self._roster[site].certificate_der)
+                self._verifying_keys[site] = key
+            self._signatures_verified += 1
+            key.verify(message, signature)
         except (CryptoError, PkiError):
             raise ProtocolAbort(reason, f"signature of {site!r} does not verify") from None
+
+    def _require_survivor_floor(
+        self,
+        alive: set[str],
+        signers: set[str],
+        relayed: dict[str, bytes],
+        signed_message: bytes,
+    ) -> None:
+        """Refuse Unmask unless at least `round_floor` survivors are authenticated.
+
+        Authenticated: this site, a neighbour (verified roster entry; it sent us shares
+        bound to our session id) or a signer whose signature we verified. Listed names
+        we never checked may be forged entries whose inputs the coordinator knows.
+        Further relayed signatures are verified only while the floor is not yet met.
+        """
+        confirmed = alive & {self.site_id, *self.peers, *signers}
+        for signer in sorted(relayed.keys() - signers):
+            if len(confirmed) >= self.round_floor:
+                break
+            self._verify(
+                signer, signed_message, relayed[signer], AbortReason.INCONSISTENT_SURVIVOR_SETS
+            )
+            signers.add(signer)
+            confirmed.add(signer)
+        if len(confirmed) < self.round_floor:
+            raise ProtocolAbort(
+                AbortReason.SURVIVORS_BELOW_FLOOR,
+                f"{len(confirmed)} authenticated survivors; this site needs at least "
+                f"{self.round_floor}",
+            )
 
     def _survivors_message(self, survivors: SurvivorList) -> bytes:
         return survivors_message(

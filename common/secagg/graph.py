@@ -10,7 +10,7 @@ the graph (it could only re-roll it by dropping advertisements, which costs it s
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from common.crypto.kdf import KdfInfo, hkdf_sha256
 from common.crypto.prg import expand_mask
@@ -43,6 +43,59 @@ def _random_permutation(seed: bytes, n: int) -> list[int]:
     return order
 
 
+class NeighbourGraph(Mapping[str, tuple[str, ...]]):
+    """site -> its neighbours (excluding itself, sorted), each computed on first lookup.
+
+    A client needs only its two-hop part, O(k^2); building all n neighbourhoods would
+    make every client pay O(n k) (a third of its time at n = 200, d = 1e5).
+    """
+
+    def __init__(self, ring: Sequence[str], k: int) -> None:
+        self._ring = tuple(ring)
+        self._position = {site: index for index, site in enumerate(self._ring)}
+        self._complete = k == 0 or k >= len(self._ring) - 1
+        self._half = k // 2
+        self._cache: dict[str, tuple[str, ...]] = {}
+
+    def __getitem__(self, site: str) -> tuple[str, ...]:
+        cached = self._cache.get(site)
+        if cached is None:
+            position = self._position[site]  # KeyError for a stranger, as a dict would
+            n = len(self._ring)
+            if self._complete:
+                peers = set(self._ring) - {site}
+            else:
+                steps = range(-self._half, self._half + 1)
+                peers = {self._ring[(position + step) % n] for step in steps if step}
+            cached = self._cache[site] = tuple(sorted(peers))
+        return cached
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._position))
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+
+def neighbour_graph(session_id: bytes, site_ids: Sequence[str], k: int) -> NeighbourGraph:
+    """The graph of `neighbourhoods`, computed lazily (what a client uses)."""
+    sites = sorted(site_ids)
+    if len(set(sites)) != len(sites):
+        raise ConfigError("site_ids", "must be unique")
+    n = len(sites)
+    if k < 0:
+        raise ConfigError("neighbours", "must be non-negative")
+    if k == 0 or k >= n - 1:
+        return NeighbourGraph(sites, k)
+    if k % 2:
+        raise ConfigError("neighbours", "a Harary graph needs an even degree k")
+    # Public randomness (everyone can recompute it), derived like every other key:
+    # its own info label, the session id as salt (DESIGN.md, crypto rules).
+    seed = hkdf_sha256(session_id, salt=session_id, info=KdfInfo.NEIGHBOUR_GRAPH.value)
+    order = _random_permutation(seed, n)
+    return NeighbourGraph([sites[i] for i in order], k)
+
+
 def neighbourhoods(
     session_id: bytes, site_ids: Sequence[str], k: int
 ) -> dict[str, tuple[str, ...]]:
@@ -51,27 +104,7 @@ def neighbourhoods(
     Complete graph when k == 0 or k >= n - 1; otherwise a Harary graph of even degree
     k over a permutation derived from the session id. Symmetric and deterministic.
     """
-    sites = sorted(site_ids)
-    if len(set(sites)) != len(sites):
-        raise ConfigError("site_ids", "must be unique")
-    n = len(sites)
-    if k < 0:
-        raise ConfigError("neighbours", "must be non-negative")
-    if k == 0 or k >= n - 1:
-        return {site: tuple(s for s in sites if s != site) for site in sites}
-    if k % 2:
-        raise ConfigError("neighbours", "a Harary graph needs an even degree k")
-    # Public randomness (everyone can recompute it), derived like every other key:
-    # its own info label, the session id as salt (DESIGN.md, crypto rules).
-    seed = hkdf_sha256(session_id, salt=session_id, info=KdfInfo.NEIGHBOUR_GRAPH.value)
-    order = _random_permutation(seed, n)
-    ring = [sites[i] for i in order]
-    half = k // 2
-    result: dict[str, tuple[str, ...]] = {}
-    for position, site in enumerate(ring):
-        peers = {ring[(position + step) % n] for step in range(-half, half + 1) if step}
-        result[site] = tuple(sorted(peers))
-    return result
+    return dict(neighbour_graph(session_id, site_ids, k).items())
 
 
 def adjacency_is_symmetric(graph: dict[str, tuple[str, ...]]) -> bool:
@@ -79,4 +112,4 @@ def adjacency_is_symmetric(graph: dict[str, tuple[str, ...]]) -> bool:
     return all(site in graph[peer] for site, peers in graph.items() for peer in peers)
 
 
-__all__ = ["adjacency_is_symmetric", "neighbourhoods"]
+__all__ = ["NeighbourGraph", "adjacency_is_symmetric", "neighbour_graph", "neighbourhoods"]

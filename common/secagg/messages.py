@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.crypto.encoding import encode_fields
+from common.secagg.params import NO_ANNOUNCEMENT_DIGEST
 
 ADVERTISE_LABEL = "medfed/v1/advertise"
 SURVIVORS_LABEL = "medfed/v1/survivors"
@@ -150,12 +151,20 @@ def advertise_message(
     site_id: str,
     encryption_public_key: bytes,
     masking_public_key: bytes,
+    announcement_digest: bytes = NO_ANNOUNCEMENT_DIGEST,
 ) -> bytes:
-    """What a site signs in AdvertiseKeys (round and nonce stop cross-round replay)."""
+    """What a site signs in AdvertiseKeys.
+
+    Round and nonce stop cross-round replay; the announcement digest makes the
+    signature say "these keys are for the round I was told about": a neighbour told
+    another story fails to verify it at the roster (issue 9, sec. 4). Pass
+    `params.announcement_digest`; the default is the all-zero placeholder.
+    """
     return encode_fields(
         ADVERTISE_LABEL,
         round_number,
         round_nonce,
+        announcement_digest,
         site_id,
         encryption_public_key,
         masking_public_key,

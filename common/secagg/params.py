@@ -27,6 +27,13 @@ from typing import Literal
 from common.errors import ConfigError
 
 ROUND_NONCE_BYTES = 16
+ANNOUNCEMENT_DIGEST_BYTES = 32  # SHA-256
+NO_ANNOUNCEMENT_DIGEST = bytes(ANNOUNCEMENT_DIGEST_BYTES)
+"""Placeholder digest until the round announcement is hashed by its caller: with it,
+only the SecAgg parameters themselves (and the participants) are bound, as before."""
+
+DEFAULT_MIN_ROUND_SITES = 3
+DEFAULT_MAX_COLLUDING_SITES = 1
 COMPLETE_GRAPH_MAX_SITES = 20
 """Up to this many sites the complete graph is used: its cost, O(n) masks per site, is
 still small, and it tolerates the most dropouts for a given threshold."""
@@ -54,6 +61,12 @@ class SecAggParams:
     threshold: int
     neighbours: int
     vector_length: int
+    announcement_digest: bytes = NO_ANNOUNCEMENT_DIGEST
+    """SHA-256 of everything the coordinator told the site for this round (study and
+    model hashes, clip, bits, bins, deadlines; computed by the caller). Bound into the
+    session id and into every AdvertiseKeys signature, so sites told different stories
+    refuse each other's keys at the roster, before any share or masked input leaves
+    (issue 9, sec. 4). Defaults to 32 zero bytes: nothing beyond the parameters here."""
 
     def __post_init__(self) -> None:
         if isinstance(self.round_number, bool) or not isinstance(self.round_number, int):
@@ -88,6 +101,13 @@ class SecAggParams:
             raise ConfigError("vector_length", "must be an integer")
         if self.vector_length < 1:
             raise ConfigError("vector_length", "must be positive")
+        if (
+            not isinstance(self.announcement_digest, bytes)
+            or len(self.announcement_digest) != ANNOUNCEMENT_DIGEST_BYTES
+        ):
+            raise ConfigError(
+                "announcement_digest", f"must be {ANNOUNCEMENT_DIGEST_BYTES} bytes (SHA-256)"
+            )
 
     @property
     def effective_neighbours(self) -> int:
@@ -116,6 +136,23 @@ class ThreatModel:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(name, "must be a non-negative integer")
+
+
+def round_floor(*, min_round_sites: int, max_colluding_sites: int) -> int:
+    """Fewest sites whose inputs a sum may cover before this site takes part.
+
+    max(min_round_sites, T + 2): with T colluders (who know their own inputs) inside
+    the sum, at least two honest inputs remain, so no single honest update can be
+    recovered by subtraction; a sum of two would hand each party the other's update
+    (issue 9, sec. 3).
+    """
+    for name, value, low in (
+        ("min_round_sites", min_round_sites, 2),
+        ("max_colluding_sites", max_colluding_sites, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(name, f"must be an integer >= {low}")
+    return max(min_round_sites, max_colluding_sites + 2)
 
 
 def minimum_threshold(*, neighbourhood_size: int, colluding: int) -> int:

@@ -39,6 +39,9 @@ class PhaseTracker:
     """Current phase plus the only two operations on it: require and advance."""
 
     phase: Phase = Phase.ADVERTISE_KEYS
+    aborted_in: Phase | None = None
+    """The phase the abort happened in (ADVERTISE_KEYS: at the roster, before any
+    share left), for logs and for tests that assert how early an attack is stopped."""
 
     def require(self, expected: Phase, what: str) -> None:
         """Raise UNEXPECTED_MESSAGE unless we are in `expected` (out-of-order input)."""
@@ -59,4 +62,5 @@ class PhaseTracker:
     def abort(self) -> None:
         """Enter ABORTED from anywhere that is not already terminal."""
         if self.phase not in TERMINAL_PHASES:
+            self.aborted_in = self.phase
             self.phase = Phase.ABORTED

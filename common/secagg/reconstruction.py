@@ -19,13 +19,17 @@ Sarwate 1981), so wrong shares are correctable errors:
    most `max_subsets`, else that many pseudo-random ones) for a subset whose secret
    passes the check.
 
-Blame: the accepted polynomial is the passing candidate that agrees with the most
-shares; holders off it are reported. Within the Berlekamp-Welch radius this is exactly
-the set of wrong shares (any other polynomial of degree < t agrees with at most
-e + t - 1 of the m shares, fewer than the m - e honest ones). Beyond it, a single wrong
-share is still pinned exactly (the search is exhaustive); several colluding holders
-could make an ambiguous codeword, but a secret is accepted only if it passes its check,
-so the sum is right or the round aborts.
+Blame (who is named in `CheckedSecret.disagreeing`): only holders whose share
+provably disagrees with the one polynomial the shares decode to. Once the secret s has
+passed its check, the dealer's polynomial is a codeword of the affine code
+{p : deg p < t, p(0) = s}, of minimum distance m - t + 2 (two such polynomials differ by
+x r(x) with deg r < t - 1, which vanishes at no more than t - 2 nonzero x). So within
+`blame_radius` = floor((m - t + 1) / 2) wrong shares the codeword is unique: we find it by
+Berlekamp-Welch on (y_i - s) / x_i and name exactly the shares off it. Beyond that
+radius several codewords may fit equally well (colluding holders that know s can place
+their shares on another polynomial through (0, s) and some honest shares, so that
+maximum agreement would name honest holders); then the secret is still used (it passed
+its check, so the sum is right) but nobody is named.
 """
 
 from __future__ import annotations
@@ -58,6 +62,15 @@ class CheckedSecret:
 
     secret: bytes
     disagreeing: tuple[int, ...]
+
+
+def blame_radius(count: int, threshold: int) -> int:
+    """Most wrong shares among `count` for which the holders named are exactly the wrong
+    ones (unique decoding of the affine code through the checked secret, see module doc);
+    with threshold 1 every share must equal the secret, so every wrong one is provable."""
+    if threshold == 1:
+        return count
+    return max(count - threshold + 1, 0) // 2
 
 
 @functools.lru_cache(maxsize=4096)
@@ -134,7 +147,7 @@ def reconstruct_checked(
     if secret is not None and len(agreeing) == count:
         return CheckedSecret(secret=secret, disagreeing=())
     if secret is not None and _certainly_best(len(agreeing), count, threshold):
-        return _result(xs, agreeing, secret)
+        return _blame(xs, ys, agreeing, secret, threshold=threshold)
     if secret is None:
         if len(agreeing) == count:
             # Every t-subset interpolates this same polynomial: nothing to correct.
@@ -152,7 +165,7 @@ def reconstruct_checked(
             if secret is None:
                 failed.append(agreeing)
             elif count - len(agreeing) <= radius:
-                return _result(xs, agreeing, secret)
+                return _blame(xs, ys, agreeing, secret, threshold=threshold)
             elif best is None or len(agreeing) > len(best[0]):
                 best = (agreeing, secret)
 
@@ -173,7 +186,7 @@ def reconstruct_checked(
             break
     if best is None:
         raise CryptoError()
-    return _result(xs, best[0], best[1])
+    return _blame(xs, ys, best[0], best[1], threshold=threshold)
 
 
 def _subsets(count: int, threshold: int, limit: int) -> Iterator[tuple[int, ...]]:
@@ -197,6 +210,36 @@ def _certainly_best(agreeing: int, count: int, threshold: int) -> bool:
     two such polynomials share at most t - 1 points, so another one agrees with at
     most (count - agreeing) + t - 1 shares."""
     return 2 * agreeing > count + threshold - 1
+
+
+def _blame(
+    xs: Sequence[int],
+    ys: Sequence[int],
+    agreeing: frozenset[int],
+    secret: bytes,
+    *,
+    threshold: int,
+) -> CheckedSecret:
+    """`secret` (checked) with the holders provably off the unique polynomial through it.
+
+    `agreeing` are the shares on the candidate that yielded `secret`. If that candidate
+    is within `blame_radius` it is the unique codeword; otherwise Berlekamp-Welch on the
+    affine code looks for one; if none is that close, nobody is named.
+    """
+    count = len(xs)
+    radius = blame_radius(count, threshold)
+    if count - len(agreeing) <= radius:
+        return _result(xs, agreeing, secret)
+    if threshold >= 2 and all(x % PRIME for x in xs):
+        s = int.from_bytes(secret, "big")
+        # p(x) = s + x r(x) with deg r < t - 1: decode r from (y_i - s) / x_i.
+        shifted = [((y - s) * _inverse(x)) % PRIME for x, y in zip(xs, ys)]
+        decoded = _berlekamp_welch(xs, shifted, threshold=threshold - 1, errors=radius)
+        if decoded is not None:
+            on = _agreeing(decoded, xs, shifted)
+            if count - len(on) <= radius:
+                return _result(xs, on, secret)
+    return CheckedSecret(secret=secret, disagreeing=())
 
 
 def _result(xs: Sequence[int], agreeing: frozenset[int], secret: bytes) -> CheckedSecret:

@@ -155,6 +155,7 @@ class SecAggServer:
                 site_id=site_id,
                 encryption_public_key=message.encryption_public_key,
                 masking_public_key=message.masking_public_key,
+                announcement_digest=self.params.announcement_digest,
             ),
             message.signature,
         )

@@ -1,34 +1,82 @@
 #!/bin/sh
 # One-off federation bootstrap for docker-compose.yml (the "pki-init" service).
-# Idempotent: an existing CA or initial model is never replaced, so re-running
+# Idempotent: an existing CA, site key or initial model is never replaced, so re-running
 # `docker-compose up` keeps every certificate and the training history.
 #
-#   PKI_DIR            where the CA and all certificates go (a volume)
-#   COORDINATOR_HOSTS  names the sites dial (comma-separated; localhost is for the
-#                      container's own health probe)
-#   SITES              site ids to issue certificates for (space-separated)
-#   MODEL_FILE         initial global model (TabularMLP over the synthetic features)
-#   MODEL_SEED         torch seed of its initialisation
+# It plays every party of the real flow (docs/pki.md) on one host, in three folders:
 #
-# Production: run `medfed pki` on the operator's offline machine instead (docs/deploy.md);
-# the CA key must not live on a volume that running services mount.
+#   PKI_DIR              the operator's CA folder (ca.key, every certificate, no site
+#                        key): mounted by no running service
+#   COORDINATOR_PKI_DIR  what the coordinator mounts: ca.crt, crl.pem, its own pair and
+#                        the health probe's monitor pair, and NO site identity
+#   HOSPITALS_DIR        one folder per hospital (HOSPITALS_DIR/SITE: ca.crt and
+#                        sites/SITE.crt/.key); each site's key is made there by
+#                        `medfed pki request` and only its CSR is signed by the operator
+#
+#   COORDINATOR_HOSTS    names in the coordinator certificate (comma-separated): the
+#                        name the sites dial and the one the health probe verifies
+#   SITES                site ids (space-separated)
+#   MONITOR              name of the health probe's monitor certificate
+#   MODEL_FILE           initial global model (TabularMLP over the synthetic features)
+#   MODEL_SEED           torch seed of its initialisation
+#   BOOTSTRAP_PKI        1 (default) as above; 0 writes the initial model only
+#                        (Kubernetes: certificates come from Secrets made elsewhere)
+#
+# Each run copies the current crl.pem to the coordinator's folder, so a revocation
+# (`medfed pki revoke --dir PKI_DIR ...`) reaches it by re-running this script.
+# Production: run `medfed pki` on the operator's offline machine and at each hospital
+# instead (docs/deploy.md); the CA key must not live on a volume a service mounts.
 set -eu
+umask 077
 PKI_DIR="${PKI_DIR:-/pki}"
-COORDINATOR_HOSTS="${COORDINATOR_HOSTS:-coordinator,localhost}"
+COORDINATOR_PKI_DIR="${COORDINATOR_PKI_DIR:-/coordinator-pki}"
+HOSPITALS_DIR="${HOSPITALS_DIR:-/hospitals}"
+COORDINATOR_HOSTS="${COORDINATOR_HOSTS:-coordinator}"
 SITES="${SITES:-paediatric geriatric rural}"
+MONITOR="${MONITOR:-healthcheck}"
 MODEL_FILE="${MODEL_FILE:-/state/initial-model.mfm}"
 MODEL_SEED="${MODEL_SEED:-2}"
+BOOTSTRAP_PKI="${BOOTSTRAP_PKI:-1}"
 
+# copy SRC DST: replace DST in one rename (a running coordinator re-reads crl.pem).
+copy() {
+    cp "$1" "$(dirname "$2")/.$(basename "$2").tmp"
+    mv "$(dirname "$2")/.$(basename "$2").tmp" "$2"
+}
+
+bootstrap_pki() {
 if [ ! -f "$PKI_DIR/ca.crt" ]; then
     medfed pki init --dir "$PKI_DIR"
     medfed pki issue --dir "$PKI_DIR" --coordinator "$COORDINATOR_HOSTS"
     # The coordinator accepts mutual TLS only, so its health probe needs a client
-    # certificate of its own; it never takes part in rounds.
-    for site in $SITES healthcheck; do
-        medfed pki issue --dir "$PKI_DIR" --site "$site"
-    done
+    # certificate: a monitor's, which may call Health and nothing that a site may.
+    medfed pki issue --dir "$PKI_DIR" --monitor "$MONITOR"
 else
     echo "bootstrap: $PKI_DIR/ca.crt exists, keeping the PKI"
+fi
+
+# Each hospital: its own key and CSR (at the hospital), signed by the operator.
+for site in $SITES; do
+    hospital="$HOSPITALS_DIR/$site"
+    if [ ! -f "$hospital/sites/$site.key" ]; then
+        medfed pki request --site "$site" --out "$hospital/sites"
+        medfed pki sign --dir "$PKI_DIR" --csr "$hospital/sites/$site.csr"
+        copy "$PKI_DIR/sites/$site.crt" "$hospital/sites/$site.crt"
+        rm -f "$hospital/sites/$site.csr"
+    fi
+    copy "$PKI_DIR/ca.crt" "$hospital/ca.crt"
+done
+
+# The coordinator's folder: never a site key, never the CA key.
+mkdir -p "$COORDINATOR_PKI_DIR/monitors"
+for file in ca.crt crl.pem coordinator.crt coordinator.key \
+            "monitors/$MONITOR.crt" "monitors/$MONITOR.key"; do
+    copy "$PKI_DIR/$file" "$COORDINATOR_PKI_DIR/$file"
+done
+}
+
+if [ "$BOOTSTRAP_PKI" = 1 ]; then
+    bootstrap_pki
 fi
 
 if [ ! -f "$MODEL_FILE" ]; then

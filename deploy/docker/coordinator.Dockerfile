@@ -2,7 +2,8 @@
 # medfed coordinator (CPU). Build from the repository root:
 #   docker build -f deploy/docker/coordinator.Dockerfile -t medfed-coordinator .
 # Mount at run time (nothing secret is baked into the image):
-#   /pki     ca.crt, crl.pem, coordinator.crt/.key, sites/healthcheck.crt/.key  (read-only)
+#   /pki     ca.crt, crl.pem, coordinator.crt/.key, monitors/healthcheck.crt/.key
+#            (read-only; never a site key, never ca.key)
 #   /config  coordinator.toml (deploy/config/coordinator.toml)                  (read-only)
 #   /state   state database, checkpoints, federation ledger                      (read-write)
 # Ports: 7443 mTLS gRPC (public), 9464 Prometheus /metrics (internal network only).
@@ -25,8 +26,8 @@ ARG MEDFED_UID=10001
 RUN groupadd --system --gid "${MEDFED_UID}" medfed \
     && useradd --system --uid "${MEDFED_UID}" --gid medfed --home-dir /nonexistent \
        --no-create-home --shell /usr/sbin/nologin medfed \
-    && mkdir -p /pki /config /state \
-    && chown medfed:medfed /pki /state
+    && mkdir -p /pki /config /state /coordinator-pki /hospitals \
+    && chown medfed:medfed /pki /state /coordinator-pki /hospitals
 COPY --from=build /opt/medfed /opt/medfed
 COPY deploy/docker/healthcheck.py /usr/local/bin/medfed-healthcheck
 COPY deploy/docker/bootstrap.sh /usr/local/bin/medfed-bootstrap
@@ -37,14 +38,15 @@ ENV PATH=/opt/medfed/bin:$PATH \
     HOME=/tmp \
     MEDFED_HEALTH_TARGET=127.0.0.1:7443 \
     MEDFED_HEALTH_CA=/pki/ca.crt \
-    MEDFED_HEALTH_CERT=/pki/sites/healthcheck.crt \
-    MEDFED_HEALTH_KEY=/pki/sites/healthcheck.key
+    MEDFED_HEALTH_CERT=/pki/monitors/healthcheck.crt \
+    MEDFED_HEALTH_KEY=/pki/monitors/healthcheck.key \
+    MEDFED_HEALTH_SERVER_CERT=/pki/coordinator.crt
 USER medfed
 WORKDIR /state
 VOLUME ["/state"]
 EXPOSE 7443 9464
-# grpc.health.v1 over mutual TLS with the probe certificate (the coordinator accepts
-# nothing else); see deploy/docker/healthcheck.py.
+# grpc.health.v1 over mutual TLS with the probe's monitor certificate (the coordinator
+# accepts nothing else), verified against a name in coordinator.crt; see healthcheck.py.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=60s --retries=3 \
     CMD ["python", "/usr/local/bin/medfed-healthcheck", "grpc"]
 ENTRYPOINT ["medfed", "coordinator", "serve"]

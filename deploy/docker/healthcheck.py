@@ -7,9 +7,15 @@
 Why a separate script: the coordinator accepts only mutual-TLS connections (there is
 no plaintext port to forget), so even a health probe must present a certificate issued
 by the federation CA for TLS client authentication. The coordinator's own certificate
-is for server authentication only, so the image is given a dedicated probe
-certificate (`medfed pki issue --site healthcheck`, see docs/deploy.md). A site agent
+is for server authentication only, so the image is given a *monitor* certificate
+(`medfed pki issue --monitor healthcheck`, see docs/deploy.md): it may call Health and
+read-only status and nothing a site may, so the probe is no hospital. A site agent
 has no inbound gRPC port at all (outbound only), so its liveness is its /metrics port.
+
+The probe dials 127.0.0.1 inside the container, but the coordinator's certificate names
+its public host(s). Unless --server-name says otherwise, the probe reads the mounted
+coordinator certificate (--server-cert) and verifies the server against a name that is
+in it, so the check passes exactly when the real server presents that certificate.
 
 Settings come from flags or MEDFED_HEALTH_* environment variables, so that the
 HEALTHCHECK line stays short. Exit status 0 = healthy, 1 = unhealthy (Docker's rule).
@@ -39,10 +45,11 @@ def check_grpc(args: argparse.Namespace) -> str:
         certificate_chain=Path(args.cert).read_bytes(),
     )
     options = []
-    if args.server_name:
+    server_name = args.server_name or name_in_certificate(args.target, args.server_cert)
+    if server_name:
         # Dialling 127.0.0.1 inside the container while the certificate names the
         # public host: verify the certificate against that name instead.
-        options.append(("grpc.ssl_target_name_override", args.server_name))
+        options.append(("grpc.ssl_target_name_override", server_name))
     with grpc.secure_channel(args.target, credentials, options=options) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
@@ -54,6 +61,31 @@ def check_grpc(args: argparse.Namespace) -> str:
     if response.status != health_pb2.HealthCheckResponse.SERVING:
         return f"status {health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)}"
     return ""
+
+
+def certificate_names(path: str) -> list[str]:
+    """DNS names and IP addresses (as text) in a certificate's subjectAltName."""
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(Path(path).read_bytes())
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    dns = [name.lower() for name in san.get_values_for_type(x509.DNSName)]
+    return dns + [str(ip) for ip in san.get_values_for_type(x509.IPAddress)]
+
+
+def name_in_certificate(target: str, server_cert: str | None) -> str:
+    """The name to verify the server against: "" if the target host is in the mounted
+    coordinator certificate (or there is none), else the certificate's first name."""
+    if not server_cert or not Path(server_cert).is_file():
+        return ""
+    names = certificate_names(server_cert)
+    host = target.rsplit(":", 1)[0].strip("[]").lower()
+    if not names or host in names:
+        return ""
+    return names[0]
 
 
 def check_http(args: argparse.Namespace) -> str:
@@ -79,10 +111,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     rpc = sub.add_parser("grpc", help="grpc.health.v1 Check over mutual TLS (coordinator)")
     rpc.add_argument("--target", default=_env("TARGET", "127.0.0.1:7443"))
     rpc.add_argument("--ca", default=_env("CA", "/pki/ca.crt"))
-    rpc.add_argument("--cert", default=_env("CERT", "/pki/sites/healthcheck.crt"))
-    rpc.add_argument("--key", default=_env("KEY", "/pki/sites/healthcheck.key"))
+    rpc.add_argument("--cert", default=_env("CERT", "/pki/monitors/healthcheck.crt"),
+                     help="monitor certificate (medfed pki issue --monitor NAME)")
+    rpc.add_argument("--key", default=_env("KEY", "/pki/monitors/healthcheck.key"))
     rpc.add_argument("--server-name", default=_env("SERVER_NAME"),
-                     help="name to verify the coordinator certificate against")
+                     help="name to verify the coordinator certificate against "
+                          "(default: a name from --server-cert)")
+    rpc.add_argument("--server-cert", default=_env("SERVER_CERT", "/pki/coordinator.crt"),
+                     help="the coordinator's certificate, to pick a name it carries")
     rpc.add_argument("--service", default=_env("SERVICE", ""),
                      help='health service name ("" = the whole server)')
     rpc.add_argument("--timeout", type=float, default=float(_env("TIMEOUT", "5") or 5))

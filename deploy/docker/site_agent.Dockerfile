@@ -2,7 +2,8 @@
 # medfed site agent, CPU variant (GPU: site_agent.cuda.Dockerfile). From the repo root:
 #   docker build -f deploy/docker/site_agent.Dockerfile -t medfed-site-agent .
 # Mount at run time (nothing secret is baked into the image):
-#   /pki     ca.crt and sites/SITE_ID.crt/.key (what the hospital received)  (read-only)
+#   /pki     ca.crt and sites/SITE_ID.crt/.key (key made here by `medfed pki request`,
+#            certificate signed by the operator; key mode 0600)                (read-only)
 #   /config  site.toml (deploy/config/site.toml)                             (read-only)
 #   /data    this hospital's CSV/Parquet records                             (read-only)
 #   /state   the privacy ledger (authoritative for this site: back it up)   (read-write)

@@ -1,7 +1,7 @@
 """The coordinator's federation budget view decides who is selected: exhausted sites
 are never asked again.
 
-Engine level on SQLite and PostgreSQL (every kind of report, one `_select`), then the
+Engine level on SQLite and PostgreSQL (every kind of report, one selection), then the
 whole federation over real mTLS sockets with real site ledgers: a site whose ledger
 refuses a round declines it, reports itself exhausted and is never selected again.
 """
@@ -16,15 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from common import pki
 from common.config import SiteSettings
 from common.errors import StateError, ValidationError
 from common.privacy.accountant import Segment
 from common.privacy.federation import FederationBudgetView
-from common.privacy.ledger import PrivacyLedger, verify_ledger
+from common.privacy.ledger import LedgerSigner, PrivacyLedger, verify_ledger
 from common.proto.medfed.v1 import federation_pb2 as pb
-from coordinator.engine import RoundEngine, SiteBudget
+from common.round import SiteBudget
+from common.wire import budget_from_pb
+from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.servicer import budget_from_pb
 from coordinator.store import CoordinatorStore
 from site_agent.agent import SiteAgent
 from site_agent.hooks import DeterministicTestHook, RoundPlan
@@ -84,7 +86,7 @@ def test_selection_follows_the_federation_view(
             for site_id in reports
         ]
         try:
-            return await asyncio.wait_for(engine._select(), timeout=30)
+            return await asyncio.wait_for(engine.select_participants(), timeout=30)
         finally:
             for wait in waits:
                 wait.cancel()
@@ -186,9 +188,11 @@ def test_site_with_exhausted_ledger_is_never_selected_again(
 ) -> None:
     ledgers = {
         "d": PrivacyLedger(tmp_path / "d.ledger", site_id="d", budget_epsilon=100.0,
-                           delta=1e-5),
+                           delta=1e-5,
+                           signer=LedgerSigner.from_files(*pki.site_paths(pki_layout.root, "d"))),
         "e": PrivacyLedger(tmp_path / "e.ledger", site_id="e", budget_epsilon=TIGHT_BUDGET,
-                           delta=1e-5),
+                           delta=1e-5,
+                           signer=LedgerSigner.from_files(*pki.site_paths(pki_layout.root, "e"))),
     }
     # The premise: one round fits e's budget, two do not (also warms up the accountant).
     assert ledgers["e"].preview(1, ROUND_COST) < TIGHT_BUDGET

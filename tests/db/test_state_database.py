@@ -14,7 +14,7 @@ from common.errors import ConfigError, StateError
 from common.privacy.federation import FederationBudgetView
 from common.privacy.ledger import BudgetStatus
 from common.sqldb import POSTGRESQL, SQLITE, Database, parse_database_url, translate
-from coordinator.store import Checkpoint, CoordinatorStore
+from coordinator.store import AbandonedRound, Checkpoint, CoordinatorStore
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 
@@ -101,14 +101,20 @@ def test_store_rounds_checkpoints_and_sites(database_url: str, tmp_path: Path) -
     assert reopened.latest_checkpoint() == ckpt
     assert reopened.round_status(2) == "aborted" and reopened.round_status(99) is None
     assert reopened.round_status(2**64 - 1) is None  # uint64 from the wire: no error
-    assert reopened.abandon_in_flight(now=20.0) == [3]
+    assert reopened.abandon_in_flight(now=20.0) == [AbandonedRound(3, unmasked=False)]
     assert reopened.abandon_in_flight(now=21.0) == []
     assert reopened.next_round_number() == 4
+    # A round whose sum was unmasked before the crash is reported as such.
+    reopened.begin_round(4, ["a", "b"], now=22.0)
+    reopened.mark_unmasked(4)
+    assert reopened.round_status(4) == "unmasked"
+    assert reopened.abandon_in_flight(now=23.0) == [AbandonedRound(4, unmasked=True)]
     rounds = reopened.rounds()
     assert [(r.round_number, r.status) for r in rounds] == [
-        (1, "completed"), (2, "aborted"), (3, "abandoned")
+        (1, "completed"), (2, "aborted"), (3, "abandoned"), (4, "abandoned")
     ]
-    first, _, third = rounds
+    assert rounds[3].detail == "coordinator restarted after its sum was unmasked"
+    first, _, third, _ = rounds
     assert first.participants == ("a", "b") and first.survivors == ("a", "b")
     assert first.dropped == ("c",) and first.metrics == {"auc": 0.75}
     assert first.started_at == 10.0 and first.finished_at == 11.5

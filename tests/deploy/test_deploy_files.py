@@ -148,7 +148,8 @@ def test_compose_services_volumes_and_sites() -> None:
         env = service["environment"]
         assert env["MEDFED_SITE_SITE"] == site
         assert int(env["MEDFED_SITE_DATA__SYNTHETIC_COHORT_SEED"]) >= 0
-        assert any(v.endswith(":/pki:ro") for v in service["volumes"])
+        assert env["MEDFED_SITE_PKI"] == f"/hospitals/{site}"
+        assert service["volumes"][0] == "hospitals:/hospitals:ro"
         assert service["depends_on"]["coordinator"]["condition"] == "service_healthy"
         assert "ports" not in service, "site agents open no published port"
     coordinator = services["coordinator"]
@@ -217,7 +218,8 @@ def test_example_config_validates_and_mentions_every_field(
     clean_env: None, cls: type[CoordinatorSettings | SiteSettings], path: Path
 ) -> None:
     settings = load_settings(cls, config_file=path, overrides={})
-    assert settings.metrics_listen.startswith("0.0.0.0:")  # reachable by Prometheus
+    # Plain-HTTP metrics on loopback unless a deployment opens them deliberately.
+    assert settings.metrics_listen.startswith("127.0.0.1:")
     lines = path.read_text().splitlines()
     for dotted in documented_fields(cls):
         section, _, name = dotted.rpartition(".")
@@ -273,8 +275,15 @@ def test_kubernetes_coordinator_manifests() -> None:
         assert security["readOnlyRootFilesystem"] is True
         assert security["allowPrivilegeEscalation"] is False
         mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
-        assert mounts["/pki"].get("readOnly") is True
-        assert "secret" in volumes[mounts["/pki"]["name"]]
+        if "/pki" in mounts:
+            assert mounts["/pki"].get("readOnly") is True
+            assert "secret" in volumes[mounts["/pki"]["name"]]
+    # The model-writing init container needs no certificate at all.
+    assert all(
+        "/pki" not in {m["mountPath"] for m in c["volumeMounts"]}
+        for c in pod.get("initContainers", [])
+    )
+    assert "/pki" in {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
     coordinator = pod["containers"][0]
     for probe in ("readinessProbe", "livenessProbe"):
         assert "medfed-healthcheck" in " ".join(coordinator[probe]["exec"]["command"])
@@ -285,8 +294,114 @@ def test_kubernetes_coordinator_manifests() -> None:
     assert ports == {7443, 9464}
     secret_items = {i["path"] for i in volumes["tls"]["secret"]["items"]}
     assert {"ca.crt", "crl.pem", "coordinator.crt", "coordinator.key",
-            "sites/healthcheck.crt", "sites/healthcheck.key"} == secret_items
+            "monitors/healthcheck.crt", "monitors/healthcheck.key"} == secret_items
     assert not any(d["kind"] == "Secret" for d in docs), "secrets are created out of band"
+
+
+# --------------------------------------------------------------------------- identities
+# Issue 9, section 2: the coordinator holds no site identity anywhere, its probe is a
+# monitor, and the probe verifies the server against a name the certificate carries.
+
+
+def _coordinator_pod() -> dict[str, Any]:
+    deployment = load_yaml(DEPLOY / "k8s/deployment.yaml")
+    pod: dict[str, Any] = deployment["spec"]["template"]["spec"]
+    return pod
+
+
+def _env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def _dockerfile_env(path: Path) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for keyword, args in instructions(path):
+        if keyword == "ENV":
+            env.update(re.findall(r"([A-Z_][A-Z0-9_]*)=(\S+)", args))
+    return env
+
+
+def test_no_site_identity_is_mounted_into_or_generated_for_the_coordinator() -> None:
+    compose = load_yaml(COMPOSE)["services"]
+    coordinator = compose["coordinator"]
+    volume_names = {v.split(":")[0] for v in coordinator["volumes"] if not v.startswith("./")}
+    # Neither the operator's CA folder nor the hospitals' folders.
+    assert volume_names == {"coordinator-pki", "coordinator-state"}
+    assert "coordinator-pki:/pki:ro" in coordinator["volumes"]
+    for site in SITES:
+        assert not any(v.startswith("coordinator-pki") for v in compose[f"site-{site}"]["volumes"])
+    text = yaml.safe_dump(coordinator)
+    assert "sites/" not in text and "/hospitals" not in text
+    # The operator folder is mounted by the bootstrap only.
+    mounting_pki = {name for name, svc in compose.items()
+                    if any(str(v).startswith("pki:") for v in svc.get("volumes", []))}
+    assert mounting_pki == {"pki-init"}
+    # Kubernetes: the Secret carries no site pair, the probe env names none.
+    pod = _coordinator_pod()
+    tls_items = next(v for v in pod["volumes"] if v["name"] == "tls")["secret"]["items"]
+    assert not any(i["path"].startswith("sites/") for i in tls_items)
+    assert "sites/" not in yaml.safe_dump(pod)
+    assert "sites/" not in (DEPLOY / "k8s/kustomization.yaml").read_text()
+    assert not any("sites/" in v for v in _dockerfile_env(
+        DEPLOY / "docker/coordinator.Dockerfile").values())
+    # The bootstrap makes each hospital's key at the hospital (request) and signs only
+    # its CSR; it never issues a site pair, and copies no site file to the coordinator.
+    script = BOOTSTRAP.read_text()
+    assert "pki issue --dir" in script and "--site" not in script.split("pki issue")[1]
+    assert "pki request --site" in script and "pki sign --dir" in script
+    copied = re.search(r"for file in (.*?); do", script, re.S)
+    assert copied is not None and "sites" not in copied.group(1)
+
+
+def test_health_probes_use_a_monitor_certificate() -> None:
+    compose_env = load_yaml(COMPOSE)["services"]["coordinator"]["environment"]
+    k8s_env = _env_of(_coordinator_pod()["containers"][0])
+    image_env = _dockerfile_env(DEPLOY / "docker/coordinator.Dockerfile")
+    for env in (compose_env, k8s_env, image_env):
+        assert env["MEDFED_HEALTH_CERT"] == "/pki/monitors/healthcheck.crt"
+        assert env["MEDFED_HEALTH_KEY"] == "/pki/monitors/healthcheck.key"
+    assert "--monitor" in BOOTSTRAP.read_text()
+    assert "/pki/monitors/healthcheck.crt" in HEALTHCHECK.read_text()
+
+
+def test_probe_verifies_a_name_that_is_in_the_coordinator_certificate() -> None:
+    compose = load_yaml(COMPOSE)["services"]
+    hosts = compose["pki-init"]["environment"]["COORDINATOR_HOSTS"].split(",")
+    env = compose["coordinator"]["environment"]
+    probe_host = env["MEDFED_HEALTH_TARGET"].rsplit(":", 1)[0]
+    # Dialled address in the certificate, or an explicit name that is.
+    assert probe_host in hosts or env["MEDFED_HEALTH_SERVER_NAME"] in hosts
+    # The sites dial a name in it too.
+    for site in SITES:
+        dialled = compose[f"site-{site}"]["environment"]["MEDFED_SITE_COORDINATOR"]
+        assert dialled.rsplit(":", 1)[0] in hosts
+    # Kubernetes (certificate made elsewhere): the probe reads the mounted certificate
+    # and verifies against a name in it.
+    pod = _coordinator_pod()
+    k8s_env = _env_of(pod["containers"][0])
+    tls_items = next(v for v in pod["volumes"] if v["name"] == "tls")["secret"]["items"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "tls")
+    cert_path = next(i["path"] for i in tls_items if i["key"] == "coordinator.crt")
+    assert k8s_env["MEDFED_HEALTH_SERVER_CERT"] == f"{mount['mountPath']}/{cert_path}"
+    assert _dockerfile_env(DEPLOY / "docker/coordinator.Dockerfile")[
+        "MEDFED_HEALTH_SERVER_CERT"] == "/pki/coordinator.crt"
+
+
+def test_metrics_are_opened_only_on_internal_networks() -> None:
+    """Shipped configs bind loopback; where a deployment opens metrics, the port is not
+    published (compose) or is limited to the monitoring namespace (Kubernetes)."""
+    for name in ("coordinator", "site"):
+        config = tomllib.loads((DEPLOY / f"config/{name}.toml").read_text())
+        assert config["metrics_listen"].startswith("127.0.0.1:")
+    compose = load_yaml(COMPOSE)["services"]
+    for name, service in compose.items():
+        if name.startswith("site-") or name == "coordinator":
+            published = [str(p) for p in service.get("ports", [])]
+            assert not any(("9464" in p or "9465" in p) for p in published), name
+    policy = load_yaml(DEPLOY / "k8s/networkpolicy.yaml")
+    metrics_rules = [r for r in policy["spec"]["ingress"]
+                     if any(p["port"] == 9464 for p in r["ports"])]
+    assert metrics_rules and all(r.get("from") for r in metrics_rules)
 
 
 # --------------------------------------------------------------------------- scripts
@@ -301,43 +416,67 @@ def healthcheck(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.e2e
 def test_bootstrap_and_healthcheck_against_a_real_coordinator(tmp_path: Path) -> None:
     venv_bin = str(Path(sys.executable).parent)
+    operator, coordinator_pki, hospitals = (
+        tmp_path / "pki", tmp_path / "coordinator-pki", tmp_path / "hospitals")
     env = {**os.environ, "PATH": f"{venv_bin}:{os.environ['PATH']}", "PYTHONPATH": str(REPO),
-           "PKI_DIR": str(tmp_path / "pki"), "COORDINATOR_HOSTS": "127.0.0.1,localhost",
+           "PKI_DIR": str(operator), "COORDINATOR_PKI_DIR": str(coordinator_pki),
+           "HOSPITALS_DIR": str(hospitals),
+           # As in docker-compose.yml: the certificate does NOT name 127.0.0.1.
+           "COORDINATOR_HOSTS": "coordinator",
            "SITES": "paediatric", "MODEL_FILE": str(tmp_path / "state/initial-model.mfm")}
     for run in (1, 2):  # the second run must keep everything
         done = subprocess.run(["sh", str(BOOTSTRAP)], env=env, capture_output=True, text=True,
                               timeout=180, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         if run == 1:
-            first_ca = (tmp_path / "pki/ca.crt").read_bytes()
+            first_ca = (operator / "ca.crt").read_bytes()
+            first_key = (hospitals / "paediatric/sites/paediatric.key").read_bytes()
             first_model = (tmp_path / "state/initial-model.mfm").read_bytes()
     assert "keeping the PKI" in done.stdout
-    assert (tmp_path / "pki/ca.crt").read_bytes() == first_ca
+    assert (operator / "ca.crt").read_bytes() == first_ca
+    assert (hospitals / "paediatric/sites/paediatric.key").read_bytes() == first_key
     assert (tmp_path / "state/initial-model.mfm").read_bytes() == first_model
-    pki = tmp_path / "pki"
-    assert (pki / "sites/healthcheck.crt").is_file() and (pki / "sites/paediatric.key").is_file()
+
+    def keys(folder: Path) -> set[str]:
+        return {str(p.relative_to(folder)) for p in folder.rglob("*.key")}
+
+    # The operator holds no site key; the coordinator no site identity and no CA key.
+    assert keys(operator) == {"ca.key", "coordinator.key", "monitors/healthcheck.key"}
+    assert keys(coordinator_pki) == {"coordinator.key", "monitors/healthcheck.key"}
+    assert not (coordinator_pki / "sites").exists()
+    assert keys(hospitals) == {"paediatric/sites/paediatric.key"}
+    assert (hospitals / "paediatric/sites/paediatric.crt").is_file()
+    assert (hospitals / "paediatric/ca.crt").read_bytes() == first_ca
 
     coordinator = ManagedProcess(
         "coordinator",
         medfed_argv("coordinator", "serve", "--config", str(DEPLOY / "config/coordinator.toml"),
-                    "--pki", str(pki), "--state", str(tmp_path / "state"),
+                    "--pki", str(coordinator_pki), "--state", str(tmp_path / "state"),
                     "--model-init", str(tmp_path / "state/initial-model.mfm"),
                     "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"),
         log_dir=tmp_path / "logs", cwd=REPO,
         env={k: "" for k in os.environ if k.startswith("MEDFED_")},
     )
+    monitor = ("--cert", str(coordinator_pki / "monitors/healthcheck.crt"),
+               "--key", str(coordinator_pki / "monitors/healthcheck.key"))
     try:
         ports = coordinator.wait_event("listening", timeout=60)
         target = f"127.0.0.1:{ports['port']}"
-        probe = ("--ca", str(pki / "ca.crt"), "--target", target)
-        healthy = healthcheck("grpc", *probe, "--cert", str(pki / "sites/healthcheck.crt"),
-                              "--key", str(pki / "sites/healthcheck.key"))
+        probe = ("--ca", str(coordinator_pki / "ca.crt"), "--target", target)
+        server_cert = ("--server-cert", str(coordinator_pki / "coordinator.crt"))
+        # Dials 127.0.0.1, verifies the server as "coordinator" (read from its certificate).
+        healthy = healthcheck("grpc", *probe, *monitor, *server_cert)
         assert healthy.returncode == 0, healthy.stderr
         assert healthy.stdout.strip() == "healthy"
+        # The former defect: verifying against the dialled 127.0.0.1 fails the handshake.
+        mismatch = healthcheck("grpc", *probe, *monitor,
+                               "--server-cert", str(tmp_path / "absent.crt"))
+        assert mismatch.returncode == 1 and "unhealthy" in mismatch.stderr
         # The coordinator's own (serverAuth-only) certificate is refused as a client:
         # this is why the image carries a dedicated probe certificate.
-        refused = healthcheck("grpc", *probe, "--cert", str(pki / "coordinator.crt"),
-                              "--key", str(pki / "coordinator.key"))
+        refused = healthcheck("grpc", *probe, *server_cert,
+                              "--cert", str(coordinator_pki / "coordinator.crt"),
+                              "--key", str(coordinator_pki / "coordinator.key"))
         assert refused.returncode == 1 and "unhealthy" in refused.stderr
         metrics_url = f"http://127.0.0.1:{ports['metrics_port']}/metrics"
         with urllib.request.urlopen(metrics_url, timeout=10) as response:
@@ -348,6 +487,5 @@ def test_bootstrap_and_healthcheck_against_a_real_coordinator(tmp_path: Path) ->
         assert wrong.returncode == 1 and "no medfed_site_" in wrong.stderr
     finally:
         coordinator.stop()
-    gone = healthcheck("grpc", *probe, "--cert", str(pki / "sites/healthcheck.crt"),
-                       "--key", str(pki / "sites/healthcheck.key"), "--timeout", "2")
+    gone = healthcheck("grpc", *probe, *monitor, *server_cert, "--timeout", "2")
     assert gone.returncode == 1

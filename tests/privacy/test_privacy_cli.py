@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from common.privacy.accountant import Segment, compose_epsilon
+from common.privacy.accountant import Segment, account, compose_epsilon
 from common.privacy.cli import main
 from common.privacy.ledger import PrivacyLedger
+from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian
+from tests.privacy.conftest import Pki
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 
@@ -55,7 +57,48 @@ def test_bad_segment_names_the_argument(
         main(["privacy", "epsilon", "--delta", "1e-5", segment])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "argument SIGMA:Q:STEPS" in err and message in err
+    assert "argument MECHANISM" in err and message in err
+
+
+def test_epsilon_accepts_every_mechanism_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    ddg = DistributedDiscreteGaussian(noise_variance_per_site=400.0, contributors=4,
+                                      l2_sensitivity=30.0, dimension=1024, l1_sensitivity=90.0)
+    expected = account([Segment(1.0, 0.01, 200), Gaussian(8.0, 1.0, 2), ddg], delta=1e-5,
+                       accountant="pld")
+    out = run_json(capsys, "privacy", "epsilon", "--delta", "1e-5", "--accountant", "pld",
+                   "1.0:0.01:200", "gaussian:8:1:2", "ddgauss:400:4:30:1024:90")
+    assert out["epsilon"] == expected.epsilon
+    assert out["accountant"] == "rdp" and out["requested_accountant"] == "pld"
+    assert "distributed discrete Gaussian" in str(out["note"])
+    as_json = run_json(capsys, "privacy", "epsilon", "--delta", "1e-5", "--accountant", "pld",
+                       '{"kind": "gaussian", "noise_std": 8.0, "l2_sensitivity": 1.0, '
+                       '"count": 2}', "sampled_gaussian:1.0:0.01:200",
+                       json.dumps(ddg.to_json_dict()))
+    assert as_json == out
+    plain = run_json(capsys, "privacy", "epsilon", "--delta", "1e-5", "--accountant", "pld",
+                     "gaussian:8:1")
+    assert plain["accountant"] == "pld" and "note" not in plain
+
+
+@pytest.mark.parametrize(
+    ("mechanism", "message"),
+    [
+        ("gaussian:1", "gaussian:NOISE_STD:L2_SENSITIVITY[:COUNT]"),
+        ("gaussian:x:1", "NOISE_STD 'x' is not a number"),
+        ("ddgauss:1:2:3", "ddgauss:VARIANCE_PER_SITE:CONTRIBUTORS"),
+        ("ddgauss:4:2.5:3:10", "CONTRIBUTORS must be an integer"),
+        ("ddgauss:0.1:2:3:10", "noise_variance_per_site"),
+        ('{"kind": "laplace"}', "unknown mechanism kind"),
+    ],
+)
+def test_bad_mechanism_names_the_argument(
+    capsys: pytest.CaptureFixture[str], mechanism: str, message: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["privacy", "epsilon", "--delta", "1e-5", mechanism])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument MECHANISM" in err and message in err
 
 
 def test_bad_delta_is_one_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -84,13 +127,16 @@ def test_plan_meets_the_target(capsys: pytest.CaptureFixture[str]) -> None:
     assert 2.9 <= spent <= 3.0
 
 
-def test_ledger_show_reports_rounds_budget_and_unit(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def site_ledger(path: Path, pki_material: Pki, **options: object) -> PrivacyLedger:
+    return PrivacyLedger(path, site_id="hospital-a", budget_epsilon=2.0, delta=1e-5,
+                         signer=pki_material.signer_a, **options)  # type: ignore[arg-type]
+
+
+def test_ledger_show_reports_rounds_budget_unit_and_purposes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], pki_material: Pki
 ) -> None:
     path = tmp_path / "site.ledger"
-    ledger = PrivacyLedger(
-        path, site_id="h1", budget_epsilon=2.0, delta=1e-5, privacy_unit="patient"
-    )
+    ledger = site_ledger(path, pki_material, privacy_unit="patient")
     ledger.reserve(0, [Segment(1.0, 0.01, 100)], now=T0)
     ledger.reserve(1, [Segment(1.0, 0.01, 100)], now=T0)
     shown = run_json(capsys, "ledger", "show", "--ledger", str(path), "--json")
@@ -105,11 +151,34 @@ def test_ledger_show_reports_rounds_budget_and_unit(
     assert main(["ledger", "show", "--ledger", str(path)]) == 0
     text = capsys.readouterr().out
     assert "patient-level DP" in text and "remaining" in text
+    ledger.reserve(1, [Gaussian(40.0, 1.0)], now=T0, purpose="evaluation")
+    shown = run_json(capsys, "ledger", "show", "--ledger", str(path), "--json")
+    assert set(shown["epsilon_by_purpose"]) == {"training", "evaluation"}  # type: ignore[call-overload]
+    assert shown["entries"][2]["mechanisms"] == [  # type: ignore[index]
+        {"kind": "gaussian", "noise_std": 40.0, "l2_sensitivity": 1.0, "count": 1}]
+    assert main(["ledger", "show", "--ledger", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "evaluation" in text and "Gaussian: noise std 40" in text
 
 
-def test_ledger_commands_in_a_real_process(tmp_path: Path) -> None:
+def test_plan_round_from_a_ledger(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], pki_material: Pki
+) -> None:
     path = tmp_path / "site.ledger"
-    PrivacyLedger(path, site_id="h1", budget_epsilon=2.0, delta=1e-5).reserve(
+    ledger = PrivacyLedger(path, site_id="hospital-a", budget_epsilon=4.0, delta=1e-5,
+                           accountant="pld", signer=pki_material.signer_a)
+    ledger.reserve(0, [Segment(1.0, 0.02, 50)], now=T0)
+    out = run_json(capsys, "privacy", "plan-round", "--ledger", str(path), "--sample-rate",
+                   "0.02", "--steps-per-round", "20", "--remaining-rounds", "4",
+                   "--max-epsilon-per-round", "0.3")
+    assert out["epsilon_spent"] == pytest.approx(ledger.spent())
+    assert float(out["round_epsilon"]) <= 0.3  # type: ignore[arg-type]
+    assert float(out["epsilon_after_plan"]) <= 4.0  # type: ignore[arg-type]
+
+
+def test_ledger_commands_in_a_real_process(tmp_path: Path, pki_material: Pki) -> None:
+    path = tmp_path / "site.ledger"
+    site_ledger(path, pki_material).reserve(
         0, [Segment(1.0, 0.01, 100)], now=T0
     )
     ok = subprocess.run(
@@ -137,14 +206,16 @@ def test_ledger_commands_in_a_real_process(tmp_path: Path) -> None:
         check=False,
     )
     assert missing.returncode == 2
-    assert "no ledger at" in missing.stderr
+    assert "no privacy ledger at" in missing.stderr and "Traceback" not in missing.stderr
 
 
-def test_installed_medfed_command_verifies_and_rejects(tmp_path: Path) -> None:
+def test_installed_medfed_command_verifies_and_rejects(
+    tmp_path: Path, pki_material: Pki
+) -> None:
     """The real `medfed` entry point (all packages' commands loaded) runs ours."""
     medfed = Path(sys.executable).with_name("medfed")
     path = tmp_path / "site.ledger"
-    PrivacyLedger(path, site_id="h1", budget_epsilon=2.0, delta=1e-5).reserve(
+    site_ledger(path, pki_material).reserve(
         0, [Segment(1.0, 0.01, 100)], now=T0
     )
     args = [str(medfed), "ledger", "verify", "--ledger", str(path), "--hashes-only"]
@@ -154,4 +225,4 @@ def test_installed_medfed_command_verifies_and_rejects(tmp_path: Path) -> None:
         connection.execute("UPDATE ledger_entries SET round = 5")
     bad = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 1
-    assert "first problem: entry seq=1: entry_hash does not match" in bad.stderr
+    assert "first problem: entry seq=1: unreadable entry" in bad.stderr

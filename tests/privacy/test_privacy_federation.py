@@ -12,6 +12,7 @@ from common.errors import ConfigError, StateError
 from common.privacy.accountant import Segment
 from common.privacy.federation import FederationBudgetView
 from common.privacy.ledger import BudgetStatus, PrivacyLedger
+from tests.privacy.conftest import Pki
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 ROUND = [Segment(1.0, 0.01, 100)]
@@ -66,17 +67,20 @@ def test_spend_reported_by_a_site_can_only_grow(tmp_path: Path) -> None:
     assert row is not None and row.spent_epsilon == 2.0
 
 
-def test_view_follows_a_real_ledger_until_it_is_exhausted(tmp_path: Path) -> None:
-    ledger = PrivacyLedger(tmp_path / "site.ledger", site_id="h1", budget_epsilon=1.0, delta=1e-5)
+def test_view_follows_a_real_ledger_until_it_is_exhausted(
+    tmp_path: Path, pki_material: Pki
+) -> None:
+    ledger = PrivacyLedger(tmp_path / "site.ledger", site_id="hospital-a", budget_epsilon=1.0,
+                           delta=1e-5, signer=pki_material.signer_a)
     view = FederationBudgetView.sqlite(tmp_path / "federation.db")
-    view.update_site("h1", ledger.status(ROUND), now=T0)
-    assert view.eligible_sites(["h1"], min_remaining=0.0) == ["h1"]
+    view.update_site("hospital-a", ledger.status(ROUND), now=T0)
+    assert view.eligible_sites(["hospital-a"], min_remaining=0.0) == ["hospital-a"]
     ledger.reserve(0, ROUND, now=T0)
     ledger.reserve(1, ROUND, now=T0)
     # A third identical round would exceed 1.0: the site reports itself exhausted.
     status = ledger.status(ROUND)
     assert status.exhausted
-    row = view.update_site("h1", status, now=T0)
+    row = view.update_site("hospital-a", status, now=T0)
     assert row.ledger_head == ledger.head_hash() and row.ledger_entries == 2
     assert row.spent_epsilon == pytest.approx(ledger.spent())
-    assert view.eligible_sites(["h1"], min_remaining=0.0) == []
+    assert view.eligible_sites(["hospital-a"], min_remaining=0.0) == []

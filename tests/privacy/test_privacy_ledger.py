@@ -1,7 +1,11 @@
-"""The site's ledger on real SQLite files: write-ahead reserve, budget, restart, tampering."""
+"""The site's ledger on real SQLite files with real certificate keys: write-ahead reserve,
+budget, restart, signed entries, tampering (including a forger who recomputes every hash),
+certificate replacement and format-1 migration."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 import sqlite3
 import subprocess
@@ -12,51 +16,61 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import BudgetExhausted, ConfigError, LedgerIntegrityError, StateError
-from common.privacy.accountant import Segment, compose_epsilon
-from common.privacy.ledger import (
-    PrivacyLedger,
-    entry_hash,
-    header_hash,
-    read_ledger,
-    verify_ledger,
+from common.crypto.encoding import encode_fields
+from common.errors import (
+    BudgetExhausted,
+    ConfigError,
+    LedgerIntegrityError,
+    LedgerUnavailable,
+    StateError,
 )
+from common.pki import load_certificate
+from common.privacy import legacy
+from common.privacy.accountant import Segment, compose_epsilon
+from common.privacy.ledger import PrivacyLedger, read_ledger, verify_ledger
+from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian, canonical_json
+from common.privacy.signed import LedgerSigner, LedgerTerms, SignedEntry
+from tests.privacy.conftest import Pki
 
 DELTA = 1e-5
 ROUND_SEGMENT = Segment(1.0, 0.01, 100)  # cheap for PRV, ~0.73 epsilon for one round
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 
 
-def open_ledger(path: Path, **overrides: object) -> PrivacyLedger:
+def open_ledger(path: Path, signer: LedgerSigner | None, **overrides: object) -> PrivacyLedger:
     options: dict[str, object] = {
         "site_id": "hospital-a",
         "budget_epsilon": 3.0,
         "delta": DELTA,
         "accountant": "prv",
         "privacy_unit": "patient",
+        "signer": signer,
     }
     options.update(overrides)
     return PrivacyLedger(path, **options)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
-def four_round_ledger(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def four_round_ledger(tmp_path_factory: pytest.TempPathFactory, pki_material: Pki) -> Path:
     """A ledger with rounds 0..3 committed (built once, copied per test)."""
     path = tmp_path_factory.mktemp("ledger") / "site.ledger"
-    ledger = open_ledger(path)
+    ledger = open_ledger(path, pki_material.signer_a)
     for round_number in range(4):
         ledger.reserve(round_number, [ROUND_SEGMENT], now=T0 + timedelta(hours=round_number))
     return path
 
 
+def copy_ledger(source: Path, target: Path) -> Path:
+    for suffix in ("", "-wal", ".anchor"):
+        origin = Path(f"{source}{suffix}")
+        if origin.exists():
+            shutil.copyfile(origin, Path(f"{target}{suffix}"))
+    return target
+
+
 @pytest.fixture
 def ledger_copy(four_round_ledger: Path, tmp_path: Path) -> Path:
-    target = tmp_path / "copy.ledger"
-    shutil.copyfile(four_round_ledger, target)
-    wal = four_round_ledger.with_name(four_round_ledger.name + "-wal")
-    if wal.exists():
-        shutil.copyfile(wal, target.with_name(target.name + "-wal"))
-    return target
+    return copy_ledger(four_round_ledger, tmp_path / "copy.ledger")
 
 
 def raw(path: Path) -> sqlite3.Connection:
@@ -68,149 +82,193 @@ def count_entries(path: Path) -> int:
         return int(connection.execute("SELECT COUNT(*) FROM ledger_entries").fetchone()[0])
 
 
-def test_reserve_is_write_ahead_and_durable(tmp_path: Path) -> None:
+def test_reserve_is_write_ahead_durable_and_signed(tmp_path: Path, pki_material: Pki) -> None:
     path = tmp_path / "site.ledger"
-    ledger = open_ledger(path)
+    ledger = open_ledger(path, pki_material.signer_a)
     entry = ledger.reserve(7, [ROUND_SEGMENT], now=T0)
-    # Another connection (as after a crash right after reserve) already sees the entry.
-    with raw(path) as connection:
-        assert connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        row = connection.execute(
-            "SELECT round, epsilon_after, status, entry_hash FROM ledger_entries"
-        ).fetchone()
-        header = connection.execute("SELECT entry_count, head_hash FROM ledger_header").fetchone()
-    assert row == (7, entry.epsilon_after, "committed", entry.entry_hash)
-    assert header == (1, entry.entry_hash)
-    assert entry.prev_hash == header_hash(
-        site_id="hospital-a",
-        budget_epsilon=3.0,
-        delta=DELTA,
-        accountant="prv",
-        privacy_unit="patient",
+    # Committed to disk before reserve() returned: a fresh connection sees it.
+    assert count_entries(path) == 1
+    header, entries = read_ledger(path)
+    assert entries == [entry] and header.head_hash == entry.entry_hash
+    assert entry.purpose == "training" and entry.mechanisms == (ROUND_SEGMENT,)
+    # The signature is over the domain-separated canonical body, with the site's key.
+    message = encode_fields("medfed/v1/ledger-entry", canonical_json(entry.body()))
+    pki_material.signer_a.signing_key.verifying_key.verify(message, entry.signature)
+    assert entry.cert_sha256 == hashlib.sha256(pki_material.signer_a.certificate_der).hexdigest()
+    assert entry.entry_hash == hashlib.sha256(canonical_json(entry.body())).hexdigest()
+
+
+def test_entries_of_every_kind_and_purpose(tmp_path: Path, pki_material: Pki) -> None:
+    ledger = open_ledger(tmp_path / "l", pki_material.signer_a, budget_epsilon=40.0)
+    count = Gaussian(noise_std=20.0, l2_sensitivity=1.0)
+    ddg = DistributedDiscreteGaussian(
+        noise_variance_per_site=400.0, contributors=4, l2_sensitivity=30.0, dimension=1024
     )
-    assert entry.epsilon_after == pytest.approx(compose_epsilon([ROUND_SEGMENT], delta=DELTA))
-    assert entry.created_at == T0.isoformat()
+    ledger.reserve(0, [count], now=T0, purpose="count")
+    ledger.reserve(0, [Gaussian(noise_std=8.0, l2_sensitivity=2.0, count=3)], now=T0,
+                   purpose="statistics")
+    ledger.reserve(1, [ROUND_SEGMENT, ddg], now=T0, purpose="training")
+    ledger.reserve(1, [Gaussian(noise_std=6.0, l2_sensitivity=1.0)], now=T0, purpose="evaluation")
+    entries = ledger.entries()
+    assert [e.purpose for e in entries] == ["count", "statistics", "training", "evaluation"]
+    assert entries[2].mechanisms == (ROUND_SEGMENT, ddg)
+    # A DDGauss anywhere makes the whole history an RDP composition (PRV cannot express it).
+    assert entries[1].accountant_used == "prv" and entries[2].accountant_used == "rdp"
+    by_purpose = ledger.spent_by_purpose()
+    assert set(by_purpose) == {"count", "statistics", "training", "evaluation"}
+    assert all(0 < eps < ledger.spent() for eps in by_purpose.values())
+    report = verify_ledger(ledger.path)
+    assert report.ok and report.epsilons_recomposed and report.signatures_checked == 4
 
 
-def test_spent_composes_the_whole_history_not_the_sum(ledger_copy: Path) -> None:
-    ledger = open_ledger(ledger_copy)
-    assert ledger.history() == [ROUND_SEGMENT] * 4
-    whole = compose_epsilon([Segment(1.0, 0.01, 400)], delta=DELTA)
+def test_spent_composes_the_whole_history_not_the_sum(ledger_copy: Path, pki_material: Pki) -> None:
+    ledger = open_ledger(ledger_copy, pki_material.signer_a)
+    whole = compose_epsilon([ROUND_SEGMENT] * 4, delta=DELTA)
     assert ledger.spent() == pytest.approx(whole, rel=1e-9)
-    first_round = ledger.entries()[0].epsilon_after
-    assert ledger.spent() < 4 * first_round
-    assert ledger.remaining() == pytest.approx(3.0 - whole)
-    preview = ledger.preview(4, [ROUND_SEGMENT])
-    assert preview == pytest.approx(compose_epsilon([Segment(1.0, 0.01, 500)], delta=DELTA))
-    status = ledger.status()
-    assert (status.last_round, status.ledger_entries, status.exhausted) == (3, 4, False)
-    assert status.ledger_head == ledger.head_hash()
+    assert ledger.spent() < 4 * compose_epsilon([ROUND_SEGMENT], delta=DELTA)
 
 
-def test_over_budget_round_raises_and_writes_nothing(ledger_copy: Path) -> None:
-    ledger = open_ledger(ledger_copy)
-    before = ledger.head_hash()
-    big_round = [Segment(1.0, 0.01, 3000)]
-    assert ledger.exhausted(big_round)
-    assert not ledger.exhausted([ROUND_SEGMENT])
-    with pytest.raises(BudgetExhausted, match="hospital-a"):
-        ledger.reserve(4, big_round, now=T0)
-    assert count_entries(ledger_copy) == 4
-    assert ledger.head_hash() == before
-    assert verify_ledger(ledger_copy).ok
-
-
-def test_site_never_trains_past_its_budget(tmp_path: Path) -> None:
-    ledger = open_ledger(tmp_path / "site.ledger", budget_epsilon=1.0)
-    committed = []
-    for round_number in range(10):
-        if ledger.exhausted([ROUND_SEGMENT]):
-            break
-        committed.append(ledger.reserve(round_number, [ROUND_SEGMENT], now=T0))
-    assert len(committed) == 2  # 0.73 after one round, 0.92 after two, 1.08 after three
-    assert ledger.spent() <= 1.0
+def test_over_budget_round_raises_and_writes_nothing(ledger_copy: Path, pki_material: Pki) -> None:
+    ledger = open_ledger(ledger_copy, pki_material.signer_a)
+    head = ledger.head_hash()
     with pytest.raises(BudgetExhausted):
-        ledger.reserve(99, [ROUND_SEGMENT], now=T0)
+        ledger.reserve(99, [Segment(0.5, 0.05, 2000)], now=T0)
+    assert count_entries(ledger_copy) == 4 and ledger.head_hash() == head
 
 
-def test_reserving_a_round_twice(ledger_copy: Path) -> None:
-    ledger = open_ledger(ledger_copy)
-    existing = ledger.entries()[2]
-    again = ledger.reserve(2, [ROUND_SEGMENT], now=T0 + timedelta(days=3))
-    assert again == existing
-    assert count_entries(ledger_copy) == 4
-    with pytest.raises(StateError, match="round 2"):
+def test_reserving_a_round_twice(ledger_copy: Path, pki_material: Pki) -> None:
+    ledger = open_ledger(ledger_copy, pki_material.signer_a)
+    again = ledger.reserve(2, [ROUND_SEGMENT], now=T0 + timedelta(days=9))
+    assert again.seq == 3 and count_entries(ledger_copy) == 4
+    with pytest.raises(StateError):
         ledger.reserve(2, [Segment(2.0, 0.01, 100)], now=T0)
+    # The same round may carry another purpose (e.g. its DP evaluation).
+    ledger.reserve(2, [Gaussian(50.0, 1.0)], now=T0, purpose="evaluation")
+    assert count_entries(ledger_copy) == 5
 
 
-def test_restart_resumes_history_and_refuses_changed_terms(ledger_copy: Path) -> None:
-    resumed = open_ledger(ledger_copy)
-    assert len(resumed.entries()) == 4
-    entry = resumed.reserve(4, [ROUND_SEGMENT], now=T0)
-    assert entry.seq == 5
-    assert entry.epsilon_after == pytest.approx(
-        compose_epsilon([Segment(1.0, 0.01, 500)], delta=DELTA), rel=1e-9
-    )
+def test_restart_resumes_history_and_refuses_changed_terms(
+    ledger_copy: Path, pki_material: Pki
+) -> None:
+    assert len(open_ledger(ledger_copy, pki_material.signer_a).entries()) == 4
     for field, value in [
         ("budget_epsilon", 30.0),
         ("delta", 1e-6),
         ("accountant", "rdp"),
         ("privacy_unit", "record"),
-        ("site_id", "hospital-b"),
     ]:
         with pytest.raises(ConfigError) as info:
-            open_ledger(ledger_copy, **{field: value})
+            open_ledger(ledger_copy, pki_material.signer_a, **{field: value})
         assert info.value.field == field
     assert verify_ledger(ledger_copy).ok
 
 
-def test_bad_arguments_are_refused(tmp_path: Path) -> None:
+def test_bad_arguments_are_refused(tmp_path: Path, pki_material: Pki) -> None:
     with pytest.raises(ConfigError) as info:
-        open_ledger(tmp_path / "a.ledger", privacy_unit="encounter")
+        open_ledger(tmp_path / "a.ledger", pki_material.signer_a, privacy_unit="encounter")
     assert info.value.field == "privacy_unit"
-    ledger = open_ledger(tmp_path / "b.ledger")
+    with pytest.raises(ConfigError) as info:
+        open_ledger(tmp_path / "a.ledger", pki_material.signer_b)
+    assert info.value.field == "signer"  # hospital-b's certificate cannot sign for a
+    ledger = open_ledger(tmp_path / "b.ledger", pki_material.signer_a)
     with pytest.raises(ConfigError) as info:
         ledger.reserve(1, [ROUND_SEGMENT], now=datetime(2026, 1, 1))
     assert info.value.field == "now"
     with pytest.raises(ConfigError) as info:
         ledger.reserve(1, [], now=T0)
-    assert info.value.field == "segments"
+    assert info.value.field == "mechanisms"
+    with pytest.raises(ConfigError) as info:
+        ledger.reserve(1, [ROUND_SEGMENT], now=T0, purpose="marketing")
+    assert info.value.field == "purpose"
+    read_only = open_ledger(tmp_path / "b.ledger", None)
+    with pytest.raises(ConfigError) as info:
+        read_only.reserve(1, [ROUND_SEGMENT], now=T0)
+    assert info.value.field == "signer"
+
+
+def test_history_verifies_across_a_certificate_replacement(
+    tmp_path: Path, pki_material: Pki
+) -> None:
+    path = tmp_path / "rotated.ledger"
+    first = open_ledger(path, pki_material.signer_a)
+    first.reserve(1, [ROUND_SEGMENT], now=T0)
+    renewed = open_ledger(path, pki_material.signer_a_renewed)
+    renewed.reserve(2, [ROUND_SEGMENT], now=T0)
+    entries = renewed.entries()
+    assert entries[0].cert_sha256 != entries[1].cert_sha256
+    report = verify_ledger(path, ca_certificate=load_certificate(pki_material.ca))
+    assert report.ok and report.signatures_checked == 2 and report.ca_checked
 
 
 # --- tampering -------------------------------------------------------------------------
 
 
-def edit_epsilon(path: Path) -> None:
+def rows(connection: sqlite3.Connection) -> list[tuple[int, dict[str, object]]]:
+    return [
+        (int(seq), json.loads(body))
+        for seq, body in connection.execute("SELECT seq, body FROM ledger_entries ORDER BY seq")
+    ]
+
+
+def rewrite_chain(path: Path, edit: Callable[[int, dict[str, object]], None],
+                  signer: LedgerSigner | None = None) -> None:
+    """A careful forger: edits bodies, then recomputes every prev_hash, entry_hash and
+    the header's head_hash (and, given a key, re-signs)."""
     with raw(path) as connection:
-        connection.execute("UPDATE ledger_entries SET epsilon_after = 0.1 WHERE seq = 3")
+        previous = connection.execute("SELECT header_hash FROM ledger_header").fetchone()[0]
+        for seq, body in rows(connection):
+            edit(seq, body)
+            body["prev_hash"] = previous
+            if signer is not None:
+                body["cert_sha256"] = signer.cert_sha256
+            text = canonical_json(body).decode()
+            digest = hashlib.sha256(text.encode()).hexdigest()
+            signature = b""
+            if signer is not None:
+                signature = signer.signing_key.sign(encode_fields("medfed/v1/ledger-entry",
+                                                                  text.encode()))
+            connection.execute(
+                "UPDATE ledger_entries SET body = ?, entry_hash = ?"
+                + (", signature = ?" if signer is not None else "") + " WHERE seq = ?",
+                (text, digest, signature, seq) if signer is not None else (text, digest, seq),
+            )
+            previous = digest
+        if signer is not None:
+            connection.execute(
+                "INSERT OR IGNORE INTO ledger_certificates VALUES (?, ?)",
+                (signer.cert_sha256, signer.certificate_der),
+            )
+        connection.execute("UPDATE ledger_header SET head_hash = ?", (previous,))
+
+
+def lower_epsilon(seq: int, body: dict[str, object]) -> None:
+    if seq == 2:
+        body["epsilon_after"] = 0.5
 
 
 def edit_epsilon_and_rehash(path: Path) -> None:
-    """A careful forger: lowers round 2's epsilon and recomputes every hash."""
+    rewrite_chain(path, lower_epsilon)
+
+
+def edit_epsilon_only(path: Path) -> None:
     with raw(path) as connection:
-        connection.execute("UPDATE ledger_entries SET epsilon_after = 0.5 WHERE seq = 2")
-        rows = connection.execute(
-            "SELECT seq, round, segments, epsilon_after, accountant_used, created_at, status "
-            "FROM ledger_entries ORDER BY seq"
-        ).fetchall()
-        prev = connection.execute("SELECT header_hash FROM ledger_header").fetchone()[0]
-        for seq, round_number, segments, epsilon, used, created, status in rows:
-            digest = entry_hash(
-                seq=seq,
-                round_number=round_number,
-                segments_json=segments,
-                epsilon_after=epsilon,
-                accountant_used=used,
-                created_at=created,
-                status=status,
-                prev_hash=prev,
-            )
-            connection.execute(
-                "UPDATE ledger_entries SET prev_hash = ?, entry_hash = ? WHERE seq = ?",
-                (prev, digest, seq),
-            )
-            prev = digest
-        connection.execute("UPDATE ledger_header SET head_hash = ?", (prev,))
+        body = dict(rows(connection))[3]
+        body["epsilon_after"] = 0.1
+        connection.execute("UPDATE ledger_entries SET body = ? WHERE seq = 3",
+                           (canonical_json(body).decode(),))
+
+
+def drop_mechanism_and_rehash(path: Path) -> None:
+    """Makes round 1 look cheaper (fewer steps) with a fully recomputed chain."""
+
+    def edit(seq: int, body: dict[str, object]) -> None:
+        if seq == 1:
+            body["mechanisms"] = [
+                {"kind": "sampled_gaussian", "noise_multiplier": 1.0, "sample_rate": 0.01,
+                 "steps": 1}
+            ]
+
+    rewrite_chain(path, edit)
 
 
 def delete_middle(path: Path) -> None:
@@ -223,51 +281,24 @@ def delete_last(path: Path) -> None:
         connection.execute("DELETE FROM ledger_entries WHERE seq = 4")
 
 
-def swap_rows(path: Path) -> None:
-    with raw(path) as connection:
-        connection.execute("UPDATE ledger_entries SET seq = -1 WHERE seq = 2")
-        connection.execute("UPDATE ledger_entries SET seq = 2 WHERE seq = 3")
-        connection.execute("UPDATE ledger_entries SET seq = 3 WHERE seq = -1")
-
-
-def insert_row(path: Path) -> None:
-    """A forger slips a correctly hashed extra round in after entry 2 (shifting 3, 4)."""
-    with raw(path) as connection:
-        connection.execute("UPDATE ledger_entries SET seq = seq + 10 WHERE seq >= 3")
-        connection.execute("UPDATE ledger_entries SET seq = seq - 9 WHERE seq >= 13")
-        segments, epsilon, used, created, prev = connection.execute(
-            "SELECT segments, epsilon_after, accountant_used, created_at, entry_hash "
-            "FROM ledger_entries WHERE seq = 2"
-        ).fetchone()
-        digest = entry_hash(
-            seq=3,
-            round_number=10,
-            segments_json=segments,
-            epsilon_after=epsilon,
-            accountant_used=used,
-            created_at=created,
-            status="committed",
-            prev_hash=prev,
-        )
-        connection.execute(
-            "INSERT INTO ledger_entries VALUES (3, 10, ?, ?, ?, ?, 'committed', ?, ?)",
-            (segments, epsilon, used, created, prev, digest),
-        )
-
-
 def edit_budget(path: Path) -> None:
     with raw(path) as connection:
         connection.execute("UPDATE ledger_header SET budget_epsilon = 100.0")
 
 
+def drop_certificate(path: Path) -> None:
+    with raw(path) as connection:
+        connection.execute("DELETE FROM ledger_certificates")
+
+
 TAMPERINGS: dict[str, tuple[Callable[[Path], None], str]] = {
-    "edit_epsilon": (edit_epsilon, "entry seq=3"),
+    "edit_epsilon_only": (edit_epsilon_only, "entry seq=3"),
     "edit_epsilon_and_rehash": (edit_epsilon_and_rehash, "entry seq=2"),
+    "drop_mechanism_and_rehash": (drop_mechanism_and_rehash, "entry seq=1"),
     "delete_middle": (delete_middle, "entry seq=3"),
     "delete_last": (delete_last, "header"),
-    "swap_rows": (swap_rows, "entry seq=2"),
-    "insert_row": (insert_row, "entry seq=4"),
     "edit_budget": (edit_budget, "header"),
+    "drop_certificate": (drop_certificate, "entry seq=1"),
 }
 
 
@@ -281,58 +312,144 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_untouched_ledger_verifies_including_recomposed_epsilons(ledger_copy: Path) -> None:
+def test_untouched_ledger_verifies_including_recomposed_epsilons(
+    ledger_copy: Path, pki_material: Pki
+) -> None:
     report = verify_ledger(ledger_copy)
-    assert report.ok and report.epsilons_recomposed
+    assert report.ok and report.epsilons_recomposed and report.signatures_checked == 4
     assert report.entries_checked == 4
-    assert report.head_hash == open_ledger(ledger_copy).head_hash()
-    result = run_cli("ledger", "verify", "--ledger", str(ledger_copy), "--hashes-only")
+    assert report.head_hash == open_ledger(ledger_copy, pki_material.signer_a).head_hash()
+    result = run_cli("ledger", "verify", "--ledger", str(ledger_copy), "--hashes-only",
+                     "--ca", str(pki_material.ca))
     assert result.returncode == 0, result.stderr
-    assert "OK (4 entries" in result.stdout
+    assert "OK (4 entries" in result.stdout and "4 signatures verified against the CA" in (
+        result.stdout
+    )
 
 
 @pytest.mark.parametrize("name", sorted(TAMPERINGS))
-def test_tampering_is_detected(name: str, ledger_copy: Path) -> None:
+def test_tampering_is_detected(name: str, ledger_copy: Path, pki_material: Pki) -> None:
     tamper, first_problem = TAMPERINGS[name]
     tamper(ledger_copy)
     report = verify_ledger(ledger_copy)
     assert not report.ok
-    assert str(report.problems[0]).startswith(first_problem)
+    assert str(report.problems[0]).startswith(first_problem), report.problems
     with pytest.raises(LedgerIntegrityError):
         report.raise_if_broken()
-    # The site itself refuses to go on with a broken ledger (hash checks on open).
-    if name != "edit_epsilon_and_rehash":
-        with pytest.raises(LedgerIntegrityError):
-            open_ledger(ledger_copy)
+    # The site itself refuses to go on with a broken ledger (chain + signatures on open).
+    with pytest.raises(LedgerIntegrityError):
+        open_ledger(ledger_copy, pki_material.signer_a)
     result = run_cli("ledger", "verify", "--ledger", str(ledger_copy))
     assert result.returncode != 0
     assert "INTEGRITY FAILURE" in result.stderr
     assert f"first problem: {first_problem}" in result.stderr
 
 
-def test_read_ledger_and_verify_refuse_missing_or_foreign_files(tmp_path: Path) -> None:
+def test_rewritten_history_with_recomputed_hashes_fails_on_signatures(
+    ledger_copy: Path,
+) -> None:
+    """The attack format 1 could not stop: every hash is consistent again, only the
+    signatures (which need the site's key) give the rewrite away."""
+    edit_epsilon_and_rehash(ledger_copy)
+    report = verify_ledger(ledger_copy, recompose=False)
+    messages = [str(p) for p in report.problems]
+    assert messages and all("signature does not verify" in m for m in messages)
+    assert [p.seq for p in report.problems] == [2, 3, 4]  # the edited entry and every later
+
+
+def test_a_forger_with_an_own_ca_is_caught_by_the_ca_check(
+    ledger_copy: Path, pki_material: Pki
+) -> None:
+    """Re-signing a lowered history with a look-alike certificate from another CA
+    verifies signature-wise, but not against the federation CA."""
+    rewrite_chain(ledger_copy, lower_epsilon, signer=pki_material.impostor_a)
+    assert verify_ledger(ledger_copy, recompose=False).ok  # consistent, self-certified
+    report = verify_ledger(ledger_copy, recompose=False,
+                           ca_certificate=load_certificate(pki_material.ca))
+    assert not report.ok and "not signed by the federation CA" in str(report.problems[0])
+    result = run_cli("ledger", "verify", "--ledger", str(ledger_copy), "--ca",
+                     str(pki_material.ca))
+    assert result.returncode == 1 and "federation CA" in result.stderr
+
+
+def test_read_and_verify_refuse_missing_or_foreign_files(tmp_path: Path) -> None:
     with pytest.raises(StateError):
         verify_ledger(tmp_path / "missing.ledger")
     foreign = tmp_path / "foreign.db"
     with raw(foreign) as connection:
         connection.execute("CREATE TABLE t (x INTEGER)")
-    with pytest.raises(StateError):
+    with pytest.raises(LedgerUnavailable) as info:
         read_ledger(foreign)
+    assert str(foreign) in str(info.value)
+
+
+# --- format 1 --------------------------------------------------------------------------
+
+
+def write_format1_ledger(path: Path, rounds: int) -> list[float]:
+    """A ledger exactly as format 1 wrote it (unsigned, hash-chained), built with the
+    format-1 encoding functions."""
+    genesis = legacy.header_hash(site_id="hospital-a", budget_epsilon=3.0, delta=DELTA,
+                                 accountant="prv", privacy_unit="patient")
+    epsilons = []
+    with raw(path) as connection:
+        for statement in legacy._SCHEMA.split(";"):
+            if statement.strip():
+                connection.execute(statement)
+        previous = genesis
+        for seq in range(1, rounds + 1):
+            epsilon = compose_epsilon([ROUND_SEGMENT] * seq, delta=DELTA)
+            epsilons.append(epsilon)
+            segments = legacy.segments_to_json([ROUND_SEGMENT])
+            created = (T0 + timedelta(hours=seq)).isoformat()
+            digest = legacy.entry_hash(seq=seq, round_number=seq, segments_json=segments,
+                                       epsilon_after=epsilon, accountant_used="prv",
+                                       created_at=created, status="committed",
+                                       prev_hash=previous)
+            connection.execute(
+                "INSERT INTO ledger_entries VALUES (?, ?, ?, ?, 'prv', ?, 'committed', ?, ?)",
+                (seq, seq, segments, epsilon, created, previous, digest),
+            )
+            previous = digest
+        connection.execute(
+            "INSERT INTO ledger_header VALUES (1, ?, 'hospital-a', 3.0, ?, 'prv', 'patient', "
+            "?, ?, ?)",
+            (legacy.LEDGER_FORMAT, DELTA, genesis, rounds, previous),
+        )
+    return epsilons
+
+
+def test_format1_ledger_is_read_then_signed_and_migrated(
+    tmp_path: Path, pki_material: Pki
+) -> None:
+    path = tmp_path / "old.ledger"
+    epsilons = write_format1_ledger(path, 2)
+    old = verify_ledger(path)
+    assert old.ok and old.format == 1 and old.signatures_checked == 0
+    with pytest.raises(ConfigError) as info:
+        open_ledger(path, None)  # migrating needs the key
+    assert info.value.field == "signer"
+    ledger = open_ledger(path, pki_material.signer_a)
+    entries = ledger.entries()
+    assert [e.epsilon_after for e in entries] == epsilons
+    assert all(e.purpose == "training" and e.mechanisms == (ROUND_SEGMENT,) for e in entries)
+    report = verify_ledger(path)
+    assert report.ok and report.format == 2 and report.signatures_checked == 2
+    with raw(path) as connection:  # the original rows are kept for audit
+        assert connection.execute("SELECT COUNT(*) FROM ledger_entries_format1").fetchone() == (2,)
+    ledger.reserve(3, [ROUND_SEGMENT], now=T0)
+    assert verify_ledger(path).ok
 
 
 VECTORS = Path(__file__).resolve().parents[1] / "vectors" / "privacy_ledger_hashes.json"
 
 
-def test_hash_format_is_pinned() -> None:
-    """Existing ledgers must keep verifying: the canonical encoding may not drift."""
-    import hashlib
-    import json
-
+def test_format1_hash_encoding_is_pinned() -> None:
+    """Format-1 ledgers must keep verifying (and migrating): the encoding may not drift."""
     vector = json.loads(VECTORS.read_text())
     header = dict(vector["header"])
     expected_header = header.pop("header_hash")
-    assert header_hash(**header) == expected_header
-    # The documented encoding, spelled out independently of the product code.
+    assert legacy.header_hash(**header) == expected_header
     documented = json.dumps(
         {"format": "medfed-privacy-ledger/1", **header}, sort_keys=True, separators=(",", ":")
     )
@@ -341,4 +458,26 @@ def test_hash_format_is_pinned() -> None:
     expected_entry = entry.pop("entry_hash")
     segments = entry.pop("segments")
     assert entry["segments_json"] == json.dumps(segments, separators=(",", ":"))
-    assert entry_hash(**entry) == expected_entry
+    assert legacy.entry_hash(**entry) == expected_entry
+
+
+def test_format2_encoding_and_signed_bytes_are_pinned() -> None:
+    """The format-2 header hash, entry body, entry hash and signed message, spelled out
+    independently of the product code (a change would orphan every signed ledger)."""
+    vector = json.loads(VECTORS.read_text())["format2"]
+    terms = LedgerTerms(**vector["terms"])
+    documented_header = json.dumps({"format": "medfed-privacy-ledger/2", **vector["terms"]},
+                                   sort_keys=True, separators=(",", ":"))
+    assert terms.header_hash == hashlib.sha256(documented_header.encode()).hexdigest()
+    assert terms.header_hash == vector["header_hash"]
+    entry = SignedEntry.from_json_dict(vector["entry"])
+    body = json.dumps({k: v for k, v in vector["entry"].items()
+                       if k not in ("entry_hash", "signature")},
+                      sort_keys=True, separators=(",", ":"))
+    assert entry.body_bytes() == body.encode()
+    assert entry.entry_hash == hashlib.sha256(body.encode()).hexdigest() == vector["entry"][
+        "entry_hash"]
+    label = b"medfed/v1/ledger-entry"
+    expected_message = (b"\x02" + len(label).to_bytes(4, "big") + label
+                        + b"\x01" + len(body).to_bytes(4, "big") + body.encode())
+    assert entry.signed_message() == expected_message

@@ -32,6 +32,7 @@ from common.secagg.session import session_id  # noqa: E402
 
 OUTPUT = HERE.parent / "vectors" / "pinned_secagg.json"
 SITES = tuple(f"site-{i:03d}" for i in range(12))
+ANNOUNCEMENT_DIGEST = hashlib.sha256(b"pinned-announcement").digest()
 
 
 def fixed_params() -> SecAggParams:
@@ -42,6 +43,7 @@ def fixed_params() -> SecAggParams:
         threshold=3,
         neighbours=4,
         vector_length=1000,
+        announcement_digest=ANNOUNCEMENT_DIGEST,
     )
 
 
@@ -52,7 +54,13 @@ def fixed_roster() -> list[RosterEntry]:
 
 def masked_digests() -> dict[str, str]:
     """SHA-256 of every site's masked input in a deterministic 5-site round."""
-    federation = make_federation(5, threshold=3, vector_length=1000, seed=b"pinned")
+    federation = make_federation(
+        5,
+        threshold=3,
+        vector_length=1000,
+        seed=b"pinned",
+        announcement_digest=ANNOUNCEMENT_DIGEST,
+    )
     server = federation.server
     assert server is not None
     clients = federation.clients
@@ -89,6 +97,7 @@ def build() -> dict[str, object]:
                 site_id="site-000",
                 encryption_public_key=roster[0].encryption_public_key,
                 masking_public_key=roster[0].masking_public_key,
+                announcement_digest=ANNOUNCEMENT_DIGEST,
             )
         ).hexdigest(),
         "survivors_message_sha256": hashlib.sha256(

@@ -17,7 +17,7 @@ from common.crypto.random import DeterministicRandom
 from common.crypto.signing import SigningKey, VerifyingKey
 from common.errors import CertificateRejected, CryptoError, ValidationError
 from common.secagg.client import IdentityVerifier, SecAggClient
-from common.secagg.params import SecAggParams
+from common.secagg.params import NO_ANNOUNCEMENT_DIGEST, SecAggParams
 from common.secagg.phases import Phase
 from common.secagg.server import SecAggServer
 
@@ -68,7 +68,14 @@ def make_federation(
     round_number: int = 7,
     seed: bytes = b"seed",
     algorithm: str | None = None,
+    min_round_sites: int = 2,
+    max_colluding_sites: int = 0,
+    announcement_digest: bytes = NO_ANNOUNCEMENT_DIGEST,
 ) -> Federation:
+    """n clients and a server with real keys.
+
+    The survivor floor defaults to its minimum (2) so that dropout properties can be
+    checked down to two survivors; the attack tests use the shipped site policy."""
     sites = site_ids(n)
     params = SecAggParams(
         round_number=round_number,
@@ -77,6 +84,7 @@ def make_federation(
         threshold=threshold,
         neighbours=neighbours,
         vector_length=vector_length,
+        announcement_digest=announcement_digest,
     )
     keys = {
         site: signing_key(site, algorithm or ALGORITHMS[index % 2])
@@ -91,6 +99,8 @@ def make_federation(
             signing_key=keys[site],
             identity=identity,
             rng=DeterministicRandom(seed + site.encode()),
+            min_round_sites=min_round_sites,
+            max_colluding_sites=max_colluding_sites,
         )
         for site in sites
     }

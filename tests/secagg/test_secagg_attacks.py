@@ -7,6 +7,7 @@ delivers to one site is rewritten) or by driving the phases by hand.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 import pytest
@@ -14,18 +15,22 @@ from secagg_harness import Federation, make_federation, random_inputs, run_round
 
 from common.crypto.keyagreement import generate_keypair
 from common.crypto.random import DeterministicRandom
-from common.errors import AbortReason, ProtocolAbort
-from common.secagg.client import RevealGuard
+from common.crypto.signing import VerifyingKey
+from common.errors import AbortReason, CryptoError, ProtocolAbort
+from common.secagg.client import RevealGuard, SecAggClient
+from common.secagg.graph import neighbourhoods
 from common.secagg.messages import (
     ConsistencySignatures,
     EncryptedShare,
     Roster,
+    RosterEntry,
     ShareKeysOut,
     ShareKind,
     SharesForRecipient,
     SurvivorList,
     advertise_message,
 )
+from common.secagg.params import DEFAULT_MAX_COLLUDING_SITES, DEFAULT_MIN_ROUND_SITES
 from common.secagg.phases import Phase
 
 VICTIM = "site-000"
@@ -40,8 +45,16 @@ def attack(
     neighbours: int = 0,
     rejected: list[str] | None = None,
 ) -> tuple[ProtocolAbort, Federation]:
-    """Run a round in which the coordinator rewrites messages of `tamper_type` to VICTIM."""
-    federation = make_federation(n, threshold=threshold, neighbours=neighbours)
+    """Run a round in which the coordinator rewrites messages of `tamper_type` to VICTIM.
+
+    Clients apply the shipped site policy's floor (min_round_sites 3, T = 1)."""
+    federation = make_federation(
+        n,
+        threshold=threshold,
+        neighbours=neighbours,
+        min_round_sites=DEFAULT_MIN_ROUND_SITES,
+        max_colluding_sites=DEFAULT_MAX_COLLUDING_SITES,
+    )
 
     def tamper(site: str, message: object) -> object:
         if site == VICTIM and isinstance(message, tamper_type):
@@ -457,6 +470,7 @@ def test_abort_when_a_colluding_site_advertises_a_low_order_key() -> None:
             site_id=bad.site_id,
             encryption_public_key=bytes(32),
             masking_public_key=bad.masking_public_key,
+            announcement_digest=federation.params.announcement_digest,
         )
         entries[1] = dataclasses.replace(
             bad,
@@ -500,3 +514,302 @@ def test_handle_dispatches_by_message_type_and_refuses_site_messages() -> None:
         clients["site-001"].handle(out)  # a site never receives another site's upload
     assert caught.value.reason is AbortReason.UNEXPECTED_MESSAGE
     assert clients["site-001"].phase is Phase.ABORTED
+
+
+# ------------------------------------------------------- round-size floor (issue 9)
+def _policy_federation(n: int, **kwargs: object) -> Federation:
+    """A federation whose clients apply the shipped site policy (floor 3, T = 1)."""
+    options: dict[str, object] = {
+        "min_round_sites": DEFAULT_MIN_ROUND_SITES,
+        "max_colluding_sites": DEFAULT_MAX_COLLUDING_SITES,
+        **kwargs,
+    }
+    return make_federation(n, **options)  # type: ignore[arg-type]
+
+
+def _advertise_all(federation: Federation) -> Roster:
+    """Phase 1 through the real server: every client advertises, the roster comes back."""
+    server = federation.server
+    assert server is not None
+    for site, client in federation.clients.items():
+        server.receive_advertisement(
+            site, client.advertise_keys(), certificate_der=federation.certificate(site)
+        )
+    return server.close_advertise()
+
+
+def _mask_all(federation: Federation, inputs: dict[str, np.ndarray]) -> SurvivorList:
+    """Phases 2-3 through the real server; returns the survivor list it would send."""
+    server, clients = federation.server, federation.clients
+    assert server is not None
+    roster = _advertise_all(federation)
+    for site in clients:
+        server.receive_shares(site, clients[site].receive_roster(roster))
+    for site, inbox in server.close_shares().items():
+        server.receive_masked_input(site, clients[site].receive_shares(inbox, inputs[site].copy()))
+    return server.close_masked_input()
+
+
+def test_abort_when_round_has_only_two_sites() -> None:
+    """The sum of two reveals the other input to whoever holds one of them (issue 9:
+    a coordinator holding a site certificate). Refused before any key is made; and a
+    round announced with three whose roster holds only two is refused before shares."""
+    two = make_federation(2, threshold=2)  # the harness's floor is 2: build it anyway
+    with pytest.raises(ProtocolAbort) as caught:
+        SecAggClient(
+            two.params,
+            site_id=VICTIM,
+            signing_key=two.signing_keys[VICTIM],
+            identity=two.identity,
+            rng=DeterministicRandom(b"victim"),
+        )
+    assert caught.value.reason is AbortReason.ROUND_TOO_SMALL
+
+    # Announced with three; the third "drops" before AdvertiseKeys, so the coordinator
+    # (as site-001) and the victim are all the roster has. t = 2 passes the threshold.
+    federation = _policy_federation(3, threshold=2, max_colluding_sites=0)
+    server, clients = federation.server, federation.clients
+    assert server is not None
+    for site in (VICTIM, "site-001"):
+        server.receive_advertisement(
+            site, clients[site].advertise_keys(), certificate_der=federation.certificate(site)
+        )
+    roster = server.close_advertise()
+    assert len(roster.entries) == 2
+    with pytest.raises(ProtocolAbort) as caught:
+        clients[VICTIM].receive_roster(roster)
+    assert caught.value.reason is AbortReason.ROUND_TOO_SMALL
+    assert clients[VICTIM].aborted_in is Phase.ADVERTISE_KEYS  # no share was sent
+
+
+def test_abort_when_survivor_set_shrinks_below_floor_after_masked_input() -> None:
+    """After every masked input arrived, the coordinator declares two honest sites
+    dropped, so that the sum it unmasks covers four sites (one its colluder) and it
+    learns their mask keys. A consortium policy of min_round_sites = 5 refuses: no
+    site signs the list, none reveals a share."""
+    federation = _policy_federation(6, threshold=4, min_round_sites=5)
+    inputs = random_inputs(federation.params, 9)
+    truth = _mask_all(federation, inputs)
+    shrunk = SurvivorList(truth.survivors[:4], truth.survivors[4:])
+    for site in shrunk.survivors:
+        client = federation.clients[site]
+        with pytest.raises(ProtocolAbort) as caught:
+            client.receive_survivors(shrunk)
+        assert caught.value.reason is AbortReason.SURVIVORS_BELOW_FLOOR
+        assert client.aborted_in is Phase.MASKED_INPUT  # its masked input was sent
+        assert all(client.revealed_kind(owner) is None for owner in federation.params.participants)
+
+
+def test_abort_when_survivors_beyond_the_floor_are_not_authenticated() -> None:
+    """SecAgg+ neighbourhoods: the victim checks only its neighbourhood's signatures.
+    Listed survivors it never authenticated (they could be entries the coordinator
+    forged) do not count: relaying only the victim's own neighbourhood's signatures
+    leaves 5 authenticated survivors, below a floor of 7, so it reveals nothing. With
+    every signature relayed the victim verifies just enough more to reach the floor."""
+    for relay_all in (False, True):
+        federation = _policy_federation(12, threshold=3, neighbours=4, min_round_sites=7)
+        survivors = _mask_all(federation, random_inputs(federation.params, 4))
+        assert len(survivors.survivors) == 12
+        clients = federation.clients
+        signatures = {
+            site: clients[site].receive_survivors(survivors).signature for site in clients
+        }
+        victim = clients[VICTIM]
+        closed = {VICTIM, *victim.neighbours}
+        relayed = ConsistencySignatures(
+            tuple(sorted((s, sig) for s, sig in signatures.items() if relay_all or s in closed))
+        )
+        if not relay_all:
+            with pytest.raises(ProtocolAbort) as caught:
+                victim.receive_consistency(relayed)
+            assert caught.value.reason is AbortReason.SURVIVORS_BELOW_FLOOR
+            assert all(victim.revealed_kind(owner) is None for owner in closed)
+            continue
+        before = victim.signatures_verified
+        victim.receive_consistency(relayed)
+        # The two-hop neighbourhood (2k + 1 = 9 sites with the victim) already meets the
+        # floor of 7: its 8 other signatures are all that was verified.
+        assert victim.signatures_verified - before == 8
+        assert victim.revealed_kind(VICTIM) is ShareKind.SELF_MASK_SEED
+
+
+# -------------------------------------------------- one story for every site (issue 9)
+def _divergent_roster(federation: Federation, told_b: set[str]) -> tuple[Roster, bytes]:
+    """A deviating coordinator: the sites in `told_b` were given announcement B, the
+    others A. It relays every advertisement unverified (an honest SecAggServer refuses
+    the B-signed ones, see the test below)."""
+    digest_b = hashlib.sha256(b"announcement B").digest()
+    params_b = dataclasses.replace(federation.params, announcement_digest=digest_b)
+    for site in told_b:
+        federation.clients[site] = SecAggClient(
+            params_b,
+            site_id=site,
+            signing_key=federation.signing_keys[site],
+            identity=federation.identity,
+            rng=DeterministicRandom(b"b" + site.encode()),
+        )
+    entries = []
+    for site, client in federation.clients.items():
+        advert = client.advertise_keys()
+        entries.append(
+            RosterEntry(
+                site_id=site,
+                encryption_public_key=advert.encryption_public_key,
+                masking_public_key=advert.masking_public_key,
+                signature=advert.signature,
+                certificate_der=federation.certificate(site),
+            )
+        )
+    return Roster(tuple(entries)), digest_b
+
+
+def test_abort_when_sites_get_divergent_announcements() -> None:
+    """Two sites are told a different model than the other three (e.g. so that their
+    score histograms land in other bins). Every site refuses the roster: nobody sends a
+    share, nobody masks an input."""
+    digest_a = hashlib.sha256(b"announcement A").digest()
+    federation = _policy_federation(5, threshold=3, announcement_digest=digest_a)
+    roster, _ = _divergent_roster(federation, {"site-003", "site-004"})
+    inputs = random_inputs(federation.params, 2)
+    for site, client in federation.clients.items():
+        with pytest.raises(ProtocolAbort) as caught:
+            client.receive_roster(roster)
+        assert caught.value.reason is AbortReason.BAD_SIGNATURE
+        assert client.aborted_in is Phase.ADVERTISE_KEYS
+        vector = inputs[site].copy()
+        with pytest.raises(ProtocolAbort):
+            client.receive_shares(SharesForRecipient(()), vector)
+        assert np.array_equal(vector, inputs[site])  # nothing was masked, nothing sent
+
+
+def test_honest_server_refuses_keys_signed_for_another_announcement() -> None:
+    """The coordinator's own check: an advertisement signed for another announcement
+    (a site holding a stale or different one) does not verify against its params."""
+    federation = make_federation(4, threshold=3)
+    server = federation.server
+    assert server is not None
+    other = dataclasses.replace(
+        federation.params, announcement_digest=hashlib.sha256(b"announcement B").digest()
+    )
+    stale = SecAggClient(
+        other,
+        site_id="site-003",
+        signing_key=federation.signing_keys["site-003"],
+        identity=federation.identity,
+        rng=DeterministicRandom(b"stale"),
+    )
+    with pytest.raises(CryptoError):
+        server.receive_advertisement(
+            "site-003", stale.advertise_keys(), certificate_der=federation.certificate("site-003")
+        )
+
+
+def test_divergent_announcement_in_neighbourhoods_aborts_every_neighbour_at_the_roster() -> None:
+    """SecAgg+ neighbourhoods: the site told another story and each of its neighbours
+    refuse the roster (nothing is shared between them); the remaining sites never meet
+    its keys, and its session id, hence every mask and share key, differs from theirs."""
+    federation = _policy_federation(12, threshold=3, neighbours=4)
+    roster, _ = _divergent_roster(federation, {VICTIM})
+    aborted = set()
+    for site, client in federation.clients.items():
+        try:
+            client.receive_roster(roster)
+        except ProtocolAbort as error:
+            assert error.reason is AbortReason.BAD_SIGNATURE
+            assert client.aborted_in is Phase.ADVERTISE_KEYS
+            aborted.add(site)
+    honest = federation.clients["site-006"]
+    assert honest.phase is Phase.SHARE_KEYS
+    graph = neighbourhoods(honest.session_id, federation.params.participants, 4)
+    assert aborted == {VICTIM, *graph[VICTIM]}
+
+
+# ------------------------------------------------ identity callback and verification cost
+@pytest.mark.parametrize("reason", [AbortReason.REVOKED_PEER, AbortReason.UNKNOWN_MEMBER])
+def test_identity_callback_abort_reason_reaches_the_caller_unchanged(
+    reason: AbortReason,
+) -> None:
+    """The site agent's identity check raises ProtocolAbort for a revoked or unpinned
+    peer; the client must not turn it into a bad signature."""
+    federation = _policy_federation(5, threshold=3)
+    calls: list[str] = []
+
+    def identity(site: str, certificate_der: bytes) -> VerifyingKey:
+        calls.append(site)
+        if site == "site-002":
+            raise ProtocolAbort(reason, "site-002")
+        return federation.identity(site, certificate_der)
+
+    federation.clients[VICTIM] = SecAggClient(
+        federation.params,
+        site_id=VICTIM,
+        signing_key=federation.signing_keys[VICTIM],
+        identity=identity,
+        rng=DeterministicRandom(b"victim"),
+    )
+    roster = _advertise_all(federation)
+    with pytest.raises(ProtocolAbort) as caught:
+        federation.clients[VICTIM].receive_roster(roster)
+    assert caught.value.reason is reason
+    assert federation.clients[VICTIM].aborted_in is Phase.ADVERTISE_KEYS
+
+
+def test_identity_abort_from_a_two_hop_signer_reaches_the_caller_unchanged() -> None:
+    """A signer outside the victim's neighbourhood is first met at the consistency check."""
+    federation = _policy_federation(12, threshold=3, neighbours=4)
+    revoked: dict[str, str] = {}
+
+    def identity(site: str, certificate_der: bytes) -> VerifyingKey:
+        if site == revoked.get("site"):
+            raise ProtocolAbort(AbortReason.REVOKED_PEER, site)
+        return federation.identity(site, certificate_der)
+
+    federation.clients[VICTIM] = SecAggClient(
+        federation.params,
+        site_id=VICTIM,
+        signing_key=federation.signing_keys[VICTIM],
+        identity=identity,
+        rng=DeterministicRandom(b"victim"),
+        min_round_sites=DEFAULT_MIN_ROUND_SITES,
+    )
+    survivors = _mask_all(federation, random_inputs(federation.params, 6))
+    victim = federation.clients[VICTIM]
+    graph = federation.server.graph  # type: ignore[union-attr]
+    two_hop = {h for o in (VICTIM, *graph[VICTIM]) for h in (o, *graph[o])}
+    revoked["site"] = sorted(two_hop - {VICTIM, *graph[VICTIM]})[0]
+    signatures = tuple(
+        (site, client.receive_survivors(survivors).signature)
+        for site, client in sorted(federation.clients.items())
+    )
+    with pytest.raises(ProtocolAbort) as caught:
+        victim.receive_consistency(ConsistencySignatures(signatures))
+    assert caught.value.reason is AbortReason.REVOKED_PEER
+    assert victim.revealed_kind(VICTIM) is None
+
+
+@pytest.mark.parametrize("n", [24, 48])
+def test_signature_checks_per_client_do_not_grow_with_n(n: int) -> None:
+    """k roster signatures (the neighbours) and 2k survivor-list signatures (the rest
+    of the two-hop neighbourhood of a Harary graph), each verified once, whatever n;
+    identity is asked about each of those 2k sites once."""
+    k = 4
+    federation = _policy_federation(n, threshold=3, neighbours=k)
+    calls: list[str] = []
+
+    def identity(site: str, certificate_der: bytes) -> VerifyingKey:
+        calls.append(site)
+        return federation.identity(site, certificate_der)
+
+    federation.clients[VICTIM] = SecAggClient(
+        federation.params,
+        site_id=VICTIM,
+        signing_key=federation.signing_keys[VICTIM],
+        identity=identity,
+        rng=DeterministicRandom(b"victim"),
+    )
+    _total, survivors = run_round(federation, random_inputs(federation.params, 3))
+    assert len(survivors) == n
+    victim = federation.clients[VICTIM]
+    assert victim.phase is Phase.UNMASK
+    assert victim.signatures_verified == k + 2 * k
+    assert len(calls) == len(set(calls)) == 2 * k

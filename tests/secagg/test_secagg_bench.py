@@ -52,3 +52,19 @@ def test_bench_secagg_rejects_impossible_settings(capsys: pytest.CaptureFixture[
     code = medfed_main(["bench", "secagg", "--sites", "5", "--dim", "10", "--dropouts", "4"])
     assert code == 2
     assert "threat_model" in capsys.readouterr().err
+
+
+def test_bench_secagg_scaling_reports_per_client_cost_against_n(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = bench_main(
+        ["--scaling", "6,24", "--dim", "200", "--dropouts", "1", "--repeat", "1", "--json"]
+    )
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = json.loads(lines[-1])
+    assert code == 0
+    assert [row["sites"] for row in rows] == [6, 24]
+    assert all(row["exact"] for row in rows)
+    assert all(row["client_cpu_ms"] > 0 and row["signature_checks"] > 0 for row in rows)
+    assert rows[1]["neighbours"] > 0  # 24 sites: SecAgg+ neighbourhoods
+    assert "cpu / first" in lines[1]

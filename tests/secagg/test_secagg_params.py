@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import pytest
@@ -11,13 +12,15 @@ from hypothesis import strategies as st
 
 from common.errors import ConfigError
 from common.secagg.graph import adjacency_is_symmetric, neighbourhoods
-from common.secagg.messages import RosterEntry, survivors_message
+from common.secagg.messages import RosterEntry, advertise_message, survivors_message
 from common.secagg.params import (
     COMPLETE_GRAPH_MAX_SITES,
+    NO_ANNOUNCEMENT_DIGEST,
     SecAggParams,
     ThreatModel,
     choose_parameters,
     minimum_threshold,
+    round_floor,
     validate_against_threat_model,
 )
 from common.secagg.phases import TERMINAL_PHASES, TRANSITIONS, Phase
@@ -51,6 +54,8 @@ def params(**overrides: object) -> SecAggParams:
         ("threshold", 6),
         ("neighbours", -2),
         ("vector_length", 0),
+        ("announcement_digest", b""),
+        ("announcement_digest", bytes(31)),
     ],
 )
 def test_invalid_params_name_the_field(field: str, value: object) -> None:
@@ -158,12 +163,45 @@ def test_session_id_binds_params_and_every_roster_key() -> None:
         session_id(params(round_nonce=bytes(16)), roster),
         session_id(params(threshold=4), roster),
         session_id(params(vector_length=11), roster),
+        session_id(params(announcement_digest=b"\x01" * 32), roster),
+        session_id(params(participants=("a", "b", "c", "d", "f")), roster),
         session_id(params(), roster[:2]),
         session_id(
             params(), [*roster[:2], dataclasses.replace(roster[2], masking_public_key=bytes(32))]
         ),
     ]
     assert len({base, *variants}) == len(variants) + 1
+
+
+def test_advertise_signature_binds_the_announcement() -> None:
+    message = functools.partial(
+        advertise_message,
+        round_number=3,
+        round_nonce=NONCE,
+        site_id="a",
+        encryption_public_key=bytes(32),
+        masking_public_key=b"\x01" * 32,
+    )
+    assert message() == message(announcement_digest=NO_ANNOUNCEMENT_DIGEST)
+    assert message() != message(announcement_digest=b"\x01" * 32)
+
+
+@pytest.mark.parametrize(
+    ("min_round_sites", "colluding", "floor"),
+    [(3, 0, 3), (3, 1, 3), (3, 2, 4), (5, 1, 5), (2, 0, 2)],
+)
+def test_round_floor_is_the_larger_of_policy_and_t_plus_two(
+    min_round_sites: int, colluding: int, floor: int
+) -> None:
+    assert round_floor(min_round_sites=min_round_sites, max_colluding_sites=colluding) == floor
+
+
+@pytest.mark.parametrize(("field", "value"), [("min_round_sites", 1), ("max_colluding_sites", -1)])
+def test_round_floor_refuses_nonsense(field: str, value: int) -> None:
+    arguments = {"min_round_sites": 3, "max_colluding_sites": 1, field: value}
+    with pytest.raises(ConfigError) as caught:
+        round_floor(**arguments)
+    assert caught.value.field == field
 
 
 def test_survivor_message_is_injective_across_the_list_boundary() -> None:

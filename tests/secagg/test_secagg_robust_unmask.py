@@ -26,7 +26,7 @@ from common.crypto.shamir import PRIME, SECRET_BYTES, SHARE_BYTES, split_secrets
 from common.errors import AbortReason, CryptoError, ProtocolAbort, ValidationError
 from common.secagg.messages import ShareKeysOut, UnmaskShares, self_mask_commitment
 from common.secagg.phases import Phase
-from common.secagg.reconstruction import MAX_SUBSETS, reconstruct_checked
+from common.secagg.reconstruction import MAX_SUBSETS, blame_radius, reconstruct_checked
 
 
 def forge_unmask(*forgers: str, value: bytes | None = None):  # type: ignore[no-untyped-def]
@@ -238,7 +238,95 @@ def test_decoder_corrects_or_refuses_never_returns_a_wrong_secret(
         return
     assert honest >= threshold  # fewer right shares than t can never pass the check
     assert result.secret == secret
-    assert sorted(result.disagreeing) == sorted(xs[i] for i in wrong)
+    named, guilty = sorted(result.disagreeing), sorted(xs[i] for i in wrong)
+    if len(wrong) <= blame_radius(count, threshold):
+        assert named == guilty
+    else:
+        assert set(named) <= set(guilty)
+
+
+def _interpolate_at(points: list[tuple[int, int]], x: int) -> int:
+    """Lagrange value at `x` of the polynomial through `points` (test oracle)."""
+    total = 0
+    for i, (xi, yi) in enumerate(points):
+        term = yi
+        for j, (xj, _) in enumerate(points):
+            if j != i:
+                term = term * (x - xj) * pow(xi - xj, -1, PRIME) % PRIME
+        total = (total + term) % PRIME
+    return total
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    threshold=st.integers(1, 6),
+    extra=st.integers(0, 8),
+    data=st.data(),
+    seed=st.integers(0, 2**32),
+    framing=st.booleans(),
+)
+def test_named_holders_are_wrong_ones_up_to_the_correctable_number(
+    threshold: int, extra: int, data: st.DataObject, seed: int, framing: bool
+) -> None:
+    """Issue 9, section 7: with at most `blame_radius` wrong holders, every holder named
+    is a wrong one (and all of them are), and the secret is right, even when the wrong
+    holders know the secret and every honest share and *frame* honest holders: they put
+    their shares on another polynomial through (0, secret) and t - 2 honest shares, the
+    strongest lie that still passes the commitment check."""
+    count = threshold + extra
+    secret = DeterministicRandom(b"frame" + seed.to_bytes(8, "big"))(SECRET_BYTES)
+    ys = _shares(secret, count=count, threshold=threshold, seed=seed)
+    xs = list(range(1, count + 1))
+    radius = min(blame_radius(count, threshold), count - threshold)
+    assume(radius >= 1)
+    wrong = data.draw(
+        st.sets(st.integers(0, count - 1), min_size=1, max_size=radius), label="wrong"
+    )
+    honest = [i for i in range(count) if i not in wrong]
+    truth = [(xs[i], ys[i]) for i in honest[:threshold]]
+    if framing and threshold >= 2:
+        # Another polynomial q != p with q(0) = secret through t - 2 honest shares and
+        # one free point the liars choose.
+        lie = [(0, int.from_bytes(secret, "big"))]
+        lie += [(xs[i], ys[i]) for i in honest[: threshold - 2]]
+        free_x = count + 1
+        free_y = data.draw(st.integers(0, PRIME - 1), label="free y")
+        assume(free_y != _interpolate_at(truth, free_x))
+        lie.append((free_x, free_y))
+        for index in wrong:
+            ys[index] = _interpolate_at(lie, xs[index])
+    else:
+        for index in wrong:
+            ys[index] = data.draw(st.integers(0, PRIME - 1), label="forged y")
+    # A "lie" that happens to equal the true share is no lie: it cannot be named.
+    actually_wrong = {xs[i] for i in wrong if ys[i] != _interpolate_at(truth, xs[i])}
+    commitment = hashlib.sha256(secret).digest()
+    result = reconstruct_checked(
+        xs, ys, threshold=threshold,
+        check=lambda candidate: hashlib.sha256(candidate).digest() == commitment,
+    )
+    assert result.secret == secret
+    assert set(result.disagreeing) <= {xs[i] for i in wrong}
+    assert set(result.disagreeing) == actually_wrong
+
+
+def test_colluders_beyond_the_radius_frame_nobody() -> None:
+    """m = 5, t = 3, two liars who know the secret put their shares on q with
+    q(0) = secret through one honest share: p and q each agree with 3 of 5 shares.
+    The secret is right (it passed its check), and nobody is named: the former
+    maximum-agreement rule named two honest holders whenever q was found first."""
+    secret = b"\x09" * SECRET_BYTES
+    ys = _shares(secret, count=5, threshold=3, seed=5)
+    xs = [1, 2, 3, 4, 5]
+    lie = [(0, int.from_bytes(secret, "big")), (xs[2], ys[2]), (9, 12345)]
+    for index in (0, 1):
+        ys[index] = _interpolate_at(lie, xs[index])
+    commitment = hashlib.sha256(secret).digest()
+    result = reconstruct_checked(
+        xs, ys, threshold=3, check=lambda c: hashlib.sha256(c).digest() == commitment
+    )
+    assert result.secret == secret
+    assert result.disagreeing == ()
 
 
 def test_decoder_refuses_consistent_shares_of_an_uncommitted_secret() -> None:

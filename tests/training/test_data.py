@@ -10,12 +10,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from common.errors import DataError
+from common.study import Study, study_from_mapping
 from site_agent.data import (
     MIN_PRIVACY_UNITS,
     DatasetSchema,
     SiteData,
     check_cohort_size,
     load_site_data,
+    load_study_table,
     prepare_site_split,
     split_by_patient,
 )
@@ -171,3 +173,65 @@ def test_standardisation_uses_training_split_only() -> None:
     expected_held = (raw_held.features - standardizer.mean) / standardizer.scale
     np.testing.assert_allclose(held.features, expected_held, rtol=1e-5, atol=1e-5)
     assert not np.allclose(held.features.mean(axis=0), 0.0, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- under a study
+
+
+def test_byte_order_mark_and_padded_header(tmp_path: Path) -> None:
+    """Spreadsheet exports: a BOM before the first name, spaces around names."""
+    rows = good_rows()
+    rows[0] = "pid , hr,lactate ,sepsis"
+    path = tmp_path / "excel.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + ("\n".join(rows) + "\n").encode())
+    data = load_site_data(path, SCHEMA)
+    assert data.features.shape == (120, 2) and data.num_patients == 60
+
+
+def _study(missing: str = "error") -> Study:
+    return study_from_mapping(
+        {
+            "study": {"name": "t", "rounds": 1},
+            "data": {"label_column": "sepsis", "patient_column": "pid"},
+            "features": [
+                {"name": "hr", "missing": missing},
+                {"name": "ward", "type": "categorical", "levels": ["A", "B"], "missing": missing},
+            ],
+        }
+    )
+
+
+def test_study_table_from_parquet_reports_rows_like_csv(tmp_path: Path) -> None:
+    table = pa.table(
+        {
+            "pid": [f"p{i}" for i in range(60)],
+            "hr": [80.0 + i for i in range(59)] + [None],
+            "ward": ["A", "B"] * 30,
+            "sepsis": [i % 2 for i in range(60)],
+        }
+    )
+    path = tmp_path / "site.parquet"
+    pq.write_table(table, path)
+    with pytest.raises(DataError) as info:
+        load_study_table(path, _study())
+    assert (info.value.row, info.value.column) == (61, "hr")
+    loaded = load_study_table(path, _study("indicator"))
+    assert len(loaded) == 60 and loaded.missing_counts() == {"hr": 1, "ward": 0}
+    assert loaded.labels is not None and loaded.labels.sum() == 30
+
+
+def test_study_table_for_prediction_needs_only_features(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "new.csv", ["ward,hr", "B,70", "A,"])
+    with pytest.raises(DataError) as info:
+        load_study_table(path, _study("impute"))
+    assert info.value.column == "sepsis" and info.value.row == 1
+    table = load_study_table(path, _study("impute"), for_prediction=True)
+    assert table.labels is None and table.patient_ids is None
+    assert table.categorical["ward"].tolist() == [1, 0]
+    assert np.isnan(table.numeric["hr"][1]) and table.rows.tolist() == [2, 3]
+
+
+def test_repeated_column_is_refused(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "dup.csv", ["pid,hr,hr,ward,sepsis", "p1,1,2,A,0"])
+    with pytest.raises(DataError, match="repeated column"):
+        load_study_table(path, _study())

@@ -15,14 +15,15 @@ import numpy as np
 import pytest
 
 from common import pki, wire
-from common.config import SiteSettings
-from common.errors import ConfigError, ValidationError
+from common.config import SitePolicySection, SiteSettings
+from common.errors import ConfigError, RoundFailed, ValidationError
 from common.modelfile import flat_layout
 from common.privacy.accountant import Segment
-from common.privacy.ledger import PrivacyLedger
+from common.privacy.ledger import LedgerSigner, PrivacyLedger
 from common.proto.medfed.v1 import federation_pb2 as pb
-from site_agent.agent import Round, RoundFailed, SiteAgent
-from site_agent.hooks import DpTrainingHook, LocalUpdate, RoundPlan
+from common.round import Announcement, RoundPlan, VerifiedRound, validate_for_site
+from site_agent.agent import SiteAgent
+from site_agent.hooks import DpTrainingHook, LocalUpdate
 from site_agent.metrics import SiteMetrics
 
 SEGMENT = Segment(noise_multiplier=1.2, sample_rate=0.05, steps=20)
@@ -74,37 +75,38 @@ def agent_and_ledger(tmp_path: Path) -> tuple[SiteAgent, PrivacyLedger, Counting
         delta=1e-5,
         accountant="rdp",
         privacy_unit="record",
+        signer=LedgerSigner.from_files(*pki.site_paths(root, "alpha")),
     )
     hook = CountingHook()
     agent = SiteAgent(settings, hook, metrics=SiteMetrics("alpha"), ledger=ledger)
     return agent, ledger, hook
 
 
-def plain_round(number: int) -> Round:
-    layout = flat_layout(8)
-    plan = RoundPlan(
+def plain_round(number: int) -> VerifiedRound:
+    ann = Announcement(
         round_number=number,
-        planned_rounds=5,
+        round_nonce=bytes(16),
+        participants=("alpha", "beta"),
+        threshold=0,
+        neighbours=0,
+        vector_length=8 + 1 + 4,
+        quantization_bits=20,
+        clip=1.0,
+        histogram_bins=2,
+        secure_aggregation=False,
+        model_layout=flat_layout(8),
+        model_sha256=bytes(32),
+        model_bytes=32,
         local_epochs=1,
         learning_rate=0.1,
         fedprox_mu=0.0,
-        histogram_bins=2,
-        layout=layout,
-    )
-    return Round(
-        number=number,
-        nonce=bytes(16),
-        params=None,
-        plan=plan,
-        vector_length=8 + 1 + 4,
-        bits=20,
-        clip=1.0,
+        planned_rounds=5,
+        train_deadline_ms=0,
+        phase_timeout_ms=1000,
         weight_cap=100,
-        model_sha256=bytes(32),
-        model_bytes=32,
-        secure=False,
-        phase_timeout=1.0,
-        train_deadline=0.0,
+    )
+    return validate_for_site(
+        ann, policy=SitePolicySection(allow_plain_aggregation=True), site_id="alpha"
     )
 
 
@@ -162,26 +164,19 @@ def announcement(**changes: Any) -> pb.RoundAnnouncement:
     return pb.RoundAnnouncement(**fields)
 
 
-@pytest.fixture()
-def plain_agent(tmp_path: Path) -> SiteAgent:
-    now = dt.datetime.now(dt.UTC)
-    root = tmp_path / "pki"
-    pki.init_ca(root, now=now - dt.timedelta(days=1))
-    pki.issue_site(root, "alpha", now=now)
-    settings = SiteSettings(
-        site="alpha",
-        coordinator="127.0.0.1:9",
-        state=tmp_path / "state",
-        pki=root,
-        policy={"allow_plain_aggregation": True},
-    )
-    return SiteAgent(settings, CountingHook(), metrics=SiteMetrics("alpha"), ledger=None)
+PLAIN_POLICY = SitePolicySection(allow_plain_aggregation=True)
 
 
-def test_well_formed_announcement_is_accepted(plain_agent: SiteAgent) -> None:
-    rnd = plain_agent.verify_announcement(announcement())
+def verify(msg: pb.RoundAnnouncement) -> VerifiedRound:
+    return validate_for_site(wire.announcement_from_pb(msg), policy=PLAIN_POLICY,
+                             site_id="alpha")
+
+
+def test_well_formed_announcement_is_accepted() -> None:
+    rnd = verify(announcement())
     assert rnd.plan.learning_rate == pytest.approx(0.1)
     assert rnd.plan.local_epochs == 1
+    assert rnd.plan == RoundPlan.of(rnd.announcement)
 
 
 @pytest.mark.parametrize(
@@ -198,11 +193,9 @@ def test_well_formed_announcement_is_accepted(plain_agent: SiteAgent) -> None:
         {"round": 1 << 63},
     ],
 )
-def test_training_plan_out_of_range_is_refused(
-    plain_agent: SiteAgent, changes: dict[str, Any]
-) -> None:
+def test_training_plan_out_of_range_is_refused(changes: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):
-        plain_agent.verify_announcement(announcement(**changes))
+        verify(announcement(**changes))
 
 
 def test_site_setting_must_match_the_certificate(tmp_path: Path) -> None:

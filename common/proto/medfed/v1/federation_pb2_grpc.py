@@ -108,7 +108,10 @@ class FederationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DownloadModel(self, request, context):
-        """--- Phase 0: model download (server streaming, chunked) ---------------
+        """--- Model download (server streaming, chunked) ------------------------
+        Keys come first: a site advertises and shares keys as soon as it hears of a
+        round (phases 1-2), then downloads the model and trains until it uploads in
+        phase 3, so uploads overlap other sites' training.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,261 @@
+"""`medfed bench soak` (`make soak`): a long federation under churn, to find leaks.
+
+Real processes over mutual TLS on 127.0.0.1: a temporary PKI, one coordinator and N site
+agents (`--trainer test-deterministic`, so rounds cost transport and SecAgg+ only). Every
+`--kill-every` seconds one site (round robin) is killed with SIGKILL, wherever its round
+is, and restarted at once: it rejoins with its state folder, as a crashed hospital
+container would. The coordinator runs until `--minutes` have passed.
+
+Printed at the end: rounds completed and aborted, sites killed, the coordinator's RSS and
+open file descriptors at the start (after its first completed round, so imports and the
+first buffers are in) and at the end, and the RSS growth per round: the least-squares
+slope of RSS against round number over the second half of the run (the first half
+includes allocator warm-up). A leak shows as a slope that does not fall as the run gets
+longer; allocator noise is a few kB either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common import pki
+from common.errors import ConfigError
+from common.processes import Line, ManagedProcess, medfed_argv
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def proc_rss_bytes(pid: int) -> int:
+    """VmRSS of a live process, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/{pid}/status has no VmRSS")
+
+
+def open_descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def least_squares_slope(points: list[tuple[float, float]]) -> float | None:
+    """Slope of y against x (None with fewer than 3 points)."""
+    if len(points) < 3:
+        return None
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    if sxx == 0:
+        return None
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
+
+
+@dataclass
+class SoakRecord:
+    """What the coordinator's log lines told us, updated from its reader thread."""
+
+    completed: int = 0
+    aborted: int = 0
+    # (round number, coordinator RSS right after that round completed)
+    rss_by_round: list[tuple[int, int]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Soak:
+    def __init__(self, root: Path, *, sites: int, dim: int, phase_seconds: float) -> None:
+        if sites < 3:
+            raise ConfigError("--sites", "a soak needs at least 3 sites")
+        if dim < 1:
+            raise ConfigError("--dim", "must be >= 1")
+        self.root = root
+        self.site_ids = [f"site-{i:02d}" for i in range(sites)]
+        self.dim = dim
+        self.phase_seconds = phase_seconds
+        self.pki = root / "pki"
+        pki.init_ca(self.pki)
+        pki.issue_coordinator(self.pki, ["127.0.0.1"])
+        for site in self.site_ids:
+            pki.issue_site(self.pki, site)
+        self.logs = root / "logs"
+        self.record = SoakRecord()
+        self.coordinator: ManagedProcess | None = None
+        self.sites: dict[str, ManagedProcess] = {}
+        self.port = 0
+        self.restarts = 0
+
+    def _on_coordinator_line(self, _name: str, line: Line) -> None:
+        event = line.get("event")
+        coordinator = self.coordinator
+        if event == "round_completed" and coordinator is not None and coordinator.alive:
+            try:
+                rss = proc_rss_bytes(coordinator.proc.pid)
+            except (OSError, RuntimeError):
+                return
+            with self.record.lock:
+                self.record.completed += 1
+                self.record.rss_by_round.append((int(line.get("round_number", 0)), rss))
+        elif event == "round_aborted":
+            with self.record.lock:
+                self.record.aborted += 1
+
+    def start(self) -> None:
+        deadline = f"{self.phase_seconds:g}"
+        self.coordinator = ManagedProcess(
+            "coordinator",
+            medfed_argv(
+                "coordinator", "serve", "--pki", str(self.pki), "--listen", "127.0.0.1:0",
+                "--metrics-listen", "127.0.0.1:0", "--state", str(self.root / "coordinator"),
+                "--rounds", "1000000", "--min-sites", str(len(self.site_ids) - 1),
+                "--model-dim", str(self.dim), "--phase-seconds", deadline,
+                "--train-seconds", deadline, "--selection-seconds", "0.5",
+            ),
+            log_dir=self.logs, cwd=REPO, on_line=self._on_coordinator_line,
+        )
+        self.port = int(self.coordinator.wait_event("listening", timeout=120)["port"])
+        for site in self.site_ids:
+            self._start_site(site)
+
+    def _start_site(self, site: str) -> None:
+        self.sites[site] = ManagedProcess(
+            site,
+            medfed_argv(
+                "site", "run", "--pki", str(self.pki), "--site", site,
+                "--coordinator", f"127.0.0.1:{self.port}", "--metrics-listen", "127.0.0.1:0",
+                "--state", str(self.root / "sites" / site), "--trainer", "test-deterministic",
+            ),
+            log_dir=self.logs, cwd=REPO,
+        )
+
+    def kill_and_restart(self, site: str) -> None:
+        self.sites[site].kill9()
+        self.sites[site].stop()
+        self.restarts += 1
+        self._start_site(site)
+
+    def stop(self) -> None:
+        for proc in self.sites.values():
+            proc.stop()
+        if self.coordinator is not None:
+            self.coordinator.stop()
+
+
+def run(*, sites: int, minutes: float, kill_every: float, dim: int,
+        phase_seconds: float, workdir: Path | None = None,
+        progress: bool = True) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="medfed-soak-", dir=workdir) as tmp:
+        soak = Soak(Path(tmp), sites=sites, dim=dim, phase_seconds=phase_seconds)
+        try:
+            soak.start()
+            coordinator = soak.coordinator
+            if coordinator is None:  # pragma: no cover - start() sets it
+                raise RuntimeError("coordinator did not start")
+            coordinator.wait_log("round 1 completed", timeout=300)
+            pid = coordinator.proc.pid
+            rss_start, fds_start = proc_rss_bytes(pid), open_descriptors(pid)
+            started = time.monotonic()
+            end = started + minutes * 60
+            next_kill = started + kill_every
+            victim = 0
+            while time.monotonic() < end:
+                if not coordinator.alive:
+                    raise RuntimeError(f"coordinator exited:\n{coordinator.tail()}")
+                now = time.monotonic()
+                if now >= next_kill:
+                    site = soak.site_ids[victim % len(soak.site_ids)]
+                    victim += 1
+                    soak.kill_and_restart(site)
+                    next_kill += kill_every
+                    if progress:
+                        with soak.record.lock:
+                            done, aborted = soak.record.completed, soak.record.aborted
+                        print(
+                            f"[{(now - started) / 60:5.1f} min] killed {site}; rounds "
+                            f"completed {done}, aborted {aborted}, coordinator RSS "
+                            f"{proc_rss_bytes(pid) / 2**20:.1f} MiB, "
+                            f"fds {open_descriptors(pid)}",
+                            flush=True,
+                        )
+                time.sleep(min(1.0, max(0.0, min(next_kill, end) - time.monotonic())))
+            rss_end, fds_end = proc_rss_bytes(pid), open_descriptors(pid)
+            with soak.record.lock:
+                completed, aborted = soak.record.completed, soak.record.aborted
+                series = list(soak.record.rss_by_round)
+        finally:
+            soak.stop()
+    second_half = series[len(series) // 2 :]
+    slope = least_squares_slope([(float(r), float(b)) for r, b in second_half])
+    whole = least_squares_slope([(float(r), float(b)) for r, b in series])
+    return {
+        "sites": sites,
+        "minutes": minutes,
+        "kill_every_seconds": kill_every,
+        "dim": dim,
+        "rounds_completed": completed,
+        "rounds_aborted": aborted,
+        "sites_killed": soak.restarts,
+        "coordinator_rss_start_bytes": rss_start,
+        "coordinator_rss_end_bytes": rss_end,
+        "coordinator_fds_start": fds_start,
+        "coordinator_fds_end": fds_end,
+        "rss_bytes_per_round_second_half": slope,
+        "rss_bytes_per_round_whole_run": whole,
+    }
+
+
+def format_result(result: dict[str, Any]) -> str:
+    mib = 2**20
+
+    def per_round(value: float | None) -> str:
+        return "n/a" if value is None else f"{value / 1024:+.2f} kB/round"
+
+    return "\n".join([
+        f"soak: {result['sites']} sites, {result['minutes']:g} min, one site killed every "
+        f"{result['kill_every_seconds']:g} s (d={result['dim']})",
+        f"  rounds completed {result['rounds_completed']}, aborted {result['rounds_aborted']}, "
+        f"sites killed {result['sites_killed']}",
+        f"  coordinator RSS {result['coordinator_rss_start_bytes'] / mib:.1f} MiB -> "
+        f"{result['coordinator_rss_end_bytes'] / mib:.1f} MiB; open fds "
+        f"{result['coordinator_fds_start']} -> {result['coordinator_fds_end']}",
+        f"  RSS growth: {per_round(result['rss_bytes_per_round_second_half'])} (second half), "
+        f"{per_round(result['rss_bytes_per_round_whole_run'])} (whole run)",
+    ])
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "soak", help="a long federation with a site killed and restarted every minute",
+    )
+    parser.add_argument("--sites", type=int, default=5)
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")
+    parser.add_argument("--dim", type=int, default=10_000, help="model parameters")
+    parser.add_argument("--phase-seconds", type=float, default=5.0)
+    parser.add_argument("--workdir", type=Path, help="parent of the temporary folder")
+    parser.add_argument("--json", action="store_true", help="one JSON object at the end")
+    parser.set_defaults(func=_main)
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.minutes <= 0 or args.kill_every <= 0:
+        raise ConfigError("--minutes", "--minutes and --kill-every must be positive")
+    # SIGTERM (make's ^C, CI) ends the run through the finally blocks: no orphans.
+    signal.signal(signal.SIGTERM, _interrupt)
+    result = run(
+        sites=args.sites, minutes=args.minutes, kill_every=args.kill_every, dim=args.dim,
+        phase_seconds=args.phase_seconds, workdir=args.workdir, progress=not args.json,
+    )
+    print(json.dumps(result) if args.json else format_result(result), flush=True)
+    return 0

@@ -1,0 +1,436 @@
+"""The model bundle: one ``.safetensors`` file a hospital can use without medfed's internals.
+
+The tensors are the model's parameters, one per ``named_parameters()`` name, float32.
+The metadata (safetensors allows string values only; ours are JSON) carries everything
+needed to apply and to judge the model:
+
+=====================  =========================================================
+``medfed.format``      ``medfed-bundle/1``
+``medfed.study``       the study, canonical bytes (`common.study.study_bytes`)
+``medfed.architecture`` model name or custom factory and its parameters
+``medfed.statistics``  the global preprocessing statistics (DP release, issue 10)
+``medfed.threshold``   the decision threshold (Youden's J on the DP ROC)
+``medfed.privacy_card`` epsilon and delta per site, unit, accountant, mechanisms,
+                       rounds, SecAgg parameters (for auditors)
+``medfed.parameters``  parameter names and shapes in flat-vector order
+``medfed.round``       the round this model closes; ``medfed.final``: last one?
+``medfed.sha256``      SHA-256 over the other metadata and the tensor bytes
+=====================  =========================================================
+
+safetensors is a plain header plus raw bytes: reading one never runs code (no pickle).
+The SHA-256 detects corruption and naive edits; it is not a signature (anyone who
+edits the file can recompute it), so a bundle's authenticity comes from how it was
+obtained (downloaded over the federation's mTLS channel).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from common.errors import StateError, ValidationError
+from common.evaluation import youden_threshold
+from common.study import (
+    FACTORY_PATTERN,
+    GlobalStatistics,
+    PrivacyUnit,
+    Study,
+    check_statistics,
+    encoded_feature_names,
+    statistics_bytes,
+    statistics_from_bytes,
+    study_bytes,
+    study_from_bytes,
+    study_sha256,
+)
+
+BUNDLE_FORMAT = "medfed-bundle/1"
+MAX_HEADER_BYTES = 16 << 20
+_KEYS = (
+    "medfed.format",
+    "medfed.study",
+    "medfed.architecture",
+    "medfed.statistics",
+    "medfed.threshold",
+    "medfed.privacy_card",
+    "medfed.parameters",
+    "medfed.round",
+    "medfed.final",
+    "medfed.sha256",
+)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Architecture(_Section):
+    """How to rebuild the network: a registry name with its arguments, or a custom
+    ``package.module:factory`` called with ``options`` (the model registry, issue 12)."""
+
+    name: str | None = None
+    custom: str | None = Field(default=None, pattern=FACTORY_PATTERN)
+    in_features: int | None = Field(default=None, ge=1)
+    in_channels: int | None = Field(default=None, ge=1)
+    image_size: tuple[int, int] | None = None
+    num_outputs: int = Field(ge=1)
+    hidden: tuple[int, ...] = ()
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    options: dict[str, int | float | str | bool] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one(self) -> Architecture:
+        if (self.name is None) == (self.custom is None):
+            raise ValueError("exactly one of name and custom")
+        return self
+
+
+def architecture_from_study(study: Study) -> Architecture:
+    """The architecture a study asks for; its input width follows from the encoding."""
+    model = study.model
+    tabular = study.data.kind == "table"
+    return Architecture(
+        name=model.name,
+        custom=model.custom,
+        in_features=len(encoded_feature_names(study)) if tabular else None,
+        in_channels=None if tabular else study.data.channels,
+        image_size=None if tabular else study.data.image_size,
+        num_outputs=study.num_outputs,
+        hidden=model.hidden if model.name == "mlp" else (),
+        dropout=model.dropout,
+        options=dict(model.options),
+    )
+
+
+class Threshold(_Section):
+    """The operating point: predict positive when the score is >= ``value``.
+
+    Chosen by Youden's J on the federation's DP score histogram (`common.evaluation`);
+    multi-class models predict the arg-max and have no threshold."""
+
+    value: float | None = Field(default=None, ge=0.0, le=1.0)
+    method: Literal["youden-dp-roc", "fixed", "argmax"] = "youden-dp-roc"
+    histogram_bins: int | None = Field(default=None, ge=2)
+
+
+class SitePrivacy(_Section):
+    """One site's guarantee as the site reports it (from its noised counts, issue 10)."""
+
+    site: str = Field(min_length=1, max_length=64)
+    epsilon: float = Field(ge=0)
+    delta: float = Field(ge=0, lt=1)
+
+
+class GroupGuarantee(_Section):
+    """A second, coarser guarantee stated plainly, e.g. hospital-level as v-fold group
+    privacy of the intermediary-level guarantee (issue 13)."""
+
+    unit: str = Field(min_length=1, max_length=32)
+    epsilon: float = Field(ge=0)
+    delta: float = Field(ge=0, lt=1)
+    note: str = Field(default="", max_length=500)
+
+
+class SecAggCard(_Section):
+    """Secure aggregation as run: SecAgg+ (Bell et al., CCS 2020)."""
+
+    protocol: str = "secagg+"
+    threshold: int = Field(ge=1)
+    neighbours: int | None = Field(default=None, ge=1)
+    max_colluding_sites: int = Field(ge=0)
+    max_dropouts: int | None = Field(default=None, ge=0)
+    ring_bits: int = Field(ge=1, le=128)
+    clip: float | None = Field(default=None, gt=0)
+
+
+class PrivacyCard(_Section):
+    """What an auditor needs to judge the model's privacy."""
+
+    unit: PrivacyUnit
+    accountant: str = Field(min_length=1, max_length=32)
+    mechanisms: tuple[str, ...]
+    rounds: int = Field(ge=0)
+    sites: tuple[SitePrivacy, ...]
+    group_guarantees: tuple[GroupGuarantee, ...] = ()
+    secagg: SecAggCard | None = Field(default=None, description="None: plain aggregation")
+    statistics_release: str | None = Field(default=None, max_length=500)
+    notes: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _distinct_sites(self) -> PrivacyCard:
+        names = [s.site for s in self.sites]
+        if len(set(names)) != len(names):
+            raise ValueError("a site appears twice")
+        return self
+
+
+def threshold_from_histogram(hist: np.ndarray, *, bins: int) -> Threshold:
+    """Youden's threshold of the federation's summed DP score histogram (the evaluation
+    round's), as the bundle records it."""
+    return Threshold(
+        value=youden_threshold(hist, bins=bins), method="youden-dp-roc", histogram_bins=bins
+    )
+
+
+@dataclass(frozen=True)
+class ModelBundle:
+    """A global model with everything needed to use and audit it."""
+
+    study: Study
+    architecture: Architecture
+    statistics: GlobalStatistics
+    threshold: Threshold
+    card: PrivacyCard
+    parameters: Mapping[str, np.ndarray]  # in flat-vector (named_parameters) order
+    round: int = 0
+    final: bool = False
+
+    def flat(self) -> np.ndarray:
+        """All parameters as one float32 vector, in the federation's order."""
+        parts = [np.asarray(v, dtype=np.float32).reshape(-1) for v in self.parameters.values()]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+
+def parameters_from_flat(
+    layout: Sequence[tuple[str, tuple[int, ...]]], flat: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Split a flat vector into named tensors (`layout`: name and shape, in order)."""
+    vector = np.asarray(flat, dtype=np.float32).reshape(-1)
+    sizes = [math.prod(shape) for _, shape in layout]
+    if sum(sizes) != vector.size:
+        raise ValidationError(f"flat vector has {vector.size} values, layout needs {sum(sizes)}")
+    out: dict[str, np.ndarray] = {}
+    start = 0
+    for (name, shape), size in zip(layout, sizes, strict=True):
+        out[name] = vector[start : start + size].reshape(shape).copy()
+        start += size
+    return out
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _digest(metadata: Mapping[str, str], tensors: Mapping[str, np.ndarray]) -> str:
+    hasher = hashlib.sha256()
+    hasher.update(_json({k: v for k, v in metadata.items() if k != "medfed.sha256"}).encode())
+    for name, value in tensors.items():
+        hasher.update(b"\0" + name.encode() + b"\0")
+        hasher.update(np.ascontiguousarray(value, dtype="<f4").tobytes())
+    return hasher.hexdigest()
+
+
+def _check_consistent(bundle: ModelBundle) -> None:
+    """Everything in a bundle must describe the same study and model."""
+    if bundle.architecture.custom is None and bundle.architecture != architecture_from_study(
+        bundle.study
+    ):
+        raise ValidationError("medfed.architecture: does not match the study's model")
+    if bundle.architecture.custom is not None and bundle.architecture.custom != (
+        bundle.study.model.custom
+    ):
+        raise ValidationError("medfed.architecture: custom factory differs from the study's")
+    try:
+        check_statistics(bundle.study, bundle.statistics)
+    except ValidationError as exc:
+        raise ValidationError(f"medfed.statistics: {exc}") from None
+    binary = bundle.study.study.task == "binary"
+    if binary and bundle.threshold.value is None:
+        raise ValidationError("medfed.threshold: a binary model needs a threshold value")
+    if not binary and bundle.threshold.value is not None:
+        raise ValidationError("medfed.threshold: a multi-class model predicts the arg-max")
+    if bundle.card.unit != bundle.study.privacy.unit:
+        raise ValidationError("medfed.privacy_card: unit differs from the study's")
+    if bundle.round < 0:
+        raise ValidationError("medfed.round: must be >= 0")
+    if not bundle.parameters:
+        raise ValidationError("medfed.parameters: a bundle needs at least one tensor")
+    for name, value in bundle.parameters.items():
+        array = np.asarray(value)
+        if array.dtype != np.float32:
+            raise ValidationError(f"tensor {name!r}: dtype {array.dtype}, expected float32")
+        if not np.all(np.isfinite(array)):
+            raise ValidationError(f"tensor {name!r}: contains NaN or infinity")
+
+
+def bundle_metadata(bundle: ModelBundle) -> dict[str, str]:
+    """The metadata strings of `bundle` (without its digest)."""
+    return {
+        "medfed.format": BUNDLE_FORMAT,
+        "medfed.study": study_bytes(bundle.study).decode("utf-8"),
+        "medfed.architecture": _json(bundle.architecture.model_dump(mode="json")),
+        "medfed.statistics": statistics_bytes(bundle.statistics).decode("utf-8"),
+        "medfed.threshold": _json(bundle.threshold.model_dump(mode="json")),
+        "medfed.privacy_card": _json(bundle.card.model_dump(mode="json")),
+        "medfed.parameters": _json(
+            [{"name": n, "shape": list(np.shape(v))} for n, v in bundle.parameters.items()]
+        ),
+        "medfed.round": str(int(bundle.round)),
+        "medfed.final": "true" if bundle.final else "false",
+    }
+
+
+def bundle_bytes(bundle: ModelBundle) -> bytes:
+    """The bundle as safetensors bytes (what `write_bundle` writes and sites download)."""
+    from safetensors.numpy import save
+
+    _check_consistent(bundle)
+    tensors = {
+        name: np.ascontiguousarray(value, dtype=np.float32)
+        for name, value in bundle.parameters.items()
+    }
+    metadata = bundle_metadata(bundle)
+    metadata["medfed.sha256"] = _digest(metadata, tensors)
+    data: bytes = save(tensors, metadata=metadata)
+    return data
+
+
+def write_bundle(path: str | Path, bundle: ModelBundle) -> str:
+    """Atomically write `bundle` to `path` (temporary file, fsync, rename); returns the
+    SHA-256 of the file, for reports."""
+    path = Path(path)
+    data = bundle_bytes(bundle)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise StateError(f"cannot write model bundle {path}: {exc.strerror}") from None
+    return hashlib.sha256(data).hexdigest()
+
+
+def _header_metadata(data: bytes) -> dict[str, str]:
+    if len(data) < 8:
+        raise ValidationError("not a safetensors file (too short)")
+    length = int.from_bytes(data[:8], "little")
+    if length > MAX_HEADER_BYTES or 8 + length > len(data):
+        raise ValidationError("not a safetensors file (header length out of range)")
+    try:
+        header = json.loads(data[8 : 8 + length].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise ValidationError("not a safetensors file (header is not JSON)") from None
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise ValidationError("no medfed metadata (is this a medfed model bundle?)")
+    return metadata
+
+
+def _section(key: str, model: type[BaseModel], text: str) -> Any:
+    try:
+        return model.model_validate_json(text)
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "value"
+        raise ValidationError(f"{key}: {where}: {err['msg']}") from None
+
+
+def bundle_from_bytes(data: bytes) -> ModelBundle:
+    """Parse and verify a bundle; any problem is a `ValidationError` naming the key."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
+
+    metadata = _header_metadata(data)
+    missing = [k for k in _KEYS if k not in metadata]
+    if missing:
+        raise ValidationError(f"{missing[0]}: missing from the bundle's metadata")
+    unknown = sorted(set(metadata) - set(_KEYS))
+    if unknown:
+        raise ValidationError(f"{unknown[0]}: unknown metadata key")
+    if metadata["medfed.format"] != BUNDLE_FORMAT:
+        raise ValidationError(f"medfed.format: {metadata['medfed.format']!r} is not supported")
+    try:
+        study = study_from_bytes(metadata["medfed.study"].encode("utf-8"))
+    except ValidationError as exc:
+        raise ValidationError(f"medfed.study: {exc}") from None
+    if study_bytes(study) != metadata["medfed.study"].encode("utf-8"):
+        raise ValidationError("medfed.study: not in canonical form")
+    try:
+        statistics = statistics_from_bytes(metadata["medfed.statistics"].encode("utf-8"))
+    except ValidationError as exc:
+        raise ValidationError(f"medfed.statistics: {exc}") from None
+    try:
+        layout_items = json.loads(metadata["medfed.parameters"])
+        layout = [
+            (str(item["name"]), tuple(int(d) for d in item["shape"])) for item in layout_items
+        ]
+    except (ValueError, TypeError, KeyError):
+        raise ValidationError("medfed.parameters: expected [{name, shape}, ...]") from None
+    round_text, final_text = metadata["medfed.round"], metadata["medfed.final"]
+    if not round_text.isdigit():
+        raise ValidationError("medfed.round: must be a non-negative integer")
+    if final_text not in ("true", "false"):
+        raise ValidationError("medfed.final: must be 'true' or 'false'")
+    try:
+        tensors = load(data)
+    except SafetensorError as exc:
+        raise ValidationError(f"tensors: {exc}") from None
+    names = [name for name, _ in layout]
+    if len(set(names)) != len(names) or set(tensors) != set(names):
+        raise ValidationError("medfed.parameters: names differ from the file's tensors")
+    for name, shape in layout:
+        if tuple(tensors[name].shape) != shape:
+            raise ValidationError(f"medfed.parameters: shape of {name!r} differs from its tensor")
+    parameters = {name: tensors[name] for name, _ in layout}
+    if _digest(metadata, parameters) != metadata["medfed.sha256"]:
+        raise ValidationError("medfed.sha256: the bundle was modified (digest mismatch)")
+    bundle = ModelBundle(
+        study=study,
+        architecture=_section("medfed.architecture", Architecture, metadata["medfed.architecture"]),
+        statistics=statistics,
+        threshold=_section("medfed.threshold", Threshold, metadata["medfed.threshold"]),
+        card=_section("medfed.privacy_card", PrivacyCard, metadata["medfed.privacy_card"]),
+        parameters=parameters,
+        round=int(round_text),
+        final=final_text == "true",
+    )
+    _check_consistent(bundle)
+    return bundle
+
+
+def read_bundle(path: str | Path) -> ModelBundle:
+    """Read and verify a bundle file; problems name the file and the metadata key."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise StateError(f"cannot read model bundle {path}: {exc.strerror}") from None
+    try:
+        return bundle_from_bytes(data)
+    except ValidationError as exc:
+        raise ValidationError(f"model bundle {path}: {exc}") from None
+
+
+def bundle_summary(bundle: ModelBundle) -> dict[str, Any]:
+    """The model card as one JSON-able object (`medfed model show --json`)."""
+    study = bundle.study
+    return {
+        "study": study.study.name,
+        "study_sha256": study_sha256(study),
+        "round": bundle.round,
+        "final": bundle.final,
+        "task": study.study.task,
+        "classes": list(study.study.classes),
+        "label_column": study.data.label_column,
+        "features": [f.model_dump(mode="json") for f in study.features],
+        "encoded_features": encoded_feature_names(study),
+        "architecture": bundle.architecture.model_dump(mode="json"),
+        "parameters": int(sum(np.size(v) for v in bundle.parameters.values())),
+        "threshold": bundle.threshold.model_dump(mode="json"),
+        "statistics": bundle.statistics.model_dump(mode="json"),
+        "privacy": bundle.card.model_dump(mode="json"),
+    }

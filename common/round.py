@@ -1,0 +1,248 @@
+"""A round as both services see it: the one announcement dataclass, its digest, and the
+checks a site runs on it before computing anything.
+
+The coordinator builds an `Announcement`; `common.wire` carries it as a
+RoundAnnouncement; a site turns it back into the same dataclass and calls
+`validate_for_site`, which returns a `VerifiedRound` or raises. No other module defines
+what a round is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+from common.codec import CHUNK_BYTES, TensorSpec
+from common.config import SitePolicySection
+from common.crypto.quantize import max_integer_for_sites
+from common.errors import RoundFailed, ValidationError
+from common.privacy.ledger import BudgetStatus
+from common.secagg.params import SecAggParams, ThreatModel, validate_against_threat_model
+
+ANNOUNCEMENT_DOMAIN = b"medfed/v1/announcement"
+ROUND_NONCE_LENGTH = 16
+MIN_CHUNK_BYTES = 1 << 16
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """Everything a site is told about a round (RoundAnnouncement on the wire)."""
+
+    round_number: int
+    round_nonce: bytes
+    participants: tuple[str, ...]
+    threshold: int
+    neighbours: int
+    vector_length: int
+    quantization_bits: int
+    clip: float
+    histogram_bins: int
+    secure_aggregation: bool
+    model_layout: tuple[TensorSpec, ...]
+    model_sha256: bytes
+    model_bytes: int
+    local_epochs: int
+    learning_rate: float
+    fedprox_mu: float
+    planned_rounds: int
+    train_deadline_ms: int
+    phase_timeout_ms: int
+    weight_cap: int
+    max_chunk_bytes: int = CHUNK_BYTES
+
+    def digest(self) -> bytes:
+        """SHA-256 over a canonical, length-prefixed encoding of every field.
+
+        Mixed into the SecAgg+ session id, so sites that were told different things
+        about a round (a split view) end up in different sessions and the round aborts
+        instead of aggregating under inconsistent terms.
+        """
+        out = bytearray()
+        _put_bytes(out, ANNOUNCEMENT_DOMAIN)
+        _put_uint(out, self.round_number)
+        _put_bytes(out, self.round_nonce)
+        _put_uint(out, len(self.participants))
+        for site in self.participants:
+            _put_bytes(out, site.encode())
+        for number in (self.threshold, self.neighbours, self.vector_length,
+                       self.quantization_bits):
+            _put_uint(out, number)
+        _put_float(out, self.clip)
+        _put_uint(out, self.histogram_bins)
+        _put_uint(out, int(self.secure_aggregation))
+        _put_uint(out, len(self.model_layout))
+        for spec in self.model_layout:
+            _put_bytes(out, spec.name.encode())
+            _put_bytes(out, spec.dtype.encode())
+            _put_uint(out, len(spec.shape))
+            for dim in spec.shape:
+                _put_uint(out, dim)
+        _put_bytes(out, self.model_sha256)
+        _put_uint(out, self.model_bytes)
+        _put_uint(out, self.local_epochs)
+        _put_float(out, self.learning_rate)
+        _put_float(out, self.fedprox_mu)
+        for number in (self.planned_rounds, self.train_deadline_ms, self.phase_timeout_ms,
+                       self.weight_cap, self.max_chunk_bytes):
+            _put_uint(out, number)
+        return hashlib.sha256(bytes(out)).digest()
+
+
+def _put_uint(out: bytearray, value: int) -> None:
+    if not 0 <= value < 1 << 64:
+        raise ValidationError(f"announcement field {value} outside 0..2^64-1")
+    out += value.to_bytes(8, "big")
+
+
+def _put_float(out: bytearray, value: float) -> None:
+    out += struct.pack(">d", value)
+
+
+def _put_bytes(out: bytearray, value: bytes) -> None:
+    _put_uint(out, len(value))
+    out += value
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """The part of an announcement a training hook needs (a projection, not a copy of
+    the protocol: build it with `RoundPlan.of`)."""
+
+    round_number: int
+    planned_rounds: int
+    local_epochs: int
+    learning_rate: float
+    fedprox_mu: float
+    histogram_bins: int
+    layout: tuple[TensorSpec, ...]
+
+    @classmethod
+    def of(cls, ann: Announcement) -> RoundPlan:
+        return cls(
+            round_number=ann.round_number,
+            planned_rounds=max(ann.planned_rounds, 1),
+            local_epochs=ann.local_epochs,
+            learning_rate=ann.learning_rate,
+            fedprox_mu=ann.fedprox_mu,
+            histogram_bins=ann.histogram_bins,
+            layout=ann.model_layout,
+        )
+
+
+@dataclass(frozen=True)
+class VerifiedRound:
+    """An announcement this site accepted, with what the site derived from it."""
+
+    announcement: Announcement
+    params: SecAggParams | None
+    plan: RoundPlan
+    phase_timeout: float  # seconds, at least 1
+    train_deadline: float  # unix seconds
+    chunk_bytes: int
+
+    @property
+    def number(self) -> int:
+        return self.announcement.round_number
+
+
+def validate_for_site(
+    ann: Announcement, *, policy: SitePolicySection, site_id: str
+) -> VerifiedRound:
+    """Check a round against this site's policy before computing anything.
+
+    Raises `RoundFailed` when the round is acceptable in form but not for this site,
+    `ValidationError` when it is malformed."""
+    participants = ann.participants
+    if site_id not in participants:
+        raise RoundFailed(f"round {ann.round_number} does not list this site")
+    if len(ann.round_nonce) != ROUND_NONCE_LENGTH:
+        raise ValidationError("round nonce must be 16 bytes")
+    model_elements = sum(s.elements for s in ann.model_layout)
+    bins = ann.histogram_bins
+    if not 2 <= bins <= 1000:
+        raise ValidationError("histogram_bins out of range")
+    expected_length = model_elements + 1 + 2 * bins
+    if ann.vector_length != expected_length or ann.vector_length > policy.max_vector_length:
+        raise ValidationError(
+            f"vector_length {ann.vector_length} does not match the model ({expected_length})"
+        )
+    if not (0 < ann.clip < 1e6) or not (1 <= ann.quantization_bits <= 31):
+        raise ValidationError("clip or quantization bits out of range")
+    if not 1 <= ann.weight_cap <= max_integer_for_sites(len(participants)):
+        raise ValidationError("weight_cap out of range")
+    # The training plan, within the bounds the coordinator's own config enforces
+    # (NaN fails every comparison): a bad plan would spend budget on a wasted update.
+    if not (0 < ann.learning_rate <= 10 and 0 <= ann.fedprox_mu <= 100):
+        raise ValidationError("learning_rate or fedprox_mu out of range")
+    if not (ann.local_epochs <= 1000 and ann.planned_rounds <= 1_000_000):
+        raise ValidationError("local_epochs or planned_rounds out of range")
+    if ann.round_number >= 1 << 63:  # the ledger stores round numbers as signed 64-bit
+        raise ValidationError("round number out of range")
+    params = None
+    if ann.secure_aggregation:
+        params = SecAggParams(
+            round_number=ann.round_number,
+            round_nonce=ann.round_nonce,
+            participants=participants,
+            threshold=ann.threshold,
+            neighbours=ann.neighbours,
+            vector_length=ann.vector_length,
+        )
+        if ann.threshold < policy.min_threshold:
+            raise RoundFailed(
+                f"threshold {ann.threshold} below this site's minimum {policy.min_threshold}"
+            )
+        # A coordinator cannot lower t below what this site's threat model needs.
+        validate_against_threat_model(
+            params, ThreatModel(max_colluding_sites=policy.max_colluding_sites, max_dropouts=0)
+        )
+    elif not policy.allow_plain_aggregation:
+        # Plain FedAvg shows the coordinator each update: for benchmarks only.
+        raise RoundFailed("this site's policy requires secure aggregation")
+    return VerifiedRound(
+        announcement=ann,
+        params=params,
+        plan=RoundPlan.of(ann),
+        phase_timeout=max(ann.phase_timeout_ms / 1000, 1.0),
+        train_deadline=ann.train_deadline_ms / 1000,
+        # Chunks as large as the coordinator accepts (1 MiB unless it says less),
+        # never below 64 KiB (a coordinator cannot make us send a million messages).
+        chunk_bytes=min(CHUNK_BYTES, max(ann.max_chunk_bytes or CHUNK_BYTES, MIN_CHUNK_BYTES)),
+    )
+
+
+@dataclass
+class SiteBudget:
+    """What a site last reported about its own ledger (epsilon_budget 0: no ledger,
+    i.e. a run without DP accounting)."""
+
+    epsilon_budget: float = 0.0
+    epsilon_spent: float = 0.0
+    delta: float = 0.0
+    privacy_unit: str = ""
+    reported_exhausted: bool = False
+    ledger_entries: int = 0
+    ledger_head: str = ""
+    ledger_last_round: int | None = None
+
+    @property
+    def exhausted(self) -> bool:
+        if self.reported_exhausted:
+            return True
+        return self.epsilon_budget > 0 and self.epsilon_spent >= self.epsilon_budget
+
+    def as_status(self, site_id: str) -> BudgetStatus:
+        """The report in the federation view's terms."""
+        return BudgetStatus(
+            site_id=site_id,
+            budget_epsilon=self.epsilon_budget,
+            delta=self.delta,
+            spent_epsilon=self.epsilon_spent,
+            remaining_epsilon=max(0.0, self.epsilon_budget - self.epsilon_spent),
+            last_round=self.ledger_last_round,
+            exhausted=self.exhausted,
+            privacy_unit=self.privacy_unit or "record",
+            ledger_entries=self.ledger_entries,
+            ledger_head=self.ledger_head,
+        )

@@ -1,0 +1,559 @@
+"""The study: one definition of what a federation trains, checked by every site.
+
+A study file (``study.toml``) names the features and their encodings, the label and
+patient columns, the model, the training settings and the privacy *requests*. It holds
+no operational settings (listen addresses, state folders, deadlines, databases): those
+belong to each service's own config. This module is pure (no torch, no I/O beyond
+reading the TOML file) so the coordinator, the site agent and the model bundle all
+share it.
+
+The coordinator sends `study_bytes` (canonical JSON) to every site at enrolment and
+binds `study_sha256` into each round's announcement; a site checks its data against the
+study and the study's privacy requests against its own policy (`check_study_against_policy`)
+before it sends any key or update. The site's policy always wins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from common.errors import ConfigError, PrivacyError, ValidationError
+
+STUDY_FORMAT: Literal[1] = 1
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+# ``package.module:factory``: a callable returning an nn.Module, from installed packages.
+FACTORY_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+MISSING_SUFFIX = "__missing"
+ClassLabel = int | str
+PrivacyUnit = Literal["record", "patient", "hospital"]
+# Stronger units protect more: a hospital-level guarantee covers all of its patients.
+UNIT_STRENGTH: Mapping[str, int] = {"record": 0, "patient": 1, "hospital": 2}
+TABLE_MODELS = ("mlp",)
+IMAGE_MODELS = ("cnn", "resnet18-gn", "densenet121", "small_cnn", "resnet18_gn")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StudySection(_Section):
+    """``[study]``: what is predicted and for how long."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    format: Literal[1] = STUDY_FORMAT
+    rounds: int = Field(ge=1, le=1_000_000)
+    task: Literal["binary", "multiclass"] = "binary"
+    classes: tuple[ClassLabel, ...] = Field(
+        default=(0, 1),
+        description="labels as written in the label column; for binary, the second is the "
+        "positive class",
+    )
+
+    @field_validator("classes")
+    @classmethod
+    def _distinct_classes(cls, value: tuple[ClassLabel, ...]) -> tuple[ClassLabel, ...]:
+        if any(isinstance(c, bool) for c in value):
+            raise ValueError("class labels are integers or strings, not booleans")
+        texts = [str(c).strip() for c in value]
+        if any(not t for t in texts):
+            raise ValueError("class labels must not be empty")
+        if len(set(texts)) != len(texts):
+            raise ValueError("class labels must be distinct")
+        return value
+
+
+class DataSection(_Section):
+    """``[data]``: the shape of every site's file (the site's own path stays local)."""
+
+    kind: Literal["table", "images"] = "table"
+    label_column: str = Field(min_length=1)
+    patient_column: str | None = Field(default=None, min_length=1)
+    # Images (issue 12): a labels CSV with one file name per row, resized to image_size.
+    file_column: str | None = Field(default=None, min_length=1)
+    image_size: tuple[int, int] | None = None
+    channels: int | None = Field(default=None, ge=1, le=16)
+
+    @field_validator("image_size")
+    @classmethod
+    def _positive_size(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
+        if value is not None and not all(1 <= d <= 8192 for d in value):
+            raise ValueError("image_size must be two sizes in 1..8192")
+        return value
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> DataSection:
+        image_fields = (self.file_column, self.image_size, self.channels)
+        if self.kind == "images" and any(f is None for f in image_fields):
+            raise ValueError("data.kind = 'images' needs file_column, image_size and channels")
+        if self.kind == "table" and any(f is not None for f in image_fields):
+            raise ValueError("file_column, image_size and channels apply to images only")
+        if self.patient_column is not None and self.patient_column == self.label_column:
+            raise ValueError("patient_column and label_column must differ")
+        return self
+
+
+class FeatureSpec(_Section):
+    """``[[features]]``: one input column, its encoding and its missing-value policy.
+
+    ``missing``: ``error`` refuses the file, ``impute`` fills in the federated (DP) global
+    value, ``indicator`` imputes and adds a 0/1 column saying the value was missing.
+    ``range``: numeric values are clipped into it before standardising; ``auto`` means the
+    range is estimated in the federated DP statistics release (issue 10).
+    """
+
+    name: str = Field(min_length=1, max_length=256)
+    type: Literal["numeric", "categorical"] = "numeric"
+    levels: tuple[str, ...] | None = None
+    missing: Literal["error", "impute", "indicator"] = "error"
+    range: Literal["auto"] | tuple[float, float] = "auto"
+
+    @model_validator(mode="after")
+    def _type_fields(self) -> FeatureSpec:
+        if self.type == "categorical":
+            if not self.levels:
+                raise ValueError(f"categorical feature {self.name!r} needs levels = [...]")
+            stripped = [level.strip() for level in self.levels]
+            if any(not level for level in stripped) or stripped != list(self.levels):
+                raise ValueError("levels must be non-empty and without surrounding spaces")
+            if len(set(self.levels)) != len(self.levels):
+                raise ValueError(f"levels of {self.name!r} must be distinct")
+            if self.range != "auto":
+                raise ValueError("range applies to numeric features only")
+        else:
+            if self.levels is not None:
+                raise ValueError(f"levels apply to categorical features only ({self.name!r})")
+            if self.range != "auto":
+                low, high = self.range
+                if not (math.isfinite(low) and math.isfinite(high) and low < high):
+                    raise ValueError("range must be [low, high] with finite low < high")
+        return self
+
+
+class ModelSection(_Section):
+    """``[model]``: which architecture; built elsewhere (the model registry, issue 12).
+
+    Exactly one of ``name`` (a built-in) and ``custom`` (``package.module:factory``);
+    neither means ``name = "mlp"``.
+    """
+
+    name: str | None = None
+    custom: str | None = Field(default=None, pattern=FACTORY_PATTERN)
+    hidden: tuple[int, ...] = Field(default=(64, 32), description="mlp hidden layer sizes")
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    options: dict[str, int | float | str | bool] = Field(
+        default_factory=dict, description="keyword arguments passed to a custom factory"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("name") is None and data.get("custom") is None:
+            return {**data, "name": "mlp"}
+        return data
+
+    @model_validator(mode="after")
+    def _one_model(self) -> ModelSection:
+        if self.name is not None and self.custom is not None:
+            raise ValueError("set either model.name or model.custom, not both")
+        if self.name is not None and self.name not in (*TABLE_MODELS, *IMAGE_MODELS):
+            known = ", ".join((*TABLE_MODELS, *IMAGE_MODELS))
+            raise ValueError(f"unknown model {self.name!r}; known: {known}, or custom = ...")
+        if any(h < 1 or h > 65536 for h in self.hidden):
+            raise ValueError("hidden sizes must be in 1..65536")
+        return self
+
+
+class TrainingSection(_Section):
+    """``[training]``: local DP-SGD and the server optimizer."""
+
+    local_epochs: int = Field(default=1, ge=1, le=1000)
+    learning_rate: float = Field(default=0.1, gt=0, le=10)
+    batch_size: int = Field(default=256, ge=1, le=1 << 20)
+    local_optimizer: Literal["sgd", "adam"] = "sgd"
+    fedprox_mu: float = Field(default=0.0, ge=0, le=100)
+    server_optimizer: Literal["fedavg", "fedadam", "fedyogi"] = "fedavg"
+    server_learning_rate: float = Field(default=1.0, gt=0, le=100)
+    final_evaluation: bool = Field(
+        default=True, description="one evaluation-only round at the end (sets the threshold)"
+    )
+
+
+class EvaluationSection(_Section):
+    """``[privacy.evaluation]``: the DP score histograms behind the ROC and threshold."""
+
+    histogram_bins: int = Field(default=20, ge=2, le=1000)
+    max_evaluations: int = Field(default=10, ge=1, le=100_000)
+
+
+class StudyPrivacySection(_Section):
+    """``[privacy]``: requests. A site joins only if they are at least as strict as its own
+    policy (`check_study_against_policy`), and its own policy still governs its spend."""
+
+    unit: PrivacyUnit = "patient"
+    epsilon: float = Field(default=8.0, gt=0, le=100, description="requested total per site")
+    delta: float = Field(default=1e-5, gt=0, lt=1)
+    max_grad_norm: float = Field(default=1.0, gt=0, le=1e6)
+    max_epsilon_per_round: float | None = Field(default=None, gt=0, le=100)
+    # Hospital-level DP (issue 13): whole-update clip norm S and adaptive intermediaries.
+    update_clip_norm: float | None = Field(default=None, gt=0)
+    intermediaries: Literal["auto"] | int = "auto"
+    # Once-per-study DP releases (issue 10): statistics for preprocessing, cohort count.
+    statistics_epsilon: float = Field(default=0.5, gt=0, le=100)
+    count_epsilon: float = Field(default=0.1, gt=0, le=100)
+    evaluation: EvaluationSection = EvaluationSection()
+
+    @field_validator("intermediaries")
+    @classmethod
+    def _positive_intermediaries(cls, value: Literal["auto"] | int) -> Literal["auto"] | int:
+        if value != "auto" and not 1 <= value <= 10_000:
+            raise ValueError("intermediaries must be 'auto' or an integer in 1..10000")
+        return value
+
+    @model_validator(mode="after")
+    def _hospital_only(self) -> StudyPrivacySection:
+        if self.unit != "hospital" and self.update_clip_norm is not None:
+            raise ValueError("update_clip_norm applies to unit = 'hospital' only")
+        if self.max_epsilon_per_round is not None and self.max_epsilon_per_round > self.epsilon:
+            raise ValueError("max_epsilon_per_round must not exceed epsilon")
+        return self
+
+
+class Study(_Section):
+    """A whole study file."""
+
+    study: StudySection
+    data: DataSection
+    features: tuple[FeatureSpec, ...] = ()
+    model: ModelSection = ModelSection()
+    training: TrainingSection = TrainingSection()
+    privacy: StudyPrivacySection = StudyPrivacySection()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Study:
+        names = [f.name for f in self.features]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"feature names must be distinct; repeated: {duplicates}")
+        reserved = {self.data.label_column, self.data.patient_column, self.data.file_column}
+        clash = sorted(n for n in names if n in reserved)
+        if clash:
+            raise ValueError(f"label/patient/file columns cannot also be features: {clash}")
+        encoded = encoded_feature_names(self)
+        if len(set(encoded)) != len(encoded):
+            raise ValueError(
+                f"encoded feature names collide (a column named like 'x{MISSING_SUFFIX}' or "
+                "'x=level'?): rename a column"
+            )
+        if self.data.kind == "table" and not self.features:
+            raise ValueError("a table study needs at least one [[features]] entry")
+        if self.data.kind == "images" and self.features:
+            raise ValueError("an images study takes no [[features]] (the pixels are the input)")
+        n_classes = len(self.study.classes)
+        if self.study.task == "binary" and n_classes != 2:
+            raise ValueError("task = 'binary' needs exactly two classes [negative, positive]")
+        if self.study.task == "multiclass" and n_classes < 3:
+            raise ValueError("task = 'multiclass' needs at least three classes")
+        name = self.model.name
+        if name is not None:
+            if self.data.kind == "table" and name not in TABLE_MODELS:
+                raise ValueError(f"model {name!r} is for images; tables use {TABLE_MODELS}")
+            if self.data.kind == "images" and name not in IMAGE_MODELS:
+                raise ValueError(f"model {name!r} is for tables; images use {IMAGE_MODELS}")
+        if self.privacy.unit == "patient" and self.data.patient_column is None:
+            raise ValueError("privacy.unit = 'patient' needs data.patient_column")
+        return self
+
+    @property
+    def num_outputs(self) -> int:
+        """One logit for binary, one per class for multi-class."""
+        return 1 if self.study.task == "binary" else len(self.study.classes)
+
+    def feature(self, name: str) -> FeatureSpec:
+        for spec in self.features:
+            if spec.name == name:
+                return spec
+        raise ConfigError("features", f"no feature named {name!r}")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _field_of(loc: Sequence[int | str]) -> str:
+    """``("features", 2, "levels")`` -> ``features[2].levels``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + part
+    return out or "study"
+
+
+def _first_problem(exc: pydantic.ValidationError) -> tuple[str, str]:
+    problems = []
+    for err in exc.errors():
+        loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        problems.append((_field_of(loc), err["msg"].removeprefix("Value error, ")))
+    first_field, first_message = problems[0]
+    rest = "".join(f"; {f}: {m}" for f, m in problems[1:])
+    return first_field, first_message + rest
+
+
+def study_from_mapping(data: Mapping[str, Any], *, source: str = "study") -> Study:
+    """Validate a parsed study; a problem is a `ConfigError` naming the field and `source`."""
+    try:
+        return Study.model_validate(dict(data))
+    except pydantic.ValidationError as exc:
+        field, message = _first_problem(exc)
+        raise ConfigError(field, f"{message} (in {source})") from None
+
+
+def load_study(path: str | Path) -> Study:
+    """Read and validate ``study.toml``; every error names the file and the field."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError("study", f"cannot read study file {path}: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError("study", f"{path} is not valid TOML: {exc}") from None
+    return study_from_mapping(data, source=str(path))
+
+
+def study_bytes(study: Study) -> bytes:
+    """Canonical encoding (JSON, sorted keys, no spaces): what the coordinator sends and
+    hashes, so every party agrees byte for byte on what was studied."""
+    return json.dumps(
+        study.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    ).encode("utf-8")
+
+
+def study_sha256(study: Study) -> str:
+    return hashlib.sha256(study_bytes(study)).hexdigest()
+
+
+MAX_STUDY_BYTES = 1 << 20
+
+
+def study_from_bytes(data: bytes) -> Study:
+    """Parse a study received from another party; malformed input is a `ValidationError`."""
+    if len(data) > MAX_STUDY_BYTES:
+        raise ValidationError("study is too large")
+    try:
+        parsed = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise ValidationError("study is not UTF-8 JSON") from None
+    if not isinstance(parsed, dict):
+        raise ValidationError("study must be a JSON object")
+    try:
+        return Study.model_validate(parsed)
+    except pydantic.ValidationError as exc:
+        field, message = _first_problem(exc)
+        raise ValidationError(f"study: {field}: {message}") from None
+
+
+def study_from_enrolment(data: bytes, *, announced_sha256: str) -> Study:
+    """The study a site receives at enrolment: canonical bytes whose SHA-256 is the one
+    bound into the round announcements. Anything else is a `ValidationError`."""
+    if hashlib.sha256(data).hexdigest() != announced_sha256:
+        raise ValidationError("study bytes do not match the announced study_sha256")
+    study = study_from_bytes(data)
+    if study_bytes(study) != data:
+        raise ValidationError("study is not in canonical form")
+    return study
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def encoded_feature_names(study: Study) -> list[str]:
+    """Column names of the model's input matrix, in order: numeric as is, categorical as
+    ``name=level`` per declared level, then ``name__missing`` for indicator features."""
+    names: list[str] = []
+    for spec in study.features:
+        if spec.type == "numeric":
+            names.append(spec.name)
+        else:
+            names.extend(f"{spec.name}={level}" for level in spec.levels or ())
+        if spec.missing == "indicator":
+            names.append(spec.name + MISSING_SUFFIX)
+    return names
+
+
+def class_index(study: Study, cell: str) -> int | None:
+    """Index of the class a label cell names; None if it names none (``1.0`` matches 1)."""
+    text = cell.strip()
+    for index, label in enumerate(study.study.classes):
+        if text == str(label):
+            return index
+    if any(isinstance(c, int) for c in study.study.classes):
+        try:
+            number = float(text)
+        except ValueError:
+            return None
+        for index, label in enumerate(study.study.classes):
+            if isinstance(label, int) and number == label:
+                return index
+    return None
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+class NumericStatistics(_Section):
+    """Global preprocessing values of one numeric feature (from the federated DP release)."""
+
+    mean: float
+    scale: float = Field(gt=0)
+    impute: float
+    clip_low: float
+    clip_high: float
+
+    @model_validator(mode="after")
+    def _finite(self) -> NumericStatistics:
+        values = (self.mean, self.scale, self.impute, self.clip_low, self.clip_high)
+        if not all(math.isfinite(v) for v in values):
+            raise ValueError("statistics must be finite")
+        if self.clip_low > self.clip_high:
+            raise ValueError("clip_low must not exceed clip_high")
+        return self
+
+
+class CategoricalStatistics(_Section):
+    impute: str | None = Field(default=None, description="level used for a missing value")
+
+
+class GlobalStatistics(_Section):
+    """Means, scales, imputation values and clip ranges every site and `predict` apply.
+
+    Preprocessing requires this object: there is deliberately no local fallback that
+    fits statistics on one site's data (that would leak noiselessly and make sites scale
+    inputs differently). The integrator produces it from the federated DP release of
+    issue 10; ``source`` says where it came from and travels in the model bundle.
+    """
+
+    study_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    source: str = Field(min_length=1, max_length=200)
+    numeric: dict[str, NumericStatistics] = Field(default_factory=dict)
+    categorical: dict[str, CategoricalStatistics] = Field(default_factory=dict)
+
+
+def check_statistics(study: Study, statistics: GlobalStatistics) -> None:
+    """Refuse statistics made for another study or missing a feature's values."""
+    if statistics.study_sha256 != study_sha256(study):
+        raise ValidationError("statistics: study_sha256 does not match the study")
+    numeric = {f.name: f for f in study.features if f.type == "numeric"}
+    categorical = {f.name: f for f in study.features if f.type == "categorical"}
+    if set(statistics.numeric) != set(numeric):
+        raise ValidationError(
+            f"statistics: numeric features {sorted(statistics.numeric)} != study's "
+            f"{sorted(numeric)}"
+        )
+    if set(statistics.categorical) != set(categorical):
+        raise ValidationError(
+            f"statistics: categorical features {sorted(statistics.categorical)} != study's "
+            f"{sorted(categorical)}"
+        )
+    for name, spec in numeric.items():
+        values = statistics.numeric[name]
+        if spec.range != "auto" and (values.clip_low, values.clip_high) != tuple(spec.range):
+            raise ValidationError(f"statistics: clip range of {name!r} differs from the study")
+    for name, spec in categorical.items():
+        level = statistics.categorical[name].impute
+        if level is not None and level not in (spec.levels or ()):
+            raise ValidationError(f"statistics: impute level of {name!r} is not declared")
+        if spec.missing == "impute" and level is None:
+            raise ValidationError(f"statistics: {name!r} has missing = 'impute' but no level")
+
+
+def load_statistics(path: str | Path, study: Study) -> GlobalStatistics:
+    """Read statistics (JSON) from an explicit file and check them against `study`."""
+    path = Path(path)
+    try:
+        statistics = statistics_from_bytes(path.read_bytes())
+    except OSError as exc:
+        raise ConfigError("statistics", f"cannot read {path}: {exc.strerror}") from None
+    except ValidationError as exc:
+        raise ConfigError("statistics", f"{path}: {exc}") from None
+    try:
+        check_statistics(study, statistics)
+    except ValidationError as exc:
+        raise ConfigError("statistics", f"{path}: {exc}") from None
+    return statistics
+
+
+def statistics_from_bytes(data: bytes) -> GlobalStatistics:
+    try:
+        return GlobalStatistics.model_validate_json(data)
+    except pydantic.ValidationError as exc:
+        field, message = _first_problem(exc)
+        raise ValidationError(f"statistics: {field}: {message}") from None
+
+
+def statistics_bytes(statistics: GlobalStatistics) -> bytes:
+    return json.dumps(
+        statistics.model_dump(mode="json"), sort_keys=True, separators=(",", ":")
+    ).encode("utf-8")
+
+
+# --------------------------------------------------------------------------- site policy
+
+
+@dataclass(frozen=True)
+class SitePrivacyPolicy:
+    """What a site accepts; built from its own config (`SiteSettings.privacy` / `.policy`).
+
+    ``unit``: the weakest privacy unit the site accepts. ``allowed_model_factories``:
+    custom model factories this site is willing to import and run (issue 12).
+    """
+
+    epsilon: float
+    delta: float
+    unit: PrivacyUnit = "record"
+    max_epsilon_per_round: float | None = None
+    allowed_model_factories: tuple[str, ...] = ()
+
+
+def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
+    """Join only if the study's requests are at least as strict as the site's policy.
+
+    Raises `PrivacyError` listing every request the policy does not allow. Passing does
+    not hand control to the study: the site still plans and spends under its own policy.
+    """
+    requested = study.privacy
+    problems = []
+    if requested.epsilon > policy.epsilon:
+        problems.append(
+            f"privacy.epsilon = {requested.epsilon:g} exceeds this site's {policy.epsilon:g}"
+        )
+    if requested.delta > policy.delta:
+        problems.append(f"privacy.delta = {requested.delta:g} exceeds this site's {policy.delta:g}")
+    if UNIT_STRENGTH[requested.unit] < UNIT_STRENGTH[policy.unit]:
+        problems.append(
+            f"privacy.unit = {requested.unit!r} is weaker than this site's {policy.unit!r}"
+        )
+    if policy.max_epsilon_per_round is not None and (
+        requested.max_epsilon_per_round is None
+        or requested.max_epsilon_per_round > policy.max_epsilon_per_round
+    ):
+        problems.append(
+            f"privacy.max_epsilon_per_round = {requested.max_epsilon_per_round} exceeds this "
+            f"site's {policy.max_epsilon_per_round:g}"
+        )
+    factory = study.model.custom
+    if factory is not None and factory not in policy.allowed_model_factories:
+        problems.append(f"model.custom = {factory!r} is not in this site's allowed factories")
+    if problems:
+        raise PrivacyError("study refused by this site's policy: " + "; ".join(problems))

@@ -1,0 +1,224 @@
+"""How a round's sum is collected (SecAgg+ or plain) and decoded into the mean update.
+
+`SecureAggregator` and `PlainAggregator` are what the phase loop (`phases.drive`) and
+the upload handler talk to; `decode_round_sum` is pure: ring sum in, mean delta and
+evaluation metrics out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.crypto.quantize import dequantize_sum
+from common.errors import AbortReason, ProtocolAbort, StateError, ValidationError
+from common.evaluation import operating_point_metrics
+from common.secagg import messages as sm
+from common.secagg.client import IdentityVerifier
+from common.secagg.params import SecAggParams, ThreatModel, validate_against_threat_model
+from common.secagg.server import SecAggServer
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.optimizers import weighted_mean
+from coordinator.phases import PLAIN_PHASES, SECURE_PHASES, ActiveRound, PhaseState, RoundPhase
+from coordinator.uploads import release_freed_memory
+
+log = logging.getLogger("medfed.coordinator")
+
+UPDATE_CHUNK_ELEMENTS = 1 << 18
+"""Window of the decode/optimizer pass: float64 temporaries stay at 2 MiB, not 2 x d."""
+
+
+@dataclass(frozen=True)
+class DecodedSum:
+    mean_delta: np.ndarray | None  # float32; None when the round trains nothing
+    weight_sum: int
+    metrics: dict[str, float]
+
+
+def decode_round_sum(
+    aggregate: np.ndarray,
+    *,
+    model_dim: int,
+    count: int,
+    clip: float,
+    bits: int,
+    weight_cap: int,
+    histogram_bins: int,
+    evaluation_only: bool,
+) -> DecodedSum:
+    """Decode the ring sum of `count` sites into the float32 weighted mean delta.
+
+    Window by window, elementwise the same arithmetic as decoding the whole vector at
+    once, without d-sized float64 temporaries (2 x 8 bytes per parameter at d = 10^7).
+    The mean is written over the ring sum itself (same 4 bytes per element, each
+    window decoded into a scratch buffer first): `aggregate` is consumed.
+    """
+    if aggregate.dtype != np.uint32 or aggregate.ndim != 1 or aggregate.size < model_dim:
+        raise ValidationError("aggregate must be a uint32 vector covering the model")
+    # Validates clip, bits and that `count` sums cannot have wrapped (decode_sum's checks).
+    dequantize_sum(aggregate[:0], clip=clip, bits=bits, count=count)
+    integers = [int(v) for v in aggregate[model_dim:]]
+    weight_sum = integers[0]
+    histogram = np.asarray(integers[1:], dtype=np.int64)
+    metrics: dict[str, float] = {"contributors": float(count)}
+    if histogram.sum() > 0:
+        m = operating_point_metrics(histogram, bins=histogram_bins)
+        metrics.update(
+            auc=m.auc, sensitivity=m.sensitivity, specificity=m.specificity, ppv=m.ppv,
+            evaluated=float(m.n),
+        )
+    if evaluation_only or weight_sum == 0:
+        return DecodedSum(None, weight_sum, metrics)
+    mean_delta = aggregate[:model_dim].view(np.float32)
+    scratch = np.empty(min(model_dim, UPDATE_CHUNK_ELEMENTS), dtype=np.float64)
+    for start in range(0, model_dim, UPDATE_CHUNK_ELEMENTS):
+        stop = min(start + UPDATE_CHUNK_ELEMENTS, model_dim)
+        floats = dequantize_sum(
+            aggregate[start:stop], clip=clip, bits=bits, count=count,
+            out=scratch[: stop - start],
+        )
+        # Sites send delta * n_k / weight_cap (so each element stays inside the clip
+        # range) plus n_k; undo the scale on the SUM only.
+        floats *= weight_cap
+        mean_delta[start:stop] = weighted_mean(floats, float(weight_sum))
+    return DecodedSum(mean_delta, weight_sum, metrics)
+
+
+class PlainAggregator:
+    """Plain FedAvg over the same transport (benchmarks): a running uint32 sum."""
+
+    phases = PLAIN_PHASES
+
+    def __init__(self, rnd: ActiveRound) -> None:
+        self.rnd = rnd
+        self.total = np.zeros(rnd.announcement.vector_length, dtype=np.uint32)
+        self.survivors: tuple[str, ...] = ()
+        self.dropped: tuple[str, ...] = ()
+        self.result: np.ndarray | None = None
+
+    def check_session(self, session_id: bytes) -> None:
+        if session_id:
+            raise ValidationError("plain rounds carry no session id")
+
+    def add(self, site_id: str, vector: np.ndarray) -> None:
+        np.add(self.total, vector, out=self.total)
+
+    def add_windows(self, site_id: str, windows: Iterable[np.ndarray]) -> None:
+        position = 0
+        for window in windows:
+            part = self.total[position : position + window.size]
+            np.add(part, window, out=part)
+            position += window.size
+
+    async def close(self, phase: RoundPhase, state: PhaseState) -> tuple[object, set[str]]:
+        ann = self.rnd.announcement
+        self.survivors = tuple(sorted(state.arrived))
+        self.dropped = tuple(sorted(set(ann.participants) - state.arrived - self.rnd.declined))
+        if not self.survivors:
+            raise ProtocolAbort(AbortReason.TOO_FEW_PARTICIPANTS, "no site uploaded")
+        self.result = self.total.copy()
+        release_freed_memory()
+        return sm.SurvivorList(survivors=self.survivors, dropped=self.dropped), set()
+
+
+class SecureAggregator:
+    """SecAgg+ (Bell et al. 2020) through `SecAggServer`: one closer per phase."""
+
+    phases = SECURE_PHASES
+
+    def __init__(
+        self, rnd: ActiveRound, server: SecAggServer, *, metrics: CoordinatorMetrics
+    ) -> None:
+        self.rnd = rnd
+        self.server = server
+        self.metrics = metrics
+        self.survivors: tuple[str, ...] = ()
+        self.dropped: tuple[str, ...] = ()
+        self.result: np.ndarray | None = None
+
+    def check_session(self, session_id: bytes) -> None:
+        expected = self.server.session_id
+        if expected is None or session_id != expected:
+            raise ProtocolAbort(AbortReason.WRONG_SESSION, "session id does not match")
+
+    def add(self, site_id: str, vector: np.ndarray) -> None:
+        self.server.receive_masked_input(site_id, sm.MaskedInput(vector=vector))
+
+    def add_windows(self, site_id: str, windows: Iterable[np.ndarray]) -> None:
+        self.server.receive_masked_input_windows(site_id, windows)
+
+    async def close(self, phase: RoundPhase, state: PhaseState) -> tuple[object, set[str]]:
+        server = self.server
+        if phase is RoundPhase.ADVERTISE_KEYS:
+            roster = server.close_advertise()
+            return roster, {e.site_id for e in roster.entries}
+        if phase is RoundPhase.SHARE_KEYS:
+            per_site = server.close_shares()
+            return per_site, set(per_site)
+        if phase is RoundPhase.MASKED_INPUT:
+            listing = server.close_masked_input()
+            self.survivors, self.dropped = listing.survivors, listing.dropped
+            release_freed_memory()
+            return listing, set(listing.survivors)
+        if phase is RoundPhase.CONSISTENCY_CHECK:
+            signatures = server.close_consistency()
+            return signatures, {site for site, _ in signatures.signatures}
+        if phase is RoundPhase.UNMASK:
+            return await self._unmask(state), set()
+        raise StateError(f"no secure closer for phase {phase.value}")
+
+    async def _unmask(self, state: PhaseState) -> int:
+        started = time.perf_counter()
+        try:
+            self.result = await asyncio.to_thread(self.server.close_unmask)
+        finally:
+            self._report_misbehaving()
+        self.metrics.unmask_seconds.observe(time.perf_counter() - started)
+        log.debug("round %d unmasked in %.3f s", self.rnd.number, time.perf_counter() - started)
+        self.metrics.quorum_margin.set(len(self.survivors) - self.rnd.announcement.threshold)
+        # Sites whose input is in the sum but that vanished before unmasking: their
+        # self-masks were removed with the other survivors' shares.
+        self.rnd.dropped_after_input = set(self.survivors) - state.arrived
+        return len(self.survivors)
+
+    def _report_misbehaving(self) -> None:
+        """Name the sites whose Unmask shares were wrong (corrected, or the round
+        aborted): they are malicious or broken, and an operator should know."""
+        number = self.rnd.number
+        for holder, owners in sorted(self.server.misbehaving_sites.items()):
+            log.warning(
+                "round %d: %s revealed wrong unmask shares of %s",
+                number, holder, ",".join(owners),
+                extra={"event": "misbehaving_site", "round_number": number,
+                       "site": holder, "owners": ",".join(owners)},
+            )
+            self.metrics.misbehaving_total.labels(site=holder).inc()
+
+
+Aggregator = PlainAggregator | SecureAggregator
+
+
+def aggregator_for(
+    rnd: ActiveRound,
+    *,
+    identity: IdentityVerifier,
+    metrics: CoordinatorMetrics,
+    max_colluding_sites: int,
+) -> Aggregator:
+    """The aggregator of a round: SecAgg+ with parameters checked against the
+    coordinator's own threat model, or the plain sum."""
+    ann = rnd.announcement
+    if not ann.secure_aggregation:
+        return PlainAggregator(rnd)
+    params = SecAggParams(
+        round_number=ann.round_number, round_nonce=ann.round_nonce,
+        participants=ann.participants, threshold=ann.threshold,
+        neighbours=ann.neighbours, vector_length=ann.vector_length,
+    )
+    validate_against_threat_model(params, ThreatModel(max_colluding_sites, 0))
+    return SecureAggregator(rnd, SecAggServer(params, identity=identity), metrics=metrics)

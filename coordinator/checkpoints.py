@@ -1,0 +1,83 @@
+"""The global model on disk: loading the latest good checkpoint at start-up, writing one
+per completed round, and the model's wire bytes."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from common.codec import TensorSpec, digest, flat_to_bytes
+from common.config import ModelSection
+from common.errors import ConfigError, StateError
+from common.modelfile import ModelFile, flat_layout, read_model_file, write_model_file
+from coordinator.optimizers import ServerOptimizer
+from coordinator.store import Checkpoint, CoordinatorStore
+
+log = logging.getLogger("medfed.coordinator")
+
+
+def load_model(
+    store: CoordinatorStore, model: ModelSection, optimizer: ServerOptimizer
+) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
+    """Latest good checkpoint if there is one (restoring `optimizer`'s state), else the
+    configured initial model."""
+    ckpt = store.latest_checkpoint()
+    if ckpt is not None:
+        saved = read_model_file(ckpt.path)
+        if digest(flat_to_bytes(saved.flat, saved.layout)).hex() != ckpt.sha256:
+            raise StateError(f"checkpoint {ckpt.path} does not match its recorded digest")
+        optimizer.load_state_dict(dict(saved.extras))
+        log.info("resuming from checkpoint of round %d", ckpt.round_number)
+        return saved.layout, saved.flat
+    if model.init_file is not None:
+        initial = read_model_file(model.init_file)
+        return initial.layout, initial.flat
+    if model.dim is None:  # excluded by ModelSection validation
+        raise ConfigError("model", "no initial model configured")
+    return flat_layout(model.dim), np.zeros(model.dim, dtype=np.float32)
+
+
+def model_payload(layout: tuple[TensorSpec, ...], flat: np.ndarray) -> bytes | memoryview:
+    """The model's wire bytes: a zero-copy view when the layout is all float32 LE."""
+    if (
+        all(spec.dtype == "<f4" for spec in layout)
+        and flat.dtype == np.dtype("<f4")
+        and flat.ndim == 1
+        and flat.flags.c_contiguous
+        and flat.size == sum(spec.elements for spec in layout)
+    ):
+        return flat.data.cast("B")
+    return flat_to_bytes(flat, layout)
+
+
+def write_checkpoint(
+    state_dir: Path,
+    round_number: int,
+    *,
+    layout: tuple[TensorSpec, ...],
+    flat: np.ndarray,
+    optimizer_name: str,
+    optimizer: ServerOptimizer,
+) -> Checkpoint:
+    """Write the model after `round_number`; the caller records it in the store."""
+    ckpt_dir = state_dir / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / f"round-{round_number:06d}.mfm"
+    write_model_file(
+        path,
+        ModelFile(layout, flat, {"round": round_number, "optimizer": optimizer_name},
+                  optimizer.state_dict()),
+    )
+    return Checkpoint(round_number, path, digest(model_payload(layout, flat)).hex())
+
+
+def write_debug_aggregate(
+    state_dir: Path, round_number: int, aggregate: np.ndarray, survivors: tuple[str, ...]
+) -> None:
+    """TEST ONLY: the unmasked ring sum and its survivors, for exact-sum checks."""
+    debug = state_dir / "aggregates"
+    debug.mkdir(parents=True, exist_ok=True)
+    aggregate.astype("<u4", copy=False).tofile(debug / f"round-{round_number:06d}.u32")
+    (debug / f"round-{round_number:06d}.survivors").write_text("\n".join(survivors) + "\n")

@@ -1,0 +1,254 @@
+"""One round's life cycle on the coordinator: phases, their legal transitions, and the
+one loop that drives a round through them.
+
+RPC handlers call `require_phase`, hand their message to the round's aggregator and
+then `await wait_closed(phase)`. A phase closes when every site still expected has sent
+its message, or when its deadline passes (the missing sites are dropped for the round
+and SecAgg+ recovers their masks). Keys come first: sites advertise and share keys as
+soon as they hear of a round, then download and train, so uploads overlap other sites'
+training and only ConsistencyCheck and Unmask follow the last upload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.errors import AbortReason, ProtocolAbort, StateError
+from common.round import Announcement
+
+
+class RoundPhase(enum.Enum):
+    ANNOUNCED = "announced"  # participants were told; the first phase opens next
+    ADVERTISE_KEYS = "advertise_keys"
+    SHARE_KEYS = "share_keys"
+    MASKED_INPUT = "masked_input"
+    CONSISTENCY_CHECK = "consistency_check"
+    UNMASK = "unmask"
+    UPDATING = "updating"  # the sum is being applied; the round's model is not served
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+SECURE_PHASES = (
+    RoundPhase.ADVERTISE_KEYS,
+    RoundPhase.SHARE_KEYS,
+    RoundPhase.MASKED_INPUT,
+    RoundPhase.CONSISTENCY_CHECK,
+    RoundPhase.UNMASK,
+)
+PLAIN_PHASES = (RoundPhase.MASKED_INPUT,)
+
+_P = RoundPhase
+TRANSITIONS: dict[RoundPhase, frozenset[RoundPhase]] = {
+    _P.ANNOUNCED: frozenset({_P.ADVERTISE_KEYS, _P.MASKED_INPUT, _P.ABORTED}),
+    _P.ADVERTISE_KEYS: frozenset({_P.SHARE_KEYS, _P.ABORTED}),
+    _P.SHARE_KEYS: frozenset({_P.MASKED_INPUT, _P.ABORTED}),
+    _P.MASKED_INPUT: frozenset({_P.CONSISTENCY_CHECK, _P.UPDATING, _P.ABORTED}),
+    _P.CONSISTENCY_CHECK: frozenset({_P.UNMASK, _P.ABORTED}),
+    _P.UNMASK: frozenset({_P.UPDATING, _P.ABORTED}),
+    _P.UPDATING: frozenset({_P.FINISHED, _P.ABORTED}),
+    _P.FINISHED: frozenset(),
+    _P.ABORTED: frozenset(),
+}
+SERVING_MODEL = frozenset(
+    {_P.ANNOUNCED, _P.ADVERTISE_KEYS, _P.SHARE_KEYS, _P.MASKED_INPUT,
+     _P.CONSISTENCY_CHECK, _P.UNMASK}
+)
+
+
+@dataclass
+class PhaseState:
+    expected: set[str]
+    arrived: set[str] = field(default_factory=set)
+    all_arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    output: Any = None
+    last_arrival: float | None = None  # perf_counter of the latest accepted message
+
+    def mark(self, site_id: str) -> None:
+        self.arrived.add(site_id)
+        self.last_arrival = time.perf_counter()
+        self.check_complete()
+
+    def drop(self, site_id: str) -> None:
+        """Stop waiting for `site_id` in this phase (declined, or its upload stalled)."""
+        self.expected.discard(site_id)
+        self.check_complete()
+
+    def check_complete(self) -> None:
+        if self.expected <= self.arrived:
+            self.all_arrived.set()
+
+
+@dataclass(frozen=True)
+class PhaseClosed:
+    """What happened when a phase closed, for logs and metrics."""
+
+    phase: RoundPhase
+    missing: tuple[str, ...]  # expected sites the deadline dropped
+    seconds: float
+
+
+class ActiveRound:
+    """Long-poll bookkeeping of the round in flight."""
+
+    def __init__(self, announcement: Announcement, model_bytes: bytes | memoryview) -> None:
+        self.announcement = announcement
+        # Read-only bytes of the round's model; may be a view of the engine's float32
+        # vector (no serialized copy), which is not mutated while the model is served.
+        self.model_bytes = model_bytes
+        self.phase = RoundPhase.ANNOUNCED
+        self.phases: dict[RoundPhase, PhaseState] = {}
+        self.declined: set[str] = set()
+        self.dropped_after_input: set[str] = set()
+        self.uploading: set[str] = set()  # sites with an upload stream in progress
+        self.abort: ProtocolAbort | None = None
+        self.finished = asyncio.Event()
+        # Time spent after a phase's last accepted message waiting for its deadline
+        # (i.e. waiting for sites that had dropped): benchmarks subtract it.
+        self.deadline_wait_seconds = 0.0
+
+    @property
+    def number(self) -> int:
+        return self.announcement.round_number
+
+    @property
+    def first_phase(self) -> RoundPhase:
+        """The phase a selected site's first message belongs to."""
+        return (SECURE_PHASES if self.announcement.secure_aggregation else PLAIN_PHASES)[0]
+
+    @property
+    def serves_model(self) -> bool:
+        return self.phase in SERVING_MODEL
+
+    def move_to(self, phase: RoundPhase) -> None:
+        if phase not in TRANSITIONS[self.phase]:
+            raise StateError(
+                f"round {self.number}: no transition from {self.phase.value} to {phase.value}"
+            )
+        self.phase = phase
+
+    def open_phase(self, phase: RoundPhase, expected: set[str]) -> PhaseState:
+        self.move_to(phase)
+        state = PhaseState(expected=set(expected))
+        state.check_complete()
+        self.phases[phase] = state
+        return state
+
+    def advance(
+        self, current: PhaseState, output: object, nxt: RoundPhase, expected: set[str]
+    ) -> PhaseState | None:
+        """Publish a phase's output; open the next phase BEFORE waking the long-polls,
+        so a fast site's next message always finds its phase open."""
+        current.output = output
+        new_state = None
+        if nxt in SERVING_MODEL:
+            new_state = self.open_phase(nxt, expected)
+        else:
+            self.move_to(nxt)
+        current.closed.set()
+        return new_state
+
+    def end(self, *, abort: ProtocolAbort | None) -> None:
+        """FINISHED, or ABORTED with `abort` as what every waiting handler raises."""
+        self.abort = abort
+        self.move_to(RoundPhase.ABORTED if abort is not None else RoundPhase.FINISHED)
+        self.finished.set()
+
+    def can_rejoin(self, site_id: str) -> bool:
+        """A site that reconnects while the round it was chosen for is still in its first
+        phase (and has not sent anything yet) may still join it."""
+        first = self.phases.get(self.first_phase)
+        return (
+            first is not None
+            and self.phase is self.first_phase
+            and site_id in first.expected
+            and site_id not in first.arrived
+        )
+
+    def decline(self, site_id: str) -> None:
+        self.declined.add(site_id)
+        for state in self.phases.values():
+            if not state.closed.is_set():
+                state.drop(site_id)
+
+    def require_phase(self, phase: RoundPhase, site_id: str) -> PhaseState:
+        """The phase state if `site_id` may send its `phase` message now."""
+        if self.abort is not None:
+            raise self.abort
+        if site_id not in self.announcement.participants:
+            raise StateError(f"site {site_id} is not a participant of round {self.number}")
+        state = self.phases.get(phase)
+        if state is None or self.phase is not phase:
+            raise ProtocolAbort(
+                AbortReason.UNEXPECTED_MESSAGE,
+                f"round {self.number} is in phase {self.phase.value}, not {phase.value}",
+            )
+        if site_id not in state.expected:
+            raise StateError(f"site {site_id} was dropped from round {self.number} earlier")
+        if site_id in state.arrived:
+            raise StateError(f"duplicate {phase.value} message from {site_id} (replay?)")
+        return state
+
+    async def wait_closed(self, phase: RoundPhase) -> Any:
+        state = self.phases[phase]
+        closed = asyncio.ensure_future(state.closed.wait())
+        finished = asyncio.ensure_future(self.finished.wait())
+        try:
+            await asyncio.wait({closed, finished}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closed.cancel()
+            finished.cancel()
+        if state.closed.is_set():
+            return state.output
+        raise self.abort or ProtocolAbort(AbortReason.ROUND_ABANDONED, "round ended")
+
+    async def wait_ready(self, state: PhaseState, timeout: float) -> PhaseClosed:
+        """Until every expected site arrived or `timeout` seconds passed."""
+        started = time.perf_counter()
+        try:
+            await asyncio.wait_for(state.all_arrived.wait(), timeout=max(timeout, 0.0))
+        except TimeoutError:
+            last = state.last_arrival if state.last_arrival is not None else started
+            self.deadline_wait_seconds += time.perf_counter() - max(last, started)
+        missing = tuple(sorted(state.expected - state.arrived))
+        return PhaseClosed(self.phase, missing, time.perf_counter() - started)
+
+
+def phase_timeout(ann: Announcement, phase: RoundPhase, *, now: float,
+                  phase_seconds: float) -> float:
+    """Seconds a phase stays open: MaskedInput waits out local training too."""
+    if phase is not RoundPhase.MASKED_INPUT:
+        return phase_seconds
+    return max(ann.train_deadline_ms / 1000 - now, 0.0) + phase_seconds
+
+
+CloseFn = Callable[[RoundPhase, PhaseState], Awaitable[tuple[object, set[str]]]]
+
+
+async def drive(
+    rnd: ActiveRound,
+    phases: Sequence[RoundPhase],
+    *,
+    timeout_for: Callable[[RoundPhase], float],
+    close: CloseFn,
+    lock: asyncio.Lock,
+    on_closed: Callable[[ActiveRound, PhaseClosed], None],
+) -> None:
+    """Run `phases` in order: wait for each to be ready, let `close` compute its output
+    and the sites expected next (under `lock`, so no upload lands mid-close), publish
+    it and open the next phase; after the last one the round is UPDATING."""
+    state: PhaseState | None = rnd.open_phase(phases[0], set(rnd.announcement.participants))
+    for index, phase in enumerate(phases):
+        if state is None:
+            raise StateError(f"round {rnd.number}: phase {phase.value} was not opened")
+        on_closed(rnd, await rnd.wait_ready(state, timeout_for(phase)))
+        nxt = phases[index + 1] if index + 1 < len(phases) else RoundPhase.UPDATING
+        async with lock:
+            output, expected = await close(phase, state)
+            state = rnd.advance(state, output, nxt, expected)

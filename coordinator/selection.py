@@ -1,0 +1,113 @@
+"""Pure decisions taken before a round opens: who may be selected, the round's number,
+its SecAgg+ parameters and the announcement itself. No I/O, no clock of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from common.codec import TensorSpec
+from common.config import AggregationSection, CoordinatorSettings
+from common.crypto.quantize import bits_for_sites, max_integer_for_sites
+from common.errors import ConfigError
+from common.privacy.federation import SiteBudget as BudgetRow
+from common.privacy.federation import has_budget_left
+from common.round import Announcement, SiteBudget
+from common.secagg.params import ThreatModel, choose_parameters
+
+
+def with_budget(
+    site_ids: Sequence[str],
+    *,
+    reports: Mapping[str, SiteBudget],
+    view: Mapping[str, BudgetRow],
+    evaluation_round: bool,
+) -> list[str]:
+    """The sites (order kept) that selection may pick, judged by the federation view:
+    not exhausted and more than `MIN_REMAINING_EPSILON` left. A site with no row in the
+    view keeps no ledger (runs without DP accounting). The final evaluation round trains
+    nothing and spends no budget: every site may join it."""
+    if evaluation_round:
+        return list(site_ids)
+    chosen = []
+    for site_id in site_ids:
+        report = reports.get(site_id)
+        if report is not None and report.exhausted:
+            continue
+        row = view.get(site_id)
+        if row is None or has_budget_left(row):
+            chosen.append(site_id)
+    return chosen
+
+
+def next_round_number(*, recorded_next: int, ledger_last_rounds: Iterable[int | None]) -> int:
+    """After every round this coordinator ever recorded AND after every round the
+    participants' own ledgers already hold. A coordinator restored from an old backup
+    (or started on empty state) would otherwise reuse round numbers that sites have
+    spent budget on, and they refuse such rounds."""
+    return max([recorded_next, *((n or 0) + 1 for n in ledger_last_rounds)])
+
+
+def round_parameters(n_sites: int, agg: AggregationSection) -> tuple[int, int]:
+    """(threshold, neighbours) for `n_sites`; (0, 0) for plain rounds."""
+    if not agg.secure_aggregation:
+        return 0, 0
+    colluding = agg.max_colluding_sites
+    dropouts = agg.max_dropouts
+    if dropouts == "auto":
+        # As many dropouts as the collusion bound leaves room for.
+        dropouts = 0
+        while True:
+            try:
+                choose_parameters(n_sites, ThreatModel(colluding, dropouts + 1), agg.neighbours)
+            except ConfigError:
+                break
+            dropouts += 1
+    threshold, neighbours = choose_parameters(
+        n_sites, ThreatModel(colluding, dropouts), agg.neighbours
+    )
+    if agg.threshold != "auto":
+        threshold = agg.threshold
+    return threshold, neighbours
+
+
+def announcement(
+    settings: CoordinatorSettings,
+    participants: Sequence[str],
+    *,
+    number: int,
+    nonce: bytes,
+    layout: tuple[TensorSpec, ...],
+    model_sha256: bytes,
+    model_bytes: int,
+    evaluation_round: bool,
+    now: float,
+) -> Announcement:
+    """The announcement of round `number` for `participants`."""
+    cfg = settings
+    model_dim = sum(spec.elements for spec in layout)
+    threshold, neighbours = round_parameters(len(participants), cfg.aggregation)
+    return Announcement(
+        round_number=number,
+        round_nonce=nonce,
+        participants=tuple(participants),
+        threshold=threshold,
+        neighbours=neighbours,
+        vector_length=model_dim + 1 + 2 * cfg.aggregation.histogram_bins,
+        quantization_bits=bits_for_sites(len(participants)),
+        clip=cfg.aggregation.clip,
+        histogram_bins=cfg.aggregation.histogram_bins,
+        secure_aggregation=cfg.aggregation.secure_aggregation,
+        model_layout=layout,
+        model_sha256=model_sha256,
+        model_bytes=model_bytes,
+        # After the planned training rounds, one evaluation-only round (no training,
+        # no privacy spend) measures the final model through the same secure sum.
+        local_epochs=0 if evaluation_round else cfg.training.local_epochs,
+        learning_rate=cfg.training.learning_rate,
+        fedprox_mu=cfg.training.fedprox_mu,
+        planned_rounds=cfg.rounds,
+        train_deadline_ms=int((now + cfg.deadlines.train_seconds) * 1000),
+        phase_timeout_ms=int(cfg.deadlines.phase_seconds * 1000),
+        weight_cap=min(cfg.aggregation.weight_cap, max_integer_for_sites(len(participants))),
+        max_chunk_bytes=cfg.limits.max_chunk_bytes,
+    )

@@ -1,0 +1,206 @@
+"""The sites the coordinator knows since it started: enrolment, budget reports and
+the WaitForRound long-polls, and waiting until enough of them are ready for a round."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.errors import StateError, Unavailable
+from common.privacy.federation import FederationBudgetView
+from common.round import Announcement, SiteBudget
+from coordinator import selection
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.store import CoordinatorStore
+
+log = logging.getLogger("medfed.coordinator")
+
+SELECTION_POLL_SECONDS = 5.0
+"""Longest wait between re-counts of eligible sites (the gauge stays current)."""
+
+
+@dataclass
+class SiteSession:
+    """What the coordinator knows about a connected site (not persisted)."""
+
+    site_id: str
+    certificate_der: bytes
+    budget: SiteBudget = field(default_factory=SiteBudget)
+    budget_reported: bool = False
+    waiting: asyncio.Future[Announcement | None] | None = None
+
+    @property
+    def is_waiting(self) -> bool:
+        return self.waiting is not None and not self.waiting.done()
+
+
+class SiteRegistry:
+    """Sessions of the sites enrolled since this coordinator started."""
+
+    def __init__(
+        self,
+        store: CoordinatorStore,
+        budget_view: FederationBudgetView,
+        *,
+        metrics: CoordinatorMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self.store = store
+        self.budget_view = budget_view
+        self.metrics = metrics
+        self.clock = clock
+        self.sites: dict[str, SiteSession] = {}
+        self.changed = asyncio.Event()
+        self.finished = False
+        self.failure: Unavailable | None = None
+
+    def enroll(self, site_id: str, certificate_der: bytes, *, serial: str, version: str,
+               device: str, budget: SiteBudget) -> None:
+        session = self.sites.get(site_id)
+        if session is None:
+            session = self.sites[site_id] = SiteSession(site_id, certificate_der)
+        session.certificate_der = certificate_der
+        self.store.record_site(
+            site_id, cert_serial=serial, agent_version=version, device=device, now=self.clock()
+        )
+        self.record_budget(session, budget)
+        self.metrics.sites_enrolled.set(len(self.store.enrolled_sites()))
+        self.changed.set()
+
+    def session(self, site_id: str) -> SiteSession:
+        session = self.sites.get(site_id)
+        if session is None:
+            raise StateError(f"site {site_id} has not enrolled since the coordinator started")
+        return session
+
+    def record_budget(self, session: SiteSession, budget: SiteBudget | None) -> None:
+        """Keep a site's budget report in the session and in the federation view.
+
+        A site without a ledger (budget 0: no DP accounting) is not entered in the view.
+        A report whose spend or ledger length went DOWN is refused by the view (a ledger
+        is append-only): the higher recorded spend keeps governing selection, and the
+        operator is warned, since that site's ledger was reset or rewritten."""
+        if budget is None or (session.budget_reported and budget == session.budget):
+            return  # every long-poll repeats the report: no database write when unchanged
+        session.budget = budget
+        session.budget_reported = True
+        site_id = session.site_id
+        spent, total = budget.epsilon_spent, budget.epsilon_budget
+        if budget.epsilon_budget > 0 or budget.ledger_entries > 0:
+            now = dt.datetime.fromtimestamp(self.clock(), dt.UTC)
+            try:
+                row = self.budget_view.update_site(site_id, budget.as_status(site_id), now=now)
+            except StateError as exc:
+                log.warning("budget report of site %s ignored: %s", site_id, exc)
+                recorded = self.budget_view.get(site_id)
+                if recorded is not None:
+                    spent, total = recorded.spent_epsilon, recorded.budget_epsilon
+            else:
+                spent, total = row.spent_epsilon, row.budget_epsilon
+        self.metrics.observe_budget(site_id, spent, total)
+        self.changed.set()
+
+    def with_budget(self, site_ids: list[str], *, evaluation_round: bool) -> list[str]:
+        """`selection.with_budget` over these sessions' reports and the federation view."""
+        return selection.with_budget(
+            site_ids,
+            reports={s: self.sites[s].budget for s in site_ids},
+            view={row.site_id: row for row in self.budget_view.snapshot()},
+            evaluation_round=evaluation_round,
+        )
+
+    def ledger_last_rounds(self, site_ids: list[str]) -> list[int | None]:
+        return [self.sites[s].budget.ledger_last_round for s in site_ids if s in self.sites]
+
+    def waiting_ids(self) -> list[str]:
+        return sorted(s.site_id for s in self.sites.values() if s.is_waiting)
+
+    def check_open(self) -> None:
+        """Refuse polls once the engine failed: sites retry with backoff."""
+        if self.failure is not None:
+            raise self.failure
+
+    async def poll(self, site_id: str, *, wait_seconds: float) -> Announcement | None:
+        """Long-poll until a round selecting this site opens (None on timeout)."""
+        session = self.session(site_id)
+        self.check_open()
+        if self.finished:
+            return None
+        future: asyncio.Future[Announcement | None] = asyncio.get_running_loop().create_future()
+        if session.is_waiting and session.waiting is not None:
+            session.waiting.set_result(None)  # a newer poll replaces an older one
+        session.waiting = future
+        self.changed.set()
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(future), timeout=wait_seconds)
+        finally:
+            # Also when the RPC is cancelled (the site hung up or its deadline passed):
+            # a site that is no longer polling must not count as waiting, or selection
+            # would open a round for it and the round would wait out its first phase.
+            if session.waiting is future:
+                session.waiting = None
+                self.changed.set()
+        # No await between the check and here: selection cannot pick this site after
+        # it stopped waiting, and an announcement that raced the timeout is not lost.
+        return future.result() if future.done() and not future.cancelled() else None
+
+    def announce(self, ann: Announcement) -> None:
+        for site_id in ann.participants:
+            session = self.sites[site_id]
+            if session.is_waiting and session.waiting is not None:
+                session.waiting.set_result(ann)
+
+    def close(self, *, failure: Unavailable | None) -> None:
+        """Answer every waiting poll: "finished" only when the study completed
+        (`failure` None), UNAVAILABLE otherwise."""
+        if failure is None:
+            self.finished = True
+        else:
+            self.failure = failure
+        for session in self.sites.values():
+            if session.is_waiting and session.waiting is not None:
+                if failure is None:
+                    session.waiting.set_result(None)
+                else:
+                    session.waiting.set_exception(failure)
+
+    async def _wait_changed(self, timeout: float) -> None:
+        self.changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), timeout=timeout)
+
+    async def gather(
+        self,
+        eligible: Callable[[list[str]], list[str]],
+        *,
+        min_sites: int,
+        max_sites: int,
+        start_timeout: float,
+        grace: float,
+    ) -> list[str]:
+        """Wait for `min_sites` eligible waiting sites, then up to `grace` seconds for
+        the other eligible connected sites to poll too."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + start_timeout
+        while len(eligible(self.waiting_ids())) < min_sites:
+            remaining = give_up - loop.time()
+            if remaining <= 0:
+                raise StateError(
+                    f"fewer than min_sites={min_sites} eligible sites for {start_timeout:.0f} s"
+                )
+            self.metrics.sites_active.set(len(eligible(self.waiting_ids())))
+            await self._wait_changed(min(remaining, SELECTION_POLL_SECONDS))
+        grace_end = loop.time() + grace
+        while set(eligible(self.waiting_ids())) != set(eligible(sorted(self.sites))):
+            remaining = grace_end - loop.time()
+            if remaining <= 0:
+                break
+            await self._wait_changed(remaining)
+        chosen = eligible(self.waiting_ids())[:max_sites]
+        self.metrics.sites_active.set(len(chosen))
+        return chosen

@@ -1,0 +1,219 @@
+"""``medfed data check``, ``medfed model show`` and ``medfed predict``: a hospital's tools.
+
+All three run locally, with no coordinator and no network. Registered through the
+``medfed.commands`` entry points ``data``, ``model`` and ``predict``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from common.bundle import bundle_summary, read_bundle
+from common.errors import DataError
+from common.study import load_study
+from site_agent.data import load_study_table
+from site_agent.datacheck import check_data_against_study, format_report
+from site_agent.predict import predict_table
+
+
+def register_data(subparsers: Any) -> None:
+    """Add ``medfed data check``."""
+    parser = subparsers.add_parser("data", help="check a site's data file against a study")
+    actions = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    check = actions.add_parser(
+        "check",
+        help="records, patients, missing values, levels, label balance, delta vs cohort size",
+        description="Runs at the hospital with no coordinator; sends nothing. Exit 0: the "
+        "file fits the study; 1: a cohort-level problem (too few units, delta too large); "
+        "2: a mismatch naming file, row and column.",
+    )
+    check.add_argument("--study", required=True, type=Path)
+    check.add_argument("--data", required=True, type=Path, help="CSV or Parquet file")
+    check.add_argument("--delta", type=float, help="check this delta (default: the study's)")
+    check.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    check.set_defaults(func=_data_check)
+
+
+def register_model(subparsers: Any) -> None:
+    """Add ``medfed model show``."""
+    parser = subparsers.add_parser("model", help="inspect a model bundle (.safetensors)")
+    actions = parser.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    show = actions.add_parser("show", help="print the model card (study, threshold, privacy)")
+    show.add_argument("--model", required=True, type=Path)
+    show.add_argument("--json", action="store_true", help="one JSON object")
+    show.set_defaults(func=_model_show)
+
+
+def register_predict(subparsers: Any) -> None:
+    """Add ``medfed predict``."""
+    parser = subparsers.add_parser(
+        "predict",
+        help="score a data file with a model bundle",
+        description="Applies the bundle's preprocessing and model. With the study's label "
+        "column in the file, prints AUC, sensitivity, specificity and PPV at the bundled "
+        "threshold.",
+    )
+    parser.add_argument("--model", required=True, type=Path, help="model bundle .safetensors")
+    parser.add_argument("--data", required=True, type=Path, help="CSV or Parquet file")
+    parser.add_argument("--out", type=Path, help="scores CSV (default: standard output)")
+    parser.add_argument("--json", action="store_true", help="metrics as JSON on the last line")
+    parser.add_argument(
+        "--allow-factory",
+        action="append",
+        default=[],
+        metavar="PKG.MOD:FN",
+        help="run this custom model factory from an installed package (repeatable)",
+    )
+    parser.set_defaults(func=_predict)
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _data_check(args: argparse.Namespace) -> int:
+    study = load_study(args.study)
+    try:
+        report = check_data_against_study(args.data, study, delta=args.delta)
+    except DataError as exc:
+        if not args.json:
+            raise
+        print(f"medfed: error: {exc}", file=sys.stderr)
+        error = {"file": exc.file, "row": exc.row, "column": exc.column, "message": exc.message}
+        print(json.dumps({"ok": False, "error": error}, sort_keys=True))
+        return 2
+    if args.json:
+        print(json.dumps(report.to_json(), sort_keys=True))
+    else:
+        print("\n".join(format_report(report)))
+    return 0 if report.ok else 1
+
+
+def _model_show(args: argparse.Namespace) -> int:
+    bundle = read_bundle(args.model)
+    summary = bundle_summary(bundle)
+    summary["file_sha256"] = hashlib.sha256(args.model.read_bytes()).hexdigest()
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+        return 0
+    card = bundle.card
+    arch = bundle.architecture
+    print(f"model bundle {args.model} (sha256 {summary['file_sha256']})")
+    print(f"  study {summary['study']} (sha256 {summary['study_sha256'][:16]}...)")
+    state = "final" if bundle.final else "intermediate"
+    print(f"  round {bundle.round} ({state}); task {summary['task']}, classes {summary['classes']}")
+    print(f"  label column {summary['label_column']!r}")
+    print(f"  model {arch.custom or arch.name}: {summary['parameters']} parameters")
+    print(
+        f"  inputs ({len(summary['encoded_features'])}): {', '.join(summary['encoded_features'])}"
+    )
+    threshold = bundle.threshold
+    if threshold.value is not None:
+        print(f"  threshold {threshold.value:g} ({threshold.method})")
+    print(f"  preprocessing statistics: {bundle.statistics.source}")
+    print("privacy card")
+    print(f"  unit {card.unit}; accountant {card.accountant}; rounds {card.rounds}")
+    print(f"  mechanisms: {', '.join(card.mechanisms)}")
+    for site in card.sites:
+        print(f"  site {site.site}: epsilon {site.epsilon:.3g}, delta {site.delta:g}")
+    for group in card.group_guarantees:
+        note = f" ({group.note})" if group.note else ""
+        print(f"  {group.unit}-level: epsilon {group.epsilon:.3g}, delta {group.delta:g}{note}")
+    if card.secagg is None:
+        print("  aggregation: plain (no secure aggregation)")
+    else:
+        s = card.secagg
+        print(
+            f"  {s.protocol}: threshold {s.threshold}, neighbours {s.neighbours}, "
+            f"max colluding sites {s.max_colluding_sites}, ring 2^{s.ring_bits}"
+        )
+    if card.statistics_release:
+        print(f"  statistics release: {card.statistics_release}")
+    for note in card.notes:
+        print(f"  note: {note}")
+    return 0
+
+
+def _write_scores(handle: TextIO, bundle: Any, table: Any, prediction: Any) -> None:
+    study = bundle.study
+    classes = list(study.study.classes)
+    writer = csv.writer(handle)
+    header = ["row"]
+    if table.patient_ids is not None:
+        header.append(study.data.patient_column)
+    binary = study.study.task == "binary"
+    header.extend(["score"] if binary else [f"score_{c}" for c in classes])
+    header.append("prediction")
+    writer.writerow(header)
+    for i in range(len(table)):
+        row: list[Any] = [int(table.rows[i])]
+        if table.patient_ids is not None:
+            row.append(table.patient_ids[i])
+        if binary:
+            row.append(f"{prediction.scores[i]:.6f}")
+        else:
+            row.extend(f"{p:.6f}" for p in prediction.scores[i])
+        row.append(classes[int(prediction.predicted[i])])
+        writer.writerow(row)
+
+
+def _predict(args: argparse.Namespace) -> int:
+    bundle = read_bundle(args.model)
+    table = load_study_table(args.data, bundle.study, for_prediction=True)
+    prediction = predict_table(bundle, table, allowed_factories=args.allow_factory)
+    human = sys.stdout
+    if args.out is not None:
+        with args.out.open("w", newline="", encoding="utf-8") as handle:
+            _write_scores(handle, bundle, table, prediction)
+    elif not args.json:
+        _write_scores(sys.stdout, bundle, table, prediction)
+        human = sys.stderr  # keep standard output a clean CSV
+    summary: dict[str, Any] = {"records": len(table), "out": str(args.out) if args.out else None}
+    metrics = prediction.metrics
+    if metrics is not None:
+        summary.update(metrics)
+        if "sensitivity" in metrics:
+            print(
+                f"AUC {_fmt(metrics['auc'])}; at threshold {metrics['threshold']:g}: "
+                f"sensitivity {_fmt(metrics['sensitivity'])}, specificity "
+                f"{_fmt(metrics['specificity'])}, PPV {_fmt(metrics['ppv'])} "
+                f"(n = {metrics['n']})",
+                file=human,
+            )
+        else:
+            print(
+                f"AUC (mean one-vs-rest) {_fmt(metrics['auc'])}; accuracy "
+                f"{metrics['accuracy']:.3f} (n = {metrics['n']})",
+                file=human,
+            )
+    else:
+        print(
+            f"scored {len(table)} records (no {bundle.study.data.label_column!r} column: "
+            "no metrics)",
+            file=human,
+        )
+    if args.out is not None:
+        print(f"scores written to {args.out}", file=human)
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+def _fmt(value: float | None) -> str:
+    return "undefined" if value is None else f"{value:.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m site_agent.predict_cli ...``: these plug-ins alone."""
+    from common.cli import main_with
+
+    return main_with([register_data, register_model, register_predict], argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""A real RoundEngine over a real SQLite state database, without sockets: for the
+long-poll and selection bookkeeping the coordinator modules share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from common.config import CoordinatorSettings, load_settings
+from common.crypto.signing import VerifyingKey
+from common.errors import CryptoError
+from coordinator.engine import RoundEngine
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.store import CoordinatorStore
+
+
+def refuse_identity(site_id: str, certificate_der: bytes) -> VerifyingKey:
+    raise CryptoError("no identities in this test")
+
+
+@pytest.fixture()
+def engine(tmp_path: Path) -> Iterator[RoundEngine]:
+    settings = load_settings(
+        CoordinatorSettings,
+        overrides={"pki": tmp_path, "state": tmp_path, "model": {"dim": 8}, "min_sites": 2},
+    )
+    store = CoordinatorStore(f"sqlite:///{tmp_path / 'coordinator.db'}")
+    built = RoundEngine(settings, store, identity=refuse_identity, metrics=CoordinatorMetrics())
+    yield built
+    store.close()

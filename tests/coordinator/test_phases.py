@@ -1,0 +1,131 @@
+"""The phase table and the table-driven loop of `coordinator.phases`."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from common.errors import AbortReason, ProtocolAbort, StateError
+from common.modelfile import flat_layout
+from common.round import Announcement
+from coordinator.phases import (
+    PLAIN_PHASES,
+    SECURE_PHASES,
+    TRANSITIONS,
+    ActiveRound,
+    PhaseClosed,
+    PhaseState,
+    RoundPhase,
+    drive,
+)
+
+SITES = ("alpha", "beta", "gamma")
+
+
+def announcement(*, secure: bool = True) -> Announcement:
+    return Announcement(
+        round_number=1, round_nonce=bytes(16), participants=SITES, threshold=2,
+        neighbours=0, vector_length=13, quantization_bits=20, clip=1.0, histogram_bins=2,
+        secure_aggregation=secure, model_layout=flat_layout(8), model_sha256=bytes(32),
+        model_bytes=32, local_epochs=1, learning_rate=0.1, fedprox_mu=0.0, planned_rounds=3,
+        train_deadline_ms=0, phase_timeout_ms=1000, weight_cap=100,
+    )
+
+
+def test_every_phase_can_abort_and_terminal_phases_are_final() -> None:
+    for phase, targets in TRANSITIONS.items():
+        if phase in (RoundPhase.FINISHED, RoundPhase.ABORTED):
+            assert targets == frozenset()
+        else:
+            assert RoundPhase.ABORTED in targets
+
+
+def test_secure_phases_follow_the_table_in_order() -> None:
+    chain = (RoundPhase.ANNOUNCED, *SECURE_PHASES, RoundPhase.UPDATING, RoundPhase.FINISHED)
+    for before, after in itertools.pairwise(chain):
+        assert after in TRANSITIONS[before]
+
+
+def test_an_illegal_transition_is_refused() -> None:
+    rnd = ActiveRound(announcement(), b"")
+    with pytest.raises(StateError, match="no transition"):
+        rnd.move_to(RoundPhase.UNMASK)
+
+
+def test_drive_runs_each_phase_and_stops_serving_the_model() -> None:
+    """Each closer sees its phase with every expected site arrived; the next phase is
+    open before the previous one reports closed; the round ends UPDATING."""
+    rnd = ActiveRound(announcement(), b"model")
+    seen: list[tuple[RoundPhase, frozenset[str]]] = []
+    closed: list[PhaseClosed] = []
+
+    async def close(phase: RoundPhase, state: PhaseState) -> tuple[object, set[str]]:
+        seen.append((phase, frozenset(state.arrived)))
+        return phase.value, set(SITES) - {"gamma"} if phase is RoundPhase.MASKED_INPUT \
+            else set(state.expected)
+
+    async def sites() -> None:
+        for phase in SECURE_PHASES:
+            while rnd.phase is not phase:
+                await asyncio.sleep(0)
+            state = rnd.phases[phase]
+            for site in sorted(state.expected):
+                rnd.require_phase(phase, site)
+                state.mark(site)
+
+    async def scenario() -> None:
+        assert rnd.serves_model
+        await asyncio.gather(
+            drive(rnd, SECURE_PHASES, timeout_for=lambda _p: 30.0, close=close,
+                  lock=asyncio.Lock(), on_closed=lambda _r, c: closed.append(c)),
+            sites(),
+        )
+
+    asyncio.run(scenario())
+    assert [p for p, _ in seen] == list(SECURE_PHASES)
+    assert seen[0][1] == frozenset(SITES)
+    assert seen[-1][1] == frozenset({"alpha", "beta"})  # gamma dropped after MaskedInput
+    assert all(not c.missing for c in closed)
+    assert rnd.phase is RoundPhase.UPDATING and not rnd.serves_model
+    assert rnd.phases[RoundPhase.UNMASK].output == "unmask"
+
+
+def test_a_deadline_drops_the_missing_sites() -> None:
+    rnd = ActiveRound(announcement(secure=False), b"")
+    closed: list[PhaseClosed] = []
+
+    async def close(phase: RoundPhase, state: PhaseState) -> tuple[object, set[str]]:
+        return sorted(state.arrived), set()
+
+    async def scenario() -> None:
+        task = asyncio.create_task(
+            drive(rnd, PLAIN_PHASES, timeout_for=lambda _p: 0.0, close=close,
+                  lock=asyncio.Lock(), on_closed=lambda _r, c: closed.append(c))
+        )
+        await task
+
+    asyncio.run(scenario())
+    assert closed[0].missing == SITES
+    assert rnd.phases[RoundPhase.MASKED_INPUT].output == []
+
+
+def test_waiters_of_an_aborted_round_hear_the_abort() -> None:
+    rnd = ActiveRound(announcement(), b"")
+
+    async def scenario() -> BaseException | None:
+        rnd.open_phase(RoundPhase.ADVERTISE_KEYS, set(SITES))
+        waiter = asyncio.create_task(rnd.wait_closed(RoundPhase.ADVERTISE_KEYS))
+        await asyncio.sleep(0)
+        rnd.end(abort=ProtocolAbort(AbortReason.TOO_FEW_PARTICIPANTS, "test"))
+        try:
+            await waiter
+        except ProtocolAbort as exc:
+            return exc
+        return None
+
+    caught = asyncio.run(scenario())
+    assert isinstance(caught, ProtocolAbort)
+    assert caught.reason is AbortReason.TOO_FEW_PARTICIPANTS
+    assert rnd.phase is RoundPhase.ABORTED

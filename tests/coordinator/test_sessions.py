@@ -1,0 +1,84 @@
+"""Long-poll bookkeeping of `coordinator.sessions` through a real engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.errors import Unavailable
+from common.round import SiteBudget
+from coordinator.engine import RoundEngine
+
+
+async def _poll_until_waiting(engine: RoundEngine, sites: tuple[str, ...]
+                              ) -> list[asyncio.Task[object]]:
+    for site in sites:
+        engine.enroll(site, b"", serial="1", version="t", device="cpu", budget=SiteBudget())
+    polls: list[asyncio.Task[object]] = [
+        asyncio.create_task(engine.wait_for_round(site, after_round=0, wait_seconds=30,
+                                                  budget=None))
+        for site in sites
+    ]
+    while len(engine.sessions.waiting_ids()) < len(sites):
+        await asyncio.sleep(0)  # let the polls register (no wall-clock wait)
+    return polls
+
+
+def test_a_cancelled_long_poll_no_longer_counts_as_waiting(engine: RoundEngine) -> None:
+    """gRPC cancels the handler when a site hangs up: that site must not stay eligible
+    for selection (it would be put in a round it can never join)."""
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        polls = await _poll_until_waiting(engine, ("alpha", "beta"))
+        during = engine.sessions.waiting_ids()
+        polls[0].cancel()  # alpha's RPC is cancelled
+        await asyncio.gather(polls[0], return_exceptions=True)
+        after = engine.sessions.waiting_ids()
+        polls[1].cancel()
+        await asyncio.gather(polls[1], return_exceptions=True)
+        return during, after
+
+    during, after = asyncio.run(scenario())
+    assert during == ["alpha", "beta"]
+    assert after == ["beta"]
+
+
+def test_a_failed_engine_answers_polls_unavailable_never_finished(
+    engine: RoundEngine,
+) -> None:
+    """Waiting sites, and sites that poll afterwards, hear UNAVAILABLE (they retry);
+    the federation is not marked finished."""
+
+    async def scenario() -> tuple[list[object], BaseException | None]:
+        polls = await _poll_until_waiting(engine, ("alpha", "beta"))
+        engine.sessions.close(failure=Unavailable("coordinator round engine failed: disk"))
+        answers = await asyncio.gather(*polls, return_exceptions=True)
+        try:
+            await engine.wait_for_round("alpha", after_round=0, wait_seconds=1, budget=None)
+        except Unavailable as exc:
+            return answers, exc
+        return answers, None
+
+    answers, later = asyncio.run(scenario())
+    assert all(isinstance(a, Unavailable) for a in answers), answers
+    assert isinstance(later, Unavailable)
+    assert not engine.finished.is_set()
+    assert not engine.sessions.finished
+
+
+def test_a_completed_study_answers_waiting_polls_with_no_round(engine: RoundEngine) -> None:
+    async def scenario() -> list[object]:
+        polls = await _poll_until_waiting(engine, ("alpha",))
+        engine.sessions.close(failure=None)
+        return list(await asyncio.gather(*polls))
+
+    assert asyncio.run(scenario()) == [None]
+    assert engine.sessions.finished
+
+
+def test_unknown_site_must_enroll_first(engine: RoundEngine) -> None:
+    from common.errors import StateError
+
+    with pytest.raises(StateError, match="has not enrolled"):
+        asyncio.run(engine.wait_for_round("ghost", after_round=0, wait_seconds=1, budget=None))
