@@ -11,6 +11,7 @@ The coordinator and SecAgg only ever see a model as one float32 vector; its layo
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -282,6 +283,21 @@ def _load_factory(reference: str, allowed: Sequence[str]) -> Callable[..., nn.Mo
     return cast(Callable[..., nn.Module], factory)
 
 
+def _accepted(factory: Callable[..., Any], dims: dict[str, Any]) -> dict[str, Any]:
+    """The input/output sizes the factory declares (by name, or via ``**kwargs``).
+
+    A factory that takes only its study ``options`` still works; one that declares
+    ``num_outputs`` or ``in_channels`` gets them from the study."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return dims
+    names = {p.name for p in parameters}
+    return {k: v for k, v in dims.items() if k in names}
+
+
 def _fix_hint(layer: nn.Module) -> str:
     kind = type(layer).__name__
     if isinstance(layer, nn.modules.batchnorm._BatchNorm):
@@ -332,7 +348,8 @@ def build_model(
 
     `num_classes` counts label classes: 2 gives one binary logit (BCE), K >= 3 gives K
     logits (cross-entropy); `task` defaults accordingly. A custom factory is called
-    with the same keyword arguments plus ``num_outputs`` and its study ``params``.
+    with its study ``params`` plus whichever of ``in_features``, ``in_channels``,
+    ``image_size`` and ``num_outputs`` it declares.
     """
     if isinstance(spec, str):
         spec = ModelSpec(name=spec)
@@ -370,13 +387,13 @@ def build_model(
                 "model.custom", "model 'custom' needs custom = 'package.module:factory'"
             )
         factory = _load_factory(spec.custom, allowed_model_factories)
-        built = factory(
-            in_features=in_features,
-            in_channels=in_channels,
-            image_size=image_size,
-            num_outputs=outputs,
-            **params,
-        )
+        dims = {
+            "in_features": in_features,
+            "in_channels": in_channels,
+            "image_size": image_size,
+            "num_outputs": outputs,
+        }
+        built = factory(**_accepted(factory, dims), **params)
         if not isinstance(built, nn.Module):
             raise ConfigError(
                 "model.custom", f"{spec.custom} returned {type(built).__name__}, not an nn.Module"

@@ -194,3 +194,18 @@ def test_spec_from_study_fields() -> None:
     assert ModelSpec.from_fields(name="densenet121").canonical_name == "densenet121-gn"
     custom = ModelSpec.from_fields(name=None, custom="pkg.mod:make", options={"width": 4})
     assert (custom.canonical_name, custom.params) == ("custom", {"width": 4})
+
+
+def options_only_factory(width: int = 4) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, width))
+
+
+def test_custom_factory_gets_only_the_sizes_it_declares() -> None:
+    ref = f"{HERE}:options_only_factory"
+    model = build_model(
+        ModelSpec(custom=ref, params={"width": 3}),
+        in_channels=1,
+        num_classes=3,
+        allowed_model_factories=[ref],
+    )
+    assert model(torch.randn(2, 1, 4, 4)).shape == (2, 3)
