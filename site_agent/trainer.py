@@ -182,7 +182,7 @@ def _conv2d_norm_sample(
     """
     a = activations[0].to(backprops.dtype)
     n = a.shape[0]
-    out: dict[nn.Parameter, torch.Tensor] = {}
+    out: dict[Any, torch.Tensor] = {}  # keyed by parameter (stubs type it Tensor)
     unfolded = unfold2d(
         a,
         kernel_size=layer.kernel_size,
