@@ -11,7 +11,8 @@ pixel data present) and decoded when training touches them, through a bounded LR
 cache of decoded tensors, so a site with more images than memory still trains.
 
 Pixel values become float32 in [0, 1]:
-  * PNG/JPEG: divided by the format's maximum (255, or 65535 for 16-bit).
+  * PNG/JPEG: divided by the format's maximum (255, or 65535 for 16-bit), the same
+    for every image.
   * DICOM (PS3.3 C.11.1 and C.11.2.1.2): stored values -> modality LUT
     (``RescaleSlope * x + RescaleIntercept``, e.g. Hounsfield units), then the
     window (the study's, else the file's WindowCenter/WindowWidth, else the image's
@@ -254,10 +255,13 @@ def _decode_raster(path: Path, spec: ImageSpec) -> np.ndarray:
                 planes = rgb.transpose(2, 0, 1)
             elif mode in ("I;16", "I;16B", "I;16L"):
                 planes = (np.asarray(image, dtype=np.float32) / 65535.0)[None]
-            elif mode in ("I", "F"):
+            elif mode == "I":
+                # 32-bit integer PNGs hold 16-bit data in practice; one fixed scale for
+                # every image (a per-image scale would differ between patients).
                 raw = np.asarray(image, dtype=np.float32)
-                top = 65535.0 if raw.max(initial=0.0) > 255.0 else 255.0
-                planes = np.clip(raw / top, 0.0, 1.0)[None]
+                planes = np.clip(raw / 65535.0, 0.0, 1.0)[None]
+            elif mode == "F":
+                planes = np.clip(np.asarray(image, dtype=np.float32), 0.0, 1.0)[None]
             elif mode in ("1", "L", "LA"):
                 planes = (np.asarray(image.convert("L"), dtype=np.float32) / 255.0)[None]
             else:
