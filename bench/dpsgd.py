@@ -152,7 +152,12 @@ def run(
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="mlp", help=f"one of {', '.join(MODELS)}")
+    parser.add_argument(
+        "--model",
+        default="mlp",
+        choices=[*MODELS, "small_cnn", "resnet18_gn", "densenet121"],
+        help="registry model (aliases accepted)",
+    )
     parser.add_argument("--image-size", type=int, default=64, help="image side (image models)")
     parser.add_argument(
         "--batches", type=int, default=None,
