@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common.pki import issue_site
+from common.pki import init_ca, issue_site
 from common.processes import ManagedProcess, medfed_argv
 from tests.e2e.harness import REPO, Federation, make_pki
 
@@ -114,9 +114,11 @@ def test_an_expired_site_certificate_stops_the_agent_naming_it(federation: Feder
     """Checked before any connection: the agent exits at once, naming the file and
     the expiry (a handshake would only say that the peer hung up)."""
     long_ago = dt.datetime.now(dt.UTC) - dt.timedelta(days=400)
-    issue_site(federation.pki, "site-old", validity_days=1, now=long_ago)
+    pki = federation.root / "old-pki"  # a CA still valid, that issued a 1-day certificate
+    init_ca(pki, validity_days=3650, now=long_ago)
+    issue_site(pki, "site-old", validity_days=1, now=long_ago)
     result = run(medfed_argv(
-        "site", "run", "--pki", str(federation.pki), "--site", "site-old",
+        "site", "run", "--pki", str(pki), "--site", "site-old",
         "--coordinator", "127.0.0.1:9", "--metrics-listen", "127.0.0.1:0",
         "--state", str(federation.root / "old-site"), "--trainer", "test-deterministic",
     ))
