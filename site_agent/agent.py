@@ -283,6 +283,13 @@ class SiteAgent:
 
     # ----------------------------------------------------------------- round
     def _run_round(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
+        plan = rnd.plan
+        what = "evaluation only" if plan.local_epochs == 0 else (
+            f"{plan.local_epochs} local epoch(s)")
+        log.info("%s: selected with %d sites (%s)", round_of(rnd.number, plan.planned_rounds),
+                 len(rnd.announcement.participants), what,
+                 extra={"event": "round_selected", "round_number": rnd.number,
+                        "planned_rounds": plan.planned_rounds})
         segments = self.hook.planned_segments(rnd.plan)
         evaluation = self._evaluation_mechanisms(rnd)
         if self.ledger is not None and (segments or evaluation):
@@ -302,13 +309,6 @@ class SiteAgent:
                     f"round {rnd.number} would bring epsilon to {after:.3f} "
                     f"> budget {self.ledger.budget_epsilon:g}"
                 )
-        plan = rnd.plan
-        what = "evaluation only" if plan.local_epochs == 0 else (
-            f"{plan.local_epochs} local epoch(s)")
-        log.info("%s: selected with %d sites (%s)", round_of(rnd.number, plan.planned_rounds),
-                 len(rnd.announcement.participants), what,
-                 extra={"event": "round_selected", "round_number": rnd.number,
-                        "planned_rounds": plan.planned_rounds})
         client = self._secagg_client(rnd) if rnd.announcement.secure_aggregation else None
         try:
             # Keys first (two short barriers), then download and train: uploads then
