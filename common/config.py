@@ -245,10 +245,39 @@ class SitePolicySection(_Section):
 
     min_threshold: int = Field(default=2, ge=2)
     max_colluding_sites: int = Field(default=1, ge=0)
+    min_round_sites: int = Field(
+        default=3,
+        ge=2,
+        description="refuse secure rounds (and Unmask) covering fewer sites than "
+        "max(min_round_sites, max_colluding_sites + 2)",
+    )
+    members: dict[str, str] | None = Field(
+        default=None,
+        description="optional pinning: site id -> hex SHA-256 of its certificate public key "
+        "(`medfed pki members`); a roster entry not listed aborts the round",
+    )
     max_vector_length: int = Field(default=1 << 28, ge=1)
     allow_plain_aggregation: bool = Field(
         default=False, description="accept rounds without secure aggregation (benchmarks)"
     )
+
+    @field_validator("members")
+    @classmethod
+    def _check_members(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("an empty member list would refuse every round; omit it instead")
+        site = re.compile(SITE_ID_PATTERN)
+        fingerprint = re.compile(r"^[0-9a-f]{64}$")
+        for site_id, digest in value.items():
+            if not site.match(site_id):
+                raise ValueError(f"invalid site id {site_id!r}")
+            if not fingerprint.match(digest):
+                raise ValueError(
+                    f"{site_id}: expected the hex SHA-256 of its certificate public key"
+                )
+        return value
 
 
 class ReconnectSection(_Section):
