@@ -17,12 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common import pki
 from common.crypto.random import system_random
 from common.processes import ManagedProcess, medfed_argv
 from site_agent.hooks import model_layout
 from site_agent.models import TabularMLP, flatten_parameters
 from site_agent.synthetic import FEATURES, generate_cohort, write_site_csvs
-from tests.e2e.harness import REPO, run_medfed
+from tests.e2e.harness import REPO
 from tests.e2e.malicious_coordinator import MaliciousCoordinator, Story, make_story
 
 pytestmark = pytest.mark.e2e
@@ -42,20 +43,22 @@ class World:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     root = tmp_path_factory.mktemp("malicious")
-    pki = root / "pki"
-    run_medfed("pki", "init", "--dir", str(pki))
-    run_medfed("pki", "issue", "--dir", str(pki), "--coordinator", "127.0.0.1,localhost")
+    pki_dir = root / "pki"
+    pki.init_ca(pki_dir)
+    pki.issue_coordinator(pki_dir, ["127.0.0.1", "localhost"])
     keys = root / "hospital-keys"
     for site in HOSPITALS:
-        run_medfed("pki", "request", "--site", site, "--out", str(keys / site))
-        run_medfed("pki", "sign", "--dir", str(pki), "--csr", str(keys / site / f"{site}.csr"))
+        # `medfed pki request` at the hospital, `medfed pki sign` at the operator.
+        request = pki.request_certificate(keys / site, site)
+        pki.sign_request(pki_dir, request.csr_path)
+        assert not (pki_dir / "sites" / f"{site}.key").exists()  # the key stayed home
     for site in HELD_BY_COORDINATOR:
         # What the shipped deployment used to give the coordinator (and what a CA
         # holder can always mint): valid site certificates of the federation CA.
-        run_medfed("pki", "issue", "--dir", str(pki), "--site", site)
+        pki.issue_site(pki_dir, site)
     cohort = generate_cohort(list(HOSPITALS), seed=11, patients_per_site=160)
     data = write_site_csvs(root / "data", cohort)
-    return World(root, pki, keys, data)
+    return World(root, pki_dir, keys, data)
 
 
 def model(seed: int) -> tuple[tuple, np.ndarray]:

@@ -60,7 +60,7 @@ def test_fresh_crl_is_accepted_and_a_revoked_peer_aborts(
 def test_missing_crl_refuses_the_round_with_its_cause(pki_dir: Path, now: dt.datetime) -> None:
     revocation = SiteRevocation(pki.load_ca(pki_dir))
     revocation.offer(b"", now=now)
-    with pytest.raises(RoundFailed, match="revocation status unknown.*relayed no CRL"):
+    with pytest.raises(RoundFailed, match=r"revocation status unknown.*relayed no CRL"):
         revocation.require_fresh(now=now)
 
 
