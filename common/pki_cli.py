@@ -284,10 +284,6 @@ def main(argv: list[str] | None = None) -> int:
     return main_with([register], argv)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _members(args: argparse.Namespace) -> int:
     members = pki.site_members(args.dir, now=_now())
     if not members:
@@ -298,3 +294,8 @@ def _members(args: argparse.Namespace) -> int:
     for site_id, fingerprint in members.items():
         print(f'"{site_id}" = "{fingerprint}"')
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
