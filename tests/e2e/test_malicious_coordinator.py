@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from common import pki
+from common.codec import TensorSpec
 from common.crypto.random import system_random
 from common.processes import ManagedProcess, medfed_argv
 from site_agent.hooks import model_layout
@@ -61,7 +62,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     return World(root, pki_dir, keys, data)
 
 
-def model(seed: int) -> tuple[tuple, np.ndarray]:
+def model(seed: int) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
     import torch
 
     torch.manual_seed(seed)

@@ -16,7 +16,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from common import pki
-from common.config import SitePolicySection, SiteSettings
+from common.config import LocalTrainingSection, SitePolicySection, SiteSettings
 from common.errors import AbortReason, CertificateRejected, PkiError, ProtocolAbort, RoundFailed
 from site_agent.agent import SiteAgent
 from site_agent.hooks import DeterministicTestHook
@@ -35,10 +35,13 @@ def cert_of(directory: Path, site: str) -> x509.Certificate:
     return pki.load_certificate(pki.site_paths(directory, site)[0])
 
 
-def agent_for(directory: Path, site: str, tmp_path: Path, **policy: object) -> SiteAgent:
+def agent_for(
+    directory: Path, site: str, tmp_path: Path, *, members: dict[str, str] | None = None
+) -> SiteAgent:
     settings = SiteSettings(
         pki=directory, site=site, coordinator="127.0.0.1:1", state=tmp_path / "state",
-        training={"trainer": "test-deterministic"}, policy=policy,
+        training=LocalTrainingSection(trainer="test-deterministic"),
+        policy=SitePolicySection(members=members),
     )
     return SiteAgent(settings, DeterministicTestHook(site), metrics=SiteMetrics(site),
                      ledger=None)
