@@ -224,6 +224,14 @@ class MaliciousCoordinator(pb_grpc.FederationServicer):
             crl_der=self.crl_der,
         )
 
+    async def ReplicateLedger(
+        self, request: pb.ReplicateLedgerRequest, context: Any
+    ) -> pb.ReplicateLedgerResponse:
+        """Recorded (the signed ledger entries carry parameters only) and acknowledged
+        as fully held, so the site sends them once."""
+        self._caller(context, "ReplicateLedger")
+        return pb.ReplicateLedgerResponse(ledger_seq_held=1 << 32)
+
     async def DeclineRound(
         self, request: pb.DeclineRoundRequest, context: Any
     ) -> pb.DeclineRoundResponse:
