@@ -23,7 +23,7 @@ from tests.e2e.harness import REPO, Federation, run_medfed
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 SITES = ["site-a", "site-b", "site-c"]
-SETTINGS = ("--phase-seconds", "20", "--train-seconds", "20", "--selection-seconds", "0.5",
+SETTINGS = ("--phase-seconds", "60", "--train-seconds", "20", "--selection-seconds", "0.5",
             "--model-dim", "2000", "--min-sites", "3", "--rounds", "1")
 
 
@@ -70,12 +70,13 @@ def test_status_during_and_after_a_study_that_stays_up(federation: Federation) -
     assert before["eta_seconds"] is None  # no completed round to estimate from
     assert "medfed_coordinator_study_finished 0.0" in scrape(metrics_port)
 
-    # site-c stops after its round-1 keys are advertised: the round is then in flight,
-    # waiting in share_keys for it, when status is asked.
+    # site-c stops for 30 s after its round-1 keys are advertised: the round is then in
+    # flight, waiting in share_keys for it (the phase deadline is 60 s), when status is
+    # asked; then it goes on and the round completes.
     federation.start_site("site-a")
     federation.start_site("site-b")
     paused = federation.start_site("site-c", "--debug-pause-after", "1:advertise_keys",
-                                   "--debug-pause-seconds", "6")
+                                   "--debug-pause-seconds", "30")
     paused.wait_event("paused", timeout=120)
     during = status(federation)
     assert during["current_round"] == 1 and during["phase"] == "share_keys"
