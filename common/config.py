@@ -148,6 +148,16 @@ class LimitsSection(_Section):
     )
 
 
+class CheckpointSection(_Section):
+    keep: int = Field(
+        default=3,
+        ge=1,
+        le=1_000_000,
+        description="checkpoint files kept on disk (the newest; the one the state database "
+        "resumes from is never deleted)",
+    )
+
+
 class CoordinatorSettings(_Settings):
     """Settings of `medfed coordinator serve`."""
 
@@ -177,6 +187,7 @@ class CoordinatorSettings(_Settings):
     optimizer: OptimizerSection = OptimizerSection()
     deadlines: DeadlineSection = DeadlineSection()
     limits: LimitsSection = LimitsSection()
+    checkpoints: CheckpointSection = CheckpointSection()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     debug_write_aggregates: bool = Field(
         default=False, description="TEST ONLY: write each round's unmasked ring sum to STATE"

@@ -292,6 +292,11 @@ class RoundEngine:
             survivors=result.survivors, dropped=result.dropped, metrics=result.metrics,
             checkpoint=checkpoint,
         )
+        # Only after the new checkpoint is recorded: the store's latest record never
+        # points at a deleted file.
+        checkpoints.prune_checkpoints(
+            self.settings.state, keep=self.settings.checkpoints.keep, protected=checkpoint.path
+        )
         if "auc" in result.metrics:
             self.metrics.model_auc.set(result.metrics["auc"])
         # Only the latest result is kept: a long-running coordinator must not grow by
