@@ -23,7 +23,9 @@ the deadline itself is a configuration choice, reported separately.
 
 Exactness: every round's unmasked ring sum (coordinator `--debug-write-aggregates`)
 must equal the sum of the surviving sites' plaintext ring vectors (`--debug-write-updates`).
-Memory: the coordinator's peak RSS is VmHWM from /proc/PID/status, read after the round.
+Memory: the coordinator's peak RSS is VmHWM from /proc/PID/status, read after the round;
+each surviving site logs its VmRSS just before the model download and its VmHWM after
+the round (`site_round_done`), and the worst growth is reported in models (4 d bytes).
 """
 
 from __future__ import annotations
@@ -153,6 +155,10 @@ class RoundMeasurement:
     exact: bool
     idle_rss_bytes: int
     peak_rss_bytes: int
+    # Per surviving site: its peak RSS (VmHWM after the upload) minus its RSS just
+    # before the model download (the site's `site_round_done` log event).
+    site_growth_bytes: tuple[int, ...] = ()
+    site_before_download_bytes: tuple[int, ...] = ()
 
     @property
     def seconds(self) -> float:
@@ -190,13 +196,19 @@ class RoundBench:
         self.runs += 1
         run_dir = self.root / f"run-{self.runs:02d}-{mode}"
         run_dir.mkdir()
-        with self._processes(run_dir, mode) as coordinator:
+        with self._processes(run_dir, mode) as (coordinator, sites):
             completed = coordinator.wait_for(
                 lambda e: str(e.get("msg", "")).startswith("round 1 completed"),
                 timeout=2 * self.phase_seconds * 6 + ROUND_TIMEOUT_MARGIN_SECONDS,
                 what="round 1 completed",
             )
             peak = proc_status_bytes(coordinator.proc.pid, "VmHWM")
+            survivors_now = set(str(completed.get("survivors", "")).split(","))
+            site_memory = [
+                site.wait_for(lambda e: e.get("event") == "site_round_done", timeout=60,
+                              what="site_round_done")
+                for site in sites if site.name in survivors_now
+            ]
         total, survivors = self._aggregate(run_dir)
         expected = np.zeros_like(total)
         for site in survivors:
@@ -215,10 +227,17 @@ class RoundBench:
             exact=exact,
             idle_rss_bytes=self._idle_rss,
             peak_rss_bytes=peak,
+            site_growth_bytes=tuple(
+                int(e["peak_rss_bytes"]) - int(e["rss_before_download_bytes"])
+                for e in site_memory
+            ),
+            site_before_download_bytes=tuple(
+                int(e["rss_before_download_bytes"]) for e in site_memory
+            ),
         )
 
     @contextlib.contextmanager
-    def _processes(self, run_dir: Path, mode: str) -> Iterator[_Child]:
+    def _processes(self, run_dir: Path, mode: str) -> Iterator[tuple[_Child, list[_Child]]]:
         deadline = f"{self.phase_seconds:g}"
         coordinator = _Child.start(
             "coordinator",
@@ -258,7 +277,7 @@ class RoundBench:
                     ),
                     env=self.env, log=run_dir / f"{site}.log",
                 ))
-            yield coordinator
+            yield coordinator, children[1:]
         finally:
             for child in reversed(children):
                 child.stop()
@@ -288,6 +307,7 @@ def run(*, sites: int, dim: int, dropouts: int, rounds: int,
             order = ("secure", "plain") if rep % 2 == 0 else ("plain", "secure")
             for mode in order:
                 measured.append(bench.run_round(mode))
+    growth = [g for m in measured for g in m.site_growth_bytes]
     secure = [m for m in measured if m.mode == "secure"]
     plain = [m for m in measured if m.mode == "plain"]
     secure_s = statistics.median(m.seconds for m in secure)
@@ -311,6 +331,12 @@ def run(*, sites: int, dim: int, dropouts: int, rounds: int,
         "coordinator_idle_rss_bytes": max(m.idle_rss_bytes for m in measured),
         "coordinator_peak_rss_bytes": max(m.peak_rss_bytes for m in secure),
         "plain_coordinator_peak_rss_bytes": max(m.peak_rss_bytes for m in plain),
+        # Site memory over the model-sized work of a round, worst site of any round.
+        "site_peak_growth_bytes": max(growth, default=0),
+        "site_peak_growth_models": max(growth, default=0) / (4 * dim),
+        "site_rss_before_download_bytes": max(
+            (b for m in measured for b in m.site_before_download_bytes), default=0
+        ),
     }
 
 
@@ -318,7 +344,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sites", type=int, default=10, help="site agent processes")
     parser.add_argument("--dim", type=int, default=1_000_000, help="model parameters (float32)")
     parser.add_argument("--dropouts", type=int, default=2, help="sites dropped in every round")
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per mode")
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per mode")
     parser.add_argument(
         "--phase-seconds", type=float, default=None,
         help="phase deadline (default 2 s + 1 s per 10^6 elements sent); its idle part is "
@@ -344,6 +370,12 @@ def main_from_args(args: argparse.Namespace) -> int:
         f"  coordinator RSS: idle {result['coordinator_idle_rss_bytes'] / mib:.0f} MiB, "
         f"peak {result['coordinator_peak_rss_bytes'] / mib:.0f} MiB secure, "
         f"{result['plain_coordinator_peak_rss_bytes'] / mib:.0f} MiB plain"
+    )
+    print(
+        f"  site peak RSS above its RSS before the download: "
+        f"{result['site_peak_growth_bytes'] / mib:.0f} MiB = "
+        f"{result['site_peak_growth_models']:.2f} models (worst site; "
+        f"RSS before download {result['site_rss_before_download_bytes'] / mib:.0f} MiB)"
     )
     if args.json:
         print(json.dumps(result))

@@ -201,6 +201,7 @@ class RoundEngine:
             log.info("round %d %s deadline: dropping %s", rnd.number, name, list(closed.missing))
             self.metrics.dropouts_total.labels(phase=name).inc(len(closed.missing))
         self.metrics.phase_seconds.labels(phase=name).observe(closed.seconds)
+        log.debug("round %d %s closed after %.4f s", rnd.number, name, closed.seconds)
 
     async def _run_round(self, participants: list[str]) -> None:
         ann = self._announce(participants)

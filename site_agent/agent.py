@@ -15,6 +15,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -22,7 +23,9 @@ import numpy as np
 from common import wire
 from common.codec import (
     ChunkAssembler,
+    all_finite,
     bytes_to_flat,
+    check_finite,
     digest,
     iter_chunks,
     layout_bytes,
@@ -68,6 +71,19 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 def _utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+def proc_status_bytes(key: str) -> int:
+    """A `kB` field of this process's /proc/self/status (VmRSS, VmHWM) in bytes; 0 where
+    there is no procfs. For the memory figures `bench round` reports."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 class SiteAgent:
@@ -254,6 +270,7 @@ class SiteAgent:
             # Keys first (two short barriers), then download and train: uploads then
             # overlap other sites' training, as they would in plain FedAvg.
             keys = self._exchange_keys(stub, rnd, client) if client is not None else None
+            rss_before_download = proc_status_bytes("VmRSS")
             global_flat = self._download(stub, rnd)
             if self.ledger is not None and segments:
                 # Write-ahead: the spend is on disk before any update can leave the site.
@@ -261,6 +278,9 @@ class SiteAgent:
                 self.budget_pb()
             started = time.perf_counter()
             update = self.hook.train(rnd.plan, global_flat)
+            # The hook keeps what it needs (its model's parameters): our copy of the
+            # global model is not needed for encoding, masking or the upload.
+            del global_flat
             self.metrics.training_seconds.observe(time.perf_counter() - started)
             self.metrics.samples_used.set(update.num_samples)
             self.metrics.patients_used.set(update.patients)
@@ -280,7 +300,15 @@ class SiteAgent:
             raise
         self.rounds_done += 1
         self.metrics.rounds.labels(outcome="completed").inc()
-        log.info("round %d done", rnd.number)
+        peak = proc_status_bytes("VmHWM")
+        log.info(
+            "round %d done", rnd.number,
+            extra={"event": "site_round_done", "round_number": rnd.number,
+                   # Memory of the round's model-sized work (bench round reads these):
+                   # the process peak against its RSS just before the download.
+                   "rss_before_download_bytes": rss_before_download,
+                   "peak_rss_bytes": peak},
+        )
 
     def _deadline(self, rnd: VerifiedRound, *, training: bool = False) -> float:
         """RPC timeout for a long-poll: the phase deadline plus slack."""
@@ -293,24 +321,38 @@ class SiteAgent:
         total = layout_bytes(rnd.plan.layout)
         if total != rnd.announcement.model_bytes:
             raise ValidationError("announced model size does not match its layout")
-        buffer = bytearray(total)
+        # An all-float32 model is assembled straight into the array training gets (one
+        # model-sized buffer, no parse copy); other layouts are converted after.
+        direct = all(spec.dtype == "<f4" for spec in rnd.plan.layout)
+        buffer: np.ndarray | bytearray = (
+            np.empty(total // 4, dtype="<f4") if direct else bytearray(total)
+        )
         assembler = ChunkAssembler(buffer, total_bytes=total, max_chunk_bytes=4 << 20)
         for chunk in stub.DownloadModel(pb.DownloadModelRequest(round=rnd.number), timeout=300):
             assembler.add(chunk.offset, chunk.data)
         assembler.finish()
         if digest(buffer) != rnd.announcement.model_sha256:
             raise ValidationError("downloaded model does not match the announced SHA-256")
-        return bytes_to_flat(buffer, rnd.plan.layout)
+        if isinstance(buffer, bytearray):
+            return bytes_to_flat(buffer, rnd.plan.layout)
+        check_finite(buffer, rnd.plan.layout)
+        return buffer.astype(np.float32, copy=False)
 
     def _encode(self, rnd: VerifiedRound, update: LocalUpdate) -> np.ndarray:
         n_sites = len(rnd.params.participants) if rnd.params else 2
         weight = min(int(update.num_samples), rnd.announcement.weight_cap)
         if update.delta.size != rnd.announcement.vector_length - 1 - 2 * rnd.plan.histogram_bins:
             raise RoundFailed("update does not match the model size")
-        if not np.all(np.isfinite(update.delta)):
+        if not all_finite(update.delta):
             raise RoundFailed("update contains NaN or infinity")
-        # Scale by n_k / cap so FedAvg's weights come out of the secure sum.
-        scaled = update.delta * np.float32(weight / rnd.announcement.weight_cap)
+        # Scale by n_k / cap so FedAvg's weights come out of the secure sum; in place
+        # when the hook handed over a writeable delta (no model-sized copy).
+        factor = np.float32(weight / rnd.announcement.weight_cap)
+        delta = update.delta
+        if delta.flags.writeable and delta.dtype in (np.float32, np.float64):
+            scaled = np.multiply(delta, factor, out=delta)
+        else:
+            scaled = delta * factor
         cap = max_integer_for_sites(n_sites)
         histogram = [min(int(c), cap) for c in update.histogram]
         out = np.empty(rnd.announcement.vector_length, dtype=np.uint32)
@@ -328,7 +370,7 @@ class SiteAgent:
     def _write_debug(self, round_number: int, vector: np.ndarray) -> None:
         folder = self.settings.state / "debug-updates"
         folder.mkdir(parents=True, exist_ok=True)
-        vector.astype("<u4").tofile(folder / f"round-{round_number:06d}.u32")
+        vector.astype("<u4", copy=False).tofile(folder / f"round-{round_number:06d}.u32")
 
     def _upload_stream(
         self, rnd: VerifiedRound, session: bytes, vector: np.ndarray

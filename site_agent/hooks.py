@@ -64,7 +64,11 @@ class DeterministicTestHook:
     def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate:
         seed = hashlib.sha256(f"{self.site_id}/{plan.round_number}".encode()).digest()
         gen = np.random.Generator(np.random.PCG64(int.from_bytes(seed[:8], "big")))
-        delta = gen.uniform(-self.scale, self.scale, size=global_flat.size).astype(np.float32)
+        # Drawn as float32 and scaled in place: one model-sized vector, like a real
+        # trainer's update (a float64 draw would add two models to the site's peak).
+        delta = gen.random(global_flat.size, dtype=np.float32)
+        delta *= np.float32(2 * self.scale)
+        delta -= np.float32(self.scale)
         hist = gen.integers(0, 5, size=2 * plan.histogram_bins).astype(np.int64)
         return LocalUpdate(delta, self.samples, hist, 0.0)
 
