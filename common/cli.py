@@ -20,13 +20,19 @@ from common.errors import MedfedError
 COMMAND_GROUP = "medfed.commands"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; when `argv` starts with a command's name, only that command's
+    plug-in is loaded: a coordinator or site agent then starts without importing the
+    others' dependencies (torch for `predict` and `privacy audit`: seconds of start-up
+    and ~300 MiB of RSS per process)."""
     parser = argparse.ArgumentParser(
         prog="medfed",
         description="Federated learning for hospitals with secure aggregation and DP.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+    plugins = sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name)
+    wanted = [ep for ep in plugins if argv and ep.name == argv[0]]
+    for ep in wanted or plugins:
         register = ep.load()
         register(sub)
     return parser
@@ -57,7 +63,8 @@ def main_with(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_parsed(build_parser().parse_args(argv))
+    args = list(sys.argv[1:] if argv is None else argv)
+    return run_parsed(build_parser(args).parse_args(args))
 
 
 if __name__ == "__main__":
