@@ -14,7 +14,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -84,6 +84,50 @@ def proc_status_bytes(key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+class _ModelDownload:
+    """The round's model, downloaded in a worker thread while the key phases run."""
+
+    def __init__(self, agent: SiteAgent, stub: pb_grpc.FederationStub,
+                 rnd: VerifiedRound) -> None:
+        self._call: grpc.Call | None = None
+        self._cancelled = threading.Event()
+        self._result: np.ndarray | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(agent, stub, rnd), name="model-download", daemon=True
+        )
+        self._thread.start()
+
+    def _started(self, call: grpc.Call) -> None:
+        self._call = call
+        if self._cancelled.is_set():
+            call.cancel()
+
+    def _run(self, agent: SiteAgent, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
+        try:
+            self._result = agent._download(stub, rnd, self._started)
+        except BaseException as exc:  # re-raised in the caller's thread by result()
+            self._error = exc
+
+    def result(self) -> np.ndarray:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if self._result is None:  # pragma: no cover - _run sets one of the two
+            raise RoundFailed("model download ended without a model")
+        model, self._result = self._result, None
+        return model
+
+    def cancel(self) -> None:
+        """The round failed: stop the stream, wait for the thread, drop the model."""
+        self._cancelled.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        self._thread.join()
+        self._result = None
 
 
 class SiteAgent:
@@ -266,12 +310,16 @@ class SiteAgent:
                     f"> budget {self.ledger.budget_epsilon:g}"
                 )
         client = self._secagg_client(rnd) if rnd.announcement.secure_aggregation else None
+        rss_before_download = proc_status_bytes("VmRSS")
+        download = _ModelDownload(self, stub, rnd)
         try:
-            # Keys first (two short barriers), then download and train: uploads then
-            # overlap other sites' training, as they would in plain FedAvg.
+            # The model downloads while the keys are exchanged (two short barriers that
+            # wait on the slowest site): neither delays the other, and uploads overlap
+            # other sites' training, as they would in plain FedAvg.
             keys = self._exchange_keys(stub, rnd, client) if client is not None else None
-            rss_before_download = proc_status_bytes("VmRSS")
-            global_flat = self._download(stub, rnd)
+            log.debug("round %d: keys exchanged", rnd.number)
+            global_flat = download.result()
+            log.debug("round %d: model downloaded", rnd.number)
             if self.ledger is not None and segments:
                 # Write-ahead: the spend is on disk before any update can leave the site.
                 self.ledger.reserve(rnd.number, segments, now=_utcnow())
@@ -285,6 +333,7 @@ class SiteAgent:
             self.metrics.samples_used.set(update.num_samples)
             self.metrics.patients_used.set(update.patients)
             vector = self._encode(rnd, update)
+            log.debug("round %d: update trained and encoded", rnd.number)
             if self.settings.debug_write_updates:
                 self._write_debug(rnd.number, vector)
             if client is not None and keys is not None:
@@ -295,6 +344,7 @@ class SiteAgent:
                     timeout=self._deadline(rnd, training=True),
                 )
         except BaseException:
+            download.cancel()
             if client is not None:
                 client.abort()  # nothing more is ever revealed for this round
             raise
@@ -317,7 +367,10 @@ class SiteAgent:
             base += max(rnd.train_deadline - time.time(), 0)
         return base
 
-    def _download(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> np.ndarray:
+    def _download(
+        self, stub: pb_grpc.FederationStub, rnd: VerifiedRound,
+        started: Callable[[grpc.Call], None] | None = None,
+    ) -> np.ndarray:
         total = layout_bytes(rnd.plan.layout)
         if total != rnd.announcement.model_bytes:
             raise ValidationError("announced model size does not match its layout")
@@ -328,7 +381,10 @@ class SiteAgent:
             np.empty(total // 4, dtype="<f4") if direct else bytearray(total)
         )
         assembler = ChunkAssembler(buffer, total_bytes=total, max_chunk_bytes=4 << 20)
-        for chunk in stub.DownloadModel(pb.DownloadModelRequest(round=rnd.number), timeout=300):
+        stream = stub.DownloadModel(pb.DownloadModelRequest(round=rnd.number), timeout=300)
+        if started is not None:
+            started(stream)
+        for chunk in stream:
             assembler.add(chunk.offset, chunk.data)
         assembler.finish()
         if digest(buffer) != rnd.announcement.model_sha256:
@@ -446,10 +502,12 @@ class SiteAgent:
         """MaskedInput, ConsistencyCheck and Unmask."""
         session = client.session_id
         masked = client.receive_shares(shares, vector)
+        log.debug("round %d: update masked", rnd.number)
         survivors_pb = stub.UploadMaskedInput(
             self._upload_stream(rnd, session, masked.vector),
             timeout=self._deadline(rnd, training=True),
         )
+        log.debug("round %d: masked input uploaded", rnd.number)
         self._debug_pause(rnd.number, "masked_input")
         signature = client.receive_survivors(wire.survivors_from_pb(survivors_pb))
         sigs_pb = stub.ConsistencyCheck(
