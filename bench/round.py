@@ -189,6 +189,11 @@ class RoundBench:
             "MEDFED_COORDINATOR_AGGREGATION__MAX_COLLUDING_SITES": str(self.colluding),
             "MEDFED_SITE_POLICY__MAX_COLLUDING_SITES": str(self.colluding),
         }
+        survivors = sites - dropouts
+        if survivors < 3:
+            # The sites' default floor (policy.min_round_sites = 3) would refuse a sum of
+            # fewer sites; small benchmark federations lower it to what they keep.
+            self.env["MEDFED_SITE_POLICY__MIN_ROUND_SITES"] = str(max(2, survivors))
         self.runs = 0
         self._idle_rss = 0
 

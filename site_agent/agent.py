@@ -534,6 +534,9 @@ class SiteAgent:
             signing_key=self.signing_key,
             identity=self._identity,
             rng=system_random,
+            # This site's own floor (policy), not the library default.
+            min_round_sites=self.settings.policy.min_round_sites,
+            max_colluding_sites=self.settings.policy.max_colluding_sites,
         )
 
     def _exchange_keys(
