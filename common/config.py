@@ -127,6 +127,15 @@ class DeadlineSection(_Section):
     round_start_timeout_seconds: float = Field(
         default=3600.0, gt=0, description="give up waiting for min_sites after this long"
     )
+    heartbeat_seconds: float = Field(
+        default=5.0, ge=0.2, le=300,
+        description="interval of the sites' heartbeats while they take part in a round",
+    )
+    heartbeat_misses: int = Field(
+        default=3, ge=2, le=100,
+        description="drop a site silent (no heartbeat, no message) for this many intervals "
+        "from the phase it is expected in, as a missed deadline would",
+    )
 
 
 class LimitsSection(_Section):
@@ -287,6 +296,10 @@ class SiteSettings(_Settings):
         description="TEST ONLY: ROUND:PHASE after which to pause (fault-injection tests)",
     )
     debug_pause_seconds: float = Field(default=3600.0, gt=0)
+    debug_train_seconds: float = Field(
+        default=0.0, ge=0, le=3600,
+        description="TEST ONLY: the test-deterministic trainer takes this long per round",
+    )
 
     _listen = field_validator("coordinator", "metrics_listen")(_check_listen)
 

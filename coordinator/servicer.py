@@ -186,6 +186,13 @@ class FederationServicer(pb_grpc.FederationServicer):
         self.engine.decline(site_id, request.round, budget=wire.budget_from_pb(request.budget))
         return pb.DeclineRoundResponse()
 
+    @rpc
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: Any
+    ) -> pb.HeartbeatResponse:
+        self.engine.heartbeat(self._site(context), request.round)
+        return pb.HeartbeatResponse()
+
     async def DownloadModel(
         self, request: pb.DownloadModelRequest, context: Any
     ) -> AsyncIterator[pb.ModelChunk]:

@@ -15,6 +15,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -64,10 +65,56 @@ log = logging.getLogger("medfed.site")
 AGENT_VERSION = "medfed-site/0.1"
 WAIT_SECONDS = 30
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+HEARTBEAT_FINAL = {
+    grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+}
+"""Heartbeat answers after which beating on is pointless (the round ended for us)."""
 
 
 def _utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+class Heartbeats:
+    """Tells the coordinator this site is alive, every `interval` seconds from a
+    background thread, while the site downloads, plans its noise, trains and encodes:
+    otherwise a frozen or cut-off site would hold the round until its deadline."""
+
+    def __init__(self, stub: pb_grpc.FederationStub, round_number: int, interval: float) -> None:
+        self.stub = stub
+        self.round_number = round_number
+        self.interval = interval
+        self.done = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, name=f"heartbeat-{round_number}", daemon=True
+        )
+
+    def __enter__(self) -> Heartbeats:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.done.set()
+
+    def _run(self) -> None:
+        # Fixed rate: a slow call does not push every later beat back.
+        due = time.monotonic()
+        while not self.done.is_set():
+            try:
+                self.stub.Heartbeat(
+                    pb.HeartbeatRequest(round=self.round_number), timeout=self.interval
+                )
+            except grpc.RpcError as exc:
+                if exc.code() in HEARTBEAT_FINAL:
+                    log.info("round %d: heartbeats stop: %s", self.round_number, exc.details())
+                    return
+                log.debug("round %d: heartbeat failed: %s", self.round_number, exc.code())
+            due = max(due + self.interval, time.monotonic())
+            self.done.wait(due - time.monotonic())
 
 
 class SiteAgent:
@@ -106,6 +153,9 @@ class SiteAgent:
         self._backoff = settings.reconnect.initial_backoff_seconds
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.FederationStub | None = None
+        # Noise calibration runs here, concurrently with the key phases (one at a time:
+        # a hook's trainer is not shared between threads).
+        self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noise-plan")
 
     # ------------------------------------------------------------- connection
     def _connect(self) -> pb_grpc.FederationStub:
@@ -198,12 +248,13 @@ class SiteAgent:
                 return
 
     def _take_part(self, stub: pb_grpc.FederationStub, ann: pb.RoundAnnouncement) -> None:
+        heard_at = time.perf_counter()
         self.last_round = max(self.last_round, ann.round)
         try:
             rnd = validate_for_site(
                 wire.announcement_from_pb(ann), policy=self.settings.policy, site_id=self.site_id
             )
-            self._run_round(stub, rnd)
+            self._run_round(stub, rnd, heard_at=heard_at)
         except BudgetExhausted as exc:
             log.warning("declining round %d: %s", ann.round, exc)
             self._declined_for_budget = True
@@ -231,34 +282,58 @@ class SiteAgent:
             self.metrics.rounds.labels(outcome="aborted").inc()
 
     # ----------------------------------------------------------------- round
-    def _run_round(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
-        segments = self.hook.planned_segments(rnd.plan)
-        if self.ledger is not None and segments:
+    def _run_round(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, *,
+                   heard_at: float | None = None) -> None:
+        """Take part in `rnd`, heard of at `heard_at` (perf_counter; default now)."""
+        heard_at = time.perf_counter() if heard_at is None else heard_at
+        self._refuse_recorded_round(rnd)
+        with Heartbeats(stub, rnd.number, rnd.heartbeat_seconds) as heartbeats:
+            self._contribute(stub, rnd, heard_at=heard_at, heartbeats=heartbeats)
+        self.rounds_done += 1
+        self.metrics.rounds.labels(outcome="completed").inc()
+        log.info("round %d done", rnd.number)
+
+    def _refuse_recorded_round(self, rnd: VerifiedRound) -> None:
+        if self.ledger is not None and any(
+            entry.round == rnd.number for entry in self.ledger.entries()
+        ):
             # The ledger's reserve() is idempotent per round number (a crash-restart
             # must not double-charge), so a second training for a round number already
             # on the ledger would release a fresh noisy update at no recorded cost: a
             # coordinator re-announcing a round could average the DP noise away.
-            if any(entry.round == rnd.number for entry in self.ledger.entries()):
-                raise RoundFailed(
-                    f"round {rnd.number} is already on this site's privacy ledger: "
-                    "refusing to release a second update for it"
-                )
-            after = self.ledger.preview(rnd.number, segments)
-            if after > self.ledger.budget_epsilon:
-                raise BudgetExhausted(
-                    f"round {rnd.number} would bring epsilon to {after:.3f} "
-                    f"> budget {self.ledger.budget_epsilon:g}"
-                )
+            raise RoundFailed(
+                f"round {rnd.number} is already on this site's privacy ledger: "
+                "refusing to release a second update for it"
+            )
+
+    def _contribute(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, *,
+                    heard_at: float, heartbeats: Heartbeats) -> None:
+        # Noise calibration can take tens of seconds on a loaded machine: it runs while
+        # the keys are exchanged (they reveal nothing about the data), so the key phases
+        # never wait for it; training does.
+        planning = self._planner.submit(self.hook.planned_segments, rnd.plan)
         client = self._secagg_client(rnd) if rnd.announcement.secure_aggregation else None
         try:
             # Keys first (two short barriers), then download and train: uploads then
             # overlap other sites' training, as they would in plain FedAvg.
-            keys = self._exchange_keys(stub, rnd, client) if client is not None else None
+            keys = (
+                self._exchange_keys(stub, rnd, client, heard_at=heard_at)
+                if client is not None else None
+            )
             global_flat = self._download(stub, rnd)
+            segments = planning.result()
             if self.ledger is not None and segments:
+                after = self.ledger.preview(rnd.number, segments)
+                if after > self.ledger.budget_epsilon:
+                    raise BudgetExhausted(
+                        f"round {rnd.number} would bring epsilon to {after:.3f} "
+                        f"> budget {self.ledger.budget_epsilon:g}"
+                    )
                 # Write-ahead: the spend is on disk before any update can leave the site.
                 self.ledger.reserve(rnd.number, segments, now=_utcnow())
                 self.budget_pb()
+            log.info("round %d: training", rnd.number,
+                     extra={"event": "training_started", "round_number": rnd.number})
             started = time.perf_counter()
             update = self.hook.train(rnd.plan, global_flat)
             self.metrics.training_seconds.observe(time.perf_counter() - started)
@@ -268,7 +343,8 @@ class SiteAgent:
             if self.settings.debug_write_updates:
                 self._write_debug(rnd.number, vector)
             if client is not None and keys is not None:
-                self._finish_secure_aggregation(stub, rnd, client, keys, vector)
+                self._finish_secure_aggregation(stub, rnd, client, keys, vector,
+                                                heartbeats=heartbeats)
             else:
                 stub.UploadMaskedInput(
                     self._upload_stream(rnd, b"", vector),
@@ -278,9 +354,6 @@ class SiteAgent:
             if client is not None:
                 client.abort()  # nothing more is ever revealed for this round
             raise
-        self.rounds_done += 1
-        self.metrics.rounds.labels(outcome="completed").inc()
-        log.info("round %d done", rnd.number)
 
     def _deadline(self, rnd: VerifiedRound, *, training: bool = False) -> float:
         """RPC timeout for a long-poll: the phase deadline plus slack."""
@@ -374,10 +447,17 @@ class SiteAgent:
         )
 
     def _exchange_keys(
-        self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, client: SecAggClient
+        self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, client: SecAggClient, *,
+        heard_at: float,
     ) -> sm.SharesForRecipient:
         """AdvertiseKeys and ShareKeys: returns the encrypted shares addressed to us."""
         adv = client.advertise_keys()
+        seconds = time.perf_counter() - heard_at
+        log.info(
+            "round %d: advertising keys %.3f s after the announcement", rnd.number, seconds,
+            extra={"event": "advertised_keys", "round_number": rnd.number,
+                   "seconds": round(seconds, 6)},
+        )
         roster_pb = stub.AdvertiseKeys(
             wire.advertise_to_pb(adv, round_number=rnd.number, nonce=rnd.announcement.round_nonce),
             timeout=self._deadline(rnd),
@@ -400,6 +480,8 @@ class SiteAgent:
         client: SecAggClient,
         shares: sm.SharesForRecipient,
         vector: np.ndarray,
+        *,
+        heartbeats: Heartbeats,
     ) -> None:
         """MaskedInput, ConsistencyCheck and Unmask."""
         session = client.session_id
@@ -408,6 +490,7 @@ class SiteAgent:
             self._upload_stream(rnd, session, masked.vector),
             timeout=self._deadline(rnd, training=True),
         )
+        heartbeats.stop()  # the last phases follow at once and keep their deadlines
         self._debug_pause(rnd.number, "masked_input")
         signature = client.receive_survivors(wire.survivors_from_pb(survivors_pb))
         sigs_pb = stub.ConsistencyCheck(

@@ -53,15 +53,20 @@ class DeterministicTestHook:
     privacy_unit = "none"
     device = "cpu"
 
-    def __init__(self, site_id: str, *, scale: float = 0.5, samples: int = 100) -> None:
+    def __init__(self, site_id: str, *, scale: float = 0.5, samples: int = 100,
+                 train_seconds: float = 0.0) -> None:
         self.site_id = site_id
         self.scale = scale
         self.samples = samples
+        # Liveness tests freeze or cut off a site while it "trains": give them a window.
+        self.train_seconds = train_seconds
 
     def planned_segments(self, plan: RoundPlan) -> list[Segment]:
         return []
 
     def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate:
+        if self.train_seconds:
+            time.sleep(self.train_seconds)
         seed = hashlib.sha256(f"{self.site_id}/{plan.round_number}".encode()).digest()
         gen = np.random.Generator(np.random.PCG64(int.from_bytes(seed[:8], "big")))
         delta = gen.uniform(-self.scale, self.scale, size=global_flat.size).astype(np.float32)
