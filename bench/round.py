@@ -24,6 +24,9 @@ the deadline itself is a configuration choice, reported separately.
 Exactness: every round's unmasked ring sum (coordinator `--debug-write-aggregates`)
 must equal the sum of the surviving sites' plaintext ring vectors (`--debug-write-updates`).
 Memory: the coordinator's peak RSS is VmHWM from /proc/PID/status, read after the round.
+Key latency (secure rounds): each site logs `advertised_keys` with the seconds from
+receiving the announcement to sending AdvertiseKeys (noise planning runs concurrently,
+issue 8 section 4); the bench reports their maximum and median over sites and rounds.
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ class RoundMeasurement:
     exact: bool
     idle_rss_bytes: int
     peak_rss_bytes: int
+    advertise_seconds: tuple[float, ...] = ()  # per site: announcement -> AdvertiseKeys
 
     @property
     def seconds(self) -> float:
@@ -185,6 +189,7 @@ class RoundBench:
         }
         self.runs = 0
         self._idle_rss = 0
+        self._sites: list[_Child] = []
 
     def run_round(self, mode: str) -> RoundMeasurement:
         self.runs += 1
@@ -197,6 +202,7 @@ class RoundBench:
                 what="round 1 completed",
             )
             peak = proc_status_bytes(coordinator.proc.pid, "VmHWM")
+            advertise = self._advertise_seconds() if mode == "secure" else ()
         total, survivors = self._aggregate(run_dir)
         expected = np.zeros_like(total)
         for site in survivors:
@@ -215,6 +221,15 @@ class RoundBench:
             exact=exact,
             idle_rss_bytes=self._idle_rss,
             peak_rss_bytes=peak,
+            advertise_seconds=advertise,
+        )
+
+    def _advertise_seconds(self) -> tuple[float, ...]:
+        """Each site's announcement -> AdvertiseKeys seconds (its `advertised_keys` log)."""
+        return tuple(
+            float(site.wait_for(lambda e: e.get("event") == "advertised_keys",
+                                timeout=60, what="advertised_keys")["seconds"])
+            for site in self._sites
         )
 
     @contextlib.contextmanager
@@ -234,6 +249,7 @@ class RoundBench:
             env=self.env, log=run_dir / "coordinator.log",
         )
         children = [coordinator]
+        self._sites = []
         try:
             listening = coordinator.wait_for(
                 lambda e: e.get("event") == "listening", timeout=120, what="listening"
@@ -247,7 +263,7 @@ class RoundBench:
                              "--debug-pause-seconds", "3600"]
                 elif mode == "plain" and not drops:
                     extra = ["--allow-plain-aggregation"]
-                children.append(_Child.start(
+                self._sites.append(_Child.start(
                     site,
                     _medfed(
                         "site", "run", "--pki", str(self.pki), "--site", site,
@@ -260,7 +276,7 @@ class RoundBench:
                 ))
             yield coordinator
         finally:
-            for child in reversed(children):
+            for child in [*reversed(self._sites), *reversed(children)]:
                 child.stop()
 
     @staticmethod
@@ -311,7 +327,18 @@ def run(*, sites: int, dim: int, dropouts: int, rounds: int,
         "coordinator_idle_rss_bytes": max(m.idle_rss_bytes for m in measured),
         "coordinator_peak_rss_bytes": max(m.peak_rss_bytes for m in secure),
         "plain_coordinator_peak_rss_bytes": max(m.peak_rss_bytes for m in plain),
+        **advertise_summary(secure),
     }
+
+
+def advertise_summary(secure: list[RoundMeasurement]) -> dict[str, float]:
+    """Announcement -> AdvertiseKeys over every site of every secure round (target
+    <= 1 s at every site: key phases never wait for noise calibration)."""
+    seconds = [s for m in secure for s in m.advertise_seconds]
+    if not seconds:
+        return {}
+    return {"advertise_keys_max_seconds": max(seconds),
+            "advertise_keys_median_seconds": statistics.median(seconds)}
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -340,6 +367,12 @@ def main_from_args(args: argparse.Namespace) -> int:
     print(f"  plain FedAvg    {result['plain_seconds']:8.3f} s")
     print(f"  SecAgg+         {result['secure_seconds']:8.3f} s   {result['ratio']:.2f}x plain")
     print(f"  exact sum of survivors: {result['exact']}")
+    if "advertise_keys_max_seconds" in result:
+        print(
+            f"  announcement -> AdvertiseKeys per site: max "
+            f"{result['advertise_keys_max_seconds']:.3f} s, median "
+            f"{result['advertise_keys_median_seconds']:.3f} s"
+        )
     print(
         f"  coordinator RSS: idle {result['coordinator_idle_rss_bytes'] / mib:.0f} MiB, "
         f"peak {result['coordinator_peak_rss_bytes'] / mib:.0f} MiB secure, "
