@@ -145,3 +145,71 @@ def youden_threshold(hist: np.ndarray, *, bins: int) -> float:
 def operating_point_metrics(hist: np.ndarray, *, bins: int) -> Metrics:
     """Metrics at the Youden-optimal threshold of the same histogram (AUC unaffected)."""
     return metrics_from_histogram(hist, bins=bins, threshold=youden_threshold(hist, bins=bins))
+
+
+def clipped_noisy_histogram(summed: np.ndarray) -> np.ndarray:
+    """A DP-noised summed histogram made usable for ROC: negative counts (noise only)
+    clipped to 0. Post-processing of the DP release, so it costs nothing more."""
+    return np.maximum(np.asarray(summed, dtype=np.int64), 0)
+
+
+@dataclass(frozen=True)
+class MulticlassMetrics:
+    """One-vs-rest AUC per class (class k's score against "label == k"), and their mean.
+
+    NaN for a class absent from the labels (or present in all of them).
+    """
+
+    per_class_auc: tuple[float, ...]
+    macro_auc: float
+    n: int
+
+
+def _check_probabilities(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    s = np.asarray(scores, dtype=np.float64)
+    y = np.asarray(labels).reshape(-1)
+    if s.ndim != 2 or s.shape[0] != y.shape[0] or s.shape[1] < 2:
+        raise ValidationError("multi-class scores must be [N, K>=2] with one label per row")
+    if y.size and not np.all((y >= 0) & (y < s.shape[1]) & (y == np.round(y))):
+        raise ValidationError(f"labels must be class indices 0..{s.shape[1] - 1}")
+    return s, y.astype(np.int64)
+
+
+def _macro(aucs: list[float]) -> float:
+    defined = [a for a in aucs if not math.isnan(a)]
+    return float(np.mean(defined)) if defined else math.nan
+
+
+def multiclass_metrics_from_scores(scores: np.ndarray, labels: np.ndarray) -> MulticlassMetrics:
+    """Exact one-vs-rest AUCs of class probabilities [N, K] (centralised baselines)."""
+    s, y = _check_probabilities(scores, labels)
+    aucs = [metrics_from_scores(s[:, k], (y == k).astype(np.int64)).auc for k in range(s.shape[1])]
+    return MulticlassMetrics(tuple(aucs), _macro(aucs), int(y.shape[0]))
+
+
+def multiclass_score_histogram(
+    scores: np.ndarray, labels: np.ndarray, *, bins: int
+) -> np.ndarray:
+    """K one-vs-rest binary histograms, concatenated: 2 * bins * K int64 counts.
+
+    Sums across sites like the binary histogram, so it travels through SecAgg the same way.
+    """
+    s, y = _check_probabilities(scores, labels)
+    if not np.all((s >= 0.0) & (s <= 1.0)):
+        raise ValidationError("scores must lie in [0, 1]")
+    return np.concatenate(
+        [score_histogram(s[:, k], (y == k).astype(np.int64), bins=bins) for k in range(s.shape[1])]
+    )
+
+
+def multiclass_metrics_from_histogram(
+    hist: np.ndarray, *, bins: int, num_classes: int
+) -> MulticlassMetrics:
+    """One-vs-rest AUC per class from a (summed) `multiclass_score_histogram`."""
+    counts = np.asarray(hist, dtype=np.int64).reshape(-1)
+    if num_classes < 2 or counts.shape != (2 * bins * num_classes,):
+        raise ValidationError(f"histogram must be {2 * bins * num_classes} counts")
+    parts = counts.reshape(num_classes, 2 * bins)
+    aucs = [metrics_from_histogram(part, bins=bins).auc for part in parts]
+    n = int(parts[0].sum()) if num_classes else 0
+    return MulticlassMetrics(tuple(aucs), _macro(aucs), n)

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.crypto.quantize import dequantize_sum
+from common.egress import EVALUATION_HISTOGRAM, WEIGHT, round_manifest
 from common.errors import AbortReason, ProtocolAbort, StateError, ValidationError
-from common.evaluation import operating_point_metrics
+from common.evaluation import clipped_noisy_histogram, operating_point_metrics
 from common.secagg import messages as sm
 from common.secagg.client import IdentityVerifier
 from common.secagg.params import SecAggParams, ThreatModel, validate_against_threat_model
@@ -62,9 +63,12 @@ def decode_round_sum(
         raise ValidationError("aggregate must be a uint32 vector covering the model")
     # Validates clip, bits and that `count` sums cannot have wrapped (decode_sum's checks).
     dequantize_sum(aggregate[:0], clip=clip, bits=bits, count=count)
-    integers = [int(v) for v in aggregate[model_dim:]]
-    weight_sum = integers[0]
-    histogram = np.asarray(integers[1:], dtype=np.int64)
+    # The same segment list the sites encoded with (common.egress).
+    manifest = round_manifest(model_elements=model_dim, histogram_bins=histogram_bins)
+    integers = manifest.decode_integers(aggregate)
+    weight_sum = max(int(integers[WEIGHT][0]), 0)
+    # The histogram carries the sites' discrete Gaussian noise: counts can be negative.
+    histogram = clipped_noisy_histogram(integers[EVALUATION_HISTOGRAM])
     metrics: dict[str, float] = {"contributors": float(count)}
     if histogram.sum() > 0:
         m = operating_point_metrics(histogram, bins=histogram_bins)

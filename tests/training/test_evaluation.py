@@ -8,7 +8,14 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.evaluation import metrics_from_histogram, metrics_from_scores, score_histogram
+from common.evaluation import (
+    metrics_from_histogram,
+    metrics_from_scores,
+    multiclass_metrics_from_histogram,
+    multiclass_metrics_from_scores,
+    multiclass_score_histogram,
+    score_histogram,
+)
 
 
 def _pairs_sharing_a_bucket(scores: np.ndarray, labels: np.ndarray, bins: int) -> float:
@@ -76,3 +83,21 @@ def test_exact_auc_known_cases_and_undefined() -> None:
     assert metrics_from_scores(np.array([0.5, 0.5, 0.5, 0.5]), y).auc == 0.5  # ties = half
     assert math.isnan(metrics_from_scores(np.array([0.1, 0.9]), np.array([1, 1])).auc)
     assert math.isnan(metrics_from_histogram(np.zeros(20, dtype=np.int64), bins=10).auc)
+
+
+def test_multiclass_one_vs_rest_auc_from_summed_site_histograms() -> None:
+    rng = np.random.default_rng(4)
+    labels = rng.integers(0, 3, size=600)
+    logits = rng.normal(size=(600, 3)) + 1.5 * np.eye(3)[labels]
+    probs = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    exact = multiclass_metrics_from_scores(probs, labels)
+    assert len(exact.per_class_auc) == 3 and all(0.7 < a < 1.0 for a in exact.per_class_auc)
+    bins = 200
+    sites = np.array_split(np.arange(600), 3)  # each site sends its own histogram
+    summed = sum(multiclass_score_histogram(probs[i], labels[i], bins=bins) for i in sites)
+    np.testing.assert_array_equal(summed, multiclass_score_histogram(probs, labels, bins=bins))
+    federated = multiclass_metrics_from_histogram(summed, bins=bins, num_classes=3)
+    np.testing.assert_allclose(federated.per_class_auc, exact.per_class_auc, atol=0.01)
+    assert federated.n == 600
+    absent = multiclass_metrics_from_scores(probs[labels != 2], labels[labels != 2])
+    assert np.isnan(absent.per_class_auc[2]) and not np.isnan(absent.macro_auc)

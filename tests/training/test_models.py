@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,9 @@ from opacus.validators import ModuleValidator
 
 from common.errors import ConfigError, ValidationError
 from site_agent.models import (
+    ModelSpec,
+    architecture_record,
+    build_from_record,
     build_model,
     flatten_parameters,
     load_flat_parameters,
@@ -21,8 +26,12 @@ from site_agent.models import (
     ("name", "kwargs", "input_shape", "output_shape"),
     [
         ("mlp", {"in_features": 9}, (4, 9), (4,)),
+        ("mlp", {"in_features": 9, "num_classes": 4}, (4, 9), (4, 4)),
         ("small_cnn", {"in_channels": 1, "num_classes": 3}, (2, 1, 16, 16), (2, 3)),
-        ("resnet18_gn", {"num_classes": 2}, (1, 3, 32, 32), (1, 2)),
+        ("cnn", {"in_channels": 1}, (2, 1, 16, 16), (2, 1)),
+        ("resnet18_gn", {"in_channels": 3, "num_classes": 3}, (1, 3, 32, 32), (1, 3)),
+        ("resnet18-gn", {"in_channels": 1}, (1, 1, 32, 32), (1, 1)),
+        ("densenet121-gn", {"in_channels": 1, "num_classes": 3}, (2, 1, 32, 32), (2, 3)),
     ],
 )
 def test_models_are_opacus_valid_and_run(name, kwargs, input_shape, output_shape) -> None:
@@ -42,8 +51,8 @@ def test_resnet18_has_resnet18_depth() -> None:
 
 def test_flatten_and_load_round_trip_in_named_parameter_order() -> None:
     torch.manual_seed(0)
-    source = build_model("mlp", in_features=5, hidden=(7,))
-    target = build_model("mlp", in_features=5, hidden=(7,))
+    source = build_model(ModelSpec("mlp", {"hidden": [7]}), in_features=5)
+    target = build_model(ModelSpec("mlp", {"hidden": [7]}), in_features=5)
     vec = flatten_parameters(source)
     layout = parameter_layout(source)
     assert vec.dtype == np.float32
@@ -73,3 +82,130 @@ def test_unknown_model_is_config_error() -> None:
     with pytest.raises(ConfigError) as info:
         build_model("transformer")
     assert info.value.field == "model"
+
+
+def test_mlp_hidden_sizes_from_params() -> None:
+    model = build_model(ModelSpec("mlp", {"hidden": [5, 3]}), in_features=4)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert shapes == [(5, 4), (5,), (3, 5), (3,), (1, 3), (1,)]
+    with pytest.raises(ConfigError, match="unknown parameter"):
+        build_model(ModelSpec("mlp", {"layers": [5]}), in_features=4)
+    with pytest.raises(ConfigError) as info:
+        build_model("cnn")  # no in_channels
+    assert info.value.field == "in_channels"
+
+
+def test_task_and_class_count_must_agree() -> None:
+    with pytest.raises(ConfigError, match="multiclass needs >= 3"):
+        build_model("mlp", in_features=3, num_classes=2, task="multiclass")
+    with pytest.raises(ConfigError, match="binary task has 2 classes"):
+        build_model("mlp", in_features=3, num_classes=3, task="binary")
+
+
+class _WithBatchNorm(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4))
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stem(x).mean(dim=(2, 3)))
+
+
+def batchnorm_factory(**kwargs: object) -> torch.nn.Module:
+    return _WithBatchNorm()
+
+
+def lstm_factory(**kwargs: object) -> torch.nn.Module:
+    return torch.nn.LSTM(4, 4)
+
+
+def good_factory(
+    *, in_channels: int, num_outputs: int, width: int = 8, **_: object
+) -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(in_channels, width, 3, padding=1),
+        torch.nn.GroupNorm(2, width),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(width, num_outputs),
+    )
+
+
+def not_a_module_factory(**kwargs: object) -> object:
+    return "model"
+
+
+HERE = "tests.training.test_models"
+
+
+def test_incompatible_layers_are_named_with_the_fix() -> None:
+    ref = f"{HERE}:batchnorm_factory"
+    with pytest.raises(ConfigError) as info:
+        build_model(ModelSpec(custom=ref), in_channels=1, allowed_model_factories=[ref])
+    message = str(info.value)
+    assert "stem.1" in message and "BatchNorm2d" in message and "GroupNorm" in message
+    ref = f"{HERE}:lstm_factory"
+    with pytest.raises(ConfigError, match="DPLSTM"):
+        build_model(ModelSpec(custom=ref), allowed_model_factories=[ref])
+
+
+def test_custom_factory_needs_the_allow_list_and_round_trips_by_name() -> None:
+    ref = f"{HERE}:good_factory"
+    spec = ModelSpec(name="custom", params={"width": 6}, custom=ref)
+    with pytest.raises(ConfigError, match="allowed_model_factories") as info:
+        build_model(spec, in_channels=1)
+    assert info.value.field == "model.custom"
+    torch.manual_seed(0)
+    model = build_model(spec, in_channels=1, num_classes=3, allowed_model_factories=[ref])
+    assert model(torch.randn(2, 1, 8, 8)).shape == (2, 3)
+    record = architecture_record(spec, in_channels=1, num_classes=3)
+    assert json.loads(json.dumps(record)) == record  # JSON-safe: no pickle in bundles
+    assert record["custom"] == ref and record["task"] == "multiclass"
+    rebuilt = build_from_record(record, allowed_model_factories=[ref])
+    assert parameter_layout(rebuilt) == parameter_layout(model)
+    with pytest.raises(ConfigError, match="allowed_model_factories"):
+        build_from_record(record)
+    missing = {**record, "custom": "no_such_package.models:net"}
+    with pytest.raises(ConfigError, match="cannot import"):
+        build_from_record(missing, allowed_model_factories=[missing["custom"]])
+    bad = f"{HERE}:not_a_module_factory"
+    with pytest.raises(ConfigError, match=r"not an nn\.Module"):
+        build_model(ModelSpec(custom=bad), allowed_model_factories=[bad])
+    with pytest.raises(ConfigError, match=r"package\.module:factory"):
+        build_model(ModelSpec(custom="nocolon"), allowed_model_factories=["nocolon"])
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "resnet18_gn", "densenet121-gn"])
+def test_architecture_record_rebuilds_registry_models(name: str) -> None:
+    dims = {"in_features": 6} if name == "mlp" else {"in_channels": 1, "image_size": 32}
+    record = architecture_record(ModelSpec(name), num_classes=3, **dims)
+    assert record["name"] == {"resnet18_gn": "resnet18-gn"}.get(name, name)
+    torch.manual_seed(1)
+    a = build_from_record(record)
+    b = build_model(name, num_classes=3, **dims)
+    assert parameter_layout(a) == parameter_layout(b)
+
+
+def test_spec_from_study_fields() -> None:
+    mlp = ModelSpec.from_fields(name=None, hidden=(8,), dropout=0.1)
+    assert mlp == ModelSpec("mlp", {"hidden": [8], "dropout": 0.1})
+    assert ModelSpec.from_fields(name="densenet121").canonical_name == "densenet121-gn"
+    custom = ModelSpec.from_fields(name=None, custom="pkg.mod:make", options={"width": 4})
+    assert (custom.canonical_name, custom.params) == ("custom", {"width": 4})
+
+
+def options_only_factory(width: int = 4) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, width))
+
+
+def test_custom_factory_gets_only_the_sizes_it_declares() -> None:
+    ref = f"{HERE}:options_only_factory"
+    model = build_model(
+        ModelSpec(custom=ref, params={"width": 3}),
+        in_channels=1,
+        num_classes=3,
+        allowed_model_factories=[ref],
+    )
+    assert model(torch.randn(2, 1, 4, 4)).shape == (2, 3)

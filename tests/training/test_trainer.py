@@ -7,13 +7,19 @@ import pytest
 import torch
 
 from common.errors import ConfigError, DataError
-from common.evaluation import metrics_from_scores
+from common.evaluation import metrics_from_scores, multiclass_metrics_from_scores
 from common.privacy.accountant import Segment, compose_epsilon
 from site_agent.data import SiteData
 from site_agent.device import select_device
 from site_agent.models import TabularMLP, build_model, flatten_parameters, load_flat_parameters
 from site_agent.synthetic import FEATURES
-from site_agent.trainer import LocalTrainer, TrainingConfig, predict_scores
+from site_agent.trainer import (
+    LocalTrainer,
+    TrainingConfig,
+    choose_grad_sample_mode,
+    conv_ghost_norms,
+    predict_scores,
+)
 
 ROUNDS = 3
 BASE = TrainingConfig(
@@ -144,7 +150,7 @@ def test_conv_model_uses_opacus_two_pass_ghost_and_matches_hooks() -> None:
 
         def cnn() -> torch.nn.Module:
             torch.manual_seed(0)
-            return _BinaryHead(build_model("small_cnn", in_channels=1, num_classes=1))
+            return _BinaryHead(build_model("small_cnn", in_channels=1, num_classes=2))
 
         trainer = LocalTrainer(cnn, images, config, seed=0)
         assert trainer.grad_sample_mode == mode
@@ -195,3 +201,88 @@ def test_device_selection() -> None:
             select_device("cuda")
     with pytest.raises(ConfigError):
         select_device("tpu")
+
+
+def three_classes(data: SiteData) -> SiteData:
+    """A learnable 3-class label from the synthetic features (tertiles of a projection)."""
+    score = data.features[:, 0] + 0.5 * data.features[:, 1]
+    labels = np.digitize(score, np.quantile(score, [1 / 3, 2 / 3]))
+    return SiteData(data.features, labels.astype(np.int64), data.patient_ids)
+
+
+def multiclass_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model("mlp", in_features=len(FEATURES), num_classes=3)
+
+
+MULTI = TrainingConfig(**{**BASE.__dict__, "task": "multiclass", "num_classes": 3})
+
+
+def test_multiclass_cross_entropy_ghost_matches_hooks_and_learns(site_split) -> None:
+    train, held_out = (three_classes(d) for d in site_split)
+    deltas = {}
+    for mode in ("ghost", "hooks"):
+        config = TrainingConfig(**{**MULTI.__dict__, "grad_sample_mode": mode})
+        trainer = LocalTrainer(multiclass_mlp, train, config, seed=3)
+        assert trainer.grad_sample_mode == mode
+        deltas[mode] = trainer.train_round(flatten_parameters(trainer.model)).delta_flat
+    np.testing.assert_allclose(deltas["ghost"], deltas["hooks"], rtol=1e-3, atol=1e-5)
+    trainer = LocalTrainer(multiclass_mlp, train, MULTI, seed=3)
+    assert trainer.trained_module.bookkeeping is True  # CE keeps the one-pass path
+    weights, _ = run_rounds(trainer, ROUNDS)
+    model = multiclass_mlp()
+    load_flat_parameters(model, weights)
+    scores = predict_scores(model, held_out.features, task="multiclass")
+    assert scores.shape == (len(held_out), 3)
+    metrics = multiclass_metrics_from_scores(scores, held_out.labels)
+    assert min(metrics.per_class_auc) > 0.7
+
+
+def test_multiclass_patient_level_and_nonprivate_run(site_split) -> None:
+    train, _ = site_split
+    train = three_classes(train)
+    for unit, dp in (("patient", True), ("auto", False)):
+        config = TrainingConfig(**{**MULTI.__dict__, "privacy_unit": unit, "dp": dp})
+        trainer = LocalTrainer(multiclass_mlp, train, config, seed=0)
+        result = trainer.train_round(flatten_parameters(trainer.model))
+        assert np.isfinite(result.mean_loss) and np.linalg.norm(result.delta_flat) > 0
+
+
+def test_labels_outside_the_classes_are_a_data_error(site_split) -> None:
+    train, _ = site_split
+    bad = SiteData(train.features, np.full(len(train), 3), train.patient_ids, source="x.csv")
+    with pytest.raises(DataError, match=r"class indices 0\.\.2"):
+        LocalTrainer(multiclass_mlp, bad, MULTI, seed=0)
+    with pytest.raises(ConfigError):
+        TrainingConfig(task="multiclass", num_classes=2)
+
+
+def test_auto_picks_ghost_for_linear_and_large_conv_models_hooks_for_small_ones() -> None:
+    assert choose_grad_sample_mode(build_model("mlp", in_features=3), "auto") == "ghost"
+    assert choose_grad_sample_mode(build_model("cnn", in_channels=1), "auto") == "hooks"
+    assert choose_grad_sample_mode(build_model("cnn", in_channels=1), "ghost") == "ghost"
+    resnet = build_model("resnet18-gn", in_channels=1)
+    assert choose_grad_sample_mode(resnet, "auto") == "ghost"
+    assert choose_grad_sample_mode(resnet, "hooks") == "hooks"
+
+
+@pytest.mark.parametrize(
+    ("conv", "size"),
+    [
+        (torch.nn.Conv2d(3, 4, 3, padding=1), 10),  # large T: explicit per-sample grads
+        (torch.nn.Conv2d(8, 64, 3, stride=2, padding=1, bias=False), 4),  # small T: ghost
+        (torch.nn.Conv2d(2, 4, 3, groups=2), 6),  # grouped: Opacus' sampler
+    ],
+)
+def test_conv_ghost_norms_equal_explicit_per_sample_gradient_norms(conv, size) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, conv.in_channels, size, size)
+    out = conv(x)
+    backprops = torch.randn_like(out)
+    norms = conv_ghost_norms(conv, [x], backprops)
+    for i in range(5):
+        grads = torch.autograd.grad(
+            (conv(x[i : i + 1]) * backprops[i : i + 1]).sum(), list(conv.parameters())
+        )
+        for param, grad in zip(conv.parameters(), grads):
+            torch.testing.assert_close(norms[param][i], grad.norm(), rtol=1e-4, atol=1e-5)

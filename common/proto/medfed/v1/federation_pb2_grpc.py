@@ -54,6 +54,11 @@ class FederationStub:
                 request_serializer=medfed_dot_v1_dot_federation__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=medfed_dot_v1_dot_federation__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.ReplicateLedger = channel.unary_unary(
+                '/medfed.v1.Federation/ReplicateLedger',
+                request_serializer=medfed_dot_v1_dot_federation__pb2.ReplicateLedgerRequest.SerializeToString,
+                response_deserializer=medfed_dot_v1_dot_federation__pb2.ReplicateLedgerResponse.FromString,
+                _registered_method=True)
         self.DownloadModel = channel.unary_stream(
                 '/medfed.v1.Federation/DownloadModel',
                 request_serializer=medfed_dot_v1_dot_federation__pb2.DownloadModelRequest.SerializeToString,
@@ -116,6 +121,14 @@ class FederationServicer:
         """A selected site is alive: sent every `heartbeat_ms` from the moment it hears of
         a round until its masked input is uploaded. A site silent (no heartbeat, no
         message) for a few intervals is dropped from the phase it is expected in.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReplicateLedger(self, request, context):
+        """Send the coordinator the signed ledger entries its replica lacks (after the seq
+        EnrollResponse.ledger_seq_held names). They hold mechanism parameters only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -188,6 +201,11 @@ def add_FederationServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=medfed_dot_v1_dot_federation__pb2.HeartbeatRequest.FromString,
                     response_serializer=medfed_dot_v1_dot_federation__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'ReplicateLedger': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplicateLedger,
+                    request_deserializer=medfed_dot_v1_dot_federation__pb2.ReplicateLedgerRequest.FromString,
+                    response_serializer=medfed_dot_v1_dot_federation__pb2.ReplicateLedgerResponse.SerializeToString,
             ),
             'DownloadModel': grpc.unary_stream_rpc_method_handler(
                     servicer.DownloadModel,
@@ -328,6 +346,33 @@ class Federation:
             '/medfed.v1.Federation/Heartbeat',
             medfed_dot_v1_dot_federation__pb2.HeartbeatRequest.SerializeToString,
             medfed_dot_v1_dot_federation__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicateLedger(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/medfed.v1.Federation/ReplicateLedger',
+            medfed_dot_v1_dot_federation__pb2.ReplicateLedgerRequest.SerializeToString,
+            medfed_dot_v1_dot_federation__pb2.ReplicateLedgerResponse.FromString,
             options,
             channel_credentials,
             insecure,

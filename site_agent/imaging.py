@@ -1,0 +1,495 @@
+"""A site's images: a folder of PNG/JPEG or DICOM files plus a labels CSV.
+
+The labels CSV has one row per image: ``file`` (path relative to the folder),
+``label`` (one of the study's declared classes) and optionally a patient id column.
+All of a patient's images are one privacy unit under patient-level DP, exactly as a
+patient's rows are for tables: `ImageDataset.patient_ids` plays the role of
+`SiteData.patient_ids` and the trainer groups by it.
+
+Images are checked when the dataset is opened (headers only: format, channels, DICOM
+pixel data present) and decoded when training touches them, through a bounded LRU
+cache of decoded tensors, so a site with more images than memory still trains.
+
+Pixel values become float32 in [0, 1]:
+  * PNG/JPEG: divided by the format's maximum (255, or 65535 for 16-bit), the same
+    for every image.
+  * DICOM (PS3.3 C.11.1 and C.11.2.1.2): stored values -> modality LUT
+    (``RescaleSlope * x + RescaleIntercept``, e.g. Hounsfield units), then the
+    window (the study's, else the file's WindowCenter/WindowWidth, else the image's
+    own min..max) mapped linearly to [0, 1]; MONOCHROME1 is inverted so that bright
+    always means dense.
+Then each image is resized (bilinear) to the study's square size.
+
+Every problem is a `DataError` naming the file (and the CSV row where one applies).
+"""
+
+from __future__ import annotations
+
+import csv
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.errors import ConfigError, DataError
+
+PNG_SUFFIXES = (".png", ".jpg", ".jpeg")
+DICOM_SUFFIXES = (".dcm", ".dicom")
+_GRAY_MODES = {"1", "L", "I", "I;16", "I;16B", "I;16L", "F", "LA"}
+_COLOUR_MODES = {"RGB", "RGBA", "P", "CMYK", "YCbCr", "RGBX"}
+DEFAULT_CACHE_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """How images become model inputs (the study's ``[data]`` section).
+
+    `window` = (center, width) overrides DICOM files' own window, in modality units
+    (e.g. Hounsfield: (40, 80) is a brain window).
+    """
+
+    image_size: int | tuple[int, int] = 64
+    channels: int = 1
+    classes: tuple[str | int, ...] = ("0", "1")
+    file_column: str = "file"
+    label_column: str = "label"
+    patient_column: str | None = None
+    window: tuple[float, float] | None = None
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(height, width) every image is resized to."""
+        size = self.image_size
+        return (size, size) if isinstance(size, int) else size
+
+    def class_index(self, cell: str) -> int | None:
+        """Index of the class a label cell names (``1.0`` matches 1); None if none."""
+        text = cell.strip()
+        for i, name in enumerate(self.classes):
+            if text == str(name).strip():
+                return i
+        try:
+            value = float(text)
+        except ValueError:
+            return None
+        for i, name in enumerate(self.classes):
+            try:
+                if float(str(name)) == value:
+                    return i
+            except ValueError:
+                continue
+        return None
+
+    def __post_init__(self) -> None:
+        size = self.image_size
+        if isinstance(size, int):
+            size = (size, size)
+        if len(size) != 2 or min(size) < 4:
+            raise ConfigError("data.image_size", "must be >= 4 pixels (one size, or [h, w])")
+        object.__setattr__(self, "image_size", (int(size[0]), int(size[1])))
+        if self.channels not in (1, 3):
+            raise ConfigError("data.channels", "must be 1 (grayscale) or 3 (RGB)")
+        texts = [str(c).strip() for c in self.classes]
+        if len(texts) < 2 or len(set(texts)) != len(texts):
+            raise ConfigError("data.classes", "need at least 2 distinct classes")
+        if self.window is not None and not self.window[1] > 0:
+            raise ConfigError("data.window", "width must be positive")
+        if self.cache_bytes < 0:
+            raise ConfigError("data.cache_bytes", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    path: Path
+    kind: str  # "raster" or "dicom"
+
+
+class _LruCache:
+    """Decoded images by index, evicted least-recently-used beyond `max_bytes`."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: int) -> torch.Tensor | None:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: int, value: torch.Tensor) -> None:
+        size = value.element_size() * value.numel()
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = value
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, old = self._items.popitem(last=False)
+                self.bytes -= old.element_size() * old.numel()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class ImageDataset:
+    """Labelled images of one site, decoded lazily; indexable like `SiteData`."""
+
+    def __init__(
+        self,
+        entries: Sequence[_Entry],
+        labels: np.ndarray,
+        patient_ids: np.ndarray | None,
+        spec: ImageSpec,
+        *,
+        source: str = "",
+        cache: _LruCache | None = None,
+    ) -> None:
+        self.entries = list(entries)
+        self.labels = labels
+        self.patient_ids = patient_ids
+        self.spec = spec
+        self.source = source
+        self.cache = cache if cache is not None else _LruCache(spec.cache_bytes)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_patients(self) -> int:
+        """Distinct patients (images count as patients when there is no id column)."""
+        if self.patient_ids is None:
+            return len(self)
+        return int(np.unique(self.patient_ids).shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(channels, height, width) of one decoded image."""
+        height, width = self.spec.size
+        return (self.spec.channels, height, width)
+
+    def subset(self, index: np.ndarray) -> ImageDataset:
+        """The images at `index` (own cache of the same size)."""
+        idx = np.asarray(index, dtype=np.int64)
+        return ImageDataset(
+            [self.entries[i] for i in idx],
+            self.labels[idx],
+            None if self.patient_ids is None else self.patient_ids[idx],
+            self.spec,
+            source=self.source,
+        )
+
+    def image(self, i: int) -> torch.Tensor:
+        """Image i as float32 [C, H, W] in [0, 1] (decoded, or from the cache)."""
+        cached = self.cache.get(i)
+        if cached is not None:
+            return cached
+        entry = self.entries[i]
+        if entry.kind == "dicom":
+            array = _decode_dicom(entry.path, self.spec)
+        else:
+            array = _decode_raster(entry.path, self.spec)
+        tensor = torch.from_numpy(array)
+        self.cache.put(i, tensor)
+        return tensor
+
+    def load(self, index: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """A batch [n, C, H, W] float32 of the images at `index`."""
+        idx = np.asarray(index, dtype=np.int64).reshape(-1)
+        if idx.size == 0:
+            return torch.zeros((0, *self.shape), dtype=torch.float32)
+        return torch.stack([self.image(int(i)) for i in idx])
+
+
+# ---------------------------------------------------------------- decoding
+def _resize(plane: np.ndarray, size: int | tuple[int, int]) -> np.ndarray:
+    """Bilinear resize of a float32 [H, W] plane to `size` = (h, w) (Pillow, mode F)."""
+    from PIL import Image
+
+    height, width = (size, size) if isinstance(size, int) else size
+    if plane.shape == (height, width):
+        return plane
+    image = Image.fromarray(np.ascontiguousarray(plane, dtype=np.float32), mode="F")
+    resized = image.resize((width, height), Image.Resampling.BILINEAR)
+    return np.asarray(resized, dtype=np.float32)
+
+
+def _to_channels(planes: np.ndarray, channels: int, path: Path) -> np.ndarray:
+    """[c, H, W] -> [channels, H, W]: gray is replicated to RGB; colour to 1 is refused."""
+    have = planes.shape[0]
+    if have == channels:
+        return planes
+    if have == 1 and channels == 3:
+        return np.repeat(planes, 3, axis=0)
+    raise DataError(f"image has {have} channels, the study declares {channels}", file=str(path))
+
+
+def _raster_channels(mode: str) -> int:
+    if mode in _GRAY_MODES:
+        return 1
+    if mode in _COLOUR_MODES:
+        return 3
+    return -1
+
+
+def _decode_raster(path: Path, spec: ImageSpec) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+            mode = image.mode
+            if _raster_channels(mode) == 3:
+                rgb = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+                planes = rgb.transpose(2, 0, 1)
+            elif mode in ("I;16", "I;16B", "I;16L"):
+                planes = (np.asarray(image, dtype=np.float32) / 65535.0)[None]
+            elif mode == "I":
+                # 32-bit integer PNGs hold 16-bit data in practice; one fixed scale for
+                # every image (a per-image scale would differ between patients).
+                raw = np.asarray(image, dtype=np.float32)
+                planes = np.clip(raw / 65535.0, 0.0, 1.0)[None]
+            elif mode == "F":
+                planes = np.clip(np.asarray(image, dtype=np.float32), 0.0, 1.0)[None]
+            elif mode in ("1", "L", "LA"):
+                planes = (np.asarray(image.convert("L"), dtype=np.float32) / 255.0)[None]
+            else:
+                raise DataError(f"unsupported image mode {mode!r}", file=str(path))
+    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        raise DataError(f"unreadable image: {exc}", file=str(path)) from exc
+    planes = _to_channels(planes, spec.channels, path)
+    return np.stack([_resize(p, spec.size) for p in planes]).astype(np.float32)
+
+
+def _first(value: Any) -> float:
+    """First value of a possibly multi-valued DICOM number (WindowCenter may be a list)."""
+    if isinstance(value, str | bytes):
+        return float(value)
+    try:
+        return float(value[0])
+    except TypeError:
+        return float(value)
+
+
+def dicom_window(values: np.ndarray, *, center: float, width: float) -> np.ndarray:
+    """Linear VOI window to [0, 1] (PS3.3 C.11.2.1.2.1, without its half-pixel offsets)."""
+    low = center - width / 2.0
+    return np.clip((values - low) / width, 0.0, 1.0).astype(np.float32)
+
+
+def _decode_dicom(path: Path, spec: ImageSpec) -> np.ndarray:
+    import pydicom
+    from pydicom.errors import InvalidDicomError
+
+    try:
+        ds = pydicom.dcmread(path)
+    except (InvalidDicomError, OSError, ValueError) as exc:
+        raise DataError(f"unreadable DICOM file: {exc}", file=str(path)) from exc
+    if "PixelData" not in ds:
+        raise DataError("DICOM file has no pixel data", file=str(path))
+    try:
+        stored = np.asarray(ds.pixel_array, dtype=np.float64)
+    except (ValueError, RuntimeError, NotImplementedError, AttributeError) as exc:
+        raise DataError(f"cannot decode DICOM pixel data: {exc}", file=str(path)) from exc
+    samples = int(ds.get("SamplesPerPixel", 1))
+    if samples == 1 and stored.ndim != 2:
+        raise DataError(
+            f"DICOM pixel data has shape {stored.shape}; one 2-D frame expected", file=str(path)
+        )
+    slope = float(ds.get("RescaleSlope", 1.0) or 1.0)
+    intercept = float(ds.get("RescaleIntercept", 0.0) or 0.0)
+    if samples == 1:
+        values = stored * slope + intercept
+        if spec.window is not None:
+            center, width = spec.window
+        elif "WindowCenter" in ds and "WindowWidth" in ds:
+            center, width = _first(ds.WindowCenter), _first(ds.WindowWidth)
+        else:
+            low, high = float(values.min()), float(values.max())
+            center, width = (low + high) / 2.0, max(high - low, 1e-6)
+        if not width > 0:
+            raise DataError(f"DICOM window width {width} is not positive", file=str(path))
+        plane = dicom_window(values, center=center, width=width)
+        if str(ds.get("PhotometricInterpretation", "MONOCHROME2")) == "MONOCHROME1":
+            plane = 1.0 - plane
+        planes = plane[None]
+    elif samples == 3 and stored.ndim == 3:
+        bits = int(ds.get("BitsStored", 8))
+        planes = (stored / float(2**bits - 1)).astype(np.float32).transpose(2, 0, 1)
+    else:
+        raise DataError(f"DICOM has {samples} samples per pixel", file=str(path))
+    planes = _to_channels(planes.astype(np.float32), spec.channels, path)
+    return np.stack([_resize(p, spec.size) for p in planes]).astype(np.float32)
+
+
+# ------------------------------------------------------------- validation
+def _check_header(path: Path, kind: str, spec: ImageSpec) -> None:
+    """Cheap per-file check at open time: readable header, channels, pixel data present."""
+    if kind == "raster":
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(path) as image:
+                mode = image.mode
+        except (OSError, UnidentifiedImageError, ValueError) as exc:
+            raise DataError(f"unreadable image: {exc}", file=str(path)) from exc
+        have = _raster_channels(mode)
+        if have < 0:
+            raise DataError(f"unsupported image mode {mode!r}", file=str(path))
+    else:
+        import pydicom
+        from pydicom.errors import InvalidDicomError
+
+        try:
+            # Large values (the pixel data) are deferred: only the header is parsed.
+            ds = pydicom.dcmread(path, defer_size=1024)
+        except (InvalidDicomError, OSError, ValueError) as exc:
+            raise DataError(f"unreadable DICOM file: {exc}", file=str(path)) from exc
+        if "PixelData" not in ds:
+            raise DataError("DICOM file has no pixel data", file=str(path))
+        have = int(ds.get("SamplesPerPixel", 1))
+    if not (have == spec.channels or (have == 1 and spec.channels == 3)):
+        raise DataError(
+            f"image has {have} channels, the study declares {spec.channels}", file=str(path)
+        )
+
+
+def _kind(path: Path) -> str | None:
+    suffix = path.suffix.lower()
+    if suffix in PNG_SUFFIXES:
+        return "raster"
+    if suffix in DICOM_SUFFIXES:
+        return "dicom"
+    return None
+
+
+def load_image_folder(
+    folder: str | Path,
+    spec: ImageSpec,
+    *,
+    labels_csv: str | Path | None = None,
+    check_headers: bool = True,
+) -> ImageDataset:
+    """Open a site's image folder and its labels CSV (default ``FOLDER/labels.csv``).
+
+    Every image file in the folder (recursively) must have a label row and every row
+    must name an existing image; labels must be declared classes.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        raise DataError("image folder does not exist", file=str(root))
+    csv_path = Path(labels_csv) if labels_csv is not None else root / "labels.csv"
+    if not csv_path.is_file():
+        raise DataError("labels CSV not found", file=str(csv_path))
+    rows: dict[str, tuple[int, int, str | None]] = {}
+    with csv_path.open(newline="", encoding="utf-8") as handle:
+        reader = csv.DictReader(handle)
+        header = reader.fieldnames or []
+        needed = [spec.file_column, spec.label_column]
+        if spec.patient_column is not None:
+            needed.append(spec.patient_column)
+        for column in needed:
+            if column not in header:
+                raise DataError("missing column", file=str(csv_path), row=1, column=column)
+        for line, record in enumerate(reader, start=2):
+            name = (record.get(spec.file_column) or "").strip()
+            if not name:
+                raise DataError(
+                    "empty file name", file=str(csv_path), row=line, column=spec.file_column
+                )
+            label = (record.get(spec.label_column) or "").strip()
+            index = spec.class_index(label)
+            if index is None:
+                raise DataError(
+                    f"label {label!r} of {name} is not one of the classes {list(spec.classes)}",
+                    file=str(csv_path),
+                    row=line,
+                    column=spec.label_column,
+                )
+            patient: str | None = None
+            if spec.patient_column is not None:
+                patient = (record.get(spec.patient_column) or "").strip()
+                if not patient:
+                    raise DataError(
+                        "missing patient id",
+                        file=str(csv_path),
+                        row=line,
+                        column=spec.patient_column,
+                    )
+            key = Path(name).as_posix()
+            if key in rows:
+                raise DataError(f"{name} is listed twice", file=str(csv_path), row=line)
+            rows[key] = (line, index, patient)
+    on_disk = {
+        p.relative_to(root).as_posix(): p
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and _kind(p) is not None
+    }
+    for key in on_disk:
+        if key not in rows:
+            raise DataError("image has no row in the labels CSV", file=str(on_disk[key]))
+    entries: list[_Entry] = []
+    labels: list[int] = []
+    patients: list[str] = []
+    for key, (line, label_index, patient) in rows.items():
+        path = root / key
+        kind = _kind(path)
+        if kind is None:
+            raise DataError(
+                f"{key}: not a PNG, JPEG or DICOM file name", file=str(csv_path), row=line
+            )
+        if key not in on_disk:
+            raise DataError(f"image {key} listed but not found", file=str(csv_path), row=line)
+        if check_headers:
+            _check_header(path, kind, spec)
+        entries.append(_Entry(path, kind))
+        labels.append(label_index)
+        if patient is not None:
+            patients.append(patient)
+    if not entries:
+        raise DataError("no images listed", file=str(csv_path))
+    return ImageDataset(
+        entries,
+        np.asarray(labels, dtype=np.int64),
+        np.asarray(patients) if spec.patient_column is not None else None,
+        spec,
+        source=str(root),
+    )
+
+
+def split_images(
+    data: ImageDataset, *, held_out_fraction: float, seed: int
+) -> tuple[ImageDataset, ImageDataset]:
+    """Train / held-out split with no patient on both sides (as `split_by_patient`)."""
+    if not 0.0 < held_out_fraction < 1.0:
+        raise ConfigError("held_out_fraction", "must be in (0, 1)")
+    if data.patient_ids is None:
+        unit_of_record = np.arange(len(data))
+        n_units = len(data)
+    else:
+        _, unit_of_record = np.unique(data.patient_ids, return_inverse=True)
+        n_units = int(unit_of_record.max()) + 1
+    rng = np.random.default_rng(seed)
+    permutation = rng.permutation(n_units)
+    n_held_out = max(1, round(held_out_fraction * n_units))
+    held_out_units = np.zeros(n_units, dtype=bool)
+    held_out_units[permutation[:n_held_out]] = True
+    held_out_mask = held_out_units[unit_of_record]
+    return data.subset(np.flatnonzero(~held_out_mask)), data.subset(np.flatnonzero(held_out_mask))
+
+
+def with_spec(data: ImageDataset, **changes: Any) -> ImageDataset:
+    """The same files under a changed spec (e.g. another image size); fresh cache."""
+    spec = replace(data.spec, **changes)
+    return ImageDataset(data.entries, data.labels, data.patient_ids, spec, source=data.source)
