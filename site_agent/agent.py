@@ -329,17 +329,18 @@ class SiteAgent:
     def _contribute(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, *,
                     evaluation: list[Mechanism], heard_at: float,
                     heartbeats: Heartbeats) -> None:
-        # Noise calibration can take tens of seconds on a loaded machine: it runs while
-        # the keys are exchanged (they reveal nothing about the data), so the key phases
-        # never wait for it; training does.
-        planning = self._planner.submit(self.hook.planned_segments, rnd.plan)
         client = self._secagg_client(rnd) if rnd.announcement.secure_aggregation else None
         try:
             # Keys first (two short barriers), then download and train: uploads then
             # overlap other sites' training, as they would in plain FedAvg.
+            advertisement = client.advertise_keys() if client is not None else None
+            # Noise calibration can take tens of seconds on a loaded machine: it starts
+            # once our keys exist and runs while they are exchanged (keys reveal nothing
+            # about the data), so the key phases never wait for it; training does.
+            planning = self._planner.submit(self.hook.planned_segments, rnd.plan)
             keys = (
-                self._exchange_keys(stub, rnd, client, heard_at=heard_at)
-                if client is not None else None
+                self._exchange_keys(stub, rnd, client, advertisement, heard_at=heard_at)
+                if client is not None and advertisement is not None else None
             )
             global_flat = self._download(stub, rnd)
             segments = planning.result()
@@ -515,11 +516,11 @@ class SiteAgent:
         )
 
     def _exchange_keys(
-        self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, client: SecAggClient, *,
-        heard_at: float,
+        self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, client: SecAggClient,
+        adv: sm.AdvertiseKeys, *, heard_at: float,
     ) -> sm.SharesForRecipient:
-        """AdvertiseKeys and ShareKeys: returns the encrypted shares addressed to us."""
-        adv = client.advertise_keys()
+        """AdvertiseKeys (`adv`, built by `client`) and ShareKeys: returns the encrypted
+        shares addressed to us."""
         seconds = time.perf_counter() - heard_at
         log.info(
             "round %d: advertising keys %.3f s after the announcement", rnd.number, seconds,

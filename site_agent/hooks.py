@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import importlib
 import logging
 import os
 import time
@@ -88,6 +89,10 @@ class DpTrainingHook:
     def __init__(self, settings: SiteSettings, *, dp: bool) -> None:
         from site_agent.data import prepare_site_split
         from site_agent.device import select_device
+
+        # torch and Opacus load now, not in the first round's noise planning, where the
+        # import would compete with the key phases for the interpreter.
+        importlib.import_module("site_agent.trainer")
 
         self.settings = settings
         self.dp = dp
