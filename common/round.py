@@ -17,9 +17,14 @@ from common.codec import CHUNK_BYTES, TensorSpec
 from common.config import SitePolicySection
 from common.crypto.quantize import max_integer_for_sites
 from common.egress import EgressManifest, round_manifest
-from common.errors import RoundFailed, ValidationError
+from common.errors import AbortReason, ProtocolAbort, RoundFailed, ValidationError
 from common.privacy.ledger import BudgetStatus
-from common.secagg.params import SecAggParams, ThreatModel, validate_against_threat_model
+from common.secagg.params import (
+    SecAggParams,
+    ThreatModel,
+    round_floor,
+    validate_against_threat_model,
+)
 
 ANNOUNCEMENT_DOMAIN = b"medfed/v1/announcement"
 ROUND_NONCE_LENGTH = 16
@@ -161,13 +166,29 @@ class VerifiedRound:
         return self.announcement.round_number
 
 
+def secagg_params(ann: Announcement) -> SecAggParams:
+    """The SecAgg+ parameters of a round, with the announcement's digest bound into the
+    session id and every AdvertiseKeys signature (issue 9, sec. 4): both services build
+    them here, so a site told another story than its neighbours aborts at the roster."""
+    return SecAggParams(
+        round_number=ann.round_number,
+        round_nonce=ann.round_nonce,
+        participants=ann.participants,
+        threshold=ann.threshold,
+        neighbours=ann.neighbours,
+        vector_length=ann.vector_length,
+        announcement_digest=ann.digest(),
+    )
+
+
 def validate_for_site(
     ann: Announcement, *, policy: SitePolicySection, site_id: str
 ) -> VerifiedRound:
     """Check a round against this site's policy before computing anything.
 
     Raises `RoundFailed` when the round is acceptable in form but not for this site,
-    `ValidationError` when it is malformed."""
+    `ValidationError` when it is malformed, `ProtocolAbort(ROUND_TOO_SMALL)` when a
+    secure round has fewer participants than this site's floor."""
     participants = ann.participants
     if site_id not in participants:
         raise RoundFailed(f"round {ann.round_number} does not list this site")
@@ -200,14 +221,19 @@ def validate_for_site(
         raise ValidationError("round number out of range")
     params = None
     if ann.secure_aggregation:
-        params = SecAggParams(
-            round_number=ann.round_number,
-            round_nonce=ann.round_nonce,
-            participants=participants,
-            threshold=ann.threshold,
-            neighbours=ann.neighbours,
-            vector_length=ann.vector_length,
+        # A sum of too few sites gives one hospital's update away by subtraction
+        # (issue 9, sec. 3): refused before any key, model or training.
+        floor = round_floor(
+            min_round_sites=policy.min_round_sites,
+            max_colluding_sites=policy.max_colluding_sites,
         )
+        if len(participants) < floor:
+            raise ProtocolAbort(
+                AbortReason.ROUND_TOO_SMALL,
+                f"round {ann.round_number} has {len(participants)} participants; this "
+                f"site's policy needs at least {floor}",
+            )
+        params = secagg_params(ann)
         if ann.threshold < policy.min_threshold:
             raise RoundFailed(
                 f"threshold {ann.threshold} below this site's minimum {policy.min_threshold}"

@@ -44,10 +44,10 @@ from common.errors import (
     ValidationError,
 )
 from common.pki import (
-    check_issued_by,
-    check_validity_window,
+    check_roster_certificate,
     load_certificate,
-    parse_certificate,
+    public_key_fingerprint,
+    read_private_key_pem,
     site_id_from_certificate,
 )
 from common.privacy.ledger import PrivacyLedger
@@ -61,6 +61,7 @@ from common.tls import SiteTlsFiles, channel_credentials_from_files
 from site_agent import dp_release
 from site_agent.hooks import LocalUpdate, TrainingHook
 from site_agent.metrics import SiteMetrics
+from site_agent.revocation import SiteRevocation
 
 log = logging.getLogger("medfed.site")
 
@@ -142,15 +143,19 @@ class SiteAgent:
         self.credentials = channel_credentials_from_files(self.tls_files)
         # The coordinator knows us by the id in our certificate; a different `site`
         # setting would make every announcement look as if it left us out.
-        certified = site_id_from_certificate(load_certificate(cert))
+        own_cert = load_certificate(cert)
+        certified = site_id_from_certificate(own_cert)
         if certified != self.site_id:
             raise ConfigError(
                 "site", f"is {self.site_id!r} but certificate {cert} names site {certified!r}"
             )
-        self.signing_key = SigningKey.from_pem(key.read_bytes())
-        # Roster certificates are checked against our own copy of the federation CA;
-        # revocation is enforced by the coordinator (hospitals get no CRL).
+        # PkiError (refused at start-up) if group or others can read the key.
+        self.signing_key = SigningKey.from_pem(read_private_key_pem(key))
+        # Roster certificates are checked against our own copy of the federation CA,
+        # and against the CA's CRL that the coordinator relays (it cannot forge one).
         self.ca_cert = load_certificate(ca)
+        self.revocation = SiteRevocation(self.ca_cert)
+        metrics.observe_certificates(own=own_cert, ca=self.ca_cert)
         self.last_round = 0
         self.rounds_done = 0
         self._declined_for_budget = False
@@ -234,6 +239,7 @@ class SiteAgent:
             timeout=30,
         )
         self.metrics.connected.set(1)
+        self._accept_crl(resp.crl_der)
         self._backoff = self.settings.reconnect.initial_backoff_seconds
         log.info("enrolled in federation %s", resp.federation_id)
         self._replica_seq = resp.ledger_seq_held
@@ -245,6 +251,7 @@ class SiteAgent:
                 ),
                 timeout=WAIT_SECONDS + 15,
             )
+            self._accept_crl(waited.crl_der)
             if waited.federation_finished:
                 raise FederationFinished("done")
             if not waited.has_round:
@@ -253,6 +260,11 @@ class SiteAgent:
             limit = self.settings.exit_after_rounds
             if limit is not None and self.rounds_done >= limit:
                 return
+
+    def _accept_crl(self, der: bytes) -> None:
+        self.revocation.offer(der, now=_utcnow())
+        if self.revocation.current is not None:
+            self.metrics.crl_next_update.set(self.revocation.current.next_update.timestamp())
 
     def _replicate(self, stub: pb_grpc.FederationStub) -> None:
         """Send the coordinator's replica the signed entries it lacks (parameters only)."""
@@ -271,6 +283,10 @@ class SiteAgent:
             rnd = validate_for_site(
                 wire.announcement_from_pb(ann), policy=self.settings.policy, site_id=self.site_id
             )
+            if rnd.params is not None:
+                # Fail closed before anything is computed: without a fresh CRL a revoked
+                # certificate could sit in the roster unnoticed.
+                self.revocation.require_fresh(now=_utcnow())
             self._run_round(stub, rnd, heard_at=heard_at)
         except BudgetExhausted as exc:
             log.warning("declining round %d: %s", ann.round, exc)
@@ -493,15 +509,24 @@ class SiteAgent:
         self.stop.wait(self.settings.debug_pause_seconds)
 
     def _identity(self, site_id: str, certificate_der: bytes) -> VerifyingKey:
-        """The key a roster entry must be signed with: from a certificate that chains to
-        OUR copy of the federation CA and names that site (a coordinator cannot swap
-        in keys of its own)."""
-        cert = parse_certificate(certificate_der)
+        """The key a roster entry must be signed with: from a site certificate that chains
+        to OUR copy of the federation CA and names that site (a coordinator cannot swap
+        in keys of its own), is not on the CA's CRL and, when this site pins the
+        consortium's members, is the pinned one.
+
+        ProtocolAbort NOT_A_SITE / REVOKED_PEER / UNKNOWN_MEMBER end the round."""
         now = _utcnow()
-        check_issued_by(cert, self.ca_cert, what=f"certificate of {site_id}")
-        check_validity_window(cert, now, what=f"certificate of {site_id}")
-        if site_id_from_certificate(cert) != site_id:
-            raise CertificateRejected(f"roster certificate does not name {site_id}")
+        cert = check_roster_certificate(
+            certificate_der, ca_cert=self.ca_cert, now=now, site_id=site_id
+        )
+        self.revocation.check_peer(site_id, cert, now=now)
+        members = self.settings.policy.members
+        if members is not None and members.get(site_id) != public_key_fingerprint(cert):
+            raise ProtocolAbort(
+                AbortReason.UNKNOWN_MEMBER,
+                f"roster entry {site_id!r} is not a pinned member of this consortium "
+                "(policy.members)",
+            )
         return VerifyingKey.from_certificate(cert)
 
     def _secagg_client(self, rnd: VerifiedRound) -> SecAggClient:
@@ -513,6 +538,8 @@ class SiteAgent:
             signing_key=self.signing_key,
             identity=self._identity,
             rng=system_random,
+            min_round_sites=self.settings.policy.min_round_sites,
+            max_colluding_sites=self.settings.policy.max_colluding_sites,
         )
 
     def _exchange_keys(

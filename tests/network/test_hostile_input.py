@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 import pytest
 
-from common import pki
+from common import pki, wire
 from common.crypto.signing import SigningKey
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
@@ -272,6 +272,8 @@ def test_non_participant_replaying_participants_messages_is_refused_as_itself(
             site_id="b",
             encryption_public_key=advertise.encryption_public_key,
             masking_public_key=advertise.masking_public_key,
+            # The digest every honest site binds: only the signer's identity is forged.
+            announcement_digest=wire.announcement_from_pb(live.announcement).digest(),
         )
     )
     refused_as_e(e.stub.AdvertiseKeys, forged)
@@ -309,6 +311,8 @@ def test_participant_advertising_keys_signed_as_another_site_is_refused(
             site_id="b",
             encryption_public_key=honest_request.encryption_public_key,
             masking_public_key=honest_request.masking_public_key,
+            # The digest every honest site binds: only the signer's identity is forged.
+            announcement_digest=wire.announcement_from_pb(live.announcement).digest(),
         )
     )
     assert status_of(d.stub.AdvertiseKeys, as_b, timeout=10) == INVALID_ARGUMENT
@@ -323,13 +327,15 @@ def test_participant_advertising_keys_signed_as_another_site_is_refused(
 def test_wrong_round_number_is_aborted(live_round: LiveRound) -> None:
     live, d = live_round, live_round.hostile
     request = d.advertise_request()
-    for wrong in (0, live.number + 1, 2**64 - 1):
+    # Another round is ABORTED; a number no round can have is refused at the boundary.
+    for wrong, expected in ((0, ABORTED), (live.number + 1, ABORTED),
+                            (2**53, INVALID_ARGUMENT), (2**64 - 1, INVALID_ARGUMENT)):
         bad = pb.AdvertiseKeysRequest()
         bad.CopyFrom(request)
         bad.round = wrong
-        assert status_of(d.stub.AdvertiseKeys, bad, timeout=10) == ABORTED
+        assert status_of(d.stub.AdvertiseKeys, bad, timeout=10) == expected
         download = d.stub.DownloadModel(pb.DownloadModelRequest(round=wrong), timeout=10)
-        assert status_of(lambda it=download: list(it)) == ABORTED
+        assert status_of(lambda it=download: list(it)) == expected
     wrong_nonce = pb.AdvertiseKeysRequest()
     wrong_nonce.CopyFrom(request)
     wrong_nonce.round_nonce = bytes(16)
@@ -454,9 +460,12 @@ def test_vector_of_wrong_length_is_aborted(live_round: LiveRound) -> None:
     live, d = live_round, live_round.hostile
     masked = d.send_shares(d.send_advertise(d.advertise_request()))
     length = masked.size
-    for claimed in (length - 1, length + 1, 0, 2**64 - 1):
+    for claimed in (length - 1, length + 1, 0):
         chunks = d.upload_chunks(masked, length=claimed)
         assert status_of(d.stub.UploadMaskedInput, iter(chunks), timeout=10) == ABORTED
+    # A length no vector can have is refused at the boundary (common.wire).
+    huge = d.upload_chunks(masked, length=2**64 - 1)
+    assert status_of(d.stub.UploadMaskedInput, iter(huge), timeout=10) == INVALID_ARGUMENT
     # Header right, data one element short: truncated.
     short = d.upload_chunks(masked[:-1], length=length)
     assert status_of(d.stub.UploadMaskedInput, iter(short), timeout=10) == INVALID_ARGUMENT
