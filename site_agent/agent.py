@@ -71,8 +71,10 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 HEARTBEAT_FINAL = {
     grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.UNIMPLEMENTED,
 }
-"""Heartbeat answers after which beating on is pointless (the round ended for us)."""
+"""Heartbeat answers after which beating on is pointless (the round ended for us, or
+the coordinator does not listen for heartbeats)."""
 # Ledger purposes released within a round (the cohort count has its own numbering).
 ROUND_PURPOSES = (dp_release.PURPOSE_TRAINING, dp_release.PURPOSE_EVALUATION)
 
