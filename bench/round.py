@@ -26,6 +26,9 @@ must equal the sum of the surviving sites' plaintext ring vectors (`--debug-writ
 Memory: the coordinator's peak RSS is VmHWM from /proc/PID/status, read after the round;
 each surviving site logs its VmRSS just before the model download and its VmHWM after
 the round (`site_round_done`), and the worst growth is reported in models (4 d bytes).
+Key latency (secure rounds): each site logs `advertised_keys` with the seconds from
+receiving the announcement to sending AdvertiseKeys (noise planning runs concurrently,
+issue 8 section 4); the bench reports their maximum and median over sites and rounds.
 """
 
 from __future__ import annotations
@@ -159,6 +162,7 @@ class RoundMeasurement:
     # before the model download (the site's `site_round_done` log event).
     site_growth_bytes: tuple[int, ...] = ()
     site_before_download_bytes: tuple[int, ...] = ()
+    advertise_seconds: tuple[float, ...] = ()  # per site: announcement -> AdvertiseKeys
 
     @property
     def seconds(self) -> float:
@@ -196,23 +200,25 @@ class RoundBench:
             self.env["MEDFED_SITE_POLICY__MIN_ROUND_SITES"] = str(max(2, survivors))
         self.runs = 0
         self._idle_rss = 0
+        self._sites: list[_Child] = []
 
     def run_round(self, mode: str) -> RoundMeasurement:
         self.runs += 1
         run_dir = self.root / f"run-{self.runs:02d}-{mode}"
         run_dir.mkdir()
-        with self._processes(run_dir, mode) as (coordinator, sites):
+        with self._processes(run_dir, mode) as coordinator:
             completed = coordinator.wait_for(
                 lambda e: str(e.get("msg", "")).startswith("round 1 completed"),
                 timeout=2 * self.phase_seconds * 6 + ROUND_TIMEOUT_MARGIN_SECONDS,
                 what="round 1 completed",
             )
             peak = proc_status_bytes(coordinator.proc.pid, "VmHWM")
+            advertise = self._advertise_seconds() if mode == "secure" else ()
             survivors_now = set(str(completed.get("survivors", "")).split(","))
             site_memory = [
                 site.wait_for(lambda e: e.get("event") == "site_round_done", timeout=60,
                               what="site_round_done")
-                for site in sites if site.name in survivors_now
+                for site in self._sites if site.name in survivors_now
             ]
         total, survivors = self._aggregate(run_dir)
         expected = np.zeros_like(total)
@@ -239,10 +245,19 @@ class RoundBench:
             site_before_download_bytes=tuple(
                 int(e["rss_before_download_bytes"]) for e in site_memory
             ),
+            advertise_seconds=advertise,
+        )
+
+    def _advertise_seconds(self) -> tuple[float, ...]:
+        """Each site's announcement -> AdvertiseKeys seconds (its `advertised_keys` log)."""
+        return tuple(
+            float(site.wait_for(lambda e: e.get("event") == "advertised_keys",
+                                timeout=60, what="advertised_keys")["seconds"])
+            for site in self._sites
         )
 
     @contextlib.contextmanager
-    def _processes(self, run_dir: Path, mode: str) -> Iterator[tuple[_Child, list[_Child]]]:
+    def _processes(self, run_dir: Path, mode: str) -> Iterator[_Child]:
         deadline = f"{self.phase_seconds:g}"
         coordinator = _Child.start(
             "coordinator",
@@ -258,6 +273,7 @@ class RoundBench:
             env=self.env, log=run_dir / "coordinator.log",
         )
         children = [coordinator]
+        self._sites = []
         try:
             listening = coordinator.wait_for(
                 lambda e: e.get("event") == "listening", timeout=120, what="listening"
@@ -271,7 +287,7 @@ class RoundBench:
                              "--debug-pause-seconds", "3600"]
                 elif mode == "plain" and not drops:
                     extra = ["--allow-plain-aggregation"]
-                children.append(_Child.start(
+                self._sites.append(_Child.start(
                     site,
                     _medfed(
                         "site", "run", "--pki", str(self.pki), "--site", site,
@@ -282,9 +298,9 @@ class RoundBench:
                     ),
                     env=self.env, log=run_dir / f"{site}.log",
                 ))
-            yield coordinator, children[1:]
+            yield coordinator
         finally:
-            for child in reversed(children):
+            for child in [*reversed(self._sites), *reversed(children)]:
                 child.stop()
 
     @staticmethod
@@ -342,7 +358,18 @@ def run(*, sites: int, dim: int, dropouts: int, rounds: int,
         "site_rss_before_download_bytes": max(
             (b for m in measured for b in m.site_before_download_bytes), default=0
         ),
+        **advertise_summary(secure),
     }
+
+
+def advertise_summary(secure: list[RoundMeasurement]) -> dict[str, float]:
+    """Announcement -> AdvertiseKeys over every site of every secure round (target
+    <= 1 s at every site: key phases never wait for noise calibration)."""
+    seconds = [s for m in secure for s in m.advertise_seconds]
+    if not seconds:
+        return {}
+    return {"advertise_keys_max_seconds": max(seconds),
+            "advertise_keys_median_seconds": statistics.median(seconds)}
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -371,6 +398,12 @@ def main_from_args(args: argparse.Namespace) -> int:
     print(f"  plain FedAvg    {result['plain_seconds']:8.3f} s")
     print(f"  SecAgg+         {result['secure_seconds']:8.3f} s   {result['ratio']:.2f}x plain")
     print(f"  exact sum of survivors: {result['exact']}")
+    if "advertise_keys_max_seconds" in result:
+        print(
+            f"  announcement -> AdvertiseKeys per site: max "
+            f"{result['advertise_keys_max_seconds']:.3f} s, median "
+            f"{result['advertise_keys_median_seconds']:.3f} s"
+        )
     print(
         f"  coordinator RSS: idle {result['coordinator_idle_rss_bytes'] / mib:.0f} MiB, "
         f"peak {result['coordinator_peak_rss_bytes'] / mib:.0f} MiB secure, "

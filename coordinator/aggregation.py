@@ -19,9 +19,10 @@ from common.crypto.quantize import dequantize_sum
 from common.egress import EVALUATION_HISTOGRAM, WEIGHT, round_manifest
 from common.errors import AbortReason, ProtocolAbort, StateError, ValidationError
 from common.evaluation import clipped_noisy_histogram, operating_point_metrics
+from common.round import secagg_params
 from common.secagg import messages as sm
 from common.secagg.client import IdentityVerifier
-from common.secagg.params import SecAggParams, ThreatModel, validate_against_threat_model
+from common.secagg.params import ThreatModel, validate_against_threat_model
 from common.secagg.server import SecAggServer
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.optimizers import weighted_mean
@@ -219,10 +220,6 @@ def aggregator_for(
     ann = rnd.announcement
     if not ann.secure_aggregation:
         return PlainAggregator(rnd)
-    params = SecAggParams(
-        round_number=ann.round_number, round_nonce=ann.round_nonce,
-        participants=ann.participants, threshold=ann.threshold,
-        neighbours=ann.neighbours, vector_length=ann.vector_length,
-    )
+    params = secagg_params(ann)
     validate_against_threat_model(params, ThreatModel(max_colluding_sites, 0))
     return SecureAggregator(rnd, SecAggServer(params, identity=identity), metrics=metrics)
