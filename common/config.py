@@ -128,6 +128,15 @@ class DeadlineSection(_Section):
     round_start_timeout_seconds: float = Field(
         default=3600.0, gt=0, description="give up waiting for min_sites after this long"
     )
+    heartbeat_seconds: float = Field(
+        default=5.0, ge=0.2, le=300,
+        description="interval of the sites' heartbeats while they take part in a round",
+    )
+    heartbeat_misses: int = Field(
+        default=3, ge=2, le=100,
+        description="drop a site silent (no heartbeat, no message) for this many intervals "
+        "from the phase it is expected in, as a missed deadline would",
+    )
 
 
 class LimitsSection(_Section):
@@ -146,6 +155,16 @@ class LimitsSection(_Section):
         le=3600,
         description="cut a masked-input upload that sends no chunk for this long (slow "
         "loris): its staging slot is freed and the site is dropped from that phase",
+    )
+
+
+class CheckpointSection(_Section):
+    keep: int = Field(
+        default=3,
+        ge=1,
+        le=1_000_000,
+        description="checkpoint files kept on disk (the newest; the one the state database "
+        "resumes from is never deleted)",
     )
 
 
@@ -178,6 +197,7 @@ class CoordinatorSettings(_Settings):
     optimizer: OptimizerSection = OptimizerSection()
     deadlines: DeadlineSection = DeadlineSection()
     limits: LimitsSection = LimitsSection()
+    checkpoints: CheckpointSection = CheckpointSection()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = Field(
         default="json", description="json: one object per line (log shippers); text: for people"
@@ -340,6 +360,10 @@ class SiteSettings(_Settings):
         description="TEST ONLY: ROUND:PHASE after which to pause (fault-injection tests)",
     )
     debug_pause_seconds: float = Field(default=3600.0, gt=0)
+    debug_train_seconds: float = Field(
+        default=0.0, ge=0, le=3600,
+        description="TEST ONLY: the test-deterministic trainer takes this long per round",
+    )
 
     _listen = field_validator("coordinator", "metrics_listen")(_check_listen)
 

@@ -29,6 +29,11 @@ from common.secagg.params import (
 ANNOUNCEMENT_DOMAIN = b"medfed/v1/announcement"
 ROUND_NONCE_LENGTH = 16
 MIN_CHUNK_BYTES = 1 << 16
+DEFAULT_HEARTBEAT_MS = 5_000
+MIN_HEARTBEAT_MS = 200
+MAX_HEARTBEAT_MS = 300_000
+"""Heartbeat intervals a site accepts: a coordinator can neither make it call many
+times a second nor leave a silent site undetected for long."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class Announcement:
     phase_timeout_ms: int
     weight_cap: int
     max_chunk_bytes: int = CHUNK_BYTES
+    heartbeat_ms: int = DEFAULT_HEARTBEAT_MS
 
     def manifest(self) -> EgressManifest:
         """The segments of this round's masked vector (common.egress)."""
@@ -97,7 +103,7 @@ class Announcement:
         _put_float(out, self.learning_rate)
         _put_float(out, self.fedprox_mu)
         for number in (self.planned_rounds, self.train_deadline_ms, self.phase_timeout_ms,
-                       self.weight_cap, self.max_chunk_bytes):
+                       self.weight_cap, self.max_chunk_bytes, self.heartbeat_ms):
             _put_uint(out, number)
         return hashlib.sha256(bytes(out)).digest()
 
@@ -153,6 +159,7 @@ class VerifiedRound:
     phase_timeout: float  # seconds, at least 1
     train_deadline: float  # unix seconds
     chunk_bytes: int
+    heartbeat_seconds: float  # interval of this site's Heartbeat calls
 
     @property
     def number(self) -> int:
@@ -205,6 +212,11 @@ def validate_for_site(
         raise ValidationError("learning_rate or fedprox_mu out of range")
     if not (ann.local_epochs <= 1000 and ann.planned_rounds <= 1_000_000):
         raise ValidationError("local_epochs or planned_rounds out of range")
+    if not MIN_HEARTBEAT_MS <= ann.heartbeat_ms <= MAX_HEARTBEAT_MS:
+        raise ValidationError(
+            f"heartbeat interval {ann.heartbeat_ms} ms outside "
+            f"{MIN_HEARTBEAT_MS}..{MAX_HEARTBEAT_MS} ms"
+        )
     if ann.round_number >= 1 << 63:  # the ledger stores round numbers as signed 64-bit
         raise ValidationError("round number out of range")
     params = None
@@ -242,6 +254,7 @@ def validate_for_site(
         # Chunks as large as the coordinator accepts (1 MiB unless it says less),
         # never below 64 KiB (a coordinator cannot make us send a million messages).
         chunk_bytes=min(CHUNK_BYTES, max(ann.max_chunk_bytes or CHUNK_BYTES, MIN_CHUNK_BYTES)),
+        heartbeat_seconds=ann.heartbeat_ms / 1000,
     )
 
 

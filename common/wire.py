@@ -151,6 +151,7 @@ def announcement_to_pb(ann: Announcement) -> pb.RoundAnnouncement:
         phase_timeout_ms=ann.phase_timeout_ms,
         weight_cap=ann.weight_cap,
         max_chunk_bytes=ann.max_chunk_bytes,
+        heartbeat_ms=ann.heartbeat_ms,
     )
 
 
@@ -178,6 +179,7 @@ def announcement_from_pb(msg: pb.RoundAnnouncement) -> Announcement:
         phase_timeout_ms=msg.phase_timeout_ms,
         weight_cap=msg.weight_cap,
         max_chunk_bytes=msg.max_chunk_bytes,
+        heartbeat_ms=msg.heartbeat_ms,
     )
 
 

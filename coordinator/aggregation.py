@@ -126,7 +126,7 @@ class PlainAggregator:
         self.dropped = tuple(sorted(set(ann.participants) - state.arrived - self.rnd.declined))
         if not self.survivors:
             raise ProtocolAbort(AbortReason.TOO_FEW_PARTICIPANTS, "no site uploaded")
-        self.result = self.total.copy()
+        self.result = self.total  # uploads have ended: no copy needed
         release_freed_memory()
         return sm.SurvivorList(survivors=self.survivors, dropped=self.dropped), set()
 

@@ -218,6 +218,13 @@ class FederationServicer(pb_grpc.FederationServicer):
         )
         return pb.DeclineRoundResponse()
 
+    @rpc
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: Any
+    ) -> pb.HeartbeatResponse:
+        self.engine.heartbeat(self._site(context), request.round)
+        return pb.HeartbeatResponse()
+
     async def DownloadModel(
         self, request: pb.DownloadModelRequest, context: Any
     ) -> AsyncIterator[pb.ModelChunk]:

@@ -110,6 +110,9 @@ def coordinator_settings(
             "train_seconds": 2.0,
             "phase_seconds": 3.0,
             "round_start_timeout_seconds": 30.0,
+            # Scripted sites send no heartbeats: only deadlines drop them here (the
+            # liveness tests set their own interval).
+            "heartbeat_seconds": 300.0,
         },
         "limits": {"max_chunk_bytes": MAX_CHUNK_BYTES},
         "debug_write_aggregates": True,

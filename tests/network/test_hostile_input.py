@@ -198,6 +198,7 @@ def test_revoked_site_certificate_is_permission_denied_on_every_rpc(
         (stub.Enroll, pb.EnrollRequest()),
         (stub.WaitForRound, pb.WaitForRoundRequest(wait_seconds=1)),
         (stub.DeclineRound, pb.DeclineRoundRequest(round=1)),
+        (stub.Heartbeat, pb.HeartbeatRequest(round=1)),
         (stub.AdvertiseKeys, pb.AdvertiseKeysRequest(round=1)),
         (stub.ShareKeys, pb.ShareKeysRequest(round=1)),
         (stub.ConsistencyCheck, pb.ConsistencyCheckRequest(round=1)),
@@ -534,8 +535,8 @@ def test_garbage_bytes_in_every_field_are_refused(live_round: LiveRound) -> None
     def raw(method: str) -> Callable[..., object]:
         return channel.unary_unary(f"/medfed.v1.Federation/{method}")
 
-    for method in ("Enroll", "WaitForRound", "DeclineRound", "AdvertiseKeys", "ShareKeys",
-                   "ConsistencyCheck", "Unmask"):
+    for method in ("Enroll", "WaitForRound", "DeclineRound", "Heartbeat", "AdvertiseKeys",
+                   "ShareKeys", "ConsistencyCheck", "Unmask"):
         assert status_of(raw(method), UNPARSEABLE, timeout=10) == INVALID_ARGUMENT, method
     download = channel.unary_stream("/medfed.v1.Federation/DownloadModel")
     assert status_of(lambda: list(download(UNPARSEABLE, timeout=10))) == INVALID_ARGUMENT

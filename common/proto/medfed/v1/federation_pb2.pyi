@@ -82,7 +82,7 @@ class WaitForRoundRequest(_message.Message):
     def __init__(self, wait_seconds: _Optional[int] = ..., after_round: _Optional[int] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ...) -> None: ...
 
 class RoundAnnouncement(_message.Message):
-    __slots__ = ("round", "round_nonce", "participants", "threshold", "neighbours", "vector_length", "quantization_bits", "clip", "histogram_bins", "secure_aggregation", "model", "model_sha256", "model_bytes", "local_epochs", "learning_rate", "fedprox_mu", "planned_rounds", "train_deadline_ms", "phase_timeout_ms", "weight_cap", "max_chunk_bytes")
+    __slots__ = ("round", "round_nonce", "participants", "threshold", "neighbours", "vector_length", "quantization_bits", "clip", "histogram_bins", "secure_aggregation", "model", "model_sha256", "model_bytes", "local_epochs", "learning_rate", "fedprox_mu", "planned_rounds", "train_deadline_ms", "phase_timeout_ms", "weight_cap", "max_chunk_bytes", "heartbeat_ms")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class RoundAnnouncement(_message.Message):
     PHASE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_CAP_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     round: int
     round_nonce: bytes
     participants: _containers.RepeatedScalarFieldContainer[str]
@@ -125,7 +126,8 @@ class RoundAnnouncement(_message.Message):
     phase_timeout_ms: int
     weight_cap: int
     max_chunk_bytes: int
-    def __init__(self, round: _Optional[int] = ..., round_nonce: _Optional[bytes] = ..., participants: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., neighbours: _Optional[int] = ..., vector_length: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., clip: _Optional[float] = ..., histogram_bins: _Optional[int] = ..., secure_aggregation: _Optional[bool] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., model_sha256: _Optional[bytes] = ..., model_bytes: _Optional[int] = ..., local_epochs: _Optional[int] = ..., learning_rate: _Optional[float] = ..., fedprox_mu: _Optional[float] = ..., planned_rounds: _Optional[int] = ..., train_deadline_ms: _Optional[int] = ..., phase_timeout_ms: _Optional[int] = ..., weight_cap: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    heartbeat_ms: int
+    def __init__(self, round: _Optional[int] = ..., round_nonce: _Optional[bytes] = ..., participants: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., neighbours: _Optional[int] = ..., vector_length: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., clip: _Optional[float] = ..., histogram_bins: _Optional[int] = ..., secure_aggregation: _Optional[bool] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., model_sha256: _Optional[bytes] = ..., model_bytes: _Optional[int] = ..., local_epochs: _Optional[int] = ..., learning_rate: _Optional[float] = ..., fedprox_mu: _Optional[float] = ..., planned_rounds: _Optional[int] = ..., train_deadline_ms: _Optional[int] = ..., phase_timeout_ms: _Optional[int] = ..., weight_cap: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class WaitForRoundResponse(_message.Message):
     __slots__ = ("has_round", "round", "federation_finished", "crl_der")
@@ -158,6 +160,16 @@ class DeclineRoundRequest(_message.Message):
     def __init__(self, round: _Optional[int] = ..., reason: _Optional[_Union[DeclineRoundRequest.Reason, str]] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ...) -> None: ...
 
 class DeclineRoundResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
