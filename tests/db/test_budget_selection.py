@@ -29,6 +29,7 @@ from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.store import CoordinatorStore
 from site_agent.agent import SiteAgent
+from site_agent.dp_release import evaluation_mechanism
 from site_agent.hooks import DeterministicTestHook, RoundPlan
 from site_agent.metrics import SiteMetrics
 from tests.network.conftest import InProcessCoordinator, PkiLayout, coordinator_settings
@@ -157,7 +158,19 @@ ROUND_COST = [Segment(noise_multiplier=1.0, sample_rate=0.05, steps=20)]
 """What each round costs a site with a ledger (about 2.0 epsilon for the first round and
 2.5 for two at delta 1e-5 with PRV), as if it had trained with DP-SGD."""
 
-TIGHT_BUDGET = 2.2  # one round fits, a second does not
+# Every round also releases a DP evaluation histogram (a ledger entry): with the
+# coordinator's defaults (20 bins, noise std 10) planned for the floor of 3 sites minus
+# T = 1 colluder, i.e. 2 noise contributors.
+ROUND_EVALUATION = evaluation_mechanism(noise_std=10.0, n_noise=2, bins=20)
+
+
+def tight_budget(tmp_path: Path, signer: LedgerSigner) -> float:
+    """A budget that one round (training + evaluation) fits and a second does not."""
+    probe = PrivacyLedger(tmp_path / "probe.ledger", site_id="e", budget_epsilon=100.0,
+                          delta=1e-5, signer=signer)
+    one = probe.preview(1, [*ROUND_COST, ROUND_EVALUATION])
+    two = probe.preview(1, [*ROUND_COST, ROUND_EVALUATION] * 2)
+    return (one + two) / 2
 
 
 class LedgerTestHook(DeterministicTestHook):
@@ -186,17 +199,19 @@ def _agent(
 def test_site_with_exhausted_ledger_is_never_selected_again(
     pki_layout: PkiLayout, tmp_path: Path, coordinator: Callable[..., InProcessCoordinator]
 ) -> None:
+    e_signer = LedgerSigner.from_files(*pki.site_paths(pki_layout.root, "e"))
+    budget = tight_budget(tmp_path, e_signer)
     ledgers = {
         "d": PrivacyLedger(tmp_path / "d.ledger", site_id="d", budget_epsilon=100.0,
                            delta=1e-5,
                            signer=LedgerSigner.from_files(*pki.site_paths(pki_layout.root, "d"))),
-        "e": PrivacyLedger(tmp_path / "e.ledger", site_id="e", budget_epsilon=TIGHT_BUDGET,
-                           delta=1e-5,
-                           signer=LedgerSigner.from_files(*pki.site_paths(pki_layout.root, "e"))),
+        "e": PrivacyLedger(tmp_path / "e.ledger", site_id="e", budget_epsilon=budget,
+                           delta=1e-5, signer=e_signer),
     }
     # The premise: one round fits e's budget, two do not (also warms up the accountant).
-    assert ledgers["e"].preview(1, ROUND_COST) < TIGHT_BUDGET
-    assert ledgers["e"].preview(1, ROUND_COST * 2) > TIGHT_BUDGET
+    one_round = [*ROUND_COST, ROUND_EVALUATION]
+    assert ledgers["e"].preview(1, one_round) < budget
+    assert ledgers["e"].preview(1, one_round * 2) > budget
 
     coord = coordinator(
         rounds=4, min_sites=4,
@@ -237,17 +252,20 @@ def test_site_with_exhausted_ledger_is_never_selected_again(
     assert all(set(r.survivors) >= {"a", "b", "c", "d"} for r in later)
 
     e_ledger = ledgers["e"]
-    assert [entry.round for entry in e_ledger.entries()] == e_trained  # written once
+    # written once (its training and its evaluation entry carry that round's number)
+    assert sorted({entry.round for entry in e_ledger.entries()}) == e_trained
     assert verify_ledger(e_ledger.path).ok
     view = coord.engine.budget_view
     e_row, d_row = view.get("e"), view.get("d")
     assert e_row is not None and d_row is not None
     assert e_row.status == "exhausted"
     assert e_row.spent_epsilon == pytest.approx(e_ledger.spent())
-    assert e_row.ledger_entries == 1 and e_row.ledger_head == e_ledger.head_hash()
+    assert e_row.ledger_entries == len(e_ledger.entries()) == 2  # training + evaluation
+    assert e_row.ledger_head == e_ledger.head_hash()
     d_trained = [r.round_number for r in rounds if "d" in r.survivors]
     assert d_row.status == "active" and len(d_trained) >= 3
-    assert d_row.ledger_entries == len(ledgers["d"].entries()) == len(d_trained)
+    # one training and one evaluation entry per round d trained in
+    assert d_row.ledger_entries == len(ledgers["d"].entries()) == 2 * len(d_trained)
     assert view.get("a") is None  # no ledger, no row
     registry = coord.engine.metrics.registry
     assert registry.get_sample_value(
@@ -255,4 +273,4 @@ def test_site_with_exhausted_ledger_is_never_selected_again(
     ) == pytest.approx(e_ledger.spent())
     assert registry.get_sample_value(
         "medfed_coordinator_site_epsilon_budget", {"site": "e"}
-    ) == TIGHT_BUDGET
+    ) == budget
