@@ -249,6 +249,11 @@ class SitePolicySection(_Section):
     allow_plain_aggregation: bool = Field(
         default=False, description="accept rounds without secure aggregation (benchmarks)"
     )
+    allowed_model_factories: tuple[str, ...] = Field(
+        default=(),
+        description="custom model factories ('package.module:factory') this site will "
+        "import and run when a study names one; importing runs that package's code",
+    )
 
 
 class ReconnectSection(_Section):
@@ -276,6 +281,11 @@ class SiteSettings(_Settings):
     training: LocalTrainingSection = LocalTrainingSection()
     policy: SitePolicySection = SitePolicySection()
     reconnect: ReconnectSection = ReconnectSection()
+    study_file: Path | None = Field(
+        default=None,
+        description="study.toml this site trains (its model and, for images, the image "
+        "size, channels and classes); without one, the tabular mlp of data.features",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     debug_write_updates: bool = Field(
         default=False, description="TEST ONLY: write each round's plaintext ring update to STATE"

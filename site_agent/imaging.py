@@ -31,12 +31,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from common.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from common.study import Study
 
 PNG_SUFFIXES = (".png", ".jpg", ".jpeg")
 DICOM_SUFFIXES = (".dcm", ".dicom")
@@ -493,3 +496,19 @@ def with_spec(data: ImageDataset, **changes: Any) -> ImageDataset:
     """The same files under a changed spec (e.g. another image size); fresh cache."""
     spec = replace(data.spec, **changes)
     return ImageDataset(data.entries, data.labels, data.patient_ids, spec, source=data.source)
+
+
+def image_spec_for_study(study: Study, *, cache_bytes: int = DEFAULT_CACHE_BYTES) -> ImageSpec:
+    """How an images study's ``[data]`` section reads a site's folder."""
+    data = study.data
+    if data.kind != "images" or data.image_size is None or data.file_column is None:
+        raise ConfigError("data.kind", "not an images study (file_column and image_size)")
+    return ImageSpec(
+        image_size=data.image_size,
+        channels=data.channels or 1,
+        classes=tuple(study.study.classes),
+        file_column=data.file_column,
+        label_column=data.label_column,
+        patient_column=data.patient_column,
+        cache_bytes=cache_bytes,
+    )

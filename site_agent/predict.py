@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from common.bundle import Architecture, ModelBundle
-from common.errors import ConfigError, ValidationError
+from common.errors import ValidationError
 from common.evaluation import metrics_from_scores
 from common.study import Study
 from site_agent.data import Preprocessor, StudyTable
