@@ -101,6 +101,13 @@ class AggregationSection(_Section):
     secure_aggregation: bool = True
     clip: float = Field(default=1.0, gt=0, description="update elements clipped to [-clip, clip]")
     histogram_bins: int = Field(default=20, ge=2, le=1000)
+    histogram_classes: int = Field(
+        default=1,
+        ge=1,
+        le=500,
+        description="K one-vs-rest blocks in the evaluation histogram (a multi-class "
+        "study); histogram_bins covers all of them (bins per class x K)",
+    )
     weight_cap: int = Field(
         default=1_000_000, ge=1, description="largest sample count a site may weigh in with"
     )

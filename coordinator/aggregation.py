@@ -17,7 +17,11 @@ import numpy as np
 
 from common.crypto.quantize import dequantize_sum
 from common.errors import AbortReason, ProtocolAbort, StateError, ValidationError
-from common.evaluation import operating_point_metrics
+from common.evaluation import (
+    bins_per_class,
+    multiclass_metrics_from_histogram,
+    operating_point_metrics,
+)
 from common.secagg import messages as sm
 from common.secagg.client import IdentityVerifier
 from common.secagg.params import SecAggParams, ThreatModel, validate_against_threat_model
@@ -50,6 +54,7 @@ def decode_round_sum(
     weight_cap: int,
     histogram_bins: int,
     evaluation_only: bool,
+    histogram_classes: int = 1,
 ) -> DecodedSum:
     """Decode the ring sum of `count` sites into the float32 weighted mean delta.
 
@@ -66,7 +71,9 @@ def decode_round_sum(
     weight_sum = integers[0]
     histogram = np.asarray(integers[1:], dtype=np.int64)
     metrics: dict[str, float] = {"contributors": float(count)}
-    if histogram.sum() > 0:
+    if histogram.sum() > 0 and histogram_classes > 2:
+        metrics.update(multiclass_round_metrics(histogram, histogram_bins, histogram_classes))
+    elif histogram.sum() > 0:
         m = operating_point_metrics(histogram, bins=histogram_bins)
         metrics.update(
             auc=m.auc, sensitivity=m.sensitivity, specificity=m.specificity, ppv=m.ppv,
@@ -87,6 +94,17 @@ def decode_round_sum(
         floats *= weight_cap
         mean_delta[start:stop] = weighted_mean(floats, float(weight_sum))
     return DecodedSum(mean_delta, weight_sum, metrics)
+
+
+def multiclass_round_metrics(
+    histogram: np.ndarray, announced_bins: int, num_classes: int
+) -> dict[str, float]:
+    """Macro one-vs-rest AUC (and per class) of a K-block summed histogram."""
+    bins = bins_per_class(announced_bins, num_classes=num_classes)
+    m = multiclass_metrics_from_histogram(histogram, bins=bins, num_classes=num_classes)
+    out = {"auc": m.macro_auc, "evaluated": float(m.n)}
+    out.update({f"auc_class_{k}": auc for k, auc in enumerate(m.per_class_auc)})
+    return out
 
 
 class PlainAggregator:
