@@ -25,6 +25,7 @@ from common.errors import ValidationError
 from common.evaluation import metrics_from_scores
 from common.study import Study
 from site_agent.data import Preprocessor, StudyTable
+from site_agent.imaging import ImageDataset
 from site_agent.models import build_for_study, build_from_architecture, load_flat_parameters
 
 PREDICT_BATCH = 4096
@@ -79,17 +80,35 @@ def predict_table(
     specificity, PPV for binary; one-vs-rest AUC per class and accuracy otherwise)."""
     model = load_model(bundle, allowed_factories=allowed_factories)
     scores = score_table(model, bundle, table)
+    return _prediction(bundle, scores, table.labels)
+
+
+def predict_images(
+    bundle: ModelBundle, images: ImageDataset, *, allowed_factories: Sequence[str] = ()
+) -> Prediction:
+    """Score an images study's folder (decoded in batches, never loaded whole); metrics
+    as `predict_table` when its labels CSV has the label column."""
+    from site_agent.trainer import predict_scores
+
+    model = load_model(bundle, allowed_factories=allowed_factories)
+    scores = predict_scores(model, images, task=bundle.study.study.task, batch_size=256)
+    labelled = images.labels.size > 0 and bool(np.all(images.labels >= 0))
+    return _prediction(bundle, scores, images.labels if labelled else None)
+
+
+def _prediction(bundle: ModelBundle, scores: np.ndarray, labels: np.ndarray | None) -> Prediction:
     classes = bundle.study.study.classes
+    threshold = 0.5
     if bundle.study.study.task == "binary":
         threshold = bundle.threshold.value if bundle.threshold.value is not None else 0.5
         predicted = (scores >= threshold).astype(np.int64)
     else:
         predicted = np.argmax(scores, axis=1).astype(np.int64)
     metrics: dict[str, Any] | None = None
-    if table.labels is not None:
-        metrics = {"n": len(table)}
+    if labels is not None:
+        metrics = {"n": int(labels.shape[0])}
         if bundle.study.study.task == "binary":
-            m = metrics_from_scores(scores, table.labels, threshold=threshold)
+            m = metrics_from_scores(scores, labels, threshold=threshold)
             metrics.update(
                 auc=_num(m.auc),
                 sensitivity=_num(m.sensitivity),
@@ -99,14 +118,14 @@ def predict_table(
             )
         else:
             per_class = {
-                str(c): _num(metrics_from_scores(scores[:, k], table.labels == k).auc)
+                str(c): _num(metrics_from_scores(scores[:, k], labels == k).auc)
                 for k, c in enumerate(classes)
             }
             defined = [v for v in per_class.values() if v is not None]
             metrics.update(
                 auc=float(np.mean(defined)) if defined else None,
                 auc_per_class=per_class,
-                accuracy=float(np.mean(predicted == table.labels)),
+                accuracy=float(np.mean(predicted == labels)),
             )
     return Prediction(scores=scores, predicted=predicted, metrics=metrics)
 

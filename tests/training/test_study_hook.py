@@ -10,7 +10,7 @@ import pytest
 from torch import nn
 
 from common.config import SiteSettings
-from common.errors import ConfigError
+from common.errors import ConfigError, ValidationError
 from common.round import RoundPlan
 from common.study import Study, load_study
 from site_agent.hooks import DpTrainingHook, model_layout
@@ -97,7 +97,9 @@ def test_images_study_trains_its_cnn_with_patient_level_dp(tmp_path: Path) -> No
 def test_multiclass_images_send_one_block_per_class(tmp_path: Path) -> None:
     from coordinator.aggregation import multiclass_round_metrics
 
-    folder = write_site_folder(tmp_path / "cohort", "north_general", seed=4, patients=40, num_classes=3)
+    folder = write_site_folder(
+        tmp_path / "cohort", "north_general", seed=4, patients=40, num_classes=3
+    )
     study_path = images_study(tmp_path, classes=3)
     hook = DpTrainingHook(site_settings(tmp_path, study_path, folder), dp=False)
     study = load_study(study_path)
@@ -107,7 +109,7 @@ def test_multiclass_images_send_one_block_per_class(tmp_path: Path) -> None:
     assert all(block.sum() == len(hook.holdout) for block in histogram.reshape(3, 8))
     metrics = multiclass_round_metrics(histogram, 12, 3)
     assert {"auc", "auc_class_0", "auc_class_2"} <= set(metrics)
-    with pytest.raises(Exception, match="not .* x 3 classes"):
+    with pytest.raises(ValidationError, match=r"not \(bins >= 2\) x 3 classes"):
         hook.evaluate(plan_for(study, bins=10), flatten_parameters(initial_model(study, seed=0)))
 
 
