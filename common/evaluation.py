@@ -223,3 +223,12 @@ def bins_per_class(announced_bins: int, *, num_classes: int) -> int:
             f"histogram_bins {announced_bins} is not (bins >= 2) x {num_classes} classes"
         )
     return announced_bins // num_classes
+
+
+def announced_histogram_bins(bins: int, *, num_classes: int) -> tuple[int, int]:
+    """(aggregation.histogram_bins, aggregation.histogram_classes) for a study's
+    ``[privacy.evaluation] histogram_bins`` and class count: K one-vs-rest blocks for
+    K >= 3 classes (`bins_per_class` undoes it), the plain histogram for binary."""
+    if num_classes <= 2:
+        return bins, 1
+    return bins * num_classes, num_classes

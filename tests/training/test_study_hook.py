@@ -103,7 +103,11 @@ def test_multiclass_images_send_one_block_per_class(tmp_path: Path) -> None:
     study_path = images_study(tmp_path, classes=3)
     hook = DpTrainingHook(site_settings(tmp_path, study_path, folder), dp=False)
     study = load_study(study_path)
-    plan = plan_for(study, bins=3 * 4)  # 4 bins per class, announced as bins x K
+    from common.evaluation import announced_histogram_bins
+
+    announced, classes = announced_histogram_bins(4, num_classes=3)
+    assert (announced, classes) == (12, 3) and announced_histogram_bins(4, num_classes=2)[1] == 1
+    plan = plan_for(study, bins=announced)  # 4 bins per class, announced as bins x K
     histogram = hook.evaluate(plan, flatten_parameters(initial_model(study, seed=0)))
     assert histogram.shape == (2 * 4 * 3,)
     assert all(block.sum() == len(hook.holdout) for block in histogram.reshape(3, 8))
