@@ -212,6 +212,10 @@ class PrivacySection(_Section):
     accountant: Literal["prv", "rdp"] = "prv"
     max_grad_norm: float = Field(default=1.0, gt=0)
     privacy_unit: Literal["auto", "record", "patient"] = "auto"
+    # Issue 10: the cohort size leaves the site only as ONE DP count (Gaussian, sens. 1).
+    count_epsilon: float = Field(default=0.1, gt=0, le=100)
+    # Total noise std on each summed count of an evaluation histogram (split across sites).
+    evaluation_noise_std: float = Field(default=10.0, ge=1.0, le=1e6)
 
 
 class DataSection(_Section):
@@ -261,6 +265,14 @@ class SitePolicySection(_Section):
         description="custom model factories ('package.module:factory') this site will "
         "import and run when a study names one; importing runs that package's code",
     )
+    # Issue 10, section 6: the site plans its own noise; an announcement can only raise
+    # the number of rounds planned for, and no round costs more than the cap.
+    planned_rounds: int = Field(default=10, ge=1, le=1_000_000)
+    max_epsilon_per_round: float | None = Field(default=None, gt=0, le=100)
+    # Issue 10, section 3: DP evaluations this site's ledger may record, ever.
+    max_evaluations: int = Field(default=10, ge=0, le=100_000)
+    # Round-size floor the distributed noise is planned for (minus colluding sites).
+    min_round_sites: int = Field(default=3, ge=2)
 
 
 class ReconnectSection(_Section):

@@ -147,6 +147,12 @@ def operating_point_metrics(hist: np.ndarray, *, bins: int) -> Metrics:
     return metrics_from_histogram(hist, bins=bins, threshold=youden_threshold(hist, bins=bins))
 
 
+def clipped_noisy_histogram(summed: np.ndarray) -> np.ndarray:
+    """A DP-noised summed histogram made usable for ROC: negative counts (noise only)
+    clipped to 0. Post-processing of the DP release, so it costs nothing more."""
+    return np.maximum(np.asarray(summed, dtype=np.int64), 0)
+
+
 @dataclass(frozen=True)
 class MulticlassMetrics:
     """One-vs-rest AUC per class (class k's score against "label == k"), and their mean.

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from common.codec import CHUNK_BYTES, TensorSpec
 from common.config import SitePolicySection
 from common.crypto.quantize import max_integer_for_sites
+from common.egress import EgressManifest, round_manifest
 from common.errors import RoundFailed, ValidationError
 from common.privacy.ledger import BudgetStatus
 from common.secagg.params import SecAggParams, ThreatModel, validate_against_threat_model
@@ -50,6 +51,13 @@ class Announcement:
     phase_timeout_ms: int
     weight_cap: int
     max_chunk_bytes: int = CHUNK_BYTES
+
+    def manifest(self) -> EgressManifest:
+        """The segments of this round's masked vector (common.egress)."""
+        return round_manifest(
+            model_elements=sum(s.elements for s in self.model_layout),
+            histogram_bins=self.histogram_bins,
+        )
 
     def digest(self) -> bytes:
         """SHA-256 over a canonical, length-prefixed encoding of every field.
@@ -158,11 +166,10 @@ def validate_for_site(
         raise RoundFailed(f"round {ann.round_number} does not list this site")
     if len(ann.round_nonce) != ROUND_NONCE_LENGTH:
         raise ValidationError("round nonce must be 16 bytes")
-    model_elements = sum(s.elements for s in ann.model_layout)
     bins = ann.histogram_bins
     if not 2 <= bins <= 1000:
         raise ValidationError("histogram_bins out of range")
-    expected_length = model_elements + 1 + 2 * bins
+    expected_length = ann.manifest().vector_length
     if ann.vector_length != expected_length or ann.vector_length > policy.max_vector_length:
         raise ValidationError(
             f"vector_length {ann.vector_length} does not match the model ({expected_length})"

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.crypto.quantize import dequantize_sum
+from common.egress import EVALUATION_HISTOGRAM, WEIGHT, round_manifest
 from common.errors import AbortReason, ProtocolAbort, StateError, ValidationError
 from common.evaluation import (
     bins_per_class,
+    clipped_noisy_histogram,
     multiclass_metrics_from_histogram,
     operating_point_metrics,
 )
@@ -67,9 +69,12 @@ def decode_round_sum(
         raise ValidationError("aggregate must be a uint32 vector covering the model")
     # Validates clip, bits and that `count` sums cannot have wrapped (decode_sum's checks).
     dequantize_sum(aggregate[:0], clip=clip, bits=bits, count=count)
-    integers = [int(v) for v in aggregate[model_dim:]]
-    weight_sum = integers[0]
-    histogram = np.asarray(integers[1:], dtype=np.int64)
+    # The same segment list the sites encoded with (common.egress).
+    manifest = round_manifest(model_elements=model_dim, histogram_bins=histogram_bins)
+    integers = manifest.decode_integers(aggregate)
+    weight_sum = max(int(integers[WEIGHT][0]), 0)
+    # The histogram carries the sites' discrete Gaussian noise: counts can be negative.
+    histogram = clipped_noisy_histogram(integers[EVALUATION_HISTOGRAM])
     metrics: dict[str, float] = {"contributors": float(count)}
     if histogram.sum() > 0 and histogram_classes > 2:
         metrics.update(multiclass_round_metrics(histogram, histogram_bins, histogram_classes))

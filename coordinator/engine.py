@@ -14,6 +14,7 @@ coordinator restarted on the same state resumes.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import os
 import time
@@ -21,16 +22,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from cryptography import x509
 
 from common.codec import digest
 from common.config import CoordinatorSettings
 from common.errors import (
     AbortReason,
+    LedgerForkError,
     MedfedError,
     ProtocolAbort,
     Unavailable,
 )
+from common.pki import load_certificate
 from common.privacy.federation import FederationBudgetView
+from common.privacy.replica import LedgerReplica
 from common.round import Announcement, SiteBudget
 from common.secagg.client import IdentityVerifier
 from common.secagg.params import (
@@ -92,6 +97,9 @@ class RoundEngine:
         self.clock = clock
         self.rng = rng
         self.sessions = SiteRegistry(store, self.budget_view, metrics=metrics, clock=clock)
+        # Replica of every site's signed ledger, in the same state database (issue 10,
+        # section 7): a site whose head does not extend it is refused, never selected.
+        self.replica = LedgerReplica(store.database, ca_certificate=_federation_ca(settings))
         self.transfers = Transfers(settings.limits, settings.state, metrics=metrics)
         self.inbox = RoundInbox(store, self.sessions, self.transfers)
         self.finished = asyncio.Event()  # set only when the whole study completed
@@ -128,9 +136,33 @@ class RoundEngine:
     # --------------------------------------------------------------- site calls
     def enroll(self, site_id: str, certificate_der: bytes, *, serial: str, version: str,
                device: str, budget: SiteBudget) -> int:
+        self.check_ledger_head(site_id, budget)
         self.sessions.enroll(site_id, certificate_der, serial=serial, version=version,
                              device=device, budget=budget)
         return self.last_round_number
+
+    def check_ledger_head(self, site_id: str, budget: SiteBudget | None) -> int:
+        """The replica's entry count for the site; LedgerForkError (FAILED_PRECONDITION
+        to the site) when its reported head does not extend the replica: fork, shrink or
+        reset. The site is then dropped from selection until an operator restores it."""
+        held = self.replica.head(site_id)
+        if budget is None or (held is None and budget.ledger_entries == 0):
+            return 0 if held is None else held.entries
+        try:
+            self.replica.check_head(
+                site_id, entries=budget.ledger_entries, head_hash=budget.ledger_head
+            )
+        except LedgerForkError as exc:
+            log.error("site %s refused: %s", site_id, exc,
+                      extra={"event": "ledger_fork", "site": site_id})
+            raise
+        return 0 if held is None else held.entries
+
+    def replicate_ledger(self, site_id: str, history: bytes) -> int:
+        head = self.replica.extend(
+            site_id, history, now=dt.datetime.fromtimestamp(self.clock(), dt.UTC)
+        )
+        return head.entries
 
     def decline(self, site_id: str, round_number: int, *, budget: SiteBudget | None) -> None:
         self.sessions.record_budget(self.sessions.session(site_id), budget)
@@ -141,6 +173,7 @@ class RoundEngine:
         self, site_id: str, *, after_round: int, wait_seconds: float, budget: SiteBudget | None
     ) -> Announcement | None:
         """Long-poll until a round selecting this site opens (None on timeout)."""
+        self.check_ledger_head(site_id, budget)
         self.sessions.record_budget(self.sessions.session(site_id), budget)
         current = self.inbox.rejoin(site_id, after_round=after_round)
         if current is not None:
@@ -324,3 +357,8 @@ class RoundEngine:
             },
         )
 
+
+def _federation_ca(settings: CoordinatorSettings) -> x509.Certificate | None:
+    """The federation CA replica entries must be signed under (None without one)."""
+    path = settings.pki / "ca.crt"
+    return load_certificate(path) if path.exists() else None

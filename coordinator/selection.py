@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from common.codec import TensorSpec
 from common.config import AggregationSection, CoordinatorSettings
 from common.crypto.quantize import bits_for_sites, max_integer_for_sites
+from common.egress import round_manifest
 from common.errors import ConfigError
 from common.privacy.federation import SiteBudget as BudgetRow
 from common.privacy.federation import has_budget_left
@@ -92,7 +93,9 @@ def announcement(
         participants=tuple(participants),
         threshold=threshold,
         neighbours=neighbours,
-        vector_length=model_dim + 1 + 2 * cfg.aggregation.histogram_bins,
+        vector_length=round_manifest(
+            model_elements=model_dim, histogram_bins=cfg.aggregation.histogram_bins
+        ).vector_length,
         quantization_bits=bits_for_sites(len(participants)),
         clip=cfg.aggregation.clip,
         histogram_bins=cfg.aggregation.histogram_bins,

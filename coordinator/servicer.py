@@ -39,6 +39,7 @@ from coordinator.metrics import CoordinatorMetrics
 log = logging.getLogger("medfed.coordinator.rpc")
 
 MAX_WAIT_SECONDS = 60
+MAX_LEDGER_HISTORY_BYTES = 4 << 20
 T = TypeVar("T")
 
 
@@ -158,7 +159,21 @@ class FederationServicer(pb_grpc.FederationServicer):
             device=request.device,
             budget=budget,
         )
-        return pb.EnrollResponse(federation_id=self.federation_id, current_round=last)
+        held = self.engine.check_ledger_head(site_id, budget)
+        return pb.EnrollResponse(
+            federation_id=self.federation_id, current_round=last, ledger_seq_held=held
+        )
+
+    @rpc
+    async def ReplicateLedger(
+        self, request: pb.ReplicateLedgerRequest, context: Any
+    ) -> pb.ReplicateLedgerResponse:
+        """Extend this site's replica with its signed entries (verified; never rewritten)."""
+        site_id = self._site(context)
+        history = wire.bounded(request.history, what="ledger history",
+                               maximum=MAX_LEDGER_HISTORY_BYTES)
+        held = await asyncio.to_thread(self.engine.replicate_ledger, site_id, history)
+        return pb.ReplicateLedgerResponse(ledger_seq_held=held)
 
     @rpc
     async def WaitForRound(

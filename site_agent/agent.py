@@ -8,6 +8,7 @@ signature and aborts (sending nothing more) whenever the coordinator misbehaves.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 
-from common import wire
+from common import egress, wire
 from common.codec import (
     ChunkAssembler,
     bytes_to_flat,
@@ -28,7 +29,6 @@ from common.codec import (
     layout_bytes,
 )
 from common.config import SiteSettings
-from common.crypto.quantize import encode_update, max_integer_for_sites
 from common.crypto.random import numpy_generator, system_random
 from common.crypto.signing import SigningKey, VerifyingKey
 from common.errors import (
@@ -50,12 +50,14 @@ from common.pki import (
     site_id_from_certificate,
 )
 from common.privacy.ledger import PrivacyLedger
+from common.privacy.mechanisms import Mechanism
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.round import VerifiedRound, validate_for_site
 from common.secagg import messages as sm
 from common.secagg.client import SecAggClient
 from common.tls import SiteTlsFiles, channel_credentials_from_files
+from site_agent import dp_release
 from site_agent.hooks import LocalUpdate, TrainingHook
 from site_agent.metrics import SiteMetrics
 
@@ -64,6 +66,8 @@ log = logging.getLogger("medfed.site")
 AGENT_VERSION = "medfed-site/0.1"
 WAIT_SECONDS = 30
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# Ledger purposes released within a round (the cohort count has its own numbering).
+ROUND_PURPOSES = (dp_release.PURPOSE_TRAINING, dp_release.PURPOSE_EVALUATION)
 
 
 def _utcnow() -> dt.datetime:
@@ -104,6 +108,7 @@ class SiteAgent:
         self.rounds_done = 0
         self._declined_for_budget = False
         self._backoff = settings.reconnect.initial_backoff_seconds
+        self._replica_seq = 0
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.FederationStub | None = None
 
@@ -181,7 +186,9 @@ class SiteAgent:
         self.metrics.connected.set(1)
         self._backoff = self.settings.reconnect.initial_backoff_seconds
         log.info("enrolled in federation %s", resp.federation_id)
+        self._replica_seq = resp.ledger_seq_held
         while not self.stop.is_set():
+            self._replicate(stub)
             waited = stub.WaitForRound(
                 pb.WaitForRoundRequest(
                     wait_seconds=WAIT_SECONDS, after_round=self.last_round, budget=self.budget_pb()
@@ -196,6 +203,16 @@ class SiteAgent:
             limit = self.settings.exit_after_rounds
             if limit is not None and self.rounds_done >= limit:
                 return
+
+    def _replicate(self, stub: pb_grpc.FederationStub) -> None:
+        """Send the coordinator's replica the signed entries it lacks (parameters only)."""
+        if self.ledger is None:
+            return
+        if len(self.ledger.entries()) <= self._replica_seq:
+            return
+        history = self.ledger.export(after_seq=self._replica_seq).to_bytes()
+        resp = stub.ReplicateLedger(pb.ReplicateLedgerRequest(history=history), timeout=30)
+        self._replica_seq = resp.ledger_seq_held
 
     def _take_part(self, stub: pb_grpc.FederationStub, ann: pb.RoundAnnouncement) -> None:
         self.last_round = max(self.last_round, ann.round)
@@ -233,17 +250,19 @@ class SiteAgent:
     # ----------------------------------------------------------------- round
     def _run_round(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
         segments = self.hook.planned_segments(rnd.plan)
-        if self.ledger is not None and segments:
+        evaluation = self._evaluation_mechanisms(rnd)
+        if self.ledger is not None and (segments or evaluation):
             # The ledger's reserve() is idempotent per round number (a crash-restart
             # must not double-charge), so a second training for a round number already
             # on the ledger would release a fresh noisy update at no recorded cost: a
             # coordinator re-announcing a round could average the DP noise away.
-            if any(entry.round == rnd.number for entry in self.ledger.entries()):
+            if any(entry.round == rnd.number and entry.purpose in ROUND_PURPOSES
+                   for entry in self.ledger.entries()):
                 raise RoundFailed(
                     f"round {rnd.number} is already on this site's privacy ledger: "
                     "refusing to release a second update for it"
                 )
-            after = self.ledger.preview(rnd.number, segments)
+            after = self.ledger.preview(rnd.number, [*segments, *evaluation])
             if after > self.ledger.budget_epsilon:
                 raise BudgetExhausted(
                     f"round {rnd.number} would bring epsilon to {after:.3f} "
@@ -258,9 +277,14 @@ class SiteAgent:
             if self.ledger is not None and segments:
                 # Write-ahead: the spend is on disk before any update can leave the site.
                 self.ledger.reserve(rnd.number, segments, now=_utcnow())
+            if self.ledger is not None and evaluation:
+                self.ledger.reserve(rnd.number, evaluation, now=_utcnow(),
+                                    purpose=dp_release.PURPOSE_EVALUATION)
+            if self.ledger is not None and (segments or evaluation):
                 self.budget_pb()
             started = time.perf_counter()
-            update = self.hook.train(rnd.plan, global_flat)
+            update = self._private_histogram(rnd, self.hook.train(rnd.plan, global_flat),
+                                             evaluated=bool(evaluation))
             self.metrics.training_seconds.observe(time.perf_counter() - started)
             self.metrics.samples_used.set(update.num_samples)
             self.metrics.patients_used.set(update.patients)
@@ -281,6 +305,48 @@ class SiteAgent:
         self.rounds_done += 1
         self.metrics.rounds.labels(outcome="completed").inc()
         log.info("round %d done", rnd.number)
+
+    def _evaluation_mechanisms(self, rnd: VerifiedRound) -> list[Mechanism]:
+        """The ledger record of this round's DP score histogram ([] when the site keeps
+        no ledger, or its `max_evaluations` are used up in a training round)."""
+        if self.ledger is None:
+            return []
+        policy = self.settings.policy
+        if not dp_release.check_evaluation_allowed(self.ledger, policy):
+            if rnd.plan.local_epochs == 0:
+                raise dp_release.refuse_evaluation_only(rnd.number)
+            return []
+        ann = rnd.announcement
+        return [dp_release.evaluation_mechanism(
+            noise_std=self.settings.privacy.evaluation_noise_std,
+            n_noise=self._noise_sites(rnd),
+            bins=ann.histogram_bins,
+            # A multi-class study's histogram has one block per class (hooks.evaluate).
+            classes=int(getattr(self.hook, "histogram_classes", 1)),
+        )]
+
+    def _noise_sites(self, rnd: VerifiedRound) -> int:
+        ann = rnd.announcement
+        return dp_release.evaluation_noise_sites(
+            self.settings.policy, threshold=ann.threshold, secure=ann.secure_aggregation
+        )
+
+    def _private_histogram(
+        self, rnd: VerifiedRound, update: LocalUpdate, *, evaluated: bool
+    ) -> LocalUpdate:
+        """Noise the histogram (its ledger entry is already written), or send zeros when
+        this round carries no evaluation; unchanged when the site keeps no ledger."""
+        if self.ledger is None:
+            return update
+        if not evaluated:
+            histogram = np.zeros_like(np.asarray(update.histogram, dtype=np.int64))
+        else:
+            histogram = dp_release.noised_histogram(
+                update.histogram,
+                noise_std=self.settings.privacy.evaluation_noise_std,
+                n_noise=self._noise_sites(rnd),
+            )
+        return dataclasses.replace(update, histogram=histogram)
 
     def _deadline(self, rnd: VerifiedRound, *, training: bool = False) -> float:
         """RPC timeout for a long-poll: the phase deadline plus slack."""
@@ -303,27 +369,28 @@ class SiteAgent:
         return bytes_to_flat(buffer, rnd.plan.layout)
 
     def _encode(self, rnd: VerifiedRound, update: LocalUpdate) -> np.ndarray:
+        """The upload, built from the round's egress manifest (common.egress): the
+        segments listed there and nothing else."""
         n_sites = len(rnd.params.participants) if rnd.params else 2
-        weight = min(int(update.num_samples), rnd.announcement.weight_cap)
-        if update.delta.size != rnd.announcement.vector_length - 1 - 2 * rnd.plan.histogram_bins:
+        manifest = rnd.announcement.manifest()
+        if update.delta.size != manifest.slice_of(egress.MODEL_UPDATE).stop:
             raise RoundFailed("update does not match the model size")
         if not np.all(np.isfinite(update.delta)):
             raise RoundFailed("update contains NaN or infinity")
+        weight = min(int(update.num_samples), rnd.announcement.weight_cap)
         # Scale by n_k / cap so FedAvg's weights come out of the secure sum.
         scaled = update.delta * np.float32(weight / rnd.announcement.weight_cap)
-        cap = max_integer_for_sites(n_sites)
-        histogram = [min(int(c), cap) for c in update.histogram]
-        out = np.empty(rnd.announcement.vector_length, dtype=np.uint32)
-        encode_update(
-            scaled,
-            integers=[weight, *histogram],
+        return manifest.encode(
+            {
+                egress.MODEL_UPDATE: scaled,
+                egress.WEIGHT: [weight],
+                egress.EVALUATION_HISTOGRAM: np.asarray(update.histogram, dtype=np.int64),
+            },
             clip=rnd.announcement.clip,
             bits=rnd.announcement.quantization_bits,
             n_sites=n_sites,
             rng=numpy_generator(system_random),
-            out=out,
         )
-        return out
 
     def _write_debug(self, round_number: int, vector: np.ndarray) -> None:
         folder = self.settings.state / "debug-updates"

@@ -8,11 +8,13 @@ update itself. `DeterministicTestHook` is for tests and benchmarks of the transp
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -21,6 +23,7 @@ from common.codec import TensorSpec
 from common.config import SiteSettings
 from common.errors import ConfigError
 from common.privacy.accountant import Segment
+from common.privacy.ledger import PrivacyLedger
 from common.round import RoundPlan
 
 if TYPE_CHECKING:
@@ -110,6 +113,8 @@ class DpTrainingHook:
             self.n_features = int(data.features.shape[1])
         self.task: Task = self.study.study.task if self.study is not None else "binary"
         self.num_classes = len(self.study.study.classes) if self.study is not None else 2
+        # One-vs-rest blocks in the evaluation histogram: the ledger's sensitivity.
+        self.histogram_classes = self.num_classes if self.num_classes > 2 else 1
         has_patients = data.patient_ids is not None
         unit = settings.privacy.privacy_unit
         if not dp:
@@ -128,6 +133,11 @@ class DpTrainingHook:
         self._trainer: object | None = None
         self._trainer_key: tuple[int, int] | None = None
         self.patients = self.train_data.num_patients if has_patients else 0
+        # Issue 10: set by `attach_ledger`; then q, steps, weights and gauges come from
+        # the DP count and the noise from the site's own plan over its ledger.
+        self.ledger: PrivacyLedger | None = None
+        self.released_units: int | None = None
+        self._planned: dict[int, float] = {}
         if self.privacy_unit == "record":
             log.warning(
                 "record-level DP: no patient column, so each encounter (not each patient) "
@@ -137,6 +147,26 @@ class DpTrainingHook:
         # at start-up with the layer and the fix named (ModuleValidator), not mid-round.
         self._layout = model_layout(self.model())
         self.model_name = model_name(self.study, settings)
+
+    @property
+    def units(self) -> int:
+        """This site's privacy units (never leaves the site; see `released_units`)."""
+        if self.privacy_unit == "patient":
+            return int(self.train_data.num_patients)
+        return len(self.train_data)
+
+    def attach_ledger(self, ledger: PrivacyLedger, *, state: Path) -> None:
+        """Release (once, persisted) the DP count of units and plan noise on `ledger`."""
+        from site_agent.dp_release import release_cohort_count
+
+        self.ledger = ledger
+        if not self.dp:
+            return
+        count = release_cohort_count(
+            ledger, units=self.units, epsilon=self.settings.privacy.count_epsilon,
+            state=state, now=dt.datetime.now(dt.UTC),
+        )
+        self.released_units = count.noisy_count
 
     def model(self) -> Any:
         from site_agent.models import ModelSpec, build_for_study, build_model
@@ -157,14 +187,17 @@ class DpTrainingHook:
     def trainer_for(self, plan: RoundPlan) -> Any:
         from site_agent.trainer import LocalTrainer, TrainingConfig
 
-        key = (plan.planned_rounds, max(plan.local_epochs, 1))
+        planned = self.ledger is not None and self.released_units is not None
+        # With a ledger the noise is re-planned every round (`planned_segments`), so the
+        # announced planned_rounds no longer shapes the trainer.
+        key = (1 if planned else plan.planned_rounds, max(plan.local_epochs, 1))
         if self._trainer is None or self._trainer_key != key:
             cfg = self.settings
             config = TrainingConfig(
                 batch_size=fit_batch_size(
                     cfg.training.batch_size,
-                    units=self.train_data.num_patients
-                    if self.privacy_unit == "patient" else len(self.train_data),
+                    units=self.released_units if self.released_units is not None
+                    else self.units,
                 ),
                 max_physical_batch_size=cfg.training.max_physical_batch_size,
                 local_epochs=key[1],
@@ -184,6 +217,8 @@ class DpTrainingHook:
                 device=cfg.training.device,
                 task=self.task,
                 num_classes=self.num_classes,
+                released_units=self.released_units,
+                noise_multiplier=1.0 if planned else None,  # re-planned before each round
             )
             seed = cfg.training.seed
             if seed is None:
@@ -197,7 +232,20 @@ class DpTrainingHook:
     def planned_segments(self, plan: RoundPlan) -> list[Segment]:
         if plan.local_epochs == 0 or not self.dp:
             return []
-        segments: list[Segment] = self.trainer_for(plan).planned_segments(plan.local_epochs)
+        trainer = self.trainer_for(plan)
+        if self.ledger is not None and self.released_units is not None:
+            sigma = self._planned.get(plan.round_number)
+            if sigma is None:
+                from site_agent.dp_release import plan_training_noise
+
+                sigma = plan_training_noise(
+                    self.ledger, policy=self.settings.policy,
+                    announced_rounds=plan.planned_rounds, sample_rate=trainer.sample_rate,
+                    steps_per_round=plan.local_epochs * trainer.steps_per_epoch,
+                ).noise_multiplier
+                self._planned = {plan.round_number: sigma}
+            trainer.set_noise_multiplier(sigma)
+        segments: list[Segment] = trainer.planned_segments(plan.local_epochs)
         return segments
 
     def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate:
@@ -206,9 +254,11 @@ class DpTrainingHook:
         # Evaluate the GLOBAL model on held-out data before training: its score
         # histogram rides along in the secure sum (the federation's ROC, not ours).
         histogram = self.evaluate(plan, global_flat)
+        released = self.released_units if self.released_units is not None else None
+        patients = released if released is not None else self.patients
         if plan.local_epochs == 0:
             delta = np.zeros_like(global_flat, dtype=np.float32)
-            return LocalUpdate(delta, 0, histogram, time.perf_counter() - started, self.patients)
+            return LocalUpdate(delta, 0, histogram, time.perf_counter() - started, patients)
         result = self.trainer_for(plan).train_round(
             global_flat,
             local_epochs=plan.local_epochs,
@@ -217,10 +267,11 @@ class DpTrainingHook:
         )
         return LocalUpdate(
             result.delta_flat,
-            result.num_samples,
+            # The FedAvg weight: the DP count, never the exact number of records.
+            released if released is not None else result.num_samples,
             histogram,
             time.perf_counter() - started,
-            self.patients,
+            patients,
         )
 
 
@@ -233,6 +284,7 @@ class DpTrainingHook:
             multiclass_score_histogram,
             score_histogram,
         )
+        from site_agent.dp_release import one_per_unit
         from site_agent.imaging import ImageDataset
         from site_agent.models import load_flat_parameters
         from site_agent.trainer import predict_scores
@@ -240,12 +292,22 @@ class DpTrainingHook:
         probe = self.model()
         load_flat_parameters(probe, global_flat)
         probe.to(self.device)
-        inputs = self.holdout if isinstance(self.holdout, ImageDataset) else self.holdout.features
+        # One score per privacy unit (a random encounter of each held-out patient): each
+        # unit moves one count, the sensitivity the agent's histogram noise is planned for.
+        pick = one_per_unit(
+            self.holdout.patient_ids if self.privacy_unit == "patient" else None,
+            size=len(self.holdout),
+        )
+        if isinstance(self.holdout, ImageDataset):
+            inputs: Any = self.holdout.subset(pick)
+        else:
+            inputs = self.holdout.features[pick]
+        labels = self.holdout.labels[pick]
         scores = predict_scores(probe, inputs, device=self.device, task=self.task, batch_size=256)
         if self.task == "binary":
-            return score_histogram(scores, self.holdout.labels, bins=plan.histogram_bins)
+            return score_histogram(scores, labels, bins=plan.histogram_bins)
         bins = bins_per_class(plan.histogram_bins, num_classes=self.num_classes)
-        return multiclass_score_histogram(scores, self.holdout.labels, bins=bins)
+        return multiclass_score_histogram(scores, labels, bins=bins)
 
 
 def load_site_study(settings: SiteSettings) -> Study | None:

@@ -34,11 +34,13 @@ class SiteMetrics:
         )
         self.epsilon_budget = Gauge("medfed_site_epsilon_budget", "Epsilon budget.", registry=r)
         self.samples_used = Gauge(
-            "medfed_site_training_samples", "Training records used in the last round.", registry=r
+            "medfed_site_training_samples",
+            "FedAvg weight of the last round: the DP count of units, never the exact N.",
+            registry=r,
         )
         self.patients_used = Gauge(
             "medfed_site_training_patients",
-            "Distinct patients in the training split (0 if record-level).",
+            "DP count of training units (0 without a ledger); never the exact N.",
             registry=r,
         )
         self.device = Gauge(

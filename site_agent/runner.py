@@ -52,6 +52,9 @@ def run_site(
     hook = build_hook(settings)
     metrics.device.labels(device=hook.device).set(1)
     ledger = open_ledger(settings, hook)
+    if ledger is not None and isinstance(hook, DpTrainingHook):
+        # The one DP count of this site's units (persisted; never re-released).
+        hook.attach_ledger(ledger, state=settings.state)
     agent = SiteAgent(settings, hook, metrics=metrics, ledger=ledger, stop=stop)
     agent.budget_pb()
     _, metrics_port = serve_metrics(settings.metrics_listen, metrics.registry)

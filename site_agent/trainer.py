@@ -101,6 +101,10 @@ class TrainingConfig:
     privacy_unit: Literal["auto", "patient", "record"] = "auto"
     grad_sample_mode: Literal["ghost", "hooks", "auto"] = "auto"
     device: str = "auto"
+    # Issue 10: the DP count of units (sample rate and steps come from it, never from N)
+    # and the noise multiplier the site planned from its ledger (None: plan here).
+    released_units: int | None = None
+    noise_multiplier: float | None = None
     task: Task = "binary"
     num_classes: int = 2
 
@@ -498,13 +502,18 @@ class LocalTrainer:
             raise ConfigError(
                 "batch_size", f"{config.batch_size} exceeds the {self.num_units} available units"
             )
-        self.sample_rate = config.batch_size / self.num_units
+        # The DP count when the site released one: q and steps then depend on N only
+        # through that count (Poisson sampling at rate q stays what is accounted).
+        rate_units = config.released_units or self.num_units
+        self.sample_rate = min(config.batch_size / rate_units, 1.0)
         # A fixed number of steps per epoch (= 1/q) makes the accounting exact and
         # independent of the sampled batch sizes.
-        self.steps_per_epoch = max(1, round(self.num_units / config.batch_size))
+        self.steps_per_epoch = max(1, round(rate_units / config.batch_size))
 
         self.noise_multiplier = 0.0
-        if config.dp:
+        if config.dp and config.noise_multiplier is not None:
+            self.noise_multiplier = config.noise_multiplier
+        elif config.dp:
             self.noise_multiplier = _planned_noise_multiplier(
                 target_epsilon=config.target_epsilon,
                 delta=config.delta,
@@ -660,6 +669,15 @@ class LocalTrainer:
         self._criterion = TaskLoss(cfg.task)
 
     # -------------------------------------------------------------- accounting
+    def set_noise_multiplier(self, sigma: float) -> None:
+        """Use the noise the site re-planned for this round (from its ledger)."""
+        if not (sigma > 0 and sigma < float("inf")):
+            raise ConfigError("noise_multiplier", f"must be finite and > 0, got {sigma}")
+        self.noise_multiplier = sigma
+        for engine in (getattr(self, "_patient_engine", None), getattr(self, "optimizer", None)):
+            if engine is not None and hasattr(engine, "noise_multiplier"):
+                engine.noise_multiplier = sigma
+
     def planned_segments(self, local_epochs: int | None = None) -> list[Segment]:
         """The DP mechanism one round will run, known BEFORE training (for the ledger)."""
         if not self.config.dp:

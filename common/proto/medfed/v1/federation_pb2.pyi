@@ -48,12 +48,26 @@ class EnrollRequest(_message.Message):
     def __init__(self, agent_version: _Optional[str] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ..., device: _Optional[str] = ...) -> None: ...
 
 class EnrollResponse(_message.Message):
-    __slots__ = ("federation_id", "current_round")
+    __slots__ = ("federation_id", "current_round", "ledger_seq_held")
     FEDERATION_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_SEQ_HELD_FIELD_NUMBER: _ClassVar[int]
     federation_id: str
     current_round: int
-    def __init__(self, federation_id: _Optional[str] = ..., current_round: _Optional[int] = ...) -> None: ...
+    ledger_seq_held: int
+    def __init__(self, federation_id: _Optional[str] = ..., current_round: _Optional[int] = ..., ledger_seq_held: _Optional[int] = ...) -> None: ...
+
+class ReplicateLedgerRequest(_message.Message):
+    __slots__ = ("history",)
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    history: bytes
+    def __init__(self, history: _Optional[bytes] = ...) -> None: ...
+
+class ReplicateLedgerResponse(_message.Message):
+    __slots__ = ("ledger_seq_held",)
+    LEDGER_SEQ_HELD_FIELD_NUMBER: _ClassVar[int]
+    ledger_seq_held: int
+    def __init__(self, ledger_seq_held: _Optional[int] = ...) -> None: ...
 
 class WaitForRoundRequest(_message.Message):
     __slots__ = ("wait_seconds", "after_round", "budget")

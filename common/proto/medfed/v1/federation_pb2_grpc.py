@@ -49,6 +49,11 @@ class FederationStub:
                 request_serializer=medfed_dot_v1_dot_federation__pb2.DeclineRoundRequest.SerializeToString,
                 response_deserializer=medfed_dot_v1_dot_federation__pb2.DeclineRoundResponse.FromString,
                 _registered_method=True)
+        self.ReplicateLedger = channel.unary_unary(
+                '/medfed.v1.Federation/ReplicateLedger',
+                request_serializer=medfed_dot_v1_dot_federation__pb2.ReplicateLedgerRequest.SerializeToString,
+                response_deserializer=medfed_dot_v1_dot_federation__pb2.ReplicateLedgerResponse.FromString,
+                _registered_method=True)
         self.DownloadModel = channel.unary_stream(
                 '/medfed.v1.Federation/DownloadModel',
                 request_serializer=medfed_dot_v1_dot_federation__pb2.DownloadModelRequest.SerializeToString,
@@ -102,6 +107,14 @@ class FederationServicer:
 
     def DeclineRound(self, request, context):
         """The site will not take part in this round (for example: budget exhausted).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReplicateLedger(self, request, context):
+        """Send the coordinator the signed ledger entries its replica lacks (after the seq
+        EnrollResponse.ledger_seq_held names). They hold mechanism parameters only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -169,6 +182,11 @@ def add_FederationServicer_to_server(servicer, server):
                     servicer.DeclineRound,
                     request_deserializer=medfed_dot_v1_dot_federation__pb2.DeclineRoundRequest.FromString,
                     response_serializer=medfed_dot_v1_dot_federation__pb2.DeclineRoundResponse.SerializeToString,
+            ),
+            'ReplicateLedger': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplicateLedger,
+                    request_deserializer=medfed_dot_v1_dot_federation__pb2.ReplicateLedgerRequest.FromString,
+                    response_serializer=medfed_dot_v1_dot_federation__pb2.ReplicateLedgerResponse.SerializeToString,
             ),
             'DownloadModel': grpc.unary_stream_rpc_method_handler(
                     servicer.DownloadModel,
@@ -282,6 +300,33 @@ class Federation:
             '/medfed.v1.Federation/DeclineRound',
             medfed_dot_v1_dot_federation__pb2.DeclineRoundRequest.SerializeToString,
             medfed_dot_v1_dot_federation__pb2.DeclineRoundResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicateLedger(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/medfed.v1.Federation/ReplicateLedger',
+            medfed_dot_v1_dot_federation__pb2.ReplicateLedgerRequest.SerializeToString,
+            medfed_dot_v1_dot_federation__pb2.ReplicateLedgerResponse.FromString,
             options,
             channel_credentials,
             insecure,

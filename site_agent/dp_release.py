@@ -1,0 +1,211 @@
+"""What a site releases beyond DP-SGD, and how it plans its own noise (issue 10).
+
+* The cohort size: ONE Gaussian count per data set (sensitivity 1, a ledger entry of
+  purpose "count"), persisted in the site's state so a restart never re-releases; sample
+  rates, steps, FedAvg weights and gauges are computed from it, never from N.
+* DP evaluation: one score per privacy unit, a 2 x bins integer histogram noised with
+  the distributed discrete Gaussian (Kairouz, Liu & Steinke, ICML 2021) split across the
+  round-size floor minus the colluding sites, so the secure sum carries the noise.
+* Noise planning: sigma from the site's remaining budget and its own policy
+  (`plan_round_noise`), re-planned every round from what the ledger shows spent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from common.config import SitePolicySection
+from common.crypto.random import RandomSource, numpy_generator, system_random
+from common.errors import ConfigError, RoundFailed, StateError
+from common.privacy.accountant import RoundNoisePlan, compose_epsilon, plan_round_noise
+from common.privacy.ddgauss import count_noise, count_site_sigma
+from common.privacy.ledger import PrivacyLedger
+from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian
+
+COUNT_STATE_FILE = "cohort-count.json"
+PURPOSE_COUNT = "count"
+PURPOSE_EVALUATION = "evaluation"
+PURPOSE_TRAINING = "training"
+
+
+# --------------------------------------------------------------------- cohort count
+
+
+def gaussian_std_for(*, epsilon: float, delta: float, accountant: str) -> float:
+    """Smallest noise std (to 1e-3 relative) of a sensitivity-1 Gaussian release whose
+    epsilon at `delta` is at most `epsilon` (bisection on the accountant itself)."""
+    def eps(std: float) -> float:
+        return compose_epsilon([Gaussian(std, 1.0)], delta=delta, accountant=accountant)
+
+    low, high = 0.0, 1.0
+    while eps(high) > epsilon:
+        low, high = high, high * 2
+        if high > 1e9:
+            raise ConfigError("count_epsilon", f"{epsilon} is unreachable")
+    while high - low > 1e-3 * high:
+        middle = (low + high) / 2
+        if eps(middle) <= epsilon:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+@dataclass(frozen=True)
+class CohortCount:
+    noisy_count: int
+    noise_std: float
+    ledger_round: int
+
+
+def release_cohort_count(
+    ledger: PrivacyLedger,
+    *,
+    units: int,
+    epsilon: float,
+    state: Path,
+    now: datetime,
+    rng: RandomSource = system_random,
+) -> CohortCount:
+    """The site's one DP count of its privacy units (persisted; never re-released).
+
+    Write-ahead: the ledger entry is committed before the count exists; a crash between
+    the two costs a second entry at the next start, never a free release."""
+    path = state / COUNT_STATE_FILE
+    if path.exists():
+        try:
+            raw = json.loads(path.read_text())
+            return CohortCount(int(raw["noisy_count"]), float(raw["noise_std"]),
+                               int(raw["ledger_round"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise StateError(
+                f"{path} is unreadable ({exc}): it holds this site's released cohort count; "
+                "restore it from a backup (deleting it would release, and pay for, a new one)"
+            ) from None
+    std = gaussian_std_for(epsilon=epsilon, delta=ledger.delta, accountant=ledger.accountant)
+    previous = [e for e in ledger.entries() if e.purpose == PURPOSE_COUNT]
+    ledger_round = max((e.round for e in previous), default=-1) + 1
+    ledger.reserve(ledger_round, [Gaussian(std, 1.0)], now=now, purpose=PURPOSE_COUNT)
+    noise = numpy_generator(rng).normal(0.0, std)
+    # Rounding and clamping are post-processing of the Gaussian release.
+    noisy = max(1, round(float(units + noise)))
+    released = CohortCount(noisy, std, ledger_round)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(
+        {"noisy_count": noisy, "noise_std": std, "ledger_round": ledger_round}
+    ))
+    os.replace(tmp, path)
+    return released
+
+
+# ----------------------------------------------------------------------- evaluation
+
+
+def evaluation_noise_sites(
+    policy: SitePolicySection, *, threshold: int, secure: bool
+) -> int:
+    """n_noise: how many honest sites' noise the sum is sure to carry.
+
+    The round-size floor max(min_round_sites, T + 2), lowered to the SecAgg+ threshold
+    (the sum holds at least t inputs), minus the T colluders (who know their own
+    noise). A plain round shows the coordinator each vector: then 1 (our noise alone)."""
+    if not secure:
+        return 1
+    colluding = policy.max_colluding_sites
+    floor = max(policy.min_round_sites, colluding + 2)
+    return max(1, min(floor, threshold) - colluding)
+
+
+def evaluation_mechanism(
+    *, noise_std: float, n_noise: int, bins: int, classes: int = 1
+) -> DistributedDiscreteGaussian:
+    """The ledger record of one histogram release: each unit adds one count, so L1 = L2 = 1;
+    with K one-vs-rest blocks (a multi-class study, `bins` covering all of them) one
+    count in each block: L1 = K, L2 = sqrt(K)."""
+    site_sigma = count_site_sigma(sigma=noise_std, n_noise=n_noise)
+    return DistributedDiscreteGaussian(
+        noise_variance_per_site=site_sigma**2,
+        contributors=n_noise,
+        l2_sensitivity=math.sqrt(classes),
+        dimension=2 * bins,
+        l1_sensitivity=float(classes),
+    )
+
+
+def noised_histogram(
+    histogram: np.ndarray, *, noise_std: float, n_noise: int, rng: RandomSource = system_random
+) -> np.ndarray:
+    """This site's share of the distributed noise added to its integer counts."""
+    counts = np.asarray(histogram, dtype=np.int64)
+    noise = count_noise(counts.size, sigma=noise_std, n_noise=n_noise, rng=rng)
+    noised: np.ndarray = counts + noise
+    return noised
+
+
+def one_per_unit(
+    unit_ids: np.ndarray | None, *, size: int, rng: RandomSource = system_random
+) -> np.ndarray:
+    """Indices of one uniformly random record per privacy unit (every record when the
+    unit is the record): bounds each unit's histogram contribution to one count."""
+    if unit_ids is None:
+        return np.arange(size)
+    order = numpy_generator(rng).permutation(size)
+    _, first = np.unique(np.asarray(unit_ids)[order], return_index=True)
+    return np.sort(order[first])
+
+
+def evaluations_used(ledger: PrivacyLedger) -> int:
+    return sum(1 for e in ledger.entries() if e.purpose == PURPOSE_EVALUATION)
+
+
+def check_evaluation_allowed(ledger: PrivacyLedger, policy: SitePolicySection) -> bool:
+    """False once the site's `max_evaluations` are on its ledger."""
+    return evaluations_used(ledger) < policy.max_evaluations
+
+
+def refuse_evaluation_only(round_number: int) -> RoundFailed:
+    return RoundFailed(
+        f"round {round_number} is evaluation-only and this site's policy max_evaluations "
+        "is reached"
+    )
+
+
+# ------------------------------------------------------------------------ planning
+
+
+def rounds_to_plan(policy: SitePolicySection, announced: int) -> int:
+    """The rounds a site plans for: its own policy, raised (never lowered) by the
+    coordinator's announcement."""
+    return max(policy.planned_rounds, announced)
+
+
+def plan_training_noise(
+    ledger: PrivacyLedger,
+    *,
+    policy: SitePolicySection,
+    announced_rounds: int,
+    sample_rate: float,
+    steps_per_round: int,
+) -> RoundNoisePlan:
+    """The next round's noise multiplier, from the ledger's composed spend and the
+    site's policy (a restart re-plans from the same ledger, so it gets the same answer).
+    """
+    done = sum(1 for e in ledger.entries() if e.purpose == PURPOSE_TRAINING)
+    remaining = max(rounds_to_plan(policy, announced_rounds) - done, 1)
+    return plan_round_noise(
+        history=ledger.history(),
+        budget_epsilon=ledger.budget_epsilon,
+        delta=ledger.delta,
+        sample_rate=sample_rate,
+        steps_per_round=steps_per_round,
+        remaining_rounds=remaining,
+        max_epsilon_per_round=policy.max_epsilon_per_round,
+        accountant=ledger.accountant,
+    )
