@@ -90,7 +90,9 @@ def test_images_study_trains_its_cnn_with_patient_level_dp(tmp_path: Path) -> No
     update = hook.train(plan, flatten_parameters(initial))
     assert update.delta.shape == flatten_parameters(initial).shape
     assert np.all(np.isfinite(update.delta)) and np.any(update.delta != 0)
-    assert update.histogram.shape == (20,) and update.histogram.sum() == len(hook.holdout)
+    # One score per held-out patient (each unit moves one count: the DP sensitivity).
+    assert update.histogram.shape == (20,)
+    assert update.histogram.sum() == hook.holdout.num_patients
     assert hook.planned_segments(plan)  # a DP mechanism for the ledger
 
 
