@@ -23,7 +23,12 @@ the deadline itself is a configuration choice, reported separately.
 
 Exactness: every round's unmasked ring sum (coordinator `--debug-write-aggregates`)
 must equal the sum of the surviving sites' plaintext ring vectors (`--debug-write-updates`).
-Memory: the coordinator's peak RSS is VmHWM from /proc/PID/status, read after the round.
+Memory: the coordinator's peak RSS is VmHWM from /proc/PID/status, read after the round;
+each surviving site logs its VmRSS just before the model download and its VmHWM after
+the round (`site_round_done`), and the worst growth is reported in models (4 d bytes).
+Key latency (secure rounds): each site logs `advertised_keys` with the seconds from
+receiving the announcement to sending AdvertiseKeys (noise planning runs concurrently,
+issue 8 section 4); the bench reports their maximum and median over sites and rounds.
 """
 
 from __future__ import annotations
@@ -153,6 +158,11 @@ class RoundMeasurement:
     exact: bool
     idle_rss_bytes: int
     peak_rss_bytes: int
+    # Per surviving site: its peak RSS (VmHWM after the upload) minus its RSS just
+    # before the model download (the site's `site_round_done` log event).
+    site_growth_bytes: tuple[int, ...] = ()
+    site_before_download_bytes: tuple[int, ...] = ()
+    advertise_seconds: tuple[float, ...] = ()  # per site: announcement -> AdvertiseKeys
 
     @property
     def seconds(self) -> float:
@@ -183,8 +193,14 @@ class RoundBench:
             "MEDFED_COORDINATOR_AGGREGATION__MAX_COLLUDING_SITES": str(self.colluding),
             "MEDFED_SITE_POLICY__MAX_COLLUDING_SITES": str(self.colluding),
         }
+        survivors = sites - dropouts
+        if survivors < 3:
+            # The sites' default floor (policy.min_round_sites = 3) would refuse a sum of
+            # fewer sites; small benchmark federations lower it to what they keep.
+            self.env["MEDFED_SITE_POLICY__MIN_ROUND_SITES"] = str(max(2, survivors))
         self.runs = 0
         self._idle_rss = 0
+        self._sites: list[_Child] = []
 
     def run_round(self, mode: str) -> RoundMeasurement:
         self.runs += 1
@@ -197,6 +213,13 @@ class RoundBench:
                 what="round 1 completed",
             )
             peak = proc_status_bytes(coordinator.proc.pid, "VmHWM")
+            advertise = self._advertise_seconds() if mode == "secure" else ()
+            survivors_now = set(str(completed.get("survivors", "")).split(","))
+            site_memory = [
+                site.wait_for(lambda e: e.get("event") == "site_round_done", timeout=60,
+                              what="site_round_done")
+                for site in self._sites if site.name in survivors_now
+            ]
         total, survivors = self._aggregate(run_dir)
         expected = np.zeros_like(total)
         for site in survivors:
@@ -215,6 +238,22 @@ class RoundBench:
             exact=exact,
             idle_rss_bytes=self._idle_rss,
             peak_rss_bytes=peak,
+            site_growth_bytes=tuple(
+                int(e["peak_rss_bytes"]) - int(e["rss_before_download_bytes"])
+                for e in site_memory
+            ),
+            site_before_download_bytes=tuple(
+                int(e["rss_before_download_bytes"]) for e in site_memory
+            ),
+            advertise_seconds=advertise,
+        )
+
+    def _advertise_seconds(self) -> tuple[float, ...]:
+        """Each site's announcement -> AdvertiseKeys seconds (its `advertised_keys` log)."""
+        return tuple(
+            float(site.wait_for(lambda e: e.get("event") == "advertised_keys",
+                                timeout=60, what="advertised_keys")["seconds"])
+            for site in self._sites
         )
 
     @contextlib.contextmanager
@@ -234,6 +273,7 @@ class RoundBench:
             env=self.env, log=run_dir / "coordinator.log",
         )
         children = [coordinator]
+        self._sites = []
         try:
             listening = coordinator.wait_for(
                 lambda e: e.get("event") == "listening", timeout=120, what="listening"
@@ -247,7 +287,7 @@ class RoundBench:
                              "--debug-pause-seconds", "3600"]
                 elif mode == "plain" and not drops:
                     extra = ["--allow-plain-aggregation"]
-                children.append(_Child.start(
+                self._sites.append(_Child.start(
                     site,
                     _medfed(
                         "site", "run", "--pki", str(self.pki), "--site", site,
@@ -260,7 +300,7 @@ class RoundBench:
                 ))
             yield coordinator
         finally:
-            for child in reversed(children):
+            for child in [*reversed(self._sites), *reversed(children)]:
                 child.stop()
 
     @staticmethod
@@ -288,6 +328,7 @@ def run(*, sites: int, dim: int, dropouts: int, rounds: int,
             order = ("secure", "plain") if rep % 2 == 0 else ("plain", "secure")
             for mode in order:
                 measured.append(bench.run_round(mode))
+    growth = [g for m in measured for g in m.site_growth_bytes]
     secure = [m for m in measured if m.mode == "secure"]
     plain = [m for m in measured if m.mode == "plain"]
     secure_s = statistics.median(m.seconds for m in secure)
@@ -311,14 +352,31 @@ def run(*, sites: int, dim: int, dropouts: int, rounds: int,
         "coordinator_idle_rss_bytes": max(m.idle_rss_bytes for m in measured),
         "coordinator_peak_rss_bytes": max(m.peak_rss_bytes for m in secure),
         "plain_coordinator_peak_rss_bytes": max(m.peak_rss_bytes for m in plain),
+        # Site memory over the model-sized work of a round, worst site of any round.
+        "site_peak_growth_bytes": max(growth, default=0),
+        "site_peak_growth_models": max(growth, default=0) / (4 * dim),
+        "site_rss_before_download_bytes": max(
+            (b for m in measured for b in m.site_before_download_bytes), default=0
+        ),
+        **advertise_summary(secure),
     }
+
+
+def advertise_summary(secure: list[RoundMeasurement]) -> dict[str, float]:
+    """Announcement -> AdvertiseKeys over every site of every secure round (target
+    <= 1 s at every site: key phases never wait for noise calibration)."""
+    seconds = [s for m in secure for s in m.advertise_seconds]
+    if not seconds:
+        return {}
+    return {"advertise_keys_max_seconds": max(seconds),
+            "advertise_keys_median_seconds": statistics.median(seconds)}
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sites", type=int, default=10, help="site agent processes")
     parser.add_argument("--dim", type=int, default=1_000_000, help="model parameters (float32)")
     parser.add_argument("--dropouts", type=int, default=2, help="sites dropped in every round")
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per mode")
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per mode")
     parser.add_argument(
         "--phase-seconds", type=float, default=None,
         help="phase deadline (default 2 s + 1 s per 10^6 elements sent); its idle part is "
@@ -340,10 +398,22 @@ def main_from_args(args: argparse.Namespace) -> int:
     print(f"  plain FedAvg    {result['plain_seconds']:8.3f} s")
     print(f"  SecAgg+         {result['secure_seconds']:8.3f} s   {result['ratio']:.2f}x plain")
     print(f"  exact sum of survivors: {result['exact']}")
+    if "advertise_keys_max_seconds" in result:
+        print(
+            f"  announcement -> AdvertiseKeys per site: max "
+            f"{result['advertise_keys_max_seconds']:.3f} s, median "
+            f"{result['advertise_keys_median_seconds']:.3f} s"
+        )
     print(
         f"  coordinator RSS: idle {result['coordinator_idle_rss_bytes'] / mib:.0f} MiB, "
         f"peak {result['coordinator_peak_rss_bytes'] / mib:.0f} MiB secure, "
         f"{result['plain_coordinator_peak_rss_bytes'] / mib:.0f} MiB plain"
+    )
+    print(
+        f"  site peak RSS above its RSS before the download: "
+        f"{result['site_peak_growth_bytes'] / mib:.0f} MiB = "
+        f"{result['site_peak_growth_models']:.2f} models (worst site; "
+        f"RSS before download {result['site_rss_before_download_bytes'] / mib:.0f} MiB)"
     )
     if args.json:
         print(json.dumps(result))

@@ -20,16 +20,30 @@ from common.errors import MedfedError
 COMMAND_GROUP = "medfed.commands"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `medfed` parser. With `command` (the subcommand the user typed), only that
+    plug-in is loaded: a coordinator or site process must not import what other commands
+    need (torch for `predict` and `bench` costs a service ~300 MB of RSS and seconds of
+    start-up). Without it (help, a typo), every command is listed."""
     parser = argparse.ArgumentParser(
         prog="medfed",
         description="Federated learning for hospitals with secure aggregation and DP.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+    plugins = sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name)
+    chosen = [ep for ep in plugins if ep.name == command]
+    for ep in chosen or plugins:
         register = ep.load()
         register(sub)
     return parser
+
+
+def _command_word(argv: Sequence[str]) -> str | None:
+    """The first argument that is not an option: the subcommand, if any."""
+    for word in argv:
+        if not word.startswith("-"):
+            return word
+    return None
 
 
 def run_parsed(args: argparse.Namespace) -> int:
@@ -57,7 +71,8 @@ def main_with(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_parsed(build_parser().parse_args(argv))
+    words = list(sys.argv[1:] if argv is None else argv)
+    return run_parsed(build_parser(_command_word(words)).parse_args(words))
 
 
 if __name__ == "__main__":

@@ -166,6 +166,28 @@ class SpoolAssembler(ChunkAssembler):
         self._file.close()
 
 
+FINITE_CHECK_ELEMENTS = 1 << 18
+"""Window of `all_finite`: its boolean temporary stays at 256 KiB, not d bytes."""
+
+
+def all_finite(values: np.ndarray) -> bool:
+    """True when no element is NaN or infinite, checked window by window."""
+    flat = values.reshape(-1)
+    for start in range(0, flat.size, FINITE_CHECK_ELEMENTS):
+        if not np.isfinite(flat[start : start + FINITE_CHECK_ELEMENTS]).all():
+            return False
+    return True
+
+
+def check_finite(flat: np.ndarray, layout: Sequence[TensorSpec]) -> None:
+    """Refuse a float vector with NaN or infinity, naming the first tensor that has one."""
+    start = 0
+    for spec in layout:
+        if not all_finite(flat[start : start + spec.elements]):
+            raise ValidationError(f"tensor {spec.name!r} holds non-finite values")
+        start += spec.elements
+
+
 def flat_to_bytes(flat: np.ndarray, layout: Sequence[TensorSpec]) -> bytes:
     """Serialize a float32 flat vector to the concatenated bytes of `layout`."""
     if flat.ndim != 1 or flat.size != layout_elements(layout):

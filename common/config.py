@@ -134,6 +134,15 @@ class DeadlineSection(_Section):
     round_start_timeout_seconds: float = Field(
         default=3600.0, gt=0, description="give up waiting for min_sites after this long"
     )
+    heartbeat_seconds: float = Field(
+        default=5.0, ge=0.2, le=300,
+        description="interval of the sites' heartbeats while they take part in a round",
+    )
+    heartbeat_misses: int = Field(
+        default=3, ge=2, le=100,
+        description="drop a site silent (no heartbeat, no message) for this many intervals "
+        "from the phase it is expected in, as a missed deadline would",
+    )
 
 
 class LimitsSection(_Section):
@@ -152,6 +161,16 @@ class LimitsSection(_Section):
         le=3600,
         description="cut a masked-input upload that sends no chunk for this long (slow "
         "loris): its staging slot is freed and the site is dropped from that phase",
+    )
+
+
+class CheckpointSection(_Section):
+    keep: int = Field(
+        default=3,
+        ge=1,
+        le=1_000_000,
+        description="checkpoint files kept on disk (the newest; the one the state database "
+        "resumes from is never deleted)",
     )
 
 
@@ -184,6 +203,7 @@ class CoordinatorSettings(_Settings):
     optimizer: OptimizerSection = OptimizerSection()
     deadlines: DeadlineSection = DeadlineSection()
     limits: LimitsSection = LimitsSection()
+    checkpoints: CheckpointSection = CheckpointSection()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     debug_write_aggregates: bool = Field(
         default=False, description="TEST ONLY: write each round's unmasked ring sum to STATE"
@@ -256,6 +276,21 @@ class SitePolicySection(_Section):
 
     min_threshold: int = Field(default=2, ge=2)
     max_colluding_sites: int = Field(default=1, ge=0)
+    # One floor for both uses: rounds (and Unmask) covering fewer sites than
+    # max(min_round_sites, max_colluding_sites + 2) are refused (issue 9, sec. 3), and
+    # the distributed DP noise is planned for it minus colluding sites (issue 10).
+    min_round_sites: int = Field(
+        default=3,
+        ge=2,
+        description="refuse secure rounds (and Unmask) covering fewer sites than "
+        "max(min_round_sites, max_colluding_sites + 2); distributed noise is planned "
+        "for this many sites minus colluders",
+    )
+    members: dict[str, str] | None = Field(
+        default=None,
+        description="optional pinning: site id -> hex SHA-256 of its certificate public key "
+        "(`medfed pki members`); a roster entry not listed aborts the round",
+    )
     max_vector_length: int = Field(default=1 << 28, ge=1)
     allow_plain_aggregation: bool = Field(
         default=False, description="accept rounds without secure aggregation (benchmarks)"
@@ -271,8 +306,24 @@ class SitePolicySection(_Section):
     max_epsilon_per_round: float | None = Field(default=None, gt=0, le=100)
     # Issue 10, section 3: DP evaluations this site's ledger may record, ever.
     max_evaluations: int = Field(default=10, ge=0, le=100_000)
-    # Round-size floor the distributed noise is planned for (minus colluding sites).
-    min_round_sites: int = Field(default=3, ge=2)
+
+    @field_validator("members")
+    @classmethod
+    def _check_members(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("an empty member list would refuse every round; omit it instead")
+        site = re.compile(SITE_ID_PATTERN)
+        fingerprint = re.compile(r"^[0-9a-f]{64}$")
+        for site_id, digest in value.items():
+            if not site.match(site_id):
+                raise ValueError(f"invalid site id {site_id!r}")
+            if not fingerprint.match(digest):
+                raise ValueError(
+                    f"{site_id}: expected the hex SHA-256 of its certificate public key"
+                )
+        return value
 
 
 class ReconnectSection(_Section):
@@ -316,6 +367,10 @@ class SiteSettings(_Settings):
         description="TEST ONLY: ROUND:PHASE after which to pause (fault-injection tests)",
     )
     debug_pause_seconds: float = Field(default=3600.0, gt=0)
+    debug_train_seconds: float = Field(
+        default=0.0, ge=0, le=3600,
+        description="TEST ONLY: the test-deterministic trainer takes this long per round",
+    )
 
     _listen = field_validator("coordinator", "metrics_listen")(_check_listen)
 

@@ -1261,3 +1261,27 @@ def list_certificates(directory: str | os.PathLike[str]) -> list[CertificateInfo
             )
         )
     return rows
+
+
+def site_members(
+    directory: str | os.PathLike[str], *, now: dt.datetime | None = None
+) -> dict[str, str]:
+    """Site id -> hex SHA-256 of its certificate public key, for every current, valid,
+    unrevoked site certificate in a PKI directory: what a consortium pins in its sites'
+    ``[policy.members]`` so that a CA minting extra "hospitals" cannot join a round."""
+    root = Path(directory)
+    ca_cert = load_ca(root)
+    revoked = revoked_serials(root)
+    moment = _utc(now)
+    members: dict[str, str] = {}
+    for path in sorted((root / SITES_DIR).glob("*.crt")):
+        cert = load_certificate(path)
+        try:
+            check_issued_by(cert, ca_cert, what=str(path))
+            check_validity_window(cert, moment, what=str(path))
+            site_id = site_id_from_certificate(cert)
+        except CertificateRejected:
+            continue
+        if cert.serial_number not in revoked:
+            members[site_id] = public_key_fingerprint(cert)
+    return members

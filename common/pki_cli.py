@@ -131,6 +131,14 @@ def register(subparsers: Any) -> None:
     listing.add_argument("--dir", required=True, type=Path)
     listing.set_defaults(func=_list)
 
+    members = actions.add_parser(
+        "members",
+        help="print [policy.members] (site id = SHA-256 of its certificate public key) for "
+        "sites that pin the consortium's membership",
+    )
+    members.add_argument("--dir", required=True, type=Path)
+    members.set_defaults(func=_members)
+
 
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
@@ -276,5 +284,18 @@ def main(argv: list[str] | None = None) -> int:
     return main_with([register], argv)
 
 
+def _members(args: argparse.Namespace) -> int:
+    members = pki.site_members(args.dir, now=_now())
+    if not members:
+        raise ConfigError("--dir", f"no valid, unrevoked site certificate in {args.dir}")
+    print("# Paste into every site's configuration (site.toml). Compare each line with the")
+    print("# fingerprint the hospital read out when its CSR was signed (`medfed pki sign`).")
+    print("[policy.members]")
+    for site_id, fingerprint in members.items():
+        print(f'"{site_id}" = "{fingerprint}"')
+    return 0
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -17,13 +17,23 @@ from common.codec import CHUNK_BYTES, TensorSpec
 from common.config import SitePolicySection
 from common.crypto.quantize import max_integer_for_sites
 from common.egress import EgressManifest, round_manifest
-from common.errors import RoundFailed, ValidationError
+from common.errors import AbortReason, ProtocolAbort, RoundFailed, ValidationError
 from common.privacy.ledger import BudgetStatus
-from common.secagg.params import SecAggParams, ThreatModel, validate_against_threat_model
+from common.secagg.params import (
+    SecAggParams,
+    ThreatModel,
+    round_floor,
+    validate_against_threat_model,
+)
 
 ANNOUNCEMENT_DOMAIN = b"medfed/v1/announcement"
 ROUND_NONCE_LENGTH = 16
 MIN_CHUNK_BYTES = 1 << 16
+DEFAULT_HEARTBEAT_MS = 5_000
+MIN_HEARTBEAT_MS = 200
+MAX_HEARTBEAT_MS = 300_000
+"""Heartbeat intervals a site accepts: a coordinator can neither make it call many
+times a second nor leave a silent site undetected for long."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class Announcement:
     phase_timeout_ms: int
     weight_cap: int
     max_chunk_bytes: int = CHUNK_BYTES
+    heartbeat_ms: int = DEFAULT_HEARTBEAT_MS
 
     def manifest(self) -> EgressManifest:
         """The segments of this round's masked vector (common.egress)."""
@@ -92,7 +103,7 @@ class Announcement:
         _put_float(out, self.learning_rate)
         _put_float(out, self.fedprox_mu)
         for number in (self.planned_rounds, self.train_deadline_ms, self.phase_timeout_ms,
-                       self.weight_cap, self.max_chunk_bytes):
+                       self.weight_cap, self.max_chunk_bytes, self.heartbeat_ms):
             _put_uint(out, number)
         return hashlib.sha256(bytes(out)).digest()
 
@@ -148,10 +159,26 @@ class VerifiedRound:
     phase_timeout: float  # seconds, at least 1
     train_deadline: float  # unix seconds
     chunk_bytes: int
+    heartbeat_seconds: float  # interval of this site's Heartbeat calls
 
     @property
     def number(self) -> int:
         return self.announcement.round_number
+
+
+def secagg_params(ann: Announcement) -> SecAggParams:
+    """The SecAgg+ parameters of a round, with the announcement's digest bound into the
+    session id and every AdvertiseKeys signature (issue 9, sec. 4): both services build
+    them here, so a site told another story than its neighbours aborts at the roster."""
+    return SecAggParams(
+        round_number=ann.round_number,
+        round_nonce=ann.round_nonce,
+        participants=ann.participants,
+        threshold=ann.threshold,
+        neighbours=ann.neighbours,
+        vector_length=ann.vector_length,
+        announcement_digest=ann.digest(),
+    )
 
 
 def validate_for_site(
@@ -160,7 +187,8 @@ def validate_for_site(
     """Check a round against this site's policy before computing anything.
 
     Raises `RoundFailed` when the round is acceptable in form but not for this site,
-    `ValidationError` when it is malformed."""
+    `ValidationError` when it is malformed, `ProtocolAbort(ROUND_TOO_SMALL)` when a
+    secure round has fewer participants than this site's floor."""
     participants = ann.participants
     if site_id not in participants:
         raise RoundFailed(f"round {ann.round_number} does not list this site")
@@ -184,18 +212,28 @@ def validate_for_site(
         raise ValidationError("learning_rate or fedprox_mu out of range")
     if not (ann.local_epochs <= 1000 and ann.planned_rounds <= 1_000_000):
         raise ValidationError("local_epochs or planned_rounds out of range")
+    if not MIN_HEARTBEAT_MS <= ann.heartbeat_ms <= MAX_HEARTBEAT_MS:
+        raise ValidationError(
+            f"heartbeat interval {ann.heartbeat_ms} ms outside "
+            f"{MIN_HEARTBEAT_MS}..{MAX_HEARTBEAT_MS} ms"
+        )
     if ann.round_number >= 1 << 63:  # the ledger stores round numbers as signed 64-bit
         raise ValidationError("round number out of range")
     params = None
     if ann.secure_aggregation:
-        params = SecAggParams(
-            round_number=ann.round_number,
-            round_nonce=ann.round_nonce,
-            participants=participants,
-            threshold=ann.threshold,
-            neighbours=ann.neighbours,
-            vector_length=ann.vector_length,
+        # A sum of too few sites gives one hospital's update away by subtraction
+        # (issue 9, sec. 3): refused before any key, model or training.
+        floor = round_floor(
+            min_round_sites=policy.min_round_sites,
+            max_colluding_sites=policy.max_colluding_sites,
         )
+        if len(participants) < floor:
+            raise ProtocolAbort(
+                AbortReason.ROUND_TOO_SMALL,
+                f"round {ann.round_number} has {len(participants)} participants; this "
+                f"site's policy needs at least {floor}",
+            )
+        params = secagg_params(ann)
         if ann.threshold < policy.min_threshold:
             raise RoundFailed(
                 f"threshold {ann.threshold} below this site's minimum {policy.min_threshold}"
@@ -216,6 +254,7 @@ def validate_for_site(
         # Chunks as large as the coordinator accepts (1 MiB unless it says less),
         # never below 64 KiB (a coordinator cannot make us send a million messages).
         chunk_bytes=min(CHUNK_BYTES, max(ann.max_chunk_bytes or CHUNK_BYTES, MIN_CHUNK_BYTES)),
+        heartbeat_seconds=ann.heartbeat_ms / 1000,
     )
 
 

@@ -40,6 +40,14 @@ SESSION_ID_BYTES = 32
 COMMITMENT_BYTES = sm.COMMITMENT_BYTES
 MAX_TENSORS = 10_000
 LEDGER_HEAD_RE = re.compile(r"[0-9a-f]{64}")
+# Integers a site sends are bounded here, before any of them reaches arithmetic or the
+# database (issue 9, sec. 6): the coordinator derives its next round number from the
+# largest ledger round a site reports, so an unbounded one (2^63 - 1) would overflow
+# SQLite's signed 64-bit integers and stop the federation at every restart. 2^53 - 1
+# is exact in a double (JSON, Prometheus) and leaves room for +1 anywhere.
+MAX_ROUND_NUMBER = (1 << 53) - 1
+MAX_LEDGER_ENTRIES = 1 << 40
+MAX_VECTOR_LENGTH = 1 << 28  # 1 GiB of uint32: the largest policy.max_vector_length default
 
 # The one table from the errors medfed raises on purpose to gRPC status codes (first
 # match wins, so subclasses come before their bases).
@@ -77,6 +85,18 @@ def site_ids(values: Iterable[str], what: str) -> tuple[str, ...]:
     return tuple(site_id(v, what) for v in out)
 
 
+def uint(value: int, *, what: str, maximum: int) -> int:
+    """An integer field from a site, refused (INVALID_ARGUMENT) outside 0..maximum."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= maximum:
+        raise ValidationError(f"{what}: {value!r} outside 0..{maximum}")
+    return value
+
+
+def round_number(value: int, what: str = "round") -> int:
+    """A round number from a site (request.round, after_round, ledger_last_round)."""
+    return uint(value, what=what, maximum=MAX_ROUND_NUMBER)
+
+
 def bounded(value: bytes, *, what: str, exact: int | None = None, maximum: int = 0) -> bytes:
     if exact is not None and len(value) != exact:
         raise ValidationError(f"{what}: expected {exact} bytes, got {len(value)}")
@@ -99,6 +119,9 @@ def layout_to_pb(layout: Sequence[TensorSpec]) -> list[pb.TensorSpec]:
 def layout_from_pb(specs: Sequence[pb.TensorSpec]) -> tuple[TensorSpec, ...]:
     if len(specs) > MAX_TENSORS:
         raise ValidationError("model layout has too many tensors")
+    for spec in specs:
+        if len(spec.shape) > 32 or any(not 0 <= d < 1 << 40 for d in spec.shape):
+            raise ValidationError(f"model layout: tensor {spec.name[:80]!r} has a bad shape")
     return tuple(TensorSpec(s.name, s.dtype, tuple(int(d) for d in s.shape)) for s in specs)
 
 
@@ -128,6 +151,7 @@ def announcement_to_pb(ann: Announcement) -> pb.RoundAnnouncement:
         phase_timeout_ms=ann.phase_timeout_ms,
         weight_cap=ann.weight_cap,
         max_chunk_bytes=ann.max_chunk_bytes,
+        heartbeat_ms=ann.heartbeat_ms,
     )
 
 
@@ -155,6 +179,7 @@ def announcement_from_pb(msg: pb.RoundAnnouncement) -> Announcement:
         phase_timeout_ms=msg.phase_timeout_ms,
         weight_cap=msg.weight_cap,
         max_chunk_bytes=msg.max_chunk_bytes,
+        heartbeat_ms=msg.heartbeat_ms,
     )
 
 
@@ -167,8 +192,9 @@ def budget_from_pb(msg: pb.BudgetStatus) -> SiteBudget | None:
         raise ValidationError("budget: values must be finite and non-negative")
     if msg.ledger_head and not LEDGER_HEAD_RE.fullmatch(msg.ledger_head):
         raise ValidationError("budget: ledger_head must be a hex SHA-256")
-    if msg.ledger_entries >= 1 << 63 or msg.ledger_last_round >= 1 << 63:
-        raise ValidationError("budget: ledger_entries / ledger_last_round out of range")
+    uint(msg.ledger_entries, what="budget.ledger_entries", maximum=MAX_LEDGER_ENTRIES)
+    # The next round must still fit: ledger_last_round + 1 <= MAX_ROUND_NUMBER.
+    uint(msg.ledger_last_round, what="budget.ledger_last_round", maximum=MAX_ROUND_NUMBER - 1)
     return SiteBudget(
         msg.epsilon_budget,
         msg.epsilon_spent,

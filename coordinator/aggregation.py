@@ -24,9 +24,10 @@ from common.evaluation import (
     multiclass_metrics_from_histogram,
     operating_point_metrics,
 )
+from common.round import secagg_params
 from common.secagg import messages as sm
 from common.secagg.client import IdentityVerifier
-from common.secagg.params import SecAggParams, ThreatModel, validate_against_threat_model
+from common.secagg.params import ThreatModel, validate_against_threat_model
 from common.secagg.server import SecAggServer
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.optimizers import weighted_mean
@@ -144,7 +145,7 @@ class PlainAggregator:
         self.dropped = tuple(sorted(set(ann.participants) - state.arrived - self.rnd.declined))
         if not self.survivors:
             raise ProtocolAbort(AbortReason.TOO_FEW_PARTICIPANTS, "no site uploaded")
-        self.result = self.total.copy()
+        self.result = self.total  # uploads have ended: no copy needed
         release_freed_memory()
         return sm.SurvivorList(survivors=self.survivors, dropped=self.dropped), set()
 
@@ -238,10 +239,6 @@ def aggregator_for(
     ann = rnd.announcement
     if not ann.secure_aggregation:
         return PlainAggregator(rnd)
-    params = SecAggParams(
-        round_number=ann.round_number, round_nonce=ann.round_nonce,
-        participants=ann.participants, threshold=ann.threshold,
-        neighbours=ann.neighbours, vector_length=ann.vector_length,
-    )
+    params = secagg_params(ann)
     validate_against_threat_model(params, ThreatModel(max_colluding_sites, 0))
     return SecureAggregator(rnd, SecAggServer(params, identity=identity), metrics=metrics)

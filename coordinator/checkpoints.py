@@ -1,9 +1,10 @@
 """The global model on disk: loading the latest good checkpoint at start-up, writing one
-per completed round, and the model's wire bytes."""
+per completed round (keeping only the newest few), and the model's wire bytes."""
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +72,37 @@ def write_checkpoint(
                   optimizer.state_dict()),
     )
     return Checkpoint(round_number, path, digest(model_payload(layout, flat)).hex())
+
+
+_CHECKPOINT_NAME = re.compile(r"^round-(\d{6,})\.mfm$")
+
+
+def prune_checkpoints(state_dir: Path, *, keep: int, protected: Path | None) -> list[Path]:
+    """Delete all but the newest `keep` checkpoint files, never `protected` (the one the
+    store's latest record points to, i.e. the one a restart resumes from); a long study
+    would otherwise fill the disk with one model per round. Returns what was deleted."""
+    ckpt_dir = state_dir / "checkpoints"
+    if keep < 1 or not ckpt_dir.is_dir():
+        return []
+    numbered: list[tuple[int, Path]] = []
+    for path in ckpt_dir.iterdir():
+        match = _CHECKPOINT_NAME.match(path.name)
+        if match is not None and path.is_file():
+            numbered.append((int(match.group(1)), path))
+    numbered.sort()
+    keep_resolved = None if protected is None else protected.resolve()
+    deleted: list[Path] = []
+    for _, path in numbered[: max(0, len(numbered) - keep)]:
+        if keep_resolved is not None and path.resolve() == keep_resolved:
+            continue
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        deleted.append(path)
+    if deleted:
+        log.debug("deleted %d old checkpoint(s), keeping the newest %d", len(deleted), keep)
+    return deleted
 
 
 def write_debug_aggregate(

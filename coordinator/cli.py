@@ -36,6 +36,8 @@ def register(subparsers: Any) -> None:
     )
     serve.add_argument("--phase-seconds", type=float, help="deadline of each SecAgg phase")
     serve.add_argument("--train-seconds", type=float, help="deadline for local training")
+    serve.add_argument("--heartbeat-seconds", type=float,
+                       help="interval of the sites' heartbeats during a round")
     serve.add_argument("--selection-seconds", type=float,
                        help="wait this long for more sites once min_sites are ready")
     serve.add_argument(
@@ -67,6 +69,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
             "phase_seconds": args.phase_seconds,
             "train_seconds": args.train_seconds,
             "selection_seconds": args.selection_seconds,
+            "heartbeat_seconds": args.heartbeat_seconds,
         },
         "debug_write_aggregates": args.debug_write_aggregates,
     }

@@ -53,6 +53,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.optimizers import apply_step, build_optimizer
 from coordinator.phases import (
     ActiveRound,
+    Liveness,
     PhaseClosed,
     drive,
     phase_timeout,
@@ -169,6 +170,9 @@ class RoundEngine:
         self.inbox.decline(site_id, round_number)
         log.info("site %s declined round %d", site_id, round_number)
 
+    def heartbeat(self, site_id: str, round_number: int) -> None:
+        self.inbox.heartbeat(site_id, round_number)
+
     async def wait_for_round(
         self, site_id: str, *, after_round: int, wait_seconds: float, budget: SiteBudget | None
     ) -> Announcement | None:
@@ -230,10 +234,20 @@ class RoundEngine:
 
     def _phase_closed(self, rnd: ActiveRound, closed: PhaseClosed) -> None:
         name = closed.phase.value
+        if closed.silent:
+            log.info(
+                "round %d %s: dropping %s (no heartbeat for %d intervals)", rnd.number, name,
+                list(closed.silent), self.settings.deadlines.heartbeat_misses,
+                extra={"event": "sites_silent", "round_number": rnd.number, "phase": name,
+                       "sites": ",".join(closed.silent)},
+            )
+        late = sorted(set(closed.missing) - set(closed.silent))
+        if late:
+            log.info("round %d %s deadline: dropping %s", rnd.number, name, late)
         if closed.missing:
-            log.info("round %d %s deadline: dropping %s", rnd.number, name, list(closed.missing))
             self.metrics.dropouts_total.labels(phase=name).inc(len(closed.missing))
         self.metrics.phase_seconds.labels(phase=name).observe(closed.seconds)
+        log.debug("round %d %s closed after %.4f s", rnd.number, name, closed.seconds)
 
     async def _run_round(self, participants: list[str]) -> None:
         ann = self._announce(participants)
@@ -241,7 +255,11 @@ class RoundEngine:
         self.transfers.prepare(ann.vector_length)
         self.store.begin_round(ann.round_number, participants, now=self.clock())
         self.metrics.current_round.set(ann.round_number)
-        rnd = ActiveRound(ann, checkpoints.model_payload(self.layout, self.global_flat))
+        deadlines = self.settings.deadlines
+        rnd = ActiveRound(
+            ann, checkpoints.model_payload(self.layout, self.global_flat),
+            liveness=Liveness(ann.heartbeat_ms / 1000, deadlines.heartbeat_misses),
+        )
         aggregator = aggregator_for(
             rnd, identity=self.identity, metrics=self.metrics,
             max_colluding_sites=self.settings.aggregation.max_colluding_sites,
@@ -263,7 +281,7 @@ class RoundEngine:
             # Before the sum is used: a crash from here on is reported as "abandoned
             # after unmasking" at the next start (the sum existed in the clear).
             self.store.mark_unmasked(ann.round_number)
-            result = await asyncio.to_thread(self._apply_update, ann, aggregator)
+            result = await asyncio.to_thread(self._apply_update, rnd, aggregator)
             self._commit(result)
             abort = None
         except MedfedError as exc:
@@ -286,9 +304,10 @@ class RoundEngine:
             self.last_round_number = ann.round_number
             self.inbox.close()
 
-    def _apply_update(self, ann: Announcement, aggregator: Aggregator) -> RoundResult:
+    def _apply_update(self, rnd: ActiveRound, aggregator: Aggregator) -> RoundResult:
         """Decode the sum and step the model (worker thread; the model is no longer
         served, so an elementwise optimizer may update it in place)."""
+        ann = rnd.announcement
         aggregate = aggregator.result
         if aggregate is None:
             raise ProtocolAbort(AbortReason.ROUND_ABANDONED, "no aggregate for this round")
@@ -312,8 +331,8 @@ class RoundEngine:
             self.global_flat = apply_step(
                 self.optimizer, self.global_flat, mean_delta, window=UPDATE_CHUNK_ELEMENTS
             )
-        return RoundResult(ann.round_number, survivors, aggregator.dropped, mean_delta,
-                           decoded.metrics)
+        return RoundResult(ann.round_number, survivors, rnd.dropped_sites(survivors),
+                           mean_delta, decoded.metrics)
 
     def _commit(self, result: RoundResult) -> None:
         checkpoint = checkpoints.write_checkpoint(
@@ -325,6 +344,11 @@ class RoundEngine:
             result.round_number, status="completed", now=self.clock(),
             survivors=result.survivors, dropped=result.dropped, metrics=result.metrics,
             checkpoint=checkpoint,
+        )
+        # Only after the new checkpoint is recorded: the store's latest record never
+        # points at a deleted file.
+        checkpoints.prune_checkpoints(
+            self.settings.state, keep=self.settings.checkpoints.keep, protected=checkpoint.path
         )
         if "auc" in result.metrics:
             self.metrics.model_auc.set(result.metrics["auc"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -17,6 +18,8 @@ from coordinator.phases import ActiveRound, PhaseState, RoundPhase
 from coordinator.sessions import SiteRegistry
 from coordinator.store import CoordinatorStore
 from coordinator.uploads import Transfers, iter_model
+
+log = logging.getLogger("medfed.coordinator")
 
 
 class RoundInbox:
@@ -46,6 +49,17 @@ class RoundInbox:
         if current is not None and current.number > after_round and current.can_rejoin(site_id):
             return current
         return None
+
+    def heartbeat(self, site_id: str, round_number: int) -> None:
+        """A selected site is alive (phases.ActiveRound.wait_ready drops silent ones).
+
+        A site no longer expected in the phase in flight hears FAILED_PRECONDITION,
+        so it can stop beating."""
+        rnd = self._round_for(site_id, round_number)
+        state = rnd.phases.get(rnd.phase)
+        if state is not None and site_id not in state.expected and not state.closed.is_set():
+            raise StateError(f"site {site_id} was dropped from round {round_number}")
+        rnd.heard_from(site_id)
 
     def decline(self, site_id: str, round_number: int) -> None:
         self._round_for(site_id, round_number).decline(site_id)
@@ -82,7 +96,9 @@ class RoundInbox:
         tuple[int, bytes]
     ]:
         """Check the caller now; then copy one chunk at a time (not the whole model)."""
-        return iter_model(self._round_for(site_id, round_number), chunk_bytes)
+        rnd = self._round_for(site_id, round_number)
+        rnd.heard_from(site_id)
+        return iter_model(rnd, chunk_bytes)
 
     def download_slot(self) -> contextlib.AbstractAsyncContextManager[None]:
         return self.transfers.download_slot()
@@ -92,6 +108,7 @@ class RoundInbox:
         """Hand a site's SecAgg+ message to the server, then long-poll the phase."""
         rnd, state, aggregator = self._in_phase(site_id, round_number, phase,
                                                 session_id=session_id)
+        rnd.heard_from(site_id)
         deliver(_secure(aggregator))
         state.mark(site_id)
         return await rnd.wait_closed(phase)
@@ -127,6 +144,7 @@ class RoundInbox:
         rnd, _, aggregator = self._in_phase(
             site_id, round_number, RoundPhase.MASKED_INPUT, session_id=session_id
         )
+        rnd.heard_from(site_id)
         if length != rnd.announcement.vector_length:
             raise ProtocolAbort(
                 AbortReason.WRONG_LENGTH,
@@ -135,6 +153,9 @@ class RoundInbox:
         await self.transfers.receive(
             rnd, site_id, length, chunks, into=aggregator, lock=self.lock
         )
+        log.info("round %d: masked input of %s added", rnd.number, site_id,
+                 extra={"event": "masked_input_added", "round_number": rnd.number,
+                        "site": site_id})
         survivors: sm.SurvivorList = await rnd.wait_closed(RoundPhase.MASKED_INPUT)
         return survivors
 

@@ -6,6 +6,7 @@ free of unrelated collectors; `/metrics` is served by `serve_metrics`.
 
 from __future__ import annotations
 
+from cryptography import x509
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -97,6 +98,19 @@ class CoordinatorMetrics:
         self.current_round = Gauge(
             "medfed_coordinator_round_number", "Number of the latest round.", registry=r
         )
+        self.crl_next_update = Gauge(
+            "medfed_coordinator_crl_next_update_timestamp_seconds",
+            "nextUpdate of the CA's CRL the coordinator relays (unix seconds); once it "
+            "passes, sites refuse every round and the coordinator refuses every caller.",
+            registry=r,
+        )
+        self.certificate_expiry = Gauge(
+            "medfed_coordinator_certificate_expiry_timestamp_seconds",
+            "notAfter (unix seconds) of the coordinator's certificate (kind=coordinator), "
+            "the CA (kind=ca) and each enrolled site's certificate (kind=site).",
+            ["kind", "name"],
+            registry=r,
+        )
 
         # Labelled series print nothing until first used; create them at zero so that
         # dashboards and alert rules see every outcome/phase from the first scrape.
@@ -108,7 +122,14 @@ class CoordinatorMetrics:
         # (a 0 margin would fire MedfedQuorumMarginLow on a fresh coordinator).
         self.quorum_margin.set(float("nan"))
         self.model_auc.set(float("nan"))
+        self.crl_next_update.set(float("nan"))
 
     def observe_budget(self, site: str, spent: float, budget: float) -> None:
         self.site_epsilon_spent.labels(site=site).set(spent)
         self.site_epsilon_budget.labels(site=site).set(budget)
+
+    def observe_certificate(self, kind: str, name: str, cert: x509.Certificate) -> None:
+        """Expiry of a certificate the federation depends on (alerted 7 days ahead)."""
+        self.certificate_expiry.labels(kind=kind, name=name).set(
+            cert.not_valid_after_utc.timestamp()
+        )

@@ -7,11 +7,18 @@ its message, or when its deadline passes (the missing sites are dropped for the 
 and SecAgg+ recovers their masks). Keys come first: sites advertise and share keys as
 soon as they hear of a round, then download and train, so uploads overlap other sites'
 training and only ConsistencyCheck and Unmask follow the last upload.
+
+Liveness: from the moment a site hears of a round until its masked input is uploaded
+it sends a heartbeat every `Liveness.interval` seconds. A site expected in one of those
+phases that has been silent (no heartbeat, no message) for `Liveness.misses` intervals
+is dropped from it at once, exactly as the deadline would drop it later, so a frozen
+or cut-off site holds the round a few heartbeats, not until `train_seconds` passes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -42,6 +49,11 @@ SECURE_PHASES = (
     RoundPhase.UNMASK,
 )
 PLAIN_PHASES = (RoundPhase.MASKED_INPUT,)
+HEARTBEAT_PHASES = frozenset(
+    {RoundPhase.ADVERTISE_KEYS, RoundPhase.SHARE_KEYS, RoundPhase.MASKED_INPUT}
+)
+"""Phases during which sites heartbeat (until their masked input is uploaded); later
+phases follow within moments of the upload and keep their deadline only."""
 
 _P = RoundPhase
 TRANSITIONS: dict[RoundPhase, frozenset[RoundPhase]] = {
@@ -61,9 +73,22 @@ SERVING_MODEL = frozenset(
 )
 
 
+@dataclass(frozen=True)
+class Liveness:
+    """How often sites heartbeat, and how many missed beats drop one."""
+
+    interval: float  # seconds
+    misses: int
+
+    @property
+    def silence_limit(self) -> float:
+        return self.interval * self.misses
+
+
 @dataclass
 class PhaseState:
     expected: set[str]
+    opened_at: float = field(default_factory=time.monotonic)
     arrived: set[str] = field(default_factory=set)
     all_arrived: asyncio.Event = field(default_factory=asyncio.Event)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -90,15 +115,25 @@ class PhaseClosed:
     """What happened when a phase closed, for logs and metrics."""
 
     phase: RoundPhase
-    missing: tuple[str, ...]  # expected sites the deadline dropped
+    missing: tuple[str, ...]  # expected sites dropped: deadline passed, or silent
     seconds: float
+    silent: tuple[str, ...] = ()  # those of `missing` dropped for missed heartbeats
 
 
 class ActiveRound:
     """Long-poll bookkeeping of the round in flight."""
 
-    def __init__(self, announcement: Announcement, model_bytes: bytes | memoryview) -> None:
+    def __init__(
+        self,
+        announcement: Announcement,
+        model_bytes: bytes | memoryview,
+        *,
+        liveness: Liveness | None = None,
+    ) -> None:
         self.announcement = announcement
+        self.liveness = liveness  # None: only deadlines drop sites
+        # time.monotonic() of the latest heartbeat or message of each participant.
+        self.last_heard: dict[str, float] = {}
         # Read-only bytes of the round's model; may be a view of the engine's float32
         # vector (no serialized copy), which is not mutated while the model is served.
         self.model_bytes = model_bytes
@@ -116,6 +151,16 @@ class ActiveRound:
     @property
     def number(self) -> int:
         return self.announcement.round_number
+
+    def heard_from(self, site_id: str) -> None:
+        """`site_id` is alive now (a heartbeat or any message of this round)."""
+        self.last_heard[site_id] = time.monotonic()
+
+    def dropped_sites(self, survivors: Sequence[str]) -> tuple[str, ...]:
+        """Participants whose input is not in the sum and who did not decline, whatever
+        the phase they were dropped in."""
+        gone = set(self.announcement.participants) - set(survivors) - self.declined
+        return tuple(sorted(gone))
 
     @property
     def first_phase(self) -> RoundPhase:
@@ -209,15 +254,48 @@ class ActiveRound:
         raise self.abort or ProtocolAbort(AbortReason.ROUND_ABANDONED, "round ended")
 
     async def wait_ready(self, state: PhaseState, timeout: float) -> PhaseClosed:
-        """Until every expected site arrived or `timeout` seconds passed."""
+        """Until every expected site arrived (or was dropped for silence), or `timeout`
+        seconds passed."""
         started = time.perf_counter()
-        try:
-            await asyncio.wait_for(state.all_arrived.wait(), timeout=max(timeout, 0.0))
-        except TimeoutError:
+        deadline = time.monotonic() + max(timeout, 0.0)
+        silent: list[str] = []
+        timed_out = False
+        while not state.all_arrived.is_set():
+            now = time.monotonic()
+            wake = deadline
+            if self.liveness is not None and self.phase in HEARTBEAT_PHASES:
+                wake = min(wake, now + self.liveness.interval,
+                           self._drop_silent(state, now, into=silent))
+            if state.all_arrived.is_set():
+                break
+            if now >= deadline:
+                timed_out = True
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(state.all_arrived.wait(), timeout=max(wake - now, 0.0))
+        if timed_out or silent:
             last = state.last_arrival if state.last_arrival is not None else started
             self.deadline_wait_seconds += time.perf_counter() - max(last, started)
-        missing = tuple(sorted(state.expected - state.arrived))
-        return PhaseClosed(self.phase, missing, time.perf_counter() - started)
+        missing = tuple(sorted({*(state.expected - state.arrived), *silent}))
+        return PhaseClosed(self.phase, missing, time.perf_counter() - started, tuple(silent))
+
+    def _drop_silent(self, state: PhaseState, now: float, *, into: list[str]) -> float:
+        """Drop the pending sites silent for `liveness.misses` intervals since the phase
+        opened (appending them to `into`); the time the next one would be due.
+
+        A site streaming its upload is left to the upload's idle cut."""
+        if self.liveness is None:
+            return float("inf")
+        limit = self.liveness.silence_limit
+        due = float("inf")
+        for site_id in sorted(state.expected - state.arrived - self.uploading):
+            heard = max(self.last_heard.get(site_id, state.opened_at), state.opened_at)
+            if now - heard >= limit:
+                state.drop(site_id)
+                into.append(site_id)
+            else:
+                due = min(due, heard + limit)
+        return due
 
 
 def phase_timeout(ann: Announcement, phase: RoundPhase, *, now: float,

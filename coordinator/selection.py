@@ -113,4 +113,5 @@ def announcement(
         phase_timeout_ms=int(cfg.deadlines.phase_seconds * 1000),
         weight_cap=min(cfg.aggregation.weight_cap, max_integer_for_sites(len(participants))),
         max_chunk_bytes=cfg.limits.max_chunk_bytes,
+        heartbeat_ms=round(cfg.deadlines.heartbeat_seconds * 1000),
     )

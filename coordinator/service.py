@@ -20,11 +20,12 @@ from grpc_reflection.v1alpha import reflection
 from common.config import CoordinatorSettings
 from common.crypto.signing import VerifyingKey
 from common.metrics_http import serve_metrics
-from common.pki import PeerVerifier
+from common.pki import COORDINATOR_CERT, CRL_FILE, PeerVerifier, load_ca, load_certificate
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.tls import RequireCertificateRole, server_credentials
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.revocation import CrlRelay
 from coordinator.servicer import FederationServicer, add_to_server
 from coordinator.store import CoordinatorStore
 
@@ -67,6 +68,13 @@ async def start(settings: CoordinatorSettings) -> RunningCoordinator:
     store = CoordinatorStore(database_url(settings))
     verifier = PeerVerifier.from_pki_dir(settings.pki)
     metrics = CoordinatorMetrics()
+    ca_cert = load_ca(settings.pki)
+    metrics.observe_certificate("ca", "ca", ca_cert)
+    metrics.observe_certificate(
+        "coordinator", "coordinator", load_certificate(settings.pki / COORDINATOR_CERT)
+    )
+    crl = CrlRelay(settings.pki / CRL_FILE, ca_cert, metrics=metrics)
+    crl.der()  # the nextUpdate gauge from the first scrape
 
     def identity(site_id: str, certificate_der: bytes) -> VerifyingKey:
         key = verifier.verifying_key_for(site_id, certificate_der, now=dt.datetime.now(dt.UTC))
@@ -90,6 +98,7 @@ async def start(settings: CoordinatorSettings) -> RunningCoordinator:
         verifier,
         metrics,
         federation_id=settings.federation_id,
+        crl=crl,
     )
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

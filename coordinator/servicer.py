@@ -35,6 +35,7 @@ from common.round import SiteBudget
 from common.tls import peer_certificate_pem
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.revocation import CrlRelay
 
 log = logging.getLogger("medfed.coordinator.rpc")
 
@@ -128,8 +129,10 @@ class FederationServicer(pb_grpc.FederationServicer):
         metrics: CoordinatorMetrics,
         *,
         federation_id: str,
+        crl: CrlRelay | None = None,
         clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
     ) -> None:
+        self.crl = crl
         self.engine = engine
         self.verifier = verifier
         self.metrics = metrics
@@ -144,12 +147,17 @@ class FederationServicer(pb_grpc.FederationServicer):
         cert = parse_certificate(pem)
         return self.verifier.verify(cert, now=self.clock()), cert
 
+    def _crl_der(self) -> bytes:
+        """The CA's CRL for sites to check roster peers against (empty: none to relay)."""
+        return self.crl.der() if self.crl is not None else b""
+
     def _site(self, context: Any) -> str:
         return self._caller(context)[0]
 
     @rpc
     async def Enroll(self, request: pb.EnrollRequest, context: Any) -> pb.EnrollResponse:
         site_id, cert = self._caller(context)
+        self.metrics.observe_certificate("site", site_id, cert)
         budget = wire.budget_from_pb(request.budget) or SiteBudget()
         last = self.engine.enroll(
             site_id,
@@ -161,7 +169,8 @@ class FederationServicer(pb_grpc.FederationServicer):
         )
         held = self.engine.check_ledger_head(site_id, budget)
         return pb.EnrollResponse(
-            federation_id=self.federation_id, current_round=last, ledger_seq_held=held
+            federation_id=self.federation_id, current_round=last, ledger_seq_held=held,
+            crl_der=self._crl_der(),
         )
 
     @rpc
@@ -183,23 +192,36 @@ class FederationServicer(pb_grpc.FederationServicer):
         wait = min(max(request.wait_seconds, 1), MAX_WAIT_SECONDS)
         ann = await self.engine.wait_for_round(
             site_id,
-            after_round=request.after_round,
+            after_round=wire.round_number(request.after_round, "after_round"),
             wait_seconds=wait,
             budget=wire.budget_from_pb(request.budget),
         )
         if ann is None:
             return pb.WaitForRoundResponse(
-                has_round=False, federation_finished=self.engine.finished.is_set()
+                has_round=False,
+                federation_finished=self.engine.finished.is_set(),
+                crl_der=self._crl_der(),
             )
-        return pb.WaitForRoundResponse(has_round=True, round=wire.announcement_to_pb(ann))
+        return pb.WaitForRoundResponse(
+            has_round=True, round=wire.announcement_to_pb(ann), crl_der=self._crl_der()
+        )
 
     @rpc
     async def DeclineRound(
         self, request: pb.DeclineRoundRequest, context: Any
     ) -> pb.DeclineRoundResponse:
         site_id = self._site(context)
-        self.engine.decline(site_id, request.round, budget=wire.budget_from_pb(request.budget))
+        self.engine.decline(
+            site_id, wire.round_number(request.round), budget=wire.budget_from_pb(request.budget)
+        )
         return pb.DeclineRoundResponse()
+
+    @rpc
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: Any
+    ) -> pb.HeartbeatResponse:
+        self.engine.heartbeat(self._site(context), request.round)
+        return pb.HeartbeatResponse()
 
     async def DownloadModel(
         self, request: pb.DownloadModelRequest, context: Any
@@ -208,7 +230,9 @@ class FederationServicer(pb_grpc.FederationServicer):
             require_parsed(request)
             site_id = self._site(context)
             # model_chunks checks the caller now and copies one chunk at a time later.
-            chunks = self.engine.inbox.model_chunks(site_id, request.round, CHUNK_BYTES)
+            chunks = self.engine.inbox.model_chunks(
+                site_id, wire.round_number(request.round), CHUNK_BYTES
+            )
         except MedfedError as exc:
             code = wire.status_for(exc)
             self.metrics.grpc_requests.labels(method="DownloadModel", code=code.name).inc()
@@ -236,7 +260,9 @@ class FederationServicer(pb_grpc.FederationServicer):
         site_id = self._site(context)
         msg = wire.advertise_from_pb(request, caller=site_id)
         nonce = wire.bounded(request.round_nonce, what="round_nonce", exact=16)
-        roster = await self.engine.inbox.advertise(site_id, request.round, nonce, msg)
+        roster = await self.engine.inbox.advertise(
+            site_id, wire.round_number(request.round), nonce, msg
+        )
         return wire.roster_to_pb(roster)
 
     @rpc
@@ -244,7 +270,7 @@ class FederationServicer(pb_grpc.FederationServicer):
         site_id = self._site(context)
         msg = wire.share_keys_from_pb(request)
         shares = await self.engine.inbox.share_keys(
-            site_id, request.round, wire.session_id(request.session_id), msg
+            site_id, wire.round_number(request.round), wire.session_id(request.session_id), msg
         )
         return wire.shares_for_recipient_to_pb(shares)
 
@@ -277,10 +303,17 @@ class FederationServicer(pb_grpc.FederationServicer):
                 require_parsed(item)
                 if item.WhichOneof("part") != "chunk":
                     raise ValidationError("only one header per upload")
-                yield item.chunk.offset, item.chunk.data
+                offset = wire.uint(
+                    item.chunk.offset, what="chunk offset", maximum=4 * wire.MAX_VECTOR_LENGTH
+                )
+                yield offset, item.chunk.data
 
         survivors = await self.engine.inbox.upload(
-            site_id, header.round, session, header.vector_length, chunks()
+            site_id,
+            wire.round_number(header.round),
+            session,
+            wire.uint(header.vector_length, what="vector_length", maximum=wire.MAX_VECTOR_LENGTH),
+            chunks(),
         )
         return wire.survivors_to_pb(survivors)
 
@@ -291,7 +324,7 @@ class FederationServicer(pb_grpc.FederationServicer):
         site_id = self._site(context)
         sigs = await self.engine.inbox.consistency(
             site_id,
-            request.round,
+            wire.round_number(request.round),
             wire.session_id(request.session_id),
             wire.consistency_from_pb(request),
         )
@@ -302,7 +335,7 @@ class FederationServicer(pb_grpc.FederationServicer):
         site_id = self._site(context)
         contributors = await self.engine.inbox.unmask(
             site_id,
-            request.round,
+            wire.round_number(request.round),
             wire.session_id(request.session_id),
             wire.unmask_from_pb(request),
         )

@@ -99,12 +99,33 @@ class Transfers:
         self.spool_dir = spool_dir
         self.upload_slots = asyncio.Semaphore(limits.max_concurrent_uploads)
         self.download_slots = asyncio.Semaphore(MIN_CONCURRENT_DOWNLOADS)
+        # In-memory staging buffers, kept from upload to upload and round to round
+        # (at most one per upload slot, each under upload_spool_bytes): a fresh buffer
+        # per upload costs the kernel a model's worth of zero-filled pages every time.
+        self._staging_length = 0
+        self._staging: list[np.ndarray] = []
 
     def prepare(self, length: int) -> None:
         """Bound concurrent uploads by max_concurrent_uploads and the staging budget."""
         fits = max(1, STAGING_BUDGET_BYTES // max(length * 4, 1))
         self.upload_slots = asyncio.Semaphore(min(self.limits.max_concurrent_uploads, fits))
         self.download_slots = asyncio.Semaphore(max(MIN_CONCURRENT_DOWNLOADS, fits))
+        if length != self._staging_length:
+            self._staging_length = length
+            self._staging.clear()
+
+    def _take_staging(self, length: int) -> np.ndarray:
+        if length == self._staging_length and self._staging:
+            return self._staging.pop()
+        return np.empty(length, dtype=np.uint32)
+
+    def _return_staging(self, buffer: np.ndarray) -> None:
+        """Keep a buffer for the next upload (its content is overwritten in full before
+        it is used again: the assembler refuses a stream that does not cover it)."""
+        if buffer.size == self._staging_length and len(self._staging) < (
+            self.limits.max_concurrent_uploads
+        ):
+            self._staging.append(buffer)
 
     @contextlib.asynccontextmanager
     async def download_slot(self) -> AsyncIterator[None]:
@@ -162,8 +183,8 @@ class Transfers:
         into: Accumulator,
         lock: asyncio.Lock,
     ) -> None:
-        # A bounded number of staging buffers, each freed after its upload: between
-        # uploads the coordinator holds only the accumulator.
+        # A bounded number of staging buffers (one per slot, reused): between uploads
+        # the coordinator holds the accumulator and at most that many small buffers.
         limits = self.limits
         async with self.upload_slots:
             if length * 4 > limits.upload_spool_bytes:
@@ -183,18 +204,22 @@ class Transfers:
                 finally:
                     spool.close()
                 return
-            buffer = np.empty(length, dtype=np.uint32)
-            assembler = ChunkAssembler(
-                buffer, total_bytes=length * 4, max_chunk_bytes=limits.max_chunk_bytes
-            )
-            await self._receive_before_close(rnd, state, assembler, chunks)
-            async with lock:
-                # Re-check under the lock: the deadline may have closed the phase
-                # while this site was still streaming.
-                rnd.require_phase(RoundPhase.MASKED_INPUT, site_id)
-                await asyncio.to_thread(into.add, site_id, buffer)
-                state.mark(site_id)
-            del buffer
+            buffer = self._take_staging(length)
+            try:
+                assembler = ChunkAssembler(
+                    buffer, total_bytes=length * 4, max_chunk_bytes=limits.max_chunk_bytes
+                )
+                await self._receive_before_close(rnd, state, assembler, chunks)
+                async with lock:
+                    # Re-check under the lock: the deadline may have closed the phase
+                    # while this site was still streaming.
+                    rnd.require_phase(RoundPhase.MASKED_INPUT, site_id)
+                    # On the event loop: adding at most upload_spool_bytes of uint32 is
+                    # a few milliseconds, less than waking a worker thread costs.
+                    into.add(site_id, buffer)
+                    state.mark(site_id)
+            finally:
+                self._return_staging(buffer)
 
     async def _receive_before_close(
         self,

@@ -15,7 +15,9 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -23,7 +25,9 @@ import numpy as np
 from common import egress, wire
 from common.codec import (
     ChunkAssembler,
+    all_finite,
     bytes_to_flat,
+    check_finite,
     digest,
     iter_chunks,
     layout_bytes,
@@ -43,10 +47,10 @@ from common.errors import (
     ValidationError,
 )
 from common.pki import (
-    check_issued_by,
-    check_validity_window,
+    check_roster_certificate,
     load_certificate,
-    parse_certificate,
+    public_key_fingerprint,
+    read_private_key_pem,
     site_id_from_certificate,
 )
 from common.privacy.ledger import PrivacyLedger
@@ -60,18 +64,124 @@ from common.tls import SiteTlsFiles, channel_credentials_from_files
 from site_agent import dp_release
 from site_agent.hooks import LocalUpdate, TrainingHook
 from site_agent.metrics import SiteMetrics
+from site_agent.revocation import SiteRevocation
 
 log = logging.getLogger("medfed.site")
 
 AGENT_VERSION = "medfed-site/0.1"
 WAIT_SECONDS = 30
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+HEARTBEAT_FINAL = {
+    grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+"""Heartbeat answers after which beating on is pointless (the round ended for us, or
+the coordinator does not listen for heartbeats)."""
 # Ledger purposes released within a round (the cohort count has its own numbering).
 ROUND_PURPOSES = (dp_release.PURPOSE_TRAINING, dp_release.PURPOSE_EVALUATION)
 
 
 def _utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+def proc_status_bytes(key: str) -> int:
+    """A `kB` field of this process's /proc/self/status (VmRSS, VmHWM) in bytes; 0 where
+    there is no procfs. For the memory figures `bench round` reports."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class _ModelDownload:
+    """The round's model, downloaded in a worker thread while the key phases run."""
+
+    def __init__(self, agent: SiteAgent, stub: pb_grpc.FederationStub,
+                 rnd: VerifiedRound) -> None:
+        self._call: grpc.Call | None = None
+        self._cancelled = threading.Event()
+        self._result: np.ndarray | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(agent, stub, rnd), name="model-download", daemon=True
+        )
+        self._thread.start()
+
+    def _started(self, call: grpc.Call) -> None:
+        self._call = call
+        if self._cancelled.is_set():
+            call.cancel()
+
+    def _run(self, agent: SiteAgent, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
+        try:
+            self._result = agent._download(stub, rnd, self._started)
+        except BaseException as exc:  # re-raised in the caller's thread by result()
+            self._error = exc
+
+    def result(self) -> np.ndarray:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if self._result is None:  # pragma: no cover - _run sets one of the two
+            raise RoundFailed("model download ended without a model")
+        model, self._result = self._result, None
+        return model
+
+    def cancel(self) -> None:
+        """The round failed: stop the stream, wait for the thread, drop the model."""
+        self._cancelled.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        self._thread.join()
+        self._result = None
+
+
+class Heartbeats:
+    """Tells the coordinator this site is alive, every `interval` seconds from a
+    background thread, while the site downloads, plans its noise, trains and encodes:
+    otherwise a frozen or cut-off site would hold the round until its deadline."""
+
+    def __init__(self, stub: pb_grpc.FederationStub, round_number: int, interval: float) -> None:
+        self.stub = stub
+        self.round_number = round_number
+        self.interval = interval
+        self.done = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, name=f"heartbeat-{round_number}", daemon=True
+        )
+
+    def __enter__(self) -> Heartbeats:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.done.set()
+
+    def _run(self) -> None:
+        # Fixed rate: a slow call does not push every later beat back.
+        due = time.monotonic()
+        while not self.done.is_set():
+            try:
+                self.stub.Heartbeat(
+                    pb.HeartbeatRequest(round=self.round_number), timeout=self.interval
+                )
+            except grpc.RpcError as exc:
+                if exc.code() in HEARTBEAT_FINAL:
+                    log.info("round %d: heartbeats stop: %s", self.round_number, exc.details())
+                    return
+                log.debug("round %d: heartbeat failed: %s", self.round_number, exc.code())
+            due = max(due + self.interval, time.monotonic())
+            self.done.wait(due - time.monotonic())
 
 
 class SiteAgent:
@@ -95,15 +205,19 @@ class SiteAgent:
         self.credentials = channel_credentials_from_files(self.tls_files)
         # The coordinator knows us by the id in our certificate; a different `site`
         # setting would make every announcement look as if it left us out.
-        certified = site_id_from_certificate(load_certificate(cert))
+        own_cert = load_certificate(cert)
+        certified = site_id_from_certificate(own_cert)
         if certified != self.site_id:
             raise ConfigError(
                 "site", f"is {self.site_id!r} but certificate {cert} names site {certified!r}"
             )
-        self.signing_key = SigningKey.from_pem(key.read_bytes())
-        # Roster certificates are checked against our own copy of the federation CA;
-        # revocation is enforced by the coordinator (hospitals get no CRL).
+        # PkiError (refused at start-up) if group or others can read the key.
+        self.signing_key = SigningKey.from_pem(read_private_key_pem(key))
+        # Roster certificates are checked against our own copy of the federation CA,
+        # and against the CA's CRL that the coordinator relays (it cannot forge one).
         self.ca_cert = load_certificate(ca)
+        self.revocation = SiteRevocation(self.ca_cert)
+        metrics.observe_certificates(own=own_cert, ca=self.ca_cert)
         self.last_round = 0
         self.rounds_done = 0
         self._declined_for_budget = False
@@ -111,6 +225,10 @@ class SiteAgent:
         self._replica_seq = 0
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.FederationStub | None = None
+        # Noise calibration runs here, concurrently with the key phases (one at a time:
+        # a hook's trainer is not shared between threads).
+        self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noise-plan")
+        self._rss_before_download = 0
 
     # ------------------------------------------------------------- connection
     def _connect(self) -> pb_grpc.FederationStub:
@@ -184,6 +302,7 @@ class SiteAgent:
             timeout=30,
         )
         self.metrics.connected.set(1)
+        self._accept_crl(resp.crl_der)
         self._backoff = self.settings.reconnect.initial_backoff_seconds
         log.info("enrolled in federation %s", resp.federation_id)
         self._replica_seq = resp.ledger_seq_held
@@ -195,6 +314,7 @@ class SiteAgent:
                 ),
                 timeout=WAIT_SECONDS + 15,
             )
+            self._accept_crl(waited.crl_der)
             if waited.federation_finished:
                 raise FederationFinished("done")
             if not waited.has_round:
@@ -203,6 +323,11 @@ class SiteAgent:
             limit = self.settings.exit_after_rounds
             if limit is not None and self.rounds_done >= limit:
                 return
+
+    def _accept_crl(self, der: bytes) -> None:
+        self.revocation.offer(der, now=_utcnow())
+        if self.revocation.current is not None:
+            self.metrics.crl_next_update.set(self.revocation.current.next_update.timestamp())
 
     def _replicate(self, stub: pb_grpc.FederationStub) -> None:
         """Send the coordinator's replica the signed entries it lacks (parameters only)."""
@@ -215,12 +340,17 @@ class SiteAgent:
         self._replica_seq = resp.ledger_seq_held
 
     def _take_part(self, stub: pb_grpc.FederationStub, ann: pb.RoundAnnouncement) -> None:
+        heard_at = time.perf_counter()
         self.last_round = max(self.last_round, ann.round)
         try:
             rnd = validate_for_site(
                 wire.announcement_from_pb(ann), policy=self.settings.policy, site_id=self.site_id
             )
-            self._run_round(stub, rnd)
+            if rnd.params is not None:
+                # Fail closed before anything is computed: without a fresh CRL a revoked
+                # certificate could sit in the roster unnoticed.
+                self.revocation.require_fresh(now=_utcnow())
+            self._run_round(stub, rnd, heard_at=heard_at)
         except BudgetExhausted as exc:
             log.warning("declining round %d: %s", ann.round, exc)
             self._declined_for_budget = True
@@ -248,32 +378,71 @@ class SiteAgent:
             self.metrics.rounds.labels(outcome="aborted").inc()
 
     # ----------------------------------------------------------------- round
-    def _run_round(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
-        segments = self.hook.planned_segments(rnd.plan)
+    def _run_round(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, *,
+                   heard_at: float | None = None) -> None:
+        """Take part in `rnd`, heard of at `heard_at` (perf_counter; default now)."""
+        heard_at = time.perf_counter() if heard_at is None else heard_at
         evaluation = self._evaluation_mechanisms(rnd)
-        if self.ledger is not None and (segments or evaluation):
+        self._refuse_recorded_round(rnd)
+        with Heartbeats(stub, rnd.number, rnd.heartbeat_seconds) as heartbeats:
+            self._contribute(stub, rnd, evaluation=evaluation, heard_at=heard_at,
+                             heartbeats=heartbeats)
+        self.rounds_done += 1
+        self.metrics.rounds.labels(outcome="completed").inc()
+        log.info(
+            "round %d done", rnd.number,
+            extra={"event": "site_round_done", "round_number": rnd.number,
+                   # Memory of the round's model-sized work (bench round reads these):
+                   # the process peak against its RSS just before the download.
+                   "rss_before_download_bytes": self._rss_before_download,
+                   "peak_rss_bytes": proc_status_bytes("VmHWM")},
+        )
+
+    def _refuse_recorded_round(self, rnd: VerifiedRound) -> None:
+        if self.ledger is not None and any(
+            entry.round == rnd.number and entry.purpose in ROUND_PURPOSES
+            for entry in self.ledger.entries()
+        ):
             # The ledger's reserve() is idempotent per round number (a crash-restart
             # must not double-charge), so a second training for a round number already
             # on the ledger would release a fresh noisy update at no recorded cost: a
             # coordinator re-announcing a round could average the DP noise away.
-            if any(entry.round == rnd.number and entry.purpose in ROUND_PURPOSES
-                   for entry in self.ledger.entries()):
-                raise RoundFailed(
-                    f"round {rnd.number} is already on this site's privacy ledger: "
-                    "refusing to release a second update for it"
-                )
-            after = self.ledger.preview(rnd.number, [*segments, *evaluation])
-            if after > self.ledger.budget_epsilon:
-                raise BudgetExhausted(
-                    f"round {rnd.number} would bring epsilon to {after:.3f} "
-                    f"> budget {self.ledger.budget_epsilon:g}"
-                )
+            raise RoundFailed(
+                f"round {rnd.number} is already on this site's privacy ledger: "
+                "refusing to release a second update for it"
+            )
+
+    def _contribute(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, *,
+                    evaluation: list[Mechanism], heard_at: float,
+                    heartbeats: Heartbeats) -> None:
         client = self._secagg_client(rnd) if rnd.announcement.secure_aggregation else None
+        self._rss_before_download = proc_status_bytes("VmRSS")
+        download: _ModelDownload | None = None
         try:
-            # Keys first (two short barriers), then download and train: uploads then
-            # overlap other sites' training, as they would in plain FedAvg.
-            keys = self._exchange_keys(stub, rnd, client) if client is not None else None
-            global_flat = self._download(stub, rnd)
+            # Keys first (two short barriers, the model downloading meanwhile), then
+            # train: uploads then overlap other sites' training, as in plain FedAvg.
+            advertisement = client.advertise_keys() if client is not None else None
+            # Noise calibration can take tens of seconds on a loaded machine: it starts
+            # once our keys exist and runs while they are exchanged (keys reveal nothing
+            # about the data), so the key phases never wait for it; training does.
+            planning = self._planner.submit(self.hook.planned_segments, rnd.plan)
+            download = _ModelDownload(self, stub, rnd)
+            keys = (
+                self._exchange_keys(stub, rnd, client, advertisement, heard_at=heard_at)
+                if client is not None and advertisement is not None else None
+            )
+            # The model downloads while the keys are exchanged (two barriers that
+            # wait on the slowest site): neither delays the other.
+            global_flat = download.result()
+            log.debug("round %d: keys exchanged, model downloaded", rnd.number)
+            segments = planning.result()
+            if self.ledger is not None and (segments or evaluation):
+                after = self.ledger.preview(rnd.number, [*segments, *evaluation])
+                if after > self.ledger.budget_epsilon:
+                    raise BudgetExhausted(
+                        f"round {rnd.number} would bring epsilon to {after:.3f} "
+                        f"> budget {self.ledger.budget_epsilon:g}"
+                    )
             if self.ledger is not None and segments:
                 # Write-ahead: the spend is on disk before any update can leave the site.
                 self.ledger.reserve(rnd.number, segments, now=_utcnow())
@@ -282,29 +451,35 @@ class SiteAgent:
                                     purpose=dp_release.PURPOSE_EVALUATION)
             if self.ledger is not None and (segments or evaluation):
                 self.budget_pb()
+            log.info("round %d: training", rnd.number,
+                     extra={"event": "training_started", "round_number": rnd.number})
             started = time.perf_counter()
             update = self._private_histogram(rnd, self.hook.train(rnd.plan, global_flat),
                                              evaluated=bool(evaluation))
+            # The hook keeps what it needs (its model's parameters): our copy of the
+            # global model is not needed for encoding, masking or the upload.
+            del global_flat
             self.metrics.training_seconds.observe(time.perf_counter() - started)
             self.metrics.samples_used.set(update.num_samples)
             self.metrics.patients_used.set(update.patients)
             vector = self._encode(rnd, update)
+            log.debug("round %d: update trained and encoded", rnd.number)
             if self.settings.debug_write_updates:
                 self._write_debug(rnd.number, vector)
             if client is not None and keys is not None:
-                self._finish_secure_aggregation(stub, rnd, client, keys, vector)
+                self._finish_secure_aggregation(stub, rnd, client, keys, vector,
+                                                heartbeats=heartbeats)
             else:
                 stub.UploadMaskedInput(
                     self._upload_stream(rnd, b"", vector),
                     timeout=self._deadline(rnd, training=True),
                 )
         except BaseException:
+            if download is not None:
+                download.cancel()
             if client is not None:
                 client.abort()  # nothing more is ever revealed for this round
             raise
-        self.rounds_done += 1
-        self.metrics.rounds.labels(outcome="completed").inc()
-        log.info("round %d done", rnd.number)
 
     def _evaluation_mechanisms(self, rnd: VerifiedRound) -> list[Mechanism]:
         """The ledger record of this round's DP score histogram ([] when the site keeps
@@ -355,18 +530,32 @@ class SiteAgent:
             base += max(rnd.train_deadline - time.time(), 0)
         return base
 
-    def _download(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> np.ndarray:
+    def _download(
+        self, stub: pb_grpc.FederationStub, rnd: VerifiedRound,
+        started: Callable[[grpc.Call], None] | None = None,
+    ) -> np.ndarray:
         total = layout_bytes(rnd.plan.layout)
         if total != rnd.announcement.model_bytes:
             raise ValidationError("announced model size does not match its layout")
-        buffer = bytearray(total)
+        # An all-float32 model is assembled straight into the array training gets (one
+        # model-sized buffer, no parse copy); other layouts are converted after.
+        direct = all(spec.dtype == "<f4" for spec in rnd.plan.layout)
+        buffer: np.ndarray | bytearray = (
+            np.empty(total // 4, dtype="<f4") if direct else bytearray(total)
+        )
         assembler = ChunkAssembler(buffer, total_bytes=total, max_chunk_bytes=4 << 20)
-        for chunk in stub.DownloadModel(pb.DownloadModelRequest(round=rnd.number), timeout=300):
+        stream = stub.DownloadModel(pb.DownloadModelRequest(round=rnd.number), timeout=300)
+        if started is not None:
+            started(stream)
+        for chunk in stream:
             assembler.add(chunk.offset, chunk.data)
         assembler.finish()
         if digest(buffer) != rnd.announcement.model_sha256:
             raise ValidationError("downloaded model does not match the announced SHA-256")
-        return bytes_to_flat(buffer, rnd.plan.layout)
+        if isinstance(buffer, bytearray):
+            return bytes_to_flat(buffer, rnd.plan.layout)
+        check_finite(buffer, rnd.plan.layout)
+        return buffer.astype(np.float32, copy=False)
 
     def _encode(self, rnd: VerifiedRound, update: LocalUpdate) -> np.ndarray:
         """The upload, built from the round's egress manifest (common.egress): the
@@ -375,11 +564,17 @@ class SiteAgent:
         manifest = rnd.announcement.manifest()
         if update.delta.size != manifest.slice_of(egress.MODEL_UPDATE).stop:
             raise RoundFailed("update does not match the model size")
-        if not np.all(np.isfinite(update.delta)):
+        if not all_finite(update.delta):
             raise RoundFailed("update contains NaN or infinity")
         weight = min(int(update.num_samples), rnd.announcement.weight_cap)
-        # Scale by n_k / cap so FedAvg's weights come out of the secure sum.
-        scaled = update.delta * np.float32(weight / rnd.announcement.weight_cap)
+        # Scale by n_k / cap so FedAvg's weights come out of the secure sum; in place
+        # when the hook handed over a writeable delta (no model-sized copy).
+        factor = np.float32(weight / rnd.announcement.weight_cap)
+        delta = update.delta
+        if delta.flags.writeable and delta.dtype in (np.float32, np.float64):
+            scaled = np.multiply(delta, factor, out=delta)
+        else:
+            scaled = delta * factor
         return manifest.encode(
             {
                 egress.MODEL_UPDATE: scaled,
@@ -395,7 +590,7 @@ class SiteAgent:
     def _write_debug(self, round_number: int, vector: np.ndarray) -> None:
         folder = self.settings.state / "debug-updates"
         folder.mkdir(parents=True, exist_ok=True)
-        vector.astype("<u4").tofile(folder / f"round-{round_number:06d}.u32")
+        vector.astype("<u4", copy=False).tofile(folder / f"round-{round_number:06d}.u32")
 
     def _upload_stream(
         self, rnd: VerifiedRound, session: bytes, vector: np.ndarray
@@ -418,15 +613,24 @@ class SiteAgent:
         self.stop.wait(self.settings.debug_pause_seconds)
 
     def _identity(self, site_id: str, certificate_der: bytes) -> VerifyingKey:
-        """The key a roster entry must be signed with: from a certificate that chains to
-        OUR copy of the federation CA and names that site (a coordinator cannot swap
-        in keys of its own)."""
-        cert = parse_certificate(certificate_der)
+        """The key a roster entry must be signed with: from a site certificate that chains
+        to OUR copy of the federation CA and names that site (a coordinator cannot swap
+        in keys of its own), is not on the CA's CRL and, when this site pins the
+        consortium's members, is the pinned one.
+
+        ProtocolAbort NOT_A_SITE / REVOKED_PEER / UNKNOWN_MEMBER end the round."""
         now = _utcnow()
-        check_issued_by(cert, self.ca_cert, what=f"certificate of {site_id}")
-        check_validity_window(cert, now, what=f"certificate of {site_id}")
-        if site_id_from_certificate(cert) != site_id:
-            raise CertificateRejected(f"roster certificate does not name {site_id}")
+        cert = check_roster_certificate(
+            certificate_der, ca_cert=self.ca_cert, now=now, site_id=site_id
+        )
+        self.revocation.check_peer(site_id, cert, now=now)
+        members = self.settings.policy.members
+        if members is not None and members.get(site_id) != public_key_fingerprint(cert):
+            raise ProtocolAbort(
+                AbortReason.UNKNOWN_MEMBER,
+                f"roster entry {site_id!r} is not a pinned member of this consortium "
+                "(policy.members)",
+            )
         return VerifyingKey.from_certificate(cert)
 
     def _secagg_client(self, rnd: VerifiedRound) -> SecAggClient:
@@ -438,13 +642,23 @@ class SiteAgent:
             signing_key=self.signing_key,
             identity=self._identity,
             rng=system_random,
+            # This site's own floor (policy), not the library default.
+            min_round_sites=self.settings.policy.min_round_sites,
+            max_colluding_sites=self.settings.policy.max_colluding_sites,
         )
 
     def _exchange_keys(
-        self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, client: SecAggClient
+        self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, client: SecAggClient,
+        adv: sm.AdvertiseKeys, *, heard_at: float,
     ) -> sm.SharesForRecipient:
-        """AdvertiseKeys and ShareKeys: returns the encrypted shares addressed to us."""
-        adv = client.advertise_keys()
+        """AdvertiseKeys (`adv`, built by `client`) and ShareKeys: returns the encrypted
+        shares addressed to us."""
+        seconds = time.perf_counter() - heard_at
+        log.info(
+            "round %d: advertising keys %.3f s after the announcement", rnd.number, seconds,
+            extra={"event": "advertised_keys", "round_number": rnd.number,
+                   "seconds": round(seconds, 6)},
+        )
         roster_pb = stub.AdvertiseKeys(
             wire.advertise_to_pb(adv, round_number=rnd.number, nonce=rnd.announcement.round_nonce),
             timeout=self._deadline(rnd),
@@ -467,14 +681,19 @@ class SiteAgent:
         client: SecAggClient,
         shares: sm.SharesForRecipient,
         vector: np.ndarray,
+        *,
+        heartbeats: Heartbeats,
     ) -> None:
         """MaskedInput, ConsistencyCheck and Unmask."""
         session = client.session_id
         masked = client.receive_shares(shares, vector)
+        log.debug("round %d: update masked", rnd.number)
         survivors_pb = stub.UploadMaskedInput(
             self._upload_stream(rnd, session, masked.vector),
             timeout=self._deadline(rnd, training=True),
         )
+        log.debug("round %d: masked input uploaded", rnd.number)
+        heartbeats.stop()  # the last phases follow at once and keep their deadlines
         self._debug_pause(rnd.number, "masked_input")
         signature = client.receive_survivors(wire.survivors_from_pb(survivors_pb))
         sigs_pb = stub.ConsistencyCheck(

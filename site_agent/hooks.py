@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import importlib
 import logging
 import os
 import time
@@ -60,18 +61,27 @@ class DeterministicTestHook:
     privacy_unit = "none"
     device = "cpu"
 
-    def __init__(self, site_id: str, *, scale: float = 0.5, samples: int = 100) -> None:
+    def __init__(self, site_id: str, *, scale: float = 0.5, samples: int = 100,
+                 train_seconds: float = 0.0) -> None:
         self.site_id = site_id
         self.scale = scale
         self.samples = samples
+        # Liveness tests freeze or cut off a site while it "trains": give them a window.
+        self.train_seconds = train_seconds
 
     def planned_segments(self, plan: RoundPlan) -> list[Segment]:
         return []
 
     def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate:
+        if self.train_seconds:
+            time.sleep(self.train_seconds)
         seed = hashlib.sha256(f"{self.site_id}/{plan.round_number}".encode()).digest()
         gen = np.random.Generator(np.random.PCG64(int.from_bytes(seed[:8], "big")))
-        delta = gen.uniform(-self.scale, self.scale, size=global_flat.size).astype(np.float32)
+        # Drawn as float32 and scaled in place: one model-sized vector, like a real
+        # trainer's update (a float64 draw would add two models to the site's peak).
+        delta = gen.random(global_flat.size, dtype=np.float32)
+        delta *= np.float32(2 * self.scale)
+        delta -= np.float32(self.scale)
         hist = gen.integers(0, 5, size=2 * plan.histogram_bins).astype(np.int64)
         return LocalUpdate(delta, self.samples, hist, 0.0)
 
@@ -88,6 +98,10 @@ class DpTrainingHook:
         from site_agent.data import prepare_site_split
         from site_agent.device import select_device
         from site_agent.imaging import ImageDataset, split_images
+
+        # torch and Opacus load now, not in the first round's noise planning, where the
+        # import would compete with the key phases for the interpreter.
+        importlib.import_module("site_agent.trainer")
 
         self.settings = settings
         self.dp = dp

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
+from cryptography import x509
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 TRAINING_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
@@ -50,6 +53,21 @@ class SiteMetrics:
             "medfed_site_connected", "1 while enrolled with the coordinator.", registry=r
         )
 
+        self.crl_next_update = Gauge(
+            "medfed_site_crl_next_update_timestamp_seconds",
+            "nextUpdate of the CA's CRL this site last accepted (unix seconds); rounds are "
+            "refused once it passes.",
+            registry=r,
+        )
+        self.certificate_expiry = Gauge(
+            "medfed_site_certificate_expiry_timestamp_seconds",
+            "notAfter of this site's certificate and of its federation CA copy (unix seconds).",
+            ["certificate"],
+            registry=r,
+        )
+        # Unknown until the coordinator relays a CRL: NaN, not an alert-firing 0.
+        self.crl_next_update.set(float("nan"))
+
         # Labelled series print nothing until first used; create them at zero so that
         # dashboards and alert rules see every outcome from the first scrape.
         for outcome in ROUND_OUTCOMES:
@@ -59,3 +77,8 @@ class SiteMetrics:
         self.epsilon_spent.set(spent)
         self.epsilon_budget.set(budget)
         self.epsilon_remaining.set(max(budget - spent, 0.0))
+
+    def observe_certificates(self, *, own: x509.Certificate, ca: x509.Certificate) -> None:
+        for name, cert in (("site", own), ("ca", ca)):
+            expiry: dt.datetime = cert.not_valid_after_utc
+            self.certificate_expiry.labels(certificate=name).set(expiry.timestamp())

@@ -17,7 +17,7 @@ from site_agent.metrics import SiteMetrics
 def build_hook(settings: SiteSettings) -> TrainingHook:
     trainer = settings.training.trainer
     if trainer == "test-deterministic":
-        return DeterministicTestHook(settings.site)
+        return DeterministicTestHook(settings.site, train_seconds=settings.debug_train_seconds)
     return DpTrainingHook(settings, dp=trainer == "dpsgd")
 
 

@@ -41,6 +41,12 @@ def test_bench_round_small_federation_is_exact() -> None:
     assert result["plain_deadline_wait_seconds"][0] > 0
     assert result["coordinator_peak_rss_bytes"] >= result["coordinator_idle_rss_bytes"] > 0
     assert result["model_bytes"] == 4000
+    # Every surviving site reported its memory around the model-sized work.
+    assert result["site_rss_before_download_bytes"] > 0
+    assert result["site_peak_growth_bytes"] >= 0
+    assert result["site_peak_growth_models"] == pytest.approx(
+        result["site_peak_growth_bytes"] / 4000
+    )
 
 
 def test_colluders_for_picks_the_largest_bound_that_tolerates_the_dropouts() -> None:

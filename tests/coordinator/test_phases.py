@@ -15,6 +15,7 @@ from coordinator.phases import (
     SECURE_PHASES,
     TRANSITIONS,
     ActiveRound,
+    Liveness,
     PhaseClosed,
     PhaseState,
     RoundPhase,
@@ -129,3 +130,63 @@ def test_waiters_of_an_aborted_round_hear_the_abort() -> None:
     assert isinstance(caught, ProtocolAbort)
     assert caught.reason is AbortReason.TOO_FEW_PARTICIPANTS
     assert rnd.phase is RoundPhase.ABORTED
+
+
+def test_a_silent_site_is_dropped_and_a_beating_one_is_waited_for() -> None:
+    """Liveness: with a phase deadline far away, the site that never beats is dropped
+    after `misses` intervals; the one that keeps beating is waited for until it sends
+    its message, however long that takes."""
+    interval = 0.05
+    rnd = ActiveRound(announcement(secure=False), b"", liveness=Liveness(interval, 3))
+    closed: list[PhaseClosed] = []
+
+    async def close(phase: RoundPhase, state: PhaseState) -> tuple[object, set[str]]:
+        return sorted(state.arrived), set()
+
+    async def sites() -> None:
+        state = rnd.phases[RoundPhase.MASKED_INPUT]
+        state.mark("alpha")
+        # beta trains for twice the silence limit, beating all along, then uploads.
+        for _ in range(6):
+            rnd.heard_from("beta")
+            await asyncio.sleep(interval)  # the site's beat cadence, not a synchronisation
+        with pytest.raises(StateError, match="dropped"):  # gamma went silent
+            rnd.require_phase(RoundPhase.MASKED_INPUT, "gamma")
+        rnd.require_phase(RoundPhase.MASKED_INPUT, "beta")
+        state.mark("beta")
+
+    async def scenario() -> None:
+        await asyncio.gather(
+            drive(rnd, PLAIN_PHASES, timeout_for=lambda _p: 600.0, close=close,
+                  lock=asyncio.Lock(), on_closed=lambda _r, c: closed.append(c)),
+            sites(),
+        )
+
+    asyncio.run(scenario())
+    assert closed[0].silent == ("gamma",)
+    assert closed[0].missing == ("gamma",)
+    assert rnd.phases[RoundPhase.MASKED_INPUT].output == ["alpha", "beta"]
+
+
+def test_a_site_streaming_its_upload_is_left_to_the_idle_cut() -> None:
+    rnd = ActiveRound(announcement(secure=False), b"", liveness=Liveness(0.01, 2))
+    closed: list[PhaseClosed] = []
+
+    async def close(phase: RoundPhase, state: PhaseState) -> tuple[object, set[str]]:
+        return sorted(state.arrived), set()
+
+    async def scenario() -> None:
+        rnd.uploading.add("alpha")
+        await drive(rnd, PLAIN_PHASES, timeout_for=lambda _p: 0.2, close=close,
+                    lock=asyncio.Lock(), on_closed=lambda _r, c: closed.append(c))
+
+    asyncio.run(scenario())
+    assert closed[0].silent == ("beta", "gamma")
+    assert closed[0].missing == SITES  # alpha only at the deadline
+
+
+def test_dropped_counts_every_phase_but_not_declines() -> None:
+    rnd = ActiveRound(announcement(), b"")
+    rnd.decline("gamma")
+    assert rnd.dropped_sites(["alpha"]) == ("beta",)
+    assert rnd.dropped_sites(["alpha", "beta"]) == ()

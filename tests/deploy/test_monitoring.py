@@ -13,6 +13,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,7 +91,8 @@ def test_every_alert_the_issue_asks_for_is_defined() -> None:
     }
     assert {"MedfedSiteBudgetAlmostSpent", "MedfedSiteLedgerBudgetAlmostSpent", "MedfedSiteDown",
             "MedfedSiteDisconnected", "MedfedRoundsFailing",
-            "MedfedQuorumMarginLow"} <= set(alerts)
+            "MedfedQuorumMarginLow", "MedfedCrlExpiresSoon", "MedfedSiteCrlExpiresSoon",
+            "MedfedCertificateExpiresSoon", "MedfedSiteCertificateExpiresSoon"} <= set(alerts)
     for name, rule in alerts.items():
         assert rule["labels"]["severity"] in {"info", "warning", "critical"}, name
         assert rule["annotations"]["summary"], name
@@ -243,5 +245,16 @@ def test_live_values_reflect_the_completed_round(live_metrics: dict[str, str]) -
     assert value(site, "medfed_site_connected") == 1.0
     assert value(site, "medfed_site_training_duration_seconds_count") == 1.0
     assert value(site, "medfed_site_training_samples") > 0
+    # Revocation and expiry (issue 9, sec. 5): real timestamps, in the future.
+    now = time.time()
+    assert value(coordinator, "medfed_coordinator_crl_next_update_timestamp_seconds") > now
+    assert value(site, "medfed_site_crl_next_update_timestamp_seconds") > now
+    for kind, name in (("ca", "ca"), ("coordinator", "coordinator"), ("site", "paediatric")):
+        series = (f'medfed_coordinator_certificate_expiry_timestamp_seconds'
+                  f'{{kind="{kind}",name="{name}"}}')
+        assert value(coordinator, series) > now
+    for name in ("site", "ca"):
+        series = f'medfed_site_certificate_expiry_timestamp_seconds{{certificate="{name}"}}'
+        assert value(site, series) > now
     assert re.search(r'^medfed_site_device_info\{device="(cpu|cuda[:0-9]*)"\} 1\.0$', site,
                      flags=re.MULTILINE)

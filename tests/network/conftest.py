@@ -31,8 +31,8 @@ from common.crypto.signing import SigningKey, VerifyingKey
 from common.errors import CertificateRejected
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
+from common.round import secagg_params
 from common.secagg.client import SecAggClient
-from common.secagg.params import SecAggParams
 from coordinator.engine import RoundEngine
 from coordinator.service import RunningCoordinator, start
 from site_agent.agent import SiteAgent
@@ -110,6 +110,9 @@ def coordinator_settings(
             "train_seconds": 2.0,
             "phase_seconds": 3.0,
             "round_start_timeout_seconds": 30.0,
+            # Scripted sites send no heartbeats: only deadlines drop them here (the
+            # liveness tests set their own interval).
+            "heartbeat_seconds": 300.0,
         },
         "limits": {"max_chunk_bytes": MAX_CHUNK_BYTES},
         "debug_write_aggregates": True,
@@ -415,14 +418,8 @@ class ScriptedSite:
     def join_round(self, ann: pb.RoundAnnouncement) -> None:
         """Set up this round's SecAgg+ client and plaintext update."""
         self.announcement = ann
-        params = SecAggParams(
-            round_number=ann.round,
-            round_nonce=ann.round_nonce,
-            participants=tuple(ann.participants),
-            threshold=ann.threshold,
-            neighbours=ann.neighbours,
-            vector_length=ann.vector_length,
-        )
+        # The announcement digest is bound into the session as every honest site binds it.
+        params = secagg_params(wire.announcement_from_pb(ann))
         self.client = SecAggClient(
             params,
             site_id=self.site_id,

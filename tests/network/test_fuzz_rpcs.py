@@ -184,6 +184,7 @@ REQUESTS: dict[str, st.SearchStrategy[bytes]] = {
     "DeclineRound": _as_bytes(st.builds(
         pb.DeclineRoundRequest, round=ROUNDS, reason=st.integers(-5, 5), budget=BUDGETS)),
     "DownloadModel": _as_bytes(st.builds(pb.DownloadModelRequest, round=ROUNDS)),
+    "Heartbeat": _as_bytes(st.builds(pb.HeartbeatRequest, round=ROUNDS)),
     "AdvertiseKeys": _as_bytes(st.builds(
         pb.AdvertiseKeysRequest, round=ROUNDS, round_nonce=NONCES,
         encryption_public_key=KEYS, masking_public_key=KEYS, signature=SIGNATURES)),
@@ -244,7 +245,8 @@ def _still_serving(target: FuzzTarget) -> None:
 
 
 @pytest.mark.parametrize(
-    "method", ["Enroll", "AdvertiseKeys", "ShareKeys", "ConsistencyCheck", "Unmask"]
+    "method", ["Enroll", "Heartbeat", "AdvertiseKeys", "ShareKeys", "ConsistencyCheck",
+               "Unmask"]
 )
 def test_fuzzed_unary_rpc_ends_with_a_deliberate_status(target: FuzzTarget, method: str) -> None:
     seen: set[grpc.StatusCode] = set()

@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 import pytest
 
-from common import pki
+from common import pki, wire
 from common.crypto.signing import SigningKey
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
@@ -198,6 +198,7 @@ def test_revoked_site_certificate_is_permission_denied_on_every_rpc(
         (stub.Enroll, pb.EnrollRequest()),
         (stub.WaitForRound, pb.WaitForRoundRequest(wait_seconds=1)),
         (stub.DeclineRound, pb.DeclineRoundRequest(round=1)),
+        (stub.Heartbeat, pb.HeartbeatRequest(round=1)),
         (stub.AdvertiseKeys, pb.AdvertiseKeysRequest(round=1)),
         (stub.ShareKeys, pb.ShareKeysRequest(round=1)),
         (stub.ConsistencyCheck, pb.ConsistencyCheckRequest(round=1)),
@@ -271,6 +272,8 @@ def test_non_participant_replaying_participants_messages_is_refused_as_itself(
             site_id="b",
             encryption_public_key=advertise.encryption_public_key,
             masking_public_key=advertise.masking_public_key,
+            # The digest every honest site binds: only the signer's identity is forged.
+            announcement_digest=wire.announcement_from_pb(live.announcement).digest(),
         )
     )
     refused_as_e(e.stub.AdvertiseKeys, forged)
@@ -308,6 +311,8 @@ def test_participant_advertising_keys_signed_as_another_site_is_refused(
             site_id="b",
             encryption_public_key=honest_request.encryption_public_key,
             masking_public_key=honest_request.masking_public_key,
+            # The digest every honest site binds: only the signer's identity is forged.
+            announcement_digest=wire.announcement_from_pb(live.announcement).digest(),
         )
     )
     assert status_of(d.stub.AdvertiseKeys, as_b, timeout=10) == INVALID_ARGUMENT
@@ -322,13 +327,15 @@ def test_participant_advertising_keys_signed_as_another_site_is_refused(
 def test_wrong_round_number_is_aborted(live_round: LiveRound) -> None:
     live, d = live_round, live_round.hostile
     request = d.advertise_request()
-    for wrong in (0, live.number + 1, 2**64 - 1):
+    # Another round is ABORTED; a number no round can have is refused at the boundary.
+    for wrong, expected in ((0, ABORTED), (live.number + 1, ABORTED),
+                            (2**53, INVALID_ARGUMENT), (2**64 - 1, INVALID_ARGUMENT)):
         bad = pb.AdvertiseKeysRequest()
         bad.CopyFrom(request)
         bad.round = wrong
-        assert status_of(d.stub.AdvertiseKeys, bad, timeout=10) == ABORTED
+        assert status_of(d.stub.AdvertiseKeys, bad, timeout=10) == expected
         download = d.stub.DownloadModel(pb.DownloadModelRequest(round=wrong), timeout=10)
-        assert status_of(lambda it=download: list(it)) == ABORTED
+        assert status_of(lambda it=download: list(it)) == expected
     wrong_nonce = pb.AdvertiseKeysRequest()
     wrong_nonce.CopyFrom(request)
     wrong_nonce.round_nonce = bytes(16)
@@ -453,9 +460,12 @@ def test_vector_of_wrong_length_is_aborted(live_round: LiveRound) -> None:
     live, d = live_round, live_round.hostile
     masked = d.send_shares(d.send_advertise(d.advertise_request()))
     length = masked.size
-    for claimed in (length - 1, length + 1, 0, 2**64 - 1):
+    for claimed in (length - 1, length + 1, 0):
         chunks = d.upload_chunks(masked, length=claimed)
         assert status_of(d.stub.UploadMaskedInput, iter(chunks), timeout=10) == ABORTED
+    # A length no vector can have is refused at the boundary (common.wire).
+    huge = d.upload_chunks(masked, length=2**64 - 1)
+    assert status_of(d.stub.UploadMaskedInput, iter(huge), timeout=10) == INVALID_ARGUMENT
     # Header right, data one element short: truncated.
     short = d.upload_chunks(masked[:-1], length=length)
     assert status_of(d.stub.UploadMaskedInput, iter(short), timeout=10) == INVALID_ARGUMENT
@@ -525,8 +535,8 @@ def test_garbage_bytes_in_every_field_are_refused(live_round: LiveRound) -> None
     def raw(method: str) -> Callable[..., object]:
         return channel.unary_unary(f"/medfed.v1.Federation/{method}")
 
-    for method in ("Enroll", "WaitForRound", "DeclineRound", "AdvertiseKeys", "ShareKeys",
-                   "ConsistencyCheck", "Unmask"):
+    for method in ("Enroll", "WaitForRound", "DeclineRound", "Heartbeat", "AdvertiseKeys",
+                   "ShareKeys", "ConsistencyCheck", "Unmask"):
         assert status_of(raw(method), UNPARSEABLE, timeout=10) == INVALID_ARGUMENT, method
     download = channel.unary_stream("/medfed.v1.Federation/DownloadModel")
     assert status_of(lambda: list(download(UNPARSEABLE, timeout=10))) == INVALID_ARGUMENT

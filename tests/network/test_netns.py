@@ -16,6 +16,7 @@ the fixture's teardown, also on failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -69,14 +70,16 @@ class Topology:
     shaped: bool  # True when every site uplink has a tbf qdisc
 
 
-@pytest.fixture
-def topology() -> Iterator[Topology]:
+@contextlib.contextmanager
+def build_topology(sites: Sequence[str]) -> Iterator[Topology]:
+    """The namespaces, bridge and shaped veth links above for `sites` (deleted on
+    exit, also on failure). Skips the test unless namespaces can be created."""
     if not netns_usable():
         pytest.skip("needs root and a working `ip netns add`")
     tag = str(os.getpid() % 100_000)  # names unique per test process
     coordinator_ns = f"mfc{tag}"
-    site_ns = {site: f"mfs{tag}-{i}" for i, site in enumerate(SITES)}
-    site_ip = {site: f"{SUBNET}.{10 + i}" for i, site in enumerate(SITES)}
+    site_ns = {site: f"mfs{tag}-{i}" for i, site in enumerate(sites)}
+    site_ip = {site: f"{SUBNET}.{10 + i}" for i, site in enumerate(sites)}
     created: list[str] = []
     try:
         for namespace in (coordinator_ns, *site_ns.values()):
@@ -87,7 +90,7 @@ def topology() -> Iterator[Topology]:
         ip("-n", coordinator_ns, "addr", "add", f"{COORDINATOR_IP}/24", "dev", "br0")
         ip("-n", coordinator_ns, "link", "set", "br0", "up")
         shaped = True
-        for i, site in enumerate(SITES):
+        for i, site in enumerate(sites):
             port = f"vc{i}"
             # Created in the coordinator's namespace with its peer in the site's: the
             # host namespace never sees either end.
@@ -108,6 +111,12 @@ def topology() -> Iterator[Topology]:
         # Deleting a namespace removes the veths and the bridge inside it.
         for namespace in reversed(created):
             ip("netns", "del", namespace, check=False)
+
+
+@pytest.fixture
+def topology() -> Iterator[Topology]:
+    with build_topology(SITES) as built:
+        yield built
 
 
 def uplink_bytes_sent(namespace: str) -> int:

@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -29,8 +30,17 @@ from site_agent.metrics import SiteMetrics
 SEGMENT = Segment(noise_multiplier=1.2, sample_rate=0.05, steps=20)
 
 
+class Refused(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.ABORTED
+
+    def details(self) -> str:
+        return "refused"
+
+
 class RecordingStub:
-    """Any RPC the agent makes is recorded and refused."""
+    """Any RPC the agent makes is recorded and refused (heartbeats with an RPC error,
+    as a coordinator that is gone would answer them)."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -38,6 +48,8 @@ class RecordingStub:
     def __getattr__(self, name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             self.calls.append(name)
+            if name == "Heartbeat":
+                raise Refused()
             raise ConnectionError(f"{name} must not be called")
 
         return call
@@ -136,7 +148,8 @@ def test_new_round_number_still_goes_to_the_coordinator(
     stub = RecordingStub()
     with pytest.raises(ConnectionError):
         agent._run_round(stub, plain_round(4))  # type: ignore[arg-type]
-    assert stub.calls == ["DownloadModel"]
+    # (Heartbeats, from their own thread, may come first.)
+    assert [call for call in stub.calls if call != "Heartbeat"] == ["DownloadModel"]
 
 
 def announcement(**changes: Any) -> pb.RoundAnnouncement:
@@ -159,6 +172,7 @@ def announcement(**changes: Any) -> pb.RoundAnnouncement:
         "planned_rounds": 5,
         "phase_timeout_ms": 1000,
         "weight_cap": 100,
+        "heartbeat_ms": 5000,
     }
     fields.update(changes)
     return pb.RoundAnnouncement(**fields)
@@ -191,6 +205,9 @@ def test_well_formed_announcement_is_accepted() -> None:
         {"local_epochs": 100_000},
         {"planned_rounds": 4_000_000_000},
         {"round": 1 << 63},
+        {"heartbeat_ms": 0},
+        {"heartbeat_ms": 10},
+        {"heartbeat_ms": 3_600_000},
     ],
 )
 def test_training_plan_out_of_range_is_refused(changes: dict[str, Any]) -> None:

@@ -9,7 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.codec import ChunkAssembler, TensorSpec, bytes_to_flat, flat_to_bytes, iter_chunks
+from common.codec import (
+    FINITE_CHECK_ELEMENTS,
+    ChunkAssembler,
+    TensorSpec,
+    all_finite,
+    bytes_to_flat,
+    check_finite,
+    flat_to_bytes,
+    iter_chunks,
+)
 from common.config import CoordinatorSettings, SiteSettings, load_settings
 from common.errors import ConfigError, StateError, ValidationError
 from common.modelfile import ModelFile, read_model_file, write_model_file
@@ -61,6 +70,25 @@ def test_tensor_bytes_round_trip_and_reject_non_finite() -> None:
         bytes_to_flat(flat_to_bytes(flat, LAYOUT), LAYOUT)
     with pytest.raises(ValidationError):
         TensorSpec("x", "|O", (1,))  # object arrays never cross the wire
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_windowed_finiteness_check_names_the_tensor(bad: float) -> None:
+    """The download path checks an array assembled in place window by window; a bad
+    value past the first window, in the second tensor, is still found and named."""
+    first = FINITE_CHECK_ELEMENTS + 5
+    layout = (TensorSpec("w", "<f4", (first,)), TensorSpec("b", "<f4", (3,)))
+    flat = np.zeros(first + 3, dtype=np.float32)
+    assert all_finite(flat)
+    check_finite(flat, layout)
+    flat[first + 1] = bad
+    assert not all_finite(flat)
+    with pytest.raises(ValidationError, match="'b'"):
+        check_finite(flat, layout)
+    flat[first + 1] = 0.0
+    flat[FINITE_CHECK_ELEMENTS + 2] = bad
+    with pytest.raises(ValidationError, match="'w'"):
+        check_finite(flat, layout)
 
 
 def test_model_file_round_trip_with_optimizer_state(tmp_path: Path) -> None:

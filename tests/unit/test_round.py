@@ -42,7 +42,7 @@ CHANGES: dict[str, Any] = {
     "model_layout": (TensorSpec("w", "<f4", (2, 4)),), "model_sha256": b"\x01" * 32,
     "model_bytes": 33, "local_epochs": 0, "learning_rate": 0.2, "fedprox_mu": 0.1,
     "planned_rounds": 6, "train_deadline_ms": 1_700_000_000_001, "phase_timeout_ms": 30_001,
-    "weight_cap": 99, "max_chunk_bytes": 1 << 16,
+    "weight_cap": 99, "max_chunk_bytes": 1 << 16, "heartbeat_ms": 2_000,
 }
 
 
@@ -73,6 +73,31 @@ def test_validate_for_site_returns_the_secagg_parameters() -> None:
     assert rnd.number == 7 and rnd.announcement is ANN
     assert rnd.params is not None and rnd.params.participants == ANN.participants
     assert rnd.phase_timeout == 30.0
+    # The announcement digest is bound into the session (issue 9, sec. 4).
+    assert rnd.params.announcement_digest == ANN.digest()
+
+
+@pytest.mark.parametrize(
+    ("participants", "policy"),
+    [
+        (("beta", "gamma"), SitePolicySection(max_colluding_sites=0)),  # default floor 3
+        (("alpha", "beta", "gamma"), SitePolicySection(min_round_sites=4)),
+        # T = 2 colluders need T + 2 = 4 sites, whatever min_round_sites says.
+        (("alpha", "beta", "gamma"),
+         SitePolicySection(min_round_sites=2, max_colluding_sites=2, min_threshold=3)),
+    ],
+)
+def test_abort_when_round_has_only_two_sites(
+    participants: tuple[str, ...], policy: SitePolicySection
+) -> None:
+    """A sum of two hands each party the other's update: refused before anything is
+    computed, with the abort reason the site logs."""
+    with pytest.raises(ProtocolAbort) as caught:
+        validate_for_site(
+            dataclasses.replace(ANN, participants=participants, threshold=2),
+            policy=policy, site_id="beta",
+        )
+    assert caught.value.reason is AbortReason.ROUND_TOO_SMALL
 
 
 @pytest.mark.parametrize(

@@ -48,14 +48,16 @@ class EnrollRequest(_message.Message):
     def __init__(self, agent_version: _Optional[str] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ..., device: _Optional[str] = ...) -> None: ...
 
 class EnrollResponse(_message.Message):
-    __slots__ = ("federation_id", "current_round", "ledger_seq_held")
+    __slots__ = ("federation_id", "current_round", "ledger_seq_held", "crl_der")
     FEDERATION_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     LEDGER_SEQ_HELD_FIELD_NUMBER: _ClassVar[int]
+    CRL_DER_FIELD_NUMBER: _ClassVar[int]
     federation_id: str
     current_round: int
     ledger_seq_held: int
-    def __init__(self, federation_id: _Optional[str] = ..., current_round: _Optional[int] = ..., ledger_seq_held: _Optional[int] = ...) -> None: ...
+    crl_der: bytes
+    def __init__(self, federation_id: _Optional[str] = ..., current_round: _Optional[int] = ..., ledger_seq_held: _Optional[int] = ..., crl_der: _Optional[bytes] = ...) -> None: ...
 
 class ReplicateLedgerRequest(_message.Message):
     __slots__ = ("history",)
@@ -80,7 +82,7 @@ class WaitForRoundRequest(_message.Message):
     def __init__(self, wait_seconds: _Optional[int] = ..., after_round: _Optional[int] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ...) -> None: ...
 
 class RoundAnnouncement(_message.Message):
-    __slots__ = ("round", "round_nonce", "participants", "threshold", "neighbours", "vector_length", "quantization_bits", "clip", "histogram_bins", "secure_aggregation", "model", "model_sha256", "model_bytes", "local_epochs", "learning_rate", "fedprox_mu", "planned_rounds", "train_deadline_ms", "phase_timeout_ms", "weight_cap", "max_chunk_bytes")
+    __slots__ = ("round", "round_nonce", "participants", "threshold", "neighbours", "vector_length", "quantization_bits", "clip", "histogram_bins", "secure_aggregation", "model", "model_sha256", "model_bytes", "local_epochs", "learning_rate", "fedprox_mu", "planned_rounds", "train_deadline_ms", "phase_timeout_ms", "weight_cap", "max_chunk_bytes", "heartbeat_ms")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,7 @@ class RoundAnnouncement(_message.Message):
     PHASE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_CAP_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     round: int
     round_nonce: bytes
     participants: _containers.RepeatedScalarFieldContainer[str]
@@ -123,17 +126,20 @@ class RoundAnnouncement(_message.Message):
     phase_timeout_ms: int
     weight_cap: int
     max_chunk_bytes: int
-    def __init__(self, round: _Optional[int] = ..., round_nonce: _Optional[bytes] = ..., participants: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., neighbours: _Optional[int] = ..., vector_length: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., clip: _Optional[float] = ..., histogram_bins: _Optional[int] = ..., secure_aggregation: _Optional[bool] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., model_sha256: _Optional[bytes] = ..., model_bytes: _Optional[int] = ..., local_epochs: _Optional[int] = ..., learning_rate: _Optional[float] = ..., fedprox_mu: _Optional[float] = ..., planned_rounds: _Optional[int] = ..., train_deadline_ms: _Optional[int] = ..., phase_timeout_ms: _Optional[int] = ..., weight_cap: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    heartbeat_ms: int
+    def __init__(self, round: _Optional[int] = ..., round_nonce: _Optional[bytes] = ..., participants: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., neighbours: _Optional[int] = ..., vector_length: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., clip: _Optional[float] = ..., histogram_bins: _Optional[int] = ..., secure_aggregation: _Optional[bool] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., model_sha256: _Optional[bytes] = ..., model_bytes: _Optional[int] = ..., local_epochs: _Optional[int] = ..., learning_rate: _Optional[float] = ..., fedprox_mu: _Optional[float] = ..., planned_rounds: _Optional[int] = ..., train_deadline_ms: _Optional[int] = ..., phase_timeout_ms: _Optional[int] = ..., weight_cap: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class WaitForRoundResponse(_message.Message):
-    __slots__ = ("has_round", "round", "federation_finished")
+    __slots__ = ("has_round", "round", "federation_finished", "crl_der")
     HAS_ROUND_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FEDERATION_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    CRL_DER_FIELD_NUMBER: _ClassVar[int]
     has_round: bool
     round: RoundAnnouncement
     federation_finished: bool
-    def __init__(self, has_round: _Optional[bool] = ..., round: _Optional[_Union[RoundAnnouncement, _Mapping]] = ..., federation_finished: _Optional[bool] = ...) -> None: ...
+    crl_der: bytes
+    def __init__(self, has_round: _Optional[bool] = ..., round: _Optional[_Union[RoundAnnouncement, _Mapping]] = ..., federation_finished: _Optional[bool] = ..., crl_der: _Optional[bytes] = ...) -> None: ...
 
 class DeclineRoundRequest(_message.Message):
     __slots__ = ("round", "reason", "budget")
@@ -154,6 +160,16 @@ class DeclineRoundRequest(_message.Message):
     def __init__(self, round: _Optional[int] = ..., reason: _Optional[_Union[DeclineRoundRequest.Reason, str]] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ...) -> None: ...
 
 class DeclineRoundResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

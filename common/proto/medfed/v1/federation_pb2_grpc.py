@@ -49,6 +49,11 @@ class FederationStub:
                 request_serializer=medfed_dot_v1_dot_federation__pb2.DeclineRoundRequest.SerializeToString,
                 response_deserializer=medfed_dot_v1_dot_federation__pb2.DeclineRoundResponse.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/medfed.v1.Federation/Heartbeat',
+                request_serializer=medfed_dot_v1_dot_federation__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=medfed_dot_v1_dot_federation__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.ReplicateLedger = channel.unary_unary(
                 '/medfed.v1.Federation/ReplicateLedger',
                 request_serializer=medfed_dot_v1_dot_federation__pb2.ReplicateLedgerRequest.SerializeToString,
@@ -107,6 +112,15 @@ class FederationServicer:
 
     def DeclineRound(self, request, context):
         """The site will not take part in this round (for example: budget exhausted).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """A selected site is alive: sent every `heartbeat_ms` from the moment it hears of
+        a round until its masked input is uploaded. A site silent (no heartbeat, no
+        message) for a few intervals is dropped from the phase it is expected in.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -182,6 +196,11 @@ def add_FederationServicer_to_server(servicer, server):
                     servicer.DeclineRound,
                     request_deserializer=medfed_dot_v1_dot_federation__pb2.DeclineRoundRequest.FromString,
                     response_serializer=medfed_dot_v1_dot_federation__pb2.DeclineRoundResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=medfed_dot_v1_dot_federation__pb2.HeartbeatRequest.FromString,
+                    response_serializer=medfed_dot_v1_dot_federation__pb2.HeartbeatResponse.SerializeToString,
             ),
             'ReplicateLedger': grpc.unary_unary_rpc_method_handler(
                     servicer.ReplicateLedger,
@@ -300,6 +319,33 @@ class Federation:
             '/medfed.v1.Federation/DeclineRound',
             medfed_dot_v1_dot_federation__pb2.DeclineRoundRequest.SerializeToString,
             medfed_dot_v1_dot_federation__pb2.DeclineRoundResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/medfed.v1.Federation/Heartbeat',
+            medfed_dot_v1_dot_federation__pb2.HeartbeatRequest.SerializeToString,
+            medfed_dot_v1_dot_federation__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,191 @@
+"""A deviating coordinator against the real site agent (issue 9, sec. 8).
+
+The coordinator is `tests/e2e/malicious_coordinator.py`: real mTLS with the federation's
+coordinator certificate, the real `SecAggServer`, and valid site certificates of the
+same CA that it plays itself. The hospitals are real `medfed site run` processes with
+keys they generated themselves (`pki request` / `pki sign`), DP-SGD on a synthetic CSV,
+and a privacy ledger. In each attack the site aborts with the expected reason (its log
+line) and what it sent does not give its update away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common import pki
+from common.codec import TensorSpec
+from common.crypto.random import system_random
+from common.processes import ManagedProcess, medfed_argv
+from site_agent.hooks import model_layout
+from site_agent.models import TabularMLP, flatten_parameters
+from site_agent.synthetic import FEATURES, generate_cohort, write_site_csvs
+from tests.e2e.harness import REPO
+from tests.e2e.malicious_coordinator import MaliciousCoordinator, Story, make_story
+
+pytestmark = pytest.mark.e2e
+
+HOSPITALS = ("h1", "h2")  # real processes; keys generated at the "hospital"
+HELD_BY_COORDINATOR = ("evil", "h3", "h4")  # certificates + keys the double holds
+
+
+@dataclass(frozen=True)
+class World:
+    root: Path
+    pki: Path
+    hospital_keys: Path
+    data: dict[str, Path]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    root = tmp_path_factory.mktemp("malicious")
+    pki_dir = root / "pki"
+    pki.init_ca(pki_dir)
+    pki.issue_coordinator(pki_dir, ["127.0.0.1", "localhost"])
+    keys = root / "hospital-keys"
+    for site in HOSPITALS:
+        # `medfed pki request` at the hospital, `medfed pki sign` at the operator.
+        request = pki.request_certificate(keys / site, site)
+        pki.sign_request(pki_dir, request.csr_path)
+        assert not (pki_dir / "sites" / f"{site}.key").exists()  # the key stayed home
+    for site in HELD_BY_COORDINATOR:
+        # What the shipped deployment used to give the coordinator (and what a CA
+        # holder can always mint): valid site certificates of the federation CA.
+        pki.issue_site(pki_dir, site)
+    cohort = generate_cohort(list(HOSPITALS), seed=11, patients_per_site=160)
+    data = write_site_csvs(root / "data", cohort)
+    return World(root, pki_dir, keys, data)
+
+
+def model(seed: int) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
+    import torch
+
+    torch.manual_seed(seed)
+    net = TabularMLP(len(FEATURES))
+    return model_layout(net), flatten_parameters(net)
+
+
+@pytest.fixture
+def start_site(world: World, tmp_path: Path) -> Iterator[Callable[..., ManagedProcess]]:
+    started: list[ManagedProcess] = []
+
+    def start(site: str, address: str, *, policy: str = "") -> ManagedProcess:
+        config = tmp_path / f"{site}.toml"
+        config.write_text(f"[policy]\n{policy}\n")
+        proc = ManagedProcess(
+            site,
+            medfed_argv(
+                "site", "run", "--config", str(config),
+                "--tls-ca", str(world.pki / "ca.crt"),
+                "--tls-cert", str(world.pki / "sites" / f"{site}.crt"),
+                "--tls-key", str(world.hospital_keys / site / f"{site}.key"),
+                "--site", site, "--coordinator", address, "--metrics-listen", "127.0.0.1:0",
+                "--state", str(tmp_path / "state" / site), "--data", str(world.data[site]),
+                "--label-column", "sepsis", "--patient-column", "patient_id",
+                "--budget-epsilon", "8", "--delta", "1e-3", "--trainer", "dpsgd",
+                "--debug-write-updates",
+            ),
+            log_dir=tmp_path / "logs", cwd=REPO, env={"PYTHONPATH": str(REPO)},
+        )
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+def assert_nothing_after_announcement(double: MaliciousCoordinator, site: str) -> None:
+    # ReplicateLedger carries the signed ledger's parameters only (issue 10).
+    assert set(double.record.methods_of(site)) <= {"Enroll", "WaitForRound", "ReplicateLedger"}
+    assert site not in double.record.masked
+
+
+def test_abort_when_round_has_only_two_sites(
+    world: World, start_site: Callable[..., ManagedProcess]
+) -> None:
+    """The coordinator signs as a second "hospital": a sum of two would give h1's update
+    away. h1 refuses the announcement before any key, download or training."""
+    layout, flat = model(1)
+    story = make_story(participants=["evil", "h1"], layout=layout, flat=flat,
+                       nonce=system_random(16), threshold=2)
+    with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
+                              puppets=["evil"]) as double:
+        site = start_site("h1", double.address)
+        site.wait_log("round 1 aborted: round_too_small", timeout=180)
+        assert site.wait_exit(60) == 0
+    assert_nothing_after_announcement(double, "h1")
+
+
+def test_abort_when_survivor_set_shrinks_below_floor_after_masked_input(
+    world: World, start_site: Callable[..., ManagedProcess], tmp_path: Path
+) -> None:
+    """Four announced (h1 real; h3, h4 honest sites the double plays; evil colludes),
+    h1 requires sums over 4 sites. After the masked inputs are in, the coordinator drops
+    h4 from the sum: h1 refuses to sign the survivor list or send Unmask shares."""
+    layout, flat = model(2)
+    story = make_story(participants=["evil", "h1", "h3", "h4"], layout=layout, flat=flat,
+                       nonce=system_random(16), threshold=3)
+    with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
+                              puppets=["evil", "h3", "h4"], withhold=["h4"]) as double:
+        site = start_site("h1", double.address, policy="min_round_sites = 4")
+        site.wait_log("round 1 aborted: survivors_below_floor", timeout=300)
+        assert site.wait_exit(60) == 0
+    methods = double.record.methods_of("h1")
+    assert "UploadMaskedInput" in methods
+    assert "ConsistencyCheck" not in methods and "Unmask" not in methods
+    survivors = double.survivors
+    assert survivors is not None and survivors.survivors == ("evil", "h1", "h3")
+    # h1 really trained (DP-SGD) and recorded the spend before anything left the site.
+    state = tmp_path / "state" / "h1"
+    assert (state / "privacy-ledger.db").is_file()
+    plaintext = np.fromfile(state / "debug-updates" / "round-000001.u32", dtype="<u4")
+    # What h1 sent is masked: it is not h1's update ...
+    masked = double.record.masked["h1"]
+    assert masked.shape == plaintext.shape
+    assert np.mean(masked == plaintext) < 0.01
+    # ... and even knowing every other survivor's input (the colluder's and the honest
+    # h3's, which the double plays), the sum minus those inputs is still masked: h1's
+    # self-mask seed is Shamir-shared with t = 3 among the four, the coordinator's
+    # survivors hold two shares, and h1's own share was never sent.
+    total = np.zeros_like(masked)
+    for name in survivors.survivors:
+        vector = masked if name == "h1" else double.puppets[name].masked
+        assert vector is not None
+        np.add(total, vector, out=total)
+    for name in ("evil", "h3"):
+        np.subtract(total, double.puppets[name].vector, out=total)
+    assert np.mean(total == plaintext) < 0.01
+
+
+def test_divergent_announcements_abort(
+    world: World, start_site: Callable[..., ManagedProcess]
+) -> None:
+    """h1 and h2 are told different models and clip (so their score histograms or
+    updates could be told apart in the sum): the announcement digest in every signed
+    AdvertiseKeys makes each reject the other at the roster, before any share,
+    download or training."""
+    nonce = system_random(16)
+    layout, flat_a = model(3)
+    _, flat_b = model(4)
+    participants = ["evil", "h1", "h2"]
+    story_a = make_story(participants=participants, layout=layout, flat=flat_a, nonce=nonce,
+                         threshold=3)
+    story_b = make_story(participants=participants, layout=layout, flat=flat_b, nonce=nonce,
+                         threshold=3, clip=0.5)
+    stories: dict[str, Story] = {"h1": story_a, "h2": story_b}
+    with MaliciousCoordinator(world.pki, stories=stories, server_story=story_a,
+                              puppets=["evil"]) as double:
+        sites = {name: start_site(name, double.address) for name in stories}
+        for proc in sites.values():
+            proc.wait_log("round 1 aborted: bad_signature", timeout=300)
+            assert proc.wait_exit(60) == 0
+    for name in stories:
+        methods = set(double.record.methods_of(name))
+        assert methods <= {"Enroll", "WaitForRound", "ReplicateLedger", "AdvertiseKeys"}, methods
+        assert name not in double.record.masked
