@@ -267,7 +267,7 @@ class RoundBench:
                 "--rounds", "1", "--min-sites", str(len(self.site_ids)),
                 "--model-dim", str(self.dim), "--phase-seconds", deadline,
                 "--train-seconds", deadline, "--selection-seconds", "0.5",
-                "--debug-write-aggregates", "--linger-seconds", "600",
+                "--debug-write-aggregates", "--exit-when-finished", "--linger-seconds", "600",
                 *(["--plain"] if mode == "plain" else []),
             ),
             env=self.env, log=run_dir / "coordinator.log",

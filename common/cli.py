@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from common.errors import MedfedError
+from common.logs import quiet_grpc_core
 
 COMMAND_GROUP = "medfed.commands"
 
@@ -71,6 +72,7 @@ def main_with(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    quiet_grpc_core()  # before any plug-in imports grpc
     words = list(sys.argv[1:] if argv is None else argv)
     return run_parsed(build_parser(_command_word(words)).parse_args(words))
 

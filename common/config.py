@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import re
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -205,6 +206,9 @@ class CoordinatorSettings(_Settings):
     limits: LimitsSection = LimitsSection()
     checkpoints: CheckpointSection = CheckpointSection()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["json", "text"] = Field(
+        default="json", description="json: one object per line (log shippers); text: for people"
+    )
     debug_write_aggregates: bool = Field(
         default=False, description="TEST ONLY: write each round's unmasked ring sum to STATE"
     )
@@ -329,6 +333,9 @@ class SitePolicySection(_Section):
 class ReconnectSection(_Section):
     initial_backoff_seconds: float = Field(default=0.5, gt=0)
     max_backoff_seconds: float = Field(default=30.0, gt=0)
+    # A TLS handshake that keeps failing (another CA, an expired certificate) does not
+    # heal by retrying: give up after this many consecutive failures.
+    max_tls_failures: int = Field(default=5, ge=1)
 
 
 class SiteSettings(_Settings):
@@ -357,6 +364,9 @@ class SiteSettings(_Settings):
         "size, channels and classes); without one, the tabular mlp of data.features",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["json", "text"] = Field(
+        default="json", description="json: one object per line (log shippers); text: for people"
+    )
     debug_write_updates: bool = Field(
         default=False, description="TEST ONLY: write each round's plaintext ring update to STATE"
     )
@@ -425,7 +435,10 @@ def load_settings(
         first_field, first_message = problems[0]
         rest = "".join(f"; {f}: {m}" for f, m in problems[1:])
         raise ConfigError(first_field, first_message + rest) from None
-    except (ValueError, OSError) as exc:  # malformed TOML and friends
-        raise ConfigError("config", str(exc)) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{config_file} is not valid TOML: {exc}") from None
+    except (ValueError, OSError) as exc:
+        where = f"{config_file}: " if config_file is not None else ""
+        raise ConfigError("config", f"{where}{exc}") from None
     finally:
         _TOML_FILE.reset(token)

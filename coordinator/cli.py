@@ -21,6 +21,10 @@ def register(subparsers: Any) -> None:
         "with __) > the TOML config file > built-in defaults.",
     )
     serve.add_argument("--config", type=Path, help="TOML settings file")
+    serve.add_argument(
+        "--log-format", choices=["json", "text"],
+        help="stderr logs: json (one object per line, default) or text (for people)",
+    )
     serve.add_argument("--pki", type=Path, help="folder with ca.crt, crl.pem, coordinator.*")
     serve.add_argument("--listen", help="HOST:PORT of the mTLS gRPC port (port 0: any free)")
     serve.add_argument("--metrics-listen", help="HOST:PORT of the Prometheus /metrics endpoint")
@@ -44,8 +48,14 @@ def register(subparsers: Any) -> None:
         "--debug-write-aggregates", action="store_true", default=None,
         help="TEST ONLY: write each round's unmasked ring sum under STATE",
     )
+    serve.add_argument(
+        "--exit-when-finished", action="store_true",
+        help="exit (0) once the study is finished, after --linger-seconds (batch use); "
+        "by default the coordinator stays up and reports the study as finished",
+    )
     serve.add_argument("--linger-seconds", type=float, default=5.0,
-                       help="keep serving this long after the last round")
+                       help="with --exit-when-finished: keep serving this long after the "
+                       "last round so waiting sites hear that the study is finished")
     serve.set_defaults(func=_serve)
 
 
@@ -72,6 +82,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
             "heartbeat_seconds": args.heartbeat_seconds,
         },
         "debug_write_aggregates": args.debug_write_aggregates,
+        "log_format": args.log_format,
     }
     return load_settings(CoordinatorSettings, config_file=args.config, overrides=overrides)
 
@@ -80,5 +91,6 @@ def _serve(args: argparse.Namespace) -> int:
     from coordinator.service import serve
 
     settings = settings_from_args(args)
-    configure_logging("coordinator", settings.log_level)
-    return asyncio.run(serve(settings, linger_seconds=args.linger_seconds))
+    configure_logging("coordinator", settings.log_level, settings.log_format)
+    return asyncio.run(serve(settings, exit_when_finished=args.exit_when_finished,
+                             linger_seconds=args.linger_seconds))

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import ConfigError
+from common.errors import ConfigError, StateError
 from common.processes import Line, ManagedProcess, medfed_argv
 
 HISTOGRAM_BINS = 50
@@ -160,6 +160,8 @@ class Demo:
         self.out = options.out
         self.procs: dict[str, ManagedProcess] = {}
         self.rows: list[RoundRow] = []
+        self.aborted: list[dict[str, Any]] = []
+        self.killed: set[ManagedProcess] = set()  # sites this demo killed on purpose
         self.started = time.monotonic()
         self._print_lock = threading.Lock()
 
@@ -268,7 +270,8 @@ phase_seconds = {self.o.phase_seconds}
             "coordinator",
             medfed_argv("coordinator", "serve", "--config", str(config), "--pki", str(pki),
                         "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                        "--state", str(self.out / "coordinator"), "--linger-seconds", "5"),
+                        "--state", str(self.out / "coordinator"), "--exit-when-finished",
+                        "--linger-seconds", "5"),
             log_dir=self.out / "logs",
         )
         event = proc.wait_event("listening", timeout=120)
@@ -363,6 +366,8 @@ device = "cpu"
         while done < total:
             line, seen = self._next_round_event(coordinator, seen)
             if line.get("event") == "round_aborted":
+                self.aborted.append({"round": int(line.get("round_number", 0)),
+                                     "reason": str(line.get("reason", ""))})
                 self.say(f"[round {line.get('round_number')}] aborted: {line.get('reason')}")
                 continue
             done += 1
@@ -382,9 +387,12 @@ device = "cpu"
                     return lines[index], index + 1
             seen = len(lines)
             if not coordinator.alive:
-                raise RuntimeError(f"coordinator exited\n{coordinator.tail()}")
+                raise StateError(f"the coordinator exited ({coordinator.proc.returncode}): "
+                                 f"{last_error(coordinator)}")
+            self.check_sites()
             for site, proc in self.procs.items():
                 if proc.alive and any(x.get("event") == "paused" for x in list(proc.lines)):
+                    self.killed.add(proc)
                     proc.kill9()
                     self.say(f"[fault] kill -9 {site} mid-round, after it sent its masked "
                              "update: the survivors' Shamir shares will remove its masks")
@@ -395,6 +403,17 @@ device = "cpu"
                 )
             except RuntimeError:
                 continue
+
+    def check_sites(self) -> None:
+        """Fail fast with the site's own message when a site agent died (bad data,
+        refused certificate...) instead of waiting out the round-start timeout."""
+        for site, proc in self.procs.items():
+            if proc in self.killed or proc.alive:
+                continue
+            code = proc.proc.returncode
+            if code not in (0, None):
+                raise StateError(f"site {site} exited with code {code}: {last_error(proc)} "
+                                 f"(log: {self.out / 'logs' / (site + '.log')})")
 
     def record_round(self, line: Line, sites: list[str]) -> None:
         participants = [s for s in str(line.get("participants", "")).split(",") if s]
@@ -431,6 +450,7 @@ device = "cpu"
         final_row = self.rows[-1] if self.rows else None
         final_metrics = dict(final_row.metrics) if final_row else {}
         eps = self.epsilon_by_site(sites)
+        model = self.model_file()
         report: dict[str, Any] = {
             "sites": sites,
             "privacy_unit": "patient" if self.o.patient_column else "record",
@@ -447,6 +467,12 @@ device = "cpu"
                 }
                 for r in self.rows
             ],
+            "aborted_rounds": self.aborted,
+            "evaluation_round": next(
+                (r.round for r in self.rows if r.evaluation_only), None
+            ),
+            "model": model,
+            "threshold": model.get("threshold") if model else None,
             "final": {
                 **{k: final_metrics.get(k) for k in ("auc", "sensitivity", "specificity", "ppv")},
                 "epsilon": eps,
@@ -460,6 +486,46 @@ device = "cpu"
         self.print_table(report)
         return report
 
+    def model_file(self) -> dict[str, Any] | None:
+        """The model the study produced: the coordinator's final bundle when there is
+        one (with its decision threshold), else its latest checkpoint (no threshold)."""
+        import hashlib
+
+        state = self.out / "coordinator"
+        bundle = state / "model" / "final.safetensors"
+        if bundle.is_file():
+            from common.bundle import read_bundle
+
+            threshold = read_bundle(bundle).threshold.value
+            return {"path": str(bundle), "kind": "final bundle",
+                    "sha256": hashlib.sha256(bundle.read_bytes()).hexdigest(),
+                    "threshold": threshold}
+        from coordinator.store import CoordinatorStore
+
+        database = state / "coordinator.db"
+        if not database.is_file():
+            return None
+        store = CoordinatorStore(f"sqlite:///{database}")
+        try:
+            checkpoint = store.latest_checkpoint()
+        finally:
+            store.close()
+        if checkpoint is None:
+            return None
+        return {"path": str(checkpoint.path), "kind": "latest checkpoint (no bundle)",
+                "round": checkpoint.round_number, "sha256": checkpoint.sha256,
+                "threshold": None}
+
+    def _mark_rounds(self, ax: Any, report: dict[str, Any]) -> None:
+        """Aborted rounds (red dotted) and the evaluation-only round (shaded)."""
+        for index, aborted in enumerate(report["aborted_rounds"]):
+            ax.axvline(aborted["round"], color="tab:red", linestyle=":", linewidth=1.2,
+                       label="aborted round" if index == 0 else None)
+        evaluation = report.get("evaluation_round")
+        if evaluation is not None:
+            ax.axvspan(evaluation - 0.3, evaluation + 0.3, color="tab:blue", alpha=0.12,
+                       label="evaluation-only round")
+
     def plot(self, report: dict[str, Any]) -> None:
         import matplotlib
 
@@ -468,33 +534,42 @@ device = "cpu"
         from matplotlib.ticker import MaxNLocator
 
         rounds = [r for r in report["rounds"] if r["auc"] is not None]
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(8, 4))
         ax.plot([r["round"] for r in rounds], [r["auc"] for r in rounds], marker="o",
                 label="federated, DP + SecAgg+")
         colours = {"centralized_nodp": "tab:gray", "federated_nodp": "tab:green"}
         for name, m in report["baselines"].items():
             ax.axhline(m["auc"], linestyle="--", linewidth=1, color=colours.get(name, "black"),
                        label=name.replace("_", " "))
+        self._mark_rounds(ax, report)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("round (AUC of the global model entering it)")
         ax.set_ylabel("AUC (federation held-out, secure histograms)")
-        ax.legend(loc="lower right", fontsize=8)
+        # Outside the axes: a legend never hides a line.
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, borderaxespad=0)
         fig.tight_layout()
-        fig.savefig(self.out / "auc_by_round.png", dpi=120)
+        fig.savefig(self.out / "auc_by_round.png", dpi=120, bbox_inches="tight")
         plt.close(fig)
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for site in report["sites"]:
-            ax.plot([r["round"] for r in report["rounds"]],
-                    [r["epsilon"].get(site, 0.0) for r in report["rounds"]], marker=".",
-                    label=site)
+
+        fig, ax = plt.subplots(figsize=(8, 4))
+        styles = ("-", "--", "-.", ":")
+        markers = ("o", "s", "^", "D", "v", "P", "X", "*")
+        # Every site's line starts at (0, 0): nothing spent before the first round.
+        xs = [0] + [r["round"] for r in report["rounds"]]
+        for index, site in enumerate(report["sites"]):
+            ys = [0.0] + [r["epsilon"].get(site, 0.0) for r in report["rounds"]]
+            ax.plot(xs, ys, linestyle=styles[index % len(styles)],
+                    marker=markers[index % len(markers)], markersize=5, label=site)
         ax.axhline(self.o.budget_epsilon, color="red", linestyle=":", label="budget")
+        self._mark_rounds(ax, report)
         ax.set_ylim(bottom=0)
+        ax.set_xlim(left=0)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("round")
         ax.set_ylabel(f"epsilon spent (delta={self.o.delta:g}, composed)")
-        ax.legend(fontsize=8)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, borderaxespad=0)
         fig.tight_layout()
-        fig.savefig(self.out / "epsilon_by_round.png", dpi=120)
+        fig.savefig(self.out / "epsilon_by_round.png", dpi=120, bbox_inches="tight")
         plt.close(fig)
 
     def print_table(self, report: dict[str, Any]) -> None:
@@ -522,6 +597,19 @@ device = "cpu"
                      f"({100 * spent / budget:4.0f}% of budget)")
         self.say(f"\nReport: {self.out / 'report.json'}; plots: auc_by_round.png, "
                  f"epsilon_by_round.png ({report['seconds']:.0f} s)")
+
+
+def last_error(proc: ManagedProcess) -> str:
+    """The most telling line a failed process left: its last error, else its last line."""
+    lines = list(proc.lines)
+    for line in reversed(lines):
+        if str(line.get("level", "")) in ("error", "critical"):
+            return str(line.get("msg", line))
+    for line in reversed(lines):
+        text = str(line.get("msg", line.get("text", ""))).strip()
+        if text:
+            return text
+    return "no output"
 
 
 def _json(value: Any) -> Any:

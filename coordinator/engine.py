@@ -59,6 +59,7 @@ from coordinator.phases import (
     phase_timeout,
 )
 from coordinator.sessions import SiteRegistry
+from coordinator.status import StudyStatus, study_status
 from coordinator.store import CoordinatorStore
 from coordinator.uploads import Transfers
 
@@ -166,7 +167,9 @@ class RoundEngine:
         return head.entries
 
     def decline(self, site_id: str, round_number: int, *, budget: SiteBudget | None) -> None:
-        self.sessions.record_budget(self.sessions.session(site_id), budget)
+        session = self.sessions.session(site_id)
+        self.sessions.record_budget(session, budget)
+        session.declined_round = round_number
         self.inbox.decline(site_id, round_number)
         log.info("site %s declined round %d", site_id, round_number)
 
@@ -183,6 +186,13 @@ class RoundEngine:
         if current is not None:
             return current.announcement
         return await self.sessions.poll(site_id, wait_seconds=wait_seconds)
+
+    def status(self) -> StudyStatus:
+        """The study as `medfed status` shows it (read-only)."""
+        return study_status(
+            list(self.sessions.sites.values()), self.store.rounds(), rnd=self.inbox.round,
+            total_rounds=self.total_rounds, finished=self.finished.is_set(), now=self.clock(),
+        )
 
     # --------------------------------------------------------------- main loop
     async def run(self) -> None:
@@ -201,6 +211,7 @@ class RoundEngine:
             self.sessions.close(failure=Unavailable(f"coordinator {what}: retry later"))
             raise
         self.finished.set()
+        self.metrics.study_finished.set(1)
         self.sessions.close(failure=None)
 
     async def select_participants(self) -> list[str]:

@@ -95,6 +95,12 @@ class CoordinatorMetrics:
             ["site"],
             registry=r,
         )
+        self.study_finished = Gauge(
+            "medfed_coordinator_study_finished",
+            "1 once every round of the study completed (the coordinator stays up and "
+            "serves the final model: not an outage), else 0.",
+            registry=r,
+        )
         self.current_round = Gauge(
             "medfed_coordinator_round_number", "Number of the latest round.", registry=r
         )

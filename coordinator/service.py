@@ -19,18 +19,21 @@ from grpc_reflection.v1alpha import reflection
 
 from common.config import CoordinatorSettings
 from common.crypto.signing import VerifyingKey
+from common.errors import ConfigError
 from common.metrics_http import serve_metrics
 from common.pki import COORDINATOR_CERT, CRL_FILE, PeerVerifier, load_ca, load_certificate
 from common.proto.medfed.v1 import federation_pb2 as pb
+from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.tls import RequireCertificateRole, server_credentials
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.revocation import CrlRelay
-from coordinator.servicer import FederationServicer, add_to_server
+from coordinator.servicer import FederationServicer, MonitorServicer, add_to_server
 from coordinator.store import CoordinatorStore
 
 log = logging.getLogger("medfed.coordinator")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Federation"].full_name
+MONITOR_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Monitor"].full_name
 
 
 @dataclass
@@ -91,6 +94,9 @@ async def start(settings: CoordinatorSettings) -> RunningCoordinator:
             ("grpc.max_send_message_length", 8 << 20),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            # gRPC sets SO_REUSEPORT by default: a second coordinator would then bind
+            # the same port and silently share the sites' connections.
+            ("grpc.so_reuseport", 0),
         ]
     )
     servicer = FederationServicer(
@@ -101,25 +107,47 @@ async def start(settings: CoordinatorSettings) -> RunningCoordinator:
         crl=crl,
     )
     add_to_server(servicer, server)
+    pb_grpc.add_MonitorServicer_to_server(  # type: ignore[no-untyped-call]
+        MonitorServicer(engine, federation_id=settings.federation_id), server
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME),
+        (SERVICE_NAME, MONITOR_SERVICE_NAME,
+         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
     # mTLS is the only transport: there is no insecure port to forget to close.
-    port = server.add_secure_port(settings.listen, server_credentials(settings.pki))
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    metrics_server, metrics_port = serve_metrics(settings.metrics_listen, metrics.registry)
+    try:
+        try:
+            port = server.add_secure_port(settings.listen, server_credentials(settings.pki))
+        except RuntimeError:  # grpc raises "Failed to bind" (older versions return 0)
+            port = 0
+        if port == 0:
+            raise ConfigError(
+                "listen", f"cannot listen on {settings.listen}: the port is already in use "
+                "(another coordinator?) or the address is not local",
+            )
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        metrics_server, metrics_port = serve_metrics(settings.metrics_listen, metrics.registry)
+    except BaseException:
+        await server.stop(None)
+        store.close()
+        raise
     return RunningCoordinator(
         server, engine, port, metrics_port, health_servicer, metrics_server=metrics_server
     )
 
 
-async def serve(settings: CoordinatorSettings, *, linger_seconds: float = 5.0) -> int:
+async def serve(
+    settings: CoordinatorSettings, *, exit_when_finished: bool = False,
+    linger_seconds: float = 5.0,
+) -> int:
+    """Serve until SIGTERM/SIGINT. A finished study is not an outage: the coordinator
+    stays up (status `finished`, Health SERVING, sites told the federation finished);
+    `exit_when_finished` (batch use) exits `linger_seconds` after the last round."""
     running = await start(settings)
     # One machine-readable line so scripts and tests learn the bound ports.
     print(
@@ -147,10 +175,16 @@ async def serve(settings: CoordinatorSettings, *, linger_seconds: float = 5.0) -
             print(f"medfed: error: round engine failed: {cause}", file=sys.stderr)
             code = 1
         else:
-            log.info("all %d rounds done", settings.rounds)
-            # Let waiting sites hear that the federation is finished.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=linger_seconds)
+            log.info("all %d rounds done", settings.rounds,
+                     extra={"event": "study_finished", "rounds": settings.rounds})
+            if exit_when_finished:
+                # Let waiting sites hear that the federation is finished.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=linger_seconds)
+            else:
+                log.info("study finished: still serving status and the final model "
+                         "until stopped (--exit-when-finished to exit instead)")
+                await stop.wait()
     else:
         engine_task.cancel()
     await running.stop(grace=2.0)

@@ -145,7 +145,9 @@ class FederationServicer(pb_grpc.FederationServicer):
         if pem is None:
             raise Unauthenticated("no client certificate")
         cert = parse_certificate(pem)
-        return self.verifier.verify(cert, now=self.clock()), cert
+        site_id = self.verifier.verify(cert, now=self.clock())
+        self.engine.sessions.touch(site_id)
+        return site_id, cert
 
     def _crl_der(self) -> bytes:
         """The CA's CRL for sites to check roster peers against (empty: none to relay)."""
@@ -340,3 +342,39 @@ class FederationServicer(pb_grpc.FederationServicer):
             wire.unmask_from_pb(request),
         )
         return pb.UnmaskResponse(completed=True, contributors=contributors)
+
+
+def _unix_ms(seconds: float | None) -> int:
+    return 0 if seconds is None else max(int(seconds * 1000), 0)
+
+
+class MonitorServicer(pb_grpc.MonitorServicer):
+    """Read-only status for operators. Who may call it is decided before any handler
+    runs (RequireCertificateRole: monitor certificates only)."""
+
+    def __init__(self, engine: RoundEngine, *, federation_id: str) -> None:
+        self.engine = engine
+        self.federation_id = federation_id
+
+    async def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusResponse:
+        status = self.engine.status()
+        return pb.StatusResponse(
+            federation_id=self.federation_id,
+            total_rounds=status.total_rounds,
+            completed_rounds=status.completed_rounds,
+            aborted_rounds=status.aborted_rounds,
+            current_round=status.current_round,
+            phase=status.phase,
+            finished=status.finished,
+            eta_seconds=-1.0 if status.eta_seconds is None else status.eta_seconds,
+            now_unix_ms=_unix_ms(status.now),
+            sites=[
+                pb.SiteState(
+                    site_id=s.site_id, state=s.state,
+                    last_contact_unix_ms=_unix_ms(s.last_contact),
+                    epsilon_spent=s.epsilon_spent, epsilon_budget=s.epsilon_budget,
+                    privacy_unit=s.privacy_unit,
+                )
+                for s in status.sites
+            ],
+        )

@@ -32,6 +32,9 @@ class SiteSession:
     budget: SiteBudget = field(default_factory=SiteBudget)
     budget_reported: bool = False
     waiting: asyncio.Future[Announcement | None] | None = None
+    last_contact: float | None = None  # unix seconds of the site's latest call
+    declined_round: int | None = None  # the latest round it declined
+
 
     @property
     def is_waiting(self) -> bool:
@@ -67,9 +70,16 @@ class SiteRegistry:
         self.store.record_site(
             site_id, cert_serial=serial, agent_version=version, device=device, now=self.clock()
         )
+        session.last_contact = self.clock()
         self.record_budget(session, budget)
         self.metrics.sites_enrolled.set(len(self.store.enrolled_sites()))
         self.changed.set()
+
+    def touch(self, site_id: str) -> None:
+        """Note a call from `site_id` (its last contact, for `medfed status`)."""
+        session = self.sites.get(site_id)
+        if session is not None:
+            session.last_contact = self.clock()
 
     def session(self, site_id: str) -> SiteSession:
         session = self.sites.get(site_id)

@@ -80,6 +80,28 @@ HEARTBEAT_FINAL = {
 the coordinator does not listen for heartbeats)."""
 # Ledger purposes released within a round (the cohort count has its own numbering).
 ROUND_PURPOSES = (dp_release.PURPOSE_TRAINING, dp_release.PURPOSE_EVALUATION)
+# What gRPC's details say when the TLS handshake itself failed (another CA, an expired or
+# revoked certificate, a server name that does not match): retrying does not heal these.
+TLS_FAILURE_MARKERS = ("handshake", "CERTIFICATE_VERIFY_FAILED", "certificate", "tlsv1 alert",
+                       "SSL_ERROR")
+
+
+def tls_failure(exc: grpc.RpcError) -> str | None:
+    """The handshake failure gRPC reports in `exc`, or None if it is not one."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    details = str(exc.details() or "")
+    lowered = details.lower()
+    if any(marker.lower() in lowered for marker in TLS_FAILURE_MARKERS):
+        return details
+    return None
+
+
+def round_of(number: int, planned: int) -> str:
+    """``round 3 of 5`` (round numbers keep growing over aborted rounds and restarts)."""
+    return f"round {number} of {planned}" if number <= planned else (
+        f"round {number} (planned: {planned})"
+    )
 
 
 def _utcnow() -> dt.datetime:
@@ -222,6 +244,8 @@ class SiteAgent:
         self.rounds_done = 0
         self._declined_for_budget = False
         self._backoff = settings.reconnect.initial_backoff_seconds
+        self._tls_failures = 0
+        self._last_update: LocalUpdate | None = None  # for the round's "done" log line
         self._replica_seq = 0
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.FederationStub | None = None
@@ -287,6 +311,16 @@ class SiteAgent:
                 if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                     log.error("coordinator refused our certificate: %s", exc.details())
                     return 3
+                cause = tls_failure(exc)
+                self._tls_failures = self._tls_failures + 1 if cause is not None else 0
+                if cause is not None and (
+                        self._tls_failures >= self.settings.reconnect.max_tls_failures):
+                    raise CertificateRejected(
+                        f"TLS handshake with coordinator {self.settings.coordinator} failed "
+                        f"{self._tls_failures} times in a row, giving up: {cause}. Check "
+                        "that the CA file is this federation's and that this site's "
+                        "certificate is valid and not expired"
+                    ) from None
                 log.warning("connection problem (%s): %s; reconnecting", code, exc.details())
                 self.metrics.connected.set(0)
                 self._disconnect()
@@ -304,6 +338,7 @@ class SiteAgent:
         self.metrics.connected.set(1)
         self._accept_crl(resp.crl_der)
         self._backoff = self.settings.reconnect.initial_backoff_seconds
+        self._tls_failures = 0
         log.info("enrolled in federation %s", resp.federation_id)
         self._replica_seq = resp.ledger_seq_held
         while not self.stop.is_set():
@@ -382,6 +417,14 @@ class SiteAgent:
                    heard_at: float | None = None) -> None:
         """Take part in `rnd`, heard of at `heard_at` (perf_counter; default now)."""
         heard_at = time.perf_counter() if heard_at is None else heard_at
+        plan = rnd.plan
+        what = "evaluation only" if plan.local_epochs == 0 else (
+            f"{plan.local_epochs} local epoch(s)")
+        log.info("%s: selected with %d sites (%s)", round_of(rnd.number, plan.planned_rounds),
+                 len(rnd.announcement.participants), what,
+                 extra={"event": "round_selected", "round_number": rnd.number,
+                        "planned_rounds": plan.planned_rounds})
+        self._last_update = None
         evaluation = self._evaluation_mechanisms(rnd)
         self._refuse_recorded_round(rnd)
         with Heartbeats(stub, rnd.number, rnd.heartbeat_seconds) as heartbeats:
@@ -389,14 +432,12 @@ class SiteAgent:
                              heartbeats=heartbeats)
         self.rounds_done += 1
         self.metrics.rounds.labels(outcome="completed").inc()
-        log.info(
-            "round %d done", rnd.number,
-            extra={"event": "site_round_done", "round_number": rnd.number,
-                   # Memory of the round's model-sized work (bench round reads these):
-                   # the process peak against its RSS just before the download.
-                   "rss_before_download_bytes": self._rss_before_download,
-                   "peak_rss_bytes": proc_status_bytes("VmHWM")},
-        )
+        self._log_done(rnd, self._last_update, extra={
+            # Memory of the round's model-sized work (bench round reads these): the
+            # process peak against its RSS just before the download.
+            "rss_before_download_bytes": self._rss_before_download,
+            "peak_rss_bytes": proc_status_bytes("VmHWM"),
+        })
 
     def _refuse_recorded_round(self, rnd: VerifiedRound) -> None:
         if self.ledger is not None and any(
@@ -456,6 +497,7 @@ class SiteAgent:
             started = time.perf_counter()
             update = self._private_histogram(rnd, self.hook.train(rnd.plan, global_flat),
                                              evaluated=bool(evaluation))
+            self._last_update = update
             # The hook keeps what it needs (its model's parameters): our copy of the
             # global model is not needed for encoding, masking or the upload.
             del global_flat
@@ -480,6 +522,42 @@ class SiteAgent:
             if client is not None:
                 client.abort()  # nothing more is ever revealed for this round
             raise
+
+    def _log_done(self, rnd: VerifiedRound, update: LocalUpdate | None, *,
+                  extra: dict[str, object]) -> None:
+        """What the ML engineer wants per round: data used, local loss, privacy spent."""
+        parts = []
+        fields: dict[str, object] = {
+            "event": "site_round_done", "round_number": rnd.number,
+            "planned_rounds": rnd.plan.planned_rounds,
+            "evaluation_only": rnd.plan.local_epochs == 0, **extra,
+        }
+        if update is None:
+            pass
+        elif rnd.plan.local_epochs == 0:
+            parts.append("evaluated the global model (no training)")
+        else:
+            records = update.records if update.records is not None else update.num_samples
+            used = f"trained on {records} records"
+            if update.patients:
+                used += f" ({update.patients} patients)"
+            parts.append(used)
+            if update.loss is not None:
+                parts.append(f"local loss {update.loss:.4f}")
+        if update is not None:
+            fields["records"] = (update.records if update.records is not None
+                                 else update.num_samples)
+            fields["patients"] = update.patients
+            if update.loss is not None:
+                fields["local_loss"] = update.loss
+        if self.ledger is not None:
+            status = self.ledger.status()
+            parts.append(f"epsilon {status.spent_epsilon:.3f} of {status.budget_epsilon:g} "
+                         f"spent (delta {status.delta:g})")
+            fields["epsilon_spent"] = status.spent_epsilon
+            fields["epsilon_budget"] = status.budget_epsilon
+        log.info("%s done: %s", round_of(rnd.number, rnd.plan.planned_rounds),
+                 ", ".join(parts) or "contributed", extra=fields)
 
     def _evaluation_mechanisms(self, rnd: VerifiedRound) -> list[Mechanism]:
         """The ledger record of this round's DP score histogram ([] when the site keeps

@@ -23,6 +23,10 @@ def register(subparsers: Any) -> None:
         "with __) > the TOML config file > built-in defaults.",
     )
     run.add_argument("--config", type=Path, help="TOML settings file")
+    run.add_argument(
+        "--log-format", choices=["json", "text"],
+        help="stderr logs: json (one object per line, default) or text (for people)",
+    )
     run.add_argument("--pki", type=Path, help="folder with ca.crt and sites/SITE.crt/.key")
     run.add_argument("--tls-ca", type=Path, help="federation CA certificate (instead of --pki)")
     run.add_argument("--tls-cert", type=Path, help="this site's certificate")
@@ -75,6 +79,7 @@ def settings_from_args(args: argparse.Namespace) -> SiteSettings:
         "debug_write_updates": args.debug_write_updates,
         "debug_pause_after": args.debug_pause_after,
         "debug_pause_seconds": args.debug_pause_seconds,
+        "log_format": args.log_format,
         "data": {
             "path": args.data,
             "label_column": args.label_column,
@@ -95,7 +100,7 @@ def _run(args: argparse.Namespace) -> int:
     from site_agent.runner import run_site
 
     settings = settings_from_args(args)
-    configure_logging(f"site:{settings.site}", settings.log_level)
+    configure_logging(f"site:{settings.site}", settings.log_level, settings.log_format)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -41,6 +41,10 @@ class LocalUpdate:
     histogram: np.ndarray  # int64, 2 * announced bins: GLOBAL model scores on held-out data
     seconds: float
     patients: int = 0
+    loss: float | None = None  # mean local training loss (None: no training this round)
+    # Exact records trained on, for this site's own log only (never sent: the FedAvg
+    # weight is `num_samples`, a DP count when DP is on).
+    records: int | None = None
 
 
 class TrainingHook(Protocol):
@@ -286,6 +290,8 @@ class DpTrainingHook:
             histogram,
             time.perf_counter() - started,
             patients,
+            loss=result.mean_loss,
+            records=result.num_samples,
         )
 
 

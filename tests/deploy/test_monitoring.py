@@ -161,7 +161,7 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
         fed.start_site("rural", "--exit-after-rounds", "1")
         site_port = int(fed.site_procs["paediatric"].wait_event("started")["metrics_port"])
         coordinator.wait_log("round 1 completed", timeout=120)
-        fed.site_procs["paediatric"].wait_log("round 1 done", timeout=60)
+        fed.site_procs["paediatric"].wait_event("site_round_done", round_number=1, timeout=60)
         yield {
             "coordinator": scrape(coordinator_port),
             "site": scrape(site_port),

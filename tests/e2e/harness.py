@@ -46,14 +46,18 @@ class Federation:
         self.port = 0
         self._restarts = 0
 
-    def start_coordinator(self, *extra: str, port: int | None = None) -> ManagedProcess:
+    def start_coordinator(self, *extra: str, port: int | None = None,
+                          exit_when_finished: bool = True) -> ManagedProcess:
+        """`exit_when_finished`: batch behaviour (the process exits after the study);
+        False: it stays up as a production coordinator does."""
         listen = f"127.0.0.1:{port if port is not None else 0}"
+        batch = ("--exit-when-finished", "--linger-seconds", "3") if exit_when_finished else ()
         self._restarts += 1
         proc = ManagedProcess(
             f"coordinator-{self._restarts}",
             medfed_argv("coordinator", "serve", "--pki", str(self.pki), "--listen", listen,
                    "--metrics-listen", "127.0.0.1:0", "--state", str(self.root / "coordinator"),
-                   "--debug-write-aggregates", "--linger-seconds", "3", *extra),
+                   "--debug-write-aggregates", *batch, *extra),
             env=self.env, log_dir=self.logs, cwd=REPO,
         )
         event = proc.wait_event("listening", timeout=60)

@@ -3,13 +3,16 @@ real processes, real DP-SGD, SecAgg+, one site killed mid-round and restarted.""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from common.processes import medfed_argv
+from common.errors import StateError
+from common.processes import ManagedProcess, medfed_argv
+from coordinator.demo import Demo, DemoOptions
 from site_agent.synthetic import generate_cohort, write_site_csvs
 from tests.e2e.harness import REPO
 
@@ -51,6 +54,11 @@ def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
         spent = report["final"]["epsilon"][site]
         assert 0.0 < spent <= report["final"]["budget"][site] == 4.0
         assert set(rounds[-1]["epsilon"]) == set(SITES)
+    assert report["aborted_rounds"] == [] and report["evaluation_round"] == 3
+    model = report["model"]
+    assert model["kind"] in ("final bundle", "latest checkpoint (no bundle)")
+    assert hashlib.sha256(Path(model["path"]).read_bytes()).hexdigest() == model["sha256"]
+    assert report["threshold"] == model["threshold"]
     assert (out / "auc_by_round.png").stat().st_size > 1000
     assert (out / "epsilon_by_round.png").stat().st_size > 1000
     assert "Federated + DP" in result.stdout
@@ -60,3 +68,32 @@ def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
         verify = subprocess.run(medfed_argv("ledger", "verify", "--ledger", str(ledger)),
                                 cwd=REPO, capture_output=True, text=True, check=False)
         assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_demo_fails_fast_with_the_dead_sites_message(tmp_path: Path) -> None:
+    """A site agent that dies (here: its data file does not exist) ends the demo at
+    once with that site's own error, instead of a silent wait for the round start."""
+    demo = Demo(DemoOptions(out=tmp_path / "run"))
+    pki = tmp_path / "pki"
+    subprocess.run(medfed_argv("pki", "init", "--dir", str(pki)), check=True, cwd=REPO,
+                   capture_output=True)
+    subprocess.run(medfed_argv("pki", "issue", "--dir", str(pki), "--site", "north"),
+                   check=True, cwd=REPO, capture_output=True)
+    missing = tmp_path / "absent.csv"
+    site = ManagedProcess(
+        "north",
+        medfed_argv("site", "run", "--pki", str(pki), "--site", "north",
+                    "--coordinator", "127.0.0.1:9", "--metrics-listen", "127.0.0.1:0",
+                    "--state", str(tmp_path / "north"), "--data", str(missing),
+                    "--label-column", "sepsis"),
+        log_dir=tmp_path / "logs", cwd=REPO,
+    )
+    demo.procs["north"] = site
+    try:
+        assert site.wait_exit(timeout=120) != 0
+        site.stop()
+        with pytest.raises(StateError, match="site north exited with code") as failure:
+            demo.check_sites()
+        assert str(missing) in str(failure.value)
+    finally:
+        site.stop()

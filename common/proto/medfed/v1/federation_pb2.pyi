@@ -332,3 +332,47 @@ class UnmaskResponse(_message.Message):
     completed: bool
     contributors: int
     def __init__(self, completed: _Optional[bool] = ..., contributors: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SiteState(_message.Message):
+    __slots__ = ("site_id", "state", "last_contact_unix_ms", "epsilon_spent", "epsilon_budget", "privacy_unit")
+    SITE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_CONTACT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_SPENT_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_UNIT_FIELD_NUMBER: _ClassVar[int]
+    site_id: str
+    state: str
+    last_contact_unix_ms: int
+    epsilon_spent: float
+    epsilon_budget: float
+    privacy_unit: str
+    def __init__(self, site_id: _Optional[str] = ..., state: _Optional[str] = ..., last_contact_unix_ms: _Optional[int] = ..., epsilon_spent: _Optional[float] = ..., epsilon_budget: _Optional[float] = ..., privacy_unit: _Optional[str] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("federation_id", "total_rounds", "completed_rounds", "current_round", "phase", "finished", "sites", "eta_seconds", "aborted_rounds", "now_unix_ms")
+    FEDERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SITES_FIELD_NUMBER: _ClassVar[int]
+    ETA_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    NOW_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    federation_id: str
+    total_rounds: int
+    completed_rounds: int
+    current_round: int
+    phase: str
+    finished: bool
+    sites: _containers.RepeatedCompositeFieldContainer[SiteState]
+    eta_seconds: float
+    aborted_rounds: int
+    now_unix_ms: int
+    def __init__(self, federation_id: _Optional[str] = ..., total_rounds: _Optional[int] = ..., completed_rounds: _Optional[int] = ..., current_round: _Optional[int] = ..., phase: _Optional[str] = ..., finished: _Optional[bool] = ..., sites: _Optional[_Iterable[_Union[SiteState, _Mapping]]] = ..., eta_seconds: _Optional[float] = ..., aborted_rounds: _Optional[int] = ..., now_unix_ms: _Optional[int] = ...) -> None: ...

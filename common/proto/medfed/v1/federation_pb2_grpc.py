@@ -544,3 +544,84 @@ class Federation:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class MonitorStub:
+    """Read-only view of the study for operators (`medfed status`). Callable with a
+    monitor certificate only: it names every site and its privacy budget, which one
+    hospital has no need to see of another (common/tls.py, ACCESS_RULES).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Status = channel.unary_unary(
+                '/medfed.v1.Monitor/Status',
+                request_serializer=medfed_dot_v1_dot_federation__pb2.StatusRequest.SerializeToString,
+                response_deserializer=medfed_dot_v1_dot_federation__pb2.StatusResponse.FromString,
+                _registered_method=True)
+
+
+class MonitorServicer:
+    """Read-only view of the study for operators (`medfed status`). Callable with a
+    monitor certificate only: it names every site and its privacy budget, which one
+    hospital has no need to see of another (common/tls.py, ACCESS_RULES).
+    """
+
+    def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_MonitorServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=medfed_dot_v1_dot_federation__pb2.StatusRequest.FromString,
+                    response_serializer=medfed_dot_v1_dot_federation__pb2.StatusResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'medfed.v1.Monitor', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('medfed.v1.Monitor', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Monitor:
+    """Read-only view of the study for operators (`medfed status`). Callable with a
+    monitor certificate only: it names every site and its privacy budget, which one
+    hospital has no need to see of another (common/tls.py, ACCESS_RULES).
+    """
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/medfed.v1.Monitor/Status',
+            medfed_dot_v1_dot_federation__pb2.StatusRequest.SerializeToString,
+            medfed_dot_v1_dot_federation__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

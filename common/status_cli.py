@@ -1,0 +1,145 @@
+"""`medfed status`: the study as the coordinator sees it, for operators.
+
+Calls the read-only Monitor/Status RPC over mutual TLS with a monitor certificate
+(`medfed pki issue --monitor NAME`); site and coordinator certificates are refused
+(a site has no need to see the other hospitals' states and budgets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from common.errors import ConfigError, Unavailable
+
+DEFAULT_TIMEOUT_SECONDS = 10.0
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "status",
+        help="show the study's progress: round k of N, phase, sites, budgets, ETA",
+        description="Read-only; needs a monitor certificate (medfed pki issue --monitor NAME).",
+    )
+    parser.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
+    parser.add_argument("--tls-ca", type=Path, required=True, help="federation CA certificate")
+    parser.add_argument("--tls-cert", type=Path, required=True, help="monitor certificate")
+    parser.add_argument("--tls-key", type=Path, required=True, help="monitor private key")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS,
+                        help="seconds to wait for the coordinator")
+    parser.set_defaults(func=_status)
+
+
+def fetch_status(coordinator: str, *, ca: Path, cert: Path, key: Path,
+                 timeout: float) -> dict[str, Any]:
+    """The coordinator's status as a plain dict (the `--json` output)."""
+    import grpc
+
+    from common.proto.medfed.v1 import federation_pb2 as pb
+    from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
+    from common.tls import MonitorTlsFiles, channel_credentials_from_files
+
+    credentials = channel_credentials_from_files(MonitorTlsFiles(ca=ca, cert=cert, key=key))
+    with grpc.secure_channel(coordinator, credentials) as channel:
+        stub = pb_grpc.MonitorStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            resp = stub.Status(pb.StatusRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                raise ConfigError(
+                    "tls-cert", f"the coordinator refused this certificate ({exc.details()}); "
+                    "status needs a monitor certificate: medfed pki issue --monitor NAME",
+                ) from None
+            raise Unavailable(f"coordinator {coordinator}: {code.name}: {exc.details()}") from None
+    now_ms = resp.now_unix_ms
+    return {
+        "federation_id": resp.federation_id,
+        "finished": resp.finished,
+        "phase": resp.phase,
+        "current_round": resp.current_round,
+        "completed_rounds": resp.completed_rounds,
+        "aborted_rounds": resp.aborted_rounds,
+        "total_rounds": resp.total_rounds,
+        "eta_seconds": None if resp.eta_seconds < 0 else resp.eta_seconds,
+        "sites": [
+            {
+                "site_id": s.site_id,
+                "state": s.state,
+                "last_contact_seconds_ago": (
+                    None if s.last_contact_unix_ms == 0
+                    else max(now_ms - s.last_contact_unix_ms, 0) / 1000
+                ),
+                "epsilon_spent": s.epsilon_spent,
+                "epsilon_budget": s.epsilon_budget,
+                "privacy_unit": s.privacy_unit,
+            }
+            for s in resp.sites
+        ],
+    }
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def render(status: dict[str, Any]) -> str:
+    """Human-readable status: one headline, then one row per site."""
+    total = status["total_rounds"]
+    if status["finished"]:
+        head = f"study finished: {status['completed_rounds']} of {total} rounds completed"
+    elif status["current_round"]:
+        k = status["completed_rounds"] + 1
+        head = (f"round {k} of {total} in flight (round number {status['current_round']}, "
+                f"phase {status['phase']}); ETA {_duration(status['eta_seconds'])}")
+    else:
+        head = (f"{status['completed_rounds']} of {total} rounds completed; waiting for "
+                f"sites (selecting); ETA {_duration(status['eta_seconds'])}")
+    lines = [f"federation {status['federation_id']}: {head}"]
+    if status["aborted_rounds"]:
+        lines.append(f"aborted rounds: {status['aborted_rounds']}")
+    rows = [("SITE", "STATE", "LAST CONTACT", "EPSILON SPENT / BUDGET")]
+    for site in status["sites"]:
+        ago = site["last_contact_seconds_ago"]
+        contact = "never" if ago is None else f"{_duration(ago)} ago"
+        if site["epsilon_budget"] > 0:
+            eps = (f"{site['epsilon_spent']:.3f} / {site['epsilon_budget']:g}"
+                   f" ({site['privacy_unit'] or 'record'})")
+        else:
+            eps = "no DP ledger"
+        rows.append((site["site_id"], site["state"], contact, eps))
+    if len(rows) == 1:
+        lines.append("no site has enrolled since the coordinator started")
+    else:
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines += [
+            "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r[:3])) + "  " + r[3]
+            for r in rows
+        ]
+    return "\n".join(lines)
+
+
+def _status(args: argparse.Namespace) -> int:
+    status = fetch_status(args.coordinator, ca=args.tls_ca, cert=args.tls_cert,
+                          key=args.tls_key, timeout=args.timeout)
+    print(json.dumps(status) if args.json else render(status), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    from common.cli import main_with
+    from common.logs import quiet_grpc_core
+
+    quiet_grpc_core()
+    sys.exit(main_with([register]))

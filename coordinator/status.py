@@ -1,0 +1,126 @@
+"""The study as operators see it (`medfed status`, the Monitor/Status RPC): round k of
+N, the phase, each site's state and reported budget, and an ETA.
+
+Read-only and computed on demand from what the coordinator already holds (sessions,
+the round in flight, the state database): asking for status never changes a round.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from coordinator.phases import ActiveRound
+from coordinator.sessions import SiteSession
+from coordinator.store import RoundRecord
+
+DISCONNECTED_AFTER_SECONDS = 90.0
+"""A site silent for longer than this counts as disconnected: agents re-poll at least
+every 60 s (the server's long-poll cap) plus RPC slack."""
+
+ETA_WINDOW = 5
+"""Completed rounds the ETA's median round duration is taken over (recent rounds
+reflect the current sites and network)."""
+
+SITE_STATES = ("waiting", "in_round", "declined", "exhausted", "disconnected")
+
+
+@dataclass(frozen=True)
+class SiteView:
+    site_id: str
+    state: str  # one of SITE_STATES
+    last_contact: float | None  # unix seconds
+    epsilon_spent: float
+    epsilon_budget: float
+    privacy_unit: str
+
+
+@dataclass(frozen=True)
+class StudyStatus:
+    total_rounds: int
+    completed_rounds: int
+    aborted_rounds: int
+    current_round: int  # 0: no round in flight
+    phase: str
+    finished: bool
+    sites: tuple[SiteView, ...]
+    eta_seconds: float | None
+    now: float
+
+
+def site_state(session: SiteSession, rnd: ActiveRound | None, *, now: float) -> str:
+    """One word for what a site is doing (see SITE_STATES; `rnd`: the round in flight,
+    if any); the first rule that applies wins."""
+    if rnd is not None and session.site_id in rnd.announcement.participants:
+        return "declined" if session.site_id in rnd.declined else "in_round"
+    if session.budget.exhausted:
+        return "exhausted"
+    if session.is_waiting:
+        return "waiting"
+    if session.last_contact is None or now - session.last_contact > DISCONNECTED_AFTER_SECONDS:
+        return "disconnected"
+    if session.declined_round is not None:
+        return "declined"
+    return "waiting"  # between two long-polls
+
+
+def eta_seconds(
+    records: Sequence[RoundRecord], *, total_rounds: int, rnd: ActiveRound | None,
+    round_started: float | None, now: float,
+) -> float | None:
+    """Remaining rounds times the median duration of the latest completed rounds, less
+    the time the round in flight has already run; None before any round completed."""
+    done = [r for r in records if r.status == "completed" and r.finished_at is not None]
+    remaining = total_rounds - len(done)
+    if remaining <= 0:
+        return 0.0
+    if not done:
+        return None
+    recent = [r.finished_at - r.started_at for r in done[-ETA_WINDOW:] if r.finished_at]
+    per_round = statistics.median(recent)
+    elapsed = now - round_started if (rnd is not None and round_started is not None) else 0.0
+    return max(remaining * per_round - min(elapsed, per_round), 0.0)
+
+
+def study_status(
+    sessions: Sequence[SiteSession], records: Sequence[RoundRecord], *,
+    rnd: ActiveRound | None, total_rounds: int, finished: bool, now: float,
+) -> StudyStatus:
+    completed = sum(1 for r in records if r.status == "completed")
+    aborted = sum(1 for r in records if r.status == "aborted")
+    in_flight = rnd is not None and rnd.phase.value not in ("finished", "aborted")
+    started = None
+    if rnd is not None:
+        started = next((r.started_at for r in records if r.round_number == rnd.number), None)
+    if finished:
+        phase = "finished"
+    elif in_flight and rnd is not None:
+        phase = rnd.phase.value
+    else:
+        phase = "selecting"
+    sites = tuple(
+        SiteView(
+            site_id=s.site_id,
+            state=site_state(s, rnd if in_flight else None, now=now),
+            last_contact=s.last_contact,
+            epsilon_spent=s.budget.epsilon_spent,
+            epsilon_budget=s.budget.epsilon_budget,
+            privacy_unit=s.budget.privacy_unit,
+        )
+        for s in sorted(sessions, key=lambda s: s.site_id)
+    )
+    return StudyStatus(
+        total_rounds=total_rounds,
+        completed_rounds=completed,
+        aborted_rounds=aborted,
+        current_round=rnd.number if (in_flight and rnd is not None) else 0,
+        phase=phase,
+        finished=finished,
+        sites=sites,
+        eta_seconds=0.0 if finished else eta_seconds(
+            records, total_rounds=total_rounds, rnd=rnd if in_flight else None,
+            round_started=started, now=now,
+        ),
+        now=now,
+    )

@@ -1,0 +1,128 @@
+"""A study's life as operators see it (issue 11, section 3), with real processes over
+mutual TLS: `medfed status` with a monitor certificate during and after a study, a
+finished study that is not an outage (the coordinator stays up, Health SERVING, the
+finished metric set, sites told "finished"), and who may call status."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.status_cli import fetch_status
+from common.tls import MonitorTlsFiles, channel_credentials_from_files
+from tests.e2e.harness import REPO, Federation, run_medfed
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+SITES = ["site-a", "site-b", "site-c"]
+SETTINGS = ("--phase-seconds", "60", "--train-seconds", "20", "--selection-seconds", "0.5",
+            "--model-dim", "2000", "--min-sites", "3", "--rounds", "1")
+
+
+@pytest.fixture
+def federation(tmp_path: Path) -> Iterator[Federation]:
+    fed = Federation(tmp_path, SITES)
+    run_medfed("pki", "issue", "--dir", str(fed.pki), "--monitor", "ops")
+    yield fed
+    fed.stop()
+
+
+def status_cli(fed: Federation, *args: str, cert: Path, key: Path
+               ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "common.status_cli", "status",
+         "--coordinator", f"127.0.0.1:{fed.port}", "--tls-ca", str(fed.pki / "ca.crt"),
+         "--tls-cert", str(cert), "--tls-key", str(key), *args],
+        capture_output=True, text=True, cwd=REPO, check=False,
+    )
+
+
+def monitor_files(fed: Federation) -> MonitorTlsFiles:
+    return MonitorTlsFiles.from_pki_dir(fed.pki, "ops")
+
+
+def status(fed: Federation) -> dict[str, object]:
+    files = monitor_files(fed)
+    return fetch_status(f"127.0.0.1:{fed.port}", ca=files.ca, cert=files.cert, key=files.key,
+                        timeout=10)
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def test_status_during_and_after_a_study_that_stays_up(federation: Federation) -> None:
+    coordinator = federation.start_coordinator(*SETTINGS, exit_when_finished=False)
+    metrics_port = int(coordinator.wait_event("listening")["metrics_port"])
+
+    before = status(federation)
+    assert before["phase"] == "selecting" and before["current_round"] == 0
+    assert before["completed_rounds"] == 0 and not before["finished"]
+    assert before["eta_seconds"] is None  # no completed round to estimate from
+    assert "medfed_coordinator_study_finished 0.0" in scrape(metrics_port)
+
+    # site-c stops for 30 s after its round-1 keys are advertised: the round is then in
+    # flight, waiting in share_keys for it (the phase deadline is 60 s), when status is
+    # asked; then it goes on and the round completes.
+    federation.start_site("site-a")
+    federation.start_site("site-b")
+    paused = federation.start_site("site-c", "--debug-pause-after", "1:advertise_keys",
+                                   "--debug-pause-seconds", "30")
+    paused.wait_event("paused", timeout=120)
+    during = status(federation)
+    assert during["current_round"] == 1 and during["phase"] == "share_keys"
+    states = {s["site_id"]: s["state"] for s in during["sites"]}  # type: ignore[attr-defined]
+    assert states == {site: "in_round" for site in SITES}
+    for site in during["sites"]:  # type: ignore[attr-defined]
+        assert site["last_contact_seconds_ago"] is not None
+        assert site["epsilon_budget"] == 0  # test-deterministic trainer: no DP ledger
+
+    coordinator.wait_log("all 1 rounds done", timeout=180)
+    # Sites hear "finished" and exit 0 while the coordinator stays up.
+    for site in SITES:
+        assert federation.site_procs[site].wait_exit(timeout=90) == 0
+    assert coordinator.alive
+
+    after = status(federation)
+    assert after["finished"] and after["phase"] == "finished"
+    assert after["completed_rounds"] == after["total_rounds"] >= 1
+    assert after["eta_seconds"] == 0
+    assert "medfed_coordinator_study_finished 1.0" in scrape(metrics_port)
+    files = monitor_files(federation)
+    with grpc.secure_channel(f"127.0.0.1:{federation.port}",
+                             channel_credentials_from_files(files)) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    text = status_cli(federation, cert=files.cert, key=files.key)
+    assert text.returncode == 0, text.stderr
+    assert "study finished" in text.stdout and "site-a" in text.stdout
+    as_json = status_cli(federation, "--json", cert=files.cert, key=files.key)
+    assert json.loads(as_json.stdout.strip().splitlines()[-1])["finished"] is True
+
+    coordinator.stop()
+    assert coordinator.proc.returncode == 0
+
+
+def test_only_monitor_certificates_may_ask_for_status(federation: Federation) -> None:
+    """A site certificate is refused (the status names every hospital and its budget),
+    and so is the coordinator's own (server-only) certificate."""
+    federation.start_coordinator(*SETTINGS, exit_when_finished=False)
+    pki = federation.pki
+    site = status_cli(federation, cert=pki / "sites" / "site-a.crt",
+                      key=pki / "sites" / "site-a.key")
+    assert site.returncode != 0
+    assert "monitor certificate" in site.stderr
+    server = status_cli(federation, cert=pki / "coordinator.crt", key=pki / "coordinator.key")
+    assert server.returncode != 0
+    assert "Traceback" not in server.stderr and "medfed: error" in server.stderr
