@@ -179,9 +179,11 @@ device = "{self.device}"
         self, sites: list[str], baselines: dict[str, dict[str, float]]
     ) -> dict[str, Any]:
         report = super().write_report(sites, baselines)
+        if isinstance(report.get("model"), dict):
+            report["model"]["name"] = self.model_name  # the model file the run produced
         report.update(
             task="imaging",
-            model=self.model_name,
+            model_name=self.model_name,
             image_size=self.image_size,
             device=self.device,
             study=str(self.study_path),

@@ -31,7 +31,7 @@ def test_imaging_demo_writes_report_with_the_model(tmp_path: Path) -> None:
     report = json.loads((out / "report.json").read_text())
     sites = sorted(HOSPITALS)
     assert report["sites"] == sites
-    assert report["task"] == "imaging" and report["model"] == "cnn"
+    assert report["task"] == "imaging" and report["model_name"] == "cnn"
     assert report["privacy_unit"] == "patient" and report["image_size"] == 16
     rounds = report["rounds"]
     assert [r["round"] for r in rounds] == [1, 2, 3]
