@@ -102,6 +102,13 @@ class AggregationSection(_Section):
     secure_aggregation: bool = True
     clip: float = Field(default=1.0, gt=0, description="update elements clipped to [-clip, clip]")
     histogram_bins: int = Field(default=20, ge=2, le=1000)
+    histogram_classes: int = Field(
+        default=1,
+        ge=1,
+        le=500,
+        description="K one-vs-rest blocks in the evaluation histogram (a multi-class "
+        "study); histogram_bins covers all of them (bins per class x K)",
+    )
     weight_cap: int = Field(
         default=1_000_000, ge=1, description="largest sample count a site may weigh in with"
     )
@@ -292,6 +299,11 @@ class SitePolicySection(_Section):
     allow_plain_aggregation: bool = Field(
         default=False, description="accept rounds without secure aggregation (benchmarks)"
     )
+    allowed_model_factories: tuple[str, ...] = Field(
+        default=(),
+        description="custom model factories ('package.module:factory') this site will "
+        "import and run when a study names one; importing runs that package's code",
+    )
     # Issue 10, section 6: the site plans its own noise; an announcement can only raise
     # the number of rounds planned for, and no round costs more than the cap.
     planned_rounds: int = Field(default=10, ge=1, le=1_000_000)
@@ -346,6 +358,11 @@ class SiteSettings(_Settings):
     training: LocalTrainingSection = LocalTrainingSection()
     policy: SitePolicySection = SitePolicySection()
     reconnect: ReconnectSection = ReconnectSection()
+    study_file: Path | None = Field(
+        default=None,
+        description="study.toml this site trains (its model and, for images, the image "
+        "size, channels and classes); without one, the tabular mlp of data.features",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = Field(
         default="json", description="json: one object per line (log shippers); text: for people"

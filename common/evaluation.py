@@ -213,3 +213,28 @@ def multiclass_metrics_from_histogram(
     aucs = [metrics_from_histogram(part, bins=bins).auc for part in parts]
     n = int(parts[0].sum()) if num_classes else 0
     return MulticlassMetrics(tuple(aucs), _macro(aucs), n)
+
+
+def bins_per_class(announced_bins: int, *, num_classes: int) -> int:
+    """Bins of each one-vs-rest block when a round's histogram carries K classes.
+
+    A multi-class study's coordinator announces ``histogram_bins = bins * K``, so the
+    vector keeps its ``2 * histogram_bins`` integer tail and only the layout inside it
+    (K blocks of `multiclass_score_histogram`) depends on the study both sides hold.
+    """
+    if num_classes <= 2:
+        return announced_bins
+    if announced_bins % num_classes or announced_bins // num_classes < 2:
+        raise ValidationError(
+            f"histogram_bins {announced_bins} is not (bins >= 2) x {num_classes} classes"
+        )
+    return announced_bins // num_classes
+
+
+def announced_histogram_bins(bins: int, *, num_classes: int) -> tuple[int, int]:
+    """(aggregation.histogram_bins, aggregation.histogram_classes) for a study's
+    ``[privacy.evaluation] histogram_bins`` and class count: K one-vs-rest blocks for
+    K >= 3 classes (`bins_per_class` undoes it), the plain histogram for binary."""
+    if num_classes <= 2:
+        return bins, 1
+    return bins * num_classes, num_classes

@@ -39,7 +39,9 @@ PrivacyUnit = Literal["record", "patient", "hospital"]
 # Stronger units protect more: a hospital-level guarantee covers all of its patients.
 UNIT_STRENGTH: Mapping[str, int] = {"record": 0, "patient": 1, "hospital": 2}
 TABLE_MODELS = ("mlp",)
-IMAGE_MODELS = ("cnn", "resnet18-gn", "densenet121", "small_cnn", "resnet18_gn")
+IMAGE_MODELS = (
+    "cnn", "resnet18-gn", "densenet121-gn", "densenet121", "small_cnn", "resnet18_gn"
+)
 
 
 class _Section(BaseModel):

@@ -18,7 +18,12 @@ import numpy as np
 from common.crypto.quantize import dequantize_sum
 from common.egress import EVALUATION_HISTOGRAM, WEIGHT, round_manifest
 from common.errors import AbortReason, ProtocolAbort, StateError, ValidationError
-from common.evaluation import clipped_noisy_histogram, operating_point_metrics
+from common.evaluation import (
+    bins_per_class,
+    clipped_noisy_histogram,
+    multiclass_metrics_from_histogram,
+    operating_point_metrics,
+)
 from common.round import secagg_params
 from common.secagg import messages as sm
 from common.secagg.client import IdentityVerifier
@@ -52,6 +57,7 @@ def decode_round_sum(
     weight_cap: int,
     histogram_bins: int,
     evaluation_only: bool,
+    histogram_classes: int = 1,
 ) -> DecodedSum:
     """Decode the ring sum of `count` sites into the float32 weighted mean delta.
 
@@ -71,7 +77,9 @@ def decode_round_sum(
     # The histogram carries the sites' discrete Gaussian noise: counts can be negative.
     histogram = clipped_noisy_histogram(integers[EVALUATION_HISTOGRAM])
     metrics: dict[str, float] = {"contributors": float(count)}
-    if histogram.sum() > 0:
+    if histogram.sum() > 0 and histogram_classes > 2:
+        metrics.update(multiclass_round_metrics(histogram, histogram_bins, histogram_classes))
+    elif histogram.sum() > 0:
         m = operating_point_metrics(histogram, bins=histogram_bins)
         metrics.update(
             auc=m.auc, sensitivity=m.sensitivity, specificity=m.specificity, ppv=m.ppv,
@@ -92,6 +100,17 @@ def decode_round_sum(
         floats *= weight_cap
         mean_delta[start:stop] = weighted_mean(floats, float(weight_sum))
     return DecodedSum(mean_delta, weight_sum, metrics)
+
+
+def multiclass_round_metrics(
+    histogram: np.ndarray, announced_bins: int, num_classes: int
+) -> dict[str, float]:
+    """Macro one-vs-rest AUC (and per class) of a K-block summed histogram."""
+    bins = bins_per_class(announced_bins, num_classes=num_classes)
+    m = multiclass_metrics_from_histogram(histogram, bins=bins, num_classes=num_classes)
+    out = {"auc": m.macro_auc, "evaluated": float(m.n)}
+    out.update({f"auc_class_{k}": auc for k, auc in enumerate(m.per_class_auc)})
+    return out
 
 
 class PlainAggregator:

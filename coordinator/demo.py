@@ -81,10 +81,21 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--kill-round", type=int, default=d.kill_round,
                         help="round in which one site is killed (0: none)")
     parser.add_argument("--quiet", action="store_true")
+    imaging = parser.add_argument_group("imaging (--task imaging)")
+    imaging.add_argument("--task", choices=["tabular", "imaging"], default="tabular",
+                         help="tabular: the sepsis cohort (default); imaging: five hospitals' "
+                         "synthetic image folders (PNG and DICOM) with an images study")
+    imaging.add_argument("--model", default="cnn",
+                         help="images study model: cnn, resnet18-gn or densenet121-gn")
+    imaging.add_argument("--image-size", type=int, default=28)
+    imaging.add_argument("--device", default="auto",
+                         help="auto (cuda when present), cpu, cuda or cuda:N")
     parser.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.task == "imaging":
+        return _main_imaging(args)
     patient_column = args.patient_column
     if args.data is None and patient_column is None:
         patient_column = "patient_id"
@@ -104,6 +115,31 @@ def _main(args: argparse.Namespace) -> int:
     )
     validate_options(options)
     report = Demo(options).run()
+    return 0 if report["final"].get("auc") is not None else 1
+
+
+def _main_imaging(args: argparse.Namespace) -> int:
+    """`--task imaging` (coordinator.demo_imaging): flags left at the tabular defaults
+    take the imaging defaults instead."""
+    from coordinator.demo_imaging import IMAGING_DEFAULTS, ImagingDemo
+
+    if args.data is not None:
+        raise ConfigError("--data", "--task imaging runs on the synthetic imaging cohort")
+    defaults = DemoOptions()
+    chosen = {
+        name: value if getattr(args, name, getattr(defaults, name)) == getattr(defaults, name)
+        else getattr(args, name)
+        for name, value in IMAGING_DEFAULTS.items()
+    }
+    options = DemoOptions(
+        out=args.out, sites=args.sites, seed=args.seed, budget_epsilon=args.budget_epsilon,
+        kill_round=args.kill_round, label_column="label", patient_column="patient_id",
+        quiet=args.quiet, **chosen,
+    )
+    validate_options(options)
+    demo = ImagingDemo(options, model=args.model, image_size=args.image_size,
+                       device=args.device)
+    report = demo.run()
     return 0 if report["final"].get("auc") is not None else 1
 
 
@@ -172,6 +208,9 @@ class Demo:
         schema = DatasetSchema(features=features, label=self.o.label_column,
                                patient_id=self.o.patient_column)
         return {s: load_site_data(p, schema) for s, p in files.items() if p}, features
+
+    def baselines(self, datasets: dict[str, Any]) -> dict[str, dict[str, float]]:
+        return compute_baselines(datasets, self.o)
 
     def make_pki(self, sites: list[str]) -> Path:
         from common.pki import init_ca, issue_coordinator, issue_site
@@ -296,7 +335,7 @@ device = "cpu"
         datasets, features = self.load_datasets(files)
         model = self.initial_model(len(features))
         self.say("[baseline] training centralized and federated non-private baselines ...")
-        baselines = compute_baselines(datasets, self.o)
+        baselines = self.baselines(datasets)
         for name, m in baselines.items():
             self.say(f"[baseline] {name:<18} AUC {m['auc']:.3f}")
         coordinator = self.start_coordinator(pki, model, len(sites))

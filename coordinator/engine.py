@@ -333,6 +333,7 @@ class RoundEngine:
             aggregate, model_dim=self.global_flat.size, count=len(survivors), clip=ann.clip,
             bits=ann.quantization_bits, weight_cap=ann.weight_cap,
             histogram_bins=ann.histogram_bins, evaluation_only=ann.local_epochs == 0,
+            histogram_classes=self.settings.aggregation.histogram_classes,
         )
         mean_delta = decoded.mean_delta
         if mean_delta is None:

@@ -574,6 +574,8 @@ class SiteAgent:
             noise_std=self.settings.privacy.evaluation_noise_std,
             n_noise=self._noise_sites(rnd),
             bins=ann.histogram_bins,
+            # A multi-class study's histogram has one block per class (hooks.evaluate).
+            classes=int(getattr(self.hook, "histogram_classes", 1)),
         )]
 
     def _noise_sites(self, rnd: VerifiedRound) -> int:

@@ -35,7 +35,12 @@ def register(subparsers: Any) -> None:
     run.add_argument("--coordinator", help="HOST:PORT of the coordinator")
     run.add_argument("--metrics-listen", help="HOST:PORT of the Prometheus /metrics endpoint")
     run.add_argument("--state", type=Path, help="folder for the privacy ledger and state")
-    run.add_argument("--data", type=Path, help="CSV or Parquet file with this site's records")
+    run.add_argument("--data", type=Path,
+                     help="CSV or Parquet file with this site's records, or, for an images "
+                     "study, a folder of images with labels.csv")
+    run.add_argument("--study", type=Path, help="study.toml: the model and data this site trains")
+    run.add_argument("--allow-factory", action="append", default=None, metavar="PKG.MOD:FN",
+                     help="custom model factory this site may import and run (repeatable)")
     run.add_argument("--label-column", help="label column (0/1)")
     run.add_argument("--patient-column", help="patient id column: patient-level DP")
     run.add_argument("--budget-epsilon", type=float, help="this site's epsilon budget")
@@ -82,7 +87,11 @@ def settings_from_args(args: argparse.Namespace) -> SiteSettings:
         },
         "privacy": {"budget_epsilon": args.budget_epsilon, "delta": args.delta},
         "training": {"device": args.device, "trainer": args.trainer},
-        "policy": {"allow_plain_aggregation": args.allow_plain_aggregation},
+        "study_file": args.study,
+        "policy": {
+            "allow_plain_aggregation": args.allow_plain_aggregation,
+            "allowed_model_factories": args.allow_factory,
+        },
     }
     return load_settings(SiteSettings, config_file=args.config, overrides=overrides)
 

@@ -66,8 +66,54 @@ def check_data_against_study(
     `site_agent.data` (N >= MIN_PRIVACY_UNITS and delta <= 1/N) is checked on the privacy
     unit: patients when the study has a patient column, records otherwise.
     """
+    if study.data.kind == "images":
+        return check_images_against_study(path, study, delta=delta)
     table = load_study_table(path, study)
     return report_for_table(table, study, delta=study.privacy.delta if delta is None else delta)
+
+
+def check_images_against_study(
+    folder: str | Path, study: Study, *, delta: float | None = None, decode: bool = True
+) -> DataReport:
+    """Check an images study's folder: every labels.csv row, every file header and (with
+    `decode`) every image's pixels; a bad file is a `DataError` naming it."""
+    from site_agent.imaging import image_spec_for_study, load_image_folder
+
+    # No cache: the check touches every image once and keeps none of them.
+    data = load_image_folder(folder, image_spec_for_study(study, cache_bytes=0))
+    if decode:
+        for i in range(len(data)):
+            data.image(i)
+    delta = study.privacy.delta if delta is None else delta
+    problems: list[str] = []
+    warnings: list[str] = []
+    patients = data.num_patients if data.patient_ids is not None else None
+    unit = "patient" if patients is not None else "record"
+    units = patients if patients is not None else len(data)
+    try:
+        check_cohort_size(units, delta=delta, unit=unit)
+    except DataError as exc:
+        problems.append(exc.message)
+    counts = np.bincount(data.labels, minlength=len(study.study.classes))
+    labels = {str(c): int(counts[i]) for i, c in enumerate(study.study.classes)}
+    absent = [name for name, count in labels.items() if count == 0]
+    if absent:
+        warnings.append(f"no images of class {absent}: this site cannot evaluate AUC")
+    return DataReport(
+        file=data.source,
+        records=len(data),
+        patients=patients,
+        privacy_unit=unit,
+        units=units,
+        missing={},
+        levels={},
+        labels=labels,
+        outside_range={},
+        delta=delta,
+        max_delta=1.0 / units,
+        problems=problems,
+        warnings=warnings,
+    )
 
 
 def report_for_table(table: StudyTable, study: Study, *, delta: float) -> DataReport:

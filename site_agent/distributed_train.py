@@ -1,6 +1,8 @@
 """Multi-GPU (or multi-process CPU) private training at ONE hospital, via torchrun.
 
     torchrun --nproc-per-node 4 -m site_agent.distributed_train --out run/ [--csv site.csv]
+    torchrun --nproc-per-node 4 -m site_agent.distributed_train --out run/ \
+        --study study.toml --data IMAGE_FOLDER     # an images study's model and folder
 
 Every process loads the site's training data and trains on its shard with Opacus'
 DPDDP (see `LocalTrainer._build_distributed`): per-sample clipping on every rank,
@@ -18,14 +20,18 @@ import json
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from site_agent.data import load_site_data, prepare_site_split
-from site_agent.models import TabularMLP, flatten_parameters
+from common.errors import ConfigError
+from common.study import Study, load_study
+from site_agent.data import SiteData, load_site_data, prepare_site_split
+from site_agent.imaging import ImageDataset, image_spec_for_study, load_image_folder, split_images
+from site_agent.models import TabularMLP, build_for_study, flatten_parameters
 from site_agent.synthetic import FEATURES, SCHEMA, generate_cohort
 from site_agent.trainer import LocalTrainer, TrainingConfig
 
@@ -44,12 +50,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--accountant", default="prv", choices=["prv", "rdp"])
     parser.add_argument("--grad-sample-mode", default="ghost", choices=["ghost", "hooks"])
+    parser.add_argument("--study", type=Path, help="images study: its model and image spec")
+    parser.add_argument("--data", type=Path, help="the study's image folder (labels.csv)")
     return parser
 
 
-def config_from_args(args: argparse.Namespace, *, device: str) -> TrainingConfig:
+def config_from_args(
+    args: argparse.Namespace, *, device: str, study: Study | None = None
+) -> TrainingConfig:
     """The TrainingConfig this launcher uses (also used by tests for the 1-process twin)."""
     return TrainingConfig(
+        task=study.study.task if study is not None else "binary",
+        num_classes=len(study.study.classes) if study is not None else 2,
         batch_size=args.batch_size,
         lr=args.lr,
         target_epsilon=args.target_epsilon,
@@ -60,6 +72,37 @@ def config_from_args(args: argparse.Namespace, *, device: str) -> TrainingConfig
         grad_sample_mode=args.grad_sample_mode,
         device=device,
     )
+
+
+def _site_data_and_model(
+    args: argparse.Namespace, study: Study | None
+) -> tuple[SiteData | ImageDataset, Callable[[], torch.nn.Module]]:
+    """The training split and the model factory: an images study's folder and network
+    (the same registry as `site run`), else the tabular MLP on the site's CSV."""
+    if study is not None:
+        if study.data.kind != "images" or args.data is None:
+            raise ConfigError("--study", "give an images study and its folder (--data)")
+        images = load_image_folder(args.data, image_spec_for_study(study))
+        image_train, _ = split_images(images, held_out_fraction=0.2, seed=args.seed)
+
+        def study_model() -> torch.nn.Module:
+            torch.manual_seed(args.seed)
+            return build_for_study(study)
+
+        return image_train, study_model
+    if args.csv is not None:
+        data = load_site_data(args.csv, SCHEMA, delta=args.delta)
+    else:
+        data = generate_cohort([args.site], seed=args.seed, patients_per_site=args.patients)[
+            args.site
+        ]
+    train, _, _ = prepare_site_split(data, seed=args.seed)
+
+    def mlp() -> torch.nn.Module:
+        torch.manual_seed(args.seed)
+        return TabularMLP(len(FEATURES))
+
+    return train, mlp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,20 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         device = f"cuda:{local_rank}" if use_cuda else "cpu"
         if use_cuda:
             torch.cuda.set_device(local_rank)
-        if args.csv is not None:
-            data = load_site_data(args.csv, SCHEMA, delta=args.delta)
-        else:
-            data = generate_cohort([args.site], seed=args.seed, patients_per_site=args.patients)[
-                args.site
-            ]
-        train, _, _ = prepare_site_split(data, seed=args.seed)
-
-        def model_factory() -> torch.nn.Module:
-            torch.manual_seed(args.seed)
-            return TabularMLP(len(FEATURES))
-
+        study = load_study(args.study) if args.study is not None else None
+        train, model_factory = _site_data_and_model(args, study)
         trainer = LocalTrainer(
-            model_factory, train, config_from_args(args, device=device), seed=args.seed
+            model_factory, train, config_from_args(args, device=device, study=study),
+            seed=args.seed,
         )
         weights = flatten_parameters(trainer.model)
         segments = []

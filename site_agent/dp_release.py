@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from datetime import datetime
@@ -123,16 +124,18 @@ def evaluation_noise_sites(
 
 
 def evaluation_mechanism(
-    *, noise_std: float, n_noise: int, bins: int
+    *, noise_std: float, n_noise: int, bins: int, classes: int = 1
 ) -> DistributedDiscreteGaussian:
-    """The ledger record of one histogram release: each unit adds one count, so L1 = L2 = 1."""
+    """The ledger record of one histogram release: each unit adds one count, so L1 = L2 = 1;
+    with K one-vs-rest blocks (a multi-class study, `bins` covering all of them) one
+    count in each block: L1 = K, L2 = sqrt(K)."""
     site_sigma = count_site_sigma(sigma=noise_std, n_noise=n_noise)
     return DistributedDiscreteGaussian(
         noise_variance_per_site=site_sigma**2,
         contributors=n_noise,
-        l2_sensitivity=1.0,
+        l2_sensitivity=math.sqrt(classes),
         dimension=2 * bins,
-        l1_sensitivity=1.0,
+        l1_sensitivity=float(classes),
     )
 
 

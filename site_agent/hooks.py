@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -27,6 +27,10 @@ from common.privacy.accountant import Segment
 from common.privacy.ledger import PrivacyLedger
 from common.round import RoundPlan
 
+if TYPE_CHECKING:
+    from common.study import Study
+    from site_agent.models import Task
+
 log = logging.getLogger("medfed.site")
 
 
@@ -34,7 +38,7 @@ log = logging.getLogger("medfed.site")
 class LocalUpdate:
     delta: np.ndarray  # float32, new - global (already DP-noised when DP is on)
     num_samples: int
-    histogram: np.ndarray  # int64, 2 * bins: scores of the GLOBAL model on held-out data
+    histogram: np.ndarray  # int64, 2 * announced bins: GLOBAL model scores on held-out data
     seconds: float
     patients: int = 0
     loss: float | None = None  # mean local training loss (None: no training this round)
@@ -94,9 +98,10 @@ class DpTrainingHook:
     epsilon: calibrated once for the whole planned schedule (DESIGN.md "Privacy").
     """
 
-    def __init__(self, settings: SiteSettings, *, dp: bool) -> None:
+    def __init__(self, settings: SiteSettings, *, dp: bool, study: Study | None = None) -> None:
         from site_agent.data import prepare_site_split
         from site_agent.device import select_device
+        from site_agent.imaging import ImageDataset, split_images
 
         # torch and Opacus load now, not in the first round's noise planning, where the
         # import would compete with the key phases for the interpreter.
@@ -104,10 +109,30 @@ class DpTrainingHook:
 
         self.settings = settings
         self.dp = dp
-        data = load_configured_data(settings)
-        self.train_data, self.holdout, _ = prepare_site_split(
-            data, held_out_fraction=settings.data.holdout_fraction, seed=settings.data.split_seed
-        )
+        # The study (from enrolment, or the site's own study file) selects the model and,
+        # for images, how the folder is read; without one, today's tabular mlp.
+        self.study = study if study is not None else load_site_study(settings)
+        data = load_configured_data(settings, self.study)
+        self.n_features: int | None = None
+        self.train_data: Any
+        self.holdout: Any
+        if isinstance(data, ImageDataset):
+            self.train_data, self.holdout = split_images(
+                data,
+                held_out_fraction=settings.data.holdout_fraction,
+                seed=settings.data.split_seed,
+            )
+        else:
+            self.train_data, self.holdout, _ = prepare_site_split(
+                data,
+                held_out_fraction=settings.data.holdout_fraction,
+                seed=settings.data.split_seed,
+            )
+            self.n_features = int(data.features.shape[1])
+        self.task: Task = self.study.study.task if self.study is not None else "binary"
+        self.num_classes = len(self.study.study.classes) if self.study is not None else 2
+        # One-vs-rest blocks in the evaluation histogram: the ledger's sensitivity.
+        self.histogram_classes = self.num_classes if self.num_classes > 2 else 1
         has_patients = data.patient_ids is not None
         unit = settings.privacy.privacy_unit
         if not dp:
@@ -123,7 +148,6 @@ class DpTrainingHook:
                 "training.seed is set: the DP noise is reproducible and protects nothing "
                 "(tests only; leave it unset in production)"
             )
-        self.n_features = int(data.features.shape[1])
         self._trainer: object | None = None
         self._trainer_key: tuple[int, int] | None = None
         self.patients = self.train_data.num_patients if has_patients else 0
@@ -137,6 +161,10 @@ class DpTrainingHook:
                 "record-level DP: no patient column, so each encounter (not each patient) "
                 "is the privacy unit"
             )
+        # Built once now: an unknown, disallowed or DP-incompatible model stops the site
+        # at start-up with the layer and the fix named (ModuleValidator), not mid-round.
+        self._layout = model_layout(self.model())
+        self.model_name = model_name(self.study, settings)
 
     @property
     def units(self) -> int:
@@ -159,12 +187,20 @@ class DpTrainingHook:
         self.released_units = count.noisy_count
 
     def model(self) -> Any:
-        from site_agent.models import TabularMLP
+        from site_agent.models import ModelSpec, build_for_study, build_model
 
-        return TabularMLP(self.n_features)
+        if self.study is None:
+            return build_model(
+                ModelSpec(name=self.settings.training.model), in_features=self.n_features
+            )
+        return build_for_study(
+            self.study,
+            in_features=self.n_features,
+            allowed_model_factories=self.settings.policy.allowed_model_factories,
+        )
 
     def layout(self) -> tuple[TensorSpec, ...]:
-        return model_layout(self.model())
+        return self._layout
 
     def trainer_for(self, plan: RoundPlan) -> Any:
         from site_agent.trainer import LocalTrainer, TrainingConfig
@@ -197,6 +233,8 @@ class DpTrainingHook:
                 ),
                 grad_sample_mode=cfg.training.grad_sample_mode,
                 device=cfg.training.device,
+                task=self.task,
+                num_classes=self.num_classes,
                 released_units=self.released_units,
                 noise_multiplier=1.0 if planned else None,  # re-planned before each round
             )
@@ -229,26 +267,11 @@ class DpTrainingHook:
         return segments
 
     def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate:
-        from common.evaluation import score_histogram
-        from site_agent.models import load_flat_parameters
-        from site_agent.trainer import predict_scores
-
         check_layout(self.layout(), plan.layout)
         started = time.perf_counter()
         # Evaluate the GLOBAL model on held-out data before training: its score
         # histogram rides along in the secure sum (the federation's ROC, not ours).
-        probe = self.model()
-        load_flat_parameters(probe, global_flat)
-        # One score per privacy unit (a random encounter of each held-out patient): each
-        # unit moves one count, the sensitivity the agent's histogram noise is planned for.
-        from site_agent.dp_release import one_per_unit
-
-        pick = one_per_unit(
-            self.holdout.patient_ids if self.privacy_unit == "patient" else None,
-            size=len(self.holdout),
-        )
-        scores = predict_scores(probe, self.holdout.features[pick])
-        histogram = score_histogram(scores, self.holdout.labels[pick], bins=plan.histogram_bins)
+        histogram = self.evaluate(plan, global_flat)
         released = self.released_units if self.released_units is not None else None
         patients = released if released is not None else self.patients
         if plan.local_epochs == 0:
@@ -272,19 +295,76 @@ class DpTrainingHook:
         )
 
 
+    def evaluate(self, plan: RoundPlan, global_flat: np.ndarray) -> np.ndarray:
+        """Held-out score histogram of the global model: 2 * bins counts for a binary
+        study, K one-vs-rest blocks of 2 * (bins / K) for K classes (the announced bins
+        cover all blocks: `common.evaluation.bins_per_class`)."""
+        from common.evaluation import (
+            bins_per_class,
+            multiclass_score_histogram,
+            score_histogram,
+        )
+        from site_agent.dp_release import one_per_unit
+        from site_agent.imaging import ImageDataset
+        from site_agent.models import load_flat_parameters
+        from site_agent.trainer import predict_scores
+
+        probe = self.model()
+        load_flat_parameters(probe, global_flat)
+        probe.to(self.device)
+        # One score per privacy unit (a random encounter of each held-out patient): each
+        # unit moves one count, the sensitivity the agent's histogram noise is planned for.
+        pick = one_per_unit(
+            self.holdout.patient_ids if self.privacy_unit == "patient" else None,
+            size=len(self.holdout),
+        )
+        if isinstance(self.holdout, ImageDataset):
+            inputs: Any = self.holdout.subset(pick)
+        else:
+            inputs = self.holdout.features[pick]
+        labels = self.holdout.labels[pick]
+        scores = predict_scores(probe, inputs, device=self.device, task=self.task, batch_size=256)
+        if self.task == "binary":
+            return score_histogram(scores, labels, bins=plan.histogram_bins)
+        bins = bins_per_class(plan.histogram_bins, num_classes=self.num_classes)
+        return multiclass_score_histogram(scores, labels, bins=bins)
+
+
+def load_site_study(settings: SiteSettings) -> Study | None:
+    """The study in the site's own ``study_file``, if it names one."""
+    from common.study import load_study
+
+    if settings.study_file is None:
+        return None
+    return load_study(settings.study_file)
+
+
+def model_name(study: Study | None, settings: SiteSettings) -> str:
+    """What the site trains, for logs and reports: a registry name or the factory."""
+    if study is None:
+        return settings.training.model
+    return study.model.custom or study.model.name or "mlp"
+
+
 def fit_batch_size(requested: int, *, units: int) -> int:
     """The expected batch, capped at a quarter of the privacy units a site has (a small
     site still gets several steps per epoch, and sampling rate q stays below 1)."""
     return max(1, min(requested, units // 4))
 
 
-def load_configured_data(settings: SiteSettings) -> Any:
-    """This site's records: its file with the declared schema, or its slice of the
-    embedded synthetic cohort."""
+def load_configured_data(settings: SiteSettings, study: Study | None = None) -> Any:
+    """This site's records: its image folder for an images study, its file with the
+    declared schema, or its slice of the embedded synthetic cohort."""
     from site_agent.data import DatasetSchema, load_site_data
     from site_agent.synthetic import FEATURES, generate_cohort
 
     data_cfg = settings.data
+    if study is not None and study.data.kind == "images":
+        from site_agent.imaging import image_spec_for_study, load_image_folder
+
+        if data_cfg.path is None:
+            raise ConfigError("data.path", "an images study needs --data FOLDER (with labels.csv)")
+        return load_image_folder(data_cfg.path, image_spec_for_study(study))
     if data_cfg.synthetic_cohort_seed is not None:
         return generate_cohort(
             [settings.site],

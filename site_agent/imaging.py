@@ -31,12 +31,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from common.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from common.study import Study
 
 PNG_SUFFIXES = (".png", ".jpg", ".jpeg")
 DICOM_SUFFIXES = (".dcm", ".dicom")
@@ -380,11 +383,14 @@ def load_image_folder(
     *,
     labels_csv: str | Path | None = None,
     check_headers: bool = True,
+    labels_optional: bool = False,
 ) -> ImageDataset:
     """Open a site's image folder and its labels CSV (default ``FOLDER/labels.csv``).
 
     Every image file in the folder (recursively) must have a label row and every row
-    must name an existing image; labels must be declared classes.
+    must name an existing image; labels must be declared classes. With
+    `labels_optional` (scoring new images) a CSV without the label column gives
+    labels of -1.
     """
     root = Path(folder)
     if not root.is_dir():
@@ -396,9 +402,11 @@ def load_image_folder(
     with csv_path.open(newline="", encoding="utf-8") as handle:
         reader = csv.DictReader(handle)
         header = reader.fieldnames or []
-        needed = [spec.file_column, spec.label_column]
-        if spec.patient_column is not None:
+        has_labels = spec.label_column in header or not labels_optional
+        needed = [spec.file_column, spec.label_column] if has_labels else [spec.file_column]
+        if spec.patient_column is not None and (has_labels or spec.patient_column in header):
             needed.append(spec.patient_column)
+        read_patients = spec.patient_column in needed
         for column in needed:
             if column not in header:
                 raise DataError("missing column", file=str(csv_path), row=1, column=column)
@@ -409,7 +417,7 @@ def load_image_folder(
                     "empty file name", file=str(csv_path), row=line, column=spec.file_column
                 )
             label = (record.get(spec.label_column) or "").strip()
-            index = spec.class_index(label)
+            index = spec.class_index(label) if has_labels else -1
             if index is None:
                 raise DataError(
                     f"label {label!r} of {name} is not one of the classes {list(spec.classes)}",
@@ -418,7 +426,7 @@ def load_image_folder(
                     column=spec.label_column,
                 )
             patient: str | None = None
-            if spec.patient_column is not None:
+            if spec.patient_column is not None and read_patients:
                 patient = (record.get(spec.patient_column) or "").strip()
                 if not patient:
                     raise DataError(
@@ -462,7 +470,7 @@ def load_image_folder(
     return ImageDataset(
         entries,
         np.asarray(labels, dtype=np.int64),
-        np.asarray(patients) if spec.patient_column is not None else None,
+        np.asarray(patients) if spec.patient_column is not None and read_patients else None,
         spec,
         source=str(root),
     )
@@ -493,3 +501,19 @@ def with_spec(data: ImageDataset, **changes: Any) -> ImageDataset:
     """The same files under a changed spec (e.g. another image size); fresh cache."""
     spec = replace(data.spec, **changes)
     return ImageDataset(data.entries, data.labels, data.patient_ids, spec, source=data.source)
+
+
+def image_spec_for_study(study: Study, *, cache_bytes: int = DEFAULT_CACHE_BYTES) -> ImageSpec:
+    """How an images study's ``[data]`` section reads a site's folder."""
+    data = study.data
+    if data.kind != "images" or data.image_size is None or data.file_column is None:
+        raise ConfigError("data.kind", "not an images study (file_column and image_size)")
+    return ImageSpec(
+        image_size=data.image_size,
+        channels=data.channels or 1,
+        classes=tuple(study.study.classes),
+        file_column=data.file_column,
+        label_column=data.label_column,
+        patient_column=data.patient_column,
+        cache_bytes=cache_bytes,
+    )

@@ -15,7 +15,7 @@ import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import torch
@@ -24,6 +24,10 @@ from opacus.validators import ModuleValidator
 from torch import nn
 
 from common.errors import ConfigError, ValidationError
+
+if TYPE_CHECKING:
+    from common.bundle import Architecture
+    from common.study import Study
 
 
 class TabularMLP(nn.Module):
@@ -266,7 +270,9 @@ def _load_factory(reference: str, allowed: Sequence[str]) -> Callable[..., nn.Mo
         raise ConfigError(
             "model.custom",
             f"factory {reference!r} is not in allowed_model_factories "
-            f"({sorted(allowed) or 'empty'}); add it to this site's policy to run it",
+            f"({sorted(allowed) or 'empty'}); if you trust that installed package, add it "
+            f"to the site policy (policy.allowed_model_factories) or pass "
+            f"--allow-factory {reference}",
         )
     module_name, attribute = reference.split(":")
     try:
@@ -464,6 +470,75 @@ def build_from_record(
         )
     except (KeyError, TypeError) as exc:
         raise ConfigError("model", f"malformed architecture record: {exc!r}") from exc
+
+
+def spec_from_study(study: Study) -> ModelSpec:
+    """The `ModelSpec` of a study's ``[model]`` section."""
+    model = study.model
+    return ModelSpec.from_fields(
+        name=model.name,
+        custom=model.custom,
+        hidden=model.hidden,
+        dropout=model.dropout,
+        options=model.options,
+    )
+
+
+def build_for_study(
+    study: Study,
+    *,
+    in_features: int | None = None,
+    allowed_model_factories: Sequence[str] = (),
+    check_dp: bool = True,
+) -> nn.Module:
+    """The study's network, DP-checked: what a site trains and the coordinator starts from.
+
+    Tables take their input width from the study's encoding unless `in_features` says
+    otherwise (a site's own column list); images take channels and size from ``[data]``.
+    """
+    from common.study import encoded_feature_names
+
+    images = study.data.kind == "images"
+    if not images and in_features is None:
+        in_features = len(encoded_feature_names(study))
+    return build_model(
+        spec_from_study(study),
+        num_classes=len(study.study.classes),
+        task=study.study.task,
+        in_features=None if images else in_features,
+        in_channels=study.data.channels if images else None,
+        image_size=study.data.image_size if images else None,
+        allowed_model_factories=allowed_model_factories,
+        check_dp=check_dp,
+    )
+
+
+def build_from_architecture(
+    arch: Architecture, *, allowed_model_factories: Sequence[str] = ()
+) -> nn.Module:
+    """Rebuild a model bundle's recorded architecture (common.bundle.Architecture)
+    through the one registry; a custom factory must be installed and allowed."""
+    if arch.num_outputs == 2:
+        raise ConfigError(
+            "model", "a recorded model has 1 output (binary) or K >= 3 (multi-class), not 2"
+        )
+    binary = arch.num_outputs == 1
+    spec = ModelSpec.from_fields(
+        name=arch.name,
+        custom=arch.custom,
+        hidden=arch.hidden,
+        dropout=arch.dropout,
+        options=arch.options,
+    )
+    return build_model(
+        spec,
+        num_classes=2 if binary else arch.num_outputs,
+        task="binary" if binary else "multiclass",
+        in_features=arch.in_features,
+        in_channels=arch.in_channels,
+        image_size=arch.image_size,
+        allowed_model_factories=allowed_model_factories,
+    )
 
 
 def resnet18_gn(num_classes: int, in_channels: int = 3) -> ResNet18GN:

@@ -19,7 +19,7 @@ from common.errors import DataError
 from common.study import load_study
 from site_agent.data import load_study_table
 from site_agent.datacheck import check_data_against_study, format_report
-from site_agent.predict import predict_table
+from site_agent.predict import predict_images, predict_table
 
 
 def register_data(subparsers: Any) -> None:
@@ -34,7 +34,9 @@ def register_data(subparsers: Any) -> None:
         "2: a mismatch naming file, row and column.",
     )
     check.add_argument("--study", required=True, type=Path)
-    check.add_argument("--data", required=True, type=Path, help="CSV or Parquet file")
+    check.add_argument("--data", required=True, type=Path,
+                       help="CSV or Parquet file; for an images study, the image folder "
+                       "with labels.csv")
     check.add_argument("--delta", type=float, help="check this delta (default: the study's)")
     check.add_argument("--json", action="store_true", help="one JSON object on the last line")
     check.set_defaults(func=_data_check)
@@ -60,7 +62,9 @@ def register_predict(subparsers: Any) -> None:
         "threshold.",
     )
     parser.add_argument("--model", required=True, type=Path, help="model bundle .safetensors")
-    parser.add_argument("--data", required=True, type=Path, help="CSV or Parquet file")
+    parser.add_argument("--data", required=True, type=Path,
+                        help="CSV or Parquet file; for an images study, a folder of images "
+                        "with labels.csv (the label column optional)")
     parser.add_argument("--out", type=Path, help="scores CSV (default: standard output)")
     parser.add_argument("--json", action="store_true", help="metrics as JSON on the last line")
     parser.add_argument(
@@ -143,7 +147,8 @@ def _write_scores(handle: TextIO, bundle: Any, table: Any, prediction: Any) -> N
     study = bundle.study
     classes = list(study.study.classes)
     writer = csv.writer(handle)
-    header = ["row"]
+    images = study.data.kind == "images"
+    header = [study.data.file_column if images else "row"]
     if table.patient_ids is not None:
         header.append(study.data.patient_column)
     binary = study.study.task == "binary"
@@ -151,7 +156,7 @@ def _write_scores(handle: TextIO, bundle: Any, table: Any, prediction: Any) -> N
     header.append("prediction")
     writer.writerow(header)
     for i in range(len(table)):
-        row: list[Any] = [int(table.rows[i])]
+        row: list[Any] = [_image_name(table, i) if images else int(table.rows[i])]
         if table.patient_ids is not None:
             row.append(table.patient_ids[i])
         if binary:
@@ -162,10 +167,23 @@ def _write_scores(handle: TextIO, bundle: Any, table: Any, prediction: Any) -> N
         writer.writerow(row)
 
 
+def _image_name(images: Any, i: int) -> str:
+    return str(Path(images.entries[i].path).relative_to(images.source).as_posix())
+
+
 def _predict(args: argparse.Namespace) -> int:
     bundle = read_bundle(args.model)
-    table = load_study_table(args.data, bundle.study, for_prediction=True)
-    prediction = predict_table(bundle, table, allowed_factories=args.allow_factory)
+    table: Any
+    if bundle.study.data.kind == "images":
+        from site_agent.imaging import image_spec_for_study, load_image_folder
+
+        table = load_image_folder(
+            args.data, image_spec_for_study(bundle.study), labels_optional=True
+        )
+        prediction = predict_images(bundle, table, allowed_factories=args.allow_factory)
+    else:
+        table = load_study_table(args.data, bundle.study, for_prediction=True)
+        prediction = predict_table(bundle, table, allowed_factories=args.allow_factory)
     human = sys.stdout
     if args.out is not None:
         with args.out.open("w", newline="", encoding="utf-8") as handle:

@@ -156,11 +156,14 @@ def test_unknown_or_unbuildable_models_are_refused() -> None:
     from common.errors import ConfigError
     from site_agent.predict import build_model
 
-    with pytest.raises(ConfigError, match="multi-class"):
-        build_model(Architecture(name="mlp", in_features=3, num_outputs=3))
-    with pytest.raises(ConfigError, match="not available here"):
-        build_model(Architecture(name="densenet121", in_channels=1, num_outputs=2))
+    # One registry (site_agent.models): the mlp has K outputs for multi-class.
+    multi = build_model(Architecture(name="mlp", in_features=3, num_outputs=3))
+    assert list(multi.parameters())[-1].shape == (3,)
+    with pytest.raises(ConfigError, match="not 2"):
+        build_model(Architecture(name="mlp", in_features=3, num_outputs=2))
     with pytest.raises(ConfigError, match="in_channels"):
-        build_model(Architecture(name="cnn", num_outputs=2))
-    cnn = build_model(Architecture(name="resnet18-gn", in_channels=1, num_outputs=2))
+        build_model(Architecture(name="cnn", num_outputs=1))
+    with pytest.raises(ConfigError, match="allowed_model_factories"):
+        build_model(Architecture(custom="tests.study.helpers:no_such", num_outputs=1))
+    cnn = build_model(Architecture(name="resnet18-gn", in_channels=1, num_outputs=1))
     assert sum(p.numel() for p in cnn.parameters()) > 1_000_000

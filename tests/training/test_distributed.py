@@ -69,3 +69,46 @@ def test_two_ranks_end_identical_with_single_process_accounting(tmp_path: Path) 
     load_flat_parameters(model, rank0)
     auc = metrics_from_scores(predict_scores(model, held_out.features), held_out.labels).auc
     assert auc > 0.75  # the distributed run really trained
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_two_ranks_train_the_imaging_model_with_unchanged_accounting(tmp_path: Path) -> None:
+    """Issue 12: torchrun + DPDDP runs an images study's CNN too (gloo, 2 processes)."""
+    from common.study import load_study
+    from site_agent.imaging import image_spec_for_study, load_image_folder, split_images
+    from site_agent.models import build_for_study
+    from site_agent.synthetic_imaging import write_site_folder
+    from tests.training.test_study_hook import images_study
+
+    folder = write_site_folder(tmp_path / "cohort", "st_marys", seed=1, patients=60)
+    study_path = images_study(tmp_path)
+    text = study_path.read_text(encoding="utf-8").replace("[16, 16]", "[12, 12]")
+    study_path.write_text(text, encoding="utf-8")
+    out = tmp_path / "run"
+    image_args = ["--rounds", "1", "--batch-size", "16", "--accountant", "rdp",
+                  "--lr", "0.2", "--study", str(study_path), "--data", str(folder)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "site_agent.distributed_train", "--out", str(out), *image_args,
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0, rank1 = np.load(out / "rank0.npy"), np.load(out / "rank1.npy")
+    np.testing.assert_array_equal(rank0, rank1)
+    summary = json.loads((out / "result.json").read_text(encoding="utf-8"))
+    assert summary["world_size"] == 2
+
+    study = load_study(study_path)
+    train, _ = split_images(
+        load_image_folder(folder, image_spec_for_study(study)), held_out_fraction=0.2, seed=0
+    )
+    args = Namespace(batch_size=16, lr=0.2, target_epsilon=8.0, delta=1e-5, rounds=1,
+                     accountant="rdp", grad_sample_mode="ghost")
+    single = LocalTrainer(lambda: build_for_study(study), train,
+                          config_from_args(args, device="cpu", study=study), seed=0)
+    assert [Segment(*s) for s in summary["segments"]] == single.planned_segments()
+    assert summary["sample_rate"] == single.sample_rate
+    initial = build_for_study(study)
+    assert rank0.shape == (sum(p.numel() for p in initial.parameters()),)

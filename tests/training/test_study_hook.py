@@ -1,0 +1,160 @@
+"""A site trains the study's model (issue 12, sections 1 and 2): images and custom
+factories through `DpTrainingHook`, the same network the coordinator starts from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from torch import nn
+
+from common.config import SiteSettings
+from common.errors import ConfigError, ValidationError
+from common.round import RoundPlan
+from common.study import Study, load_study
+from site_agent.hooks import DpTrainingHook, model_layout
+from site_agent.models import flatten_parameters
+from site_agent.predict import initial_model
+from site_agent.synthetic_imaging import write_site_folder
+
+IMAGES_STUDY = """
+[study]
+name = "lesions"
+rounds = 2
+task = "{task}"
+classes = {classes}
+
+[data]
+kind = "images"
+label_column = "label"
+patient_column = "patient_id"
+file_column = "file"
+image_size = [16, 16]
+channels = 1
+
+[model]
+{model}
+
+[training]
+batch_size = 16
+
+[privacy]
+unit = "patient"
+"""
+
+
+def images_study(tmp_path: Path, *, classes: int = 2, model: str = 'name = "cnn"') -> Path:
+    path = tmp_path / "study.toml"
+    task = "binary" if classes == 2 else "multiclass"
+    path.write_text(
+        IMAGES_STUDY.format(task=task, classes=list(range(classes)), model=model),
+        encoding="utf-8",
+    )
+    return path
+
+
+def site_settings(tmp_path: Path, study: Path, data: Path, **policy: object) -> SiteSettings:
+    return SiteSettings(
+        site="north",
+        coordinator="127.0.0.1:1",
+        state=tmp_path / "state",
+        tls_ca=tmp_path / "ca.crt",
+        tls_cert=tmp_path / "s.crt",
+        tls_key=tmp_path / "s.key",
+        study_file=study,
+        data={"path": data, "split_seed": 1},  # type: ignore[arg-type]
+        training={"seed": 3, "device": "cpu", "batch_size": 16},  # type: ignore[arg-type]
+        policy=policy,  # type: ignore[arg-type]
+    )
+
+
+def plan_for(study: Study, *, bins: int) -> RoundPlan:
+    layout = model_layout(initial_model(study, seed=0))
+    return RoundPlan(
+        round_number=1, planned_rounds=2, local_epochs=1, learning_rate=0.1,
+        fedprox_mu=0.0, histogram_bins=bins, layout=layout,
+    )
+
+
+def test_images_study_trains_its_cnn_with_patient_level_dp(tmp_path: Path) -> None:
+    folder = write_site_folder(tmp_path / "cohort", "north_general", seed=2, patients=80)
+    study_path = images_study(tmp_path)
+    hook = DpTrainingHook(site_settings(tmp_path, study_path, folder), dp=True)
+    study = load_study(study_path)
+    assert hook.privacy_unit == "patient" and hook.model_name == "cnn"
+    # The coordinator's initial model is the architecture this site trains.
+    initial = initial_model(study, seed=0)
+    assert model_layout(initial) == hook.layout()
+    plan = plan_for(study, bins=10)
+    update = hook.train(plan, flatten_parameters(initial))
+    assert update.delta.shape == flatten_parameters(initial).shape
+    assert np.all(np.isfinite(update.delta)) and np.any(update.delta != 0)
+    # One score per held-out patient (each unit moves one count: the DP sensitivity).
+    assert update.histogram.shape == (20,)
+    assert update.histogram.sum() == hook.holdout.num_patients
+    assert hook.planned_segments(plan)  # a DP mechanism for the ledger
+
+
+def test_multiclass_images_send_one_block_per_class(tmp_path: Path) -> None:
+    from coordinator.aggregation import multiclass_round_metrics
+
+    folder = write_site_folder(
+        tmp_path / "cohort", "north_general", seed=4, patients=40, num_classes=3
+    )
+    study_path = images_study(tmp_path, classes=3)
+    hook = DpTrainingHook(site_settings(tmp_path, study_path, folder), dp=False)
+    study = load_study(study_path)
+    from common.evaluation import announced_histogram_bins
+
+    announced, classes = announced_histogram_bins(4, num_classes=3)
+    assert (announced, classes) == (12, 3) and announced_histogram_bins(4, num_classes=2)[1] == 1
+    plan = plan_for(study, bins=announced)  # 4 bins per class, announced as bins x K
+    histogram = hook.evaluate(plan, flatten_parameters(initial_model(study, seed=0)))
+    assert histogram.shape == (2 * 4 * 3,)
+    assert all(block.sum() == len(hook.holdout) for block in histogram.reshape(3, 8))
+    metrics = multiclass_round_metrics(histogram, 12, 3)
+    assert {"auc", "auc_class_0", "auc_class_2"} <= set(metrics)
+    with pytest.raises(ValidationError, match=r"not \(bins >= 2\) x 3 classes"):
+        hook.evaluate(plan_for(study, bins=10), flatten_parameters(initial_model(study, seed=0)))
+
+
+def batchnorm_net(in_channels: int, num_outputs: int) -> nn.Module:
+    """A hospital's own network that Opacus cannot train (BatchNorm)."""
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(num_outputs)
+    )
+
+
+def tiny_net(in_channels: int, num_outputs: int, width: int = 4) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(in_channels, width, 3), nn.GroupNorm(2, width), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_outputs),
+    )
+
+
+def test_custom_factory_runs_only_when_the_site_allows_it(tmp_path: Path) -> None:
+    folder = write_site_folder(tmp_path / "cohort", "north_general", seed=5, patients=80)
+    ref = f"{__name__}:tiny_net"
+    study_path = images_study(tmp_path, model=f'custom = "{ref}"\noptions = {{ width = 6 }}')
+    with pytest.raises(ConfigError, match="allowed_model_factories"):
+        DpTrainingHook(site_settings(tmp_path, study_path, folder), dp=True)
+    hook = DpTrainingHook(
+        site_settings(tmp_path, study_path, folder, allowed_model_factories=[ref]), dp=True
+    )
+    assert hook.model_name == ref
+    assert hook.layout() == model_layout(initial_model(load_study(study_path), seed=0))
+
+
+def test_incompatible_layer_is_named_with_its_fix_at_site_and_coordinator(
+    tmp_path: Path,
+) -> None:
+    folder = write_site_folder(tmp_path / "cohort", "north_general", seed=6, patients=80)
+    ref = f"{__name__}:batchnorm_net"
+    study_path = images_study(tmp_path, model=f'custom = "{ref}"')
+    with pytest.raises(ConfigError, match=r"layer 1 \(BatchNorm2d\).*GroupNorm"):
+        DpTrainingHook(
+            site_settings(tmp_path, study_path, folder, allowed_model_factories=[ref]), dp=True
+        )
+    with pytest.raises(ConfigError, match=r"layer 1 \(BatchNorm2d\).*GroupNorm"):
+        initial_model(load_study(study_path), seed=0)
