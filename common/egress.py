@@ -97,6 +97,9 @@ SITE_FIELDS: Final[dict[str, FieldEntry]] = {
     ),
     # --- Model download
     "DownloadModelRequest.round": _f(P, "announced round number"),
+    "HeartbeatRequest.round": _f(
+        P, "announced round number; the beat itself says only that the site is alive"
+    ),
     # --- SecAgg+ (Bell et al. 2020)
     "AdvertiseKeysRequest.round": _f(P, "announced round number"),
     "AdvertiseKeysRequest.round_nonce": _f(P, "echo of the announced nonce"),

@@ -512,8 +512,11 @@ device = "cpu"
             store.close()
         if checkpoint is None:
             return None
+        # The store records the digest of the tensor bytes; the report gives the FILE's
+        # sha256, which is what someone checking the file they were sent computes.
         return {"path": str(checkpoint.path), "kind": "latest checkpoint (no bundle)",
-                "round": checkpoint.round_number, "sha256": checkpoint.sha256,
+                "round": checkpoint.round_number,
+                "sha256": hashlib.sha256(Path(checkpoint.path).read_bytes()).hexdigest(),
                 "threshold": None}
 
     def _mark_rounds(self, ax: Any, report: dict[str, Any]) -> None:

@@ -168,8 +168,8 @@ def test_divergent_announcements_abort(
 ) -> None:
     """h1 and h2 are told different models and clip (so their score histograms or
     updates could be told apart in the sum): the announcement digest in every signed
-    AdvertiseKeys makes each reject the other at the roster, before any share,
-    download or training."""
+    AdvertiseKeys makes each reject the other at the roster, before any share, update or
+    training (only the model download runs beside the key phases)."""
     nonce = system_random(16)
     layout, flat_a = model(3)
     _, flat_b = model(4)
@@ -187,5 +187,9 @@ def test_divergent_announcements_abort(
             assert proc.wait_exit(60) == 0
     for name in stories:
         methods = set(double.record.methods_of(name))
-        assert methods <= {"Enroll", "WaitForRound", "ReplicateLedger", "AdvertiseKeys"}, methods
+        # The model download runs beside the key phases (it sends nothing of the site's
+        # but the round number); no share, update, signature or heartbeat data left.
+        assert methods <= {"Enroll", "WaitForRound", "ReplicateLedger", "AdvertiseKeys",
+                           "DownloadModel", "Heartbeat"}, methods
+        assert not methods & {"ShareKeys", "UploadMaskedInput", "ConsistencyCheck", "Unmask"}
         assert name not in double.record.masked
