@@ -198,7 +198,15 @@ class CoordinatorSettings(_Settings):
     federation_id: str = Field(default="medfed", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     rounds: int = Field(default=10, ge=1, le=1_000_000)
     min_sites: int = Field(default=3, ge=2)
-    model: ModelSection
+    study: Path | None = Field(
+        default=None,
+        description="study.toml: the model, features and training settings (rounds, "
+        "local epochs, learning rate, FedProx, server optimizer, histogram bins) come "
+        "from it; this file keeps operational settings only",
+    )
+    model: ModelSection | None = Field(
+        default=None, description="transport tests and benchmarks only: a model without a study"
+    )
     training: TrainingPlanSection = TrainingPlanSection()
     aggregation: AggregationSection = AggregationSection()
     optimizer: OptimizerSection = OptimizerSection()
@@ -214,6 +222,15 @@ class CoordinatorSettings(_Settings):
     )
 
     _listen = field_validator("listen", "metrics_listen")(_check_listen)
+
+    @model_validator(mode="after")
+    def _study_or_model(self) -> CoordinatorSettings:
+        if self.study is not None and self.model is not None:
+            raise ValueError(
+                "set a study (--study study.toml) or, for transport tests only, a model "
+                "(--model-dim / --model-init), not both: the study gives the model"
+            )
+        return self
 
     @field_validator("database_url")
     @classmethod
@@ -252,8 +269,13 @@ class DataSection(_Section):
     split_seed: int = Field(
         default=0, description="train/held-out split by patient; keep it fixed across restarts"
     )
+    synthetic: bool = Field(
+        default=False,
+        description="train on the embedded synthetic cohort (demo); only when asked for "
+        "explicitly, and never together with a data file",
+    )
     synthetic_cohort_seed: int | None = Field(
-        default=None, description="use the embedded synthetic cohort instead of a file"
+        default=None, description="seed of the synthetic cohort (with synthetic = true)"
     )
     synthetic_patients: int | None = Field(
         default=None, ge=1, description="patients of this site's synthetic slice"
@@ -371,6 +393,11 @@ class SiteSettings(_Settings):
         default=False, description="TEST ONLY: write each round's plaintext ring update to STATE"
     )
     exit_after_rounds: int | None = Field(default=None, ge=1)
+    once: bool = Field(
+        default=False,
+        description="exit 0 once the study's final model is stored; otherwise stay up for "
+        "the next study",
+    )
     debug_pause_after: str | None = Field(
         default=None,
         pattern=r"^\d+:(advertise_keys|share_keys|masked_input|consistency_check)$",
@@ -389,6 +416,11 @@ class SiteSettings(_Settings):
         explicit = (self.tls_ca, self.tls_cert, self.tls_key)
         if self.pki is None and not all(explicit):
             raise ValueError("set pki, or all of tls_ca, tls_cert and tls_key")
+        if self.data.synthetic and self.data.path is not None:
+            raise ValueError(
+                "data: a data file and synthetic = true exclude each other (the file is "
+                "what trains; drop --synthetic)"
+            )
         return self
 
     def tls_paths(self) -> tuple[Path, Path, Path]:

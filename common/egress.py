@@ -97,6 +97,7 @@ SITE_FIELDS: Final[dict[str, FieldEntry]] = {
     ),
     # --- Model download
     "DownloadModelRequest.round": _f(P, "announced round number"),
+    "DownloadFinalModelRequest.study_sha256": _f(P, "hash of the study the site joined"),
     "HeartbeatRequest.round": _f(
         P, "announced round number; the beat itself says only that the site is alive"
     ),
@@ -153,6 +154,7 @@ class SegmentKind:
 MODEL_UPDATE: Final = "model_update"
 WEIGHT: Final = "weight"
 EVALUATION_HISTOGRAM: Final = "evaluation_histogram"
+STATISTICS: Final = "statistics"
 
 SEGMENT_KINDS: Final[dict[str, SegmentKind]] = {}
 
@@ -183,6 +185,16 @@ register_segment_kind(SegmentKind(
     "distributed discrete Gaussian on integer counts, one score per privacy unit "
     "(Kairouz et al. 2021)", "evaluation",
     "held-out score histogram of the global model, 2 x bins (negatives, positives)",
+))
+
+
+register_segment_kind(SegmentKind(
+    STATISTICS, "integer", Protection.DP,
+    "distributed discrete Gaussian on integer counts and randomly rounded clipped sums, "
+    "one value per privacy unit and feature (Kairouz et al. 2021; common/statistics.py)",
+    "statistics",
+    "the study's once-per-study preprocessing release (statistics round only): units, "
+    "per-feature clipped sums and squares, missing counts, log-bin histograms, level counts",
 ))
 
 

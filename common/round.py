@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from common.codec import CHUNK_BYTES, TensorSpec
 from common.config import SitePolicySection
 from common.crypto.quantize import max_integer_for_sites
-from common.egress import EgressManifest, round_manifest
+from common.egress import STATISTICS, EgressManifest, VectorSegment, round_manifest
 from common.errors import AbortReason, ProtocolAbort, RoundFailed, ValidationError
 from common.privacy.ledger import BudgetStatus
 from common.secagg.params import (
@@ -27,6 +27,10 @@ from common.secagg.params import (
 )
 
 ANNOUNCEMENT_DOMAIN = b"medfed/v1/announcement"
+KIND_TRAINING = "training"
+KIND_STATISTICS = "statistics"
+ROUND_KINDS = (KIND_TRAINING, KIND_STATISTICS)
+MAX_STATISTICS_BYTES = 1 << 20
 ROUND_NONCE_LENGTH = 16
 MIN_CHUNK_BYTES = 1 << 16
 DEFAULT_HEARTBEAT_MS = 5_000
@@ -62,9 +66,18 @@ class Announcement:
     weight_cap: int
     max_chunk_bytes: int = CHUNK_BYTES
     heartbeat_ms: int = DEFAULT_HEARTBEAT_MS
+    study_sha256: bytes = b""  # SHA-256 of the study's canonical bytes (empty: none)
+    kind: str = KIND_TRAINING  # or KIND_STATISTICS: the once-per-study DP release
+    statistics: bytes = b""  # GlobalStatistics canonical JSON (empty before release)
+
+    @property
+    def is_statistics(self) -> bool:
+        return self.kind == KIND_STATISTICS
 
     def manifest(self) -> EgressManifest:
         """The segments of this round's masked vector (common.egress)."""
+        if self.is_statistics:
+            return EgressManifest((VectorSegment(STATISTICS, self.vector_length),))
         return round_manifest(
             model_elements=sum(s.elements for s in self.model_layout),
             histogram_bins=self.histogram_bins,
@@ -105,6 +118,10 @@ class Announcement:
         for number in (self.planned_rounds, self.train_deadline_ms, self.phase_timeout_ms,
                        self.weight_cap, self.max_chunk_bytes, self.heartbeat_ms):
             _put_uint(out, number)
+        _put_bytes(out, self.study_sha256)
+        _put_bytes(out, self.kind.encode())
+        # The statistics by hash: every site of a round standardises with the same ones.
+        _put_bytes(out, hashlib.sha256(self.statistics).digest())
         return hashlib.sha256(bytes(out)).digest()
 
 
@@ -194,14 +211,28 @@ def validate_for_site(
         raise RoundFailed(f"round {ann.round_number} does not list this site")
     if len(ann.round_nonce) != ROUND_NONCE_LENGTH:
         raise ValidationError("round nonce must be 16 bytes")
+    if ann.kind not in ROUND_KINDS:
+        raise ValidationError(f"unknown round kind {ann.kind!r}")
+    if ann.study_sha256 and len(ann.study_sha256) != 32:
+        raise ValidationError("study_sha256 must be 32 bytes")
+    if len(ann.statistics) > MAX_STATISTICS_BYTES:
+        raise ValidationError("statistics too large")
     bins = ann.histogram_bins
     if not 2 <= bins <= 1000:
         raise ValidationError("histogram_bins out of range")
-    expected_length = ann.manifest().vector_length
-    if ann.vector_length != expected_length or ann.vector_length > policy.max_vector_length:
-        raise ValidationError(
-            f"vector_length {ann.vector_length} does not match the model ({expected_length})"
-        )
+    if ann.is_statistics:
+        # No model and no training: the vector is the statistics layout, which the site
+        # recomputes from the study it joined (site_agent checks the length).
+        if ann.model_layout or ann.model_bytes or ann.local_epochs or not ann.study_sha256:
+            raise ValidationError("a statistics round carries a study and no model")
+        if not 1 <= ann.vector_length <= policy.max_vector_length:
+            raise ValidationError("vector_length out of range")
+    else:
+        expected_length = ann.manifest().vector_length
+        if ann.vector_length != expected_length or ann.vector_length > policy.max_vector_length:
+            raise ValidationError(
+                f"vector_length {ann.vector_length} does not match the model ({expected_length})"
+            )
     if not (0 < ann.clip < 1e6) or not (1 <= ann.quantization_bits <= 31):
         raise ValidationError("clip or quantization bits out of range")
     if not 1 <= ann.weight_cap <= max_integer_for_sites(len(participants)):
@@ -242,6 +273,8 @@ def validate_for_site(
         validate_against_threat_model(
             params, ThreatModel(max_colluding_sites=policy.max_colluding_sites, max_dropouts=0)
         )
+    elif ann.is_statistics:
+        raise RoundFailed("the statistics release needs secure aggregation")
     elif not policy.allow_plain_aggregation:
         # Plain FedAvg shows the coordinator each update: for benchmarks only.
         raise RoundFailed("this site's policy requires secure aggregation")

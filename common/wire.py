@@ -26,7 +26,13 @@ from common.errors import (
 )
 from common.privacy.ledger import BudgetStatus
 from common.proto.medfed.v1 import federation_pb2 as pb
-from common.round import Announcement, SiteBudget
+from common.round import (
+    KIND_STATISTICS,
+    KIND_TRAINING,
+    MAX_STATISTICS_BYTES,
+    Announcement,
+    SiteBudget,
+)
 from common.secagg import messages as sm
 
 SITE_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
@@ -152,7 +158,17 @@ def announcement_to_pb(ann: Announcement) -> pb.RoundAnnouncement:
         weight_cap=ann.weight_cap,
         max_chunk_bytes=ann.max_chunk_bytes,
         heartbeat_ms=ann.heartbeat_ms,
+        study_sha256=ann.study_sha256,
+        kind=_ROUND_KIND_TO_PB[ann.kind],
+        statistics=ann.statistics,
     )
+
+
+_ROUND_KIND_TO_PB = {
+    KIND_TRAINING: pb.RoundAnnouncement.TRAINING,
+    KIND_STATISTICS: pb.RoundAnnouncement.STATISTICS,
+}
+_KIND_FROM_PB_ROUND: dict[int, str] = {int(v): k for k, v in _ROUND_KIND_TO_PB.items()}
 
 
 def announcement_from_pb(msg: pb.RoundAnnouncement) -> Announcement:
@@ -180,7 +196,17 @@ def announcement_from_pb(msg: pb.RoundAnnouncement) -> Announcement:
         weight_cap=msg.weight_cap,
         max_chunk_bytes=msg.max_chunk_bytes,
         heartbeat_ms=msg.heartbeat_ms,
+        study_sha256=bounded(msg.study_sha256, what="study_sha256", maximum=32),
+        kind=_round_kind(msg.kind),
+        statistics=bounded(msg.statistics, what="statistics", maximum=MAX_STATISTICS_BYTES),
     )
+
+
+def _round_kind(value: int) -> str:
+    kind = _KIND_FROM_PB_ROUND.get(int(value))
+    if kind is None:
+        raise ValidationError(f"unknown round kind {value}")
+    return kind
 
 
 def budget_from_pb(msg: pb.BudgetStatus) -> SiteBudget | None:

@@ -45,6 +45,7 @@ class DecodedSum:
     mean_delta: np.ndarray | None  # float32; None when the round trains nothing
     weight_sum: int
     metrics: dict[str, float]
+    histogram: np.ndarray | None = None  # the summed score histogram (int64, 2 * bins)
 
 
 def decode_round_sum(
@@ -86,7 +87,7 @@ def decode_round_sum(
             evaluated=float(m.n),
         )
     if evaluation_only or weight_sum == 0:
-        return DecodedSum(None, weight_sum, metrics)
+        return DecodedSum(None, weight_sum, metrics, histogram)
     mean_delta = aggregate[:model_dim].view(np.float32)
     scratch = np.empty(min(model_dim, UPDATE_CHUNK_ELEMENTS), dtype=np.float64)
     for start in range(0, model_dim, UPDATE_CHUNK_ELEMENTS):
@@ -99,7 +100,7 @@ def decode_round_sum(
         # range) plus n_k; undo the scale on the SUM only.
         floats *= weight_cap
         mean_delta[start:stop] = weighted_mean(floats, float(weight_sum))
-    return DecodedSum(mean_delta, weight_sum, metrics)
+    return DecodedSum(mean_delta, weight_sum, metrics, histogram)
 
 
 def multiclass_round_metrics(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +21,14 @@ log = logging.getLogger("medfed.coordinator")
 
 
 def load_model(
-    store: CoordinatorStore, model: ModelSection, optimizer: ServerOptimizer
+    store: CoordinatorStore,
+    model: ModelSection | None,
+    optimizer: ServerOptimizer,
+    *,
+    initial: Callable[[], tuple[tuple[TensorSpec, ...], np.ndarray]] | None = None,
 ) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
     """Latest good checkpoint if there is one (restoring `optimizer`'s state), else the
-    configured initial model."""
+    study's initial model (`initial`) or the configured one."""
     ckpt = store.latest_checkpoint()
     if ckpt is not None:
         saved = read_model_file(ckpt.path)
@@ -32,9 +37,13 @@ def load_model(
         optimizer.load_state_dict(dict(saved.extras))
         log.info("resuming from checkpoint of round %d", ckpt.round_number)
         return saved.layout, saved.flat
+    if initial is not None:
+        return initial()
+    if model is None:
+        raise ConfigError("model", "no initial model configured")
     if model.init_file is not None:
-        initial = read_model_file(model.init_file)
-        return initial.layout, initial.flat
+        loaded = read_model_file(model.init_file)
+        return loaded.layout, loaded.flat
     if model.dim is None:  # excluded by ModelSection validation
         raise ConfigError("model", "no initial model configured")
     return flat_layout(model.dim), np.zeros(model.dim, dtype=np.float32)

@@ -32,8 +32,14 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--database-url", help="sqlite:///... (default: STATE/coordinator.db)")
     serve.add_argument("--rounds", type=int, help="rounds to complete")
     serve.add_argument("--min-sites", type=int, help="sites needed to start a round")
-    serve.add_argument("--model-dim", type=int, help="zero-initialised flat model of this size")
-    serve.add_argument("--model-init", type=Path, help="initial model file (.mfm)")
+    serve.add_argument(
+        "--study", type=Path,
+        help="study.toml: model, features and training settings (`medfed study init`)",
+    )
+    serve.add_argument("--model-dim", type=int,
+                       help="transport tests/benchmarks: zero-initialised flat model")
+    serve.add_argument("--model-init", type=Path,
+                       help="transport tests/benchmarks: initial model file (.mfm)")
     serve.add_argument(
         "--plain", action="store_true", default=None,
         help="plain FedAvg without secure aggregation (benchmarks only)",
@@ -72,6 +78,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         "state": args.state,
         "database_url": args.database_url,
         "rounds": args.rounds,
+        "study": args.study,
         "min_sites": args.min_sites,
         "model": model or None,
         "aggregation": {"secure_aggregation": False} if args.plain else None,

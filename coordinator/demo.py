@@ -283,7 +283,8 @@ phase_seconds = {self.o.phase_seconds}
         config = self.out / "sites" / f"{site}.toml"
         config.parent.mkdir(parents=True, exist_ok=True)
         if data is None:
-            source = (f"synthetic_cohort_seed = {self.o.seed}\nsplit_seed = {self.o.seed}\n"
+            source = (f"synthetic = true\nsynthetic_cohort_seed = {self.o.seed}\n"
+                      f"split_seed = {self.o.seed}\n"
                       f"synthetic_patients = {self.o.patients_per_site}\n")
         else:
             patient = (f'patient_column = "{self.o.patient_column}"\n'

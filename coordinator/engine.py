@@ -31,7 +31,9 @@ from common.errors import (
     LedgerForkError,
     MedfedError,
     ProtocolAbort,
+    StateError,
     Unavailable,
+    ValidationError,
 )
 from common.pki import load_certificate
 from common.privacy.federation import FederationBudgetView
@@ -41,6 +43,7 @@ from common.secagg.client import IdentityVerifier
 from common.secagg.params import (
     ROUND_NONCE_BYTES,
 )
+from common.statistics import decode_release, ring_to_signed, statistics_length
 from coordinator import checkpoints, selection
 from coordinator.aggregation import (
     UPDATE_CHUNK_ELEMENTS,
@@ -61,6 +64,7 @@ from coordinator.phases import (
 from coordinator.sessions import SiteRegistry
 from coordinator.status import StudyStatus, study_status
 from coordinator.store import CoordinatorStore
+from coordinator.study_run import StudyRun
 from coordinator.uploads import Transfers
 
 log = logging.getLogger("medfed.coordinator")
@@ -73,6 +77,8 @@ class RoundResult:
     dropped: tuple[str, ...]
     mean_delta: np.ndarray
     metrics: dict[str, float]
+    histogram: np.ndarray | None = None
+    statistics: bool = False  # the study's statistics release (no model update)
 
 
 class RoundEngine:
@@ -88,7 +94,12 @@ class RoundEngine:
         clock: Callable[[], float] = time.time,
         rng: Callable[[int], bytes] = os.urandom,
         budget_view: FederationBudgetView | None = None,
+        study: StudyRun | None = None,
     ) -> None:
+        # With a study, its model and training settings replace the config's.
+        self.study = study
+        if study is not None:
+            settings = study.settings(settings)
         self.settings = settings
         self.store = store
         # The federation budget view lives in the same state database as the store
@@ -107,10 +118,12 @@ class RoundEngine:
         self.finished = asyncio.Event()  # set only when the whole study completed
         self.optimizer = build_optimizer(settings.optimizer)
         self.layout, self.global_flat = checkpoints.load_model(
-            store, settings.model, self.optimizer
+            store, settings.model, self.optimizer,
+            initial=study.initial_model if study is not None else None,
         )
         self.last_round_number = 0
         self.last_result: RoundResult | None = None
+        self.last_secagg: tuple[int, int] = (0, 0)  # (threshold, neighbours) last announced
 
     @property
     def total_rounds(self) -> int:
@@ -194,12 +207,30 @@ class RoundEngine:
             total_rounds=self.total_rounds, finished=self.finished.is_set(), now=self.clock(),
         )
 
+    def final_model(self, study_sha256: bytes) -> bytes:
+        """The bytes of the finished study's final bundle, for the site that names it."""
+        study = self.study
+        if study is None:
+            raise StateError("this coordinator runs no study: there is no final model")
+        if study_sha256 != bytes.fromhex(study.sha256):
+            raise ValidationError("study_sha256 names another study")
+        if not self.finished.is_set() or not study.final_path.exists():
+            raise StateError("the study has not finished: no final model yet")
+        try:
+            return study.final_path.read_bytes()
+        except OSError as exc:
+            raise StateError(f"final model unreadable: {exc.strerror}") from None
+
     # --------------------------------------------------------------- main loop
     async def run(self) -> None:
         """Run rounds until the study is complete; any other exit is a failure that
         waiting sites hear as UNAVAILABLE (they retry), never as "finished"."""
         self.recover()
         try:
+            # Once per study, before training: the federated DP statistics release
+            # (common/statistics.py) every site then preprocesses with.
+            while self.study is not None and self.study.statistics is None:
+                await self._run_round(await self.select_participants(), statistics=True)
             while self.store.completed_rounds() < self.total_rounds:
                 await self._run_round(await self.select_participants())
         except BaseException as exc:
@@ -234,13 +265,19 @@ class RoundEngine:
             ledger_last_rounds=self.sessions.ledger_last_rounds(participants),
         )
 
-    def _announce(self, participants: list[str]) -> Announcement:
+    def _announce(self, participants: list[str], *, statistics: bool = False) -> Announcement:
         payload = checkpoints.model_payload(self.layout, self.global_flat)
+        study = self.study
         return selection.announcement(
             self.settings, participants, number=self.next_round_number(participants),
             nonce=self.rng(ROUND_NONCE_BYTES), layout=self.layout,
             model_sha256=digest(payload), model_bytes=len(payload),
             evaluation_round=self.is_evaluation_round(), now=self.clock(),
+            study_sha256=bytes.fromhex(study.sha256) if study is not None else b"",
+            statistics=study.statistics_bytes if study is not None else b"",
+            statistics_length=(
+                statistics_length(study.study) if statistics and study is not None else None
+            ),
         )
 
     def _phase_closed(self, rnd: ActiveRound, closed: PhaseClosed) -> None:
@@ -260,15 +297,17 @@ class RoundEngine:
         self.metrics.phase_seconds.labels(phase=name).observe(closed.seconds)
         log.debug("round %d %s closed after %.4f s", rnd.number, name, closed.seconds)
 
-    async def _run_round(self, participants: list[str]) -> None:
-        ann = self._announce(participants)
+    async def _run_round(self, participants: list[str], *, statistics: bool = False) -> None:
+        ann = self._announce(participants, statistics=statistics)
+        self.last_secagg = (ann.threshold, ann.neighbours)
         started = time.perf_counter()
         self.transfers.prepare(ann.vector_length)
         self.store.begin_round(ann.round_number, participants, now=self.clock())
         self.metrics.current_round.set(ann.round_number)
         deadlines = self.settings.deadlines
+        model = b"" if statistics else checkpoints.model_payload(self.layout, self.global_flat)
         rnd = ActiveRound(
-            ann, checkpoints.model_payload(self.layout, self.global_flat),
+            ann, model,
             liveness=Liveness(ann.heartbeat_ms / 1000, deadlines.heartbeat_misses),
         )
         aggregator = aggregator_for(
@@ -323,6 +362,8 @@ class RoundEngine:
         if aggregate is None:
             raise ProtocolAbort(AbortReason.ROUND_ABANDONED, "no aggregate for this round")
         survivors = aggregator.survivors
+        if ann.is_statistics:
+            return self._decode_statistics(ann, aggregator, aggregate)
         if self.settings.debug_write_aggregates:
             # TEST ONLY: streamed straight from the ring sum before it is decoded in
             # place (a copy would add a model-sized vector to the coordinator's peak).
@@ -343,9 +384,43 @@ class RoundEngine:
                 self.optimizer, self.global_flat, mean_delta, window=UPDATE_CHUNK_ELEMENTS
             )
         return RoundResult(ann.round_number, survivors, rnd.dropped_sites(survivors),
-                           mean_delta, decoded.metrics)
+                           mean_delta, decoded.metrics, decoded.histogram)
+
+    def _decode_statistics(
+        self, ann: Announcement, aggregator: Aggregator, aggregate: np.ndarray
+    ) -> RoundResult:
+        """The noisy secure sum of the statistics release -> GlobalStatistics, kept under
+        STATE and sent with every later announcement."""
+        study = self.study
+        if study is None:
+            raise ProtocolAbort(AbortReason.ROUND_ABANDONED, "statistics round without a study")
+        if self.settings.debug_write_aggregates:
+            checkpoints.write_debug_aggregate(
+                self.settings.state, ann.round_number, aggregate, aggregator.survivors
+            )
+        privacy = study.study.privacy
+        source = (
+            f"federated DP release, round {ann.round_number}: {len(aggregator.survivors)} "
+            f"sites, epsilon {privacy.statistics_epsilon:g}, delta {privacy.delta:g} "
+            "(distributed discrete Gaussian)"
+        )
+        stats = decode_release(ring_to_signed(aggregate), study.study, source=source)
+        study.save_statistics(stats, ann.round_number)
+        return RoundResult(
+            ann.round_number, aggregator.survivors, aggregator.dropped,
+            np.zeros(0, dtype=np.float32),
+            {"contributors": float(len(aggregator.survivors))}, statistics=True,
+        )
 
     def _commit(self, result: RoundResult) -> None:
+        if result.statistics:
+            # Not a training round: not counted in completed_rounds, no checkpoint.
+            self.store.finish_round(
+                result.round_number, status="statistics", now=self.clock(),
+                survivors=result.survivors, dropped=result.dropped, metrics=result.metrics,
+            )
+            self.metrics.rounds_total.labels(outcome="completed").inc()
+            return
         checkpoint = checkpoints.write_checkpoint(
             self.settings.state, result.round_number, layout=self.layout,
             flat=self.global_flat, optimizer_name=self.settings.optimizer.name,
@@ -363,6 +438,15 @@ class RoundEngine:
         )
         if "auc" in result.metrics:
             self.metrics.model_auc.set(result.metrics["auc"])
+        if self.study is not None:
+            if result.histogram is not None and result.histogram.sum() > 0:
+                self.study.last_histogram = result.histogram
+            self.study.bundle(
+                round_number=result.round_number, layout=self.layout, flat=self.global_flat,
+                settings=self.settings, budgets=self.budget_view.snapshot(),
+                secagg=self.last_secagg,
+                final=self.store.completed_rounds() >= self.total_rounds,
+            )
         # Only the latest result is kept: a long-running coordinator must not grow by
         # two model-sized vectors per round.
         self.last_result = result

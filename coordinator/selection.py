@@ -12,7 +12,7 @@ from common.egress import round_manifest
 from common.errors import ConfigError
 from common.privacy.federation import SiteBudget as BudgetRow
 from common.privacy.federation import has_budget_left
-from common.round import Announcement, SiteBudget
+from common.round import KIND_STATISTICS, Announcement, SiteBudget
 from common.secagg.params import ThreatModel, choose_parameters
 
 
@@ -82,11 +82,31 @@ def announcement(
     model_bytes: int,
     evaluation_round: bool,
     now: float,
+    study_sha256: bytes = b"",
+    statistics: bytes = b"",
+    statistics_length: int | None = None,
 ) -> Announcement:
-    """The announcement of round `number` for `participants`."""
+    """The announcement of round `number` for `participants`; with `statistics_length`,
+    the study's statistics round (no model, no training, that vector length)."""
     cfg = settings
     model_dim = sum(spec.elements for spec in layout)
     threshold, neighbours = round_parameters(len(participants), cfg.aggregation)
+    if statistics_length is not None:
+        return Announcement(
+            round_number=number, round_nonce=nonce, participants=tuple(participants),
+            threshold=threshold, neighbours=neighbours, vector_length=statistics_length,
+            quantization_bits=bits_for_sites(len(participants)), clip=cfg.aggregation.clip,
+            histogram_bins=cfg.aggregation.histogram_bins,
+            secure_aggregation=cfg.aggregation.secure_aggregation, model_layout=(),
+            model_sha256=b"", model_bytes=0, local_epochs=0,
+            learning_rate=cfg.training.learning_rate, fedprox_mu=cfg.training.fedprox_mu,
+            planned_rounds=cfg.rounds,
+            train_deadline_ms=int((now + cfg.deadlines.train_seconds) * 1000),
+            phase_timeout_ms=int(cfg.deadlines.phase_seconds * 1000), weight_cap=1,
+            max_chunk_bytes=cfg.limits.max_chunk_bytes, study_sha256=study_sha256,
+            kind=KIND_STATISTICS,
+            heartbeat_ms=round(cfg.deadlines.heartbeat_seconds * 1000),
+        )
     return Announcement(
         round_number=number,
         round_nonce=nonce,
@@ -114,4 +134,6 @@ def announcement(
         weight_cap=min(cfg.aggregation.weight_cap, max_integer_for_sites(len(participants))),
         max_chunk_bytes=cfg.limits.max_chunk_bytes,
         heartbeat_ms=round(cfg.deadlines.heartbeat_seconds * 1000),
+        study_sha256=study_sha256,
+        statistics=statistics,
     )

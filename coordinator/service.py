@@ -30,6 +30,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.revocation import CrlRelay
 from coordinator.servicer import FederationServicer, MonitorServicer, add_to_server
 from coordinator.store import CoordinatorStore
+from coordinator.study_run import StudyRun
 
 log = logging.getLogger("medfed.coordinator")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Federation"].full_name
@@ -66,6 +67,10 @@ def database_url(settings: CoordinatorSettings) -> str:
 
 
 async def start(settings: CoordinatorSettings) -> RunningCoordinator:
+    if settings.study is None and settings.model is None:
+        raise ConfigError(
+            "study", "coordinator serve needs --study study.toml (see `medfed study init`)"
+        )
     # Ledger, state database and checkpoints: readable by this service only.
     settings.state.mkdir(parents=True, exist_ok=True, mode=0o700)
     store = CoordinatorStore(database_url(settings))
@@ -83,7 +88,8 @@ async def start(settings: CoordinatorSettings) -> RunningCoordinator:
         key = verifier.verifying_key_for(site_id, certificate_der, now=dt.datetime.now(dt.UTC))
         return VerifyingKey.from_public_key(key)
 
-    engine = RoundEngine(settings, store, identity=identity, metrics=metrics)
+    study = StudyRun.open(settings.study, settings.state) if settings.study else None
+    engine = RoundEngine(settings, store, identity=identity, metrics=metrics, study=study)
     limit = settings.limits.max_chunk_bytes + (64 << 10)
     server = grpc.aio.server(
         # Per-method certificate roles: sites call Federation, monitors Health/status,
@@ -175,8 +181,9 @@ async def serve(
             print(f"medfed: error: round engine failed: {cause}", file=sys.stderr)
             code = 1
         else:
-            log.info("all %d rounds done", settings.rounds,
-                     extra={"event": "study_finished", "rounds": settings.rounds})
+            rounds = running.engine.settings.rounds  # the study's, when it gives them
+            log.info("all %d rounds done", rounds,
+                     extra={"event": "study_finished", "rounds": rounds})
             if exit_when_finished:
                 # Let waiting sites hear that the federation is finished.
                 with contextlib.suppress(TimeoutError):

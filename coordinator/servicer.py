@@ -170,9 +170,12 @@ class FederationServicer(pb_grpc.FederationServicer):
             budget=budget,
         )
         held = self.engine.check_ledger_head(site_id, budget)
+        study = self.engine.study
         return pb.EnrollResponse(
             federation_id=self.federation_id, current_round=last, ledger_seq_held=held,
             crl_der=self._crl_der(),
+            study=study.canonical if study is not None else b"",
+            study_sha256=study.sha256 if study is not None else "",
         )
 
     @rpc
@@ -254,6 +257,24 @@ class FederationServicer(pb_grpc.FederationServicer):
             await context.abort(code, str(exc)[:500])
             return
         self.metrics.grpc_requests.labels(method="DownloadModel", code="OK").inc()
+
+    async def DownloadFinalModel(
+        self, request: pb.DownloadFinalModelRequest, context: Any
+    ) -> AsyncIterator[pb.ModelChunk]:
+        """The finished study's final model bundle, in chunks."""
+        try:
+            require_parsed(request)
+            self._site(context)
+            data = self.engine.final_model(bytes(request.study_sha256))
+        except MedfedError as exc:
+            code = wire.status_for(exc)
+            self.metrics.grpc_requests.labels(method="DownloadFinalModel", code=code.name).inc()
+            await context.abort(code, str(exc)[:500])
+            return
+        async with self.engine.inbox.download_slot():
+            for offset in range(0, len(data), CHUNK_BYTES):
+                yield pb.ModelChunk(offset=offset, data=data[offset : offset + CHUNK_BYTES])
+        self.metrics.grpc_requests.labels(method="DownloadFinalModel", code="OK").inc()
 
     @rpc
     async def AdvertiseKeys(

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -23,6 +25,7 @@ import grpc
 import numpy as np
 
 from common import egress, wire
+from common.bundle import bundle_from_bytes
 from common.codec import (
     ChunkAssembler,
     all_finite,
@@ -59,9 +62,19 @@ from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.round import VerifiedRound, validate_for_site
 from common.secagg import messages as sm
+from common.secagg import round_floor
 from common.secagg.client import SecAggClient
+from common.statistics import StatisticsPlan, plan_statistics
+from common.study import (
+    Study,
+    check_statistics,
+    statistics_from_bytes,
+    study_from_enrolment,
+    study_sha256,
+)
 from common.tls import SiteTlsFiles, channel_credentials_from_files
 from site_agent import dp_release
+from site_agent.datacheck import site_policy
 from site_agent.hooks import LocalUpdate, TrainingHook
 from site_agent.metrics import SiteMetrics
 from site_agent.revocation import SiteRevocation
@@ -69,6 +82,8 @@ from site_agent.revocation import SiteRevocation
 log = logging.getLogger("medfed.site")
 
 AGENT_VERSION = "medfed-site/0.1"
+NEXT_STUDY_POLL_SECONDS = 60.0
+MAX_BUNDLE_BYTES = 1 << 31
 WAIT_SECONDS = 30
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 HEARTBEAT_FINAL = {
@@ -215,12 +230,16 @@ class SiteAgent:
         metrics: SiteMetrics,
         ledger: PrivacyLedger | None,
         stop: threading.Event | None = None,
+        open_ledger: Callable[[], PrivacyLedger | None] | None = None,
     ) -> None:
         self.settings = settings
         self.site_id = settings.site
         self.hook = hook
         self.metrics = metrics
         self.ledger = ledger
+        self._open_ledger = open_ledger
+        self.study: Study | None = None
+        self.study_sha256 = b""
         self.stop = stop or threading.Event()
         ca, cert, key = settings.tls_paths()
         self.tls_files = SiteTlsFiles(ca=ca, cert=cert, key=key)
@@ -298,14 +317,31 @@ class SiteAgent:
 
     # ------------------------------------------------------------------- loop
     def run(self) -> int:
-        """Serve rounds until the federation finishes (0) or we are told to stop."""
+        """Serve rounds until the federation finishes (0) or we are told to stop.
+
+        With a study, the final model is stored first; then `once` exits 0, otherwise the
+        agent stays up and enrols again for the next study."""
         while not self.stop.is_set():
             try:
                 self._session()
                 return 0
             except FederationFinished:
                 log.info("federation finished after round %d", self.last_round)
-                return 0
+                if self.study is None:
+                    return 0
+                try:
+                    self._store_final_model()
+                except grpc.RpcError as exc:
+                    log.warning("final model download failed (%s): %s; retrying",
+                                exc.code(), exc.details())
+                    self._disconnect()
+                    self._sleep_backoff()
+                    continue
+                if self.settings.once:
+                    return 0
+                log.info("waiting for the next study (run with --once to exit instead)")
+                self._disconnect()
+                self.stop.wait(NEXT_STUDY_POLL_SECONDS)
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
@@ -341,6 +377,17 @@ class SiteAgent:
         self._tls_failures = 0
         log.info("enrolled in federation %s", resp.federation_id)
         self._replica_seq = resp.ledger_seq_held
+        if self._join(resp):
+            # The ledger opened only now (its privacy unit follows from the study): enrol
+            # again with its head, so the coordinator checks it against its replica.
+            resp = stub.Enroll(
+                pb.EnrollRequest(
+                    agent_version=AGENT_VERSION, budget=self.budget_pb(),
+                    device=self.hook.device,
+                ),
+                timeout=30,
+            )
+            self._replica_seq = resp.ledger_seq_held
         while not self.stop.is_set():
             self._replicate(stub)
             waited = stub.WaitForRound(
@@ -358,6 +405,23 @@ class SiteAgent:
             limit = self.settings.exit_after_rounds
             if limit is not None and self.rounds_done >= limit:
                 return
+
+    def _join(self, resp: pb.EnrollResponse) -> bool:
+        """Check the coordinator's study against this site's policy and data BEFORE
+        any key or update is sent; a mismatch (DataError naming file, row and column, or
+        PrivacyError) ends the agent with that message. True when the ledger opened now."""
+        study = None
+        if resp.study_sha256:
+            study = study_from_enrolment(bytes(resp.study), announced_sha256=resp.study_sha256)
+            if self.study is not None and study_sha256(self.study) != resp.study_sha256:
+                log.info("the coordinator runs a new study: %s", study.study.name)
+        self.hook.join_study(study, site_policy(self.settings))
+        self.study = study
+        self.study_sha256 = bytes.fromhex(resp.study_sha256) if study is not None else b""
+        if self.ledger is None and self._open_ledger is not None:
+            self.ledger = self._open_ledger()
+            return self.ledger is not None
+        return False
 
     def _accept_crl(self, der: bytes) -> None:
         self.revocation.offer(der, now=_utcnow())
@@ -385,6 +449,17 @@ class SiteAgent:
                 # Fail closed before anything is computed: without a fresh CRL a revoked
                 # certificate could sit in the roster unnoticed.
                 self.revocation.require_fresh(now=_utcnow())
+            announced = rnd.announcement
+            if announced.study_sha256 != self.study_sha256:
+                raise RoundFailed("the round belongs to another study than the one joined")
+            if announced.is_statistics:
+                self._run_statistics_round(stub, rnd)
+                return
+            if announced.statistics:
+                stats = statistics_from_bytes(announced.statistics)
+                if self.study is not None:
+                    check_statistics(self.study, stats)
+                    self.hook.set_statistics(stats)
             self._run_round(stub, rnd, heard_at=heard_at)
         except BudgetExhausted as exc:
             log.warning("declining round %d: %s", ann.round, exc)
@@ -558,6 +633,98 @@ class SiteAgent:
             fields["epsilon_budget"] = status.budget_epsilon
         log.info("%s done: %s", round_of(rnd.number, rnd.plan.planned_rounds),
                  ", ".join(parts) or "contributed", extra=fields)
+
+    def _run_statistics_round(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
+        """The study's federated DP statistics release (common/statistics.py): clipped
+        per-unit values, discrete Gaussian noise added here in the integer ring, one
+        ledger entry (purpose "statistics") written before anything leaves."""
+        study = self.study
+        if study is None:
+            raise RoundFailed("a statistics round needs a study")
+        release = self.hook.statistics_release()
+        if release.size != rnd.announcement.vector_length:
+            raise ValidationError("statistics vector length differs from this site's study")
+        policy = self.settings.policy
+        colluding = policy.max_colluding_sites
+        floor = round_floor(min_round_sites=policy.min_round_sites,
+                            max_colluding_sites=colluding)
+        plan = plan_statistics(study, n_noise=max(floor - colluding, 1))
+        mechanism = plan.mechanism()
+        if self.ledger is not None:
+            after = self.ledger.preview(rnd.number, [mechanism])
+            if after > self.ledger.budget_epsilon:
+                raise BudgetExhausted(
+                    f"the statistics release would bring epsilon to {after:.3f} "
+                    f"> budget {self.ledger.budget_epsilon:g}"
+                )
+        heard_at = time.perf_counter()
+        client = self._secagg_client(rnd)
+        try:
+            with Heartbeats(stub, rnd.number, rnd.heartbeat_seconds) as heartbeats:
+                keys = self._exchange_keys(stub, rnd, client, client.advertise_keys(),
+                                           heard_at=heard_at)
+                self._release_statistics(stub, rnd, client, keys, release, plan,
+                                         heartbeats=heartbeats)
+        except BaseException:
+            client.abort()
+            raise
+        self.metrics.rounds.labels(outcome="completed").inc()
+        log.info("statistics release (round %d) done: sigma %.2f over %d noise shares",
+                 rnd.number, plan.sigma, plan.n_noise)
+
+    def _release_statistics(
+        self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, client: SecAggClient,
+        keys: sm.SharesForRecipient, release: np.ndarray, plan: StatisticsPlan, *,
+        heartbeats: Heartbeats,
+    ) -> None:
+        """Ledger entry first (write-ahead), then the noised vector through SecAgg+."""
+        mechanism = plan.mechanism()
+        if self.ledger is not None:
+            self.ledger.reserve(rnd.number, [mechanism], now=_utcnow(), purpose="statistics")
+            self.budget_pb()
+        noisy = release + plan.noise(system_random)
+        # Built from the round's egress manifest: one "statistics" segment.
+        vector = rnd.announcement.manifest().encode(
+            {egress.STATISTICS: noisy}, clip=rnd.announcement.clip,
+            bits=rnd.announcement.quantization_bits,
+            n_sites=len(rnd.params.participants) if rnd.params else 2,
+            rng=numpy_generator(system_random),
+        )
+        if self.settings.debug_write_updates:
+            self._write_debug(rnd.number, vector)
+        self._finish_secure_aggregation(stub, rnd, client, keys, vector,
+                                        heartbeats=heartbeats)
+
+    def _store_final_model(self) -> None:
+        """Download the finished study's final bundle to STATE/model/final.safetensors,
+        after checking it is a bundle of the study this site joined."""
+        stub = self._connect()
+        buffer = bytearray()
+        for chunk in stub.DownloadFinalModel(
+            pb.DownloadFinalModelRequest(study_sha256=self.study_sha256), timeout=300
+        ):
+            if chunk.offset != len(buffer) or len(buffer) + len(chunk.data) > MAX_BUNDLE_BYTES:
+                raise ValidationError("final model chunks out of order or too large")
+            buffer += chunk.data
+        data = bytes(buffer)
+        bundle = bundle_from_bytes(data)  # verifies the bundle's own digest
+        if bytes.fromhex(study_sha256(bundle.study)) != self.study_sha256:
+            raise ValidationError("the final model belongs to another study")
+        folder = self.settings.state / "model"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "final.safetensors"
+        # The coordinator's file byte for byte (same SHA-256 at every site).
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        sha = hashlib.sha256(data).hexdigest()
+        log.info("final model stored at %s (sha256 %s)", path, sha,
+                 extra={"event": "final_model_stored", "path": str(path)})
+        print(json.dumps({"event": "final_model", "path": str(path), "sha256": sha}),
+              flush=True)
 
     def _evaluation_mechanisms(self, rnd: VerifiedRound) -> list[Mechanism]:
         """The ledger record of this round's DP score histogram ([] when the site keeps

@@ -36,11 +36,20 @@ def register(subparsers: Any) -> None:
     run.add_argument("--metrics-listen", help="HOST:PORT of the Prometheus /metrics endpoint")
     run.add_argument("--state", type=Path, help="folder for the privacy ledger and state")
     run.add_argument("--data", type=Path,
-                     help="CSV or Parquet file with this site's records, or, for an images "
-                     "study, a folder of images with labels.csv")
+                     help="CSV or Parquet file with this site's records (what trains), or, "
+                     "for an images study, a folder of images with labels.csv")
     run.add_argument("--study", type=Path, help="study.toml: the model and data this site trains")
     run.add_argument("--allow-factory", action="append", default=None, metavar="PKG.MOD:FN",
                      help="custom model factory this site may import and run (repeatable)")
+    run.add_argument(
+        "--synthetic", action="store_true", default=None,
+        help="train on the built-in synthetic demo cohort instead of a file (demo only)",
+    )
+    run.add_argument(
+        "--once", action="store_true", default=None,
+        help="exit 0 once the study's final model is stored (default: stay up for the "
+        "next study)",
+    )
     run.add_argument("--label-column", help="label column (0/1)")
     run.add_argument("--patient-column", help="patient id column: patient-level DP")
     run.add_argument("--budget-epsilon", type=float, help="this site's epsilon budget")
@@ -76,12 +85,14 @@ def settings_from_args(args: argparse.Namespace) -> SiteSettings:
         "metrics_listen": args.metrics_listen,
         "state": args.state,
         "exit_after_rounds": args.exit_after_rounds,
+        "once": args.once,
         "debug_write_updates": args.debug_write_updates,
         "debug_pause_after": args.debug_pause_after,
         "debug_pause_seconds": args.debug_pause_seconds,
         "log_format": args.log_format,
         "data": {
             "path": args.data,
+            "synthetic": args.synthetic,
             "label_column": args.label_column,
             "patient_column": args.patient_column,
         },

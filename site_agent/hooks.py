@@ -22,10 +22,11 @@ import numpy as np
 
 from common.codec import TensorSpec
 from common.config import SiteSettings
-from common.errors import ConfigError
+from common.errors import ConfigError, RoundFailed
 from common.privacy.accountant import Segment
 from common.privacy.ledger import PrivacyLedger
 from common.round import RoundPlan
+from common.study import GlobalStatistics, Study, study_sha256
 
 if TYPE_CHECKING:
     from common.study import Study
@@ -55,6 +56,12 @@ class TrainingHook(Protocol):
 
     def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate: ...
 
+    def join_study(self, study: Study | None, policy: Any) -> None: ...
+
+    def statistics_release(self) -> np.ndarray: ...
+
+    def set_statistics(self, statistics: GlobalStatistics) -> None: ...
+
 
 class DeterministicTestHook:
     """TEST ONLY: an update derived from (site, round), no data, no privacy cost.
@@ -72,6 +79,20 @@ class DeterministicTestHook:
         self.samples = samples
         # Liveness tests freeze or cut off a site while it "trains": give them a window.
         self.train_seconds = train_seconds
+        self.study: Study | None = None
+
+    def join_study(self, study: Study | None, policy: Any) -> None:
+        self.study = study
+
+    def statistics_release(self) -> np.ndarray:
+        from common.statistics import statistics_length
+
+        if self.study is None:
+            raise RoundFailed("a statistics round needs a study")
+        return np.zeros(statistics_length(self.study), dtype=np.int64)
+
+    def set_statistics(self, statistics: GlobalStatistics) -> None:
+        return None
 
     def planned_segments(self, plan: RoundPlan) -> list[Segment]:
         return []
@@ -93,15 +114,21 @@ class DeterministicTestHook:
 class DpTrainingHook:
     """Opacus DP-SGD (or non-private, for baselines) on this site's own data.
 
+    With a study (the coordinator sends it at enrolment), nothing is read before
+    `join_study`: the site's file is checked against the study there, before any key or
+    update is sent, and encoded with the federation's global statistics once the
+    statistics release produced them (`set_statistics`). Without a study (transport
+    tests, the legacy demo), `join_study(None)` loads the file under the site config's
+    schema, or the synthetic cohort when the site asked for it explicitly.
+
     The trainer, and so the noise multiplier, is built at the first round from the
     announced planned rounds and local epochs, with this site's budget as its target
-    epsilon: calibrated once for the whole planned schedule (DESIGN.md "Privacy").
+    epsilon: calibrated once for the whole planned schedule (DESIGN.md "Privacy"); with
+    a ledger attached the site re-plans its noise every round from what it has spent.
     """
 
     def __init__(self, settings: SiteSettings, *, dp: bool, study: Study | None = None) -> None:
-        from site_agent.data import prepare_site_split
         from site_agent.device import select_device
-        from site_agent.imaging import ImageDataset, split_images
 
         # torch and Opacus load now, not in the first round's noise planning, where the
         # import would compete with the key phases for the interpreter.
@@ -109,38 +136,6 @@ class DpTrainingHook:
 
         self.settings = settings
         self.dp = dp
-        # The study (from enrolment, or the site's own study file) selects the model and,
-        # for images, how the folder is read; without one, today's tabular mlp.
-        self.study = study if study is not None else load_site_study(settings)
-        data = load_configured_data(settings, self.study)
-        self.n_features: int | None = None
-        self.train_data: Any
-        self.holdout: Any
-        if isinstance(data, ImageDataset):
-            self.train_data, self.holdout = split_images(
-                data,
-                held_out_fraction=settings.data.holdout_fraction,
-                seed=settings.data.split_seed,
-            )
-        else:
-            self.train_data, self.holdout, _ = prepare_site_split(
-                data,
-                held_out_fraction=settings.data.holdout_fraction,
-                seed=settings.data.split_seed,
-            )
-            self.n_features = int(data.features.shape[1])
-        self.task: Task = self.study.study.task if self.study is not None else "binary"
-        self.num_classes = len(self.study.study.classes) if self.study is not None else 2
-        # One-vs-rest blocks in the evaluation histogram: the ledger's sensitivity.
-        self.histogram_classes = self.num_classes if self.num_classes > 2 else 1
-        has_patients = data.patient_ids is not None
-        unit = settings.privacy.privacy_unit
-        if not dp:
-            self.privacy_unit = "none"
-        elif unit == "auto":
-            self.privacy_unit = "patient" if has_patients else "record"
-        else:
-            self.privacy_unit = unit
         self.device = str(select_device(settings.training.device))
         if dp and settings.training.seed is not None:
             # Whoever knows the configuration can regenerate the noise and subtract it.
@@ -148,14 +143,147 @@ class DpTrainingHook:
                 "training.seed is set: the DP noise is reproducible and protects nothing "
                 "(tests only; leave it unset in production)"
             )
+        self.study: Study | None = None
+        # A study file of the site's own (`study_file`): used when the coordinator sends
+        # none (the legacy path), e.g. an images study under `coordinator --config`.
+        self.local_study = study if study is not None else load_site_study(settings)
+        self.table: Any = None
+        self.statistics: GlobalStatistics | None = None
+        self.train_data: Any = None
+        self.holdout: Any = None
+        self.n_features: int | None = None
+        self.patients = 0
+        self.joined = False
+        self.privacy_unit = "none" if not dp else "pending"
+        self.task: Task = "binary"
+        self.num_classes = 2
+        # One-vs-rest blocks in the evaluation histogram: the ledger's sensitivity.
+        self.histogram_classes = 1
+        self._layout: tuple[TensorSpec, ...] | None = None
+        self.model_name = model_name(self.local_study, settings)
+        self._image_units = 0
         self._trainer: object | None = None
         self._trainer_key: tuple[int, int] | None = None
-        self.patients = self.train_data.num_patients if has_patients else 0
         # Issue 10: set by `attach_ledger`; then q, steps, weights and gauges come from
         # the DP count and the noise from the site's own plan over its ledger.
         self.ledger: PrivacyLedger | None = None
+        self._ledger_state: Path | None = None
         self.released_units: int | None = None
         self._planned: dict[int, float] = {}
+
+    # ------------------------------------------------------------------ joining
+    def join_study(self, study: Study | None, policy: Any) -> None:
+        """Check this site's data against `study` (DataError / PrivacyError before
+        anything is sent), or load it the legacy way when there is no study."""
+        if study is None:
+            if not self.joined:
+                self._load_legacy()
+            return
+        if self.study is not None and study_sha256(self.study) == study_sha256(study):
+            return
+        from site_agent.data import load_study_table
+        from site_agent.datacheck import check_site_can_join
+
+        path = self.settings.data.path
+        if path is None:
+            raise ConfigError(
+                "data.path", "the coordinator runs a study: name this site's file with --data"
+            )
+        report = check_site_can_join(study, policy, path)
+        self._use_study(study)
+        self.statistics = None
+        self.train_data = None
+        self._trainer = None
+        self.joined = True
+        if study.data.kind == "images":
+            # Pixels need no global statistics: the folder trains as soon as it is checked.
+            self._set_images(load_configured_data(self.settings, study))
+        else:
+            self.table = load_study_table(path, study)
+            if self.dp:
+                self.privacy_unit = "patient" if self.table.patient_ids is not None else "record"
+        # The study's model, built and DP-checked here (ModuleValidator names the layer
+        # and the fix) before this site sends any key or update.
+        self._layout = model_layout(self.model())
+        log.info(
+            "study %s joined: %d records, %s patients, missing values %s", study.study.name,
+            report.records, report.patients, {k: v for k, v in report.missing.items() if v},
+            extra={"event": "study_joined", "records": report.records},
+        )
+
+    def statistics_release(self) -> np.ndarray:
+        """This site's noiseless integer contribution to the study's statistics release
+        (common/statistics.py; the agent adds the noise)."""
+        from common.crypto.random import numpy_generator, system_random
+        from common.statistics import encode_release
+
+        if self.study is not None and self.study.data.kind == "images":
+            from common.statistics import statistics_length
+
+            # An images study has no features: its release is the unit count alone.
+            units = np.zeros(statistics_length(self.study), dtype=np.int64)
+            units[0] = self._image_units
+            return units
+        if self.study is None or self.table is None:
+            raise RoundFailed("a statistics round needs a study this site joined")
+        gen = numpy_generator(system_random)
+        return encode_release(self.table, self.study, uniform=lambda n: gen.random(n))
+
+    def set_statistics(self, statistics: GlobalStatistics) -> None:
+        """Encode this site's records with the federation's global statistics."""
+        from site_agent.data import Preprocessor, check_cohort_size, split_by_patient
+
+        if self.study is None or self.statistics == statistics:
+            return
+        if self.study.data.kind == "images":
+            self.statistics = statistics  # pixels are scaled by fixed rules (imaging.py)
+            return
+        pre = Preprocessor(self.study, statistics)
+        data = pre.site_data(self.table)
+        if self.dp:
+            unit = "patient" if data.patient_ids is not None else "record"
+            check_cohort_size(data.num_patients, delta=self.settings.privacy.delta, unit=unit,
+                              file=str(self.settings.data.path))
+        imputed = pre.imputations(self.table)
+        if imputed:
+            log.info("imputed with the global statistics: %s", imputed)
+        self.train_data, self.holdout = split_by_patient(
+            data, held_out_fraction=self.settings.data.holdout_fraction,
+            seed=self.settings.data.split_seed,
+        )
+        self.statistics = statistics
+        self.n_features = int(data.features.shape[1])
+        self.patients = self.train_data.num_patients if data.patient_ids is not None else 0
+        self._trainer = None
+        if self.ledger is not None and self._ledger_state is not None:
+            self.attach_ledger(self.ledger, state=self._ledger_state)
+
+    def _load_legacy(self) -> None:
+        from site_agent.data import prepare_site_split
+        from site_agent.imaging import ImageDataset
+
+        settings = self.settings
+        if self.local_study is not None:
+            self._use_study(self.local_study)
+        data = load_configured_data(settings, self.local_study)
+        if isinstance(data, ImageDataset):
+            self._set_images(data)
+        else:
+            self.train_data, self.holdout, _ = prepare_site_split(
+                data, held_out_fraction=settings.data.holdout_fraction,
+                seed=settings.data.split_seed,
+            )
+            has_patients = data.patient_ids is not None
+            unit = settings.privacy.privacy_unit
+            if not self.dp:
+                self.privacy_unit = "none"
+            elif unit == "auto":
+                self.privacy_unit = "patient" if has_patients else "record"
+            else:
+                self.privacy_unit = unit
+            self.n_features = int(data.features.shape[1])
+            self.patients = self.train_data.num_patients if has_patients else 0
+        self.joined = True
         if self.privacy_unit == "record":
             log.warning(
                 "record-level DP: no patient column, so each encounter (not each patient) "
@@ -164,7 +292,44 @@ class DpTrainingHook:
         # Built once now: an unknown, disallowed or DP-incompatible model stops the site
         # at start-up with the layer and the fix named (ModuleValidator), not mid-round.
         self._layout = model_layout(self.model())
-        self.model_name = model_name(self.study, settings)
+
+    def _use_study(self, study: Study) -> None:
+        """Task, classes and model name from the study this site trains."""
+        self.study = study
+        self.task = study.study.task
+        self.num_classes = len(study.study.classes)
+        self.histogram_classes = self.num_classes if self.num_classes > 2 else 1
+        self.model_name = model_name(study, self.settings)
+        self._layout = None
+
+    def _set_images(self, data: Any) -> None:
+        """An images study's folder: patient-level split, as `split_by_patient` for tables."""
+        from site_agent.imaging import split_images
+
+        settings = self.settings
+        self.train_data, self.holdout = split_images(
+            data, held_out_fraction=settings.data.holdout_fraction, seed=settings.data.split_seed
+        )
+        has_patients = data.patient_ids is not None
+        self._image_units = data.num_patients
+        unit = settings.privacy.privacy_unit
+        if not self.dp:
+            self.privacy_unit = "none"
+        elif unit == "auto":
+            self.privacy_unit = "patient" if has_patients else "record"
+        else:
+            self.privacy_unit = unit
+        self.patients = self.train_data.num_patients if has_patients else 0
+        self.n_features = None
+        if self.ledger is not None and self._ledger_state is not None:
+            self.attach_ledger(self.ledger, state=self._ledger_state)
+
+    def _ready(self) -> None:
+        if self.train_data is None:
+            raise RoundFailed(
+                "no global statistics yet: the study's statistics release comes first"
+                if self.study is not None else "site data not loaded"
+            )
 
     @property
     def units(self) -> int:
@@ -174,11 +339,15 @@ class DpTrainingHook:
         return len(self.train_data)
 
     def attach_ledger(self, ledger: PrivacyLedger, *, state: Path) -> None:
-        """Release (once, persisted) the DP count of units and plan noise on `ledger`."""
+        """Release (once, persisted) the DP count of units and plan noise on `ledger`.
+
+        Under a study the training units are known once the global statistics arrived
+        (`set_statistics` calls this again then)."""
         from site_agent.dp_release import release_cohort_count
 
         self.ledger = ledger
-        if not self.dp:
+        self._ledger_state = state
+        if not self.dp or self.train_data is None:
             return
         count = release_cohort_count(
             ledger, units=self.units, epsilon=self.settings.privacy.count_epsilon,
@@ -200,11 +369,14 @@ class DpTrainingHook:
         )
 
     def layout(self) -> tuple[TensorSpec, ...]:
+        if self._layout is None:
+            self._layout = model_layout(self.model())
         return self._layout
 
     def trainer_for(self, plan: RoundPlan) -> Any:
         from site_agent.trainer import LocalTrainer, TrainingConfig
 
+        self._ready()
         planned = self.ledger is not None and self.released_units is not None
         # With a ledger the noise is re-planned every round (`planned_segments`), so the
         # announced planned_rounds no longer shapes the trainer.
@@ -267,6 +439,7 @@ class DpTrainingHook:
         return segments
 
     def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate:
+        self._ready()
         check_layout(self.layout(), plan.layout)
         started = time.perf_counter()
         # Evaluate the GLOBAL model on held-out data before training: its score
@@ -365,14 +538,19 @@ def load_configured_data(settings: SiteSettings, study: Study | None = None) -> 
         if data_cfg.path is None:
             raise ConfigError("data.path", "an images study needs --data FOLDER (with labels.csv)")
         return load_image_folder(data_cfg.path, image_spec_for_study(study))
-    if data_cfg.synthetic_cohort_seed is not None:
+    if data_cfg.synthetic:
+        # Only when asked for explicitly (--synthetic): a site's own file is never
+        # replaced by the embedded cohort.
         return generate_cohort(
             [settings.site],
-            seed=data_cfg.synthetic_cohort_seed,
+            seed=data_cfg.synthetic_cohort_seed or 0,
             patients_per_site=data_cfg.synthetic_patients,
         )[settings.site]
     if data_cfg.path is None:
-        raise ConfigError("data.path", "set a data file or data.synthetic_cohort_seed")
+        raise ConfigError(
+            "data.path", "name this site's data file (--data FILE), or ask for the built-in "
+            "demo cohort explicitly with --synthetic"
+        )
     features = data_cfg.features or list(FEATURES)
     schema = DatasetSchema(
         features=features,

@@ -51,11 +51,17 @@ def run_site(
     metrics = SiteMetrics(settings.site)
     hook = build_hook(settings)
     metrics.device.labels(device=hook.device).set(1)
-    ledger = open_ledger(settings, hook)
-    if ledger is not None and isinstance(hook, DpTrainingHook):
-        # The one DP count of this site's units (persisted; never re-released).
-        hook.attach_ledger(ledger, state=settings.state)
-    agent = SiteAgent(settings, hook, metrics=metrics, ledger=ledger, stop=stop)
+    def open_and_attach() -> PrivacyLedger | None:
+        ledger = open_ledger(settings, hook)
+        if ledger is not None and isinstance(hook, DpTrainingHook):
+            # The one DP count of this site's units (persisted; never re-released).
+            hook.attach_ledger(ledger, state=settings.state)
+        return ledger
+
+    # The privacy unit (and so the ledger's terms) is known once the site joined the
+    # coordinator's study: the agent opens the ledger then, before any release.
+    agent = SiteAgent(settings, hook, metrics=metrics, ledger=None, stop=stop,
+                      open_ledger=open_and_attach)
     agent.budget_pb()
     _, metrics_port = serve_metrics(settings.metrics_listen, metrics.registry)
     if announce is not None:

@@ -244,6 +244,8 @@ def test_environment_overrides_the_example_site_file(
                              overrides={})
     assert settings.site == "rural"
     assert settings.data.synthetic_cohort_seed == 7
+    # The shipped file never trains on synthetic data unless asked for explicitly.
+    assert settings.data.synthetic is False
 
 
 def test_kubernetes_config_map_validates(clean_env: None, tmp_path: Path) -> None:

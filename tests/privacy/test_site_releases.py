@@ -18,6 +18,7 @@ from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Gaussian, Segment
 from common.round import RoundPlan
 from site_agent import dp_release
+from site_agent.datacheck import site_policy
 from site_agent.hooks import DpTrainingHook
 from tests.privacy.conftest import Pki
 
@@ -75,11 +76,13 @@ def test_restart_replans_from_what_the_ledger_shows(tmp_path: Path, pki_material
 def _hook(tmp_path: Path, patients: int) -> DpTrainingHook:
     settings = SiteSettings(
         site="hospital-a", coordinator="127.0.0.1:9", state=tmp_path, pki=tmp_path,
-        data={"synthetic_cohort_seed": 1, "synthetic_patients": patients},
+        data={"synthetic": True, "synthetic_cohort_seed": 1, "synthetic_patients": patients},
         training={"device": "cpu", "batch_size": 16},
         privacy={"privacy_unit": "patient"},
     )
-    return DpTrainingHook(settings, dp=True)
+    hook = DpTrainingHook(settings, dp=True)
+    hook.join_study(None, site_policy(settings))  # no study: the site's own (synthetic) data
+    return hook
 
 
 def test_count_is_released_once_and_persisted(tmp_path: Path, pki_material: Pki) -> None:

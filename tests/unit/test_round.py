@@ -43,6 +43,7 @@ CHANGES: dict[str, Any] = {
     "model_bytes": 33, "local_epochs": 0, "learning_rate": 0.2, "fedprox_mu": 0.1,
     "planned_rounds": 6, "train_deadline_ms": 1_700_000_000_001, "phase_timeout_ms": 30_001,
     "weight_cap": 99, "max_chunk_bytes": 1 << 16, "heartbeat_ms": 2_000,
+    "study_sha256": b"\x02" * 32, "kind": "statistics", "statistics": b"{}",
 }
 
 

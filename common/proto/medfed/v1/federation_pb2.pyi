@@ -48,16 +48,20 @@ class EnrollRequest(_message.Message):
     def __init__(self, agent_version: _Optional[str] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ..., device: _Optional[str] = ...) -> None: ...
 
 class EnrollResponse(_message.Message):
-    __slots__ = ("federation_id", "current_round", "ledger_seq_held", "crl_der")
+    __slots__ = ("federation_id", "current_round", "ledger_seq_held", "crl_der", "study", "study_sha256")
     FEDERATION_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     LEDGER_SEQ_HELD_FIELD_NUMBER: _ClassVar[int]
     CRL_DER_FIELD_NUMBER: _ClassVar[int]
+    STUDY_FIELD_NUMBER: _ClassVar[int]
+    STUDY_SHA256_FIELD_NUMBER: _ClassVar[int]
     federation_id: str
     current_round: int
     ledger_seq_held: int
     crl_der: bytes
-    def __init__(self, federation_id: _Optional[str] = ..., current_round: _Optional[int] = ..., ledger_seq_held: _Optional[int] = ..., crl_der: _Optional[bytes] = ...) -> None: ...
+    study: bytes
+    study_sha256: str
+    def __init__(self, federation_id: _Optional[str] = ..., current_round: _Optional[int] = ..., ledger_seq_held: _Optional[int] = ..., crl_der: _Optional[bytes] = ..., study: _Optional[bytes] = ..., study_sha256: _Optional[str] = ...) -> None: ...
 
 class ReplicateLedgerRequest(_message.Message):
     __slots__ = ("history",)
@@ -82,7 +86,13 @@ class WaitForRoundRequest(_message.Message):
     def __init__(self, wait_seconds: _Optional[int] = ..., after_round: _Optional[int] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ...) -> None: ...
 
 class RoundAnnouncement(_message.Message):
-    __slots__ = ("round", "round_nonce", "participants", "threshold", "neighbours", "vector_length", "quantization_bits", "clip", "histogram_bins", "secure_aggregation", "model", "model_sha256", "model_bytes", "local_epochs", "learning_rate", "fedprox_mu", "planned_rounds", "train_deadline_ms", "phase_timeout_ms", "weight_cap", "max_chunk_bytes", "heartbeat_ms")
+    __slots__ = ("round", "round_nonce", "participants", "threshold", "neighbours", "vector_length", "quantization_bits", "clip", "histogram_bins", "secure_aggregation", "model", "model_sha256", "model_bytes", "local_epochs", "learning_rate", "fedprox_mu", "planned_rounds", "train_deadline_ms", "phase_timeout_ms", "weight_cap", "max_chunk_bytes", "heartbeat_ms", "study_sha256", "kind", "statistics")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        TRAINING: _ClassVar[RoundAnnouncement.Kind]
+        STATISTICS: _ClassVar[RoundAnnouncement.Kind]
+    TRAINING: RoundAnnouncement.Kind
+    STATISTICS: RoundAnnouncement.Kind
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +115,9 @@ class RoundAnnouncement(_message.Message):
     WEIGHT_CAP_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    STUDY_SHA256_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STATISTICS_FIELD_NUMBER: _ClassVar[int]
     round: int
     round_nonce: bytes
     participants: _containers.RepeatedScalarFieldContainer[str]
@@ -127,7 +140,10 @@ class RoundAnnouncement(_message.Message):
     weight_cap: int
     max_chunk_bytes: int
     heartbeat_ms: int
-    def __init__(self, round: _Optional[int] = ..., round_nonce: _Optional[bytes] = ..., participants: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., neighbours: _Optional[int] = ..., vector_length: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., clip: _Optional[float] = ..., histogram_bins: _Optional[int] = ..., secure_aggregation: _Optional[bool] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., model_sha256: _Optional[bytes] = ..., model_bytes: _Optional[int] = ..., local_epochs: _Optional[int] = ..., learning_rate: _Optional[float] = ..., fedprox_mu: _Optional[float] = ..., planned_rounds: _Optional[int] = ..., train_deadline_ms: _Optional[int] = ..., phase_timeout_ms: _Optional[int] = ..., weight_cap: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
+    study_sha256: bytes
+    kind: RoundAnnouncement.Kind
+    statistics: bytes
+    def __init__(self, round: _Optional[int] = ..., round_nonce: _Optional[bytes] = ..., participants: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., neighbours: _Optional[int] = ..., vector_length: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., clip: _Optional[float] = ..., histogram_bins: _Optional[int] = ..., secure_aggregation: _Optional[bool] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., model_sha256: _Optional[bytes] = ..., model_bytes: _Optional[int] = ..., local_epochs: _Optional[int] = ..., learning_rate: _Optional[float] = ..., fedprox_mu: _Optional[float] = ..., planned_rounds: _Optional[int] = ..., train_deadline_ms: _Optional[int] = ..., phase_timeout_ms: _Optional[int] = ..., weight_cap: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., study_sha256: _Optional[bytes] = ..., kind: _Optional[_Union[RoundAnnouncement.Kind, str]] = ..., statistics: _Optional[bytes] = ...) -> None: ...
 
 class WaitForRoundResponse(_message.Message):
     __slots__ = ("has_round", "round", "federation_finished", "crl_der")
@@ -376,3 +392,9 @@ class StatusResponse(_message.Message):
     aborted_rounds: int
     now_unix_ms: int
     def __init__(self, federation_id: _Optional[str] = ..., total_rounds: _Optional[int] = ..., completed_rounds: _Optional[int] = ..., current_round: _Optional[int] = ..., phase: _Optional[str] = ..., finished: _Optional[bool] = ..., sites: _Optional[_Iterable[_Union[SiteState, _Mapping]]] = ..., eta_seconds: _Optional[float] = ..., aborted_rounds: _Optional[int] = ..., now_unix_ms: _Optional[int] = ...) -> None: ...
+
+class DownloadFinalModelRequest(_message.Message):
+    __slots__ = ("study_sha256",)
+    STUDY_SHA256_FIELD_NUMBER: _ClassVar[int]
+    study_sha256: bytes
+    def __init__(self, study_sha256: _Optional[bytes] = ...) -> None: ...

@@ -89,6 +89,11 @@ class FederationStub:
                 request_serializer=medfed_dot_v1_dot_federation__pb2.UnmaskRequest.SerializeToString,
                 response_deserializer=medfed_dot_v1_dot_federation__pb2.UnmaskResponse.FromString,
                 _registered_method=True)
+        self.DownloadFinalModel = channel.unary_stream(
+                '/medfed.v1.Federation/DownloadFinalModel',
+                request_serializer=medfed_dot_v1_dot_federation__pb2.DownloadFinalModelRequest.SerializeToString,
+                response_deserializer=medfed_dot_v1_dot_federation__pb2.ModelChunk.FromString,
+                _registered_method=True)
 
 
 class FederationServicer:
@@ -179,6 +184,15 @@ class FederationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DownloadFinalModel(self, request, context):
+        """--- End of a study ------------------------------------------------------
+        The final model bundle (.safetensors, common/bundle.py) of the study whose
+        SHA-256 the site names; FAILED_PRECONDITION until the study has finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FederationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -236,6 +250,11 @@ def add_FederationServicer_to_server(servicer, server):
                     servicer.Unmask,
                     request_deserializer=medfed_dot_v1_dot_federation__pb2.UnmaskRequest.FromString,
                     response_serializer=medfed_dot_v1_dot_federation__pb2.UnmaskResponse.SerializeToString,
+            ),
+            'DownloadFinalModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadFinalModel,
+                    request_deserializer=medfed_dot_v1_dot_federation__pb2.DownloadFinalModelRequest.FromString,
+                    response_serializer=medfed_dot_v1_dot_federation__pb2.ModelChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -535,6 +554,33 @@ class Federation:
             '/medfed.v1.Federation/Unmask',
             medfed_dot_v1_dot_federation__pb2.UnmaskRequest.SerializeToString,
             medfed_dot_v1_dot_federation__pb2.UnmaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadFinalModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/medfed.v1.Federation/DownloadFinalModel',
+            medfed_dot_v1_dot_federation__pb2.DownloadFinalModelRequest.SerializeToString,
+            medfed_dot_v1_dot_federation__pb2.ModelChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,369 @@
+"""Federated DP statistics for preprocessing (issue 10, section 4): what every site
+releases once per study, before training, and how the coordinator turns the secure sum
+into the `GlobalStatistics` every site (and `predict`) standardises and imputes with.
+
+Each privacy unit (a patient, or a record when the study has no patient column) gives
+ONE value per feature: the mean of its non-missing values (numeric) or its most frequent
+level (categorical). The release is one integer vector in the study's feature order:
+
+====================  ======  ==========================================================
+segment               length  one unit adds
+====================  ======  ==========================================================
+``units``             1       1
+``<f>.sum``           1       u = (clip(x) - low) / (high - low), rounded to 0/1 at random
+``<f>.sumsq``         1       u^2, rounded to 0/1 at random   (declared range only)
+``<f>.missing``       1       1 if the unit has no value of f
+``<f>.histogram``     B       1 in the fixed signed log-spaced bin of x  (range "auto")
+``<f>.levels``        L       1 at the unit's level  (categorical)
+====================  ======  ==========================================================
+
+Randomised rounding (E[q] = u) keeps the estimates unbiased while every entry a unit
+touches moves by at most 1: adding or removing one unit changes the vector by at most
+`l1_sensitivity` in L1 and sqrt(`l2_squared`) in L2, whatever its values (clipping into
+[low, high] bounds the real-valued sum by C = max(|low|, |high|) per unit, the test of
+issue 10). Sites add discrete Gaussian noise in the integer ring before masking
+(`common.privacy.ddgauss.count_noise`), planned for n_noise = round-size floor minus the
+colluding sites (colluders know their own noise); the secure sum then carries the noise
+of the distributed discrete Gaussian (Kairouz, Liu & Steinke, ICML 2021, Prop. 14),
+recorded as one ledger entry with purpose "statistics".
+
+For range = "auto" the clip range and a robust scale (IQR / 1.349) follow from the DP
+histogram in the same release; the imputation value is its median.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from common.errors import ConfigError, ValidationError
+from common.privacy.ddgauss import count_noise, count_rho, count_site_sigma, epsilon_from_rho
+from common.privacy.mechanisms import DistributedDiscreteGaussian
+from common.study import (
+    CategoricalStatistics,
+    GlobalStatistics,
+    NumericStatistics,
+    Study,
+    study_sha256,
+)
+
+# Fixed signed log-spaced bin edges: 3 per decade from 1e-3 to 1e5 on each side, plus a
+# bin around zero and one open bin at each end (51 bins). Public: they depend on nothing.
+_POSITIVE_EDGES = 10.0 ** (np.arange(-9, 16) / 3.0)
+LOG_EDGES = np.concatenate([-_POSITIVE_EDGES[::-1], _POSITIVE_EDGES])
+HISTOGRAM_BINS = LOG_EDGES.size + 1
+MIN_SCALE_FRACTION = 1e-3
+IQR_TO_STD = 1.349
+
+
+@dataclass(frozen=True)
+class StatisticsSegment:
+    name: str
+    start: int
+    length: int
+
+
+def statistics_layout(study: Study) -> tuple[StatisticsSegment, ...]:
+    """The release's segments in vector order (module docstring)."""
+    out: list[StatisticsSegment] = []
+    position = 0
+
+    def add(name: str, length: int) -> None:
+        nonlocal position
+        out.append(StatisticsSegment(name, position, length))
+        position += length
+
+    add("units", 1)
+    for spec in study.features:
+        if spec.type == "numeric":
+            if spec.range == "auto":
+                add(f"{spec.name}.missing", 1)
+                add(f"{spec.name}.histogram", HISTOGRAM_BINS)
+            else:
+                add(f"{spec.name}.sum", 1)
+                add(f"{spec.name}.sumsq", 1)
+                add(f"{spec.name}.missing", 1)
+        else:
+            add(f"{spec.name}.missing", 1)
+            add(f"{spec.name}.levels", len(spec.levels or ()))
+    return tuple(out)
+
+
+def statistics_length(study: Study) -> int:
+    last = statistics_layout(study)[-1]
+    return last.start + last.length
+
+
+def l2_squared_sensitivity(study: Study) -> int:
+    """Largest squared L2 change of the vector when one unit is added or removed:
+    1 (units) + 2 per declared-range numeric feature (sum and sumsq) + 1 per other."""
+    total = 1
+    for spec in study.features:
+        total += 2 if spec.type == "numeric" and spec.range != "auto" else 1
+    return total
+
+
+def l1_sensitivity(study: Study) -> int:
+    """Every entry moves by at most 1, so the L1 bound equals the squared L2 one."""
+    return l2_squared_sensitivity(study)
+
+
+# --------------------------------------------------------------------------- site side
+
+
+def _unit_index(patient_ids: np.ndarray | None, n: int) -> tuple[np.ndarray, int]:
+    if patient_ids is None:
+        return np.arange(n), n
+    _, inverse = np.unique(patient_ids, return_inverse=True)
+    return inverse.reshape(-1), int(inverse.max()) + 1 if n else 0
+
+
+def unit_values(
+    table: TableLike, study: Study
+) -> tuple[int, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(units, numeric, categorical): per unit, the mean of its non-missing values of each
+    numeric feature (NaN: none) and its most frequent level index (-1: none)."""
+    n = len(table)
+    index, units = _unit_index(table.patient_ids, n)
+    numeric: dict[str, np.ndarray] = {}
+    categorical: dict[str, np.ndarray] = {}
+    for spec in study.features:
+        if spec.type == "numeric":
+            raw = table.numeric[spec.name]
+            present = ~np.isnan(raw)
+            sums = np.bincount(index, weights=np.where(present, raw, 0.0), minlength=units)
+            counts = np.bincount(index, weights=present.astype(np.float64), minlength=units)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                numeric[spec.name] = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+        else:
+            levels = len(spec.levels or ())
+            codes = table.categorical[spec.name]
+            seen = codes >= 0
+            grid = np.bincount(
+                index[seen] * levels + codes[seen], minlength=units * levels
+            ).reshape(units, levels)
+            categorical[spec.name] = np.where(grid.sum(axis=1) > 0, grid.argmax(axis=1), -1)
+    return units, numeric, categorical
+
+
+def clipped_sums(table: TableLike, study: Study) -> dict[str, float]:
+    """Noiseless sum over units of each declared-range numeric value clipped into its
+    range (what the release estimates, before rounding and noise): one unit moves it by
+    at most max(|low|, |high|)."""
+    _, numeric, _ = unit_values(table, study)
+    out = {}
+    for spec in study.features:
+        if spec.type == "numeric" and spec.range != "auto":
+            low, high = spec.range
+            values = numeric[spec.name]
+            values = values[~np.isnan(values)]
+            out[spec.name] = float(np.clip(values, low, high).sum())
+    return out
+
+
+def histogram_bin(values: np.ndarray) -> np.ndarray:
+    """Index of each value's fixed log-spaced bin (0 .. HISTOGRAM_BINS - 1)."""
+    return np.searchsorted(LOG_EDGES, values, side="right")
+
+
+def encode_release(
+    table: TableLike, study: Study, *, uniform: Callable[[int], np.ndarray]
+) -> np.ndarray:
+    """This site's noiseless integer release (int64), `uniform(n)` giving n draws in
+    [0, 1) for the randomised rounding (a CSPRNG in production)."""
+    units, numeric, categorical = unit_values(table, study)
+    vector = np.zeros(statistics_length(study), dtype=np.int64)
+    where = {segment.name: segment for segment in statistics_layout(study)}
+    vector[0] = units
+    for spec in study.features:
+        name = spec.name
+        if spec.type == "numeric":
+            values = numeric[name]
+            present = ~np.isnan(values)
+            vector[where[f"{name}.missing"].start] = int((~present).sum())
+            kept = values[present]
+            if spec.range == "auto":
+                segment = where[f"{name}.histogram"]
+                counts = np.bincount(histogram_bin(kept), minlength=HISTOGRAM_BINS)
+                vector[segment.start : segment.start + segment.length] = counts
+            else:
+                low, high = spec.range
+                u = (np.clip(kept, low, high) - low) / (high - low)
+                vector[where[f"{name}.sum"].start] = int((uniform(u.size) < u).sum())
+                vector[where[f"{name}.sumsq"].start] = int((uniform(u.size) < u * u).sum())
+        else:
+            codes = categorical[name]
+            vector[where[f"{name}.missing"].start] = int((codes < 0).sum())
+            segment = where[f"{name}.levels"]
+            counts = np.bincount(codes[codes >= 0], minlength=segment.length)
+            vector[segment.start : segment.start + segment.length] = counts
+    return vector
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class StatisticsPlan:
+    """The noise of the release: `sigma` of the summed noise per entry, split over
+    `n_noise` sites (each adds N_Z(0, sigma^2 / n_noise))."""
+
+    sigma: float
+    n_noise: int
+    length: int
+    l2_sensitivity: float
+    l1_sensitivity: float
+    epsilon: float
+    delta: float
+
+    @property
+    def site_sigma(self) -> float:
+        return count_site_sigma(sigma=self.sigma, n_noise=self.n_noise)
+
+    def mechanism(self) -> DistributedDiscreteGaussian:
+        """What the site's ledger records for this release."""
+        return DistributedDiscreteGaussian(
+            noise_variance_per_site=self.site_sigma**2,
+            contributors=self.n_noise,
+            l2_sensitivity=self.l2_sensitivity,
+            dimension=self.length,
+            l1_sensitivity=self.l1_sensitivity,
+        )
+
+    def noise(self, rng: Callable[[int], bytes]) -> np.ndarray:
+        return count_noise(self.length, sigma=self.sigma, n_noise=self.n_noise, rng=rng)
+
+
+def _epsilon(sigma: float, *, n_noise: int, l2: float, l1: float, length: int,
+             delta: float) -> float:
+    rho = count_rho(sigma=sigma, n_noise=n_noise, l2_sensitivity=l2, length=length,
+                    l1_sensitivity=l1)
+    return epsilon_from_rho(rho, delta)
+
+
+def plan_statistics(study: Study, *, n_noise: int, epsilon: float | None = None,
+                    delta: float | None = None) -> StatisticsPlan:
+    """Smallest summed noise sigma whose release costs at most `epsilon` (default: the
+    study's privacy.statistics_epsilon) at `delta` (default: the study's), found by
+    bisection on the zCDP bound of `count_rho` (KLS21 Prop. 14 -> CKS20 Cor. 13)."""
+    if n_noise < 1:
+        raise ConfigError("n_noise", "at least one honest site must add noise")
+    eps = study.privacy.statistics_epsilon if epsilon is None else epsilon
+    dlt = study.privacy.delta if delta is None else delta
+    length = statistics_length(study)
+    l2 = math.sqrt(l2_squared_sensitivity(study))
+    l1 = float(l1_sensitivity(study))
+    # Each site's discrete Gaussian needs a parameter of at least 1/2 (Prop. 14).
+    low, high = 0.5 * math.sqrt(n_noise), 1e7
+    if _epsilon(high, n_noise=n_noise, l2=l2, l1=l1, length=length, delta=dlt) > eps:
+        raise ConfigError("privacy.statistics_epsilon", f"{eps:g} is too small to plan")
+    if _epsilon(low, n_noise=n_noise, l2=l2, l1=l1, length=length, delta=dlt) <= eps:
+        high = low
+    for _ in range(200):
+        if high / low < 1 + 1e-6:
+            break
+        middle = math.sqrt(low * high)
+        if _epsilon(middle, n_noise=n_noise, l2=l2, l1=l1, length=length, delta=dlt) <= eps:
+            high = middle
+        else:
+            low = middle
+    return StatisticsPlan(
+        sigma=high, n_noise=n_noise, length=length, l2_sensitivity=l2, l1_sensitivity=l1,
+        epsilon=eps, delta=dlt,
+    )
+
+
+# --------------------------------------------------------------------------- coordinator
+
+
+def ring_to_signed(aggregate: np.ndarray) -> np.ndarray:
+    """The uint32 ring sum of integer vectors (noise may be negative) as int64."""
+    if aggregate.dtype != np.uint32:
+        raise ValidationError("statistics aggregate must be uint32")
+    return aggregate.view(np.int32).astype(np.int64)
+
+
+def _quantile(counts: np.ndarray, q: float) -> float:
+    """Quantile of a histogram over LOG_EDGES, linear inside a bin."""
+    total = counts.sum()
+    target = q * total
+    cumulative = np.cumsum(counts)
+    index = int(np.searchsorted(cumulative, target, side="left"))
+    index = min(index, counts.size - 1)
+    lower = LOG_EDGES[index - 1] if index > 0 else LOG_EDGES[0]
+    upper = LOG_EDGES[index] if index < LOG_EDGES.size else LOG_EDGES[-1]
+    before = cumulative[index - 1] if index > 0 else 0.0
+    inside = counts[index]
+    fraction = 0.5 if inside <= 0 else min(max((target - before) / inside, 0.0), 1.0)
+    return float(lower + fraction * (upper - lower))
+
+
+def decode_release(total: np.ndarray, study: Study, *, source: str) -> GlobalStatistics:
+    """GlobalStatistics from the noisy secure sum (int64). Noisy counts are clamped at 0;
+    every estimate is clamped into what its definition allows."""
+    if total.shape != (statistics_length(study),):
+        raise ValidationError("statistics sum does not match the study's layout")
+    where = {segment.name: segment for segment in statistics_layout(study)}
+    units = max(float(total[0]), 1.0)
+    numeric: dict[str, NumericStatistics] = {}
+    categorical: dict[str, CategoricalStatistics] = {}
+    for spec in study.features:
+        name = spec.name
+        missing = max(float(total[where[f"{name}.missing"].start]), 0.0)
+        if spec.type == "numeric" and spec.range != "auto":
+            low, high = spec.range
+            present = max(units - missing, 1.0)
+            mean_u = min(max(float(total[where[f"{name}.sum"].start]) / present, 0.0), 1.0)
+            m2 = min(max(float(total[where[f"{name}.sumsq"].start]) / present, 0.0), 1.0)
+            scale_u = max(math.sqrt(max(m2 - mean_u * mean_u, 0.0)), MIN_SCALE_FRACTION)
+            mean = low + (high - low) * mean_u
+            numeric[name] = NumericStatistics(
+                mean=mean, scale=(high - low) * scale_u, impute=mean, clip_low=low,
+                clip_high=high,
+            )
+        elif spec.type == "numeric":
+            segment = where[f"{name}.histogram"]
+            counts = np.maximum(
+                total[segment.start : segment.start + segment.length].astype(np.float64), 0.0
+            )
+            if counts.sum() <= 0:
+                numeric[name] = NumericStatistics(
+                    mean=0.0, scale=1.0, impute=0.0, clip_low=float(LOG_EDGES[0]),
+                    clip_high=float(LOG_EDGES[-1]),
+                )
+                continue
+            median = _quantile(counts, 0.5)
+            iqr = _quantile(counts, 0.75) - _quantile(counts, 0.25)
+            low, high = _quantile(counts, 0.01), _quantile(counts, 0.99)
+            scale = iqr / IQR_TO_STD
+            floor = max(abs(median), high - low, 1.0) * MIN_SCALE_FRACTION
+            scale = max(scale, floor)
+            low, high = min(low, median), max(high, median)
+            if high <= low:
+                low, high = low - scale, high + scale
+            numeric[name] = NumericStatistics(
+                mean=median, scale=scale, impute=median, clip_low=low, clip_high=high
+            )
+        else:
+            segment = where[f"{name}.levels"]
+            counts = total[segment.start : segment.start + segment.length]
+            levels = list(spec.levels or ())
+            categorical[name] = CategoricalStatistics(impute=levels[int(np.argmax(counts))])
+    return GlobalStatistics(
+        study_sha256=study_sha256(study), source=source[:200], numeric=numeric,
+        categorical=categorical,
+    )
+
+
+class TableLike(Protocol):
+    """What `unit_values` reads (site_agent.data.StudyTable satisfies it)."""
+
+    numeric: dict[str, np.ndarray]
+    categorical: dict[str, np.ndarray]
+    patient_ids: np.ndarray | None
+
+    def __len__(self) -> int: ...

@@ -1,0 +1,172 @@
+"""README.md's "Running a real federation" section, run as written (issue 11, section 4).
+
+The shell blocks tagged ``<!-- readme-test: NAME -->`` are extracted from README.md and
+run with bash, with only paths, ports, site and file names substituted, on three
+generated hospital files (their own column names, a categorical column, missing
+values). The federation must complete (statistics round, training, final evaluation),
+every site must store the same final model as the coordinator, and `predict` must
+report an AUC.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.processes import ManagedProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+SITES = ["st-marys", "county", "riverside"]
+BLOCKS = ("hospital-key", "operator-pki", "study-init", "data-check", "coordinator", "site",
+          "predict")
+WARDS = ["icu", "surgical", "medical"]
+
+
+def readme_blocks() -> dict[str, str]:
+    pattern = re.compile(r"<!-- readme-test: ([\w-]+) -->\n```sh\n(.*?)```", re.S)
+    return dict(pattern.findall(README.read_text(encoding="utf-8")))
+
+
+def write_hospital(path: Path, *, patients: int, seed: int) -> None:
+    """Two encounters per patient; some missing lactate and ward cells."""
+    rng = np.random.default_rng(seed)
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["patient_id", "age_years", "sbp_mmhg", "lactate", "ward", "sepsis"])
+        for p in range(patients):
+            age = int(rng.integers(18, 95))
+            for _ in range(2):
+                sbp = rng.normal(120, 20)
+                lactate = rng.gamma(2.0, 1.0)
+                ward = WARDS[int(rng.integers(0, 3))]
+                risk = 0.05 * (age - 60) + 1.2 * (lactate - 2) - 0.03 * (sbp - 120) + (
+                    1.0 if ward == "icu" else 0.0
+                )
+                label = int(rng.random() < 1 / (1 + math.exp(-risk)))
+                writer.writerow([
+                    f"{path.stem}-{p:05d}", age, f"{sbp:.0f}",
+                    "" if rng.random() < 0.1 else f"{lactate:.2f}",
+                    "NA" if rng.random() < 0.05 else ward, label,
+                ])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Readme:
+    """Substitutes paths, ports, site and file names; nothing else."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.port = free_port()
+        self.blocks = readme_blocks()
+        shim = root / "bin" / "medfed"
+        shim.parent.mkdir()
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m common.cli "$@"\n')
+        shim.chmod(0o755)
+        self.env = {
+            "PATH": f"{shim.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+
+    def command(self, name: str, site: str = SITES[0]) -> str:
+        table = {
+            "fl.example.org:7443": f"127.0.0.1:{self.port}",
+            "fl.example.org": "127.0.0.1",
+            "0.0.0.0:7443": f"127.0.0.1:{self.port}",
+            "127.0.0.1:9464": "127.0.0.1:0",
+            "127.0.0.1:9465": "127.0.0.1:0",
+            "/var/lib/medfed-site": str(self.root / "state" / site),
+            "/var/lib/medfed": str(self.root / "state" / "coordinator"),
+            "/data/encounters.csv": str(self.root / f"{site}.csv"),
+            "st-marys.csv": str(self.root / f"{SITES[0]}.csv"),
+            "deploy/config/": str(REPO / "deploy" / "config") + "/",
+            "st-marys": site,
+        }
+        # One pass, longest match first: nothing is substituted twice.
+        pattern = re.compile("|".join(re.escape(k) for k in sorted(table, key=len, reverse=True)))
+        return pattern.sub(lambda m: table[m.group(0)], self.blocks[name])
+
+    def run(self, command: str) -> str:
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", command], cwd=self.root,
+            env={**os.environ, **self.env}, capture_output=True, text=True, timeout=300,
+        )
+        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    def start(self, name: str, command: str) -> ManagedProcess:
+        return ManagedProcess(name, ["bash", "-c", "exec " + command], env=self.env,
+                              log_dir=self.root / "logs", cwd=self.root)
+
+
+@pytest.fixture
+def processes() -> Iterator[list[ManagedProcess]]:
+    started: list[ManagedProcess] = []
+    yield started
+    for proc in started:
+        proc.stop()
+
+
+def test_readme_blocks_are_tagged() -> None:
+    assert set(BLOCKS) <= set(readme_blocks())
+
+
+def test_the_readme_federation_runs_as_written(
+    tmp_path: Path, processes: list[ManagedProcess]
+) -> None:
+    for index, site in enumerate(SITES):
+        write_hospital(tmp_path / f"{site}.csv", patients=150, seed=index + 1)
+    readme = Readme(tmp_path)
+    for site in SITES:
+        readme.run(readme.command("hospital-key", site))
+    operator = readme.command("operator-pki")
+    readme.run(operator)
+    sign = [line for line in readme.blocks["operator-pki"].splitlines() if "st-marys" in line]
+    for site in SITES[1:]:
+        readme.run("\n".join(line.replace("st-marys", site) for line in sign))
+    readme.run(readme.command("study-init"))
+    for site in SITES:
+        assert "ok" in readme.run(readme.command("data-check", site)).splitlines()[0]
+
+    coordinator = readme.start("coordinator", readme.command("coordinator"))
+    processes.append(coordinator)
+    coordinator.wait_event("listening", timeout=120)
+    sites = {site: readme.start(site, readme.command("site", site)) for site in SITES}
+    processes.extend(sites.values())
+    for site, proc in sites.items():
+        assert proc.wait_exit(timeout=800) == 0, f"{site}:\n{proc.tail(30)}"
+    # A finished study is not an outage: the coordinator stays up (status, final model)
+    # until its operator stops it, then exits 0.
+    coordinator.wait_log("still serving status and the final model", timeout=120)
+    assert coordinator.alive, coordinator.tail(30)
+    coordinator.proc.terminate()
+    assert coordinator.wait_exit(timeout=120) == 0, coordinator.tail(30)
+
+    final = (tmp_path / "state" / "coordinator" / "model" / "final.safetensors").read_bytes()
+    for site in SITES:
+        assert (tmp_path / "state" / site / "model" / "final.safetensors").read_bytes() == final
+    output = readme.run(readme.command("predict", SITES[1]))
+    metrics = json.loads(output.strip().splitlines()[-1])
+    assert isinstance(metrics["auc"], float) and 0.0 <= metrics["auc"] <= 1.0
+    assert (tmp_path / "scores.csv").exists()
