@@ -126,22 +126,29 @@ class TabularScorer(nn.Module):
         self.register_buffer("impute_level", torch.tensor(impute, dtype=torch.float64))
         order = [sources[name] for name in encoded_feature_names(study)]
         self.register_buffer("order", torch.tensor(order, dtype=torch.int64))
+        self.has_numeric = bool(num_cols)
+        self.has_categorical = bool(cat_cols)
         self.network = network
         self.binary = study.study.task == "binary"
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         x = features.to(torch.float64)
-        values = torch.index_select(x, 1, self.num_cols)
-        num_missing = torch.isnan(values)
-        values = torch.where(num_missing, self.impute_value, values)
-        values = torch.minimum(torch.maximum(values, self.clip_low), self.clip_high)
-        values = (values - self.mean) / self.scale
-        one_hot = torch.index_select(x, 1, self.cat_cols)
-        one_hot = torch.where(torch.isnan(one_hot), torch.zeros_like(one_hot), one_hot)
-        cat_missing = torch.matmul(one_hot, self.group) == 0
-        one_hot = one_hot + torch.matmul(cat_missing.to(torch.float64), self.impute_level)
-        pieces = [values, one_hot, num_missing.to(torch.float64), cat_missing.to(torch.float64)]
-        encoded = torch.index_select(torch.cat(pieces, dim=1), 1, self.order)
+        values: list[torch.Tensor] = []
+        missing: list[torch.Tensor] = []
+        if self.has_numeric:  # a study without numeric features has no such nodes
+            raw = torch.index_select(x, 1, self.num_cols)
+            num_missing = torch.isnan(raw)
+            clean = torch.where(num_missing, self.impute_value, raw)
+            clean = torch.minimum(torch.maximum(clean, self.clip_low), self.clip_high)
+            values.append((clean - self.mean) / self.scale)
+            missing.append(num_missing.to(torch.float64))
+        if self.has_categorical:
+            one_hot = torch.index_select(x, 1, self.cat_cols)
+            one_hot = torch.where(torch.isnan(one_hot), torch.zeros_like(one_hot), one_hot)
+            cat_missing = (torch.matmul(one_hot, self.group) == 0).to(torch.float64)
+            values.append(one_hot + torch.matmul(cat_missing, self.impute_level))
+            missing.append(cat_missing)
+        encoded = torch.index_select(torch.cat(values + missing, dim=1), 1, self.order)
         return _probability(self.network(encoded.to(torch.float32)), binary=self.binary)
 
 

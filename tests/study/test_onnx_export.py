@@ -27,7 +27,12 @@ from common.study import load_study, study_from_mapping, study_sha256
 from site_agent.data import load_study_table
 from site_agent.predict import initial_model, predict_images, predict_table
 from site_agent.predict_cli import register_model
-from tests.study.helpers import study_mapping, trained_bundle, write_hospital_csv
+from tests.study.helpers import (
+    privacy_card,
+    study_mapping,
+    trained_bundle,
+    write_hospital_csv,
+)
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -168,6 +173,67 @@ def test_multiclass_export_gives_softmax(tmp_path: Path) -> None:
     assert scores.shape == expected.shape == (raw.shape[0], 3)
     assert np.allclose(scores, expected, atol=1e-5)
     assert np.allclose(scores.sum(axis=1), 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        [
+            {"name": "a", "range": [-3, 3], "missing": "impute"},
+            {"name": "b", "missing": "indicator"},
+        ],
+        [{"name": "c", "type": "categorical", "levels": ["x", "y"], "missing": "indicator"}],
+    ],
+    ids=["numeric-only", "categorical-only"],
+)
+def test_single_kind_studies_export(tmp_path: Path, features: list[dict[str, Any]]) -> None:
+    from common.study import CategoricalStatistics, GlobalStatistics, NumericStatistics
+
+    study = study_from_mapping(
+        {
+            "study": {"name": "one-kind", "rounds": 1},
+            "data": {"label_column": "y"},
+            "features": features,
+            "model": {"name": "mlp", "hidden": [4]},
+            "privacy": {"unit": "record"},
+        }
+    )
+    names = [f["name"] for f in features]
+    numeric = {
+        n: NumericStatistics(mean=0.5, scale=2.0, impute=0.25, clip_low=-3.0, clip_high=3.0)
+        for n in names
+        if n != "c"
+    }
+    categorical = {"c": CategoricalStatistics(impute="x")} if "c" in names else {}
+    model = initial_model(study, seed=2)
+    bundle = ModelBundle(
+        study=study,
+        architecture=architecture_from_study(study),
+        statistics=GlobalStatistics(
+            study_sha256=study_sha256(study),
+            source="test",
+            numeric=numeric,
+            categorical=categorical,
+        ),
+        threshold=Threshold(value=0.5, method="fixed"),
+        card=privacy_card(study),
+        parameters={n: p.detach().numpy().copy() for n, p in model.named_parameters()},
+    )
+    path = tmp_path / "b.safetensors"
+    write_bundle(path, bundle)
+    out = tmp_path / "b.onnx"
+    assert run(["model", "export", "--model", str(path), "--out", str(out)]) == 0
+    cells = {"a": ["", "9", "-7", "1.5"], "b": ["2", "", "0", "NA"], "c": ["x", "y", "", "y"]}
+    data = tmp_path / "d.csv"
+    with data.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow([*names, "y"])
+        writer.writerows([*(cells[n][i] for n in names), str(i % 2)] for i in range(4))
+    expected = predict_table(bundle, load_study_table(data, study, for_prediction=True)).scores
+    meta = metadata(out)
+    raw = raw_matrix(data, json.loads(meta["medfed.features"]), json.loads(meta["medfed.inputs"]))
+    (scores,) = session(out).run(["probability"], {"features": raw})
+    assert np.allclose(scores, expected, atol=1e-5)
 
 
 def test_image_model_export(tmp_path: Path) -> None:
