@@ -150,7 +150,7 @@ class RoundEngine:
 
     # --------------------------------------------------------------- site calls
     def enroll(self, site_id: str, certificate_der: bytes, *, serial: str, version: str,
-               device: str, budget: SiteBudget) -> int:
+               device: str, budget: SiteBudget | None) -> int:
         self.check_ledger_head(site_id, budget)
         self.sessions.enroll(site_id, certificate_der, serial=serial, version=version,
                              device=device, budget=budget)

@@ -31,7 +31,6 @@ from common.errors import (
 from common.pki import PeerVerifier, parse_certificate
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.round import SiteBudget
 from common.tls import peer_certificate_pem
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
@@ -160,7 +159,8 @@ class FederationServicer(pb_grpc.FederationServicer):
     async def Enroll(self, request: pb.EnrollRequest, context: Any) -> pb.EnrollResponse:
         site_id, cert = self._caller(context)
         self.metrics.observe_certificate("site", site_id, cert)
-        budget = wire.budget_from_pb(request.budget) or SiteBudget()
+        # None: the site reported no budget (its ledger opens once it knows the study).
+        budget = wire.budget_from_pb(request.budget)
         last = self.engine.enroll(
             site_id,
             cert.public_bytes(Encoding.DER),

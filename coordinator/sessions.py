@@ -62,7 +62,7 @@ class SiteRegistry:
         self.failure: Unavailable | None = None
 
     def enroll(self, site_id: str, certificate_der: bytes, *, serial: str, version: str,
-               device: str, budget: SiteBudget) -> None:
+               device: str, budget: SiteBudget | None) -> None:
         session = self.sites.get(site_id)
         if session is None:
             session = self.sites[site_id] = SiteSession(site_id, certificate_der)
