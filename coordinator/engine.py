@@ -1,9 +1,9 @@
 """The round engine: runs the study round after round, and one round from selection to
-its record, delegating every other concern to its module: sessions and long-polls
-(sessions), selection and announcements (selection), phases (phases), uploads (inbox,
-uploads), the sum (aggregation), what a finished round leaves behind (training_round,
-statistics_round, bundles), ledger heads (ledger_gate), restart (recovery) and what
-the operator sees (round_events, status).
+its record. Every other concern has its module: site sessions and long-polls
+(sessions), the calls sites make between rounds (site_calls, ledger_gate), selection
+and announcements (selection), phases (phases), uploads (inbox, uploads), the sum
+(aggregation), what a finished round leaves behind (training_round, statistics_round,
+bundles), restart (recovery), and what the operator sees (round_events, status).
 
 It speaks dataclasses only; `servicer.py` translates protobuf and maps errors to gRPC
 status codes. Everything runs on one asyncio event loop; CPU-heavy steps (adding a

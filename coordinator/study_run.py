@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +33,6 @@ from common.study import (
     study_bytes,
     study_sha256,
 )
-
-log = logging.getLogger("medfed.coordinator")
 
 INITIAL_MODEL_SEED = 0
 """The initial weights are public: every coordinator builds the same ones for a study."""
