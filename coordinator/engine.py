@@ -78,9 +78,8 @@ class RoundEngine:
         self.sessions = SiteRegistry(store, self.budget_view, metrics=metrics, clock=clock)
         self.transfers = Transfers(settings.limits, settings.state, metrics=metrics)
         self.inbox = RoundInbox(store, self.sessions, self.transfers)
-        self.sites = SiteCalls(
-            self.sessions, self.inbox, LedgerGate(store.database, settings), clock=clock
-        )
+        self.ledgers = LedgerGate(store.database, settings)
+        self.sites = SiteCalls(self.sessions, self.inbox, self.ledgers, clock=clock)
         self.finished = asyncio.Event()  # set only when the whole study completed
         self.model = GlobalModel.load(store, settings, study)
         self.last_round_number = 0
