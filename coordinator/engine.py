@@ -232,6 +232,7 @@ class RoundEngine:
             round_events.round_completed(
                 rnd, survivors=result.survivors, dropped=result.dropped,
                 metrics=result.metrics, seconds=time.perf_counter() - started,
+                statistics=result.statistics,
             )
         finally:
             rnd.end(abort=abort)

@@ -59,6 +59,7 @@ def round_completed(
     dropped: Sequence[str],
     metrics: dict[str, float],
     seconds: float,
+    statistics: bool,
 ) -> None:
     ann = rnd.announcement
     extra: dict[str, Any] = {
@@ -68,6 +69,7 @@ def round_completed(
         "survivors": ",".join(survivors),
         "dropped": ",".join(dropped),
         "dropped_after_input": ",".join(sorted(rnd.dropped_after_input)),
+        "kind": "statistics" if statistics else "training",
         "evaluation_only": ann.local_epochs == 0,
         **metrics,
         "secure": ann.secure_aggregation,
