@@ -34,7 +34,13 @@ import torch
 from common.errors import ConfigError, DataError
 from common.privacy.accountant import account
 from common.privacy.audit import DEFAULT_CONFIDENCE, AuditResult, audit_from_scores
-from site_agent.data import DatasetSchema, SiteData, Standardizer, load_site_data
+from site_agent.data import (
+    DatasetSchema,
+    SiteData,
+    Standardizer,
+    load_site_data,
+    load_site_data_for_study,
+)
 from site_agent.models import TabularMLP, flatten_parameters
 from site_agent.trainer import LocalTrainer, TrainingConfig
 
@@ -239,6 +245,22 @@ def load_audit_data(path: Path, *, label: str, patient: str | None) -> SiteData:
     return load_site_data(path, schema)
 
 
+def load_audit_data_for_bundle(path: Path, bundle_path: Path) -> SiteData:
+    """A study's file (its own column names, categorical levels, missing values), encoded
+    with a final bundle's study and global statistics, as the site trained on it."""
+    from common.bundle import read_bundle
+
+    bundle = read_bundle(bundle_path)
+    study = bundle.study
+    if study.data.kind != "table" or study.study.task != "binary":
+        raise ConfigError(
+            "--model",
+            f"{bundle_path}: the audit trains a binary tabular model; this study is "
+            f"{study.data.kind!r} / {study.study.task!r}",
+        )
+    return load_site_data_for_study(path, study, bundle.statistics)
+
+
 def _cmd_audit(args: argparse.Namespace) -> int:
     settings = AuditSettings(
         canaries=args.canaries,
@@ -246,7 +268,18 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         delta=args.delta,
         epochs=args.epochs,
     )
-    data = load_audit_data(Path(args.data), label=args.label_column, patient=args.patient_column)
+    if args.model is not None:
+        if args.label_column is not None or args.patient_column is not None:
+            raise ConfigError("--model", "the study names the label and patient columns; "
+                              "drop --label-column / --patient-column")
+        data = load_audit_data_for_bundle(Path(args.data), Path(args.model))
+    elif args.label_column is None:
+        raise ConfigError("--label-column", "give it (a numeric file) or --model "
+                          "final.safetensors (a study's file: its columns, levels, missing values)")
+    else:
+        data = load_audit_data(
+            Path(args.data), label=args.label_column, patient=args.patient_column
+        )
     # Without --seed the training noise comes from the OS CSPRNG (a reproducible
     # seed is for tests: noise an attacker can regenerate protects nothing).
     seed = args.seed if args.seed is not None else secrets.randbits(62)
@@ -282,8 +315,20 @@ def register(commands: Any) -> None:
         help="train locally with canaries, attack them, report an epsilon lower bound",
     )
     parser.add_argument("--data", required=True, help="CSV or Parquet file of records")
-    parser.add_argument("--label-column", required=True)
+    parser.add_argument(
+        "--label-column",
+        default=None,
+        help="without --model: every other column (but the patient id) is a numeric feature",
+    )
     parser.add_argument("--patient-column", default=None, help="patient-level DP if given")
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="BUNDLE",
+        help="a study's model bundle (final.safetensors): read the file as the study "
+        "declares it (columns, categorical levels, missing values, labels) with the "
+        "bundle's global preprocessing statistics",
+    )
     privacy = parser.add_mutually_exclusive_group()
     privacy.add_argument(
         "--epsilon",
