@@ -137,3 +137,20 @@ def test_inline_mention_names_real_options(doc: str, mention: str) -> None:
         if w.startswith("--") and w.split("=")[0] not in parser._option_string_actions
     ]
     assert not unknown, f"{doc}: `{mention}`: {parser.prog} has no option {unknown}"
+
+
+def test_the_container_command_without_a_data_file_stops_naming_data_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """deploy.md's container runs `medfed site run --config /config/site.toml`; the
+    shipped file leaves data.path commented out. Forgetting it must stop the agent at
+    start-up naming the field, not after enrolment."""
+    from common.cli import main
+
+    text = (REPO / "deploy" / "config" / "site.toml").read_text("utf-8")
+    assert '\n# path = "/data/encounters.csv"' in text
+    config = tmp_path / "site.toml"
+    config.write_text(text.replace('state = "/state"', f'state = "{tmp_path / "state"}"'))
+    assert main(["site", "run", "--config", str(config)]) == 2
+    assert "data.path" in capsys.readouterr().err
+    assert not (tmp_path / "state").exists()
