@@ -472,6 +472,14 @@ def check_statistics(study: Study, statistics: GlobalStatistics) -> None:
         values = statistics.numeric[name]
         if spec.range != "auto" and (values.clip_low, values.clip_high) != tuple(spec.range):
             raise ValidationError(f"statistics: clip range of {name!r} differs from the study")
+        # The release decodes mean and imputation value inside the clip range; anything
+        # else was not computed from it (a coordinator probing the site's encoding).
+        for what, value in (("mean", values.mean), ("impute", values.impute)):
+            if not values.clip_low <= value <= values.clip_high:
+                raise ValidationError(
+                    f"statistics: {what} of {name!r} ({value:g}) lies outside its clip range "
+                    f"[{values.clip_low:g}, {values.clip_high:g}]"
+                )
     for name, spec in categorical.items():
         level = statistics.categorical[name].impute
         if level is not None and level not in (spec.levels or ()):
