@@ -562,6 +562,16 @@ def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
             f"privacy.max_epsilon_per_round = {requested.max_epsilon_per_round} exceeds this "
             f"site's {policy.max_epsilon_per_round:g}"
         )
+    # The statistics release is one release too (the site plans its noise from the
+    # study's statistics_epsilon): a study asking for a nearly noiseless one, which
+    # holds the unit and missing counts, is refused by the per-round cap and budget.
+    cap = policy.epsilon if policy.max_epsilon_per_round is None else min(
+        policy.max_epsilon_per_round, policy.epsilon)
+    if requested.statistics_epsilon > cap:
+        problems.append(
+            f"privacy.statistics_epsilon = {requested.statistics_epsilon:g} exceeds this "
+            f"site's {cap:g}"
+        )
     factory = study.model.custom
     if factory is not None and factory not in policy.allowed_model_factories:
         problems.append(f"model.custom = {factory!r} is not in this site's allowed factories")

@@ -26,7 +26,7 @@ from common import egress, pki
 from common.bundle import ModelBundle, bundle_bytes
 from common.config import SitePolicySection, SiteSettings
 from common.crypto.random import system_random
-from common.errors import ValidationError
+from common.errors import PrivacyError, ValidationError
 from common.modelfile import flat_layout
 from common.privacy.ledger import LedgerSigner, PrivacyLedger
 from common.round import KIND_STATISTICS, Announcement
@@ -39,7 +39,9 @@ from common.statistics import (
 )
 from common.study import (
     GlobalStatistics,
+    SitePrivacyPolicy,
     Study,
+    check_study_against_policy,
     statistics_bytes,
     study_bytes,
     study_from_mapping,
@@ -502,3 +504,29 @@ def test_statistics_release_sends_no_count_outside_the_noised_vector(world: Worl
     assert noise.shape == (manifest.vector_length,)
     assert plan.l2_sensitivity ** 2 == pytest.approx(l2_squared_sensitivity(world.study))
     assert np.count_nonzero(noise) > 0
+
+
+# ---------------------------------------------------------- 7. the study's requests
+
+
+def test_study_asking_for_a_nearly_noiseless_statistics_release_is_refused() -> None:
+    """The coordinator writes the study: a statistics release at a large
+    epsilon would publish the unit and missing counts nearly exactly. The site's own
+    per-release cap and total budget bound it, before the site joins."""
+    name = "statistics_epsilon"
+    mapping = study_mapping(epsilon=4.0, max_epsilon_per_round=1.0)
+    mapping["privacy"][name] = 3.0
+    study = study_from_mapping(mapping, source="test")
+    capped = SitePrivacyPolicy(epsilon=8.0, delta=1e-3, unit="patient",
+                               max_epsilon_per_round=1.0)
+    with pytest.raises(PrivacyError, match=rf"privacy\.{name} = 3 exceeds this site's 1"):
+        check_study_against_policy(study, capped)
+    # Without a per-release cap, the whole budget still bounds one release.
+    mapping = study_mapping(epsilon=4.0)
+    mapping["privacy"][name] = 9.0
+    study = study_from_mapping(mapping, source="test")
+    uncapped = SitePrivacyPolicy(epsilon=8.0, delta=1e-3, unit="patient")
+    with pytest.raises(PrivacyError, match=rf"privacy\.{name} = 9 exceeds this site's 8"):
+        check_study_against_policy(study, uncapped)
+    mapping["privacy"][name] = 0.5
+    check_study_against_policy(study_from_mapping(mapping, source="test"), uncapped)
