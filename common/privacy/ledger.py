@@ -59,6 +59,7 @@ from common.privacy.mechanisms import (
     canonical_json,
     mechanisms_to_json,
 )
+from common.privacy.recompose import RecordedSpend, recompose_mismatches
 from common.privacy.signed import (
     LEDGER_FORMAT,
     PRIVACY_UNITS,
@@ -371,26 +372,16 @@ def _as_problem(problem: HistoryProblem) -> LedgerProblem:
 
 
 def _recompose_problems(terms: LedgerTerms, entries: Sequence[SignedEntry]) -> list[LedgerProblem]:
-    problems = []
-    history: list[Mechanism] = []
-    for entry in entries:
-        history.extend(entry.mechanisms)
-        report = account(history, delta=terms.delta, accountant=terms.accountant)
-        if not math.isclose(
-            report.epsilon, entry.epsilon_after, rel_tol=EPSILON_RELATIVE_TOLERANCE
-        ):
-            problems.append(
-                LedgerProblem(
-                    entry.seq,
-                    f"epsilon_after {entry.epsilon_after!r} differs from the recomposed "
-                    f"{report.epsilon!r}",
-                )
-            )
-        elif report.accountant != entry.accountant_used:
-            problems.append(
-                LedgerProblem(entry.seq, "accountant_used differs from the recomputed one")
-            )
-    return problems
+    recorded = (
+        RecordedSpend(e.seq, e.mechanisms, e.epsilon_after, e.accountant_used) for e in entries
+    )
+    found = recompose_mismatches(
+        recorded,
+        delta=terms.delta,
+        accountant=terms.accountant,
+        relative_tolerance=EPSILON_RELATIVE_TOLERANCE,
+    )
+    return [LedgerProblem(seq, message) for seq, message in found]
 
 
 def history_problems(
