@@ -161,7 +161,10 @@ class RoundEngine:
         to the site) when its reported head does not extend the replica: fork, shrink or
         reset. The site is then dropped from selection until an operator restores it."""
         held = self.replica.head(site_id)
-        if budget is None or (held is None and budget.ledger_entries == 0):
+        if budget is None or not budget.ledger_head or (
+                held is None and budget.ledger_entries == 0):
+            # No head reported: the site has not opened its ledger yet (it does so once
+            # it joined the study) and enrols again with its head before any release.
             return 0 if held is None else held.entries
         try:
             self.replica.check_head(
