@@ -1,6 +1,7 @@
 """A ledger no one can quietly reset (issue 10, section 7), with real processes over
 mutual TLS: a site that trained a round loses its ledger (deleted; replaced by a shorter
-valid history; replaced by a fresh one) and is refused each time, by itself or by the
+valid history; replaced by a fresh one over the site's state or over a lost state) and
+is refused each time, by itself or by the
 coordinator's replica with FAILED_PRECONDITION; `medfed ledger export` at the
 coordinator and `medfed ledger restore` at the site recover it, and the site rejoins and
 trains on with its spend intact."""
@@ -162,15 +163,28 @@ def test_reset_ledgers_are_refused_and_a_restore_keeps_the_spend(
     assert "medfed ledger restore" in message
     ledger.unlink()
 
-    # 3. Ledger and anchor both gone: the site can only start a fresh ledger, and the
-    # coordinator's replica refuses it with FAILED_PRECONDITION; the site stops.
+    # 3. Ledger and anchor both gone, the rest of the state still there (the DP cohort
+    # count it released once): the site refuses to start a new ledger over that history.
     anchor.unlink()
+    message = refusal(site("alpha"))
+    assert str(ledger) in message and "shows history" in message
+    assert "cohort-count.json" in message and "medfed ledger restore" in message
+    assert not ledger.exists() and not anchor.exists()
+
+    # 3b. The whole state folder lost, the certificate kept: only the coordinator's
+    # replica knows. It refuses the fresh ledger with FAILED_PRECONDITION; the site stops.
+    count_file = ledger.parent / "cohort-count.json"
+    saved_count = count_file.read_bytes()
+    count_file.unlink()
     message = refusal(site("alpha"))
     assert "FAILED_PRECONDITION" in message and "medfed ledger restore" in message
     fork = coordinator.wait_event("ledger_fork", timeout=60, site="alpha")
     assert "alpha" in str(fork.get("msg", ""))
-    assert last_epsilon(export_ledger(ledger)) == 0.0  # the fresh ledger it opened
-    ledger.unlink()  # the operator moves the fresh ledger aside
+    assert len(export_ledger(ledger).entries) < len(trained.entries)  # the fresh ledger
+    # The operator moves the fresh ledger aside and puts back the state folder's backup.
+    ledger.unlink()
+    anchor.unlink(missing_ok=True)
+    (ledger.parent / "cohort-count.json").write_bytes(saved_count)
 
     # 4. Recovery: export the replica at the coordinator, restore it at the site.
     export = tmp_path / "alpha-export.json"
