@@ -6,7 +6,8 @@ A PKI, one coordinator and five site agents as separate processes over mutual TL
 Several rounds of DP-SGD with SecAgg+; one site is killed mid-round (its masks are
 recovered) and restarted later. Then the privacy/utility table of seed 002:
 centralized non-private vs federated non-private vs federated with DP and secure
-aggregation, and each site's epsilon against its budget.
+aggregation, each site's epsilon against its budget (training and evaluation apart),
+and the membership-inference audit line (coordinator/demo_audit.py; `--no-audit`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class DemoOptions:
     batch_size: int = 2048
     phase_seconds: float = 30.0
     quiet: bool = False
+    audit: bool = True
 
 
 @dataclass
@@ -81,6 +83,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--kill-round", type=int, default=d.kill_round,
                         help="round in which one site is killed (0: none)")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--no-audit", dest="audit", action="store_false",
+                        help="skip the membership-inference audit (about 30 s on 2 cores)")
     imaging = parser.add_argument_group("imaging (--task imaging)")
     imaging.add_argument("--task", choices=["tabular", "imaging"], default="tabular",
                          help="tabular: the sepsis cohort (default); imaging: five hospitals' "
@@ -112,6 +116,7 @@ def _main(args: argparse.Namespace) -> int:
         label_column=args.label_column,
         patient_column=patient_column,
         quiet=args.quiet,
+        audit=args.audit,
     )
     validate_options(options)
     report = Demo(options).run()
@@ -162,6 +167,7 @@ class Demo:
         self.rows: list[RoundRow] = []
         self.aborted: list[dict[str, Any]] = []
         self.killed: set[ManagedProcess] = set()  # sites this demo killed on purpose
+        self.audit: dict[str, Any] = {"skipped": True, "reason": "not run"}
         self.started = time.monotonic()
         self._print_lock = threading.Lock()
 
@@ -316,6 +322,45 @@ device = "cpu"
         self.procs[site] = proc
         return proc
 
+    def privacy_audit(self, datasets: dict[str, Any]) -> dict[str, Any]:
+        """Membership-inference audit on one site's records (coordinator/demo_audit.py)."""
+        from coordinator.demo_audit import demo_audit, skipped
+        from site_agent.data import SiteData
+
+        if not self.o.audit:
+            return skipped("--no-audit")
+        if not all(isinstance(d, SiteData) for d in datasets.values()):
+            return skipped("the audit runs on tables; image data is not audited yet")
+        self.say("[audit] membership inference on one site's records, without DP and with "
+                 f"DP at epsilon {self.o.budget_epsilon:g} ...")
+        result = demo_audit(datasets, epsilon=self.o.budget_epsilon, delta=self.o.delta,
+                            seed=self.o.seed)
+        self.say(f"[audit] {result.get('line') or 'skipped: ' + str(result.get('reason'))}")
+        return result
+
+    def epsilon_by_purpose(self, sites: list[str]) -> dict[str, dict[str, float]]:
+        """Each site's epsilon per ledger purpose (training, evaluation, statistics,
+        count), each purpose's entries composed ALONE: they do not add up to the total."""
+        from common.privacy.accountant import account
+        from common.privacy.ledger import read_ledger
+
+        out: dict[str, dict[str, float]] = {}
+        for site in sites:
+            path = self.out / "sites" / site / "privacy-ledger.db"
+            if not path.exists():
+                out[site] = {}
+                continue
+            header, entries = read_ledger(path)
+            grouped: dict[str, list[Any]] = {}
+            for entry in entries:
+                mechanisms = getattr(entry, "mechanisms", entry.segments)
+                grouped.setdefault(getattr(entry, "purpose", "training"), []).extend(mechanisms)
+            out[site] = {
+                purpose: account(ms, delta=header.delta, accountant=header.accountant).epsilon
+                for purpose, ms in sorted(grouped.items())
+            }
+        return out
+
     def epsilon_by_site(self, sites: list[str]) -> dict[str, float]:
         from common.privacy.ledger import read_ledger
 
@@ -339,6 +384,7 @@ device = "cpu"
         baselines = self.baselines(datasets)
         for name, m in baselines.items():
             self.say(f"[baseline] {name:<18} AUC {m['auc']:.3f}")
+        self.audit = self.privacy_audit(datasets)
         coordinator = self.start_coordinator(pki, model, len(sites))
         victim = sites[-1]
         try:
@@ -477,9 +523,12 @@ device = "cpu"
             "final": {
                 **{k: final_metrics.get(k) for k in ("auc", "sensitivity", "specificity", "ppv")},
                 "epsilon": eps,
+                # Each purpose composed alone (they do not add up to "epsilon").
+                "epsilon_by_purpose": self.epsilon_by_purpose(sites),
                 "budget": {s: self.o.budget_epsilon for s in sites},
             },
             "baselines": baselines,
+            "privacy_audit": self.audit,
             "seconds": round(time.monotonic() - self.started, 1),
         }
         (self.out / "report.json").write_text(json.dumps(report, indent=2, default=_json))
@@ -592,13 +641,23 @@ device = "cpu"
                 for c in cols
             )
             self.say(f"{name:<{width}}{values}")
+        audit = report.get("privacy_audit") or {}
+        if audit.get("skipped", True):
+            self.say(f"membership inference AUC: not measured ({audit.get('reason', '-')})")
+        else:
+            self.say(f"{audit['line']} (one-run audit on {audit['site']}: epsilon lower bound "
+                     f"{audit['no_dp']['epsilon_lower_bound']:.2f} without DP, "
+                     f"{audit['dp']['epsilon_lower_bound']:.2f} with DP at 95%)")
         self.say("")
-        self.say(f"Privacy ({report['privacy_unit']}-level DP, delta={self.o.delta:g}):")
+        self.say(f"Privacy ({report['privacy_unit']}-level DP, delta={self.o.delta:g}; "
+                 "per purpose: each composed alone):")
         for site in report["sites"]:
             spent = report["final"]["epsilon"][site]
             budget = report["final"]["budget"][site]
+            purposes = report["final"].get("epsilon_by_purpose", {}).get(site, {})
+            split = ", ".join(f"{p} {e:.2f}" for p, e in purposes.items())
             self.say(f"  {site:<18} epsilon {spent:6.2f} of {budget:g} "
-                     f"({100 * spent / budget:4.0f}% of budget)")
+                     f"({100 * spent / budget:4.0f}% of budget)" + (f"; {split}" if split else ""))
         self.say(f"\nReport: {self.out / 'report.json'}; plots: auc_by_round.png, "
                  f"epsilon_by_round.png ({report['seconds']:.0f} s)")
 
