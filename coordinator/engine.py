@@ -161,7 +161,11 @@ class RoundEngine:
         to the site) when its reported head does not extend the replica: fork, shrink or
         reset. The site is then dropped from selection until an operator restores it."""
         held = self.replica.head(site_id)
-        if budget is None or (held is None and budget.ledger_entries == 0):
+        # No head = no ledger open (yet): a restarted site enrols once before it knows the
+        # study and opens its ledger, then again with its head, which is checked here.
+        if budget is None or not budget.ledger_head or (
+            held is None and budget.ledger_entries == 0
+        ):
             return 0 if held is None else held.entries
         try:
             self.replica.check_head(
