@@ -147,3 +147,26 @@ def test_hospital_unit_and_conflicting_flags_are_refused(
     assert "hospital-level DP" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="hospital"):
         load_study_audit_data(csv, load_study(hospital_study), statistics=None, seed=0)
+
+
+def test_a_multiclass_model_is_audited() -> None:
+    import numpy as np
+
+    from site_agent.audit import AuditModel
+    from site_agent.data import SiteData
+    from site_agent.models import build_model
+
+    rng = np.random.default_rng(0)
+    features = rng.standard_normal((300, 4)).astype(np.float32)
+    labels = np.argmax(features[:, :3], axis=1).astype(np.int64)
+    data = SiteData(features=features, labels=labels, patient_ids=None, source="three classes")
+    model = AuditModel(
+        build=lambda n: build_model("mlp", num_classes=3, in_features=n),
+        task="multiclass",
+        num_classes=3,
+    )
+    report = run_audit(
+        data, AuditSettings(canaries=30, epochs=2, epsilon=None, batch_size=32), seed=3,
+        model=model,
+    )
+    assert report.result.canaries == 30 and 0.0 <= report.result.attack_auc <= 1.0
