@@ -608,17 +608,21 @@ device = "cpu"
         styles = ("-", "--", "-.", ":")
         markers = ("o", "s", "^", "D", "v", "P", "X", "*")
         # Every site's line starts at (0, 0): nothing spent before the first round.
+        # Sites that spend alike would hide each other: each is shifted a little in x.
         xs = [0] + [r["round"] for r in report["rounds"]]
+        n_sites = len(report["sites"])
         for index, site in enumerate(report["sites"]):
+            shift = 0.12 * (index - (n_sites - 1) / 2) / max(n_sites - 1, 1)
             ys = [0.0] + [r["epsilon"].get(site, 0.0) for r in report["rounds"]]
-            ax.plot(xs, ys, linestyle=styles[index % len(styles)],
+            ax.plot([x + shift for x in xs], ys, linestyle=styles[index % len(styles)],
                     marker=markers[index % len(markers)], markersize=5, label=site)
-        ax.axhline(self.o.budget_epsilon, color="red", linestyle=":", label="budget")
+        ax.axhline(self.o.budget_epsilon, color="black", linestyle="--", linewidth=1,
+                   label="budget")
         self._mark_rounds(ax, report)
         ax.set_ylim(bottom=0)
-        ax.set_xlim(left=0)
+        ax.set_xlim(left=-0.1)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("round")
+        ax.set_xlabel("round (sites offset slightly so equal spends stay visible)")
         ax.set_ylabel(f"epsilon spent (delta={self.o.delta:g}, composed)")
         ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, borderaxespad=0)
         fig.tight_layout()
