@@ -47,9 +47,10 @@ def skipped(reason: str) -> dict[str, Any]:
 
 
 def demo_audit(
-    datasets: dict[str, Any], *, epsilon: float, delta: float, seed: int
+    datasets: dict[str, Any], *, epsilon: float, delta: float, seed: int, model: Any = None
 ) -> dict[str, Any]:
-    """Audit non-private and DP training on the first site's sampled records.
+    """Audit non-private and DP training on the first site's sampled records, with the
+    study's model (`site_agent.audit.AuditModel`) or the default tabular one.
 
     A failure (a site too small for DP training, say) is reported as skipped with its
     reason: the audit illustrates the guarantee, the federation does not depend on it.
@@ -72,7 +73,7 @@ def demo_audit(
             )
             # A fixed seed keeps the demo's figures reproducible; this audit's models are
             # thrown away, so its noise protects nothing that is released.
-            report = run_audit(data, settings, seed=seed).as_dict()
+            report = run_audit(data, settings, seed=seed, model=model).as_dict()
             results[name] = {k: report[k] for k in (*METRICS, "privacy_unit")}
     except MedfedError as exc:
         return skipped(f"{site}: {exc}")

@@ -307,7 +307,6 @@ def load_study_audit_data(
     federation's noised sum, which one site's local run cannot exercise: refused.
     """
     from site_agent.data import Preprocessor, load_study_table
-    from site_agent.models import build_for_study
 
     if study.data.kind != "table":
         raise ConfigError("study", "the privacy audit runs on table studies")
@@ -322,13 +321,19 @@ def load_study_audit_data(
     data = Preprocessor(study, stats).site_data(table)
     if study.privacy.unit == "record":
         data = replace(data, patient_ids=None)
-    model = AuditModel(
+    return data, study_audit_model(study)
+
+
+def study_audit_model(study: Study) -> AuditModel:
+    """The study's network from the registry, on records its `Preprocessor` encoded."""
+    from site_agent.models import build_for_study
+
+    return AuditModel(
         build=lambda n: build_for_study(study, in_features=n),
         task=study.study.task,
         num_classes=len(study.study.classes),
         standardize=False,
     )
-    return data, model
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
