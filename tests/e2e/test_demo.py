@@ -57,6 +57,9 @@ def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
     # still completed with the others.
     assert rounds[0]["dropped"] == ["west"]
     assert len(rounds[0]["participants"]) == 4
+    # Restarted with its ledger, it enrols (before its study opens the ledger, then with
+    # the ledger's head, checked against the replica) and takes part again.
+    assert "west" in rounds[1]["participants"]
     for key in ("auc", "sensitivity", "specificity", "ppv"):
         assert 0.0 <= report["final"][key] <= 1.0
         for baseline in ("centralized_nodp", "federated_nodp"):
