@@ -368,10 +368,13 @@ class SiteAgent:
 
     def _session(self) -> None:
         stub = self._connect()
+        # Before the study is known the ledger may not be open yet: report no budget at
+        # all rather than an empty ledger, which the coordinator's replica would rightly
+        # refuse as a reset for a site that already spent (a restarted site).
+        opening = self.budget_pb() if self.ledger is not None else pb.BudgetStatus()
         resp = stub.Enroll(
-            pb.EnrollRequest(
-                agent_version=AGENT_VERSION, budget=self.budget_pb(), device=self.hook.device
-            ),
+            pb.EnrollRequest(agent_version=AGENT_VERSION, budget=opening,
+                             device=self.hook.device),
             timeout=30,
         )
         self.metrics.connected.set(1)
