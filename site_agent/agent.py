@@ -45,6 +45,7 @@ from common.errors import (
     ConfigError,
     CryptoError,
     FederationFinished,
+    LedgerForkError,
     ProtocolAbort,
     RoundFailed,
     ValidationError,
@@ -57,7 +58,7 @@ from common.pki import (
     site_id_from_certificate,
 )
 from common.privacy.accountant import Segment
-from common.privacy.ledger import PrivacyLedger
+from common.privacy.ledger import PrivacyLedger, recovery_hint
 from common.privacy.mechanisms import Mechanism
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
@@ -80,6 +81,7 @@ from site_agent.datacheck import site_policy
 from site_agent.hooks import LocalUpdate, TrainingHook
 from site_agent.metrics import SiteMetrics
 from site_agent.revocation import SiteRevocation
+from site_agent.statistics_pin import StatisticsPin
 
 log = logging.getLogger("medfed.site")
 
@@ -95,8 +97,10 @@ HEARTBEAT_FINAL = {
 }
 """Heartbeat answers after which beating on is pointless (the round ended for us, or
 the coordinator does not listen for heartbeats)."""
+PURPOSE_STATISTICS = "statistics"
 # Ledger purposes released within a round (the cohort count has its own numbering).
-ROUND_PURPOSES = (dp_release.PURPOSE_TRAINING, dp_release.PURPOSE_EVALUATION)
+ROUND_PURPOSES = (dp_release.PURPOSE_TRAINING, dp_release.PURPOSE_EVALUATION,
+                  PURPOSE_STATISTICS)
 # What gRPC's details say when the TLS handshake itself failed (another CA, an expired or
 # revoked certificate, a server name that does not match): retrying does not heal these.
 TLS_FAILURE_MARKERS = ("handshake", "CERTIFICATE_VERIFY_FAILED", "certificate", "tlsv1 alert",
@@ -274,6 +278,7 @@ class SiteAgent:
         # a hook's trainer is not shared between threads).
         self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noise-plan")
         self._pending_statistics: GlobalStatistics | None = None
+        self._statistics_pin = StatisticsPin(settings.state)
         self._rss_before_download = 0
 
     # ------------------------------------------------------------- connection
@@ -368,15 +373,7 @@ class SiteAgent:
 
     def _session(self) -> None:
         stub = self._connect()
-        # Before the study is known the ledger may not be open yet: report no budget at
-        # all rather than an empty ledger, which the coordinator's replica would rightly
-        # refuse as a reset for a site that already spent (a restarted site).
-        opening = self.budget_pb() if self.ledger is not None else pb.BudgetStatus()
-        resp = stub.Enroll(
-            pb.EnrollRequest(agent_version=AGENT_VERSION, budget=opening,
-                             device=self.hook.device),
-            timeout=30,
-        )
+        resp = self._enroll(stub)
         self.metrics.connected.set(1)
         self._accept_crl(resp.crl_der)
         self._backoff = self.settings.reconnect.initial_backoff_seconds
@@ -386,13 +383,7 @@ class SiteAgent:
         if self._join(resp):
             # The ledger opened only now (its privacy unit follows from the study): enrol
             # again with its head, so the coordinator checks it against its replica.
-            resp = stub.Enroll(
-                pb.EnrollRequest(
-                    agent_version=AGENT_VERSION, budget=self.budget_pb(),
-                    device=self.hook.device,
-                ),
-                timeout=30,
-            )
+            resp = self._enroll(stub)
             self._replica_seq = resp.ledger_seq_held
         while not self.stop.is_set():
             self._replicate(stub)
@@ -410,7 +401,35 @@ class SiteAgent:
             self._take_part(stub, waited.round)
             limit = self.settings.exit_after_rounds
             if limit is not None and self.rounds_done >= limit:
+                self._replicate(stub)  # leave the replica our latest entries
                 return
+
+    def _enroll(self, stub: pb_grpc.FederationStub) -> pb.EnrollResponse:
+        """Enrol with our budget and ledger head. A refusal of a reported ledger head
+        (the coordinator's replica holds more: a reset, shrunk or forked ledger) ends
+        the agent with the way out, instead of reconnecting for ever."""
+        # Before the study is known the ledger may not be open yet: report no budget at
+        # all rather than an empty ledger, which the coordinator's replica rightly
+        # refuses as a reset for a site that already spent (a restarted site).
+        budget = self.budget_pb() if self.ledger is not None else pb.BudgetStatus()
+        try:
+            resp: pb.EnrollResponse = stub.Enroll(
+                pb.EnrollRequest(
+                    agent_version=AGENT_VERSION, budget=budget, device=self.hook.device
+                ),
+                timeout=30,
+            )
+        except grpc.RpcError as exc:
+            refused = exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+            if not refused or self.ledger is None or not budget.ledger_head:
+                raise
+            path = self.ledger.path
+            raise LedgerForkError(
+                f"the coordinator refused this site's privacy ledger {path} "
+                f"(FAILED_PRECONDITION: {exc.details()}); the site stops rather than spend "
+                "a budget it already spent. Move the ledger aside and " + recovery_hint(path)
+            ) from None
+        return resp
 
     def _join(self, resp: pb.EnrollResponse) -> bool:
         """Check the coordinator's study against this site's policy and data BEFORE
@@ -465,6 +484,7 @@ class SiteAgent:
                 stats = statistics_from_bytes(announced.statistics)
                 if self.study is not None:
                     check_statistics(self.study, stats)
+                    self._statistics_pin.accept(stats)  # one release per study
                     # Encoding the records and re-planning the noise with them takes
                     # seconds (tens on a loaded machine): it runs beside the key phases
                     # (see _contribute), never before them.
@@ -658,6 +678,16 @@ class SiteAgent:
         study = self.study
         if study is None:
             raise RoundFailed("a statistics round needs a study")
+        # A re-announced or second release would let the coordinator average its noise
+        # away: the round number must be new on the ledger, the study's statistics unset.
+        self._refuse_recorded_round(rnd)
+        if self._statistics_pin.pinned(study_sha256(study)) is not None:
+            raise RoundFailed(
+                "this study's statistics were already released "
+                f"({self._statistics_pin.path(study_sha256(study))}): refusing a second "
+                "release (to take part in a new run of the same study, remove that file; "
+                "the new release is charged to the ledger again)"
+            )
         release = self.hook.statistics_release()
         if release.size != rnd.announcement.vector_length:
             raise ValidationError("statistics vector length differs from this site's study")
@@ -697,7 +727,7 @@ class SiteAgent:
         """Ledger entry first (write-ahead), then the noised vector through SecAgg+."""
         mechanism = plan.mechanism()
         if self.ledger is not None:
-            self.ledger.reserve(rnd.number, [mechanism], now=_utcnow(), purpose="statistics")
+            self.ledger.reserve(rnd.number, [mechanism], now=_utcnow(), purpose=PURPOSE_STATISTICS)
             self.budget_pb()
         noisy = release + plan.noise(system_random)
         # Built from the round's egress manifest: one "statistics" segment.
@@ -727,6 +757,12 @@ class SiteAgent:
         bundle = bundle_from_bytes(data)  # verifies the bundle's own digest
         if bytes.fromhex(study_sha256(bundle.study)) != self.study_sha256:
             raise ValidationError("the final model belongs to another study")
+        if not bundle.final:
+            raise ValidationError("the coordinator's final model is not marked final")
+        pinned = self._statistics_pin.pinned(study_sha256(bundle.study))
+        if pinned is not None and bundle.statistics != pinned:
+            raise ValidationError("the final model's statistics differ from the study's "
+                                  "released statistics this site trained with")
         folder = self.settings.state / "model"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "final.safetensors"

@@ -119,28 +119,3 @@ def test_registered_under_medfed_privacy(capsys: pytest.CaptureFixture[str]) -> 
         privacy_main(["privacy", "audit", "--help"])
     assert stop.value.code == 0
     assert "--label-column" in capsys.readouterr().out
-
-
-def test_a_study_file_is_audited_through_its_model_bundle(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    """A hospital's file as a study reads it (own column names, a string categorical
-    column, missing values, string labels): `--model final.safetensors`, as docs/privacy.md
-    shows; without it such a file is refused with the column named."""
-    from common.bundle import write_bundle
-    from tests.study.helpers import trained_bundle, write_hospital_csv
-
-    csv = write_hospital_csv(tmp_path / "hospital.csv", n_patients=80)
-    bundle = tmp_path / "final.safetensors"
-    write_bundle(bundle, trained_bundle(csv, steps=5))
-    argv = ["--data", str(csv), "--model", str(bundle), "--no-dp", "--epochs", "2",
-            "--canaries", "20", "--seed", "1", "--json"]
-    assert main(argv) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["canaries"] == 20 and report["epsilon_claimed"] is None
-    numeric_only = ["--data", str(csv), "--label-column", "Outcome", "--patient-column",
-                    "Patient-ID"]
-    assert main(numeric_only) == 2
-    assert "column 'Sex'" in capsys.readouterr().err
-    assert main(["--data", str(csv), "--model", str(bundle), "--label-column", "Outcome"]) == 2
-    assert "--model" in capsys.readouterr().err
