@@ -119,6 +119,10 @@ def _run(args: argparse.Namespace) -> int:
             "data.path", "name this site's data file (data.path in the config, or --data "
             "FILE); the built-in demo cohort only with --synthetic"
         )
+    path = settings.data.path
+    if path is not None and not settings.data.synthetic and not Path(path).exists():
+        # Its contents are checked against the study at enrolment; its absence now.
+        raise ConfigError("data.path", f"{path} does not exist")
     configure_logging(f"site:{settings.site}", settings.log_level, settings.log_format)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
