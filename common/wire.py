@@ -27,6 +27,7 @@ from common.errors import (
 from common.privacy.ledger import BudgetStatus
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.round import (
+    KIND_HOSPITAL,
     KIND_STATISTICS,
     KIND_TRAINING,
     MAX_STATISTICS_BYTES,
@@ -167,6 +168,7 @@ def announcement_to_pb(ann: Announcement) -> pb.RoundAnnouncement:
 _ROUND_KIND_TO_PB = {
     KIND_TRAINING: pb.RoundAnnouncement.TRAINING,
     KIND_STATISTICS: pb.RoundAnnouncement.STATISTICS,
+    KIND_HOSPITAL: pb.RoundAnnouncement.HOSPITAL,
 }
 _KIND_FROM_PB_ROUND: dict[int, str] = {int(v): k for k, v in _ROUND_KIND_TO_PB.items()}
 

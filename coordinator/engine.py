@@ -44,7 +44,7 @@ from common.secagg.params import (
     ROUND_NONCE_BYTES,
 )
 from common.statistics import decode_release, ring_to_signed, statistics_length
-from coordinator import checkpoints, selection
+from coordinator import checkpoints, hospital_sum, selection
 from coordinator.aggregation import (
     UPDATE_CHUNK_ELEMENTS,
     Aggregator,
@@ -268,7 +268,7 @@ class RoundEngine:
     def _announce(self, participants: list[str], *, statistics: bool = False) -> Announcement:
         payload = checkpoints.model_payload(self.layout, self.global_flat)
         study = self.study
-        return selection.announcement(
+        ann = selection.announcement(
             self.settings, participants, number=self.next_round_number(participants),
             nonce=self.rng(ROUND_NONCE_BYTES), layout=self.layout,
             model_sha256=digest(payload), model_bytes=len(payload),
@@ -279,6 +279,7 @@ class RoundEngine:
                 statistics_length(study.study) if statistics and study is not None else None
             ),
         )
+        return hospital_sum.announce(ann, study.study if study is not None else None)
 
     def _phase_closed(self, rnd: ActiveRound, closed: PhaseClosed) -> None:
         name = closed.phase.value
@@ -370,7 +371,10 @@ class RoundEngine:
             checkpoints.write_debug_aggregate(
                 self.settings.state, ann.round_number, aggregate, survivors
             )
-        decoded = decode_round_sum(
+        decoded = hospital_sum.decode(
+            aggregate, ann=ann, study=self.study.study, count=len(survivors),
+            histogram_classes=self.settings.aggregation.histogram_classes,
+        ) if ann.is_hospital and self.study is not None else decode_round_sum(
             aggregate, model_dim=self.global_flat.size, count=len(survivors), clip=ann.clip,
             bits=ann.quantization_bits, weight_cap=ann.weight_cap,
             histogram_bins=ann.histogram_bins, evaluation_only=ann.local_epochs == 0,

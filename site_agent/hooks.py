@@ -155,6 +155,7 @@ class DpTrainingHook:
         self.patients = 0
         self.joined = False
         self.privacy_unit = "none" if not dp else "pending"
+        self.hospital = False
         self.task: Task = "binary"
         self.num_classes = 2
         # One-vs-rest blocks in the evaluation histogram: the ledger's sensitivity.
@@ -201,7 +202,10 @@ class DpTrainingHook:
         else:
             self.table = load_study_table(path, study)
             if self.dp:
-                self.privacy_unit = "patient" if self.table.patient_ids is not None else "record"
+                self.privacy_unit = (
+                    "hospital" if self.hospital
+                    else "patient" if self.table.patient_ids is not None else "record"
+                )
         # The study's model, built and DP-checked here (ModuleValidator names the layer
         # and the fix) before this site sends any key or update.
         self._layout = model_layout(self.model())
@@ -296,6 +300,9 @@ class DpTrainingHook:
     def _use_study(self, study: Study) -> None:
         """Task, classes and model name from the study this site trains."""
         self.study = study
+        # Hospital-level DP (issue 13): the whole update is clipped and noised in the
+        # ring (site_agent.hospital); DP-SGD does not run underneath in this mode.
+        self.hospital = study.privacy.unit == "hospital"
         self.task = study.study.task
         self.num_classes = len(study.study.classes)
         self.histogram_classes = self.num_classes if self.num_classes > 2 else 1
@@ -334,7 +341,9 @@ class DpTrainingHook:
     @property
     def units(self) -> int:
         """This site's privacy units (never leaves the site; see `released_units`)."""
-        if self.privacy_unit == "patient":
+        if self.privacy_unit == "patient" or (
+            self.hospital and getattr(self.train_data, "patient_ids", None) is not None
+        ):
             return int(self.train_data.num_patients)
         return len(self.train_data)
 
@@ -399,9 +408,9 @@ class DpTrainingHook:
                 planned_rounds=plan.planned_rounds,
                 fedprox_mu=plan.fedprox_mu,
                 accountant=cfg.privacy.accountant,
-                dp=self.dp,
+                dp=self.dp and not self.hospital,
                 privacy_unit="patient" if self.privacy_unit == "patient" else (
-                    "record" if self.dp else "auto"
+                    "record" if self.dp and not self.hospital else "auto"
                 ),
                 grad_sample_mode=cfg.training.grad_sample_mode,
                 device=cfg.training.device,
@@ -420,7 +429,7 @@ class DpTrainingHook:
         return self._trainer
 
     def planned_segments(self, plan: RoundPlan) -> list[Segment]:
-        if plan.local_epochs == 0 or not self.dp:
+        if plan.local_epochs == 0 or not self.dp or self.hospital:
             return []
         trainer = self.trainer_for(plan)
         if self.ledger is not None and self.released_units is not None:
@@ -488,7 +497,7 @@ class DpTrainingHook:
         # One score per privacy unit (a random encounter of each held-out patient): each
         # unit moves one count, the sensitivity the agent's histogram noise is planned for.
         pick = one_per_unit(
-            self.holdout.patient_ids if self.privacy_unit == "patient" else None,
+            self.holdout.patient_ids if self.privacy_unit in ("patient", "hospital") else None,
             size=len(self.holdout),
         )
         if isinstance(self.holdout, ImageDataset):

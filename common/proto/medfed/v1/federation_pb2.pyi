@@ -91,8 +91,10 @@ class RoundAnnouncement(_message.Message):
         __slots__ = ()
         TRAINING: _ClassVar[RoundAnnouncement.Kind]
         STATISTICS: _ClassVar[RoundAnnouncement.Kind]
+        HOSPITAL: _ClassVar[RoundAnnouncement.Kind]
     TRAINING: RoundAnnouncement.Kind
     STATISTICS: RoundAnnouncement.Kind
+    HOSPITAL: RoundAnnouncement.Kind
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ROUND_NONCE_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]

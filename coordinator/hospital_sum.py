@@ -1,0 +1,75 @@
+"""The coordinator's side of hospital-level DP rounds (issue 13, section 1): announce a
+training round of a `privacy.unit = "hospital"` study as a HOSPITAL round, and decode
+its unmasked sum (KLS21 Algorithm 2, `common.privacy.hospital.decode_sum`).
+
+The coordinator never sees an un-noised sum: the sites add the discrete Gaussian shares
+in the ring before masking. The mean is the noisy sum over the hospitals that
+contributed (each counts once; weighting by size would raise the sensitivity above S).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from common.egress import EVALUATION_HISTOGRAM, HOSPITAL_UPDATE, WEIGHT
+from common.errors import ValidationError
+from common.evaluation import clipped_noisy_histogram, operating_point_metrics
+from common.privacy import hospital
+from common.round import KIND_HOSPITAL, KIND_TRAINING, Announcement
+from common.study import Study
+from coordinator.aggregation import DecodedSum, multiclass_round_metrics
+
+
+def announce(ann: Announcement, study: Study | None) -> Announcement:
+    """`ann` as a HOSPITAL round when the study asks for hospital-level DP and the round
+    trains; otherwise unchanged (the final evaluation-only round stays plain)."""
+    if (study is None or study.privacy.unit != "hospital" or ann.kind != KIND_TRAINING
+            or ann.local_epochs == 0):
+        return ann
+    terms = hospital.study_terms(study)
+    ring = hospital.ring_plan(terms, dim=ann.model_elements, max_sites=len(ann.participants))
+    words = hospital.vector_words(ring)
+    vector_length = words + 1 + 2 * ann.histogram_bins
+    return dataclasses.replace(ann, kind=KIND_HOSPITAL, clip=terms.clip,
+                               vector_length=vector_length)
+
+
+def decode(
+    aggregate: np.ndarray, *, ann: Announcement, study: Study, count: int,
+    histogram_classes: int = 1,
+) -> DecodedSum:
+    """The float32 mean of the `count` contributing hospitals' clipped, noised updates,
+    with the round's DP evaluation metrics."""
+    if not ann.is_hospital:
+        raise ValidationError("not a hospital-level round")
+    if count < 1:
+        raise ValidationError("no hospital contributed")
+    terms = hospital.study_terms(study)
+    ring = hospital.ring_plan(terms, dim=ann.model_elements, max_sites=len(ann.participants))
+    manifest = ann.manifest()
+    if aggregate.dtype != np.uint32 or aggregate.size != manifest.vector_length:
+        raise ValidationError("aggregate does not match the hospital round's manifest")
+    seed = hospital.rotation_seed(
+        round_nonce=ann.round_nonce, study_sha256=ann.study_sha256,
+        round_number=ann.round_number,
+    )
+    total = hospital.decode_sum(aggregate[manifest.slice_of(HOSPITAL_UPDATE)],
+                                plan=ring, seed=seed)
+    integers = manifest.decode_integers(aggregate)
+    weight_sum = max(int(integers[WEIGHT][0]), 0)
+    histogram = clipped_noisy_histogram(integers[EVALUATION_HISTOGRAM])
+    metrics: dict[str, float] = {
+        "contributors": float(count),
+        "hospital_noise_std": terms.noise_multiplier * terms.clip / count,
+    }
+    bins = ann.histogram_bins
+    if histogram.sum() > 0 and histogram_classes > 2:
+        metrics.update(multiclass_round_metrics(histogram, bins, histogram_classes))
+    elif histogram.sum() > 0:
+        m = operating_point_metrics(histogram, bins=bins)
+        metrics.update(auc=m.auc, sensitivity=m.sensitivity, specificity=m.specificity,
+                       ppv=m.ppv, evaluated=float(m.n))
+    mean = (total / count).astype(np.float32)
+    return DecodedSum(mean, weight_sum, metrics, histogram)
