@@ -450,6 +450,7 @@ class RoundEngine:
                 settings=self.settings, budgets=self.budget_view.snapshot(),
                 secagg=self.last_secagg,
                 final=self.store.completed_rounds() >= self.total_rounds,
+                hospital_epsilons=hospital_sum.replica_epsilons(self.replica),
             )
         # Only the latest result is kept: a long-running coordinator must not grow by
         # two model-sized vectors per round.

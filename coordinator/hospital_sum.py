@@ -17,6 +17,7 @@ from common.egress import EVALUATION_HISTOGRAM, HOSPITAL_UPDATE, WEIGHT
 from common.errors import ValidationError
 from common.evaluation import clipped_noisy_histogram, operating_point_metrics
 from common.privacy import hospital
+from common.privacy.replica import LedgerReplica
 from common.round import KIND_HOSPITAL, KIND_TRAINING, Announcement
 from common.study import Study
 from coordinator.aggregation import DecodedSum, multiclass_round_metrics
@@ -73,3 +74,18 @@ def decode(
                        ppv=m.ppv, evaluated=float(m.n))
     mean = (total / count).astype(np.float32)
     return DecodedSum(mean, weight_sum, metrics, histogram)
+
+
+def replica_epsilons(replica: LedgerReplica) -> dict[str, tuple[float, float]]:
+    """Each site's hospital-level epsilon (model updates only) and delta, recomposed
+    from the signed ledger entries the coordinator replicates (for the model card)."""
+    out: dict[str, tuple[float, float]] = {}
+    for site in replica.sites():
+        history = replica.history(site)
+        terms = history.terms
+        if terms.privacy_unit != "hospital":
+            continue
+        pairs = [(e.purpose, e.mechanisms) for e in history.entries]
+        out[site] = (hospital.hospital_level_epsilon(
+            pairs, delta=terms.delta, accountant=terms.accountant), terms.delta)
+    return out

@@ -15,12 +15,14 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from common.bundle import (
+    GroupGuarantee,
     ModelBundle,
     PrivacyCard,
     SecAggCard,
@@ -182,6 +184,7 @@ class StudyRun:
         budgets: list[BudgetRow],
         final: bool,
         secagg: tuple[int, int] = (0, 0),
+        hospital_epsilons: Mapping[str, tuple[float, float]] | None = None,
     ) -> Path:
         """Write the bundle of the global model after `round_number` (and, when `final`,
         STATE/model/final.safetensors); returns its path."""
@@ -195,13 +198,15 @@ class StudyRun:
         else:
             threshold = Threshold(value=0.5, method="fixed")
         agg = settings.aggregation
+        hospital_card = hospital_card_parts(self.study, hospital_epsilons or {})
         card = PrivacyCard(
             unit=self.study.privacy.unit,
             accountant="per-site ledger",
-            mechanisms=(
+            mechanisms=hospital_card_parts_mechanisms(self.study) or (
                 "sampled-gaussian (DP-SGD, per-unit clipping)",
                 "distributed-discrete-gaussian (federated statistics, once per study)",
             ),
+            group_guarantees=hospital_card[0],
             rounds=round_number,
             sites=tuple(
                 SitePrivacy(site=row.site_id, epsilon=row.spent_epsilon, delta=row.delta)
@@ -216,7 +221,7 @@ class StudyRun:
             ) if agg.secure_aggregation else None,
             statistics_release=self.statistics.source,
             notes=("SecAgg+ threshold and neighbours of the last round (neighbours none: "
-                   "complete graph)",),
+                   "complete graph)", *hospital_card[1]),
         )
         bundle = ModelBundle(
             study=self.study,
@@ -235,3 +240,42 @@ class StudyRun:
             write_bundle(self.final_path, bundle)
             log.info("final model stored at %s", self.final_path)
         return path
+
+
+def hospital_card_parts_mechanisms(study: Study) -> tuple[str, ...]:
+    """The card's mechanisms under hospital-level DP (empty for record/patient)."""
+    if study.privacy.unit != "hospital":
+        return ()
+    return (
+        "distributed-discrete-gaussian (hospital-level: each site's whole update clipped "
+        "to L2 <= S and noised by the sites in the SecAgg+ ring; Kairouz, Liu & Steinke "
+        "2021)",
+        "distributed-discrete-gaussian (federated statistics, once per study)",
+    )
+
+
+def hospital_card_parts(
+    study: Study, epsilons: Mapping[str, tuple[float, float]]
+) -> tuple[tuple[GroupGuarantee, ...], tuple[str, ...]]:
+    """(group guarantees, notes) naming the two guarantees of a hospital-level study:
+    `sites[].epsilon` composes every release (a per-patient bound); the hospital-level
+    epsilon covers the model updates only."""
+    if study.privacy.unit != "hospital":
+        return (), ()
+    from common.privacy.hospital import study_terms
+
+    terms = study_terms(study)
+    guarantees = tuple(
+        GroupGuarantee(
+            unit="hospital", epsilon=epsilon, delta=delta,
+            note=(f"site {site}: model updates only (clip S = {terms.clip:g}, noise "
+                  f"multiplier {terms.noise_multiplier:.3g}); statistics, evaluation "
+                  "histograms and the cohort count are bounded per patient"),
+        )
+        for site, (epsilon, delta) in sorted(epsilons.items())
+    )
+    notes = (
+        "hospital-level DP: the group guarantees (unit hospital) cover the MODEL UPDATES "
+        "ONLY; sites[].epsilon composes every release and is the per-patient guarantee",
+    )
+    return guarantees, notes

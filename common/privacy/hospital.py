@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,7 +46,7 @@ from common.privacy.ddgauss import (
     epsilon_from_rho,
     plan_ddgauss,
 )
-from common.privacy.mechanisms import DistributedDiscreteGaussian
+from common.privacy.mechanisms import DistributedDiscreteGaussian, Mechanism
 
 if TYPE_CHECKING:
     from common.study import Study
@@ -56,6 +57,9 @@ MAX_ROUNDING_INFLATION = 0.01
 LOG2_WRAP_PROBABILITY = -40.0
 """Stated bound on the probability that some coordinate of a round's sum wraps."""
 ROTATION_DOMAIN = b"medfed/v1/ddgauss-rotation"
+EVALUATION_RESERVE = 0.2
+"""Share of the study's epsilon (after statistics and count) a planned z leaves for the
+per-round DP evaluation histograms, which the sites' ledgers compose with the updates."""
 MIN_NOISE_MULTIPLIER = 0.3
 MAX_NOISE_MULTIPLIER = 1000.0
 
@@ -207,29 +211,32 @@ def vector_words(plan: DDGaussPlan) -> int:
     return limbs * plan.padded_dim
 
 
-def hospital_epsilon(mechanisms: list[DistributedDiscreteGaussian], *, delta: float) -> float:
-    """Epsilon of the hospital-level releases alone (model updates), composed in zCDP."""
-    rho = sum(_rho(m) for m in mechanisms)
-    return epsilon_from_rho(rho, delta) if rho > 0 else 0.0
+def hospital_level_mechanisms(
+    entries: Sequence[tuple[str, Sequence[Mechanism]]],
+) -> list[Mechanism]:
+    """The model-update mechanisms of (purpose, mechanisms) ledger entries: the DDGauss
+    rounds of purpose "training", the releases the hospital-level claim covers."""
+    return [
+        m for purpose, mechanisms in entries if purpose == "training"
+        for m in mechanisms if isinstance(m, DistributedDiscreteGaussian)
+    ]
 
 
-def _rho(m: DistributedDiscreteGaussian) -> float:
-    from common.privacy.ddgauss import ddgauss_rho
+def hospital_level_epsilon(
+    entries: Sequence[tuple[str, Sequence[Mechanism]]], *, delta: float, accountant: str,
+) -> float:
+    """Epsilon of the model updates alone (add/remove one hospital), composed in RDP."""
+    from common.privacy.accountant import compose_epsilon
 
-    return m.count * ddgauss_rho(
-        l2_sensitivity=m.l2_sensitivity,
-        l1_sensitivity=m.l1_sensitivity if m.l1_sensitivity is not None else min(
-            m.l2_sensitivity**2, math.sqrt(m.dimension) * m.l2_sensitivity),
-        site_sigma=math.sqrt(m.noise_variance_per_site),
-        n_noise=m.contributors,
-        dim=m.dimension,
-    )
+    chosen = hospital_level_mechanisms(entries)
+    return compose_epsilon(chosen, delta=delta, accountant=accountant) if chosen else 0.0
 
 
 def study_terms(study: Study) -> HospitalTerms:
     """S and z of a hospital-level study. z defaults to the smallest noise for which the
     study's rounds of model updates cost at most privacy.epsilon minus the once-per-study
-    statistics and count releases (`plan_noise_multiplier`)."""
+    statistics and count releases, less `EVALUATION_RESERVE` of that for evaluation
+    (`plan_noise_multiplier`)."""
     privacy = study.privacy
     if privacy.unit != "hospital":
         raise ConfigError("privacy.unit", "hospital-level terms need unit = 'hospital'")
@@ -244,5 +251,6 @@ def study_terms(study: Study) -> HospitalTerms:
             raise ConfigError(
                 "privacy.epsilon", "leaves nothing for model updates after statistics and count"
             )
-        z = plan_noise_multiplier(epsilon=left, delta=privacy.delta, rounds=study.study.rounds)
+        z = plan_noise_multiplier(epsilon=left * (1 - EVALUATION_RESERVE),
+                                  delta=privacy.delta, rounds=study.study.rounds)
     return HospitalTerms(clip=privacy.update_clip_norm, noise_multiplier=z)

@@ -1,0 +1,120 @@
+"""Hospital-level DP over real processes (issue 13, section 1): a study with
+privacy.unit = "hospital" trains with each site's whole update clipped to S and
+DDGauss-encoded in the SecAgg+ ring; every site's ledger holds the mechanism of every
+training round (written before the update left), and the final model reaches every site."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.bundle import read_bundle
+from common.privacy import hospital
+from common.privacy.ledger import read_ledger
+from common.privacy.mechanisms import DistributedDiscreteGaussian
+from common.processes import ManagedProcess, medfed_argv
+from common.study import load_study
+from tests.e2e.harness import REPO, make_pki
+from tests.e2e.test_study_federation import STUDY
+from tests.study.helpers import write_hospital_csv
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+SITES = ["alpha", "beta", "gamma"]
+HOSPITAL_STUDY = STUDY.replace('rounds = 1', 'rounds = 2').replace(
+    'unit = "patient"', 'unit = "hospital"\nupdate_clip_norm = 0.5')
+
+
+@pytest.fixture
+def processes() -> Iterator[list[ManagedProcess]]:
+    started: list[ManagedProcess] = []
+    yield started
+    for proc in started:
+        proc.stop()
+
+
+def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProcess]) -> None:
+    pki = make_pki(tmp_path, SITES)
+    study_path = tmp_path / "study.toml"
+    study_path.write_text(HOSPITAL_STUDY)
+    study = load_study(study_path)
+    for index, site in enumerate(SITES):
+        write_hospital_csv(tmp_path / f"{site}.csv", 120, seed=index + 1)
+    logs = tmp_path / "logs"
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    coordinator = ManagedProcess(
+        "coordinator",
+        medfed_argv("coordinator", "serve", "--study", str(study_path), "--pki", str(pki),
+                    "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                    "--state", str(tmp_path / "coordinator"), "--min-sites", "3",
+                    "--selection-seconds", "1", "--debug-write-aggregates",
+                    "--linger-seconds", "20"),
+        log_dir=logs, env=env, cwd=REPO,
+    )
+    processes.append(coordinator)
+    port = int(coordinator.wait_event("listening", timeout=120)["port"])
+    agents = {}
+    for name in SITES:
+        agents[name] = ManagedProcess(
+            name,
+            medfed_argv("site", "run", "--pki", str(pki), "--site", name,
+                        "--coordinator", f"127.0.0.1:{port}", "--metrics-listen",
+                        "127.0.0.1:0", "--state", str(tmp_path / "sites" / name),
+                        "--data", str(tmp_path / f"{name}.csv"), "--debug-write-updates",
+                        "--once"),
+            log_dir=logs, env=env, cwd=REPO,
+        )
+        processes.append(agents[name])
+    for name, proc in agents.items():
+        assert proc.wait_exit(timeout=800) == 0, f"{name}:\n{proc.tail(30)}"
+
+    state = tmp_path / "coordinator"
+    terms = hospital.study_terms(study)
+    training_rounds: list[list[int]] = []
+    for name in SITES:
+        _, entries = read_ledger(tmp_path / "sites" / name / "privacy-ledger.db")
+        trained = [e for e in entries if e.purpose == "training"]
+        training_rounds.append([e.round for e in trained])
+        assert len(trained) == 2
+        for entry in trained:
+            (mechanism,) = entry.mechanisms  # no DP-SGD underneath in hospital mode
+            assert isinstance(mechanism, DistributedDiscreteGaussian)
+            assert mechanism.contributors == 2  # round-size floor 3 minus 1 colluder
+    assert training_rounds[0] == training_rounds[1] == training_rounds[2]
+
+    # Each round's sum is exactly the sum of the sites' ring words, and decodes to a
+    # finite update of norm at most 3 S plus the noise.
+    for number in training_rounds[0]:
+        aggregate = np.fromfile(state / "aggregates" / f"round-{number:06d}.u32", "<u4")
+        expected = np.zeros_like(aggregate)
+        for name in SITES:
+            upload = tmp_path / "sites" / name / "debug-updates" / f"round-{number:06d}.u32"
+            np.add(expected, np.fromfile(upload, "<u4"), out=expected)
+        assert np.array_equal(aggregate, expected)
+
+    final = (state / "model" / "final.safetensors").read_bytes()
+    for name in SITES:
+        assert (tmp_path / "sites" / name / "model" / "final.safetensors").read_bytes() == final
+    bundle = read_bundle(state / "model" / "final.safetensors")
+    assert bundle.card.unit == "hospital"
+    assert any("hospital-level" in m for m in bundle.card.mechanisms)
+    assert {g.unit for g in bundle.card.group_guarantees} == {"hospital"}
+    assert len(bundle.card.group_guarantees) == len(SITES)
+    assert all("model updates only" in g.note for g in bundle.card.group_guarantees)
+    assert terms.clip == 0.5
+    # `medfed ledger show` names both guarantees plainly.
+    shown = subprocess.run(
+        medfed_argv("ledger", "show", str(tmp_path / "sites" / "alpha" / "privacy-ledger.db"),
+                    "--json"),
+        capture_output=True, text=True, check=True, cwd=REPO,
+    )
+    summary = json.loads(shown.stdout.strip().splitlines()[-1])
+    assert 0 < summary["hospital_level_epsilon"] <= summary["patient_level_epsilon"]
+    site_card = {g.note.split(":")[0]: g.epsilon for g in bundle.card.group_guarantees}
+    assert site_card["site alpha"] == pytest.approx(summary["hospital_level_epsilon"])
+    assert json.loads((state / "statistics.json").read_text())["round"] < training_rounds[0][0]
