@@ -73,6 +73,7 @@ class Announcement:
     kind: str = KIND_TRAINING  # KIND_STATISTICS: the once-per-study DP release;
     # KIND_HOSPITAL: training under hospital-level DP (clip = the update clip norm S)
     statistics: bytes = b""  # GlobalStatistics canonical JSON (empty before release)
+    hospital_noise_multiplier: float = 0.0  # z of a HOSPITAL round (0 otherwise)
 
     @property
     def is_statistics(self) -> bool:
@@ -150,6 +151,7 @@ class Announcement:
         _put_bytes(out, self.kind.encode())
         # The statistics by hash: every site of a round standardises with the same ones.
         _put_bytes(out, hashlib.sha256(self.statistics).digest())
+        _put_float(out, self.hospital_noise_multiplier)
         return hashlib.sha256(bytes(out)).digest()
 
 
@@ -248,6 +250,10 @@ def validate_for_site(
     bins = ann.histogram_bins
     if not 2 <= bins <= 1000:
         raise ValidationError("histogram_bins out of range")
+    if ann.is_hospital and not (
+        0 < ann.hospital_noise_multiplier <= 1000 and ann.local_epochs > 0
+    ):
+        raise ValidationError("a hospital round trains, with a noise multiplier in (0, 1000]")
     if ann.is_statistics:
         # No model and no training: the vector is the statistics layout, which the site
         # recomputes from the study it joined (site_agent checks the length).

@@ -162,6 +162,7 @@ def announcement_to_pb(ann: Announcement) -> pb.RoundAnnouncement:
         study_sha256=ann.study_sha256,
         kind=_ROUND_KIND_TO_PB[ann.kind],
         statistics=ann.statistics,
+        hospital_noise_multiplier=ann.hospital_noise_multiplier,
     )
 
 
@@ -201,6 +202,7 @@ def announcement_from_pb(msg: pb.RoundAnnouncement) -> Announcement:
         study_sha256=bounded(msg.study_sha256, what="study_sha256", maximum=32),
         kind=_round_kind(msg.kind),
         statistics=bounded(msg.statistics, what="statistics", maximum=MAX_STATISTICS_BYTES),
+        hospital_noise_multiplier=msg.hospital_noise_multiplier,
     )
 
 

@@ -279,7 +279,8 @@ class RoundEngine:
                 statistics_length(study.study) if statistics and study is not None else None
             ),
         )
-        return hospital_sum.announce(ann, study.study if study is not None else None)
+        return hospital_sum.announce(ann, hospital_sum.terms_for(
+            study.study if study is not None else None, self.settings.aggregation))
 
     def _phase_closed(self, rnd: ActiveRound, closed: PhaseClosed) -> None:
         name = closed.phase.value
@@ -372,9 +373,9 @@ class RoundEngine:
                 self.settings.state, ann.round_number, aggregate, survivors
             )
         decoded = hospital_sum.decode(
-            aggregate, ann=ann, study=self.study.study, count=len(survivors),
+            aggregate, ann=ann, count=len(survivors),
             histogram_classes=self.settings.aggregation.histogram_classes,
-        ) if ann.is_hospital and self.study is not None else decode_round_sum(
+        ) if ann.is_hospital else decode_round_sum(
             aggregate, model_dim=self.global_flat.size, count=len(survivors), clip=ann.clip,
             bits=ann.quantization_bits, weight_cap=ann.weight_cap,
             histogram_bins=ann.histogram_bins, evaluation_only=ann.local_epochs == 0,

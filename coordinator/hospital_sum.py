@@ -13,33 +13,46 @@ import dataclasses
 
 import numpy as np
 
+from common.config import AggregationSection
 from common.egress import EVALUATION_HISTOGRAM, HOSPITAL_UPDATE, WEIGHT
-from common.errors import ValidationError
+from common.errors import ConfigError, ValidationError
 from common.evaluation import clipped_noisy_histogram, operating_point_metrics
 from common.privacy import hospital
+from common.privacy.hospital import HospitalTerms, announced_terms
 from common.privacy.replica import LedgerReplica
 from common.round import KIND_HOSPITAL, KIND_TRAINING, Announcement
 from common.study import Study
 from coordinator.aggregation import DecodedSum, multiclass_round_metrics
 
 
-def announce(ann: Announcement, study: Study | None) -> Announcement:
-    """`ann` as a HOSPITAL round when the study asks for hospital-level DP and the round
-    trains; otherwise unchanged (the final evaluation-only round stays plain)."""
-    if (study is None or study.privacy.unit != "hospital" or ann.kind != KIND_TRAINING
-            or ann.local_epochs == 0):
+def terms_for(study: Study | None, settings: AggregationSection) -> HospitalTerms | None:
+    """The hospital-level terms of this federation: the study's (privacy.unit =
+    "hospital"), else the coordinator's own [aggregation] hospital_* settings, else None."""
+    if study is not None:
+        return hospital.study_terms(study) if study.privacy.unit == "hospital" else None
+    if settings.hospital_clip_norm is None:
+        return None
+    if settings.hospital_noise_multiplier is None:
+        raise ConfigError("aggregation.hospital_noise_multiplier",
+                          "hospital_clip_norm needs a noise multiplier too")
+    return HospitalTerms(settings.hospital_clip_norm, settings.hospital_noise_multiplier)
+
+
+def announce(ann: Announcement, terms: HospitalTerms | None) -> Announcement:
+    """`ann` as a HOSPITAL round under hospital-level `terms` when the round trains;
+    otherwise unchanged (the final evaluation-only round stays plain)."""
+    if terms is None or ann.kind != KIND_TRAINING or ann.local_epochs == 0:
         return ann
-    terms = hospital.study_terms(study)
     ring = hospital.ring_plan(terms, dim=ann.model_elements, max_sites=len(ann.participants))
     words = hospital.vector_words(ring)
     vector_length = words + 1 + 2 * ann.histogram_bins
     return dataclasses.replace(ann, kind=KIND_HOSPITAL, clip=terms.clip,
-                               vector_length=vector_length)
+                               vector_length=vector_length,
+                               hospital_noise_multiplier=terms.noise_multiplier)
 
 
 def decode(
-    aggregate: np.ndarray, *, ann: Announcement, study: Study, count: int,
-    histogram_classes: int = 1,
+    aggregate: np.ndarray, *, ann: Announcement, count: int, histogram_classes: int = 1,
 ) -> DecodedSum:
     """The float32 mean of the `count` contributing hospitals' clipped, noised updates,
     with the round's DP evaluation metrics."""
@@ -47,7 +60,7 @@ def decode(
         raise ValidationError("not a hospital-level round")
     if count < 1:
         raise ValidationError("no hospital contributed")
-    terms = hospital.study_terms(study)
+    terms = announced_terms(ann)
     ring = hospital.ring_plan(terms, dim=ann.model_elements, max_sites=len(ann.participants))
     manifest = ann.manifest()
     if aggregate.dtype != np.uint32 or aggregate.size != manifest.vector_length:

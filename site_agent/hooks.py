@@ -285,6 +285,8 @@ class DpTrainingHook:
                 self.privacy_unit = "patient" if has_patients else "record"
             else:
                 self.privacy_unit = unit
+            # Hospital-level DP by the site's own setting (no study): no DP-SGD beneath.
+            self.hospital = self.privacy_unit == "hospital"
             self.n_features = int(data.features.shape[1])
             self.patients = self.train_data.num_patients if has_patients else 0
         self.joined = True

@@ -38,13 +38,18 @@ def plan_round(rnd: VerifiedRound, *, study: Study | None,
     """This site's plan for hospital round `rnd`; RoundFailed when the announcement
     does not match the study the site joined (clip S, ring width)."""
     ann = rnd.announcement
-    if study is None or study.privacy.unit != "hospital":
-        raise RoundFailed("a hospital-level round needs a study with privacy.unit = 'hospital'")
-    if ann.local_epochs == 0:
-        raise RoundFailed("a hospital-level round trains (evaluation rounds are plain)")
-    terms = hospital.study_terms(study)
-    if ann.clip != terms.clip:
-        raise RoundFailed(f"announced clip {ann.clip:g} is not the study's S {terms.clip:g}")
+    terms = hospital.announced_terms(ann)
+    if study is not None:
+        if study.privacy.unit != "hospital":
+            raise RoundFailed("a hospital-level round in a study of another privacy unit")
+        expected = hospital.study_terms(study)
+        if terms != expected:
+            raise RoundFailed(
+                f"announced S = {terms.clip:g}, z = {terms.noise_multiplier:g} are not the "
+                f"study's ({expected.clip:g}, {expected.noise_multiplier:g})"
+            )
+    # Without a study the announced terms are taken as they come: the ledger records
+    # the mechanism they make, and the budget check refuses a round that costs too much.
     ring = hospital.ring_plan(terms, dim=ann.model_elements, max_sites=len(ann.participants))
     if hospital.vector_words(ring) != egress_words(rnd):
         raise RoundFailed("the announced update segment does not match this site's ring plan")

@@ -49,6 +49,7 @@ from common.privacy.ddgauss import (
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Mechanism
 
 if TYPE_CHECKING:
+    from common.round import Announcement
     from common.study import Study
 
 SECAGG_RING_BITS = 32
@@ -230,6 +231,11 @@ def hospital_level_epsilon(
 
     chosen = hospital_level_mechanisms(entries)
     return compose_epsilon(chosen, delta=delta, accountant=accountant) if chosen else 0.0
+
+
+def announced_terms(ann: Announcement) -> HospitalTerms:
+    """S and z as a HOSPITAL round announces them (clip, hospital_noise_multiplier)."""
+    return HospitalTerms(clip=ann.clip, noise_multiplier=ann.hospital_noise_multiplier)
 
 
 def study_terms(study: Study) -> HospitalTerms:
