@@ -26,6 +26,7 @@ from common.errors import ConfigError, StateError
 from common.processes import Line, ManagedProcess, medfed_argv
 
 HISTOGRAM_BINS = 50
+COUNT_EPSILON = 0.1  # the sites' default count_epsilon (common.config)
 
 
 @dataclass
@@ -46,6 +47,9 @@ class DemoOptions:
     batch_size: int = 2048
     phase_seconds: float = 30.0
     quiet: bool = False
+    # "hospital": hospital-level DP on the model updates (issue 13), no DP-SGD beneath.
+    privacy_unit: str = "auto"
+    update_clip_norm: float = 1.0
 
 
 @dataclass
@@ -81,6 +85,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--kill-round", type=int, default=d.kill_round,
                         help="round in which one site is killed (0: none)")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--privacy-unit", choices=["auto", "hospital"], default="auto",
+                        help="hospital: each site's whole update clipped to "
+                        "--update-clip-norm and noised in the SecAgg ring (DDGauss)")
+    parser.add_argument("--update-clip-norm", type=float, default=d.update_clip_norm)
     imaging = parser.add_argument_group("imaging (--task imaging)")
     imaging.add_argument("--task", choices=["tabular", "imaging"], default="tabular",
                          help="tabular: the sepsis cohort (default); imaging: five hospitals' "
@@ -112,6 +120,8 @@ def _main(args: argparse.Namespace) -> int:
         label_column=args.label_column,
         patient_column=patient_column,
         quiet=args.quiet,
+        privacy_unit=args.privacy_unit,
+        update_clip_norm=args.update_clip_norm,
     )
     validate_options(options)
     report = Demo(options).run()
@@ -258,7 +268,7 @@ final_evaluation = true
 [aggregation]
 histogram_bins = {HISTOGRAM_BINS}
 clip = 0.5
-
+{hospital_aggregation(self.o)}
 [deadlines]
 selection_seconds = 5
 round_start_timeout_seconds = 600
@@ -297,6 +307,7 @@ phase_seconds = {self.o.phase_seconds}
 [privacy]
 budget_epsilon = {self.o.budget_epsilon}
 delta = {self.o.delta}
+{'privacy_unit = "hospital"' if self.o.privacy_unit == "hospital" else ""}
 
 [training]
 batch_size = {self.o.batch_size}
@@ -454,7 +465,8 @@ device = "cpu"
         model = self.model_file()
         report: dict[str, Any] = {
             "sites": sites,
-            "privacy_unit": "patient" if self.o.patient_column else "record",
+            "privacy_unit": "hospital" if self.o.privacy_unit == "hospital" else (
+                "patient" if self.o.patient_column else "record"),
             "delta": self.o.delta,
             "rounds": [
                 {
@@ -482,6 +494,8 @@ device = "cpu"
             "baselines": baselines,
             "seconds": round(time.monotonic() - self.started, 1),
         }
+        if self.o.privacy_unit == "hospital":
+            report["hospital"] = hospital_report(self.out, sites, self.o)
         (self.out / "report.json").write_text(json.dumps(report, indent=2, default=_json))
         self.plot(report)
         self.print_table(report)
@@ -581,7 +595,10 @@ device = "cpu"
         rows = [
             ("Centralized (no DP)", report["baselines"]["centralized_nodp"]),
             ("Federated (no DP)", report["baselines"]["federated_nodp"]),
-            (f"Federated + DP (eps<={self.o.budget_epsilon:g}) + SecAgg+", report["final"]),
+            (f"Federated + DP (eps<={self.o.budget_epsilon:g}) + SecAgg+"
+             if "hospital" not in report else
+             f"Federated + hospital-level DP (eps<={self.o.budget_epsilon:g}) + SecAgg+",
+             report["final"]),
         ]
         width = max(len(r[0]) for r in rows) + 2
         self.say("")
@@ -599,6 +616,11 @@ device = "cpu"
             budget = report["final"]["budget"][site]
             self.say(f"  {site:<18} epsilon {spent:6.2f} of {budget:g} "
                      f"({100 * spent / budget:4.0f}% of budget)")
+        if "hospital" in report:
+            self.say("  hospital-level epsilon (MODEL UPDATES ONLY; the figures above compose "
+                     "every release and bound each patient):")
+            for site, value in report["hospital"]["epsilon"].items():
+                self.say(f"  {site:<18} epsilon {value:6.2f}")
         self.say(f"\nReport: {self.out / 'report.json'}; plots: auc_by_round.png, "
                  f"epsilon_by_round.png ({report['seconds']:.0f} s)")
 
@@ -637,3 +659,34 @@ def compute_baselines(datasets: dict[str, Any], o: DemoOptions) -> dict[str, dic
         "federated_nodp": federated_nodp(datasets, o, bins=HISTOGRAM_BINS),
     }
 
+
+
+def hospital_aggregation(o: DemoOptions) -> str:
+    """The coordinator's [aggregation] lines for hospital-level DP: S and a z planned so
+    the demo's rounds of updates fit the sites' budget (`common.privacy.hospital`)."""
+    if o.privacy_unit != "hospital":
+        return ""
+    from common.privacy.hospital import EVALUATION_RESERVE, plan_noise_multiplier
+
+    left = (o.budget_epsilon - COUNT_EPSILON) * (1 - EVALUATION_RESERVE)
+    z = plan_noise_multiplier(epsilon=left, delta=o.delta, rounds=o.rounds)
+    return f"hospital_clip_norm = {o.update_clip_norm}\nhospital_noise_multiplier = {z}\n"
+
+
+def hospital_report(out: Path, sites: list[str], o: DemoOptions) -> dict[str, Any]:
+    """Each site's hospital-level epsilon (model updates only), from its own ledger."""
+    from common.privacy.hospital import hospital_level_epsilon
+    from common.privacy.ledger import read_ledger
+
+    epsilon = {}
+    for site in sites:
+        path = out / "sites" / site / "privacy-ledger.db"
+        if not path.exists():
+            epsilon[site] = 0.0
+            continue
+        header, entries = read_ledger(path)
+        pairs = [(e.purpose, tuple(getattr(e, "mechanisms", ()))) for e in entries]
+        epsilon[site] = hospital_level_epsilon(pairs, delta=header.delta,
+                                               accountant=header.accountant)
+    return {"epsilon": epsilon, "update_clip_norm": o.update_clip_norm,
+            "note": "hospital-level epsilon covers the model updates only"}
