@@ -501,6 +501,8 @@ class SiteAgent:
                  extra={"event": "round_selected", "round_number": rnd.number,
                         "planned_rounds": plan.planned_rounds})
         self._last_update = None
+        hospital_round.require_hospital_round(
+            rnd, hospital_mode=bool(getattr(self.hook, "hospital", False)))
         evaluation = self._evaluation_mechanisms(rnd)
         self._refuse_recorded_round(rnd)
         with Heartbeats(stub, rnd.number, rnd.heartbeat_seconds) as heartbeats:

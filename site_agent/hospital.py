@@ -64,6 +64,18 @@ def plan_round(rnd: VerifiedRound, *, study: Study | None,
     return HospitalRound(plan, seed, hospital.mechanism(plan))
 
 
+def require_hospital_round(rnd: VerifiedRound, *, hospital_mode: bool) -> None:
+    """A site that trains under hospital-level DP (no DP-SGD beneath) refuses a plain
+    training round: its update would leave without any DP noise. (A coordinator that
+    announced one could otherwise collect an un-noised sum.)"""
+    if hospital_mode and rnd.plan.local_epochs > 0 and not rnd.announcement.is_hospital:
+        raise RoundFailed(
+            f"round {rnd.number} is a plain training round, but this site trains under "
+            "hospital-level DP only (privacy unit hospital): refusing to send an un-noised "
+            "update"
+        )
+
+
 def egress_words(rnd: VerifiedRound) -> int:
     manifest = rnd.announcement.manifest()
     part = manifest.slice_of(egress.HOSPITAL_UPDATE)

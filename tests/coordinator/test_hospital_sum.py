@@ -11,7 +11,7 @@ import pytest
 
 from common import wire
 from common.config import AggregationSection, SitePolicySection
-from common.errors import ValidationError
+from common.errors import RoundFailed, ValidationError
 from common.modelfile import flat_layout
 from common.privacy import hospital
 from common.round import KIND_HOSPITAL, Announcement, validate_for_site
@@ -58,6 +58,20 @@ def test_site_refuses_a_bad_hospital_announcement() -> None:
                 dataclasses.replace(ann, vector_length=ann.vector_length + 1)):
         with pytest.raises(ValidationError):
             validate_for_site(bad, policy=policy, site_id="alpha")
+
+
+def test_a_hospital_mode_site_refuses_a_plain_training_round() -> None:
+    policy = SitePolicySection()
+    plain = validate_for_site(BASE, policy=policy, site_id="alpha")
+    with pytest.raises(RoundFailed, match="un-noised"):
+        site_hospital.require_hospital_round(plain, hospital_mode=True)
+    site_hospital.require_hospital_round(plain, hospital_mode=False)
+    evaluation = validate_for_site(dataclasses.replace(BASE, local_epochs=0), policy=policy,
+                                   site_id="alpha")
+    site_hospital.require_hospital_round(evaluation, hospital_mode=True)
+    hospital_round = validate_for_site(_hospital_announcement(), policy=policy,
+                                       site_id="alpha")
+    site_hospital.require_hospital_round(hospital_round, hospital_mode=True)
 
 
 def test_three_sites_sum_and_decode_to_the_noisy_clipped_mean() -> None:
