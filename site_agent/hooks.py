@@ -285,8 +285,10 @@ class DpTrainingHook:
                 self.privacy_unit = "patient" if has_patients else "record"
             else:
                 self.privacy_unit = unit
-            # Hospital-level DP by the site's own setting (no study): no DP-SGD beneath.
-            self.hospital = self.privacy_unit == "hospital"
+            # Hospital-level DP by the site's own setting or study file: no DP-SGD beneath.
+            self.hospital = self.hospital or self.privacy_unit == "hospital"
+            if self.hospital and self.dp:
+                self.privacy_unit = "hospital"
             self.n_features = int(data.features.shape[1])
             self.patients = self.train_data.num_patients if has_patients else 0
         self.joined = True
@@ -328,6 +330,8 @@ class DpTrainingHook:
             self.privacy_unit = "patient" if has_patients else "record"
         else:
             self.privacy_unit = unit
+        if self.hospital and self.dp:
+            self.privacy_unit = "hospital"
         self.patients = self.train_data.num_patients if has_patients else 0
         self.n_features = None
         if self.ledger is not None and self._ledger_state is not None:
