@@ -375,6 +375,8 @@ class RoundEngine:
         decoded = hospital_sum.decode(
             aggregate, ann=ann, count=len(survivors),
             histogram_classes=self.settings.aggregation.histogram_classes,
+            terms=hospital_sum.terms_for(self.study.study if self.study else None,
+                                         self.settings.aggregation),
         ) if ann.is_hospital else decode_round_sum(
             aggregate, model_dim=self.global_flat.size, count=len(survivors), clip=ann.clip,
             bits=ann.quantization_bits, weight_cap=ann.weight_cap,

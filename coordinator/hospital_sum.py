@@ -53,14 +53,21 @@ def announce(ann: Announcement, terms: HospitalTerms | None) -> Announcement:
 
 def decode(
     aggregate: np.ndarray, *, ann: Announcement, count: int, histogram_classes: int = 1,
+    terms: HospitalTerms | None = None,
 ) -> DecodedSum:
-    """The float32 mean of the `count` contributing hospitals' clipped, noised updates,
-    with the round's DP evaluation metrics."""
+    """The float32 mean of the clipped, noised units (hospitals, or their
+    intermediaries) of the `count` contributing hospitals, with the round's DP
+    evaluation metrics. `terms`: this federation's (for its intermediaries per
+    hospital); default the announced S and z with one unit per hospital."""
     if not ann.is_hospital:
         raise ValidationError("not a hospital-level round")
     if count < 1:
         raise ValidationError("no hospital contributed")
-    terms = announced_terms(ann)
+    announced = announced_terms(ann)
+    if terms is None:
+        terms = announced
+    elif (terms.clip, terms.noise_multiplier) != (announced.clip, announced.noise_multiplier):
+        raise ValidationError("the round was announced with other hospital-level terms")
     ring = hospital.ring_plan(terms, dim=ann.model_elements, max_sites=len(ann.participants))
     manifest = ann.manifest()
     if aggregate.dtype != np.uint32 or aggregate.size != manifest.vector_length:
@@ -74,9 +81,13 @@ def decode(
     integers = manifest.decode_integers(aggregate)
     weight_sum = max(int(integers[WEIGHT][0]), 0)
     histogram = clipped_noisy_histogram(integers[EVALUATION_HISTOGRAM])
+    # Sites send their unit count (1, or the study's v); a short or missing one cannot
+    # make the mean divide by less than one unit per hospital.
+    units = max(weight_sum, count)
     metrics: dict[str, float] = {
         "contributors": float(count),
-        "hospital_noise_std": terms.noise_multiplier * terms.clip / count,
+        "units": float(units),
+        "hospital_noise_std": terms.noise_multiplier * terms.clip / units,
     }
     bins = ann.histogram_bins
     if histogram.sum() > 0 and histogram_classes > 2:
@@ -85,7 +96,7 @@ def decode(
         m = operating_point_metrics(histogram, bins=bins)
         metrics.update(auc=m.auc, sensitivity=m.sensitivity, specificity=m.specificity,
                        ppv=m.ppv, evaluated=float(m.n))
-    mean = (total / count).astype(np.float32)
+    mean = (total / units).astype(np.float32)
     return DecodedSum(mean, weight_sum, metrics, histogram)
 
 

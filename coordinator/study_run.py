@@ -269,8 +269,12 @@ def hospital_card_parts(
         GroupGuarantee(
             unit="hospital", epsilon=epsilon, delta=delta,
             note=(f"site {site}: model updates only (clip S = {terms.clip:g}, noise "
-                  f"multiplier {terms.noise_multiplier:.3g}); statistics, evaluation "
-                  "histograms and the cohort count are bounded per patient"),
+                  f"multiplier {terms.noise_multiplier:.3g}"
+                  + (f", {terms.intermediaries} intermediaries: {terms.intermediaries}-fold "
+                     "group privacy of the per-intermediary guarantee"
+                     if terms.intermediaries > 1 else "")
+                  + "); statistics, evaluation histograms and the cohort count are "
+                  "bounded per patient"),
         )
         for site, (epsilon, delta) in sorted(epsilons.items())
     )

@@ -46,6 +46,9 @@ class LocalUpdate:
     # Exact records trained on, for this site's own log only (never sent: the FedAvg
     # weight is `num_samples`, a DP count when DP is on).
     records: int | None = None
+    # Hospital-level DP with intermediaries (issue 13, section 2): one delta per
+    # disjoint unit of patients, each to be clipped alone; `delta` is their sum.
+    units: tuple[np.ndarray, ...] = ()
 
 
 class TrainingHook(Protocol):
@@ -465,6 +468,8 @@ class DpTrainingHook:
         if plan.local_epochs == 0:
             delta = np.zeros_like(global_flat, dtype=np.float32)
             return LocalUpdate(delta, 0, histogram, time.perf_counter() - started, patients)
+        if self.hospital and self.intermediaries > 1:
+            return self._train_units(plan, global_flat, histogram, started, patients)
         result = self.trainer_for(plan).train_round(
             global_flat,
             local_epochs=plan.local_epochs,
@@ -482,6 +487,66 @@ class DpTrainingHook:
             records=result.num_samples,
         )
 
+
+    @property
+    def intermediaries(self) -> int:
+        """v: disjoint units this hospital trains, each clipped alone (the study's fixed
+        `privacy.intermediaries`; "auto" is one unit until the adaptive rule is wired)."""
+        if self.study is None or not self.hospital:
+            return 1
+        v = self.study.privacy.intermediaries
+        return v if isinstance(v, int) else 1
+
+    def unit_groups(self, v: int) -> list[np.ndarray]:
+        """Record indices of v disjoint intermediaries: whole patients (records without a
+        patient column) dealt at random, fixed for the study by the split seed."""
+        ids = getattr(self.train_data, "patient_ids", None)
+        keys = ids if ids is not None else np.arange(len(self.train_data))
+        unique, inverse = np.unique(keys, return_inverse=True)
+        if unique.size < v:
+            raise ConfigError("privacy.intermediaries",
+                              f"{v} intermediaries but only {unique.size} units at this site")
+        order = np.random.default_rng(self.settings.data.split_seed + 1).permutation(unique.size)
+        group_of_unit = np.empty(unique.size, dtype=np.int64)
+        group_of_unit[order] = np.arange(unique.size) % v
+        group = group_of_unit[inverse.reshape(-1)]
+        return [np.flatnonzero(group == k) for k in range(v)]
+
+    def _train_units(self, plan: RoundPlan, global_flat: np.ndarray, histogram: np.ndarray,
+                     started: float, patients: int) -> LocalUpdate:
+        """Hospital-level DP with intermediaries (issue 13, section 2; Jiang et al.,
+        MICCAI 2023): each unit trains from the global model on its own patients; the
+        agent clips and rounds each delta alone (site_agent.hospital)."""
+        import dataclasses as dc
+
+        from site_agent.trainer import LocalTrainer
+
+        base = self.trainer_for(plan)
+        deltas: list[np.ndarray] = []
+        losses: list[float] = []
+        records = 0
+        for index in self.unit_groups(self.intermediaries):
+            subset = self.train_data.subset(index)
+            config = dc.replace(
+                base.config, released_units=None,
+                batch_size=fit_batch_size(self.settings.training.batch_size,
+                                          units=len(subset)),
+            )
+            seed = int.from_bytes(os.urandom(8), "big") >> 1
+            result = LocalTrainer(self.model, subset, config, seed=seed).train_round(
+                global_flat, local_epochs=plan.local_epochs, lr=plan.learning_rate,
+                fedprox_mu=plan.fedprox_mu,
+            )
+            deltas.append(np.array(result.delta_flat, dtype=np.float32))
+            if result.mean_loss is not None:
+                losses.append(result.mean_loss)
+            records += result.num_samples
+        total = np.sum(deltas, axis=0).astype(np.float32)
+        return LocalUpdate(
+            total, len(deltas), histogram, time.perf_counter() - started, patients,
+            loss=float(np.mean(losses)) if losses else None, records=records,
+            units=tuple(deltas),
+        )
 
     def evaluate(self, plan: RoundPlan, global_flat: np.ndarray) -> np.ndarray:
         """Held-out score histogram of the global model: 2 * bins counts for a binary

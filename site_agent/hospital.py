@@ -31,6 +31,7 @@ class HospitalRound:
     plan: DDGaussPlan
     seed: bytes
     mechanism: DistributedDiscreteGaussian
+    units: int = 1  # intermediaries of this hospital (issue 13, section 2)
 
 
 def plan_round(rnd: VerifiedRound, *, study: Study | None,
@@ -43,11 +44,12 @@ def plan_round(rnd: VerifiedRound, *, study: Study | None,
         if study.privacy.unit != "hospital":
             raise RoundFailed("a hospital-level round in a study of another privacy unit")
         expected = hospital.study_terms(study)
-        if terms != expected:
+        if (terms.clip, terms.noise_multiplier) != (expected.clip, expected.noise_multiplier):
             raise RoundFailed(
                 f"announced S = {terms.clip:g}, z = {terms.noise_multiplier:g} are not the "
                 f"study's ({expected.clip:g}, {expected.noise_multiplier:g})"
             )
+        terms = expected  # with the study's intermediaries per hospital
     # Without a study the announced terms are taken as they come: the ledger records
     # the mechanism they make, and the budget check refuses a round that costs too much.
     ring = hospital.ring_plan(terms, dim=ann.model_elements, max_sites=len(ann.participants))
@@ -61,7 +63,8 @@ def plan_round(rnd: VerifiedRound, *, study: Study | None,
         round_nonce=ann.round_nonce, study_sha256=ann.study_sha256,
         round_number=ann.round_number,
     )
-    return HospitalRound(plan, seed, hospital.mechanism(plan))
+    units = terms.intermediaries
+    return HospitalRound(plan, seed, hospital.mechanism(plan, units=units), units)
 
 
 def require_hospital_round(rnd: VerifiedRound, *, hospital_mode: bool) -> None:
@@ -87,14 +90,25 @@ def encode(rnd: VerifiedRound, update: LocalUpdate, planned: HospitalRound) -> n
     ann = rnd.announcement
     if update.delta.size != ann.model_elements:
         raise RoundFailed("update does not match the model size")
-    words = hospital.encode_update(
-        update.delta, plan=planned.plan, seed=planned.seed, rng=system_random
-    )
+    if planned.units > 1:
+        if len(update.units) != planned.units:
+            raise RoundFailed(
+                f"trained {len(update.units)} intermediaries, the study asks for "
+                f"{planned.units}"
+            )
+        words = hospital.encode_units(
+            update.units, plan=planned.plan, seed=planned.seed, rng=system_random
+        )
+    else:
+        words = hospital.encode_update(
+            update.delta, plan=planned.plan, seed=planned.seed, rng=system_random
+        )
     return ann.manifest().encode(
         {
             egress.HOSPITAL_UPDATE: words,
-            # Each hospital counts once in the mean: the weight says only "trained".
-            egress.WEIGHT: [1],
+            # Each unit counts once in the mean: the weight says only how many units
+            # this hospital trained (public: the study's intermediaries).
+            egress.WEIGHT: [planned.units],
             egress.EVALUATION_HISTOGRAM: np.asarray(update.histogram, dtype=np.int64),
         },
         clip=ann.clip,

@@ -326,14 +326,19 @@ def _guarantees(header: Any, entries: Any) -> dict[str, Any]:
     (statistics, evaluation and the count are bounded per patient only)."""
     if header.privacy_unit != "hospital":
         return {}
-    from common.privacy.hospital import hospital_level_epsilon
+    from common.privacy.hospital import hospital_level_epsilon, intermediary_level_epsilon
 
     pairs = [(getattr(e, "purpose", "training"), _entry_mechanisms(e)) for e in entries]
-    return {
+    out = {
         "hospital_level_epsilon": hospital_level_epsilon(
             pairs, delta=header.delta, accountant=header.accountant),
         "patient_level_epsilon": entries[-1].epsilon_after if entries else 0.0,
     }
+    intermediary = intermediary_level_epsilon(pairs, delta=header.delta,
+                                              accountant=header.accountant)
+    if intermediary is not None:
+        out["intermediary_level_epsilon"] = intermediary
+    return out
 
 
 def _cmd_ledger_show(args: argparse.Namespace) -> int:
@@ -359,6 +364,10 @@ def _cmd_ledger_show(args: argparse.Namespace) -> int:
     if "hospital_level_epsilon" in summary:
         print(f"hospital-level epsilon {summary['hospital_level_epsilon']:.4f}: MODEL UPDATES "
               "ONLY (whole update clipped to S, distributed discrete Gaussian)")
+        if "intermediary_level_epsilon" in summary:
+            print(f"intermediary epsilon   {summary['intermediary_level_epsilon']:.4f}: model "
+                  "updates per intermediary (each patient is in one); the hospital-level "
+                  "figure above is its v-fold group guarantee")
         print(f"per-patient epsilon    {summary['patient_level_epsilon']:.4f}: every release "
               "composed (statistics, evaluation and count are bounded per patient)")
     print(f"head hash     {summary['head_hash']}")

@@ -43,8 +43,10 @@ from common.privacy.ddgauss import (
     DDGaussPlan,
     ddgauss_decode,
     ddgauss_encode,
+    ddgauss_round,
     epsilon_from_rho,
     plan_ddgauss,
+    sample_discrete_gaussian,
 )
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Mechanism
 
@@ -114,6 +116,7 @@ class HospitalTerms:
 
     clip: float
     noise_multiplier: float
+    intermediaries: int = 1  # v disjoint units per hospital, each clipped to S alone
 
 
 def plan_noise_multiplier(*, epsilon: float, delta: float, rounds: int) -> float:
@@ -151,7 +154,8 @@ def ring_plan(
     32-bit SecAgg ring unless its rounding inflation exceeds `max_inflation`, then the
     narrowest wider ring at that inflation."""
     sigma = terms.noise_multiplier * terms.clip
-    sites = max(max_sites, 1)
+    # v units per site, each a clipped rounded vector: the ring holds M v of them.
+    sites = max(max_sites, 1) * max(terms.intermediaries, 1)
     plan = plan_ddgauss(clip=terms.clip, dim=dim, sigma=sigma, n_noise=1, max_sites=sites,
                         bits=SECAGG_RING_BITS, log2_wrap_probability=LOG2_WRAP_PROBABILITY)
     if plan.rounding_inflation <= max_inflation:
@@ -175,9 +179,10 @@ def site_plan(ring: DDGaussPlan, *, n_noise: int) -> DDGaussPlan:
     return plan
 
 
-def mechanism(plan: DDGaussPlan) -> DistributedDiscreteGaussian:
-    """The ledger record of one round (add/remove-one-hospital relation, KLS21 Prop. 14)."""
-    return DistributedDiscreteGaussian.from_plan(plan)
+def mechanism(plan: DDGaussPlan, *, units: int = 1) -> DistributedDiscreteGaussian:
+    """The ledger record of one round (KLS21 Prop. 14): add/remove one unit, i.e. one
+    hospital, or one of its `units` intermediaries (then the hospital is v-fold)."""
+    return DistributedDiscreteGaussian.from_plan(plan, units=units)
 
 
 def rotation_seed(*, round_nonce: bytes, study_sha256: bytes, round_number: int) -> bytes:
@@ -199,6 +204,24 @@ def encode_update(
     return to_limbs(encoded, bits=plan.bits, max_sites=plan.max_sites)
 
 
+def encode_units(
+    units: Sequence[np.ndarray], *, plan: DDGaussPlan, seed: bytes, rng: RandomSource
+) -> np.ndarray:
+    """A site with v intermediaries (issue 13, section 2; Jiang et al. 2023): each unit's
+    update clipped, scaled, rotated and conditionally rounded ALONE (so adding or
+    removing one unit moves the sum by at most Delta_2), the integer vectors summed, then
+    ONE noise share for the site, mod 2^bits, limbs."""
+    if not units:
+        raise ValidationError("no intermediary updates")
+    total = np.zeros(plan.padded_dim, np.int64)
+    for unit in units:
+        total += ddgauss_round(np.asarray(unit, dtype=np.float64).reshape(-1), plan=plan,
+                               rotation_seed=seed, rng=rng)
+    total += sample_discrete_gaussian(plan.padded_dim, sigma=plan.site_sigma, rng=rng)
+    total &= np.int64((1 << plan.bits) - 1)
+    return to_limbs(total.astype(np.uint64), bits=plan.bits, max_sites=plan.max_sites)
+
+
 def decode_sum(words: np.ndarray, *, plan: DDGaussPlan, seed: bytes) -> np.ndarray:
     """KLS21 Algorithm 2 on the unmasked limb sums: the float64 noisy sum of the clipped
     updates (length d)."""
@@ -218,7 +241,7 @@ def hospital_level_mechanisms(
     """The model-update mechanisms of (purpose, mechanisms) ledger entries: the DDGauss
     rounds of purpose "training", the releases the hospital-level claim covers."""
     return [
-        m for purpose, mechanisms in entries if purpose == "training"
+        m.per_hospital() for purpose, mechanisms in entries if purpose == "training"
         for m in mechanisms if isinstance(m, DistributedDiscreteGaussian)
     ]
 
@@ -236,6 +259,20 @@ def hospital_level_epsilon(
 def announced_terms(ann: Announcement) -> HospitalTerms:
     """S and z as a HOSPITAL round announces them (clip, hospital_noise_multiplier)."""
     return HospitalTerms(clip=ann.clip, noise_multiplier=ann.hospital_noise_multiplier)
+
+
+def intermediary_level_epsilon(
+    entries: Sequence[tuple[str, Sequence[Mechanism]]], *, delta: float, accountant: str,
+) -> float | None:
+    """Epsilon of the model updates per intermediary (each patient is in one), or None
+    when no round split its hospital (then it equals the hospital-level one)."""
+    from common.privacy.accountant import compose_epsilon
+
+    chosen = [m for purpose, mechanisms in entries if purpose == "training"
+              for m in mechanisms if isinstance(m, DistributedDiscreteGaussian)]
+    if not any(m.units > 1 for m in chosen):
+        return None
+    return compose_epsilon(chosen, delta=delta, accountant=accountant)
 
 
 def study_terms(study: Study) -> HospitalTerms:
@@ -259,4 +296,7 @@ def study_terms(study: Study) -> HospitalTerms:
             )
         z = plan_noise_multiplier(epsilon=left * (1 - EVALUATION_RESERVE),
                                   delta=privacy.delta, rounds=study.study.rounds)
-    return HospitalTerms(clip=privacy.update_clip_norm, noise_multiplier=z)
+    # "auto" (the adaptive rule, common/privacy/intermediaries.py) is not wired into
+    # training yet: one unit per hospital until it is.
+    v = privacy.intermediaries if isinstance(privacy.intermediaries, int) else 1
+    return HospitalTerms(clip=privacy.update_clip_norm, noise_multiplier=z, intermediaries=v)

@@ -27,8 +27,9 @@ from tests.study.helpers import write_hospital_csv
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 SITES = ["alpha", "beta", "gamma"]
+# Two intermediaries per hospital (issue 13, section 2): each trained and clipped alone.
 HOSPITAL_STUDY = STUDY.replace('rounds = 1', 'rounds = 2').replace(
-    'unit = "patient"', 'unit = "hospital"\nupdate_clip_norm = 0.5')
+    'unit = "patient"', 'unit = "hospital"\nupdate_clip_norm = 0.5\nintermediaries = 2')
 
 
 @pytest.fixture
@@ -86,6 +87,7 @@ def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProces
             (mechanism,) = entry.mechanisms  # no DP-SGD underneath in hospital mode
             assert isinstance(mechanism, DistributedDiscreteGaussian)
             assert mechanism.contributors == 2  # round-size floor 3 minus 1 colluder
+            assert mechanism.units == 2  # per-intermediary sensitivity, 2 per hospital
     assert training_rounds[0] == training_rounds[1] == training_rounds[2]
 
     # Each round's sum is exactly the sum of the sites' ring words, and decodes to a
@@ -106,7 +108,8 @@ def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProces
     assert any("hospital-level" in m for m in bundle.card.mechanisms)
     assert {g.unit for g in bundle.card.group_guarantees} == {"hospital"}
     assert len(bundle.card.group_guarantees) == len(SITES)
-    assert all("model updates only" in g.note for g in bundle.card.group_guarantees)
+    assert all("model updates only" in g.note and "2 intermediaries" in g.note
+               for g in bundle.card.group_guarantees)
     assert terms.clip == 0.5
     # `medfed ledger show` names both guarantees plainly.
     shown = subprocess.run(
@@ -115,11 +118,15 @@ def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProces
         capture_output=True, text=True, check=True, cwd=REPO,
     )
     summary = json.loads(shown.stdout.strip().splitlines()[-1])
-    assert 0 < summary["hospital_level_epsilon"] <= summary["patient_level_epsilon"]
+    # The hospital is 2-fold: its guarantee is weaker than each intermediary's, which
+    # (composed with the per-patient releases) is the per-patient figure.
+    assert 0 < summary["intermediary_level_epsilon"] < summary["hospital_level_epsilon"]
+    assert summary["intermediary_level_epsilon"] <= summary["patient_level_epsilon"]
     site_card = {g.note.split(":")[0]: g.epsilon for g in bundle.card.group_guarantees}
     # The card is written when the round commits, from the replica the sites have sent
     # so far (their last round's entry arrives with their next poll): at most the ledger's.
-    assert 0 < site_card["site alpha"] <= summary["hospital_level_epsilon"] + 1e-9
+    alpha_card = next(v for k, v in site_card.items() if k.startswith("site alpha"))
+    assert 0 < alpha_card <= summary["hospital_level_epsilon"] + 1e-9
     assert json.loads((state / "statistics.json").read_text())["round"] < training_rounds[0][0]
 
 

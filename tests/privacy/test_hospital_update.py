@@ -172,3 +172,49 @@ def test_noise_multiplier_is_planned_from_the_study_epsilon() -> None:
     assert epsilon_from_rho(rho, 1e-5) <= 4.0
     assert epsilon_from_rho(rho * 1.01, 1e-5) > 4.0 * 0.999
     assert hospital.plan_noise_multiplier(epsilon=4.0, delta=1e-5, rounds=40) > z
+
+
+def test_intermediaries_each_move_the_sum_by_at_most_delta_2() -> None:
+    """A site with v units rounds each alone: removing one unit moves its integer sum by
+    at most Delta_2 (the per-intermediary guarantee); the whole hospital by v Delta_2,
+    which is what the ledger's per-hospital view of the mechanism charges."""
+    v = 3
+    terms = hospital.HospitalTerms(CLIP, 1.5, intermediaries=v)
+    ring = hospital.ring_plan(terms, dim=DIM, max_sites=2)
+    assert ring.max_sites == 2 * v  # the ring holds every unit of every site
+    plan = hospital.site_plan(ring, n_noise=2)
+    units = _updates(v, seed=11)
+    rounded = [_rounded(u, plan, bytes([i])) for i, u in enumerate(units)]
+    for r in rounded:
+        assert math.sqrt(float(np.dot(r, r))) <= plan.l2_sensitivity
+    whole = np.sum(rounded, axis=0)
+    assert math.sqrt(float(np.dot(whole, whole))) <= v * plan.l2_sensitivity
+    mechanism = hospital.mechanism(plan, units=v)
+    per_hospital = mechanism.per_hospital()
+    assert per_hospital.l2_sensitivity == pytest.approx(v * mechanism.l2_sensitivity)
+    assert per_hospital.zcdp_rho == pytest.approx(v * v * mechanism.zcdp_rho, rel=1e-6)
+    # The encoded units decode to the sum of the clipped units plus the site's one share.
+    words = hospital.encode_units(units, plan=plan, seed=SEED, rng=DeterministicRandom(b"u"))
+    decoded = hospital.decode_sum(words, plan=plan, seed=SEED)
+    clipped = np.sum([u * min(1.0, CLIP / np.linalg.norm(u)) for u in units], axis=0)
+    share_std = plan.site_sigma * plan.gamma
+    assert float(np.sqrt(np.mean((decoded - clipped) ** 2))) < 1.2 * share_std
+
+
+def test_units_travel_on_the_ledger_and_old_entries_keep_their_bytes() -> None:
+    from common.privacy.mechanisms import mechanism_from_json_dict, mechanism_to_json_dict
+
+    plan = hospital.site_plan(_ring(), n_noise=2)
+    single = hospital.mechanism(plan)
+    assert "units" not in mechanism_to_json_dict(single)
+    split = hospital.mechanism(plan, units=4)
+    raw = mechanism_to_json_dict(split)
+    assert raw["units"] == 4 and mechanism_from_json_dict(raw) == split
+    with pytest.raises(hospital.ConfigError):
+        mechanism_from_json_dict({**mechanism_to_json_dict(single), "units": 1})
+    pairs = [("training", (split,)), ("evaluation", (single,))]
+    intermediary = hospital.intermediary_level_epsilon(pairs, delta=1e-5, accountant="rdp")
+    whole = hospital.hospital_level_epsilon(pairs, delta=1e-5, accountant="rdp")
+    assert intermediary is not None and 0 < intermediary < whole
+    assert hospital.intermediary_level_epsilon([("training", (single,))], delta=1e-5,
+                                               accountant="rdp") is None
