@@ -174,6 +174,9 @@ class Demo:
         self.killed: set[ManagedProcess] = set()  # sites this demo killed on purpose
         self.started = time.monotonic()
         self._print_lock = threading.Lock()
+        # `--data DIR`: the study the coordinator serves (`coordinator serve --study`).
+        self.served_study: Path | None = None
+        self.statistics_round: int | None = None
 
     def say(self, text: str) -> None:
         if not self.o.quiet:
@@ -192,6 +195,7 @@ class Demo:
             }
             if len(files) < 3:
                 raise ConfigError("--data", f"need at least 3 site CSVs in {self.o.data}")
+            self.draft_study({site: path for site, path in files.items() if path})
             return files
         from site_agent.synthetic import site_names
 
@@ -201,9 +205,29 @@ class Demo:
                  f"non-IID ({', '.join(names)}); each site generates only its own slice")
         return dict.fromkeys(names)
 
+    def draft_study(self, files: dict[str, Path]) -> None:
+        """`--data DIR`: the study every site is enrolled into (coordinator.demo_study)."""
+        from common.study_cli import render_study_toml
+        from coordinator.demo_study import draft_demo_study
+
+        study, notes = draft_demo_study(
+            files, name="medfed-demo", label_column=self.o.label_column,
+            patient_column=self.o.patient_column, rounds=self.o.rounds,
+            local_epochs=self.o.local_epochs, learning_rate=self.o.learning_rate,
+            batch_size=self.o.batch_size, epsilon=self.o.budget_epsilon, delta=self.o.delta,
+            histogram_bins=HISTOGRAM_BINS,
+        )
+        self.served_study = self.out / "study.toml"
+        self.served_study.write_text(render_study_toml(study), encoding="utf-8")
+        self.study = study
+        self.say(f"[setup] study {self.served_study}: {len(study.features)} features, "
+                 f"label {self.o.label_column!r}, {study.privacy.unit}-level DP; served with "
+                 "`coordinator serve --study`, sites enrolled into it")
+        for note in notes:
+            self.say(f"[setup]   {note} (read from the demo's files; a real study declares it)")
+
     def load_datasets(self, files: dict[str, Path | None]) -> tuple[dict[str, Any], list[str]]:
         """The same records the sites train on, for the in-process baselines."""
-        from site_agent.data import DatasetSchema, load_site_data
         from site_agent.synthetic import FEATURES, generate_cohort
 
         sites = sorted(files)
@@ -211,13 +235,14 @@ class Demo:
             cohort = generate_cohort(sites, seed=self.o.seed,
                                      patients_per_site=self.o.patients_per_site)
             return cohort, list(FEATURES)
-        first = files[sites[0]]
-        if first is None:
-            raise ConfigError("--data", "missing data file")
-        features = _csv_features(first, self.o.label_column, self.o.patient_column)
-        schema = DatasetSchema(features=features, label=self.o.label_column,
-                               patient_id=self.o.patient_column)
-        return {s: load_site_data(p, schema) for s, p in files.items() if p}, features
+        from coordinator.demo_study import exact_statistics
+        from site_agent.data import Preprocessor, load_study_table
+
+        tables = {s: load_study_table(p, self.study) for s, p in files.items() if p}
+        preprocess = Preprocessor(self.study, exact_statistics(tables, self.study,
+                                                               seed=self.o.seed))
+        datasets = {s: preprocess.site_data(t) for s, t in tables.items()}
+        return datasets, preprocess.feature_names()
 
     def baselines(self, datasets: dict[str, Any]) -> dict[str, dict[str, float]]:
         return compute_baselines(datasets, self.o)
@@ -248,23 +273,32 @@ class Demo:
         return path
 
     # -------------------------------------------------------------- federation
-    def start_coordinator(self, pki: Path, model: Path, n_sites: int) -> ManagedProcess:
+    def start_coordinator(self, pki: Path, model: Path | None, n_sites: int) -> ManagedProcess:
         # Every round waits for all sites (the killed one is restarted right after its
         # round), so each hospital's epsilon tells the same story.
         config = self.out / "coordinator.toml"
-        config.write_text(
-            f"""rounds = {self.o.rounds}
-min_sites = {n_sites}
-federation_id = "medfed-demo"
-
-[model]
+        study_args: tuple[str, ...] = ()
+        if self.served_study is not None or model is None:
+            # The study gives the model (built by the coordinator) and training settings.
+            if self.served_study is None:
+                raise StateError("the demo has neither an initial model nor a study")
+            model_and_training = ""
+            study_args = ("--study", str(self.served_study))
+        else:
+            model_and_training = f"""[model]
 init_file = "{model.resolve()}"
 
 [training]
 local_epochs = {self.o.local_epochs}
 learning_rate = {self.o.learning_rate}
 final_evaluation = true
+"""
+        config.write_text(
+            f"""rounds = {self.o.rounds}
+min_sites = {n_sites}
+federation_id = "medfed-demo"
 
+{model_and_training}
 [aggregation]
 histogram_bins = {HISTOGRAM_BINS}
 clip = 0.5
@@ -281,10 +315,17 @@ phase_seconds = {self.o.phase_seconds}
             medfed_argv("coordinator", "serve", "--config", str(config), "--pki", str(pki),
                         "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                         "--state", str(self.out / "coordinator"), "--exit-when-finished",
-                        "--linger-seconds", "5"),
+                        "--linger-seconds", "5", *study_args),
             log_dir=self.out / "logs",
         )
-        event = proc.wait_event("listening", timeout=120)
+        try:
+            event = proc.wait_event("listening", timeout=300)
+        except RuntimeError:
+            state = ("exited with code " + str(proc.proc.returncode) if not proc.alive
+                     else "did not start listening within 300 s")
+            proc.stop()
+            raise StateError(f"the coordinator {state}: {last_error(proc)} "
+                             f"(log: {self.out / 'logs' / 'coordinator.log'})") from None
         self.port = int(event["port"])
         self.say(f"[setup] coordinator listening on 127.0.0.1:{self.port} (mTLS only)")
         return proc
@@ -292,7 +333,10 @@ phase_seconds = {self.o.phase_seconds}
     def start_site(self, site: str, pki: Path, data: Path | None, *extra: str) -> ManagedProcess:
         config = self.out / "sites" / f"{site}.toml"
         config.parent.mkdir(parents=True, exist_ok=True)
-        if data is None:
+        if self.served_study is not None:
+            # The study (label, patient column, features) comes at enrolment.
+            source = f'path = "{data}"\nsplit_seed = {self.o.seed}\n'
+        elif data is None:
             source = (f"synthetic = true\nsynthetic_cohort_seed = {self.o.seed}\n"
                       f"split_seed = {self.o.seed}\n"
                       f"synthetic_patients = {self.o.patients_per_site}\n")
@@ -345,7 +389,7 @@ device = "cpu"
         sites = sorted(files)
         pki = self.make_pki(sites)
         datasets, features = self.load_datasets(files)
-        model = self.initial_model(len(features))
+        model = None if self.served_study is not None else self.initial_model(len(features))
         self.say("[baseline] training centralized and federated non-private baselines ...")
         baselines = self.baselines(datasets)
         for name, m in baselines.items():
@@ -356,7 +400,9 @@ device = "cpu"
             for site in sites:
                 extra: tuple[str, ...] = ()
                 if site == victim and self.o.kill_round:
-                    extra = ("--debug-pause-after", f"{self.o.kill_round}:masked_input")
+                    # With a study, round 1 is the federated DP statistics round.
+                    kill = self.o.kill_round + (1 if self.served_study is not None else 0)
+                    extra = ("--debug-pause-after", f"{kill}:masked_input")
                 self.start_site(site, pki, files[site], *extra)
             self.say(f"[federation] {len(sites)} site agents started; budget "
                      f"epsilon={self.o.budget_epsilon:g} at delta={self.o.delta:g} each")
@@ -382,10 +428,18 @@ device = "cpu"
                                      "reason": str(line.get("reason", ""))})
                 self.say(f"[round {line.get('round_number')}] aborted: {line.get('reason')}")
                 continue
+            if line.get("kind") == "statistics":
+                self.statistics_round = int(line.get("round_number", 0))
+                self.say(f"[round {self.statistics_round}] federated DP statistics: "
+                         f"{len(str(line.get('survivors', '')).split(','))} sites released "
+                         "noised sums and counts; every site standardises and imputes with "
+                         "the same global values")
+                continue
             done += 1
             self.record_round(line, sites)
+            kill = self.o.kill_round + (1 if self.served_study is not None else 0)
             if (self.o.kill_round and not restarted
-                    and int(line.get("round_number", 0)) >= self.o.kill_round):
+                    and int(line.get("round_number", 0)) >= kill):
                 self.start_site(victim, pki, files[victim])
                 restarted = True
                 self.say(f"[fault] {victim} restarted with its ledger: it rejoins next round")
@@ -481,6 +535,8 @@ device = "cpu"
                 for r in self.rows
             ],
             "aborted_rounds": self.aborted,
+            "study": str(self.served_study) if self.served_study else None,
+            "statistics_round": self.statistics_round,
             "evaluation_round": next(
                 (r.round for r in self.rows if r.evaluation_only), None
             ),
@@ -642,12 +698,6 @@ def _json(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return str(value)
-
-
-def _csv_features(path: Path, label: str, patient: str | None) -> list[str]:
-    with path.open(encoding="utf-8") as handle:
-        header = handle.readline().strip().split(",")
-    return [c for c in header if c not in {label, patient}]
 
 
 def compute_baselines(datasets: dict[str, Any], o: DemoOptions) -> dict[str, dict[str, float]]:

@@ -474,6 +474,7 @@ class RoundEngine:
                 "survivors": ",".join(result.survivors),
                 "dropped": ",".join(result.dropped),
                 "dropped_after_input": ",".join(sorted(rnd.dropped_after_input)),
+                "kind": "statistics" if result.statistics else "training",
                 "evaluation_only": ann.local_epochs == 0,
                 **result.metrics,
                 "secure": ann.secure_aggregation,

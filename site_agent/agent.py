@@ -56,16 +56,18 @@ from common.pki import (
     read_private_key_pem,
     site_id_from_certificate,
 )
+from common.privacy.accountant import Segment
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Mechanism
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.round import VerifiedRound, validate_for_site
+from common.round import RoundPlan, VerifiedRound, validate_for_site
 from common.secagg import messages as sm
 from common.secagg import round_floor
 from common.secagg.client import SecAggClient
 from common.statistics import StatisticsPlan, plan_statistics
 from common.study import (
+    GlobalStatistics,
     Study,
     check_statistics,
     statistics_from_bytes,
@@ -272,6 +274,7 @@ class SiteAgent:
         # Noise calibration runs here, concurrently with the key phases (one at a time:
         # a hook's trainer is not shared between threads).
         self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noise-plan")
+        self._pending_statistics: GlobalStatistics | None = None
         self._rss_before_download = 0
 
     # ------------------------------------------------------------- connection
@@ -460,7 +463,10 @@ class SiteAgent:
                 stats = statistics_from_bytes(announced.statistics)
                 if self.study is not None:
                     check_statistics(self.study, stats)
-                    self.hook.set_statistics(stats)
+                    # Encoding the records and re-planning the noise with them takes
+                    # seconds (tens on a loaded machine): it runs beside the key phases
+                    # (see _contribute), never before them.
+                    self._pending_statistics = stats
             self._run_round(stub, rnd, heard_at=heard_at)
         except BudgetExhausted as exc:
             log.warning("declining round %d: %s", ann.round, exc)
@@ -517,6 +523,14 @@ class SiteAgent:
             "peak_rss_bytes": proc_status_bytes("VmHWM"),
         })
 
+    def _plan_noise(self, plan: RoundPlan) -> list[Segment]:
+        """The planning thread's job: encode the records with the federation's global
+        statistics when a new release arrived, then plan this round's noise."""
+        pending, self._pending_statistics = self._pending_statistics, None
+        if pending is not None:
+            self.hook.set_statistics(pending)
+        return list(self.hook.planned_segments(plan))
+
     def _refuse_recorded_round(self, rnd: VerifiedRound) -> None:
         if self.ledger is not None and any(
             entry.round == rnd.number and entry.purpose in ROUND_PURPOSES
@@ -544,7 +558,7 @@ class SiteAgent:
             # Noise calibration can take tens of seconds on a loaded machine: it starts
             # once our keys exist and runs while they are exchanged (keys reveal nothing
             # about the data), so the key phases never wait for it; training does.
-            planning = self._planner.submit(self.hook.planned_segments, rnd.plan)
+            planning = self._planner.submit(self._plan_noise, rnd.plan)
             download = _ModelDownload(self, stub, rnd)
             keys = (
                 self._exchange_keys(stub, rnd, client, advertisement, heard_at=heard_at)
