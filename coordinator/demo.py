@@ -50,6 +50,7 @@ class DemoOptions:
     # "hospital": hospital-level DP on the model updates (issue 13), no DP-SGD beneath.
     privacy_unit: str = "auto"
     update_clip_norm: float = 1.0
+    intermediaries: int = 1  # v per hospital (needs --data: a study carries it)
 
 
 @dataclass
@@ -89,6 +90,9 @@ def register(subparsers: Any) -> None:
                         help="hospital: each site's whole update clipped to "
                         "--update-clip-norm and noised in the SecAgg ring (DDGauss)")
     parser.add_argument("--update-clip-norm", type=float, default=d.update_clip_norm)
+    parser.add_argument("--intermediaries", type=int, default=d.intermediaries,
+                        help="hospital-level DP: v disjoint patient groups per hospital, "
+                        "each clipped alone (needs --data)")
     imaging = parser.add_argument_group("imaging (--task imaging)")
     imaging.add_argument("--task", choices=["tabular", "imaging"], default="tabular",
                          help="tabular: the sepsis cohort (default); imaging: five hospitals' "
@@ -122,6 +126,7 @@ def _main(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         privacy_unit=args.privacy_unit,
         update_clip_norm=args.update_clip_norm,
+        intermediaries=args.intermediaries,
     )
     validate_options(options)
     report = Demo(options).run()
@@ -160,6 +165,8 @@ def validate_options(o: DemoOptions) -> None:
         raise ConfigError("--rounds", "must be >= 1")
     if o.kill_round < 0 or o.kill_round > o.rounds:
         raise ConfigError("--kill-round", f"must be between 0 and --rounds ({o.rounds})")
+    if o.intermediaries != 1 and (o.privacy_unit != "hospital" or o.data is None):
+        raise ConfigError("--intermediaries", "needs --privacy-unit hospital and --data")
     if o.data is not None and not o.data.is_dir():
         raise ConfigError("--data", f"{o.data} is not a folder")
 
@@ -217,6 +224,8 @@ class Demo:
             batch_size=self.o.batch_size, epsilon=self.o.budget_epsilon, delta=self.o.delta,
             histogram_bins=HISTOGRAM_BINS,
         )
+        if self.o.privacy_unit == "hospital":
+            study = hospital_study(study, self.o)
         self.served_study = self.out / "study.toml"
         self.served_study.write_text(render_study_toml(study), encoding="utf-8")
         self.study = study
@@ -740,3 +749,15 @@ def hospital_report(out: Path, sites: list[str], o: DemoOptions) -> dict[str, An
                                                accountant=header.accountant)
     return {"epsilon": epsilon, "update_clip_norm": o.update_clip_norm,
             "note": "hospital-level epsilon covers the model updates only"}
+
+
+def hospital_study(study: Any, o: DemoOptions) -> Any:
+    """The drafted study under hospital-level DP (issue 13): unit hospital, clip S and
+    the intermediaries per hospital; z is planned from the study's epsilon."""
+    from common.study import StudyPrivacySection
+
+    privacy = StudyPrivacySection.model_validate({
+        **study.privacy.model_dump(), "unit": "hospital",
+        "update_clip_norm": o.update_clip_norm, "intermediaries": o.intermediaries,
+    })
+    return study.model_copy(update={"privacy": privacy})

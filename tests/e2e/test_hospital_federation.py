@@ -131,9 +131,10 @@ def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProces
 
 
 def test_demo_hospital_level_row(tmp_path: Path) -> None:
-    """`medfed demo --privacy-unit hospital`: the federation trains with hospital-level
-    DP, the table names the row, and the report gives each site's hospital-level epsilon
-    (model updates only) next to its composed per-patient one."""
+    """`medfed demo --privacy-unit hospital --intermediaries 2`: the federation trains
+    with hospital-level DP (two intermediaries per hospital), the table names the row,
+    and the report gives each site's hospital-level epsilon (model updates only) next to
+    its composed per-patient one."""
     sites = ["north", "south", "east"]
     cohort = generate_cohort(sites, seed=3, patients_per_site=300)
     write_site_csvs(tmp_path / "data", cohort)
@@ -144,6 +145,7 @@ def test_demo_hospital_level_row(tmp_path: Path) -> None:
             "--patient-column", "patient_id", "--out", str(out), "--rounds", "2",
             "--kill-round", "0", "--delta", "1e-3", "--budget-epsilon", "8",
             "--privacy-unit", "hospital", "--update-clip-norm", "1.0",
+            "--intermediaries", "2",
         ),
         cwd=REPO, capture_output=True, text=True, timeout=850, check=False,
     )
@@ -158,5 +160,5 @@ def test_demo_hospital_level_row(tmp_path: Path) -> None:
         _, entries = read_ledger(out / "sites" / site / "privacy-ledger.db")
         trained = [e for e in entries if e.purpose == "training"]
         assert len(trained) == 2
-        assert all(isinstance(m, DistributedDiscreteGaussian)
+        assert all(isinstance(m, DistributedDiscreteGaussian) and m.units == 2
                    for e in trained for m in e.mechanisms)
