@@ -684,8 +684,12 @@ device = "cpu"
         if "hospital" in report:
             self.say("  hospital-level epsilon (MODEL UPDATES ONLY; the figures above compose "
                      "every release and bound each patient):")
+            v = report["hospital"]["intermediaries"]
+            units = report["hospital"]["intermediary_epsilon"]
             for site, value in report["hospital"]["epsilon"].items():
-                self.say(f"  {site:<18} epsilon {value:6.2f}")
+                extra = (f"  ({v}-fold group privacy of the intermediary-level "
+                         f"{units[site]:.2f})" if site in units else "")
+                self.say(f"  {site:<18} epsilon {value:6.2f}{extra}")
         self.say(f"\nReport: {self.out / 'report.json'}; plots: auc_by_round.png, "
                  f"epsilon_by_round.png ({report['seconds']:.0f} s)")
 
@@ -734,10 +738,11 @@ def hospital_aggregation(o: DemoOptions) -> str:
 
 def hospital_report(out: Path, sites: list[str], o: DemoOptions) -> dict[str, Any]:
     """Each site's hospital-level epsilon (model updates only), from its own ledger."""
-    from common.privacy.hospital import hospital_level_epsilon
+    from common.privacy.hospital import hospital_level_epsilon, intermediary_level_epsilon
     from common.privacy.ledger import read_ledger
 
-    epsilon = {}
+    epsilon: dict[str, float] = {}
+    intermediary: dict[str, float] = {}
     for site in sites:
         path = out / "sites" / site / "privacy-ledger.db"
         if not path.exists():
@@ -747,7 +752,12 @@ def hospital_report(out: Path, sites: list[str], o: DemoOptions) -> dict[str, An
         pairs = [(e.purpose, tuple(getattr(e, "mechanisms", ()))) for e in entries]
         epsilon[site] = hospital_level_epsilon(pairs, delta=header.delta,
                                                accountant=header.accountant)
-    return {"epsilon": epsilon, "update_clip_norm": o.update_clip_norm,
+        unit = intermediary_level_epsilon(pairs, delta=header.delta,
+                                          accountant=header.accountant)
+        if unit is not None:
+            intermediary[site] = unit
+    return {"epsilon": epsilon, "intermediary_epsilon": intermediary,
+            "intermediaries": o.intermediaries, "update_clip_norm": o.update_clip_norm,
             "note": "hospital-level epsilon covers the model updates only"}
 
 
