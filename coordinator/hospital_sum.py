@@ -10,9 +10,11 @@ contributed (each counts once; weighting by size would raise the sensitivity abo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 
+from common.bundle import GroupGuarantee
 from common.config import AggregationSection
 from common.egress import EVALUATION_HISTOGRAM, HOSPITAL_UPDATE, WEIGHT
 from common.errors import ConfigError, ValidationError
@@ -113,3 +115,44 @@ def replica_epsilons(replica: LedgerReplica) -> dict[str, tuple[float, float]]:
         out[site] = (hospital.hospital_level_epsilon(
             pairs, delta=terms.delta, accountant=terms.accountant), terms.delta)
     return out
+
+
+def card_mechanisms(study: Study) -> tuple[str, ...]:
+    """The card's mechanisms under hospital-level DP (empty for record/patient)."""
+    if study.privacy.unit != "hospital":
+        return ()
+    return (
+        "distributed-discrete-gaussian (hospital-level: each site's whole update clipped "
+        "to L2 <= S and noised by the sites in the SecAgg+ ring; Kairouz, Liu & Steinke "
+        "2021)",
+        "distributed-discrete-gaussian (federated statistics, once per study)",
+    )
+
+
+def card_parts(
+    study: Study, epsilons: Mapping[str, tuple[float, float]]
+) -> tuple[tuple[GroupGuarantee, ...], tuple[str, ...]]:
+    """(group guarantees, notes) naming the two guarantees of a hospital-level study:
+    `sites[].epsilon` composes every release (a per-patient bound); the hospital-level
+    epsilon covers the model updates only."""
+    if study.privacy.unit != "hospital":
+        return (), ()
+    terms = hospital.study_terms(study)
+    guarantees = tuple(
+        GroupGuarantee(
+            unit="hospital", epsilon=epsilon, delta=delta,
+            note=(f"site {site}: model updates only (clip S = {terms.clip:g}, noise "
+                  f"multiplier {terms.noise_multiplier:.3g}"
+                  + (f", {terms.intermediaries} intermediaries: {terms.intermediaries}-fold "
+                     "group privacy of the per-intermediary guarantee"
+                     if terms.intermediaries > 1 else "")
+                  + "); statistics, evaluation histograms and the cohort count are "
+                  "bounded per patient"),
+        )
+        for site, (epsilon, delta) in sorted(epsilons.items())
+    )
+    notes = (
+        "hospital-level DP: the group guarantees (unit hospital) cover the MODEL UPDATES "
+        "ONLY; sites[].epsilon composes every release and is the per-patient guarantee",
+    )
+    return guarantees, notes

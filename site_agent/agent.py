@@ -45,6 +45,7 @@ from common.errors import (
     ConfigError,
     CryptoError,
     FederationFinished,
+    LedgerForkError,
     ProtocolAbort,
     RoundFailed,
     ValidationError,
@@ -57,7 +58,7 @@ from common.pki import (
     site_id_from_certificate,
 )
 from common.privacy.accountant import Segment
-from common.privacy.ledger import PrivacyLedger
+from common.privacy.ledger import PrivacyLedger, recovery_hint
 from common.privacy.mechanisms import Mechanism
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
@@ -369,12 +370,7 @@ class SiteAgent:
 
     def _session(self) -> None:
         stub = self._connect()
-        resp = stub.Enroll(
-            pb.EnrollRequest(
-                agent_version=AGENT_VERSION, budget=self.budget_pb(), device=self.hook.device
-            ),
-            timeout=30,
-        )
+        resp = self._enroll(stub)
         self.metrics.connected.set(1)
         self._accept_crl(resp.crl_der)
         self._backoff = self.settings.reconnect.initial_backoff_seconds
@@ -384,13 +380,7 @@ class SiteAgent:
         if self._join(resp):
             # The ledger opened only now (its privacy unit follows from the study): enrol
             # again with its head, so the coordinator checks it against its replica.
-            resp = stub.Enroll(
-                pb.EnrollRequest(
-                    agent_version=AGENT_VERSION, budget=self.budget_pb(),
-                    device=self.hook.device,
-                ),
-                timeout=30,
-            )
+            resp = self._enroll(stub)
             self._replica_seq = resp.ledger_seq_held
         while not self.stop.is_set():
             self._replicate(stub)
@@ -408,7 +398,35 @@ class SiteAgent:
             self._take_part(stub, waited.round)
             limit = self.settings.exit_after_rounds
             if limit is not None and self.rounds_done >= limit:
+                self._replicate(stub)  # leave the replica our latest entries
                 return
+
+    def _enroll(self, stub: pb_grpc.FederationStub) -> pb.EnrollResponse:
+        """Enrol with our budget and ledger head. A refusal of a reported ledger head
+        (the coordinator's replica holds more: a reset, shrunk or forked ledger) ends
+        the agent with the way out, instead of reconnecting for ever."""
+        # Before the study is known the ledger may not be open yet: report no budget at
+        # all rather than an empty ledger, which the coordinator's replica rightly
+        # refuses as a reset for a site that already spent (a restarted site).
+        budget = self.budget_pb() if self.ledger is not None else pb.BudgetStatus()
+        try:
+            resp: pb.EnrollResponse = stub.Enroll(
+                pb.EnrollRequest(
+                    agent_version=AGENT_VERSION, budget=budget, device=self.hook.device
+                ),
+                timeout=30,
+            )
+        except grpc.RpcError as exc:
+            refused = exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+            if not refused or self.ledger is None or not budget.ledger_head:
+                raise
+            path = self.ledger.path
+            raise LedgerForkError(
+                f"the coordinator refused this site's privacy ledger {path} "
+                f"(FAILED_PRECONDITION: {exc.details()}); the site stops rather than spend "
+                "a budget it already spent. Move the ledger aside and " + recovery_hint(path)
+            ) from None
+        return resp
 
     def _join(self, resp: pb.EnrollResponse) -> bool:
         """Check the coordinator's study against this site's policy and data BEFORE
