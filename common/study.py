@@ -479,6 +479,14 @@ def check_statistics(study: Study, statistics: GlobalStatistics) -> None:
         values = statistics.numeric[name]
         if spec.range != "auto" and (values.clip_low, values.clip_high) != tuple(spec.range):
             raise ValidationError(f"statistics: clip range of {name!r} differs from the study")
+        # The release decodes mean and imputation value inside the clip range; anything
+        # else was not computed from it (a coordinator probing the site's encoding).
+        for what, value in (("mean", values.mean), ("impute", values.impute)):
+            if not values.clip_low <= value <= values.clip_high:
+                raise ValidationError(
+                    f"statistics: {what} of {name!r} ({value:g}) lies outside its clip range "
+                    f"[{values.clip_low:g}, {values.clip_high:g}]"
+                )
     for name, spec in categorical.items():
         level = statistics.categorical[name].impute
         if level is not None and level not in (spec.levels or ()):
@@ -560,6 +568,16 @@ def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
         problems.append(
             f"privacy.max_epsilon_per_round = {requested.max_epsilon_per_round} exceeds this "
             f"site's {policy.max_epsilon_per_round:g}"
+        )
+    # The statistics release is one release too (the site plans its noise from the
+    # study's statistics_epsilon): a study asking for a nearly noiseless one, which
+    # holds the unit and missing counts, is refused by the per-round cap and budget.
+    cap = policy.epsilon if policy.max_epsilon_per_round is None else min(
+        policy.max_epsilon_per_round, policy.epsilon)
+    if requested.statistics_epsilon > cap:
+        problems.append(
+            f"privacy.statistics_epsilon = {requested.statistics_epsilon:g} exceeds this "
+            f"site's {cap:g}"
         )
     factory = study.model.custom
     if factory is not None and factory not in policy.allowed_model_factories:

@@ -6,7 +6,8 @@ A PKI, one coordinator and five site agents as separate processes over mutual TL
 Several rounds of DP-SGD with SecAgg+; one site is killed mid-round (its masks are
 recovered) and restarted later. Then the privacy/utility table of seed 002:
 centralized non-private vs federated non-private vs federated with DP and secure
-aggregation, and each site's epsilon against its budget.
+aggregation, each site's epsilon against its budget (training and evaluation apart),
+and the membership-inference audit line (coordinator/demo_audit.py; `--no-audit`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class DemoOptions:
     privacy_unit: str = "auto"
     update_clip_norm: float = 1.0
     intermediaries: int = 1  # v per hospital (needs --data: a study carries it)
+    audit: bool = True
 
 
 @dataclass
@@ -93,6 +95,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--intermediaries", type=int, default=d.intermediaries,
                         help="hospital-level DP: v disjoint patient groups per hospital, "
                         "each clipped alone (needs --data)")
+    parser.add_argument("--no-audit", dest="audit", action="store_false",
+                        help="skip the membership-inference audit (about 30 s on 2 cores)")
     imaging = parser.add_argument_group("imaging (--task imaging)")
     imaging.add_argument("--task", choices=["tabular", "imaging"], default="tabular",
                          help="tabular: the sepsis cohort (default); imaging: five hospitals' "
@@ -127,6 +131,7 @@ def _main(args: argparse.Namespace) -> int:
         privacy_unit=args.privacy_unit,
         update_clip_norm=args.update_clip_norm,
         intermediaries=args.intermediaries,
+        audit=args.audit,
     )
     validate_options(options)
     report = Demo(options).run()
@@ -179,6 +184,7 @@ class Demo:
         self.rows: list[RoundRow] = []
         self.aborted: list[dict[str, Any]] = []
         self.killed: set[ManagedProcess] = set()  # sites this demo killed on purpose
+        self.audit: dict[str, Any] = {"skipped": True, "reason": "not run"}
         self.started = time.monotonic()
         self._print_lock = threading.Lock()
         # `--data DIR`: the study the coordinator serves (`coordinator serve --study`).
@@ -380,6 +386,50 @@ device = "cpu"
         self.procs[site] = proc
         return proc
 
+    def privacy_audit(self, datasets: dict[str, Any]) -> dict[str, Any]:
+        """Membership-inference audit on one site's records (coordinator/demo_audit.py)."""
+        from coordinator.demo_audit import demo_audit, skipped
+        from site_agent.data import SiteData
+
+        if not self.o.audit:
+            return skipped("--no-audit")
+        if not all(isinstance(d, SiteData) for d in datasets.values()):
+            return skipped("the audit runs on tables; image data is not audited yet")
+        self.say("[audit] membership inference on one site's records, without DP and with "
+                 f"DP at epsilon {self.o.budget_epsilon:g} ...")
+        model = None
+        if self.served_study is not None:  # `--data`: the study's encoding and model
+            from site_agent.audit import study_audit_model
+
+            model = study_audit_model(self.study)
+        result = demo_audit(datasets, epsilon=self.o.budget_epsilon, delta=self.o.delta,
+                            seed=self.o.seed, model=model)
+        self.say(f"[audit] {result.get('line') or 'skipped: ' + str(result.get('reason'))}")
+        return result
+
+    def epsilon_by_purpose(self, sites: list[str]) -> dict[str, dict[str, float]]:
+        """Each site's epsilon per ledger purpose (training, evaluation, statistics,
+        count), each purpose's entries composed ALONE: they do not add up to the total."""
+        from common.privacy.accountant import account
+        from common.privacy.ledger import read_ledger
+
+        out: dict[str, dict[str, float]] = {}
+        for site in sites:
+            path = self.out / "sites" / site / "privacy-ledger.db"
+            if not path.exists():
+                out[site] = {}
+                continue
+            header, entries = read_ledger(path)
+            grouped: dict[str, list[Any]] = {}
+            for entry in entries:
+                mechanisms = getattr(entry, "mechanisms", entry.segments)
+                grouped.setdefault(getattr(entry, "purpose", "training"), []).extend(mechanisms)
+            out[site] = {
+                purpose: account(ms, delta=header.delta, accountant=header.accountant).epsilon
+                for purpose, ms in sorted(grouped.items())
+            }
+        return out
+
     def epsilon_by_site(self, sites: list[str]) -> dict[str, float]:
         from common.privacy.ledger import read_ledger
 
@@ -403,6 +453,7 @@ device = "cpu"
         baselines = self.baselines(datasets)
         for name, m in baselines.items():
             self.say(f"[baseline] {name:<18} AUC {m['auc']:.3f}")
+        self.audit = self.privacy_audit(datasets)
         coordinator = self.start_coordinator(pki, model, len(sites))
         victim = sites[-1]
         try:
@@ -554,9 +605,12 @@ device = "cpu"
             "final": {
                 **{k: final_metrics.get(k) for k in ("auc", "sensitivity", "specificity", "ppv")},
                 "epsilon": eps,
+                # Each purpose composed alone (they do not add up to "epsilon").
+                "epsilon_by_purpose": self.epsilon_by_purpose(sites),
                 "budget": {s: self.o.budget_epsilon for s in sites},
             },
             "baselines": baselines,
+            "privacy_audit": self.audit,
             "seconds": round(time.monotonic() - self.started, 1),
         }
         if self.o.privacy_unit == "hospital":
@@ -638,17 +692,21 @@ device = "cpu"
         styles = ("-", "--", "-.", ":")
         markers = ("o", "s", "^", "D", "v", "P", "X", "*")
         # Every site's line starts at (0, 0): nothing spent before the first round.
+        # Sites that spend alike would hide each other: each is shifted a little in x.
         xs = [0] + [r["round"] for r in report["rounds"]]
+        n_sites = len(report["sites"])
         for index, site in enumerate(report["sites"]):
+            shift = 0.12 * (index - (n_sites - 1) / 2) / max(n_sites - 1, 1)
             ys = [0.0] + [r["epsilon"].get(site, 0.0) for r in report["rounds"]]
-            ax.plot(xs, ys, linestyle=styles[index % len(styles)],
+            ax.plot([x + shift for x in xs], ys, linestyle=styles[index % len(styles)],
                     marker=markers[index % len(markers)], markersize=5, label=site)
-        ax.axhline(self.o.budget_epsilon, color="red", linestyle=":", label="budget")
+        ax.axhline(self.o.budget_epsilon, color="black", linestyle="--", linewidth=1,
+                   label="budget")
         self._mark_rounds(ax, report)
         ax.set_ylim(bottom=0)
-        ax.set_xlim(left=0)
+        ax.set_xlim(left=-0.1)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("round")
+        ax.set_xlabel("round (sites offset slightly so equal spends stay visible)")
         ax.set_ylabel(f"epsilon spent (delta={self.o.delta:g}, composed)")
         ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, borderaxespad=0)
         fig.tight_layout()
@@ -674,13 +732,23 @@ device = "cpu"
                 for c in cols
             )
             self.say(f"{name:<{width}}{values}")
+        audit = report.get("privacy_audit") or {}
+        if audit.get("skipped", True):
+            self.say(f"membership inference AUC: not measured ({audit.get('reason', '-')})")
+        else:
+            self.say(f"{audit['line']} (one-run audit on {audit['site']}: epsilon lower bound "
+                     f"{audit['no_dp']['epsilon_lower_bound']:.2f} without DP, "
+                     f"{audit['dp']['epsilon_lower_bound']:.2f} with DP at 95%)")
         self.say("")
-        self.say(f"Privacy ({report['privacy_unit']}-level DP, delta={self.o.delta:g}):")
+        self.say(f"Privacy ({report['privacy_unit']}-level DP, delta={self.o.delta:g}; "
+                 "per purpose: each composed alone):")
         for site in report["sites"]:
             spent = report["final"]["epsilon"][site]
             budget = report["final"]["budget"][site]
+            purposes = report["final"].get("epsilon_by_purpose", {}).get(site, {})
+            split = ", ".join(f"{p} {e:.2f}" for p, e in purposes.items())
             self.say(f"  {site:<18} epsilon {spent:6.2f} of {budget:g} "
-                     f"({100 * spent / budget:4.0f}% of budget)")
+                     f"({100 * spent / budget:4.0f}% of budget)" + (f"; {split}" if split else ""))
         if "hospital" in report:
             self.say("  hospital-level epsilon (MODEL UPDATES ONLY; the figures above compose "
                      "every release and bound each patient):")

@@ -57,6 +57,9 @@ def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
     # still completed with the others.
     assert rounds[0]["dropped"] == ["west"]
     assert len(rounds[0]["participants"]) == 4
+    # Restarted with its ledger, it enrols (before its study opens the ledger, then with
+    # the ledger's head, checked against the replica) and takes part again.
+    assert "west" in rounds[1]["participants"]
     for key in ("auc", "sensitivity", "specificity", "ppv"):
         assert 0.0 <= report["final"][key] <= 1.0
         for baseline in ("centralized_nodp", "federated_nodp"):
@@ -73,6 +76,27 @@ def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
     assert (out / "auc_by_round.png").stat().st_size > 1000
     assert (out / "epsilon_by_round.png").stat().st_size > 1000
     assert "Federated + DP" in result.stdout
+    # Epsilon on evaluation apart from training, per site, from each site's ledger
+    # (each purpose composed alone, so neither exceeds the composed total).
+    for site in SITES:
+        purposes = report["final"]["epsilon_by_purpose"][site]
+        assert purposes["training"] > 0 and purposes["evaluation"] > 0
+        assert max(purposes.values()) <= report["final"]["epsilon"][site] + 1e-9
+    assert "evaluation" in result.stdout and "training" in result.stdout
+    # The membership-inference audit line next to the seed-002 table.
+    audit = report["privacy_audit"]
+    assert audit["skipped"] is False and audit["site"] == "east"
+    assert audit["no_dp"]["epsilon_claimed"] is None
+    assert audit["dp"]["epsilon_claimed"] == pytest.approx(4.0, rel=0.05)
+    assert audit["dp"]["epsilon_lower_bound"] < audit["dp"]["epsilon_claimed"]
+    for part in ("no_dp", "dp"):
+        assert 0.0 <= audit[part]["attack_auc"] <= 1.0
+        assert 0.0 <= audit[part]["tpr_at_1pct_fpr"] <= 1.0
+    assert audit["line"] == (
+        f"membership inference AUC: no DP {audit['no_dp']['attack_auc']:.2f}, "
+        f"DP eps=4 {audit['dp']['attack_auc']:.2f}"
+    )
+    assert audit["line"] in result.stdout
     # Every site that finished holds the same final model as the coordinator.
     final = Path(model["path"]).read_bytes()
     for site in SITES[:-1]:

@@ -145,7 +145,7 @@ def test_demo_hospital_level_row(tmp_path: Path) -> None:
             "--patient-column", "patient_id", "--out", str(out), "--rounds", "2",
             "--kill-round", "0", "--delta", "1e-3", "--budget-epsilon", "8",
             "--privacy-unit", "hospital", "--update-clip-norm", "1.0",
-            "--intermediaries", "2",
+            "--intermediaries", "2", "--no-audit",
         ),
         cwd=REPO, capture_output=True, text=True, timeout=850, check=False,
     )
