@@ -208,6 +208,9 @@ class StudyPrivacySection(_Section):
     max_epsilon_per_round: float | None = Field(default=None, gt=0, le=100)
     # Hospital-level DP (issue 13): whole-update clip norm S and adaptive intermediaries.
     update_clip_norm: float | None = Field(default=None, gt=0)
+    # z: the securely summed update carries discrete Gaussian noise of std z * S per
+    # coordinate. None: planned from epsilon (common.privacy.hospital.study_terms).
+    update_noise_multiplier: float | None = Field(default=None, gt=0, le=1000)
     intermediaries: Literal["auto"] | int = "auto"
     # Once-per-study DP releases (issue 10): statistics for preprocessing, cohort count.
     statistics_epsilon: float = Field(default=0.5, gt=0, le=100)
@@ -223,8 +226,12 @@ class StudyPrivacySection(_Section):
 
     @model_validator(mode="after")
     def _hospital_only(self) -> StudyPrivacySection:
-        if self.unit != "hospital" and self.update_clip_norm is not None:
-            raise ValueError("update_clip_norm applies to unit = 'hospital' only")
+        if self.unit != "hospital" and (
+            self.update_clip_norm is not None or self.update_noise_multiplier is not None
+        ):
+            raise ValueError(
+                "update_clip_norm and update_noise_multiplier apply to unit = 'hospital' only"
+            )
         if self.max_epsilon_per_round is not None and self.max_epsilon_per_round > self.epsilon:
             raise ValueError("max_epsilon_per_round must not exceed epsilon")
         return self

@@ -77,6 +77,7 @@ from common.study import (
 )
 from common.tls import SiteTlsFiles, channel_credentials_from_files
 from site_agent import dp_release
+from site_agent import hospital as hospital_round
 from site_agent.datacheck import site_policy
 from site_agent.hooks import LocalUpdate, TrainingHook
 from site_agent.metrics import SiteMetrics
@@ -529,6 +530,8 @@ class SiteAgent:
                  extra={"event": "round_selected", "round_number": rnd.number,
                         "planned_rounds": plan.planned_rounds})
         self._last_update = None
+        hospital_round.require_hospital_round(
+            rnd, hospital_mode=bool(getattr(self.hook, "hospital", False)))
         evaluation = self._evaluation_mechanisms(rnd)
         self._refuse_recorded_round(rnd)
         with Heartbeats(stub, rnd.number, rnd.heartbeat_seconds) as heartbeats:
@@ -588,7 +591,14 @@ class SiteAgent:
             # wait on the slowest site): neither delays the other.
             global_flat = download.result()
             log.debug("round %d: keys exchanged, model downloaded", rnd.number)
-            segments = planning.result()
+            segments: list[Mechanism] = list(planning.result())
+            planned_hospital = None
+            if rnd.announcement.is_hospital:
+                # Hospital-level DP (issue 13): the DDGauss round joins the training
+                # entry, so it too is on the ledger before training starts.
+                planned_hospital = hospital_round.plan_round(
+                    rnd, study=self.study, policy=self.settings.policy)
+                segments = [*segments, planned_hospital.mechanism]
             if self.ledger is not None and (segments or evaluation):
                 after = self.ledger.preview(rnd.number, [*segments, *evaluation])
                 if after > self.ledger.budget_epsilon:
@@ -616,7 +626,8 @@ class SiteAgent:
             self.metrics.training_seconds.observe(time.perf_counter() - started)
             self.metrics.samples_used.set(update.num_samples)
             self.metrics.patients_used.set(update.patients)
-            vector = self._encode(rnd, update)
+            vector = (self._encode(rnd, update) if planned_hospital is None
+                      else hospital_round.encode(rnd, update, planned_hospital))
             log.debug("round %d: update trained and encoded", rnd.number)
             if self.settings.debug_write_updates:
                 self._write_debug(rnd.number, vector)
