@@ -52,8 +52,10 @@ HOSPITALS: dict[str, Scanner] = {
 
 LABELS_FILE = "labels.csv"
 
-LESION_AMPLITUDE = 0.22
-"""Peak brightness of a lesion over the tissue (before the scanner's contrast)."""
+LESION_AMPLITUDE = 0.5
+"""Peak brightness of a lesion over the tissue (before the scanner's contrast). Strong
+enough that the demo's DP model learns visibly at its smallest size (16 px images, 70
+patients a site, 2 rounds: DP AUC about 0.75); at 0.22 it stayed near 0.5 there."""
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,10 @@ def test_imaging_demo_writes_report_with_the_model(tmp_path: Path) -> None:
         assert 0.0 <= report["final"][key] <= 1.0
         for baseline in ("centralized_nodp", "federated_nodp"):
             assert 0.0 <= report["baselines"][baseline][key] <= 1.0
+    # The DP model learns even this small (fixed data seeds; the DP noise is fresh each
+    # run: measured 0.74-0.85 in-process, see IMAGING_DEFAULTS), not a coin flip.
+    assert report["final"]["auc"] > 0.65, report["final"]
+    assert report["baselines"]["centralized_nodp"]["auc"] > 0.65
     for site in sites:
         assert 0.0 < report["final"]["epsilon"][site] <= 6.0
     assert (out / "auc_by_round.png").stat().st_size > 1000
