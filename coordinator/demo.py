@@ -155,6 +155,9 @@ def validate_options(o: DemoOptions) -> None:
 
 
 class Demo:
+    histogram_bins = HISTOGRAM_BINS
+    """Score bins of the federation's DP evaluation histogram (a subclass may change it)."""
+
     def __init__(self, options: DemoOptions) -> None:
         self.o = options
         self.out = options.out
@@ -256,7 +259,7 @@ learning_rate = {self.o.learning_rate}
 final_evaluation = true
 
 [aggregation]
-histogram_bins = {HISTOGRAM_BINS}
+histogram_bins = {self.histogram_bins}
 clip = 0.5
 
 [deadlines]
