@@ -16,6 +16,7 @@ BENCHMARK_MODULES: list[str] = [
     "bench.round",
     "bench.soak",
     "bench.ddgauss",
+    "bench.noiseplan",
 ]
 """Registrars of `medfed bench` subcommands, in help order."""
 

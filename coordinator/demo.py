@@ -6,7 +6,8 @@ A PKI, one coordinator and five site agents as separate processes over mutual TL
 Several rounds of DP-SGD with SecAgg+; one site is killed mid-round (its masks are
 recovered) and restarted later. Then the privacy/utility table of seed 002:
 centralized non-private vs federated non-private vs federated with DP and secure
-aggregation, and each site's epsilon against its budget.
+aggregation, each site's epsilon against its budget (training and evaluation apart),
+and the membership-inference audit line (coordinator/demo_audit.py; `--no-audit`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class DemoOptions:
     batch_size: int = 2048
     phase_seconds: float = 30.0
     quiet: bool = False
+    audit: bool = True
 
 
 @dataclass
@@ -81,6 +83,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--kill-round", type=int, default=d.kill_round,
                         help="round in which one site is killed (0: none)")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--no-audit", dest="audit", action="store_false",
+                        help="skip the membership-inference audit (about 30 s on 2 cores)")
     imaging = parser.add_argument_group("imaging (--task imaging)")
     imaging.add_argument("--task", choices=["tabular", "imaging"], default="tabular",
                          help="tabular: the sepsis cohort (default); imaging: five hospitals' "
@@ -112,6 +116,7 @@ def _main(args: argparse.Namespace) -> int:
         label_column=args.label_column,
         patient_column=patient_column,
         quiet=args.quiet,
+        audit=args.audit,
     )
     validate_options(options)
     report = Demo(options).run()
@@ -165,8 +170,12 @@ class Demo:
         self.rows: list[RoundRow] = []
         self.aborted: list[dict[str, Any]] = []
         self.killed: set[ManagedProcess] = set()  # sites this demo killed on purpose
+        self.audit: dict[str, Any] = {"skipped": True, "reason": "not run"}
         self.started = time.monotonic()
         self._print_lock = threading.Lock()
+        # `--data DIR`: the study the coordinator serves (`coordinator serve --study`).
+        self.served_study: Path | None = None
+        self.statistics_round: int | None = None
 
     def say(self, text: str) -> None:
         if not self.o.quiet:
@@ -185,6 +194,7 @@ class Demo:
             }
             if len(files) < 3:
                 raise ConfigError("--data", f"need at least 3 site CSVs in {self.o.data}")
+            self.draft_study({site: path for site, path in files.items() if path})
             return files
         from site_agent.synthetic import site_names
 
@@ -194,9 +204,29 @@ class Demo:
                  f"non-IID ({', '.join(names)}); each site generates only its own slice")
         return dict.fromkeys(names)
 
+    def draft_study(self, files: dict[str, Path]) -> None:
+        """`--data DIR`: the study every site is enrolled into (coordinator.demo_study)."""
+        from common.study_cli import render_study_toml
+        from coordinator.demo_study import draft_demo_study
+
+        study, notes = draft_demo_study(
+            files, name="medfed-demo", label_column=self.o.label_column,
+            patient_column=self.o.patient_column, rounds=self.o.rounds,
+            local_epochs=self.o.local_epochs, learning_rate=self.o.learning_rate,
+            batch_size=self.o.batch_size, epsilon=self.o.budget_epsilon, delta=self.o.delta,
+            histogram_bins=HISTOGRAM_BINS,
+        )
+        self.served_study = self.out / "study.toml"
+        self.served_study.write_text(render_study_toml(study), encoding="utf-8")
+        self.study = study
+        self.say(f"[setup] study {self.served_study}: {len(study.features)} features, "
+                 f"label {self.o.label_column!r}, {study.privacy.unit}-level DP; served with "
+                 "`coordinator serve --study`, sites enrolled into it")
+        for note in notes:
+            self.say(f"[setup]   {note} (read from the demo's files; a real study declares it)")
+
     def load_datasets(self, files: dict[str, Path | None]) -> tuple[dict[str, Any], list[str]]:
         """The same records the sites train on, for the in-process baselines."""
-        from site_agent.data import DatasetSchema, load_site_data
         from site_agent.synthetic import FEATURES, generate_cohort
 
         sites = sorted(files)
@@ -204,13 +234,14 @@ class Demo:
             cohort = generate_cohort(sites, seed=self.o.seed,
                                      patients_per_site=self.o.patients_per_site)
             return cohort, list(FEATURES)
-        first = files[sites[0]]
-        if first is None:
-            raise ConfigError("--data", "missing data file")
-        features = _csv_features(first, self.o.label_column, self.o.patient_column)
-        schema = DatasetSchema(features=features, label=self.o.label_column,
-                               patient_id=self.o.patient_column)
-        return {s: load_site_data(p, schema) for s, p in files.items() if p}, features
+        from coordinator.demo_study import exact_statistics
+        from site_agent.data import Preprocessor, load_study_table
+
+        tables = {s: load_study_table(p, self.study) for s, p in files.items() if p}
+        preprocess = Preprocessor(self.study, exact_statistics(tables, self.study,
+                                                               seed=self.o.seed))
+        datasets = {s: preprocess.site_data(t) for s, t in tables.items()}
+        return datasets, preprocess.feature_names()
 
     def baselines(self, datasets: dict[str, Any]) -> dict[str, dict[str, float]]:
         return compute_baselines(datasets, self.o)
@@ -241,23 +272,32 @@ class Demo:
         return path
 
     # -------------------------------------------------------------- federation
-    def start_coordinator(self, pki: Path, model: Path, n_sites: int) -> ManagedProcess:
+    def start_coordinator(self, pki: Path, model: Path | None, n_sites: int) -> ManagedProcess:
         # Every round waits for all sites (the killed one is restarted right after its
         # round), so each hospital's epsilon tells the same story.
         config = self.out / "coordinator.toml"
-        config.write_text(
-            f"""rounds = {self.o.rounds}
-min_sites = {n_sites}
-federation_id = "medfed-demo"
-
-[model]
+        study_args: tuple[str, ...] = ()
+        if self.served_study is not None or model is None:
+            # The study gives the model (built by the coordinator) and training settings.
+            if self.served_study is None:
+                raise StateError("the demo has neither an initial model nor a study")
+            model_and_training = ""
+            study_args = ("--study", str(self.served_study))
+        else:
+            model_and_training = f"""[model]
 init_file = "{model.resolve()}"
 
 [training]
 local_epochs = {self.o.local_epochs}
 learning_rate = {self.o.learning_rate}
 final_evaluation = true
+"""
+        config.write_text(
+            f"""rounds = {self.o.rounds}
+min_sites = {n_sites}
+federation_id = "medfed-demo"
 
+{model_and_training}
 [aggregation]
 histogram_bins = {self.histogram_bins}
 clip = 0.5
@@ -274,10 +314,17 @@ phase_seconds = {self.o.phase_seconds}
             medfed_argv("coordinator", "serve", "--config", str(config), "--pki", str(pki),
                         "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                         "--state", str(self.out / "coordinator"), "--exit-when-finished",
-                        "--linger-seconds", "5"),
+                        "--linger-seconds", "5", *study_args),
             log_dir=self.out / "logs",
         )
-        event = proc.wait_event("listening", timeout=120)
+        try:
+            event = proc.wait_event("listening", timeout=300)
+        except RuntimeError:
+            state = ("exited with code " + str(proc.proc.returncode) if not proc.alive
+                     else "did not start listening within 300 s")
+            proc.stop()
+            raise StateError(f"the coordinator {state}: {last_error(proc)} "
+                             f"(log: {self.out / 'logs' / 'coordinator.log'})") from None
         self.port = int(event["port"])
         self.say(f"[setup] coordinator listening on 127.0.0.1:{self.port} (mTLS only)")
         return proc
@@ -285,7 +332,10 @@ phase_seconds = {self.o.phase_seconds}
     def start_site(self, site: str, pki: Path, data: Path | None, *extra: str) -> ManagedProcess:
         config = self.out / "sites" / f"{site}.toml"
         config.parent.mkdir(parents=True, exist_ok=True)
-        if data is None:
+        if self.served_study is not None:
+            # The study (label, patient column, features) comes at enrolment.
+            source = f'path = "{data}"\nsplit_seed = {self.o.seed}\n'
+        elif data is None:
             source = (f"synthetic = true\nsynthetic_cohort_seed = {self.o.seed}\n"
                       f"split_seed = {self.o.seed}\n"
                       f"synthetic_patients = {self.o.patients_per_site}\n")
@@ -319,6 +369,50 @@ device = "cpu"
         self.procs[site] = proc
         return proc
 
+    def privacy_audit(self, datasets: dict[str, Any]) -> dict[str, Any]:
+        """Membership-inference audit on one site's records (coordinator/demo_audit.py)."""
+        from coordinator.demo_audit import demo_audit, skipped
+        from site_agent.data import SiteData
+
+        if not self.o.audit:
+            return skipped("--no-audit")
+        if not all(isinstance(d, SiteData) for d in datasets.values()):
+            return skipped("the audit runs on tables; image data is not audited yet")
+        self.say("[audit] membership inference on one site's records, without DP and with "
+                 f"DP at epsilon {self.o.budget_epsilon:g} ...")
+        model = None
+        if self.served_study is not None:  # `--data`: the study's encoding and model
+            from site_agent.audit import study_audit_model
+
+            model = study_audit_model(self.study)
+        result = demo_audit(datasets, epsilon=self.o.budget_epsilon, delta=self.o.delta,
+                            seed=self.o.seed, model=model)
+        self.say(f"[audit] {result.get('line') or 'skipped: ' + str(result.get('reason'))}")
+        return result
+
+    def epsilon_by_purpose(self, sites: list[str]) -> dict[str, dict[str, float]]:
+        """Each site's epsilon per ledger purpose (training, evaluation, statistics,
+        count), each purpose's entries composed ALONE: they do not add up to the total."""
+        from common.privacy.accountant import account
+        from common.privacy.ledger import read_ledger
+
+        out: dict[str, dict[str, float]] = {}
+        for site in sites:
+            path = self.out / "sites" / site / "privacy-ledger.db"
+            if not path.exists():
+                out[site] = {}
+                continue
+            header, entries = read_ledger(path)
+            grouped: dict[str, list[Any]] = {}
+            for entry in entries:
+                mechanisms = getattr(entry, "mechanisms", entry.segments)
+                grouped.setdefault(getattr(entry, "purpose", "training"), []).extend(mechanisms)
+            out[site] = {
+                purpose: account(ms, delta=header.delta, accountant=header.accountant).epsilon
+                for purpose, ms in sorted(grouped.items())
+            }
+        return out
+
     def epsilon_by_site(self, sites: list[str]) -> dict[str, float]:
         from common.privacy.ledger import read_ledger
 
@@ -337,18 +431,21 @@ device = "cpu"
         sites = sorted(files)
         pki = self.make_pki(sites)
         datasets, features = self.load_datasets(files)
-        model = self.initial_model(len(features))
+        model = None if self.served_study is not None else self.initial_model(len(features))
         self.say("[baseline] training centralized and federated non-private baselines ...")
         baselines = self.baselines(datasets)
         for name, m in baselines.items():
             self.say(f"[baseline] {name:<18} AUC {m['auc']:.3f}")
+        self.audit = self.privacy_audit(datasets)
         coordinator = self.start_coordinator(pki, model, len(sites))
         victim = sites[-1]
         try:
             for site in sites:
                 extra: tuple[str, ...] = ()
                 if site == victim and self.o.kill_round:
-                    extra = ("--debug-pause-after", f"{self.o.kill_round}:masked_input")
+                    # With a study, round 1 is the federated DP statistics round.
+                    kill = self.o.kill_round + (1 if self.served_study is not None else 0)
+                    extra = ("--debug-pause-after", f"{kill}:masked_input")
                 self.start_site(site, pki, files[site], *extra)
             self.say(f"[federation] {len(sites)} site agents started; budget "
                      f"epsilon={self.o.budget_epsilon:g} at delta={self.o.delta:g} each")
@@ -374,10 +471,18 @@ device = "cpu"
                                      "reason": str(line.get("reason", ""))})
                 self.say(f"[round {line.get('round_number')}] aborted: {line.get('reason')}")
                 continue
+            if line.get("kind") == "statistics":
+                self.statistics_round = int(line.get("round_number", 0))
+                self.say(f"[round {self.statistics_round}] federated DP statistics: "
+                         f"{len(str(line.get('survivors', '')).split(','))} sites released "
+                         "noised sums and counts; every site standardises and imputes with "
+                         "the same global values")
+                continue
             done += 1
             self.record_round(line, sites)
+            kill = self.o.kill_round + (1 if self.served_study is not None else 0)
             if (self.o.kill_round and not restarted
-                    and int(line.get("round_number", 0)) >= self.o.kill_round):
+                    and int(line.get("round_number", 0)) >= kill):
                 self.start_site(victim, pki, files[victim])
                 restarted = True
                 self.say(f"[fault] {victim} restarted with its ledger: it rejoins next round")
@@ -472,6 +577,8 @@ device = "cpu"
                 for r in self.rows
             ],
             "aborted_rounds": self.aborted,
+            "study": str(self.served_study) if self.served_study else None,
+            "statistics_round": self.statistics_round,
             "evaluation_round": next(
                 (r.round for r in self.rows if r.evaluation_only), None
             ),
@@ -480,9 +587,12 @@ device = "cpu"
             "final": {
                 **{k: final_metrics.get(k) for k in ("auc", "sensitivity", "specificity", "ppv")},
                 "epsilon": eps,
+                # Each purpose composed alone (they do not add up to "epsilon").
+                "epsilon_by_purpose": self.epsilon_by_purpose(sites),
                 "budget": {s: self.o.budget_epsilon for s in sites},
             },
             "baselines": baselines,
+            "privacy_audit": self.audit,
             "seconds": round(time.monotonic() - self.started, 1),
         }
         (self.out / "report.json").write_text(json.dumps(report, indent=2, default=_json))
@@ -562,17 +672,21 @@ device = "cpu"
         styles = ("-", "--", "-.", ":")
         markers = ("o", "s", "^", "D", "v", "P", "X", "*")
         # Every site's line starts at (0, 0): nothing spent before the first round.
+        # Sites that spend alike would hide each other: each is shifted a little in x.
         xs = [0] + [r["round"] for r in report["rounds"]]
+        n_sites = len(report["sites"])
         for index, site in enumerate(report["sites"]):
+            shift = 0.12 * (index - (n_sites - 1) / 2) / max(n_sites - 1, 1)
             ys = [0.0] + [r["epsilon"].get(site, 0.0) for r in report["rounds"]]
-            ax.plot(xs, ys, linestyle=styles[index % len(styles)],
+            ax.plot([x + shift for x in xs], ys, linestyle=styles[index % len(styles)],
                     marker=markers[index % len(markers)], markersize=5, label=site)
-        ax.axhline(self.o.budget_epsilon, color="red", linestyle=":", label="budget")
+        ax.axhline(self.o.budget_epsilon, color="black", linestyle="--", linewidth=1,
+                   label="budget")
         self._mark_rounds(ax, report)
         ax.set_ylim(bottom=0)
-        ax.set_xlim(left=0)
+        ax.set_xlim(left=-0.1)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("round")
+        ax.set_xlabel("round (sites offset slightly so equal spends stay visible)")
         ax.set_ylabel(f"epsilon spent (delta={self.o.delta:g}, composed)")
         ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, borderaxespad=0)
         fig.tight_layout()
@@ -595,13 +709,23 @@ device = "cpu"
                 for c in cols
             )
             self.say(f"{name:<{width}}{values}")
+        audit = report.get("privacy_audit") or {}
+        if audit.get("skipped", True):
+            self.say(f"membership inference AUC: not measured ({audit.get('reason', '-')})")
+        else:
+            self.say(f"{audit['line']} (one-run audit on {audit['site']}: epsilon lower bound "
+                     f"{audit['no_dp']['epsilon_lower_bound']:.2f} without DP, "
+                     f"{audit['dp']['epsilon_lower_bound']:.2f} with DP at 95%)")
         self.say("")
-        self.say(f"Privacy ({report['privacy_unit']}-level DP, delta={self.o.delta:g}):")
+        self.say(f"Privacy ({report['privacy_unit']}-level DP, delta={self.o.delta:g}; "
+                 "per purpose: each composed alone):")
         for site in report["sites"]:
             spent = report["final"]["epsilon"][site]
             budget = report["final"]["budget"][site]
+            purposes = report["final"].get("epsilon_by_purpose", {}).get(site, {})
+            split = ", ".join(f"{p} {e:.2f}" for p, e in purposes.items())
             self.say(f"  {site:<18} epsilon {spent:6.2f} of {budget:g} "
-                     f"({100 * spent / budget:4.0f}% of budget)")
+                     f"({100 * spent / budget:4.0f}% of budget)" + (f"; {split}" if split else ""))
         self.say(f"\nReport: {self.out / 'report.json'}; plots: auc_by_round.png, "
                  f"epsilon_by_round.png ({report['seconds']:.0f} s)")
 
@@ -623,12 +747,6 @@ def _json(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return str(value)
-
-
-def _csv_features(path: Path, label: str, patient: str | None) -> list[str]:
-    with path.open(encoding="utf-8") as handle:
-        header = handle.readline().strip().split(",")
-    return [c for c in header if c not in {label, patient}]
 
 
 def compute_baselines(datasets: dict[str, Any], o: DemoOptions) -> dict[str, dict[str, float]]:

@@ -63,6 +63,7 @@ class RoundInbox:
 
     def decline(self, site_id: str, round_number: int) -> None:
         self._round_for(site_id, round_number).decline(site_id)
+        log.info("site %s declined round %d", site_id, round_number)
 
     def _round_for(self, site_id: str, round_number: int) -> ActiveRound:
         rnd = self.round

@@ -31,7 +31,6 @@ from common.errors import (
 from common.pki import PeerVerifier, parse_certificate
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.round import SiteBudget
 from common.tls import peer_certificate_pem
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
@@ -160,8 +159,9 @@ class FederationServicer(pb_grpc.FederationServicer):
     async def Enroll(self, request: pb.EnrollRequest, context: Any) -> pb.EnrollResponse:
         site_id, cert = self._caller(context)
         self.metrics.observe_certificate("site", site_id, cert)
-        budget = wire.budget_from_pb(request.budget) or SiteBudget()
-        last = self.engine.enroll(
+        # None: the site reported no budget (its ledger opens once it knows the study).
+        budget = wire.budget_from_pb(request.budget)
+        self.engine.sites.enroll(
             site_id,
             cert.public_bytes(Encoding.DER),
             serial=format(cert.serial_number, "x"),
@@ -169,7 +169,8 @@ class FederationServicer(pb_grpc.FederationServicer):
             device=request.device,
             budget=budget,
         )
-        held = self.engine.check_ledger_head(site_id, budget)
+        last = self.engine.last_round_number
+        held = self.engine.sites.check_ledger_head(site_id, budget)
         study = self.engine.study
         return pb.EnrollResponse(
             federation_id=self.federation_id, current_round=last, ledger_seq_held=held,
@@ -186,7 +187,7 @@ class FederationServicer(pb_grpc.FederationServicer):
         site_id = self._site(context)
         history = wire.bounded(request.history, what="ledger history",
                                maximum=MAX_LEDGER_HISTORY_BYTES)
-        held = await asyncio.to_thread(self.engine.replicate_ledger, site_id, history)
+        held = await asyncio.to_thread(self.engine.sites.replicate_ledger, site_id, history)
         return pb.ReplicateLedgerResponse(ledger_seq_held=held)
 
     @rpc
@@ -195,7 +196,7 @@ class FederationServicer(pb_grpc.FederationServicer):
     ) -> pb.WaitForRoundResponse:
         site_id = self._site(context)
         wait = min(max(request.wait_seconds, 1), MAX_WAIT_SECONDS)
-        ann = await self.engine.wait_for_round(
+        ann = await self.engine.sites.wait_for_round(
             site_id,
             after_round=wire.round_number(request.after_round, "after_round"),
             wait_seconds=wait,
@@ -216,7 +217,7 @@ class FederationServicer(pb_grpc.FederationServicer):
         self, request: pb.DeclineRoundRequest, context: Any
     ) -> pb.DeclineRoundResponse:
         site_id = self._site(context)
-        self.engine.decline(
+        self.engine.sites.decline(
             site_id, wire.round_number(request.round), budget=wire.budget_from_pb(request.budget)
         )
         return pb.DeclineRoundResponse()
@@ -225,7 +226,7 @@ class FederationServicer(pb_grpc.FederationServicer):
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: Any
     ) -> pb.HeartbeatResponse:
-        self.engine.heartbeat(self._site(context), request.round)
+        self.engine.sites.heartbeat(self._site(context), request.round)
         return pb.HeartbeatResponse()
 
     async def DownloadModel(

@@ -62,7 +62,7 @@ class SiteRegistry:
         self.failure: Unavailable | None = None
 
     def enroll(self, site_id: str, certificate_der: bytes, *, serial: str, version: str,
-               device: str, budget: SiteBudget) -> None:
+               device: str, budget: SiteBudget | None) -> None:
         session = self.sites.get(site_id)
         if session is None:
             session = self.sites[site_id] = SiteSession(site_id, certificate_der)
@@ -86,6 +86,14 @@ class SiteRegistry:
         if session is None:
             raise StateError(f"site {site_id} has not enrolled since the coordinator started")
         return session
+
+    def record_decline(
+        self, site_id: str, round_number: int, *, budget: SiteBudget | None
+    ) -> None:
+        """A site said it will not take part in `round_number` (shown by `medfed status`)."""
+        session = self.session(site_id)
+        self.record_budget(session, budget)
+        session.declined_round = round_number
 
     def record_budget(self, session: SiteSession, budget: SiteBudget | None) -> None:
         """Keep a site's budget report in the session and in the federation view.

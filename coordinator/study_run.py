@@ -1,5 +1,6 @@
 """The study a coordinator runs (`coordinator serve --study study.toml`): its settings,
-its initial model, its federated DP statistics and its model bundles, all under STATE.
+its initial model and its federated DP statistics, all under STATE (its model bundles:
+coordinator/bundles.py).
 
 The study file gives the model and the training settings; the coordinator's own config
 keeps operational settings. STATE/study.json pins the study to the state: a coordinator
@@ -13,28 +14,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from common.bundle import (
-    ModelBundle,
-    PrivacyCard,
-    SecAggCard,
-    SitePrivacy,
-    Threshold,
-    architecture_from_study,
-    parameters_from_flat,
-    threshold_from_histogram,
-    write_bundle,
-)
 from common.codec import TensorSpec
 from common.config import CoordinatorSettings, TrainingPlanSection
 from common.errors import ConfigError, StateError
-from common.privacy.federation import SiteBudget as BudgetRow
 from common.study import (
     GlobalStatistics,
     Study,
@@ -45,8 +33,6 @@ from common.study import (
     study_bytes,
     study_sha256,
 )
-
-log = logging.getLogger("medfed.coordinator")
 
 INITIAL_MODEL_SEED = 0
 """The initial weights are public: every coordinator builds the same ones for a study."""
@@ -171,67 +157,3 @@ class StudyRun:
         _atomic_write(self.state / "statistics.json", json.dumps(record).encode())
         self.statistics = statistics
         self.statistics_round = round_number
-
-    def bundle(
-        self,
-        *,
-        round_number: int,
-        layout: tuple[TensorSpec, ...],
-        flat: np.ndarray,
-        settings: CoordinatorSettings,
-        budgets: list[BudgetRow],
-        final: bool,
-        secagg: tuple[int, int] = (0, 0),
-    ) -> Path:
-        """Write the bundle of the global model after `round_number` (and, when `final`,
-        STATE/model/final.safetensors); returns its path."""
-        if self.statistics is None:
-            raise StateError("no statistics yet: a bundle needs the global preprocessing")
-        bins = settings.aggregation.histogram_bins
-        if self.study.study.task != "binary":
-            threshold = Threshold(value=None, method="argmax")
-        elif self.last_histogram is not None and self.last_histogram.sum() > 0:
-            threshold = threshold_from_histogram(self.last_histogram, bins=bins)
-        else:
-            threshold = Threshold(value=0.5, method="fixed")
-        agg = settings.aggregation
-        card = PrivacyCard(
-            unit=self.study.privacy.unit,
-            accountant="per-site ledger",
-            mechanisms=(
-                "sampled-gaussian (DP-SGD, per-unit clipping)",
-                "distributed-discrete-gaussian (federated statistics, once per study)",
-            ),
-            rounds=round_number,
-            sites=tuple(
-                SitePrivacy(site=row.site_id, epsilon=row.spent_epsilon, delta=row.delta)
-                for row in budgets
-            ),
-            secagg=SecAggCard(
-                threshold=max(1, secagg[0]),
-                neighbours=secagg[1] or None,
-                max_colluding_sites=agg.max_colluding_sites,
-                ring_bits=32,
-                clip=agg.clip,
-            ) if agg.secure_aggregation else None,
-            statistics_release=self.statistics.source,
-            notes=("SecAgg+ threshold and neighbours of the last round (neighbours none: "
-                   "complete graph)",),
-        )
-        bundle = ModelBundle(
-            study=self.study,
-            architecture=architecture_from_study(self.study),
-            statistics=self.statistics,
-            threshold=threshold,
-            card=card,
-            parameters=parameters_from_flat([(s.name, s.shape) for s in layout], flat),
-            round=round_number,
-            final=final,
-        )
-        self.model_dir.mkdir(parents=True, exist_ok=True)
-        path = self.model_dir / f"round-{round_number:06d}.safetensors"
-        write_bundle(path, bundle)
-        if final:
-            write_bundle(self.final_path, bundle)
-            log.info("final model stored at %s", self.final_path)
-        return path

@@ -45,6 +45,7 @@ from common.errors import (
     ConfigError,
     CryptoError,
     FederationFinished,
+    LedgerForkError,
     ProtocolAbort,
     RoundFailed,
     ValidationError,
@@ -56,16 +57,18 @@ from common.pki import (
     read_private_key_pem,
     site_id_from_certificate,
 )
-from common.privacy.ledger import PrivacyLedger
+from common.privacy.accountant import Segment
+from common.privacy.ledger import PrivacyLedger, recovery_hint
 from common.privacy.mechanisms import Mechanism
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.round import VerifiedRound, validate_for_site
+from common.round import RoundPlan, VerifiedRound, validate_for_site
 from common.secagg import messages as sm
 from common.secagg import round_floor
 from common.secagg.client import SecAggClient
 from common.statistics import StatisticsPlan, plan_statistics
 from common.study import (
+    GlobalStatistics,
     Study,
     check_statistics,
     statistics_from_bytes,
@@ -271,6 +274,7 @@ class SiteAgent:
         # Noise calibration runs here, concurrently with the key phases (one at a time:
         # a hook's trainer is not shared between threads).
         self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noise-plan")
+        self._pending_statistics: GlobalStatistics | None = None
         self._rss_before_download = 0
 
     # ------------------------------------------------------------- connection
@@ -365,12 +369,7 @@ class SiteAgent:
 
     def _session(self) -> None:
         stub = self._connect()
-        resp = stub.Enroll(
-            pb.EnrollRequest(
-                agent_version=AGENT_VERSION, budget=self.budget_pb(), device=self.hook.device
-            ),
-            timeout=30,
-        )
+        resp = self._enroll(stub)
         self.metrics.connected.set(1)
         self._accept_crl(resp.crl_der)
         self._backoff = self.settings.reconnect.initial_backoff_seconds
@@ -380,13 +379,7 @@ class SiteAgent:
         if self._join(resp):
             # The ledger opened only now (its privacy unit follows from the study): enrol
             # again with its head, so the coordinator checks it against its replica.
-            resp = stub.Enroll(
-                pb.EnrollRequest(
-                    agent_version=AGENT_VERSION, budget=self.budget_pb(),
-                    device=self.hook.device,
-                ),
-                timeout=30,
-            )
+            resp = self._enroll(stub)
             self._replica_seq = resp.ledger_seq_held
         while not self.stop.is_set():
             self._replicate(stub)
@@ -404,7 +397,35 @@ class SiteAgent:
             self._take_part(stub, waited.round)
             limit = self.settings.exit_after_rounds
             if limit is not None and self.rounds_done >= limit:
+                self._replicate(stub)  # leave the replica our latest entries
                 return
+
+    def _enroll(self, stub: pb_grpc.FederationStub) -> pb.EnrollResponse:
+        """Enrol with our budget and ledger head. A refusal of a reported ledger head
+        (the coordinator's replica holds more: a reset, shrunk or forked ledger) ends
+        the agent with the way out, instead of reconnecting for ever."""
+        # Before the study is known the ledger may not be open yet: report no budget at
+        # all rather than an empty ledger, which the coordinator's replica rightly
+        # refuses as a reset for a site that already spent (a restarted site).
+        budget = self.budget_pb() if self.ledger is not None else pb.BudgetStatus()
+        try:
+            resp: pb.EnrollResponse = stub.Enroll(
+                pb.EnrollRequest(
+                    agent_version=AGENT_VERSION, budget=budget, device=self.hook.device
+                ),
+                timeout=30,
+            )
+        except grpc.RpcError as exc:
+            refused = exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+            if not refused or self.ledger is None or not budget.ledger_head:
+                raise
+            path = self.ledger.path
+            raise LedgerForkError(
+                f"the coordinator refused this site's privacy ledger {path} "
+                f"(FAILED_PRECONDITION: {exc.details()}); the site stops rather than spend "
+                "a budget it already spent. Move the ledger aside and " + recovery_hint(path)
+            ) from None
+        return resp
 
     def _join(self, resp: pb.EnrollResponse) -> bool:
         """Check the coordinator's study against this site's policy and data BEFORE
@@ -459,7 +480,10 @@ class SiteAgent:
                 stats = statistics_from_bytes(announced.statistics)
                 if self.study is not None:
                     check_statistics(self.study, stats)
-                    self.hook.set_statistics(stats)
+                    # Encoding the records and re-planning the noise with them takes
+                    # seconds (tens on a loaded machine): it runs beside the key phases
+                    # (see _contribute), never before them.
+                    self._pending_statistics = stats
             self._run_round(stub, rnd, heard_at=heard_at)
         except BudgetExhausted as exc:
             log.warning("declining round %d: %s", ann.round, exc)
@@ -514,6 +538,14 @@ class SiteAgent:
             "peak_rss_bytes": proc_status_bytes("VmHWM"),
         })
 
+    def _plan_noise(self, plan: RoundPlan) -> list[Segment]:
+        """The planning thread's job: encode the records with the federation's global
+        statistics when a new release arrived, then plan this round's noise."""
+        pending, self._pending_statistics = self._pending_statistics, None
+        if pending is not None:
+            self.hook.set_statistics(pending)
+        return list(self.hook.planned_segments(plan))
+
     def _refuse_recorded_round(self, rnd: VerifiedRound) -> None:
         if self.ledger is not None and any(
             entry.round == rnd.number and entry.purpose in ROUND_PURPOSES
@@ -541,7 +573,7 @@ class SiteAgent:
             # Noise calibration can take tens of seconds on a loaded machine: it starts
             # once our keys exist and runs while they are exchanged (keys reveal nothing
             # about the data), so the key phases never wait for it; training does.
-            planning = self._planner.submit(self.hook.planned_segments, rnd.plan)
+            planning = self._planner.submit(self._plan_noise, rnd.plan)
             download = _ModelDownload(self, stub, rnd)
             keys = (
                 self._exchange_keys(stub, rnd, client, advertisement, heard_at=heard_at)

@@ -13,6 +13,11 @@ memorised canary has a small loss). The scores give the attack's AUC, its TPR at
 FPR, and the epsilon lower bound at 95% confidence, which is compared with the
 accountant's epsilon for the training that actually ran.
 
+With `--study` the audit trains what the federation trains: the study's features and
+encoding (`Preprocessor`, statistics from `--statistics` or a noiseless release of this
+file, which stays with the auditor), its model from the registry (`build_for_study`),
+its task, classes, privacy unit, epsilon, delta, clip norm, learning rate and batch.
+
 A lower bound above the claim means a bug; one below it is consistent with the claim
 but does not prove it (docs/privacy.md "Privacy audit").
 """
@@ -24,9 +29,10 @@ import csv
 import json
 import math
 import secrets
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -34,8 +40,9 @@ import torch
 from common.errors import ConfigError, DataError
 from common.privacy.accountant import account
 from common.privacy.audit import DEFAULT_CONFIDENCE, AuditResult, audit_from_scores
+from common.study import GlobalStatistics, Study
 from site_agent.data import DatasetSchema, SiteData, Standardizer, load_site_data
-from site_agent.models import TabularMLP, flatten_parameters
+from site_agent.models import TabularMLP, Task, flatten_parameters
 from site_agent.trainer import LocalTrainer, TrainingConfig
 
 CANARY_ID_PREFIX = "__medfed_audit_canary_"
@@ -51,6 +58,7 @@ class AuditSettings:
     epochs: int = 60
     batch_size: int = 128
     lr: float = 0.1
+    optimizer: Literal["sgd", "adam"] = "sgd"
     max_grad_norm: float = 1.0
     canary_radius: float = 10.0
     canary_records: int = 4
@@ -68,6 +76,24 @@ class AuditSettings:
         for name in ("lr", "max_grad_norm", "canary_radius"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, "must be positive")
+
+
+def _default_model(n_features: int) -> torch.nn.Module:
+    return TabularMLP(n_features)
+
+
+@dataclass(frozen=True)
+class AuditModel:
+    """What the audit trains: the network (from the input width), its task and classes.
+
+    `standardize`: fit a standardiser on the records first (the default tabular path);
+    a study's `Preprocessor` has already encoded and scaled them.
+    """
+
+    build: Callable[[int], torch.nn.Module] = field(default=_default_model)
+    task: Task = "binary"
+    num_classes: int = 2
+    standardize: bool = True
 
 
 @dataclass(frozen=True)
@@ -105,13 +131,13 @@ class AuditReport:
         }
 
 
-def _seeded_model(n_features: int, seed: int) -> TabularMLP:
+def _seeded_model(model: AuditModel, n_features: int, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)  # the same initial weights for the reference and audited runs
-    return TabularMLP(n_features)
+    return model.build(n_features)
 
 
 def _train(
-    data: SiteData, settings: AuditSettings, *, dp: bool, seed: int
+    data: SiteData, settings: AuditSettings, model: AuditModel, *, dp: bool, seed: int
 ) -> tuple[LocalTrainer, list[Any]]:
     units = data.num_patients
     config = TrainingConfig(
@@ -119,6 +145,7 @@ def _train(
         max_physical_batch_size=4096,
         local_epochs=settings.epochs,
         lr=settings.lr,
+        optimizer=settings.optimizer,
         max_grad_norm=settings.max_grad_norm,
         target_epsilon=settings.epsilon if settings.epsilon is not None else 1.0,
         delta=settings.delta,
@@ -127,30 +154,47 @@ def _train(
         dp=dp,
         privacy_unit="patient" if data.patient_ids is not None else "record",
         device="cpu",
+        task=model.task,
+        num_classes=model.num_classes,
     )
     n_features = int(data.features.shape[1])
-    trainer = LocalTrainer(lambda: _seeded_model(n_features, seed), data, config, seed=seed)
-    start = flatten_parameters(_seeded_model(n_features, seed))
+    trainer = LocalTrainer(
+        lambda: _seeded_model(model, n_features, seed), data, config, seed=seed
+    )
+    start = flatten_parameters(_seeded_model(model, n_features, seed))
     result = trainer.train_round(start)
     return trainer, list(result.segments)
 
 
-def _logits(trainer: LocalTrainer, features: np.ndarray) -> np.ndarray:
-    scores = trainer.predict(features)
-    clipped = np.clip(scores, 1e-12, 1 - 1e-12)
-    return np.asarray(np.log(clipped) - np.log1p(-clipped), dtype=np.float64)
+def label_log_likelihood(trainer: LocalTrainer, canaries: SiteData) -> np.ndarray:
+    """log P(canary's label) under the trained model: the attack's membership score."""
+    scores = trainer.predict(canaries.features)
+    labels = np.asarray(canaries.labels, dtype=np.int64)
+    if scores.ndim == 1:  # binary: log-sigmoid of the signed logit, stable at the tails
+        clipped = np.clip(scores, 1e-12, 1 - 1e-12)
+        logits = np.log(clipped) - np.log1p(-clipped)
+        signs = np.where(labels == 1, 1.0, -1.0)
+        return np.asarray(-np.logaddexp(0.0, -signs * logits), dtype=np.float64)
+    chosen = scores[np.arange(labels.size), labels]
+    return np.asarray(np.log(np.clip(chosen, 1e-300, 1.0)), dtype=np.float64)
 
 
 def make_canaries(
     data: SiteData, reference: LocalTrainer, *, count: int, radius: float, rng: np.random.Generator
 ) -> SiteData:
-    """`count` mislabelled outliers in standardised space, one privacy unit each."""
+    """`count` mislabelled outliers in standardised space, one privacy unit each: the
+    opposite class (binary), or a class other than the predicted one (multi-class)."""
     n_features = int(data.features.shape[1])
     directions = rng.standard_normal((count, n_features))
     directions /= np.linalg.norm(directions, axis=1, keepdims=True)
     features = (radius * directions).astype(np.float32)
-    natural = reference.predict(features) >= 0.5
-    labels = np.where(natural, 0, 1).astype(data.labels.dtype)
+    predicted = reference.predict(features)
+    if predicted.ndim == 1:
+        labels = np.where(predicted >= 0.5, 0, 1).astype(data.labels.dtype)
+    else:
+        k = predicted.shape[1]
+        shift = rng.integers(1, k, size=count)
+        labels = ((predicted.argmax(axis=1) + shift) % k).astype(data.labels.dtype)
     ids = None
     if data.patient_ids is not None:
         ids = np.array([f"{CANARY_ID_PREFIX}{i}" for i in range(count)], dtype=object)
@@ -175,16 +219,21 @@ def _concat(a: SiteData, b: SiteData) -> SiteData:
     )
 
 
-def run_audit(data: SiteData, settings: AuditSettings, *, seed: int) -> AuditReport:
+def run_audit(
+    data: SiteData, settings: AuditSettings, *, seed: int, model: AuditModel | None = None
+) -> AuditReport:
     """Train once with half the canaries in, attack all of them, bound epsilon."""
+    model = model or AuditModel()
     if data.patient_ids is not None and any(
         str(p).startswith(CANARY_ID_PREFIX) for p in np.unique(data.patient_ids)
     ):
         raise DataError(f"patient ids must not start with {CANARY_ID_PREFIX!r}", file=data.source)
-    standardized = Standardizer.fit(data.features).transform(data)
+    standardized = data
+    if model.standardize:
+        standardized = Standardizer.fit(data.features).transform(data)
     rng = np.random.default_rng(seed)
     # Reference run on the real records only: it decides each canary's "wrong" label.
-    reference, _ = _train(standardized, settings, dp=False, seed=seed)
+    reference, _ = _train(standardized, settings, model, dp=False, seed=seed)
     canaries = make_canaries(
         standardized, reference, count=settings.canaries, radius=settings.canary_radius, rng=rng
     )
@@ -197,10 +246,8 @@ def run_audit(data: SiteData, settings: AuditSettings, *, seed: int) -> AuditRep
         chosen = np.repeat(chosen, settings.canary_records)
     training = _concat(standardized, canaries.subset(chosen))
     dp = settings.epsilon is not None
-    trainer, segments = _train(training, settings, dp=dp, seed=seed + 1)
-    logits = _logits(trainer, canaries.features)
-    signs = np.where(canaries.labels == 1, 1.0, -1.0)
-    scores = -np.logaddexp(0.0, -signs * logits)  # log-likelihood of the canary's label
+    trainer, segments = _train(training, settings, model, dp=dp, seed=seed + 1)
+    scores = label_log_likelihood(trainer, canaries)
     result = audit_from_scores(
         scores, included, delta=settings.delta, confidence=settings.confidence
     )
@@ -239,18 +286,100 @@ def load_audit_data(path: Path, *, label: str, patient: str | None) -> SiteData:
     return load_site_data(path, schema)
 
 
-def _cmd_audit(args: argparse.Namespace) -> int:
-    settings = AuditSettings(
-        canaries=args.canaries,
-        epsilon=None if args.no_dp else args.epsilon,
-        delta=args.delta,
-        epochs=args.epochs,
+def local_statistics(study: Study, table: Any, *, seed: int) -> GlobalStatistics:
+    """Preprocessing statistics of this file alone, through the federation's own release
+    encoding and decoding (common.statistics) but WITHOUT noise: they feed only the
+    auditor's local run and never leave it (`--statistics` takes the federation's)."""
+    from common.statistics import decode_release, encode_release
+
+    rng = np.random.default_rng(seed)
+    total = encode_release(table, study, uniform=rng.random)
+    return decode_release(total, study, source="privacy audit: this file, noiseless")
+
+
+def load_study_audit_data(
+    path: Path, study: Study, *, statistics: GlobalStatistics | None, seed: int
+) -> tuple[SiteData, AuditModel]:
+    """The study's encoded records and model, as a site of the federation trains them.
+
+    One canary per privacy unit of the study: a record-level study drops the patient
+    column (each record is then a unit). Hospital-level DP is a property of the
+    federation's noised sum, which one site's local run cannot exercise: refused.
+    """
+    from site_agent.data import Preprocessor, load_study_table
+
+    if study.data.kind != "table":
+        raise ConfigError("study", "the privacy audit runs on table studies")
+    if study.privacy.unit == "hospital":
+        raise ConfigError(
+            "privacy.unit",
+            "hospital-level DP comes from the federation's distributed noise; a local audit "
+            "cannot exercise it (audit a copy of the study with unit = 'patient')",
+        )
+    table = load_study_table(path, study)
+    stats = statistics if statistics is not None else local_statistics(study, table, seed=seed)
+    data = Preprocessor(study, stats).site_data(table)
+    if study.privacy.unit == "record":
+        data = replace(data, patient_ids=None)
+    return data, study_audit_model(study)
+
+
+def study_audit_model(study: Study) -> AuditModel:
+    """The study's network from the registry, on records its `Preprocessor` encoded."""
+    from site_agent.models import build_for_study
+
+    return AuditModel(
+        build=lambda n: build_for_study(study, in_features=n),
+        task=study.study.task,
+        num_classes=len(study.study.classes),
+        standardize=False,
     )
-    data = load_audit_data(Path(args.data), label=args.label_column, patient=args.patient_column)
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
     # Without --seed the training noise comes from the OS CSPRNG (a reproducible
     # seed is for tests: noise an attacker can regenerate protects nothing).
     seed = args.seed if args.seed is not None else secrets.randbits(62)
-    report = run_audit(data, settings, seed=seed).as_dict()
+    model: AuditModel | None = None
+    epsilon = 8.0 if args.epsilon is None else args.epsilon
+    delta = 1e-5 if args.delta is None else args.delta
+    training: dict[str, Any] = {}
+    if args.study is not None:
+        from common.study import load_statistics, load_study
+
+        if args.label_column is not None or args.patient_column is not None:
+            raise ConfigError("--study", "the study names the label and patient columns")
+        study = load_study(args.study)
+        statistics = None
+        if args.statistics is not None:
+            statistics = load_statistics(args.statistics, study)
+        data, model = load_study_audit_data(
+            Path(args.data), study, statistics=statistics, seed=seed
+        )
+        epsilon = study.privacy.epsilon if args.epsilon is None else args.epsilon
+        delta = study.privacy.delta if args.delta is None else args.delta
+        training = {
+            "lr": study.training.learning_rate,
+            "batch_size": study.training.batch_size,
+            "optimizer": study.training.local_optimizer,
+            "max_grad_norm": study.privacy.max_grad_norm,
+        }
+    else:
+        if args.label_column is None:
+            raise ConfigError("--label-column", "required without --study")
+        if args.statistics is not None:
+            raise ConfigError("--statistics", "applies with --study only")
+        data = load_audit_data(
+            Path(args.data), label=args.label_column, patient=args.patient_column
+        )
+    settings = AuditSettings(
+        canaries=args.canaries,
+        epsilon=None if args.no_dp else epsilon,
+        delta=delta,
+        epochs=args.epochs,
+        **training,
+    )
+    report = run_audit(data, settings, seed=seed, model=model).as_dict()
     if args.json:
         print(json.dumps(report, sort_keys=True))
         return 0
@@ -282,17 +411,30 @@ def register(commands: Any) -> None:
         help="train locally with canaries, attack them, report an epsilon lower bound",
     )
     parser.add_argument("--data", required=True, help="CSV or Parquet file of records")
-    parser.add_argument("--label-column", required=True)
+    parser.add_argument("--label-column", default=None, help="required without --study")
     parser.add_argument("--patient-column", default=None, help="patient-level DP if given")
+    parser.add_argument(
+        "--study",
+        default=None,
+        help="study file: train its features, encoding, model and privacy settings",
+    )
+    parser.add_argument(
+        "--statistics",
+        default=None,
+        help="with --study: the federation's preprocessing statistics (JSON); default: "
+        "a noiseless release of this file, kept local",
+    )
     privacy = parser.add_mutually_exclusive_group()
     privacy.add_argument(
         "--epsilon",
         type=_positive_float,
-        default=8.0,
-        help="target epsilon of the audited DP-SGD training (default 8)",
+        default=None,
+        help="target epsilon of the audited DP-SGD training (default: the study's, else 8)",
     )
     privacy.add_argument("--no-dp", action="store_true", help="audit non-private training")
-    parser.add_argument("--delta", type=_positive_float, default=1e-5)
+    parser.add_argument(
+        "--delta", type=_positive_float, default=None, help="default: the study's, else 1e-5"
+    )
     parser.add_argument("--canaries", type=int, default=AuditSettings.canaries)
     parser.add_argument("--epochs", type=int, default=AuditSettings.epochs)
     parser.add_argument(

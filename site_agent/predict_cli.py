@@ -1,4 +1,4 @@
-"""``medfed data check``, ``medfed model show`` and ``medfed predict``: a hospital's tools.
+"""``medfed data check``, ``medfed model show|export`` and ``medfed predict``: a hospital's tools.
 
 All three run locally, with no coordinator and no network. Registered through the
 ``medfed.commands`` entry points ``data``, ``model`` and ``predict``.
@@ -43,13 +43,32 @@ def register_data(subparsers: Any) -> None:
 
 
 def register_model(subparsers: Any) -> None:
-    """Add ``medfed model show``."""
+    """Add ``medfed model show`` and ``medfed model export``."""
     parser = subparsers.add_parser("model", help="inspect a model bundle (.safetensors)")
     actions = parser.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     show = actions.add_parser("show", help="print the model card (study, threshold, privacy)")
     show.add_argument("--model", required=True, type=Path)
     show.add_argument("--json", action="store_true", help="one JSON object")
     show.set_defaults(func=_model_show)
+    export = actions.add_parser(
+        "export",
+        help="export the bundle for other runtimes (ONNX, preprocessing included)",
+        description="Writes one ONNX file that gives the same probabilities as `medfed "
+        "predict`: the bundle's preprocessing (impute, clip, standardise) is part of the "
+        "graph; the input column order, classes, threshold and privacy card are in its "
+        "metadata. Needs the onnx package (pip install onnx).",
+    )
+    export.add_argument("--model", required=True, type=Path, help="model bundle .safetensors")
+    export.add_argument("--format", default="onnx", help="export format (only: onnx)")
+    export.add_argument("--out", required=True, type=Path, help="the file to write")
+    export.add_argument(
+        "--allow-factory",
+        action="append",
+        default=[],
+        metavar="PKG.MOD:FN",
+        help="run this custom model factory from an installed package (repeatable)",
+    )
+    export.set_defaults(func=_model_export)
 
 
 def register_predict(subparsers: Any) -> None:
@@ -140,6 +159,16 @@ def _model_show(args: argparse.Namespace) -> int:
         print(f"  statistics release: {card.statistics_release}")
     for note in card.notes:
         print(f"  note: {note}")
+    return 0
+
+
+def _model_export(args: argparse.Namespace) -> int:
+    from site_agent.onnx_export import export_model
+
+    digest = export_model(
+        args.model, args.out, format=args.format, allowed_factories=args.allow_factory
+    )
+    print(f"exported {args.model} to {args.out} ({args.format}, sha256 {digest})")
     return 0
 
 

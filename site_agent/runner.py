@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from common.config import SiteSettings
+from common.errors import LedgerUnavailable
 from common.metrics_http import serve_metrics
-from common.privacy.ledger import LedgerSigner, PrivacyLedger
+from common.privacy.ledger import LedgerSigner, PrivacyLedger, recovery_hint
 from site_agent.agent import SiteAgent
+from site_agent.dp_release import COUNT_STATE_FILE
 from site_agent.hooks import DeterministicTestHook, DpTrainingHook, TrainingHook
 from site_agent.metrics import SiteMetrics
 
@@ -29,8 +32,10 @@ def open_ledger(settings: SiteSettings, hook: TrainingHook) -> PrivacyLedger | N
     # Entries are signed with the site's certificate key; the ledger refuses to open
     # (LedgerUnavailable / LedgerForkError) when it is missing, damaged, older or
     # rewritten while its anchor (state/privacy-ledger.db.anchor) shows history.
+    path = settings.state / "privacy-ledger.db"
+    refuse_fresh_ledger_over_history(path)
     return PrivacyLedger(
-        settings.state / "privacy-ledger.db",
+        path,
         site_id=settings.site,
         budget_epsilon=privacy.budget_epsilon,
         delta=privacy.delta,
@@ -38,6 +43,27 @@ def open_ledger(settings: SiteSettings, hook: TrainingHook) -> PrivacyLedger | N
         privacy_unit=hook.privacy_unit,
         signer=LedgerSigner.from_files(cert, key),
     )
+
+
+def refuse_fresh_ledger_over_history(path: Path) -> None:
+    """A ledger (and its anchor) gone while the state folder shows this site already
+    released something: refuse to start a fresh ledger at zero (issue 10, section 7).
+
+    Evidence of history: the persisted DP cohort count (released once, with a ledger
+    entry) or a stored model bundle (the site took part in a study)."""
+    anchor = path.with_name(path.name + ".anchor")
+    if path.exists() or anchor.exists():
+        return  # the ledger's own checks (anchor, signatures) apply
+    state = path.parent
+    evidence = [state / COUNT_STATE_FILE, *sorted((state / "model").glob("*.safetensors"))]
+    found = [p for p in evidence if p.is_file()]
+    if found:
+        raise LedgerUnavailable(
+            path,
+            f"privacy ledger {path} is missing, but this site's state shows history "
+            f"({', '.join(str(p) for p in found)}): refusing to start a new ledger at zero "
+            "and spend a budget already spent. " + recovery_hint(path),
+        )
 
 
 def run_site(

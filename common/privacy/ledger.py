@@ -59,6 +59,7 @@ from common.privacy.mechanisms import (
     canonical_json,
     mechanisms_to_json,
 )
+from common.privacy.recompose import RecordedSpend, recompose_mismatches
 from common.privacy.signed import (
     LEDGER_FORMAT,
     PRIVACY_UNITS,
@@ -89,6 +90,7 @@ __all__ = [
     "export_ledger",
     "read_anchor",
     "read_ledger",
+    "recovery_hint",
     "restore_ledger",
     "verify_ledger",
 ]
@@ -116,7 +118,7 @@ _SCHEMA: Final = (
 _ENTRY_COLUMNS: Final = "seq, round, purpose, body, signature, entry_hash"
 
 
-def _recovery_hint(path: Path) -> str:
+def recovery_hint(path: Path) -> str:
     return (
         f"restore it from the coordinator's replica: `medfed ledger export --site SITE "
         f"--state COORDINATOR_STATE > export.json` there, then `medfed ledger restore --from "
@@ -151,7 +153,7 @@ def _fault(path: Path, exc: BaseException, doing: str) -> LedgerUnavailable:
         return LedgerUnavailable(
             path,
             f"privacy ledger {path} disappeared while {doing}; stop the site and "
-            + _recovery_hint(path),
+            + recovery_hint(path),
         )
     if "readonly" in lowered or "read-only" in lowered or isinstance(exc, PermissionError):
         return LedgerUnavailable(
@@ -164,13 +166,13 @@ def _fault(path: Path, exc: BaseException, doing: str) -> LedgerUnavailable:
         return LedgerUnavailable(
             path,
             f"privacy ledger {path} is damaged ({text}); do not delete it: "
-            + _recovery_hint(path),
+            + recovery_hint(path),
         )
     if isinstance(exc, sqlite3.DatabaseError):
         return LedgerUnavailable(
             path,
             f"privacy ledger {path} is unreadable or not a ledger ({text}); keep the file "
-            "for investigation (move it aside) and " + _recovery_hint(path),
+            "for investigation (move it aside) and " + recovery_hint(path),
         )
     return LedgerUnavailable(path, f"privacy ledger {path}: {doing} failed ({text})")
 
@@ -236,7 +238,7 @@ def _file_format(connection: sqlite3.Connection, path: Path) -> int:
     ).fetchone()
     if row is None:
         raise LedgerUnavailable(path, f"privacy ledger {path} has no header row; "
-                                + _recovery_hint(path))
+                                + recovery_hint(path))
     if row[0] == LEDGER_FORMAT:
         return 2
     if row[0] == legacy.LEDGER_FORMAT:
@@ -371,26 +373,16 @@ def _as_problem(problem: HistoryProblem) -> LedgerProblem:
 
 
 def _recompose_problems(terms: LedgerTerms, entries: Sequence[SignedEntry]) -> list[LedgerProblem]:
-    problems = []
-    history: list[Mechanism] = []
-    for entry in entries:
-        history.extend(entry.mechanisms)
-        report = account(history, delta=terms.delta, accountant=terms.accountant)
-        if not math.isclose(
-            report.epsilon, entry.epsilon_after, rel_tol=EPSILON_RELATIVE_TOLERANCE
-        ):
-            problems.append(
-                LedgerProblem(
-                    entry.seq,
-                    f"epsilon_after {entry.epsilon_after!r} differs from the recomposed "
-                    f"{report.epsilon!r}",
-                )
-            )
-        elif report.accountant != entry.accountant_used:
-            problems.append(
-                LedgerProblem(entry.seq, "accountant_used differs from the recomputed one")
-            )
-    return problems
+    recorded = (
+        RecordedSpend(e.seq, e.mechanisms, e.epsilon_after, e.accountant_used) for e in entries
+    )
+    found = recompose_mismatches(
+        recorded,
+        delta=terms.delta,
+        accountant=terms.accountant,
+        relative_tolerance=EPSILON_RELATIVE_TOLERANCE,
+    )
+    return [LedgerProblem(seq, message) for seq, message in found]
 
 
 def history_problems(
@@ -503,12 +495,12 @@ def _check_anchor(
             f"privacy ledger {path} holds {len(entries)} entries but its anchor records "
             f"{anchor.seq} (head {anchor.head_hash[:16]}...): this is an older, truncated or "
             "reset copy and the site will not spend a budget it already spent; "
-            + _recovery_hint(path)
+            + recovery_hint(path)
         )
     if anchor.seq > 0 and entries[anchor.seq - 1].entry_hash != anchor.head_hash:
         raise LedgerForkError(
             f"privacy ledger {path} entry seq={anchor.seq} differs from the head its anchor "
-            "records: the history was rewritten (a fork); " + _recovery_hint(path)
+            "records: the history was rewritten (a fork); " + recovery_hint(path)
         )
 
 
@@ -745,7 +737,7 @@ class PrivacyLedger:
                     f"privacy ledger {self.path} is missing, but its anchor "
                     f"{self.anchor_path} records {anchor.seq} entries (head "
                     f"{anchor.head_hash[:16]}...): the site refuses to start again at zero "
-                    "spend; " + _recovery_hint(self.path),
+                    "spend; " + recovery_hint(self.path),
                 )
             _check_writable(self.path)
             with (

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import sqlite3
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +25,8 @@ from common.errors import (
     LedgerIntegrityError,
     StateError,
 )
-from common.privacy.accountant import Segment, account
+from common.privacy.accountant import Segment
+from common.privacy.recompose import RecordedSpend, recompose_mismatches
 
 LEDGER_FORMAT: Final = "medfed-privacy-ledger/1"
 STATUS_COMMITTED: Final = "committed"
@@ -362,26 +362,16 @@ def _check_chain(connection: sqlite3.Connection, *, path: Path, recompose: bool)
 
 
 def _recompose_problems(header: LedgerHeader, entries: list[LedgerEntry]) -> list[LedgerProblem]:
-    problems = []
-    history: list[Segment] = []
-    for entry in entries:
-        history.extend(entry.segments)
-        report = account(history, delta=header.delta, accountant=header.accountant)
-        if not math.isclose(
-            report.epsilon, entry.epsilon_after, rel_tol=EPSILON_RELATIVE_TOLERANCE
-        ):
-            problems.append(
-                LedgerProblem(
-                    entry.seq,
-                    f"epsilon_after {entry.epsilon_after!r} differs from the recomposed "
-                    f"{report.epsilon!r}",
-                )
-            )
-        elif report.accountant != entry.accountant_used:
-            problems.append(
-                LedgerProblem(entry.seq, "accountant_used differs from the recomputed one")
-            )
-    return problems
+    recorded = (
+        RecordedSpend(e.seq, e.segments, e.epsilon_after, e.accountant_used) for e in entries
+    )
+    found = recompose_mismatches(
+        recorded,
+        delta=header.delta,
+        accountant=header.accountant,
+        relative_tolerance=EPSILON_RELATIVE_TOLERANCE,
+    )
+    return [LedgerProblem(seq, message) for seq, message in found]
 
 
 def read_ledger_format1(path: str | Path) -> tuple[LedgerHeader, list[LedgerEntry]]:

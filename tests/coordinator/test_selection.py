@@ -17,12 +17,12 @@ def test_round_numbers_continue_after_the_sites_ledgers_on_a_fresh_coordinator(
     """A coordinator started on empty (or restored, older) state must not reuse round
     numbers its sites have already spent budget on: they would refuse those rounds."""
     assert engine.next_round_number(["alpha", "beta"]) == 1
-    engine.enroll("alpha", b"", serial="1", version="t", device="cpu",
-                  budget=SiteBudget(epsilon_budget=8, epsilon_spent=3,
-                                    ledger_entries=7, ledger_last_round=7))
-    engine.enroll("beta", b"", serial="2", version="t", device="cpu",
-                  budget=SiteBudget(epsilon_budget=8, epsilon_spent=1,
-                                    ledger_entries=2, ledger_last_round=2))
+    engine.sites.enroll("alpha", b"", serial="1", version="t", device="cpu",
+                        budget=SiteBudget(epsilon_budget=8, epsilon_spent=3,
+                                          ledger_entries=7, ledger_last_round=7))
+    engine.sites.enroll("beta", b"", serial="2", version="t", device="cpu",
+                        budget=SiteBudget(epsilon_budget=8, epsilon_spent=1,
+                                          ledger_entries=2, ledger_last_round=2))
     assert engine.next_round_number(["alpha", "beta"]) == 8
     assert engine.next_round_number(["beta"]) == 3
     engine.store.begin_round(11, ["alpha", "beta"], now=0.0)

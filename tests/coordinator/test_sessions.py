@@ -14,9 +14,9 @@ from coordinator.engine import RoundEngine
 async def _poll_until_waiting(engine: RoundEngine, sites: tuple[str, ...]
                               ) -> list[asyncio.Task[object]]:
     for site in sites:
-        engine.enroll(site, b"", serial="1", version="t", device="cpu", budget=SiteBudget())
+        engine.sites.enroll(site, b"", serial="1", version="t", device="cpu", budget=SiteBudget())
     polls: list[asyncio.Task[object]] = [
-        asyncio.create_task(engine.wait_for_round(site, after_round=0, wait_seconds=30,
+        asyncio.create_task(engine.sites.wait_for_round(site, after_round=0, wait_seconds=30,
                                                   budget=None))
         for site in sites
     ]
@@ -55,7 +55,7 @@ def test_a_failed_engine_answers_polls_unavailable_never_finished(
         engine.sessions.close(failure=Unavailable("coordinator round engine failed: disk"))
         answers = await asyncio.gather(*polls, return_exceptions=True)
         try:
-            await engine.wait_for_round("alpha", after_round=0, wait_seconds=1, budget=None)
+            await engine.sites.wait_for_round("alpha", after_round=0, wait_seconds=1, budget=None)
         except Unavailable as exc:
             return answers, exc
         return answers, None
@@ -81,4 +81,6 @@ def test_unknown_site_must_enroll_first(engine: RoundEngine) -> None:
     from common.errors import StateError
 
     with pytest.raises(StateError, match="has not enrolled"):
-        asyncio.run(engine.wait_for_round("ghost", after_round=0, wait_seconds=1, budget=None))
+        asyncio.run(
+            engine.sites.wait_for_round("ghost", after_round=0, wait_seconds=1, budget=None)
+        )

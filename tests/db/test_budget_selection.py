@@ -74,12 +74,12 @@ def test_selection_follows_the_federation_view(
             metrics=metrics,
         )
         for site_id, budget in reports.items():
-            engine.enroll(site_id, b"", serial="1", version="t", device="cpu", budget=budget)
+            engine.sites.enroll(site_id, b"", serial="1", version="t", device="cpu", budget=budget)
         # "reset" comes back with an empty ledger: the view refuses to lower its spend,
         # so a wiped ledger does not buy the site a fresh budget.
         waits = [
             asyncio.ensure_future(
-                engine.wait_for_round(
+                engine.sites.wait_for_round(
                     site_id, after_round=0, wait_seconds=30,
                     budget=SiteBudget(4.0, 0.0, 1e-5, "record") if site_id == "reset" else None,
                 )

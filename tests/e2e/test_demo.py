@@ -1,5 +1,7 @@
 """`medfed demo` end to end on hospital CSVs (the `--data` path), small and quick:
-real processes, real DP-SGD, SecAgg+, one site killed mid-round and restarted."""
+real processes, real DP-SGD, SecAgg+, one site killed mid-round and restarted. The CSVs
+have their own column names, a string categorical column, string labels and missing
+values; the demo serves a study drafted from them (`coordinator serve --study`)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ import pytest
 
 from common.errors import StateError
 from common.processes import ManagedProcess, medfed_argv
+from common.study import load_study
 from coordinator.demo import Demo, DemoOptions
-from site_agent.synthetic import generate_cohort, write_site_csvs
 from tests.e2e.harness import REPO
+from tests.study.helpers import write_hospital_csv
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -22,13 +25,14 @@ SITES = ["north", "south", "east", "west"]
 
 
 def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
-    cohort = generate_cohort(SITES, seed=3, patients_per_site=400)
-    write_site_csvs(tmp_path / "data", cohort)
+    (tmp_path / "data").mkdir()
+    for index, site in enumerate(SITES):
+        write_hospital_csv(tmp_path / "data" / f"{site}.csv", 300, seed=index + 1)
     out = tmp_path / "run"
     result = subprocess.run(
         medfed_argv(
-            "demo", "--data", str(tmp_path / "data"), "--label-column", "sepsis",
-            "--patient-column", "patient_id", "--out", str(out), "--rounds", "2",
+            "demo", "--data", str(tmp_path / "data"), "--label-column", "Outcome",
+            "--patient-column", "Patient-ID", "--out", str(out), "--rounds", "2",
             "--kill-round", "1", "--delta", "1e-3", "--budget-epsilon", "4",
         ),
         cwd=REPO, capture_output=True, text=True, timeout=850, check=False,
@@ -38,14 +42,24 @@ def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
     assert report["sites"] == sorted(SITES)
     assert report["privacy_unit"] == "patient"
     rounds = report["rounds"]
-    # Two training rounds and the final evaluation round, all with secure aggregation.
-    assert [r["round"] for r in rounds] == [1, 2, 3]
+    # The study's federated DP statistics round, then two training rounds and the final
+    # evaluation round, all with secure aggregation.
+    assert report["statistics_round"] == 1
+    study = load_study(report["study"])
+    assert study.feature("Admission type").levels == ("elective", "emergency", "transfer")
+    assert study.feature("Admission type").missing == "indicator"
+    assert study.feature("Lactate mmol/L").missing == "impute"
+    assert study.study.classes == ("no", "yes")
+    assert [r["round"] for r in rounds] == [2, 3, 4]
     assert all(r["secure_aggregation"] for r in rounds)
     assert rounds[-1]["evaluation_only"] and not rounds[0]["evaluation_only"]
-    # The site killed in round 1 after sharing its keys was dropped, and the round
+    # The site killed in the first training round after sharing its keys was dropped, and the round
     # still completed with the others.
     assert rounds[0]["dropped"] == ["west"]
     assert len(rounds[0]["participants"]) == 4
+    # Restarted with its ledger, it enrols (before its study opens the ledger, then with
+    # the ledger's head, checked against the replica) and takes part again.
+    assert "west" in rounds[1]["participants"]
     for key in ("auc", "sensitivity", "specificity", "ppv"):
         assert 0.0 <= report["final"][key] <= 1.0
         for baseline in ("centralized_nodp", "federated_nodp"):
@@ -54,14 +68,39 @@ def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
         spent = report["final"]["epsilon"][site]
         assert 0.0 < spent <= report["final"]["budget"][site] == 4.0
         assert set(rounds[-1]["epsilon"]) == set(SITES)
-    assert report["aborted_rounds"] == [] and report["evaluation_round"] == 3
+    assert report["aborted_rounds"] == [] and report["evaluation_round"] == 4
     model = report["model"]
-    assert model["kind"] in ("final bundle", "latest checkpoint (no bundle)")
+    assert model["kind"] == "final bundle" and model["threshold"] is not None
     assert hashlib.sha256(Path(model["path"]).read_bytes()).hexdigest() == model["sha256"]
     assert report["threshold"] == model["threshold"]
     assert (out / "auc_by_round.png").stat().st_size > 1000
     assert (out / "epsilon_by_round.png").stat().st_size > 1000
     assert "Federated + DP" in result.stdout
+    # Epsilon on evaluation apart from training, per site, from each site's ledger
+    # (each purpose composed alone, so neither exceeds the composed total).
+    for site in SITES:
+        purposes = report["final"]["epsilon_by_purpose"][site]
+        assert purposes["training"] > 0 and purposes["evaluation"] > 0
+        assert max(purposes.values()) <= report["final"]["epsilon"][site] + 1e-9
+    assert "evaluation" in result.stdout and "training" in result.stdout
+    # The membership-inference audit line next to the seed-002 table.
+    audit = report["privacy_audit"]
+    assert audit["skipped"] is False and audit["site"] == "east"
+    assert audit["no_dp"]["epsilon_claimed"] is None
+    assert audit["dp"]["epsilon_claimed"] == pytest.approx(4.0, rel=0.05)
+    assert audit["dp"]["epsilon_lower_bound"] < audit["dp"]["epsilon_claimed"]
+    for part in ("no_dp", "dp"):
+        assert 0.0 <= audit[part]["attack_auc"] <= 1.0
+        assert 0.0 <= audit[part]["tpr_at_1pct_fpr"] <= 1.0
+    assert audit["line"] == (
+        f"membership inference AUC: no DP {audit['no_dp']['attack_auc']:.2f}, "
+        f"DP eps=4 {audit['dp']['attack_auc']:.2f}"
+    )
+    assert audit["line"] in result.stdout
+    # Every site that finished holds the same final model as the coordinator.
+    final = Path(model["path"]).read_bytes()
+    for site in SITES[:-1]:
+        assert (out / "sites" / site / "model" / "final.safetensors").read_bytes() == final
     # Each site's own ledger verifies.
     for site in SITES:
         ledger = out / "sites" / site / "privacy-ledger.db"

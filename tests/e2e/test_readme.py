@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 SITES = ["st-marys", "county", "riverside"]
 BLOCKS = ("hospital-key", "operator-pki", "study-init", "data-check", "coordinator", "site",
-          "predict")
+          "status", "predict")
 WARDS = ["icu", "surgical", "medical"]
 
 
@@ -160,6 +160,10 @@ def test_the_readme_federation_runs_as_written(
     # until its operator stops it, then exits 0.
     coordinator.wait_log("still serving status and the final model", timeout=120)
     assert coordinator.alive, coordinator.tail(30)
+    status = readme.run(readme.command("status"))
+    assert "finished" in status, status
+    for site in SITES:
+        assert site in status, status
     coordinator.proc.terminate()
     assert coordinator.wait_exit(timeout=120) == 0, coordinator.tail(30)
 

@@ -1,4 +1,4 @@
-"""Recovery of `coordinator.engine` after a crash, on a real SQLite state database."""
+"""Recovery after a crash (`coordinator.recovery`), on a real SQLite state database."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from coordinator.engine import RoundEngine
+from coordinator.recovery import recover
 
 
 def test_recovery_says_which_abandoned_rounds_were_unmasked(
@@ -19,7 +20,7 @@ def test_recovery_says_which_abandoned_rounds_were_unmasked(
     store.mark_unmasked(1)  # killed after Unmask, before the checkpoint
     store.begin_round(2, ["alpha", "beta"], now=2.0)  # killed mid-round
     with caplog.at_level(logging.WARNING, logger="medfed.coordinator"):
-        engine.recover()
+        last = recover(store, engine.budget_view, engine.metrics, now=3.0)
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("round 1 was abandoned at a crash after its sum was unmasked")
                for m in messages), messages
@@ -27,7 +28,7 @@ def test_recovery_says_which_abandoned_rounds_were_unmasked(
     details = {r.round_number: (r.status, r.detail) for r in store.rounds()}
     assert details[1] == ("abandoned", "coordinator restarted after its sum was unmasked")
     assert details[2] == ("abandoned", "coordinator restarted")
-    assert engine.last_round_number == 2
+    assert last == 2
     assert engine.metrics.registry.get_sample_value(
         "medfed_coordinator_rounds_total", {"outcome": "abandoned"}
     ) == 2.0

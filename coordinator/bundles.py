@@ -1,0 +1,111 @@
+"""The study's model bundles under STATE/model: one per completed training round
+(round-NNNNNN.safetensors) and, after the last round, final.safetensors, which
+DownloadFinalModel serves. A bundle carries what a hospital needs to use the model
+without the federation: architecture, preprocessing statistics, decision threshold
+and the privacy card (common/bundle.py)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from common.bundle import (
+    ModelBundle,
+    PrivacyCard,
+    SecAggCard,
+    SitePrivacy,
+    Threshold,
+    architecture_from_study,
+    parameters_from_flat,
+    threshold_from_histogram,
+    write_bundle,
+)
+from common.codec import TensorSpec
+from common.config import CoordinatorSettings
+from common.errors import StateError, ValidationError
+from common.privacy.federation import SiteBudget as BudgetRow
+from coordinator.study_run import StudyRun
+
+log = logging.getLogger("medfed.coordinator")
+
+
+def write_round_bundle(
+    run: StudyRun,
+    *,
+    round_number: int,
+    layout: tuple[TensorSpec, ...],
+    flat: np.ndarray,
+    settings: CoordinatorSettings,
+    budgets: list[BudgetRow],
+    final: bool,
+    secagg: tuple[int, int] = (0, 0),
+) -> Path:
+    """Write the bundle of the global model after `round_number` (and, when `final`,
+    STATE/model/final.safetensors); returns its path."""
+    if run.statistics is None:
+        raise StateError("no statistics yet: a bundle needs the global preprocessing")
+    study = run.study
+    bins = settings.aggregation.histogram_bins
+    if study.study.task != "binary":
+        threshold = Threshold(value=None, method="argmax")
+    elif run.last_histogram is not None and run.last_histogram.sum() > 0:
+        threshold = threshold_from_histogram(run.last_histogram, bins=bins)
+    else:
+        threshold = Threshold(value=0.5, method="fixed")
+    agg = settings.aggregation
+    card = PrivacyCard(
+        unit=study.privacy.unit,
+        accountant="per-site ledger",
+        mechanisms=(
+            "sampled-gaussian (DP-SGD, per-unit clipping)",
+            "distributed-discrete-gaussian (federated statistics, once per study)",
+        ),
+        rounds=round_number,
+        sites=tuple(
+            SitePrivacy(site=row.site_id, epsilon=row.spent_epsilon, delta=row.delta)
+            for row in budgets
+        ),
+        secagg=SecAggCard(
+            threshold=max(1, secagg[0]),
+            neighbours=secagg[1] or None,
+            max_colluding_sites=agg.max_colluding_sites,
+            ring_bits=32,
+            clip=agg.clip,
+        ) if agg.secure_aggregation else None,
+        statistics_release=run.statistics.source,
+        notes=("SecAgg+ threshold and neighbours of the last round (neighbours none: "
+               "complete graph)",),
+    )
+    bundle = ModelBundle(
+        study=study,
+        architecture=architecture_from_study(study),
+        statistics=run.statistics,
+        threshold=threshold,
+        card=card,
+        parameters=parameters_from_flat([(s.name, s.shape) for s in layout], flat),
+        round=round_number,
+        final=final,
+    )
+    run.model_dir.mkdir(parents=True, exist_ok=True)
+    path = run.model_dir / f"round-{round_number:06d}.safetensors"
+    write_bundle(path, bundle)
+    if final:
+        write_bundle(run.final_path, bundle)
+        log.info("final model stored at %s", run.final_path)
+    return path
+
+
+def final_bundle(run: StudyRun | None, study_sha256: bytes, *, finished: bool) -> bytes:
+    """The bytes of the finished study's final bundle, for the site that names it."""
+    if run is None:
+        raise StateError("this coordinator runs no study: there is no final model")
+    if study_sha256 != bytes.fromhex(run.sha256):
+        raise ValidationError("study_sha256 names another study")
+    if not finished or not run.final_path.exists():
+        raise StateError("the study has not finished: no final model yet")
+    try:
+        return run.final_path.read_bytes()
+    except OSError as exc:
+        raise StateError(f"final model unreadable: {exc.strerror}") from None

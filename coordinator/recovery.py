@@ -1,0 +1,36 @@
+"""Recovery at start: a coordinator restarted on its state abandons the round that was
+in flight when it stopped, and says truthfully whether that round's sum had already
+been unmasked (issue 8, section 2)."""
+
+from __future__ import annotations
+
+import logging
+
+from common.privacy.federation import FederationBudgetView
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.store import CoordinatorStore
+
+log = logging.getLogger("medfed.coordinator")
+
+
+def recover(
+    store: CoordinatorStore,
+    budget_view: FederationBudgetView,
+    metrics: CoordinatorMetrics,
+    *,
+    now: float,
+) -> int:
+    """Abandon rounds left in flight and restore the budget gauges; returns the number
+    of the last round the state records (0 for a fresh state)."""
+    for rnd in store.abandon_in_flight(now=now):
+        if rnd.unmasked:
+            log.warning("round %d was abandoned at a crash after its sum was unmasked: "
+                        "the coordinator may have seen that sum; no model was built "
+                        "from it", rnd.round_number)
+        else:
+            log.warning("round %d was in flight at a crash: abandoned", rnd.round_number)
+        metrics.rounds_total.labels(outcome="abandoned").inc()
+    # Budget gauges show the persisted federation view before any site reports again.
+    for row in budget_view.snapshot():
+        metrics.observe_budget(row.site_id, row.spent_epsilon, row.budget_epsilon)
+    return store.next_round_number() - 1

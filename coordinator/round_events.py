@@ -1,0 +1,85 @@
+"""What a round tells the operator: a log line and metrics when a phase closes, when
+the round completes and when it aborts. The demo and the soak read these events, so
+their fields are part of the coordinator's interface."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from common.round import Announcement
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.phases import ActiveRound, PhaseClosed
+
+log = logging.getLogger("medfed.coordinator")
+
+
+def phase_closed(
+    rnd: ActiveRound, closed: PhaseClosed, *, metrics: CoordinatorMetrics, heartbeat_misses: int
+) -> None:
+    """Log the sites a phase dropped (silent or late) and record its duration."""
+    name = closed.phase.value
+    if closed.silent:
+        log.info(
+            "round %d %s: dropping %s (no heartbeat for %d intervals)", rnd.number, name,
+            list(closed.silent), heartbeat_misses,
+            extra={"event": "sites_silent", "round_number": rnd.number, "phase": name,
+                   "sites": ",".join(closed.silent)},
+        )
+    late = sorted(set(closed.missing) - set(closed.silent))
+    if late:
+        log.info("round %d %s deadline: dropping %s", rnd.number, name, late)
+    if closed.missing:
+        metrics.dropouts_total.labels(phase=name).inc(len(closed.missing))
+    metrics.phase_seconds.labels(phase=name).observe(closed.seconds)
+    log.debug("round %d %s closed after %.4f s", rnd.number, name, closed.seconds)
+
+
+def round_opened(ann: Announcement) -> None:
+    log.info(
+        "round %d open: %d sites, threshold %d, neighbours %d, secure=%s",
+        ann.round_number, len(ann.participants), ann.threshold, ann.neighbours,
+        ann.secure_aggregation,
+    )
+
+
+def round_aborted(ann: Announcement, reason: str) -> None:
+    log.warning(
+        "round %d aborted: %s", ann.round_number, reason,
+        extra={"event": "round_aborted", "round_number": ann.round_number,
+               "participants": ",".join(ann.participants), "reason": reason},
+    )
+
+
+def round_completed(
+    rnd: ActiveRound,
+    *,
+    survivors: Sequence[str],
+    dropped: Sequence[str],
+    metrics: dict[str, float],
+    seconds: float,
+    statistics: bool,
+) -> None:
+    ann = rnd.announcement
+    extra: dict[str, Any] = {
+        "event": "round_completed",
+        "round_number": ann.round_number,
+        "participants": ",".join(ann.participants),
+        "survivors": ",".join(survivors),
+        "dropped": ",".join(dropped),
+        "dropped_after_input": ",".join(sorted(rnd.dropped_after_input)),
+        "kind": "statistics" if statistics else "training",
+        "evaluation_only": ann.local_epochs == 0,
+        **metrics,
+        "secure": ann.secure_aggregation,
+        "round_seconds": round(seconds, 6),
+        # Idle time after a phase's last message until its deadline dropped
+        # the missing sites (see ActiveRound.deadline_wait_seconds).
+        "deadline_wait_seconds": round(rnd.deadline_wait_seconds, 6),
+    }
+    log.info(
+        "round %d completed: %d contributors, %d dropped, %.2f s, auc=%s",
+        ann.round_number, len(survivors), len(dropped), seconds, metrics.get("auc"),
+        extra=extra,
+    )

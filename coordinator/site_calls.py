@@ -1,0 +1,62 @@
+"""The calls a site makes outside a round's phases: enrolment, ledger replication,
+the long-poll for its next round, declining a round and heartbeats. They touch the
+site registry, the ledger replica and the round in flight, never drive a round (that
+is the engine's)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from common.round import Announcement, SiteBudget
+from coordinator.inbox import RoundInbox
+from coordinator.ledger_gate import LedgerGate
+from coordinator.sessions import SiteRegistry
+
+
+class SiteCalls:
+    """What the servicer asks on a site's behalf, in dataclasses."""
+
+    def __init__(
+        self,
+        sessions: SiteRegistry,
+        inbox: RoundInbox,
+        ledgers: LedgerGate,
+        *,
+        clock: Callable[[], float],
+    ) -> None:
+        self.sessions = sessions
+        self.inbox = inbox
+        self.ledgers = ledgers
+        self.clock = clock
+
+    def enroll(self, site_id: str, certificate_der: bytes, *, serial: str, version: str,
+               device: str, budget: SiteBudget | None) -> None:
+        """Register the site's session; refused when its ledger head forked."""
+        self.check_ledger_head(site_id, budget)
+        self.sessions.enroll(site_id, certificate_der, serial=serial, version=version,
+                             device=device, budget=budget)
+
+    def check_ledger_head(self, site_id: str, budget: SiteBudget | None) -> int:
+        return self.ledgers.check_head(site_id, budget)
+
+    def replicate_ledger(self, site_id: str, history: bytes) -> int:
+        return self.ledgers.replicate(site_id, history, now=self.clock())
+
+    def decline(self, site_id: str, round_number: int, *, budget: SiteBudget | None) -> None:
+        self.sessions.record_decline(site_id, round_number, budget=budget)
+        self.inbox.decline(site_id, round_number)
+
+    def heartbeat(self, site_id: str, round_number: int) -> None:
+        self.inbox.heartbeat(site_id, round_number)
+
+    async def wait_for_round(
+        self, site_id: str, *, after_round: int, wait_seconds: float, budget: SiteBudget | None
+    ) -> Announcement | None:
+        """Long-poll until a round selecting this site opens (None on timeout); a site
+        that reconnects during its round gets that round's announcement at once."""
+        self.check_ledger_head(site_id, budget)
+        self.sessions.record_budget(self.sessions.session(site_id), budget)
+        current = self.inbox.rejoin(site_id, after_round=after_round)
+        if current is not None:
+            return current.announcement
+        return await self.sessions.poll(site_id, wait_seconds=wait_seconds)

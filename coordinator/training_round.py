@@ -1,0 +1,137 @@
+"""Finishing a training round once its sum is unmasked: decode the sum, step the global
+model, then record the round. The record is written checkpoint first, store second,
+pruning third, so the store's latest checkpoint never names a missing file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.codec import TensorSpec
+from common.config import CoordinatorSettings
+from common.errors import AbortReason, ProtocolAbort
+from common.privacy.federation import SiteBudget as BudgetRow
+from coordinator import checkpoints
+from coordinator.aggregation import UPDATE_CHUNK_ELEMENTS, Aggregator, decode_round_sum
+from coordinator.bundles import write_round_bundle
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.optimizers import ServerOptimizer, apply_step, build_optimizer
+from coordinator.phases import ActiveRound
+from coordinator.store import CoordinatorStore
+from coordinator.study_run import StudyRun
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    round_number: int
+    survivors: tuple[str, ...]
+    dropped: tuple[str, ...]
+    mean_delta: np.ndarray
+    metrics: dict[str, float]
+    histogram: np.ndarray | None = None
+    statistics: bool = False  # the study's statistics release (no model update)
+
+
+@dataclass
+class GlobalModel:
+    """The model the federation trains: its layout, flat float32 parameters and the
+    server optimizer whose state is checkpointed with them."""
+
+    layout: tuple[TensorSpec, ...]
+    flat: np.ndarray
+    optimizer: ServerOptimizer
+
+    @classmethod
+    def load(
+        cls, store: CoordinatorStore, settings: CoordinatorSettings, study: StudyRun | None
+    ) -> GlobalModel:
+        """The latest good checkpoint, else the study's (or the config's) initial model."""
+        optimizer = build_optimizer(settings.optimizer)
+        layout, flat = checkpoints.load_model(
+            store, settings.model, optimizer,
+            initial=study.initial_model if study is not None else None,
+        )
+        return cls(layout, flat, optimizer)
+
+    def payload(self) -> bytes | memoryview:
+        return checkpoints.model_payload(self.layout, self.flat)
+
+
+def apply_update(
+    rnd: ActiveRound, aggregator: Aggregator, *, model: GlobalModel,
+    settings: CoordinatorSettings,
+) -> RoundResult:
+    """Decode the sum and step the model (worker thread; the model is no longer
+    served, so an elementwise optimizer may update it in place)."""
+    ann = rnd.announcement
+    aggregate = aggregator.result
+    if aggregate is None:
+        raise ProtocolAbort(AbortReason.ROUND_ABANDONED, "no aggregate for this round")
+    survivors = aggregator.survivors
+    if settings.debug_write_aggregates:
+        # TEST ONLY: streamed straight from the ring sum before it is decoded in
+        # place (a copy would add a model-sized vector to the coordinator's peak).
+        checkpoints.write_debug_aggregate(settings.state, ann.round_number, aggregate, survivors)
+    decoded = decode_round_sum(
+        aggregate, model_dim=model.flat.size, count=len(survivors), clip=ann.clip,
+        bits=ann.quantization_bits, weight_cap=ann.weight_cap,
+        histogram_bins=ann.histogram_bins, evaluation_only=ann.local_epochs == 0,
+        histogram_classes=settings.aggregation.histogram_classes,
+    )
+    mean_delta = decoded.mean_delta
+    if mean_delta is None:
+        mean_delta = np.zeros(model.flat.size, dtype=np.float32)
+    else:
+        model.flat = apply_step(
+            model.optimizer, model.flat, mean_delta, window=UPDATE_CHUNK_ELEMENTS
+        )
+    return RoundResult(ann.round_number, survivors, rnd.dropped_sites(survivors),
+                       mean_delta, decoded.metrics, decoded.histogram)
+
+
+def record(
+    result: RoundResult,
+    *,
+    model: GlobalModel,
+    settings: CoordinatorSettings,
+    store: CoordinatorStore,
+    metrics: CoordinatorMetrics,
+    now: float,
+) -> None:
+    """Checkpoint the stepped model and record the completed round in the store."""
+    checkpoint = checkpoints.write_checkpoint(
+        settings.state, result.round_number, layout=model.layout, flat=model.flat,
+        optimizer_name=settings.optimizer.name, optimizer=model.optimizer,
+    )
+    store.finish_round(
+        result.round_number, status="completed", now=now, survivors=result.survivors,
+        dropped=result.dropped, metrics=result.metrics, checkpoint=checkpoint,
+    )
+    # Only after the new checkpoint is recorded: the store's latest record never
+    # points at a deleted file.
+    checkpoints.prune_checkpoints(
+        settings.state, keep=settings.checkpoints.keep, protected=checkpoint.path
+    )
+    if "auc" in result.metrics:
+        metrics.model_auc.set(result.metrics["auc"])
+
+
+def bundle(
+    run: StudyRun,
+    result: RoundResult,
+    *,
+    model: GlobalModel,
+    settings: CoordinatorSettings,
+    budgets: list[BudgetRow],
+    secagg: tuple[int, int],
+    final: bool,
+) -> None:
+    """The study's bundle of the model after this round; an evaluation histogram moves
+    the bundle's decision threshold."""
+    if result.histogram is not None and result.histogram.sum() > 0:
+        run.last_histogram = result.histogram
+    write_round_bundle(
+        run, round_number=result.round_number, layout=model.layout, flat=model.flat,
+        settings=settings, budgets=budgets, secagg=secagg, final=final,
+    )

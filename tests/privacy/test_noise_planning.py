@@ -1,0 +1,96 @@
+"""Issue 10, section 6: the site's planned noise holds by the ledger's own accounting.
+
+The sigma search is a secant, not a bisection (bench/noiseplan.py, docs/benchmarks.md):
+whatever the search, what it returns must meet the budget and the per-round cap when the
+LEDGER composes it, with the accountant the ledger was created with."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+
+from common.errors import ConfigError
+from common.privacy.accountant import compose_epsilon, plan_noise_multiplier, plan_round_noise
+from common.privacy.ledger import PrivacyLedger
+from common.privacy.mechanisms import Gaussian, Segment
+from tests.privacy.conftest import Pki
+
+NOW = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
+BUDGET = 4.0
+DELTA = 1e-5
+RATE, STEPS = 0.05, 20
+
+
+def _ledger(path: Path, pki_material: Pki, accountant: str) -> PrivacyLedger:
+    return PrivacyLedger(path, site_id="hospital-a", budget_epsilon=BUDGET, delta=DELTA,
+                         accountant=accountant, privacy_unit="patient",
+                         signer=pki_material.signer_a)
+
+
+@pytest.mark.parametrize("accountant", ["prv", "pld", "rdp"])
+def test_the_planned_rounds_fit_the_budget_as_the_ledger_composes_them(
+    tmp_path: Path, pki_material: Pki, accountant: str
+) -> None:
+    ledger = _ledger(tmp_path / "l.db", pki_material, accountant)
+    ledger.reserve(0, [Gaussian(40.0, 1.0)], now=NOW, purpose="count")
+    ledger.reserve(1, [Segment(1.5, RATE, STEPS)], now=NOW)
+    plan = plan_round_noise(history=ledger.history(), budget_epsilon=BUDGET, delta=DELTA,
+                            sample_rate=RATE, steps_per_round=STEPS, remaining_rounds=3,
+                            accountant=accountant)
+    assert plan.epsilon_spent == ledger.spent()
+    segment = Segment(plan.noise_multiplier, RATE, STEPS)
+    assert ledger.preview(2, [segment]) == pytest.approx(plan.epsilon_after_round, rel=1e-12)
+    for number in (2, 3, 4):  # every planned round, at the planned noise
+        ledger.reserve(number, [segment], now=NOW)  # raises BudgetExhausted past the budget
+    assert ledger.spent() == pytest.approx(plan.epsilon_after_plan, rel=1e-12)
+    assert ledger.spent() <= BUDGET
+    # Not wastefully noisy: within the search tolerance of the budget, and 3% less noise
+    # on the same plan would break it.
+    assert BUDGET - ledger.spent() <= 0.01
+    thinner = Segment(plan.noise_multiplier * 0.97, RATE, STEPS)
+    assert compose_epsilon([*ledger.history()[:2], thinner, thinner, thinner], delta=DELTA,
+                           accountant=accountant) > BUDGET
+
+
+@pytest.mark.parametrize("accountant", ["prv", "pld"])
+def test_the_cap_holds_as_the_ledger_composes_the_round(
+    tmp_path: Path, pki_material: Pki, accountant: str
+) -> None:
+    ledger = _ledger(tmp_path / "l.db", pki_material, accountant)
+    ledger.reserve(1, [Segment(1.2, RATE, STEPS)], now=NOW)
+    spent = ledger.spent()
+    plan = plan_round_noise(history=ledger.history(), budget_epsilon=BUDGET, delta=DELTA,
+                            sample_rate=RATE, steps_per_round=STEPS, remaining_rounds=1,
+                            max_epsilon_per_round=0.3, accountant=accountant)
+    assert plan.binding == "max_epsilon_per_round"
+    ledger.reserve(2, [Segment(plan.noise_multiplier, RATE, STEPS)], now=NOW)
+    assert ledger.spent() - spent <= 0.3
+    assert ledger.spent() - spent == pytest.approx(plan.round_epsilon, rel=1e-9)
+
+
+def test_a_repeated_plan_is_the_same_plan_and_a_new_history_replans() -> None:
+    """Plans are cached by the canonical history: the same ledger (in any order) gets
+    the same answer, a ledger with one more entry a new one."""
+    kwargs = {"budget_epsilon": BUDGET, "delta": DELTA, "sample_rate": RATE,
+              "steps_per_round": STEPS, "remaining_rounds": 4, "accountant": "pld"}
+    history = [Segment(1.5, RATE, STEPS), Gaussian(40.0, 1.0)]
+    first = plan_round_noise(history=history, **kwargs)  # type: ignore[arg-type]
+    assert plan_round_noise(history=history[::-1], **kwargs) == first  # type: ignore[arg-type]
+    longer = [*history, Segment(first.noise_multiplier, RATE, STEPS)]
+    after = plan_round_noise(history=longer, **kwargs)  # type: ignore[arg-type]
+    assert after.epsilon_spent > first.epsilon_spent
+    assert after.epsilon_after_plan <= BUDGET
+
+
+def test_a_whole_schedule_plan_meets_its_target_with_each_accountant() -> None:
+    for accountant in ("prv", "pld", "rdp"):
+        sigma = plan_noise_multiplier(target_epsilon=1.5, delta=DELTA, sample_rate=0.01,
+                                      steps=500, accountant=accountant)
+        spent = compose_epsilon([Segment(sigma, 0.01, 500)], delta=DELTA,
+                                accountant=accountant)
+        assert 1.5 - 0.01 <= spent <= 1.5
+    with pytest.raises(ConfigError):
+        plan_noise_multiplier(target_epsilon=1e-9, delta=DELTA, sample_rate=1.0, steps=10**6,
+                              accountant="rdp", epsilon_tolerance=1e-10)
