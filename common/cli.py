@@ -10,6 +10,7 @@ exit code.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
@@ -57,6 +58,11 @@ def run_parsed(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `medfed status | head`: the reader left; no traceback, and none again when
+        # Python flushes stdout at exit (the recipe of the `signal` module's docs).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     return code
 
 

@@ -116,6 +116,12 @@ class AggregationSection(_Section):
     neighbours: int | Literal["auto"] = "auto"
     max_colluding_sites: int = Field(default=1, ge=0)
     max_dropouts: int | Literal["auto"] = "auto"
+    # Hospital-level DP without a study (issue 13; `medfed demo --privacy-unit hospital`):
+    # each site's whole update clipped to L2 <= hospital_clip_norm, the secure sum noised
+    # with std hospital_noise_multiplier * clip by the sites. A study's privacy section
+    # (unit = "hospital") takes precedence.
+    hospital_clip_norm: float | None = Field(default=None, gt=0)
+    hospital_noise_multiplier: float | None = Field(default=None, gt=0, le=1000)
 
 
 class OptimizerSection(_Section):
@@ -252,7 +258,7 @@ class PrivacySection(_Section):
     delta: float = Field(default=1e-5, gt=0, lt=1)
     accountant: Literal["prv", "rdp"] = "prv"
     max_grad_norm: float = Field(default=1.0, gt=0)
-    privacy_unit: Literal["auto", "record", "patient"] = "auto"
+    privacy_unit: Literal["auto", "record", "patient", "hospital"] = "auto"
     # Issue 10: the cohort size leaves the site only as ONE DP count (Gaussian, sens. 1).
     count_epsilon: float = Field(default=0.1, gt=0, le=100)
     # Total noise std on each summed count of an evaluation histogram (split across sites).

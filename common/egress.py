@@ -14,8 +14,10 @@ Two tables, both checked by tests against the code that sends (issue 10, section
 docs/privacy.md carries `render_markdown()` between the egress-manifest markers
 (`python -m common.egress` prints it; a test keeps the two equal).
 
-Segments are either ``quantized`` floats (clipped, stochastically rounded, Bonawitz et
-al. 2017 fixed-point encoding) or signed ``integer`` counts. Integers go into the ring
+Segments are ``quantized`` floats (clipped, stochastically rounded, Bonawitz et
+al. 2017 fixed-point encoding), signed ``integer`` counts, or ``ring`` words a site
+encoded itself (the DDGauss-encoded update of hospital-level DP, already reduced into the
+ring: `common.privacy.hospital`). Integers go into the ring
 Z_{2^32} as two's complement, so DP noise added by the site (which can make a count
 negative) sums correctly; the coordinator reads the sum back as a signed int32.
 """
@@ -83,7 +85,7 @@ SITE_FIELDS: Final[dict[str, FieldEntry]] = {
         "training, evaluation, statistics, count",
     ),
     "BudgetStatus.delta": _f(P, "the site's configured delta"),
-    "BudgetStatus.privacy_unit": _f(P, "record / patient (configuration)"),
+    "BudgetStatus.privacy_unit": _f(P, "record / patient / hospital (configuration)"),
     "BudgetStatus.exhausted": _f(DD, "whether the ledger can pay the next round"),
     "BudgetStatus.ledger_entries": _f(DD, "how many ledger entries (releases) exist"),
     "BudgetStatus.ledger_head": _f(DD, "hash of the last signed ledger entry"),
@@ -136,7 +138,7 @@ service, and every message type they contain)."""
 
 # ------------------------------------------------------------------ masked vector
 
-Encoding = Literal["quantized", "integer"]
+Encoding = Literal["quantized", "integer", "ring"]
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,7 @@ MODEL_UPDATE: Final = "model_update"
 WEIGHT: Final = "weight"
 EVALUATION_HISTOGRAM: Final = "evaluation_histogram"
 STATISTICS: Final = "statistics"
+HOSPITAL_UPDATE: Final = "hospital_update"
 
 SEGMENT_KINDS: Final[dict[str, SegmentKind]] = {}
 
@@ -197,6 +200,16 @@ register_segment_kind(SegmentKind(
     "per-feature clipped sums and squares, missing counts, log-bin histograms, level counts",
 ))
 
+register_segment_kind(SegmentKind(
+    HOSPITAL_UPDATE, "ring", Protection.DP,
+    "distributed discrete Gaussian on the whole update, clipped to L2 <= S per hospital "
+    "(Kairouz et al. 2021: rotation, conditional rounding, noise shares, modular clipping)",
+    "training",
+    "hospital-level DP rounds only (privacy.unit = hospital): the local model delta, "
+    "clipped to update_clip_norm, DDGauss-encoded into ring words (limbs when the ring "
+    "is wider than 32 bits)",
+))
+
 
 @dataclass(frozen=True)
 class VectorSegment:
@@ -223,7 +236,7 @@ class EgressManifest:
                 segment.length < 0
             ):
                 raise ValidationError(f"segment {segment.kind!r} has a bad length")
-            if kind.encoding == "integer":
+            if kind.encoding != "quantized":
                 seen_integer = True
             elif seen_integer:
                 raise ValidationError("quantized segments must precede integer segments")
@@ -285,6 +298,14 @@ class EgressManifest:
                     )
                 quantize(floats, clip=clip, bits=bits, rng=rng, out=part)
                 continue
+            if SEGMENT_KINDS[segment.kind].encoding == "ring":
+                words = np.asarray(value)
+                if words.dtype != np.uint32 or words.shape != (segment.length,):
+                    raise ValidationError(
+                        f"segment {segment.kind!r}: expected {segment.length} uint32 ring words"
+                    )
+                part[:] = words
+                continue
             integers = np.asarray(value)
             if integers.shape != (segment.length,) or (
                 integers.size and not np.issubdtype(integers.dtype, np.integer)
@@ -314,12 +335,16 @@ class EgressManifest:
 
 
 def round_manifest(
-    *, model_elements: int, histogram_bins: int, extra: Sequence[VectorSegment] = ()
+    *, model_elements: int, histogram_bins: int, extra: Sequence[VectorSegment] = (),
+    hospital_words: int | None = None,
 ) -> EgressManifest:
     """A training/evaluation round's vector: model update, weight, score histogram
-    (then any `extra` integer segments a round type adds, e.g. statistics)."""
+    (then any `extra` integer segments a round type adds, e.g. statistics). With
+    `hospital_words`, the update is the DDGauss-encoded ring segment of that length."""
+    update = (VectorSegment(MODEL_UPDATE, model_elements) if hospital_words is None
+              else VectorSegment(HOSPITAL_UPDATE, hospital_words))
     return EgressManifest((
-        VectorSegment(MODEL_UPDATE, model_elements),
+        update,
         VectorSegment(WEIGHT, 1),
         VectorSegment(EVALUATION_HISTOGRAM, 2 * histogram_bins),
         *extra,

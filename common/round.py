@@ -19,6 +19,7 @@ from common.crypto.quantize import max_integer_for_sites
 from common.egress import STATISTICS, EgressManifest, VectorSegment, round_manifest
 from common.errors import AbortReason, ProtocolAbort, RoundFailed, ValidationError
 from common.privacy.ledger import BudgetStatus
+from common.privacy.rotation import padded_length
 from common.secagg.params import (
     SecAggParams,
     ThreatModel,
@@ -29,7 +30,9 @@ from common.secagg.params import (
 ANNOUNCEMENT_DOMAIN = b"medfed/v1/announcement"
 KIND_TRAINING = "training"
 KIND_STATISTICS = "statistics"
-ROUND_KINDS = (KIND_TRAINING, KIND_STATISTICS)
+KIND_HOSPITAL = "hospital"  # a training round under hospital-level DP (issue 13)
+ROUND_KINDS = (KIND_TRAINING, KIND_STATISTICS, KIND_HOSPITAL)
+MAX_HOSPITAL_LIMBS = 8
 MAX_STATISTICS_BYTES = 1 << 20
 ROUND_NONCE_LENGTH = 16
 MIN_CHUNK_BYTES = 1 << 16
@@ -67,20 +70,46 @@ class Announcement:
     max_chunk_bytes: int = CHUNK_BYTES
     heartbeat_ms: int = DEFAULT_HEARTBEAT_MS
     study_sha256: bytes = b""  # SHA-256 of the study's canonical bytes (empty: none)
-    kind: str = KIND_TRAINING  # or KIND_STATISTICS: the once-per-study DP release
+    kind: str = KIND_TRAINING  # KIND_STATISTICS: the once-per-study DP release;
+    # KIND_HOSPITAL: training under hospital-level DP (clip = the update clip norm S)
     statistics: bytes = b""  # GlobalStatistics canonical JSON (empty before release)
+    hospital_noise_multiplier: float = 0.0  # z of a HOSPITAL round (0 otherwise)
 
     @property
     def is_statistics(self) -> bool:
         return self.kind == KIND_STATISTICS
 
+    @property
+    def is_hospital(self) -> bool:
+        return self.kind == KIND_HOSPITAL
+
+    @property
+    def model_elements(self) -> int:
+        return sum(s.elements for s in self.model_layout)
+
+    @property
+    def hospital_limbs(self) -> int:
+        """Words per ring element of a hospital round's update segment, read off the
+        announced length (each site checks it against the ring it plans itself;
+        0 when the length fits no whole number of limbs)."""
+        padded = padded_length(max(self.model_elements, 1))
+        words = self.vector_length - 1 - 2 * self.histogram_bins
+        if words <= 0 or words % padded or not 1 <= words // padded <= MAX_HOSPITAL_LIMBS:
+            return 0
+        return words // padded
+
     def manifest(self) -> EgressManifest:
         """The segments of this round's masked vector (common.egress)."""
         if self.is_statistics:
             return EgressManifest((VectorSegment(STATISTICS, self.vector_length),))
+        hospital_words = None
+        if self.is_hospital:
+            hospital_words = max(self.hospital_limbs, 1) * padded_length(
+                max(self.model_elements, 1))
         return round_manifest(
-            model_elements=sum(s.elements for s in self.model_layout),
+            model_elements=self.model_elements,
             histogram_bins=self.histogram_bins,
+            hospital_words=hospital_words,
         )
 
     def digest(self) -> bytes:
@@ -122,6 +151,7 @@ class Announcement:
         _put_bytes(out, self.kind.encode())
         # The statistics by hash: every site of a round standardises with the same ones.
         _put_bytes(out, hashlib.sha256(self.statistics).digest())
+        _put_float(out, self.hospital_noise_multiplier)
         return hashlib.sha256(bytes(out)).digest()
 
 
@@ -220,6 +250,10 @@ def validate_for_site(
     bins = ann.histogram_bins
     if not 2 <= bins <= 1000:
         raise ValidationError("histogram_bins out of range")
+    if ann.is_hospital and not (
+        0 < ann.hospital_noise_multiplier <= 1000 and ann.local_epochs > 0
+    ):
+        raise ValidationError("a hospital round trains, with a noise multiplier in (0, 1000]")
     if ann.is_statistics:
         # No model and no training: the vector is the statistics layout, which the site
         # recomputes from the study it joined (site_agent checks the length).

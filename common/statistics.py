@@ -57,6 +57,13 @@ _POSITIVE_EDGES = 10.0 ** (np.arange(-9, 16) / 3.0)
 LOG_EDGES = np.concatenate([-_POSITIVE_EDGES[::-1], _POSITIVE_EDGES])
 HISTOGRAM_BINS = LOG_EDGES.size + 1
 MIN_SCALE_FRACTION = 1e-3
+NOISY_SCALE_FLOOR = 0.25
+"""A declared-range feature's scale is never below this fraction of the largest standard
+deviation a variable with the released mean can have in its range (Bhatia-Davis:
+sqrt(mean_u * (1 - mean_u)) in range units). With few units the noise on the sum of
+squares can exceed the variance itself; a scale near zero would blow the standardised
+values up by orders of magnitude, while a scale too large only shrinks them (at most 4x
+here). Post-processing of the DP release: no privacy cost."""
 IQR_TO_STD = 1.349
 
 
@@ -319,7 +326,9 @@ def decode_release(total: np.ndarray, study: Study, *, source: str) -> GlobalSta
             present = max(units - missing, 1.0)
             mean_u = min(max(float(total[where[f"{name}.sum"].start]) / present, 0.0), 1.0)
             m2 = min(max(float(total[where[f"{name}.sumsq"].start]) / present, 0.0), 1.0)
-            scale_u = max(math.sqrt(max(m2 - mean_u * mean_u, 0.0)), MIN_SCALE_FRACTION)
+            widest = math.sqrt(mean_u * (1.0 - mean_u))
+            scale_u = max(math.sqrt(max(m2 - mean_u * mean_u, 0.0)),
+                          NOISY_SCALE_FLOOR * widest, MIN_SCALE_FRACTION)
             mean = low + (high - low) * mean_u
             numeric[name] = NumericStatistics(
                 mean=mean, scale=(high - low) * scale_u, impute=mean, clip_low=low,

@@ -208,6 +208,9 @@ class StudyPrivacySection(_Section):
     max_epsilon_per_round: float | None = Field(default=None, gt=0, le=100)
     # Hospital-level DP (issue 13): whole-update clip norm S and adaptive intermediaries.
     update_clip_norm: float | None = Field(default=None, gt=0)
+    # z: the securely summed update carries discrete Gaussian noise of std z * S per
+    # coordinate. None: planned from epsilon (common.privacy.hospital.study_terms).
+    update_noise_multiplier: float | None = Field(default=None, gt=0, le=1000)
     intermediaries: Literal["auto"] | int = "auto"
     # Once-per-study DP releases (issue 10): statistics for preprocessing, cohort count.
     statistics_epsilon: float = Field(default=0.5, gt=0, le=100)
@@ -223,8 +226,12 @@ class StudyPrivacySection(_Section):
 
     @model_validator(mode="after")
     def _hospital_only(self) -> StudyPrivacySection:
-        if self.unit != "hospital" and self.update_clip_norm is not None:
-            raise ValueError("update_clip_norm applies to unit = 'hospital' only")
+        if self.unit != "hospital" and (
+            self.update_clip_norm is not None or self.update_noise_multiplier is not None
+        ):
+            raise ValueError(
+                "update_clip_norm and update_noise_multiplier apply to unit = 'hospital' only"
+            )
         if self.max_epsilon_per_round is not None and self.max_epsilon_per_round > self.epsilon:
             raise ValueError("max_epsilon_per_round must not exceed epsilon")
         return self
@@ -472,6 +479,14 @@ def check_statistics(study: Study, statistics: GlobalStatistics) -> None:
         values = statistics.numeric[name]
         if spec.range != "auto" and (values.clip_low, values.clip_high) != tuple(spec.range):
             raise ValidationError(f"statistics: clip range of {name!r} differs from the study")
+        # The release decodes mean and imputation value inside the clip range; anything
+        # else was not computed from it (a coordinator probing the site's encoding).
+        for what, value in (("mean", values.mean), ("impute", values.impute)):
+            if not values.clip_low <= value <= values.clip_high:
+                raise ValidationError(
+                    f"statistics: {what} of {name!r} ({value:g}) lies outside its clip range "
+                    f"[{values.clip_low:g}, {values.clip_high:g}]"
+                )
     for name, spec in categorical.items():
         level = statistics.categorical[name].impute
         if level is not None and level not in (spec.levels or ()):
@@ -553,6 +568,16 @@ def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
         problems.append(
             f"privacy.max_epsilon_per_round = {requested.max_epsilon_per_round} exceeds this "
             f"site's {policy.max_epsilon_per_round:g}"
+        )
+    # The statistics release is one release too (the site plans its noise from the
+    # study's statistics_epsilon): a study asking for a nearly noiseless one, which
+    # holds the unit and missing counts, is refused by the per-round cap and budget.
+    cap = policy.epsilon if policy.max_epsilon_per_round is None else min(
+        policy.max_epsilon_per_round, policy.epsilon)
+    if requested.statistics_epsilon > cap:
+        problems.append(
+            f"privacy.statistics_epsilon = {requested.statistics_epsilon:g} exceeds this "
+            f"site's {cap:g}"
         )
     factory = study.model.custom
     if factory is not None and factory not in policy.allowed_model_factories:

@@ -27,6 +27,7 @@ from common.errors import (
 from common.privacy.ledger import BudgetStatus
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.round import (
+    KIND_HOSPITAL,
     KIND_STATISTICS,
     KIND_TRAINING,
     MAX_STATISTICS_BYTES,
@@ -161,12 +162,14 @@ def announcement_to_pb(ann: Announcement) -> pb.RoundAnnouncement:
         study_sha256=ann.study_sha256,
         kind=_ROUND_KIND_TO_PB[ann.kind],
         statistics=ann.statistics,
+        hospital_noise_multiplier=ann.hospital_noise_multiplier,
     )
 
 
 _ROUND_KIND_TO_PB = {
     KIND_TRAINING: pb.RoundAnnouncement.TRAINING,
     KIND_STATISTICS: pb.RoundAnnouncement.STATISTICS,
+    KIND_HOSPITAL: pb.RoundAnnouncement.HOSPITAL,
 }
 _KIND_FROM_PB_ROUND: dict[int, str] = {int(v): k for k, v in _ROUND_KIND_TO_PB.items()}
 
@@ -199,6 +202,7 @@ def announcement_from_pb(msg: pb.RoundAnnouncement) -> Announcement:
         study_sha256=bounded(msg.study_sha256, what="study_sha256", maximum=32),
         kind=_round_kind(msg.kind),
         statistics=bounded(msg.statistics, what="statistics", maximum=MAX_STATISTICS_BYTES),
+        hospital_noise_multiplier=msg.hospital_noise_multiplier,
     )
 
 

@@ -7,6 +7,7 @@ and the privacy card (common/bundle.py)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from common.codec import TensorSpec
 from common.config import CoordinatorSettings
 from common.errors import StateError, ValidationError
 from common.privacy.federation import SiteBudget as BudgetRow
+from coordinator import hospital_sum
 from coordinator.study_run import StudyRun
 
 log = logging.getLogger("medfed.coordinator")
@@ -41,6 +43,7 @@ def write_round_bundle(
     budgets: list[BudgetRow],
     final: bool,
     secagg: tuple[int, int] = (0, 0),
+    hospital_epsilons: Mapping[str, tuple[float, float]] | None = None,
 ) -> Path:
     """Write the bundle of the global model after `round_number` (and, when `final`,
     STATE/model/final.safetensors); returns its path."""
@@ -55,10 +58,13 @@ def write_round_bundle(
     else:
         threshold = Threshold(value=0.5, method="fixed")
     agg = settings.aggregation
+    # Hospital-level DP (issue 13): both guarantees named plainly (coordinator.hospital_sum).
+    group_guarantees, hospital_notes = hospital_sum.card_parts(study, hospital_epsilons or {})
     card = PrivacyCard(
         unit=study.privacy.unit,
         accountant="per-site ledger",
-        mechanisms=(
+        group_guarantees=group_guarantees,
+        mechanisms=hospital_sum.card_mechanisms(study) or (
             "sampled-gaussian (DP-SGD, per-unit clipping)",
             "distributed-discrete-gaussian (federated statistics, once per study)",
         ),
@@ -76,7 +82,7 @@ def write_round_bundle(
         ) if agg.secure_aggregation else None,
         statistics_release=run.statistics.source,
         notes=("SecAgg+ threshold and neighbours of the last round (neighbours none: "
-               "complete graph)",),
+               "complete graph)", *hospital_notes),
     )
     bundle = ModelBundle(
         study=study,

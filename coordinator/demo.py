@@ -27,6 +27,7 @@ from common.errors import ConfigError, StateError
 from common.processes import Line, ManagedProcess, medfed_argv
 
 HISTOGRAM_BINS = 50
+COUNT_EPSILON = 0.1  # the sites' default count_epsilon (common.config)
 
 
 @dataclass
@@ -47,6 +48,10 @@ class DemoOptions:
     batch_size: int = 2048
     phase_seconds: float = 30.0
     quiet: bool = False
+    # "hospital": hospital-level DP on the model updates (issue 13), no DP-SGD beneath.
+    privacy_unit: str = "auto"
+    update_clip_norm: float = 1.0
+    intermediaries: int = 1  # v per hospital (needs --data: a study carries it)
     audit: bool = True
 
 
@@ -83,6 +88,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--kill-round", type=int, default=d.kill_round,
                         help="round in which one site is killed (0: none)")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--privacy-unit", choices=["auto", "hospital"], default="auto",
+                        help="hospital: each site's whole update clipped to "
+                        "--update-clip-norm and noised in the SecAgg ring (DDGauss)")
+    parser.add_argument("--update-clip-norm", type=float, default=d.update_clip_norm)
+    parser.add_argument("--intermediaries", type=int, default=d.intermediaries,
+                        help="hospital-level DP: v disjoint patient groups per hospital, "
+                        "each clipped alone (needs --data)")
     parser.add_argument("--no-audit", dest="audit", action="store_false",
                         help="skip the membership-inference audit (about 30 s on 2 cores)")
     imaging = parser.add_argument_group("imaging (--task imaging)")
@@ -116,6 +128,9 @@ def _main(args: argparse.Namespace) -> int:
         label_column=args.label_column,
         patient_column=patient_column,
         quiet=args.quiet,
+        privacy_unit=args.privacy_unit,
+        update_clip_norm=args.update_clip_norm,
+        intermediaries=args.intermediaries,
         audit=args.audit,
     )
     validate_options(options)
@@ -155,6 +170,8 @@ def validate_options(o: DemoOptions) -> None:
         raise ConfigError("--rounds", "must be >= 1")
     if o.kill_round < 0 or o.kill_round > o.rounds:
         raise ConfigError("--kill-round", f"must be between 0 and --rounds ({o.rounds})")
+    if o.intermediaries != 1 and (o.privacy_unit != "hospital" or o.data is None):
+        raise ConfigError("--intermediaries", "needs --privacy-unit hospital and --data")
     if o.data is not None and not o.data.is_dir():
         raise ConfigError("--data", f"{o.data} is not a folder")
 
@@ -216,6 +233,8 @@ class Demo:
             batch_size=self.o.batch_size, epsilon=self.o.budget_epsilon, delta=self.o.delta,
             histogram_bins=HISTOGRAM_BINS,
         )
+        if self.o.privacy_unit == "hospital":
+            study = hospital_study(study, self.o)
         self.served_study = self.out / "study.toml"
         self.served_study.write_text(render_study_toml(study), encoding="utf-8")
         self.study = study
@@ -301,7 +320,7 @@ federation_id = "medfed-demo"
 [aggregation]
 histogram_bins = {self.histogram_bins}
 clip = 0.5
-
+{hospital_aggregation(self.o)}
 [deadlines]
 selection_seconds = 5
 round_start_timeout_seconds = 600
@@ -350,6 +369,7 @@ phase_seconds = {self.o.phase_seconds}
 [privacy]
 budget_epsilon = {self.o.budget_epsilon}
 delta = {self.o.delta}
+{'privacy_unit = "hospital"' if self.o.privacy_unit == "hospital" else ""}
 
 [training]
 batch_size = {self.o.batch_size}
@@ -562,7 +582,8 @@ device = "cpu"
         model = self.model_file()
         report: dict[str, Any] = {
             "sites": sites,
-            "privacy_unit": "patient" if self.o.patient_column else "record",
+            "privacy_unit": "hospital" if self.o.privacy_unit == "hospital" else (
+                "patient" if self.o.patient_column else "record"),
             "delta": self.o.delta,
             "rounds": [
                 {
@@ -595,6 +616,8 @@ device = "cpu"
             "privacy_audit": self.audit,
             "seconds": round(time.monotonic() - self.started, 1),
         }
+        if self.o.privacy_unit == "hospital":
+            report["hospital"] = hospital_report(self.out, sites, self.o)
         (self.out / "report.json").write_text(json.dumps(report, indent=2, default=_json))
         self.plot(report)
         self.print_table(report)
@@ -698,7 +721,10 @@ device = "cpu"
         rows = [
             ("Centralized (no DP)", report["baselines"]["centralized_nodp"]),
             ("Federated (no DP)", report["baselines"]["federated_nodp"]),
-            (f"Federated + DP (eps<={self.o.budget_epsilon:g}) + SecAgg+", report["final"]),
+            (f"Federated + DP (eps<={self.o.budget_epsilon:g}) + SecAgg+"
+             if "hospital" not in report else
+             f"Federated + hospital-level DP (eps<={self.o.budget_epsilon:g}) + SecAgg+",
+             report["final"]),
         ]
         width = max(len(r[0]) for r in rows) + 2
         self.say("")
@@ -726,6 +752,15 @@ device = "cpu"
             split = ", ".join(f"{p} {e:.2f}" for p, e in purposes.items())
             self.say(f"  {site:<18} epsilon {spent:6.2f} of {budget:g} "
                      f"({100 * spent / budget:4.0f}% of budget)" + (f"; {split}" if split else ""))
+        if "hospital" in report:
+            self.say("  hospital-level epsilon (MODEL UPDATES ONLY; the figures above compose "
+                     "every release and bound each patient):")
+            v = report["hospital"]["intermediaries"]
+            units = report["hospital"]["intermediary_epsilon"]
+            for site, value in report["hospital"]["epsilon"].items():
+                extra = (f"  ({v}-fold group privacy of the intermediary-level "
+                         f"{units[site]:.2f})" if site in units else "")
+                self.say(f"  {site:<18} epsilon {value:6.2f}{extra}")
         self.say(f"\nReport: {self.out / 'report.json'}; plots: auc_by_round.png, "
                  f"epsilon_by_round.png ({report['seconds']:.0f} s)")
 
@@ -758,3 +793,52 @@ def compute_baselines(datasets: dict[str, Any], o: DemoOptions) -> dict[str, dic
         "federated_nodp": federated_nodp(datasets, o, bins=HISTOGRAM_BINS),
     }
 
+
+
+def hospital_aggregation(o: DemoOptions) -> str:
+    """The coordinator's [aggregation] lines for hospital-level DP: S and a z planned so
+    the demo's rounds of updates fit the sites' budget (`common.privacy.hospital`)."""
+    if o.privacy_unit != "hospital":
+        return ""
+    from common.privacy.hospital import EVALUATION_RESERVE, plan_noise_multiplier
+
+    left = (o.budget_epsilon - COUNT_EPSILON) * (1 - EVALUATION_RESERVE)
+    z = plan_noise_multiplier(epsilon=left, delta=o.delta, rounds=o.rounds)
+    return f"hospital_clip_norm = {o.update_clip_norm}\nhospital_noise_multiplier = {z}\n"
+
+
+def hospital_report(out: Path, sites: list[str], o: DemoOptions) -> dict[str, Any]:
+    """Each site's hospital-level epsilon (model updates only), from its own ledger."""
+    from common.privacy.hospital import hospital_level_epsilon, intermediary_level_epsilon
+    from common.privacy.ledger import read_ledger
+
+    epsilon: dict[str, float] = {}
+    intermediary: dict[str, float] = {}
+    for site in sites:
+        path = out / "sites" / site / "privacy-ledger.db"
+        if not path.exists():
+            epsilon[site] = 0.0
+            continue
+        header, entries = read_ledger(path)
+        pairs = [(e.purpose, tuple(getattr(e, "mechanisms", ()))) for e in entries]
+        epsilon[site] = hospital_level_epsilon(pairs, delta=header.delta,
+                                               accountant=header.accountant)
+        unit = intermediary_level_epsilon(pairs, delta=header.delta,
+                                          accountant=header.accountant)
+        if unit is not None:
+            intermediary[site] = unit
+    return {"epsilon": epsilon, "intermediary_epsilon": intermediary,
+            "intermediaries": o.intermediaries, "update_clip_norm": o.update_clip_norm,
+            "note": "hospital-level epsilon covers the model updates only"}
+
+
+def hospital_study(study: Any, o: DemoOptions) -> Any:
+    """The drafted study under hospital-level DP (issue 13): unit hospital, clip S and
+    the intermediaries per hospital; z is planned from the study's epsilon."""
+    from common.study import StudyPrivacySection
+
+    privacy = StudyPrivacySection.model_validate({
+        **study.privacy.model_dump(), "unit": "hospital",
+        "update_clip_norm": o.update_clip_norm, "intermediaries": o.intermediaries,
+    })
+    return study.model_copy(update={"privacy": privacy})

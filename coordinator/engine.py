@@ -32,7 +32,13 @@ from common.round import Announcement
 from common.secagg.client import IdentityVerifier
 from common.secagg.params import ROUND_NONCE_BYTES
 from common.statistics import statistics_length
-from coordinator import round_events, selection, statistics_round, training_round
+from coordinator import (
+    hospital_sum,
+    round_events,
+    selection,
+    statistics_round,
+    training_round,
+)
 from coordinator.aggregation import aggregator_for
 from coordinator.bundles import final_bundle
 from coordinator.inbox import RoundInbox
@@ -162,7 +168,7 @@ class RoundEngine:
     def _announce(self, participants: list[str], *, statistics: bool) -> Announcement:
         payload = self.model.payload()
         study = self.study
-        return selection.announcement(
+        ann = selection.announcement(
             self.settings, participants, number=self.next_round_number(participants),
             nonce=self.rng(ROUND_NONCE_BYTES), layout=self.model.layout,
             model_sha256=digest(payload), model_bytes=len(payload),
@@ -173,6 +179,8 @@ class RoundEngine:
                 statistics_length(study.study) if statistics and study is not None else None
             ),
         )
+        return hospital_sum.announce(ann, hospital_sum.terms_for(
+            study.study if study is not None else None, self.settings.aggregation))
 
     async def _run_round(self, participants: list[str], *, statistics: bool = False) -> None:
         ann = self._announce(participants, statistics=statistics)
@@ -215,7 +223,8 @@ class RoundEngine:
             else:
                 result = await asyncio.to_thread(
                     training_round.apply_update, rnd, aggregator, model=self.model,
-                    settings=self.settings,
+                    settings=self.settings, hospital_terms=hospital_sum.terms_for(
+                        self.study.study if self.study else None, self.settings.aggregation),
                 )
                 self._record_training(result)
             abort = None
@@ -247,6 +256,7 @@ class RoundEngine:
                 self.study, result, model=self.model, settings=self.settings,
                 budgets=self.budget_view.snapshot(), secagg=self.last_secagg,
                 final=self.store.completed_rounds() >= self.total_rounds,
+                hospital_epsilons=hospital_sum.replica_epsilons(self.ledgers.replica),
             )
         self.last_result = result
         self.metrics.rounds_total.labels(outcome="completed").inc()

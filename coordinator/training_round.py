@@ -4,6 +4,7 @@ pruning third, so the store's latest checkpoint never names a missing file."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,7 +13,8 @@ from common.codec import TensorSpec
 from common.config import CoordinatorSettings
 from common.errors import AbortReason, ProtocolAbort
 from common.privacy.federation import SiteBudget as BudgetRow
-from coordinator import checkpoints
+from common.privacy.hospital import HospitalTerms
+from coordinator import checkpoints, hospital_sum
 from coordinator.aggregation import UPDATE_CHUNK_ELEMENTS, Aggregator, decode_round_sum
 from coordinator.bundles import write_round_bundle
 from coordinator.metrics import CoordinatorMetrics
@@ -60,7 +62,7 @@ class GlobalModel:
 
 def apply_update(
     rnd: ActiveRound, aggregator: Aggregator, *, model: GlobalModel,
-    settings: CoordinatorSettings,
+    settings: CoordinatorSettings, hospital_terms: HospitalTerms | None = None,
 ) -> RoundResult:
     """Decode the sum and step the model (worker thread; the model is no longer
     served, so an elementwise optimizer may update it in place)."""
@@ -73,7 +75,10 @@ def apply_update(
         # TEST ONLY: streamed straight from the ring sum before it is decoded in
         # place (a copy would add a model-sized vector to the coordinator's peak).
         checkpoints.write_debug_aggregate(settings.state, ann.round_number, aggregate, survivors)
-    decoded = decode_round_sum(
+    decoded = hospital_sum.decode(
+        aggregate, ann=ann, count=len(survivors),
+        histogram_classes=settings.aggregation.histogram_classes, terms=hospital_terms,
+    ) if ann.is_hospital else decode_round_sum(
         aggregate, model_dim=model.flat.size, count=len(survivors), clip=ann.clip,
         bits=ann.quantization_bits, weight_cap=ann.weight_cap,
         histogram_bins=ann.histogram_bins, evaluation_only=ann.local_epochs == 0,
@@ -126,6 +131,7 @@ def bundle(
     budgets: list[BudgetRow],
     secagg: tuple[int, int],
     final: bool,
+    hospital_epsilons: Mapping[str, tuple[float, float]] | None = None,
 ) -> None:
     """The study's bundle of the model after this round; an evaluation histogram moves
     the bundle's decision threshold."""
@@ -134,4 +140,5 @@ def bundle(
     write_round_bundle(
         run, round_number=result.round_number, layout=model.layout, flat=model.flat,
         settings=settings, budgets=budgets, secagg=secagg, final=final,
+        hospital_epsilons=hospital_epsilons,
     )

@@ -77,10 +77,12 @@ from common.study import (
 )
 from common.tls import SiteTlsFiles, channel_credentials_from_files
 from site_agent import dp_release
+from site_agent import hospital as hospital_round
 from site_agent.datacheck import site_policy
 from site_agent.hooks import LocalUpdate, TrainingHook
 from site_agent.metrics import SiteMetrics
 from site_agent.revocation import SiteRevocation
+from site_agent.statistics_pin import StatisticsPin
 
 log = logging.getLogger("medfed.site")
 
@@ -96,8 +98,10 @@ HEARTBEAT_FINAL = {
 }
 """Heartbeat answers after which beating on is pointless (the round ended for us, or
 the coordinator does not listen for heartbeats)."""
+PURPOSE_STATISTICS = "statistics"
 # Ledger purposes released within a round (the cohort count has its own numbering).
-ROUND_PURPOSES = (dp_release.PURPOSE_TRAINING, dp_release.PURPOSE_EVALUATION)
+ROUND_PURPOSES = (dp_release.PURPOSE_TRAINING, dp_release.PURPOSE_EVALUATION,
+                  PURPOSE_STATISTICS)
 # What gRPC's details say when the TLS handshake itself failed (another CA, an expired or
 # revoked certificate, a server name that does not match): retrying does not heal these.
 TLS_FAILURE_MARKERS = ("handshake", "CERTIFICATE_VERIFY_FAILED", "certificate", "tlsv1 alert",
@@ -275,6 +279,7 @@ class SiteAgent:
         # a hook's trainer is not shared between threads).
         self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noise-plan")
         self._pending_statistics: GlobalStatistics | None = None
+        self._statistics_pin = StatisticsPin(settings.state)
         self._rss_before_download = 0
 
     # ------------------------------------------------------------- connection
@@ -480,6 +485,7 @@ class SiteAgent:
                 stats = statistics_from_bytes(announced.statistics)
                 if self.study is not None:
                     check_statistics(self.study, stats)
+                    self._statistics_pin.accept(stats)  # one release per study
                     # Encoding the records and re-planning the noise with them takes
                     # seconds (tens on a loaded machine): it runs beside the key phases
                     # (see _contribute), never before them.
@@ -524,6 +530,8 @@ class SiteAgent:
                  extra={"event": "round_selected", "round_number": rnd.number,
                         "planned_rounds": plan.planned_rounds})
         self._last_update = None
+        hospital_round.require_hospital_round(
+            rnd, hospital_mode=bool(getattr(self.hook, "hospital", False)))
         evaluation = self._evaluation_mechanisms(rnd)
         self._refuse_recorded_round(rnd)
         with Heartbeats(stub, rnd.number, rnd.heartbeat_seconds) as heartbeats:
@@ -583,7 +591,14 @@ class SiteAgent:
             # wait on the slowest site): neither delays the other.
             global_flat = download.result()
             log.debug("round %d: keys exchanged, model downloaded", rnd.number)
-            segments = planning.result()
+            segments: list[Mechanism] = list(planning.result())
+            planned_hospital = None
+            if rnd.announcement.is_hospital:
+                # Hospital-level DP (issue 13): the DDGauss round joins the training
+                # entry, so it too is on the ledger before training starts.
+                planned_hospital = hospital_round.plan_round(
+                    rnd, study=self.study, policy=self.settings.policy)
+                segments = [*segments, planned_hospital.mechanism]
             if self.ledger is not None and (segments or evaluation):
                 after = self.ledger.preview(rnd.number, [*segments, *evaluation])
                 if after > self.ledger.budget_epsilon:
@@ -611,7 +626,8 @@ class SiteAgent:
             self.metrics.training_seconds.observe(time.perf_counter() - started)
             self.metrics.samples_used.set(update.num_samples)
             self.metrics.patients_used.set(update.patients)
-            vector = self._encode(rnd, update)
+            vector = (self._encode(rnd, update) if planned_hospital is None
+                      else hospital_round.encode(rnd, update, planned_hospital))
             log.debug("round %d: update trained and encoded", rnd.number)
             if self.settings.debug_write_updates:
                 self._write_debug(rnd.number, vector)
@@ -673,6 +689,16 @@ class SiteAgent:
         study = self.study
         if study is None:
             raise RoundFailed("a statistics round needs a study")
+        # A re-announced or second release would let the coordinator average its noise
+        # away: the round number must be new on the ledger, the study's statistics unset.
+        self._refuse_recorded_round(rnd)
+        if self._statistics_pin.pinned(study_sha256(study)) is not None:
+            raise RoundFailed(
+                "this study's statistics were already released "
+                f"({self._statistics_pin.path(study_sha256(study))}): refusing a second "
+                "release (to take part in a new run of the same study, remove that file; "
+                "the new release is charged to the ledger again)"
+            )
         release = self.hook.statistics_release()
         if release.size != rnd.announcement.vector_length:
             raise ValidationError("statistics vector length differs from this site's study")
@@ -712,7 +738,7 @@ class SiteAgent:
         """Ledger entry first (write-ahead), then the noised vector through SecAgg+."""
         mechanism = plan.mechanism()
         if self.ledger is not None:
-            self.ledger.reserve(rnd.number, [mechanism], now=_utcnow(), purpose="statistics")
+            self.ledger.reserve(rnd.number, [mechanism], now=_utcnow(), purpose=PURPOSE_STATISTICS)
             self.budget_pb()
         noisy = release + plan.noise(system_random)
         # Built from the round's egress manifest: one "statistics" segment.
@@ -742,6 +768,12 @@ class SiteAgent:
         bundle = bundle_from_bytes(data)  # verifies the bundle's own digest
         if bytes.fromhex(study_sha256(bundle.study)) != self.study_sha256:
             raise ValidationError("the final model belongs to another study")
+        if not bundle.final:
+            raise ValidationError("the coordinator's final model is not marked final")
+        pinned = self._statistics_pin.pinned(study_sha256(bundle.study))
+        if pinned is not None and bundle.statistics != pinned:
+            raise ValidationError("the final model's statistics differ from the study's "
+                                  "released statistics this site trained with")
         folder = self.settings.state / "model"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "final.safetensors"

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import SiteSettings, load_settings
+from common.errors import ConfigError
 from common.logs import configure_logging
 
 
@@ -111,6 +112,17 @@ def _run(args: argparse.Namespace) -> int:
     from site_agent.runner import run_site
 
     settings = settings_from_args(args)
+    if (settings.data.path is None and not settings.data.synthetic
+            and settings.training.trainer != "test-deterministic"):
+        # Nothing could ever train: say so now, not at enrolment (docs/deploy.md).
+        raise ConfigError(
+            "data.path", "name this site's data file (data.path in the config, or --data "
+            "FILE); the built-in demo cohort only with --synthetic"
+        )
+    path = settings.data.path
+    if path is not None and not settings.data.synthetic and not Path(path).exists():
+        # Its contents are checked against the study at enrolment; its absence now.
+        raise ConfigError("data.path", f"{path} does not exist")
     configure_logging(f"site:{settings.site}", settings.log_level, settings.log_format)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -46,6 +46,9 @@ class LocalUpdate:
     # Exact records trained on, for this site's own log only (never sent: the FedAvg
     # weight is `num_samples`, a DP count when DP is on).
     records: int | None = None
+    # Hospital-level DP with intermediaries (issue 13, section 2): one delta per
+    # disjoint unit of patients, each to be clipped alone; `delta` is their sum.
+    units: tuple[np.ndarray, ...] = ()
 
 
 class TrainingHook(Protocol):
@@ -155,6 +158,7 @@ class DpTrainingHook:
         self.patients = 0
         self.joined = False
         self.privacy_unit = "none" if not dp else "pending"
+        self.hospital = False
         self.task: Task = "binary"
         self.num_classes = 2
         # One-vs-rest blocks in the evaluation histogram: the ledger's sensitivity.
@@ -201,7 +205,10 @@ class DpTrainingHook:
         else:
             self.table = load_study_table(path, study)
             if self.dp:
-                self.privacy_unit = "patient" if self.table.patient_ids is not None else "record"
+                self.privacy_unit = (
+                    "hospital" if self.hospital
+                    else "patient" if self.table.patient_ids is not None else "record"
+                )
         # The study's model, built and DP-checked here (ModuleValidator names the layer
         # and the fix) before this site sends any key or update.
         self._layout = model_layout(self.model())
@@ -281,6 +288,10 @@ class DpTrainingHook:
                 self.privacy_unit = "patient" if has_patients else "record"
             else:
                 self.privacy_unit = unit
+            # Hospital-level DP by the site's own setting or study file: no DP-SGD beneath.
+            self.hospital = self.hospital or self.privacy_unit == "hospital"
+            if self.hospital and self.dp:
+                self.privacy_unit = "hospital"
             self.n_features = int(data.features.shape[1])
             self.patients = self.train_data.num_patients if has_patients else 0
         self.joined = True
@@ -296,6 +307,9 @@ class DpTrainingHook:
     def _use_study(self, study: Study) -> None:
         """Task, classes and model name from the study this site trains."""
         self.study = study
+        # Hospital-level DP (issue 13): the whole update is clipped and noised in the
+        # ring (site_agent.hospital); DP-SGD does not run underneath in this mode.
+        self.hospital = study.privacy.unit == "hospital"
         self.task = study.study.task
         self.num_classes = len(study.study.classes)
         self.histogram_classes = self.num_classes if self.num_classes > 2 else 1
@@ -319,6 +333,8 @@ class DpTrainingHook:
             self.privacy_unit = "patient" if has_patients else "record"
         else:
             self.privacy_unit = unit
+        if self.hospital and self.dp:
+            self.privacy_unit = "hospital"
         self.patients = self.train_data.num_patients if has_patients else 0
         self.n_features = None
         if self.ledger is not None and self._ledger_state is not None:
@@ -334,7 +350,9 @@ class DpTrainingHook:
     @property
     def units(self) -> int:
         """This site's privacy units (never leaves the site; see `released_units`)."""
-        if self.privacy_unit == "patient":
+        if self.privacy_unit == "patient" or (
+            self.hospital and getattr(self.train_data, "patient_ids", None) is not None
+        ):
             return int(self.train_data.num_patients)
         return len(self.train_data)
 
@@ -399,9 +417,9 @@ class DpTrainingHook:
                 planned_rounds=plan.planned_rounds,
                 fedprox_mu=plan.fedprox_mu,
                 accountant=cfg.privacy.accountant,
-                dp=self.dp,
+                dp=self.dp and not self.hospital,
                 privacy_unit="patient" if self.privacy_unit == "patient" else (
-                    "record" if self.dp else "auto"
+                    "record" if self.dp and not self.hospital else "auto"
                 ),
                 grad_sample_mode=cfg.training.grad_sample_mode,
                 device=cfg.training.device,
@@ -420,7 +438,7 @@ class DpTrainingHook:
         return self._trainer
 
     def planned_segments(self, plan: RoundPlan) -> list[Segment]:
-        if plan.local_epochs == 0 or not self.dp:
+        if plan.local_epochs == 0 or not self.dp or self.hospital:
             return []
         trainer = self.trainer_for(plan)
         if self.ledger is not None and self.released_units is not None:
@@ -450,6 +468,8 @@ class DpTrainingHook:
         if plan.local_epochs == 0:
             delta = np.zeros_like(global_flat, dtype=np.float32)
             return LocalUpdate(delta, 0, histogram, time.perf_counter() - started, patients)
+        if self.hospital and self.intermediaries > 1:
+            return self._train_units(plan, global_flat, histogram, started, patients)
         result = self.trainer_for(plan).train_round(
             global_flat,
             local_epochs=plan.local_epochs,
@@ -467,6 +487,66 @@ class DpTrainingHook:
             records=result.num_samples,
         )
 
+
+    @property
+    def intermediaries(self) -> int:
+        """v: disjoint units this hospital trains, each clipped alone (the study's fixed
+        `privacy.intermediaries`; "auto" is one unit until the adaptive rule is wired)."""
+        if self.study is None or not self.hospital:
+            return 1
+        v = self.study.privacy.intermediaries
+        return v if isinstance(v, int) else 1
+
+    def unit_groups(self, v: int) -> list[np.ndarray]:
+        """Record indices of v disjoint intermediaries: whole patients (records without a
+        patient column) dealt at random, fixed for the study by the split seed."""
+        ids = getattr(self.train_data, "patient_ids", None)
+        keys = ids if ids is not None else np.arange(len(self.train_data))
+        unique, inverse = np.unique(keys, return_inverse=True)
+        if unique.size < v:
+            raise ConfigError("privacy.intermediaries",
+                              f"{v} intermediaries but only {unique.size} units at this site")
+        order = np.random.default_rng(self.settings.data.split_seed + 1).permutation(unique.size)
+        group_of_unit = np.empty(unique.size, dtype=np.int64)
+        group_of_unit[order] = np.arange(unique.size) % v
+        group = group_of_unit[inverse.reshape(-1)]
+        return [np.flatnonzero(group == k) for k in range(v)]
+
+    def _train_units(self, plan: RoundPlan, global_flat: np.ndarray, histogram: np.ndarray,
+                     started: float, patients: int) -> LocalUpdate:
+        """Hospital-level DP with intermediaries (issue 13, section 2; Jiang et al.,
+        MICCAI 2023): each unit trains from the global model on its own patients; the
+        agent clips and rounds each delta alone (site_agent.hospital)."""
+        import dataclasses as dc
+
+        from site_agent.trainer import LocalTrainer
+
+        base = self.trainer_for(plan)
+        deltas: list[np.ndarray] = []
+        losses: list[float] = []
+        records = 0
+        for index in self.unit_groups(self.intermediaries):
+            subset = self.train_data.subset(index)
+            config = dc.replace(
+                base.config, released_units=None,
+                batch_size=fit_batch_size(self.settings.training.batch_size,
+                                          units=len(subset)),
+            )
+            seed = int.from_bytes(os.urandom(8), "big") >> 1
+            result = LocalTrainer(self.model, subset, config, seed=seed).train_round(
+                global_flat, local_epochs=plan.local_epochs, lr=plan.learning_rate,
+                fedprox_mu=plan.fedprox_mu,
+            )
+            deltas.append(np.array(result.delta_flat, dtype=np.float32))
+            if result.mean_loss is not None:
+                losses.append(result.mean_loss)
+            records += result.num_samples
+        total = np.sum(deltas, axis=0).astype(np.float32)
+        return LocalUpdate(
+            total, len(deltas), histogram, time.perf_counter() - started, patients,
+            loss=float(np.mean(losses)) if losses else None, records=records,
+            units=tuple(deltas),
+        )
 
     def evaluate(self, plan: RoundPlan, global_flat: np.ndarray) -> np.ndarray:
         """Held-out score histogram of the global model: 2 * bins counts for a binary
@@ -488,7 +568,7 @@ class DpTrainingHook:
         # One score per privacy unit (a random encounter of each held-out patient): each
         # unit moves one count, the sensitivity the agent's histogram noise is planned for.
         pick = one_per_unit(
-            self.holdout.patient_ids if self.privacy_unit == "patient" else None,
+            self.holdout.patient_ids if self.privacy_unit in ("patient", "hospital") else None,
             size=len(self.holdout),
         )
         if isinstance(self.holdout, ImageDataset):

@@ -316,7 +316,29 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
         },
         "entries": rows,
         "head_hash": header.head_hash,
+        **_guarantees(header, entries),
     }
+
+
+def _guarantees(header: Any, entries: Any) -> dict[str, Any]:
+    """Under hospital-level DP two guarantees, named plainly (issue 13): the model
+    updates alone per hospital, and every release composed, which bounds each patient
+    (statistics, evaluation and the count are bounded per patient only)."""
+    if header.privacy_unit != "hospital":
+        return {}
+    from common.privacy.hospital import hospital_level_epsilon, intermediary_level_epsilon
+
+    pairs = [(getattr(e, "purpose", "training"), _entry_mechanisms(e)) for e in entries]
+    out = {
+        "hospital_level_epsilon": hospital_level_epsilon(
+            pairs, delta=header.delta, accountant=header.accountant),
+        "patient_level_epsilon": entries[-1].epsilon_after if entries else 0.0,
+    }
+    intermediary = intermediary_level_epsilon(pairs, delta=header.delta,
+                                              accountant=header.accountant)
+    if intermediary is not None:
+        out["intermediary_level_epsilon"] = intermediary
+    return out
 
 
 def _cmd_ledger_show(args: argparse.Namespace) -> int:
@@ -339,6 +361,15 @@ def _cmd_ledger_show(args: argparse.Namespace) -> int:
     )
     for purpose, epsilon in summary["epsilon_by_purpose"].items():
         print(f"  {purpose:<11} {epsilon:.4f} (alone; purposes compose, they do not add)")
+    if "hospital_level_epsilon" in summary:
+        print(f"hospital-level epsilon {summary['hospital_level_epsilon']:.4f}: MODEL UPDATES "
+              "ONLY (whole update clipped to S, distributed discrete Gaussian)")
+        if "intermediary_level_epsilon" in summary:
+            print(f"intermediary epsilon   {summary['intermediary_level_epsilon']:.4f}: model "
+                  "updates per intermediary (each patient is in one); the hospital-level "
+                  "figure above is its v-fold group guarantee")
+        print(f"per-patient epsilon    {summary['patient_level_epsilon']:.4f}: every release "
+              "composed (statistics, evaluation and count are bounded per patient)")
     print(f"head hash     {summary['head_hash']}")
     print()
     print(

@@ -162,6 +162,11 @@ class DistributedDiscreteGaussian:
     dimension: int
     l1_sensitivity: float | None = None
     count: int = 1
+    # Issue 13, intermediaries: each hospital sent the sum of this many disjoint units,
+    # each clipped alone. The sensitivities are per unit (the intermediary-level
+    # guarantee, which protects every patient); a whole hospital is `units` of them
+    # (`per_hospital`). Recorded only when > 1, so older entries keep their bytes.
+    units: int = 1
 
     kind = KIND_DDGAUSS
 
@@ -183,10 +188,26 @@ class DistributedDiscreteGaussian:
                 self, "l1_sensitivity", _positive("l1_sensitivity", self.l1_sensitivity)
             )
         _count("count", self.count, minimum=1)
+        _count("units", self.units, minimum=1)
+
+    def per_hospital(self) -> DistributedDiscreteGaussian:
+        """The same release seen from one whole hospital: its `units` rounded unit
+        vectors move the sum by at most `units` x the per-unit sensitivities (triangle
+        inequality), so the hospital-level guarantee is the v-fold one."""
+        if self.units == 1:
+            return self
+        return DistributedDiscreteGaussian(
+            noise_variance_per_site=self.noise_variance_per_site,
+            contributors=self.contributors,
+            l2_sensitivity=self.units * self.l2_sensitivity,
+            dimension=self.dimension,
+            l1_sensitivity=self.units * self.effective_l1_sensitivity,
+            count=self.count,
+        )
 
     @classmethod
     def from_plan(
-        cls, plan: DDGaussPlan, *, replacement: bool = False
+        cls, plan: DDGaussPlan, *, replacement: bool = False, units: int = 1
     ) -> DistributedDiscreteGaussian:
         """The mechanism of one round planned by `common.privacy.ddgauss.plan_ddgauss`
         (`replacement`: sensitivities doubled, for the replace-one-site relation)."""
@@ -197,6 +218,7 @@ class DistributedDiscreteGaussian:
             l2_sensitivity=factor * plan.l2_sensitivity,
             dimension=plan.padded_dim,
             l1_sensitivity=factor * plan.l1_sensitivity,
+            units=units,
         )
 
     @property
@@ -243,7 +265,7 @@ class DistributedDiscreteGaussian:
         return min(rho_1, rho_2, rho_3)
 
     def to_json_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "kind": self.kind,
             "noise_variance_per_site": self.noise_variance_per_site,
             "contributors": self.contributors,
@@ -254,6 +276,9 @@ class DistributedDiscreteGaussian:
             # Derived, recorded so a reader sees it; checked against recomputation on read.
             "tau": self.tau,
         }
+        if self.units > 1:
+            out["units"] = self.units
+        return out
 
 
 Mechanism = Segment | Gaussian | DistributedDiscreteGaussian
@@ -297,9 +322,12 @@ def mechanism_from_json_dict(raw: object) -> Mechanism:
         _expect_keys(kind, raw, {"kind", "noise_std", "l2_sensitivity", "count"})
         return Gaussian(raw["noise_std"], raw["l2_sensitivity"], raw["count"])
     if kind == KIND_DDGAUSS:
+        units = raw.get("units", 1)
+        if "units" in raw and units == 1:
+            raise ConfigError("mechanisms", "units = 1 is recorded by leaving it out")
         _expect_keys(
             kind,
-            raw,
+            {k: v for k, v in raw.items() if k != "units"},
             {
                 "kind",
                 "noise_variance_per_site",
@@ -318,6 +346,7 @@ def mechanism_from_json_dict(raw: object) -> Mechanism:
             dimension=raw["dimension"],
             l1_sensitivity=raw["l1_sensitivity"],
             count=raw["count"],
+            units=units,
         )
         stored_tau = _number("tau", raw["tau"])
         if not math.isclose(stored_tau, mechanism.tau, rel_tol=TAU_RELATIVE_TOLERANCE,
@@ -359,4 +388,5 @@ def describe(mechanism: Mechanism) -> str:
         f"{mechanism.noise_variance_per_site:g} (total {mechanism.total_noise_variance:g}), "
         f"L2 sensitivity {mechanism.l2_sensitivity:g}, d={mechanism.dimension}, "
         f"tau={mechanism.tau:.3g}, zCDP rho={mechanism.zcdp_rho:.4g}, x{mechanism.count}"
+        + (f", per intermediary ({mechanism.units} per hospital)" if mechanism.units > 1 else "")
     )

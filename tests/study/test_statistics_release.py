@@ -7,6 +7,7 @@ import csv
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from common.crypto.random import system_random
 from common.privacy.ddgauss import count_rho, epsilon_from_rho
@@ -18,6 +19,7 @@ from common.statistics import (
     l2_squared_sensitivity,
     plan_statistics,
     ring_to_signed,
+    statistics_layout,
     statistics_length,
 )
 from common.study import check_statistics, study_from_mapping
@@ -104,3 +106,22 @@ def test_noisy_sum_decodes_to_usable_statistics(tmp_path: Path) -> None:
     matrix = Preprocessor(study, stats).transform(table)
     assert np.isfinite(matrix).all()
     assert COLUMNS  # the hospital-style file, not the synthetic cohort's names
+
+
+def test_noise_swamping_the_variance_never_collapses_the_scale() -> None:
+    """With few units the noise on the sum of squares can exceed the variance: the
+    released second moment then sits below the squared mean. The scale must not fall to
+    the 1e-3-of-range floor (standardised ages would reach +-1000); it is held at a
+    quarter of the widest spread the released mean allows (Bhatia-Davis)."""
+    study = study_from_mapping(study_mapping(), source="test")
+    where = {segment.name: segment for segment in statistics_layout(study)}
+    total = np.zeros(statistics_length(study), dtype=np.int64)
+    total[0] = 100  # units
+    total[where["Age (years).sum"].start] = 50  # mean_u = 0.5
+    total[where["Age (years).sumsq"].start] = 20  # m2 = 0.2 < mean_u^2: noise won
+    age = decode_release(total, study, source="test").numeric["Age (years)"]
+    assert age.scale == pytest.approx(0.25 * 0.5 * (100 - 18))
+    # An honest, well-measured spread is kept as released.
+    total[where["Age (years).sumsq"].start] = 40  # m2 = 0.4: std_u = sqrt(0.15)
+    age = decode_release(total, study, source="test").numeric["Age (years)"]
+    assert age.scale == pytest.approx((0.15 ** 0.5) * (100 - 18))

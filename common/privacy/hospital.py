@@ -1,0 +1,302 @@
+"""Hospital-level DP for training rounds (issue 13, section 1): each site's whole model
+update, clipped to L2 norm S, travels DDGauss-encoded in the SecAgg+ integer ring.
+
+Kairouz, Liu & Steinke, "The Distributed Discrete Gaussian Mechanism for Federated
+Learning with Secure Aggregation", ICML 2021 (KLS21): clip, scale by 1/gamma, rotate
+(randomized Hadamard, shared seed), conditionally round, add a discrete Gaussian share,
+reduce modulo 2^bits (`common.privacy.ddgauss`). The coordinator unmasks the modular sum
+and undoes the modular clipping, rotation and scale (`decode_sum`).
+
+Who plans what:
+
+* The RING (gamma, bits) must be the same at every site and at the coordinator, so it
+  follows from public values only: the study (S, noise multiplier z), the model size d
+  and the round's participant count M (`ring_plan`). It is planned for the worst case of
+  the noise it must hold (one noise share per site of a sum whose total is z S, i.e.
+  n_noise = 1), so the stated wrap bound (<= 2^-40 per round) holds whatever noise share
+  each site adds.
+* Each site's NOISE share is planned from its own policy (`site_plan`): the round-size
+  floor minus its colluding sites T (colluders know their own noise), so the sum is
+  never under-noised. The ledger records that plan, write-ahead.
+
+Ring width: SecAgg+ sums uint32 words. The plan first tries a 2^32 ring (the grid step
+gamma then follows from the wrap bound); if that would inflate the rounding sensitivity
+by more than `MAX_ROUNDING_INFLATION` it widens the ring (`plan_ddgauss` with free
+bits, up to 62) and splits every ring element into `limbs` words of `limb_bits` bits,
+each below 2^32 / M, so the limb sums never wrap in the 32-bit SecAgg ring and the
+coordinator recombines them exactly modulo 2^bits (`to_limbs` / `from_limbs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from common.crypto.random import RandomSource
+from common.errors import ConfigError, ValidationError
+from common.privacy.ddgauss import (
+    DDGaussPlan,
+    ddgauss_decode,
+    ddgauss_encode,
+    ddgauss_round,
+    epsilon_from_rho,
+    plan_ddgauss,
+    sample_discrete_gaussian,
+)
+from common.privacy.mechanisms import DistributedDiscreteGaussian, Mechanism
+
+if TYPE_CHECKING:
+    from common.round import Announcement
+    from common.study import Study
+
+SECAGG_RING_BITS = 32
+MAX_ROUNDING_INFLATION = 0.01
+"""Largest gamma * Delta_2 / S - 1 accepted in the 32-bit ring before the ring widens."""
+LOG2_WRAP_PROBABILITY = -40.0
+"""Stated bound on the probability that some coordinate of a round's sum wraps."""
+ROTATION_DOMAIN = b"medfed/v1/ddgauss-rotation"
+EVALUATION_RESERVE = 0.2
+"""Share of the study's epsilon (after statistics and count) a planned z leaves for the
+per-round DP evaluation histograms, which the sites' ledgers compose with the updates."""
+MIN_NOISE_MULTIPLIER = 0.3
+MAX_NOISE_MULTIPLIER = 1000.0
+
+
+def limb_layout(*, bits: int, max_sites: int) -> tuple[int, int]:
+    """(limbs, limb_bits): one 32-bit word when bits <= 32, else words of limb_bits bits
+    with max_sites * (2^limb_bits - 1) < 2^32, so each limb's sum is exact."""
+    if bits <= SECAGG_RING_BITS:
+        return 1, bits
+    width = SECAGG_RING_BITS - math.ceil(math.log2(max_sites + 1))
+    if width < 8:
+        raise ConfigError("max_sites", f"{max_sites} sites leave too narrow limbs")
+    return math.ceil(bits / width), width
+
+
+def to_limbs(values: np.ndarray, *, bits: int, max_sites: int) -> np.ndarray:
+    """Ring elements in [0, 2^bits) -> uint32 words, limb-major (limb 0 of every
+    coordinate first). With one limb the values themselves."""
+    limbs, width = limb_layout(bits=bits, max_sites=max_sites)
+    wide = np.asarray(values).astype(np.uint64, copy=False)
+    if limbs == 1:
+        return wide.astype(np.uint32)
+    out = np.empty(limbs * wide.size, np.uint32)
+    mask = np.uint64((1 << width) - 1)
+    for k in range(limbs):
+        out[k * wide.size : (k + 1) * wide.size] = (wide >> np.uint64(k * width)) & mask
+    return out
+
+
+def from_limbs(words: np.ndarray, *, bits: int, max_sites: int) -> np.ndarray:
+    """The modular sum (uint64, in [0, 2^bits)) from the summed limb words."""
+    limbs, width = limb_layout(bits=bits, max_sites=max_sites)
+    if words.dtype != np.uint32 or words.ndim != 1 or words.size % limbs:
+        raise ValidationError("limb words must be a uint32 vector of a whole number of limbs")
+    if limbs == 1:
+        return words.astype(np.uint64)
+    size = words.size // limbs
+    total = np.zeros(size, np.uint64)
+    for k in range(limbs):
+        # Each limb sum is exact (< 2^32); shifted beyond 64 bits it wraps, which is
+        # harmless: only the residue modulo 2^bits <= 2^62 is kept.
+        total += words[k * size : (k + 1) * size].astype(np.uint64) << np.uint64(k * width)
+    total &= np.uint64((1 << bits) - 1)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class HospitalTerms:
+    """The public terms of hospital-level DP in a study: clip S and noise multiplier z
+    (the summed noise has std z S per coordinate in model units)."""
+
+    clip: float
+    noise_multiplier: float
+    intermediaries: int = 1  # v disjoint units per hospital, each clipped to S alone
+
+
+def plan_noise_multiplier(*, epsilon: float, delta: float, rounds: int) -> float:
+    """Smallest z (to 1e-4 relative) with `rounds` rounds of a Gaussian of sensitivity S
+    and std z S, composed in zCDP (rho = rounds / 2 z^2, inflated by the allowed
+    rounding inflation), at most `epsilon` at `delta`. The site's ledger recomposes the
+    exact KLS21 bound; this only makes z public and deterministic."""
+    if not (epsilon > 0 and math.isfinite(epsilon)):
+        raise ConfigError("privacy.epsilon", "must be positive to plan hospital-level noise")
+    rounds = max(int(rounds), 1)
+    factor = (1 + MAX_ROUNDING_INFLATION) ** 2
+
+    def eps(z: float) -> float:
+        return epsilon_from_rho(rounds * factor / (2 * z * z), delta)
+
+    low, high = MIN_NOISE_MULTIPLIER, MAX_NOISE_MULTIPLIER
+    if eps(high) > epsilon:
+        raise ConfigError("privacy.epsilon", f"{epsilon:g} is too small for {rounds} rounds")
+    if eps(low) <= epsilon:
+        return low
+    while high / low > 1 + 1e-4:
+        middle = math.sqrt(low * high)
+        if eps(middle) <= epsilon:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def ring_plan(
+    terms: HospitalTerms, *, dim: int, max_sites: int,
+    max_inflation: float = MAX_ROUNDING_INFLATION,
+) -> DDGaussPlan:
+    """The round's ring (gamma, bits), from public values only (module docstring): the
+    32-bit SecAgg ring unless its rounding inflation exceeds `max_inflation`, then the
+    narrowest wider ring at that inflation."""
+    sigma = terms.noise_multiplier * terms.clip
+    # v units per site, each a clipped rounded vector: the ring holds M v of them.
+    sites = max(max_sites, 1) * max(terms.intermediaries, 1)
+    plan = plan_ddgauss(clip=terms.clip, dim=dim, sigma=sigma, n_noise=1, max_sites=sites,
+                        bits=SECAGG_RING_BITS, log2_wrap_probability=LOG2_WRAP_PROBABILITY)
+    if plan.rounding_inflation <= max_inflation:
+        return plan
+    return plan_ddgauss(clip=terms.clip, dim=dim, sigma=sigma, n_noise=1, max_sites=sites,
+                        rounding_inflation=max_inflation,
+                        log2_wrap_probability=LOG2_WRAP_PROBABILITY)
+
+
+def site_plan(ring: DDGaussPlan, *, n_noise: int) -> DDGaussPlan:
+    """The ring with this site's noise share: N_Z(0, (z S / gamma)^2 / n_noise) per
+    coordinate, n_noise = round-size floor minus colluders (planned worst case)."""
+    if isinstance(n_noise, bool) or not isinstance(n_noise, int) or n_noise < 1:
+        raise ConfigError("n_noise", "at least one honest site must add noise")
+    if n_noise > ring.max_sites:
+        raise ConfigError("n_noise", "cannot exceed the sites of the round")
+    plan = dataclasses.replace(ring, n_noise=n_noise)
+    if plan.site_sigma < 0.5:
+        # KLS21 Proposition 14 needs each share's parameter >= 1/2.
+        raise ConfigError("noise_multiplier", "too little noise per site for this grid")
+    return plan
+
+
+def mechanism(plan: DDGaussPlan, *, units: int = 1) -> DistributedDiscreteGaussian:
+    """The ledger record of one round (KLS21 Prop. 14): add/remove one unit, i.e. one
+    hospital, or one of its `units` intermediaries (then the hospital is v-fold)."""
+    return DistributedDiscreteGaussian.from_plan(plan, units=units)
+
+
+def rotation_seed(*, round_nonce: bytes, study_sha256: bytes, round_number: int) -> bytes:
+    """The shared rotation seed: fixed by the announcement, before any update exists
+    (KLS21 need it independent of the updates for the wrap bound; it is not secret)."""
+    return hashlib.sha256(
+        ROTATION_DOMAIN + round_number.to_bytes(8, "big") + round_nonce + study_sha256
+    ).digest()
+
+
+def encode_update(
+    delta: np.ndarray, *, plan: DDGaussPlan, seed: bytes, rng: RandomSource
+) -> np.ndarray:
+    """One site's ring words: KLS21 Algorithm 1 (clip to S, scale, rotate, round, noise,
+    mod 2^bits), split into limbs for the 32-bit SecAgg ring."""
+    encoded = ddgauss_encode(
+        np.asarray(delta, dtype=np.float64).reshape(-1), plan=plan, rotation_seed=seed, rng=rng
+    )
+    return to_limbs(encoded, bits=plan.bits, max_sites=plan.max_sites)
+
+
+def encode_units(
+    units: Sequence[np.ndarray], *, plan: DDGaussPlan, seed: bytes, rng: RandomSource
+) -> np.ndarray:
+    """A site with v intermediaries (issue 13, section 2; Jiang et al. 2023): each unit's
+    update clipped, scaled, rotated and conditionally rounded ALONE (so adding or
+    removing one unit moves the sum by at most Delta_2), the integer vectors summed, then
+    ONE noise share for the site, mod 2^bits, limbs."""
+    if not units:
+        raise ValidationError("no intermediary updates")
+    total = np.zeros(plan.padded_dim, np.int64)
+    for unit in units:
+        total += ddgauss_round(np.asarray(unit, dtype=np.float64).reshape(-1), plan=plan,
+                               rotation_seed=seed, rng=rng)
+    total += sample_discrete_gaussian(plan.padded_dim, sigma=plan.site_sigma, rng=rng)
+    total &= np.int64((1 << plan.bits) - 1)
+    return to_limbs(total.astype(np.uint64), bits=plan.bits, max_sites=plan.max_sites)
+
+
+def decode_sum(words: np.ndarray, *, plan: DDGaussPlan, seed: bytes) -> np.ndarray:
+    """KLS21 Algorithm 2 on the unmasked limb sums: the float64 noisy sum of the clipped
+    updates (length d)."""
+    total = from_limbs(words, bits=plan.bits, max_sites=plan.max_sites)
+    return ddgauss_decode(total, plan=plan, rotation_seed=seed)
+
+
+def vector_words(plan: DDGaussPlan) -> int:
+    """Length of the update segment in uint32 words."""
+    limbs, _ = limb_layout(bits=plan.bits, max_sites=plan.max_sites)
+    return limbs * plan.padded_dim
+
+
+def hospital_level_mechanisms(
+    entries: Sequence[tuple[str, Sequence[Mechanism]]],
+) -> list[Mechanism]:
+    """The model-update mechanisms of (purpose, mechanisms) ledger entries: the DDGauss
+    rounds of purpose "training", the releases the hospital-level claim covers."""
+    return [
+        m.per_hospital() for purpose, mechanisms in entries if purpose == "training"
+        for m in mechanisms if isinstance(m, DistributedDiscreteGaussian)
+    ]
+
+
+def hospital_level_epsilon(
+    entries: Sequence[tuple[str, Sequence[Mechanism]]], *, delta: float, accountant: str,
+) -> float:
+    """Epsilon of the model updates alone (add/remove one hospital), composed in RDP."""
+    from common.privacy.accountant import compose_epsilon
+
+    chosen = hospital_level_mechanisms(entries)
+    return compose_epsilon(chosen, delta=delta, accountant=accountant) if chosen else 0.0
+
+
+def announced_terms(ann: Announcement) -> HospitalTerms:
+    """S and z as a HOSPITAL round announces them (clip, hospital_noise_multiplier)."""
+    return HospitalTerms(clip=ann.clip, noise_multiplier=ann.hospital_noise_multiplier)
+
+
+def intermediary_level_epsilon(
+    entries: Sequence[tuple[str, Sequence[Mechanism]]], *, delta: float, accountant: str,
+) -> float | None:
+    """Epsilon of the model updates per intermediary (each patient is in one), or None
+    when no round split its hospital (then it equals the hospital-level one)."""
+    from common.privacy.accountant import compose_epsilon
+
+    chosen = [m for purpose, mechanisms in entries if purpose == "training"
+              for m in mechanisms if isinstance(m, DistributedDiscreteGaussian)]
+    if not any(m.units > 1 for m in chosen):
+        return None
+    return compose_epsilon(chosen, delta=delta, accountant=accountant)
+
+
+def study_terms(study: Study) -> HospitalTerms:
+    """S and z of a hospital-level study. z defaults to the smallest noise for which the
+    study's rounds of model updates cost at most privacy.epsilon minus the once-per-study
+    statistics and count releases, less `EVALUATION_RESERVE` of that for evaluation
+    (`plan_noise_multiplier`)."""
+    privacy = study.privacy
+    if privacy.unit != "hospital":
+        raise ConfigError("privacy.unit", "hospital-level terms need unit = 'hospital'")
+    if privacy.update_clip_norm is None:
+        raise ConfigError(
+            "privacy.update_clip_norm", "unit = 'hospital' needs the whole-update clip norm S"
+        )
+    z = privacy.update_noise_multiplier
+    if z is None:
+        left = privacy.epsilon - privacy.statistics_epsilon - privacy.count_epsilon
+        if left <= 0:
+            raise ConfigError(
+                "privacy.epsilon", "leaves nothing for model updates after statistics and count"
+            )
+        z = plan_noise_multiplier(epsilon=left * (1 - EVALUATION_RESERVE),
+                                  delta=privacy.delta, rounds=study.study.rounds)
+    # "auto" (the adaptive rule, common/privacy/intermediaries.py) is not wired into
+    # training yet: one unit per hospital until it is.
+    v = privacy.intermediaries if isinstance(privacy.intermediaries, int) else 1
+    return HospitalTerms(clip=privacy.update_clip_norm, noise_multiplier=z, intermediaries=v)

@@ -1,0 +1,118 @@
+"""A site's side of a hospital-level DP round (issue 13, section 1;
+`common.privacy.hospital`): plan the ring and this site's noise share from the study,
+the announcement and the site's own policy, then encode the clipped update.
+
+The DDGauss mechanism goes on the ledger with the round's other training mechanisms,
+write-ahead (site_agent.agent reserves it before training starts), so the spend is on
+disk before the update exists, let alone leaves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from common import egress
+from common.config import SitePolicySection
+from common.crypto.random import numpy_generator, system_random
+from common.errors import RoundFailed
+from common.privacy import hospital
+from common.privacy.ddgauss import DDGaussPlan
+from common.privacy.mechanisms import DistributedDiscreteGaussian
+from common.round import VerifiedRound
+from common.study import Study
+from site_agent import dp_release
+from site_agent.hooks import LocalUpdate
+
+
+@dataclass(frozen=True)
+class HospitalRound:
+    plan: DDGaussPlan
+    seed: bytes
+    mechanism: DistributedDiscreteGaussian
+    units: int = 1  # intermediaries of this hospital (issue 13, section 2)
+
+
+def plan_round(rnd: VerifiedRound, *, study: Study | None,
+               policy: SitePolicySection) -> HospitalRound:
+    """This site's plan for hospital round `rnd`; RoundFailed when the announcement
+    does not match the study the site joined (clip S, ring width)."""
+    ann = rnd.announcement
+    terms = hospital.announced_terms(ann)
+    if study is not None:
+        if study.privacy.unit != "hospital":
+            raise RoundFailed("a hospital-level round in a study of another privacy unit")
+        expected = hospital.study_terms(study)
+        if (terms.clip, terms.noise_multiplier) != (expected.clip, expected.noise_multiplier):
+            raise RoundFailed(
+                f"announced S = {terms.clip:g}, z = {terms.noise_multiplier:g} are not the "
+                f"study's ({expected.clip:g}, {expected.noise_multiplier:g})"
+            )
+        terms = expected  # with the study's intermediaries per hospital
+    # Without a study the announced terms are taken as they come: the ledger records
+    # the mechanism they make, and the budget check refuses a round that costs too much.
+    ring = hospital.ring_plan(terms, dim=ann.model_elements, max_sites=len(ann.participants))
+    if hospital.vector_words(ring) != egress_words(rnd):
+        raise RoundFailed("the announced update segment does not match this site's ring plan")
+    n_noise = dp_release.evaluation_noise_sites(
+        policy, threshold=ann.threshold, secure=ann.secure_aggregation
+    )
+    plan = hospital.site_plan(ring, n_noise=n_noise)
+    seed = hospital.rotation_seed(
+        round_nonce=ann.round_nonce, study_sha256=ann.study_sha256,
+        round_number=ann.round_number,
+    )
+    units = terms.intermediaries
+    return HospitalRound(plan, seed, hospital.mechanism(plan, units=units), units)
+
+
+def require_hospital_round(rnd: VerifiedRound, *, hospital_mode: bool) -> None:
+    """A site that trains under hospital-level DP (no DP-SGD beneath) refuses a plain
+    training round: its update would leave without any DP noise. (A coordinator that
+    announced one could otherwise collect an un-noised sum.)"""
+    if hospital_mode and rnd.plan.local_epochs > 0 and not rnd.announcement.is_hospital:
+        raise RoundFailed(
+            f"round {rnd.number} is a plain training round, but this site trains under "
+            "hospital-level DP only (privacy unit hospital): refusing to send an un-noised "
+            "update"
+        )
+
+
+def egress_words(rnd: VerifiedRound) -> int:
+    manifest = rnd.announcement.manifest()
+    part = manifest.slice_of(egress.HOSPITAL_UPDATE)
+    return int(part.stop) - int(part.start)
+
+
+def encode(rnd: VerifiedRound, update: LocalUpdate, planned: HospitalRound) -> np.ndarray:
+    """The upload of a hospital round: DDGauss ring words, weight, score histogram."""
+    ann = rnd.announcement
+    if update.delta.size != ann.model_elements:
+        raise RoundFailed("update does not match the model size")
+    if planned.units > 1:
+        if len(update.units) != planned.units:
+            raise RoundFailed(
+                f"trained {len(update.units)} intermediaries, the study asks for "
+                f"{planned.units}"
+            )
+        words = hospital.encode_units(
+            update.units, plan=planned.plan, seed=planned.seed, rng=system_random
+        )
+    else:
+        words = hospital.encode_update(
+            update.delta, plan=planned.plan, seed=planned.seed, rng=system_random
+        )
+    return ann.manifest().encode(
+        {
+            egress.HOSPITAL_UPDATE: words,
+            # Each unit counts once in the mean: the weight says only how many units
+            # this hospital trained (public: the study's intermediaries).
+            egress.WEIGHT: [planned.units],
+            egress.EVALUATION_HISTOGRAM: np.asarray(update.histogram, dtype=np.int64),
+        },
+        clip=ann.clip,
+        bits=ann.quantization_bits,
+        n_sites=len(rnd.params.participants) if rnd.params else 2,
+        rng=numpy_generator(system_random),
+    )

@@ -1,0 +1,168 @@
+"""Hospital-level DP over real processes (issue 13, section 1): a study with
+privacy.unit = "hospital" trains with each site's whole update clipped to S and
+DDGauss-encoded in the SecAgg+ ring; every site's ledger holds the mechanism of every
+training round (written before the update left), and the final model reaches every site."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.bundle import read_bundle
+from common.privacy import hospital
+from common.privacy.ledger import read_ledger
+from common.privacy.mechanisms import DistributedDiscreteGaussian
+from common.processes import ManagedProcess, medfed_argv
+from common.study import load_study
+from site_agent.synthetic import generate_cohort, write_site_csvs
+from tests.e2e.harness import REPO, make_pki
+from tests.e2e.test_study_federation import STUDY
+from tests.study.helpers import write_hospital_csv
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+SITES = ["alpha", "beta", "gamma"]
+# Two intermediaries per hospital (issue 13, section 2): each trained and clipped alone.
+HOSPITAL_STUDY = STUDY.replace('rounds = 1', 'rounds = 2').replace(
+    'unit = "patient"', 'unit = "hospital"\nupdate_clip_norm = 0.5\nintermediaries = 2')
+
+
+@pytest.fixture
+def processes() -> Iterator[list[ManagedProcess]]:
+    started: list[ManagedProcess] = []
+    yield started
+    for proc in started:
+        proc.stop()
+
+
+def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProcess]) -> None:
+    pki = make_pki(tmp_path, SITES)
+    study_path = tmp_path / "study.toml"
+    study_path.write_text(HOSPITAL_STUDY)
+    study = load_study(study_path)
+    for index, site in enumerate(SITES):
+        write_hospital_csv(tmp_path / f"{site}.csv", 120, seed=index + 1)
+    logs = tmp_path / "logs"
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    coordinator = ManagedProcess(
+        "coordinator",
+        medfed_argv("coordinator", "serve", "--study", str(study_path), "--pki", str(pki),
+                    "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                    "--state", str(tmp_path / "coordinator"), "--min-sites", "3",
+                    "--selection-seconds", "1", "--debug-write-aggregates",
+                    "--linger-seconds", "20"),
+        log_dir=logs, env=env, cwd=REPO,
+    )
+    processes.append(coordinator)
+    port = int(coordinator.wait_event("listening", timeout=120)["port"])
+    agents = {}
+    for name in SITES:
+        agents[name] = ManagedProcess(
+            name,
+            medfed_argv("site", "run", "--pki", str(pki), "--site", name,
+                        "--coordinator", f"127.0.0.1:{port}", "--metrics-listen",
+                        "127.0.0.1:0", "--state", str(tmp_path / "sites" / name),
+                        "--data", str(tmp_path / f"{name}.csv"), "--debug-write-updates",
+                        "--once"),
+            log_dir=logs, env=env, cwd=REPO,
+        )
+        processes.append(agents[name])
+    for name, proc in agents.items():
+        assert proc.wait_exit(timeout=800) == 0, f"{name}:\n{proc.tail(30)}"
+
+    state = tmp_path / "coordinator"
+    terms = hospital.study_terms(study)
+    training_rounds: list[list[int]] = []
+    for name in SITES:
+        _, entries = read_ledger(tmp_path / "sites" / name / "privacy-ledger.db")
+        trained = [e for e in entries if e.purpose == "training"]
+        training_rounds.append([e.round for e in trained])
+        assert len(trained) == 2
+        for entry in trained:
+            (mechanism,) = entry.mechanisms  # no DP-SGD underneath in hospital mode
+            assert isinstance(mechanism, DistributedDiscreteGaussian)
+            assert mechanism.contributors == 2  # round-size floor 3 minus 1 colluder
+            assert mechanism.units == 2  # per-intermediary sensitivity, 2 per hospital
+    assert training_rounds[0] == training_rounds[1] == training_rounds[2]
+
+    # Each round's sum is exactly the sum of the sites' ring words, and decodes to a
+    # finite update of norm at most 3 S plus the noise.
+    for number in training_rounds[0]:
+        aggregate = np.fromfile(state / "aggregates" / f"round-{number:06d}.u32", "<u4")
+        expected = np.zeros_like(aggregate)
+        for name in SITES:
+            upload = tmp_path / "sites" / name / "debug-updates" / f"round-{number:06d}.u32"
+            np.add(expected, np.fromfile(upload, "<u4"), out=expected)
+        assert np.array_equal(aggregate, expected)
+
+    final = (state / "model" / "final.safetensors").read_bytes()
+    for name in SITES:
+        assert (tmp_path / "sites" / name / "model" / "final.safetensors").read_bytes() == final
+    bundle = read_bundle(state / "model" / "final.safetensors")
+    assert bundle.card.unit == "hospital"
+    assert any("hospital-level" in m for m in bundle.card.mechanisms)
+    assert {g.unit for g in bundle.card.group_guarantees} == {"hospital"}
+    assert len(bundle.card.group_guarantees) == len(SITES)
+    assert all("model updates only" in g.note and "2 intermediaries" in g.note
+               for g in bundle.card.group_guarantees)
+    assert terms.clip == 0.5
+    # `medfed ledger show` names both guarantees plainly.
+    shown = subprocess.run(
+        medfed_argv("ledger", "show", "--ledger",
+                    str(tmp_path / "sites" / "alpha" / "privacy-ledger.db"), "--json"),
+        capture_output=True, text=True, check=True, cwd=REPO,
+    )
+    summary = json.loads(shown.stdout.strip().splitlines()[-1])
+    # The hospital is 2-fold: its guarantee is weaker than each intermediary's, which
+    # (composed with the per-patient releases) is the per-patient figure.
+    assert 0 < summary["intermediary_level_epsilon"] < summary["hospital_level_epsilon"]
+    assert summary["intermediary_level_epsilon"] <= summary["patient_level_epsilon"]
+    site_card = {g.note.split(":")[0]: g.epsilon for g in bundle.card.group_guarantees}
+    # The card is written when the round commits, from the replica the sites have sent
+    # so far (their last round's entry arrives with their next poll): at most the ledger's.
+    alpha_card = next(v for k, v in site_card.items() if k.startswith("site alpha"))
+    assert 0 < alpha_card <= summary["hospital_level_epsilon"] + 1e-9
+    assert json.loads((state / "statistics.json").read_text())["round"] < training_rounds[0][0]
+
+
+def test_demo_hospital_level_row(tmp_path: Path) -> None:
+    """`medfed demo --privacy-unit hospital --intermediaries 2`: the federation trains
+    with hospital-level DP (two intermediaries per hospital), the table names the row,
+    and the report gives each site's hospital-level epsilon (model updates only) next to
+    its composed per-patient one."""
+    sites = ["north", "south", "east"]
+    cohort = generate_cohort(sites, seed=3, patients_per_site=300)
+    write_site_csvs(tmp_path / "data", cohort)
+    out = tmp_path / "run"
+    result = subprocess.run(
+        medfed_argv(
+            "demo", "--data", str(tmp_path / "data"), "--label-column", "sepsis",
+            "--patient-column", "patient_id", "--out", str(out), "--rounds", "2",
+            "--kill-round", "0", "--delta", "1e-3", "--budget-epsilon", "8",
+            "--privacy-unit", "hospital", "--update-clip-norm", "1.0",
+            "--intermediaries", "2", "--no-audit",
+        ),
+        cwd=REPO, capture_output=True, text=True, timeout=850, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["privacy_unit"] == "hospital"
+    assert "Federated + hospital-level DP" in result.stdout
+    assert "MODEL UPDATES ONLY" in result.stdout
+    for site in sites:
+        hospital_eps = report["hospital"]["epsilon"][site]
+        unit_eps = report["hospital"]["intermediary_epsilon"][site]
+        # Each patient is in one intermediary: the per-patient figure (the ledger's,
+        # within budget) composes the unit-level one; the hospital is 2-fold.
+        assert 0 < unit_eps <= report["final"]["epsilon"][site] <= 8.0
+        assert unit_eps < hospital_eps
+        _, entries = read_ledger(out / "sites" / site / "privacy-ledger.db")
+        trained = [e for e in entries if e.purpose == "training"]
+        assert len(trained) == 2
+        assert all(isinstance(m, DistributedDiscreteGaussian) and m.units == 2
+                   for e in trained for m in e.mechanisms)
