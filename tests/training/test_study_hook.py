@@ -10,9 +10,10 @@ import pytest
 from torch import nn
 
 from common.config import SiteSettings
-from common.errors import ConfigError, ValidationError
+from common.errors import ConfigError, PrivacyError, ValidationError
 from common.round import RoundPlan
 from common.study import Study, load_study
+from site_agent.datacheck import site_policy
 from site_agent.hooks import DpTrainingHook, model_layout
 from site_agent.models import flatten_parameters
 from site_agent.predict import initial_model
@@ -69,6 +70,14 @@ def site_settings(tmp_path: Path, study: Path, data: Path, **policy: object) -> 
     )
 
 
+def joined(settings: SiteSettings, study_path: Path, *, dp: bool) -> DpTrainingHook:
+    """The hook as the agent drives it: built, then joined to the study at enrolment
+    (the study's data, policy and model are checked there, before anything is sent)."""
+    hook = DpTrainingHook(settings, dp=dp)
+    hook.join_study(load_study(study_path), site_policy(settings))
+    return hook
+
+
 def plan_for(study: Study, *, bins: int) -> RoundPlan:
     layout = model_layout(initial_model(study, seed=0))
     return RoundPlan(
@@ -80,7 +89,7 @@ def plan_for(study: Study, *, bins: int) -> RoundPlan:
 def test_images_study_trains_its_cnn_with_patient_level_dp(tmp_path: Path) -> None:
     folder = write_site_folder(tmp_path / "cohort", "north_general", seed=2, patients=80)
     study_path = images_study(tmp_path)
-    hook = DpTrainingHook(site_settings(tmp_path, study_path, folder), dp=True)
+    hook = joined(site_settings(tmp_path, study_path, folder), study_path, dp=True)
     study = load_study(study_path)
     assert hook.privacy_unit == "patient" and hook.model_name == "cnn"
     # The coordinator's initial model is the architecture this site trains.
@@ -100,10 +109,10 @@ def test_multiclass_images_send_one_block_per_class(tmp_path: Path) -> None:
     from coordinator.aggregation import multiclass_round_metrics
 
     folder = write_site_folder(
-        tmp_path / "cohort", "north_general", seed=4, patients=40, num_classes=3
+        tmp_path / "cohort", "north_general", seed=4, patients=60, num_classes=3
     )
     study_path = images_study(tmp_path, classes=3)
-    hook = DpTrainingHook(site_settings(tmp_path, study_path, folder), dp=False)
+    hook = joined(site_settings(tmp_path, study_path, folder), study_path, dp=False)
     study = load_study(study_path)
     from common.evaluation import announced_histogram_bins
 
@@ -137,10 +146,11 @@ def test_custom_factory_runs_only_when_the_site_allows_it(tmp_path: Path) -> Non
     folder = write_site_folder(tmp_path / "cohort", "north_general", seed=5, patients=80)
     ref = f"{__name__}:tiny_net"
     study_path = images_study(tmp_path, model=f'custom = "{ref}"\noptions = {{ width = 6 }}')
-    with pytest.raises(ConfigError, match="allowed_model_factories"):
-        DpTrainingHook(site_settings(tmp_path, study_path, folder), dp=True)
-    hook = DpTrainingHook(
-        site_settings(tmp_path, study_path, folder, allowed_model_factories=[ref]), dp=True
+    with pytest.raises(PrivacyError, match="not in this site's allowed factories"):
+        joined(site_settings(tmp_path, study_path, folder), study_path, dp=True)
+    hook = joined(
+        site_settings(tmp_path, study_path, folder, allowed_model_factories=[ref]), study_path,
+        dp=True,
     )
     assert hook.model_name == ref
     assert hook.layout() == model_layout(initial_model(load_study(study_path), seed=0))
@@ -153,8 +163,9 @@ def test_incompatible_layer_is_named_with_its_fix_at_site_and_coordinator(
     ref = f"{__name__}:batchnorm_net"
     study_path = images_study(tmp_path, model=f'custom = "{ref}"')
     with pytest.raises(ConfigError, match=r"layer 1 \(BatchNorm2d\).*GroupNorm"):
-        DpTrainingHook(
-            site_settings(tmp_path, study_path, folder, allowed_model_factories=[ref]), dp=True
+        joined(
+            site_settings(tmp_path, study_path, folder, allowed_model_factories=[ref]),
+            study_path, dp=True,
         )
     with pytest.raises(ConfigError, match=r"layer 1 \(BatchNorm2d\).*GroupNorm"):
         initial_model(load_study(study_path), seed=0)
