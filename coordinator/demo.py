@@ -177,6 +177,9 @@ def validate_options(o: DemoOptions) -> None:
 
 
 class Demo:
+    histogram_bins = HISTOGRAM_BINS
+    """Score bins of the federation's DP evaluation histogram (a subclass may change it)."""
+
     def __init__(self, options: DemoOptions) -> None:
         self.o = options
         self.out = options.out
@@ -315,7 +318,7 @@ federation_id = "medfed-demo"
 
 {model_and_training}
 [aggregation]
-histogram_bins = {HISTOGRAM_BINS}
+histogram_bins = {self.histogram_bins}
 clip = 0.5
 {hospital_aggregation(self.o)}
 [deadlines]

@@ -39,6 +39,8 @@ from common.study import (
 NanPolicy = Literal["error", "drop_row", "impute_median"]
 MIN_PRIVACY_UNITS = 50
 _HEADER_ROW = 1
+HEADER_ROW = _HEADER_ROW
+"""The header's row number in every `DataError` (the first record is row 2)."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,19 @@ def _iter_parquet_rows(path: Path) -> tuple[list[str], Iterator[tuple[int, dict[
     return list(table.column_names), rows()
 
 
+def iter_table_rows(path: Path) -> tuple[list[str], Iterator[tuple[int, dict[str, str]]]]:
+    """The header and the rows of a CSV or Parquet file, each row with its number as a
+    spreadsheet shows it (header = row 1), so every `DataError` names file and row.
+
+    The one reader of a site's tabular files: study tables, legacy schemas and an
+    images study's labels CSV (`site_agent.imaging`)."""
+    if not path.is_file():
+        raise DataError("file not found", file=str(path))
+    if path.suffix.lower() in (".parquet", ".pq"):
+        return _iter_parquet_rows(path)
+    return _iter_csv_rows(path)
+
+
 def load_site_data(
     path: str | Path, schema: DatasetSchema, *, delta: float | None = None
 ) -> SiteData:
@@ -180,12 +195,7 @@ def load_site_data(
     """
     path = Path(path)
     file = str(path)
-    if not path.is_file():
-        raise DataError("file not found", file=file)
-    if path.suffix.lower() in (".parquet", ".pq"):
-        header, rows = _iter_parquet_rows(path)
-    else:
-        header, rows = _iter_csv_rows(path)
+    header, rows = iter_table_rows(path)
     required = [*schema.features, schema.label]
     if schema.patient_id is not None:
         required.append(schema.patient_id)
@@ -385,12 +395,7 @@ def load_study_table(path: str | Path, study: Study, *, for_prediction: bool = F
     file = str(path)
     if study.data.kind != "table":
         raise DataError(f"study data.kind is {study.data.kind!r}; this file is a table", file=file)
-    if not path.is_file():
-        raise DataError("file not found", file=file)
-    if path.suffix.lower() in (".parquet", ".pq"):
-        header, rows = _iter_parquet_rows(path)
-    else:
-        header, rows = _iter_csv_rows(path)
+    header, rows = iter_table_rows(path)
     repeated = sorted({name for name in header if header.count(name) > 1})
     if repeated:
         raise DataError(f"repeated column names {repeated}", file=file, row=_HEADER_ROW)

@@ -25,7 +25,6 @@ Every problem is a `DataError` naming the file (and the CSV row where one applie
 
 from __future__ import annotations
 
-import csv
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 
 from common.errors import ConfigError, DataError
+from site_agent.data import HEADER_ROW, iter_table_rows
 
 if TYPE_CHECKING:
     from common.study import Study
@@ -398,47 +398,47 @@ def load_image_folder(
     csv_path = Path(labels_csv) if labels_csv is not None else root / "labels.csv"
     if not csv_path.is_file():
         raise DataError("labels CSV not found", file=str(csv_path))
+    # The labels file is read by data.py's reader (CSV or Parquet, row numbers as a
+    # spreadsheet shows them), the same as a table study's file.
+    header, records = iter_table_rows(csv_path)
+    has_labels = spec.label_column in header or not labels_optional
+    needed = [spec.file_column, spec.label_column] if has_labels else [spec.file_column]
+    if spec.patient_column is not None and (has_labels or spec.patient_column in header):
+        needed.append(spec.patient_column)
+    read_patients = spec.patient_column in needed
+    for column in needed:
+        if column not in header:
+            raise DataError("missing column", file=str(csv_path), row=HEADER_ROW, column=column)
     rows: dict[str, tuple[int, int, str | None]] = {}
-    with csv_path.open(newline="", encoding="utf-8") as handle:
-        reader = csv.DictReader(handle)
-        header = reader.fieldnames or []
-        has_labels = spec.label_column in header or not labels_optional
-        needed = [spec.file_column, spec.label_column] if has_labels else [spec.file_column]
-        if spec.patient_column is not None and (has_labels or spec.patient_column in header):
-            needed.append(spec.patient_column)
-        read_patients = spec.patient_column in needed
-        for column in needed:
-            if column not in header:
-                raise DataError("missing column", file=str(csv_path), row=1, column=column)
-        for line, record in enumerate(reader, start=2):
-            name = (record.get(spec.file_column) or "").strip()
-            if not name:
+    for line, record in records:
+        name = (record.get(spec.file_column) or "").strip()
+        if not name:
+            raise DataError(
+                "empty file name", file=str(csv_path), row=line, column=spec.file_column
+            )
+        label = (record.get(spec.label_column) or "").strip()
+        index = spec.class_index(label) if has_labels else -1
+        if index is None:
+            raise DataError(
+                f"label {label!r} of {name} is not one of the classes {list(spec.classes)}",
+                file=str(csv_path),
+                row=line,
+                column=spec.label_column,
+            )
+        patient: str | None = None
+        if spec.patient_column is not None and read_patients:
+            patient = (record.get(spec.patient_column) or "").strip()
+            if not patient:
                 raise DataError(
-                    "empty file name", file=str(csv_path), row=line, column=spec.file_column
-                )
-            label = (record.get(spec.label_column) or "").strip()
-            index = spec.class_index(label) if has_labels else -1
-            if index is None:
-                raise DataError(
-                    f"label {label!r} of {name} is not one of the classes {list(spec.classes)}",
+                    "missing patient id",
                     file=str(csv_path),
                     row=line,
-                    column=spec.label_column,
+                    column=spec.patient_column,
                 )
-            patient: str | None = None
-            if spec.patient_column is not None and read_patients:
-                patient = (record.get(spec.patient_column) or "").strip()
-                if not patient:
-                    raise DataError(
-                        "missing patient id",
-                        file=str(csv_path),
-                        row=line,
-                        column=spec.patient_column,
-                    )
-            key = Path(name).as_posix()
-            if key in rows:
-                raise DataError(f"{name} is listed twice", file=str(csv_path), row=line)
-            rows[key] = (line, index, patient)
+        key = Path(name).as_posix()
+        if key in rows:
+            raise DataError(f"{name} is listed twice", file=str(csv_path), row=line)
+        rows[key] = (line, index, patient)
     on_disk = {
         p.relative_to(root).as_posix(): p
         for p in sorted(root.rglob("*"))

@@ -52,6 +52,11 @@ HOSPITALS: dict[str, Scanner] = {
 
 LABELS_FILE = "labels.csv"
 
+LESION_AMPLITUDE = 0.5
+"""Peak brightness of a lesion over the tissue (before the scanner's contrast). Strong
+enough that the demo's DP model learns visibly at its smallest size (16 px images, 70
+patients a site, 2 rounds: DP AUC about 0.75); at 0.22 it stayed near 0.5 there."""
+
 
 @dataclass(frozen=True)
 class SyntheticImages:
@@ -85,7 +90,7 @@ def _one_image(rng: np.random.Generator, scanner: Scanner, label: int) -> np.nda
         lx = cx + rng.uniform(-0.5, 0.5) * ax
         radius = rng.uniform(0.04, 0.08)
         blob = np.exp(-(((y - ly) ** 2 + (x - lx) ** 2) / (2 * radius**2)))
-        image = image + (0.22 if label == 1 else -0.22) * blob
+        image = image + (LESION_AMPLITUDE if label == 1 else -LESION_AMPLITUDE) * blob
     image = scanner.contrast * (image - 0.45) + 0.45 + scanner.brightness
     image = image + rng.normal(0.0, scanner.noise, size=image.shape)
     return np.clip(image, 0.0, 1.0).astype(np.float32)

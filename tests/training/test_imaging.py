@@ -161,6 +161,32 @@ def test_bad_input_names_the_file(tmp_path: Path) -> None:
         ImageSpec(channels=2)
 
 
+def test_labels_csv_is_read_like_a_study_table(tmp_path: Path) -> None:
+    """data.py's reader: a spreadsheet's byte-order mark and padded header names are
+    accepted, and errors carry the row a spreadsheet shows."""
+    folder = tmp_path / "excel"
+    folder.mkdir()
+    for name in ("a.png", "b.png", "c.png"):
+        Image.fromarray(np.zeros((8, 8), dtype=np.uint8), mode="L").save(folder / name)
+    labels = folder / "labels.csv"
+    labels.write_text(
+        "\ufefffile, label ,patient_id\na.png,0,p1\nb.png,1,p2\nc.png,1,p3\n",
+        encoding="utf-8",
+    )
+    data = load_image_folder(folder, SPEC)
+    assert list(data.labels) == [0, 1, 1] and list(data.patient_ids) == ["p1", "p2", "p3"]
+    labels.write_text("file,label,patient_id\na.png,0,p1\nb.png,1,\nc.png,1,p3\n")
+    with pytest.raises(DataError, match="missing patient id") as info:
+        load_image_folder(folder, SPEC)
+    assert (info.value.file, info.value.row, info.value.column) == (
+        str(labels), 3, "patient_id"
+    )
+    labels.write_text("file,patient_id\na.png,p1\n")
+    with pytest.raises(DataError, match="missing column") as info:
+        load_image_folder(folder, SPEC)
+    assert (info.value.row, info.value.column) == (1, "label")
+
+
 def test_decoded_images_stream_through_a_bounded_cache(folders: dict[str, Path]) -> None:
     one_image = 1 * 16 * 16 * 4
     data = load_image_folder(
