@@ -546,13 +546,14 @@ class SiteAgent:
             "peak_rss_bytes": proc_status_bytes("VmHWM"),
         })
 
-    def _plan_noise(self, plan: RoundPlan) -> list[Segment]:
+    def _plan_noise(self, plan: RoundPlan, evaluation: list[Mechanism]) -> list[Segment]:
         """The planning thread's job: encode the records with the federation's global
-        statistics when a new release arrived, then plan this round's noise."""
+        statistics when a new release arrived, then plan this round's noise (its DP
+        evaluation release reserved in every round left)."""
         pending, self._pending_statistics = self._pending_statistics, None
         if pending is not None:
             self.hook.set_statistics(pending)
-        return list(self.hook.planned_segments(plan))
+        return list(self.hook.planned_segments(plan, evaluation=evaluation))
 
     def _refuse_recorded_round(self, rnd: VerifiedRound) -> None:
         if self.ledger is not None and any(
@@ -581,7 +582,7 @@ class SiteAgent:
             # Noise calibration can take tens of seconds on a loaded machine: it starts
             # once our keys exist and runs while they are exchanged (keys reveal nothing
             # about the data), so the key phases never wait for it; training does.
-            planning = self._planner.submit(self._plan_noise, rnd.plan)
+            planning = self._planner.submit(self._plan_noise, rnd.plan, evaluation)
             download = _ModelDownload(self, stub, rnd)
             keys = (
                 self._exchange_keys(stub, rnd, client, advertisement, heard_at=heard_at)

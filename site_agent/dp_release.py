@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -27,7 +28,7 @@ from common.errors import ConfigError, RoundFailed, StateError
 from common.privacy.accountant import RoundNoisePlan, compose_epsilon, plan_round_noise
 from common.privacy.ddgauss import count_noise, count_site_sigma
 from common.privacy.ledger import PrivacyLedger
-from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian
+from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian, Mechanism
 
 COUNT_STATE_FILE = "cohort-count.json"
 PURPOSE_COUNT = "count"
@@ -193,9 +194,13 @@ def plan_training_noise(
     announced_rounds: int,
     sample_rate: float,
     steps_per_round: int,
+    evaluation: Sequence[Mechanism] = (),
 ) -> RoundNoisePlan:
     """The next round's noise multiplier, from the ledger's composed spend and the
     site's policy (a restart re-plans from the same ledger, so it gets the same answer).
+
+    `evaluation`: this round's DP evaluation release; the plan reserves one per
+    remaining round and one more for the final evaluation-only round.
     """
     done = sum(1 for e in ledger.entries() if e.purpose == PURPOSE_TRAINING)
     remaining = max(rounds_to_plan(policy, announced_rounds) - done, 1)
@@ -208,4 +213,6 @@ def plan_training_noise(
         remaining_rounds=remaining,
         max_epsilon_per_round=policy.max_epsilon_per_round,
         accountant=ledger.accountant,
+        per_round=evaluation,
+        reserved=evaluation,
     )

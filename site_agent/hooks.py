@@ -14,6 +14,7 @@ import importlib
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -25,6 +26,7 @@ from common.config import SiteSettings
 from common.errors import ConfigError, RoundFailed
 from common.privacy.accountant import Segment
 from common.privacy.ledger import PrivacyLedger
+from common.privacy.mechanisms import Mechanism
 from common.round import RoundPlan
 from common.study import GlobalStatistics, Study, study_sha256
 
@@ -55,7 +57,9 @@ class TrainingHook(Protocol):
     privacy_unit: str
     device: str
 
-    def planned_segments(self, plan: RoundPlan) -> list[Segment]: ...
+    def planned_segments(
+        self, plan: RoundPlan, *, evaluation: Sequence[Mechanism] = ()
+    ) -> list[Segment]: ...
 
     def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate: ...
 
@@ -97,7 +101,9 @@ class DeterministicTestHook:
     def set_statistics(self, statistics: GlobalStatistics) -> None:
         return None
 
-    def planned_segments(self, plan: RoundPlan) -> list[Segment]:
+    def planned_segments(
+        self, plan: RoundPlan, *, evaluation: Sequence[Mechanism] = ()
+    ) -> list[Segment]:
         return []
 
     def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate:
@@ -437,7 +443,11 @@ class DpTrainingHook:
             self._trainer_key = key
         return self._trainer
 
-    def planned_segments(self, plan: RoundPlan) -> list[Segment]:
+    def planned_segments(
+        self, plan: RoundPlan, *, evaluation: Sequence[Mechanism] = ()
+    ) -> list[Segment]:
+        """This round's DP-SGD mechanisms, its noise planned from the ledger with
+        `evaluation` (the round's DP evaluation release) reserved in every round left."""
         if plan.local_epochs == 0 or not self.dp or self.hospital:
             return []
         trainer = self.trainer_for(plan)
@@ -450,6 +460,7 @@ class DpTrainingHook:
                     self.ledger, policy=self.settings.policy,
                     announced_rounds=plan.planned_rounds, sample_rate=trainer.sample_rate,
                     steps_per_round=plan.local_epochs * trainer.steps_per_epoch,
+                    evaluation=evaluation,
                 ).noise_multiplier
                 self._planned = {plan.round_number: sigma}
             trainer.set_noise_multiplier(sigma)

@@ -392,8 +392,16 @@ def plan_round_noise(
     max_epsilon_per_round: float | None = None,
     accountant: str = "prv",
     epsilon_tolerance: float = 0.01,
+    per_round: Sequence[Mechanism] = (),
+    reserved: Sequence[Mechanism] = (),
 ) -> RoundNoisePlan:
     """Noise multiplier for the next round, planned by the SITE from its own ledger.
+
+    `per_round`: what every planned round releases besides its training (its DP
+    evaluation histogram); `reserved`: releases still to come outside those rounds (the
+    final evaluation-only round). Both are composed into the plan, so the last planned
+    round still fits the budget with its evaluation (without them, a site planning
+    exactly the rounds it runs found its last round over budget and declined it).
 
     Two constraints, both on composed epsilons: the whole remaining plan fits the budget,
     eps(history + remaining_rounds rounds) <= budget_epsilon, and this round costs at most
@@ -422,9 +430,11 @@ def plan_round_noise(
     if steps_per_round == 0:
         raise ConfigError("steps_per_round", "must be > 0 to plan a noise multiplier")
     past = list(history)
+    extra, later = list(per_round), list(reserved)
     key = (canonical_mechanisms(past), float(budget_epsilon), float(delta),
            probe.sample_rate, steps_per_round, remaining_rounds, max_epsilon_per_round,
-           accountant, float(epsilon_tolerance))
+           accountant, float(epsilon_tolerance), canonical_mechanisms(extra),
+           canonical_mechanisms(later))
     with _ROUND_PLANS_LOCK:
         cached = _ROUND_PLANS.get(key)
         if cached is not None:
@@ -446,7 +456,8 @@ def plan_round_noise(
         if sigma not in plan_epsilons:
             rounds = [Segment(sigma, probe.sample_rate, steps_per_round)] * remaining_rounds
             plan_epsilons[sigma] = compose_epsilon(
-                [*past, *rounds], delta=delta, accountant=accountant
+                [*past, *rounds, *(extra * remaining_rounds), *later], delta=delta,
+                accountant=accountant,
             )
         return plan_epsilons[sigma]
 
@@ -454,7 +465,8 @@ def plan_round_noise(
         if sigma not in round_epsilons:
             segment = Segment(sigma, probe.sample_rate, steps_per_round)
             round_epsilons[sigma] = (
-                compose_epsilon([*past, segment], delta=delta, accountant=accountant) - spent
+                compose_epsilon([*past, segment, *extra], delta=delta, accountant=accountant)
+                - spent
             )
         return round_epsilons[sigma]
 

@@ -94,3 +94,27 @@ def test_a_whole_schedule_plan_meets_its_target_with_each_accountant() -> None:
     with pytest.raises(ConfigError):
         plan_noise_multiplier(target_epsilon=1e-9, delta=DELTA, sample_rate=1.0, steps=10**6,
                               accountant="rdp", epsilon_tolerance=1e-10)
+
+
+def test_every_planned_round_with_its_evaluation_and_the_final_evaluation_fits() -> None:
+    """A site planning exactly the rounds it runs used to find its last round over budget
+    once each round's DP evaluation was added (every site then declined it): the plan
+    reserves the evaluation in each remaining round and once more for the final
+    evaluation-only round."""
+    from site_agent.dp_release import evaluation_mechanism
+
+    evaluation = evaluation_mechanism(noise_std=5.0, n_noise=2, bins=20)
+    history = [Gaussian(40.0, 1.0)]
+    rounds = 3
+    common = dict(history=history, budget_epsilon=BUDGET, delta=DELTA, sample_rate=RATE,
+                  steps_per_round=STEPS, remaining_rounds=rounds, accountant="rdp")
+    plan = plan_round_noise(**common, per_round=[evaluation], reserved=[evaluation])
+    run = [*history, *([Segment(plan.noise_multiplier, RATE, STEPS), evaluation] * rounds),
+           evaluation]
+    assert compose_epsilon(run, delta=DELTA, accountant="rdp") <= BUDGET + 1e-9
+    # Planned without them, the same run spends more than the budget: the old failure.
+    blind = plan_round_noise(**common)
+    run = [*history, *([Segment(blind.noise_multiplier, RATE, STEPS), evaluation] * rounds),
+           evaluation]
+    assert compose_epsilon(run, delta=DELTA, accountant="rdp") > BUDGET
+    assert plan.noise_multiplier > blind.noise_multiplier
