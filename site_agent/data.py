@@ -94,6 +94,12 @@ class SiteData:
         )
 
 
+def training_units(units: int, *, held_out_fraction: float) -> int:
+    """Privacy units left for DP-SGD after `split_by_patient` holds some out (the same
+    rounding), so `data check` judges the cohort the trainer will judge."""
+    return units - max(1, round(held_out_fraction * units))
+
+
 def check_cohort_size(n_units: int, *, delta: float, unit: str, file: str | None = None) -> None:
     """Refuse cohorts too small to train on, or too large for `delta` (module docstring)."""
     if not 0.0 < delta < 1.0:

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from common.config import SiteSettings
+from common.config import DataSection, SiteSettings
 from common.errors import DataError
 from common.study import SitePrivacyPolicy, Study, check_study_against_policy
-from site_agent.data import StudyTable, check_cohort_size, load_study_table
+from site_agent.data import StudyTable, check_cohort_size, load_study_table, training_units
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,7 @@ def check_images_against_study(
     patients = data.num_patients if data.patient_ids is not None else None
     unit = "patient" if patients is not None else "record"
     units = patients if patients is not None else len(data)
-    try:
-        check_cohort_size(units, delta=delta, unit=unit)
-    except DataError as exc:
-        problems.append(exc.message)
+    _check_training_cohort(units, delta=delta, unit=unit, problems=problems)
     counts = np.bincount(data.labels, minlength=len(study.study.classes))
     labels = {str(c): int(counts[i]) for i, c in enumerate(study.study.classes)}
     absent = [name for name, count in labels.items() if count == 0]
@@ -116,6 +113,19 @@ def check_images_against_study(
     )
 
 
+def _check_training_cohort(units: int, *, delta: float, unit: str, problems: list[str]) -> None:
+    """The one cohort-size rule (site_agent.data's docstring) on the units DP-SGD will
+    train on: those left after the held-out split (data.holdout_fraction, default 20%),
+    as the site's trainer judges them."""
+    held_out = DataSection.model_fields["holdout_fraction"].default
+    train = training_units(units, held_out_fraction=held_out)
+    try:
+        check_cohort_size(train, delta=delta, unit=unit)
+    except DataError as exc:
+        problems.append(f"{exc.message} (the training split: {units} {unit}s less the "
+                        f"{held_out:.0%} held out for evaluation)")
+
+
 def report_for_table(table: StudyTable, study: Study, *, delta: float) -> DataReport:
     problems: list[str] = []
     warnings: list[str] = []
@@ -128,11 +138,7 @@ def report_for_table(table: StudyTable, study: Study, *, delta: float) -> DataRe
             f"{unit}s, the unit DP-SGD may still run on underneath"
         )
     max_delta = 1.0 / units
-    try:
-        # The one definition of the cohort-size rule (site_agent.data's docstring).
-        check_cohort_size(units, delta=delta, unit=unit)
-    except DataError as exc:
-        problems.append(exc.message)
+    _check_training_cohort(units, delta=delta, unit=unit, problems=problems)
     missing = table.missing_counts()
     for name, count in missing.items():
         if count == len(table):

@@ -73,12 +73,12 @@ def test_cli_reports_and_exits_zero(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_delta_too_large_for_cohort_exits_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    data = write_hospital_csv(tmp_path / "small.csv", n_patients=60)
+    data = write_hospital_csv(tmp_path / "small.csv", n_patients=70)  # 56 train
     study = write_study(tmp_path, delta=0.05)
     argv = ["data", "check", "--study", str(study), "--data", str(data), "--json"]
     assert main_with([register_data], argv) == 1
     report = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert report["ok"] is False and "delta 0.05 is too large for 60 patients" in str(
+    assert report["ok"] is False and "delta 0.05 is too large for 56 patients" in str(
         report["problems"]
     )
 
@@ -190,8 +190,8 @@ def test_site_checks_policy_then_data_before_joining(tmp_path: Path) -> None:
     assert report.ok and report.units == 120
     with pytest.raises(PrivacyError, match=r"privacy\.epsilon"):
         check_site_can_join(hospital_study(), SitePrivacyPolicy(epsilon=1.0, delta=1e-3), data)
-    small = write_hospital_csv(tmp_path / "small.csv", n_patients=60)
-    with pytest.raises(DataError, match="too large for 60 patients") as info:
+    small = write_hospital_csv(tmp_path / "small.csv", n_patients=70)  # 56 train
+    with pytest.raises(DataError, match="too large for 56 patients") as info:
         check_site_can_join(
             study_from_mapping(study_mapping(delta=1e-3)),
             SitePrivacyPolicy(epsilon=8.0, delta=0.05),
@@ -203,4 +203,5 @@ def test_site_checks_policy_then_data_before_joining(tmp_path: Path) -> None:
 def test_too_few_patients_is_a_problem(tmp_path: Path) -> None:
     data = write_hospital_csv(tmp_path / "tiny.csv", n_patients=30)
     report = check_data_against_study(data, hospital_study())
-    assert not report.ok and "too few patients: 30 < 50" in report.problems[0]
+    assert not report.ok and "too few patients: 24 < 50" in report.problems[0]
+    assert "the training split: 30 patients less the 20% held out" in report.problems[0]
