@@ -179,7 +179,7 @@ class LedgerTestHook(DeterministicTestHook):
 
     privacy_unit = "record"
 
-    def planned_segments(self, plan: RoundPlan) -> list[Segment]:
+    def planned_segments(self, plan: RoundPlan, *, evaluation: object = ()) -> list[Segment]:
         return list(ROUND_COST)
 
 

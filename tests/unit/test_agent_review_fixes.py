@@ -62,7 +62,7 @@ class CountingHook:
     def __init__(self) -> None:
         self.trained = 0
 
-    def planned_segments(self, plan: RoundPlan) -> list[Segment]:
+    def planned_segments(self, plan: RoundPlan, *, evaluation: object = ()) -> list[Segment]:
         return [SEGMENT]
 
     def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate:
