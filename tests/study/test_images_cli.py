@@ -26,7 +26,7 @@ def run(argv: list[str]) -> int:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_site_folder(tmp_path_factory.mktemp("img"), "st_marys", seed=3, patients=60)
+    return write_site_folder(tmp_path_factory.mktemp("img"), "st_marys", seed=3, patients=70)
 
 
 def image_bundle(study: Study) -> ModelBundle:
@@ -51,7 +51,7 @@ def test_data_check_reports_an_image_folder(
     study = images_study(tmp_path)
     assert run(["data", "check", "--study", str(study), "--data", str(folder), "--json"]) == 0
     report = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert report["ok"] and report["privacy_unit"] == "patient" and report["patients"] == 60
+    assert report["ok"] and report["privacy_unit"] == "patient" and report["patients"] == 70
     assert sum(report["labels"].values()) == report["records"]
 
 

@@ -109,7 +109,7 @@ def test_multiclass_images_send_one_block_per_class(tmp_path: Path) -> None:
     from coordinator.aggregation import multiclass_round_metrics
 
     folder = write_site_folder(
-        tmp_path / "cohort", "north_general", seed=4, patients=60, num_classes=3
+        tmp_path / "cohort", "north_general", seed=4, patients=70, num_classes=3
     )
     study_path = images_study(tmp_path, classes=3)
     hook = joined(site_settings(tmp_path, study_path, folder), study_path, dp=False)
