@@ -185,7 +185,7 @@ class RoundEngine:
     async def _run_round(self, participants: list[str], *, statistics: bool = False) -> None:
         ann = self._announce(participants, statistics=statistics)
         self.last_secagg = (ann.threshold, ann.neighbours)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         self.transfers.prepare(ann.vector_length)
         self.store.begin_round(ann.round_number, participants, now=self.clock())
         self.metrics.current_round.set(ann.round_number)
@@ -195,6 +195,7 @@ class RoundEngine:
         rnd = ActiveRound(
             ann, b"" if statistics else self.model.payload(),
             liveness=Liveness(ann.heartbeat_ms / 1000, deadlines.heartbeat_misses),
+            started=started,
         )
         aggregator = aggregator_for(
             rnd, identity=self.identity, metrics=self.metrics,
@@ -226,7 +227,9 @@ class RoundEngine:
                     settings=self.settings, hospital_terms=hospital_sum.terms_for(
                         self.study.study if self.study else None, self.settings.aggregation),
                 )
+                rnd.mark("updated")
                 self._record_training(result)
+            rnd.mark("recorded")
             abort = None
         except MedfedError as exc:
             abort = exc if isinstance(exc, ProtocolAbort) else ProtocolAbort(
@@ -241,7 +244,7 @@ class RoundEngine:
             round_events.round_completed(
                 rnd, survivors=result.survivors, dropped=result.dropped,
                 metrics=result.metrics, seconds=time.perf_counter() - started,
-                statistics=result.statistics,
+                cpu_seconds=time.process_time() - cpu_started, statistics=result.statistics,
             )
         finally:
             rnd.end(abort=abort)

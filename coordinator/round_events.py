@@ -59,6 +59,7 @@ def round_completed(
     dropped: Sequence[str],
     metrics: dict[str, float],
     seconds: float,
+    cpu_seconds: float,
     statistics: bool,
 ) -> None:
     ann = rnd.announcement
@@ -77,6 +78,11 @@ def round_completed(
         # Idle time after a phase's last message until its deadline dropped
         # the missing sites (see ActiveRound.deadline_wait_seconds).
         "deadline_wait_seconds": round(rnd.deadline_wait_seconds, 6),
+        # The coordinator process's CPU time over the round (all threads).
+        "cpu_seconds": round(cpu_seconds, 6),
+        # When each step happened, as if dropped sites were detected at once
+        # (ActiveRound.mark): "<phase>.first"/".last" message accepted, ".closed".
+        **{f"t_{step}": round(seconds, 6) for step, seconds in rnd.timeline.items()},
     }
     log.info(
         "round %d completed: %d contributors, %d dropped, %.2f s, auc=%s",

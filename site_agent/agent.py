@@ -82,6 +82,7 @@ from site_agent.datacheck import site_policy
 from site_agent.hooks import LocalUpdate, TrainingHook
 from site_agent.metrics import SiteMetrics
 from site_agent.revocation import SiteRevocation
+from site_agent.round_timeline import RoundTimeline
 from site_agent.statistics_pin import StatisticsPin
 
 log = logging.getLogger("medfed.site")
@@ -165,6 +166,7 @@ class _ModelDownload:
     def _run(self, agent: SiteAgent, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
         try:
             self._result = agent._download(stub, rnd, self._started)
+            agent._timeline.mark("downloaded")
         except BaseException as exc:  # re-raised in the caller's thread by result()
             self._error = exc
 
@@ -281,6 +283,7 @@ class SiteAgent:
         self._pending_statistics: GlobalStatistics | None = None
         self._statistics_pin = StatisticsPin(settings.state)
         self._rss_before_download = 0
+        self._timeline = RoundTimeline()  # the round in flight's (bench round reads it)
 
     # ------------------------------------------------------------- connection
     def _connect(self) -> pb_grpc.FederationStub:
@@ -522,6 +525,7 @@ class SiteAgent:
                    heard_at: float | None = None) -> None:
         """Take part in `rnd`, heard of at `heard_at` (perf_counter; default now)."""
         heard_at = time.perf_counter() if heard_at is None else heard_at
+        self._timeline = RoundTimeline(heard_at)
         plan = rnd.plan
         what = "evaluation only" if plan.local_epochs == 0 else (
             f"{plan.local_epochs} local epoch(s)")
@@ -544,6 +548,7 @@ class SiteAgent:
             # process peak against its RSS just before the download.
             "rss_before_download_bytes": self._rss_before_download,
             "peak_rss_bytes": proc_status_bytes("VmHWM"),
+            **self._timeline.fields(),
         })
 
     def _plan_noise(self, plan: RoundPlan, evaluation: list[Mechanism]) -> list[Segment]:
@@ -591,6 +596,7 @@ class SiteAgent:
             # The model downloads while the keys are exchanged (two barriers that
             # wait on the slowest site): neither delays the other.
             global_flat = download.result()
+            self._timeline.mark("keys_and_model")
             log.debug("round %d: keys exchanged, model downloaded", rnd.number)
             segments: list[Mechanism] = list(planning.result())
             planned_hospital = None
@@ -621,6 +627,7 @@ class SiteAgent:
             update = self._private_histogram(rnd, self.hook.train(rnd.plan, global_flat),
                                              evaluated=bool(evaluation))
             self._last_update = update
+            self._timeline.mark("trained")
             # The hook keeps what it needs (its model's parameters): our copy of the
             # global model is not needed for encoding, masking or the upload.
             del global_flat
@@ -629,6 +636,7 @@ class SiteAgent:
             self.metrics.patients_used.set(update.patients)
             vector = (self._encode(rnd, update) if planned_hospital is None
                       else hospital_round.encode(rnd, update, planned_hospital))
+            self._timeline.mark("encoded")
             log.debug("round %d: update trained and encoded", rnd.number)
             if self.settings.debug_write_updates:
                 self._write_debug(rnd.number, vector)
@@ -640,6 +648,7 @@ class SiteAgent:
                     self._upload_stream(rnd, b"", vector),
                     timeout=self._deadline(rnd, training=True),
                 )
+                self._timeline.mark("uploaded")
         except BaseException:
             if download is not None:
                 download.cancel()
@@ -969,10 +978,12 @@ class SiteAgent:
             extra={"event": "advertised_keys", "round_number": rnd.number,
                    "seconds": round(seconds, 6)},
         )
+        self._timeline.mark("advertised")
         roster_pb = stub.AdvertiseKeys(
             wire.advertise_to_pb(adv, round_number=rnd.number, nonce=rnd.announcement.round_nonce),
             timeout=self._deadline(rnd),
         )
+        self._timeline.mark("roster")
         self._debug_pause(rnd.number, "advertise_keys")
         shares_out = client.receive_roster(wire.roster_from_pb(roster_pb))
         received = stub.ShareKeys(
@@ -981,6 +992,7 @@ class SiteAgent:
             ),
             timeout=self._deadline(rnd),
         )
+        self._timeline.mark("shares")
         self._debug_pause(rnd.number, "share_keys")
         return wire.shares_for_recipient_from_pb(received)
 
@@ -997,11 +1009,13 @@ class SiteAgent:
         """MaskedInput, ConsistencyCheck and Unmask."""
         session = client.session_id
         masked = client.receive_shares(shares, vector)
+        self._timeline.mark("masked")
         log.debug("round %d: update masked", rnd.number)
         survivors_pb = stub.UploadMaskedInput(
             self._upload_stream(rnd, session, masked.vector),
             timeout=self._deadline(rnd, training=True),
         )
+        self._timeline.mark("uploaded")
         log.debug("round %d: masked input uploaded", rnd.number)
         heartbeats.stop()  # the last phases follow at once and keep their deadlines
         self._debug_pause(rnd.number, "masked_input")
@@ -1012,6 +1026,7 @@ class SiteAgent:
             ),
             timeout=self._deadline(rnd),
         )
+        self._timeline.mark("consistency")
         self._debug_pause(rnd.number, "consistency_check")
         reveal = client.receive_consistency(wire.signatures_from_pb(sigs_pb))
         result = stub.Unmask(
@@ -1019,4 +1034,5 @@ class SiteAgent:
             timeout=self._deadline(rnd),
         )
         client.complete()
+        self._timeline.mark("unmasked")
         log.info("round %d unmasked: %d contributors", rnd.number, result.contributors)
