@@ -11,6 +11,7 @@ from typing import Any
 from common.round import Announcement
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.phases import ActiveRound, PhaseClosed
+from coordinator.store import CoordinatorStore
 
 log = logging.getLogger("medfed.coordinator")
 
@@ -44,12 +45,18 @@ def round_opened(ann: Announcement) -> None:
     )
 
 
-def round_aborted(ann: Announcement, reason: str) -> None:
+def round_aborted(
+    ann: Announcement, reason: str, *, store: CoordinatorStore, metrics: CoordinatorMetrics,
+    now: float,
+) -> None:
+    """Log the abort, record the round as aborted and count it."""
     log.warning(
         "round %d aborted: %s", ann.round_number, reason,
         extra={"event": "round_aborted", "round_number": ann.round_number,
                "participants": ",".join(ann.participants), "reason": reason},
     )
+    store.finish_round(ann.round_number, status="aborted", now=now, detail=reason)
+    metrics.rounds_total.labels(outcome="aborted").inc()
 
 
 def round_completed(
