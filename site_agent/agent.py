@@ -18,7 +18,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -105,6 +105,10 @@ ROUND_PURPOSES = (dp_release.PURPOSE_TRAINING, dp_release.PURPOSE_EVALUATION,
                   PURPOSE_STATISTICS)
 # What gRPC's details say when the TLS handshake itself failed (another CA, an expired or
 # revoked certificate, a server name that does not match): retrying does not heal these.
+PREMASK_MAX_BYTES = 16 << 20
+"""Uploads up to this size have their SecAgg+ masks expanded while ShareKeys is in
+flight (one more upload-sized buffer until masking), so masking after training is one
+addition; larger ones are masked after training (site memory stays <= 3 models)."""
 TLS_FAILURE_MARKERS = ("handshake", "CERTIFICATE_VERIFY_FAILED", "certificate", "tlsv1 alert",
                        "SSL_ERROR")
 
@@ -280,6 +284,7 @@ class SiteAgent:
         # Noise calibration runs here, concurrently with the key phases (one at a time:
         # a hook's trainer is not shared between threads).
         self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noise-plan")
+        self._masker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
         self._pending_statistics: GlobalStatistics | None = None
         self._statistics_pin = StatisticsPin(settings.state)
         self._rss_before_download = 0
@@ -641,7 +646,7 @@ class SiteAgent:
             if self.settings.debug_write_updates:
                 self._write_debug(rnd.number, vector)
             if client is not None and keys is not None:
-                self._finish_secure_aggregation(stub, rnd, client, keys, vector,
+                self._finish_secure_aggregation(stub, rnd, client, *keys, vector,
                                                 heartbeats=heartbeats)
             else:
                 stub.UploadMaskedInput(
@@ -731,7 +736,7 @@ class SiteAgent:
             with Heartbeats(stub, rnd.number, rnd.heartbeat_seconds) as heartbeats:
                 keys = self._exchange_keys(stub, rnd, client, client.advertise_keys(),
                                            heard_at=heard_at)
-                self._release_statistics(stub, rnd, client, keys, release, plan,
+                self._release_statistics(stub, rnd, client, *keys, release, plan,
                                          heartbeats=heartbeats)
         except BaseException:
             client.abort()
@@ -742,8 +747,8 @@ class SiteAgent:
 
     def _release_statistics(
         self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, client: SecAggClient,
-        keys: sm.SharesForRecipient, release: np.ndarray, plan: StatisticsPlan, *,
-        heartbeats: Heartbeats,
+        keys: sm.SharesForRecipient, premask: Future[None] | None, release: np.ndarray,
+        plan: StatisticsPlan, *, heartbeats: Heartbeats,
     ) -> None:
         """Ledger entry first (write-ahead), then the noised vector through SecAgg+."""
         mechanism = plan.mechanism()
@@ -760,7 +765,7 @@ class SiteAgent:
         )
         if self.settings.debug_write_updates:
             self._write_debug(rnd.number, vector)
-        self._finish_secure_aggregation(stub, rnd, client, keys, vector,
+        self._finish_secure_aggregation(stub, rnd, client, keys, premask, vector,
                                         heartbeats=heartbeats)
 
     def _store_final_model(self) -> None:
@@ -969,9 +974,10 @@ class SiteAgent:
     def _exchange_keys(
         self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, client: SecAggClient,
         adv: sm.AdvertiseKeys, *, heard_at: float,
-    ) -> sm.SharesForRecipient:
+    ) -> tuple[sm.SharesForRecipient, Future[None] | None]:
         """AdvertiseKeys (`adv`, built by `client`) and ShareKeys: returns the encrypted
-        shares addressed to us."""
+        shares addressed to us, and the job expanding our masks meanwhile (small
+        uploads: PREMASK_MAX_BYTES)."""
         seconds = time.perf_counter() - heard_at
         log.info(
             "round %d: advertising keys %.3f s after the announcement", rnd.number, seconds,
@@ -986,6 +992,12 @@ class SiteAgent:
         self._timeline.mark("roster")
         self._debug_pause(rnd.number, "advertise_keys")
         shares_out = client.receive_roster(wire.roster_from_pb(roster_pb))
+        # While the ShareKeys barrier waits for the slowest site (and the model is
+        # downloading), not after training, on the critical path of the round.
+        premask = (
+            self._masker.submit(client.prepare_masks)
+            if rnd.announcement.vector_length * 4 <= PREMASK_MAX_BYTES else None
+        )
         received = stub.ShareKeys(
             wire.share_keys_to_pb(
                 shares_out, round_number=rnd.number, session=client.session_id
@@ -994,7 +1006,7 @@ class SiteAgent:
         )
         self._timeline.mark("shares")
         self._debug_pause(rnd.number, "share_keys")
-        return wire.shares_for_recipient_from_pb(received)
+        return wire.shares_for_recipient_from_pb(received), premask
 
     def _finish_secure_aggregation(
         self,
@@ -1002,12 +1014,15 @@ class SiteAgent:
         rnd: VerifiedRound,
         client: SecAggClient,
         shares: sm.SharesForRecipient,
+        premask: Future[None] | None,
         vector: np.ndarray,
         *,
         heartbeats: Heartbeats,
     ) -> None:
         """MaskedInput, ConsistencyCheck and Unmask."""
         session = client.session_id
+        if premask is not None:
+            premask.result()  # the masks are ready (or its error is raised here)
         masked = client.receive_shares(shares, vector)
         self._timeline.mark("masked")
         log.debug("round %d: update masked", rnd.number)
