@@ -586,27 +586,63 @@ class SiteAgent:
         self._rss_before_download = proc_status_bytes("VmRSS")
         download: _ModelDownload | None = None
         try:
-            # Keys (two short barriers) beside the model download, the noise plan and
-            # then training: nothing of these waits for the slowest site's keys, and
-            # uploads overlap other sites' training, as in plain FedAvg.
+            # Keys first (two short barriers, the model downloading meanwhile), then
+            # train: uploads then overlap other sites' training, as in plain FedAvg.
             advertisement = client.advertise_keys() if client is not None else None
             # Noise calibration can take tens of seconds on a loaded machine: it starts
             # once our keys exist and runs while they are exchanged (keys reveal nothing
             # about the data), so the key phases never wait for it; training does.
             planning = self._planner.submit(self._plan_noise, rnd.plan, evaluation)
             download = _ModelDownload(self, stub, rnd)
-            # Training needs the model and the plan, not the keys: it runs on the
-            # planning thread after the plan. Nothing leaves the site before the
-            # ledger entry below is on disk (write-ahead).
-            local = self._planner.submit(self._train_and_encode, rnd, download, planning,
-                                         evaluation, self._timeline)
             keys = (
                 self._exchange_keys(stub, rnd, client, advertisement, heard_at=heard_at)
                 if client is not None and advertisement is not None else None
             )
-            self._timeline.mark("keys")
-            vector, segments = local.result()
-            self._reserve(rnd, segments, evaluation)
+            # The model downloads while the keys are exchanged (two barriers that
+            # wait on the slowest site): neither delays the other.
+            global_flat = download.result()
+            self._timeline.mark("keys_and_model")
+            log.debug("round %d: keys exchanged, model downloaded", rnd.number)
+            segments: list[Mechanism] = list(planning.result())
+            planned_hospital = None
+            if rnd.announcement.is_hospital:
+                # Hospital-level DP (issue 13): the DDGauss round joins the training
+                # entry, so it too is on the ledger before training starts.
+                planned_hospital = hospital_round.plan_round(
+                    rnd, study=self.study, policy=self.settings.policy)
+                segments = [*segments, planned_hospital.mechanism]
+            if self.ledger is not None and (segments or evaluation):
+                after = self.ledger.preview(rnd.number, [*segments, *evaluation])
+                if after > self.ledger.budget_epsilon:
+                    raise BudgetExhausted(
+                        f"round {rnd.number} would bring epsilon to {after:.3f} "
+                        f"> budget {self.ledger.budget_epsilon:g}"
+                    )
+            if self.ledger is not None and segments:
+                # Write-ahead: the spend is on disk before any update can leave the site.
+                self.ledger.reserve(rnd.number, segments, now=_utcnow())
+            if self.ledger is not None and evaluation:
+                self.ledger.reserve(rnd.number, evaluation, now=_utcnow(),
+                                    purpose=dp_release.PURPOSE_EVALUATION)
+            if self.ledger is not None and (segments or evaluation):
+                self.budget_pb()
+            log.info("round %d: training", rnd.number,
+                     extra={"event": "training_started", "round_number": rnd.number})
+            started = time.perf_counter()
+            update = self._private_histogram(rnd, self.hook.train(rnd.plan, global_flat),
+                                             evaluated=bool(evaluation))
+            self._last_update = update
+            self._timeline.mark("trained")
+            # The hook keeps what it needs (its model's parameters): our copy of the
+            # global model is not needed for encoding, masking or the upload.
+            del global_flat
+            self.metrics.training_seconds.observe(time.perf_counter() - started)
+            self.metrics.samples_used.set(update.num_samples)
+            self.metrics.patients_used.set(update.patients)
+            vector = (self._encode(rnd, update) if planned_hospital is None
+                      else hospital_round.encode(rnd, update, planned_hospital))
+            self._timeline.mark("encoded")
+            log.debug("round %d: update trained and encoded", rnd.number)
             if self.settings.debug_write_updates:
                 self._write_debug(rnd.number, vector)
             if client is not None and keys is not None:
@@ -624,61 +660,6 @@ class SiteAgent:
             if client is not None:
                 client.abort()  # nothing more is ever revealed for this round
             raise
-
-    def _train_and_encode(
-        self, rnd: VerifiedRound, download: _ModelDownload,
-        planning: Future[list[Segment]], evaluation: list[Mechanism], timeline: RoundTimeline,
-    ) -> tuple[np.ndarray, list[Mechanism]]:
-        """The planning thread's second job: the budget check, training and the encoded
-        upload vector (plaintext: masked and sent only after the ledger entry), with
-        the mechanisms the ledger entry must hold."""
-        global_flat = download.result()
-        timeline.mark("downloaded_and_planned")
-        segments: list[Mechanism] = list(planning.result())
-        planned_hospital = None
-        if rnd.announcement.is_hospital:
-            # Hospital-level DP (issue 13): the DDGauss round joins the training
-            # entry, so it too is on the ledger before the update leaves.
-            planned_hospital = hospital_round.plan_round(
-                rnd, study=self.study, policy=self.settings.policy)
-            segments = [*segments, planned_hospital.mechanism]
-        if self.ledger is not None and (segments or evaluation):
-            after = self.ledger.preview(rnd.number, [*segments, *evaluation])
-            if after > self.ledger.budget_epsilon:
-                raise BudgetExhausted(
-                    f"round {rnd.number} would bring epsilon to {after:.3f} "
-                    f"> budget {self.ledger.budget_epsilon:g}"
-                )
-        log.info("round %d: training", rnd.number,
-                 extra={"event": "training_started", "round_number": rnd.number})
-        started = time.perf_counter()
-        update = self._private_histogram(rnd, self.hook.train(rnd.plan, global_flat),
-                                         evaluated=bool(evaluation))
-        self._last_update = update
-        timeline.mark("trained")
-        # The hook keeps what it needs (its model's parameters): our copy of the
-        # global model is not needed for encoding, masking or the upload.
-        del global_flat
-        self.metrics.training_seconds.observe(time.perf_counter() - started)
-        self.metrics.samples_used.set(update.num_samples)
-        self.metrics.patients_used.set(update.patients)
-        vector = (self._encode(rnd, update) if planned_hospital is None
-                  else hospital_round.encode(rnd, update, planned_hospital))
-        timeline.mark("encoded")
-        log.debug("round %d: update trained and encoded", rnd.number)
-        return vector, segments
-
-    def _reserve(self, rnd: VerifiedRound, segments: list[Mechanism],
-                 evaluation: list[Mechanism]) -> None:
-        """Write-ahead: the spend is on disk before any update can leave the site."""
-        if self.ledger is None or not (segments or evaluation):
-            return
-        if segments:
-            self.ledger.reserve(rnd.number, segments, now=_utcnow())
-        if evaluation:
-            self.ledger.reserve(rnd.number, evaluation, now=_utcnow(),
-                                purpose=dp_release.PURPOSE_EVALUATION)
-        self.budget_pb()
 
     def _log_done(self, rnd: VerifiedRound, update: LocalUpdate | None, *,
                   extra: dict[str, object]) -> None:
