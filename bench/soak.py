@@ -81,7 +81,8 @@ class SoakRecord:
 
 class Soak:
     def __init__(self, root: Path, *, sites: int, dim: int, phase_seconds: float,
-                 diagnose_every: float | None = None, tracemalloc_frames: int = 0) -> None:
+                 diagnose_every: float | None = None, tracemalloc_frames: int = 0,
+                 sqlite_heap_limit: int = 0) -> None:
         if sites < 3:
             raise ConfigError("--sites", "a soak needs at least 3 sites")
         if dim < 1:
@@ -103,6 +104,7 @@ class Soak:
         self.restarts = 0
         self.diagnose_every = diagnose_every
         self.tracemalloc_frames = tracemalloc_frames
+        self.sqlite_heap_limit = sqlite_heap_limit
         self.probe_file = root / "probe.jsonl"
 
     def _on_coordinator_line(self, _name: str, line: Line) -> None:
@@ -130,7 +132,8 @@ class Soak:
         return [
             sys.executable, "-m", "bench.soak_probe", "--out", str(self.probe_file),
             "--every", f"{self.diagnose_every:g}", "--tracemalloc",
-            str(self.tracemalloc_frames), "--", *args,
+            str(self.tracemalloc_frames), "--sqlite-heap-limit", str(self.sqlite_heap_limit),
+            "--", *args,
         ]
 
     def probe_samples(self) -> list[dict[str, Any]]:
@@ -198,13 +201,13 @@ class Soak:
 def run(*, sites: int, minutes: float, kill_every: float, dim: int,
         phase_seconds: float, workdir: Path | None = None, progress: bool = True,
         diagnose: Path | None = None, diagnose_every: float = 30.0,
-        tracemalloc_frames: int = 0) -> dict[str, Any]:
+        tracemalloc_frames: int = 0, sqlite_heap_limit: int = 0) -> dict[str, Any]:
     samples: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="medfed-soak-", dir=workdir) as tmp:
         soak = Soak(
             Path(tmp), sites=sites, dim=dim, phase_seconds=phase_seconds,
             diagnose_every=diagnose_every if diagnose is not None else None,
-            tracemalloc_frames=tracemalloc_frames,
+            tracemalloc_frames=tracemalloc_frames, sqlite_heap_limit=sqlite_heap_limit,
         )
         try:
             soak.start()
@@ -249,7 +252,7 @@ def run(*, sites: int, minutes: float, kill_every: float, dim: int,
     second_half = series[len(series) // 2 :]
     slope = least_squares_slope([(float(r), float(b)) for r, b in second_half])
     whole = least_squares_slope([(float(r), float(b)) for r, b in series])
-    result = {
+    result: dict[str, Any] = {
         "sites": sites,
         "minutes": minutes,
         "kill_every_seconds": kill_every,
@@ -265,8 +268,59 @@ def run(*, sites: int, minutes: float, kill_every: float, dim: int,
         "rss_bytes_per_round_whole_run": whole,
     }
     if diagnose is not None:
+        result["components"] = component_slopes(samples)
+        final = [s for s in samples if s.get("final")]
+        if final:
+            result["rss_after_malloc_trim_bytes"] = final[-1].get("rss_after_malloc_trim")
         diagnose.write_text(json.dumps({"result": result, "samples": samples}, indent=1))
     return result
+
+
+# Memory components a probe sample holds: name -> path into the sample.
+COMPONENTS: dict[str, tuple[str, ...]] = {
+    "rss": ("rss", "VmRSS"),
+    "rss_file": ("rss", "RssFile"),
+    "brk_heap": ("maps", "heap"),
+    "thread_arenas": ("maps", "arena64m"),
+    "anonymous_mmaps": ("maps", "anon_mmap"),
+    "malloc_in_use": ("malloc", "uordblks"),
+    "malloc_free_kept": ("malloc", "fordblks"),
+    "sqlite_memory_used": ("sqlite", "memory_used"),
+    "python_traced": ("tracemalloc", "current"),
+    "gc_objects": ("gc", "objects"),
+}
+
+
+def component_slopes(samples: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per component: its value in the first and last periodic sample and its
+    least-squares slope per completed round over the second half of the samples."""
+    periodic = [s for s in samples if not s.get("final") and s.get("rounds_completed")]
+    out: dict[str, dict[str, float | None]] = {}
+    for name, path in COMPONENTS.items():
+        points: list[tuple[float, float]] = []
+        for sample in periodic:
+            value: Any = sample
+            for key in path:
+                value = value.get(key) if isinstance(value, dict) else None
+            if isinstance(value, int | float):
+                points.append((float(sample["rounds_completed"]), float(value)))
+        if points:
+            out[name] = {
+                "first": points[0][1], "last": points[-1][1],
+                "per_round_second_half": least_squares_slope(points[len(points) // 2 :]),
+            }
+    return out
+
+
+def component_line(name: str, c: dict[str, float | None]) -> str:
+    """One line of the --diagnose summary: first -> last value and the slope."""
+    first, last, slope = c["first"] or 0.0, c["last"] or 0.0, c["per_round_second_half"]
+    if name == "gc_objects":
+        per = "n/a" if slope is None else f"{slope:+.3f} objects/round"
+        return f"    {name:<20} {first:>9.0f}    -> {last:>9.0f}    ({per}, second half)"
+    per = "n/a" if slope is None else f"{slope / 1024:+.3f} kB/round"
+    return (f"    {name:<20} {first / 1024:>9.0f} kB -> {last / 1024:>9.0f} kB "
+            f"({per}, second half)")
 
 
 def format_result(result: dict[str, Any]) -> str:
@@ -285,6 +339,7 @@ def format_result(result: dict[str, Any]) -> str:
         f"{result['coordinator_fds_start']} -> {result['coordinator_fds_end']}",
         f"  RSS growth: {per_round(result['rss_bytes_per_round_second_half'])} (second half), "
         f"{per_round(result['rss_bytes_per_round_whole_run'])} (whole run)",
+        *[component_line(name, c) for name, c in result.get("components", {}).items()],
     ])
 
 
@@ -308,6 +363,10 @@ def register(subparsers: Any) -> None:
         "--tracemalloc", type=int, default=0, metavar="FRAMES",
         help="with --diagnose: trace Python allocations with this many frames (slower)",
     )
+    parser.add_argument(
+        "--sqlite-heap-limit", type=int, default=0, metavar="BYTES",
+        help="with --diagnose: cap SQLite's page cache process-wide (an experiment)",
+    )
     parser.set_defaults(func=_main)
 
 
@@ -324,7 +383,7 @@ def _main(args: argparse.Namespace) -> int:
         sites=args.sites, minutes=args.minutes, kill_every=args.kill_every, dim=args.dim,
         phase_seconds=args.phase_seconds, workdir=args.workdir, progress=not args.json,
         diagnose=args.diagnose, diagnose_every=args.diagnose_every,
-        tracemalloc_frames=args.tracemalloc,
+        tracemalloc_frames=args.tracemalloc, sqlite_heap_limit=args.sqlite_heap_limit,
     )
     print(json.dumps(result) if args.json else format_result(result), flush=True)
     return 0

@@ -9,14 +9,20 @@ split between Python objects, the C heap and fragmentation:
 * ``maps``: resident bytes of the anonymous mappings by kind (/proc/self/smaps): the
   brk ``heap`` (glibc's main arena), ``arena64m`` (glibc's per-thread arenas, reserved
   64 MiB at a time: grpc core's threads allocate there), ``anon_1m`` (exactly 1 MiB:
-  CPython's object arenas in 3.10+) and ``anon_other`` (large mallocs, numpy buffers);
+  CPython's object arenas in 3.10+), ``anon_other`` (large mallocs, numpy buffers) and
+  ``anon_mmap``, the sum of the last two;
 * ``malloc``: glibc ``mallinfo2()`` over every arena: ``uordblks`` bytes in use,
   ``fordblks`` free bytes kept, ``hblkhd`` bytes in mmapped chunks;
 * ``sqlite``: ``sqlite3_memory_used()`` and its high-water mark, from the SQLite library
   Python's `sqlite3` module loaded;
 * ``gc``: the number of objects the collector tracks and the 15 most common types;
 * ``tracemalloc`` (with ``--tracemalloc``): bytes traced now and the 15 tracebacks whose
-  traced bytes grew most since the first sample.
+  traced bytes grew most since the second sample (the first is start-up) and since the
+  previous one.
+
+``--sqlite-heap-limit BYTES`` sets SQLite's soft heap limit (``sqlite3_soft_heap_limit64``):
+SQLite then recycles page-cache pages beyond it, which takes its bounded cache out of
+the RSS curve.
 
 A throw-away wrapper for measurement only: the product coordinator runs without it.
 """
@@ -107,7 +113,20 @@ def mapping_rss() -> dict[str, int]:
                 kind = "anon_other"
         elif parts[0] == "Rss:":
             totals[kind] += int(parts[1]) * 1024
+    # The kernel merges neighbouring anonymous mappings with the same permissions, so
+    # an object arena next to a large malloc chunk moves between the two kinds: their
+    # sum is the stable figure.
+    totals["anon_mmap"] = totals["anon_1m"] + totals["anon_other"]
     return totals
+
+
+def _growth(now: tracemalloc.Snapshot, then: tracemalloc.Snapshot) -> list[dict[str, Any]]:
+    """The 15 tracebacks whose traced bytes grew most from `then` to `now`."""
+    return [
+        {"size_diff": s.size_diff, "count_diff": s.count_diff, "size": s.size,
+         "traceback": [f"{f.filename}:{f.lineno}" for f in s.traceback]}
+        for s in now.compare_to(then, "traceback")[:15]
+    ]
 
 
 class Probe:
@@ -116,7 +135,9 @@ class Probe:
         self.every = every
         self.libc = _libc()
         self.sqlite = _sqlite()
+        # The first snapshot (after start-up) and the latest: growth since each.
         self.first: tracemalloc.Snapshot | None = None
+        self.previous: tracemalloc.Snapshot | None = None
         self.seq = 0
         self.wake = threading.Event()
         self.final = False
@@ -144,15 +165,17 @@ class Probe:
             )
             current, peak = tracemalloc.get_traced_memory()
             record["tracemalloc"] = {"current": current, "peak": peak}
-            if self.first is None:
+            if self.seq == 0:
+                pass  # start-up: imports and first buffers still arriving
+            elif self.first is None:
                 self.first = snapshot
             else:
-                stats = snapshot.compare_to(self.first, "traceback")[:15]
-                record["tracemalloc"]["growth"] = [
-                    {"size_diff": s.size_diff, "count_diff": s.count_diff,
-                     "traceback": [f"{f.filename}:{f.lineno}" for f in s.traceback]}
-                    for s in stats
-                ]
+                record["tracemalloc"]["growth"] = _growth(snapshot, self.first)
+                if self.previous is not None:
+                    record["tracemalloc"]["growth_since_previous"] = _growth(
+                        snapshot, self.previous
+                    )
+                self.previous = snapshot
         return record
 
     def loop(self) -> None:
@@ -182,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--every", type=float, default=30.0)
     parser.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES")
+    parser.add_argument("--sqlite-heap-limit", type=int, default=0, metavar="BYTES")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = [w for w in args.command if w != "--"]
@@ -190,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     from common import cli
 
     probe = Probe(args.out, every=args.every)
+    if args.sqlite_heap_limit and probe.sqlite is not None:
+        probe.sqlite.sqlite3_soft_heap_limit64.restype = ctypes.c_int64
+        probe.sqlite.sqlite3_soft_heap_limit64.argtypes = [ctypes.c_int64]
+        probe.sqlite.sqlite3_soft_heap_limit64(args.sqlite_heap_limit)
     signal.signal(signal.SIGUSR2, probe.request_final)
     threading.Thread(target=probe.loop, name="soak-probe", daemon=True).start()
     return cli.main(command)
