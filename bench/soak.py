@@ -214,7 +214,9 @@ def run(*, sites: int, minutes: float, kill_every: float, dim: int,
             coordinator = soak.coordinator
             if coordinator is None:  # pragma: no cover - start() sets it
                 raise RuntimeError("coordinator did not start")
-            coordinator.wait_log("round 1 completed", timeout=300)
+            # The first COMPLETED round, whichever number it has: on a loaded machine
+            # round 1 can abort (sites too slow to advertise keys) and never complete.
+            coordinator.wait_event("round_completed", timeout=300)
             pid = coordinator.proc.pid
             rss_start, fds_start = proc_rss_bytes(pid), open_descriptors(pid)
             started = time.monotonic()
