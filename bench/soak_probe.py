@@ -15,7 +15,8 @@ split between Python objects, the C heap and fragmentation:
   ``fordblks`` free bytes kept, ``hblkhd`` bytes in mmapped chunks;
 * ``sqlite``: ``sqlite3_memory_used()`` and its high-water mark, from the SQLite library
   Python's `sqlite3` module loaded;
-* ``gc``: the number of objects the collector tracks and the 15 most common types;
+* ``gc``: the number of objects the collector tracks, the 15 most common types, and
+  ``sys.getallocatedblocks()`` (every live block of CPython's allocator);
 * ``tracemalloc`` (with ``--tracemalloc``): bytes traced now and the 15 tracebacks whose
   traced bytes grew most since the second sample (the first is start-up) and since the
   previous one.
@@ -157,7 +158,10 @@ class Probe:
                 "memory_highwater": self.sqlite.sqlite3_memory_highwater(0),
             }
         types = collections.Counter(type(o).__name__ for o in gc.get_objects())
-        record["gc"] = {"objects": sum(types.values()), "top": types.most_common(15)}
+        # Blocks of CPython's allocator count every live object, those the collector
+        # does not track too (str, bytes, int, dicts of atoms): cheap, unlike tracemalloc.
+        record["gc"] = {"objects": sum(types.values()), "top": types.most_common(15),
+                        "allocated_blocks": sys.getallocatedblocks()}
         del types
         if tracemalloc.is_tracing():
             snapshot = tracemalloc.take_snapshot().filter_traces(
