@@ -180,7 +180,8 @@ class RoundEngine:
             ),
         )
         return hospital_sum.announce(ann, hospital_sum.terms_for(
-            study.study if study is not None else None, self.settings.aggregation))
+            study.study if study is not None else None, self.settings.aggregation,
+            intermediaries=self.model.intermediaries))
 
     async def _run_round(self, participants: list[str], *, statistics: bool = False) -> None:
         ann = self._announce(participants, statistics=statistics)
