@@ -322,6 +322,14 @@ def hospital_level_mechanisms(
     ]
 
 
+def largest_intermediaries(entries: Sequence[tuple[str, Sequence[Mechanism]]]) -> int:
+    """The largest v any training round of the history split its hospital into (1 when
+    none did): the hospital-level figure is at most v-fold group privacy at this v (each
+    round is charged at its own v, `per_hospital`, which is tighter)."""
+    return max((m.units for purpose, mechanisms in entries if purpose == "training"
+                for m in mechanisms if isinstance(m, DistributedDiscreteGaussian)), default=1)
+
+
 def hospital_level_epsilon(
     entries: Sequence[tuple[str, Sequence[Mechanism]]], *, delta: float, accountant: str,
 ) -> float:
