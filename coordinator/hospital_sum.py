@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 
@@ -138,18 +139,34 @@ def decode(
     return DecodedSum(mean, weight_sum, metrics, histogram)
 
 
-def replica_epsilons(replica: LedgerReplica) -> dict[str, tuple[float, float]]:
-    """Each site's hospital-level epsilon (model updates only) and delta, recomposed
-    from the signed ledger entries the coordinator replicates (for the model card)."""
-    out: dict[str, tuple[float, float]] = {}
+class HospitalEpsilons(NamedTuple):
+    """One site's model-update guarantees as its replicated ledger shows them."""
+
+    epsilon: float  # hospital level (each round at its own v)
+    delta: float
+    intermediary: float | None = None  # per intermediary; None when no round split
+    largest_v: int = 1
+
+
+def replica_epsilons(replica: LedgerReplica) -> dict[str, HospitalEpsilons]:
+    """Each site's hospital-level epsilon (model updates only), delta, and when its
+    hospital was split the per-intermediary epsilon and the largest v, recomposed from
+    the signed ledger entries the coordinator replicates (for the model card)."""
+    out: dict[str, HospitalEpsilons] = {}
     for site in replica.sites():
         history = replica.history(site)
         terms = history.terms
         if terms.privacy_unit != "hospital":
             continue
         pairs = [(e.purpose, e.mechanisms) for e in history.entries]
-        out[site] = (hospital.hospital_level_epsilon(
-            pairs, delta=terms.delta, accountant=terms.accountant), terms.delta)
+        out[site] = HospitalEpsilons(
+            hospital.hospital_level_epsilon(pairs, delta=terms.delta,
+                                            accountant=terms.accountant),
+            terms.delta,
+            hospital.intermediary_level_epsilon(pairs, delta=terms.delta,
+                                                accountant=terms.accountant),
+            hospital.largest_intermediaries(pairs),
+        )
     return out
 
 
@@ -166,29 +183,41 @@ def card_mechanisms(study: Study) -> tuple[str, ...]:
 
 
 def card_parts(
-    study: Study, epsilons: Mapping[str, tuple[float, float]]
+    study: Study, epsilons: Mapping[str, tuple[float, float] | HospitalEpsilons]
 ) -> tuple[tuple[GroupGuarantee, ...], tuple[str, ...]]:
-    """(group guarantees, notes) naming the two guarantees of a hospital-level study:
+    """(group guarantees, notes) naming the guarantees of a hospital-level study:
     `sites[].epsilon` composes every release (a per-patient bound); the hospital-level
-    epsilon covers the model updates only."""
+    epsilon covers the model updates only; with intermediaries, the per-intermediary
+    epsilon of the model updates too (unit "intermediary")."""
     if study.privacy.unit != "hospital":
         return (), ()
     terms = hospital.study_terms(study)
-    guarantees = tuple(
-        GroupGuarantee(
-            unit="hospital", epsilon=epsilon, delta=delta,
+    guarantees: list[GroupGuarantee] = []
+    for site, row in sorted(epsilons.items()):
+        entry = HospitalEpsilons(*row)
+        if terms.norm_segment:
+            split = (f", adaptive intermediaries (v per round from the rule of Jiang et "
+                     f"al. 2023, largest v {entry.largest_v}): each round v-fold group "
+                     "privacy of the per-intermediary guarantee")
+        elif terms.intermediaries > 1:
+            split = (f", {terms.intermediaries} intermediaries: {terms.intermediaries}-fold "
+                     "group privacy of the per-intermediary guarantee")
+        else:
+            split = ""
+        guarantees.append(GroupGuarantee(
+            unit="hospital", epsilon=entry.epsilon, delta=entry.delta,
             note=(f"site {site}: model updates only (clip S = {terms.clip:g}, noise "
-                  f"multiplier {terms.noise_multiplier:.3g}"
-                  + (f", {terms.intermediaries} intermediaries: {terms.intermediaries}-fold "
-                     "group privacy of the per-intermediary guarantee"
-                     if terms.intermediaries > 1 else "")
-                  + "); statistics, evaluation histograms and the cohort count are "
-                  "bounded per patient"),
-        )
-        for site, (epsilon, delta) in sorted(epsilons.items())
-    )
+                  f"multiplier {terms.noise_multiplier:.3g}{split}); statistics, "
+                  "evaluation histograms and the cohort count are bounded per patient"),
+        ))
+        if entry.intermediary is not None:
+            guarantees.append(GroupGuarantee(
+                unit="intermediary", epsilon=entry.intermediary, delta=entry.delta,
+                note=(f"site {site}: model updates per intermediary (each patient is in "
+                      "exactly one); the per-patient figure for the model updates"),
+            ))
     notes = (
         "hospital-level DP: the group guarantees (unit hospital) cover the MODEL UPDATES "
         "ONLY; sites[].epsilon composes every release and is the per-patient guarantee",
     )
-    return guarantees, notes
+    return tuple(guarantees), notes

@@ -162,7 +162,8 @@ def bundle(
     budgets: list[BudgetRow],
     secagg: tuple[int, int],
     final: bool,
-    hospital_epsilons: Mapping[str, tuple[float, float]] | None = None,
+    hospital_epsilons: Mapping[str, tuple[float, float] | hospital_sum.HospitalEpsilons]
+    | None = None,
 ) -> None:
     """The study's bundle of the model after this round; an evaluation histogram moves
     the bundle's decision threshold."""
