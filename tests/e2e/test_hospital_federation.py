@@ -233,3 +233,38 @@ def test_auto_intermediaries_federation(tmp_path: Path,
         assert summary["intermediaries_by_round"] == {str(first): 1, str(second): v}
         assert summary["intermediaries_max"] == v
         assert 0 < summary["intermediary_level_epsilon"] < summary["hospital_level_epsilon"]
+
+
+def test_demo_auto_intermediaries_row(tmp_path: Path) -> None:
+    """`medfed demo --privacy-unit hospital --intermediaries auto` runs end to end: the
+    row of the privacy/utility table and each round line name the v of every round."""
+    sites = ["north", "south", "east"]
+    cohort = generate_cohort(sites, seed=4, patients_per_site=300)
+    write_site_csvs(tmp_path / "data", cohort)
+    out = tmp_path / "run"
+    result = subprocess.run(
+        medfed_argv(
+            "demo", "--data", str(tmp_path / "data"), "--label-column", "sepsis",
+            "--patient-column", "patient_id", "--out", str(out), "--rounds", "2",
+            "--kill-round", "0", "--delta", "1e-3", "--budget-epsilon", "8",
+            "--privacy-unit", "hospital", "--update-clip-norm", "1.0",
+            "--intermediaries", "auto", "--no-audit",
+        ),
+        cwd=REPO, capture_output=True, text=True, timeout=850, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    chosen = report["hospital"]["intermediaries_by_round"]
+    assert report["hospital"]["intermediaries"] == "auto"
+    assert len(chosen) == 2 and next(iter(chosen.values())) == 1
+    label = "v auto per round " + "/".join(str(v) for v in chosen.values())
+    assert f"Federated + hospital-level DP (eps<=8) + SecAgg+, {label}" in result.stdout
+    for number, v in chosen.items():
+        assert f"[round {number}] training" in result.stdout
+        assert any(line.startswith(f"[round {number}] ") and line.endswith(f"| v={v}")
+                   for line in result.stdout.splitlines())
+    for site in sites:
+        _, entries = read_ledger(out / "sites" / site / "privacy-ledger.db")
+        units = {e.round: m.units for e in entries if e.purpose == "training"
+                 for m in e.mechanisms if isinstance(m, DistributedDiscreteGaussian)}
+        assert {str(r): u for r, u in units.items()} == chosen
