@@ -7,6 +7,7 @@ v a restarted coordinator continues with."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from common import wire
-from common.config import SitePolicySection
+from common.config import SitePolicySection, SiteSettings
 from common.crypto.random import DeterministicRandom
 from common.errors import ValidationError
 from common.modelfile import flat_layout
@@ -22,14 +23,18 @@ from common.privacy import hospital
 from common.privacy.accountant import compose_epsilon
 from common.privacy.ddgauss import ddgauss_round
 from common.privacy.intermediaries import expected_noise_norm, split_count
+from common.privacy.ledger import PrivacyLedger
 from common.round import Announcement, RoundPlan, validate_for_site, validate_intermediaries
 from common.study import Study, study_from_mapping
 from coordinator import hospital_sum
 from coordinator.store import CoordinatorStore
 from coordinator.training_round import stored_intermediaries
+from site_agent import dp_release
 from site_agent import hospital as site_hospital
-from site_agent.hooks import LocalUpdate
-from tests.study.helpers import study_mapping
+from site_agent.datacheck import site_policy
+from site_agent.hooks import DpTrainingHook, LocalUpdate
+from tests.privacy.conftest import Pki
+from tests.study.helpers import noiseless_statistics, study_mapping, write_hospital_csv
 
 C = hospital.NORM_SEGMENT_SCALE
 SITES = ("alpha", "beta", "gamma")
@@ -254,3 +259,51 @@ def test_a_restarted_coordinator_continues_with_the_chosen_v(tmp_path: Path) -> 
         assert stored_intermediaries(store) == 5
     finally:
         store.close()
+
+
+def _joined_hospital_site(tmp_path: Path, study: Study, pki_material: Pki,
+                          *, noisy_count: int) -> DpTrainingHook:
+    """A site joined to `study` on its own CSV, with global statistics and a ledger whose
+    DP cohort count was released as `noisy_count` (persisted, as after a real release)."""
+    data = write_hospital_csv(tmp_path / "north.csv", 120, seed=1)
+    settings = SiteSettings(
+        site="hospital-a", coordinator="127.0.0.1:9", state=tmp_path, pki=tmp_path,
+        data={"path": data, "split_seed": 1},  # type: ignore[arg-type]
+        training={"device": "cpu", "batch_size": 16, "seed": 3},  # type: ignore[arg-type]
+        privacy={"delta": 1e-3, "privacy_unit": "hospital"},  # type: ignore[arg-type]
+    )
+    hook = DpTrainingHook(settings, dp=True)
+    hook.join_study(study, site_policy(settings))
+    assert hook.table is not None
+    hook.set_statistics(noiseless_statistics(study, hook.table))
+    (tmp_path / dp_release.COUNT_STATE_FILE).write_text(
+        json.dumps({"noisy_count": noisy_count, "noise_std": 34.0, "ledger_round": 0}))
+    ledger = PrivacyLedger(tmp_path / "l.db", site_id="hospital-a", budget_epsilon=8.0,
+                           delta=1e-3, privacy_unit="hospital", signer=pki_material.signer_a)
+    hook.attach_ledger(ledger, state=tmp_path)
+    return hook
+
+
+def test_site_trains_the_announced_v_within_what_its_dp_count_splits(
+    tmp_path: Path, pki_material: Pki,
+) -> None:
+    """Under "auto" the site trains the announced v, lowered to its DP count // 10 (a
+    function of the released count only); a fixed v is the study's whatever is announced."""
+    study = _auto_study()
+    hook = _joined_hospital_site(tmp_path, study, pki_material, noisy_count=35)
+    layout = hook.layout()
+    flat = np.zeros(sum(s.elements for s in layout), dtype=np.float32)
+
+    def plan(v: int) -> RoundPlan:
+        return RoundPlan(round_number=1, planned_rounds=3, local_epochs=1, learning_rate=0.1,
+                         fedprox_mu=0.0, histogram_bins=5, layout=layout, intermediaries=v)
+
+    assert hook.intermediaries_for(plan(2)) == 2
+    assert hook.intermediaries_for(plan(8)) == 35 // hospital.MIN_PATIENTS_PER_INTERMEDIARY
+    update = hook.train(plan(8), flat)
+    assert len(update.units) == 3
+    assert np.allclose(update.delta, np.sum(update.units, axis=0), atol=1e-5)
+    assert hook.train(plan(1), flat).units == ()  # one unit: the whole update
+    fixed = _auto_study(intermediaries=2)
+    hook.join_study(fixed, site_policy(hook.settings))
+    assert hook.intermediaries_for(plan(5)) == 2
