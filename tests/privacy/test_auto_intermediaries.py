@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from common import wire
-from common.config import SitePolicySection, SiteSettings
+from common.config import AggregationSection, SitePolicySection, SiteSettings
 from common.crypto.random import DeterministicRandom
-from common.errors import ValidationError
+from common.errors import RoundFailed, ValidationError
 from common.modelfile import flat_layout
 from common.privacy import hospital
 from common.privacy.accountant import compose_epsilon
@@ -127,6 +127,7 @@ def test_coordinator_v_from_a_decoded_round_matches_the_formula() -> None:
                              units=units)
         total += site_hospital.encode(rnd, update, planned)
     decoded = hospital_sum.decode(total, ann=ann, count=3)
+    assert decoded.mean_delta is not None
     units_count = 3 * v
     assert decoded.metrics["intermediaries"] == v and decoded.weight_sum == units_count
     norms = [min(float(np.linalg.norm(u.astype(np.float64))), clip) for u in all_units]
@@ -178,7 +179,7 @@ def test_sites_may_train_fewer_units_than_announced_under_auto() -> None:
     weight = ann.manifest().decode_integers(words)["weight"]
     assert int(weight[0]) == 2 and planned.mechanism.units == 4
     too_many = tuple(np.zeros(dim, np.float32) for _ in range(5))
-    with pytest.raises(site_hospital.RoundFailed, match="asks for 4"):
+    with pytest.raises(RoundFailed, match="asks for 4"):
         site_hospital.encode(rnd, LocalUpdate(np.zeros(dim, np.float32), 50,
                                               np.zeros(4, np.int64), 0.0, units=too_many),
                              planned)
@@ -221,9 +222,9 @@ def test_announced_v_is_checked_against_range_and_study() -> None:
         validate_for_site(dataclasses.replace(plain, hospital_intermediaries=2),
                           policy=policy, site_id="alpha")
     # The coordinator never announces more than the cap, whatever it measured.
-    capped = hospital_sum.terms_for(auto, hospital_sum.AggregationSection(), intermediaries=99)
+    capped = hospital_sum.terms_for(auto, AggregationSection(), intermediaries=99)
     assert capped is not None and capped.intermediaries == hospital.MAX_AUTO_INTERMEDIARIES
-    assert hospital_sum.terms_for(fixed, hospital_sum.AggregationSection(),
+    assert hospital_sum.terms_for(fixed, AggregationSection(),
                                   intermediaries=99) == hospital.study_terms(fixed)
 
 
