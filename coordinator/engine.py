@@ -88,6 +88,8 @@ class RoundEngine:
         self.sites = SiteCalls(self.sessions, self.inbox, self.ledgers, clock=clock)
         self.finished = asyncio.Event()  # set only when the whole study completed
         self.model = GlobalModel.load(store, settings, study)
+        if self.model.intermediaries is not None:  # "auto" v carried over a restart
+            metrics.hospital_intermediaries.set(self.model.intermediaries)
         self.last_round_number = 0
         # Only the latest result is kept: a long-running coordinator must not grow by
         # two model-sized vectors per round.

@@ -245,7 +245,7 @@ def unit_vector(delta: np.ndarray, *, clip: float, norm_segment: bool) -> np.nda
     L2 norm is then at most S sqrt(1 + c^2) (module docstring)."""
     flat = np.asarray(delta).reshape(-1)
     if not norm_segment:
-        return flat.astype(np.float64, copy=True)
+        return np.asarray(flat, dtype=np.float64)  # ddgauss_round copies it anyway
     out = np.empty(flat.size + 1, np.float64)
     out[:-1] = flat
     if not np.all(np.isfinite(out[:-1])):
