@@ -323,17 +323,27 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
 def _guarantees(header: Any, entries: Any) -> dict[str, Any]:
     """Under hospital-level DP two guarantees, named plainly (issue 13): the model
     updates alone per hospital, and every release composed, which bounds each patient
-    (statistics, evaluation and the count are bounded per patient only)."""
+    (statistics, evaluation and the count are bounded per patient only). With DP-SGD
+    beneath (study privacy.record_level), the record/patient-level epsilon the ledger
+    charges: the better of its DP-SGD path and its hospital path (common.privacy.layered)."""
     if header.privacy_unit != "hospital":
         return {}
+    from common.privacy import layered
     from common.privacy.hospital import hospital_level_epsilon, intermediary_level_epsilon
 
     pairs = [(getattr(e, "purpose", "training"), _entry_mechanisms(e)) for e in entries]
-    out = {
+    out: dict[str, Any] = {
         "hospital_level_epsilon": hospital_level_epsilon(
             pairs, delta=header.delta, accountant=header.accountant),
-        "patient_level_epsilon": entries[-1].epsilon_after if entries else 0.0,
     }
+    charged = entries[-1].epsilon_after if entries else 0.0
+    if layered.is_layered(pairs):
+        paths = layered.record_level(pairs, delta=header.delta, accountant=header.accountant)
+        out["record_level_epsilon"] = charged
+        out["dpsgd_path_epsilon"] = paths.dpsgd_path
+        out["hospital_path_epsilon"] = paths.hospital_path
+    else:
+        out["patient_level_epsilon"] = charged
     intermediary = intermediary_level_epsilon(pairs, delta=header.delta,
                                               accountant=header.accountant)
     if intermediary is not None:
@@ -368,8 +378,16 @@ def _cmd_ledger_show(args: argparse.Namespace) -> int:
             print(f"intermediary epsilon   {summary['intermediary_level_epsilon']:.4f}: model "
                   "updates per intermediary (each patient is in one); the hospital-level "
                   "figure above is its v-fold group guarantee")
-        print(f"per-patient epsilon    {summary['patient_level_epsilon']:.4f}: every release "
-              "composed (statistics, evaluation and count are bounded per patient)")
+        if "record_level_epsilon" in summary:
+            print(f"record/patient-level epsilon {summary['record_level_epsilon']:.4f}: DP-SGD "
+                  "beneath (per record, or per patient when the study's record_level is "
+                  "'patient'); the better of the DP-SGD path "
+                  f"{summary['dpsgd_path_epsilon']:.4f} and the hospital path "
+                  f"{summary['hospital_path_epsilon']:.4f}, each with every other release")
+        else:
+            print(f"per-patient epsilon    {summary['patient_level_epsilon']:.4f}: every "
+                  "release composed (statistics, evaluation and count are bounded per "
+                  "patient)")
     print(f"head hash     {summary['head_hash']}")
     print()
     print(
