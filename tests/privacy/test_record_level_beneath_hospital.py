@@ -22,7 +22,7 @@ from common.privacy import hospital, layered
 from common.privacy.accountant import account, compose_epsilon
 from common.privacy.cli import main as privacy_main
 from common.privacy.ledger import PrivacyLedger, verify_ledger
-from common.privacy.mechanisms import DistributedDiscreteGaussian, Mechanism, Segment
+from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian, Mechanism, Segment
 from common.round import RoundPlan
 from common.study import Study, study_from_mapping
 from site_agent import dp_release
@@ -208,3 +208,33 @@ def test_default_keeps_hospital_mode_without_dp_sgd() -> None:
     study = study_from_mapping(study_mapping(unit="hospital", update_clip_norm=0.5),
                                source="test")
     assert study.privacy.record_level == "none" and study.privacy.record_epsilon is None
+
+
+def test_the_two_paths_of_a_mixed_history() -> None:
+    """A: DP-SGD for each layered round, the replace-relation DDGauss bound for a round
+    without DP-SGD beneath; B: the replace-relation DDGauss bound for every hospital
+    round; statistics, count and evaluation (a DDGauss too) in both, as they are."""
+    ddg = DistributedDiscreteGaussian(noise_variance_per_site=9.0, contributors=3,
+                                      l2_sensitivity=2.0, dimension=64)
+    histogram = dp_release.evaluation_mechanism(noise_std=5.0, n_noise=2, bins=10)
+    sgd = Segment(1.0, 0.1, 50)
+    count = Gaussian(noise_std=10.0, l2_sensitivity=1.0)
+    entries: list[tuple[str, list[Mechanism]]] = [
+        ("count", [count]), ("training", [ddg]), ("training", [sgd, ddg]),
+        ("evaluation", [histogram]),
+    ]
+    doubled = layered.replaced(ddg)
+    assert doubled.l2_sensitivity == 4.0
+    assert doubled.l1_sensitivity == 2 * ddg.effective_l1_sensitivity
+    assert doubled.zcdp_rho == pytest.approx(4 * ddg.zcdp_rho, rel=1e-9)
+    assert layered.dpsgd_path(entries) == [count, doubled, sgd, histogram]
+    assert layered.hospital_path(entries) == [count, doubled, doubled, histogram]
+    paths = layered.record_level(entries, delta=DELTA, accountant="prv")
+    assert paths.epsilon == min(paths.dpsgd_path, paths.hospital_path)
+    charged = layered.charged(entries, delta=DELTA, accountant="prv")
+    assert charged.epsilon == paths.epsilon
+    # Without a layered entry the whole history is composed, as before.
+    plain = entries[:2] + entries[3:]
+    assert not layered.is_layered(plain)
+    assert layered.charged(plain, delta=DELTA, accountant="prv").epsilon == pytest.approx(
+        compose_epsilon([count, ddg, histogram], delta=DELTA))
