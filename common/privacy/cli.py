@@ -25,6 +25,7 @@ from common.privacy.accountant import (
     plan_noise_multiplier,
     plan_round_noise,
 )
+from common.privacy.layered import charged
 from common.privacy.ledger import (
     read_ledger,
     restore_ledger,
@@ -273,11 +274,11 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
     header, entries = read_ledger(path)
     rows = []
     previous = 0.0
-    by_purpose: dict[str, list[Mechanism]] = {}
+    by_purpose: dict[str, list[tuple[str, tuple[Mechanism, ...]]]] = {}
     for entry in entries:
         mechanisms = _entry_mechanisms(entry)
         purpose = getattr(entry, "purpose", "training")
-        by_purpose.setdefault(purpose, []).extend(mechanisms)
+        by_purpose.setdefault(purpose, []).append((purpose, mechanisms))
         rows.append(
             {
                 "seq": entry.seq,
@@ -309,10 +310,12 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
         "accountant": header.accountant,
         "spent_epsilon": spent,
         "remaining_epsilon": max(0.0, header.budget_epsilon - spent),
-        # Each purpose composed ALONE: these do not add up to spent_epsilon.
+        # Each purpose composed ALONE, as the ledger charges (DP-SGD beneath a hospital
+        # round: the better path, common.privacy.layered): they do not add up to
+        # spent_epsilon.
         "epsilon_by_purpose": {
-            purpose: account(ms, delta=header.delta, accountant=header.accountant).epsilon
-            for purpose, ms in sorted(by_purpose.items())
+            purpose: charged(pairs, delta=header.delta, accountant=header.accountant).epsilon
+            for purpose, pairs in sorted(by_purpose.items())
         },
         "entries": rows,
         "head_hash": header.head_hash,
@@ -336,14 +339,14 @@ def _guarantees(header: Any, entries: Any) -> dict[str, Any]:
         "hospital_level_epsilon": hospital_level_epsilon(
             pairs, delta=header.delta, accountant=header.accountant),
     }
-    charged = entries[-1].epsilon_after if entries else 0.0
+    spent = entries[-1].epsilon_after if entries else 0.0
     if layered.is_layered(pairs):
         paths = layered.record_level(pairs, delta=header.delta, accountant=header.accountant)
-        out["record_level_epsilon"] = charged
+        out["record_level_epsilon"] = spent
         out["dpsgd_path_epsilon"] = paths.dpsgd_path
         out["hospital_path_epsilon"] = paths.hospital_path
     else:
-        out["patient_level_epsilon"] = charged
+        out["patient_level_epsilon"] = spent
     intermediary = intermediary_level_epsilon(pairs, delta=header.delta,
                                               accountant=header.accountant)
     if intermediary is not None:

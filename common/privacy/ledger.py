@@ -849,12 +849,12 @@ class PrivacyLedger:
     def spent_by_purpose(self) -> dict[str, float]:
         """Epsilon of each purpose's entries composed ALONE (for reports: what is spent
         on what). These do not add up to `spent()`, which composes everything."""
-        by_purpose: dict[str, list[Mechanism]] = {}
+        by_purpose: dict[str, list[SignedEntry]] = {}
         for entry in self.entries():
-            by_purpose.setdefault(entry.purpose, []).extend(entry.mechanisms)
+            by_purpose.setdefault(entry.purpose, []).append(entry)
         return {
-            purpose: self._compose(mechanisms).epsilon
-            for purpose, mechanisms in sorted(by_purpose.items())
+            purpose: self._charge(self._pairs(entries)).epsilon
+            for purpose, entries in sorted(by_purpose.items())
         }
 
     def remaining(self) -> float:
