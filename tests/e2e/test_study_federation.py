@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from common.privacy.ledger import read_ledger
-from common.privacy.mechanisms import DistributedDiscreteGaussian
+from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian
 from common.processes import ManagedProcess, medfed_argv
 from common.statistics import statistics_length
 from common.study import check_statistics, load_study, statistics_from_bytes
+from site_agent.dp_release import gaussian_std_for
 from tests.e2e.harness import REPO, make_pki
 from tests.study.helpers import write_hospital_csv
 
@@ -63,6 +64,7 @@ final_evaluation = false
 unit = "patient"
 epsilon = 8.0
 delta = 1e-5
+count_epsilon = 0.3
 """
 
 
@@ -151,7 +153,12 @@ def test_statistics_round_training_and_final_model(
     final = (state / "model" / "final.safetensors").read_bytes()
     for name in SITES:
         assert (tmp_path / "sites" / name / "model" / "final.safetensors").read_bytes() == final
-        _, entries = read_ledger(tmp_path / "sites" / name / "privacy-ledger.db")
+        header, entries = read_ledger(tmp_path / "sites" / name / "privacy-ledger.db")
+        # The study's count_epsilon (0.3) is spent, not the site's own limit (0.5).
+        (count,) = [m for e in entries if e.purpose == "count" for m in e.mechanisms]
+        assert isinstance(count, Gaussian)
+        assert count.noise_std == gaussian_std_for(
+            epsilon=0.3, delta=header.delta, accountant=header.accountant)
         released = [e for e in entries if e.purpose == "statistics"]
         assert [e.round for e in released] == [stats_round]
         (mechanism,) = released[0].mechanisms
