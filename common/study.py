@@ -213,6 +213,12 @@ class StudyPrivacySection(_Section):
     # coordinate. None: planned from epsilon (common.privacy.hospital.study_terms).
     update_noise_multiplier: float | None = Field(default=None, gt=0, le=1000)
     intermediaries: Literal["auto"] | int = "auto"
+    # Record/patient-level DP-SGD underneath hospital-level DP (issue 13, section 1):
+    # "none" trains without DP-SGD (the whole update is still clipped and noised);
+    # "record" / "patient" also run Opacus DP-SGD at that unit, its noise planned by each
+    # site for record_epsilon over the study's rounds (common.privacy.layered).
+    record_level: Literal["none", "record", "patient"] = "none"
+    record_epsilon: float | None = Field(default=None, gt=0, le=100)
     # Once-per-study DP releases (issue 10): statistics for preprocessing, cohort count.
     # Declared by the consortium and spent by every site alike (a site refuses a study
     # asking for more than its own limit); docs/privacy.md "The cohort count".
@@ -237,7 +243,45 @@ class StudyPrivacySection(_Section):
             )
         if self.max_epsilon_per_round is not None and self.max_epsilon_per_round > self.epsilon:
             raise ValueError("max_epsilon_per_round must not exceed epsilon")
+        self._check_record_level()
         return self
+
+    def _check_record_level(self) -> None:
+        """DP-SGD underneath hospital-level DP: every inconsistency names its field."""
+        if self.record_level == "none":
+            if self.record_epsilon is not None:
+                raise ValueError(
+                    "privacy.record_epsilon is set but privacy.record_level is 'none': set "
+                    "record_level = 'record' or 'patient', or remove record_epsilon"
+                )
+            return
+        if self.unit != "hospital":
+            raise ValueError(
+                f"privacy.record_level = {self.record_level!r} applies to unit = 'hospital' "
+                f"only (unit = {self.unit!r} already trains with DP-SGD at that unit)"
+            )
+        if self.record_epsilon is None:
+            raise ValueError(
+                f"privacy.record_level = {self.record_level!r} needs privacy.record_epsilon "
+                "(the record/patient-level epsilon the DP-SGD noise is planned for)"
+            )
+        if self.record_epsilon > self.epsilon:
+            raise ValueError(
+                f"privacy.record_epsilon = {self.record_epsilon:g} exceeds privacy.epsilon = "
+                f"{self.epsilon:g} (the per-site total)"
+            )
+        if self.record_epsilon <= self.statistics_epsilon + self.count_epsilon:
+            raise ValueError(
+                f"privacy.record_epsilon = {self.record_epsilon:g} leaves nothing for DP-SGD "
+                "after statistics_epsilon + count_epsilon (both are part of the "
+                "record-level history)"
+            )
+        if self.intermediaries != 1:
+            raise ValueError(
+                f"privacy.record_level = {self.record_level!r} needs privacy.intermediaries "
+                f"= 1 (got {self.intermediaries!r}): DP-SGD inside intermediaries is not "
+                "implemented"
+            )
 
 
 class Study(_Section):
@@ -283,6 +327,8 @@ class Study(_Section):
                 raise ValueError(f"model {name!r} is for tables; images use {IMAGE_MODELS}")
         if self.privacy.unit == "patient" and self.data.patient_column is None:
             raise ValueError("privacy.unit = 'patient' needs data.patient_column")
+        if self.privacy.record_level == "patient" and self.data.patient_column is None:
+            raise ValueError("privacy.record_level = 'patient' needs data.patient_column")
         return self
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Literal
 
 import numpy as np
 
@@ -117,11 +118,20 @@ def replica_epsilons(replica: LedgerReplica) -> dict[str, tuple[float, float]]:
     return out
 
 
+def card_record_level(study: Study) -> Literal["record", "patient"] | None:
+    """The unit of DP-SGD beneath hospital-level DP (study privacy.record_level), if any."""
+    level = study.privacy.record_level
+    return None if level == "none" else level
+
+
 def card_mechanisms(study: Study) -> tuple[str, ...]:
     """The card's mechanisms under hospital-level DP (empty for record/patient)."""
     if study.privacy.unit != "hospital":
         return ()
+    beneath = card_record_level(study)
     return (
+        *((f"sampled-gaussian (DP-SGD beneath, {beneath}-level, planned for "
+           f"record_epsilon = {study.privacy.record_epsilon:g})",) if beneath else ()),
         "distributed-discrete-gaussian (hospital-level: each site's whole update clipped "
         "to L2 <= S and noised by the sites in the SecAgg+ ring; Kairouz, Liu & Steinke "
         "2021)",
@@ -151,8 +161,13 @@ def card_parts(
         )
         for site, (epsilon, delta) in sorted(epsilons.items())
     )
+    beneath = card_record_level(study)
     notes = (
         "hospital-level DP: the group guarantees (unit hospital) cover the MODEL UPDATES "
-        "ONLY; sites[].epsilon composes every release and is the per-patient guarantee",
+        "ONLY; " + (
+            f"sites[].epsilon is the {beneath}-level epsilon: the better of the DP-SGD "
+            "history composed with every other release and the hospital-level rounds "
+            "(replace relation) composed with them (docs/privacy.md)" if beneath else
+            "sites[].epsilon composes every release and is the per-patient guarantee"),
     )
     return guarantees, notes

@@ -608,7 +608,10 @@ class SiteAgent:
                     rnd, study=self.study, policy=self.settings.policy)
                 segments = [*segments, planned_hospital.mechanism]
             if self.ledger is not None and (segments or evaluation):
-                after = self.ledger.preview(rnd.number, [*segments, *evaluation])
+                # Training and evaluation as the ledger will hold them (two entries): a
+                # round with DP-SGD beneath hospital-level DP is charged per record.
+                after = self.ledger.preview(rnd.number, segments, also=[
+                    (dp_release.PURPOSE_EVALUATION, evaluation)] if evaluation else [])
                 if after > self.ledger.budget_epsilon:
                     raise BudgetExhausted(
                         f"round {rnd.number} would bring epsilon to {after:.3f} "
@@ -717,7 +720,7 @@ class SiteAgent:
         plan = plan_statistics(study, n_noise=max(floor - colluding, 1))
         mechanism = plan.mechanism()
         if self.ledger is not None:
-            after = self.ledger.preview(rnd.number, [mechanism])
+            after = self.ledger.preview(rnd.number, [mechanism], purpose=PURPOSE_STATISTICS)
             if after > self.ledger.budget_epsilon:
                 raise BudgetExhausted(
                     f"the statistics release would bring epsilon to {after:.3f} "
