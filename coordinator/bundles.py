@@ -43,7 +43,8 @@ def write_round_bundle(
     budgets: list[BudgetRow],
     final: bool,
     secagg: tuple[int, int] = (0, 0),
-    hospital_epsilons: Mapping[str, tuple[float, float]] | None = None,
+    hospital_epsilons: Mapping[str, tuple[float, float] | hospital_sum.HospitalEpsilons]
+    | None = None,
 ) -> Path:
     """Write the bundle of the global model after `round_number` (and, when `final`,
     STATE/model/final.safetensors); returns its path."""

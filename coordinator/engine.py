@@ -88,6 +88,8 @@ class RoundEngine:
         self.sites = SiteCalls(self.sessions, self.inbox, self.ledgers, clock=clock)
         self.finished = asyncio.Event()  # set only when the whole study completed
         self.model = GlobalModel.load(store, settings, study)
+        if self.model.intermediaries is not None:  # "auto" v carried over a restart
+            metrics.hospital_intermediaries.set(self.model.intermediaries)
         self.last_round_number = 0
         # Only the latest result is kept: a long-running coordinator must not grow by
         # two model-sized vectors per round.
@@ -183,7 +185,8 @@ class RoundEngine:
             ),
         )
         return hospital_sum.announce(ann, hospital_sum.terms_for(
-            study.study if study is not None else None, self.settings.aggregation))
+            study.study if study is not None else None, self.settings.aggregation,
+            intermediaries=self.model.intermediaries))
 
     async def _run_round(self, participants: list[str], *, statistics: bool = False) -> None:
         ann = self._announce(participants, statistics=statistics)

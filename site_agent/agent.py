@@ -475,7 +475,8 @@ class SiteAgent:
         self.last_round = max(self.last_round, ann.round)
         try:
             rnd = validate_for_site(
-                wire.announcement_from_pb(ann), policy=self.settings.policy, site_id=self.site_id
+                wire.announcement_from_pb(ann), policy=self.settings.policy,
+                site_id=self.site_id, study=self.study,
             )
             if rnd.params is not None:
                 # Fail closed before anything is computed: without a fresh CRL a revoked

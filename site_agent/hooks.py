@@ -515,7 +515,7 @@ class DpTrainingHook:
         if plan.local_epochs == 0:
             delta = np.zeros_like(global_flat, dtype=np.float32)
             return LocalUpdate(delta, 0, histogram, time.perf_counter() - started, patients)
-        if self.hospital and self.intermediaries > 1:
+        if self.hospital and self.intermediaries_for(plan) > 1:
             return self._train_units(plan, global_flat, histogram, started, patients)
         result = self.trainer_for(plan).train_round(
             global_flat,
@@ -537,12 +537,28 @@ class DpTrainingHook:
 
     @property
     def intermediaries(self) -> int:
-        """v: disjoint units this hospital trains, each clipped alone (the study's fixed
-        `privacy.intermediaries`; "auto" is one unit until the adaptive rule is wired)."""
+        """v of the study's fixed `privacy.intermediaries` (1 under "auto" before a
+        round announces one: `intermediaries_for`)."""
         if self.study is None or not self.hospital:
             return 1
         v = self.study.privacy.intermediaries
         return v if isinstance(v, int) else 1
+
+    def intermediaries_for(self, plan: RoundPlan) -> int:
+        """v this hospital trains in `plan`'s round: the study's fixed v, or under "auto"
+        the announced v (issue 13, section 2), lowered to what the site's DP patient
+        count splits into groups of `MIN_PATIENTS_PER_INTERMEDIARY` (post-processing of
+        that release: the choice, visible in the summed weight, reveals nothing new)."""
+        if self.study is None or not self.hospital:
+            return 1
+        if isinstance(self.study.privacy.intermediaries, int):
+            return self.study.privacy.intermediaries
+        from common.privacy.hospital import MIN_PATIENTS_PER_INTERMEDIARY
+
+        v = max(plan.intermediaries, 1)
+        if self.released_units is not None:
+            v = min(v, max(self.released_units // MIN_PATIENTS_PER_INTERMEDIARY, 1))
+        return v
 
     def unit_groups(self, v: int) -> list[np.ndarray]:
         """Record indices of v disjoint intermediaries: whole patients (records without a
@@ -572,7 +588,7 @@ class DpTrainingHook:
         deltas: list[np.ndarray] = []
         losses: list[float] = []
         records = 0
-        for index in self.unit_groups(self.intermediaries):
+        for index in self.unit_groups(self.intermediaries_for(plan)):
             subset = self.train_data.subset(index)
             config = dc.replace(
                 base.config, released_units=None,

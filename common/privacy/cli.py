@@ -332,7 +332,11 @@ def _guarantees(header: Any, entries: Any) -> dict[str, Any]:
     if header.privacy_unit != "hospital":
         return {}
     from common.privacy import layered
-    from common.privacy.hospital import hospital_level_epsilon, intermediary_level_epsilon
+    from common.privacy.hospital import (
+        hospital_level_epsilon,
+        intermediary_level_epsilon,
+        largest_intermediaries,
+    )
 
     pairs = [(getattr(e, "purpose", "training"), _entry_mechanisms(e)) for e in entries]
     out: dict[str, Any] = {
@@ -351,6 +355,11 @@ def _guarantees(header: Any, entries: Any) -> dict[str, Any]:
                                               accountant=header.accountant)
     if intermediary is not None:
         out["intermediary_level_epsilon"] = intermediary
+        out["intermediaries_max"] = largest_intermediaries(pairs)
+        out["intermediaries_by_round"] = {
+            str(e.round): largest_intermediaries([("training", _entry_mechanisms(e))])
+            for e in entries if getattr(e, "purpose", "training") == "training"
+        }
     return out
 
 
@@ -378,9 +387,14 @@ def _cmd_ledger_show(args: argparse.Namespace) -> int:
         print(f"hospital-level epsilon {summary['hospital_level_epsilon']:.4f}: MODEL UPDATES "
               "ONLY (whole update clipped to S, distributed discrete Gaussian)")
         if "intermediary_level_epsilon" in summary:
+            by_round = summary.get("intermediaries_by_round", {})
             print(f"intermediary epsilon   {summary['intermediary_level_epsilon']:.4f}: model "
                   "updates per intermediary (each patient is in one); the hospital-level "
-                  "figure above is its v-fold group guarantee")
+                  "figure above is its group guarantee, each round v-fold at its own v "
+                  f"(largest v {summary.get('intermediaries_max', 1)})")
+            if by_round:
+                print("  v per round            " + ", ".join(
+                    f"{number}:{v}" for number, v in by_round.items()))
         if "record_level_epsilon" in summary:
             print(f"record/patient-level epsilon {summary['record_level_epsilon']:.4f}: DP-SGD "
                   "beneath (per record, or per patient when the study's record_level is "
