@@ -56,6 +56,16 @@ from common.study import (
 
 BUNDLE_FORMAT = "medfed-bundle/1"
 MAX_HEADER_BYTES = 16 << 20
+HEADER_MARGIN_BYTES = 8 + MAX_HEADER_BYTES
+"""The most a bundle holds besides its float32 tensors: the 8-byte header length and the
+header, which `bundle_from_bytes` refuses above MAX_HEADER_BYTES anyway."""
+
+
+def bundle_size_limit(*, model_elements: int) -> int:
+    """The largest valid bundle of a model with `model_elements` parameters (float32
+    tensors plus `HEADER_MARGIN_BYTES`): a site refuses a final-model download beyond it
+    before writing more."""
+    return 4 * model_elements + HEADER_MARGIN_BYTES
 _KEYS = (
     "medfed.format",
     "medfed.study",

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from common.config import DEFAULT_COUNT_EPSILON
 from common.errors import ConfigError, PrivacyError, ValidationError
 
 STUDY_FORMAT: Literal[1] = 1
@@ -219,8 +220,10 @@ class StudyPrivacySection(_Section):
     record_level: Literal["none", "record", "patient"] = "none"
     record_epsilon: float | None = Field(default=None, gt=0, le=100)
     # Once-per-study DP releases (issue 10): statistics for preprocessing, cohort count.
+    # Declared by the consortium and spent by every site alike (a site refuses a study
+    # asking for more than its own limit); docs/privacy.md "The cohort count".
     statistics_epsilon: float = Field(default=0.5, gt=0, le=100)
-    count_epsilon: float = Field(default=0.1, gt=0, le=100)
+    count_epsilon: float = Field(default=DEFAULT_COUNT_EPSILON, gt=0, le=100)
     evaluation: EvaluationSection = EvaluationSection()
 
     @field_validator("intermediaries")
@@ -587,13 +590,18 @@ class SitePrivacyPolicy:
     unit: PrivacyUnit = "record"
     max_epsilon_per_round: float | None = None
     allowed_model_factories: tuple[str, ...] = ()
+    max_count_epsilon: float | None = None
 
 
 def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
     """Join only if the study's requests are at least as strict as the site's policy.
 
     Raises `PrivacyError` listing every request the policy does not allow. Passing does
-    not hand control to the study: the site still plans and spends under its own policy.
+    not hand control to the study: the site still plans its training noise under its own
+    policy. The two once-per-study releases are the consortium's to declare (every site
+    spends the study's `statistics_epsilon` and `count_epsilon`, so the releases are
+    equally noisy and the hospital-level plan holds), hence checked against the site's
+    limits here.
     """
     requested = study.privacy
     problems = []
@@ -624,6 +632,12 @@ def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
         problems.append(
             f"privacy.statistics_epsilon = {requested.statistics_epsilon:g} exceeds this "
             f"site's {cap:g}"
+        )
+    count_cap = cap if policy.max_count_epsilon is None else min(cap, policy.max_count_epsilon)
+    if requested.count_epsilon > count_cap:
+        problems.append(
+            f"privacy.count_epsilon = {requested.count_epsilon:g} exceeds this site's "
+            f"{count_cap:g} (its privacy.count_epsilon limit for the one DP cohort count)"
         )
     factory = study.model.custom
     if factory is not None and factory not in policy.allowed_model_factories:

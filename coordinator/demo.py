@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from common.config import DEFAULT_COUNT_EPSILON
 from common.errors import ConfigError, StateError
 from common.processes import Line, ManagedProcess, medfed_argv
 
 HISTOGRAM_BINS = 50
-COUNT_EPSILON = 0.1  # the sites' default count_epsilon (common.config)
+COUNT_EPSILON = DEFAULT_COUNT_EPSILON  # the sites' default count_epsilon
 
 
 @dataclass

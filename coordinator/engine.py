@@ -117,7 +117,10 @@ class RoundEngine:
         """The study as `medfed status` shows it (read-only)."""
         return study_status(
             list(self.sessions.sites.values()), self.store.rounds(), rnd=self.inbox.round,
-            total_rounds=self.total_rounds, finished=self.finished.is_set(), now=self.clock(),
+            training_rounds=self.settings.rounds,
+            evaluation_round=self.settings.training.final_evaluation,
+            statistics_pending=self.study is not None and self.study.statistics is None,
+            finished=self.finished.is_set(), now=self.clock(),
         )
 
     def final_model(self, study_sha256: bytes) -> bytes:

@@ -387,9 +387,12 @@ class DpTrainingHook:
         self._ledger_state = state
         if not self.dp or self.train_data is None:
             return
+        # Under a study every site spends the study's count_epsilon (checked against this
+        # site's limit, privacy.count_epsilon, when it joined); without one, its own.
+        epsilon = (self.settings.privacy.count_epsilon if self.study is None
+                   else self.study.privacy.count_epsilon)
         count = release_cohort_count(
-            ledger, units=self.units, epsilon=self.settings.privacy.count_epsilon,
-            state=state, now=dt.datetime.now(dt.UTC),
+            ledger, units=self.units, epsilon=epsilon, state=state, now=dt.datetime.now(dt.UTC),
         )
         self.released_units = count.noisy_count
 
