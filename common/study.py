@@ -620,8 +620,11 @@ def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
         or requested.max_epsilon_per_round > policy.max_epsilon_per_round
     ):
         problems.append(
-            f"privacy.max_epsilon_per_round = {requested.max_epsilon_per_round} exceeds this "
-            f"site's {policy.max_epsilon_per_round:g}"
+            "privacy.max_epsilon_per_round is not set, and this site caps every round at "
+            f"{policy.max_epsilon_per_round:g}: the study must declare a cap no larger"
+            if requested.max_epsilon_per_round is None else
+            f"privacy.max_epsilon_per_round = {requested.max_epsilon_per_round:g} exceeds "
+            f"this site's {policy.max_epsilon_per_round:g}"
         )
     # The statistics release is one release too (the site plans its noise from the
     # study's statistics_epsilon): a study asking for a nearly noiseless one, which

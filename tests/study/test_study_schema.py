@@ -191,7 +191,8 @@ def test_site_policy_always_wins() -> None:
     message = str(info.value)
     assert "privacy.epsilon = 4" in message and "privacy.delta" in message
     assert "privacy.unit = 'patient' is weaker" in message
-    with pytest.raises(PrivacyError, match="max_epsilon_per_round"):
+    with pytest.raises(PrivacyError, match=r"max_epsilon_per_round is not set, and this site "
+                       r"caps every round at 1: the study must declare a cap no larger"):
         check_study_against_policy(
             study, SitePrivacyPolicy(epsilon=8.0, delta=1e-2, max_epsilon_per_round=1.0)
         )
