@@ -9,6 +9,16 @@ ChaCha20 noise stream). The plan is the default one (rounding inflation 1%, wrap
 probability <= 2^-40) unless --bits fixes the ring; the padded length, ring width and
 the bytes one site puts on the wire are reported with the timings.
 
+`--in-round` adds, per dimension, the figure a hospital-level round actually costs
+(issue 13), side by side with the plain 32-bit SecAgg ring in one run: the site's
+`common.privacy.hospital.encode_update` as `site_agent.hospital` calls it (ring planned
+by `ring_plan` from public values, the site's noise share by `site_plan`; clip + rotate +
+round + noise + modular reduction + limbs) against the plain round's `quantize` (clip
+per coordinate, stochastic rounding into `bits_for_sites` bits), the coordinator's
+`decode_sum` against `dequantize_sum`, and the bytes each site puts on the wire (the
+DDGauss ring pads to a power of two; the plain ring is 4 d bytes). Ratios are
+hospital / plain.
+
 Wall and CPU time are both printed: the development VM is shared, so wall time
 inflates under load while CPU time stays near the unloaded figure.
 """
@@ -27,7 +37,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from common.crypto.random import system_random
+from common.crypto.quantize import bits_for_sites, dequantize_sum, quantize
+from common.crypto.random import numpy_generator, system_random
+from common.privacy import hospital
 from common.privacy.ddgauss import (
     NoiseStream,
     clip_l2,
@@ -124,6 +136,78 @@ def run_dimension(
     }
 
 
+IN_ROUND_STEPS = ("site_encode", "coordinator_decode")
+
+
+def run_in_round(*, dim: int, repeats: int, sites: int, noise_sites: int) -> dict[str, Any]:
+    """A hospital round's per-site encode and the coordinator's decode against the plain
+    32-bit round's quantize / dequantize at the same d and site count (medians)."""
+    ring = hospital.ring_plan(hospital.HospitalTerms(clip=1.0, noise_multiplier=1.0),
+                              dim=dim, max_sites=sites)
+    plan = hospital.site_plan(ring, n_noise=noise_sites)
+    seed = bytes(range(32))
+    update = np.random.default_rng(0).normal(size=dim).astype(np.float32)
+    bits = bits_for_sites(sites)
+    generator = numpy_generator(system_random)
+    times: dict[str, dict[str, list[float]]] = {
+        mode: {step: [] for step in IN_ROUND_STEPS} for mode in ("hospital", "plain")}
+    cpu: dict[str, dict[str, list[float]]] = {
+        mode: {step: [] for step in IN_ROUND_STEPS} for mode in ("hospital", "plain")}
+    words = np.empty(0, np.uint32)
+    plain = np.empty(dim, np.uint32)
+    for _ in range(repeats):
+        words = _timed(times["hospital"], cpu["hospital"], "site_encode", partial(
+            hospital.encode_update, update, plan=plan, seed=seed, rng=system_random))
+        # One site's words stand in for the unmasked sum: decoding costs the same.
+        _timed(times["hospital"], cpu["hospital"], "coordinator_decode",
+               partial(hospital.decode_sum, words, plan=plan, seed=seed))
+        _timed(times["plain"], cpu["plain"], "site_encode", partial(
+            quantize, update, clip=1.0, bits=bits, rng=generator, out=plain))
+        _timed(times["plain"], cpu["plain"], "coordinator_decode", partial(
+            dequantize_sum, plain, clip=1.0, bits=bits, count=1))
+    limbs, limb_bits = hospital.limb_layout(bits=plan.bits, max_sites=plan.max_sites)
+    medians = {mode: {step: statistics.median(v) for step, v in steps.items()}
+               for mode, steps in times.items()}
+    cpu_medians = {mode: {step: statistics.median(v) for step, v in steps.items()}
+                   for mode, steps in cpu.items()}
+    hospital_bytes, plain_bytes = int(words.nbytes), int(plain.nbytes)
+    return {
+        "dim": dim,
+        "padded_dim": plan.padded_dim,
+        "ring_bits": plan.bits,
+        "limbs": limbs,
+        "limb_bits": limb_bits,
+        "plain_bits": bits,
+        "log2_wrap_probability": plan.log2_wrap_probability,
+        "rounding_inflation": plan.rounding_inflation,
+        "wire_bytes": {"hospital": hospital_bytes, "plain": plain_bytes},
+        "bytes_ratio": hospital_bytes / plain_bytes,
+        "seconds": medians,
+        "cpu_seconds": cpu_medians,
+        "cpu_ratio": {step: cpu_medians["hospital"][step] / cpu_medians["plain"][step]
+                      for step in IN_ROUND_STEPS},
+        "repeats": repeats,
+    }
+
+
+def _print_in_round(result: dict[str, Any]) -> None:
+    wire = result["wire_bytes"]
+    print(
+        f"in-round d = {result['dim']:,}: DDGauss {result['ring_bits']}-bit ring, "
+        f"{result['limbs']} limb(s), padded {result['padded_dim']:,}: "
+        f"{wire['hospital'] / 2**20:.1f} MiB/site vs plain {result['plain_bits']}-bit "
+        f"{wire['plain'] / 2**20:.1f} MiB/site (x{result['bytes_ratio']:.2f})"
+    )
+    for step in IN_ROUND_STEPS:
+        h_wall, p_wall = result["seconds"]["hospital"][step], result["seconds"]["plain"][step]
+        h_cpu, p_cpu = (result["cpu_seconds"]["hospital"][step],
+                        result["cpu_seconds"]["plain"][step])
+        print(
+            f"  {step:<19} hospital {h_cpu:7.3f} s cpu ({h_wall:7.3f} wall)   plain "
+            f"{p_cpu:7.3f} s cpu ({p_wall:7.3f} wall)   x{result['cpu_ratio'][step]:.1f} cpu"
+        )
+
+
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dims",
@@ -146,6 +230,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="fix the ring width (e.g. 32); default: the narrowest safe ring",
     )
+    parser.add_argument(
+        "--in-round",
+        action="store_true",
+        help="also time the hospital round's site encode (limbs included) and the "
+        "coordinator's decode against the plain 32-bit ring, with bytes and ratios",
+    )
     parser.add_argument("--json", action="store_true", help="last line is a JSON object")
 
 
@@ -160,6 +250,11 @@ def main_from_args(args: argparse.Namespace) -> int:
         )
         for dim in args.dims
     ]
+    in_round = [
+        run_in_round(dim=dim, repeats=args.repeats, sites=args.sites,
+                     noise_sites=args.noise_sites)
+        for dim in args.dims
+    ] if args.in_round else []
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(
         f"DDGauss per site, clip 1, sigma 1 (sum), {args.noise_sites} noise sites, "
@@ -178,9 +273,14 @@ def main_from_args(args: argparse.Namespace) -> int:
                 f"  {step:<13} {result['seconds'][step]:8.3f} s wall "
                 f"{result['cpu_seconds'][step]:8.3f} s cpu"
             )
+    for row in in_round:
+        _print_in_round(row)
     print(f"peak RSS {peak_mib:.0f} MiB")
     if args.json:
-        print(json.dumps({"results": results, "peak_rss_mib": peak_mib}))
+        report: dict[str, Any] = {"results": results, "peak_rss_mib": peak_mib}
+        if in_round:
+            report["in_round"] = in_round
+        print(json.dumps(report))
     return 0
 
 

@@ -12,6 +12,12 @@ first buffers are in) and at the end, and the RSS growth per round: the least-sq
 slope of RSS against round number over the second half of the run (the first half
 includes allocator warm-up). A leak shows as a slope that does not fall as the run gets
 longer; allocator noise is a few kB either way.
+
+With ``--diagnose FILE`` the coordinator runs under `bench.soak_probe`, which samples
+its memory every ``--diagnose-every`` seconds (RSS by mapping kind, glibc's heap in use
+and free, SQLite's own allocations, the objects the garbage collector tracks and, with
+``--tracemalloc FRAMES``, the Python tracebacks whose memory grew most); FILE gets
+the samples, each with the rounds completed when it was taken, and the summary.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -67,11 +74,15 @@ class SoakRecord:
     aborted: int = 0
     # (round number, coordinator RSS right after that round completed)
     rss_by_round: list[tuple[int, int]] = field(default_factory=list)
+    # probe sample number -> (rounds completed, latest round number) when it was taken
+    probe_rounds: dict[int, tuple[int, int]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class Soak:
-    def __init__(self, root: Path, *, sites: int, dim: int, phase_seconds: float) -> None:
+    def __init__(self, root: Path, *, sites: int, dim: int, phase_seconds: float,
+                 diagnose_every: float | None = None, tracemalloc_frames: int = 0,
+                 sqlite_heap_limit: int = 0) -> None:
         if sites < 3:
             raise ConfigError("--sites", "a soak needs at least 3 sites")
         if dim < 1:
@@ -91,6 +102,10 @@ class Soak:
         self.sites: dict[str, ManagedProcess] = {}
         self.port = 0
         self.restarts = 0
+        self.diagnose_every = diagnose_every
+        self.tracemalloc_frames = tracemalloc_frames
+        self.sqlite_heap_limit = sqlite_heap_limit
+        self.probe_file = root / "probe.jsonl"
 
     def _on_coordinator_line(self, _name: str, line: Line) -> None:
         event = line.get("event")
@@ -106,12 +121,47 @@ class Soak:
         elif event == "round_aborted":
             with self.record.lock:
                 self.record.aborted += 1
+        elif event == "probe_sample":
+            with self.record.lock:
+                last = self.record.rss_by_round[-1][0] if self.record.rss_by_round else 0
+                self.record.probe_rounds[int(line["seq"])] = (self.record.completed, last)
+
+    def _coordinator_argv(self, *args: str) -> list[str]:
+        if self.diagnose_every is None:
+            return medfed_argv(*args)
+        return [
+            sys.executable, "-m", "bench.soak_probe", "--out", str(self.probe_file),
+            "--every", f"{self.diagnose_every:g}", "--tracemalloc",
+            str(self.tracemalloc_frames), "--sqlite-heap-limit", str(self.sqlite_heap_limit),
+            "--", *args,
+        ]
+
+    def probe_samples(self) -> list[dict[str, Any]]:
+        """Ask the probe for its last sample (with malloc_trim) and return them all,
+        each with the rounds completed when it was taken."""
+        coordinator = self.coordinator
+        if coordinator is None or not coordinator.alive:
+            return []
+        start = len(coordinator.lines)
+        coordinator.proc.send_signal(signal.SIGUSR2)
+        coordinator.wait_for(
+            lambda e: e.get("event") == "probe_sample" and e.get("final") is True,
+            timeout=300, what="the probe's last sample", start=start,
+        )
+        samples = []
+        with self.record.lock:
+            rounds = dict(self.record.probe_rounds)
+        for raw in self.probe_file.read_text().splitlines():
+            sample = json.loads(raw)
+            completed, last = rounds.get(int(sample["seq"]), (None, None))
+            samples.append({"rounds_completed": completed, "round_number": last, **sample})
+        return samples
 
     def start(self) -> None:
         deadline = f"{self.phase_seconds:g}"
         self.coordinator = ManagedProcess(
             "coordinator",
-            medfed_argv(
+            self._coordinator_argv(
                 "coordinator", "serve", "--pki", str(self.pki), "--listen", "127.0.0.1:0",
                 "--metrics-listen", "127.0.0.1:0", "--state", str(self.root / "coordinator"),
                 "--rounds", "1000000", "--min-sites", str(len(self.site_ids) - 1),
@@ -149,16 +199,24 @@ class Soak:
 
 
 def run(*, sites: int, minutes: float, kill_every: float, dim: int,
-        phase_seconds: float, workdir: Path | None = None,
-        progress: bool = True) -> dict[str, Any]:
+        phase_seconds: float, workdir: Path | None = None, progress: bool = True,
+        diagnose: Path | None = None, diagnose_every: float = 30.0,
+        tracemalloc_frames: int = 0, sqlite_heap_limit: int = 0) -> dict[str, Any]:
+    samples: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="medfed-soak-", dir=workdir) as tmp:
-        soak = Soak(Path(tmp), sites=sites, dim=dim, phase_seconds=phase_seconds)
+        soak = Soak(
+            Path(tmp), sites=sites, dim=dim, phase_seconds=phase_seconds,
+            diagnose_every=diagnose_every if diagnose is not None else None,
+            tracemalloc_frames=tracemalloc_frames, sqlite_heap_limit=sqlite_heap_limit,
+        )
         try:
             soak.start()
             coordinator = soak.coordinator
             if coordinator is None:  # pragma: no cover - start() sets it
                 raise RuntimeError("coordinator did not start")
-            coordinator.wait_log("round 1 completed", timeout=300)
+            # The first COMPLETED round, whichever number it has: on a loaded machine
+            # round 1 can abort (sites too slow to advertise keys) and never complete.
+            coordinator.wait_event("round_completed", timeout=300)
             pid = coordinator.proc.pid
             rss_start, fds_start = proc_rss_bytes(pid), open_descriptors(pid)
             started = time.monotonic()
@@ -189,12 +247,14 @@ def run(*, sites: int, minutes: float, kill_every: float, dim: int,
             with soak.record.lock:
                 completed, aborted = soak.record.completed, soak.record.aborted
                 series = list(soak.record.rss_by_round)
+            if diagnose is not None:
+                samples = soak.probe_samples()
         finally:
             soak.stop()
     second_half = series[len(series) // 2 :]
     slope = least_squares_slope([(float(r), float(b)) for r, b in second_half])
     whole = least_squares_slope([(float(r), float(b)) for r, b in series])
-    return {
+    result: dict[str, Any] = {
         "sites": sites,
         "minutes": minutes,
         "kill_every_seconds": kill_every,
@@ -209,6 +269,61 @@ def run(*, sites: int, minutes: float, kill_every: float, dim: int,
         "rss_bytes_per_round_second_half": slope,
         "rss_bytes_per_round_whole_run": whole,
     }
+    if diagnose is not None:
+        result["components"] = component_slopes(samples)
+        final = [s for s in samples if s.get("final")]
+        if final:
+            result["rss_after_malloc_trim_bytes"] = final[-1].get("rss_after_malloc_trim")
+        diagnose.write_text(json.dumps({"result": result, "samples": samples}, indent=1))
+    return result
+
+
+# Memory components a probe sample holds: name -> path into the sample.
+COMPONENTS: dict[str, tuple[str, ...]] = {
+    "rss": ("rss", "VmRSS"),
+    "rss_file": ("rss", "RssFile"),
+    "brk_heap": ("maps", "heap"),
+    "thread_arenas": ("maps", "arena64m"),
+    "anonymous_mmaps": ("maps", "anon_mmap"),
+    "malloc_in_use": ("malloc", "uordblks"),
+    "malloc_free_kept": ("malloc", "fordblks"),
+    "sqlite_memory_used": ("sqlite", "memory_used"),
+    "python_traced": ("tracemalloc", "current"),
+    "gc_objects": ("gc", "objects"),
+    "python_blocks": ("gc", "allocated_blocks"),
+}
+
+
+def component_slopes(samples: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per component: its value in the first and last periodic sample and its
+    least-squares slope per completed round over the second half of the samples."""
+    periodic = [s for s in samples if not s.get("final") and s.get("rounds_completed")]
+    out: dict[str, dict[str, float | None]] = {}
+    for name, path in COMPONENTS.items():
+        points: list[tuple[float, float]] = []
+        for sample in periodic:
+            value: Any = sample
+            for key in path:
+                value = value.get(key) if isinstance(value, dict) else None
+            if isinstance(value, int | float):
+                points.append((float(sample["rounds_completed"]), float(value)))
+        if points:
+            out[name] = {
+                "first": points[0][1], "last": points[-1][1],
+                "per_round_second_half": least_squares_slope(points[len(points) // 2 :]),
+            }
+    return out
+
+
+def component_line(name: str, c: dict[str, float | None]) -> str:
+    """One line of the --diagnose summary: first -> last value and the slope."""
+    first, last, slope = c["first"] or 0.0, c["last"] or 0.0, c["per_round_second_half"]
+    if name in ("gc_objects", "python_blocks"):
+        per = "n/a" if slope is None else f"{slope:+.3f} /round"
+        return f"    {name:<20} {first:>9.0f}    -> {last:>9.0f}    ({per}, second half)"
+    per = "n/a" if slope is None else f"{slope / 1024:+.3f} kB/round"
+    return (f"    {name:<20} {first / 1024:>9.0f} kB -> {last / 1024:>9.0f} kB "
+            f"({per}, second half)")
 
 
 def format_result(result: dict[str, Any]) -> str:
@@ -227,6 +342,7 @@ def format_result(result: dict[str, Any]) -> str:
         f"{result['coordinator_fds_start']} -> {result['coordinator_fds_end']}",
         f"  RSS growth: {per_round(result['rss_bytes_per_round_second_half'])} (second half), "
         f"{per_round(result['rss_bytes_per_round_whole_run'])} (whole run)",
+        *[component_line(name, c) for name, c in result.get("components", {}).items()],
     ])
 
 
@@ -241,6 +357,19 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--phase-seconds", type=float, default=5.0)
     parser.add_argument("--workdir", type=Path, help="parent of the temporary folder")
     parser.add_argument("--json", action="store_true", help="one JSON object at the end")
+    parser.add_argument(
+        "--diagnose", type=Path, metavar="FILE",
+        help="run the coordinator under bench.soak_probe and write its memory samples here",
+    )
+    parser.add_argument("--diagnose-every", type=float, default=30.0, metavar="SECONDS")
+    parser.add_argument(
+        "--tracemalloc", type=int, default=0, metavar="FRAMES",
+        help="with --diagnose: trace Python allocations with this many frames (slower)",
+    )
+    parser.add_argument(
+        "--sqlite-heap-limit", type=int, default=0, metavar="BYTES",
+        help="with --diagnose: cap SQLite's page cache process-wide (an experiment)",
+    )
     parser.set_defaults(func=_main)
 
 
@@ -256,6 +385,8 @@ def _main(args: argparse.Namespace) -> int:
     result = run(
         sites=args.sites, minutes=args.minutes, kill_every=args.kill_every, dim=args.dim,
         phase_seconds=args.phase_seconds, workdir=args.workdir, progress=not args.json,
+        diagnose=args.diagnose, diagnose_every=args.diagnose_every,
+        tracemalloc_frames=args.tracemalloc, sqlite_heap_limit=args.sqlite_heap_limit,
     )
     print(json.dumps(result) if args.json else format_result(result), flush=True)
     return 0

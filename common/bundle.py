@@ -56,6 +56,16 @@ from common.study import (
 
 BUNDLE_FORMAT = "medfed-bundle/1"
 MAX_HEADER_BYTES = 16 << 20
+HEADER_MARGIN_BYTES = 8 + MAX_HEADER_BYTES
+"""The most a bundle holds besides its float32 tensors: the 8-byte header length and the
+header, which `bundle_from_bytes` refuses above MAX_HEADER_BYTES anyway."""
+
+
+def bundle_size_limit(*, model_elements: int) -> int:
+    """The largest valid bundle of a model with `model_elements` parameters (float32
+    tensors plus `HEADER_MARGIN_BYTES`): a site refuses a final-model download beyond it
+    before writing more."""
+    return 4 * model_elements + HEADER_MARGIN_BYTES
 _KEYS = (
     "medfed.format",
     "medfed.study",
@@ -162,6 +172,10 @@ class PrivacyCard(_Section):
     rounds: int = Field(ge=0)
     sites: tuple[SitePrivacy, ...]
     group_guarantees: tuple[GroupGuarantee, ...] = ()
+    # DP-SGD beneath hospital-level DP (issue 13, study privacy.record_level): then
+    # sites[].epsilon is this unit's epsilon (common.privacy.layered), and the group
+    # guarantees of unit hospital cover the model updates.
+    record_level: Literal["record", "patient"] | None = None
     secagg: SecAggCard | None = Field(default=None, description="None: plain aggregation")
     statistics_release: str | None = Field(default=None, max_length=500)
     notes: tuple[str, ...] = ()
@@ -251,6 +265,8 @@ def _check_consistent(bundle: ModelBundle) -> None:
         raise ValidationError("medfed.threshold: a multi-class model predicts the arg-max")
     if bundle.card.unit != bundle.study.privacy.unit:
         raise ValidationError("medfed.privacy_card: unit differs from the study's")
+    if (bundle.card.record_level or "none") != bundle.study.privacy.record_level:
+        raise ValidationError("medfed.privacy_card: record_level differs from the study's")
     if bundle.round < 0:
         raise ValidationError("medfed.round: must be >= 0")
     if not bundle.parameters:

@@ -13,7 +13,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -26,6 +26,12 @@ from pydantic_settings import (
 
 from common.errors import ConfigError
 from common.sqldb import parse_database_url
+
+DEFAULT_COUNT_EPSILON: Final = 0.5
+"""Epsilon of a site's one DP cohort count (sensitivity 1, Gaussian). 0.5 gives a noise
+std of ~7 at delta 1e-5 (~14% of the smallest cohort a site may train, 50 units) and adds
+~0.03 to a history near epsilon 7; 0.1 gave ~34, the size of a small site
+(docs/privacy.md "The cohort count", `python -m site_agent.count_table`)."""
 
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-_]+):(\d{1,5})$")
 SITE_ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
@@ -260,7 +266,9 @@ class PrivacySection(_Section):
     max_grad_norm: float = Field(default=1.0, gt=0)
     privacy_unit: Literal["auto", "record", "patient", "hospital"] = "auto"
     # Issue 10: the cohort size leaves the site only as ONE DP count (Gaussian, sens. 1).
-    count_epsilon: float = Field(default=0.1, gt=0, le=100)
+    # The most this site spends on it: a study declares the value every site spends and
+    # is refused above this; without a study this value is spent (docs/privacy.md).
+    count_epsilon: float = Field(default=DEFAULT_COUNT_EPSILON, gt=0, le=100)
     # Total noise std on each summed count of an evaluation histogram (split across sites).
     evaluation_noise_std: float = Field(default=10.0, ge=1.0, le=1e6)
 

@@ -207,7 +207,9 @@ register_segment_kind(SegmentKind(
     "training",
     "hospital-level DP rounds only (privacy.unit = hospital): the local model delta, "
     "clipped to update_clip_norm, DDGauss-encoded into ring words (limbs when the ring "
-    "is wider than 32 bits)",
+    "is wider than 32 bits); per intermediary under intermediaries = auto, each with "
+    "its norm coordinate c * min(||delta||, S) appended before the rotation (masked "
+    "and noised with the update; sensitivity S sqrt(1 + c^2))",
 ))
 
 

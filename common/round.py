@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common.codec import CHUNK_BYTES, TensorSpec
 from common.config import SitePolicySection
@@ -27,12 +28,16 @@ from common.secagg.params import (
     validate_against_threat_model,
 )
 
+if TYPE_CHECKING:
+    from common.study import Study
+
 ANNOUNCEMENT_DOMAIN = b"medfed/v1/announcement"
 KIND_TRAINING = "training"
 KIND_STATISTICS = "statistics"
 KIND_HOSPITAL = "hospital"  # a training round under hospital-level DP (issue 13)
 ROUND_KINDS = (KIND_TRAINING, KIND_STATISTICS, KIND_HOSPITAL)
 MAX_HOSPITAL_LIMBS = 8
+MAX_INTERMEDIARIES = 10_000  # the study schema's bound on a fixed v
 MAX_STATISTICS_BYTES = 1 << 20
 ROUND_NONCE_LENGTH = 16
 MIN_CHUNK_BYTES = 1 << 16
@@ -74,6 +79,10 @@ class Announcement:
     # KIND_HOSPITAL: training under hospital-level DP (clip = the update clip norm S)
     statistics: bytes = b""  # GlobalStatistics canonical JSON (empty before release)
     hospital_noise_multiplier: float = 0.0  # z of a HOSPITAL round (0 otherwise)
+    # v of a HOSPITAL round (issue 13, section 2): intermediaries per hospital this round
+    # (0 otherwise); with the norm segment each unit also carries its clipped norm.
+    hospital_intermediaries: int = 0
+    hospital_norm_segment: bool = False
 
     @property
     def is_statistics(self) -> bool:
@@ -88,11 +97,17 @@ class Announcement:
         return sum(s.elements for s in self.model_layout)
 
     @property
+    def hospital_dimension(self) -> int:
+        """Length of a hospital round's unit vector before padding: d, or d + 1 with the
+        norm coordinate of "auto" intermediaries (common.privacy.hospital)."""
+        return max(self.model_elements, 1) + (1 if self.hospital_norm_segment else 0)
+
+    @property
     def hospital_limbs(self) -> int:
         """Words per ring element of a hospital round's update segment, read off the
         announced length (each site checks it against the ring it plans itself;
         0 when the length fits no whole number of limbs)."""
-        padded = padded_length(max(self.model_elements, 1))
+        padded = padded_length(self.hospital_dimension)
         words = self.vector_length - 1 - 2 * self.histogram_bins
         if words <= 0 or words % padded or not 1 <= words // padded <= MAX_HOSPITAL_LIMBS:
             return 0
@@ -105,7 +120,7 @@ class Announcement:
         hospital_words = None
         if self.is_hospital:
             hospital_words = max(self.hospital_limbs, 1) * padded_length(
-                max(self.model_elements, 1))
+                self.hospital_dimension)
         return round_manifest(
             model_elements=self.model_elements,
             histogram_bins=self.histogram_bins,
@@ -152,6 +167,8 @@ class Announcement:
         # The statistics by hash: every site of a round standardises with the same ones.
         _put_bytes(out, hashlib.sha256(self.statistics).digest())
         _put_float(out, self.hospital_noise_multiplier)
+        _put_uint(out, self.hospital_intermediaries)
+        _put_uint(out, int(self.hospital_norm_segment))
         return hashlib.sha256(bytes(out)).digest()
 
 
@@ -182,6 +199,8 @@ class RoundPlan:
     fedprox_mu: float
     histogram_bins: int
     layout: tuple[TensorSpec, ...]
+    # Intermediaries per hospital announced for this round (1 outside hospital rounds).
+    intermediaries: int = 1
 
     @classmethod
     def of(cls, ann: Announcement) -> RoundPlan:
@@ -193,6 +212,7 @@ class RoundPlan:
             fedprox_mu=ann.fedprox_mu,
             histogram_bins=ann.histogram_bins,
             layout=ann.model_layout,
+            intermediaries=max(ann.hospital_intermediaries, 1),
         )
 
 
@@ -228,10 +248,48 @@ def secagg_params(ann: Announcement) -> SecAggParams:
     )
 
 
+def validate_intermediaries(ann: Announcement, *, study: Study | None = None) -> None:
+    """Issue 13, section 2: v and the norm segment belong to hospital rounds only; v in
+    1..MAX_INTERMEDIARIES; with the site's study, v is the study's fixed v (and no norm
+    segment), or under "auto" in 1..the public cap with the norm segment. ValidationError
+    names the field and the bound."""
+    v = ann.hospital_intermediaries
+    if not ann.is_hospital:
+        if v or ann.hospital_norm_segment:
+            raise ValidationError(
+                "hospital_intermediaries / hospital_norm_segment set on a round that is not "
+                "a hospital-level round")
+        return
+    if not 1 <= v <= MAX_INTERMEDIARIES:
+        raise ValidationError(
+            f"hospital_intermediaries {v} outside 1..{MAX_INTERMEDIARIES}")
+    if study is None or study.privacy.unit != "hospital":
+        return
+    from common.privacy.hospital import intermediaries_cap
+
+    fixed = study.privacy.intermediaries
+    if isinstance(fixed, int):
+        if v != fixed or ann.hospital_norm_segment:
+            raise ValidationError(
+                f"hospital_intermediaries {v} is not the study's fixed {fixed} intermediaries"
+                + (" (and a fixed v carries no norm segment)" if ann.hospital_norm_segment
+                   else ""))
+        return
+    cap = intermediaries_cap(study) or 1
+    if not ann.hospital_norm_segment:
+        raise ValidationError(
+            'intermediaries = "auto" needs the norm segment (hospital_norm_segment)')
+    if v > cap:
+        raise ValidationError(
+            f"hospital_intermediaries {v} outside 1..{cap} (the cap of \"auto\")")
+
+
 def validate_for_site(
-    ann: Announcement, *, policy: SitePolicySection, site_id: str
+    ann: Announcement, *, policy: SitePolicySection, site_id: str,
+    study: Study | None = None,
 ) -> VerifiedRound:
-    """Check a round against this site's policy before computing anything.
+    """Check a round against this site's policy (and the study it joined) before
+    computing anything.
 
     Raises `RoundFailed` when the round is acceptable in form but not for this site,
     `ValidationError` when it is malformed, `ProtocolAbort(ROUND_TOO_SMALL)` when a
@@ -254,6 +312,7 @@ def validate_for_site(
         0 < ann.hospital_noise_multiplier <= 1000 and ann.local_epochs > 0
     ):
         raise ValidationError("a hospital round trains, with a noise multiplier in (0, 1000]")
+    validate_intermediaries(ann, study=study)
     if ann.is_statistics:
         # No model and no training: the vector is the statistics layout, which the site
         # recomputes from the study it joined (site_agent checks the length).

@@ -21,7 +21,8 @@ DEFAULT_TIMEOUT_SECONDS = 10.0
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "status",
-        help="show the study's progress: round k of N, phase, sites, budgets, ETA",
+        help="show the study's progress: statistics round, training round k of N, "
+        "evaluation round, phase, sites, budgets, ETA",
         description="Read-only; needs a monitor certificate (medfed pki issue --monitor NAME).",
     )
     parser.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
@@ -65,6 +66,12 @@ def fetch_status(coordinator: str, *, ca: Path, cert: Path, key: Path,
         "completed_rounds": resp.completed_rounds,
         "aborted_rounds": resp.aborted_rounds,
         "total_rounds": resp.total_rounds,
+        # total_rounds = training_rounds + the evaluation round; the statistics round is
+        # apart. A coordinator older than these fields reports training_rounds 0.
+        "training_rounds": resp.training_rounds or resp.total_rounds,
+        "evaluation_round": resp.evaluation_round,
+        "statistics_round": resp.statistics_round or "none",
+        "current_kind": resp.current_kind,
         "eta_seconds": None if resp.eta_seconds < 0 else resp.eta_seconds,
         "sites": [
             {
@@ -94,18 +101,42 @@ def _duration(seconds: float | None) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
+def _progress(status: dict[str, Any]) -> str:
+    """Each kind of round by its name: "statistics round completed, 1 of 3 training
+    rounds completed, final evaluation round to come"."""
+    training = status["training_rounds"]
+    done = status["completed_rounds"]
+    parts = []
+    if status["statistics_round"] != "none":
+        parts.append("statistics round " + (
+            "completed" if status["statistics_round"] == "completed" else "to come"))
+    parts.append(f"{min(done, training)} of {training} training rounds completed")
+    if status["evaluation_round"]:
+        parts.append("final evaluation round " + (
+            "completed" if done > training else "to come"))
+    return ", ".join(parts)
+
+
+def _in_flight(status: dict[str, Any]) -> str:
+    kind = status["current_kind"]
+    if kind == "statistics":
+        return "the statistics round"
+    if kind == "evaluation":
+        return "the final evaluation round"
+    k = min(status["completed_rounds"] + 1, status["training_rounds"])
+    return f"training round {k} of {status['training_rounds']}"
+
+
 def render(status: dict[str, Any]) -> str:
     """Human-readable status: one headline, then one row per site."""
-    total = status["total_rounds"]
+    eta = _duration(status["eta_seconds"])
     if status["finished"]:
-        head = f"study finished: {status['completed_rounds']} of {total} rounds completed"
+        head = f"study finished: {_progress(status)}"
     elif status["current_round"]:
-        k = status["completed_rounds"] + 1
-        head = (f"round {k} of {total} in flight (round number {status['current_round']}, "
-                f"phase {status['phase']}); ETA {_duration(status['eta_seconds'])}")
+        head = (f"{_in_flight(status)} in flight (round number {status['current_round']}, "
+                f"phase {status['phase']}); {_progress(status)}; ETA {eta}")
     else:
-        head = (f"{status['completed_rounds']} of {total} rounds completed; waiting for "
-                f"sites (selecting); ETA {_duration(status['eta_seconds'])}")
+        head = f"{_progress(status)}; waiting for sites (selecting); ETA {eta}"
     lines = [f"federation {status['federation_id']}: {head}"]
     if status["aborted_rounds"]:
         lines.append(f"aborted rounds: {status['aborted_rounds']}")

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from common.config import DEFAULT_COUNT_EPSILON
 from common.errors import ConfigError, PrivacyError, ValidationError
 
 STUDY_FORMAT: Literal[1] = 1
@@ -212,9 +213,17 @@ class StudyPrivacySection(_Section):
     # coordinate. None: planned from epsilon (common.privacy.hospital.study_terms).
     update_noise_multiplier: float | None = Field(default=None, gt=0, le=1000)
     intermediaries: Literal["auto"] | int = "auto"
+    # Record/patient-level DP-SGD underneath hospital-level DP (issue 13, section 1):
+    # "none" trains without DP-SGD (the whole update is still clipped and noised);
+    # "record" / "patient" also run Opacus DP-SGD at that unit, its noise planned by each
+    # site for record_epsilon over the study's rounds (common.privacy.layered).
+    record_level: Literal["none", "record", "patient"] = "none"
+    record_epsilon: float | None = Field(default=None, gt=0, le=100)
     # Once-per-study DP releases (issue 10): statistics for preprocessing, cohort count.
+    # Declared by the consortium and spent by every site alike (a site refuses a study
+    # asking for more than its own limit); docs/privacy.md "The cohort count".
     statistics_epsilon: float = Field(default=0.5, gt=0, le=100)
-    count_epsilon: float = Field(default=0.1, gt=0, le=100)
+    count_epsilon: float = Field(default=DEFAULT_COUNT_EPSILON, gt=0, le=100)
     evaluation: EvaluationSection = EvaluationSection()
 
     @field_validator("intermediaries")
@@ -234,7 +243,45 @@ class StudyPrivacySection(_Section):
             )
         if self.max_epsilon_per_round is not None and self.max_epsilon_per_round > self.epsilon:
             raise ValueError("max_epsilon_per_round must not exceed epsilon")
+        self._check_record_level()
         return self
+
+    def _check_record_level(self) -> None:
+        """DP-SGD underneath hospital-level DP: every inconsistency names its field."""
+        if self.record_level == "none":
+            if self.record_epsilon is not None:
+                raise ValueError(
+                    "privacy.record_epsilon is set but privacy.record_level is 'none': set "
+                    "record_level = 'record' or 'patient', or remove record_epsilon"
+                )
+            return
+        if self.unit != "hospital":
+            raise ValueError(
+                f"privacy.record_level = {self.record_level!r} applies to unit = 'hospital' "
+                f"only (unit = {self.unit!r} already trains with DP-SGD at that unit)"
+            )
+        if self.record_epsilon is None:
+            raise ValueError(
+                f"privacy.record_level = {self.record_level!r} needs privacy.record_epsilon "
+                "(the record/patient-level epsilon the DP-SGD noise is planned for)"
+            )
+        if self.record_epsilon > self.epsilon:
+            raise ValueError(
+                f"privacy.record_epsilon = {self.record_epsilon:g} exceeds privacy.epsilon = "
+                f"{self.epsilon:g} (the per-site total)"
+            )
+        if self.record_epsilon <= self.statistics_epsilon + self.count_epsilon:
+            raise ValueError(
+                f"privacy.record_epsilon = {self.record_epsilon:g} leaves nothing for DP-SGD "
+                "after statistics_epsilon + count_epsilon (both are part of the "
+                "record-level history)"
+            )
+        if self.intermediaries != 1:
+            raise ValueError(
+                f"privacy.record_level = {self.record_level!r} needs privacy.intermediaries "
+                f"= 1 (got {self.intermediaries!r}): DP-SGD inside intermediaries is not "
+                "implemented"
+            )
 
 
 class Study(_Section):
@@ -280,6 +327,8 @@ class Study(_Section):
                 raise ValueError(f"model {name!r} is for tables; images use {IMAGE_MODELS}")
         if self.privacy.unit == "patient" and self.data.patient_column is None:
             raise ValueError("privacy.unit = 'patient' needs data.patient_column")
+        if self.privacy.record_level == "patient" and self.data.patient_column is None:
+            raise ValueError("privacy.record_level = 'patient' needs data.patient_column")
         return self
 
     @property
@@ -541,13 +590,18 @@ class SitePrivacyPolicy:
     unit: PrivacyUnit = "record"
     max_epsilon_per_round: float | None = None
     allowed_model_factories: tuple[str, ...] = ()
+    max_count_epsilon: float | None = None
 
 
 def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
     """Join only if the study's requests are at least as strict as the site's policy.
 
     Raises `PrivacyError` listing every request the policy does not allow. Passing does
-    not hand control to the study: the site still plans and spends under its own policy.
+    not hand control to the study: the site still plans its training noise under its own
+    policy. The two once-per-study releases are the consortium's to declare (every site
+    spends the study's `statistics_epsilon` and `count_epsilon`, so the releases are
+    equally noisy and the hospital-level plan holds), hence checked against the site's
+    limits here.
     """
     requested = study.privacy
     problems = []
@@ -566,8 +620,11 @@ def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
         or requested.max_epsilon_per_round > policy.max_epsilon_per_round
     ):
         problems.append(
-            f"privacy.max_epsilon_per_round = {requested.max_epsilon_per_round} exceeds this "
-            f"site's {policy.max_epsilon_per_round:g}"
+            "privacy.max_epsilon_per_round is not set, and this site caps every round at "
+            f"{policy.max_epsilon_per_round:g}: the study must declare a cap no larger"
+            if requested.max_epsilon_per_round is None else
+            f"privacy.max_epsilon_per_round = {requested.max_epsilon_per_round:g} exceeds "
+            f"this site's {policy.max_epsilon_per_round:g}"
         )
     # The statistics release is one release too (the site plans its noise from the
     # study's statistics_epsilon): a study asking for a nearly noiseless one, which
@@ -578,6 +635,12 @@ def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
         problems.append(
             f"privacy.statistics_epsilon = {requested.statistics_epsilon:g} exceeds this "
             f"site's {cap:g}"
+        )
+    count_cap = cap if policy.max_count_epsilon is None else min(cap, policy.max_count_epsilon)
+    if requested.count_epsilon > count_cap:
+        problems.append(
+            f"privacy.count_epsilon = {requested.count_epsilon:g} exceeds this site's "
+            f"{count_cap:g} (its privacy.count_epsilon limit for the one DP cohort count)"
         )
     factory = study.model.custom
     if factory is not None and factory not in policy.allowed_model_factories:

@@ -163,6 +163,8 @@ def announcement_to_pb(ann: Announcement) -> pb.RoundAnnouncement:
         kind=_ROUND_KIND_TO_PB[ann.kind],
         statistics=ann.statistics,
         hospital_noise_multiplier=ann.hospital_noise_multiplier,
+        hospital_intermediaries=ann.hospital_intermediaries,
+        hospital_norm_segment=ann.hospital_norm_segment,
     )
 
 
@@ -203,6 +205,8 @@ def announcement_from_pb(msg: pb.RoundAnnouncement) -> Announcement:
         kind=_round_kind(msg.kind),
         statistics=bounded(msg.statistics, what="statistics", maximum=MAX_STATISTICS_BYTES),
         hospital_noise_multiplier=msg.hospital_noise_multiplier,
+        hospital_intermediaries=msg.hospital_intermediaries,
+        hospital_norm_segment=msg.hospital_norm_segment,
     )
 
 

@@ -43,7 +43,8 @@ def write_round_bundle(
     budgets: list[BudgetRow],
     final: bool,
     secagg: tuple[int, int] = (0, 0),
-    hospital_epsilons: Mapping[str, tuple[float, float]] | None = None,
+    hospital_epsilons: Mapping[str, tuple[float, float] | hospital_sum.HospitalEpsilons]
+    | None = None,
 ) -> Path:
     """Write the bundle of the global model after `round_number` (and, when `final`,
     STATE/model/final.safetensors); returns its path."""
@@ -64,6 +65,7 @@ def write_round_bundle(
         unit=study.privacy.unit,
         accountant="per-site ledger",
         group_guarantees=group_guarantees,
+        record_level=hospital_sum.card_record_level(study),
         mechanisms=hospital_sum.card_mechanisms(study) or (
             "sampled-gaussian (DP-SGD, per-unit clipping)",
             "distributed-discrete-gaussian (federated statistics, once per study)",

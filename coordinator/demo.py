@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from common.config import DEFAULT_COUNT_EPSILON
 from common.errors import ConfigError, StateError
 from common.processes import Line, ManagedProcess, medfed_argv
 
 HISTOGRAM_BINS = 50
-COUNT_EPSILON = 0.1  # the sites' default count_epsilon (common.config)
+COUNT_EPSILON = DEFAULT_COUNT_EPSILON  # the sites' default count_epsilon
 
 
 @dataclass
@@ -51,7 +52,9 @@ class DemoOptions:
     # "hospital": hospital-level DP on the model updates (issue 13), no DP-SGD beneath.
     privacy_unit: str = "auto"
     update_clip_norm: float = 1.0
-    intermediaries: int = 1  # v per hospital (needs --data: a study carries it)
+    # v per hospital, or "auto" (the adaptive rule, issue 13 s.2); needs --data: a study
+    # carries it.
+    intermediaries: int | str = 1
     audit: bool = True
 
 
@@ -65,6 +68,7 @@ class RoundRow:
     evaluation_only: bool
     epsilon: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
+    intermediaries: int | None = None  # v of a hospital-level round (issue 13 s.2)
 
 
 def register(subparsers: Any) -> None:
@@ -92,9 +96,10 @@ def register(subparsers: Any) -> None:
                         help="hospital: each site's whole update clipped to "
                         "--update-clip-norm and noised in the SecAgg ring (DDGauss)")
     parser.add_argument("--update-clip-norm", type=float, default=d.update_clip_norm)
-    parser.add_argument("--intermediaries", type=int, default=d.intermediaries,
+    parser.add_argument("--intermediaries", type=_intermediaries, default=d.intermediaries,
                         help="hospital-level DP: v disjoint patient groups per hospital, "
-                        "each clipped alone (needs --data)")
+                        "each clipped alone, or 'auto': v chosen every round by the rule "
+                        "of Jiang et al. 2023 (needs --data)")
     parser.add_argument("--no-audit", dest="audit", action="store_false",
                         help="skip the membership-inference audit (about 30 s on 2 cores)")
     imaging = parser.add_argument_group("imaging (--task imaging)")
@@ -161,6 +166,19 @@ def _main_imaging(args: argparse.Namespace) -> int:
                        device=args.device)
     report = demo.run()
     return 0 if report["final"].get("auc") is not None else 1
+
+
+def _intermediaries(text: str) -> int | str:
+    """--intermediaries: a positive integer or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
 
 
 def validate_options(o: DemoOptions) -> None:
@@ -561,15 +579,18 @@ device = "cpu"
             evaluation_only=bool(line.get("evaluation_only", False)),
             epsilon=eps,
             metrics={k: line.get(k) for k in ("auc", "sensitivity", "specificity", "ppv")},
+            intermediaries=(int(line["intermediaries"])
+                            if line.get("intermediaries") is not None else None),
         )
         self.rows.append(row)
         kind = "final evaluation" if row.evaluation_only else "training"
         auc_text = f"{row.auc:.3f}" if row.auc is not None else "  -  "
         eps_text = " ".join(f"{s}={e:.2f}" for s, e in eps.items())
         lost = f" ({','.join(dropped)})" if dropped else ""
+        split = (f" | v={row.intermediaries}" if row.intermediaries is not None else "")
         self.say(
             f"[round {row.round}] {kind:<16} sites {len(participants)}, dropped "
-            f"{len(dropped)}{lost} | AUC {auc_text} | epsilon {eps_text}"
+            f"{len(dropped)}{lost} | AUC {auc_text} | epsilon {eps_text}{split}"
         )
 
     # ------------------------------------------------------------------ report
@@ -594,6 +615,7 @@ device = "cpu"
                     "evaluation_only": r.evaluation_only,
                     "auc": r.auc,
                     "epsilon": r.epsilon,
+                    "intermediaries": r.intermediaries,
                 }
                 for r in self.rows
             ],
@@ -618,6 +640,10 @@ device = "cpu"
         }
         if self.o.privacy_unit == "hospital":
             report["hospital"] = hospital_report(self.out, sites, self.o)
+            report["hospital"]["intermediaries_by_round"] = {
+                str(r.round): r.intermediaries for r in self.rows
+                if r.intermediaries is not None
+            }
         (self.out / "report.json").write_text(json.dumps(report, indent=2, default=_json))
         self.plot(report)
         self.print_table(report)
@@ -723,7 +749,8 @@ device = "cpu"
             ("Federated (no DP)", report["baselines"]["federated_nodp"]),
             (f"Federated + DP (eps<={self.o.budget_epsilon:g}) + SecAgg+"
              if "hospital" not in report else
-             f"Federated + hospital-level DP (eps<={self.o.budget_epsilon:g}) + SecAgg+",
+             f"Federated + hospital-level DP (eps<={self.o.budget_epsilon:g}) + SecAgg+"
+             + intermediaries_label(report["hospital"]),
              report["final"]),
         ]
         width = max(len(r[0]) for r in rows) + 2
@@ -756,9 +783,15 @@ device = "cpu"
             self.say("  hospital-level epsilon (MODEL UPDATES ONLY; the figures above compose "
                      "every release and bound each patient):")
             v = report["hospital"]["intermediaries"]
+            if v == "auto":
+                largest = max(report["hospital"].get("intermediaries_by_round", {}).values(),
+                              default=1)
+                v = f"each round v-fold (largest v {largest}): "
+            else:
+                v = f"{v}-fold "
             units = report["hospital"]["intermediary_epsilon"]
             for site, value in report["hospital"]["epsilon"].items():
-                extra = (f"  ({v}-fold group privacy of the intermediary-level "
+                extra = (f"  ({v}group privacy of the intermediary-level "
                          f"{units[site]:.2f})" if site in units else "")
                 self.say(f"  {site:<18} epsilon {value:6.2f}{extra}")
         self.say(f"\nReport: {self.out / 'report.json'}; plots: auc_by_round.png, "
@@ -793,6 +826,16 @@ def compute_baselines(datasets: dict[str, Any], o: DemoOptions) -> dict[str, dic
         "federated_nodp": federated_nodp(datasets, o, bins=HISTOGRAM_BINS),
     }
 
+
+
+def intermediaries_label(hospital: dict[str, Any]) -> str:
+    """The table row's suffix naming the intermediaries: fixed v, or v per round."""
+    v = hospital.get("intermediaries", 1)
+    if v == "auto":
+        chosen = hospital.get("intermediaries_by_round", {})
+        return ", v auto per round " + (
+            "/".join(str(x) for x in chosen.values()) if chosen else "-")
+    return f", v={v}" if v != 1 else ""
 
 
 def hospital_aggregation(o: DemoOptions) -> str:

@@ -54,7 +54,8 @@ UPDATE_CLIP = 0.5
 """The federation's update element clip (the demo coordinator's aggregation.clip)."""
 
 DEMO_COUNT_EPSILON = 0.5
-"""The demo hospitals' epsilon for their one DP count of patients. The default 0.1 gives
+"""The demo study's epsilon for every hospital's one DP count of patients (the study
+declares it; each site's own `count_epsilon` is its limit). 0.1, the old default, gave
 the count a noise std of ~35-50, about the size of a demo hospital's ~100 training
 patients: its sample rate and batch then came from counts of 1 to 120 (a batch of one
 patient diverged). At 0.5 the std is ~8. Each demo hospital also plans its DP-SGD noise
@@ -92,6 +93,7 @@ batch_size = {o.batch_size}
 unit = "patient"
 epsilon = {o.budget_epsilon}
 delta = {o.delta}
+count_epsilon = {DEMO_COUNT_EPSILON}
 
 [privacy.evaluation]
 histogram_bins = {IMAGING_HISTOGRAM_BINS}

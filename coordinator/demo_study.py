@@ -11,7 +11,6 @@ columns have missing values and the label's classes; it says so when it does.
 
 from __future__ import annotations
 
-import csv
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -20,12 +19,7 @@ import numpy as np
 
 from common.errors import ConfigError, DataError
 from common.study import GlobalStatistics, Study, study_from_mapping
-
-_MISSING_TOKENS = frozenset(("", "nan", "na", "n/a", "null", "none"))
-
-
-def _is_missing(cell: str) -> bool:
-    return cell.strip().lower() in _MISSING_TOKENS
+from site_agent.data import is_missing, iter_table_rows
 
 
 def _is_number(cell: str) -> bool:
@@ -45,7 +39,7 @@ class ColumnSurvey:
         self.numeric = True
 
     def add(self, cell: str) -> None:
-        if _is_missing(cell):
+        if is_missing(cell):
             self.missing = True
             return
         text = cell.strip()
@@ -57,28 +51,25 @@ class ColumnSurvey:
 
 def survey_csvs(files: Iterable[Path]) -> tuple[list[str], dict[str, ColumnSurvey]]:
     """Column names (the first file's order) and each column's survey over all files;
-    every file must have the first file's columns (the message names the file)."""
+    every file must have the first file's columns (the message names the file).
+
+    Reads through `site_agent.data.iter_table_rows`, the reader `data check` and training
+    use, so the draft sees the same header, cells and "missing" as the sites will."""
     columns: list[str] | None = None
     surveys: dict[str, ColumnSurvey] = {}
     for path in files:
-        with path.open(newline="", encoding="utf-8-sig") as handle:
-            reader = csv.DictReader(handle)
-            header = [name.strip() for name in reader.fieldnames or []]
-            if not header:
-                raise DataError(f"{path}: empty file (no header row)")
-            if columns is None:
-                columns = header
-                surveys = {name: ColumnSurvey() for name in header}
-            missing = [name for name in columns if name not in header]
-            if missing:
-                raise DataError(f"{path}: missing column(s) {missing} that the other "
-                                "files have")
-            raw = dict(zip(reader.fieldnames or [], header, strict=True))
-            for row in reader:
-                for key, cell in row.items():
-                    name = raw.get(key) if key is not None else None
-                    if name in surveys and cell is not None:
-                        surveys[name].add(cell)
+        header, rows = iter_table_rows(path)
+        if columns is None:
+            columns = header
+            surveys = {name: ColumnSurvey() for name in header}
+        missing = [name for name in columns if name not in header]
+        if missing:
+            raise DataError(f"missing column(s) {missing} that the other files have",
+                            file=str(path))
+        for _row_number, row in rows:
+            for name, cell in row.items():
+                if name in surveys and cell is not None:
+                    surveys[name].add(cell)
     if columns is None:
         raise ConfigError("--data", "no CSV files")
     return columns, surveys

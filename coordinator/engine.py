@@ -81,6 +81,8 @@ class RoundEngine:
         self.sites = SiteCalls(self.sessions, self.inbox, self.ledgers, clock=clock)
         self.finished = asyncio.Event()  # set only when the whole study completed
         self.model = GlobalModel.load(store, settings, study)
+        if self.model.intermediaries is not None:  # "auto" v carried over a restart
+            metrics.hospital_intermediaries.set(self.model.intermediaries)
         self.last_round_number = 0
         # The latest result only: no growth by model-sized vectors per round.
         self.last_result: RoundResult | None = None
@@ -107,7 +109,10 @@ class RoundEngine:
         """The study as `medfed status` shows it (read-only)."""
         return study_status(
             list(self.sessions.sites.values()), self.store.rounds(), rnd=self.inbox.round,
-            total_rounds=self.total_rounds, finished=self.finished.is_set(), now=self.clock(),
+            training_rounds=self.settings.rounds,
+            evaluation_round=self.settings.training.final_evaluation,
+            statistics_pending=self.study is not None and self.study.statistics is None,
+            finished=self.finished.is_set(), now=self.clock(),
         )
 
     def final_model(self, study_sha256: bytes) -> bytes:
@@ -160,7 +165,7 @@ class RoundEngine:
             number=self.next_round_number(participants), nonce=self.rng(ROUND_NONCE_BYTES),
             layout=self.model.layout, model_sha256=digest(payload), model_bytes=len(payload),
             evaluation_round=self.is_evaluation_round(), statistics=statistics,
-            now=self.clock(),
+            intermediaries=self.model.intermediaries, now=self.clock(),
         )
 
     async def _run_round(self, participants: list[str], *, statistics: bool = False) -> None:

@@ -5,12 +5,22 @@ its unmasked sum (KLS21 Algorithm 2, `common.privacy.hospital.decode_sum`).
 The coordinator never sees an un-noised sum: the sites add the discrete Gaussian shares
 in the ring before masking. The mean is the noisy sum over the hospitals that
 contributed (each counts once; weighting by size would raise the sensitivity above S).
+
+Adaptive intermediaries (issue 13, section 2; Jiang et al., MICCAI 2023): under
+``privacy.intermediaries = "auto"`` each round's decoded sum carries the noisy sum of the
+clipped unit norms (the norm coordinate, common/privacy/hospital.py); `decode` evaluates
+the authors' rule on it (`common.privacy.intermediaries.next_split_count`) and the
+coordinator announces that v in the next hospital round (RoundAnnouncement field 27).
+Round one announces `AUTO_START_INTERMEDIARIES`; v stays in [1, MAX_AUTO_INTERMEDIARIES].
+The v of every round and the next one are in the round's metrics (store, round event),
+so a restarted coordinator continues with it (`coordinator.training_round`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -21,17 +31,27 @@ from common.errors import ConfigError, ValidationError
 from common.evaluation import clipped_noisy_histogram, operating_point_metrics
 from common.privacy import hospital
 from common.privacy.hospital import HospitalTerms, announced_terms
+from common.privacy.intermediaries import next_split_count
 from common.privacy.replica import LedgerReplica
 from common.round import KIND_HOSPITAL, KIND_TRAINING, Announcement
 from common.study import Study
 from coordinator.aggregation import DecodedSum, multiclass_round_metrics
 
 
-def terms_for(study: Study | None, settings: AggregationSection) -> HospitalTerms | None:
+def terms_for(
+    study: Study | None, settings: AggregationSection, *, intermediaries: int | None = None,
+) -> HospitalTerms | None:
     """The hospital-level terms of this federation: the study's (privacy.unit =
-    "hospital"), else the coordinator's own [aggregation] hospital_* settings, else None."""
+    "hospital"), else the coordinator's own [aggregation] hospital_* settings, else None.
+    `intermediaries`: the v chosen for the next round under "auto" (ignored otherwise)."""
     if study is not None:
-        return hospital.study_terms(study) if study.privacy.unit == "hospital" else None
+        if study.privacy.unit != "hospital":
+            return None
+        terms = hospital.study_terms(study)
+        if terms.norm_segment and intermediaries is not None:
+            cap = hospital.intermediaries_cap(study) or 1
+            terms = terms.for_round(min(max(intermediaries, 1), cap))
+        return terms
     if settings.hospital_clip_norm is None:
         return None
     if settings.hospital_noise_multiplier is None:
@@ -50,17 +70,20 @@ def announce(ann: Announcement, terms: HospitalTerms | None) -> Announcement:
     vector_length = words + 1 + 2 * ann.histogram_bins
     return dataclasses.replace(ann, kind=KIND_HOSPITAL, clip=terms.clip,
                                vector_length=vector_length,
-                               hospital_noise_multiplier=terms.noise_multiplier)
+                               hospital_noise_multiplier=terms.noise_multiplier,
+                               hospital_intermediaries=terms.intermediaries,
+                               hospital_norm_segment=terms.norm_segment)
 
 
 def decode(
     aggregate: np.ndarray, *, ann: Announcement, count: int, histogram_classes: int = 1,
-    terms: HospitalTerms | None = None,
+    terms: HospitalTerms | None = None, cap: int | None = None,
 ) -> DecodedSum:
     """The float32 mean of the clipped, noised units (hospitals, or their
     intermediaries) of the `count` contributing hospitals, with the round's DP
-    evaluation metrics. `terms`: this federation's (for its intermediaries per
-    hospital); default the announced S and z with one unit per hospital."""
+    evaluation metrics. `terms`: this federation's; default the announced ones. With
+    the norm segment ("auto"), metrics["next_intermediaries"] is the rule's v for the
+    next round, at most `cap` (default `MAX_AUTO_INTERMEDIARIES`)."""
     if not ann.is_hospital:
         raise ValidationError("not a hospital-level round")
     if count < 1:
@@ -68,8 +91,11 @@ def decode(
     announced = announced_terms(ann)
     if terms is None:
         terms = announced
-    elif (terms.clip, terms.noise_multiplier) != (announced.clip, announced.noise_multiplier):
+    elif (terms.clip, terms.noise_multiplier, terms.norm_segment) != (
+            announced.clip, announced.noise_multiplier, announced.norm_segment):
         raise ValidationError("the round was announced with other hospital-level terms")
+    else:
+        terms = terms.for_round(announced.intermediaries)  # the v this round ran with
     ring = hospital.ring_plan(terms, dim=ann.model_elements, max_sites=len(ann.participants))
     manifest = ann.manifest()
     if aggregate.dtype != np.uint32 or aggregate.size != manifest.vector_length:
@@ -78,8 +104,10 @@ def decode(
         round_nonce=ann.round_nonce, study_sha256=ann.study_sha256,
         round_number=ann.round_number,
     )
-    total = hospital.decode_sum(aggregate[manifest.slice_of(HOSPITAL_UPDATE)],
-                                plan=ring, seed=seed)
+    total, norm_sum = hospital.split_norm_sum(
+        hospital.decode_sum(aggregate[manifest.slice_of(HOSPITAL_UPDATE)], plan=ring,
+                            seed=seed),
+        terms=terms)
     integers = manifest.decode_integers(aggregate)
     weight_sum = max(int(integers[WEIGHT][0]), 0)
     histogram = clipped_noisy_histogram(integers[EVALUATION_HISTOGRAM])
@@ -89,7 +117,8 @@ def decode(
     metrics: dict[str, float] = {
         "contributors": float(count),
         "units": float(units),
-        "hospital_noise_std": terms.noise_multiplier * terms.clip / units,
+        "hospital_noise_std": terms.noise_multiplier * terms.sensitivity / units,
+        "intermediaries": float(terms.intermediaries),
     }
     bins = ann.histogram_bins
     if histogram.sum() > 0 and histogram_classes > 2:
@@ -99,29 +128,62 @@ def decode(
         metrics.update(auc=m.auc, sensitivity=m.sensitivity, specificity=m.specificity,
                        ppv=m.ppv, evaluated=float(m.n))
     mean = (total / units).astype(np.float32)
+    if norm_sum is not None:
+        metrics["unit_norm_sum"] = norm_sum
+        metrics["next_intermediaries"] = float(next_split_count(
+            mean_update=mean, mean_noise_std=terms.noise_multiplier * terms.sensitivity / units,
+            unit_norm_sum=norm_sum, units=units, clip=terms.clip, hospitals=count,
+            current=terms.intermediaries, maximum=cap if cap is not None
+            else hospital.MAX_AUTO_INTERMEDIARIES,
+        ))
     return DecodedSum(mean, weight_sum, metrics, histogram)
 
 
-def replica_epsilons(replica: LedgerReplica) -> dict[str, tuple[float, float]]:
-    """Each site's hospital-level epsilon (model updates only) and delta, recomposed
-    from the signed ledger entries the coordinator replicates (for the model card)."""
-    out: dict[str, tuple[float, float]] = {}
+class HospitalEpsilons(NamedTuple):
+    """One site's model-update guarantees as its replicated ledger shows them."""
+
+    epsilon: float  # hospital level (each round at its own v)
+    delta: float
+    intermediary: float | None = None  # per intermediary; None when no round split
+    largest_v: int = 1
+
+
+def replica_epsilons(replica: LedgerReplica) -> dict[str, HospitalEpsilons]:
+    """Each site's hospital-level epsilon (model updates only), delta, and when its
+    hospital was split the per-intermediary epsilon and the largest v, recomposed from
+    the signed ledger entries the coordinator replicates (for the model card)."""
+    out: dict[str, HospitalEpsilons] = {}
     for site in replica.sites():
         history = replica.history(site)
         terms = history.terms
         if terms.privacy_unit != "hospital":
             continue
         pairs = [(e.purpose, e.mechanisms) for e in history.entries]
-        out[site] = (hospital.hospital_level_epsilon(
-            pairs, delta=terms.delta, accountant=terms.accountant), terms.delta)
+        out[site] = HospitalEpsilons(
+            hospital.hospital_level_epsilon(pairs, delta=terms.delta,
+                                            accountant=terms.accountant),
+            terms.delta,
+            hospital.intermediary_level_epsilon(pairs, delta=terms.delta,
+                                                accountant=terms.accountant),
+            hospital.largest_intermediaries(pairs),
+        )
     return out
+
+
+def card_record_level(study: Study) -> Literal["record", "patient"] | None:
+    """The unit of DP-SGD beneath hospital-level DP (study privacy.record_level), if any."""
+    level = study.privacy.record_level
+    return None if level == "none" else level
 
 
 def card_mechanisms(study: Study) -> tuple[str, ...]:
     """The card's mechanisms under hospital-level DP (empty for record/patient)."""
     if study.privacy.unit != "hospital":
         return ()
+    beneath = card_record_level(study)
     return (
+        *((f"sampled-gaussian (DP-SGD beneath, {beneath}-level, planned for "
+           f"record_epsilon = {study.privacy.record_epsilon:g})",) if beneath else ()),
         "distributed-discrete-gaussian (hospital-level: each site's whole update clipped "
         "to L2 <= S and noised by the sites in the SecAgg+ ring; Kairouz, Liu & Steinke "
         "2021)",
@@ -130,29 +192,46 @@ def card_mechanisms(study: Study) -> tuple[str, ...]:
 
 
 def card_parts(
-    study: Study, epsilons: Mapping[str, tuple[float, float]]
+    study: Study, epsilons: Mapping[str, tuple[float, float] | HospitalEpsilons]
 ) -> tuple[tuple[GroupGuarantee, ...], tuple[str, ...]]:
-    """(group guarantees, notes) naming the two guarantees of a hospital-level study:
+    """(group guarantees, notes) naming the guarantees of a hospital-level study:
     `sites[].epsilon` composes every release (a per-patient bound); the hospital-level
-    epsilon covers the model updates only."""
+    epsilon covers the model updates only; with intermediaries, the per-intermediary
+    epsilon of the model updates too (unit "intermediary")."""
     if study.privacy.unit != "hospital":
         return (), ()
     terms = hospital.study_terms(study)
-    guarantees = tuple(
-        GroupGuarantee(
-            unit="hospital", epsilon=epsilon, delta=delta,
+    guarantees: list[GroupGuarantee] = []
+    for site, row in sorted(epsilons.items()):
+        entry = HospitalEpsilons(*row)
+        if terms.norm_segment:
+            split = (f", adaptive intermediaries (v per round from the rule of Jiang et "
+                     f"al. 2023, largest v {entry.largest_v}): each round v-fold group "
+                     "privacy of the per-intermediary guarantee")
+        elif terms.intermediaries > 1:
+            split = (f", {terms.intermediaries} intermediaries: {terms.intermediaries}-fold "
+                     "group privacy of the per-intermediary guarantee")
+        else:
+            split = ""
+        guarantees.append(GroupGuarantee(
+            unit="hospital", epsilon=entry.epsilon, delta=entry.delta,
             note=(f"site {site}: model updates only (clip S = {terms.clip:g}, noise "
-                  f"multiplier {terms.noise_multiplier:.3g}"
-                  + (f", {terms.intermediaries} intermediaries: {terms.intermediaries}-fold "
-                     "group privacy of the per-intermediary guarantee"
-                     if terms.intermediaries > 1 else "")
-                  + "); statistics, evaluation histograms and the cohort count are "
-                  "bounded per patient"),
-        )
-        for site, (epsilon, delta) in sorted(epsilons.items())
-    )
+                  f"multiplier {terms.noise_multiplier:.3g}{split}); statistics, "
+                  "evaluation histograms and the cohort count are bounded per patient"),
+        ))
+        if entry.intermediary is not None:
+            guarantees.append(GroupGuarantee(
+                unit="intermediary", epsilon=entry.intermediary, delta=entry.delta,
+                note=(f"site {site}: model updates per intermediary (each patient is in "
+                      "exactly one); the per-patient figure for the model updates"),
+            ))
+    beneath = card_record_level(study)
     notes = (
         "hospital-level DP: the group guarantees (unit hospital) cover the MODEL UPDATES "
-        "ONLY; sites[].epsilon composes every release and is the per-patient guarantee",
+        "ONLY; " + (
+            f"sites[].epsilon is the {beneath}-level epsilon: the better of the DP-SGD "
+            "history composed with every other release and the hospital-level rounds "
+            "(replace relation) composed with them (docs/privacy.md)" if beneath else
+            "sites[].epsilon composes every release and is the per-patient guarantee"),
     )
-    return guarantees, notes
+    return tuple(guarantees), notes

@@ -82,6 +82,12 @@ class CoordinatorMetrics:
             "AUC of the global model, from securely aggregated score histograms.",
             registry=r,
         )
+        self.hospital_intermediaries = Gauge(
+            "medfed_coordinator_hospital_intermediaries",
+            "Intermediaries per hospital (v) the next hospital-level round announces "
+            "(issue 13: the adaptive rule under privacy.intermediaries = auto).",
+            registry=r,
+        )
         self.grpc_requests = Counter(
             "medfed_coordinator_grpc_requests",
             "gRPC requests by method and status code.",

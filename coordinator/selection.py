@@ -155,9 +155,11 @@ def study_announcement(
     evaluation_round: bool,
     statistics: bool,
     now: float,
+    intermediaries: int | None = None,
 ) -> Announcement:
     """`announcement` for the study being run (its hash, its statistics release, its
-    hospital-level terms); `statistics`: the study's statistics round."""
+    hospital-level terms, with the "auto" intermediaries chosen last round);
+    `statistics`: the study's statistics round."""
     ann = announcement(
         settings, participants, number=number, nonce=nonce, layout=layout,
         model_sha256=model_sha256, model_bytes=model_bytes,
@@ -169,4 +171,5 @@ def study_announcement(
         ),
     )
     return hospital_sum.announce(ann, hospital_sum.terms_for(
-        study.study if study is not None else None, settings.aggregation))
+        study.study if study is not None else None, settings.aggregation,
+        intermediaries=intermediaries))

@@ -403,6 +403,10 @@ class MonitorServicer(pb_grpc.MonitorServicer):
             finished=status.finished,
             eta_seconds=-1.0 if status.eta_seconds is None else status.eta_seconds,
             now_unix_ms=_unix_ms(status.now),
+            training_rounds=status.training_rounds,
+            evaluation_round=status.evaluation_round,
+            statistics_round=status.statistics_round,
+            current_kind=status.current_kind,
             sites=[
                 pb.SiteState(
                     site_id=s.site_id, state=s.state,

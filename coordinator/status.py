@@ -1,5 +1,6 @@
-"""The study as operators see it (`medfed status`, the Monitor/Status RPC): round k of
-N, the phase, each site's state and reported budget, and an ETA.
+"""The study as operators see it (`medfed status`, the Monitor/Status RPC): the
+statistics round, training round k of N and the final evaluation round, each named for
+what it is; the phase, each site's state and reported budget, and an ETA.
 
 Read-only and computed on demand from what the coordinator already holds (sessions,
 the round in flight, the state database): asking for status never changes a round.
@@ -24,6 +25,8 @@ ETA_WINDOW = 5
 reflect the current sites and network)."""
 
 SITE_STATES = ("waiting", "in_round", "declined", "exhausted", "disconnected")
+STATISTICS_STATES = ("none", "pending", "completed")
+ROUND_KINDS = ("statistics", "training", "evaluation")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ class SiteView:
 
 @dataclass(frozen=True)
 class StudyStatus:
+    """`total_rounds` = `training_rounds` + the evaluation round (if any); the statistics
+    round is apart (`statistics_round`), in neither total nor `completed_rounds`."""
+
     total_rounds: int
     completed_rounds: int
     aborted_rounds: int
@@ -47,6 +53,14 @@ class StudyStatus:
     sites: tuple[SiteView, ...]
     eta_seconds: float | None
     now: float
+    training_rounds: int = 0
+    evaluation_round: bool = False
+    statistics_round: str = "none"  # one of STATISTICS_STATES
+    current_kind: str = ""  # one of ROUND_KINDS while a round is in flight
+
+    @property
+    def completed_training_rounds(self) -> int:
+        return min(self.completed_rounds, self.training_rounds)
 
 
 def site_state(session: SiteSession, rnd: ActiveRound | None, *, now: float) -> str:
@@ -85,11 +99,25 @@ def eta_seconds(
 
 def study_status(
     sessions: Sequence[SiteSession], records: Sequence[RoundRecord], *,
-    rnd: ActiveRound | None, total_rounds: int, finished: bool, now: float,
+    rnd: ActiveRound | None, training_rounds: int, evaluation_round: bool,
+    statistics_pending: bool, finished: bool, now: float,
 ) -> StudyStatus:
+    """`statistics_pending`: the study still needs its statistics round (a completed one
+    is read from `records`, status "statistics")."""
+    total_rounds = training_rounds + (1 if evaluation_round else 0)
     completed = sum(1 for r in records if r.status == "completed")
     aborted = sum(1 for r in records if r.status == "aborted")
+    statistics = (
+        "completed" if any(r.status == "statistics" for r in records)
+        else "pending" if statistics_pending else "none"
+    )
     in_flight = rnd is not None and rnd.phase.value not in ("finished", "aborted")
+    kind = ""
+    if in_flight and rnd is not None:
+        kind = (
+            "statistics" if rnd.announcement.is_statistics
+            else "training" if completed < training_rounds else "evaluation"
+        )
     started = None
     if rnd is not None:
         started = next((r.started_at for r in records if r.round_number == rnd.number), None)
@@ -118,9 +146,14 @@ def study_status(
         phase=phase,
         finished=finished,
         sites=sites,
+        # A pending statistics round is one more round to wait for.
         eta_seconds=0.0 if finished else eta_seconds(
-            records, total_rounds=total_rounds, rnd=rnd if in_flight else None,
-            round_started=started, now=now,
+            records, total_rounds=total_rounds + (statistics == "pending"),
+            rnd=rnd if in_flight else None, round_started=started, now=now,
         ),
         now=now,
+        training_rounds=training_rounds,
+        evaluation_round=evaluation_round,
+        statistics_round=statistics,
+        current_kind=kind,
     )

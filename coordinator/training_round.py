@@ -4,6 +4,7 @@ pruning third, so the store's latest checkpoint never names a missing file."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ from coordinator.optimizers import ServerOptimizer, apply_step, build_optimizer
 from coordinator.phases import ActiveRound
 from coordinator.store import CoordinatorStore
 from coordinator.study_run import StudyRun
+
+log = logging.getLogger("medfed.coordinator")
 
 
 @dataclass(frozen=True)
@@ -43,21 +46,35 @@ class GlobalModel:
     layout: tuple[TensorSpec, ...]
     flat: np.ndarray
     optimizer: ServerOptimizer
+    # "auto" intermediaries (issue 13, section 2): the v the next hospital round
+    # announces, chosen from the last decoded round; None before any was measured.
+    intermediaries: int | None = None
 
     @classmethod
     def load(
         cls, store: CoordinatorStore, settings: CoordinatorSettings, study: StudyRun | None
     ) -> GlobalModel:
-        """The latest good checkpoint, else the study's (or the config's) initial model."""
+        """The latest good checkpoint, else the study's (or the config's) initial model;
+        with the v its round chose for the next, so a restart continues with it."""
         optimizer = build_optimizer(settings.optimizer)
         layout, flat = checkpoints.load_model(
             store, settings.model, optimizer,
             initial=study.initial_model if study is not None else None,
         )
-        return cls(layout, flat, optimizer)
+        return cls(layout, flat, optimizer, intermediaries=stored_intermediaries(store))
 
     def payload(self) -> bytes | memoryview:
         return checkpoints.model_payload(self.layout, self.flat)
+
+
+def stored_intermediaries(store: CoordinatorStore) -> int | None:
+    """The v chosen by the last completed round that measured one (its metrics hold
+    "next_intermediaries", written with its checkpoint), or None."""
+    for rnd in reversed(store.rounds()):
+        chosen = rnd.metrics.get("next_intermediaries") if rnd.status == "completed" else None
+        if chosen is not None:
+            return int(chosen)
+    return None
 
 
 def apply_update(
@@ -85,6 +102,9 @@ def apply_update(
         histogram_classes=settings.aggregation.histogram_classes,
     )
     mean_delta = decoded.mean_delta
+    chosen = decoded.metrics.get("next_intermediaries")
+    if chosen is not None:
+        model.intermediaries = int(chosen)
     if mean_delta is None:
         mean_delta = np.zeros(model.flat.size, dtype=np.float32)
     else:
@@ -120,6 +140,17 @@ def record(
     )
     if "auc" in result.metrics:
         metrics.model_auc.set(result.metrics["auc"])
+    chosen = result.metrics.get("next_intermediaries")
+    if chosen is not None:
+        metrics.hospital_intermediaries.set(chosen)
+        log.info(
+            "round %d: %d intermediaries per hospital; the next round trains %d "
+            "(adaptive rule of Jiang et al. 2023 on the noisy sum of unit norms)",
+            result.round_number, int(result.metrics.get("intermediaries", 1)), int(chosen),
+            extra={"event": "intermediaries_chosen", "round_number": result.round_number,
+                   "intermediaries": int(result.metrics.get("intermediaries", 1)),
+                   "next_intermediaries": int(chosen)},
+        )
 
 
 def record_and_bundle(
@@ -134,7 +165,9 @@ def record_and_bundle(
     budgets: Callable[[], list[BudgetRow]],
     secagg: tuple[int, int],
     final: Callable[[], bool],
-    hospital_epsilons: Callable[[], Mapping[str, tuple[float, float]]],
+    hospital_epsilons: Callable[
+        [], Mapping[str, tuple[float, float] | hospital_sum.HospitalEpsilons]
+    ],
 ) -> None:
     """`record`, then (in a study) the round's bundle; `budgets`, `final` and
     `hospital_epsilons` are read after the record, as the bundle must describe it."""
@@ -154,7 +187,8 @@ def bundle(
     budgets: list[BudgetRow],
     secagg: tuple[int, int],
     final: bool,
-    hospital_epsilons: Mapping[str, tuple[float, float]] | None = None,
+    hospital_epsilons: Mapping[str, tuple[float, float] | hospital_sum.HospitalEpsilons]
+    | None = None,
 ) -> None:
     """The study's bundle of the model after this round; an evaluation histogram moves
     the bundle's decision threshold."""

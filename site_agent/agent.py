@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 
 from common import egress, wire
-from common.bundle import bundle_from_bytes
+from common.bundle import HEADER_MARGIN_BYTES, bundle_from_bytes, bundle_size_limit
 from common.codec import (
     ChunkAssembler,
     all_finite,
@@ -90,6 +90,8 @@ log = logging.getLogger("medfed.site")
 AGENT_VERSION = "medfed-site/0.1"
 NEXT_STUDY_POLL_SECONDS = 60.0
 MAX_BUNDLE_BYTES = 1 << 31
+"""The final-model download's bound when this process heard no announcement of the
+study and its hook cannot size the study's model (otherwise `bundle_size_limit`)."""
 WAIT_SECONDS = 30
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 HEARTBEAT_FINAL = {
@@ -289,6 +291,9 @@ class SiteAgent:
         self._statistics_pin = StatisticsPin(settings.state)
         self._rss_before_download = 0
         self._timeline = RoundTimeline()  # the round in flight's (bench round reads it)
+        # Parameters of the study's model as its latest model round announced them:
+        # bounds the final-model download (`_final_model_limit`).
+        self._announced_elements: int | None = None
 
     # ------------------------------------------------------------- connection
     def _connect(self) -> pb_grpc.FederationStub:
@@ -449,6 +454,7 @@ class SiteAgent:
             study = study_from_enrolment(bytes(resp.study), announced_sha256=resp.study_sha256)
             if self.study is not None and study_sha256(self.study) != resp.study_sha256:
                 log.info("the coordinator runs a new study: %s", study.study.name)
+                self._announced_elements = None
         self.hook.join_study(study, site_policy(self.settings))
         self.study = study
         self.study_sha256 = bytes.fromhex(resp.study_sha256) if study is not None else b""
@@ -477,7 +483,8 @@ class SiteAgent:
         self.last_round = max(self.last_round, ann.round)
         try:
             rnd = validate_for_site(
-                wire.announcement_from_pb(ann), policy=self.settings.policy, site_id=self.site_id
+                wire.announcement_from_pb(ann), policy=self.settings.policy,
+                site_id=self.site_id, study=self.study,
             )
             if rnd.params is not None:
                 # Fail closed before anything is computed: without a fresh CRL a revoked
@@ -489,6 +496,7 @@ class SiteAgent:
             if announced.is_statistics:
                 self._run_statistics_round(stub, rnd)
                 return
+            self._announced_elements = announced.model_elements
             if announced.statistics:
                 stats = statistics_from_bytes(announced.statistics)
                 if self.study is not None:
@@ -612,7 +620,10 @@ class SiteAgent:
                     rnd, study=self.study, policy=self.settings.policy)
                 segments = [*segments, planned_hospital.mechanism]
             if self.ledger is not None and (segments or evaluation):
-                after = self.ledger.preview(rnd.number, [*segments, *evaluation])
+                # Training and evaluation as the ledger will hold them (two entries): a
+                # round with DP-SGD beneath hospital-level DP is charged per record.
+                after = self.ledger.preview(rnd.number, segments, also=[
+                    (dp_release.PURPOSE_EVALUATION, evaluation)] if evaluation else [])
                 if after > self.ledger.budget_epsilon:
                     raise BudgetExhausted(
                         f"round {rnd.number} would bring epsilon to {after:.3f} "
@@ -724,7 +735,7 @@ class SiteAgent:
         plan = plan_statistics(study, n_noise=max(floor - colluding, 1))
         mechanism = plan.mechanism()
         if self.ledger is not None:
-            after = self.ledger.preview(rnd.number, [mechanism])
+            after = self.ledger.preview(rnd.number, [mechanism], purpose=PURPOSE_STATISTICS)
             if after > self.ledger.budget_epsilon:
                 raise BudgetExhausted(
                     f"the statistics release would bring epsilon to {after:.3f} "
@@ -768,38 +779,68 @@ class SiteAgent:
         self._finish_secure_aggregation(stub, rnd, client, keys, premask, vector,
                                         heartbeats=heartbeats)
 
+    def _final_model_limit(self) -> tuple[int, str]:
+        """The most bytes the final bundle may have, and why: the announced model's
+        float32 parameters plus the bundle's header margin (`bundle_size_limit`)."""
+        elements = self._announced_elements
+        source = "the announced model"
+        layout = getattr(self.hook, "layout", None)
+        if elements is None and callable(layout):
+            elements = sum(spec.elements for spec in layout())
+            source = "the study's model"
+        if elements is None:
+            return MAX_BUNDLE_BYTES, "no model size known to this site"
+        return bundle_size_limit(model_elements=elements), (
+            f"{source}: {elements} float32 parameters, plus {HEADER_MARGIN_BYTES} bytes "
+            "for the bundle's header"
+        )
+
     def _store_final_model(self) -> None:
         """Download the finished study's final bundle to STATE/model/final.safetensors,
-        after checking it is a bundle of the study this site joined."""
+        after checking it is a bundle of the study this site joined.
+
+        Streamed to a temporary file (never held whole in memory), refused as soon as it
+        runs past the announced model's size, verified, then renamed into place: a
+        refused or broken download leaves the previous file and no temporary one."""
         stub = self._connect()
-        buffer = bytearray()
-        for chunk in stub.DownloadFinalModel(
-            pb.DownloadFinalModelRequest(study_sha256=self.study_sha256), timeout=300
-        ):
-            if chunk.offset != len(buffer) or len(buffer) + len(chunk.data) > MAX_BUNDLE_BYTES:
-                raise ValidationError("final model chunks out of order or too large")
-            buffer += chunk.data
-        data = bytes(buffer)
-        bundle = bundle_from_bytes(data)  # verifies the bundle's own digest
-        if bytes.fromhex(study_sha256(bundle.study)) != self.study_sha256:
-            raise ValidationError("the final model belongs to another study")
-        if not bundle.final:
-            raise ValidationError("the coordinator's final model is not marked final")
-        pinned = self._statistics_pin.pinned(study_sha256(bundle.study))
-        if pinned is not None and bundle.statistics != pinned:
-            raise ValidationError("the final model's statistics differ from the study's "
-                                  "released statistics this site trained with")
+        limit, why = self._final_model_limit()
         folder = self.settings.state / "model"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "final.safetensors"
-        # The coordinator's file byte for byte (same SHA-256 at every site).
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        sha = hashlib.sha256(data).hexdigest()
+        digest = hashlib.sha256()
+        try:
+            with open(tmp, "wb") as handle:
+                written = 0
+                for chunk in stub.DownloadFinalModel(
+                    pb.DownloadFinalModelRequest(study_sha256=self.study_sha256), timeout=300
+                ):
+                    if chunk.offset != written:
+                        raise ValidationError("final model chunks out of order")
+                    if written + len(chunk.data) > limit:
+                        raise ValidationError(
+                            f"final model too large: more than {limit} bytes ({why})"
+                        )
+                    handle.write(chunk.data)
+                    digest.update(chunk.data)
+                    written += len(chunk.data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            bundle = bundle_from_bytes(tmp.read_bytes())  # verifies its own digest
+            if bytes.fromhex(study_sha256(bundle.study)) != self.study_sha256:
+                raise ValidationError("the final model belongs to another study")
+            if not bundle.final:
+                raise ValidationError("the coordinator's final model is not marked final")
+            pinned = self._statistics_pin.pinned(study_sha256(bundle.study))
+            if pinned is not None and bundle.statistics != pinned:
+                raise ValidationError("the final model's statistics differ from the study's "
+                                      "released statistics this site trained with")
+            # The coordinator's file byte for byte (same SHA-256 at every site).
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        sha = digest.hexdigest()
         log.info("final model stored at %s (sha256 %s)", path, sha,
                  extra={"event": "final_model_stored", "path": str(path)})
         print(json.dumps({"event": "final_model", "path": str(path), "sha256": sha}),

@@ -117,13 +117,23 @@ def check_cohort_size(n_units: int, *, delta: float, unit: str, file: str | None
         )
 
 
+MISSING_TOKENS = frozenset(("", "nan", "na", "n/a", "null", "none"))
+
+
+def is_missing(text: str) -> bool:
+    """Whether a cell means "no value" (case and surrounding blanks ignored).
+
+    The one definition of missing: the demo's draft study (`coordinator.demo_study`),
+    `medfed data check` and training all read cells through it, so a token the draft
+    calls missing is never refused later as "not a number"."""
+    return text.strip().lower() in MISSING_TOKENS
+
+
 def _parse_float(text: str | None) -> float | None:
     """Float value of a cell; None for a missing value; raises ValueError if not numeric."""
-    if text is None:
+    if text is None or is_missing(text):
         return None
     stripped = text.strip()
-    if stripped == "" or stripped.lower() in ("nan", "na", "null"):
-        return None
     value = float(stripped)
     if math.isnan(value):
         return None
@@ -347,9 +357,6 @@ def prepare_site_split(
 
 # --------------------------------------------------------------------------- under a study
 
-_MISSING_TOKENS = ("", "nan", "na", "n/a", "null", "none")
-
-
 @dataclass(frozen=True)
 class StudyTable:
     """A site's records read under a study, before encoding.
@@ -382,10 +389,6 @@ class StudyTable:
         counts = {name: int(np.isnan(v).sum()) for name, v in self.numeric.items()}
         counts.update({name: int((v < 0).sum()) for name, v in self.categorical.items()})
         return counts
-
-
-def _is_missing(text: str) -> bool:
-    return text.strip().lower() in _MISSING_TOKENS
 
 
 def load_study_table(path: str | Path, study: Study, *, for_prediction: bool = False) -> StudyTable:
@@ -456,7 +459,7 @@ def load_study_table(path: str | Path, study: Study, *, for_prediction: bool = F
             cell = (row.get(spec.name) or "").strip()
             code = level_index[spec.name].get(cell)
             if code is None:
-                if not _is_missing(cell):
+                if not is_missing(cell):
                     raise DataError(
                         f"level {cell!r} is not declared; the study's levels are "
                         f"{list(spec.levels or ())}",
@@ -475,7 +478,7 @@ def load_study_table(path: str | Path, study: Study, *, for_prediction: bool = F
             categorical[spec.name].append(code)
         if has_label:
             cell = row.get(label_column) or ""
-            if _is_missing(cell):
+            if is_missing(cell):
                 raise DataError("missing label", file=file, row=row_number, column=label_column)
             index = class_index(study, cell)
             if index is None:

@@ -227,8 +227,9 @@ def site_policy(settings: SiteSettings) -> SitePrivacyPolicy:
         epsilon=privacy.budget_epsilon,
         delta=privacy.delta,
         unit=unit,
-        max_epsilon_per_round=getattr(privacy, "max_epsilon_per_round", None),
+        max_epsilon_per_round=settings.policy.max_epsilon_per_round,
         allowed_model_factories=tuple(getattr(settings.policy, "allowed_model_factories", ())),
+        max_count_epsilon=privacy.count_epsilon,
     )
 
 

@@ -195,18 +195,22 @@ def plan_training_noise(
     sample_rate: float,
     steps_per_round: int,
     evaluation: Sequence[Mechanism] = (),
+    history: Sequence[Mechanism] | None = None,
+    budget_epsilon: float | None = None,
 ) -> RoundNoisePlan:
     """The next round's noise multiplier, from the ledger's composed spend and the
     site's policy (a restart re-plans from the same ledger, so it gets the same answer).
 
     `evaluation`: this round's DP evaluation release; the plan reserves one per
-    remaining round and one more for the final evaluation-only round.
+    remaining round and one more for the final evaluation-only round. `history` and
+    `budget_epsilon` replace the ledger's whole history and budget (DP-SGD beneath
+    hospital-level DP plans on its own path: common.privacy.layered).
     """
     done = sum(1 for e in ledger.entries() if e.purpose == PURPOSE_TRAINING)
     remaining = max(rounds_to_plan(policy, announced_rounds) - done, 1)
     return plan_round_noise(
-        history=ledger.history(),
-        budget_epsilon=ledger.budget_epsilon,
+        history=ledger.history() if history is None else list(history),
+        budget_epsilon=ledger.budget_epsilon if budget_epsilon is None else budget_epsilon,
         delta=ledger.delta,
         sample_rate=sample_rate,
         steps_per_round=steps_per_round,

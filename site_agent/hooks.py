@@ -314,7 +314,7 @@ class DpTrainingHook:
         """Task, classes and model name from the study this site trains."""
         self.study = study
         # Hospital-level DP (issue 13): the whole update is clipped and noised in the
-        # ring (site_agent.hospital); DP-SGD does not run underneath in this mode.
+        # ring (site_agent.hospital); DP-SGD runs beneath only with privacy.record_level.
         self.hospital = study.privacy.unit == "hospital"
         self.task = study.study.task
         self.num_classes = len(study.study.classes)
@@ -354,10 +354,24 @@ class DpTrainingHook:
             )
 
     @property
+    def record_level(self) -> str:
+        """DP-SGD beneath hospital-level DP: the study's privacy.record_level ("none",
+        "record" or "patient"); "none" outside hospital mode (DP-SGD is then the unit's)."""
+        if not (self.hospital and self.dp and self.study is not None):
+            return "none"
+        return self.study.privacy.record_level
+
+    @property
+    def dp_sgd(self) -> bool:
+        """Whether local training runs Opacus DP-SGD (patient-level: site_agent.patient_dp)."""
+        return self.dp and (not self.hospital or self.record_level != "none")
+
+    @property
     def units(self) -> int:
         """This site's privacy units (never leaves the site; see `released_units`)."""
         if self.privacy_unit == "patient" or (
-            self.hospital and getattr(self.train_data, "patient_ids", None) is not None
+            self.hospital and self.record_level != "record"
+            and getattr(self.train_data, "patient_ids", None) is not None
         ):
             return int(self.train_data.num_patients)
         return len(self.train_data)
@@ -373,9 +387,12 @@ class DpTrainingHook:
         self._ledger_state = state
         if not self.dp or self.train_data is None:
             return
+        # Under a study every site spends the study's count_epsilon (checked against this
+        # site's limit, privacy.count_epsilon, when it joined); without one, its own.
+        epsilon = (self.settings.privacy.count_epsilon if self.study is None
+                   else self.study.privacy.count_epsilon)
         count = release_cohort_count(
-            ledger, units=self.units, epsilon=self.settings.privacy.count_epsilon,
-            state=state, now=dt.datetime.now(dt.UTC),
+            ledger, units=self.units, epsilon=epsilon, state=state, now=dt.datetime.now(dt.UTC),
         )
         self.released_units = count.noisy_count
 
@@ -418,15 +435,14 @@ class DpTrainingHook:
                 lr=plan.learning_rate,
                 optimizer=cfg.training.optimizer,
                 max_grad_norm=cfg.privacy.max_grad_norm,
-                target_epsilon=cfg.privacy.budget_epsilon,
+                target_epsilon=self._dp_sgd_budget(cfg.privacy.budget_epsilon),
                 delta=cfg.privacy.delta,
                 planned_rounds=plan.planned_rounds,
                 fedprox_mu=plan.fedprox_mu,
                 accountant=cfg.privacy.accountant,
-                dp=self.dp and not self.hospital,
-                privacy_unit="patient" if self.privacy_unit == "patient" else (
-                    "record" if self.dp and not self.hospital else "auto"
-                ),
+                dp=self.dp_sgd,
+                privacy_unit="patient" if "patient" in (self.privacy_unit, self.record_level)
+                else ("record" if self.dp_sgd else "auto"),
                 grad_sample_mode=cfg.training.grad_sample_mode,
                 device=cfg.training.device,
                 task=self.task,
@@ -448,7 +464,7 @@ class DpTrainingHook:
     ) -> list[Segment]:
         """This round's DP-SGD mechanisms, its noise planned from the ledger with
         `evaluation` (the round's DP evaluation release) reserved in every round left."""
-        if plan.local_epochs == 0 or not self.dp or self.hospital:
+        if plan.local_epochs == 0 or not self.dp_sgd:
             return []
         trainer = self.trainer_for(plan)
         if self.ledger is not None and self.released_units is not None:
@@ -460,12 +476,32 @@ class DpTrainingHook:
                     self.ledger, policy=self.settings.policy,
                     announced_rounds=plan.planned_rounds, sample_rate=trainer.sample_rate,
                     steps_per_round=plan.local_epochs * trainer.steps_per_epoch,
-                    evaluation=evaluation,
+                    evaluation=evaluation, **self._layered_plan(),
                 ).noise_multiplier
                 self._planned = {plan.round_number: sigma}
             trainer.set_noise_multiplier(sigma)
         segments: list[Segment] = trainer.planned_segments(plan.local_epochs)
         return segments
+
+    def _dp_sgd_budget(self, budget: float) -> float:
+        """DP-SGD's target: the site's budget, or beneath hospital-level DP the study's
+        record_epsilon when smaller (the site's own budget still caps it)."""
+        if self.record_level == "none" or self.study is None:
+            return budget
+        record = self.study.privacy.record_epsilon
+        return budget if record is None else min(budget, record)
+
+    def _layered_plan(self) -> dict[str, Any]:
+        """Beneath hospital-level DP, DP-SGD's noise is planned on the ledger's DP-SGD path
+        (common.privacy.layered: DDGauss rounds above DP-SGD are post-processing) for
+        record_epsilon; otherwise on the whole ledger for its budget (no overrides)."""
+        if self.record_level == "none" or self.ledger is None:
+            return {}
+        from common.privacy.layered import dpsgd_path
+
+        pairs = [(e.purpose, e.mechanisms) for e in self.ledger.entries()]
+        return {"history": dpsgd_path(pairs),
+                "budget_epsilon": self._dp_sgd_budget(self.ledger.budget_epsilon)}
 
     def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate:
         self._ready()
@@ -479,7 +515,7 @@ class DpTrainingHook:
         if plan.local_epochs == 0:
             delta = np.zeros_like(global_flat, dtype=np.float32)
             return LocalUpdate(delta, 0, histogram, time.perf_counter() - started, patients)
-        if self.hospital and self.intermediaries > 1:
+        if self.hospital and self.intermediaries_for(plan) > 1:
             return self._train_units(plan, global_flat, histogram, started, patients)
         result = self.trainer_for(plan).train_round(
             global_flat,
@@ -501,12 +537,28 @@ class DpTrainingHook:
 
     @property
     def intermediaries(self) -> int:
-        """v: disjoint units this hospital trains, each clipped alone (the study's fixed
-        `privacy.intermediaries`; "auto" is one unit until the adaptive rule is wired)."""
+        """v of the study's fixed `privacy.intermediaries` (1 under "auto" before a
+        round announces one: `intermediaries_for`)."""
         if self.study is None or not self.hospital:
             return 1
         v = self.study.privacy.intermediaries
         return v if isinstance(v, int) else 1
+
+    def intermediaries_for(self, plan: RoundPlan) -> int:
+        """v this hospital trains in `plan`'s round: the study's fixed v, or under "auto"
+        the announced v (issue 13, section 2), lowered to what the site's DP patient
+        count splits into groups of `MIN_PATIENTS_PER_INTERMEDIARY` (post-processing of
+        that release: the choice, visible in the summed weight, reveals nothing new)."""
+        if self.study is None or not self.hospital:
+            return 1
+        if isinstance(self.study.privacy.intermediaries, int):
+            return self.study.privacy.intermediaries
+        from common.privacy.hospital import MIN_PATIENTS_PER_INTERMEDIARY
+
+        v = max(plan.intermediaries, 1)
+        if self.released_units is not None:
+            v = min(v, max(self.released_units // MIN_PATIENTS_PER_INTERMEDIARY, 1))
+        return v
 
     def unit_groups(self, v: int) -> list[np.ndarray]:
         """Record indices of v disjoint intermediaries: whole patients (records without a
@@ -536,7 +588,7 @@ class DpTrainingHook:
         deltas: list[np.ndarray] = []
         losses: list[float] = []
         records = 0
-        for index in self.unit_groups(self.intermediaries):
+        for index in self.unit_groups(self.intermediaries_for(plan)):
             subset = self.train_data.subset(index)
             config = dc.replace(
                 base.config, released_units=None,

@@ -20,7 +20,7 @@ from common.errors import RoundFailed
 from common.privacy import hospital
 from common.privacy.ddgauss import DDGaussPlan
 from common.privacy.mechanisms import DistributedDiscreteGaussian
-from common.round import VerifiedRound
+from common.round import VerifiedRound, validate_intermediaries
 from common.study import Study
 from site_agent import dp_release
 from site_agent.hooks import LocalUpdate
@@ -31,7 +31,8 @@ class HospitalRound:
     plan: DDGaussPlan
     seed: bytes
     mechanism: DistributedDiscreteGaussian
-    units: int = 1  # intermediaries of this hospital (issue 13, section 2)
+    units: int = 1  # intermediaries announced (issue 13, section 2): at most this many
+    terms: hospital.HospitalTerms | None = None  # the round's (norm segment, v)
 
 
 def plan_round(rnd: VerifiedRound, *, study: Study | None,
@@ -49,7 +50,10 @@ def plan_round(rnd: VerifiedRound, *, study: Study | None,
                 f"announced S = {terms.clip:g}, z = {terms.noise_multiplier:g} are not the "
                 f"study's ({expected.clip:g}, {expected.noise_multiplier:g})"
             )
-        terms = expected  # with the study's intermediaries per hospital
+        # v: the study's fixed one, or under "auto" the announced one (its range and
+        # the norm segment were checked by common.round.validate_intermediaries).
+        validate_intermediaries(ann, study=study)
+        terms = expected.for_round(terms.intermediaries) if expected.norm_segment else expected
     # Without a study the announced terms are taken as they come: the ledger records
     # the mechanism they make, and the budget check refuses a round that costs too much.
     ring = hospital.ring_plan(terms, dim=ann.model_elements, max_sites=len(ann.participants))
@@ -63,8 +67,10 @@ def plan_round(rnd: VerifiedRound, *, study: Study | None,
         round_nonce=ann.round_nonce, study_sha256=ann.study_sha256,
         round_number=ann.round_number,
     )
+    # The ledger records the announced v: a site that trains fewer (its DP count allows
+    # fewer under "auto", hooks.DpTrainingHook) is then covered conservatively.
     units = terms.intermediaries
-    return HospitalRound(plan, seed, hospital.mechanism(plan, units=units), units)
+    return HospitalRound(plan, seed, hospital.mechanism(plan, units=units), units, terms)
 
 
 def require_hospital_round(rnd: VerifiedRound, *, hospital_mode: bool) -> None:
@@ -90,25 +96,30 @@ def encode(rnd: VerifiedRound, update: LocalUpdate, planned: HospitalRound) -> n
     ann = rnd.announcement
     if update.delta.size != ann.model_elements:
         raise RoundFailed("update does not match the model size")
-    if planned.units > 1:
-        if len(update.units) != planned.units:
-            raise RoundFailed(
-                f"trained {len(update.units)} intermediaries, the study asks for "
-                f"{planned.units}"
-            )
+    terms = planned.terms
+    trained = len(update.units) if update.units else 1
+    fixed = terms is None or not terms.norm_segment
+    if trained > planned.units or (fixed and planned.units > 1 and trained != planned.units):
+        raise RoundFailed(
+            f"trained {trained} intermediaries, the round asks for {planned.units}"
+        )
+    if update.units:
         words = hospital.encode_units(
-            update.units, plan=planned.plan, seed=planned.seed, rng=system_random
+            update.units, plan=planned.plan, seed=planned.seed, rng=system_random,
+            terms=terms,
         )
     else:
         words = hospital.encode_update(
-            update.delta, plan=planned.plan, seed=planned.seed, rng=system_random
+            update.delta, plan=planned.plan, seed=planned.seed, rng=system_random,
+            terms=terms,
         )
     return ann.manifest().encode(
         {
             egress.HOSPITAL_UPDATE: words,
             # Each unit counts once in the mean: the weight says only how many units
-            # this hospital trained (public: the study's intermediaries).
-            egress.WEIGHT: [planned.units],
+            # this hospital trained (the announced v, or fewer under "auto" when its DP
+            # patient count allows fewer: post-processing of that release).
+            egress.WEIGHT: [trained],
             egress.EVALUATION_HISTOGRAM: np.asarray(update.histogram, dtype=np.int64),
         },
         clip=ann.clip,

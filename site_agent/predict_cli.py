@@ -142,8 +142,11 @@ def _model_show(args: argparse.Namespace) -> int:
     print("privacy card")
     print(f"  unit {card.unit}; accountant {card.accountant}; rounds {card.rounds}")
     print(f"  mechanisms: {', '.join(card.mechanisms)}")
+    # Under hospital-level DP sites[].epsilon is the per-record/patient guarantee (with
+    # DP-SGD beneath: the better of its two paths); the hospital-level one follows.
+    level = (f"{card.record_level or 'patient'}-level " if card.unit == "hospital" else "")
     for site in card.sites:
-        print(f"  site {site.site}: epsilon {site.epsilon:.3g}, delta {site.delta:g}")
+        print(f"  site {site.site}: {level}epsilon {site.epsilon:.3g}, delta {site.delta:g}")
     for group in card.group_guarantees:
         note = f" ({group.note})" if group.note else ""
         print(f"  {group.unit}-level: epsilon {group.epsilon:.3g}, delta {group.delta:g}{note}")

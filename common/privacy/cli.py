@@ -25,6 +25,7 @@ from common.privacy.accountant import (
     plan_noise_multiplier,
     plan_round_noise,
 )
+from common.privacy.layered import charged
 from common.privacy.ledger import (
     read_ledger,
     restore_ledger,
@@ -273,11 +274,11 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
     header, entries = read_ledger(path)
     rows = []
     previous = 0.0
-    by_purpose: dict[str, list[Mechanism]] = {}
+    by_purpose: dict[str, list[tuple[str, tuple[Mechanism, ...]]]] = {}
     for entry in entries:
         mechanisms = _entry_mechanisms(entry)
         purpose = getattr(entry, "purpose", "training")
-        by_purpose.setdefault(purpose, []).extend(mechanisms)
+        by_purpose.setdefault(purpose, []).append((purpose, mechanisms))
         rows.append(
             {
                 "seq": entry.seq,
@@ -309,10 +310,12 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
         "accountant": header.accountant,
         "spent_epsilon": spent,
         "remaining_epsilon": max(0.0, header.budget_epsilon - spent),
-        # Each purpose composed ALONE: these do not add up to spent_epsilon.
+        # Each purpose composed ALONE, as the ledger charges (DP-SGD beneath a hospital
+        # round: the better path, common.privacy.layered): they do not add up to
+        # spent_epsilon.
         "epsilon_by_purpose": {
-            purpose: account(ms, delta=header.delta, accountant=header.accountant).epsilon
-            for purpose, ms in sorted(by_purpose.items())
+            purpose: charged(pairs, delta=header.delta, accountant=header.accountant).epsilon
+            for purpose, pairs in sorted(by_purpose.items())
         },
         "entries": rows,
         "head_hash": header.head_hash,
@@ -323,21 +326,40 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
 def _guarantees(header: Any, entries: Any) -> dict[str, Any]:
     """Under hospital-level DP two guarantees, named plainly (issue 13): the model
     updates alone per hospital, and every release composed, which bounds each patient
-    (statistics, evaluation and the count are bounded per patient only)."""
+    (statistics, evaluation and the count are bounded per patient only). With DP-SGD
+    beneath (study privacy.record_level), the record/patient-level epsilon the ledger
+    charges: the better of its DP-SGD path and its hospital path (common.privacy.layered)."""
     if header.privacy_unit != "hospital":
         return {}
-    from common.privacy.hospital import hospital_level_epsilon, intermediary_level_epsilon
+    from common.privacy import layered
+    from common.privacy.hospital import (
+        hospital_level_epsilon,
+        intermediary_level_epsilon,
+        largest_intermediaries,
+    )
 
     pairs = [(getattr(e, "purpose", "training"), _entry_mechanisms(e)) for e in entries]
-    out = {
+    out: dict[str, Any] = {
         "hospital_level_epsilon": hospital_level_epsilon(
             pairs, delta=header.delta, accountant=header.accountant),
-        "patient_level_epsilon": entries[-1].epsilon_after if entries else 0.0,
     }
+    spent = entries[-1].epsilon_after if entries else 0.0
+    if layered.is_layered(pairs):
+        paths = layered.record_level(pairs, delta=header.delta, accountant=header.accountant)
+        out["record_level_epsilon"] = spent
+        out["dpsgd_path_epsilon"] = paths.dpsgd_path
+        out["hospital_path_epsilon"] = paths.hospital_path
+    else:
+        out["patient_level_epsilon"] = spent
     intermediary = intermediary_level_epsilon(pairs, delta=header.delta,
                                               accountant=header.accountant)
     if intermediary is not None:
         out["intermediary_level_epsilon"] = intermediary
+        out["intermediaries_max"] = largest_intermediaries(pairs)
+        out["intermediaries_by_round"] = {
+            str(e.round): largest_intermediaries([("training", _entry_mechanisms(e))])
+            for e in entries if getattr(e, "purpose", "training") == "training"
+        }
     return out
 
 
@@ -365,11 +387,24 @@ def _cmd_ledger_show(args: argparse.Namespace) -> int:
         print(f"hospital-level epsilon {summary['hospital_level_epsilon']:.4f}: MODEL UPDATES "
               "ONLY (whole update clipped to S, distributed discrete Gaussian)")
         if "intermediary_level_epsilon" in summary:
+            by_round = summary.get("intermediaries_by_round", {})
             print(f"intermediary epsilon   {summary['intermediary_level_epsilon']:.4f}: model "
                   "updates per intermediary (each patient is in one); the hospital-level "
-                  "figure above is its v-fold group guarantee")
-        print(f"per-patient epsilon    {summary['patient_level_epsilon']:.4f}: every release "
-              "composed (statistics, evaluation and count are bounded per patient)")
+                  "figure above is its group guarantee, each round v-fold at its own v "
+                  f"(largest v {summary.get('intermediaries_max', 1)})")
+            if by_round:
+                print("  v per round            " + ", ".join(
+                    f"{number}:{v}" for number, v in by_round.items()))
+        if "record_level_epsilon" in summary:
+            print(f"record/patient-level epsilon {summary['record_level_epsilon']:.4f}: DP-SGD "
+                  "beneath (per record, or per patient when the study's record_level is "
+                  "'patient'); the better of the DP-SGD path "
+                  f"{summary['dpsgd_path_epsilon']:.4f} and the hospital path "
+                  f"{summary['hospital_path_epsilon']:.4f}, each with every other release")
+        else:
+            print(f"per-patient epsilon    {summary['patient_level_epsilon']:.4f}: every "
+                  "release composed (statistics, evaluation and count are bounded per "
+                  "patient)")
     print(f"head hash     {summary['head_hash']}")
     print()
     print(

@@ -25,6 +25,19 @@ by more than `MAX_ROUNDING_INFLATION` it widens the ring (`plan_ddgauss` with fr
 bits, up to 62) and splits every ring element into `limbs` words of `limb_bits` bits,
 each below 2^32 / M, so the limb sums never wrap in the 32-bit SecAgg ring and the
 coordinator recombines them exactly modulo 2^bits (`to_limbs` / `from_limbs`).
+
+Adaptive intermediaries (issue 13, section 2; Jiang et al., MICCAI 2023): under
+``privacy.intermediaries = "auto"`` the coordinator needs the sum of the clipped unit
+update norms. Each unit's vector then gets one more coordinate, ``c * min(||delta||, S)``
+(`NORM_SEGMENT_SCALE` = c), BEFORE the rotation, so the norm is rounded, noised and
+masked with the update in the same DDGauss vector. A unit's combined L2 norm is at most
+``S' = S sqrt(1 + c^2)``: the ring, the noise (std z S' per coordinate) and the ledger's
+mechanism are planned with S' and dimension d + 1 (`HospitalTerms.sensitivity`,
+`HospitalTerms.dimension`), so the epsilon per round is the one planned for z, and the
+model update carries sqrt(1 + c^2) more noise (3.1 % at c = 1/4). The norm sum comes out
+as the decoded last coordinate / c, with noise std z S' / c (about 4.1 z S at c = 1/4):
+a small c costs the model little and the v estimate more; v = sqrt(.) halves the
+relative error of that estimate.
 """
 
 from __future__ import annotations
@@ -63,6 +76,17 @@ ROTATION_DOMAIN = b"medfed/v1/ddgauss-rotation"
 EVALUATION_RESERVE = 0.2
 """Share of the study's epsilon (after statistics and count) a planned z leaves for the
 per-round DP evaluation histograms, which the sites' ledgers compose with the updates."""
+NORM_SEGMENT_SCALE = 0.25
+"""c: the norm coordinate is c * min(||unit delta||, S) (module docstring: the trade-off)."""
+MAX_AUTO_INTERMEDIARIES = 8
+"""Largest v the coordinator announces under "auto" (public; a site splits into at most
+this many intermediaries, and only as many as its DP patient count allows:
+`MIN_PATIENTS_PER_INTERMEDIARY`)."""
+MIN_PATIENTS_PER_INTERMEDIARY = 10
+"""A site under "auto" trains min(v, DP patient count // this) intermediaries (at least
+one): post-processing of its released count, so the choice reveals nothing new."""
+AUTO_START_INTERMEDIARIES = 1
+"""v of the first hospital round under "auto" (nothing measured yet: the paper's start)."""
 MIN_NOISE_MULTIPLIER = 0.3
 MAX_NOISE_MULTIPLIER = 1000.0
 
@@ -117,6 +141,24 @@ class HospitalTerms:
     clip: float
     noise_multiplier: float
     intermediaries: int = 1  # v disjoint units per hospital, each clipped to S alone
+    # "auto" intermediaries: each unit's vector carries its clipped norm (c * min(|d|, S))
+    # as one more coordinate (module docstring), so the rule can be evaluated.
+    norm_segment: bool = False
+
+    @property
+    def sensitivity(self) -> float:
+        """L2 bound of one unit's vector: S, or S sqrt(1 + c^2) with the norm coordinate."""
+        if not self.norm_segment:
+            return self.clip
+        return self.clip * math.sqrt(1.0 + NORM_SEGMENT_SCALE**2)
+
+    def dimension(self, model_elements: int) -> int:
+        """Length of one unit's vector before padding: d, or d + 1 with the norm."""
+        return model_elements + (1 if self.norm_segment else 0)
+
+    def for_round(self, intermediaries: int) -> HospitalTerms:
+        """These terms with the round's announced v (auto mode changes it per round)."""
+        return dataclasses.replace(self, intermediaries=intermediaries)
 
 
 def plan_noise_multiplier(*, epsilon: float, delta: float, rounds: int) -> float:
@@ -153,14 +195,18 @@ def ring_plan(
     """The round's ring (gamma, bits), from public values only (module docstring): the
     32-bit SecAgg ring unless its rounding inflation exceeds `max_inflation`, then the
     narrowest wider ring at that inflation."""
-    sigma = terms.noise_multiplier * terms.clip
+    # With the norm coordinate the unit vector is d + 1 long and bounded by S' (module
+    # docstring): the noise, the grid and the recorded sensitivity all follow S'.
+    clip = terms.sensitivity
+    dim = terms.dimension(dim)
+    sigma = terms.noise_multiplier * clip
     # v units per site, each a clipped rounded vector: the ring holds M v of them.
     sites = max(max_sites, 1) * max(terms.intermediaries, 1)
-    plan = plan_ddgauss(clip=terms.clip, dim=dim, sigma=sigma, n_noise=1, max_sites=sites,
+    plan = plan_ddgauss(clip=clip, dim=dim, sigma=sigma, n_noise=1, max_sites=sites,
                         bits=SECAGG_RING_BITS, log2_wrap_probability=LOG2_WRAP_PROBABILITY)
     if plan.rounding_inflation <= max_inflation:
         return plan
-    return plan_ddgauss(clip=terms.clip, dim=dim, sigma=sigma, n_noise=1, max_sites=sites,
+    return plan_ddgauss(clip=clip, dim=dim, sigma=sigma, n_noise=1, max_sites=sites,
                         rounding_inflation=max_inflation,
                         log2_wrap_probability=LOG2_WRAP_PROBABILITY)
 
@@ -193,19 +239,40 @@ def rotation_seed(*, round_nonce: bytes, study_sha256: bytes, round_number: int)
     ).digest()
 
 
+def unit_vector(delta: np.ndarray, *, clip: float, norm_segment: bool) -> np.ndarray:
+    """One unit's float64 vector before the DDGauss encoding: the delta itself, or (with
+    the norm coordinate) the delta clipped to S followed by c * min(||delta||, S), whose
+    L2 norm is then at most S sqrt(1 + c^2) (module docstring)."""
+    flat = np.asarray(delta).reshape(-1)
+    if not norm_segment:
+        return np.asarray(flat, dtype=np.float64)  # ddgauss_round copies it anyway
+    out = np.empty(flat.size + 1, np.float64)
+    out[:-1] = flat
+    if not np.all(np.isfinite(out[:-1])):
+        raise ValidationError("a unit update holds a non-finite value")
+    norm = float(np.linalg.norm(out[:-1]))
+    if norm > clip:
+        out[:-1] *= clip / norm
+    out[-1] = NORM_SEGMENT_SCALE * min(norm, clip)
+    return out
+
+
 def encode_update(
-    delta: np.ndarray, *, plan: DDGaussPlan, seed: bytes, rng: RandomSource
+    delta: np.ndarray, *, plan: DDGaussPlan, seed: bytes, rng: RandomSource,
+    terms: HospitalTerms | None = None,
 ) -> np.ndarray:
     """One site's ring words: KLS21 Algorithm 1 (clip to S, scale, rotate, round, noise,
-    mod 2^bits), split into limbs for the 32-bit SecAgg ring."""
-    encoded = ddgauss_encode(
-        np.asarray(delta, dtype=np.float64).reshape(-1), plan=plan, rotation_seed=seed, rng=rng
-    )
+    mod 2^bits), split into limbs for the 32-bit SecAgg ring. `terms` with a norm
+    segment: the unit's clipped norm rides as the last coordinate (`unit_vector`)."""
+    vector = unit_vector(delta, clip=terms.clip if terms else plan.clip,
+                         norm_segment=terms is not None and terms.norm_segment)
+    encoded = ddgauss_encode(vector, plan=plan, rotation_seed=seed, rng=rng)
     return to_limbs(encoded, bits=plan.bits, max_sites=plan.max_sites)
 
 
 def encode_units(
-    units: Sequence[np.ndarray], *, plan: DDGaussPlan, seed: bytes, rng: RandomSource
+    units: Sequence[np.ndarray], *, plan: DDGaussPlan, seed: bytes, rng: RandomSource,
+    terms: HospitalTerms | None = None,
 ) -> np.ndarray:
     """A site with v intermediaries (issue 13, section 2; Jiang et al. 2023): each unit's
     update clipped, scaled, rotated and conditionally rounded ALONE (so adding or
@@ -215,8 +282,9 @@ def encode_units(
         raise ValidationError("no intermediary updates")
     total = np.zeros(plan.padded_dim, np.int64)
     for unit in units:
-        total += ddgauss_round(np.asarray(unit, dtype=np.float64).reshape(-1), plan=plan,
-                               rotation_seed=seed, rng=rng)
+        vector = unit_vector(unit, clip=terms.clip if terms else plan.clip,
+                             norm_segment=terms is not None and terms.norm_segment)
+        total += ddgauss_round(vector, plan=plan, rotation_seed=seed, rng=rng)
     total += sample_discrete_gaussian(plan.padded_dim, sigma=plan.site_sigma, rng=rng)
     total &= np.int64((1 << plan.bits) - 1)
     return to_limbs(total.astype(np.uint64), bits=plan.bits, max_sites=plan.max_sites)
@@ -224,9 +292,17 @@ def encode_units(
 
 def decode_sum(words: np.ndarray, *, plan: DDGaussPlan, seed: bytes) -> np.ndarray:
     """KLS21 Algorithm 2 on the unmasked limb sums: the float64 noisy sum of the clipped
-    updates (length d)."""
+    updates (length d; d + 1 with the norm coordinate last: `split_norm_sum`)."""
     total = from_limbs(words, bits=plan.bits, max_sites=plan.max_sites)
     return ddgauss_decode(total, plan=plan, rotation_seed=seed)
+
+
+def split_norm_sum(total: np.ndarray, *, terms: HospitalTerms) -> tuple[np.ndarray, float | None]:
+    """(model-sized noisy sum, noisy sum of the clipped unit norms or None): the last
+    coordinate / c when the round carried the norm segment."""
+    if not terms.norm_segment:
+        return total, None
+    return total[:-1], float(total[-1]) / NORM_SEGMENT_SCALE
 
 
 def vector_words(plan: DDGaussPlan) -> int:
@@ -246,6 +322,14 @@ def hospital_level_mechanisms(
     ]
 
 
+def largest_intermediaries(entries: Sequence[tuple[str, Sequence[Mechanism]]]) -> int:
+    """The largest v any training round of the history split its hospital into (1 when
+    none did): the hospital-level figure is at most v-fold group privacy at this v (each
+    round is charged at its own v, `per_hospital`, which is tighter)."""
+    return max((m.units for purpose, mechanisms in entries if purpose == "training"
+                for m in mechanisms if isinstance(m, DistributedDiscreteGaussian)), default=1)
+
+
 def hospital_level_epsilon(
     entries: Sequence[tuple[str, Sequence[Mechanism]]], *, delta: float, accountant: str,
 ) -> float:
@@ -257,8 +341,10 @@ def hospital_level_epsilon(
 
 
 def announced_terms(ann: Announcement) -> HospitalTerms:
-    """S and z as a HOSPITAL round announces them (clip, hospital_noise_multiplier)."""
-    return HospitalTerms(clip=ann.clip, noise_multiplier=ann.hospital_noise_multiplier)
+    """S, z, v and the norm segment as a HOSPITAL round announces them."""
+    return HospitalTerms(clip=ann.clip, noise_multiplier=ann.hospital_noise_multiplier,
+                         intermediaries=max(ann.hospital_intermediaries, 1),
+                         norm_segment=ann.hospital_norm_segment)
 
 
 def intermediary_level_epsilon(
@@ -296,7 +382,21 @@ def study_terms(study: Study) -> HospitalTerms:
             )
         z = plan_noise_multiplier(epsilon=left * (1 - EVALUATION_RESERVE),
                                   delta=privacy.delta, rounds=study.study.rounds)
-    # "auto" (the adaptive rule, common/privacy/intermediaries.py) is not wired into
-    # training yet: one unit per hospital until it is.
-    v = privacy.intermediaries if isinstance(privacy.intermediaries, int) else 1
-    return HospitalTerms(clip=privacy.update_clip_norm, noise_multiplier=z, intermediaries=v)
+    # "auto" (the adaptive rule, common/privacy/intermediaries.py): v starts at
+    # AUTO_START_INTERMEDIARIES and each round announces the next (`for_round`); the
+    # units carry their clipped norms so the coordinator can evaluate the rule.
+    fixed = privacy.intermediaries
+    if isinstance(fixed, int):
+        return HospitalTerms(clip=privacy.update_clip_norm, noise_multiplier=z,
+                             intermediaries=fixed)
+    return HospitalTerms(clip=privacy.update_clip_norm, noise_multiplier=z,
+                         intermediaries=AUTO_START_INTERMEDIARIES, norm_segment=True)
+
+
+def intermediaries_cap(study: Study) -> int | None:
+    """The largest v a round of this study may announce: the fixed v itself, or
+    `MAX_AUTO_INTERMEDIARIES` under "auto"; None when the study is not hospital-level."""
+    if study.privacy.unit != "hospital":
+        return None
+    fixed = study.privacy.intermediaries
+    return fixed if isinstance(fixed, int) else MAX_AUTO_INTERMEDIARIES

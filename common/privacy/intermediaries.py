@@ -26,12 +26,20 @@ both clamps are ours and are applied after the authors' rounding.
 Norms: the authors sum each client's norm BEFORE clipping; in medfed the sum must
 leave the site privately, so the caller passes norms clipped to S (noised like the
 update, see issue 13 section 2). The formula is the same; only the input differs.
+
+Scale: the authors' aggregate is the pure AVERAGE of the unit updates (client weights
+1 / (N v)) and their noise is the noise on that average (std z S / (N v)); phi is not
+scale-free, so `next_split_count` measures both on the average too. With the noise on
+the average, v_next = floor(sqrt(lambda N) * v) does not depend on the v measured
+(lambda scales as 1 / v^2), which is what makes the rule a fixed point.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Literal
+
+import numpy as np
 
 from common.errors import ConfigError
 
@@ -86,3 +94,50 @@ def split_count(
         count = math.floor(vn * current)
     count = max(1, count)
     return count if maximum is None else min(count, maximum)
+
+
+def expected_noise_norm(*, std: float, dim: int) -> float:
+    """E||N(0, std^2 I_dim)|| = std sqrt(2) Gamma((dim+1)/2) / Gamma(dim/2) (~ std sqrt(dim)):
+    the noise norm the coordinator takes from the plan (it never sees the noise)."""
+    if not (std >= 0 and math.isfinite(std)):
+        raise ConfigError("std", "must be finite and >= 0")
+    if dim < 1:
+        raise ConfigError("dim", "must be >= 1")
+    return std * math.sqrt(2.0) * math.exp(math.lgamma((dim + 1) / 2) - math.lgamma(dim / 2))
+
+
+def next_split_count(
+    *,
+    mean_update: np.ndarray,
+    mean_noise_std: float,
+    unit_norm_sum: float,
+    units: int,
+    clip: float,
+    hospitals: int,
+    current: int,
+    maximum: int,
+    mode: SplitMode = "default",
+) -> int:
+    """v for the next round from one decoded hospital round (issue 13, section 2).
+
+    As the authors' code measures it (`_private_grad_aggregation`): the aggregate is the
+    pure average of the `units` clipped unit updates (what the model steps by), the noise
+    is the noise on that average, N(0, mean_noise_std^2) per coordinate of the d model
+    coordinates (`expected_noise_norm`: taken from the plan, the coordinator never sees
+    it), and `unit_norm_sum` the sum of the clipped unit norms, decoded from the norm
+    coordinate. That estimate is noisy; it is projected onto the interval the true sum
+    lies in, (0, units * S], which is post-processing. `current` is the v of the round
+    measured (the authors' ``virtual_clients``); the result is bounded to [1, maximum].
+    """
+    if units < 1 or clip <= 0:
+        raise ConfigError("units", "a measured round has at least one unit and S > 0")
+    aggregate_norm = float(np.linalg.norm(np.asarray(mean_update, dtype=np.float64)))
+    if not (aggregate_norm > 0 and math.isfinite(aggregate_norm)):
+        return min(max(current, 1), maximum)  # nothing measured: keep v
+    noise_norm = expected_noise_norm(std=mean_noise_std, dim=int(np.asarray(mean_update).size))
+    floor = units * clip * 1e-9
+    norm_sum = min(max(unit_norm_sum, floor), units * clip) if math.isfinite(unit_norm_sum) \
+        else units * clip
+    return split_count(noise_norm=noise_norm, aggregate_norm=aggregate_norm,
+                       unit_norm_sum=norm_sum, hospitals=hospitals, current=current,
+                       mode=mode, maximum=maximum)

@@ -51,6 +51,7 @@ from common.errors import (
 )
 from common.privacy import legacy
 from common.privacy.accountant import ACCOUNTANTS, EpsilonReport, account
+from common.privacy.layered import charged
 from common.privacy.legacy import LedgerHeader, LedgerProblem, VerifyReport
 from common.privacy.mechanisms import (
     MECHANISM_TYPES,
@@ -374,7 +375,8 @@ def _as_problem(problem: HistoryProblem) -> LedgerProblem:
 
 def _recompose_problems(terms: LedgerTerms, entries: Sequence[SignedEntry]) -> list[LedgerProblem]:
     recorded = (
-        RecordedSpend(e.seq, e.mechanisms, e.epsilon_after, e.accountant_used) for e in entries
+        RecordedSpend(e.seq, e.mechanisms, e.epsilon_after, e.accountant_used, e.purpose)
+        for e in entries
     )
     found = recompose_mismatches(
         recorded,
@@ -847,12 +849,12 @@ class PrivacyLedger:
     def spent_by_purpose(self) -> dict[str, float]:
         """Epsilon of each purpose's entries composed ALONE (for reports: what is spent
         on what). These do not add up to `spent()`, which composes everything."""
-        by_purpose: dict[str, list[Mechanism]] = {}
+        by_purpose: dict[str, list[SignedEntry]] = {}
         for entry in self.entries():
-            by_purpose.setdefault(entry.purpose, []).extend(entry.mechanisms)
+            by_purpose.setdefault(entry.purpose, []).append(entry)
         return {
-            purpose: self._compose(mechanisms).epsilon
-            for purpose, mechanisms in sorted(by_purpose.items())
+            purpose: self._charge(self._pairs(entries)).epsilon
+            for purpose, entries in sorted(by_purpose.items())
         }
 
     def remaining(self) -> float:
@@ -866,10 +868,15 @@ class PrivacyLedger:
         """Signed entries after `after_seq` + their certificates (for the replica)."""
         return export_ledger(self.path, after_seq=after_seq)
 
-    def preview(self, round_number: int, mechanisms: Sequence[Mechanism]) -> float:
-        """Epsilon of the whole history if `mechanisms` were added for `round_number`."""
+    def preview(
+        self, round_number: int, mechanisms: Sequence[Mechanism], *,
+        purpose: str = "training", also: Sequence[tuple[str, Sequence[Mechanism]]] = (),
+    ) -> float:
+        """Epsilon charged after the whole history if `mechanisms` (of `purpose`) and
+        `also` ((purpose, mechanisms) pairs, e.g. the round's evaluation) were added."""
         del round_number  # the round does not change the maths; kept for call symmetry
-        return self._compose([*self.history(), *mechanisms]).epsilon
+        pairs = [*self._pairs(self.entries()), (purpose, tuple(mechanisms)), *also]
+        return self._charge(pairs).epsilon
 
     def exhausted(self, next_mechanisms: Sequence[Mechanism]) -> bool:
         """True if releasing `next_mechanisms` would take the site past its budget."""
@@ -956,8 +963,7 @@ class PrivacyLedger:
                     f"{mechanisms_to_json(mechanisms)})"
                 )
         header = _read_header(conn)
-        history = [m for entry in entries for m in entry.mechanisms]
-        report = self._compose([*history, *mechanisms])
+        report = self._charge([*self._pairs(entries), (purpose, mechanisms)])
         if report.epsilon > self.budget_epsilon:
             spent = entries[-1].epsilon_after if entries else 0.0
             raise BudgetExhausted(
@@ -985,6 +991,15 @@ class PrivacyLedger:
 
     def _compose(self, mechanisms: Sequence[Mechanism]) -> EpsilonReport:
         return account(mechanisms, delta=self.delta, accountant=self.accountant)
+
+    @staticmethod
+    def _pairs(entries: Sequence[SignedEntry]) -> list[tuple[str, Sequence[Mechanism]]]:
+        return [(entry.purpose, entry.mechanisms) for entry in entries]
+
+    def _charge(self, pairs: Sequence[tuple[str, Sequence[Mechanism]]]) -> EpsilonReport:
+        """The whole history composed, or under record/patient-level DP-SGD beneath
+        hospital-level DP the record-level epsilon (`common.privacy.layered.charged`)."""
+        return charged(pairs, delta=self.delta, accountant=self.accountant)
 
 
 def segments_of(entries: Sequence[SignedEntry]) -> list[Segment]:

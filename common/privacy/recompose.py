@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from common.privacy.accountant import account
+from common.privacy.layered import charged
 from common.privacy.mechanisms import Mechanism
 
 __all__ = ["RecordedSpend", "recompose_mismatches"]
@@ -26,6 +26,7 @@ class RecordedSpend:
     mechanisms: Sequence[Mechanism]
     epsilon_after: float
     accountant_used: str
+    purpose: str = "training"
 
 
 def recompose_mismatches(
@@ -41,10 +42,12 @@ def recompose_mismatches(
     `relative_tolerance` allows for FFT round-off across machines and numpy versions.
     """
     mismatches: list[tuple[int, str]] = []
-    history: list[Mechanism] = []
+    history: list[tuple[str, Sequence[Mechanism]]] = []
     for entry in entries:
-        history.extend(entry.mechanisms)
-        report = account(history, delta=delta, accountant=accountant)
+        history.append((entry.purpose, entry.mechanisms))
+        # The ledger's own charge (common.privacy.layered): the whole history, or the
+        # record-level epsilon when DP-SGD ran beneath hospital-level DP.
+        report = charged(history, delta=delta, accountant=accountant)
         if not math.isclose(report.epsilon, entry.epsilon_after, rel_tol=relative_tolerance):
             mismatches.append(
                 (

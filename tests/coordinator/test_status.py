@@ -3,10 +3,22 @@ The RPC itself is exercised over real mTLS in tests/e2e/test_study_lifecycle.py.
 
 from __future__ import annotations
 
-from common.round import SiteBudget
+import dataclasses
+from typing import Any
+
+from common.round import KIND_STATISTICS, KIND_TRAINING, SiteBudget
+from common.status_cli import render
+from coordinator.phases import ActiveRound, RoundPhase
 from coordinator.sessions import SiteSession
-from coordinator.status import DISCONNECTED_AFTER_SECONDS, eta_seconds, site_state, study_status
+from coordinator.status import (
+    DISCONNECTED_AFTER_SECONDS,
+    StudyStatus,
+    eta_seconds,
+    site_state,
+    study_status,
+)
 from coordinator.store import RoundRecord
+from tests.coordinator.test_phases import announcement
 
 NOW = 1_000_000.0
 
@@ -46,12 +58,69 @@ def test_eta_is_unknown_before_a_round_completes_then_median_based() -> None:
 def test_study_status_counts_rounds_and_reports_finished() -> None:
     records = [record(1, "completed", 0, 10), record(2, "aborted", 10, 12),
                record(3, "completed", 12, 20)]
-    status = study_status([session(last_contact=NOW)], records, rnd=None, total_rounds=2,
-                          finished=True, now=NOW)
+    status = study_status([session(last_contact=NOW)], records, rnd=None, training_rounds=2,
+                          evaluation_round=False, statistics_pending=False, finished=True,
+                          now=NOW)
     assert (status.completed_rounds, status.aborted_rounds) == (2, 1)
     assert status.phase == "finished" and status.finished and status.eta_seconds == 0
     assert [s.state for s in status.sites] == ["waiting"]
-    selecting = study_status([], records[:1], rnd=None, total_rounds=2, finished=False,
+    selecting = study_status([], records[:1], rnd=None, training_rounds=2,
+                             evaluation_round=False, statistics_pending=False, finished=False,
                              now=NOW)
     assert selecting.phase == "selecting" and selecting.current_round == 0
     assert selecting.eta_seconds == 10
+
+
+def _in_flight(number: int, *, statistics: bool = False) -> ActiveRound:
+    ann = dataclasses.replace(announcement(), round_number=number,
+                              kind=KIND_STATISTICS if statistics else KIND_TRAINING)
+    rnd = ActiveRound(ann, b"")
+    rnd.phase = RoundPhase.SHARE_KEYS
+    return rnd
+
+
+def _as_cli(status: StudyStatus) -> dict[str, Any]:
+    """What `medfed status` renders: the RPC's fields, as `fetch_status` returns them."""
+    return {"federation_id": "f", "finished": status.finished, "phase": status.phase,
+            "current_round": status.current_round, "completed_rounds": status.completed_rounds,
+            "aborted_rounds": status.aborted_rounds, "total_rounds": status.total_rounds,
+            "training_rounds": status.training_rounds,
+            "evaluation_round": status.evaluation_round,
+            "statistics_round": status.statistics_round, "current_kind": status.current_kind,
+            "eta_seconds": status.eta_seconds, "sites": []}
+
+
+def test_status_names_the_statistics_training_and_evaluation_rounds() -> None:
+    """A study of 2 training rounds and a final evaluation: the statistics round is
+    named apart and never counted as a training round; "k of N" counts training only."""
+    def status(records: list[RoundRecord], rnd: ActiveRound | None, *, pending: bool = False,
+               finished: bool = False) -> StudyStatus:
+        return study_status([], records, rnd=rnd, training_rounds=2, evaluation_round=True,
+                            statistics_pending=pending, finished=finished, now=NOW)
+
+    stats = status([], _in_flight(1, statistics=True), pending=True)
+    assert (stats.current_kind, stats.statistics_round, stats.total_rounds) == (
+        "statistics", "pending", 3)
+    text = render(_as_cli(stats))
+    assert "the statistics round in flight (round number 1" in text
+    assert "statistics round to come, 0 of 2 training rounds completed, " \
+        "final evaluation round to come" in text
+
+    records = [record(1, "statistics", 0, 5), record(2, "completed", 5, 15)]
+    training = status(records, _in_flight(3))
+    assert (training.current_kind, training.statistics_round) == ("training", "completed")
+    assert "training round 2 of 2 in flight (round number 3" in render(_as_cli(training))
+    # Two rounds remain (training 2, evaluation); the statistics round is not one of them.
+    assert training.eta_seconds == 20
+
+    records += [record(3, "completed", 15, 25)]
+    evaluation = status(records, _in_flight(4))
+    assert evaluation.current_kind == "evaluation"
+    assert "the final evaluation round in flight" in render(_as_cli(evaluation))
+
+    records += [record(4, "completed", 25, 30)]
+    done = status(records, None, finished=True)
+    assert (done.completed_rounds, done.total_rounds, done.completed_training_rounds) == (3, 3, 2)
+    assert render(_as_cli(done)).splitlines()[0] == (
+        "federation f: study finished: statistics round completed, 2 of 2 training rounds "
+        "completed, final evaluation round completed")

@@ -141,6 +141,41 @@ def test_failed_transaction_leaves_nothing_behind(database_url: str) -> None:
     store.close()
 
 
+def test_completed_count_kept_by_the_store_matches_the_table(database_url: str) -> None:
+    """The store counts completed rounds once and keeps the count through finish_round
+    (the engine asks several times a round); a second store on the same database, which
+    counts afresh, must agree after every kind of close, a re-close and a failed one."""
+    store = CoordinatorStore(database_url)
+    assert store.completed_rounds() == 0  # the count is now kept, not re-read
+
+    def agrees() -> int:
+        fresh = CoordinatorStore(database_url)
+        try:
+            assert fresh.completed_rounds() == store.completed_rounds()
+            return fresh.completed_rounds()
+        finally:
+            fresh.close()
+
+    store.begin_round(1, ["a"], now=1.0)
+    store.finish_round(1, status="completed", now=2.0,
+                       checkpoint=Checkpoint(1, Path("/x/1.mfm"), "00" * 32))
+    assert agrees() == 1
+    store.begin_round(2, ["a"], now=3.0)
+    store.finish_round(2, status="aborted", now=4.0)
+    assert agrees() == 1
+    store.finish_round(1, status="completed", now=5.0)  # closed twice: counted once
+    assert agrees() == 1
+    store.begin_round(3, ["a"], now=6.0)
+    with pytest.raises(Exception, match=r"(?i)unique|duplicate"):
+        store.finish_round(3, status="completed", now=7.0,
+                           checkpoint=Checkpoint(1, Path("/x/3.mfm"), "11" * 32))
+    assert agrees() == 1
+    store.finish_round(3, status="completed", now=8.0)
+    store.finish_round(99, status="completed", now=9.0)  # no such round: nothing counted
+    assert agrees() == 2
+    store.close()
+
+
 # ------------------------------------------------------------- federation view
 
 

@@ -6,7 +6,11 @@ conditions over those lines (common.processes.ManagedProcess; no sleeps as sync)
 
 from __future__ import annotations
 
+import os
+import re
+import socket
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -106,3 +110,138 @@ class Federation:
             np.add(expected, self.site_update(site, round_number), out=expected)
         assert np.array_equal(total, expected), f"round {round_number}: aggregate differs"
         return survivors
+
+
+# ------------------------------------------------------------------ a study, as processes
+
+PROCESS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+"""One thread per process: several sites and a coordinator share a 2-core machine."""
+
+
+class StudyProcesses:
+    """A study over real processes, as a hospital consortium runs it: `medfed coordinator
+    serve --study STUDY` and one `medfed site run --once` per site on its own file or
+    folder. Every process started is appended to `processes` (the `processes` fixture
+    stops them), so a failing test leaves nothing running."""
+
+    def __init__(self, root: Path, *, study: Path, pki: Path,
+                 processes: list[ManagedProcess]) -> None:
+        self.root = root
+        self.study = study
+        self.pki = pki
+        self.processes = processes
+        self.logs = root / "logs"
+        self.state = root / "coordinator"
+        self.port = 0
+        self._starts: dict[str, int] = {}
+
+    def start_coordinator(self, *extra: str, min_sites: int = 3) -> ManagedProcess:
+        """Waits until it listens; `extra`: more `coordinator serve` flags."""
+        proc = ManagedProcess(
+            "coordinator",
+            medfed_argv("coordinator", "serve", "--study", str(self.study),
+                        "--pki", str(self.pki), "--listen", "127.0.0.1:0",
+                        "--metrics-listen", "127.0.0.1:0", "--state", str(self.state),
+                        "--min-sites", str(min_sites), "--selection-seconds", "1",
+                        "--linger-seconds", "20", *extra),
+            log_dir=self.logs, env=PROCESS_ENV, cwd=REPO,
+        )
+        self.processes.append(proc)
+        self.port = int(proc.wait_event("listening", timeout=120)["port"])
+        return proc
+
+    def site_state(self, site: str) -> Path:
+        return self.root / "sites" / site
+
+    def start_site(self, site: str, data: Path, *extra: str) -> ManagedProcess:
+        """`site run --once` on `data`; a site started again logs as SITE-2, SITE-3..."""
+        self._starts[site] = self._starts.get(site, 0) + 1
+        count = self._starts[site]
+        proc = ManagedProcess(
+            site if count == 1 else f"{site}-{count}",
+            medfed_argv("site", "run", "--pki", str(self.pki), "--site", site,
+                        "--coordinator", f"127.0.0.1:{self.port}",
+                        "--metrics-listen", "127.0.0.1:0", "--state", str(self.site_state(site)),
+                        "--data", str(data), "--once", *extra),
+            log_dir=self.logs, env=PROCESS_ENV, cwd=REPO,
+        )
+        self.processes.append(proc)
+        return proc
+
+
+# ------------------------------------------------------------------ README blocks
+
+README = REPO / "README.md"
+README_SITES = ["st-marys", "county", "riverside"]
+
+
+def readme_blocks() -> dict[str, str]:
+    """README.md's shell blocks tagged ``<!-- readme-test: NAME -->``, by name."""
+    pattern = re.compile(r"<!-- readme-test: ([\w-]+) -->\n```sh\n(.*?)```", re.S)
+    return dict(pattern.findall(README.read_text(encoding="utf-8")))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Readme:
+    """Runs README blocks as written, substituting paths, ports, site and file names
+    (nothing else), with `medfed` on PATH as a shim to this checkout."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.port = free_port()
+        self.blocks = readme_blocks()
+        shim = root / "bin" / "medfed"
+        shim.parent.mkdir()
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m common.cli "$@"\n')
+        shim.chmod(0o755)
+        self.env = {
+            "PATH": f"{shim.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONPATH": str(REPO),
+            **PROCESS_ENV,
+        }
+
+    def command(self, name: str, site: str = README_SITES[0]) -> str:
+        table = {
+            "fl.example.org:7443": f"127.0.0.1:{self.port}",
+            "fl.example.org": "127.0.0.1",
+            "0.0.0.0:7443": f"127.0.0.1:{self.port}",
+            "127.0.0.1:9464": "127.0.0.1:0",
+            "127.0.0.1:9465": "127.0.0.1:0",
+            "/var/lib/medfed-site": str(self.root / "state" / site),
+            "/var/lib/medfed": str(self.root / "state" / "coordinator"),
+            "/data/encounters.csv": str(self.root / f"{site}.csv"),
+            "st-marys.csv": str(self.root / f"{README_SITES[0]}.csv"),
+            "deploy/config/": str(REPO / "deploy" / "config") + "/",
+            "st-marys": site,
+        }
+        # One pass, longest match first: nothing is substituted twice.
+        pattern = re.compile("|".join(re.escape(k) for k in sorted(table, key=len, reverse=True)))
+        return pattern.sub(lambda m: table[m.group(0)], self.blocks[name])
+
+    def run(self, command: str) -> str:
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", command], cwd=self.root,
+            env={**os.environ, **self.env}, capture_output=True, text=True, timeout=300,
+        )
+        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    def start(self, name: str, command: str) -> ManagedProcess:
+        return ManagedProcess(name, ["bash", "-c", "exec " + command], env=self.env,
+                              log_dir=self.root / "logs", cwd=self.root)
+
+    def set_up_pki(self) -> None:
+        """The README's PKI blocks: each hospital's key and CSR, the operator's CA,
+        coordinator and monitor certificates, and every hospital's CSR signed."""
+        for site in README_SITES:
+            self.run(self.command("hospital-key", site))
+        self.run(self.command("operator-pki"))
+        sign = [line for line in self.blocks["operator-pki"].splitlines() if "st-marys" in line]
+        for site in README_SITES[1:]:
+            self.run("\n".join(line.replace("st-marys", site) for line in sign))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,13 +41,15 @@ def processes() -> Iterator[list[ManagedProcess]]:
         proc.stop()
 
 
-def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProcess]) -> None:
+def _run_federation(tmp_path: Path, processes: list[ManagedProcess], study_text: str, *,
+                    patients: int = 120) -> ManagedProcess:
+    """A coordinator serving `study_text` and three `site run --once` to the end; the
+    coordinator (lingering 20 s) is returned."""
     pki = make_pki(tmp_path, SITES)
     study_path = tmp_path / "study.toml"
-    study_path.write_text(HOSPITAL_STUDY)
-    study = load_study(study_path)
+    study_path.write_text(study_text)
     for index, site in enumerate(SITES):
-        write_hospital_csv(tmp_path / f"{site}.csv", 120, seed=index + 1)
+        write_hospital_csv(tmp_path / f"{site}.csv", patients, seed=index + 1)
     logs = tmp_path / "logs"
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     coordinator = ManagedProcess(
@@ -74,7 +77,12 @@ def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProces
         processes.append(agents[name])
     for name, proc in agents.items():
         assert proc.wait_exit(timeout=800) == 0, f"{name}:\n{proc.tail(30)}"
+    return coordinator
 
+
+def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProcess]) -> None:
+    _run_federation(tmp_path, processes, HOSPITAL_STUDY)
+    study = load_study(tmp_path / "study.toml")
     state = tmp_path / "coordinator"
     terms = hospital.study_terms(study)
     training_rounds: list[list[int]] = []
@@ -106,10 +114,13 @@ def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProces
     bundle = read_bundle(state / "model" / "final.safetensors")
     assert bundle.card.unit == "hospital"
     assert any("hospital-level" in m for m in bundle.card.mechanisms)
-    assert {g.unit for g in bundle.card.group_guarantees} == {"hospital"}
-    assert len(bundle.card.group_guarantees) == len(SITES)
-    assert all("model updates only" in g.note and "2 intermediaries" in g.note
-               for g in bundle.card.group_guarantees)
+    # Both guarantees on the card: per hospital (v-fold) and per intermediary.
+    assert {g.unit for g in bundle.card.group_guarantees} <= {"hospital", "intermediary"}
+    whole = [g for g in bundle.card.group_guarantees if g.unit == "hospital"]
+    assert len(whole) == len(SITES)
+    assert all("model updates only" in g.note and "2 intermediaries" in g.note for g in whole)
+    assert all("per intermediary" in g.note for g in bundle.card.group_guarantees
+               if g.unit == "intermediary")
     assert terms.clip == 0.5
     # `medfed ledger show` names both guarantees plainly.
     shown = subprocess.run(
@@ -122,7 +133,7 @@ def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProces
     # (composed with the per-patient releases) is the per-patient figure.
     assert 0 < summary["intermediary_level_epsilon"] < summary["hospital_level_epsilon"]
     assert summary["intermediary_level_epsilon"] <= summary["patient_level_epsilon"]
-    site_card = {g.note.split(":")[0]: g.epsilon for g in bundle.card.group_guarantees}
+    site_card = {g.note.split(":")[0]: g.epsilon for g in whole}
     # The card is written when the round commits, from the replica the sites have sent
     # so far (their last round's entry arrives with their next poll): at most the ledger's.
     alpha_card = next(v for k, v in site_card.items() if k.startswith("site alpha"))
@@ -166,3 +177,94 @@ def test_demo_hospital_level_row(tmp_path: Path) -> None:
         assert len(trained) == 2
         assert all(isinstance(m, DistributedDiscreteGaussian) and m.units == 2
                    for e in trained for m in e.mechanisms)
+
+
+# "auto" intermediaries (issue 13, section 2). 300 patients per site: its DP count
+# (std ~34 at the sites' default count epsilon) splits into the largest v (count // 10
+# >= 8) with overwhelming probability, so every site trains the announced v.
+AUTO_STUDY = STUDY.replace('rounds = 1', 'rounds = 2').replace(
+    'unit = "patient"', 'unit = "hospital"\nupdate_clip_norm = 2.0\nintermediaries = "auto"')
+
+
+def test_auto_intermediaries_federation(tmp_path: Path,
+                                        processes: list[ManagedProcess]) -> None:
+    """A real SecAgg+ hospital federation under intermediaries = "auto": round one trains
+    one unit per hospital with the norm coordinate; the coordinator decodes the sum of
+    unit norms, picks v by the authors' rule, logs it, exports it as a gauge and
+    announces it in round two, where every site trains v units and records them."""
+    coordinator = _run_federation(tmp_path, processes, AUTO_STUDY, patients=300)
+    listening = next(e for e in coordinator.lines if e.get("event") == "listening")
+    completed = {int(e["round_number"]): e for e in coordinator.lines
+                 if e.get("event") == "round_completed" and e.get("kind") == "training"
+                 and not e.get("evaluation_only")}
+    chosen = {int(e["round_number"]): int(e["next_intermediaries"]) for e in coordinator.lines
+              if e.get("event") == "intermediaries_chosen"}
+    first, second = sorted(completed)
+    assert completed[first]["intermediaries"] == 1  # the documented start
+    v = chosen[first]
+    assert 1 <= v <= hospital.MAX_AUTO_INTERMEDIARIES
+    assert completed[second]["intermediaries"] == v  # announced as chosen
+    # Every site trained v units (the decoded weight sum): none was capped by its count.
+    assert completed[second]["units"] == len(SITES) * v
+    assert completed[first]["units"] == len(SITES)
+    assert second in chosen  # measured again for a round that would follow
+    with urllib.request.urlopen(
+            f"http://127.0.0.1:{int(listening['metrics_port'])}/metrics", timeout=10) as resp:
+        scraped = resp.read().decode()
+    assert f"medfed_coordinator_hospital_intermediaries {float(chosen[second])}" in scraped
+    for name in SITES:
+        _, entries = read_ledger(tmp_path / "sites" / name / "privacy-ledger.db")
+        trained = {e.round: e for e in entries if e.purpose == "training"}
+        assert sorted(trained) == [first, second]
+        units = {}
+        for number, entry in trained.items():
+            (mechanism,) = entry.mechanisms
+            assert isinstance(mechanism, DistributedDiscreteGaussian)
+            units[number] = mechanism.units
+        assert units == {first: 1, second: v}
+    shown = subprocess.run(
+        medfed_argv("ledger", "show", "--ledger",
+                    str(tmp_path / "sites" / "alpha" / "privacy-ledger.db"), "--json"),
+        capture_output=True, text=True, check=True, cwd=REPO,
+    )
+    summary = json.loads(shown.stdout.strip().splitlines()[-1])
+    assert summary["hospital_level_epsilon"] > 0
+    if v > 1:
+        assert summary["intermediaries_by_round"] == {str(first): 1, str(second): v}
+        assert summary["intermediaries_max"] == v
+        assert 0 < summary["intermediary_level_epsilon"] < summary["hospital_level_epsilon"]
+
+
+def test_demo_auto_intermediaries_row(tmp_path: Path) -> None:
+    """`medfed demo --privacy-unit hospital --intermediaries auto` runs end to end: the
+    row of the privacy/utility table and each round line name the v of every round."""
+    sites = ["north", "south", "east"]
+    cohort = generate_cohort(sites, seed=4, patients_per_site=300)
+    write_site_csvs(tmp_path / "data", cohort)
+    out = tmp_path / "run"
+    result = subprocess.run(
+        medfed_argv(
+            "demo", "--data", str(tmp_path / "data"), "--label-column", "sepsis",
+            "--patient-column", "patient_id", "--out", str(out), "--rounds", "2",
+            "--kill-round", "0", "--delta", "1e-3", "--budget-epsilon", "8",
+            "--privacy-unit", "hospital", "--update-clip-norm", "1.0",
+            "--intermediaries", "auto", "--no-audit",
+        ),
+        cwd=REPO, capture_output=True, text=True, timeout=850, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    chosen = report["hospital"]["intermediaries_by_round"]
+    assert report["hospital"]["intermediaries"] == "auto"
+    assert len(chosen) == 2 and next(iter(chosen.values())) == 1
+    label = "v auto per round " + "/".join(str(v) for v in chosen.values())
+    assert f"Federated + hospital-level DP (eps<=8) + SecAgg+, {label}" in result.stdout
+    for number, v in chosen.items():
+        assert f"[round {number}] training" in result.stdout
+        assert any(line.startswith(f"[round {number}] ") and line.endswith(f"| v={v}")
+                   for line in result.stdout.splitlines())
+    for site in sites:
+        _, entries = read_ledger(out / "sites" / site / "privacy-ledger.db")
+        units = {e.round: m.units for e in entries if e.purpose == "training"
+                 for m in e.mechanisms if isinstance(m, DistributedDiscreteGaussian)}
+        assert {str(r): u for r, u in units.items()} == chosen

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,10 +16,10 @@ import pytest
 from common.bundle import read_bundle
 from common.cli import main_with
 from common.privacy.ledger import read_ledger
-from common.processes import ManagedProcess, medfed_argv
+from common.processes import ManagedProcess
 from site_agent.predict_cli import register_data, register_predict
 from site_agent.synthetic_imaging import HOSPITALS, write_site_folder
-from tests.e2e.harness import REPO, make_pki
+from tests.e2e.harness import StudyProcesses, make_pki
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -55,14 +54,6 @@ batch_size = 16
 unit = "patient"
 epsilon = 8.0
 """
-
-
-@pytest.fixture
-def processes() -> Iterator[list[ManagedProcess]]:
-    started: list[ManagedProcess] = []
-    yield started
-    for proc in started:
-        proc.stop()
 
 
 def medfed(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -102,40 +93,20 @@ def test_imaging_study_trains_a_custom_model_on_png_and_dicom(
     error = json.loads(out.splitlines()[-1])["error"]
     assert code == 2 and error["file"] == str(victim), error
 
-    pki = make_pki(tmp_path, SITES)
-    logs = tmp_path / "logs"
-    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    coordinator = ManagedProcess(
-        "coordinator",
-        medfed_argv("coordinator", "serve", "--study", str(study), "--pki", str(pki),
-                    "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                    "--state", str(tmp_path / "coordinator"), "--min-sites", "3",
-                    "--selection-seconds", "1", "--linger-seconds", "20"),
-        log_dir=logs, env=env, cwd=REPO,
-    )
-    processes.append(coordinator)
-    port = int(coordinator.wait_event("listening", timeout=120)["port"])
-
-    agents = {}
-    for site in SITES:
-        agents[site] = ManagedProcess(
-            site,
-            medfed_argv("site", "run", "--pki", str(pki), "--site", site,
-                        "--coordinator", f"127.0.0.1:{port}", "--metrics-listen",
-                        "127.0.0.1:0", "--state", str(tmp_path / "sites" / site),
-                        "--data", str(folders[site]), "--allow-factory", FACTORY,
-                        "--device", "cpu", "--once"),
-            log_dir=logs, env=env, cwd=REPO,
-        )
-        processes.append(agents[site])
+    run = StudyProcesses(tmp_path, study=study, pki=make_pki(tmp_path, SITES),
+                         processes=processes)
+    run.start_coordinator()
+    agents = {site: run.start_site(site, folders[site], "--allow-factory", FACTORY,
+                                   "--device", "cpu")
+              for site in SITES}
     for site, proc in agents.items():
         assert proc.wait_exit(timeout=800) == 0, f"{site}:\n{proc.tail(30)}"
 
-    final_path = tmp_path / "coordinator" / "model" / "final.safetensors"
+    final_path = run.state / "model" / "final.safetensors"
     final = final_path.read_bytes()
     for site in SITES:
-        assert (tmp_path / "sites" / site / "model" / "final.safetensors").read_bytes() == final
-        _, entries = read_ledger(tmp_path / "sites" / site / "privacy-ledger.db")
+        assert (run.site_state(site) / "model" / "final.safetensors").read_bytes() == final
+        _, entries = read_ledger(run.site_state(site) / "privacy-ledger.db")
         training = [e for e in entries if e.purpose == "training"]
         assert len(training) == 2  # one DP-SGD entry per round
     bundle = read_bundle(final_path)

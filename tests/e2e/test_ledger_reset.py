@@ -9,7 +9,6 @@ trains on with its spend intact."""
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,62 +16,13 @@ import pytest
 from common.privacy.ledger import anchor_path_for, export_ledger, read_anchor, restore_ledger
 from common.privacy.signed import SignedHistory
 from common.processes import ManagedProcess, medfed_argv
-from tests.e2e.harness import REPO, make_pki
-from tests.study.helpers import write_hospital_csv
+from tests.e2e.harness import REPO, StudyProcesses, make_pki
+from tests.study.helpers import hospital_csvs, study_toml
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 SITES = ["alpha", "beta", "gamma"]
-STUDY = """
-[study]
-name = "ledger-reset"
-rounds = 2
-classes = ["no", "yes"]
-
-[data]
-label_column = "Outcome"
-patient_column = "Patient-ID"
-
-[[features]]
-name = "Age (years)"
-range = [18, 100]
-
-[[features]]
-name = "Sex"
-type = "categorical"
-levels = ["F", "M"]
-
-[[features]]
-name = "Lactate mmol/L"
-missing = "impute"
-
-[[features]]
-name = "Admission type"
-type = "categorical"
-levels = ["elective", "emergency", "transfer"]
-missing = "indicator"
-
-[model]
-name = "mlp"
-hidden = [8]
-
-[training]
-final_evaluation = false
-
-[privacy]
-unit = "patient"
-epsilon = 8.0
-delta = 1e-5
-"""
 REFUSED = 2  # `medfed site run` on a MedfedError: one line on stderr, exit code 2
-
-
-@pytest.fixture
-def processes() -> Iterator[list[ManagedProcess]]:
-    started: list[ManagedProcess] = []
-    yield started
-    for proc in started:
-        proc.stop()
 
 
 def medfed(*args: str) -> subprocess.CompletedProcess[str]:
@@ -89,36 +39,14 @@ def test_reset_ledgers_are_refused_and_a_restore_keeps_the_spend(
 ) -> None:
     pki = make_pki(tmp_path, SITES)
     study_path = tmp_path / "study.toml"
-    study_path.write_text(STUDY)
-    for index, name in enumerate(SITES):
-        write_hospital_csv(tmp_path / f"{name}.csv", 120, seed=index + 1)
-    logs = tmp_path / "logs"
-    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    state = tmp_path / "coordinator"
-    coordinator = ManagedProcess(
-        "coordinator",
-        medfed_argv("coordinator", "serve", "--study", str(study_path), "--pki", str(pki),
-                    "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                    "--state", str(state), "--min-sites", "3", "--selection-seconds", "1",
-                    "--linger-seconds", "20"),
-        log_dir=logs, env=env, cwd=REPO,
-    )
-    processes.append(coordinator)
-    port = int(coordinator.wait_event("listening", timeout=120)["port"])
-    runs = {name: 0 for name in SITES}
+    study_path.write_text(study_toml("ledger-reset", rounds=2))
+    files = hospital_csvs(tmp_path, SITES)
+    run = StudyProcesses(tmp_path, study=study_path, pki=pki, processes=processes)
+    coordinator = run.start_coordinator()
+    state = run.state
 
     def site(name: str, *extra: str) -> ManagedProcess:
-        runs[name] += 1
-        proc = ManagedProcess(
-            f"{name}-{runs[name]}",
-            medfed_argv("site", "run", "--pki", str(pki), "--site", name,
-                        "--coordinator", f"127.0.0.1:{port}", "--metrics-listen",
-                        "127.0.0.1:0", "--state", str(tmp_path / "sites" / name),
-                        "--data", str(tmp_path / f"{name}.csv"), "--once", *extra),
-            log_dir=logs, env=env, cwd=REPO,
-        )
-        processes.append(proc)
-        return proc
+        return run.start_site(name, files[name], *extra)
 
     def refusal(proc: ManagedProcess) -> str:
         """The one error line of a site that refused to go on (exit code 2)."""
@@ -134,7 +62,7 @@ def test_reset_ledgers_are_refused_and_a_restore_keeps_the_spend(
     alpha = site("alpha", "--exit-after-rounds", "1")
     others = [site("beta"), site("gamma")]
     assert alpha.wait_exit(timeout=900) == 0, alpha.tail(30)
-    ledger = tmp_path / "sites" / "alpha" / "privacy-ledger.db"
+    ledger = run.site_state("alpha") / "privacy-ledger.db"
     anchor = anchor_path_for(ledger)
     trained = export_ledger(ledger)
     purposes = [entry.purpose for entry in trained.entries]

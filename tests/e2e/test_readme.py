@@ -13,32 +13,20 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import re
-import socket
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from common.processes import ManagedProcess
+from tests.e2e.harness import README_SITES, Readme, readme_blocks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
-SITES = ["st-marys", "county", "riverside"]
+SITES = README_SITES
 BLOCKS = ("hospital-key", "operator-pki", "study-init", "data-check", "coordinator", "site",
           "status", "predict")
 WARDS = ["icu", "surgical", "medical"]
-
-
-def readme_blocks() -> dict[str, str]:
-    pattern = re.compile(r"<!-- readme-test: ([\w-]+) -->\n```sh\n(.*?)```", re.S)
-    return dict(pattern.findall(README.read_text(encoding="utf-8")))
 
 
 def write_hospital(path: Path, *, patients: int, seed: int) -> None:
@@ -64,70 +52,6 @@ def write_hospital(path: Path, *, patients: int, seed: int) -> None:
                 ])
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-class Readme:
-    """Substitutes paths, ports, site and file names; nothing else."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.port = free_port()
-        self.blocks = readme_blocks()
-        shim = root / "bin" / "medfed"
-        shim.parent.mkdir()
-        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m common.cli "$@"\n')
-        shim.chmod(0o755)
-        self.env = {
-            "PATH": f"{shim.parent}{os.pathsep}{os.environ.get('PATH', '')}",
-            "PYTHONPATH": str(REPO),
-            "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-        }
-
-    def command(self, name: str, site: str = SITES[0]) -> str:
-        table = {
-            "fl.example.org:7443": f"127.0.0.1:{self.port}",
-            "fl.example.org": "127.0.0.1",
-            "0.0.0.0:7443": f"127.0.0.1:{self.port}",
-            "127.0.0.1:9464": "127.0.0.1:0",
-            "127.0.0.1:9465": "127.0.0.1:0",
-            "/var/lib/medfed-site": str(self.root / "state" / site),
-            "/var/lib/medfed": str(self.root / "state" / "coordinator"),
-            "/data/encounters.csv": str(self.root / f"{site}.csv"),
-            "st-marys.csv": str(self.root / f"{SITES[0]}.csv"),
-            "deploy/config/": str(REPO / "deploy" / "config") + "/",
-            "st-marys": site,
-        }
-        # One pass, longest match first: nothing is substituted twice.
-        pattern = re.compile("|".join(re.escape(k) for k in sorted(table, key=len, reverse=True)))
-        return pattern.sub(lambda m: table[m.group(0)], self.blocks[name])
-
-    def run(self, command: str) -> str:
-        done = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", command], cwd=self.root,
-            env={**os.environ, **self.env}, capture_output=True, text=True, timeout=300,
-        )
-        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
-        return done.stdout
-
-    def start(self, name: str, command: str) -> ManagedProcess:
-        return ManagedProcess(name, ["bash", "-c", "exec " + command], env=self.env,
-                              log_dir=self.root / "logs", cwd=self.root)
-
-
-@pytest.fixture
-def processes() -> Iterator[list[ManagedProcess]]:
-    started: list[ManagedProcess] = []
-    yield started
-    for proc in started:
-        proc.stop()
-
-
 def test_readme_blocks_are_tagged() -> None:
     assert set(BLOCKS) <= set(readme_blocks())
 
@@ -138,13 +62,7 @@ def test_the_readme_federation_runs_as_written(
     for index, site in enumerate(SITES):
         write_hospital(tmp_path / f"{site}.csv", patients=150, seed=index + 1)
     readme = Readme(tmp_path)
-    for site in SITES:
-        readme.run(readme.command("hospital-key", site))
-    operator = readme.command("operator-pki")
-    readme.run(operator)
-    sign = [line for line in readme.blocks["operator-pki"].splitlines() if "st-marys" in line]
-    for site in SITES[1:]:
-        readme.run("\n".join(line.replace("st-marys", site) for line in sign))
+    readme.set_up_pki()
     readme.run(readme.command("study-init"))
     for site in SITES:
         assert "ok" in readme.run(readme.command("data-check", site)).splitlines()[0]
@@ -162,6 +80,9 @@ def test_the_readme_federation_runs_as_written(
     assert coordinator.alive, coordinator.tail(30)
     status = readme.run(readme.command("status"))
     assert "finished" in status, status
+    # Each kind of round by its name (the README study: 3 training rounds).
+    assert "statistics round completed, 3 of 3 training rounds completed, " \
+        "final evaluation round completed" in status, status
     for site in SITES:
         assert site in status, status
     coordinator.proc.terminate()

@@ -3,21 +3,22 @@
 coordinator and three sites (8-bit PNG, DICOM, 16-bit PNG folders) allowing the custom
 factory, the final model at every site, and `predict` on new images reporting an AUC.
 
-Blocks are extracted as `tests/e2e/test_readme.py` does; only paths, ports and site
-names are substituted. The PKI blocks are the README's own (hospital key, operator)."""
+Blocks are extracted and run by `tests/e2e/harness.Readme`, as for the tables; only
+paths, ports and site names are substituted. The PKI blocks are the README's own
+(hospital key, operator)."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from common.processes import ManagedProcess
 from site_agent.synthetic_imaging import write_site_folder
-from tests.e2e.test_readme import SITES, Readme, readme_blocks
+from tests.e2e.harness import README_SITES as SITES
+from tests.e2e.harness import Readme, readme_blocks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -37,14 +38,6 @@ class ImagingReadme(Readme):
                 .replace("/data/xray", str(self.root / "cohort" / HOSPITAL[site])))
 
 
-@pytest.fixture
-def processes() -> Iterator[list[ManagedProcess]]:
-    started: list[ManagedProcess] = []
-    yield started
-    for proc in started:
-        proc.stop()
-
-
 def test_imaging_blocks_are_tagged() -> None:
     assert set(BLOCKS) <= set(readme_blocks())
 
@@ -58,12 +51,7 @@ def test_the_readme_imaging_study_runs_as_written(
     readme = ImagingReadme(tmp_path)
     # The model block's `export PYTHONPATH=$PWD`, for the processes started below.
     readme.env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{readme.env['PYTHONPATH']}"
-    for site in SITES:
-        readme.run(readme.command("hospital-key", site))
-    readme.run(readme.command("operator-pki"))
-    sign = [line for line in readme.blocks["operator-pki"].splitlines() if "st-marys" in line]
-    for site in SITES[1:]:
-        readme.run("\n".join(line.replace("st-marys", site) for line in sign))
+    readme.set_up_pki()
     readme.run(readme.command("imaging-model"))
     assert (tmp_path / "lesion_models.py").is_file()
     first = readme.run(readme.command("imaging-study"))

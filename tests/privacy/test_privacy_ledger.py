@@ -25,7 +25,7 @@ from common.errors import (
     StateError,
 )
 from common.pki import load_certificate
-from common.privacy import legacy
+from common.privacy import layered, legacy
 from common.privacy.accountant import Segment, compose_epsilon
 from common.privacy.ledger import PrivacyLedger, read_ledger, verify_ledger
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian, canonical_json
@@ -112,11 +112,17 @@ def test_entries_of_every_kind_and_purpose(tmp_path: Path, pki_material: Pki) ->
     entries = ledger.entries()
     assert [e.purpose for e in entries] == ["count", "statistics", "training", "evaluation"]
     assert entries[2].mechanisms == (ROUND_SEGMENT, ddg)
-    # A DDGauss anywhere makes the whole history an RDP composition (PRV cannot express it).
-    assert entries[1].accountant_used == "prv" and entries[2].accountant_used == "rdp"
+    # DP-SGD beneath a DDGauss round (issue 13): the entry is charged per record, the
+    # better of the DP-SGD path and the hospital path (common.privacy.layered).
+    pairs = [(e.purpose, e.mechanisms) for e in entries]
+    for k in range(1, 5):
+        assert entries[k - 1].epsilon_after == pytest.approx(
+            layered.charged(pairs[:k], delta=DELTA, accountant="prv").epsilon, rel=1e-9)
+    assert entries[1].accountant_used == "prv"
     by_purpose = ledger.spent_by_purpose()
     assert set(by_purpose) == {"count", "statistics", "training", "evaluation"}
-    assert all(0 < eps < ledger.spent() for eps in by_purpose.values())
+    assert all(eps > 0 for eps in by_purpose.values())
+    assert by_purpose["count"] < ledger.spent()
     report = verify_ledger(ledger.path)
     assert report.ok and report.epsilons_recomposed and report.signatures_checked == 4
 

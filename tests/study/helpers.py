@@ -8,6 +8,7 @@ release (issue 10) or a model bundle, never from a site's own data.
 from __future__ import annotations
 
 import csv
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,34 @@ def study_mapping(**privacy: Any) -> dict[str, Any]:
         "model": {"name": "mlp", "hidden": [16]},
         "privacy": {"unit": "patient", "epsilon": 4.0, "delta": 1e-3, **privacy},
     }
+
+
+def hospital_csvs(root: Path, sites: list[str], n_patients: int = 120) -> dict[str, Path]:
+    """One hospital file per site, ROOT/SITE.csv, each its own patients (seeds 1, 2, ...)."""
+    return {site: write_hospital_csv(root / f"{site}.csv", n_patients, seed=index + 1)
+            for index, site in enumerate(sites)}
+
+
+def study_toml(
+    name: str, *, rounds: int, unit: str = "patient", hidden: int = 8,
+    training: dict[str, Any] | None = None, **privacy: Any,
+) -> str:
+    """`study_mapping`'s four-feature hospital study as the study.toml a coordinator
+    serves and sites check their files against. Defaults as the process tests run it:
+    epsilon 8 at delta 1e-5, a hidden layer of 8, no final evaluation round;
+    `privacy` adds or overrides [privacy] keys."""
+    mapping = study_mapping(unit=unit, **{"epsilon": 8.0, "delta": 1e-5, **privacy})
+    mapping["study"].update(name=name, rounds=rounds)
+    mapping["model"]["hidden"] = [hidden]
+    mapping["training"] = {"final_evaluation": False} if training is None else training
+    study_from_mapping(mapping, source="tests.study.helpers.study_toml")  # valid
+    lines: list[str] = []
+    for section in ("study", "data", "features", "model", "training", "privacy"):
+        tables = mapping[section] if section == "features" else [mapping[section]]
+        for table in tables:
+            lines += ["", "[[features]]" if section == "features" else f"[{section}]"]
+            lines += [f"{key} = {json.dumps(value)}" for key, value in table.items()]
+    return "\n".join(lines[1:]) + "\n"
 
 
 def hospital_study() -> Study:

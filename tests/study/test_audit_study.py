@@ -13,55 +13,14 @@ import pytest
 from common.errors import ConfigError
 from common.study import encoded_feature_names, load_study
 from site_agent.audit import AuditSettings, load_study_audit_data, main, run_audit
-from tests.study.helpers import write_hospital_csv
-
-STUDY = """
-[study]
-name = "sepsis-audit"
-rounds = 3
-classes = ["no", "yes"]
-
-[data]
-label_column = "Outcome"
-patient_column = "Patient-ID"
-
-[[features]]
-name = "Age (years)"
-type = "numeric"
-range = [18, 100]
-
-[[features]]
-name = "Sex"
-type = "categorical"
-levels = ["F", "M"]
-
-[[features]]
-name = "Lactate mmol/L"
-missing = "indicator"
-
-[[features]]
-name = "Admission type"
-type = "categorical"
-levels = ["elective", "emergency", "transfer"]
-missing = "impute"
-
-[model]
-name = "mlp"
-hidden = [16]
-
-[training]
-learning_rate = 0.1
-batch_size = 64
-
-[privacy]
-unit = "{unit}"
-epsilon = 4.0
-delta = 1e-3
-"""
+from tests.study.helpers import study_toml, write_hospital_csv
 
 
 def write_study(path: Path, *, unit: str = "patient") -> Path:
-    path.write_text(STUDY.format(unit=unit), encoding="utf-8")
+    path.write_text(study_toml(
+        "sepsis-audit", rounds=3, unit=unit, hidden=16, epsilon=4.0, delta=1e-3,
+        training={"learning_rate": 0.1, "batch_size": 64},
+    ), encoding="utf-8")
     return path
 
 

@@ -185,6 +185,11 @@ def test_site_checks_policy_then_data_before_joining(tmp_path: Path) -> None:
     )
     policy = site_policy(settings)
     assert (policy.epsilon, policy.delta, policy.unit) == (8.0, 1e-3, "patient")
+    # The site's count_epsilon is its limit; its per-round cap is read from [policy].
+    assert policy.max_count_epsilon == settings.privacy.count_epsilon
+    capped = settings.model_copy(update={"policy": settings.policy.model_copy(
+        update={"max_epsilon_per_round": 0.7})})
+    assert site_policy(capped).max_epsilon_per_round == 0.7
     data = write_hospital_csv(tmp_path / "h.csv", n_patients=120)
     report = check_site_can_join(hospital_study(), policy, data)
     assert report.ok and report.units == 120

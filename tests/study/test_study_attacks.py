@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from common import egress, pki
-from common.bundle import ModelBundle, bundle_bytes
+from common.bundle import ModelBundle, bundle_bytes, bundle_size_limit
 from common.config import SitePolicySection, SiteSettings
 from common.crypto.random import system_random
 from common.errors import PrivacyError, ValidationError
@@ -47,7 +47,6 @@ from common.study import (
     study_from_mapping,
     study_sha256,
 )
-from site_agent import agent as agent_module
 from site_agent.agent import SiteAgent
 from site_agent.data import load_study_table
 from site_agent.hooks import DeterministicTestHook
@@ -432,12 +431,10 @@ GOOD = b"previous good final model"
         ("truncated", "safetensors|tensors|header"),
         ("not-final", "not marked final"),
         ("other-statistics", "statistics differ"),
-        ("oversized", "too large"),
     ],
 )
 def test_bad_final_model_is_refused_and_nothing_is_overwritten(
-    world: World, site: Site, run_site: RunSite, monkeypatch: pytest.MonkeyPatch,
-    case: str, words: str,
+    world: World, site: Site, run_site: RunSite, case: str, words: str,
 ) -> None:
     blob = statistics_bytes(world.statistics)
     good = bundle_bytes(world.bundle)
@@ -459,8 +456,7 @@ def test_bad_final_model_is_refused_and_nothing_is_overwritten(
         lied = world.statistics.model_copy(update={"source": "another release"})
         data = _bundle(world, statistics=lied)
     else:
-        monkeypatch.setattr(agent_module, "MAX_BUNDLE_BYTES", len(good) - 1)
-        data = good
+        raise AssertionError(case)
     _final(site).parent.mkdir(parents=True)
     _final(site).write_bytes(GOOD)
     rounds = [training_round(world, 2, statistics=blob)]
@@ -468,6 +464,27 @@ def test_bad_final_model_is_refused_and_nothing_is_overwritten(
     assert re.search(words, str(double.error))  # type: ignore[attr-defined]
     assert _final(site).read_bytes() == GOOD
     assert not _final(site).with_name("final.safetensors.tmp").exists()
+
+
+def test_final_model_stream_past_the_announced_size_is_refused(
+    world: World, site: Site, run_site: RunSite
+) -> None:
+    """A coordinator streaming more than the announced model can be (its float32
+    parameters plus the bundle's header margin) is cut off at that bound, before the
+    site writes more: the message names the limit, the previous file stays, and no
+    temporary file is left."""
+    ann = training_round(world, 2, statistics=statistics_bytes(world.statistics))
+    limit = bundle_size_limit(model_elements=ann.model_elements)
+    good = bundle_bytes(world.bundle)
+    data = good + bytes(limit + 1 - len(good))
+    _final(site).parent.mkdir(parents=True)
+    _final(site).write_bytes(GOOD)
+    double = run_site(site, [ann], final=data, expect=ValidationError)
+    message = str(double.error)  # type: ignore[attr-defined]
+    assert f"final model too large: more than {limit} bytes" in message
+    assert f"{ann.model_elements} float32 parameters" in message
+    assert _final(site).read_bytes() == GOOD
+    assert sorted(p.name for p in _final(site).parent.iterdir()) == ["final.safetensors"]
 
 
 def test_good_final_model_is_stored_byte_for_byte(

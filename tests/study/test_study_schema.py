@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from common.config import DEFAULT_COUNT_EPSILON, PrivacySection
 from common.errors import ConfigError, PrivacyError, ValidationError
 from common.study import (
     SitePrivacyPolicy,
@@ -190,7 +191,8 @@ def test_site_policy_always_wins() -> None:
     message = str(info.value)
     assert "privacy.epsilon = 4" in message and "privacy.delta" in message
     assert "privacy.unit = 'patient' is weaker" in message
-    with pytest.raises(PrivacyError, match="max_epsilon_per_round"):
+    with pytest.raises(PrivacyError, match=r"max_epsilon_per_round is not set, and this site "
+                       r"caps every round at 1: the study must declare a cap no larger"):
         check_study_against_policy(
             study, SitePrivacyPolicy(epsilon=8.0, delta=1e-2, max_epsilon_per_round=1.0)
         )
@@ -203,6 +205,27 @@ def test_site_policy_always_wins() -> None:
         custom,
         SitePrivacyPolicy(epsilon=8.0, delta=1e-2, allowed_model_factories=("hosp.models:net",)),
     )
+
+
+def test_the_study_declares_the_count_epsilon_within_the_site_limit() -> None:
+    """Every site spends the study's count_epsilon; a site whose own limit is lower, or
+    whose per-round cap is, refuses the study naming the field."""
+    study = study_from_mapping(study_mapping(count_epsilon=1.0))
+    check_study_against_policy(
+        study, SitePrivacyPolicy(epsilon=4.0, delta=1e-3, max_count_epsilon=1.0))
+    with pytest.raises(PrivacyError) as info:
+        check_study_against_policy(
+            study, SitePrivacyPolicy(epsilon=4.0, delta=1e-3, max_count_epsilon=0.5))
+    assert "privacy.count_epsilon = 1 exceeds this site's 0.5" in str(info.value)
+    assert "limit for the one DP cohort count" in str(info.value)
+    with pytest.raises(PrivacyError, match=r"privacy\.count_epsilon = 1 exceeds this site's 0\.8"):
+        check_study_against_policy(
+            study_from_mapping(study_mapping(count_epsilon=1.0, max_epsilon_per_round=0.8)),
+            SitePrivacyPolicy(epsilon=4.0, delta=1e-3, max_epsilon_per_round=0.8,
+                              max_count_epsilon=2.0))
+    # The defaults agree: a default site joins a default study.
+    assert study_from_mapping(study_mapping()).privacy.count_epsilon == DEFAULT_COUNT_EPSILON
+    assert PrivacySection().count_epsilon == DEFAULT_COUNT_EPSILON
 
 
 def test_study_from_enrolment_checks_the_announced_hash() -> None:

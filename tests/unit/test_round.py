@@ -44,7 +44,8 @@ CHANGES: dict[str, Any] = {
     "planned_rounds": 6, "train_deadline_ms": 1_700_000_000_001, "phase_timeout_ms": 30_001,
     "weight_cap": 99, "max_chunk_bytes": 1 << 16, "heartbeat_ms": 2_000,
     "study_sha256": b"\x02" * 32, "kind": "statistics", "statistics": b"{}",
-    "hospital_noise_multiplier": 1.5,
+    "hospital_noise_multiplier": 1.5, "hospital_intermediaries": 3,
+    "hospital_norm_segment": True,
 }
 
 

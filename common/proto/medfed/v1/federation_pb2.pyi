@@ -86,7 +86,7 @@ class WaitForRoundRequest(_message.Message):
     def __init__(self, wait_seconds: _Optional[int] = ..., after_round: _Optional[int] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ...) -> None: ...
 
 class RoundAnnouncement(_message.Message):
-    __slots__ = ("round", "round_nonce", "participants", "threshold", "neighbours", "vector_length", "quantization_bits", "clip", "histogram_bins", "secure_aggregation", "model", "model_sha256", "model_bytes", "local_epochs", "learning_rate", "fedprox_mu", "planned_rounds", "train_deadline_ms", "phase_timeout_ms", "weight_cap", "max_chunk_bytes", "heartbeat_ms", "study_sha256", "kind", "statistics", "hospital_noise_multiplier")
+    __slots__ = ("round", "round_nonce", "participants", "threshold", "neighbours", "vector_length", "quantization_bits", "clip", "histogram_bins", "secure_aggregation", "model", "model_sha256", "model_bytes", "local_epochs", "learning_rate", "fedprox_mu", "planned_rounds", "train_deadline_ms", "phase_timeout_ms", "weight_cap", "max_chunk_bytes", "heartbeat_ms", "study_sha256", "kind", "statistics", "hospital_noise_multiplier", "hospital_intermediaries", "hospital_norm_segment")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         TRAINING: _ClassVar[RoundAnnouncement.Kind]
@@ -121,6 +121,8 @@ class RoundAnnouncement(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     STATISTICS_FIELD_NUMBER: _ClassVar[int]
     HOSPITAL_NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    HOSPITAL_INTERMEDIARIES_FIELD_NUMBER: _ClassVar[int]
+    HOSPITAL_NORM_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     round: int
     round_nonce: bytes
     participants: _containers.RepeatedScalarFieldContainer[str]
@@ -147,7 +149,9 @@ class RoundAnnouncement(_message.Message):
     kind: RoundAnnouncement.Kind
     statistics: bytes
     hospital_noise_multiplier: float
-    def __init__(self, round: _Optional[int] = ..., round_nonce: _Optional[bytes] = ..., participants: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., neighbours: _Optional[int] = ..., vector_length: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., clip: _Optional[float] = ..., histogram_bins: _Optional[int] = ..., secure_aggregation: _Optional[bool] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., model_sha256: _Optional[bytes] = ..., model_bytes: _Optional[int] = ..., local_epochs: _Optional[int] = ..., learning_rate: _Optional[float] = ..., fedprox_mu: _Optional[float] = ..., planned_rounds: _Optional[int] = ..., train_deadline_ms: _Optional[int] = ..., phase_timeout_ms: _Optional[int] = ..., weight_cap: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., study_sha256: _Optional[bytes] = ..., kind: _Optional[_Union[RoundAnnouncement.Kind, str]] = ..., statistics: _Optional[bytes] = ..., hospital_noise_multiplier: _Optional[float] = ...) -> None: ...
+    hospital_intermediaries: int
+    hospital_norm_segment: bool
+    def __init__(self, round: _Optional[int] = ..., round_nonce: _Optional[bytes] = ..., participants: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., neighbours: _Optional[int] = ..., vector_length: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., clip: _Optional[float] = ..., histogram_bins: _Optional[int] = ..., secure_aggregation: _Optional[bool] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., model_sha256: _Optional[bytes] = ..., model_bytes: _Optional[int] = ..., local_epochs: _Optional[int] = ..., learning_rate: _Optional[float] = ..., fedprox_mu: _Optional[float] = ..., planned_rounds: _Optional[int] = ..., train_deadline_ms: _Optional[int] = ..., phase_timeout_ms: _Optional[int] = ..., weight_cap: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., study_sha256: _Optional[bytes] = ..., kind: _Optional[_Union[RoundAnnouncement.Kind, str]] = ..., statistics: _Optional[bytes] = ..., hospital_noise_multiplier: _Optional[float] = ..., hospital_intermediaries: _Optional[int] = ..., hospital_norm_segment: _Optional[bool] = ...) -> None: ...
 
 class WaitForRoundResponse(_message.Message):
     __slots__ = ("has_round", "round", "federation_finished", "crl_der")
@@ -374,7 +378,7 @@ class SiteState(_message.Message):
     def __init__(self, site_id: _Optional[str] = ..., state: _Optional[str] = ..., last_contact_unix_ms: _Optional[int] = ..., epsilon_spent: _Optional[float] = ..., epsilon_budget: _Optional[float] = ..., privacy_unit: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("federation_id", "total_rounds", "completed_rounds", "current_round", "phase", "finished", "sites", "eta_seconds", "aborted_rounds", "now_unix_ms")
+    __slots__ = ("federation_id", "total_rounds", "completed_rounds", "current_round", "phase", "finished", "sites", "eta_seconds", "aborted_rounds", "now_unix_ms", "training_rounds", "evaluation_round", "statistics_round", "current_kind")
     FEDERATION_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +389,10 @@ class StatusResponse(_message.Message):
     ETA_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ABORTED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     NOW_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATISTICS_ROUND_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_KIND_FIELD_NUMBER: _ClassVar[int]
     federation_id: str
     total_rounds: int
     completed_rounds: int
@@ -395,7 +403,11 @@ class StatusResponse(_message.Message):
     eta_seconds: float
     aborted_rounds: int
     now_unix_ms: int
-    def __init__(self, federation_id: _Optional[str] = ..., total_rounds: _Optional[int] = ..., completed_rounds: _Optional[int] = ..., current_round: _Optional[int] = ..., phase: _Optional[str] = ..., finished: _Optional[bool] = ..., sites: _Optional[_Iterable[_Union[SiteState, _Mapping]]] = ..., eta_seconds: _Optional[float] = ..., aborted_rounds: _Optional[int] = ..., now_unix_ms: _Optional[int] = ...) -> None: ...
+    training_rounds: int
+    evaluation_round: bool
+    statistics_round: str
+    current_kind: str
+    def __init__(self, federation_id: _Optional[str] = ..., total_rounds: _Optional[int] = ..., completed_rounds: _Optional[int] = ..., current_round: _Optional[int] = ..., phase: _Optional[str] = ..., finished: _Optional[bool] = ..., sites: _Optional[_Iterable[_Union[SiteState, _Mapping]]] = ..., eta_seconds: _Optional[float] = ..., aborted_rounds: _Optional[int] = ..., now_unix_ms: _Optional[int] = ..., training_rounds: _Optional[int] = ..., evaluation_round: _Optional[bool] = ..., statistics_round: _Optional[str] = ..., current_kind: _Optional[str] = ...) -> None: ...
 
 class DownloadFinalModelRequest(_message.Message):
     __slots__ = ("study_sha256",)

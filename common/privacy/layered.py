@@ -1,0 +1,129 @@
+"""Record/patient-level DP-SGD underneath hospital-level DP (issue 13, section 1): what a
+ledger holding both kinds of training mechanism has spent.
+
+With `privacy.record_level` set in a hospital-level study, each training round runs
+Opacus DP-SGD on the site's records (sampled Gaussian segments), then clips the whole
+update to S and adds the site's distributed discrete Gaussian share (Kairouz, Liu &
+Steinke, ICML 2021). The ledger entry of such a round holds both. Two guarantees:
+
+* hospital-level (model updates only): the DDGauss rounds composed alone
+  (`common.privacy.hospital.hospital_level_epsilon`); DP-SGD says nothing about a whole
+  hospital.
+* record/patient-level: the better of two valid compositions of the per-record history,
+  which is what the site's budget is charged with:
+
+  A. the DP-SGD path: what leaves after DP-SGD is a post-processing of DP-SGD's output
+     (clipping, rounding and noise never look at the data again), so each layered round
+     costs its DP-SGD segments alone, composed with the rest of the history (statistics,
+     count, evaluation, and any round without DP-SGD beneath by its DDGauss bound below);
+  B. the hospital path: a record or patient lives inside one hospital, so the DDGauss
+     round bounds it too. Adding or removing a record leaves the hospital in the round
+     and changes its clipped update u to u', ||u - u'|| <= 2S: the REPLACE relation, twice
+     the add/remove sensitivity (`replaced`). Composed with the same rest.
+
+  Each is an upper bound on the same per-record privacy loss, so the smaller one holds
+  (Dwork & Roth 2014, Prop. 2.1 for post-processing; neighbouring inclusion for B).
+
+A ledger without a layered round (no DP-SGD beneath any DDGauss round) is composed whole,
+as before (`account` of every mechanism), so existing ledgers keep their epsilons.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from common.privacy.accountant import EpsilonReport, account
+from common.privacy.mechanisms import DistributedDiscreteGaussian, Mechanism, Segment
+
+PURPOSE_TRAINING = "training"
+PurposeMechanisms = tuple[str, Sequence[Mechanism]]
+
+
+def is_update(purpose: str, mechanism: Mechanism) -> bool:
+    """A hospital-level model-update round (a DDGauss mechanism of a training entry);
+    statistics and evaluation are DDGauss releases too, but not of the model."""
+    return purpose == PURPOSE_TRAINING and isinstance(mechanism, DistributedDiscreteGaussian)
+
+
+def layered_entry(purpose: str, mechanisms: Sequence[Mechanism]) -> bool:
+    """A training entry with DP-SGD segments AND a hospital-level DDGauss round."""
+    return any(isinstance(m, Segment) for m in mechanisms) and any(
+        is_update(purpose, m) for m in mechanisms
+    )
+
+
+def is_layered(entries: Sequence[PurposeMechanisms]) -> bool:
+    return any(layered_entry(purpose, ms) for purpose, ms in entries)
+
+
+def replaced(mechanism: DistributedDiscreteGaussian) -> DistributedDiscreteGaussian:
+    """The same release under the replace-one-update relation: sensitivities doubled
+    (what one record added or removed inside a hospital that stays in the round moves)."""
+    return dataclasses.replace(
+        mechanism,
+        l2_sensitivity=2.0 * mechanism.l2_sensitivity,
+        l1_sensitivity=2.0 * mechanism.effective_l1_sensitivity,
+    )
+
+
+def dpsgd_path(entries: Sequence[PurposeMechanisms]) -> list[Mechanism]:
+    """Path A: each layered round's DP-SGD segments (its DDGauss is post-processing);
+    a DDGauss round without DP-SGD beneath by its replace-relation bound; the rest as is."""
+    out: list[Mechanism] = []
+    for purpose, mechanisms in entries:
+        layered = layered_entry(purpose, mechanisms)
+        for m in mechanisms:
+            if isinstance(m, DistributedDiscreteGaussian) and purpose == PURPOSE_TRAINING:
+                if not layered:
+                    out.append(replaced(m))
+            else:
+                out.append(m)
+    return out
+
+
+def hospital_path(entries: Sequence[PurposeMechanisms]) -> list[Mechanism]:
+    """Path B: each layered round by its DDGauss bound (replace relation) alone, its
+    DP-SGD segments dropped; every other mechanism as is."""
+    out: list[Mechanism] = []
+    for purpose, mechanisms in entries:
+        layered = layered_entry(purpose, mechanisms)
+        for m in mechanisms:
+            if isinstance(m, DistributedDiscreteGaussian) and purpose == PURPOSE_TRAINING:
+                out.append(replaced(m))
+            elif not (layered and isinstance(m, Segment)):
+                out.append(m)
+    return out
+
+
+@dataclass(frozen=True)
+class RecordLevel:
+    """The record/patient-level epsilon of a layered history and both paths to it."""
+
+    epsilon: float
+    dpsgd_path: float
+    hospital_path: float
+    accountant_used: str
+
+
+def record_level(
+    entries: Sequence[PurposeMechanisms], *, delta: float, accountant: str
+) -> RecordLevel:
+    a = account(dpsgd_path(entries), delta=delta, accountant=accountant)
+    b = account(hospital_path(entries), delta=delta, accountant=accountant)
+    best = a if a.epsilon <= b.epsilon else b
+    return RecordLevel(best.epsilon, a.epsilon, b.epsilon, best.accountant)
+
+
+def charged(
+    entries: Sequence[PurposeMechanisms], *, delta: float, accountant: str
+) -> EpsilonReport:
+    """What a ledger charges its budget with after `entries`: the whole history composed
+    (`account`), or for a layered history the record/patient-level epsilon (the better of
+    the two paths). A pure function of the history, so verify recomposes it exactly."""
+    if not is_layered(entries):
+        return account([m for _, ms in entries for m in ms], delta=delta, accountant=accountant)
+    a = account(dpsgd_path(entries), delta=delta, accountant=accountant)
+    b = account(hospital_path(entries), delta=delta, accountant=accountant)
+    return a if a.epsilon <= b.epsilon else b
