@@ -29,6 +29,10 @@ the round (`site_round_done`), and the worst growth is reported in models (4 d b
 Key latency (secure rounds): each site logs `advertised_keys` with the seconds from
 receiving the announcement to sending AdvertiseKeys (noise planning runs concurrently,
 issue 8 section 4); the bench reports their maximum and median over sites and rounds.
+Per-phase breakdown (`breakdown`): the coordinator's `t_*` steps (each phase's first and
+last message and its close, the update and the record; deadline waits excluded) and the
+slowest surviving site's `t_*` steps, medians over rounds, with both processes' CPU
+seconds and the load average at each round's start.
 """
 
 from __future__ import annotations
