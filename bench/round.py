@@ -29,6 +29,10 @@ the round (`site_round_done`), and the worst growth is reported in models (4 d b
 Key latency (secure rounds): each site logs `advertised_keys` with the seconds from
 receiving the announcement to sending AdvertiseKeys (noise planning runs concurrently,
 issue 8 section 4); the bench reports their maximum and median over sites and rounds.
+Per-phase breakdown (`breakdown`): the coordinator's `t_*` steps (each phase's first and
+last message and its close, the update and the record; deadline waits excluded) and the
+slowest surviving site's `t_*` steps, medians over rounds, with both processes' CPU
+seconds and the load average at each round's start.
 """
 
 from __future__ import annotations
@@ -163,6 +167,14 @@ class RoundMeasurement:
     site_growth_bytes: tuple[int, ...] = ()
     site_before_download_bytes: tuple[int, ...] = ()
     advertise_seconds: tuple[float, ...] = ()  # per site: announcement -> AdvertiseKeys
+    # Per-phase breakdown: the coordinator's `t_*` steps (seconds from round open, deadline
+    # waits excluded) and CPU seconds; each surviving site's `t_*` steps (seconds from
+    # hearing of the round) and CPU seconds.
+    coordinator_steps: dict[str, float] = field(default_factory=dict)
+    coordinator_cpu_seconds: float = 0.0
+    site_steps: tuple[dict[str, float], ...] = ()
+    site_cpu_seconds: tuple[float, ...] = ()
+    load_average: float = 0.0  # 1-minute load average when the round started
 
     @property
     def seconds(self) -> float:
@@ -206,6 +218,7 @@ class RoundBench:
         self.runs += 1
         run_dir = self.root / f"run-{self.runs:02d}-{mode}"
         run_dir.mkdir()
+        load = os.getloadavg()[0]
         with self._processes(run_dir, mode) as coordinator:
             completed = coordinator.wait_for(
                 lambda e: str(e.get("msg", "")).startswith("round 1 completed"),
@@ -246,6 +259,11 @@ class RoundBench:
                 int(e["rss_before_download_bytes"]) for e in site_memory
             ),
             advertise_seconds=advertise,
+            coordinator_steps=_steps(completed),
+            coordinator_cpu_seconds=float(completed.get("cpu_seconds", 0.0)),
+            site_steps=tuple(_steps(e) for e in site_memory),
+            site_cpu_seconds=tuple(float(e.get("cpu_seconds", 0.0)) for e in site_memory),
+            load_average=load,
         )
 
     def _advertise_seconds(self) -> tuple[float, ...]:
@@ -311,6 +329,42 @@ class RoundBench:
         return total, survivors
 
 
+def _steps(event: dict[str, Any]) -> dict[str, float]:
+    """The `t_<step>` fields of a log event, by step."""
+    return {key[2:]: float(value) for key, value in event.items()
+            if key.startswith("t_") and isinstance(value, int | float)}
+
+
+def breakdown(measured: list[RoundMeasurement]) -> dict[str, Any]:
+    """Per mode, the median over rounds of each coordinator step and of each site step
+    at the slowest surviving site (the one the round waits for), and CPU seconds."""
+    out: dict[str, Any] = {}
+    for mode in ("secure", "plain"):
+        rounds = [m for m in measured if m.mode == mode]
+        coordinator = {
+            step: round(statistics.median(m.coordinator_steps[step] for m in rounds
+                                          if step in m.coordinator_steps), 4)
+            for step in sorted({s for m in rounds for s in m.coordinator_steps})
+        }
+        site = {
+            step: round(statistics.median(
+                max(st[step] for st in m.site_steps if step in st)
+                for m in rounds if any(step in st for st in m.site_steps)
+            ), 4)
+            for step in sorted({s for m in rounds for st in m.site_steps for s in st})
+        }
+        out[mode] = {
+            "coordinator_steps": dict(sorted(coordinator.items(), key=lambda kv: kv[1])),
+            "slowest_site_steps": dict(sorted(site.items(), key=lambda kv: kv[1])),
+            "coordinator_cpu_seconds": round(
+                statistics.median(m.coordinator_cpu_seconds for m in rounds), 4),
+            "site_cpu_seconds": round(statistics.median(
+                c for m in rounds for c in m.site_cpu_seconds), 4) if any(
+                m.site_cpu_seconds for m in rounds) else 0.0,
+        }
+    return out
+
+
 def default_phase_seconds(*, sites: int, dim: int) -> float:
     """A deadline honest sites meet on a loaded 2-core machine (about 1 s per 4 MB sent)."""
     return 2.0 + 1e-6 * sites * dim
@@ -359,6 +413,8 @@ def run(*, sites: int, dim: int, dropouts: int, rounds: int,
             (b for m in measured for b in m.site_before_download_bytes), default=0
         ),
         **advertise_summary(secure),
+        "load_average": [round(m.load_average, 2) for m in measured],
+        "breakdown": breakdown(measured),
     }
 
 
@@ -398,6 +454,15 @@ def main_from_args(args: argparse.Namespace) -> int:
     print(f"  plain FedAvg    {result['plain_seconds']:8.3f} s")
     print(f"  SecAgg+         {result['secure_seconds']:8.3f} s   {result['ratio']:.2f}x plain")
     print(f"  exact sum of survivors: {result['exact']}")
+    loads = result["load_average"]
+    print(f"  1-minute load average at round starts: {min(loads):.1f} to {max(loads):.1f}")
+    for mode, parts in result["breakdown"].items():
+        print(f"  {mode}: coordinator CPU {parts['coordinator_cpu_seconds']:.3f} s, "
+              f"site CPU {parts['site_cpu_seconds']:.3f} s (medians)")
+        print("    coordinator: " + ", ".join(
+            f"{step} {sec:.3f}" for step, sec in parts["coordinator_steps"].items()))
+        print("    slowest site: " + ", ".join(
+            f"{step} {sec:.3f}" for step, sec in parts["slowest_site_steps"].items()))
     if "advertise_keys_max_seconds" in result:
         print(
             f"  announcement -> AdvertiseKeys per site: max "

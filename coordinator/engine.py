@@ -1,17 +1,13 @@
 """The round engine: runs the study round after round, and one round from selection to
-its record. Every other concern has its module: site sessions and long-polls
-(sessions), the calls sites make between rounds (site_calls, ledger_gate), selection
-and announcements (selection), phases (phases), uploads (inbox, uploads), the sum
-(aggregation), what a finished round leaves behind (training_round, statistics_round,
-bundles), restart (recovery), and what the operator sees (round_events, status).
+its record; nothing else. Each other concern has its module: sessions and long-polls
+(sessions), calls between rounds (site_calls, ledger_gate), selection and announcements
+(selection), phases, uploads (inbox, uploads), the sum (aggregation), what a round
+leaves behind (training_round, statistics_round, bundles), restart (recovery), and what
+the operator sees (round_events, status). Dataclasses only (servicer.py speaks
+protobuf); one asyncio event loop, CPU-heavy steps in worker threads.
 
-It speaks dataclasses only; `servicer.py` translates protobuf and maps errors to gRPC
-status codes. Everything runs on one asyncio event loop; CPU-heavy steps (adding a
-masked vector, unmasking, the update) run in worker threads.
-
-A failure of the engine itself (a full disk, a database error) is never reported as
-a finished federation: waiting sites are told UNAVAILABLE and keep retrying, and a
-coordinator restarted on the same state resumes.
+An engine failure (a full disk, a database error) is never reported as a finished
+federation: waiting sites hear UNAVAILABLE and retry; a restarted coordinator resumes.
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ from common.privacy.federation import FederationBudgetView
 from common.round import Announcement
 from common.secagg.client import IdentityVerifier
 from common.secagg.params import ROUND_NONCE_BYTES
-from common.statistics import statistics_length
 from coordinator import (
     hospital_sum,
     round_events,
@@ -39,7 +34,7 @@ from coordinator import (
     statistics_round,
     training_round,
 )
-from coordinator.aggregation import aggregator_for
+from coordinator.aggregation import Aggregator
 from coordinator.bundles import final_bundle
 from coordinator.inbox import RoundInbox
 from coordinator.ledger_gate import LedgerGate
@@ -70,12 +65,10 @@ class RoundEngine:
         budget_view: FederationBudgetView | None = None,
         study: StudyRun | None = None,
     ) -> None:
-        # With a study, its model and training settings replace the config's.
-        self.study = study
+        self.study = study  # its model and training settings replace the config's
         self.settings = settings = study.settings(settings) if study is not None else settings
         self.store = store
-        # The federation budget view lives in the same state database as the store
-        # (SQLite or PostgreSQL), so a restarted or fail-over coordinator keeps it.
+        # In the store's database: a restarted or fail-over coordinator keeps it.
         self.budget_view = budget_view or FederationBudgetView(store.database)
         self.identity = identity
         self.metrics = metrics
@@ -91,8 +84,7 @@ class RoundEngine:
         if self.model.intermediaries is not None:  # "auto" v carried over a restart
             metrics.hospital_intermediaries.set(self.model.intermediaries)
         self.last_round_number = 0
-        # Only the latest result is kept: a long-running coordinator must not grow by
-        # two model-sized vectors per round.
+        # The latest result only: no growth by model-sized vectors per round.
         self.last_result: RoundResult | None = None
         self.last_secagg: tuple[int, int] = (0, 0)  # (threshold, neighbours) last announced
 
@@ -153,13 +145,9 @@ class RoundEngine:
     async def select_participants(self) -> list[str]:
         """Wait for `min_sites` eligible sites, then briefly for the rest to arrive."""
         cfg = self.settings
-        evaluation = self.is_evaluation_round()
-
-        def eligible(site_ids: list[str]) -> list[str]:
-            return self.sessions.with_budget(site_ids, evaluation_round=evaluation)
-
         return await self.sessions.gather(
-            eligible, min_sites=cfg.min_sites, max_sites=cfg.limits.max_sites,
+            partial(self.sessions.with_budget, evaluation_round=self.is_evaluation_round()),
+            min_sites=cfg.min_sites, max_sites=cfg.limits.max_sites,
             start_timeout=cfg.deadlines.round_start_timeout_seconds,
             grace=cfg.deadlines.selection_seconds,
         )
@@ -172,41 +160,27 @@ class RoundEngine:
 
     def _announce(self, participants: list[str], *, statistics: bool) -> Announcement:
         payload = self.model.payload()
-        study = self.study
-        ann = selection.announcement(
-            self.settings, participants, number=self.next_round_number(participants),
-            nonce=self.rng(ROUND_NONCE_BYTES), layout=self.model.layout,
-            model_sha256=digest(payload), model_bytes=len(payload),
-            evaluation_round=self.is_evaluation_round(), now=self.clock(),
-            study_sha256=bytes.fromhex(study.sha256) if study is not None else b"",
-            statistics=study.statistics_bytes if study is not None else b"",
-            statistics_length=(
-                statistics_length(study.study) if statistics and study is not None else None
-            ),
+        return selection.study_announcement(
+            self.settings, participants, study=self.study,
+            number=self.next_round_number(participants), nonce=self.rng(ROUND_NONCE_BYTES),
+            layout=self.model.layout, model_sha256=digest(payload), model_bytes=len(payload),
+            evaluation_round=self.is_evaluation_round(), statistics=statistics,
+            intermediaries=self.model.intermediaries, now=self.clock(),
         )
-        return hospital_sum.announce(ann, hospital_sum.terms_for(
-            study.study if study is not None else None, self.settings.aggregation,
-            intermediaries=self.model.intermediaries))
 
     async def _run_round(self, participants: list[str], *, statistics: bool = False) -> None:
         ann = self._announce(participants, statistics=statistics)
         self.last_secagg = (ann.threshold, ann.neighbours)
-        started = time.perf_counter()
-        self.transfers.prepare(ann.vector_length)
-        self.store.begin_round(ann.round_number, participants, now=self.clock())
-        self.metrics.current_round.set(ann.round_number)
+        started, cpu_started = time.perf_counter(), time.process_time()
         deadlines = self.settings.deadlines
-        on_closed = partial(round_events.phase_closed, metrics=self.metrics,
-                            heartbeat_misses=deadlines.heartbeat_misses)
-        rnd = ActiveRound(
+        rnd, aggregator = self.inbox.open_round(
             ann, b"" if statistics else self.model.payload(),
             liveness=Liveness(ann.heartbeat_ms / 1000, deadlines.heartbeat_misses),
-        )
-        aggregator = aggregator_for(
-            rnd, identity=self.identity, metrics=self.metrics,
+            started=started, identity=self.identity, metrics=self.metrics,
             max_colluding_sites=self.settings.aggregation.max_colluding_sites,
         )
-        self.inbox.open(rnd, aggregator)
+        self.store.begin_round(ann.round_number, participants, now=self.clock())
+        self.metrics.current_round.set(ann.round_number)
         round_events.round_opened(ann)
         self.sessions.announce(ann)
         abort: ProtocolAbort | None = ProtocolAbort(AbortReason.ROUND_ABANDONED, "round ended")
@@ -214,55 +188,49 @@ class RoundEngine:
             await drive(rnd, aggregator.phases, close=aggregator.close,
                         timeout_for=lambda p: phase_timeout(
                             ann, p, now=self.clock(), phase_seconds=deadlines.phase_seconds),
-                        lock=self.inbox.lock, on_closed=on_closed)
+                        lock=self.inbox.lock, on_closed=partial(
+                            round_events.phase_closed, metrics=self.metrics,
+                            heartbeat_misses=deadlines.heartbeat_misses))
             # Before the sum is used: a crash from here on is reported as "abandoned
             # after unmasking" at the next start (the sum existed in the clear).
             self.store.mark_unmasked(ann.round_number)
-            if ann.is_statistics:
-                result = await asyncio.to_thread(
-                    statistics_round.decode, rnd, aggregator, run=self.study,
-                    settings=self.settings,
-                )
-                statistics_round.record(
-                    result, store=self.store, metrics=self.metrics, now=self.clock()
-                )
-            else:
-                result = await asyncio.to_thread(
-                    training_round.apply_update, rnd, aggregator, model=self.model,
-                    settings=self.settings, hospital_terms=hospital_sum.terms_for(
-                        self.study.study if self.study else None, self.settings.aggregation),
-                )
-                self._record_training(result)
+            result = await (statistics_round.complete(
+                rnd, aggregator, run=self.study, settings=self.settings, store=self.store,
+                metrics=self.metrics, clock=self.clock,
+            ) if ann.is_statistics else self._complete_training(rnd, aggregator))
+            rnd.mark("recorded")
             abort = None
         except MedfedError as exc:
             abort = exc if isinstance(exc, ProtocolAbort) else ProtocolAbort(
                 AbortReason.ROUND_ABANDONED, str(exc)
             )
-            round_events.round_aborted(ann, str(exc))
-            self.store.finish_round(
-                ann.round_number, status="aborted", now=self.clock(), detail=str(exc)
-            )
-            self.metrics.rounds_total.labels(outcome="aborted").inc()
+            round_events.round_aborted(ann, str(exc), store=self.store, metrics=self.metrics,
+                                       now=self.clock())
         else:
             round_events.round_completed(
                 rnd, survivors=result.survivors, dropped=result.dropped,
                 metrics=result.metrics, seconds=time.perf_counter() - started,
-                statistics=result.statistics,
+                cpu_seconds=time.process_time() - cpu_started, statistics=result.statistics,
             )
         finally:
             rnd.end(abort=abort)
             self.last_round_number = ann.round_number
             self.inbox.close()
 
-    def _record_training(self, result: RoundResult) -> None:
-        training_round.record(result, model=self.model, settings=self.settings,
-                              store=self.store, metrics=self.metrics, now=self.clock())
-        if self.study is not None:
-            training_round.bundle(
-                self.study, result, model=self.model, settings=self.settings,
-                budgets=self.budget_view.snapshot(), secagg=self.last_secagg,
-                final=self.store.completed_rounds() >= self.total_rounds,
-                hospital_epsilons=hospital_sum.replica_epsilons(self.ledgers.replica),
-            )
+    async def _complete_training(self, rnd: ActiveRound, aggregator: Aggregator) -> RoundResult:
+        """Step the model with the round's sum (worker thread), then record the round."""
+        result = await asyncio.to_thread(
+            training_round.apply_update, rnd, aggregator, model=self.model,
+            settings=self.settings, hospital_terms=hospital_sum.terms_for(
+                self.study.study if self.study else None, self.settings.aggregation),
+        )
+        rnd.mark("updated")
+        training_round.record_and_bundle(
+            result, model=self.model, settings=self.settings, store=self.store,
+            metrics=self.metrics, now=self.clock(), run=self.study,
+            budgets=self.budget_view.snapshot, secagg=self.last_secagg,
+            final=lambda: self.store.completed_rounds() >= self.total_rounds,
+            hospital_epsilons=partial(hospital_sum.replica_epsilons, self.ledgers.replica),
+        )
         self.last_result = result
-        self.metrics.rounds_total.labels(outcome="completed").inc()
+        return result

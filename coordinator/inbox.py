@@ -11,10 +11,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from common.errors import AbortReason, ProtocolAbort, StateError, ValidationError
+from common.round import Announcement
 from common.secagg import messages as sm
+from common.secagg.client import IdentityVerifier
 from common.secagg.server import SecAggServer
-from coordinator.aggregation import Aggregator, SecureAggregator
-from coordinator.phases import ActiveRound, PhaseState, RoundPhase
+from coordinator.aggregation import Aggregator, SecureAggregator, aggregator_for
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.phases import ActiveRound, Liveness, PhaseState, RoundPhase
 from coordinator.sessions import SiteRegistry
 from coordinator.store import CoordinatorStore
 from coordinator.uploads import Transfers, iter_model
@@ -39,6 +42,20 @@ class RoundInbox:
 
     def open(self, rnd: ActiveRound, aggregator: Aggregator) -> None:
         self.round, self.aggregator = rnd, aggregator
+
+    def open_round(
+        self, ann: Announcement, model_bytes: bytes | memoryview, *, liveness: Liveness,
+        started: float, identity: IdentityVerifier, metrics: CoordinatorMetrics,
+        max_colluding_sites: int,
+    ) -> tuple[ActiveRound, Aggregator]:
+        """The round `ann` announces, with its aggregator, as the one in flight (upload
+        slots sized for its vector)."""
+        self.transfers.prepare(ann.vector_length)
+        rnd = ActiveRound(ann, model_bytes, liveness=liveness, started=started)
+        aggregator = aggregator_for(rnd, identity=identity, metrics=metrics,
+                                    max_colluding_sites=max_colluding_sites)
+        self.open(rnd, aggregator)
+        return rnd, aggregator
 
     def close(self) -> None:
         self.round, self.aggregator = None, None

@@ -93,11 +93,14 @@ class PhaseState:
     all_arrived: asyncio.Event = field(default_factory=asyncio.Event)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     output: Any = None
+    first_arrival: float | None = None  # perf_counter of the first accepted message
     last_arrival: float | None = None  # perf_counter of the latest accepted message
 
     def mark(self, site_id: str) -> None:
         self.arrived.add(site_id)
         self.last_arrival = time.perf_counter()
+        if self.first_arrival is None:
+            self.first_arrival = self.last_arrival
         self.check_complete()
 
     def drop(self, site_id: str) -> None:
@@ -129,8 +132,12 @@ class ActiveRound:
         model_bytes: bytes | memoryview,
         *,
         liveness: Liveness | None = None,
+        started: float | None = None,
     ) -> None:
         self.announcement = announcement
+        # perf_counter of the round's start: `timeline` is measured from it.
+        self.started = time.perf_counter() if started is None else started
+        self.timeline: dict[str, float] = {}
         self.liveness = liveness  # None: only deadlines drop sites
         # time.monotonic() of the latest heartbeat or message of each participant.
         self.last_heard: dict[str, float] = {}
@@ -151,6 +158,14 @@ class ActiveRound:
     @property
     def number(self) -> int:
         return self.announcement.round_number
+
+    def mark(self, step: str, when: float | None = None, *, idle: float | None = None) -> None:
+        """Record when `step` happened (perf_counter `when`, default now) as seconds
+        since the round started less the deadline waits before it (`idle`, default all
+        so far): the round's timeline as if dropped sites were detected at once."""
+        when = time.perf_counter() if when is None else when
+        idle = self.deadline_wait_seconds if idle is None else idle
+        self.timeline[step] = when - self.started - idle
 
     def heard_from(self, site_id: str) -> None:
         """`site_id` is alive now (a heartbeat or any message of this round)."""
@@ -325,8 +340,13 @@ async def drive(
     for index, phase in enumerate(phases):
         if state is None:
             raise StateError(f"round {rnd.number}: phase {phase.value} was not opened")
+        idle_before = rnd.deadline_wait_seconds
         on_closed(rnd, await rnd.wait_ready(state, timeout_for(phase)))
+        for step, when in (("first", state.first_arrival), ("last", state.last_arrival)):
+            if when is not None:
+                rnd.mark(f"{phase.value}.{step}", when, idle=idle_before)
         nxt = phases[index + 1] if index + 1 < len(phases) else RoundPhase.UPDATING
         async with lock:
             output, expected = await close(phase, state)
             state = rnd.advance(state, output, nxt, expected)
+        rnd.mark(f"{phase.value}.closed")

@@ -11,6 +11,7 @@ from typing import Any
 from common.round import Announcement
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.phases import ActiveRound, PhaseClosed
+from coordinator.store import CoordinatorStore
 
 log = logging.getLogger("medfed.coordinator")
 
@@ -44,12 +45,18 @@ def round_opened(ann: Announcement) -> None:
     )
 
 
-def round_aborted(ann: Announcement, reason: str) -> None:
+def round_aborted(
+    ann: Announcement, reason: str, *, store: CoordinatorStore, metrics: CoordinatorMetrics,
+    now: float,
+) -> None:
+    """Log the abort, record the round as aborted and count it."""
     log.warning(
         "round %d aborted: %s", ann.round_number, reason,
         extra={"event": "round_aborted", "round_number": ann.round_number,
                "participants": ",".join(ann.participants), "reason": reason},
     )
+    store.finish_round(ann.round_number, status="aborted", now=now, detail=reason)
+    metrics.rounds_total.labels(outcome="aborted").inc()
 
 
 def round_completed(
@@ -59,6 +66,7 @@ def round_completed(
     dropped: Sequence[str],
     metrics: dict[str, float],
     seconds: float,
+    cpu_seconds: float,
     statistics: bool,
 ) -> None:
     ann = rnd.announcement
@@ -77,6 +85,11 @@ def round_completed(
         # Idle time after a phase's last message until its deadline dropped
         # the missing sites (see ActiveRound.deadline_wait_seconds).
         "deadline_wait_seconds": round(rnd.deadline_wait_seconds, 6),
+        # The coordinator process's CPU time over the round (all threads).
+        "cpu_seconds": round(cpu_seconds, 6),
+        # When each step happened, as if dropped sites were detected at once
+        # (ActiveRound.mark): "<phase>.first"/".last" message accepted, ".closed".
+        **{f"t_{step}": round(seconds, 6) for step, seconds in rnd.timeline.items()},
     }
     log.info(
         "round %d completed: %d contributors, %d dropped, %.2f s, auc=%s",

@@ -14,6 +14,9 @@ from common.privacy.federation import SiteBudget as BudgetRow
 from common.privacy.federation import has_budget_left
 from common.round import KIND_STATISTICS, Announcement, SiteBudget
 from common.secagg.params import ThreatModel, choose_parameters
+from common.statistics import statistics_length
+from coordinator import hospital_sum
+from coordinator.study_run import StudyRun
 
 
 def with_budget(
@@ -137,3 +140,36 @@ def announcement(
         study_sha256=study_sha256,
         statistics=statistics,
     )
+
+
+def study_announcement(
+    settings: CoordinatorSettings,
+    participants: Sequence[str],
+    *,
+    study: StudyRun | None,
+    number: int,
+    nonce: bytes,
+    layout: tuple[TensorSpec, ...],
+    model_sha256: bytes,
+    model_bytes: int,
+    evaluation_round: bool,
+    statistics: bool,
+    now: float,
+    intermediaries: int | None = None,
+) -> Announcement:
+    """`announcement` for the study being run (its hash, its statistics release, its
+    hospital-level terms, with the "auto" intermediaries chosen last round);
+    `statistics`: the study's statistics round."""
+    ann = announcement(
+        settings, participants, number=number, nonce=nonce, layout=layout,
+        model_sha256=model_sha256, model_bytes=model_bytes,
+        evaluation_round=evaluation_round, now=now,
+        study_sha256=bytes.fromhex(study.sha256) if study is not None else b"",
+        statistics=study.statistics_bytes if study is not None else b"",
+        statistics_length=(
+            statistics_length(study.study) if statistics and study is not None else None
+        ),
+    )
+    return hospital_sum.announce(ann, hospital_sum.terms_for(
+        study.study if study is not None else None, settings.aggregation,
+        intermediaries=intermediaries))

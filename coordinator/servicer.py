@@ -23,15 +23,16 @@ from common import wire
 from common.codec import CHUNK_BYTES
 from common.errors import (
     AbortReason,
+    CertificateRejected,
     MedfedError,
     ProtocolAbort,
     Unauthenticated,
     ValidationError,
 )
-from common.pki import PeerVerifier, parse_certificate
+from common.pki import PeerVerifier, Role, parse_certificate
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.tls import peer_certificate_pem
+from common.tls import current_identity, peer_certificate_pem
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.revocation import CrlRelay
@@ -144,7 +145,19 @@ class FederationServicer(pb_grpc.FederationServicer):
         if pem is None:
             raise Unauthenticated("no client certificate")
         cert = parse_certificate(pem)
-        site_id = self.verifier.verify(cert, now=self.clock())
+        try:
+            # RequireCertificateRole verified this very call's certificate with the
+            # same verifier moments ago: one verification per RPC, not two.
+            identity = current_identity()
+        except CertificateRejected:
+            site_id = self.verifier.verify(cert, now=self.clock())  # no interceptor ran
+        else:
+            if identity.role is not Role.SITE:
+                raise CertificateRejected(
+                    f"a {identity.role.value} certificate ({identity.name!r}) is not a site "
+                    "certificate"
+                )
+            site_id = identity.name
         self.engine.sessions.touch(site_id)
         return site_id, cert
 

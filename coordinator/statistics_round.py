@@ -5,6 +5,9 @@ then preprocesses with. It updates no model and writes no checkpoint."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 import numpy as np
 
 from common.config import CoordinatorSettings
@@ -59,3 +62,14 @@ def record(
         survivors=result.survivors, dropped=result.dropped, metrics=result.metrics,
     )
     metrics.rounds_total.labels(outcome="completed").inc()
+
+
+async def complete(
+    rnd: ActiveRound, aggregator: Aggregator, *, run: StudyRun | None,
+    settings: CoordinatorSettings, store: CoordinatorStore, metrics: CoordinatorMetrics,
+    clock: Callable[[], float],
+) -> RoundResult:
+    """Decode (worker thread), then record the statistics round."""
+    result = await asyncio.to_thread(decode, rnd, aggregator, run=run, settings=settings)
+    record(result, store=store, metrics=metrics, now=clock())
+    return result

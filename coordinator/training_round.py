@@ -5,7 +5,7 @@ pruning third, so the store's latest checkpoint never names a missing file."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,6 +151,31 @@ def record(
                    "intermediaries": int(result.metrics.get("intermediaries", 1)),
                    "next_intermediaries": int(chosen)},
         )
+
+
+def record_and_bundle(
+    result: RoundResult,
+    *,
+    model: GlobalModel,
+    settings: CoordinatorSettings,
+    store: CoordinatorStore,
+    metrics: CoordinatorMetrics,
+    now: float,
+    run: StudyRun | None,
+    budgets: Callable[[], list[BudgetRow]],
+    secagg: tuple[int, int],
+    final: Callable[[], bool],
+    hospital_epsilons: Callable[
+        [], Mapping[str, tuple[float, float] | hospital_sum.HospitalEpsilons]
+    ],
+) -> None:
+    """`record`, then (in a study) the round's bundle; `budgets`, `final` and
+    `hospital_epsilons` are read after the record, as the bundle must describe it."""
+    record(result, model=model, settings=settings, store=store, metrics=metrics, now=now)
+    if run is not None:
+        bundle(run, result, model=model, settings=settings, budgets=budgets(),
+               secagg=secagg, final=final(), hospital_epsilons=hospital_epsilons())
+    metrics.rounds_total.labels(outcome="completed").inc()
 
 
 def bundle(

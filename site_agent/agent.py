@@ -18,7 +18,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -82,6 +82,7 @@ from site_agent.datacheck import site_policy
 from site_agent.hooks import LocalUpdate, TrainingHook
 from site_agent.metrics import SiteMetrics
 from site_agent.revocation import SiteRevocation
+from site_agent.round_timeline import RoundTimeline
 from site_agent.statistics_pin import StatisticsPin
 
 log = logging.getLogger("medfed.site")
@@ -106,6 +107,10 @@ ROUND_PURPOSES = (dp_release.PURPOSE_TRAINING, dp_release.PURPOSE_EVALUATION,
                   PURPOSE_STATISTICS)
 # What gRPC's details say when the TLS handshake itself failed (another CA, an expired or
 # revoked certificate, a server name that does not match): retrying does not heal these.
+PREMASK_MAX_BYTES = 16 << 20
+"""Uploads up to this size have their SecAgg+ masks expanded while ShareKeys is in
+flight (one more upload-sized buffer until masking), so masking after training is one
+addition; larger ones are masked after training (site memory stays <= 3 models)."""
 TLS_FAILURE_MARKERS = ("handshake", "CERTIFICATE_VERIFY_FAILED", "certificate", "tlsv1 alert",
                        "SSL_ERROR")
 
@@ -167,6 +172,7 @@ class _ModelDownload:
     def _run(self, agent: SiteAgent, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
         try:
             self._result = agent._download(stub, rnd, self._started)
+            agent._timeline.mark("downloaded")
         except BaseException as exc:  # re-raised in the caller's thread by result()
             self._error = exc
 
@@ -280,9 +286,11 @@ class SiteAgent:
         # Noise calibration runs here, concurrently with the key phases (one at a time:
         # a hook's trainer is not shared between threads).
         self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noise-plan")
+        self._masker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
         self._pending_statistics: GlobalStatistics | None = None
         self._statistics_pin = StatisticsPin(settings.state)
         self._rss_before_download = 0
+        self._timeline = RoundTimeline()  # the round in flight's (bench round reads it)
         # Parameters of the study's model as its latest model round announced them:
         # bounds the final-model download (`_final_model_limit`).
         self._announced_elements: int | None = None
@@ -530,6 +538,7 @@ class SiteAgent:
                    heard_at: float | None = None) -> None:
         """Take part in `rnd`, heard of at `heard_at` (perf_counter; default now)."""
         heard_at = time.perf_counter() if heard_at is None else heard_at
+        self._timeline = RoundTimeline(heard_at)
         plan = rnd.plan
         what = "evaluation only" if plan.local_epochs == 0 else (
             f"{plan.local_epochs} local epoch(s)")
@@ -552,6 +561,7 @@ class SiteAgent:
             # process peak against its RSS just before the download.
             "rss_before_download_bytes": self._rss_before_download,
             "peak_rss_bytes": proc_status_bytes("VmHWM"),
+            **self._timeline.fields(),
         })
 
     def _plan_noise(self, plan: RoundPlan, evaluation: list[Mechanism]) -> list[Segment]:
@@ -599,6 +609,7 @@ class SiteAgent:
             # The model downloads while the keys are exchanged (two barriers that
             # wait on the slowest site): neither delays the other.
             global_flat = download.result()
+            self._timeline.mark("keys_and_model")
             log.debug("round %d: keys exchanged, model downloaded", rnd.number)
             segments: list[Mechanism] = list(planning.result())
             planned_hospital = None
@@ -632,6 +643,7 @@ class SiteAgent:
             update = self._private_histogram(rnd, self.hook.train(rnd.plan, global_flat),
                                              evaluated=bool(evaluation))
             self._last_update = update
+            self._timeline.mark("trained")
             # The hook keeps what it needs (its model's parameters): our copy of the
             # global model is not needed for encoding, masking or the upload.
             del global_flat
@@ -640,17 +652,19 @@ class SiteAgent:
             self.metrics.patients_used.set(update.patients)
             vector = (self._encode(rnd, update) if planned_hospital is None
                       else hospital_round.encode(rnd, update, planned_hospital))
+            self._timeline.mark("encoded")
             log.debug("round %d: update trained and encoded", rnd.number)
             if self.settings.debug_write_updates:
                 self._write_debug(rnd.number, vector)
             if client is not None and keys is not None:
-                self._finish_secure_aggregation(stub, rnd, client, keys, vector,
+                self._finish_secure_aggregation(stub, rnd, client, *keys, vector,
                                                 heartbeats=heartbeats)
             else:
                 stub.UploadMaskedInput(
                     self._upload_stream(rnd, b"", vector),
                     timeout=self._deadline(rnd, training=True),
                 )
+                self._timeline.mark("uploaded")
         except BaseException:
             if download is not None:
                 download.cancel()
@@ -733,7 +747,7 @@ class SiteAgent:
             with Heartbeats(stub, rnd.number, rnd.heartbeat_seconds) as heartbeats:
                 keys = self._exchange_keys(stub, rnd, client, client.advertise_keys(),
                                            heard_at=heard_at)
-                self._release_statistics(stub, rnd, client, keys, release, plan,
+                self._release_statistics(stub, rnd, client, *keys, release, plan,
                                          heartbeats=heartbeats)
         except BaseException:
             client.abort()
@@ -744,8 +758,8 @@ class SiteAgent:
 
     def _release_statistics(
         self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, client: SecAggClient,
-        keys: sm.SharesForRecipient, release: np.ndarray, plan: StatisticsPlan, *,
-        heartbeats: Heartbeats,
+        keys: sm.SharesForRecipient, premask: Future[None] | None, release: np.ndarray,
+        plan: StatisticsPlan, *, heartbeats: Heartbeats,
     ) -> None:
         """Ledger entry first (write-ahead), then the noised vector through SecAgg+."""
         mechanism = plan.mechanism()
@@ -762,7 +776,7 @@ class SiteAgent:
         )
         if self.settings.debug_write_updates:
             self._write_debug(rnd.number, vector)
-        self._finish_secure_aggregation(stub, rnd, client, keys, vector,
+        self._finish_secure_aggregation(stub, rnd, client, keys, premask, vector,
                                         heartbeats=heartbeats)
 
     def _final_model_limit(self) -> tuple[int, str]:
@@ -1001,29 +1015,39 @@ class SiteAgent:
     def _exchange_keys(
         self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, client: SecAggClient,
         adv: sm.AdvertiseKeys, *, heard_at: float,
-    ) -> sm.SharesForRecipient:
+    ) -> tuple[sm.SharesForRecipient, Future[None] | None]:
         """AdvertiseKeys (`adv`, built by `client`) and ShareKeys: returns the encrypted
-        shares addressed to us."""
+        shares addressed to us, and the job expanding our masks meanwhile (small
+        uploads: PREMASK_MAX_BYTES)."""
         seconds = time.perf_counter() - heard_at
         log.info(
             "round %d: advertising keys %.3f s after the announcement", rnd.number, seconds,
             extra={"event": "advertised_keys", "round_number": rnd.number,
                    "seconds": round(seconds, 6)},
         )
+        self._timeline.mark("advertised")
         roster_pb = stub.AdvertiseKeys(
             wire.advertise_to_pb(adv, round_number=rnd.number, nonce=rnd.announcement.round_nonce),
             timeout=self._deadline(rnd),
         )
+        self._timeline.mark("roster")
         self._debug_pause(rnd.number, "advertise_keys")
         shares_out = client.receive_roster(wire.roster_from_pb(roster_pb))
+        # While the ShareKeys barrier waits for the slowest site (and the model is
+        # downloading), not after training, on the critical path of the round.
+        premask = (
+            self._masker.submit(client.prepare_masks)
+            if rnd.announcement.vector_length * 4 <= PREMASK_MAX_BYTES else None
+        )
         received = stub.ShareKeys(
             wire.share_keys_to_pb(
                 shares_out, round_number=rnd.number, session=client.session_id
             ),
             timeout=self._deadline(rnd),
         )
+        self._timeline.mark("shares")
         self._debug_pause(rnd.number, "share_keys")
-        return wire.shares_for_recipient_from_pb(received)
+        return wire.shares_for_recipient_from_pb(received), premask
 
     def _finish_secure_aggregation(
         self,
@@ -1031,18 +1055,23 @@ class SiteAgent:
         rnd: VerifiedRound,
         client: SecAggClient,
         shares: sm.SharesForRecipient,
+        premask: Future[None] | None,
         vector: np.ndarray,
         *,
         heartbeats: Heartbeats,
     ) -> None:
         """MaskedInput, ConsistencyCheck and Unmask."""
         session = client.session_id
+        if premask is not None:
+            premask.result()  # the masks are ready (or its error is raised here)
         masked = client.receive_shares(shares, vector)
+        self._timeline.mark("masked")
         log.debug("round %d: update masked", rnd.number)
         survivors_pb = stub.UploadMaskedInput(
             self._upload_stream(rnd, session, masked.vector),
             timeout=self._deadline(rnd, training=True),
         )
+        self._timeline.mark("uploaded")
         log.debug("round %d: masked input uploaded", rnd.number)
         heartbeats.stop()  # the last phases follow at once and keep their deadlines
         self._debug_pause(rnd.number, "masked_input")
@@ -1053,6 +1082,7 @@ class SiteAgent:
             ),
             timeout=self._deadline(rnd),
         )
+        self._timeline.mark("consistency")
         self._debug_pause(rnd.number, "consistency_check")
         reveal = client.receive_consistency(wire.signatures_from_pb(sigs_pb))
         result = stub.Unmask(
@@ -1060,4 +1090,5 @@ class SiteAgent:
             timeout=self._deadline(rnd),
         )
         client.complete()
+        self._timeline.mark("unmasked")
         log.info("round %d unmasked: %d contributors", rnd.number, result.contributors)

@@ -230,6 +230,9 @@ class SecAggClient:
         self._reveal_guard = RevealGuard()
         self._verifying_keys: dict[str, VerifyingKey] = {}
         self._signatures_verified = 0
+        # prepare_masks: the expanded masks and the neighbours' seeds they include.
+        self._premask: np.ndarray | None = None
+        self._premasked: dict[str, bytes] = {}
 
     # ----------------------------------------------------------------- properties
     @property
@@ -389,6 +392,41 @@ class SecAggClient:
         commitment = self_mask_commitment(seed, session_id=self._session_id, site_id=self.site_id)
         return ShareKeysOut(shares=tuple(out), self_mask_commitment=commitment)
 
+    # ------------------------------------------ optional: masks before the input
+    def prepare_masks(self) -> None:
+        """Expand this round's masks before the input exists (e.g. in a worker thread
+        while ShareKeys is in flight): PRG(b_u) +/- PRG(s_uv) for every neighbour v, as
+        if all of them send shares. `receive_shares` then adds them to the input in one
+        pass and takes out the masks of neighbours whose shares never came: the masked
+        vector is bit for bit the one computed without this step. Costs one vector of
+        memory until `receive_shares`. A neighbour whose key agreement fails is left
+        out here and handled by `receive_shares` exactly as without this step.
+
+        Only between `receive_roster` and `receive_shares`, with no other call on this
+        client running meanwhile."""
+        self._tracker.require(Phase.SHARE_KEYS, "prepare masks")
+        _, masking_keys = self._keys()
+        seeds: dict[str, bytes] = {}
+        for peer in self.peers:
+            try:
+                seeds[peer] = derive_key(
+                    masking_keys.private_key, self._roster[peer].masking_public_key,
+                    session_id=self._session_id, info=KdfInfo.PAIRWISE_MASK_SEED,
+                )
+            except CryptoError:
+                continue  # receive_shares aborts if this peer's shares arrive
+        mask = np.zeros(self.params.vector_length, dtype=np.uint32)
+        add, subtract = self._signed(seeds, list(seeds))
+        apply_masks(mask, add=[self._self_mask_seed, *add], subtract=subtract)
+        self._premask, self._premasked = mask, seeds
+
+    def _signed(self, seeds: dict[str, bytes], peers: list[str]) -> tuple[
+        list[bytes], list[bytes]
+    ]:
+        """(add, subtract): +PRG(s_uv) where u < v, -PRG(s_uv) where u > v."""
+        add = [seeds[peer] for peer in peers if self.site_id < peer]
+        return add, [seeds[peer] for peer in peers if self.site_id > peer]
+
     # --------------------------------------------------------- phase 3: MaskedInput
     @_aborts_on_failure
     def receive_shares(self, message: SharesForRecipient, input_vector: np.ndarray) -> MaskedInput:
@@ -434,22 +472,36 @@ class SecAggClient:
                 AbortReason.TOO_FEW_PARTICIPANTS,
                 f"only {len(received)} neighbours sent shares, threshold {self.params.threshold}",
             )
-        add = [self._self_mask_seed]
-        subtract: list[bytes] = []
-        for peer in sorted(received):
-            seed = self._agree(
+        premask, premasked = self._premask, self._premasked
+        self._premask, self._premasked = None, {}
+        seeds = {
+            peer: premasked.get(peer) or self._agree(
                 masking_keys.private_key,
                 self._roster[peer].masking_public_key,
                 KdfInfo.PAIRWISE_MASK_SEED,
             )
-            (add if self.site_id < peer else subtract).append(seed)
+            for peer in sorted(received)
+        }
         for peer, state in self.peers.items():
             if peer in received:
                 state.status = PeerStatus.ALIVE
             else:
                 state.status, state.dropped_in = PeerStatus.DROPPED, Phase.SHARE_KEYS
         self._held_shares = received
-        apply_masks(input_vector, add=add, subtract=subtract)
+        if premask is None:
+            add, subtract = self._signed(seeds, sorted(received))
+            apply_masks(input_vector, add=[self._self_mask_seed, *add], subtract=subtract)
+        else:
+            # The prepared masks cover the self mask and every neighbour in
+            # `premasked`: add them, then the alive neighbours left out there, and
+            # take out the neighbours that sent no shares (opposite signs).
+            np.add(input_vector, premask, out=input_vector)
+            missing = [peer for peer in sorted(received) if peer not in premasked]
+            gone = [peer for peer in sorted(premasked) if peer not in received]
+            add, subtract = self._signed(seeds, missing)
+            undo_add, undo_subtract = self._signed(premasked, gone)
+            apply_masks(input_vector, add=[*add, *undo_subtract],
+                        subtract=[*subtract, *undo_add])
         self._tracker.advance(Phase.MASKED_INPUT)
         return MaskedInput(vector=input_vector)
 

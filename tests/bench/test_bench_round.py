@@ -47,6 +47,21 @@ def test_bench_round_small_federation_is_exact() -> None:
     assert result["site_peak_growth_models"] == pytest.approx(
         result["site_peak_growth_bytes"] / 4000
     )
+    # The per-phase breakdown: every secure phase closed, in order, and both modes
+    # timed the sites' steps and the processes' CPU.
+    secure, plain = result["breakdown"]["secure"], result["breakdown"]["plain"]
+    closes = [secure["coordinator_steps"][f"{phase}.closed"] for phase in (
+        "advertise_keys", "share_keys", "masked_input", "consistency_check", "unmask")]
+    assert closes == sorted(closes)
+    assert closes[-1] <= secure["coordinator_steps"]["recorded"]
+    assert "masked_input.closed" in plain["coordinator_steps"]
+    assert "advertise_keys.closed" not in plain["coordinator_steps"]
+    for step in ("roster", "shares", "masked", "uploaded", "unmasked"):
+        assert step in secure["slowest_site_steps"]
+    assert "uploaded" in plain["slowest_site_steps"] and "masked" not in plain[
+        "slowest_site_steps"]
+    assert secure["coordinator_cpu_seconds"] > 0 and plain["site_cpu_seconds"] > 0
+    assert len(result["load_average"]) == 2
 
 
 def test_colluders_for_picks_the_largest_bound_that_tolerates_the_dropouts() -> None:

@@ -91,6 +91,12 @@ def test_drive_runs_each_phase_and_stops_serving_the_model() -> None:
     assert all(not c.missing for c in closed)
     assert rnd.phase is RoundPhase.UPDATING and not rnd.serves_model
     assert rnd.phases[RoundPhase.UNMASK].output == "unmask"
+    # The timeline (bench round's breakdown): every phase's first and last message
+    # and its close, in order.
+    steps = [f"{p.value}.{step}" for p in SECURE_PHASES for step in ("first", "last", "closed")]
+    assert list(rnd.timeline) == steps
+    times = [rnd.timeline[step] for step in steps]
+    assert times == sorted(times) and times[0] >= 0
 
 
 def test_a_deadline_drops_the_missing_sites() -> None:
@@ -110,6 +116,8 @@ def test_a_deadline_drops_the_missing_sites() -> None:
     asyncio.run(scenario())
     assert closed[0].missing == SITES
     assert rnd.phases[RoundPhase.MASKED_INPUT].output == []
+    # Nobody sent anything: only the close is on the timeline.
+    assert list(rnd.timeline) == ["masked_input.closed"]
 
 
 def test_waiters_of_an_aborted_round_hear_the_abort() -> None:

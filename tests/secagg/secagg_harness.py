@@ -8,7 +8,7 @@ sends its unmask shares).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -128,6 +128,8 @@ def run_round(
     tamper: Tamper | None = None,
     rejected: list[str] | None = None,
     outgoing: Tamper | None = None,
+    prepared: Collection[str] = (),
+    masked_inputs: dict[str, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, tuple[str, ...]]:
     """One honest-coordinator round; returns (unmasked sum, survivors).
 
@@ -136,7 +138,9 @@ def run_round(
     `rejected` is a list, a site message the server refuses (ValidationError or
     CryptoError, as the networked layer would) is recorded there and the round goes on.
     `outgoing` (sending site, its ShareKeysOut or UnmaskShares) -> what the server gets:
-    a misbehaving site.
+    a misbehaving site. Sites in `prepared` expand their masks (`prepare_masks`) right
+    after sending their shares; `masked_inputs`, when a dict, receives a copy of every
+    masked vector sent.
     """
     dropouts = dict(dropouts or {})
     server = federation.server
@@ -176,11 +180,15 @@ def run_round(
     for site in [s for s in roster_sites(roster) if active(s, Phase.SHARE_KEYS)]:
         out = clients[site].receive_roster(deliver(site, roster))
         to_server(server.receive_shares, site, send(site, out))
+        if site in prepared:
+            clients[site].prepare_masks()
     inboxes = server.close_shares()
     for site, inbox in inboxes.items():
         if active(site, Phase.MASKED_INPUT):
             vector = inputs[site].copy()
             masked = clients[site].receive_shares(deliver(site, inbox), vector)
+            if masked_inputs is not None:
+                masked_inputs[site] = masked.vector.copy()
             to_server(server.receive_masked_input, site, masked)
     survivor_list = server.close_masked_input()
     signed = []

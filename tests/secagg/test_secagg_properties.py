@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from secagg_harness import make_federation, plaintext_sum, random_inputs, run_round
 
@@ -127,3 +127,33 @@ def test_dequantized_sum_matches_float_sum_within_one_step_per_site(
     expected = sum(floats[site] for site in survivors)
     step = 2 * clip / ((1 << bits) - 1)
     assert np.max(np.abs(decoded - expected)) <= len(survivors) * step + 1e-9
+
+
+@SETTINGS
+@given(setup=round_setups(tolerable=True), seed=st.integers(0, 2**16), data=st.data())
+# Neighbours that sent no shares on either side of every site id (masks to take out
+# with both signs), and one that dropped after sending them.
+@example(setup=(5, 3, 0, {"site-000": Phase.SHARE_KEYS}), seed=1, data=None)
+@example(setup=(5, 3, 0, {"site-004": Phase.SHARE_KEYS}), seed=2, data=None)
+@example(setup=(6, 3, 0, {"site-002": Phase.SHARE_KEYS, "site-005": Phase.MASKED_INPUT}),
+         seed=3, data=None)
+def test_masks_prepared_before_the_input_give_the_same_masked_vectors(
+    setup: tuple[int, int, int, dict[str, Phase]], seed: int, data: st.DataObject | None
+) -> None:
+    """`prepare_masks` (masks expanded while ShareKeys is in flight, for every neighbour)
+    changes nothing a site sends, also when neighbours drop before sending shares."""
+    n, t, k, dropouts = setup
+    sent: list[dict[str, np.ndarray]] = []
+    everyone = {f"site-{i:03d}" for i in range(n)}
+    prepared = everyone if data is None else data.draw(st.sets(st.sampled_from(sorted(everyone))))
+    for sites in ((), prepared):
+        federation = make_federation(n, threshold=t, neighbours=k, seed=seed.to_bytes(4, "big"))
+        inputs = random_inputs(federation.params, seed)
+        masked: dict[str, np.ndarray] = {}
+        total, survivors = run_round(federation, inputs, dropouts=dropouts, prepared=sites,
+                                     masked_inputs=masked)
+        np.testing.assert_array_equal(total, plaintext_sum(inputs, survivors))
+        sent.append(masked)
+    assert sent[0].keys() == sent[1].keys()
+    for site, vector in sent[0].items():
+        np.testing.assert_array_equal(sent[1][site], vector)
