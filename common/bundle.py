@@ -142,8 +142,11 @@ class SitePrivacy(_Section):
 
 
 class GroupGuarantee(_Section):
-    """A second, coarser guarantee stated plainly, e.g. hospital-level as v-fold group
-    privacy of the intermediary-level guarantee (issue 13)."""
+    """A further guarantee stated plainly. Under hospital-level DP (issue 13) three per
+    site: unit "hospital" (add/remove one hospital, model updates only; v-fold group
+    privacy of the intermediary-level one when split), "intermediary" (add/remove one
+    unit clipped to S) and "patient" (or "record": every release, a patient's records
+    changed inside a unit that stays in the round, i.e. the updates at 2S)."""
 
     unit: str = Field(min_length=1, max_length=32)
     epsilon: float = Field(ge=0)
@@ -173,8 +176,9 @@ class PrivacyCard(_Section):
     sites: tuple[SitePrivacy, ...]
     group_guarantees: tuple[GroupGuarantee, ...] = ()
     # DP-SGD beneath hospital-level DP (issue 13, study privacy.record_level): then
-    # sites[].epsilon is this unit's epsilon (common.privacy.layered), and the group
-    # guarantees of unit hospital cover the model updates.
+    # sites[].epsilon is this unit's epsilon (common.privacy.layered). Under hospital-level
+    # DP sites[].epsilon is always what each site's budget is charged with; the
+    # per-patient figure is the group guarantee of unit "patient" ("record").
     record_level: Literal["record", "patient"] | None = None
     secagg: SecAggCard | None = Field(default=None, description="None: plain aggregation")
     statistics_release: str | None = Field(default=None, max_length=500)

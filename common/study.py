@@ -212,7 +212,11 @@ class StudyPrivacySection(_Section):
     # z: the securely summed update carries discrete Gaussian noise of std z * S per
     # coordinate. None: planned from epsilon (common.privacy.hospital.study_terms).
     update_noise_multiplier: float | None = Field(default=None, gt=0, le=1000)
-    intermediaries: Literal["auto"] | int = "auto"
+    # v intermediaries per hospital (Jiang et al., MICCAI 2023). 1 (default): true
+    # hospital-level DP, the hospital-level epsilon stays within the budget. v > 1 or
+    # "auto" (opt-in) charge the budget per intermediary: the hospital-level epsilon is
+    # then v-fold group privacy, several times epsilon (`intermediaries_warning`).
+    intermediaries: Literal["auto"] | int = 1
     # Record/patient-level DP-SGD underneath hospital-level DP (issue 13, section 1):
     # "none" trains without DP-SGD (the whole update is still clipped and noised);
     # "record" / "patient" also run Opacus DP-SGD at that unit, its noise planned by each
@@ -282,6 +286,22 @@ class StudyPrivacySection(_Section):
                 f"= 1 (got {self.intermediaries!r}): DP-SGD inside intermediaries is not "
                 "implemented"
             )
+
+
+def intermediaries_warning(privacy: StudyPrivacySection) -> str | None:
+    """The line `study check`, `study init` and the coordinator print when a hospital-level
+    study splits its hospitals: its hospital-level epsilon is v-fold, not the budget."""
+    if privacy.unit != "hospital" or privacy.intermediaries == 1:
+        return None
+    v = ("v chosen per round by the adaptive rule, up to 8"
+         if privacy.intermediaries == "auto" else f"v = {privacy.intermediaries}")
+    return (
+        f"warning: privacy.unit = \"hospital\" with privacy.intermediaries = "
+        f"{privacy.intermediaries!r}: each site's budget (epsilon {privacy.epsilon:g}) is "
+        f"charged per intermediary, so the hospital-level epsilon is v-fold group privacy "
+        f"({v}; the zCDP cost grows v^2-fold) and exceeds epsilon; set intermediaries = 1 "
+        "if the agreement caps the hospital-level epsilon"
+    )
 
 
 class Study(_Section):

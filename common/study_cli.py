@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
-from common.study import Study, encoded_feature_names, load_study, study_from_mapping, study_sha256
+from common.study import (
+    Study,
+    encoded_feature_names,
+    intermediaries_warning,
+    load_study,
+    study_from_mapping,
+    study_sha256,
+)
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -227,6 +234,9 @@ _COMMENTS = {
     "privacy": [
         "Requests: a site joins only if they are at least as strict as its own policy,",
         'which always wins. unit: "record", "patient" or "hospital".',
+        'unit = "hospital": intermediaries = 1 keeps the hospital-level epsilon within',
+        'epsilon; v > 1 or "auto" (up to 8 per round) charge the budget per intermediary',
+        "and make the hospital-level epsilon v-fold (docs/privacy.md, section 7).",
     ],
 }
 
@@ -324,6 +334,9 @@ def _init(args: argparse.Namespace) -> int:
         f"wrote {out}: {len(study.features)} features, label {study.data.label_column!r}, "
         f"sha256 {study_sha256(study)}"
     )
+    warning = intermediaries_warning(study.privacy)
+    if warning is not None:
+        print(warning, file=sys.stderr)
     return 0
 
 
@@ -349,6 +362,9 @@ def _check(args: argparse.Namespace) -> int:
         print(f"  model {summary['model']}, {study.study.rounds} rounds")
         p = study.privacy
         print(f"  privacy request: unit {p.unit}, epsilon {p.epsilon:g}, delta {p.delta:g}")
+    warning = intermediaries_warning(study.privacy)
+    if warning is not None:
+        print(warning, file=sys.stderr)
     return 0
 
 

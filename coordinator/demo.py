@@ -99,7 +99,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--intermediaries", type=_intermediaries, default=d.intermediaries,
                         help="hospital-level DP: v disjoint patient groups per hospital, "
                         "each clipped alone, or 'auto': v chosen every round by the rule "
-                        "of Jiang et al. 2023 (needs --data)")
+                        "of Jiang et al. 2023 (needs --data). Default 1: the budget caps "
+                        "the hospital-level epsilon; v > 1 or auto make it v-fold")
     parser.add_argument("--no-audit", dest="audit", action="store_false",
                         help="skip the membership-inference audit (about 30 s on 2 cores)")
     imaging = parser.add_argument_group("imaging (--task imaging)")
@@ -749,8 +750,9 @@ device = "cpu"
             ("Federated (no DP)", report["baselines"]["federated_nodp"]),
             (f"Federated + DP (eps<={self.o.budget_epsilon:g}) + SecAgg+"
              if "hospital" not in report else
-             f"Federated + hospital-level DP (eps<={self.o.budget_epsilon:g}) + SecAgg+"
-             + intermediaries_label(report["hospital"]),
+             f"Federated + hospital-level DP (budget {self.o.budget_epsilon:g}; "
+             f"{hospital_figures(report['hospital'])}) "
+             "+ SecAgg+" + intermediaries_label(report["hospital"]),
              report["final"]),
         ]
         width = max(len(r[0]) for r in rows) + 2
@@ -780,22 +782,31 @@ device = "cpu"
             self.say(f"  {site:<18} epsilon {spent:6.2f} of {budget:g} "
                      f"({100 * spent / budget:4.0f}% of budget)" + (f"; {split}" if split else ""))
         if "hospital" in report:
-            self.say("  hospital-level epsilon (MODEL UPDATES ONLY; the figures above compose "
-                     "every release and bound each patient):")
-            v = report["hospital"]["intermediaries"]
-            if v == "auto":
-                largest = max(report["hospital"].get("intermediaries_by_round", {}).values(),
-                              default=1)
-                v = f"each round v-fold (largest v {largest}): "
-            else:
-                v = f"{v}-fold "
-            units = report["hospital"]["intermediary_epsilon"]
-            for site, value in report["hospital"]["epsilon"].items():
-                extra = (f"  ({v}group privacy of the intermediary-level "
-                         f"{units[site]:.2f})" if site in units else "")
-                self.say(f"  {site:<18} epsilon {value:6.2f}{extra}")
+            self.print_hospital(report["hospital"])
         self.say(f"\nReport: {self.out / 'report.json'}; plots: auc_by_round.png, "
                  f"epsilon_by_round.png ({report['seconds']:.0f} s)")
+
+    def print_hospital(self, hospital: dict[str, Any]) -> None:
+        """The three hospital-mode figures per site, each with the relation it holds for
+        (the budget rows above are the add/remove-one-unit charge, not per-patient)."""
+        v = hospital["intermediaries"]
+        if v == "auto":
+            largest = max(hospital.get("intermediaries_by_round", {}).values(), default=1)
+            fold = f"each round v-fold, largest v {largest}"
+        else:
+            fold = f"{v}-fold" if v != 1 else "v = 1: same as intermediary-level"
+        self.say("  the epsilons above are each budget's charge (model updates at add/remove "
+                 "one unit); three figures per site:")
+        self.say(f"  {'site':<18} {'hospital':>9} {'intermed.':>9} {'patient':>9}   "
+                 f"hospital = add/remove one hospital ({fold}), intermediary = add/remove "
+                 "one unit (both MODEL UPDATES ONLY); patient = every release, updates at 2S")
+        units = hospital.get("intermediary_epsilon", {})
+        patients = hospital.get("per_patient_epsilon", {})
+        for site, value in hospital["epsilon"].items():
+            unit = units.get(site, value)
+            patient = patients.get(site)
+            self.say(f"  {site:<18} {value:9.2f} {unit:9.2f} "
+                     + (f"{patient:9.2f}" if patient is not None else f"{'-':>9}"))
 
 
 def last_error(proc: ManagedProcess) -> str:
@@ -828,6 +839,15 @@ def compute_baselines(datasets: dict[str, Any], o: DemoOptions) -> dict[str, dic
 
 
 
+def hospital_figures(hospital: dict[str, Any]) -> str:
+    """The table row's privacy figures under hospital-level DP: the largest hospital-level
+    and per-patient epsilon over the sites (the budget caps neither: it is charged at
+    add/remove one unit, and the per-patient figure counts the updates at 2S)."""
+    whole = max(hospital.get("epsilon", {}).values(), default=0.0)
+    patient = max(hospital.get("per_patient_epsilon", {}).values(), default=0.0)
+    return f"hospital eps {whole:.2f}, per-patient eps {patient:.2f}"
+
+
 def intermediaries_label(hospital: dict[str, Any]) -> str:
     """The table row's suffix naming the intermediaries: fixed v, or v per round."""
     v = hospital.get("intermediaries", 1)
@@ -851,28 +871,32 @@ def hospital_aggregation(o: DemoOptions) -> str:
 
 
 def hospital_report(out: Path, sites: list[str], o: DemoOptions) -> dict[str, Any]:
-    """Each site's hospital-level epsilon (model updates only), from its own ledger."""
-    from common.privacy.hospital import hospital_level_epsilon, intermediary_level_epsilon
+    """Each site's three hospital-mode figures from its own ledger
+    (`common.privacy.hospital.guarantees`): hospital-level and intermediary-level (model
+    updates only) and per-patient (every release, the updates at 2S)."""
+    from common.privacy.hospital import guarantees
     from common.privacy.ledger import read_ledger
 
     epsilon: dict[str, float] = {}
     intermediary: dict[str, float] = {}
+    per_patient: dict[str, float] = {}
     for site in sites:
         path = out / "sites" / site / "privacy-ledger.db"
         if not path.exists():
-            epsilon[site] = 0.0
+            epsilon[site] = intermediary[site] = per_patient[site] = 0.0
             continue
         header, entries = read_ledger(path)
         pairs = [(e.purpose, tuple(getattr(e, "mechanisms", ()))) for e in entries]
-        epsilon[site] = hospital_level_epsilon(pairs, delta=header.delta,
-                                               accountant=header.accountant)
-        unit = intermediary_level_epsilon(pairs, delta=header.delta,
-                                          accountant=header.accountant)
-        if unit is not None:
-            intermediary[site] = unit
+        figures = guarantees(pairs, delta=header.delta, accountant=header.accountant)
+        epsilon[site] = figures.hospital
+        intermediary[site] = figures.intermediary
+        per_patient[site] = figures.per_patient
     return {"epsilon": epsilon, "intermediary_epsilon": intermediary,
+            "per_patient_epsilon": per_patient,
             "intermediaries": o.intermediaries, "update_clip_norm": o.update_clip_norm,
-            "note": "hospital-level epsilon covers the model updates only"}
+            "note": ("hospital-level and intermediary-level epsilon cover the model updates "
+                     "only; per-patient composes every release with the updates at 2S; the "
+                     "budget (epsilon by site above) is charged at add/remove one unit")}
 
 
 def hospital_study(study: Any, o: DemoOptions) -> Any:

@@ -140,18 +140,20 @@ def decode(
 
 
 class HospitalEpsilons(NamedTuple):
-    """One site's model-update guarantees as its replicated ledger shows them."""
+    """One site's three hospital-mode figures as its replicated ledger shows them
+    (`common.privacy.hospital.Guarantees`)."""
 
-    epsilon: float  # hospital level (each round at its own v)
+    epsilon: float  # hospital level: add/remove one hospital, each round at its own v
     delta: float
-    intermediary: float | None = None  # per intermediary; None when no round split
+    intermediary: float | None = None  # add/remove one intermediary (S); None: as epsilon
     largest_v: int = 1
+    per_patient: float | None = None  # every release, updates at 2S (or the DP-SGD path)
 
 
 def replica_epsilons(replica: LedgerReplica) -> dict[str, HospitalEpsilons]:
-    """Each site's hospital-level epsilon (model updates only), delta, and when its
-    hospital was split the per-intermediary epsilon and the largest v, recomposed from
-    the signed ledger entries the coordinator replicates (for the model card)."""
+    """Each site's hospital-level, intermediary-level and per-patient epsilon, delta and
+    largest v, recomposed from the signed ledger entries the coordinator replicates (for
+    the model card)."""
     out: dict[str, HospitalEpsilons] = {}
     for site in replica.sites():
         history = replica.history(site)
@@ -159,14 +161,9 @@ def replica_epsilons(replica: LedgerReplica) -> dict[str, HospitalEpsilons]:
         if terms.privacy_unit != "hospital":
             continue
         pairs = [(e.purpose, e.mechanisms) for e in history.entries]
-        out[site] = HospitalEpsilons(
-            hospital.hospital_level_epsilon(pairs, delta=terms.delta,
-                                            accountant=terms.accountant),
-            terms.delta,
-            hospital.intermediary_level_epsilon(pairs, delta=terms.delta,
-                                                accountant=terms.accountant),
-            hospital.largest_intermediaries(pairs),
-        )
+        figures = hospital.guarantees(pairs, delta=terms.delta, accountant=terms.accountant)
+        out[site] = HospitalEpsilons(figures.hospital, terms.delta, figures.intermediary,
+                                     figures.largest_v, figures.per_patient)
     return out
 
 
@@ -194,44 +191,62 @@ def card_mechanisms(study: Study) -> tuple[str, ...]:
 def card_parts(
     study: Study, epsilons: Mapping[str, tuple[float, float] | HospitalEpsilons]
 ) -> tuple[tuple[GroupGuarantee, ...], tuple[str, ...]]:
-    """(group guarantees, notes) naming the guarantees of a hospital-level study:
-    `sites[].epsilon` composes every release (a per-patient bound); the hospital-level
-    epsilon covers the model updates only; with intermediaries, the per-intermediary
-    epsilon of the model updates too (unit "intermediary")."""
+    """(group guarantees, notes) naming the three figures of a hospital-level study per
+    site: unit "hospital" (add/remove one hospital, model updates only, v-fold group
+    privacy when split), unit "intermediary" (add/remove one intermediary, S) and unit
+    "patient" (or "record"; every release, the model updates at 2S or the DP-SGD path).
+    `sites[].epsilon` is what each site's budget is charged with."""
     if study.privacy.unit != "hospital":
         return (), ()
     terms = hospital.study_terms(study)
+    beneath = card_record_level(study)
     guarantees: list[GroupGuarantee] = []
     for site, row in sorted(epsilons.items()):
         entry = HospitalEpsilons(*row)
         if terms.norm_segment:
             split = (f", adaptive intermediaries (v per round from the rule of Jiang et "
                      f"al. 2023, largest v {entry.largest_v}): each round v-fold group "
-                     "privacy of the per-intermediary guarantee")
+                     "privacy of the intermediary-level guarantee")
         elif terms.intermediaries > 1:
             split = (f", {terms.intermediaries} intermediaries: {terms.intermediaries}-fold "
-                     "group privacy of the per-intermediary guarantee")
+                     "group privacy of the intermediary-level guarantee")
         else:
             split = ""
         guarantees.append(GroupGuarantee(
             unit="hospital", epsilon=entry.epsilon, delta=entry.delta,
-            note=(f"site {site}: model updates only (clip S = {terms.clip:g}, noise "
-                  f"multiplier {terms.noise_multiplier:.3g}{split}); statistics, "
-                  "evaluation histograms and the cohort count are bounded per patient"),
+            note=(f"site {site}: add/remove one hospital, model updates only (clip S = "
+                  f"{terms.clip:g}, noise multiplier {terms.noise_multiplier:.3g}{split}); "
+                  "statistics, evaluation histograms and the cohort count are bounded per "
+                  "patient"),
         ))
-        if entry.intermediary is not None:
+        unit_epsilon = entry.epsilon if entry.intermediary is None else entry.intermediary
+        guarantees.append(GroupGuarantee(
+            unit="intermediary", epsilon=unit_epsilon, delta=entry.delta,
+            note=(f"site {site}: add/remove one intermediary (a unit clipped to S), model "
+                  "updates only" + ("" if entry.largest_v > 1 else
+                                    "; v = 1: the intermediary is the whole hospital")),
+        ))
+        if entry.per_patient is not None:
             guarantees.append(GroupGuarantee(
-                unit="intermediary", epsilon=entry.intermediary, delta=entry.delta,
-                note=(f"site {site}: model updates per intermediary (each patient is in "
-                      "exactly one); the per-patient figure for the model updates"),
+                unit=beneath or "patient", epsilon=entry.per_patient, delta=entry.delta,
+                note=(f"site {site}: per-{beneath or 'patient'}, every release: "
+                      + ("the better of the DP-SGD path and the model updates at 2S "
+                         "(replace relation)" if beneath else
+                         "a patient added or removed inside a hospital/intermediary that "
+                         "stays in the round moves its update by up to 2S (replace "
+                         "relation)")),
             ))
-    beneath = card_record_level(study)
     notes = (
-        "hospital-level DP: the group guarantees (unit hospital) cover the MODEL UPDATES "
-        "ONLY; " + (
-            f"sites[].epsilon is the {beneath}-level epsilon: the better of the DP-SGD "
-            "history composed with every other release and the hospital-level rounds "
-            "(replace relation) composed with them (docs/privacy.md)" if beneath else
-            "sites[].epsilon composes every release and is the per-patient guarantee"),
+        "hospital-level DP, three figures per site (group_guarantees): unit hospital and "
+        "unit intermediary cover the MODEL UPDATES ONLY; unit " + (beneath or "patient")
+        + " is the per-" + (beneath or "patient") + " epsilon of every release. " + (
+            f"sites[].epsilon is the {beneath}-level epsilon the budget is charged with: "
+            "the better of the DP-SGD history composed with every other release and the "
+            "hospital-level rounds (replace relation) composed with them (docs/privacy.md)"
+            if beneath else
+            "sites[].epsilon is what each site's budget is charged with: every release "
+            "composed, the model updates at add/remove one intermediary (S; the "
+            "hospital when v = 1), as the study's epsilon plans the noise; it is NOT a "
+            "per-patient bound (docs/privacy.md, section 7)"),
     )
     return tuple(guarantees), notes

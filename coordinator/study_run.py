@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +28,15 @@ from common.study import (
     GlobalStatistics,
     Study,
     check_statistics,
+    intermediaries_warning,
     load_study,
     statistics_bytes,
     statistics_from_bytes,
     study_bytes,
     study_sha256,
 )
+
+log = logging.getLogger("medfed.coordinator")
 
 INITIAL_MODEL_SEED = 0
 """The initial weights are public: every coordinator builds the same ones for a study."""
@@ -87,6 +91,9 @@ class StudyRun:
         """Load `path`; pin it to `state` (refusing another study on the same state) and
         load statistics already released for it."""
         study = load_study(path)
+        warning = intermediaries_warning(study.privacy)
+        if warning is not None:  # hospital-level epsilon v-fold (issue 13): said at start-up
+            log.warning(warning, extra={"event": "hospital_intermediaries_warning"})
         run = cls(study=study, state=state)
         state.mkdir(parents=True, exist_ok=True, mode=0o700)
         pinned = state / "study.json"

@@ -142,9 +142,16 @@ def _model_show(args: argparse.Namespace) -> int:
     print("privacy card")
     print(f"  unit {card.unit}; accountant {card.accountant}; rounds {card.rounds}")
     print(f"  mechanisms: {', '.join(card.mechanisms)}")
-    # Under hospital-level DP sites[].epsilon is the per-record/patient guarantee (with
-    # DP-SGD beneath: the better of its two paths); the hospital-level one follows.
-    level = (f"{card.record_level or 'patient'}-level " if card.unit == "hospital" else "")
+    # Under hospital-level DP sites[].epsilon is what each budget is charged with: with
+    # DP-SGD beneath the record/patient-level epsilon (the better of its two paths),
+    # without it the add/remove-one-unit composition, which is NOT per-patient; the three
+    # named figures (hospital, intermediary, patient) follow as group guarantees.
+    if card.unit != "hospital":
+        level = ""
+    elif card.record_level is not None:
+        level = f"budget charge = {card.record_level}-level "
+    else:
+        level = "budget charge (add/remove one unit; not per-patient) "
     for site in card.sites:
         print(f"  site {site.site}: {level}epsilon {site.epsilon:.3g}, delta {site.delta:g}")
     for group in card.group_guarantees:

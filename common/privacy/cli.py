@@ -324,43 +324,65 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
 
 
 def _guarantees(header: Any, entries: Any) -> dict[str, Any]:
-    """Under hospital-level DP two guarantees, named plainly (issue 13): the model
-    updates alone per hospital, and every release composed, which bounds each patient
-    (statistics, evaluation and the count are bounded per patient only). With DP-SGD
-    beneath (study privacy.record_level), the record/patient-level epsilon the ledger
-    charges: the better of its DP-SGD path and its hospital path (common.privacy.layered)."""
+    """Under hospital-level DP three figures, named plainly (issue 13,
+    `common.privacy.hospital.Guarantees`): hospital-level and intermediary-level (model
+    updates only, add/remove one hospital / one intermediary) and per-patient (every
+    release, the DDGauss rounds at 2S, or with DP-SGD beneath the better of that and the
+    DP-SGD path). `spent_epsilon` is what the budget is charged with (`budget_charge`)."""
     if header.privacy_unit != "hospital":
         return {}
-    from common.privacy import layered
-    from common.privacy.hospital import (
-        hospital_level_epsilon,
-        intermediary_level_epsilon,
-        largest_intermediaries,
-    )
+    from common.privacy.hospital import guarantees, largest_intermediaries
 
     pairs = [(getattr(e, "purpose", "training"), _entry_mechanisms(e)) for e in entries]
+    figures = guarantees(pairs, delta=header.delta, accountant=header.accountant)
     out: dict[str, Any] = {
-        "hospital_level_epsilon": hospital_level_epsilon(
-            pairs, delta=header.delta, accountant=header.accountant),
-    }
-    spent = entries[-1].epsilon_after if entries else 0.0
-    if layered.is_layered(pairs):
-        paths = layered.record_level(pairs, delta=header.delta, accountant=header.accountant)
-        out["record_level_epsilon"] = spent
-        out["dpsgd_path_epsilon"] = paths.dpsgd_path
-        out["hospital_path_epsilon"] = paths.hospital_path
-    else:
-        out["patient_level_epsilon"] = spent
-    intermediary = intermediary_level_epsilon(pairs, delta=header.delta,
-                                              accountant=header.accountant)
-    if intermediary is not None:
-        out["intermediary_level_epsilon"] = intermediary
-        out["intermediaries_max"] = largest_intermediaries(pairs)
-        out["intermediaries_by_round"] = {
+        "hospital_level_epsilon": figures.hospital,
+        "intermediary_level_epsilon": figures.intermediary,
+        "per_patient_epsilon": figures.per_patient,
+        "intermediaries_max": figures.largest_v,
+        "intermediaries_by_round": {
             str(e.round): largest_intermediaries([("training", _entry_mechanisms(e))])
             for e in entries if getattr(e, "purpose", "training") == "training"
-        }
+        },
+        "budget_charge": (
+            "record/patient-level epsilon (the better of the DP-SGD and hospital paths)"
+            if figures.layered else
+            "every release composed, the model updates at add/remove one "
+            + ("intermediary" if figures.largest_v > 1 else "hospital")
+            + " (sensitivity S): what the study's epsilon plans z for; NOT per-patient"),
+    }
+    if figures.layered:
+        out["record_level_epsilon"] = figures.per_patient
+        out["dpsgd_path_epsilon"] = figures.dpsgd_path
+        out["hospital_path_epsilon"] = figures.hospital_path
     return out
+
+
+def _print_hospital_figures(summary: dict[str, Any]) -> None:
+    """The three hospital-mode figures, each with the relation it holds for."""
+    v = summary.get("intermediaries_max", 1)
+    by_round = summary.get("intermediaries_by_round", {})
+    print(f"  charged with: {summary['budget_charge']}")
+    print(f"hospital-level epsilon     {summary['hospital_level_epsilon']:.4f}: add/remove one "
+          "hospital, MODEL UPDATES ONLY" + (
+              f" (each round v-fold group privacy at its own v, largest v {v})" if v > 1
+              else ""))
+    print(f"intermediary-level epsilon {summary['intermediary_level_epsilon']:.4f}: add/remove "
+          "one intermediary (clip S), MODEL UPDATES ONLY" + (
+              "" if v > 1 else "; v = 1, so the same unit as the hospital"))
+    if v > 1 and by_round:
+        print("  v per round               " + ", ".join(
+            f"{number}:{n}" for number, n in by_round.items()))
+    if "record_level_epsilon" in summary:
+        print(f"per-patient epsilon        {summary['per_patient_epsilon']:.4f}: every release; "
+              "the better of the DP-SGD path "
+              f"{summary['dpsgd_path_epsilon']:.4f} and the hospital path (replace relation, "
+              f"2S) {summary['hospital_path_epsilon']:.4f} (per record when the study's "
+              "record_level is 'record')")
+    else:
+        print(f"per-patient epsilon        {summary['per_patient_epsilon']:.4f}: every release, "
+              "a patient added or removed inside a unit that stays in the round (model "
+              "updates at 2S, replace relation)")
 
 
 def _cmd_ledger_show(args: argparse.Namespace) -> int:
@@ -384,27 +406,7 @@ def _cmd_ledger_show(args: argparse.Namespace) -> int:
     for purpose, epsilon in summary["epsilon_by_purpose"].items():
         print(f"  {purpose:<11} {epsilon:.4f} (alone; purposes compose, they do not add)")
     if "hospital_level_epsilon" in summary:
-        print(f"hospital-level epsilon {summary['hospital_level_epsilon']:.4f}: MODEL UPDATES "
-              "ONLY (whole update clipped to S, distributed discrete Gaussian)")
-        if "intermediary_level_epsilon" in summary:
-            by_round = summary.get("intermediaries_by_round", {})
-            print(f"intermediary epsilon   {summary['intermediary_level_epsilon']:.4f}: model "
-                  "updates per intermediary (each patient is in one); the hospital-level "
-                  "figure above is its group guarantee, each round v-fold at its own v "
-                  f"(largest v {summary.get('intermediaries_max', 1)})")
-            if by_round:
-                print("  v per round            " + ", ".join(
-                    f"{number}:{v}" for number, v in by_round.items()))
-        if "record_level_epsilon" in summary:
-            print(f"record/patient-level epsilon {summary['record_level_epsilon']:.4f}: DP-SGD "
-                  "beneath (per record, or per patient when the study's record_level is "
-                  "'patient'); the better of the DP-SGD path "
-                  f"{summary['dpsgd_path_epsilon']:.4f} and the hospital path "
-                  f"{summary['hospital_path_epsilon']:.4f}, each with every other release")
-        else:
-            print(f"per-patient epsilon    {summary['patient_level_epsilon']:.4f}: every "
-                  "release composed (statistics, evaluation and count are bounded per "
-                  "patient)")
+        _print_hospital_figures(summary)
     print(f"head hash     {summary['head_hash']}")
     print()
     print(

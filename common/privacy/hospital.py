@@ -340,6 +340,60 @@ def hospital_level_epsilon(
     return compose_epsilon(chosen, delta=delta, accountant=accountant) if chosen else 0.0
 
 
+def update_mechanisms(
+    entries: Sequence[tuple[str, Sequence[Mechanism]]],
+) -> list[DistributedDiscreteGaussian]:
+    """The DDGauss model-update rounds of a history, at their per-unit sensitivity S."""
+    return [m for purpose, mechanisms in entries if purpose == "training"
+            for m in mechanisms if isinstance(m, DistributedDiscreteGaussian)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Guarantees:
+    """The three figures a hospital-mode ledger is reported with, named plainly
+    (docs/privacy.md, section 7, "Which epsilon to quote"):
+
+    * `hospital`: add/remove one whole hospital, model updates only; each round at its own
+      v (`per_hospital`), i.e. v-fold group privacy when the hospital was split;
+    * `intermediary`: add/remove one intermediary (the unit each site clips to S), model
+      updates only; equal to `hospital` when no round split (v = 1);
+    * `per_patient`: one patient (all their records) added or removed inside a
+      hospital/intermediary that stays in the round, every release composed: the DDGauss
+      rounds at 2S (replace relation), or with DP-SGD beneath the better of that and the
+      DP-SGD path (`common.privacy.layered.record_level`, the one shared function).
+      Per record instead when the study's record_level is "record".
+    """
+
+    hospital: float
+    intermediary: float
+    per_patient: float
+    largest_v: int
+    layered: bool
+    dpsgd_path: float
+    hospital_path: float
+
+
+def guarantees(
+    entries: Sequence[tuple[str, Sequence[Mechanism]]], *, delta: float, accountant: str,
+) -> Guarantees:
+    """Hospital-level, intermediary-level and per-patient epsilon of a (purpose,
+    mechanisms) history (`Guarantees`), for the ledger, the model card and the demo."""
+    from common.privacy import layered
+    from common.privacy.accountant import compose_epsilon
+
+    updates = update_mechanisms(entries)
+    whole = hospital_level_epsilon(entries, delta=delta, accountant=accountant)
+    split = any(m.units > 1 for m in updates)
+    unit = (compose_epsilon(updates, delta=delta, accountant=accountant)
+            if split else whole)
+    patient = layered.record_level(entries, delta=delta, accountant=accountant)
+    return Guarantees(
+        hospital=whole, intermediary=unit, per_patient=patient.epsilon,
+        largest_v=largest_intermediaries(entries), layered=layered.is_layered(entries),
+        dpsgd_path=patient.dpsgd_path, hospital_path=patient.hospital_path,
+    )
+
+
 def announced_terms(ann: Announcement) -> HospitalTerms:
     """S, z, v and the norm segment as a HOSPITAL round announces them."""
     return HospitalTerms(clip=ann.clip, noise_multiplier=ann.hospital_noise_multiplier,
@@ -350,8 +404,9 @@ def announced_terms(ann: Announcement) -> HospitalTerms:
 def intermediary_level_epsilon(
     entries: Sequence[tuple[str, Sequence[Mechanism]]], *, delta: float, accountant: str,
 ) -> float | None:
-    """Epsilon of the model updates per intermediary (each patient is in one), or None
-    when no round split its hospital (then it equals the hospital-level one)."""
+    """Epsilon of the model updates per intermediary (add/remove one unit, S), or None
+    when no round split its hospital (then it equals the hospital-level one). Not a
+    per-patient bound: a patient inside a unit is the replace relation (`guarantees`)."""
     from common.privacy.accountant import compose_epsilon
 
     chosen = [m for purpose, mechanisms in entries if purpose == "training"

@@ -24,8 +24,11 @@ Steinke, ICML 2021). The ledger entry of such a round holds both. Two guarantees
   Each is an upper bound on the same per-record privacy loss, so the smaller one holds
   (Dwork & Roth 2014, Prop. 2.1 for post-processing; neighbouring inclusion for B).
 
-A ledger without a layered round (no DP-SGD beneath any DDGauss round) is composed whole,
-as before (`account` of every mechanism), so existing ledgers keep their epsilons.
+A ledger without a layered round (no DP-SGD beneath any DDGauss round) is CHARGED with its
+whole history composed at the add/remove sensitivity S, as before (`account` of every
+mechanism), so existing ledgers keep their epsilons; its per-patient figure is path B
+alone (`record_level`: both paths coincide), the DDGauss rounds at 2S. That is the one
+per-patient function the ledger, the CLI, the model card and the demo report share.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def hospital_path(entries: Sequence[PurposeMechanisms]) -> list[Mechanism]:
 
 @dataclass(frozen=True)
 class RecordLevel:
-    """The record/patient-level epsilon of a layered history and both paths to it."""
+    """The record/patient-level epsilon of a hospital-mode history and both paths to it."""
 
     epsilon: float
     dpsgd_path: float
@@ -110,8 +113,16 @@ class RecordLevel:
 def record_level(
     entries: Sequence[PurposeMechanisms], *, delta: float, accountant: str
 ) -> RecordLevel:
-    a = account(dpsgd_path(entries), delta=delta, accountant=accountant)
+    """The per-patient (per-record with `record_level = "record"`) epsilon of a hospital-mode
+    history: the better of paths A and B. Without DP-SGD beneath any round both paths are
+    the same composition, every DDGauss training round at the replace relation (2S: a
+    patient added or removed inside a unit that stays in the round) with every
+    other release, so it is computed once; that figure exceeds the add/remove one the
+    budget is charged with (`charged`), and is the honest per-patient figure."""
     b = account(hospital_path(entries), delta=delta, accountant=accountant)
+    if not is_layered(entries):
+        return RecordLevel(b.epsilon, b.epsilon, b.epsilon, b.accountant)
+    a = account(dpsgd_path(entries), delta=delta, accountant=accountant)
     best = a if a.epsilon <= b.epsilon else b
     return RecordLevel(best.epsilon, a.epsilon, b.epsilon, best.accountant)
 
@@ -120,8 +131,15 @@ def charged(
     entries: Sequence[PurposeMechanisms], *, delta: float, accountant: str
 ) -> EpsilonReport:
     """What a ledger charges its budget with after `entries`: the whole history composed
-    (`account`), or for a layered history the record/patient-level epsilon (the better of
-    the two paths). A pure function of the history, so verify recomposes it exactly."""
+    (`account`, each DDGauss round at its add/remove sensitivity S), or for a layered
+    history the record/patient-level epsilon (the better of the two paths). A pure
+    function of the history, so verify recomposes it exactly.
+
+    The add/remove charge of a history without DP-SGD beneath is what the study's epsilon
+    plans z for (`common.privacy.hospital.study_terms`): the unit-level guarantee of the
+    model updates (one hospital, or one intermediary), composed with the per-patient
+    releases. It is NOT the per-patient figure (`record_level`, at 2S); changing the
+    charge would change every hospital-mode budget and z (docs/privacy.md, section 7)."""
     if not is_layered(entries):
         return account([m for _, ms in entries for m in ms], delta=delta, accountant=accountant)
     a = account(dpsgd_path(entries), delta=delta, accountant=accountant)

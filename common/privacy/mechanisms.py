@@ -164,7 +164,8 @@ class DistributedDiscreteGaussian:
     count: int = 1
     # Issue 13, intermediaries: each hospital sent the sum of this many disjoint units,
     # each clipped alone. The sensitivities are per unit (the intermediary-level
-    # guarantee, which protects every patient); a whole hospital is `units` of them
+    # guarantee, add/remove one unit; a patient inside a unit is the replace relation,
+    # 2x: common.privacy.layered.record_level); a whole hospital is `units` of them
     # (`per_hospital`). Recorded only when > 1, so older entries keep their bytes.
     units: int = 1
 

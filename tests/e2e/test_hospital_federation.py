@@ -114,13 +114,15 @@ def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProces
     bundle = read_bundle(state / "model" / "final.safetensors")
     assert bundle.card.unit == "hospital"
     assert any("hospital-level" in m for m in bundle.card.mechanisms)
-    # Both guarantees on the card: per hospital (v-fold) and per intermediary.
-    assert {g.unit for g in bundle.card.group_guarantees} <= {"hospital", "intermediary"}
+    # Three figures on the card: per hospital (v-fold), per intermediary, per patient.
+    assert {g.unit for g in bundle.card.group_guarantees} <= {
+        "hospital", "intermediary", "patient"}
     whole = [g for g in bundle.card.group_guarantees if g.unit == "hospital"]
     assert len(whole) == len(SITES)
     assert all("model updates only" in g.note and "2 intermediaries" in g.note for g in whole)
-    assert all("per intermediary" in g.note for g in bundle.card.group_guarantees
+    assert all("add/remove one intermediary" in g.note for g in bundle.card.group_guarantees
                if g.unit == "intermediary")
+    assert all("2S" in g.note for g in bundle.card.group_guarantees if g.unit == "patient")
     assert terms.clip == 0.5
     # `medfed ledger show` names both guarantees plainly.
     shown = subprocess.run(
@@ -129,10 +131,12 @@ def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProces
         capture_output=True, text=True, check=True, cwd=REPO,
     )
     summary = json.loads(shown.stdout.strip().splitlines()[-1])
-    # The hospital is 2-fold: its guarantee is weaker than each intermediary's, which
-    # (composed with the per-patient releases) is the per-patient figure.
+    # The hospital is 2-fold: its guarantee is weaker than each intermediary's. A patient
+    # changed inside an intermediary that stays in the round moves it by up to 2S: the
+    # per-patient figure (every release) exceeds the budget's add/remove charge.
     assert 0 < summary["intermediary_level_epsilon"] < summary["hospital_level_epsilon"]
-    assert summary["intermediary_level_epsilon"] <= summary["patient_level_epsilon"]
+    assert summary["intermediary_level_epsilon"] < summary["spent_epsilon"]
+    assert summary["spent_epsilon"] < summary["per_patient_epsilon"]
     site_card = {g.note.split(":")[0]: g.epsilon for g in whole}
     # The card is written when the round commits, from the replica the sites have sent
     # so far (their last round's entry arrives with their next poll): at most the ledger's.
@@ -168,10 +172,13 @@ def test_demo_hospital_level_row(tmp_path: Path) -> None:
     for site in sites:
         hospital_eps = report["hospital"]["epsilon"][site]
         unit_eps = report["hospital"]["intermediary_epsilon"][site]
-        # Each patient is in one intermediary: the per-patient figure (the ledger's,
-        # within budget) composes the unit-level one; the hospital is 2-fold.
+        patient_eps = report["hospital"]["per_patient_epsilon"][site]
+        # The budget is charged with the unit-level figure composed with the other
+        # releases; the hospital is 2-fold; a patient's records changed inside an
+        # intermediary move it by up to 2S, so the per-patient figure exceeds the charge.
         assert 0 < unit_eps <= report["final"]["epsilon"][site] <= 8.0
         assert unit_eps < hospital_eps
+        assert report["final"]["epsilon"][site] < patient_eps
         _, entries = read_ledger(out / "sites" / site / "privacy-ledger.db")
         trained = [e for e in entries if e.purpose == "training"]
         assert len(trained) == 2
@@ -201,6 +208,9 @@ def test_auto_intermediaries_federation(tmp_path: Path,
               if e.get("event") == "intermediaries_chosen"}
     first, second = sorted(completed)
     assert completed[first]["intermediaries"] == 1  # the documented start
+    # "auto" is opt-in and the coordinator says at start-up what it costs.
+    assert any(e.get("event") == "hospital_intermediaries_warning"
+               and "v-fold" in str(e.get("msg", "")) for e in coordinator.lines)
     v = chosen[first]
     assert 1 <= v <= hospital.MAX_AUTO_INTERMEDIARIES
     assert completed[second]["intermediaries"] == v  # announced as chosen
@@ -258,7 +268,9 @@ def test_demo_auto_intermediaries_row(tmp_path: Path) -> None:
     assert report["hospital"]["intermediaries"] == "auto"
     assert len(chosen) == 2 and next(iter(chosen.values())) == 1
     label = "v auto per round " + "/".join(str(v) for v in chosen.values())
-    assert f"Federated + hospital-level DP (eps<=8) + SecAgg+, {label}" in result.stdout
+    assert any(line.startswith("Federated + hospital-level DP (budget 8; hospital eps ")
+               and "per-patient eps " in line and f") + SecAgg+, {label}" in line
+               for line in result.stdout.splitlines())
     for number, v in chosen.items():
         assert f"[round {number}] training" in result.stdout
         assert any(line.startswith(f"[round {number}] ") and line.endswith(f"| v={v}")

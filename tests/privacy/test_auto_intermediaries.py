@@ -53,7 +53,9 @@ def _announcement(dim: int) -> Announcement:
 
 
 def _auto_study(**privacy: object) -> Study:
-    mapping = study_mapping(unit="hospital", update_clip_norm=0.5, **privacy)
+    """A hospital-level study with intermediaries = "auto" (opt-in: the default is 1)."""
+    mapping = study_mapping(unit="hospital", update_clip_norm=0.5,
+                            **{"intermediaries": "auto", **privacy})
     return study_from_mapping(mapping, source="test")
 
 
