@@ -60,6 +60,32 @@ def test_expired_and_not_yet_valid(pki_dir: Path, now: dt.datetime) -> None:
     assert verifier.verify(future, now=now + dt.timedelta(days=3)) == "future"
 
 
+def test_remembered_certificate_is_still_checked_against_clock_and_crl(
+    pki_dir: Path, foreign_dir: Path, now: dt.datetime
+) -> None:
+    """The verifier remembers a certificate's signature and usage checks by fingerprint
+    (one CA signature check per certificate, not per RPC); what changes with time is
+    not remembered: a certificate that passed is refused once it expires or is revoked,
+    and a same-named certificate from another CA is a different certificate."""
+    verifier = pki.PeerVerifier.from_pki_dir(pki_dir)
+    short = pki.issue_site(pki_dir, "short", validity_days=1, now=now).certificate
+    assert verifier.verify(short, now=now) == "short"
+    assert verifier.verify(short, now=now) == "short"  # now from memory
+    with pytest.raises(CertificateRejected, match="expired"):
+        verifier.verify(short, now=now + dt.timedelta(days=2))
+    genuine = _site_cert(pki_dir, "h1")
+    assert verifier.verify(genuine, now=now) == "h1"
+    impostor = _site_cert(foreign_dir, "h1")
+    assert impostor.subject == genuine.subject
+    with pytest.raises(CertificateRejected, match="not signed by the federation CA"):
+        verifier.verify(impostor, now=now)
+    with pytest.raises(CertificateRejected, match="not signed by the federation CA"):
+        verifier.verify(impostor, now=now)  # a refusal is never remembered as a pass
+    pki.revoke_site(pki_dir, "short", now=now)
+    with pytest.raises(CertificateRejected, match="revoked"):
+        verifier.verify(short, now=now)
+
+
 def test_revocation_picked_up_without_new_verifier(pki_dir: Path, now: dt.datetime) -> None:
     verifier = pki.PeerVerifier.from_pki_dir(pki_dir)
     h1, h2 = _site_cert(pki_dir, "h1"), _site_cert(pki_dir, "h2")
