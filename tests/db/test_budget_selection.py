@@ -168,8 +168,10 @@ def tight_budget(tmp_path: Path, signer: LedgerSigner) -> float:
     """A budget that one round (training + evaluation) fits and a second does not."""
     probe = PrivacyLedger(tmp_path / "probe.ledger", site_id="e", budget_epsilon=100.0,
                           delta=1e-5, signer=signer)
-    one = probe.preview(1, [*ROUND_COST, ROUND_EVALUATION])
-    two = probe.preview(1, [*ROUND_COST, ROUND_EVALUATION] * 2)
+    # As the site's ledger holds a round: a training entry and an evaluation entry.
+    evaluation = ("evaluation", [ROUND_EVALUATION])
+    one = probe.preview(1, ROUND_COST, also=[evaluation])
+    two = probe.preview(1, ROUND_COST, also=[evaluation, ("training", ROUND_COST), evaluation])
     return (one + two) / 2
 
 
@@ -209,9 +211,10 @@ def test_site_with_exhausted_ledger_is_never_selected_again(
                            delta=1e-5, signer=e_signer),
     }
     # The premise: one round fits e's budget, two do not (also warms up the accountant).
-    one_round = [*ROUND_COST, ROUND_EVALUATION]
-    assert ledgers["e"].preview(1, one_round) < budget
-    assert ledgers["e"].preview(1, one_round * 2) > budget
+    evaluation = ("evaluation", [ROUND_EVALUATION])
+    assert ledgers["e"].preview(1, ROUND_COST, also=[evaluation]) < budget
+    assert ledgers["e"].preview(
+        1, ROUND_COST, also=[evaluation, ("training", ROUND_COST), evaluation]) > budget
 
     coord = coordinator(
         rounds=4, min_sites=4,
