@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,12 +32,27 @@ HOSPITAL_STUDY = STUDY.replace('rounds = 1', 'rounds = 2').replace(
     'unit = "patient"', 'unit = "hospital"\nupdate_clip_norm = 0.5\nintermediaries = 2')
 
 
-@pytest.fixture
-def processes() -> Iterator[list[ManagedProcess]]:
-    started: list[ManagedProcess] = []
-    yield started
-    for proc in started:
-        proc.stop()
+DEMO_SITES = ["north", "south", "east"]
+
+
+def _hospital_demo(tmp_path: Path, *, seed: int,
+                   intermediaries: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`medfed demo` in hospital mode on three generated CSV sites; must exit 0."""
+    cohort = generate_cohort(DEMO_SITES, seed=seed, patients_per_site=300)
+    write_site_csvs(tmp_path / "data", cohort)
+    out = tmp_path / "run"
+    result = subprocess.run(
+        medfed_argv(
+            "demo", "--data", str(tmp_path / "data"), "--label-column", "sepsis",
+            "--patient-column", "patient_id", "--out", str(out), "--rounds", "2",
+            "--kill-round", "0", "--delta", "1e-3", "--budget-epsilon", "8",
+            "--privacy-unit", "hospital", "--update-clip-norm", "1.0",
+            "--intermediaries", intermediaries, "--no-audit",
+        ),
+        cwd=REPO, capture_output=True, text=True, timeout=850, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result, out
 
 
 def _run_federation(tmp_path: Path, processes: list[ManagedProcess], study_text: str, *,
@@ -150,26 +164,12 @@ def test_demo_hospital_level_row(tmp_path: Path) -> None:
     with hospital-level DP (two intermediaries per hospital), the table names the row,
     and the report gives each site's hospital-level epsilon (model updates only) next to
     its composed per-patient one."""
-    sites = ["north", "south", "east"]
-    cohort = generate_cohort(sites, seed=3, patients_per_site=300)
-    write_site_csvs(tmp_path / "data", cohort)
-    out = tmp_path / "run"
-    result = subprocess.run(
-        medfed_argv(
-            "demo", "--data", str(tmp_path / "data"), "--label-column", "sepsis",
-            "--patient-column", "patient_id", "--out", str(out), "--rounds", "2",
-            "--kill-round", "0", "--delta", "1e-3", "--budget-epsilon", "8",
-            "--privacy-unit", "hospital", "--update-clip-norm", "1.0",
-            "--intermediaries", "2", "--no-audit",
-        ),
-        cwd=REPO, capture_output=True, text=True, timeout=850, check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result, out = _hospital_demo(tmp_path, seed=3, intermediaries="2")
     report = json.loads((out / "report.json").read_text())
     assert report["privacy_unit"] == "hospital"
     assert "Federated + hospital-level DP" in result.stdout
     assert "MODEL UPDATES ONLY" in result.stdout
-    for site in sites:
+    for site in DEMO_SITES:
         hospital_eps = report["hospital"]["epsilon"][site]
         unit_eps = report["hospital"]["intermediary_epsilon"][site]
         patient_eps = report["hospital"]["per_patient_epsilon"][site]
@@ -248,21 +248,7 @@ def test_auto_intermediaries_federation(tmp_path: Path,
 def test_demo_auto_intermediaries_row(tmp_path: Path) -> None:
     """`medfed demo --privacy-unit hospital --intermediaries auto` runs end to end: the
     row of the privacy/utility table and each round line name the v of every round."""
-    sites = ["north", "south", "east"]
-    cohort = generate_cohort(sites, seed=4, patients_per_site=300)
-    write_site_csvs(tmp_path / "data", cohort)
-    out = tmp_path / "run"
-    result = subprocess.run(
-        medfed_argv(
-            "demo", "--data", str(tmp_path / "data"), "--label-column", "sepsis",
-            "--patient-column", "patient_id", "--out", str(out), "--rounds", "2",
-            "--kill-round", "0", "--delta", "1e-3", "--budget-epsilon", "8",
-            "--privacy-unit", "hospital", "--update-clip-norm", "1.0",
-            "--intermediaries", "auto", "--no-audit",
-        ),
-        cwd=REPO, capture_output=True, text=True, timeout=850, check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result, out = _hospital_demo(tmp_path, seed=4, intermediaries="auto")
     report = json.loads((out / "report.json").read_text())
     chosen = report["hospital"]["intermediaries_by_round"]
     assert report["hospital"]["intermediaries"] == "auto"
@@ -275,7 +261,7 @@ def test_demo_auto_intermediaries_row(tmp_path: Path) -> None:
         assert f"[round {number}] training" in result.stdout
         assert any(line.startswith(f"[round {number}] ") and line.endswith(f"| v={v}")
                    for line in result.stdout.splitlines())
-    for site in sites:
+    for site in DEMO_SITES:
         _, entries = read_ledger(out / "sites" / site / "privacy-ledger.db")
         units = {e.round: m.units for e in entries if e.purpose == "training"
                  for m in e.mechanisms if isinstance(m, DistributedDiscreteGaussian)}
