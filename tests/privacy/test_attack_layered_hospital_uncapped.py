@@ -1,0 +1,76 @@
+"""Attack (s5 review): with DP-SGD beneath hospital-level DP (privacy.record_level), the
+site's budget is charged with the record-level epsilon only (`layered.charged` = the
+better of the DP-SGD path and the 2S path). The DDGauss model-update rounds, the
+study's HOSPITAL-level guarantee, are then not charged at all once the DP-SGD path is the
+cheaper one, and nothing at the site caps the number of hospital rounds at the study's
+`rounds` (its z is planned for exactly that many).
+
+A coordinator that announces `planned_rounds` large (the site plans DP-SGD for
+max(policy.planned_rounds, announced): `site_agent.dp_release.rounds_to_plan`) makes each
+round's DP-SGD cost tiny, and keeps announcing HOSPITAL rounds with the study's S and z:
+every one passes the site's checks and its real ledger's budget, while the hospital-level
+epsilon the ledger itself reports grows past the study's epsilon and the site's budget.
+
+The test asserts the property a hospital-level study promises (hospital-level epsilon
+within the site's budget); it FAILS on main at the time of the review."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from common.privacy import hospital, layered
+from common.privacy.accountant import plan_round_noise
+from common.privacy.ledger import PrivacyLedger
+from common.privacy.mechanisms import Mechanism
+from common.study import Study, study_from_mapping
+from tests.privacy.conftest import Pki
+from tests.study.helpers import study_mapping
+
+NOW = datetime(2026, 11, 23, tzinfo=UTC)
+DELTA = 1e-5
+BUDGET = 8.0
+
+
+def layered_study() -> Study:
+    options: dict[str, Any] = {
+        "unit": "hospital", "update_clip_norm": 1.0, "intermediaries": 1,
+        "record_level": "record", "record_epsilon": 3.0, "epsilon": BUDGET, "delta": DELTA,
+    }
+    mapping = study_mapping(**options)
+    mapping["study"]["rounds"] = 5  # z is planned for 5 hospital rounds
+    return study_from_mapping(mapping, source="test")
+
+
+def test_hospital_rounds_beyond_the_study_are_refused_by_the_budget(
+    tmp_path: Path, pki_material: Pki
+) -> None:
+    study = layered_study()
+    terms = hospital.study_terms(study)
+    ring = hospital.ring_plan(terms, dim=1000, max_sites=3)
+    ddgauss = hospital.mechanism(hospital.site_plan(ring, n_noise=2))
+    # What the site's own planner answers when the coordinator announces planned_rounds
+    # = 5000 (allowed up to 1e6; the site plans max(policy, announced) rounds).
+    sigma = plan_round_noise(history=[], budget_epsilon=3.0, delta=DELTA, sample_rate=0.05,
+                             steps_per_round=20, remaining_rounds=5000).noise_multiplier
+    from common.privacy.mechanisms import Segment
+
+    sgd = Segment(sigma, 0.05, 20)
+    ledger = PrivacyLedger(tmp_path / "ledger.db", site_id="hospital-a", budget_epsilon=BUDGET,
+                           delta=DELTA, privacy_unit="hospital", signer=pki_material.signer_a)
+    rounds = 4 * study.study.rounds  # four times the study's rounds
+    for number in range(1, rounds + 1):
+        mechanisms: list[Mechanism] = [sgd, ddgauss]
+        assert ledger.preview(number, mechanisms) <= BUDGET  # the agent's check passes
+        ledger.reserve(number, mechanisms, now=NOW)  # and the ledger accepts it
+    pairs = [(e.purpose, e.mechanisms) for e in ledger.entries()]
+    figures = hospital.guarantees(pairs, delta=DELTA, accountant=ledger.accountant)
+    charge = layered.charged(pairs, delta=DELTA, accountant=ledger.accountant).epsilon
+    # Property a hospital-level study promises: its model updates, per hospital, within
+    # the site's budget (and the study's epsilon, for which z was planned).
+    assert figures.hospital <= BUDGET, (
+        f"{rounds} hospital rounds (study plans {study.study.rounds}) accepted: budget "
+        f"charged {charge:.2f} <= {BUDGET}, but the ledger's own hospital-level epsilon is "
+        f"{figures.hospital:.2f}"
+    )
