@@ -5,13 +5,17 @@ common.privacy.layered `replaced`), and ids hash alike whatever their dtype."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from common.errors import ConfigError
+from common.round import RoundPlan
 from site_agent.hooks import DpTrainingHook, intermediary_key, intermediary_of
+from tests.privacy.conftest import Pki
+from tests.privacy.test_auto_intermediaries import _auto_study, _joined_hospital_site
 
 
 def _groups(patient_ids: np.ndarray | None, v: int, *, records: int = 0,
@@ -76,3 +80,23 @@ def test_fewer_units_than_v_is_refused() -> None:
 
 
 PINNED = [6, 7, 4, 5, 2, 4, 6, 4]
+
+
+def test_an_empty_intermediary_trains_nothing_and_sends_a_zero_update(
+    tmp_path: Path, pki_material: Pki, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hashed group may be empty: it still counts as one of the v units (the weight
+    stays v), with a zero update, and the other units train as usual."""
+    hook = _joined_hospital_site(tmp_path, _auto_study(), pki_material, noisy_count=35)
+    layout = hook.layout()
+    flat = np.zeros(sum(s.elements for s in layout), dtype=np.float32)
+    plan = RoundPlan(round_number=1, planned_rounds=3, local_epochs=1, learning_rate=0.1,
+                     fedprox_mu=0.0, histogram_bins=5, layout=layout, intermediaries=3)
+    real = hook.unit_groups(3)
+    emptied = [real[0], np.array([], dtype=np.int64), np.concatenate([real[1], real[2]])]
+    monkeypatch.setattr(hook, "unit_groups", lambda v: emptied)
+    update = hook.train(plan, flat)
+    assert len(update.units) == 3
+    assert not np.any(update.units[1]) and np.any(update.units[0]) and np.any(update.units[2])
+    assert update.records == sum(len(index) for index in real)
+    assert np.allclose(update.delta, np.sum(update.units, axis=0), atol=1e-5)
