@@ -311,6 +311,11 @@ class LocalTrainingSection(_Section):
     )
 
 
+DEFAULT_MAX_INTERMEDIARIES: Final = 8
+"""A site's default `policy.max_intermediaries`: the cap of `intermediaries = "auto"`
+(`common.privacy.hospital.MAX_AUTO_INTERMEDIARIES`; a test keeps the two equal)."""
+
+
 class SitePolicySection(_Section):
     """What this site accepts from a coordinator (checked on every round announcement)."""
 
@@ -339,6 +344,13 @@ class SitePolicySection(_Section):
         default=(),
         description="custom model factories ('package.module:factory') this site will "
         "import and run when a study names one; importing runs that package's code",
+    )
+    max_intermediaries: int = Field(
+        default=DEFAULT_MAX_INTERMEDIARIES, ge=1, le=10_000,
+        description="hospital-level studies: the most intermediaries v this site splits "
+        "into (a fixed v, or the cap of \"auto\"); the hospital-level epsilon becomes "
+        "v-fold group privacy, so 1 keeps it as declared. Checked at enrolment and on "
+        "every round",
     )
     # Issue 10, section 6: the site plans its own noise; an announcement can only raise
     # the number of rounds planned for, and no round costs more than the cap.

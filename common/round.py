@@ -313,6 +313,15 @@ def validate_for_site(
     ):
         raise ValidationError("a hospital round trains, with a noise multiplier in (0, 1000]")
     validate_intermediaries(ann, study=study)
+    if ann.is_hospital and ann.hospital_intermediaries > policy.max_intermediaries:
+        # The study was accepted at enrolment against the same cap; a round asking for
+        # more (a coordinator deviating from it) would make this hospital's
+        # hospital-level epsilon v-fold beyond what its privacy officer allowed.
+        raise RoundFailed(
+            f"round {ann.round_number} splits this hospital into "
+            f"{ann.hospital_intermediaries} intermediaries, more than this site's "
+            f"policy.max_intermediaries = {policy.max_intermediaries}"
+        )
     if ann.is_statistics:
         # No model and no training: the vector is the statistics layout, which the site
         # recomputes from the study it joined (site_agent checks the length).

@@ -611,6 +611,9 @@ class SitePrivacyPolicy:
     max_epsilon_per_round: float | None = None
     allowed_model_factories: tuple[str, ...] = ()
     max_count_epsilon: float | None = None
+    max_intermediaries: int | None = None
+    """Hospital-level studies: the most intermediaries this site splits into (None: the
+    protocol's own bound)."""
 
 
 def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
@@ -662,6 +665,17 @@ def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
             f"privacy.count_epsilon = {requested.count_epsilon:g} exceeds this site's "
             f"{count_cap:g} (its privacy.count_epsilon limit for the one DP cohort count)"
         )
+    if requested.unit == "hospital" and policy.max_intermediaries is not None:
+        from common.privacy.hospital import intermediaries_cap
+
+        most = intermediaries_cap(study) or 1
+        if most > policy.max_intermediaries:
+            problems.append(
+                f"privacy.intermediaries = {requested.intermediaries!r} splits a hospital "
+                f"into up to {most} intermediaries, more than this site's "
+                f"policy.max_intermediaries = {policy.max_intermediaries} (the "
+                f"hospital-level epsilon becomes up to {most}-fold)"
+            )
     factory = study.model.custom
     if factory is not None and factory not in policy.allowed_model_factories:
         problems.append(f"model.custom = {factory!r} is not in this site's allowed factories")

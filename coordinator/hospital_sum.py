@@ -278,9 +278,12 @@ def card_parts(
         "hospital-level DP, three figures per site (group_guarantees): unit hospital and "
         "unit intermediary cover the MODEL UPDATES ONLY; unit " + (beneath or "patient")
         + " is the per-" + (beneath or "patient") + " epsilon of every release. " + (
-            f"sites[].epsilon is the {beneath}-level epsilon the budget is charged with: "
-            "the better of the DP-SGD history composed with every other release and the "
-            "hospital-level rounds (replace relation) composed with them (docs/privacy.md)"
+            f"sites[].epsilon is what each budget is charged with: the larger of the "
+            f"{beneath}-level epsilon (the better of the DP-SGD history composed with "
+            "every other release and the hospital-level rounds at the replace relation "
+            "composed with them) and the hospital-level composition (every release, the "
+            "model updates at add/remove one hospital), so the budget caps both "
+            "(docs/privacy.md)"
             if beneath else
             "sites[].epsilon is what each site's budget is charged with: every release "
             "composed, the model updates at add/remove one intermediary (S; the "

@@ -230,6 +230,7 @@ def site_policy(settings: SiteSettings) -> SitePrivacyPolicy:
         max_epsilon_per_round=settings.policy.max_epsilon_per_round,
         allowed_model_factories=tuple(getattr(settings.policy, "allowed_model_factories", ())),
         max_count_epsilon=privacy.count_epsilon,
+        max_intermediaries=settings.policy.max_intermediaries,
     )
 
 

@@ -143,13 +143,14 @@ def _model_show(args: argparse.Namespace) -> int:
     print(f"  unit {card.unit}; accountant {card.accountant}; rounds {card.rounds}")
     print(f"  mechanisms: {', '.join(card.mechanisms)}")
     # Under hospital-level DP sites[].epsilon is what each budget is charged with: with
-    # DP-SGD beneath the record/patient-level epsilon (the better of its two paths),
-    # without it the add/remove-one-unit composition, which is NOT per-patient; the three
-    # named figures (hospital, intermediary, patient) follow as group guarantees.
+    # DP-SGD beneath the larger of the record/patient-level epsilon (the better of its two
+    # paths) and the add/remove-one-hospital composition, without it the latter, which is
+    # NOT per-patient; the three named figures (hospital, intermediary, patient) follow
+    # as group guarantees.
     if card.unit != "hospital":
         level = ""
     elif card.record_level is not None:
-        level = f"budget charge = {card.record_level}-level "
+        level = f"budget charge = max({card.record_level}-level, hospital-level) "
     else:
         level = "budget charge (add/remove one unit; not per-patient) "
     for site in card.sites:

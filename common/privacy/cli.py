@@ -345,7 +345,9 @@ def _guarantees(header: Any, entries: Any) -> dict[str, Any]:
             for e in entries if getattr(e, "purpose", "training") == "training"
         },
         "budget_charge": (
-            "record/patient-level epsilon (the better of the DP-SGD and hospital paths)"
+            "the larger of the record/patient-level epsilon (the better of the DP-SGD "
+            "and hospital paths) and the hospital-level composition (every release, the "
+            "model updates at add/remove one hospital): the budget caps both"
             if figures.layered else
             "every release composed, the model updates at add/remove one "
             + ("intermediary" if figures.largest_v > 1 else "hospital")

@@ -29,6 +29,15 @@ whole history composed at the add/remove sensitivity S, as before (`account` of 
 mechanism), so existing ledgers keep their epsilons; its per-patient figure is path B
 alone (`record_level`: both paths coincide), the DDGauss rounds at 2S. That is the one
 per-patient function the ledger, the CLI, the model card and the demo report share.
+
+A layered ledger is charged with the LARGER of two figures, so that its budget bounds
+both guarantees the study makes: the record/patient-level epsilon above, and the
+unit-level one (`unit_level`: every release, each layered round by its DDGauss at S,
+add/remove one hospital: what a ledger without DP-SGD beneath is charged with). Charging
+the record-level figure alone left the hospital-level rounds uncapped: once DP-SGD was the
+cheaper path, a coordinator could announce hospital rounds beyond the study's and the
+budget never refused one (found by review, session 5;
+tests/privacy/test_attack_layered_hospital_uncapped.py).
 """
 
 from __future__ import annotations
@@ -100,6 +109,18 @@ def hospital_path(entries: Sequence[PurposeMechanisms]) -> list[Mechanism]:
     return out
 
 
+def unit_level(entries: Sequence[PurposeMechanisms]) -> list[Mechanism]:
+    """The unit-level history (add/remove one hospital, or one intermediary): every
+    release, each layered round by its DDGauss round at S alone. Its DP-SGD segments bound
+    records, not a unit; the released update is the DDGauss mechanism's output whatever
+    trained it, so at the unit level they add no cost (and no protection)."""
+    out: list[Mechanism] = []
+    for purpose, mechanisms in entries:
+        layered = layered_entry(purpose, mechanisms)
+        out.extend(m for m in mechanisms if not (layered and isinstance(m, Segment)))
+    return out
+
+
 @dataclass(frozen=True)
 class RecordLevel:
     """The record/patient-level epsilon of a hospital-mode history and both paths to it."""
@@ -132,8 +153,9 @@ def charged(
 ) -> EpsilonReport:
     """What a ledger charges its budget with after `entries`: the whole history composed
     (`account`, each DDGauss round at its add/remove sensitivity S), or for a layered
-    history the record/patient-level epsilon (the better of the two paths). A pure
-    function of the history, so verify recomposes it exactly.
+    history the larger of the record/patient-level epsilon (the better of the two paths)
+    and the unit-level one (`unit_level`), so the budget caps both. A pure function of the
+    history, so verify recomposes it exactly.
 
     The add/remove charge of a history without DP-SGD beneath is what the study's epsilon
     plans z for (`common.privacy.hospital.study_terms`): the unit-level guarantee of the
@@ -144,4 +166,6 @@ def charged(
         return account([m for _, ms in entries for m in ms], delta=delta, accountant=accountant)
     a = account(dpsgd_path(entries), delta=delta, accountant=accountant)
     b = account(hospital_path(entries), delta=delta, accountant=accountant)
-    return a if a.epsilon <= b.epsilon else b
+    record = a if a.epsilon <= b.epsilon else b
+    unit = account(unit_level(entries), delta=delta, accountant=accountant)
+    return record if record.epsilon >= unit.epsilon else unit

@@ -46,7 +46,8 @@ def recompose_mismatches(
     for entry in entries:
         history.append((entry.purpose, entry.mechanisms))
         # The ledger's own charge (common.privacy.layered): the whole history, or the
-        # record-level epsilon when DP-SGD ran beneath hospital-level DP.
+        # larger of the record-level and hospital-level figures when DP-SGD ran beneath
+        # hospital-level DP.
         report = charged(history, delta=delta, accountant=accountant)
         if not math.isclose(report.epsilon, entry.epsilon_after, rel_tol=relative_tolerance):
             mismatches.append(

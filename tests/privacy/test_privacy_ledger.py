@@ -112,8 +112,8 @@ def test_entries_of_every_kind_and_purpose(tmp_path: Path, pki_material: Pki) ->
     entries = ledger.entries()
     assert [e.purpose for e in entries] == ["count", "statistics", "training", "evaluation"]
     assert entries[2].mechanisms == (ROUND_SEGMENT, ddg)
-    # DP-SGD beneath a DDGauss round (issue 13): the entry is charged per record, the
-    # better of the DP-SGD path and the hospital path (common.privacy.layered).
+    # DP-SGD beneath a DDGauss round (issue 13): the entry is charged with the larger of
+    # the record-level figure and the hospital-level composition (common.privacy.layered).
     pairs = [(e.purpose, e.mechanisms) for e in entries]
     for k in range(1, 5):
         assert entries[k - 1].epsilon_after == pytest.approx(

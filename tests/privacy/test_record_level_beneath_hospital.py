@@ -2,8 +2,8 @@
 of a `privacy.unit = "hospital"` study with `privacy.record_level` trains with real
 Opacus DP-SGD, clips and DDGauss-encodes the result, and its real SQLite ledger holds
 both mechanism kinds; `medfed ledger show --json` names both guarantees, and the budget
-is charged with the record-level composition (common.privacy.layered), never with DP-SGD
-and DDGauss double-counted."""
+is charged with the larger of the record-level and hospital-level compositions
+(common.privacy.layered), never with DP-SGD and DDGauss double-counted."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from common.config import SiteSettings
 from common.crypto.random import system_random
-from common.errors import ConfigError
+from common.errors import BudgetExhausted, ConfigError
 from common.privacy import hospital, layered
 from common.privacy.accountant import account, compose_epsilon
 from common.privacy.cli import main as privacy_main
@@ -152,29 +152,34 @@ def test_dp_sgd_beneath_hospital_level_writes_both_and_reports_both(
     assert "hospital-level epsilon" in text and "record/patient-level epsilon" in text
 
 
-def test_the_budget_check_uses_the_record_level_composition(
+def test_the_budget_check_uses_the_larger_of_record_and_unit_level(
     tmp_path: Path, pki_material: Pki
 ) -> None:
-    """A round whose DP-SGD and DDGauss would exceed the budget if both were charged is
-    accepted when the record-level composition (the better path) fits, and refused when
-    it does not; a round without DP-SGD beneath is charged as before."""
+    """A layered round is charged with the larger of the record-level composition (the
+    better path) and the unit-level one (its DDGauss at S), never DP-SGD and DDGauss added
+    up: accepted when that fits the budget although both together would not, refused
+    when it does not; a round without DP-SGD beneath is charged as before."""
     ddg = DistributedDiscreteGaussian(noise_variance_per_site=4.0, contributors=2,
                                       l2_sensitivity=2.0, dimension=1024)
     sgd = Segment(1.2, 0.05, 100)
-    ledger = PrivacyLedger(tmp_path / "l.db", site_id="hospital-a", budget_epsilon=3.0,
+    ledger = PrivacyLedger(tmp_path / "l.db", site_id="hospital-a", budget_epsilon=3.5,
                            delta=DELTA, privacy_unit="hospital", signer=pki_material.signer_a)
     both = compose_epsilon([sgd, ddg], delta=DELTA)
-    alone = compose_epsilon([sgd], delta=DELTA)
-    assert alone < 3.0 < both
-    assert ledger.preview(1, [sgd, ddg]) == pytest.approx(alone)
+    record = compose_epsilon([sgd], delta=DELTA)  # path A: DDGauss is post-processing
+    unit = compose_epsilon([ddg], delta=DELTA)  # add/remove the hospital
+    assert record < unit < 3.5 < both
+    assert ledger.preview(1, [sgd, ddg]) == pytest.approx(unit)
     entry = ledger.reserve(1, [sgd, ddg], now=NOW)
-    assert entry.epsilon_after == pytest.approx(alone) and entry.accountant_used == "prv"
-    with pytest.raises(Exception, match="budget"):
+    assert entry.epsilon_after == pytest.approx(unit)
+    # Cheap DP-SGD does not buy another hospital round past the budget ...
+    with pytest.raises(BudgetExhausted, match="budget"):
+        ledger.reserve(2, [Segment(5.0, 0.01, 10), ddg], now=NOW)
+    # ... and expensive DP-SGD is refused on the record-level figure.
+    with pytest.raises(BudgetExhausted, match="budget"):
         ledger.reserve(2, [Segment(0.6, 0.05, 400), ddg], now=NOW)
     plain = PrivacyLedger(tmp_path / "p.db", site_id="hospital-a", budget_epsilon=30.0,
                           delta=DELTA, privacy_unit="hospital", signer=pki_material.signer_a)
-    assert plain.reserve(1, [ddg], now=NOW).epsilon_after == pytest.approx(
-        compose_epsilon([ddg], delta=DELTA))
+    assert plain.reserve(1, [ddg], now=NOW).epsilon_after == pytest.approx(unit)
 
 
 @pytest.mark.parametrize(
@@ -232,7 +237,9 @@ def test_the_two_paths_of_a_mixed_history() -> None:
     paths = layered.record_level(entries, delta=DELTA, accountant="prv")
     assert paths.epsilon == min(paths.dpsgd_path, paths.hospital_path)
     charged = layered.charged(entries, delta=DELTA, accountant="prv")
-    assert charged.epsilon == paths.epsilon
+    assert layered.unit_level(entries) == [count, ddg, ddg, histogram]
+    unit = compose_epsilon([count, ddg, ddg, histogram], delta=DELTA)
+    assert charged.epsilon == pytest.approx(max(paths.epsilon, unit))
     # Without a layered entry the whole history is composed, as before.
     plain = entries[:2] + entries[3:]
     assert not layered.is_layered(plain)
