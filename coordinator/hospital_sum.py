@@ -19,6 +19,7 @@ so a restarted coordinator continues with it (`coordinator.training_round`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
@@ -31,11 +32,17 @@ from common.errors import ConfigError, ValidationError
 from common.evaluation import clipped_noisy_histogram, operating_point_metrics
 from common.privacy import hospital
 from common.privacy.hospital import HospitalTerms, announced_terms
-from common.privacy.intermediaries import next_split_count
+from common.privacy.intermediaries import (
+    PLAUSIBLE_NORM_SIGMAS,
+    next_split_count,
+    plausible_norm_sum,
+)
 from common.privacy.replica import LedgerReplica
 from common.round import KIND_HOSPITAL, KIND_TRAINING, Announcement
 from common.study import Study
 from coordinator.aggregation import DecodedSum, multiclass_round_metrics
+
+log = logging.getLogger("medfed.coordinator")
 
 
 def terms_for(
@@ -111,9 +118,20 @@ def decode(
     integers = manifest.decode_integers(aggregate)
     weight_sum = max(int(integers[WEIGHT][0]), 0)
     histogram = clipped_noisy_histogram(integers[EVALUATION_HISTOGRAM])
-    # Sites send their unit count (1, or the study's v); a short or missing one cannot
-    # make the mean divide by less than one unit per hospital.
-    units = max(weight_sum, count)
+    # Sites send their unit count (1..v each: a site under "auto" may train fewer than
+    # announced); the sum is range-checked (L3): out of [count, count * v] a site lied,
+    # the mean divides by the nearest bound and the round measures no v.
+    units = min(max(weight_sum, count), count * terms.intermediaries)
+    weight_plausible = units == weight_sum
+    if not weight_plausible:
+        log.warning(
+            "round %d: the summed unit count %d is outside [%d, %d] (%d hospitals, v = "
+            "%d): the mean divides by %d and the round does not choose the next v",
+            ann.round_number, weight_sum, count, count * terms.intermediaries, count,
+            terms.intermediaries, units,
+            extra={"event": "hospital_units_out_of_range", "round_number": ann.round_number,
+                   "weight_sum": weight_sum, "units": units},
+        )
     metrics: dict[str, float] = {
         "contributors": float(count),
         "units": float(units),
@@ -130,12 +148,32 @@ def decode(
     mean = (total / units).astype(np.float32)
     if norm_sum is not None:
         metrics["unit_norm_sum"] = norm_sum
-        metrics["next_intermediaries"] = float(next_split_count(
-            mean_update=mean, mean_noise_std=terms.noise_multiplier * terms.sensitivity / units,
-            unit_norm_sum=norm_sum, units=units, clip=terms.clip, hospitals=count,
-            current=terms.intermediaries, maximum=cap if cap is not None
-            else hospital.MAX_AUTO_INTERMEDIARIES,
-        ))
+        maximum = cap if cap is not None else hospital.MAX_AUTO_INTERMEDIARIES
+        # The norm sum's noise in decoded units: the plan's z S' on the sum, / c.
+        norm_std = terms.noise_multiplier * terms.sensitivity / hospital.NORM_SEGMENT_SCALE
+        measured = weight_plausible and plausible_norm_sum(
+            norm_sum, norm_noise_std=norm_std, units=units, clip=terms.clip)
+        metrics["intermediaries_measured"] = float(measured)
+        if measured:
+            chosen = next_split_count(
+                mean_update=mean,
+                mean_noise_std=terms.noise_multiplier * terms.sensitivity / units,
+                unit_norm_sum=norm_sum, norm_noise_std=norm_std, units=units,
+                clip=terms.clip, hospitals=count, current=terms.intermediaries,
+                maximum=maximum)
+        else:
+            chosen = min(max(terms.intermediaries, 1), maximum)
+            if weight_plausible:
+                log.warning(
+                    "round %d: decoded unit norm sum %.4g is not credibly in [0, %.4g] "
+                    "(%g sigma of its noise, %.4g): no measurement, v stays %d",
+                    ann.round_number, norm_sum, units * terms.clip, PLAUSIBLE_NORM_SIGMAS,
+                    norm_std, chosen,
+                    extra={"event": "intermediaries_measurement_rejected",
+                           "round_number": ann.round_number, "unit_norm_sum": norm_sum,
+                           "next_intermediaries": chosen},
+                )
+        metrics["next_intermediaries"] = float(chosen)
     return DecodedSum(mean, weight_sum, metrics, histogram)
 
 

@@ -562,16 +562,24 @@ class DpTrainingHook:
 
     def unit_groups(self, v: int) -> list[np.ndarray]:
         """Record indices of v disjoint intermediaries: whole patients (records without a
-        patient column) dealt at random, fixed for the study by the split seed."""
+        patient column: each record, by its index), each in the group a keyed hash of
+        its id alone gives (`intermediary_of`), fixed for the study by the split seed.
+
+        Why a hash and not a shuffle: the per-patient figure charges a patient 2S per
+        round (common.privacy.layered `replaced`), which holds only if adding or removing
+        one patient moves its own unit and no other; a permutation of all patients
+        reshuffles nearly everyone when one is added (up to 2 v S). A group may come out
+        empty (rare at >= `MIN_PATIENTS_PER_INTERMEDIARY` patients per unit):
+        `_train_units` then sends a zero update for it."""
         ids = getattr(self.train_data, "patient_ids", None)
         keys = ids if ids is not None else np.arange(len(self.train_data))
         unique, inverse = np.unique(keys, return_inverse=True)
         if unique.size < v:
             raise ConfigError("privacy.intermediaries",
                               f"{v} intermediaries but only {unique.size} units at this site")
-        order = np.random.default_rng(self.settings.data.split_seed + 1).permutation(unique.size)
-        group_of_unit = np.empty(unique.size, dtype=np.int64)
-        group_of_unit[order] = np.arange(unique.size) % v
+        key = intermediary_key(self.settings.data.split_seed)
+        group_of_unit = np.fromiter((intermediary_of(u, key=key, v=v) for u in unique),
+                                    dtype=np.int64, count=unique.size)
         group = group_of_unit[inverse.reshape(-1)]
         return [np.flatnonzero(group == k) for k in range(v)]
 
@@ -589,6 +597,11 @@ class DpTrainingHook:
         losses: list[float] = []
         records = 0
         for index in self.unit_groups(self.intermediaries_for(plan)):
+            if index.size == 0:
+                # An empty intermediary (`unit_groups`) still counts as one unit: a zero
+                # update (norm 0), so the weight stays v and reveals nothing about it.
+                deltas.append(np.zeros_like(global_flat, dtype=np.float32))
+                continue
             subset = self.train_data.subset(index)
             config = dc.replace(
                 base.config, released_units=None,
@@ -644,6 +657,40 @@ class DpTrainingHook:
             return score_histogram(scores, labels, bins=plan.histogram_bins)
         bins = bins_per_class(plan.histogram_bins, num_classes=self.num_classes)
         return multiclass_score_histogram(scores, labels, bins=bins)
+
+
+
+INTERMEDIARY_DOMAIN = b"medfed/v1/intermediary"
+
+
+def intermediary_key(split_seed: int) -> bytes:
+    """The BLAKE2b key of the patient -> intermediary hash: fixed by the site's split
+    seed for the study (not secret from the site; it keeps groups stable across rounds)."""
+    return hashlib.blake2b(INTERMEDIARY_DOMAIN + int(split_seed).to_bytes(16, "big", signed=True),
+                           digest_size=32).digest()
+
+
+def canonical_unit_id(unit: object) -> bytes:
+    """Bytes of a patient id (or record index) that do not depend on its dtype: integers
+    (Python, NumPy, integral floats) as their decimal digits, text as UTF-8, so the same
+    id hashes alike whether a file's column was read as numbers or as strings."""
+    if isinstance(unit, bytes | bytearray):
+        return bytes(unit)
+    if isinstance(unit, np.generic):
+        unit = unit.item()
+    if isinstance(unit, bool):
+        unit = int(unit)
+    if isinstance(unit, float) and unit.is_integer():
+        unit = int(unit)
+    return str(unit).encode("utf-8")
+
+
+def intermediary_of(unit: object, *, key: bytes, v: int) -> int:
+    """The intermediary (0..v-1) of one patient: BLAKE2b-64 of its id under `key`, mod v.
+    A function of the id alone, so one patient added or removed changes only its own
+    unit (the 2S per-patient bound; `DpTrainingHook.unit_groups`)."""
+    digest = hashlib.blake2b(canonical_unit_id(unit), key=key, digest_size=8).digest()
+    return int.from_bytes(digest, "big") % v
 
 
 def load_site_study(settings: SiteSettings) -> Study | None:

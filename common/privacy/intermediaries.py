@@ -32,6 +32,12 @@ Scale: the authors' aggregate is the pure AVERAGE of the unit updates (client we
 scale-free, so `next_split_count` measures both on the average too. With the noise on
 the average, v_next = floor(sqrt(lambda N) * v) does not depend on the v measured
 (lambda scales as 1 / v^2), which is what makes the rule a fixed point.
+
+Robustness (ours, s5 review H3): the norm coordinate is linear in the ring, so ONE site
+can put any value there (a hugely negative one made the floor, lambda and v = cap). As
+post-processing, `next_split_count` keeps v when the decoded sum is not credibly inside
+[0, U S] (`plausible_norm_sum`, `PLAUSIBLE_NORM_SIGMAS` of its planned noise) and moves
+v by at most a factor `MAX_STEP_FACTOR` per round (`step_bounds`).
 """
 
 from __future__ import annotations
@@ -106,11 +112,41 @@ def expected_noise_norm(*, std: float, dim: int) -> float:
     return std * math.sqrt(2.0) * math.exp(math.lgamma((dim + 1) / 2) - math.lgamma(dim / 2))
 
 
+PLAUSIBLE_NORM_SIGMAS = 3.0
+"""A decoded unit norm sum is a measurement only inside (k sigma, U S + k sigma), k this,
+sigma the norm coordinate's planned noise std: outside it, honest noise explains it with
+probability < 0.14 % per side, and a site that pushes it there (the coordinate is
+linear in the ring: s5 review H3) moves nothing."""
+MAX_STEP_FACTOR = 2
+"""v moves at most by this factor per round (v // 2 <= v_next <= 2 v): what one round's
+measurement, honest or steered by a site inside the plausible range, can do."""
+
+
+def plausible_norm_sum(
+    unit_norm_sum: float, *, norm_noise_std: float, units: int, clip: float,
+) -> bool:
+    """Whether a decoded norm sum is credibly a measurement (`PLAUSIBLE_NORM_SIGMAS`): the
+    true sum lies in [0, units * S], so a value not clearly above 0, or clearly above
+    units * S, is noise or a site's doing, never information about the updates."""
+    if not (math.isfinite(unit_norm_sum) and math.isfinite(norm_noise_std)):
+        return False
+    margin = PLAUSIBLE_NORM_SIGMAS * max(norm_noise_std, 0.0)
+    return margin < unit_norm_sum <= units * clip + margin
+
+
+def step_bounds(current: int, *, maximum: int) -> tuple[int, int]:
+    """[low, high] for the next v from `current` (`MAX_STEP_FACTOR`), within [1, maximum]."""
+    low = max(1, current // MAX_STEP_FACTOR)
+    high = max(1, min(current * MAX_STEP_FACTOR, maximum))
+    return min(low, high), high
+
+
 def next_split_count(
     *,
     mean_update: np.ndarray,
     mean_noise_std: float,
     unit_norm_sum: float,
+    norm_noise_std: float,
     units: int,
     clip: float,
     hospitals: int,
@@ -125,19 +161,28 @@ def next_split_count(
     is the noise on that average, N(0, mean_noise_std^2) per coordinate of the d model
     coordinates (`expected_noise_norm`: taken from the plan, the coordinator never sees
     it), and `unit_norm_sum` the sum of the clipped unit norms, decoded from the norm
-    coordinate. That estimate is noisy; it is projected onto the interval the true sum
-    lies in, (0, units * S], which is post-processing. `current` is the v of the round
-    measured (the authors' ``virtual_clients``); the result is bounded to [1, maximum].
+    coordinate, with noise std `norm_noise_std` (the plan's z S' / c). `current` is the
+    v of the round measured (the authors' ``virtual_clients``).
+
+    Post-processing only, with two guards of ours (s5 review H3: one site can move the
+    norm coordinate anywhere, it is linear in the ring): a sum outside
+    `plausible_norm_sum` is no measurement and v stays `current`; a plausible one is
+    projected onto (0, units * S] and the authors' v is then kept within
+    `step_bounds` (at most x2 or /2 per round) and [1, maximum].
     """
     if units < 1 or clip <= 0:
         raise ConfigError("units", "a measured round has at least one unit and S > 0")
+    keep = min(max(current, 1), maximum)
     aggregate_norm = float(np.linalg.norm(np.asarray(mean_update, dtype=np.float64)))
     if not (aggregate_norm > 0 and math.isfinite(aggregate_norm)):
-        return min(max(current, 1), maximum)  # nothing measured: keep v
+        return keep  # nothing measured: keep v
+    if not plausible_norm_sum(unit_norm_sum, norm_noise_std=norm_noise_std, units=units,
+                              clip=clip):
+        return keep
     noise_norm = expected_noise_norm(std=mean_noise_std, dim=int(np.asarray(mean_update).size))
-    floor = units * clip * 1e-9
-    norm_sum = min(max(unit_norm_sum, floor), units * clip) if math.isfinite(unit_norm_sum) \
-        else units * clip
-    return split_count(noise_norm=noise_norm, aggregate_norm=aggregate_norm,
+    norm_sum = min(unit_norm_sum, units * clip)
+    rule = split_count(noise_norm=noise_norm, aggregate_norm=aggregate_norm,
                        unit_norm_sum=norm_sum, hospitals=hospitals, current=current,
                        mode=mode, maximum=maximum)
+    low, high = step_bounds(current, maximum=maximum)
+    return min(max(rule, low), high)

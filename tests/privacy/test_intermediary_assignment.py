@@ -1,0 +1,102 @@
+"""Patients -> intermediaries under hospital-level DP with v > 1 (issue 13, section 2; s5
+review H1): the group is a keyed hash of the patient id alone, so adding or removing one
+patient changes exactly one unit's membership (the per-patient 2S bound of
+common.privacy.layered `replaced`), and ids hash alike whatever their dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from common.errors import ConfigError
+from common.round import RoundPlan
+from site_agent.hooks import DpTrainingHook, intermediary_key, intermediary_of
+from tests.privacy.conftest import Pki
+from tests.privacy.test_auto_intermediaries import _auto_study, _joined_hospital_site
+
+
+def _groups(patient_ids: np.ndarray | None, v: int, *, records: int = 0,
+            seed: int = 7) -> list[set[str]]:
+    """Each unit's members (patient ids, or record indices without a patient column)."""
+    size = records if patient_ids is None else len(patient_ids)
+    data = type("Data", (), {"patient_ids": patient_ids, "__len__": lambda _s: size})()
+    holder = SimpleNamespace(train_data=data,
+                             settings=SimpleNamespace(data=SimpleNamespace(split_seed=seed)))
+    groups = DpTrainingHook.unit_groups(holder, v)  # type: ignore[arg-type]
+    keys = patient_ids if patient_ids is not None else np.arange(size)
+    return [{str(keys[r]) for r in index} for index in groups]
+
+
+def _changed_units(before: list[set[str]], after: list[set[str]]) -> list[int]:
+    return [k for k, (b, a) in enumerate(zip(before, after, strict=True)) if b != a]
+
+
+@pytest.mark.parametrize("v", [2, 3, 8])
+def test_one_patient_added_or_removed_changes_exactly_one_unit(v: int) -> None:
+    cohort = np.array([f"MRN-{i:05d}" for i in range(300)], dtype=object)
+    # Several records per patient: the patient is the unit, not the record.
+    records = np.repeat(cohort, 3)
+    base = _groups(records, v)
+    assert set().union(*base) == set(cohort)
+    assert sum(len(g) for g in base) == cohort.size  # disjoint, whole patients
+    added = _groups(np.append(records, ["MRN-99999"] * 2), v)
+    assert len(_changed_units(base, added)) == 1
+    (k,) = _changed_units(base, added)
+    assert added[k] - base[k] == {"MRN-99999"} and base[k] <= added[k]
+    for gone in ("MRN-00000", "MRN-00150", "MRN-00299"):
+        removed = _groups(records[records != gone], v)
+        (k,) = _changed_units(base, removed)
+        assert base[k] - removed[k] == {gone} and removed[k] <= base[k]
+
+
+def test_records_without_patient_column_are_units_by_index() -> None:
+    base = _groups(None, 4, records=100)
+    appended = _groups(None, 4, records=101)  # one record more, at the end
+    (k,) = _changed_units(base, appended)
+    assert appended[k] - base[k] == {"100"}
+
+
+def test_ids_hash_alike_across_dtypes_and_runs() -> None:
+    key = intermediary_key(7)
+    assert key == intermediary_key(7) and key != intermediary_key(8)
+    for as_int, as_other in ((12345, "12345"), (12345, np.int64(12345)),
+                             (12345, np.int32(12345)), (12345, 12345.0),
+                             ("MRN-1", np.str_("MRN-1"))):
+        assert intermediary_of(as_int, key=key, v=8) == intermediary_of(as_other, key=key, v=8)
+    # Pinned: BLAKE2b is specified byte for byte, so the groups are the same on every
+    # platform and run (a change here reshuffles every deployed study's intermediaries).
+    assert [intermediary_of(f"p{i}", key=key, v=8) for i in range(8)] == PINNED
+    ints = _groups(np.arange(50), 4)
+    strings = _groups(np.array([str(i) for i in range(50)], dtype=object), 4)
+    assert ints == strings
+
+
+def test_fewer_units_than_v_is_refused() -> None:
+    with pytest.raises(ConfigError, match="only 3 units"):
+        _groups(np.array(["a", "b", "c"], dtype=object), 4)
+
+
+PINNED = [6, 7, 4, 5, 2, 4, 6, 4]
+
+
+def test_an_empty_intermediary_trains_nothing_and_sends_a_zero_update(
+    tmp_path: Path, pki_material: Pki, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hashed group may be empty: it still counts as one of the v units (the weight
+    stays v), with a zero update, and the other units train as usual."""
+    hook = _joined_hospital_site(tmp_path, _auto_study(), pki_material, noisy_count=35)
+    layout = hook.layout()
+    flat = np.zeros(sum(s.elements for s in layout), dtype=np.float32)
+    plan = RoundPlan(round_number=1, planned_rounds=3, local_epochs=1, learning_rate=0.1,
+                     fedprox_mu=0.0, histogram_bins=5, layout=layout, intermediaries=3)
+    real = hook.unit_groups(3)
+    emptied = [real[0], np.array([], dtype=np.int64), np.concatenate([real[1], real[2]])]
+    monkeypatch.setattr(hook, "unit_groups", lambda v: emptied)
+    update = hook.train(plan, flat)
+    assert len(update.units) == 3
+    assert not np.any(update.units[1]) and np.any(update.units[0]) and np.any(update.units[2])
+    assert update.records == sum(len(index) for index in real)
+    assert np.allclose(update.delta, np.sum(update.units, axis=0), atol=1e-5)
