@@ -561,9 +561,10 @@ class DpTrainingHook:
         return v
 
     def unit_groups(self, v: int) -> list[np.ndarray]:
-        """Record indices of v disjoint intermediaries: whole patients (records without a
-        patient column: each record, by its index), each in the group a keyed hash of
-        its id alone gives (`intermediary_of`), fixed for the study by the split seed.
+        """Record indices of v disjoint intermediaries: whole patients (without a patient
+        column each record, keyed by its content: `record_unit_keys`), each in the group
+        a keyed hash of its id alone gives (`intermediary_of`), fixed for the study by the
+        split seed.
 
         Why a hash and not a shuffle: the per-patient figure charges a patient 2S per
         round (common.privacy.layered `replaced`), which holds only if adding or removing
@@ -572,16 +573,8 @@ class DpTrainingHook:
         empty (rare at >= `MIN_PATIENTS_PER_INTERMEDIARY` patients per unit):
         `_train_units` then sends a zero update for it."""
         ids = getattr(self.train_data, "patient_ids", None)
-        keys = ids if ids is not None else np.arange(len(self.train_data))
-        unique, inverse = np.unique(keys, return_inverse=True)
-        if unique.size < v:
-            raise ConfigError("privacy.intermediaries",
-                              f"{v} intermediaries but only {unique.size} units at this site")
-        key = intermediary_key(self.settings.data.split_seed)
-        group_of_unit = np.fromiter((intermediary_of(u, key=key, v=v) for u in unique),
-                                    dtype=np.int64, count=unique.size)
-        group = group_of_unit[inverse.reshape(-1)]
-        return [np.flatnonzero(group == k) for k in range(v)]
+        keys = ids if ids is not None else record_unit_keys(self.train_data)
+        return assign_intermediaries(keys, v=v, split_seed=self.settings.data.split_seed)
 
     def _train_units(self, plan: RoundPlan, global_flat: np.ndarray, histogram: np.ndarray,
                      started: float, patients: int) -> LocalUpdate:
@@ -683,6 +676,40 @@ def canonical_unit_id(unit: object) -> bytes:
     if isinstance(unit, float) and unit.is_integer():
         unit = int(unit)
     return str(unit).encode("utf-8")
+
+
+def assign_intermediaries(keys: np.ndarray, *, v: int, split_seed: int) -> list[np.ndarray]:
+    """Record indices of each of v intermediaries, given one unit id per record (a
+    patient id, or `record_unit_keys`): every record of a unit in the group
+    `intermediary_of` gives its id. ConfigError when there are fewer units than v."""
+    unique, inverse = np.unique(np.asarray(keys), return_inverse=True)
+    if unique.size < v:
+        raise ConfigError("privacy.intermediaries",
+                          f"{v} intermediaries but only {unique.size} units at this site")
+    key = intermediary_key(split_seed)
+    group_of_unit = np.fromiter((intermediary_of(u, key=key, v=v) for u in unique),
+                                dtype=np.int64, count=unique.size)
+    group = group_of_unit[inverse.reshape(-1)]
+    return [np.flatnonzero(group == k) for k in range(v)]
+
+
+def record_unit_keys(data: Any) -> np.ndarray:
+    """Unit ids of a dataset without a patient column, one per record, that depend on the
+    record alone (never on its position, which shifts for every later record when one is
+    added or removed): a digest of a tabular record's encoded features and label, or an
+    image's file path. Identical records share a key (and so a unit), which keeps the
+    property that one record added or removed moves only its own unit."""
+    entries = getattr(data, "entries", None)
+    if entries is not None:  # images: the file, not its place in the listing
+        return np.array([str(entry.path) for entry in entries], dtype=object)
+    features = np.ascontiguousarray(data.features)
+    labels = np.ascontiguousarray(data.labels)
+    keys = np.empty(len(features), dtype=object)
+    for i in range(len(features)):
+        digest = hashlib.blake2b(features[i].tobytes(), digest_size=16)
+        digest.update(labels[i].tobytes())
+        keys[i] = digest.digest()
+    return keys
 
 
 def intermediary_of(unit: object, *, key: bytes, v: int) -> int:

@@ -4,30 +4,22 @@ in the round moves it by up to 2S", common/privacy/hospital.py `Guarantees`,
 common/privacy/layered.py `replaced`). That needs the patient -> intermediary assignment
 of every OTHER patient to be unchanged when one patient is added or removed.
 
-`DpTrainingHook.unit_groups` deals patients with `permutation(unique.size)` seeded by the
-split seed: adding one patient changes `unique.size`, hence the whole permutation, hence
-the group of almost every other patient. Every one of the v unit updates can then change,
-and the hospital's sum moves by up to 2 v S, not 2 S.
-
-These tests assert the property the 2S figure relies on; they FAIL on main at the time of
-the review (the finding is confirmed by the failure)."""
+`DpTrainingHook.unit_groups` dealt patients with `permutation(unique.size)` seeded by the
+split seed: adding one patient changed `unique.size`, hence the whole permutation, hence
+the group of almost every other patient. Every one of the v unit updates could then
+change, and the hospital's sum move by up to 2 v S, not 2 S. The assignment is now a keyed
+hash of each id alone (`site_agent.hooks.assign_intermediaries`, which `unit_groups` calls
+with the site's patient ids and split seed); these tests failed before that change."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 
-from site_agent.hooks import DpTrainingHook
+from site_agent.hooks import assign_intermediaries
 
 
 def groups_by_patient(patient_ids: np.ndarray, v: int) -> dict[str, int]:
-    # unit_groups reads only train_data (patient_ids, len) and settings.data.split_seed.
-    holder = SimpleNamespace(
-        train_data=SimpleNamespace(patient_ids=patient_ids),
-        settings=SimpleNamespace(data=SimpleNamespace(split_seed=7)),
-    )
-    groups = DpTrainingHook.unit_groups(holder, v)  # type: ignore[arg-type]
+    groups = assign_intermediaries(patient_ids, v=v, split_seed=7)
     out: dict[str, int] = {}
     for k, index in enumerate(groups):
         for record in index:

@@ -5,32 +5,33 @@ common.privacy.layered `replaced`), and ids hash alike whatever their dtype."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 
 from common.errors import ConfigError
 from common.round import RoundPlan
-from site_agent.hooks import DpTrainingHook, intermediary_key, intermediary_of
+from site_agent.data import SiteData
+from site_agent.hooks import (
+    assign_intermediaries,
+    intermediary_key,
+    intermediary_of,
+    record_unit_keys,
+)
 from tests.privacy.conftest import Pki
 from tests.privacy.test_auto_intermediaries import _auto_study, _joined_hospital_site
 
 
-def _groups(patient_ids: np.ndarray | None, v: int, *, records: int = 0,
-            seed: int = 7) -> list[set[str]]:
-    """Each unit's members (patient ids, or record indices without a patient column)."""
-    size = records if patient_ids is None else len(patient_ids)
-    data = type("Data", (), {"patient_ids": patient_ids, "__len__": lambda _s: size})()
-    holder = SimpleNamespace(train_data=data,
-                             settings=SimpleNamespace(data=SimpleNamespace(split_seed=seed)))
-    groups = DpTrainingHook.unit_groups(holder, v)  # type: ignore[arg-type]
-    keys = patient_ids if patient_ids is not None else np.arange(size)
-    return [{str(keys[r]) for r in index} for index in groups]
+def _groups(patient_ids: np.ndarray, v: int, *, seed: int = 7) -> list[set[str]]:
+    """Each unit's members (patient ids, or record keys without a patient column)."""
+    groups = assign_intermediaries(patient_ids, v=v, split_seed=seed)
+    return [{str(patient_ids[r]) for r in index} for index in groups]
 
 
-def _changed_units(before: list[set[str]], after: list[set[str]]) -> list[int]:
+def _changed_units(before: Sequence[set[Any]], after: Sequence[set[Any]]) -> list[int]:
     return [k for k, (b, a) in enumerate(zip(before, after, strict=True)) if b != a]
 
 
@@ -52,11 +53,27 @@ def test_one_patient_added_or_removed_changes_exactly_one_unit(v: int) -> None:
         assert base[k] - removed[k] == {gone} and removed[k] <= base[k]
 
 
-def test_records_without_patient_column_are_units_by_index() -> None:
-    base = _groups(None, 4, records=100)
-    appended = _groups(None, 4, records=101)  # one record more, at the end
-    (k,) = _changed_units(base, appended)
-    assert appended[k] - base[k] == {"100"}
+def test_records_without_patient_column_are_units_by_content() -> None:
+    """Without a patient column a record is the unit, keyed by its content, not its
+    position: a record inserted in the middle of the file (every later index shifts)
+    still changes exactly one unit."""
+    rng = np.random.default_rng(5)
+    features = rng.normal(size=(120, 6)).astype(np.float32)
+    labels = rng.integers(0, 2, size=120).astype(np.int64)
+
+    def units(f: np.ndarray, y: np.ndarray) -> list[set[bytes]]:
+        keys = record_unit_keys(SiteData(features=f, labels=y, patient_ids=None))
+        return [{keys[r] for r in index}
+                for index in assign_intermediaries(keys, v=4, split_seed=7)]
+
+    base = units(features, labels)
+    extra = rng.normal(size=(1, 6)).astype(np.float32)
+    inserted = units(np.insert(features, 60, extra, axis=0), np.insert(labels, 60, 1))
+    (k,) = _changed_units(base, inserted)
+    assert len(inserted[k] - base[k]) == 1 and base[k] <= inserted[k]
+    removed = units(np.delete(features, 10, axis=0), np.delete(labels, 10))
+    (k,) = _changed_units(base, removed)
+    assert len(base[k] - removed[k]) == 1 and removed[k] <= base[k]
 
 
 def test_ids_hash_alike_across_dtypes_and_runs() -> None:
