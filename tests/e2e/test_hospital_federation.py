@@ -213,6 +213,12 @@ def test_auto_intermediaries_federation(tmp_path: Path,
                and "v-fold" in str(e.get("msg", "")) for e in coordinator.lines)
     v = chosen[first]
     assert 1 <= v <= hospital.MAX_AUTO_INTERMEDIARIES
+    # Three hospitals at v = 1: the unit norm sum (at most 3 S) can never rise above its
+    # 3-sigma noise margin (12 z S' >= 3.6 S'), so the coordinator says it measured
+    # nothing and keeps v rather than act on noise (s5 review H3).
+    rejected = {int(e["round_number"]) for e in coordinator.lines
+                if e.get("event") == "intermediaries_measurement_rejected"}
+    assert first in rejected and v == 1
     assert completed[second]["intermediaries"] == v  # announced as chosen
     # Every site trained v units (the decoded weight sum): none was capped by its count.
     assert completed[second]["units"] == len(SITES) * v
