@@ -131,6 +131,13 @@ class Threshold(_Section):
     value: float | None = Field(default=None, ge=0.0, le=1.0)
     method: Literal["youden-dp-roc", "fixed", "argmax"] = "youden-dp-roc"
     histogram_bins: int | None = Field(default=None, ge=2)
+    # The federated DP AUC of the same histogram and how far its noise lets it be
+    # trusted (common.evaluation.NoisyHistogram): the noise std per score bucket, that
+    # noise on the smaller class's count relative to the count, and the flag.
+    auc: float | None = Field(default=None, ge=0.0, le=1.0)
+    noise_std: float | None = Field(default=None, ge=0.0)
+    relative_noise: float | None = Field(default=None, ge=0.0)
+    noise_dominated: bool = False
 
 
 class SitePrivacy(_Section):
@@ -192,11 +199,24 @@ class PrivacyCard(_Section):
         return self
 
 
-def threshold_from_histogram(hist: np.ndarray, *, bins: int) -> Threshold:
+def threshold_from_histogram(
+    hist: np.ndarray, *, bins: int, evaluation: Mapping[str, float] | None = None
+) -> Threshold:
     """Youden's threshold of the federation's summed DP score histogram (the evaluation
-    round's), as the bundle records it."""
+    round's, already reduced to its credible buckets), as the bundle records it, with
+    the round's AUC and noise indication (`evaluation`: the round's metrics)."""
+    found = evaluation or {}
+
+    def finite(key: str) -> float | None:
+        value = found.get(key)
+        return float(value) if value is not None and math.isfinite(value) else None
+
+    auc = finite("auc")
     return Threshold(
-        value=youden_threshold(hist, bins=bins), method="youden-dp-roc", histogram_bins=bins
+        value=youden_threshold(hist, bins=bins), method="youden-dp-roc", histogram_bins=bins,
+        auc=None if auc is None else min(max(auc, 0.0), 1.0),
+        noise_std=finite("auc_noise_std"), relative_noise=finite("auc_relative_noise"),
+        noise_dominated=bool(found.get("auc_noise_dominated", 0.0)),
     )
 
 

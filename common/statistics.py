@@ -28,7 +28,11 @@ of the distributed discrete Gaussian (Kairouz, Liu & Steinke, ICML 2021, Prop. 1
 recorded as one ledger entry with purpose "statistics".
 
 For range = "auto" the clip range and a robust scale (IQR / 1.349) follow from the DP
-histogram in the same release; the imputation value is its median.
+histogram in the same release; the imputation value is its median. Only the bins whose
+noisy count is credibly above the noise count (common.noisy_counts; a plain clamp at 0
+gave each of ~50 empty bins ~0.4 sigma fake units, enough to drag a small cohort's
+1 % / 99 % quantiles out to +-1e4). Where the noise swamps a feature's values the
+decoded statistics carry a warning naming it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import Protocol
 import numpy as np
 
 from common.errors import ConfigError, ValidationError
+from common.noisy_counts import credible_support
 from common.privacy.ddgauss import count_noise, count_rho, count_site_sigma, epsilon_from_rho
 from common.privacy.mechanisms import DistributedDiscreteGaussian
 from common.study import (
@@ -309,15 +314,82 @@ def _quantile(counts: np.ndarray, q: float) -> float:
     return float(lower + fraction * (upper - lower))
 
 
-def decode_release(total: np.ndarray, study: Study, *, source: str) -> GlobalStatistics:
-    """GlobalStatistics from the noisy secure sum (int64). Noisy counts are clamped at 0;
-    every estimate is clamped into what its definition allows."""
+def release_noise_sigma(study: Study, *, contributors: int, max_colluding_sites: int) -> float:
+    """Std of the noise on each entry of the secure sum of `contributors` releases, as the
+    coordinator can know it: every site plans `plan_statistics` for n_noise honest
+    shares and adds N_Z(0, sigma^2 / n_noise), so the sum carries sigma^2 * K / n_noise;
+    n_noise is taken as K minus the colluding sites (at least 1)."""
+    k = max(contributors, 1)
+    plan = plan_statistics(study, n_noise=max(k - max_colluding_sites, 1))
+    return plan.sigma * math.sqrt(k / plan.n_noise)
+
+
+FALLBACK_LOW = float(LOG_EDGES[0])
+FALLBACK_HIGH = float(LOG_EDGES[-1])
+KEPT_FRACTION = 0.5
+"""Below this fraction of the released units in credible bins, the "auto" range of a
+feature is flagged as noise-dominated."""
+
+
+def _auto_statistics(
+    noisy: np.ndarray, *, name: str, sigma: float, warnings: list[str]
+) -> NumericStatistics:
+    """Median, IQR / 1.349 and the 1 % / 99 % quantiles of the credible part of a noisy
+    log-spaced histogram (`common.noisy_counts.credible_support`: bins not credibly
+    above the noise hold nothing; Cormode et al., ICDT 2012). Nothing credible: the
+    neutral fallback (median 0, scale 1, the bins' whole range) and a warning."""
+    support = credible_support(noisy, sigma=sigma)
+    if support.empty:
+        if sigma > 0:
+            warnings.append(
+                f"feature {name!r}: no histogram bin is credibly above the DP noise (sigma "
+                f"{sigma:.3g} per bin); using median 0, scale 1, clip range "
+                f"[{FALLBACK_LOW:g}, {FALLBACK_HIGH:g}]: declare its range in the study"
+            )
+        return NumericStatistics(
+            mean=0.0, scale=1.0, impute=0.0, clip_low=FALLBACK_LOW, clip_high=FALLBACK_HIGH
+        )
+    counts = support.counts
+    median = _quantile(counts, 0.5)
+    iqr = _quantile(counts, 0.75) - _quantile(counts, 0.25)
+    low, high = _quantile(counts, 0.01), _quantile(counts, 0.99)
+    scale = iqr / IQR_TO_STD
+    floor = max(abs(median), high - low, 1.0) * MIN_SCALE_FRACTION
+    scale = max(scale, floor)
+    low, high = min(low, median), max(high, median)
+    if high <= low:
+        low, high = low - scale, high + scale
+    # Noise-only mass a plain clamp at 0 would have added: ~0.4 sigma per empty bin.
+    outside = counts.size - (support.last - support.first + 1)
+    noise_mass = sigma / math.sqrt(2.0 * math.pi) * outside
+    if sigma > 0 and (
+        support.kept_total < KEPT_FRACTION * support.noisy_total
+        or support.kept_total < noise_mass
+    ):
+        warnings.append(
+            f"feature {name!r}: only {support.kept_total:.0f} of ~{support.noisy_total:.0f} "
+            f"released units lie in histogram bins credibly above the DP noise (sigma "
+            f"{sigma:.3g} per bin): its range [{low:.3g}, {high:.3g}] and scale "
+            f"{scale:.3g} are uncertain; declare its range in the study"
+        )
+    return NumericStatistics(mean=median, scale=scale, impute=median, clip_low=low,
+                             clip_high=high)
+
+
+def decode_release(
+    total: np.ndarray, study: Study, *, source: str, noise_sigma: float = 0.0
+) -> GlobalStatistics:
+    """GlobalStatistics from the noisy secure sum (int64); `noise_sigma`: the std of the
+    noise on each entry (`release_noise_sigma`; 0 for a noiseless sum). Every estimate is
+    clamped into what its definition allows; where the noise swamps a feature's values
+    the result's `warnings` say so, naming the feature."""
     if total.shape != (statistics_length(study),):
         raise ValidationError("statistics sum does not match the study's layout")
     where = {segment.name: segment for segment in statistics_layout(study)}
     units = max(float(total[0]), 1.0)
     numeric: dict[str, NumericStatistics] = {}
     categorical: dict[str, CategoricalStatistics] = {}
+    warnings: list[str] = []
     for spec in study.features:
         name = spec.name
         missing = max(float(total[where[f"{name}.missing"].start]), 0.0)
@@ -327,8 +399,15 @@ def decode_release(total: np.ndarray, study: Study, *, source: str) -> GlobalSta
             mean_u = min(max(float(total[where[f"{name}.sum"].start]) / present, 0.0), 1.0)
             m2 = min(max(float(total[where[f"{name}.sumsq"].start]) / present, 0.0), 1.0)
             widest = math.sqrt(mean_u * (1.0 - mean_u))
-            scale_u = max(math.sqrt(max(m2 - mean_u * mean_u, 0.0)),
-                          NOISY_SCALE_FLOOR * widest, MIN_SCALE_FRACTION)
+            measured = math.sqrt(max(m2 - mean_u * mean_u, 0.0))
+            scale_u = max(measured, NOISY_SCALE_FLOOR * widest, MIN_SCALE_FRACTION)
+            if noise_sigma > 0 and measured < NOISY_SCALE_FLOOR * widest:
+                warnings.append(
+                    f"feature {name!r}: the DP noise (sigma {noise_sigma:.3g} on sums over "
+                    f"~{present:.0f} units) swamps its variance; scale held at "
+                    f"{NOISY_SCALE_FLOOR:g} of the widest its mean allows "
+                    f"({(high - low) * scale_u:.3g})"
+                )
             mean = low + (high - low) * mean_u
             numeric[name] = NumericStatistics(
                 mean=mean, scale=(high - low) * scale_u, impute=mean, clip_low=low,
@@ -336,26 +415,9 @@ def decode_release(total: np.ndarray, study: Study, *, source: str) -> GlobalSta
             )
         elif spec.type == "numeric":
             segment = where[f"{name}.histogram"]
-            counts = np.maximum(
-                total[segment.start : segment.start + segment.length].astype(np.float64), 0.0
-            )
-            if counts.sum() <= 0:
-                numeric[name] = NumericStatistics(
-                    mean=0.0, scale=1.0, impute=0.0, clip_low=float(LOG_EDGES[0]),
-                    clip_high=float(LOG_EDGES[-1]),
-                )
-                continue
-            median = _quantile(counts, 0.5)
-            iqr = _quantile(counts, 0.75) - _quantile(counts, 0.25)
-            low, high = _quantile(counts, 0.01), _quantile(counts, 0.99)
-            scale = iqr / IQR_TO_STD
-            floor = max(abs(median), high - low, 1.0) * MIN_SCALE_FRACTION
-            scale = max(scale, floor)
-            low, high = min(low, median), max(high, median)
-            if high <= low:
-                low, high = low - scale, high + scale
-            numeric[name] = NumericStatistics(
-                mean=median, scale=scale, impute=median, clip_low=low, clip_high=high
+            numeric[name] = _auto_statistics(
+                total[segment.start : segment.start + segment.length],
+                name=name, sigma=noise_sigma, warnings=warnings,
             )
         else:
             segment = where[f"{name}.levels"]
@@ -364,15 +426,18 @@ def decode_release(total: np.ndarray, study: Study, *, source: str) -> GlobalSta
             categorical[name] = CategoricalStatistics(impute=levels[int(np.argmax(counts))])
     return GlobalStatistics(
         study_sha256=study_sha256(study), source=source[:200], numeric=numeric,
-        categorical=categorical,
+        categorical=categorical, warnings=tuple(w[:400] for w in warnings),
     )
 
 
 class TableLike(Protocol):
     """What `unit_values` reads (site_agent.data.StudyTable satisfies it)."""
 
-    numeric: dict[str, np.ndarray]
-    categorical: dict[str, np.ndarray]
-    patient_ids: np.ndarray | None
+    @property
+    def numeric(self) -> dict[str, np.ndarray]: ...
+    @property
+    def categorical(self) -> dict[str, np.ndarray]: ...
+    @property
+    def patient_ids(self) -> np.ndarray | None: ...
 
     def __len__(self) -> int: ...

@@ -526,6 +526,9 @@ class GlobalStatistics(_Section):
     source: str = Field(min_length=1, max_length=200)
     numeric: dict[str, NumericStatistics] = Field(default_factory=dict)
     categorical: dict[str, CategoricalStatistics] = Field(default_factory=dict)
+    # Where the DP noise swamps a feature's released values (common.statistics
+    # `release_warnings`): shown by the coordinator and `medfed model show`.
+    warnings: tuple[str, ...] = Field(default=(), max_length=200)
 
 
 def check_statistics(study: Study, statistics: GlobalStatistics) -> None:
@@ -589,9 +592,11 @@ def statistics_from_bytes(data: bytes) -> GlobalStatistics:
 
 
 def statistics_bytes(statistics: GlobalStatistics) -> bytes:
-    return json.dumps(
-        statistics.model_dump(mode="json"), sort_keys=True, separators=(",", ":")
-    ).encode("utf-8")
+    """Canonical JSON; without warnings it is byte-identical to the format before them."""
+    dumped = statistics.model_dump(mode="json")
+    if not dumped.get("warnings"):
+        dumped.pop("warnings", None)
+    return json.dumps(dumped, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
 # --------------------------------------------------------------------------- site policy

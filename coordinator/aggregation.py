@@ -20,7 +20,7 @@ from common.egress import EVALUATION_HISTOGRAM, WEIGHT, round_manifest
 from common.errors import AbortReason, ProtocolAbort, StateError, ValidationError
 from common.evaluation import (
     bins_per_class,
-    clipped_noisy_histogram,
+    denoised_histogram,
     multiclass_metrics_from_histogram,
     operating_point_metrics,
 )
@@ -75,17 +75,11 @@ def decode_round_sum(
     manifest = round_manifest(model_elements=model_dim, histogram_bins=histogram_bins)
     integers = manifest.decode_integers(aggregate)
     weight_sum = max(int(integers[WEIGHT][0]), 0)
-    # The histogram carries the sites' discrete Gaussian noise: counts can be negative.
-    histogram = clipped_noisy_histogram(integers[EVALUATION_HISTOGRAM])
     metrics: dict[str, float] = {"contributors": float(count)}
-    if histogram.sum() > 0 and histogram_classes > 2:
-        metrics.update(multiclass_round_metrics(histogram, histogram_bins, histogram_classes))
-    elif histogram.sum() > 0:
-        m = operating_point_metrics(histogram, bins=histogram_bins)
-        metrics.update(
-            auc=m.auc, sensitivity=m.sensitivity, specificity=m.specificity, ppv=m.ppv,
-            evaluated=float(m.n),
-        )
+    histogram = evaluation_metrics(
+        integers[EVALUATION_HISTOGRAM], bins=histogram_bins, classes=histogram_classes,
+        metrics=metrics,
+    )
     if evaluation_only or weight_sum == 0:
         return DecodedSum(None, weight_sum, metrics, histogram)
     mean_delta = aggregate[:model_dim].view(np.float32)
@@ -101,6 +95,41 @@ def decode_round_sum(
         floats *= weight_cap
         mean_delta[start:stop] = weighted_mean(floats, float(weight_sum))
     return DecodedSum(mean_delta, weight_sum, metrics, histogram)
+
+
+def evaluation_metrics(
+    summed: np.ndarray, *, bins: int, classes: int, metrics: dict[str, float]
+) -> np.ndarray:
+    """The round's DP evaluation: the summed histogram (it carries the sites' discrete
+    Gaussian noise, so counts can be negative) reduced to its credible buckets
+    (`denoised_histogram`), AUC and operating point into `metrics` with the noise
+    indication beside them, and a warning when the noise dominates. Returns the
+    histogram the bundle's threshold is chosen from."""
+    raw = np.asarray(summed, dtype=np.int64)
+    if not raw.any():
+        return np.zeros_like(raw)  # no evaluation this round
+    noisy = denoised_histogram(raw, blocks=classes if classes > 2 else 1)
+    histogram = noisy.counts
+    metrics.update(noisy.metrics())
+    if histogram.sum() > 0 and classes > 2:
+        metrics.update(multiclass_round_metrics(histogram, bins, classes))
+    elif histogram.sum() > 0:
+        m = operating_point_metrics(histogram, bins=bins)
+        metrics.update(
+            auc=m.auc, sensitivity=m.sensitivity, specificity=m.specificity, ppv=m.ppv,
+            evaluated=float(m.n),
+        )
+    if noisy.noise_dominated:
+        log.warning(
+            "the federated evaluation is noise-dominated: DP noise std %.3g per score "
+            "bucket is %.0f%% of the smaller class's count; AUC %s and the threshold "
+            "chosen from it are unreliable (evaluate locally with `medfed predict`)",
+            noisy.noise_std, 100 * min(noisy.relative_noise, 1e4),
+            f"{metrics['auc']:.3f}" if "auc" in metrics else "undefined",
+            extra={"event": "evaluation_noise_dominated",
+                   "noise_std": noisy.noise_std, "relative_noise": noisy.relative_noise},
+        )
+    return histogram
 
 
 def multiclass_round_metrics(

@@ -55,7 +55,9 @@ def write_round_bundle(
     if study.study.task != "binary":
         threshold = Threshold(value=None, method="argmax")
     elif run.last_histogram is not None and run.last_histogram.sum() > 0:
-        threshold = threshold_from_histogram(run.last_histogram, bins=bins)
+        threshold = threshold_from_histogram(
+            run.last_histogram, bins=bins, evaluation=run.last_evaluation
+        )
     else:
         threshold = Threshold(value=0.5, method="fixed")
     agg = settings.aggregation

@@ -29,7 +29,6 @@ from common.bundle import GroupGuarantee
 from common.config import AggregationSection
 from common.egress import EVALUATION_HISTOGRAM, HOSPITAL_UPDATE, WEIGHT
 from common.errors import ConfigError, ValidationError
-from common.evaluation import clipped_noisy_histogram, operating_point_metrics
 from common.privacy import hospital
 from common.privacy.hospital import HospitalTerms, announced_terms
 from common.privacy.intermediaries import (
@@ -40,7 +39,7 @@ from common.privacy.intermediaries import (
 from common.privacy.replica import LedgerReplica
 from common.round import KIND_HOSPITAL, KIND_TRAINING, Announcement
 from common.study import Study
-from coordinator.aggregation import DecodedSum, multiclass_round_metrics
+from coordinator.aggregation import DecodedSum, evaluation_metrics
 
 log = logging.getLogger("medfed.coordinator")
 
@@ -117,7 +116,6 @@ def decode(
         terms=terms)
     integers = manifest.decode_integers(aggregate)
     weight_sum = max(int(integers[WEIGHT][0]), 0)
-    histogram = clipped_noisy_histogram(integers[EVALUATION_HISTOGRAM])
     # Sites send their unit count (1..v each: a site under "auto" may train fewer than
     # announced); the sum is range-checked (L3): out of [count, count * v] a site lied,
     # the mean divides by the nearest bound and the round measures no v.
@@ -138,13 +136,10 @@ def decode(
         "hospital_noise_std": terms.noise_multiplier * terms.sensitivity / units,
         "intermediaries": float(terms.intermediaries),
     }
-    bins = ann.histogram_bins
-    if histogram.sum() > 0 and histogram_classes > 2:
-        metrics.update(multiclass_round_metrics(histogram, bins, histogram_classes))
-    elif histogram.sum() > 0:
-        m = operating_point_metrics(histogram, bins=bins)
-        metrics.update(auc=m.auc, sensitivity=m.sensitivity, specificity=m.specificity,
-                       ppv=m.ppv, evaluated=float(m.n))
+    histogram = evaluation_metrics(
+        integers[EVALUATION_HISTOGRAM], bins=ann.histogram_bins, classes=histogram_classes,
+        metrics=metrics,
+    )
     mean = (total / units).astype(np.float32)
     if norm_sum is not None:
         metrics["unit_norm_sum"] = norm_sum

@@ -6,13 +6,14 @@ then preprocesses with. It updates no model and writes no checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 import numpy as np
 
 from common.config import CoordinatorSettings
 from common.errors import AbortReason, ProtocolAbort
-from common.statistics import decode_release, ring_to_signed
+from common.statistics import decode_release, release_noise_sigma, ring_to_signed
 from coordinator import checkpoints
 from coordinator.aggregation import Aggregator
 from coordinator.metrics import CoordinatorMetrics
@@ -20,6 +21,8 @@ from coordinator.phases import ActiveRound
 from coordinator.store import CoordinatorStore
 from coordinator.study_run import StudyRun
 from coordinator.training_round import RoundResult
+
+log = logging.getLogger("medfed.coordinator")
 
 
 def decode(
@@ -44,7 +47,16 @@ def decode(
         f"sites, epsilon {privacy.statistics_epsilon:g}, delta {privacy.delta:g} "
         "(distributed discrete Gaussian)"
     )
-    stats = decode_release(ring_to_signed(aggregate), run.study, source=source)
+    sigma = release_noise_sigma(
+        run.study, contributors=len(aggregator.survivors),
+        max_colluding_sites=settings.aggregation.max_colluding_sites,
+    )
+    stats = decode_release(ring_to_signed(aggregate), run.study, source=source,
+                           noise_sigma=sigma)
+    for warning in stats.warnings:
+        log.warning("statistics round %d: %s", ann.round_number, warning,
+                    extra={"event": "statistics_noise_dominated",
+                           "round_number": ann.round_number})
     run.save_statistics(stats, ann.round_number)
     return RoundResult(
         ann.round_number, aggregator.survivors, aggregator.dropped,

@@ -16,7 +16,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +65,8 @@ class StudyRun:
     statistics: GlobalStatistics | None = None
     statistics_round: int = 0
     last_histogram: np.ndarray | None = None
+    # The noise indication of last_histogram (NoisyHistogram.metrics), for the bundle.
+    last_evaluation: dict[str, float] = field(default_factory=dict)
 
     @property
     def canonical(self) -> bytes:

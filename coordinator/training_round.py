@@ -194,6 +194,7 @@ def bundle(
     the bundle's decision threshold."""
     if result.histogram is not None and result.histogram.sum() > 0:
         run.last_histogram = result.histogram
+        run.last_evaluation = {k: v for k, v in result.metrics.items() if k.startswith("auc")}
     write_round_bundle(
         run, round_number=result.round_number, layout=model.layout, flat=model.flat,
         settings=settings, budgets=budgets, secagg=secagg, final=final,

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+import numpy as np
+
 from common.bundle import bundle_summary, read_bundle
 from common.errors import DataError
 from common.study import load_study
@@ -138,7 +140,11 @@ def _model_show(args: argparse.Namespace) -> int:
     threshold = bundle.threshold
     if threshold.value is not None:
         print(f"  threshold {threshold.value:g} ({threshold.method})")
+    for line in _evaluation_noise_lines(threshold):
+        print(line)
     print(f"  preprocessing statistics: {bundle.statistics.source}")
+    for warning in bundle.statistics.warnings:
+        print(f"  WARNING: preprocessing statistics: {warning}")
     print("privacy card")
     print(f"  unit {card.unit}; accountant {card.accountant}; rounds {card.rounds}")
     print(f"  mechanisms: {', '.join(card.mechanisms)}")
@@ -171,6 +177,47 @@ def _model_show(args: argparse.Namespace) -> int:
     for note in card.notes:
         print(f"  note: {note}")
     return 0
+
+
+def _evaluation_noise_lines(threshold: Any) -> list[str]:
+    """The federated DP AUC with its noise, and a warning when the noise dominates."""
+    lines = []
+    if threshold.auc is not None or threshold.noise_std is not None:
+        auc = "undefined" if threshold.auc is None else f"{threshold.auc:.3f}"
+        noise = "" if threshold.noise_std is None else (
+            f"; DP noise std {threshold.noise_std:.3g} per score bucket"
+            + ("" if threshold.relative_noise is None else
+               f", {100 * threshold.relative_noise:.0f}% of the smaller class's count")
+        )
+        lines.append(f"  federated DP AUC {auc}{noise}")
+    if threshold.noise_dominated:
+        lines.append(
+            "  WARNING: the federated evaluation was noise-dominated: its AUC and the "
+            "threshold chosen from it are unreliable; measure them on local labelled data "
+            "with `medfed predict` (and choose a threshold there)"
+        )
+    return lines
+
+
+def _threshold_warnings(prediction: Any, threshold: float) -> list[str]:
+    """What makes the printed sensitivity/specificity meaningless by construction."""
+    scores = np.asarray(prediction.scores, dtype=np.float64).reshape(-1)
+    if scores.size == 0:
+        return []
+    if not np.any(scores >= threshold):
+        return [
+            f"no record reaches the bundle's threshold {threshold:g} (highest score "
+            f"{scores.max():.3g}): every record is predicted negative, so sensitivity is 0 "
+            "by construction; the threshold may come from a noise-dominated DP evaluation "
+            "(see `medfed model show`)"
+        ]
+    if np.all(scores >= threshold):
+        return [
+            f"every record reaches the bundle's threshold {threshold:g} (lowest score "
+            f"{scores.min():.3g}): every record is predicted positive, so specificity is "
+            "0 by construction"
+        ]
+    return []
 
 
 def _model_export(args: argparse.Namespace) -> int:
@@ -232,6 +279,12 @@ def _predict(args: argparse.Namespace) -> int:
         _write_scores(sys.stdout, bundle, table, prediction)
         human = sys.stderr  # keep standard output a clean CSV
     summary: dict[str, Any] = {"records": len(table), "out": str(args.out) if args.out else None}
+    if bundle.study.study.task == "binary":
+        value = bundle.threshold.value
+        warnings = _threshold_warnings(prediction, 0.5 if value is None else value)
+        for warning in warnings:
+            print(f"medfed: warning: {warning}", file=sys.stderr)
+        summary["warnings"] = warnings
     metrics = prediction.metrics
     if metrics is not None:
         summary.update(metrics)
