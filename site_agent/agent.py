@@ -375,7 +375,9 @@ class SiteAgent:
                 self._session()
                 return 0
             except FederationFinished:
-                log.info("federation finished after round %d", self.last_round)
+                log.info("federation finished" + (
+                    f" after round {self.last_round}" if self.last_round else
+                    " before this site took part in a round"))
                 if self.study is None:
                     return 0
                 try:
