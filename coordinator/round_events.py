@@ -92,9 +92,15 @@ def round_completed(
         **{f"t_{step}": round(seconds, 6) for step, seconds in rnd.timeline.items()},
     }
     auc = metrics.get("auc")
+    evaluation = "no DP evaluation" if auc is None else f"DP-evaluated AUC {auc:.3f}"
+    if auc is not None and "auc_noise_std" in metrics:
+        # common.evaluation.denoised_histogram: how far the DP noise lets the AUC be trusted.
+        evaluation += (
+            f" (noise std {metrics['auc_noise_std']:.3g} per bucket"
+            + (", noise-dominated)" if metrics.get("auc_noise_dominated") else ")")
+        )
     log.info(
         "round %d completed: %d contributors, %d dropped, %.2f s, %s",
-        ann.round_number, len(survivors), len(dropped), seconds,
-        "no DP evaluation" if auc is None else f"DP-evaluated AUC {auc:.3f}",
+        ann.round_number, len(survivors), len(dropped), seconds, evaluation,
         extra=extra,
     )

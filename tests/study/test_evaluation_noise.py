@@ -168,3 +168,25 @@ def test_predict_warns_when_no_record_reaches_the_threshold(
     write_bundle(model, replace(bundle, threshold=reached))
     assert _run(argv) == 0
     assert "no record reaches" not in capsys.readouterr().err
+
+
+def test_coordinator_reports_the_noise_beside_the_auc(caplog: pytest.LogCaptureFixture) -> None:
+    """The round's metrics carry the noise indication and the coordinator logs a
+    warning when the noise dominates (coordinator.aggregation.evaluation_metrics)."""
+    from coordinator.aggregation import evaluation_metrics
+
+    rng = np.random.default_rng(2026)
+    scores, labels = _cohort(rng)
+    noisy = _noisy(score_histogram(scores, labels, bins=BINS), rng)
+    metrics: dict[str, float] = {}
+    with caplog.at_level("WARNING", logger="medfed.coordinator"):
+        histogram = evaluation_metrics(noisy, bins=BINS, classes=1, metrics=metrics)
+    assert metrics["auc_noise_dominated"] == 1.0 and metrics["auc_noise_std"] > 0
+    assert 0.0 <= metrics["auc"] <= 1.0 and histogram.min() >= 0
+    assert any("noise-dominated" in r.getMessage() for r in caplog.records)
+    # A round without evaluation (all zeros): no metrics, no warning.
+    caplog.clear()
+    quiet: dict[str, float] = {}
+    empty = evaluation_metrics(np.zeros(2 * BINS, np.int64), bins=BINS, classes=1,
+                               metrics=quiet)
+    assert not empty.any() and quiet == {} and not caplog.records
