@@ -387,11 +387,27 @@ class MonitorServicer(pb_grpc.MonitorServicer):
     """Read-only status for operators. Who may call it is decided before any handler
     runs (RequireCertificateRole: monitor certificates only)."""
 
-    def __init__(self, engine: RoundEngine, *, federation_id: str) -> None:
+    def __init__(self, engine: RoundEngine, *, federation_id: str,
+                 metrics: CoordinatorMetrics | None = None) -> None:
         self.engine = engine
         self.federation_id = federation_id
+        self.metrics = metrics
 
     async def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusResponse:
+        # Counted like the Federation calls (a dashboard polling status is traffic too).
+        try:
+            response = self._status()
+        except Exception:
+            if self.metrics is not None:
+                self.metrics.grpc_requests.labels(method="Status", code="INTERNAL").inc()
+            log.exception("Status failed unexpectedly")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+            raise
+        if self.metrics is not None:
+            self.metrics.grpc_requests.labels(method="Status", code="OK").inc()
+        return response
+
+    def _status(self) -> pb.StatusResponse:
         status = self.engine.status()
         return pb.StatusResponse(
             federation_id=self.federation_id,
