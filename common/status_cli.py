@@ -168,7 +168,9 @@ def render(status: dict[str, Any]) -> str:
             eps = (f"{site['epsilon_spent']:.3f} / {site['epsilon_budget']:g}"
                    f" ({site['privacy_unit'] or 'record'})")
         else:
-            eps = "no DP ledger"
+            # No budget reported: a site reports its ledger once it has joined the
+            # study (and one whose study runs without DP never does); not "no DP".
+            eps = "nothing spent yet (no budget reported)"
         rows.append((site["site_id"], site["state"], contact, eps))
     if len(rows) == 1:
         lines.append("no site has enrolled since the coordinator started")
@@ -178,6 +180,11 @@ def render(status: dict[str, Any]) -> str:
             "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r[:3])) + "  " + r[3]
             for r in rows
         ]
+    if any(site["state"] == "enrolled" for site in status["sites"]):
+        lines.append(
+            "enrolled: the site enrolled but has not asked for a round since; a site that "
+            "refuses the study (data check, or privacy policy) stops right after enrolling "
+            "and its own log says why")
     return "\n".join(lines)
 
 

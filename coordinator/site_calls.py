@@ -55,7 +55,9 @@ class SiteCalls:
         """Long-poll until a round selecting this site opens (None on timeout); a site
         that reconnects during its round gets that round's announcement at once."""
         self.check_ledger_head(site_id, budget)
-        self.sessions.record_budget(self.sessions.session(site_id), budget)
+        session = self.sessions.session(site_id)
+        session.polled = True
+        self.sessions.record_budget(session, budget)
         current = self.inbox.rejoin(site_id, after_round=after_round)
         if current is not None:
             return current.announcement
