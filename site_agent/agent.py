@@ -48,6 +48,7 @@ from common.errors import (
     LedgerForkError,
     ProtocolAbort,
     RoundFailed,
+    StudyRefused,
     ValidationError,
 )
 from common.pki import (
@@ -83,7 +84,7 @@ from site_agent.hooks import LocalUpdate, TrainingHook
 from site_agent.metrics import SiteMetrics
 from site_agent.revocation import SiteRevocation
 from site_agent.round_timeline import RoundTimeline
-from site_agent.statistics_pin import StatisticsPin
+from site_agent.statistics_pin import RELEASED_WAY_OUT, StatisticsPin
 
 log = logging.getLogger("medfed.site")
 
@@ -507,6 +508,23 @@ class SiteAgent:
                     # (see _contribute), never before them.
                     self._pending_statistics = stats
             self._run_round(stub, rnd, heard_at=heard_at)
+        except StudyRefused as exc:
+            # Never able to take part in this run of the study: tell the coordinator
+            # (it logs why and stops waiting for us), then stop with the way out.
+            log.error("declining round %d and leaving the study: %s", ann.round, exc)
+            self.metrics.rounds.labels(outcome="failed").inc()
+            try:
+                stub.DeclineRound(
+                    pb.DeclineRoundRequest(
+                        round=ann.round, reason=pb.DeclineRoundRequest.STATISTICS_RELEASED,
+                        budget=self.budget_pb(),
+                    ),
+                    timeout=30,
+                )
+            except grpc.RpcError as rpc_exc:
+                log.warning("could not tell the coordinator (%s): %s", rpc_exc.code(),
+                            rpc_exc.details())
+            raise
         except BudgetExhausted as exc:
             log.warning("declining round %d: %s", ann.round, exc)
             self._declined_for_budget = True
@@ -719,11 +737,12 @@ class SiteAgent:
         # away: the round number must be new on the ledger, the study's statistics unset.
         self._refuse_recorded_round(rnd)
         if self._statistics_pin.pinned(study_sha256(study)) is not None:
-            raise RoundFailed(
+            raise StudyRefused(
                 "this study's statistics were already released "
                 f"({self._statistics_pin.path(study_sha256(study))}): refusing a second "
-                "release (to take part in a new run of the same study, remove that file; "
-                "the new release is charged to the ledger again)"
+                "release, so this site cannot take part in this run of the study (a "
+                "coordinator that started the study again from a fresh state?) and stops. "
+                + RELEASED_WAY_OUT
             )
         release = self.hook.statistics_release()
         if release.size != rnd.announcement.vector_length:
