@@ -76,7 +76,7 @@ from common.study import (
     study_from_enrolment,
     study_sha256,
 )
-from common.tls import SiteTlsFiles, channel_credentials_from_files
+from common.tls import SiteTlsFiles, channel_credentials_from_files, server_host_names
 from site_agent import dp_release
 from site_agent import hospital as hospital_round
 from site_agent.datacheck import site_policy
@@ -113,7 +113,9 @@ PREMASK_MAX_BYTES = 16 << 20
 flight (one more upload-sized buffer until masking), so masking after training is one
 addition; larger ones are masked after training (site memory stays <= 3 models)."""
 TLS_FAILURE_MARKERS = ("handshake", "CERTIFICATE_VERIFY_FAILED", "certificate", "tlsv1 alert",
-                       "SSL_ERROR")
+                       "SSL_ERROR", "Hostname Verification", "verification check failed")
+HOSTNAME_MISMATCH_MARKER = "hostname verification"
+"""gRPC's words when the coordinator's certificate does not name the host dialled."""
 
 
 def tls_failure(exc: grpc.RpcError) -> str | None:
@@ -376,15 +378,31 @@ class SiteAgent:
                         self._tls_failures >= self.settings.reconnect.max_tls_failures):
                     raise CertificateRejected(
                         f"TLS handshake with coordinator {self.settings.coordinator} failed "
-                        f"{self._tls_failures} times in a row, giving up: {cause}. Check "
-                        "that the CA file is this federation's and that this site's "
-                        "certificate is valid and not expired"
+                        f"{self._tls_failures} times in a row, giving up: {cause}. "
+                        + self._tls_advice(cause)
                     ) from None
                 log.warning("connection problem (%s): %s; reconnecting", code, exc.details())
                 self.metrics.connected.set(0)
                 self._disconnect()
                 self._sleep_backoff()
         return 0
+
+    def _tls_advice(self, cause: str) -> str:
+        """What to check after repeated handshake failures; for a name mismatch, the
+        names the coordinator's certificate holds (read without checking the name)."""
+        address = self.settings.coordinator
+        if HOSTNAME_MISMATCH_MARKER not in cause.lower():
+            return ("Check that the CA file is this federation's and that this site's "
+                    "certificate is valid and not expired")
+        host = address.rpartition(":")[0] or address
+        names = server_host_names(address, self.tls_files)
+        held = (f"holds {', '.join(names)}" if names
+                else "could not be read (see `openssl s_client -connect " + address + "`)")
+        return (f"The coordinator's certificate does not name {host!r}: it {held}. Dial "
+                "the coordinator by one of the names its certificate holds (`--coordinator` "
+                "or `coordinator` in site.toml), or ask the operator to re-issue its "
+                "certificate with this name (`medfed pki issue --coordinator "
+                "HOST1,HOST2 --force`)")
 
     def _session(self) -> None:
         stub = self._connect()
