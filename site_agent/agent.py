@@ -129,11 +129,16 @@ def tls_failure(exc: grpc.RpcError) -> str | None:
     return None
 
 
-def round_of(number: int, planned: int) -> str:
-    """``round 3 of 5`` (round numbers keep growing over aborted rounds and restarts)."""
-    return f"round {number} of {planned}" if number <= planned else (
-        f"round {number} (planned: {planned})"
-    )
+def round_of(number: int, planned: int, *, evaluation: bool = False) -> str:
+    """``round number 4 (training; the study plans 3 training rounds)``.
+
+    The number is the coordinator's round number, as `medfed status` shows it beside
+    "training round k of N": it also counts the statistics round, aborted rounds and
+    earlier studies. A site cannot know k (it may have sat rounds out, and nothing it
+    holds marks where the study's training began), so it never writes "k of N"."""
+    kind = "final evaluation" if evaluation else "training"
+    rounds = "training round" if planned == 1 else "training rounds"
+    return f"round number {number} ({kind}; the study plans {planned} {rounds})"
 
 
 def _utcnow() -> dt.datetime:
@@ -578,7 +583,8 @@ class SiteAgent:
         plan = rnd.plan
         what = "evaluation only" if plan.local_epochs == 0 else (
             f"{plan.local_epochs} local epoch(s)")
-        log.info("%s: selected with %d sites (%s)", round_of(rnd.number, plan.planned_rounds),
+        log.info("%s: selected with %d sites (%s)",
+                 round_of(rnd.number, plan.planned_rounds, evaluation=plan.local_epochs == 0),
                  len(rnd.announcement.participants), what,
                  extra={"event": "round_selected", "round_number": rnd.number,
                         "planned_rounds": plan.planned_rounds})
@@ -741,7 +747,8 @@ class SiteAgent:
                          f"spent (delta {status.delta:g})")
             fields["epsilon_spent"] = status.spent_epsilon
             fields["epsilon_budget"] = status.budget_epsilon
-        log.info("%s done: %s", round_of(rnd.number, rnd.plan.planned_rounds),
+        log.info("%s done: %s", round_of(rnd.number, rnd.plan.planned_rounds,
+                                         evaluation=rnd.plan.local_epochs == 0),
                  ", ".join(parts) or "contributed", extra=fields)
 
     def _run_statistics_round(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
