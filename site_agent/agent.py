@@ -25,7 +25,12 @@ import grpc
 import numpy as np
 
 from common import egress, wire
-from common.bundle import HEADER_MARGIN_BYTES, bundle_from_bytes, bundle_size_limit
+from common.bundle import (
+    HEADER_MARGIN_BYTES,
+    bundle_from_bytes,
+    bundle_size_limit,
+    read_bundle,
+)
 from common.codec import (
     ChunkAssembler,
     all_finite,
@@ -46,6 +51,7 @@ from common.errors import (
     CryptoError,
     FederationFinished,
     LedgerForkError,
+    MedfedError,
     ProtocolAbort,
     RoundFailed,
     StudyRefused,
@@ -156,6 +162,27 @@ def proc_status_bytes(key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def keep_previous_study_model(path: Path, *, new_study: str) -> Path | None:
+    """A final model of ANOTHER study already at `path` (this state folder took part in an
+    earlier study) is moved beside it as `study-<its study SHA-256, 16 hex>.safetensors`
+    rather than overwritten: `final.safetensors` is the latest study's, the earlier ones
+    stay. Returns where it was kept (None: nothing to keep)."""
+    if not path.exists():
+        return None
+    try:
+        previous = study_sha256(read_bundle(path).study)
+    except (OSError, MedfedError) as exc:
+        log.warning("replacing %s, which is not a readable model bundle (%s)", path, exc)
+        return None
+    if previous == new_study:
+        return None
+    kept = path.with_name(f"study-{previous[:16]}.safetensors")
+    os.replace(path, kept)
+    log.info("kept the previous study's final model at %s", kept,
+             extra={"event": "previous_final_model_kept", "path": str(kept)})
+    return kept
 
 
 class _ModelDownload:
@@ -356,7 +383,9 @@ class SiteAgent:
                 self._session()
                 return 0
             except FederationFinished:
-                log.info("federation finished after round %d", self.last_round)
+                log.info("federation finished" + (
+                    f" after round {self.last_round}" if self.last_round else
+                    " before this site took part in a round"))
                 if self.study is None:
                     return 0
                 try:
@@ -879,6 +908,7 @@ class SiteAgent:
             if pinned is not None and bundle.statistics != pinned:
                 raise ValidationError("the final model's statistics differ from the study's "
                                       "released statistics this site trained with")
+            keep_previous_study_model(path, new_study=study_sha256(bundle.study))
             # The coordinator's file byte for byte (same SHA-256 at every site).
             os.replace(tmp, path)
         except BaseException:
