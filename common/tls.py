@@ -310,6 +310,35 @@ def monitor_channel_credentials(
     return channel_credentials_from_files(MonitorTlsFiles.from_pki_dir(pki_dir, name), now=now)
 
 
+def server_host_names(
+    address: str, files: SiteTlsFiles | MonitorTlsFiles, *, timeout: float = 10
+) -> list[str] | None:
+    """The DNS names and IP addresses the server at HOST:PORT `address` presents in its
+    certificate, read over a TLS connection that checks the chain against our CA but not
+    the name: what a "Hostname Verification Check failed" error should tell the operator.
+    None when they cannot be read (unreachable, another CA, no SAN)."""
+    import socket
+    import ssl
+
+    host, _, port = address.rpartition(":")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False  # the name is what we want to learn; the CA still counts
+    try:
+        context.load_verify_locations(cafile=str(files.ca))
+        context.load_cert_chain(str(files.cert), str(files.key))
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw, \
+                context.wrap_socket(raw) as tls:
+            der = tls.getpeercert(binary_form=True)
+        if der is None:
+            return None
+        san = x509.load_der_x509_certificate(der).extensions.get_extension_for_class(
+            x509.SubjectAlternativeName).value
+    except (OSError, ValueError, x509.ExtensionNotFound):  # ssl.SSLError is an OSError
+        return None
+    return [*san.get_values_for_type(x509.DNSName),
+            *(str(ip) for ip in san.get_values_for_type(x509.IPAddress))]
+
+
 def peer_certificate_pem(auth_context: Mapping[str, Sequence[bytes]]) -> bytes | None:
     """The caller's PEM certificate from ``context.auth_context()``, or None if there is none."""
     values = auth_context.get(PEER_CERT_KEY)

@@ -91,8 +91,10 @@ def round_completed(
         # (ActiveRound.mark): "<phase>.first"/".last" message accepted, ".closed".
         **{f"t_{step}": round(seconds, 6) for step, seconds in rnd.timeline.items()},
     }
+    auc = metrics.get("auc")
     log.info(
-        "round %d completed: %d contributors, %d dropped, %.2f s, auc=%s",
-        ann.round_number, len(survivors), len(dropped), seconds, metrics.get("auc"),
+        "round %d completed: %d contributors, %d dropped, %.2f s, %s",
+        ann.round_number, len(survivors), len(dropped), seconds,
+        "no DP evaluation" if auc is None else f"DP-evaluated AUC {auc:.3f}",
         extra=extra,
     )

@@ -184,7 +184,8 @@ async def serve(
             code = 1
         else:
             rounds = running.engine.settings.rounds  # the study's, when it gives them
-            log.info("all %d rounds done", rounds,
+            log.info("all %d rounds done: the study's training rounds (its statistics and "
+                     "final evaluation rounds, and any aborted round, come on top)", rounds,
                      extra={"event": "study_finished", "rounds": rounds})
             if exit_when_finished:
                 # Let waiting sites hear that the federation is finished.

@@ -39,6 +39,16 @@ from coordinator.revocation import CrlRelay
 
 log = logging.getLogger("medfed.coordinator.rpc")
 
+DECLINE_REASONS = {
+    pb.DeclineRoundRequest.BUDGET_EXHAUSTED: "its privacy budget cannot pay for the round",
+    pb.DeclineRoundRequest.NOT_READY: "not ready",
+    pb.DeclineRoundRequest.STATISTICS_RELEASED: (
+        "it released this study's statistics already and refuses a second release; it "
+        "leaves the study (a study restarted from a fresh coordinator state?)"
+    ),
+}
+"""What the coordinator logs for a site's DeclineRound reason."""
+
 MAX_WAIT_SECONDS = 60
 MAX_LEDGER_HISTORY_BYTES = 4 << 20
 T = TypeVar("T")
@@ -231,7 +241,8 @@ class FederationServicer(pb_grpc.FederationServicer):
     ) -> pb.DeclineRoundResponse:
         site_id = self._site(context)
         self.engine.sites.decline(
-            site_id, wire.round_number(request.round), budget=wire.budget_from_pb(request.budget)
+            site_id, wire.round_number(request.round), budget=wire.budget_from_pb(request.budget),
+            reason=DECLINE_REASONS.get(request.reason, "no reason given"),
         )
         return pb.DeclineRoundResponse()
 

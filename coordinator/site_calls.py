@@ -42,9 +42,10 @@ class SiteCalls:
     def replicate_ledger(self, site_id: str, history: bytes) -> int:
         return self.ledgers.replicate(site_id, history, now=self.clock())
 
-    def decline(self, site_id: str, round_number: int, *, budget: SiteBudget | None) -> None:
+    def decline(self, site_id: str, round_number: int, *, budget: SiteBudget | None,
+                reason: str = "") -> None:
         self.sessions.record_decline(site_id, round_number, budget=budget)
-        self.inbox.decline(site_id, round_number)
+        self.inbox.decline(site_id, round_number, reason=reason)
 
     def heartbeat(self, site_id: str, round_number: int) -> None:
         self.inbox.heartbeat(site_id, round_number)

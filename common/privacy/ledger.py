@@ -613,6 +613,17 @@ def restore_ledger(
             ledger_path, f"{ledger_path} exists; a restore never overwrites a ledger "
             "(move it aside first if it is damaged)"
         )
+    for target, what in ((ledger_path, "ledger"), (anchor_file, "anchor")):
+        # Never created here: a mistyped --ledger would put the restored ledger where
+        # the site agent never reads it, which then starts from an empty one elsewhere.
+        if not target.parent.is_dir():
+            raise LedgerUnavailable(
+                ledger_path, f"the folder {target.parent} for the restored {what} "
+                f"{target} does not exist. A restore creates no folder: name the site's "
+                "state folder (the one `site run --state` uses; the ledger is "
+                "STATE/privacy-ledger.db), or create it first if this is a new machine "
+                f"(`mkdir -m 700 {target.parent}`)"
+            )
     if site_id is not None and history.terms.site_id != site_id:
         raise LedgerIntegrityError(
             f"the export is for site {history.terms.site_id!r}, not {site_id!r}"
