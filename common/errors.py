@@ -16,6 +16,9 @@
     │                                revoked, wrong CA, no site id)
     ├── PrivacyError
     │   ├── BudgetExhausted          this round would exceed the site's epsilon budget
+    │   ├── StudyRefused             this site can never take part in the study the
+    │   │                            coordinator runs (its statistics were already
+    │   │                            released): it declines and stops
     │   └── LedgerIntegrityError     the hash chain of a ledger does not verify
     │       └── LedgerForkError      a ledger head does not extend the known history
     │                                (fork, shrink, reset)
@@ -143,6 +146,12 @@ class PrivacyError(MedfedError):
 
 class BudgetExhausted(PrivacyError):
     """Training this round would take the site past its epsilon budget."""
+
+
+class StudyRefused(PrivacyError):
+    """This site can never take part in the coordinator's run of its study: it released
+    the study's statistics already (a second release would let the noise be averaged
+    away). Unlike a failed round, waiting does not help: the site declines and stops."""
 
 
 class LedgerIntegrityError(PrivacyError):

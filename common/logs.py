@@ -61,8 +61,8 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    """``2025-01-02 10:11:12 INFO    site:a  round 3 of 5 done: ...`` (local time; the
-    structured fields stay in the JSON format)."""
+    """``2025-01-02 10:11:12 INFO    site:a  round number 4 (training; ...) done: ...``
+    (local time; the structured fields stay in the JSON format)."""
 
     def __init__(self, service: str) -> None:
         super().__init__()

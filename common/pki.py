@@ -420,9 +420,10 @@ def _is_ca(cert: x509.Certificate) -> bool:
         return False
 
 
-def public_key_fingerprint(cert: x509.Certificate) -> str:
-    """Hex SHA-256 of the certificate's SubjectPublicKeyInfo (DER): what a hospital reads
-    to the operator over the phone to confirm the CSR is its own."""
+def public_key_fingerprint(cert: x509.Certificate | x509.CertificateSigningRequest) -> str:
+    """Hex SHA-256 of the certificate's (or request's) SubjectPublicKeyInfo (DER): what a
+    hospital reads to the operator over the phone to confirm the CSR is its own. The
+    same for a request and the certificate signed from it (the key is the same)."""
     spki = cert.public_key().public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
@@ -1260,20 +1261,25 @@ class CertificateInfo:
     serial: int
     not_after: dt.datetime
     revoked: bool
+    replaced: bool = False  # moved into replaced/ by `sign --replace` / `issue --force`
 
 
 def list_certificates(directory: str | os.PathLike[str]) -> list[CertificateInfo]:
-    """CA, coordinator, site and monitor certificates of a PKI directory, with revocation."""
+    """CA, coordinator, site and monitor certificates of a PKI directory, with revocation;
+    then those moved into replaced/ (a replaced site certificate is revoked, and the
+    operator must still see it: its serial is on the CRL until it expires)."""
     root = Path(directory)
     revoked = revoked_serials(root)
-    paths = [
+    current = [
         root / CA_CERT,
         root / COORDINATOR_CERT,
         *sorted((root / SITES_DIR).glob("*.crt")),
         *sorted((root / MONITORS_DIR).glob("*.crt")),
     ]
+    # _move_aside names them NAME.crt.STAMP[.N]; keys (NAME.key.STAMP) are not listed.
+    moved = sorted((root / REPLACED_DIR).glob("*.crt.*"))
     rows = []
-    for path in paths:
+    for path in [*current, *moved]:
         if not path.is_file():
             continue
         cert = load_certificate(path)
@@ -1284,6 +1290,7 @@ def list_certificates(directory: str | os.PathLike[str]) -> list[CertificateInfo
                 serial=cert.serial_number,
                 not_after=cert.not_valid_after_utc,
                 revoked=cert.serial_number in revoked,
+                replaced=path.parent.name == REPLACED_DIR,
             )
         )
     return rows

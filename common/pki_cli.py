@@ -127,7 +127,9 @@ def register(subparsers: Any) -> None:
     crl.add_argument("--crl-validity-days", type=int, default=pki.DEFAULT_CRL_VALIDITY_DAYS)
     crl.set_defaults(func=_crl)
 
-    listing = actions.add_parser("list", help="list certificates with expiry and revocation")
+    listing = actions.add_parser(
+        "list", help="list certificates, also those moved into replaced/, with expiry and "
+        "revocation")
     listing.add_argument("--dir", required=True, type=Path)
     listing.set_defaults(func=_list)
 
@@ -215,8 +217,12 @@ def _issue(args: argparse.Namespace) -> int:
 def _request(args: argparse.Namespace) -> int:
     role, name = (pki.Role.SITE, args.site) if args.site else (pki.Role.MONITOR, args.monitor)
     files = pki.request_certificate(args.out, name, role=role)
+    csr, _ = pki.load_request(files.csr_path)
     print(f"wrote {files.key_path} (mode 0600): the private key, it never leaves this machine")
     print(f"wrote {files.csr_path}: send this request to the federation operator")
+    print(f"  public key SHA-256 {pki.public_key_fingerprint(csr)}: read it to the operator "
+          "(by phone, not with the request); `medfed pki sign` and `pki members` show the "
+          "same value for the certificate signed from it")
     return 0
 
 
@@ -262,13 +268,13 @@ def _crl(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     now = _now()
     rows = pki.list_certificates(args.dir)
-    print(f"{'subject':<40} {'serial':<40} {'not_after':<26} revoked")
+    print(f"{'subject':<40} {'serial':<40} {'not_after':<26} {'file':<9} revoked")
     for row in rows:
         print(
             f"{row.subject:<40} {row.serial:<40x} {row.not_after.isoformat():<26} "
-            f"{'yes' if row.revoked else 'no'}"
+            f"{'replaced' if row.replaced else 'current':<9} {'yes' if row.revoked else 'no'}"
         )
-        if not row.revoked:
+        if not row.revoked and not row.replaced:
             _warn_if_expiring(row.path, row.not_after, now)
     return 0
 

@@ -52,9 +52,10 @@ def fetch_status(coordinator: str, *, ca: Path, cert: Path, key: Path,
         except grpc.RpcError as exc:
             code = exc.code()
             if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                details = exc.details() or code.name
                 raise ConfigError(
-                    "tls-cert", f"the coordinator refused this certificate ({exc.details()}); "
-                    "status needs a monitor certificate: medfed pki issue --monitor NAME",
+                    "tls-cert", f"the coordinator refused this certificate ({details}); "
+                    + refusal_hint(details),
                 ) from None
             raise Unavailable(f"coordinator {coordinator}: {code.name}: {exc.details()}") from None
     now_ms = resp.now_unix_ms
@@ -88,6 +89,25 @@ def fetch_status(coordinator: str, *, ca: Path, cert: Path, key: Path,
             for s in resp.sites
         ],
     }
+
+
+def refusal_hint(details: str) -> str:
+    """What to do about the coordinator's refusal, by its stated reason. The local
+    checks already made sure the certificate is a monitor certificate, so "you need a
+    monitor certificate" is the hint only when the coordinator says the role is wrong."""
+    if "revocation status unknown" in details:
+        return ("the coordinator cannot check revocation, so it refuses every caller; "
+                "this certificate may well be fine: on the CA host run "
+                "`medfed pki crl --dir D` and install the new crl.pem at the coordinator")
+    if "revoked" in details:
+        return ("this certificate is revoked: issue a new one with "
+                "medfed pki issue --monitor NAME")
+    if "expired" in details:
+        return ("the coordinator says a certificate expired (this one, or the CA: "
+                "`medfed pki list --dir D`); renew it")
+    if "may not call" in details:
+        return "status needs a monitor certificate: medfed pki issue --monitor NAME"
+    return "the coordinator's log names the refused call and why"
 
 
 def _duration(seconds: float | None) -> str:
@@ -148,7 +168,9 @@ def render(status: dict[str, Any]) -> str:
             eps = (f"{site['epsilon_spent']:.3f} / {site['epsilon_budget']:g}"
                    f" ({site['privacy_unit'] or 'record'})")
         else:
-            eps = "no DP ledger"
+            # No budget reported: a site reports its ledger once it has joined the
+            # study (and one whose study runs without DP never does); not "no DP".
+            eps = "nothing spent yet (no budget reported)"
         rows.append((site["site_id"], site["state"], contact, eps))
     if len(rows) == 1:
         lines.append("no site has enrolled since the coordinator started")
@@ -158,6 +180,11 @@ def render(status: dict[str, Any]) -> str:
             "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r[:3])) + "  " + r[3]
             for r in rows
         ]
+    if any(site["state"] == "enrolled" for site in status["sites"]):
+        lines.append(
+            "enrolled: the site enrolled but has not asked for a round since; a site that "
+            "refuses the study (data check, or privacy policy) stops right after enrolling "
+            "and its own log says why")
     return "\n".join(lines)
 
 

@@ -13,7 +13,9 @@ The servicer maps `CertificateRejected` to UNAUTHENTICATED in its one error mapp
 
 `RequireCertificateRole`, installed on the coordinator's server, decides per method
 which certificate roles may call it (`ACCESS_RULES`): sites the Federation service,
-monitors Health, reflection and read-only status; revoked certificates nothing.
+monitors Health, reflection and read-only status; revoked certificates nothing. Each
+refusal is handed to its `on_refused` callback (`Refusal`) before the call is aborted:
+the coordinator logs and counts it (coordinator/refusals.py), since no servicer runs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextvars
 import datetime as dt
 import inspect
+import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +55,8 @@ from common.pki import (
     read_private_key_pem,
     site_paths,
 )
+
+log = logging.getLogger("medfed.tls")
 
 # Key of the PEM peer certificate in gRPC's `ServicerContext.auth_context()`.
 PEER_CERT_KEY = "x509_pem_cert"
@@ -305,6 +310,35 @@ def monitor_channel_credentials(
     return channel_credentials_from_files(MonitorTlsFiles.from_pki_dir(pki_dir, name), now=now)
 
 
+def server_host_names(
+    address: str, files: SiteTlsFiles | MonitorTlsFiles, *, timeout: float = 10
+) -> list[str] | None:
+    """The DNS names and IP addresses the server at HOST:PORT `address` presents in its
+    certificate, read over a TLS connection that checks the chain against our CA but not
+    the name: what a "Hostname Verification Check failed" error should tell the operator.
+    None when they cannot be read (unreachable, another CA, no SAN)."""
+    import socket
+    import ssl
+
+    host, _, port = address.rpartition(":")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False  # the name is what we want to learn; the CA still counts
+    try:
+        context.load_verify_locations(cafile=str(files.ca))
+        context.load_cert_chain(str(files.cert), str(files.key))
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw, \
+                context.wrap_socket(raw) as tls:
+            der = tls.getpeercert(binary_form=True)
+        if der is None:
+            return None
+        san = x509.load_der_x509_certificate(der).extensions.get_extension_for_class(
+            x509.SubjectAlternativeName).value
+    except (OSError, ValueError, x509.ExtensionNotFound):  # ssl.SSLError is an OSError
+        return None
+    return [*san.get_values_for_type(x509.DNSName),
+            *(str(ip) for ip in san.get_values_for_type(x509.IPAddress))]
+
+
 def peer_certificate_pem(auth_context: Mapping[str, Sequence[bytes]]) -> bytes | None:
     """The caller's PEM certificate from ``context.auth_context()``, or None if there is none."""
     values = auth_context.get(PEER_CERT_KEY)
@@ -393,6 +427,17 @@ def _utc_now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """One call `RequireCertificateRole` refused, for the server's log and metrics."""
+
+    method: str  # full method name, "/package.Service/Method"
+    code: grpc.StatusCode  # PERMISSION_DENIED or UNAUTHENTICATED
+    reason: str
+    certificate: x509.Certificate | None  # None: no (parseable) client certificate
+    peer: str  # the caller's address as gRPC names it ("ipv4:10.0.0.5:51234")
+
+
 class RequireCertificateRole(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """grpc.aio interceptor: every RPC (Health and reflection included) needs a valid,
     unrevoked certificate whose role `rules` allow for that method.
@@ -411,29 +456,51 @@ class RequireCertificateRole(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         *,
         rules: AccessRules = ACCESS_RULES,
         clock: Callable[[], dt.datetime] = _utc_now,
+        on_refused: Callable[[Refusal], None] | None = None,
     ) -> None:
         self._verifier = verifier
         self._rules = dict(rules)
         self._clock = clock
+        self._on_refused = on_refused
 
-    async def _authenticate(self, context: Any, allowed: frozenset[Role]) -> CertificateIdentity:
+    async def _refuse(
+        self, context: Any, method: str, code: grpc.StatusCode, reason: str,
+        certificate: x509.Certificate | None,
+    ) -> None:
+        """Report the refusal (no servicer runs to log or count it), then abort."""
+        if self._on_refused is not None:
+            peer = context.peer()
+            try:
+                self._on_refused(Refusal(
+                    method=method, code=code, reason=reason, certificate=certificate,
+                    peer=peer if isinstance(peer, str) else "unknown",
+                ))
+            except Exception:  # a broken reporter must not turn a refusal into a crash
+                log.exception("reporting a refused call failed")
+        await context.abort(code, reason)
+
+    async def _authenticate(
+        self, context: Any, method: str, allowed: frozenset[Role]
+    ) -> CertificateIdentity:
         # Same codes as the Federation servicer's error mapper: no certificate at all is
         # UNAUTHENTICATED, a certificate we refuse (revoked, wrong role) PERMISSION_DENIED.
         pem = peer_certificate_pem(context.auth_context())
         if pem is None:
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED, "caller presented no client certificate"
-            )
+            await self._refuse(context, method, grpc.StatusCode.UNAUTHENTICATED,
+                               "caller presented no client certificate", None)
             raise CertificateRejected("no client certificate")  # unreachable: abort raises
+        certificate: x509.Certificate | None = None
         try:
-            identity = self._verifier.verify_identity(parse_certificate(pem), now=self._clock())
+            certificate = parse_certificate(pem)
+            identity = self._verifier.verify_identity(certificate, now=self._clock())
         except CertificateRejected as exc:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            await self._refuse(context, method, grpc.StatusCode.PERMISSION_DENIED, str(exc),
+                               certificate)
             raise  # unreachable: abort raises; keeps the type checker honest
         if identity.role not in allowed:
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"a {identity.role.value} certificate may not call this method",
+            await self._refuse(
+                context, method, grpc.StatusCode.PERMISSION_DENIED,
+                f"a {identity.role.value} certificate may not call this method", certificate,
             )
         return identity
 
@@ -445,24 +512,30 @@ class RequireCertificateRole(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        allowed = allowed_roles(handler_call_details.method, self._rules)
+        raw = handler_call_details.method
+        method = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        allowed = allowed_roles(method, self._rules)
         if handler.unary_unary is not None:
-            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, allowed))
+            return handler._replace(
+                unary_unary=self._wrap_unary(handler.unary_unary, method, allowed)
+            )
         if handler.stream_unary is not None:
             return handler._replace(
-                stream_unary=self._wrap_unary(handler.stream_unary, allowed)
+                stream_unary=self._wrap_unary(handler.stream_unary, method, allowed)
             )
         if handler.unary_stream is not None:
             return handler._replace(
-                unary_stream=self._wrap_stream(handler.unary_stream, allowed)
+                unary_stream=self._wrap_stream(handler.unary_stream, method, allowed)
             )
-        return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream, allowed))
+        return handler._replace(
+            stream_stream=self._wrap_stream(handler.stream_stream, method, allowed)
+        )
 
     def _wrap_unary(
-        self, behavior: Callable[[Any, Any], Any], allowed: frozenset[Role]
+        self, behavior: Callable[[Any, Any], Any], method: str, allowed: frozenset[Role]
     ) -> Callable[[Any, Any], Any]:
         async def guarded(request: Any, context: Any) -> Any:
-            token = _CURRENT_PEER.set(await self._authenticate(context, allowed))
+            token = _CURRENT_PEER.set(await self._authenticate(context, method, allowed))
             try:
                 result = behavior(request, context)
                 return await result if inspect.isawaitable(result) else result
@@ -472,7 +545,7 @@ class RequireCertificateRole(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return guarded
 
     def _wrap_stream(
-        self, behavior: Callable[[Any, Any], Any], allowed: frozenset[Role]
+        self, behavior: Callable[[Any, Any], Any], method: str, allowed: frozenset[Role]
     ) -> Callable[[Any, Any], Any]:
         # grpc.aio streams either by yielding (generator handler) or by awaiting
         # context.write() (coroutine handler); the wrapper must have the same shape,
@@ -480,7 +553,7 @@ class RequireCertificateRole(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if inspect.isasyncgenfunction(behavior) or inspect.isgeneratorfunction(behavior):
 
             async def guarded_generator(request: Any, context: Any) -> AsyncIterator[Any]:
-                token = _CURRENT_PEER.set(await self._authenticate(context, allowed))
+                token = _CURRENT_PEER.set(await self._authenticate(context, method, allowed))
                 try:
                     result = behavior(request, context)
                     if inspect.isasyncgen(result):
@@ -495,7 +568,7 @@ class RequireCertificateRole(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return guarded_generator
 
         async def guarded_writer(request: Any, context: Any) -> None:
-            token = _CURRENT_PEER.set(await self._authenticate(context, allowed))
+            token = _CURRENT_PEER.set(await self._authenticate(context, method, allowed))
             try:
                 await behavior(request, context)
             finally:

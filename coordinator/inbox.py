@@ -78,9 +78,12 @@ class RoundInbox:
             raise StateError(f"site {site_id} was dropped from round {round_number}")
         rnd.heard_from(site_id)
 
-    def decline(self, site_id: str, round_number: int) -> None:
+    def decline(self, site_id: str, round_number: int, *, reason: str = "") -> None:
         self._round_for(site_id, round_number).decline(site_id)
-        log.info("site %s declined round %d", site_id, round_number)
+        log.info("site %s declined round %d%s", site_id, round_number,
+                 f": {reason}" if reason else "",
+                 extra={"event": "site_declined", "site": site_id,
+                        "round_number": round_number, "reason": reason})
 
     def _round_for(self, site_id: str, round_number: int) -> ActiveRound:
         rnd = self.round

@@ -27,6 +27,7 @@ from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.tls import RequireCertificateRole, server_credentials
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.refusals import RefusalLog
 from coordinator.revocation import CrlRelay
 from coordinator.servicer import FederationServicer, MonitorServicer, add_to_server
 from coordinator.store import CoordinatorStore
@@ -93,8 +94,9 @@ async def start(settings: CoordinatorSettings) -> RunningCoordinator:
     limit = settings.limits.max_chunk_bytes + (64 << 10)
     server = grpc.aio.server(
         # Per-method certificate roles: sites call Federation, monitors Health/status,
-        # revoked certificates nothing (common/tls.py, ACCESS_RULES).
-        interceptors=[RequireCertificateRole(verifier)],
+        # revoked certificates nothing (common/tls.py, ACCESS_RULES). Each refusal is
+        # logged (rate-limited) and counted: no servicer runs to do it.
+        interceptors=[RequireCertificateRole(verifier, on_refused=RefusalLog(metrics))],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", 8 << 20),
@@ -114,7 +116,7 @@ async def start(settings: CoordinatorSettings) -> RunningCoordinator:
     )
     add_to_server(servicer, server)
     pb_grpc.add_MonitorServicer_to_server(  # type: ignore[no-untyped-call]
-        MonitorServicer(engine, federation_id=settings.federation_id), server
+        MonitorServicer(engine, federation_id=settings.federation_id, metrics=metrics), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -39,6 +39,16 @@ from coordinator.revocation import CrlRelay
 
 log = logging.getLogger("medfed.coordinator.rpc")
 
+DECLINE_REASONS = {
+    pb.DeclineRoundRequest.BUDGET_EXHAUSTED: "its privacy budget cannot pay for the round",
+    pb.DeclineRoundRequest.NOT_READY: "not ready",
+    pb.DeclineRoundRequest.STATISTICS_RELEASED: (
+        "it released this study's statistics already and refuses a second release; it "
+        "leaves the study (a study restarted from a fresh coordinator state?)"
+    ),
+}
+"""What the coordinator logs for a site's DeclineRound reason."""
+
 MAX_WAIT_SECONDS = 60
 MAX_LEDGER_HISTORY_BYTES = 4 << 20
 T = TypeVar("T")
@@ -231,7 +241,8 @@ class FederationServicer(pb_grpc.FederationServicer):
     ) -> pb.DeclineRoundResponse:
         site_id = self._site(context)
         self.engine.sites.decline(
-            site_id, wire.round_number(request.round), budget=wire.budget_from_pb(request.budget)
+            site_id, wire.round_number(request.round), budget=wire.budget_from_pb(request.budget),
+            reason=DECLINE_REASONS.get(request.reason, "no reason given"),
         )
         return pb.DeclineRoundResponse()
 
@@ -387,11 +398,27 @@ class MonitorServicer(pb_grpc.MonitorServicer):
     """Read-only status for operators. Who may call it is decided before any handler
     runs (RequireCertificateRole: monitor certificates only)."""
 
-    def __init__(self, engine: RoundEngine, *, federation_id: str) -> None:
+    def __init__(self, engine: RoundEngine, *, federation_id: str,
+                 metrics: CoordinatorMetrics | None = None) -> None:
         self.engine = engine
         self.federation_id = federation_id
+        self.metrics = metrics
 
     async def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusResponse:
+        # Counted like the Federation calls (a dashboard polling status is traffic too).
+        try:
+            response = self._status()
+        except Exception:
+            if self.metrics is not None:
+                self.metrics.grpc_requests.labels(method="Status", code="INTERNAL").inc()
+            log.exception("Status failed unexpectedly")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+            raise
+        if self.metrics is not None:
+            self.metrics.grpc_requests.labels(method="Status", code="OK").inc()
+        return response
+
+    def _status(self) -> pb.StatusResponse:
         status = self.engine.status()
         return pb.StatusResponse(
             federation_id=self.federation_id,

@@ -34,6 +34,10 @@ class SiteSession:
     waiting: asyncio.Future[Announcement | None] | None = None
     last_contact: float | None = None  # unix seconds of the site's latest call
     declined_round: int | None = None  # the latest round it declined
+    # Whether it long-polled for a round since it last enrolled: a site that refuses
+    # the study (its data check or privacy policy) stops right after enrolling and
+    # never polls, and must not look like one waiting for a round (`medfed status`).
+    polled: bool = False
 
 
     @property
@@ -67,6 +71,7 @@ class SiteRegistry:
         if session is None:
             session = self.sites[site_id] = SiteSession(site_id, certificate_der)
         session.certificate_der = certificate_der
+        session.polled = False
         self.store.record_site(
             site_id, cert_serial=serial, agent_version=version, device=device, now=self.clock()
         )

@@ -42,9 +42,10 @@ class SiteCalls:
     def replicate_ledger(self, site_id: str, history: bytes) -> int:
         return self.ledgers.replicate(site_id, history, now=self.clock())
 
-    def decline(self, site_id: str, round_number: int, *, budget: SiteBudget | None) -> None:
+    def decline(self, site_id: str, round_number: int, *, budget: SiteBudget | None,
+                reason: str = "") -> None:
         self.sessions.record_decline(site_id, round_number, budget=budget)
-        self.inbox.decline(site_id, round_number)
+        self.inbox.decline(site_id, round_number, reason=reason)
 
     def heartbeat(self, site_id: str, round_number: int) -> None:
         self.inbox.heartbeat(site_id, round_number)
@@ -55,7 +56,9 @@ class SiteCalls:
         """Long-poll until a round selecting this site opens (None on timeout); a site
         that reconnects during its round gets that round's announcement at once."""
         self.check_ledger_head(site_id, budget)
-        self.sessions.record_budget(self.sessions.session(site_id), budget)
+        session = self.sessions.session(site_id)
+        session.polled = True
+        self.sessions.record_budget(session, budget)
         current = self.inbox.rejoin(site_id, after_round=after_round)
         if current is not None:
             return current.announcement

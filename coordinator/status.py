@@ -24,7 +24,12 @@ ETA_WINDOW = 5
 """Completed rounds the ETA's median round duration is taken over (recent rounds
 reflect the current sites and network)."""
 
-SITE_STATES = ("waiting", "in_round", "declined", "exhausted", "disconnected")
+SITE_STATES = ("waiting", "enrolled", "in_round", "declined", "exhausted", "disconnected")
+"""`enrolled`: enrolled but has not asked for a round since. A site that refuses the
+study (a data error, or a study asking more epsilon than its policy allows) stops right
+after enrolling and says nothing more (the protocol has no message for it; the reason
+is in the site's own log), so it shows as `enrolled`, then `disconnected`; a site
+restarted in a loop by its container runtime stays `enrolled`."""
 STATISTICS_STATES = ("none", "pending", "completed")
 ROUND_KINDS = ("statistics", "training", "evaluation")
 
@@ -74,6 +79,8 @@ def site_state(session: SiteSession, rnd: ActiveRound | None, *, now: float) -> 
         return "waiting"
     if session.last_contact is None or now - session.last_contact > DISCONNECTED_AFTER_SECONDS:
         return "disconnected"
+    if not session.polled:
+        return "enrolled"
     if session.declined_round is not None:
         return "declined"
     return "waiting"  # between two long-polls

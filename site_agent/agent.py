@@ -54,6 +54,7 @@ from common.errors import (
     MedfedError,
     ProtocolAbort,
     RoundFailed,
+    StudyRefused,
     ValidationError,
 )
 from common.pki import (
@@ -81,7 +82,7 @@ from common.study import (
     study_from_enrolment,
     study_sha256,
 )
-from common.tls import SiteTlsFiles, channel_credentials_from_files
+from common.tls import SiteTlsFiles, channel_credentials_from_files, server_host_names
 from site_agent import dp_release
 from site_agent import hospital as hospital_round
 from site_agent.datacheck import site_policy
@@ -89,7 +90,7 @@ from site_agent.hooks import LocalUpdate, TrainingHook
 from site_agent.metrics import SiteMetrics
 from site_agent.revocation import SiteRevocation
 from site_agent.round_timeline import RoundTimeline
-from site_agent.statistics_pin import StatisticsPin
+from site_agent.statistics_pin import RELEASED_WAY_OUT, StatisticsPin
 
 log = logging.getLogger("medfed.site")
 
@@ -118,7 +119,9 @@ PREMASK_MAX_BYTES = 16 << 20
 flight (one more upload-sized buffer until masking), so masking after training is one
 addition; larger ones are masked after training (site memory stays <= 3 models)."""
 TLS_FAILURE_MARKERS = ("handshake", "CERTIFICATE_VERIFY_FAILED", "certificate", "tlsv1 alert",
-                       "SSL_ERROR")
+                       "SSL_ERROR", "Hostname Verification", "verification check failed")
+HOSTNAME_MISMATCH_MARKER = "hostname verification"
+"""gRPC's words when the coordinator's certificate does not name the host dialled."""
 
 
 def tls_failure(exc: grpc.RpcError) -> str | None:
@@ -132,11 +135,16 @@ def tls_failure(exc: grpc.RpcError) -> str | None:
     return None
 
 
-def round_of(number: int, planned: int) -> str:
-    """``round 3 of 5`` (round numbers keep growing over aborted rounds and restarts)."""
-    return f"round {number} of {planned}" if number <= planned else (
-        f"round {number} (planned: {planned})"
-    )
+def round_of(number: int, planned: int, *, evaluation: bool = False) -> str:
+    """``round number 4 (training; the study plans 3 training rounds)``.
+
+    The number is the coordinator's round number, as `medfed status` shows it beside
+    "training round k of N": it also counts the statistics round, aborted rounds and
+    earlier studies. A site cannot know k (it may have sat rounds out, and nothing it
+    holds marks where the study's training began), so it never writes "k of N"."""
+    kind = "final evaluation" if evaluation else "training"
+    rounds = "training round" if planned == 1 else "training rounds"
+    return f"round number {number} ({kind}; the study plans {planned} {rounds})"
 
 
 def _utcnow() -> dt.datetime:
@@ -404,15 +412,31 @@ class SiteAgent:
                         self._tls_failures >= self.settings.reconnect.max_tls_failures):
                     raise CertificateRejected(
                         f"TLS handshake with coordinator {self.settings.coordinator} failed "
-                        f"{self._tls_failures} times in a row, giving up: {cause}. Check "
-                        "that the CA file is this federation's and that this site's "
-                        "certificate is valid and not expired"
+                        f"{self._tls_failures} times in a row, giving up: {cause}. "
+                        + self._tls_advice(cause)
                     ) from None
                 log.warning("connection problem (%s): %s; reconnecting", code, exc.details())
                 self.metrics.connected.set(0)
                 self._disconnect()
                 self._sleep_backoff()
         return 0
+
+    def _tls_advice(self, cause: str) -> str:
+        """What to check after repeated handshake failures; for a name mismatch, the
+        names the coordinator's certificate holds (read without checking the name)."""
+        address = self.settings.coordinator
+        if HOSTNAME_MISMATCH_MARKER not in cause.lower():
+            return ("Check that the CA file is this federation's and that this site's "
+                    "certificate is valid and not expired")
+        host = address.rpartition(":")[0] or address
+        names = server_host_names(address, self.tls_files)
+        held = (f"holds {', '.join(names)}" if names
+                else "could not be read (see `openssl s_client -connect " + address + "`)")
+        return (f"The coordinator's certificate does not name {host!r}: it {held}. Dial "
+                "the coordinator by one of the names its certificate holds (`--coordinator` "
+                "or `coordinator` in site.toml), or ask the operator to re-issue its "
+                "certificate with this name (`medfed pki issue --coordinator "
+                "HOST1,HOST2 --force`)")
 
     def _session(self) -> None:
         stub = self._connect()
@@ -536,6 +560,23 @@ class SiteAgent:
                     # (see _contribute), never before them.
                     self._pending_statistics = stats
             self._run_round(stub, rnd, heard_at=heard_at)
+        except StudyRefused as exc:
+            # Never able to take part in this run of the study: tell the coordinator
+            # (it logs why and stops waiting for us), then stop with the way out.
+            log.error("declining round %d and leaving the study: %s", ann.round, exc)
+            self.metrics.rounds.labels(outcome="failed").inc()
+            try:
+                stub.DeclineRound(
+                    pb.DeclineRoundRequest(
+                        round=ann.round, reason=pb.DeclineRoundRequest.STATISTICS_RELEASED,
+                        budget=self.budget_pb(),
+                    ),
+                    timeout=30,
+                )
+            except grpc.RpcError as rpc_exc:
+                log.warning("could not tell the coordinator (%s): %s", rpc_exc.code(),
+                            rpc_exc.details())
+            raise
         except BudgetExhausted as exc:
             log.warning("declining round %d: %s", ann.round, exc)
             self._declined_for_budget = True
@@ -571,7 +612,8 @@ class SiteAgent:
         plan = rnd.plan
         what = "evaluation only" if plan.local_epochs == 0 else (
             f"{plan.local_epochs} local epoch(s)")
-        log.info("%s: selected with %d sites (%s)", round_of(rnd.number, plan.planned_rounds),
+        log.info("%s: selected with %d sites (%s)",
+                 round_of(rnd.number, plan.planned_rounds, evaluation=plan.local_epochs == 0),
                  len(rnd.announcement.participants), what,
                  extra={"event": "round_selected", "round_number": rnd.number,
                         "planned_rounds": plan.planned_rounds})
@@ -734,7 +776,8 @@ class SiteAgent:
                          f"spent (delta {status.delta:g})")
             fields["epsilon_spent"] = status.spent_epsilon
             fields["epsilon_budget"] = status.budget_epsilon
-        log.info("%s done: %s", round_of(rnd.number, rnd.plan.planned_rounds),
+        log.info("%s done: %s", round_of(rnd.number, rnd.plan.planned_rounds,
+                                         evaluation=rnd.plan.local_epochs == 0),
                  ", ".join(parts) or "contributed", extra=fields)
 
     def _run_statistics_round(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
@@ -748,11 +791,12 @@ class SiteAgent:
         # away: the round number must be new on the ledger, the study's statistics unset.
         self._refuse_recorded_round(rnd)
         if self._statistics_pin.pinned(study_sha256(study)) is not None:
-            raise RoundFailed(
+            raise StudyRefused(
                 "this study's statistics were already released "
                 f"({self._statistics_pin.path(study_sha256(study))}): refusing a second "
-                "release (to take part in a new run of the same study, remove that file; "
-                "the new release is charged to the ledger again)"
+                "release, so this site cannot take part in this run of the study (a "
+                "coordinator that started the study again from a fresh state?) and stops. "
+                + RELEASED_WAY_OUT
             )
         release = self.hook.statistics_release()
         if release.size != rnd.announcement.vector_length:

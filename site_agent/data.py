@@ -140,6 +140,25 @@ def _parse_float(text: str | None) -> float | None:
     return value
 
 
+def _refuse_other_delimiter(header: list[str], path: Path) -> None:
+    """A header read as ONE column that holds semicolons or tabs is a file exported with
+    another delimiter (spreadsheets in many locales write `;` and decimal commas):
+    say so, instead of `missing column` for every column the study names. Not read
+    as such: its decimal commas would be taken for numbers wrongly or refused cell by
+    cell, so the file is re-exported as comma-separated CSV."""
+    if len(header) != 1:
+        return
+    for delimiter, name in ((";", "semicolon"), ("\t", "tab")):
+        if delimiter in header[0]:
+            raise DataError(
+                f"the header is a single column holding {name}s: the file looks "
+                f"{name}-delimited, and medfed reads comma-separated CSV (RFC 4180, UTF-8). "
+                "Save it again as CSV with commas between fields and a point as the "
+                "decimal separator (or as Parquet)",
+                file=str(path), row=_HEADER_ROW,
+            )
+
+
 def _iter_csv_rows(path: Path) -> tuple[list[str], Iterator[tuple[int, dict[str, str]]]]:
     # utf-8-sig: spreadsheet exports often start with a byte-order mark, which would
     # otherwise become part of the first column's name.
@@ -153,6 +172,11 @@ def _iter_csv_rows(path: Path) -> tuple[list[str], Iterator[tuple[int, dict[str,
     if header is not None:
         header = [name.strip() for name in header]
         reader.fieldnames = header
+        try:
+            _refuse_other_delimiter(header, path)
+        except DataError:
+            handle.close()
+            raise
 
     def rows() -> Iterator[tuple[int, dict[str, str]]]:
         try:

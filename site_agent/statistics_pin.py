@@ -15,8 +15,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from common.errors import RoundFailed, StateError, ValidationError
+from common.errors import StateError, StudyRefused, ValidationError
 from common.study import GlobalStatistics, statistics_bytes, statistics_from_bytes
+
+RELEASED_WAY_OUT = (
+    "To take part in the new run deliberately (the hospital's decision: a second "
+    "release is charged to this site's privacy ledger again), remove that statistics "
+    "file and start the site again with the same state folder; never start over with a "
+    "fresh state folder, which would lose the ledger of budget already spent "
+    "(docs/operations.md, 'A study run again')."
+)
+"""What an operator may do when the coordinator runs a study whose statistics this site
+already released."""
 
 
 class StatisticsPin:
@@ -51,15 +61,18 @@ class StatisticsPin:
         return statistics
 
     def accept(self, statistics: GlobalStatistics) -> None:
-        """Pin `statistics` for its study, or raise RoundFailed when other statistics
-        were pinned for it: they come from the study's one release and cannot change."""
+        """Pin `statistics` for its study, or raise StudyRefused when other statistics
+        were pinned for it: they come from the study's one release and cannot change, so
+        every later round of this run of the study would be refused too."""
         current = self.pinned(statistics.study_sha256)
         if current is not None:
             if current != statistics:
-                raise RoundFailed(
+                raise StudyRefused(
                     "the announced global statistics differ from the ones this site "
                     f"accepted for the study ({self.path(statistics.study_sha256)}): they "
-                    "come from its one release and cannot change; refusing the round"
+                    "come from its one release and cannot change; refusing the round, and "
+                    "every round of this run of the study, so this site stops. "
+                    + RELEASED_WAY_OUT
                 )
             return
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -17,7 +17,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError, LedgerIntegrityError
+from common.errors import ConfigError, LedgerIntegrityError, MedfedError
 from common.privacy.accountant import (
     ACCOUNTANTS,
     Segment,
@@ -27,6 +27,8 @@ from common.privacy.accountant import (
 )
 from common.privacy.layered import charged
 from common.privacy.ledger import (
+    VerifyReport,
+    anchor_path_for,
     read_ledger,
     restore_ledger,
     verify_ledger,
@@ -387,11 +389,58 @@ def _print_hospital_figures(summary: dict[str, Any]) -> None:
               "updates at 2S, replace relation)")
 
 
+def _integrity(path: Path) -> VerifyReport:
+    """What `show` checks before printing figures: `ledger verify --hashes-only` plus
+    the anchor beside the ledger (header, hash chain, entry count and head, every
+    signature), so a deleted or edited entry never shows as a smaller spend. Linear
+    in the entries; recomposing every epsilon (quadratic) is left to `verify`."""
+    return verify_ledger(path, recompose=False, anchor_path=anchor_path_for(path))
+
+
+def _integrity_json(report: VerifyReport) -> dict[str, Any]:
+    return {
+        "ok": report.ok,
+        "checked": "header, hash chain, entry count and head, signatures, anchor "
+                   "(epsilons are recomposed by `medfed ledger verify`)",
+        "problems": [str(p) for p in report.problems],
+    }
+
+
+def _integrity_banner(report: VerifyReport) -> str:
+    more = f" (+{len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
+    return (f"INTEGRITY FAILURE: {report.problems[0]}{more}. The figures below are NOT "
+            "trustworthy (an entry deleted or edited understates the spend): run "
+            f"`medfed ledger verify --ledger {report.path}`")
+
+
 def _cmd_ledger_show(args: argparse.Namespace) -> int:
-    summary = _ledger_summary(Path(args.ledger))
+    path = Path(args.ledger)
+    report = _integrity(path)
+    try:
+        summary = _ledger_summary(path)
+    except MedfedError:
+        if report.ok:
+            raise
+        summary = None  # too damaged to summarise: the integrity failure says why
     if args.json:
-        _print_json(summary)
+        _print_json({**(summary or {"ledger": str(path)}), "integrity": _integrity_json(report)})
+    else:
+        if not report.ok:
+            print(_integrity_banner(report))
+            print()
+        if summary is None:
+            print(f"ledger {path}: an entry is unreadable; nothing else can be shown")
+        else:
+            _print_ledger(summary)
+    if report.ok:
         return 0
+    print(f"ledger {report.path}: {_integrity_banner(report)}", file=sys.stderr)
+    for problem in report.problems[1:]:
+        print(f"  also: {problem}", file=sys.stderr)
+    return 1
+
+
+def _print_ledger(summary: dict[str, Any]) -> None:
     unit = summary["privacy_unit"]
     level = {"patient": "patient-level", "hospital": "hospital-level"}.get(unit, "record-level")
     print(f"ledger        {summary['ledger']} (format {summary['format']})")
@@ -422,7 +471,6 @@ def _cmd_ledger_show(args: argparse.Namespace) -> int:
         )
         for raw in row["mechanisms"]:
             print(f"{'':>33}{describe(mechanism_from_json_dict(raw))}")
-    return 0
 
 
 def _load_ca(path: str | None) -> Any:
@@ -435,7 +483,8 @@ def _load_ca(path: str | None) -> Any:
 
 def _cmd_ledger_verify(args: argparse.Namespace) -> int:
     report = verify_ledger(
-        args.ledger, recompose=not args.hashes_only, ca_certificate=_load_ca(args.ca)
+        args.ledger, recompose=not args.hashes_only, ca_certificate=_load_ca(args.ca),
+        anchor_path=anchor_path_for(args.ledger),
     )
     if report.ok:
         checked = "hash chain and epsilons" if report.epsilons_recomposed else "hash chain"
@@ -513,7 +562,9 @@ def register_ledger(subparsers: Any) -> None:
     commands = parser.add_subparsers(dest="ledger_command", metavar="SUBCOMMAND")
     commands.required = True
 
-    show = commands.add_parser("show", help="per-round and cumulative epsilon, budget left")
+    show = commands.add_parser(
+        "show", help="per-round and cumulative epsilon, budget left; checks the hash chain, "
+        "entry count, signatures and anchor first (exit 1, INTEGRITY FAILURE, if broken)")
     show.add_argument("--ledger", required=True, help="path of the site's ledger file")
     show.add_argument("--json", action="store_true", help="machine-readable output")
     show.set_defaults(func=_cmd_ledger_show)

@@ -27,6 +27,7 @@ file and the way out, never as a traceback.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -527,10 +528,13 @@ def verify_ledger(
     *,
     recompose: bool = True,
     ca_certificate: x509.Certificate | None = None,
+    anchor_path: str | Path | None = None,
 ) -> VerifyReport:
     """Re-walk a ledger (read-only): header, hash chain, every signature with the
     certificate it names (issued by `ca_certificate` if given) and, when the rest is
-    intact and `recompose` is set, every `epsilon_after`.
+    intact and `recompose` is set, every `epsilon_after`. With `anchor_path` (format 2),
+    also the anchor file there, if any: it catches what the file alone cannot, a last
+    entry deleted together with a header made to match (as the site does on open).
 
     A format-1 file is checked as format 1 (unsigned: `signatures_checked` is 0).
     LedgerUnavailable if the file is missing or is not a ledger."""
@@ -538,8 +542,32 @@ def verify_ledger(
     with _guard(ledger_path, "verifying the ledger"), _connect(ledger_path, mode="ro") as conn:
         if _file_format(conn, ledger_path) == 1:
             return legacy.check_chain_format1(conn, path=ledger_path, recompose=recompose)
-        return _check_v2(conn, path=ledger_path, recompose=recompose,
-                         ca_certificate=ca_certificate)
+        report = _check_v2(conn, path=ledger_path, recompose=recompose,
+                           ca_certificate=ca_certificate)
+        if anchor_path is None:
+            return report
+        found = _anchor_problems(conn, ledger_path, Path(anchor_path))
+    return dataclasses.replace(report, problems=report.problems + tuple(found))
+
+
+def _anchor_problems(
+    connection: sqlite3.Connection, path: Path, anchor_file: Path
+) -> list[LedgerProblem]:
+    """The anchor check the site runs when it opens its ledger, as problems."""
+    try:
+        anchor = read_anchor(anchor_file)
+        if anchor is None:
+            return []
+        entries = list(_read_entries(connection))
+    except LedgerUnavailable as exc:
+        return [LedgerProblem(None, str(exc))]
+    except LedgerIntegrityError:
+        return []  # an unreadable entry: _check_v2 already reported it
+    try:
+        _check_anchor(path, anchor, _read_header(connection).site_id, entries)
+    except LedgerForkError as exc:
+        return [LedgerProblem(None, f"anchor {anchor_file}: {exc}")]
+    return []
 
 
 def export_ledger(path: str | Path, *, after_seq: int = 0) -> SignedHistory:
@@ -585,6 +613,17 @@ def restore_ledger(
             ledger_path, f"{ledger_path} exists; a restore never overwrites a ledger "
             "(move it aside first if it is damaged)"
         )
+    for target, what in ((ledger_path, "ledger"), (anchor_file, "anchor")):
+        # Never created here: a mistyped --ledger would put the restored ledger where
+        # the site agent never reads it, which then starts from an empty one elsewhere.
+        if not target.parent.is_dir():
+            raise LedgerUnavailable(
+                ledger_path, f"the folder {target.parent} for the restored {what} "
+                f"{target} does not exist. A restore creates no folder: name the site's "
+                "state folder (the one `site run --state` uses; the ledger is "
+                "STATE/privacy-ledger.db), or create it first if this is a new machine "
+                f"(`mkdir -m 700 {target.parent}`)"
+            )
     if site_id is not None and history.terms.site_id != site_id:
         raise LedgerIntegrityError(
             f"the export is for site {history.terms.site_id!r}, not {site_id!r}"

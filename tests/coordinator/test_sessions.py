@@ -84,3 +84,27 @@ def test_unknown_site_must_enroll_first(engine: RoundEngine) -> None:
         asyncio.run(
             engine.sites.wait_for_round("ghost", after_round=0, wait_seconds=1, budget=None)
         )
+
+
+def test_a_site_that_enrolls_and_never_polls_shows_enrolled_not_waiting(
+    engine: RoundEngine,
+) -> None:
+    """A site that refused the study stops right after Enroll (the protocol has no
+    message for the refusal): `medfed status` shows it `enrolled`, not `waiting`; a
+    site that polled shows `waiting`; enrolling again (a restart) resets the flag."""
+
+    async def scenario() -> tuple[dict[str, str], dict[str, str]]:
+        polls = await _poll_until_waiting(engine, ("beta",))
+        engine.sites.enroll("alpha", b"", serial="2", version="t", device="cpu",
+                            budget=SiteBudget())
+        during = {s.site_id: s.state for s in engine.status().sites}
+        polls[0].cancel()
+        await asyncio.gather(polls[0], return_exceptions=True)
+        engine.sites.enroll("beta", b"", serial="1", version="t", device="cpu",
+                            budget=SiteBudget())
+        after = {s.site_id: s.state for s in engine.status().sites}
+        return during, after
+
+    during, after = asyncio.run(scenario())
+    assert during == {"alpha": "enrolled", "beta": "waiting"}
+    assert after == {"alpha": "enrolled", "beta": "enrolled"}

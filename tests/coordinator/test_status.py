@@ -31,6 +31,7 @@ def record(number: int, status: str, started: float, finished: float | None) -> 
 
 def session(**fields: object) -> SiteSession:
     s = SiteSession("a", b"")
+    s.polled = True  # a site that has long-polled since it enrolled, unless told
     for key, value in fields.items():
         setattr(s, key, value)
     return s
@@ -124,3 +125,36 @@ def test_status_names_the_statistics_training_and_evaluation_rounds() -> None:
     assert render(_as_cli(done)).splitlines()[0] == (
         "federation f: study finished: statistics round completed, 2 of 2 training rounds "
         "completed, final evaluation round completed")
+
+
+def _site_row(state: str, *, budget: float = 0.0, spent: float = 0.0) -> dict[str, Any]:
+    return {"site_id": "a", "state": state, "last_contact_seconds_ago": 12.0,
+            "epsilon_spent": spent, "epsilon_budget": budget, "privacy_unit": "patient"}
+
+
+def test_a_site_that_enrolled_but_never_polled_is_not_shown_waiting() -> None:
+    """A site that refused the study (data error, epsilon above its policy) stops right
+    after Enroll: the protocol carries no reason, so status must not call it
+    `waiting` (review); it shows `enrolled`, its last contact, and what that means."""
+    refused = session(last_contact=NOW - 5, polled=False)
+    assert site_state(refused, None, now=NOW) == "enrolled"
+    silent = NOW - DISCONNECTED_AFTER_SECONDS - 1
+    assert site_state(session(last_contact=silent, polled=False), None, now=NOW) == (
+        "disconnected")
+    status = study_status([refused], [], rnd=None, training_rounds=2, evaluation_round=False,
+                          statistics_pending=False, finished=False, now=NOW)
+    assert [s.state for s in status.sites] == ["enrolled"]
+    text = render({**_as_cli(status), "sites": [_site_row("enrolled")]})
+    assert "enrolled" in text and "12s ago" in text
+    assert "refuses the study" in text and "its own log says why" in text
+
+
+def test_no_budget_reported_does_not_read_as_no_dp() -> None:
+    """Before a site joins the study and opens its ledger it reports no budget: that is
+    "nothing spent yet", not "no DP ledger" (which read as "this site does not use DP")."""
+    status = study_status([], [], rnd=None, training_rounds=1, evaluation_round=False,
+                          statistics_pending=False, finished=False, now=NOW)
+    text = render({**_as_cli(status), "sites": [_site_row("waiting")]})
+    assert "nothing spent yet" in text and "no DP" not in text
+    spent = render({**_as_cli(status), "sites": [_site_row("waiting", budget=3, spent=0.5)]})
+    assert "0.500 / 3 (patient)" in spent and "enrolled:" not in spent

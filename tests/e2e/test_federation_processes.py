@@ -48,6 +48,13 @@ def test_three_rounds_without_faults(federation: Federation) -> None:
     for site in SITES:
         assert federation.site_procs[site].wait_exit(timeout=60) == 0
     assert round_statuses(federation) == {1: "completed", 2: "completed", 3: "completed"}
+    # Sites label rounds by the coordinator's round number (what `medfed status` shows
+    # in brackets), never as "k of N": they cannot know the study's training round k.
+    site = federation.site_procs["site-a"]
+    for n in (1, 2, 3):
+        done = str(site.wait_event("site_round_done", round_number=n)["msg"])
+        assert done.startswith(
+            f"round number {n} (training; the study plans 3 training rounds) done:"), done
 
 
 @pytest.mark.tolerate_two
@@ -93,3 +100,7 @@ def test_next_round_completes_after_coordinator_is_killed_mid_round(
     assert not federation.has_aggregate(2)  # nothing was unmasked from the abandoned round
     for round_number in (1, 3, 4):
         assert federation.assert_exact_sum(round_number) == SITES
+    # The third training round is round number 4: a site says so, not "round 4 of 3".
+    last = federation.site_procs["site-b"].wait_event("site_round_done", round_number=4)
+    assert str(last["msg"]).startswith(
+        "round number 4 (training; the study plans 3 training rounds) done:"), last

@@ -110,6 +110,39 @@ def test_a_site_of_another_ca_gives_up_after_bounded_tries(federation: Federatio
         coordinator.stop()
 
 
+def test_a_host_name_the_coordinator_certificate_lacks_gives_up_naming_its_hosts(
+    federation: Federation,
+) -> None:
+    """The coordinator's certificate holds 127.0.0.1 and localhost; the site dials
+    127.0.0.2 (the same machine): every handshake fails gRPC's hostname check, which
+    retrying cannot heal, so the agent stops after max_tls_failures naming the hosts."""
+    coordinator = federation.start_coordinator("--model-dim", "100", "--listen", "0.0.0.0:0",
+                                               exit_when_finished=False)
+    site = ManagedProcess(
+        "site-a-wrong-name",
+        medfed_argv("site", "run", "--pki", str(federation.pki), "--site", "site-a",
+                    "--coordinator", f"127.0.0.2:{federation.port}",
+                    "--metrics-listen", "127.0.0.1:0",
+                    "--state", str(federation.root / "wrong-name-site"),
+                    "--trainer", "test-deterministic"),
+        env={"MEDFED_SITE_RECONNECT__MAX_TLS_FAILURES": "3",
+             "MEDFED_SITE_RECONNECT__MAX_BACKOFF_SECONDS": "1"},
+        log_dir=federation.logs, cwd=REPO,
+    )
+    try:
+        assert site.wait_exit(timeout=120) != 0
+        site.stop()
+        text = " ".join(str(line.get("msg", line.get("text", ""))) for line in site.lines)
+        assert "TLS handshake" in text and "3 times" in text, site.tail()
+        assert "Hostname Verification" in text, site.tail()
+        assert "does not name '127.0.0.2'" in text, site.tail()
+        assert "holds localhost, 127.0.0.1" in text, site.tail()
+        assert "Traceback" not in text
+    finally:
+        site.stop()
+        coordinator.stop()
+
+
 def test_an_expired_site_certificate_stops_the_agent_naming_it(federation: Federation) -> None:
     """Checked before any connection: the agent exits at once, naming the file and
     the expiry (a handshake would only say that the peer hung up)."""

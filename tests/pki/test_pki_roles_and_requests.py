@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -260,3 +261,53 @@ def test_tls_material_checks_the_role(pki_dir: Path, now: dt.datetime) -> None:
     with pytest.raises(PkiError, match="is a monitor certificate"):
         tls.load_tls_material(files)
     tls.load_tls_material(tls.MonitorTlsFiles.from_pki_dir(pki_dir, "probe"))
+
+
+def _fingerprint_in(text: str) -> str:
+    (found,) = re.findall(r"public key SHA-256 ([0-9a-f]{64})", text)
+    return found
+
+
+def test_request_prints_the_fingerprint_that_sign_and_members_show(tmp_path: Path) -> None:
+    """The hospital reads out the fingerprint `pki request` printed; the operator's
+    `pki sign` and `pki members` show the same one for the certificate signed from it."""
+    operator, hospital = tmp_path / "operator", tmp_path / "hospital"
+    assert medfed("init", "--dir", operator).returncode == 0
+    requested = medfed("request", "--site", "st-marys", "--out", hospital)
+    assert requested.returncode == 0, requested.stderr
+    own = _fingerprint_in(requested.stdout)
+    assert own == pki.public_key_fingerprint(
+        x509.load_pem_x509_csr((hospital / "st-marys.csr").read_bytes()))
+
+    signed = medfed("sign", "--dir", operator, "--csr", hospital / "st-marys.csr")
+    assert signed.returncode == 0, signed.stderr
+    assert _fingerprint_in(signed.stdout) == own
+    assert pki.public_key_fingerprint(pki.load_certificate(operator / "sites/st-marys.crt")) == own
+    members = medfed("members", "--dir", operator)
+    assert members.returncode == 0, members.stderr
+    assert f'"st-marys" = "{own}"' in members.stdout.splitlines()
+
+
+def test_list_keeps_certificates_moved_aside_by_sign_replace(tmp_path: Path) -> None:
+    """`sign --replace` revokes the old certificate and moves it into replaced/: `pki
+    list` still shows it, marked replaced and revoked, beside the current one."""
+    operator = tmp_path / "operator"
+    assert medfed("init", "--dir", operator).returncode == 0
+    first = medfed("request", "--site", "h1", "--out", tmp_path / "first")
+    assert first.returncode == 0, first.stderr
+    assert medfed("sign", "--dir", operator, "--csr", tmp_path / "first/h1.csr").returncode == 0
+    old = pki.load_certificate(operator / "sites/h1.crt")
+    second = medfed("request", "--site", "h1", "--out", tmp_path / "second")
+    assert second.returncode == 0, second.stderr
+    replaced = medfed("sign", "--dir", operator, "--csr", tmp_path / "second/h1.csr",
+                      "--replace")
+    assert replaced.returncode == 0, replaced.stderr
+    new = pki.load_certificate(operator / "sites/h1.crt")
+
+    listed = medfed("list", "--dir", operator)
+    assert listed.returncode == 0, listed.stderr
+    rows = {line.split()[1]: line.split()[-2:] for line in listed.stdout.splitlines()
+            if line.startswith("CN=h1")}
+    assert rows == {f"{old.serial_number:x}": ["replaced", "yes"],
+                    f"{new.serial_number:x}": ["current", "no"]}
+    assert "file" in listed.stdout.splitlines()[0].split()

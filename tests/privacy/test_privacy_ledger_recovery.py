@@ -176,6 +176,36 @@ def test_restore_refuses_an_edited_or_foreign_export(
     assert not path.exists()
 
 
+def test_restore_into_a_missing_folder_names_it_and_creates_nothing(
+    lost_ledger: tuple[Path, bytes], tmp_path: Path, pki_material: Pki
+) -> None:
+    """`--ledger restored/privacy-ledger.db` where restored/ does not exist: one clear
+    line naming that folder (not "disappeared while restoring ... restore it"), and no
+    folder is created (a mistyped path must not hold the site's only ledger)."""
+    _, export = lost_ledger
+    source = tmp_path / "export.json"
+    source.write_bytes(export)
+    missing = tmp_path / "restored"
+    target = missing / "privacy-ledger.db"
+    result = run_cli("ledger", "restore", "--from", str(source), "--ledger", str(target),
+                     "--ca", str(pki_material.ca), "--site", "hospital-a")
+    assert_one_clear_line(result, missing)
+    assert f"the folder {missing} for the restored ledger" in result.stderr
+    assert "does not exist" in result.stderr and "disappeared" not in result.stderr
+    assert not missing.exists()
+    # An --anchor in a missing folder likewise; created, the same restore succeeds.
+    missing.mkdir(mode=0o700)
+    elsewhere = tmp_path / "nowhere" / "anchor"
+    result = run_cli("ledger", "restore", "--from", str(source), "--ledger", str(target),
+                     "--anchor", str(elsewhere))
+    assert_one_clear_line(result, elsewhere.parent)
+    assert not target.exists() and not elsewhere.parent.exists()
+    result = run_cli("ledger", "restore", "--from", str(source), "--ledger", str(target),
+                     "--ca", str(pki_material.ca), "--site", "hospital-a")
+    assert result.returncode == 0, result.stderr
+    assert verify_ledger(target).ok
+
+
 def test_export_bytes_are_canonical(lost_ledger: tuple[Path, bytes]) -> None:
     _, export = lost_ledger
     assert SignedHistory.from_bytes(export).to_bytes() == export

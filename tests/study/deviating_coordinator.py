@@ -72,6 +72,7 @@ class DeviatingStudyCoordinator(pb_grpc.FederationServicer):
         self.final_bundle = final_bundle
         self.chunk_bytes = chunk_bytes
         self.record = Record()
+        self.decline_reasons: dict[int, int] = {}  # round -> DeclineRoundRequest.Reason
         self._lock = threading.Lock()
         self._server = grpc.server(ThreadPoolExecutor(max_workers=8))
         pb_grpc.add_FederationServicer_to_server(self, self._server)  # type: ignore[no-untyped-call]
@@ -124,6 +125,7 @@ class DeviatingStudyCoordinator(pb_grpc.FederationServicer):
         self, request: pb.DeclineRoundRequest, context: Any
     ) -> pb.DeclineRoundResponse:
         self.record.add(self._caller(context), "DeclineRound", request.round)
+        self.decline_reasons[request.round] = request.reason
         return pb.DeclineRoundResponse()
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:

@@ -144,6 +144,29 @@ def test_missing_column_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "column 'Lactate mmol/L'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("delimiter", "name"), [(";", "semicolon"), ("\t", "tab")])
+def test_semicolon_or_tab_delimited_file_is_named_as_such(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], delimiter: str, name: str
+) -> None:
+    """A spreadsheet export with `;` (decimal commas) or tabs reads as one column: the
+    error says what the file looks like, not `missing column` for a column it has."""
+    path = tmp_path / "export.csv"
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle, delimiter=delimiter)
+        writer.writerow(COLUMNS)
+        writer.writerows([[cell.replace(".", ",") for cell in row]
+                          for row in hospital_rows(40, seed=3)])
+    with pytest.raises(DataError, match=f"looks {name}-delimited") as info:
+        load_study_table(path, hospital_study())
+    assert info.value.row == 1 and info.value.column is None
+    study = write_study(tmp_path)
+    argv = ["data", "check", "--study", str(study), "--data", str(path)]
+    assert main_with([register_data], argv) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and f"looks {name}-delimited" in err
+    assert "comma-separated" in err and "missing column" not in err
+
+
 def test_column_order_and_extra_columns_do_not_matter(tmp_path: Path) -> None:
     rows = hospital_rows(60, seed=4)
     order = [5, 3, 0, 4, 2, 1]

@@ -26,9 +26,10 @@ from common import egress, pki
 from common.bundle import ModelBundle, bundle_bytes, bundle_size_limit
 from common.config import SitePolicySection, SiteSettings
 from common.crypto.random import system_random
-from common.errors import PrivacyError, ValidationError
+from common.errors import PrivacyError, StudyRefused, ValidationError
 from common.modelfile import flat_layout
 from common.privacy.ledger import LedgerSigner, PrivacyLedger
+from common.proto.medfed.v1 import federation_pb2 as pb
 from common.round import KIND_STATISTICS, Announcement
 from common.secagg import round_floor
 from common.statistics import (
@@ -230,14 +231,18 @@ def test_second_statistics_round_after_the_release_is_refused(
     (any number) is a coordinator averaging noise away: refused before any key."""
     blob = statistics_bytes(world.statistics)
     double = run_site(site, [training_round(world, 8, statistics=blob),
-                             statistics_round(world, 9)])
+                             statistics_round(world, 9)], expect=StudyRefused)
     assert double.record.rounds_of("AdvertiseKeys") == [8]  # the training round only
     assert sent_for(double, 9) == []
+    # It can never take part in this run of the study: it says so and stops.
+    assert double.decline_reasons == {9: pb.DeclineRoundRequest.STATISTICS_RELEASED}
     assert [e.purpose for e in site.ledger.entries()] == []
     assert "statistics were already released" in caplog.text
+    assert str(pin_file(site, world)) in str(double.error)  # type: ignore[attr-defined]
     # After a restart the pin still holds (it is on disk).
-    double = run_site(site, [statistics_round(world, 10)])
+    double = run_site(site, [statistics_round(world, 10)], expect=StudyRefused)
     assert sent_for(double, 10) == []
+    assert double.decline_reasons == {10: pb.DeclineRoundRequest.STATISTICS_RELEASED}
 
 
 def test_second_statistics_release_pays_and_the_budget_check_holds(
@@ -362,11 +367,16 @@ def test_statistics_changing_between_rounds_of_one_study_are_refused(
     probe = _edit(world.statistics, _set("numeric", AGE, "mean", 70.0))
     double = run_site(site, [training_round(world, 8, statistics=first),
                              training_round(world, 9, statistics=probe),
-                             training_round(world, 10, statistics=first)])
-    assert double.record.rounds_of("AdvertiseKeys") == [8, 10]
-    assert sent_for(double, 9) == []
+                             training_round(world, 10, statistics=first)],
+                      expect=StudyRefused)
+    # Every later round of this run would carry the same statistics: the site declines
+    # and stops rather than fail each round while the coordinator waits for it.
+    assert double.record.rounds_of("AdvertiseKeys") == [8]
+    assert sent_for(double, 9) == [] and sent_for(double, 10) == []
+    assert double.decline_reasons == {9: pb.DeclineRoundRequest.STATISTICS_RELEASED}
     assert "differ from the ones this site accepted" in caplog.text
-    double = run_site(site, [training_round(world, 11, statistics=probe)])
+    double = run_site(site, [training_round(world, 11, statistics=probe)],
+                      expect=StudyRefused)
     assert sent_for(double, 11) == []
 
 

@@ -172,9 +172,11 @@ class DeclineRoundRequest(_message.Message):
         REASON_UNSPECIFIED: _ClassVar[DeclineRoundRequest.Reason]
         BUDGET_EXHAUSTED: _ClassVar[DeclineRoundRequest.Reason]
         NOT_READY: _ClassVar[DeclineRoundRequest.Reason]
+        STATISTICS_RELEASED: _ClassVar[DeclineRoundRequest.Reason]
     REASON_UNSPECIFIED: DeclineRoundRequest.Reason
     BUDGET_EXHAUSTED: DeclineRoundRequest.Reason
     NOT_READY: DeclineRoundRequest.Reason
+    STATISTICS_RELEASED: DeclineRoundRequest.Reason
     ROUND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
