@@ -8,7 +8,8 @@ hospital-level epsilon for that round becomes 8-fold group privacy (docs/privacy
 only the coordinator is trusted with that choice).
 
 The test asserts the property "one site cannot move the announced v away from what the
-honest sites' data give"; it FAILS on main at the time of the review."""
+honest sites' data give"; it failed before the coordinator's guards on the measurement
+(common.privacy.intermediaries `plausible_norm_sum`, `step_bounds`)."""
 
 from __future__ import annotations
 
@@ -16,30 +17,16 @@ import math
 
 import numpy as np
 
-from common import egress
 from common.config import SitePolicySection
-from common.crypto.random import DeterministicRandom, numpy_generator, system_random
-from common.modelfile import flat_layout
 from common.privacy import hospital
-from common.privacy.ddgauss import ddgauss_round
 from common.round import Announcement, validate_for_site
 from coordinator import hospital_sum
 from site_agent import hospital as site_hospital
 from site_agent.hooks import LocalUpdate
+from tests.privacy.test_intermediaries_guards import _announcement, _forged_words
 
 SITES = ("alpha", "beta", "mallory")
 DIM, Z, CLIP = 1000, 0.3, 0.5
-
-
-def _announcement() -> Announcement:
-    return Announcement(
-        round_number=4, round_nonce=bytes(range(16)), participants=SITES, threshold=3,
-        neighbours=0, vector_length=DIM + 1 + 4, quantization_bits=20, clip=1.0,
-        histogram_bins=2, secure_aggregation=True, model_layout=flat_layout(DIM),
-        model_sha256=bytes(32), model_bytes=4 * DIM, local_epochs=1, learning_rate=0.1,
-        fedprox_mu=0.0, planned_rounds=5, train_deadline_ms=1_700_000_000_000,
-        phase_timeout_ms=30_000, weight_cap=100,
-    )
 
 
 def _honest_words(ann: Announcement, site: str, delta: np.ndarray) -> np.ndarray:
@@ -50,30 +37,9 @@ def _honest_words(ann: Announcement, site: str, delta: np.ndarray) -> np.ndarray
     return site_hospital.encode(rnd, update, planned)
 
 
-def _malicious_words(ann: Announcement, k: int) -> np.ndarray:
-    """A legitimate-looking unit vector (norm coordinate c S, nothing else), rounded
-    WITHOUT noise, negated k times in the ring: only the ring's linearity is used."""
-    policy = SitePolicySection()
-    rnd = validate_for_site(ann, policy=policy, site_id="mallory")
-    planned = site_hospital.plan_round(rnd, study=None, policy=policy)
-    plan = planned.plan
-    vector = np.zeros(DIM + 1)
-    vector[-1] = hospital.NORM_SEGMENT_SCALE * CLIP
-    rounded = ddgauss_round(vector, plan=plan, rotation_seed=planned.seed,
-                            rng=DeterministicRandom(b"m" * 32))
-    ring = (-k * rounded) & np.int64((1 << plan.bits) - 1)
-    words = hospital.to_limbs(ring.astype(np.uint64), bits=plan.bits, max_sites=plan.max_sites)
-    return ann.manifest().encode(
-        {egress.HOSPITAL_UPDATE: words, egress.WEIGHT: [1],
-         egress.EVALUATION_HISTOGRAM: np.zeros(4, dtype=np.int64)},
-        clip=ann.clip, bits=ann.quantization_bits, n_sites=3,
-        rng=numpy_generator(system_random),
-    )
-
-
 def test_one_site_cannot_force_the_largest_v() -> None:
     terms = hospital.HospitalTerms(CLIP, Z, intermediaries=1, norm_segment=True)
-    ann = hospital_sum.announce(_announcement(), terms)
+    ann = hospital_sum.announce(_announcement(DIM), terms)
     generator = np.random.default_rng(3)
     direction = generator.standard_normal(DIM)
     deltas = [(direction + 0.3 * generator.standard_normal(DIM)) / math.sqrt(DIM)
@@ -88,7 +54,7 @@ def test_one_site_cannot_force_the_largest_v() -> None:
     attacked = np.zeros(ann.vector_length, np.uint32)
     for site, delta in zip(SITES[:2], deltas[:2], strict=True):
         attacked += _honest_words(ann, site, delta)
-    attacked += _malicious_words(ann, k=40)
+    attacked += _forged_words(ann, k=-40, weight=1)
     decoded = hospital_sum.decode(attacked, ann=ann, count=3)
     v_attacked = int(decoded.metrics["next_intermediaries"])
 

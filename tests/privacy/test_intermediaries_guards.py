@@ -28,6 +28,7 @@ from common.privacy.intermediaries import (
 )
 from common.round import Announcement, validate_for_site
 from coordinator import hospital_sum
+from coordinator.aggregation import DecodedSum
 from site_agent import hospital as site_hospital
 from site_agent.hooks import LocalUpdate
 
@@ -83,12 +84,12 @@ def test_plausible_sums_follow_the_rule_within_the_step_limit() -> None:
         unit_norm_sum=units * CLIP, norm_noise_std=sigma, current=4, **inputs)  # type: ignore[arg-type]
 
 
-def _announcement() -> Announcement:
+def _announcement(dim: int = DIM) -> Announcement:
     return Announcement(
         round_number=4, round_nonce=bytes(range(16)), participants=SITES, threshold=3,
-        neighbours=0, vector_length=DIM + 1 + 4, quantization_bits=20, clip=1.0,
-        histogram_bins=2, secure_aggregation=True, model_layout=flat_layout(DIM),
-        model_sha256=bytes(32), model_bytes=4 * DIM, local_epochs=1, learning_rate=0.1,
+        neighbours=0, vector_length=dim + 1 + 4, quantization_bits=20, clip=1.0,
+        histogram_bins=2, secure_aggregation=True, model_layout=flat_layout(dim),
+        model_sha256=bytes(32), model_bytes=4 * dim, local_epochs=1, learning_rate=0.1,
         fedprox_mu=0.0, planned_rounds=5, train_deadline_ms=1_700_000_000_000,
         phase_timeout_ms=30_000, weight_cap=100,
     )
@@ -107,12 +108,13 @@ def _honest_words(ann: Announcement, site: str, seed: int) -> np.ndarray:
 
 def _forged_words(ann: Announcement, *, k: int, weight: int) -> np.ndarray:
     """One unit's norm coordinate (c S, nothing else) rounded without noise, times k in
-    the ring, with the weight the site chooses: only the ring's linearity is used."""
+    the ring (k < 0: negated), with the weight the site chooses: only the ring's
+    linearity is used."""
     policy = SitePolicySection()
     rnd = validate_for_site(ann, policy=policy, site_id="mallory")
     planned = site_hospital.plan_round(rnd, study=None, policy=policy)
     plan = planned.plan
-    vector = np.zeros(DIM + 1)
+    vector = np.zeros(ann.model_bytes // 4 + 1)
     vector[-1] = hospital.NORM_SEGMENT_SCALE * CLIP
     rounded = ddgauss_round(vector, plan=plan, rotation_seed=planned.seed,
                             rng=DeterministicRandom(b"m" * 32))
@@ -126,7 +128,7 @@ def _forged_words(ann: Announcement, *, k: int, weight: int) -> np.ndarray:
     )
 
 
-def _decode(mallory: np.ndarray, ann: Announcement) -> hospital_sum.DecodedSum:
+def _decode(mallory: np.ndarray, ann: Announcement) -> DecodedSum:
     total = np.zeros(ann.vector_length, np.uint32)
     for n, site in enumerate(SITES[:2]):
         total += _honest_words(ann, site, seed=n)
