@@ -83,28 +83,40 @@ def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def _site_failing_tls(fed: Federation, name: str, *, pki: Path,
+                      coordinator: str) -> ManagedProcess:
+    """site-a of `pki` dialling `coordinator`, giving up after 3 TLS failures."""
+    return ManagedProcess(
+        f"site-a-{name}",
+        medfed_argv("site", "run", "--pki", str(pki), "--site", "site-a",
+                    "--coordinator", coordinator, "--metrics-listen", "127.0.0.1:0",
+                    "--state", str(fed.root / f"{name}-site"),
+                    "--trainer", "test-deterministic"),
+        env={"MEDFED_SITE_RECONNECT__MAX_TLS_FAILURES": "3",
+             "MEDFED_SITE_RECONNECT__MAX_BACKOFF_SECONDS": "1"},
+        log_dir=fed.logs, cwd=REPO,
+    )
+
+
+def _tls_give_up_text(site: ManagedProcess) -> str:
+    """The agent's log text once it stopped (non-zero) after its bounded TLS tries."""
+    assert site.wait_exit(timeout=120) != 0
+    site.stop()
+    text = " ".join(str(line.get("msg", line.get("text", ""))) for line in site.lines)
+    assert "TLS handshake" in text and "3 times" in text, site.tail()
+    return text
+
+
 def test_a_site_of_another_ca_gives_up_after_bounded_tries(federation: Federation) -> None:
     """The coordinator presents a certificate our CA did not sign: every handshake
     fails the same way, so the agent stops after max_tls_failures and says why."""
     coordinator = federation.start_coordinator("--model-dim", "100",
                                                exit_when_finished=False)
     other = make_pki(federation.root / "other", ["site-a"])
-    site = ManagedProcess(
-        "site-a-other-ca",
-        medfed_argv("site", "run", "--pki", str(other), "--site", "site-a",
-                    "--coordinator", f"127.0.0.1:{federation.port}",
-                    "--metrics-listen", "127.0.0.1:0",
-                    "--state", str(federation.root / "other-site"),
-                    "--trainer", "test-deterministic"),
-        env={"MEDFED_SITE_RECONNECT__MAX_TLS_FAILURES": "3",
-             "MEDFED_SITE_RECONNECT__MAX_BACKOFF_SECONDS": "1"},
-        log_dir=federation.logs, cwd=REPO,
-    )
+    site = _site_failing_tls(federation, "other-ca", pki=other,
+                             coordinator=f"127.0.0.1:{federation.port}")
     try:
-        assert site.wait_exit(timeout=120) != 0
-        site.stop()
-        text = " ".join(str(line.get("msg", line.get("text", ""))) for line in site.lines)
-        assert "TLS handshake" in text and "3 times" in text, site.tail()
+        _tls_give_up_text(site)
     finally:
         site.stop()
         coordinator.stop()
@@ -118,22 +130,10 @@ def test_a_host_name_the_coordinator_certificate_lacks_gives_up_naming_its_hosts
     retrying cannot heal, so the agent stops after max_tls_failures naming the hosts."""
     coordinator = federation.start_coordinator("--model-dim", "100", "--listen", "0.0.0.0:0",
                                                exit_when_finished=False)
-    site = ManagedProcess(
-        "site-a-wrong-name",
-        medfed_argv("site", "run", "--pki", str(federation.pki), "--site", "site-a",
-                    "--coordinator", f"127.0.0.2:{federation.port}",
-                    "--metrics-listen", "127.0.0.1:0",
-                    "--state", str(federation.root / "wrong-name-site"),
-                    "--trainer", "test-deterministic"),
-        env={"MEDFED_SITE_RECONNECT__MAX_TLS_FAILURES": "3",
-             "MEDFED_SITE_RECONNECT__MAX_BACKOFF_SECONDS": "1"},
-        log_dir=federation.logs, cwd=REPO,
-    )
+    site = _site_failing_tls(federation, "wrong-name", pki=federation.pki,
+                             coordinator=f"127.0.0.2:{federation.port}")
     try:
-        assert site.wait_exit(timeout=120) != 0
-        site.stop()
-        text = " ".join(str(line.get("msg", line.get("text", ""))) for line in site.lines)
-        assert "TLS handshake" in text and "3 times" in text, site.tail()
+        text = _tls_give_up_text(site)
         assert "Hostname Verification" in text, site.tail()
         assert "does not name '127.0.0.2'" in text, site.tail()
         assert "holds localhost, 127.0.0.1" in text, site.tail()
