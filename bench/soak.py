@@ -244,11 +244,13 @@ def run(*, sites: int, minutes: float, kill_every: float, dim: int,
                         )
                 time.sleep(min(1.0, max(0.0, min(next_kill, end) - time.monotonic())))
             rss_end, fds_end = proc_rss_bytes(pid), open_descriptors(pid)
+            if diagnose is not None:
+                samples = soak.probe_samples()
+            # Counted after the probe's last sample: rounds go on completing while it is
+            # taken, and the totals must cover every sample's count.
             with soak.record.lock:
                 completed, aborted = soak.record.completed, soak.record.aborted
                 series = list(soak.record.rss_by_round)
-            if diagnose is not None:
-                samples = soak.probe_samples()
         finally:
             soak.stop()
     second_half = series[len(series) // 2 :]
