@@ -1,16 +1,38 @@
 """Evaluation metrics, federated through secure aggregation of score histograms.
 
-Each site buckets its held-out scores into `bins` equal-width buckets per class and
-sends the 2*bins counts through SecAgg; the coordinator learns only the federation's
-summed histogram, from which the ROC curve (at bucket resolution), AUC, sensitivity,
+Each site buckets its held-out scores into `bins` buckets per class and sends the
+2*bins counts through SecAgg; the coordinator learns only the federation's summed
+histogram, from which the ROC curve (at bucket resolution), AUC, sensitivity,
 specificity and PPV follow. No site's own ROC, size or prevalence is revealed.
 The sum carries the sites' distributed DP noise: `denoised_histogram` keeps only the
 score buckets credibly above it and says when the noise dominates the result.
+
+Where the bucket edges lie decides what the evaluation can see: the AUC counts a
+positive and a negative in the same bucket as a tie, so a model whose scores all sit in
+one bucket reads 0.500 however well it ranks. The edges are public configuration of
+each round (`Announcement.histogram_edges`), the same for every site:
+
+* without an announced layout, `default_edges`: equal width on the logit scale
+  log(s / (1 - s)) over [-LOGIT_LIMIT, LOGIT_LIMIT], plus the two end buckets reaching
+  0 and 1 (rare outcomes' scores near 0 get buckets of their own, unlike equal width
+  on [0, 1]);
+* after a round, `next_edges`: quantiles of the score distribution that round RELEASED
+  (the noisy sum every site's noise went into, filtered by `denoised_histogram`), mixed
+  with a uniform spread over a widened range so that a model whose scores move still
+  lands in fine buckets. Post-processing of a DP release: no privacy cost (Dwork & Roth
+  2014, Prop. 2.1), and no value computed from private data without DP. A band the
+  previous round saw in one bucket is split into many the next round, so the
+  resolution follows the model wherever its scores go.
+
+Each count's DP noise does not depend on the edges (one privacy unit moves one count,
+wherever the edges lie), so a coordinator choosing edges cannot weaken the guarantee;
+a site still checks them at its boundary (`round_edges`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,13 +61,183 @@ def _ratio(num: float, den: float) -> float:
     return float(num) / float(den) if den > 0 else math.nan
 
 
-def score_histogram(scores: np.ndarray, labels: np.ndarray, *, bins: int) -> np.ndarray:
-    """int64 counts [negatives per bin..., positives per bin...] of scores in [0, 1].
+LOGIT_LIMIT = 8.0
+"""Scores map to the logit scale clipped to +-LOGIT_LIMIT (s = 0.00034 .. 0.99966): the
+range `default_edges` spreads its buckets over and `next_edges` works in."""
+UNIFORM_SHARE = 0.2
+"""Share of the buckets `next_edges` spreads evenly over the widened range (the rest
+follow the released distribution's quantiles)."""
+WIDEN = 0.5
+"""`next_edges` widens the released scores' range by this fraction of its width on each
+side (at least `MIN_WIDTH` logits in all): room for the model's scores to move."""
+MIN_WIDTH = 0.5
 
-    Bucket i holds scores in [i/bins, (i+1)/bins); a score of exactly 1 goes in the last.
+
+def _check_edges(edges: np.ndarray, *, what: str = "histogram edges") -> np.ndarray:
+    e = np.asarray(edges, dtype=np.float64).reshape(-1)
+    if e.size < 3 or not np.all(np.isfinite(e)):
+        raise ValidationError(f"{what}: need at least 3 finite edges (2 buckets)")
+    if e[0] != 0.0 or e[-1] != 1.0:
+        raise ValidationError(f"{what}: the first edge must be 0 and the last 1")
+    if not np.all(np.diff(e) > 0):
+        raise ValidationError(f"{what} must be strictly increasing")
+    return e
+
+
+def _layout(bins: int | None, edges: np.ndarray | None) -> np.ndarray:
+    """The edges of a call given `bins` (the default layout) or `edges`, not both."""
+    if edges is not None:
+        if bins is not None:
+            raise ConfigError("bins", "give either bins (the default layout) or edges")
+        return _check_edges(edges)
+    if bins is None:
+        raise ConfigError("bins", "give either bins (the default layout) or edges")
+    return default_edges(bins)
+
+
+def default_edges(bins: int) -> np.ndarray:
+    """`bins` + 1 edges: 0, then `bins` - 1 equally spaced on the logit scale over
+    [-LOGIT_LIMIT, LOGIT_LIMIT], then 1 (for 2 buckets the one inner edge is 0.5)."""
+    if bins < 2:
+        raise ConfigError("bins", "must be >= 2")
+    inner = np.linspace(-LOGIT_LIMIT, LOGIT_LIMIT, bins - 1) if bins > 2 else np.zeros(1)
+    return np.concatenate([[0.0], _sigmoid(inner), [1.0]])
+
+
+def uniform_edges(bins: int) -> np.ndarray:
+    """`bins` equal-width buckets on [0, 1] (edges i / bins)."""
+    if bins < 2:
+        raise ConfigError("bins", "must be >= 2")
+    return np.arange(bins + 1, dtype=np.float64) / bins
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return np.asarray(1.0 / (1.0 + np.exp(-np.asarray(z, dtype=np.float64))))
+
+
+def _logit(p: np.ndarray) -> np.ndarray:
+    """log(p / (1 - p)) clipped to +-LOGIT_LIMIT (0 and 1 map to the limits)."""
+    q = np.clip(np.asarray(p, dtype=np.float64), 1e-300, 1.0)
+    with np.errstate(divide="ignore"):
+        z = np.log(q) - np.log1p(-np.minimum(q, 1.0))
+    return np.asarray(np.clip(z, -LOGIT_LIMIT, LOGIT_LIMIT))
+
+
+def next_edges(released: np.ndarray, *, edges: np.ndarray) -> np.ndarray:
+    """The bucket edges of the next round from one block ([negatives | positives]) of
+    the score histogram a round released, counted with `edges`: quantiles of the pooled
+    released scores, mixed (1 - UNIFORM_SHARE : UNIFORM_SHARE) with a uniform spread
+    over their range widened by `WIDEN` on each side, all on the logit scale.
+
+    Pure post-processing of the released (noisy, already accounted) histogram -- pass
+    `denoised_histogram(...).counts`, so that buckets holding only noise do not count.
+    Inside a bucket the released mass is taken as uniform in logit. The mixture's CDF is
+    strictly increasing over the widened range, so its quantiles are strictly
+    increasing edges; the outer edges stay 0 and 1, so every score has a bucket.
+    No released mass: `default_edges`.
     """
-    if bins < 1:
-        raise ConfigError("bins", "must be >= 1")
+    e = _check_edges(edges)
+    bins = e.size - 1
+    counts = np.asarray(released, dtype=np.float64).reshape(-1)
+    if counts.shape != (2 * bins,):
+        raise ValidationError(f"histogram must be {2 * bins} counts for {bins + 1} edges")
+    mass = np.maximum(counts[:bins], 0.0) + np.maximum(counts[bins:], 0.0)
+    total = float(mass.sum())
+    if not total > 0:
+        return default_edges(bins)
+    z = _logit(e)
+    lower, upper = z[:-1], z[1:]
+    occupied = np.flatnonzero(mass > 0)
+    a, b = float(lower[occupied[0]]), float(upper[occupied[-1]])
+    width = max(b - a, MIN_WIDTH)
+    centre = (a + b) / 2.0
+    lo = max(centre - (0.5 + WIDEN) * width, -LOGIT_LIMIT)
+    hi = min(centre + (0.5 + WIDEN) * width, LOGIT_LIMIT)
+    knots = np.unique(np.concatenate([[lo, hi], z[(z > lo) & (z < hi)]]))
+    # The released CDF at the knots: each bucket's mass spread evenly over its logits
+    # (a bucket of zero logit width, clipped at the limit, counts as a step).
+    span = upper - lower
+    safe = np.where(span > 0, span, 1.0)
+    frac = np.where(
+        span[None, :] > 0,
+        np.clip((knots[:, None] - lower[None, :]) / safe[None, :], 0.0, 1.0),
+        (knots[:, None] >= lower[None, :]).astype(np.float64),
+    )
+    released_cdf = frac @ mass / total
+    cdf = (1.0 - UNIFORM_SHARE) * released_cdf + UNIFORM_SHARE * (knots - lo) / (hi - lo)
+    cdf[0], cdf[-1] = 0.0, 1.0  # all released mass lies inside [lo, hi]
+    quantiles = np.interp(np.arange(1, bins) / bins, cdf, knots)
+    out = np.concatenate([[0.0], _sigmoid(quantiles), [1.0]])
+    if not np.all(np.diff(out) > 0):  # float64 cannot separate them: start over
+        return default_edges(bins)
+    return out
+
+
+def next_block_edges(
+    released: np.ndarray, *, edges: Sequence[np.ndarray]
+) -> tuple[np.ndarray, ...]:
+    """`next_edges` of each one-vs-rest block of a released (multi-class) histogram."""
+    counts = np.asarray(released).reshape(-1)
+    sizes = [2 * (np.asarray(e).size - 1) for e in edges]
+    if counts.size != sum(sizes):
+        raise ValidationError(f"histogram of {counts.size} counts does not fit the edges")
+    starts = np.cumsum([0, *sizes])
+    return tuple(
+        next_edges(counts[start : start + size], edges=e)
+        for start, size, e in zip(starts, sizes, edges, strict=False)
+    )
+
+
+def round_edges(
+    announced: Sequence[float], *, bins: int, blocks: int = 1
+) -> tuple[np.ndarray, ...]:
+    """The edges of each of `blocks` one-vs-rest blocks of a round whose announced
+    ``histogram_bins`` is `bins` (bins / blocks buckets per block): the announced edges
+    (`blocks` x (bins / blocks + 1) values, each block strictly increasing from 0 to 1,
+    finite) or, when none were announced, `default_edges`. ValidationError otherwise:
+    the same edges at every site and at the coordinator, or the sum means nothing."""
+    if blocks < 1 or bins % blocks or bins // blocks < 2:
+        raise ValidationError(f"histogram_bins {bins} is not (bins >= 2) x {blocks} blocks")
+    per_block = bins // blocks
+    values = tuple(announced)
+    if not values:
+        return tuple(default_edges(per_block) for _ in range(blocks))
+    if len(values) != blocks * (per_block + 1):
+        raise ValidationError(
+            f"histogram_edges: {len(values)} values, expected {blocks} x {per_block + 1} "
+            f"(histogram_bins {bins} in {blocks} block(s))")
+    flat = np.asarray(values, dtype=np.float64)
+    return tuple(
+        _check_edges(flat[k * (per_block + 1) : (k + 1) * (per_block + 1)],
+                     what=f"histogram_edges block {k}")
+        for k in range(blocks)
+    )
+
+
+def announced_edges_count(values: Sequence[float], *, bins: int) -> int:
+    """How many blocks announced edges cover for ``histogram_bins`` = `bins` (0: none),
+    checked the way `round_edges` checks them."""
+    if not values:
+        return 0
+    blocks = len(values) - bins
+    if blocks < 1 or bins % blocks:
+        raise ValidationError(
+            f"histogram_edges: {len(values)} values do not fit histogram_bins {bins}")
+    round_edges(values, bins=bins, blocks=blocks)
+    return blocks
+
+
+def score_histogram(
+    scores: np.ndarray, labels: np.ndarray, *, bins: int | None = None,
+    edges: np.ndarray | None = None,
+) -> np.ndarray:
+    """int64 counts [negatives per bucket..., positives per bucket...] of scores in [0, 1].
+
+    Bucket i holds scores in [edges[i], edges[i+1]); a score of exactly 1 goes in the
+    last. `edges`: strictly increasing from 0 to 1; or `bins`: `default_edges(bins)`.
+    """
+    e = _layout(bins, edges)
+    n_bins = e.size - 1
     s = np.asarray(scores, dtype=np.float64).reshape(-1)
     y = np.asarray(labels).reshape(-1)
     if s.shape != y.shape:
@@ -54,25 +246,32 @@ def score_histogram(scores: np.ndarray, labels: np.ndarray, *, bins: int) -> np.
         raise ValidationError("scores must lie in [0, 1]")
     if not np.all((y == 0) | (y == 1)):
         raise ValidationError("labels must be 0 or 1")
-    bucket = np.minimum((s * bins).astype(np.int64), bins - 1)
-    negatives = np.bincount(bucket[y == 0], minlength=bins)
-    positives = np.bincount(bucket[y == 1], minlength=bins)
+    bucket = np.clip(np.searchsorted(e, s, side="right") - 1, 0, n_bins - 1)
+    negatives = np.bincount(bucket[y == 0], minlength=n_bins)
+    positives = np.bincount(bucket[y == 1], minlength=n_bins)
     return np.concatenate([negatives, positives]).astype(np.int64)
 
 
-def metrics_from_histogram(hist: np.ndarray, *, bins: int, threshold: float = 0.5) -> Metrics:
-    """Metrics of a (summed) score histogram.
+def metrics_from_histogram(
+    hist: np.ndarray, *, bins: int | None = None, edges: np.ndarray | None = None,
+    threshold: float = 0.5,
+) -> Metrics:
+    """Metrics of a (summed) score histogram counted with `edges` (or `default_edges(bins)`).
 
     AUC: area under the ROC through the bucket edges (trapezoids), which counts a
     positive and a negative in the same bucket as half a correct ranking -- the
     same convention as ties in the exact AUC. Error versus the exact AUC is at most
-    the fraction of pairs sharing a bucket, about 1/bins for spread-out scores.
+    half the fraction of pairs sharing a bucket; it does not depend on where the edges
+    lie, only on how the scores spread over the buckets.
     Threshold metrics predict positive for buckets whose lower edge is >= threshold.
     """
+    e = _layout(bins, edges)
+    n_bins = e.size - 1
     counts = np.asarray(hist, dtype=np.int64).reshape(-1)
-    if counts.shape != (2 * bins,) or np.any(counts < 0):
-        raise ValidationError(f"histogram must be {2 * bins} non-negative counts")
-    negatives, positives = counts[:bins].astype(np.float64), counts[bins:].astype(np.float64)
+    if counts.shape != (2 * n_bins,) or np.any(counts < 0):
+        raise ValidationError(f"histogram must be {2 * n_bins} non-negative counts")
+    negatives = counts[:n_bins].astype(np.float64)
+    positives = counts[n_bins:].astype(np.float64)
     n_neg, n_pos = negatives.sum(), positives.sum()
     # Sweep buckets from the highest score down: each bucket adds a straight ROC segment.
     tp = np.concatenate([[0.0], np.cumsum(positives[::-1])])
@@ -82,8 +281,10 @@ def metrics_from_histogram(hist: np.ndarray, *, bins: int, threshold: float = 0.
         auc = float(np.sum((fpr[1:] - fpr[:-1]) * (tpr[1:] + tpr[:-1]) / 2.0))
     else:
         auc = math.nan
-    first_positive_bucket = math.ceil(threshold * bins - 1e-9)
-    predicted_pos = slice(first_positive_bucket, bins)
+    # The first bucket whose lower edge reaches the threshold (edges computed as i / bins
+    # may sit an ulp below the threshold they stand for).
+    first_positive_bucket = int(np.searchsorted(e[:-1], threshold - 1e-9, side="left"))
+    predicted_pos = slice(first_positive_bucket, n_bins)
     true_pos = positives[predicted_pos].sum()
     false_pos = negatives[predicted_pos].sum()
     true_neg = n_neg - false_pos
@@ -129,30 +330,80 @@ def metrics_from_scores(
     )
 
 
-def youden_threshold(hist: np.ndarray, *, bins: int) -> float:
+def _middle_of_best(j: np.ndarray) -> int:
+    """The index of the maximum of `j`; among tied maxima (empty buckets between two
+    separated classes) the one nearest the middle of the tied run."""
+    best = np.flatnonzero(j >= j.max() - 1e-12)
+    return int(best[np.argmin(np.abs(best - (best[0] + best[-1]) / 2.0))])
+
+
+def youden_threshold(
+    hist: np.ndarray, *, bins: int | None = None, edges: np.ndarray | None = None
+) -> float:
     """The bucket edge that maximises Youden's J = sensitivity + specificity - 1.
 
     A screening tool is operated at a chosen threshold, not at 0.5 (sepsis is rare, so
     0.5 would flag almost nobody). Computed from the federation's summed histogram, so
-    choosing it reveals nothing about any one site.
+    choosing it reveals nothing about any one site. Classes that the buckets separate
+    (J = 1 over a run of empty buckets between them) get the edge in the middle of the
+    gap: sensitivity and specificity 1.
     """
+    e = _layout(bins, edges)
+    n_bins = e.size - 1
     counts = np.asarray(hist, dtype=np.int64).reshape(-1)
-    if counts.shape != (2 * bins,):
-        raise ValidationError(f"histogram must be {2 * bins} counts")
-    negatives, positives = counts[:bins].astype(np.float64), counts[bins:].astype(np.float64)
+    if counts.shape != (2 * n_bins,):
+        raise ValidationError(f"histogram must be {2 * n_bins} counts")
+    negatives = counts[:n_bins].astype(np.float64)
+    positives = counts[n_bins:].astype(np.float64)
     n_neg, n_pos = negatives.sum(), positives.sum()
-    if n_neg == 0 or n_pos == 0:
+    if n_neg <= 0 or n_pos <= 0:
         return 0.5
-    # Predict positive for buckets >= k: sensitivity(k) and specificity(k) for every k.
-    sens = np.cumsum(positives[::-1])[::-1] / n_pos
-    spec = np.concatenate([[0.0], np.cumsum(negatives)[:-1]]) / n_neg
-    best = int(np.argmax(sens + spec - 1.0))
-    return best / bins
+    # Predict positive for buckets >= k: sensitivity(k) and specificity(k) for every
+    # k = 0..bins (k = bins: nobody positive).
+    sens = np.concatenate([np.cumsum(positives[::-1])[::-1], [0.0]]) / n_pos
+    spec = np.concatenate([[0.0], np.cumsum(negatives)]) / n_neg
+    return float(e[_middle_of_best(sens + spec - 1.0)])
 
 
-def operating_point_metrics(hist: np.ndarray, *, bins: int) -> Metrics:
+def operating_point_metrics(
+    hist: np.ndarray, *, bins: int | None = None, edges: np.ndarray | None = None
+) -> Metrics:
     """Metrics at the Youden-optimal threshold of the same histogram (AUC unaffected)."""
-    return metrics_from_histogram(hist, bins=bins, threshold=youden_threshold(hist, bins=bins))
+    e = _layout(bins, edges)
+    return metrics_from_histogram(hist, edges=e, threshold=youden_threshold(hist, edges=e))
+
+
+def youden_threshold_from_scores(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Youden's threshold on exact scores (centralised baselines): predict positive when
+    the score is >= the returned value, which lies halfway between two consecutive
+    distinct scores, so classes that separate get sensitivity 1 and specificity 1."""
+    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    y = np.asarray(labels).reshape(-1)
+    if s.shape != y.shape:
+        raise ValidationError("scores and labels differ in length")
+    positive = y == 1
+    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
+    if n_pos == 0 or n_neg == 0:
+        return 0.5
+    values, inverse = np.unique(s, return_inverse=True)
+    pos = np.bincount(inverse[positive], minlength=values.size).astype(np.float64)
+    neg = np.bincount(inverse[~positive], minlength=values.size).astype(np.float64)
+    # Threshold at distinct value k: positives >= values[k]; k = size: nobody positive.
+    sens = np.concatenate([np.cumsum(pos[::-1])[::-1], [0.0]]) / n_pos
+    spec = np.concatenate([[0.0], np.cumsum(neg)]) / n_neg
+    k = _middle_of_best(sens + spec - 1.0)
+    if k == 0:
+        return float(values[0])
+    if k == values.size:
+        return float(np.nextafter(values[-1], np.inf))
+    mid = (values[k - 1] + values[k]) / 2.0
+    return float(mid if values[k - 1] < mid <= values[k] else values[k])
+
+
+def operating_point_metrics_from_scores(scores: np.ndarray, labels: np.ndarray) -> Metrics:
+    """Exact metrics at the Youden-optimal threshold of the exact scores."""
+    return metrics_from_scores(
+        scores, labels, threshold=youden_threshold_from_scores(scores, labels))
 
 
 @dataclass(frozen=True)
@@ -261,32 +512,52 @@ def multiclass_metrics_from_scores(scores: np.ndarray, labels: np.ndarray) -> Mu
     return MulticlassMetrics(tuple(aucs), _macro(aucs), int(y.shape[0]))
 
 
+def _block_edges(
+    bins: int | None, edges: Sequence[np.ndarray] | None, num_classes: int
+) -> tuple[np.ndarray, ...]:
+    if edges is None:
+        return tuple(_layout(bins, None) for _ in range(num_classes))
+    if bins is not None or len(edges) != num_classes:
+        raise ValidationError(f"give bins, or edges for each of the {num_classes} classes")
+    return tuple(_check_edges(e) for e in edges)
+
+
 def multiclass_score_histogram(
-    scores: np.ndarray, labels: np.ndarray, *, bins: int
+    scores: np.ndarray, labels: np.ndarray, *, bins: int | None = None,
+    edges: Sequence[np.ndarray] | None = None,
 ) -> np.ndarray:
-    """K one-vs-rest binary histograms, concatenated: 2 * bins * K int64 counts.
+    """K one-vs-rest binary histograms, concatenated: 2 * bins * K int64 counts (class
+    k's block counted with ``edges[k]``, or all with `default_edges(bins)`).
 
     Sums across sites like the binary histogram, so it travels through SecAgg the same way.
     """
     s, y = _check_probabilities(scores, labels)
     if not np.all((s >= 0.0) & (s <= 1.0)):
         raise ValidationError("scores must lie in [0, 1]")
-    return np.concatenate(
-        [score_histogram(s[:, k], (y == k).astype(np.int64), bins=bins) for k in range(s.shape[1])]
-    )
+    layout = _block_edges(bins, edges, s.shape[1])
+    return np.concatenate([
+        score_histogram(s[:, k], (y == k).astype(np.int64), edges=layout[k])
+        for k in range(s.shape[1])
+    ])
 
 
 def multiclass_metrics_from_histogram(
-    hist: np.ndarray, *, bins: int, num_classes: int
+    hist: np.ndarray, *, num_classes: int, bins: int | None = None,
+    edges: Sequence[np.ndarray] | None = None,
 ) -> MulticlassMetrics:
     """One-vs-rest AUC per class from a (summed) `multiclass_score_histogram`."""
     counts = np.asarray(hist, dtype=np.int64).reshape(-1)
-    if num_classes < 2 or counts.shape != (2 * bins * num_classes,):
-        raise ValidationError(f"histogram must be {2 * bins * num_classes} counts")
-    parts = counts.reshape(num_classes, 2 * bins)
-    aucs = [metrics_from_histogram(part, bins=bins).auc for part in parts]
-    n = int(parts[0].sum()) if num_classes else 0
-    return MulticlassMetrics(tuple(aucs), _macro(aucs), n)
+    if num_classes < 2:
+        raise ValidationError("a multi-class histogram has at least 2 classes")
+    layout = _block_edges(bins, edges, num_classes)
+    sizes = [2 * (e.size - 1) for e in layout]
+    if counts.size != sum(sizes):
+        raise ValidationError(f"histogram must be {sum(sizes)} counts")
+    starts = np.cumsum([0, *sizes])
+    parts = [counts[start : start + size] for start, size in zip(starts, sizes, strict=False)]
+    aucs = [metrics_from_histogram(part, edges=e).auc
+            for part, e in zip(parts, layout, strict=True)]
+    return MulticlassMetrics(tuple(aucs), _macro(aucs), int(parts[0].sum()))
 
 
 def bins_per_class(announced_bins: int, *, num_classes: int) -> int:

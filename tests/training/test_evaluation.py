@@ -15,6 +15,7 @@ from common.evaluation import (
     multiclass_metrics_from_scores,
     multiclass_score_histogram,
     score_histogram,
+    uniform_edges,
 )
 
 
@@ -56,9 +57,10 @@ def test_threshold_metrics_match_exact_on_bucket_edges() -> None:
     rng = np.random.default_rng(1)
     labels = rng.integers(0, 2, size=3000)
     scores = rng.uniform(size=3000) ** np.where(labels == 1, 0.5, 1.5)
-    hist = score_histogram(scores, labels, bins=100)
+    edges = uniform_edges(100)  # 0.3, 0.5 and 0.8 are edges of this layout
+    hist = score_histogram(scores, labels, edges=edges)
     for threshold in (0.3, 0.5, 0.8):
-        a = metrics_from_histogram(hist, bins=100, threshold=threshold)
+        a = metrics_from_histogram(hist, edges=edges, threshold=threshold)
         b = metrics_from_scores(scores, labels, threshold=threshold)
         for field in ("sensitivity", "specificity", "ppv"):
             assert math.isclose(getattr(a, field), getattr(b, field), rel_tol=1e-12)
