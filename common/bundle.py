@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common.errors import StateError, ValidationError
 from common.evaluation import youden_threshold
+from common.noisy_counts import NOISE_DOMINATED
 from common.study import (
     FACTORY_PATTERN,
     GlobalStatistics,
@@ -131,6 +132,9 @@ class Threshold(_Section):
     value: float | None = Field(default=None, ge=0.0, le=1.0)
     method: Literal["youden-dp-roc", "fixed", "argmax"] = "youden-dp-roc"
     histogram_bins: int | None = Field(default=None, ge=2)
+    # The bucket edges of the histogram the threshold was chosen from (None: the
+    # default layout of `histogram_bins`, common.evaluation.default_edges).
+    histogram_edges: tuple[float, ...] | None = Field(default=None, max_length=1001)
     # The federated DP AUC of the same histogram and how far its noise lets it be
     # trusted (common.evaluation.NoisyHistogram): the noise std per score bucket, that
     # noise on the smaller class's count relative to the count, and the flag.
@@ -200,11 +204,13 @@ class PrivacyCard(_Section):
 
 
 def threshold_from_histogram(
-    hist: np.ndarray, *, bins: int, evaluation: Mapping[str, float] | None = None
+    hist: np.ndarray, *, bins: int, evaluation: Mapping[str, float] | None = None,
+    edges: np.ndarray | None = None,
 ) -> Threshold:
     """Youden's threshold of the federation's summed DP score histogram (the evaluation
-    round's, already reduced to its credible buckets), as the bundle records it, with
-    the round's AUC and noise indication (`evaluation`: the round's metrics)."""
+    round's, already reduced to its credible buckets, counted with `edges`, default
+    `default_edges(bins)`), as the bundle records it, with the round's AUC and noise
+    indication (`evaluation`: the round's metrics)."""
     found = evaluation or {}
 
     def finite(key: str) -> float | None:
@@ -213,7 +219,9 @@ def threshold_from_histogram(
 
     auc = finite("auc")
     return Threshold(
-        value=youden_threshold(hist, bins=bins), method="youden-dp-roc", histogram_bins=bins,
+        value=youden_threshold(hist, bins=None if edges is not None else bins, edges=edges),
+        method="youden-dp-roc", histogram_bins=bins,
+        histogram_edges=None if edges is None else tuple(float(v) for v in edges),
         auc=None if auc is None else min(max(auc, 0.0), 1.0),
         noise_std=finite("auc_noise_std"), relative_noise=finite("auc_relative_noise"),
         noise_dominated=bool(found.get("auc_noise_dominated", 0.0)),
@@ -455,6 +463,32 @@ def read_bundle(path: str | Path) -> ModelBundle:
         raise ValidationError(f"model bundle {path}: {exc}") from None
 
 
+def input_description(study: Study) -> str:
+    """What the model takes: "image C x H x W" (channels and size from the study) or
+    "N encoded features"."""
+    data = study.data
+    if data.kind == "images" and data.image_size is not None and data.channels is not None:
+        height, width = data.image_size
+        return f"image {data.channels} x {height} x {width} (channels x height x width)"
+    return f"{len(encoded_feature_names(study))} encoded features"
+
+
+def evaluation_noise_text(threshold: Threshold) -> str:
+    """The DP noise of the federated evaluation in words: the std per score bucket and,
+    while the smaller class's count stands clear of the noise, the noise as a share of
+    that count; beyond the share `NOISE_DOMINATED`, or when the count released is ~0,
+    "noise-dominated" instead of a meaningless percentage."""
+    if threshold.noise_std is None:
+        return ""
+    text = f"DP noise std {threshold.noise_std:.3g} per score bucket"
+    share = threshold.relative_noise
+    if threshold.noise_dominated or (share is not None and share > NOISE_DOMINATED):
+        return text + ", noise-dominated (the noise rivals the smaller class's count)"
+    if share is None:
+        return text
+    return text + f", {100 * share:.0f}% of the smaller class's count"
+
+
 def bundle_summary(bundle: ModelBundle) -> dict[str, Any]:
     """The model card as one JSON-able object (`medfed model show --json`)."""
     study = bundle.study
@@ -468,6 +502,7 @@ def bundle_summary(bundle: ModelBundle) -> dict[str, Any]:
         "label_column": study.data.label_column,
         "features": [f.model_dump(mode="json") for f in study.features],
         "encoded_features": encoded_feature_names(study),
+        "inputs": input_description(study),
         "architecture": bundle.architecture.model_dump(mode="json"),
         "parameters": int(sum(np.size(v) for v in bundle.parameters.values())),
         "threshold": bundle.threshold.model_dump(mode="json"),

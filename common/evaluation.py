@@ -214,7 +214,7 @@ def round_edges(
     )
 
 
-def announced_edges_count(values: Sequence[float], *, bins: int) -> int:
+def announced_edge_blocks(values: Sequence[float], *, bins: int) -> int:
     """How many blocks announced edges cover for ``histogram_bins`` = `bins` (0: none),
     checked the way `round_edges` checks them."""
     if not values:

@@ -19,6 +19,7 @@ from common.config import SitePolicySection
 from common.crypto.quantize import max_integer_for_sites
 from common.egress import STATISTICS, EgressManifest, VectorSegment, round_manifest
 from common.errors import AbortReason, ProtocolAbort, RoundFailed, ValidationError
+from common.evaluation import announced_edge_blocks
 from common.privacy.ledger import BudgetStatus
 from common.privacy.rotation import padded_length
 from common.secagg.params import (
@@ -39,6 +40,8 @@ ROUND_KINDS = (KIND_TRAINING, KIND_STATISTICS, KIND_HOSPITAL)
 MAX_HOSPITAL_LIMBS = 8
 MAX_INTERMEDIARIES = 10_000  # the study schema's bound on a fixed v
 MAX_STATISTICS_BYTES = 1 << 20
+MAX_HISTOGRAM_EDGES = 2_000
+"""Most bucket edges a round announces: histogram_bins (<= 1000) plus one per block."""
 ROUND_NONCE_LENGTH = 16
 MIN_CHUNK_BYTES = 1 << 16
 DEFAULT_HEARTBEAT_MS = 5_000
@@ -83,6 +86,9 @@ class Announcement:
     # (0 otherwise); with the norm segment each unit also carries its clipped norm.
     hospital_intermediaries: int = 0
     hospital_norm_segment: bool = False
+    # The evaluation histogram's bucket edges, block after block (empty: the default
+    # layout; common.evaluation.round_edges reads and checks them).
+    histogram_edges: tuple[float, ...] = ()
 
     @property
     def is_statistics(self) -> bool:
@@ -169,6 +175,9 @@ class Announcement:
         _put_float(out, self.hospital_noise_multiplier)
         _put_uint(out, self.hospital_intermediaries)
         _put_uint(out, int(self.hospital_norm_segment))
+        _put_uint(out, len(self.histogram_edges))
+        for edge in self.histogram_edges:
+            _put_float(out, edge)
         return hashlib.sha256(bytes(out)).digest()
 
 
@@ -201,6 +210,8 @@ class RoundPlan:
     layout: tuple[TensorSpec, ...]
     # Intermediaries per hospital announced for this round (1 outside hospital rounds).
     intermediaries: int = 1
+    # The announced bucket edges of the evaluation histogram (empty: default layout).
+    histogram_edges: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, ann: Announcement) -> RoundPlan:
@@ -213,6 +224,7 @@ class RoundPlan:
             histogram_bins=ann.histogram_bins,
             layout=ann.model_layout,
             intermediaries=max(ann.hospital_intermediaries, 1),
+            histogram_edges=ann.histogram_edges,
         )
 
 
@@ -308,6 +320,13 @@ def validate_for_site(
     bins = ann.histogram_bins
     if not 2 <= bins <= 1000:
         raise ValidationError("histogram_bins out of range")
+    if ann.histogram_edges:
+        if ann.is_statistics:
+            raise ValidationError("a statistics round carries no histogram_edges")
+        # Edges every site counts with alike: as many as the bins ask, each block
+        # strictly increasing from 0 to 1 (the site checks the block count against
+        # its study when it evaluates: common.evaluation.round_edges).
+        announced_edge_blocks(ann.histogram_edges, bins=bins)
     if ann.is_hospital and not (
         0 < ann.hospital_noise_multiplier <= 1000 and ann.local_epochs > 0
     ):

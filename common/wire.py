@@ -30,6 +30,7 @@ from common.round import (
     KIND_HOSPITAL,
     KIND_STATISTICS,
     KIND_TRAINING,
+    MAX_HISTOGRAM_EDGES,
     MAX_STATISTICS_BYTES,
     Announcement,
     SiteBudget,
@@ -165,6 +166,7 @@ def announcement_to_pb(ann: Announcement) -> pb.RoundAnnouncement:
         hospital_noise_multiplier=ann.hospital_noise_multiplier,
         hospital_intermediaries=ann.hospital_intermediaries,
         hospital_norm_segment=ann.hospital_norm_segment,
+        histogram_edges=list(ann.histogram_edges),
     )
 
 
@@ -207,7 +209,14 @@ def announcement_from_pb(msg: pb.RoundAnnouncement) -> Announcement:
         hospital_noise_multiplier=msg.hospital_noise_multiplier,
         hospital_intermediaries=msg.hospital_intermediaries,
         hospital_norm_segment=msg.hospital_norm_segment,
+        histogram_edges=_edges(msg.histogram_edges),
     )
+
+
+def _edges(values: Sequence[float]) -> tuple[float, ...]:
+    if len(values) > MAX_HISTOGRAM_EDGES:
+        raise ValidationError(f"histogram_edges: more than {MAX_HISTOGRAM_EDGES} values")
+    return tuple(float(v) for v in values)
 
 
 def _round_kind(value: int) -> str:

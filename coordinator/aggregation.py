@@ -19,10 +19,11 @@ from common.crypto.quantize import dequantize_sum
 from common.egress import EVALUATION_HISTOGRAM, WEIGHT, round_manifest
 from common.errors import AbortReason, ProtocolAbort, StateError, ValidationError
 from common.evaluation import (
-    bins_per_class,
     denoised_histogram,
     multiclass_metrics_from_histogram,
+    next_block_edges,
     operating_point_metrics,
+    round_edges,
 )
 from common.round import secagg_params
 from common.secagg import messages as sm
@@ -46,6 +47,16 @@ class DecodedSum:
     weight_sum: int
     metrics: dict[str, float]
     histogram: np.ndarray | None = None  # the summed score histogram (int64, 2 * bins)
+    # The bucket edges the histogram was counted with, one array per block.
+    edges: tuple[np.ndarray, ...] = ()
+
+    def next_histogram_edges(self) -> tuple[float, ...] | None:
+        """The next round's announced edges, from this round's released histogram
+        (`common.evaluation.next_edges`); None when this round evaluated nothing."""
+        if self.histogram is None or not self.edges or self.histogram.sum() <= 0:
+            return None
+        blocks = next_block_edges(self.histogram, edges=self.edges)
+        return tuple(float(v) for block in blocks for v in block)
 
 
 def decode_round_sum(
@@ -59,6 +70,7 @@ def decode_round_sum(
     histogram_bins: int,
     evaluation_only: bool,
     histogram_classes: int = 1,
+    histogram_edges: tuple[float, ...] = (),
 ) -> DecodedSum:
     """Decode the ring sum of `count` sites into the float32 weighted mean delta.
 
@@ -76,12 +88,13 @@ def decode_round_sum(
     integers = manifest.decode_integers(aggregate)
     weight_sum = max(int(integers[WEIGHT][0]), 0)
     metrics: dict[str, float] = {"contributors": float(count)}
+    edges = evaluation_edges(histogram_edges, bins=histogram_bins, classes=histogram_classes)
     histogram = evaluation_metrics(
-        integers[EVALUATION_HISTOGRAM], bins=histogram_bins, classes=histogram_classes,
+        integers[EVALUATION_HISTOGRAM], edges=edges, classes=histogram_classes,
         metrics=metrics,
     )
     if evaluation_only or weight_sum == 0:
-        return DecodedSum(None, weight_sum, metrics, histogram)
+        return DecodedSum(None, weight_sum, metrics, histogram, edges)
     mean_delta = aggregate[:model_dim].view(np.float32)
     scratch = np.empty(min(model_dim, UPDATE_CHUNK_ELEMENTS), dtype=np.float64)
     for start in range(0, model_dim, UPDATE_CHUNK_ELEMENTS):
@@ -94,11 +107,19 @@ def decode_round_sum(
         # range) plus n_k; undo the scale on the SUM only.
         floats *= weight_cap
         mean_delta[start:stop] = weighted_mean(floats, float(weight_sum))
-    return DecodedSum(mean_delta, weight_sum, metrics, histogram)
+    return DecodedSum(mean_delta, weight_sum, metrics, histogram, edges)
+
+
+def evaluation_edges(
+    announced: tuple[float, ...], *, bins: int, classes: int
+) -> tuple[np.ndarray, ...]:
+    """The bucket edges of each block of a round's histogram (`round_edges`)."""
+    return round_edges(announced, bins=bins, blocks=classes if classes > 2 else 1)
 
 
 def evaluation_metrics(
-    summed: np.ndarray, *, bins: int, classes: int, metrics: dict[str, float]
+    summed: np.ndarray, *, edges: tuple[np.ndarray, ...], classes: int,
+    metrics: dict[str, float],
 ) -> np.ndarray:
     """The round's DP evaluation: the summed histogram (it carries the sites' discrete
     Gaussian noise, so counts can be negative) reduced to its credible buckets
@@ -112,19 +133,22 @@ def evaluation_metrics(
     histogram = noisy.counts
     metrics.update(noisy.metrics())
     if histogram.sum() > 0 and classes > 2:
-        metrics.update(multiclass_round_metrics(histogram, bins, classes))
+        metrics.update(multiclass_round_metrics(histogram, edges, classes))
     elif histogram.sum() > 0:
-        m = operating_point_metrics(histogram, bins=bins)
+        m = operating_point_metrics(histogram, edges=edges[0])
         metrics.update(
             auc=m.auc, sensitivity=m.sensitivity, specificity=m.specificity, ppv=m.ppv,
             evaluated=float(m.n),
         )
     if noisy.noise_dominated:
+        share = noisy.relative_noise
         log.warning(
             "the federated evaluation is noise-dominated: DP noise std %.3g per score "
-            "bucket is %.0f%% of the smaller class's count; AUC %s and the threshold "
-            "chosen from it are unreliable (evaluate locally with `medfed predict`)",
-            noisy.noise_std, 100 * min(noisy.relative_noise, 1e4),
+            "bucket, %s; AUC %s and the threshold chosen from it are unreliable "
+            "(evaluate locally with `medfed predict`)",
+            noisy.noise_std,
+            f"{100 * share:.0f}% of the smaller class's count" if share <= 1.0
+            else "more than the smaller class's count",
             f"{metrics['auc']:.3f}" if "auc" in metrics else "undefined",
             extra={"event": "evaluation_noise_dominated",
                    "noise_std": noisy.noise_std, "relative_noise": noisy.relative_noise},
@@ -133,11 +157,10 @@ def evaluation_metrics(
 
 
 def multiclass_round_metrics(
-    histogram: np.ndarray, announced_bins: int, num_classes: int
+    histogram: np.ndarray, edges: tuple[np.ndarray, ...], num_classes: int
 ) -> dict[str, float]:
     """Macro one-vs-rest AUC (and per class) of a K-block summed histogram."""
-    bins = bins_per_class(announced_bins, num_classes=num_classes)
-    m = multiclass_metrics_from_histogram(histogram, bins=bins, num_classes=num_classes)
+    m = multiclass_metrics_from_histogram(histogram, edges=edges, num_classes=num_classes)
     out = {"auc": m.macro_auc, "evaluated": float(m.n)}
     out.update({f"auc_class_{k}": auc for k, auc in enumerate(m.per_class_auc)})
     return out

@@ -56,7 +56,8 @@ def write_round_bundle(
         threshold = Threshold(value=None, method="argmax")
     elif run.last_histogram is not None and run.last_histogram.sum() > 0:
         threshold = threshold_from_histogram(
-            run.last_histogram, bins=bins, evaluation=run.last_evaluation
+            run.last_histogram, bins=bins, evaluation=run.last_evaluation,
+            edges=run.last_edges[0] if run.last_edges else None,
         )
     else:
         threshold = Threshold(value=0.5, method="fixed")

@@ -166,6 +166,7 @@ class RoundEngine:
             layout=self.model.layout, model_sha256=digest(payload), model_bytes=len(payload),
             evaluation_round=self.is_evaluation_round(), statistics=statistics,
             intermediaries=self.model.intermediaries, now=self.clock(),
+            histogram_edges=self.model.histogram_edges,
         )
 
     async def _run_round(self, participants: list[str], *, statistics: bool = False) -> None:

@@ -39,7 +39,7 @@ from common.privacy.intermediaries import (
 from common.privacy.replica import LedgerReplica
 from common.round import KIND_HOSPITAL, KIND_TRAINING, Announcement
 from common.study import Study
-from coordinator.aggregation import DecodedSum, evaluation_metrics
+from coordinator.aggregation import DecodedSum, evaluation_edges, evaluation_metrics
 
 log = logging.getLogger("medfed.coordinator")
 
@@ -136,8 +136,10 @@ def decode(
         "hospital_noise_std": terms.noise_multiplier * terms.sensitivity / units,
         "intermediaries": float(terms.intermediaries),
     }
+    edges = evaluation_edges(
+        ann.histogram_edges, bins=ann.histogram_bins, classes=histogram_classes)
     histogram = evaluation_metrics(
-        integers[EVALUATION_HISTOGRAM], bins=ann.histogram_bins, classes=histogram_classes,
+        integers[EVALUATION_HISTOGRAM], edges=edges, classes=histogram_classes,
         metrics=metrics,
     )
     mean = (total / units).astype(np.float32)
@@ -169,7 +171,7 @@ def decode(
                            "next_intermediaries": chosen},
                 )
         metrics["next_intermediaries"] = float(chosen)
-    return DecodedSum(mean, weight_sum, metrics, histogram)
+    return DecodedSum(mean, weight_sum, metrics, histogram, edges)
 
 
 class HospitalEpsilons(NamedTuple):

@@ -88,6 +88,7 @@ def announcement(
     study_sha256: bytes = b"",
     statistics: bytes = b"",
     statistics_length: int | None = None,
+    histogram_edges: tuple[float, ...] = (),
 ) -> Announcement:
     """The announcement of round `number` for `participants`; with `statistics_length`,
     the study's statistics round (no model, no training, that vector length)."""
@@ -139,6 +140,7 @@ def announcement(
         heartbeat_ms=round(cfg.deadlines.heartbeat_seconds * 1000),
         study_sha256=study_sha256,
         statistics=statistics,
+        histogram_edges=histogram_edges,
     )
 
 
@@ -156,9 +158,11 @@ def study_announcement(
     statistics: bool,
     now: float,
     intermediaries: int | None = None,
+    histogram_edges: tuple[float, ...] = (),
 ) -> Announcement:
     """`announcement` for the study being run (its hash, its statistics release, its
-    hospital-level terms, with the "auto" intermediaries chosen last round);
+    hospital-level terms, with the "auto" intermediaries chosen last round and the
+    evaluation buckets set from last round's released histogram);
     `statistics`: the study's statistics round."""
     ann = announcement(
         settings, participants, number=number, nonce=nonce, layout=layout,
@@ -169,6 +173,7 @@ def study_announcement(
         statistics_length=(
             statistics_length(study.study) if statistics and study is not None else None
         ),
+        histogram_edges=histogram_edges,
     )
     return hospital_sum.announce(ann, hospital_sum.terms_for(
         study.study if study is not None else None, settings.aggregation,

@@ -65,6 +65,7 @@ class StudyRun:
     statistics: GlobalStatistics | None = None
     statistics_round: int = 0
     last_histogram: np.ndarray | None = None
+    last_edges: tuple[np.ndarray, ...] = ()  # the bucket edges of last_histogram
     # The noise indication of last_histogram (NoisyHistogram.metrics), for the bundle.
     last_evaluation: dict[str, float] = field(default_factory=dict)
 

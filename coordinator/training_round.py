@@ -36,6 +36,7 @@ class RoundResult:
     metrics: dict[str, float]
     histogram: np.ndarray | None = None
     statistics: bool = False  # the study's statistics release (no model update)
+    edges: tuple[np.ndarray, ...] = ()  # the bucket edges `histogram` was counted with
 
 
 @dataclass
@@ -49,6 +50,10 @@ class GlobalModel:
     # "auto" intermediaries (issue 13, section 2): the v the next hospital round
     # announces, chosen from the last decoded round; None before any was measured.
     intermediaries: int | None = None
+    # The evaluation buckets the next round announces: set from the last released score
+    # histogram (common.evaluation.next_edges); empty before any (the default layout),
+    # and after a restart, which starts over from the default layout.
+    histogram_edges: tuple[float, ...] = ()
 
     @classmethod
     def load(
@@ -100,7 +105,11 @@ def apply_update(
         bits=ann.quantization_bits, weight_cap=ann.weight_cap,
         histogram_bins=ann.histogram_bins, evaluation_only=ann.local_epochs == 0,
         histogram_classes=settings.aggregation.histogram_classes,
+        histogram_edges=ann.histogram_edges,
     )
+    next_edges = decoded.next_histogram_edges()
+    if next_edges is not None:
+        model.histogram_edges = next_edges
     mean_delta = decoded.mean_delta
     chosen = decoded.metrics.get("next_intermediaries")
     if chosen is not None:
@@ -112,7 +121,7 @@ def apply_update(
             model.optimizer, model.flat, mean_delta, window=UPDATE_CHUNK_ELEMENTS
         )
     return RoundResult(ann.round_number, survivors, rnd.dropped_sites(survivors),
-                       mean_delta, decoded.metrics, decoded.histogram)
+                       mean_delta, decoded.metrics, decoded.histogram, edges=decoded.edges)
 
 
 def record(
@@ -194,6 +203,7 @@ def bundle(
     the bundle's decision threshold."""
     if result.histogram is not None and result.histogram.sum() > 0:
         run.last_histogram = result.histogram
+        run.last_edges = result.edges
         run.last_evaluation = {k: v for k, v in result.metrics.items() if k.startswith("auc")}
     write_round_bundle(
         run, round_number=result.round_number, layout=model.layout, flat=model.flat,

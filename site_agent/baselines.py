@@ -1,6 +1,9 @@
 """Non-private baselines for the demo's privacy/utility table (seed 002's table):
 centralized training on the pooled data, and federated averaging without DP or secure
-aggregation. Both use the same splits, model and metrics as the federation."""
+aggregation. Both use the same splits and model as the federation; being non-private
+and centralised, they are measured on the exact held-out scores (AUC and Youden's
+operating point, `common.evaluation.operating_point_metrics_from_scores`). `bins` is
+accepted and unused: no histogram is involved."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.evaluation import operating_point_metrics, score_histogram
+from common.evaluation import operating_point_metrics_from_scores
 from site_agent.data import SiteData, Standardizer, prepare_site_split, split_by_patient
 from site_agent.hooks import fit_batch_size
 from site_agent.models import TabularMLP, flatten_parameters
@@ -36,8 +39,9 @@ def _pool(parts: list[SiteData]) -> SiteData:
     )
 
 
-def _metrics(scores: np.ndarray, labels: np.ndarray, bins: int) -> dict[str, float]:
-    m = operating_point_metrics(score_histogram(scores, labels, bins=bins), bins=bins)
+def _metrics(scores: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """AUC and Youden's operating point on the exact scores (non-private baselines)."""
+    m = operating_point_metrics_from_scores(scores, labels)
     return {"auc": m.auc, "sensitivity": m.sensitivity, "specificity": m.specificity,
             "ppv": m.ppv}
 
@@ -47,7 +51,9 @@ def _initial_model(n_features: int, seed: int) -> TabularMLP:
     return TabularMLP(n_features)
 
 
-def centralized_nodp(datasets: dict[str, SiteData], o: Any, *, bins: int) -> dict[str, float]:
+def centralized_nodp(
+    datasets: dict[str, SiteData], o: Any, *, bins: int | None = None
+) -> dict[str, float]:
     """Every site's training split pooled in one place (what federation avoids)."""
     splits = [split_by_patient(d, held_out_fraction=0.2, seed=o.seed) for d in datasets.values()]
     train = _pool([t for t, _ in splits])
@@ -60,10 +66,12 @@ def centralized_nodp(datasets: dict[str, SiteData], o: Any, *, bins: int) -> dic
                            seed=o.seed)
     start = flatten_parameters(trainer.model)
     trainer.train_round(start)
-    return _metrics(trainer.predict(held_out.features), held_out.labels, bins)
+    return _metrics(trainer.predict(held_out.features), held_out.labels)
 
 
-def federated_nodp(datasets: dict[str, SiteData], o: Any, *, bins: int) -> dict[str, float]:
+def federated_nodp(
+    datasets: dict[str, SiteData], o: Any, *, bins: int | None = None
+) -> dict[str, float]:
     """FedAvg (sample-weighted) over the same sites and rounds, without DP or SecAgg."""
     prepared = {
         site: prepare_site_split(d, held_out_fraction=0.2, seed=o.seed)
@@ -90,4 +98,4 @@ def federated_nodp(datasets: dict[str, SiteData], o: Any, *, bins: int) -> dict[
     load_flat_parameters(model, global_flat)
     scores = np.concatenate([predict_scores(model, h.features) for _, h, _ in prepared.values()])
     labels = np.concatenate([h.labels for _, h, _ in prepared.values()])
-    return _metrics(scores, labels, bins)
+    return _metrics(scores, labels)

@@ -620,10 +620,11 @@ class DpTrainingHook:
     def evaluate(self, plan: RoundPlan, global_flat: np.ndarray) -> np.ndarray:
         """Held-out score histogram of the global model: 2 * bins counts for a binary
         study, K one-vs-rest blocks of 2 * (bins / K) for K classes (the announced bins
-        cover all blocks: `common.evaluation.bins_per_class`)."""
+        cover all blocks: `common.evaluation.bins_per_class`), counted with the round's
+        announced bucket edges (`common.evaluation.round_edges`, checked there)."""
         from common.evaluation import (
-            bins_per_class,
             multiclass_score_histogram,
+            round_edges,
             score_histogram,
         )
         from site_agent.dp_release import one_per_unit
@@ -647,9 +648,11 @@ class DpTrainingHook:
         labels = self.holdout.labels[pick]
         scores = predict_scores(probe, inputs, device=self.device, task=self.task, batch_size=256)
         if self.task == "binary":
-            return score_histogram(scores, labels, bins=plan.histogram_bins)
-        bins = bins_per_class(plan.histogram_bins, num_classes=self.num_classes)
-        return multiclass_score_histogram(scores, labels, bins=bins)
+            (edges,) = round_edges(plan.histogram_edges, bins=plan.histogram_bins)
+            return score_histogram(scores, labels, edges=edges)
+        blocks = round_edges(
+            plan.histogram_edges, bins=plan.histogram_bins, blocks=self.num_classes)
+        return multiclass_score_histogram(scores, labels, edges=blocks)
 
 
 

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from common.bundle import bundle_summary, read_bundle
+from common.bundle import bundle_summary, evaluation_noise_text, read_bundle
 from common.errors import DataError
 from common.study import load_study
 from site_agent.data import load_study_table
@@ -134,9 +134,11 @@ def _model_show(args: argparse.Namespace) -> int:
     print(f"  round {bundle.round} ({state}); task {summary['task']}, classes {summary['classes']}")
     print(f"  label column {summary['label_column']!r}")
     print(f"  model {arch.custom or arch.name}: {summary['parameters']} parameters")
-    print(
-        f"  inputs ({len(summary['encoded_features'])}): {', '.join(summary['encoded_features'])}"
-    )
+    if bundle.study.data.kind == "images":
+        print(f"  inputs: {summary['inputs']}")
+    else:
+        print(f"  inputs ({len(summary['encoded_features'])}): "
+              f"{', '.join(summary['encoded_features'])}")
     threshold = bundle.threshold
     if threshold.value is not None:
         print(f"  threshold {threshold.value:g} ({threshold.method})")
@@ -184,11 +186,8 @@ def _evaluation_noise_lines(threshold: Any) -> list[str]:
     lines = []
     if threshold.auc is not None or threshold.noise_std is not None:
         auc = "undefined" if threshold.auc is None else f"{threshold.auc:.3f}"
-        noise = "" if threshold.noise_std is None else (
-            f"; DP noise std {threshold.noise_std:.3g} per score bucket"
-            + ("" if threshold.relative_noise is None else
-               f", {100 * threshold.relative_noise:.0f}% of the smaller class's count")
-        )
+        noise = evaluation_noise_text(threshold)
+        noise = f"; {noise}" if noise else ""
         lines.append(f"  federated DP AUC {auc}{noise}")
     if threshold.noise_dominated:
         lines.append(
