@@ -474,19 +474,20 @@ def input_description(study: Study) -> str:
 
 
 def evaluation_noise_text(threshold: Threshold) -> str:
-    """The DP noise of the federated evaluation in words: the std per score bucket and,
-    while the smaller class's count stands clear of the noise, the noise as a share of
-    that count; beyond the share `NOISE_DOMINATED`, or when the count released is ~0,
-    "noise-dominated" instead of a meaningless percentage."""
+    """The DP noise of the federated evaluation in words: the std per score bucket, and
+    that noise as a share of the smaller class's released count while the share is at
+    most 100%; beyond it (a count released as ~0 makes the share meaningless, e.g.
+    "100000000%") "more than the smaller class's count". Flagged "noise-dominated"
+    beyond `NOISE_DOMINATED` or when the evaluation round flagged it."""
     if threshold.noise_std is None:
         return ""
     text = f"DP noise std {threshold.noise_std:.3g} per score bucket"
     share = threshold.relative_noise
-    if threshold.noise_dominated or (share is not None and share > NOISE_DOMINATED):
-        return text + ", noise-dominated (the noise rivals the smaller class's count)"
-    if share is None:
-        return text
-    return text + f", {100 * share:.0f}% of the smaller class's count"
+    dominated = threshold.noise_dominated or (share is not None and share > NOISE_DOMINATED)
+    if share is not None:
+        text += (f", {100 * share:.0f}% of the smaller class's count" if share <= 1.0
+                 else ", more than the smaller class's count")
+    return text + (" (noise-dominated)" if dominated else "")
 
 
 def bundle_summary(bundle: ModelBundle) -> dict[str, Any]:

@@ -61,8 +61,8 @@ def _ratio(num: float, den: float) -> float:
     return float(num) / float(den) if den > 0 else math.nan
 
 
-LOGIT_LIMIT = 8.0
-"""Scores map to the logit scale clipped to +-LOGIT_LIMIT (s = 0.00034 .. 0.99966): the
+LOGIT_LIMIT = 6.0
+"""Scores map to the logit scale clipped to +-LOGIT_LIMIT (s = 0.0025 .. 0.9975): the
 range `default_edges` spreads its buckets over and `next_edges` works in."""
 UNIFORM_SHARE = 0.2
 """Share of the buckets `next_edges` spreads evenly over the widened range (the rest
@@ -197,7 +197,7 @@ def round_edges(
     finite) or, when none were announced, `default_edges`. ValidationError otherwise:
     the same edges at every site and at the coordinator, or the sum means nothing."""
     if blocks < 1 or bins % blocks or bins // blocks < 2:
-        raise ValidationError(f"histogram_bins {bins} is not (bins >= 2) x {blocks} blocks")
+        raise ValidationError(f"histogram_bins {bins} is not (bins >= 2) x {blocks} classes")
     per_block = bins // blocks
     values = tuple(announced)
     if not values:
@@ -331,10 +331,13 @@ def metrics_from_scores(
 
 
 def _middle_of_best(j: np.ndarray) -> int:
-    """The index of the maximum of `j`; among tied maxima (empty buckets between two
-    separated classes) the one nearest the middle of the tied run."""
-    best = np.flatnonzero(j >= j.max() - 1e-12)
-    return int(best[np.argmin(np.abs(best - (best[0] + best[-1]) / 2.0))])
+    """The index of the first maximum of `j`, moved to the middle of the run of equal
+    maxima it starts (empty buckets between two separated classes all give J = 1)."""
+    top = j >= j.max() - 1e-12
+    first = int(np.argmax(top))
+    rest = top[first:]
+    run = rest.size if rest.all() else int(np.argmin(rest))
+    return first + run // 2
 
 
 def youden_threshold(

@@ -20,12 +20,14 @@ from common.evaluation import (
     metrics_from_histogram,
     metrics_from_scores,
     score_histogram,
+    uniform_edges,
     youden_threshold,
 )
 from site_agent.predict_cli import register_model, register_predict
 from tests.study.helpers import trained_bundle, write_hospital_csv
 
 BINS = 20
+EDGES = uniform_edges(BINS)  # the noise filter's behaviour, measured on equal-width buckets
 NOISE_STD = 10.0
 
 
@@ -57,21 +59,21 @@ def _draws(
     """Threshold and AUC of `draws` noisy histograms of one cohort, new and old decode."""
     rng = np.random.default_rng(seed)
     scores, labels = _cohort(rng, positives=positives, negatives=negatives)
-    true_hist = score_histogram(scores, labels, bins=BINS)
+    true_hist = score_histogram(scores, labels, edges=EDGES)
     truth_auc = metrics_from_scores(scores, labels).auc
-    truth_threshold = youden_threshold(true_hist, bins=BINS)
+    truth_threshold = youden_threshold(true_hist, edges=EDGES)
     rows = []
     for _ in range(draws):
         noisy = _noisy(true_hist, rng)
         result = denoised_histogram(noisy)
         old = _clamped(noisy)
         rows.append((
-            youden_threshold(result.counts, bins=BINS) - truth_threshold,
-            youden_threshold(old, bins=BINS) - truth_threshold,
-            metrics_from_histogram(result.counts, bins=BINS).auc - truth_auc,
-            metrics_from_histogram(old, bins=BINS).auc - truth_auc,
-            float(youden_threshold(result.counts, bins=BINS) > scores.max()),
-            float(youden_threshold(old, bins=BINS) > scores.max()),
+            youden_threshold(result.counts, edges=EDGES) - truth_threshold,
+            youden_threshold(old, edges=EDGES) - truth_threshold,
+            metrics_from_histogram(result.counts, edges=EDGES).auc - truth_auc,
+            metrics_from_histogram(old, edges=EDGES).auc - truth_auc,
+            float(youden_threshold(result.counts, edges=EDGES) > scores.max()),
+            float(youden_threshold(old, edges=EDGES) > scores.max()),
             result.noise_std, float(result.noise_dominated),
         ))
     table = np.array(rows)
@@ -111,24 +113,25 @@ def test_a_large_clean_histogram_is_unchanged() -> None:
     rng = np.random.default_rng(7)
     scores = rng.random(20_000)
     labels = (rng.random(20_000) < scores).astype(np.int64)
-    hist = score_histogram(scores, labels, bins=BINS)
+    hist = score_histogram(scores, labels, edges=EDGES)
     clean = denoised_histogram(hist)
     assert np.array_equal(clean.counts, hist) and not clean.noise_dominated
     noisy = _noisy(hist, rng)
     result = denoised_histogram(noisy, noise_std=NOISE_STD)
     assert np.array_equal(result.counts, _clamped(noisy)) and not result.noise_dominated
-    assert youden_threshold(result.counts, bins=BINS) == youden_threshold(
-        _clamped(noisy), bins=BINS
+    assert youden_threshold(result.counts, edges=EDGES) == youden_threshold(
+        _clamped(noisy), edges=EDGES
     )
 
 
 def test_bundle_threshold_carries_the_auc_and_its_noise() -> None:
     rng = np.random.default_rng(3)
     scores, labels = _cohort(rng)
-    result = denoised_histogram(_noisy(score_histogram(scores, labels, bins=BINS), rng))
-    metrics = {"auc": metrics_from_histogram(result.counts, bins=BINS).auc,
+    result = denoised_histogram(_noisy(score_histogram(scores, labels, edges=EDGES), rng))
+    metrics = {"auc": metrics_from_histogram(result.counts, edges=EDGES).auc,
                **result.metrics()}
-    threshold = threshold_from_histogram(result.counts, bins=BINS, evaluation=metrics)
+    threshold = threshold_from_histogram(result.counts, bins=BINS, edges=EDGES,
+                                         evaluation=metrics)
     assert threshold.noise_dominated and threshold.noise_std == pytest.approx(result.noise_std)
     assert threshold.auc is not None and 0.0 <= threshold.auc <= 1.0
     assert threshold.value is not None and threshold.value <= 0.25
@@ -177,16 +180,16 @@ def test_coordinator_reports_the_noise_beside_the_auc(caplog: pytest.LogCaptureF
 
     rng = np.random.default_rng(2026)
     scores, labels = _cohort(rng)
-    noisy = _noisy(score_histogram(scores, labels, bins=BINS), rng)
+    noisy = _noisy(score_histogram(scores, labels, edges=EDGES), rng)
     metrics: dict[str, float] = {}
     with caplog.at_level("WARNING", logger="medfed.coordinator"):
-        histogram = evaluation_metrics(noisy, bins=BINS, classes=1, metrics=metrics)
+        histogram = evaluation_metrics(noisy, edges=(EDGES,), classes=1, metrics=metrics)
     assert metrics["auc_noise_dominated"] == 1.0 and metrics["auc_noise_std"] > 0
     assert 0.0 <= metrics["auc"] <= 1.0 and histogram.min() >= 0
     assert any("noise-dominated" in r.getMessage() for r in caplog.records)
     # A round without evaluation (all zeros): no metrics, no warning.
     caplog.clear()
     quiet: dict[str, float] = {}
-    empty = evaluation_metrics(np.zeros(2 * BINS, np.int64), bins=BINS, classes=1,
+    empty = evaluation_metrics(np.zeros(2 * BINS, np.int64), edges=(EDGES,), classes=1,
                                metrics=quiet)
     assert not empty.any() and quiet == {} and not caplog.records

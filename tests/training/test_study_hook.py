@@ -106,7 +106,7 @@ def test_images_study_trains_its_cnn_with_patient_level_dp(tmp_path: Path) -> No
 
 
 def test_multiclass_images_send_one_block_per_class(tmp_path: Path) -> None:
-    from coordinator.aggregation import multiclass_round_metrics
+    from coordinator.aggregation import evaluation_edges, multiclass_round_metrics
 
     folder = write_site_folder(
         tmp_path / "cohort", "north_general", seed=4, patients=70, num_classes=3
@@ -122,7 +122,8 @@ def test_multiclass_images_send_one_block_per_class(tmp_path: Path) -> None:
     histogram = hook.evaluate(plan, flatten_parameters(initial_model(study, seed=0)))
     assert histogram.shape == (2 * 4 * 3,)
     assert all(block.sum() == len(hook.holdout) for block in histogram.reshape(3, 8))
-    metrics = multiclass_round_metrics(histogram, 12, 3)
+    metrics = multiclass_round_metrics(
+        histogram, evaluation_edges((), bins=12, classes=3), 3)
     assert {"auc", "auc_class_0", "auc_class_2"} <= set(metrics)
     with pytest.raises(ValidationError, match=r"not \(bins >= 2\) x 3 classes"):
         hook.evaluate(plan_for(study, bins=10), flatten_parameters(initial_model(study, seed=0)))

@@ -45,7 +45,7 @@ CHANGES: dict[str, Any] = {
     "weight_cap": 99, "max_chunk_bytes": 1 << 16, "heartbeat_ms": 2_000,
     "study_sha256": b"\x02" * 32, "kind": "statistics", "statistics": b"{}",
     "hospital_noise_multiplier": 1.5, "hospital_intermediaries": 3,
-    "hospital_norm_segment": True,
+    "hospital_norm_segment": True, "histogram_edges": (0.0, 0.5, 1.0),
 }
 
 
