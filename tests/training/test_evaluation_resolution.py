@@ -1,0 +1,267 @@
+"""The federated evaluation resolves the scores a model actually produces.
+
+A DP model's scores may sit in a narrow band (all in [0.42, 0.47]); counted in fixed
+buckets they share one and the histogram AUC reads 0.500 whatever the ranking. The
+next round's buckets follow the band the previous round RELEASED
+(`common.evaluation.next_edges`, post-processing of the noisy sum), travel in the
+announcement, and every site counts with the same ones. Separable classes get an
+operating point between them. Noise below is rounded Gaussian, std 10 per bucket (the
+sites' default ``evaluation_noise_std``), a test fixture standing in for the sites'
+distributed discrete Gaussian.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.config import SitePolicySection
+from common.errors import ValidationError
+from common.evaluation import (
+    default_edges,
+    denoised_histogram,
+    metrics_from_histogram,
+    metrics_from_scores,
+    multiclass_metrics_from_histogram,
+    multiclass_score_histogram,
+    next_block_edges,
+    next_edges,
+    operating_point_metrics,
+    operating_point_metrics_from_scores,
+    round_edges,
+    score_histogram,
+    uniform_edges,
+    youden_threshold,
+    youden_threshold_from_scores,
+)
+from common.modelfile import flat_layout
+from common.round import Announcement, validate_for_site
+from common.wire import announcement_from_pb, announcement_to_pb
+
+BINS = 20
+NOISE_STD = 10.0
+AUC_TOLERANCE = 0.02
+"""Histogram AUC versus exact AUC once the buckets follow the released scores: the
+mis-ranked pairs are only those sharing a bucket (half of them count right), about
+1 / bins of all pairs for buckets of equal mass), without DP noise."""
+NOISY_AUC_MARGIN = 0.04
+"""What the DP noise adds to the histogram AUC's error at these cohort sizes."""
+
+
+def _narrow_band(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A learning DP model's held-out scores: all in [0.42, 0.47], ranked by the label
+    (exact AUC ~0.75)."""
+    labels = (rng.random(n) < 0.3).astype(np.int64)
+    latent = rng.normal(size=n) + 1.0 * labels
+    scores = 0.42 + 0.05 / (1.0 + np.exp(-latent))
+    return scores, labels
+
+
+def _released(
+    sites: list[tuple[np.ndarray, np.ndarray]], edges: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """What a round releases: the sites' histograms (counted with the announced edges)
+    summed with noise, then filtered of noise-only buckets (post-processing)."""
+    summed = sum(score_histogram(s, y, edges=edges) for s, y in sites)
+    noisy = np.asarray(summed) + np.rint(rng.normal(0.0, NOISE_STD, 2 * BINS)).astype(np.int64)
+    return denoised_histogram(noisy).counts
+
+
+def test_narrow_band_reads_its_auc_once_the_buckets_follow_the_released_band() -> None:
+    rng = np.random.default_rng(2026)
+    sites = [_narrow_band(rng, n) for n in (700, 900, 600)]
+    scores = np.concatenate([s for s, _ in sites])
+    labels = np.concatenate([y for _, y in sites])
+    exact = metrics_from_scores(scores, labels).auc
+    assert exact > 0.7 and scores.min() >= 0.42 and scores.max() <= 0.47
+    # First round, default layout: the whole band is one bucket, the AUC a coin toss.
+    edges = default_edges(BINS)
+    released = _released(sites, edges, rng)
+    assert metrics_from_histogram(released, edges=edges).auc == 0.5
+    # Resolution alone (the noise-free sum): within AUC_TOLERANCE after one round of
+    # following the band, within a quarter of it after two.
+    clean_edges, clean = edges, score_histogram(scores, labels, edges=edges)
+    clean_errors = []
+    for _ in range(2):
+        clean_edges = next_edges(clean, edges=clean_edges)
+        clean = score_histogram(scores, labels, edges=clean_edges)
+        clean_errors.append(abs(metrics_from_histogram(clean, edges=clean_edges).auc - exact))
+    assert clean_errors[0] <= AUC_TOLERANCE and clean_errors[1] <= AUC_TOLERANCE / 4
+    # The DP path: each round's buckets from the previous round's noisy release.
+    aucs = []
+    for _ in range(3):
+        edges = next_edges(released, edges=edges)
+        assert edges.size == BINS + 1 and np.all(np.diff(edges) > 0)
+        released = _released(sites, edges, rng)
+        aucs.append(metrics_from_histogram(released, edges=edges).auc)
+    # Most buckets now lie inside the band.
+    assert np.sum((edges > 0.42) & (edges < 0.47)) >= BINS // 2
+    # Resolution plus the DP noise (std 10 on buckets of ~110 patients, ~33 positives:
+    # about 0.02 of AUC per draw; 0.06 is three of those).
+    assert all(abs(auc - exact) <= AUC_TOLERANCE + NOISY_AUC_MARGIN for auc in aucs), (
+        exact, aucs)
+
+
+def test_a_band_that_moves_is_followed() -> None:
+    """The model moves between rounds: a small move stays inside the widened range and
+    keeps its resolution; a jump lands in an end bucket, and the buckets are back on
+    the band within two rounds."""
+    rng = np.random.default_rng(5)
+    first, labels = _narrow_band(rng, 3000)
+    edges = next_edges(score_histogram(first, labels, bins=BINS), edges=default_edges(BINS))
+
+    def auc_of(scores: np.ndarray, edges: np.ndarray) -> float:
+        return metrics_from_histogram(score_histogram(scores, labels, edges=edges),
+                                      edges=edges).auc
+
+    nudged = first + 0.01  # [0.43, 0.48]
+    assert abs(auc_of(nudged, edges) - metrics_from_scores(nudged, labels).auc) <= 0.03
+    jumped = first + 0.3  # [0.72, 0.77]
+    exact = metrics_from_scores(jumped, labels).auc
+    for _ in range(2):
+        edges = next_edges(score_histogram(jumped, labels, edges=edges), edges=edges)
+    assert abs(auc_of(jumped, edges) - exact) <= AUC_TOLERANCE
+
+
+def test_separable_classes_get_an_operating_point_between_them() -> None:
+    """An exact centralised baseline whose classes separate: sensitivity 1, specificity 1
+    (before: "AUC 1.000, sensitivity 1.000, specificity 0.000")."""
+    rng = np.random.default_rng(3)
+    negatives = rng.uniform(0.96, 0.97, 80)
+    positives = rng.uniform(0.98, 0.99, 20)
+    scores = np.concatenate([negatives, positives])
+    labels = np.concatenate([np.zeros(80, np.int64), np.ones(20, np.int64)])
+    threshold = youden_threshold_from_scores(scores, labels)
+    assert negatives.max() < threshold <= positives.min()
+    m = operating_point_metrics_from_scores(scores, labels)
+    assert (m.auc, m.sensitivity, m.specificity, m.ppv) == (1.0, 1.0, 1.0, 1.0)
+    # Ten equal-width buckets put both classes in the last one: no threshold can split
+    # them there; the buckets that follow them can.
+    coarse = uniform_edges(10)
+    one_bucket = score_histogram(scores, labels, edges=coarse)
+    assert metrics_from_histogram(one_bucket, edges=coarse).auc == 0.5
+    edges = next_edges(one_bucket, edges=coarse)
+    hist = score_histogram(scores, labels, edges=edges)
+    m = operating_point_metrics(hist, edges=edges)
+    assert (m.auc, m.sensitivity, m.specificity) == (1.0, 1.0, 1.0)
+
+
+def test_youden_edge_is_in_the_middle_of_the_gap_between_separated_classes() -> None:
+    edges = uniform_edges(10)
+    negatives = np.array([0, 4, 6, 0, 0, 0, 0, 0, 0, 0])
+    positives = np.array([0, 0, 0, 0, 0, 0, 0, 3, 2, 0])
+    hist = np.concatenate([negatives, positives])
+    threshold = youden_threshold(hist, edges=edges)
+    assert threshold == pytest.approx(0.5)  # edges 0.3 .. 0.7 all separate; the middle
+    m = metrics_from_histogram(hist, edges=edges, threshold=threshold)
+    assert (m.sensitivity, m.specificity, m.auc) == (1.0, 1.0, 1.0)
+    # Overlapping classes: the usual first maximum (not moved past real mass).
+    overlap = np.concatenate([[2, 5, 3, 1], [0, 1, 3, 4]])
+    assert youden_threshold(overlap, edges=uniform_edges(4)) == pytest.approx(0.5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(200, 3000),
+    bins=st.sampled_from([10, 20, 50]),
+    centre=st.floats(0.05, 0.95),
+    spread=st.floats(0.2, 3.0),
+)
+def test_histogram_auc_is_close_to_the_exact_auc(
+    seed: int, n: int, bins: int, centre: float, spread: float
+) -> None:
+    """Spread scores anywhere in (0, 1): once the buckets follow the released scores
+    the histogram AUC is within 1.5 / bins of the exact one (half the pairs sharing a
+    bucket, ~1 / bins for buckets of about equal mass)."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 2, size=n)
+    labels[:2] = [0, 1]
+    logit = math.log(centre / (1 - centre)) + spread * (rng.normal(size=n) + 0.8 * labels)
+    scores = 1.0 / (1.0 + np.exp(-logit))
+    exact = metrics_from_scores(scores, labels).auc
+    edges = next_edges(score_histogram(scores, labels, bins=bins), edges=default_edges(bins))
+    binned = metrics_from_histogram(score_histogram(scores, labels, edges=edges), edges=edges)
+    assert abs(binned.auc - exact) <= 1.5 / bins
+
+
+ANN = Announcement(
+    round_number=4, round_nonce=bytes(range(16)), participants=("alpha", "beta", "gamma"),
+    threshold=2, neighbours=0, vector_length=8 + 1 + 2 * BINS, quantization_bits=20,
+    clip=1.0, histogram_bins=BINS, secure_aggregation=True, model_layout=flat_layout(8),
+    model_sha256=bytes(32), model_bytes=32, local_epochs=1, learning_rate=0.1,
+    fedprox_mu=0.0, planned_rounds=5, train_deadline_ms=1_700_000_000_000,
+    phase_timeout_ms=30_000, weight_cap=100, max_chunk_bytes=1 << 20,
+)
+POLICY = SitePolicySection(max_colluding_sites=0)
+
+
+def test_every_site_counts_with_the_announced_edges() -> None:
+    rng = np.random.default_rng(11)
+    sites = {name: _narrow_band(rng, n) for name, n in zip(ANN.participants, (300, 500, 400),
+                                                          strict=True)}
+    pooled_scores = np.concatenate([s for s, _ in sites.values()])
+    pooled_labels = np.concatenate([y for _, y in sites.values()])
+    edges = next_edges(score_histogram(pooled_scores, pooled_labels, bins=BINS),
+                       edges=default_edges(BINS))
+    ann = dataclasses.replace(ANN, histogram_edges=tuple(float(e) for e in edges))
+    assert ann.digest() != ANN.digest()  # the edges are part of what every site agrees on
+    counted = []
+    for site, (scores, labels) in sites.items():
+        # Each site receives the announcement over the wire and checks it.
+        received = announcement_from_pb(announcement_to_pb(ann))
+        verified = validate_for_site(received, policy=POLICY, site_id=site)
+        assert verified.announcement.digest() == ann.digest()
+        (site_edges,) = round_edges(verified.plan.histogram_edges, bins=BINS)
+        assert np.array_equal(site_edges, edges)  # bit for bit
+        counted.append(score_histogram(scores, labels, edges=site_edges))
+    np.testing.assert_array_equal(
+        sum(counted), score_histogram(pooled_scores, pooled_labels, edges=edges))
+    # No edges announced: every site uses the same default layout.
+    (default,) = round_edges((), bins=BINS)
+    assert np.array_equal(default, default_edges(BINS))
+
+
+@pytest.mark.parametrize(
+    ("edges", "match"),
+    [
+        ((0.0, *np.linspace(0.1, 0.9, BINS - 1), 1.0)[:-1], "do not fit"),
+        ((0.0, *np.linspace(0.9, 0.1, BINS - 1), 1.0), "strictly increasing"),
+        ((0.0, *np.linspace(0.1, 0.9, BINS - 2), math.nan, 1.0), "finite"),
+        ((0.05, *np.linspace(0.1, 0.9, BINS - 1), 1.0), "first edge must be 0"),
+        ((0.0, *np.linspace(0.1, 0.9, BINS - 1), 0.95), "last 1"),
+    ],
+)
+def test_site_refuses_malformed_edges(edges: tuple[float, ...], match: str) -> None:
+    ann = dataclasses.replace(ANN, histogram_edges=tuple(float(e) for e in edges))
+    with pytest.raises(ValidationError, match=match):
+        validate_for_site(ann, policy=POLICY, site_id="alpha")
+
+
+def test_multiclass_blocks_follow_their_own_class() -> None:
+    """K one-vs-rest blocks, each with its own edges from its own released block."""
+    rng = np.random.default_rng(8)
+    labels = rng.integers(0, 3, size=1500)
+    logits = 0.05 * (rng.normal(size=(1500, 3)) + 2.0 * np.eye(3)[labels])  # a timid model
+    probs = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    per_class = 10
+    first = round_edges((), bins=3 * per_class, blocks=3)
+    released = multiclass_score_histogram(probs, labels, edges=first)
+    exact = [metrics_from_scores(probs[:, k], (labels == k).astype(np.int64)).auc
+             for k in range(3)]
+    before = multiclass_metrics_from_histogram(released, edges=first, num_classes=3)
+    assert all(abs(a - 0.5) < 0.02 for a in before.per_class_auc)  # one bucket each
+    blocks, after = first, []
+    for _ in range(3):  # announced block after block, read back as every site reads them
+        following = next_block_edges(released, edges=blocks)
+        announced = tuple(float(v) for block in following for v in block)
+        blocks = round_edges(announced, bins=3 * per_class, blocks=3)
+        released = multiclass_score_histogram(probs, labels, edges=blocks)
+        after.append(multiclass_metrics_from_histogram(released, edges=blocks, num_classes=3))
+    assert all(a > 0.75 for a in after[0].per_class_auc)  # the ranking is visible at once
+    np.testing.assert_allclose(after[-1].per_class_auc, exact, atol=0.03)
