@@ -81,3 +81,41 @@ def test_malformed_aggregate_is_refused(bad: np.ndarray) -> None:
     with pytest.raises(ValidationError):
         decode_round_sum(bad, model_dim=8, count=2, clip=1.0, bits=20, weight_cap=10,
                          histogram_bins=BINS, evaluation_only=False)
+
+
+def test_released_histogram_sets_the_next_rounds_edges() -> None:
+    """The coordinator decodes a round's histogram with the edges it announced and
+    derives the next round's from the released sum; a site reading those from the
+    next announcement counts the band in many buckets (common.evaluation)."""
+    from common.evaluation import default_edges, round_edges, score_histogram
+
+    bins, dim = 20, 16
+    rng = np.random.default_rng(9)
+    labels = (rng.random(3000) < 0.3).astype(np.int64)
+    scores = 0.42 + 0.05 / (1 + np.exp(-(rng.normal(size=3000) + labels)))
+    announced = tuple(float(e) for e in default_edges(bins))
+    aggregate = np.zeros(dim + 1 + 2 * bins, dtype=np.uint32)
+    aggregate[dim + 1 :] = score_histogram(scores, labels, bins=bins)
+    decoded = decode_round_sum(
+        aggregate, model_dim=dim, count=3, clip=1.0, bits=20, weight_cap=100,
+        histogram_bins=bins, evaluation_only=True, histogram_edges=announced,
+    )
+    assert decoded.metrics["auc"] == 0.5  # one bucket holds the whole band
+    following = decoded.next_histogram_edges()
+    assert following is not None and len(following) == bins + 1
+    (edges,) = round_edges(following, bins=bins)
+    # The released bucket, [0.34, 0.5), and around it now hold all but the end buckets.
+    assert np.all((edges[1:-1] > 0.3) & (edges[1:-1] < 0.55))
+    aggregate[dim + 1 :] = score_histogram(scores, labels, edges=edges)
+    again = decode_round_sum(
+        aggregate, model_dim=dim, count=3, clip=1.0, bits=20, weight_cap=100,
+        histogram_bins=bins, evaluation_only=True, histogram_edges=following,
+    )
+    assert again.metrics["auc"] > 0.7
+    # A round that evaluated nothing keeps the edges as they were.
+    aggregate[dim + 1 :] = 0
+    quiet = decode_round_sum(
+        aggregate, model_dim=dim, count=3, clip=1.0, bits=20, weight_cap=100,
+        histogram_bins=bins, evaluation_only=True, histogram_edges=following,
+    )
+    assert quiet.next_histogram_edges() is None

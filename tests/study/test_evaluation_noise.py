@@ -193,3 +193,55 @@ def test_coordinator_reports_the_noise_beside_the_auc(caplog: pytest.LogCaptureF
     empty = evaluation_metrics(np.zeros(2 * BINS, np.int64), edges=(EDGES,), classes=1,
                                metrics=quiet)
     assert not empty.any() and quiet == {} and not caplog.records
+
+
+def test_model_show_never_prints_an_absurd_share(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A smaller class released as ~0 makes noise / count meaningless: `model show`
+    says "more than the smaller class's count (noise-dominated)", not "100000000%"."""
+    train = write_hospital_csv(tmp_path / "train.csv", n_patients=60, seed=23)
+    bundle = trained_bundle(train, steps=5)
+    model = tmp_path / "final.safetensors"
+    for share, noise_dominated, expected in (
+        (1e6, True, "DP noise std 10.8 per score bucket, more than the smaller class's "
+                    "count (noise-dominated)"),
+        (0.4, False, "DP noise std 10.8 per score bucket, 40% of the smaller class's count "
+                     "(noise-dominated)"),
+        (0.05, False, "DP noise std 10.8 per score bucket, 5% of the smaller class's count\n"),
+    ):
+        threshold = Threshold(value=0.4, method="youden-dp-roc", histogram_bins=BINS,
+                              histogram_edges=tuple(EDGES), auc=0.7, noise_std=10.8,
+                              relative_noise=share, noise_dominated=noise_dominated)
+        write_bundle(model, replace(bundle, threshold=threshold))
+        assert _run(["model", "show", "--model", str(model)]) == 0
+        shown = capsys.readouterr().out
+        assert expected in shown and "00%" not in shown
+
+
+def test_model_show_describes_an_image_model_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An image model's inputs are its channels and size, from the study."""
+    from common.bundle import ModelBundle, architecture_from_study, bundle_summary
+    from common.study import GlobalStatistics, load_study, study_sha256
+    from site_agent.predict import initial_model
+    from tests.study.helpers import privacy_card
+    from tests.training.test_study_hook import images_study
+
+    study = load_study(images_study(tmp_path))
+    model = initial_model(study, seed=0)
+    bundle = ModelBundle(
+        study=study, architecture=architecture_from_study(study),
+        statistics=GlobalStatistics(study_sha256=study_sha256(study), source="test"),
+        threshold=Threshold(value=0.5, method="fixed"), card=privacy_card(study),
+        parameters={n: p.detach().numpy().copy() for n, p in model.named_parameters()},
+        round=1, final=True,
+    )
+    path = tmp_path / "images.safetensors"
+    write_bundle(path, bundle)
+    assert _run(["model", "show", "--model", str(path)]) == 0
+    shown = capsys.readouterr().out
+    assert "inputs: image 1 x 16 x 16 (channels x height x width)" in shown
+    assert "inputs (0)" not in shown
+    assert bundle_summary(bundle)["inputs"] == "image 1 x 16 x 16 (channels x height x width)"
