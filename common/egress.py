@@ -187,7 +187,8 @@ register_segment_kind(SegmentKind(
     EVALUATION_HISTOGRAM, "integer", Protection.DP,
     "distributed discrete Gaussian on integer counts, one score per privacy unit "
     "(Kairouz et al. 2021)", "evaluation",
-    "held-out score histogram of the global model, 2 x bins (negatives, positives)",
+    "held-out score histogram of the global model, 2 x bins (negatives, positives), "
+    "counted with the round's announced bucket edges",
 ))
 
 
