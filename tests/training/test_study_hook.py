@@ -127,6 +127,23 @@ def test_multiclass_images_send_one_block_per_class(tmp_path: Path) -> None:
     assert {"auc", "auc_class_0", "auc_class_2"} <= set(metrics)
     with pytest.raises(ValidationError, match=r"not \(bins >= 2\) x 3 classes"):
         hook.evaluate(plan_for(study, bins=10), flatten_parameters(initial_model(study, seed=0)))
+    # With edges announced (one block per class, as the coordinator derives them from
+    # the released histogram), the site counts with them; a layout for another number
+    # of classes is refused before anything is counted.
+    from dataclasses import replace
+
+    from common.evaluation import next_block_edges, round_edges
+
+    following = next_block_edges(histogram, edges=round_edges((), bins=12, blocks=3))
+    announced_edges = tuple(float(v) for block in following for v in block)
+    again = hook.evaluate(replace(plan, histogram_edges=announced_edges),
+                          flatten_parameters(initial_model(study, seed=0)))
+    assert again.shape == (24,)
+    assert all(block.sum() == len(hook.holdout) for block in again.reshape(3, 8))
+    assert not np.array_equal(again, histogram)  # the buckets moved onto the scores
+    with pytest.raises(ValidationError, match="histogram_edges"):
+        hook.evaluate(replace(plan, histogram_edges=announced_edges[:-5]),
+                      flatten_parameters(initial_model(study, seed=0)))
 
 
 def batchnorm_net(in_channels: int, num_outputs: int) -> nn.Module:
