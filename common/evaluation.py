@@ -13,7 +13,7 @@ one bucket reads 0.500 however well it ranks. The edges are public configuration
 each round (`Announcement.histogram_edges`), the same for every site:
 
 * without an announced layout, `default_edges`: equal width on the logit scale
-  log(s / (1 - s)) over [-LOGIT_LIMIT, LOGIT_LIMIT], plus the two end buckets reaching
+  log(s / (1 - s)) over [-DEFAULT_LOGIT_SPAN, DEFAULT_LOGIT_SPAN], plus the end buckets reaching
   0 and 1 (rare outcomes' scores near 0 get buckets of their own, unlike equal width
   on [0, 1]);
 * after a round, `next_edges`: quantiles of the score distribution that round RELEASED
@@ -61,9 +61,12 @@ def _ratio(num: float, den: float) -> float:
     return float(num) / float(den) if den > 0 else math.nan
 
 
-LOGIT_LIMIT = 6.0
-"""Scores map to the logit scale clipped to +-LOGIT_LIMIT (s = 0.0025 .. 0.9975): the
-range `default_edges` spreads its buckets over and `next_edges` works in."""
+DEFAULT_LOGIT_SPAN = 6.0
+"""`default_edges` spreads its buckets over [-6, 6] on the logit scale (s = 0.0025 ..
+0.9975)."""
+LOGIT_LIMIT = 12.0
+"""`next_edges` works on the logit scale clipped to +-LOGIT_LIMIT (s = 6e-6 .. 0.999994),
+so that over the rounds it can follow even a confident model's scores."""
 UNIFORM_SHARE = 0.2
 """Share of the buckets `next_edges` spreads evenly over the widened range (the rest
 follow the released distribution's quantiles)."""
@@ -97,10 +100,12 @@ def _layout(bins: int | None, edges: np.ndarray | None) -> np.ndarray:
 
 def default_edges(bins: int) -> np.ndarray:
     """`bins` + 1 edges: 0, then `bins` - 1 equally spaced on the logit scale over
-    [-LOGIT_LIMIT, LOGIT_LIMIT], then 1 (for 2 buckets the one inner edge is 0.5)."""
+    [-DEFAULT_LOGIT_SPAN, DEFAULT_LOGIT_SPAN], then 1 (for 2 buckets the one inner edge
+    is 0.5)."""
     if bins < 2:
         raise ConfigError("bins", "must be >= 2")
-    inner = np.linspace(-LOGIT_LIMIT, LOGIT_LIMIT, bins - 1) if bins > 2 else np.zeros(1)
+    span = DEFAULT_LOGIT_SPAN
+    inner = np.linspace(-span, span, bins - 1) if bins > 2 else np.zeros(1)
     return np.concatenate([[0.0], _sigmoid(inner), [1.0]])
 
 
