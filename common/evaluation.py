@@ -337,9 +337,13 @@ def metrics_from_scores(
 
 def _middle_of_best(j: np.ndarray) -> int:
     """The index of the first maximum of `j`, moved to the middle of the run of equal
-    maxima it starts (empty buckets between two separated classes all give J = 1)."""
+    maxima it starts (empty buckets between two separated classes all give J = 1).
+    Where nothing discriminates (J <= 0 throughout) the first: everybody positive, as
+    a threshold that predicts nobody positive would leave PPV undefined."""
     top = j >= j.max() - 1e-12
     first = int(np.argmax(top))
+    if j[first] <= 1e-12:
+        return first
     rest = top[first:]
     run = rest.size if rest.all() else int(np.argmin(rest))
     return first + run // 2

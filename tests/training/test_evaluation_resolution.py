@@ -181,6 +181,16 @@ def test_youden_edge_is_in_the_middle_of_the_gap_between_separated_classes() -> 
     # Overlapping classes: the usual first maximum (not moved past real mass).
     overlap = np.concatenate([[2, 5, 3, 1], [0, 1, 3, 4]])
     assert youden_threshold(overlap, edges=uniform_edges(4)) == pytest.approx(0.5)
+    # Nothing discriminates (both classes in one bucket): everybody positive, so that
+    # sensitivity and PPV stay defined, never a threshold above every score.
+    lumped = np.concatenate([[0, 0, 7, 0], [0, 0, 3, 0]])
+    assert youden_threshold(lumped, edges=uniform_edges(4)) == 0.0
+    m = operating_point_metrics(lumped, edges=uniform_edges(4))
+    assert (m.sensitivity, m.specificity, m.ppv) == (1.0, 0.0, 0.3)
+    same = np.full(10, 0.5)
+    assert youden_threshold_from_scores(same, np.arange(10) % 2) == 0.5
+    m = operating_point_metrics_from_scores(same, np.arange(10) % 2)
+    assert (m.sensitivity, m.ppv) == (1.0, 0.5)
 
 
 @settings(max_examples=40, deadline=None)
