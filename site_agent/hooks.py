@@ -476,7 +476,9 @@ class DpTrainingHook:
                     self.ledger, policy=self.settings.policy,
                     announced_rounds=plan.planned_rounds, sample_rate=trainer.sample_rate,
                     steps_per_round=plan.local_epochs * trainer.steps_per_epoch,
-                    evaluation=evaluation, **self._layered_plan(),
+                    evaluation=evaluation,
+                    study_rounds=None if self.study is None else self.study.study.rounds,
+                    **self._layered_plan(),
                 ).noise_multiplier
                 self._planned = {plan.round_number: sigma}
             trainer.set_noise_multiplier(sigma)
