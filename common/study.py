@@ -39,7 +39,7 @@ ClassLabel = int | str
 PrivacyUnit = Literal["record", "patient", "hospital"]
 # Stronger units protect more: a hospital-level guarantee covers all of its patients.
 UNIT_STRENGTH: Mapping[str, int] = {"record": 0, "patient": 1, "hospital": 2}
-TABLE_MODELS = ("mlp",)
+TABLE_MODELS = ("logistic", "mlp")
 IMAGE_MODELS = (
     "cnn", "resnet18-gn", "densenet121-gn", "densenet121", "small_cnn", "resnet18_gn"
 )
