@@ -248,9 +248,7 @@ class Demo:
         study, notes = draft_demo_study(
             files, name="medfed-demo", label_column=self.o.label_column,
             patient_column=self.o.patient_column, rounds=self.o.rounds,
-            local_epochs=self.o.local_epochs, learning_rate=self.o.learning_rate,
-            batch_size=self.o.batch_size, epsilon=self.o.budget_epsilon, delta=self.o.delta,
-            histogram_bins=HISTOGRAM_BINS,
+            epsilon=self.o.budget_epsilon, delta=self.o.delta, histogram_bins=HISTOGRAM_BINS,
         )
         if self.o.privacy_unit == "hospital":
             study = hospital_study(study, self.o)
