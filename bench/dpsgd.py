@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -94,6 +94,9 @@ def run(
         physical = max_physical_batch_size or 64
         what = f"{image_size}x{image_size} images"
     def config(mode: str) -> Any:
+        path: Literal["ghost", "hooks", "auto"] = (
+            "hooks" if mode == "hooks" else "auto" if mode == "auto" else "ghost"
+        )
         return TrainingConfig(
             batch_size=batch_size,
             max_physical_batch_size=physical,
@@ -101,7 +104,7 @@ def run(
             lr=0.5 if spec.canonical_name == "mlp" else 0.05,
             dp=mode != "nonprivate",
             privacy_unit="record",
-            grad_sample_mode=mode if mode in ("hooks", "auto") else "ghost",
+            grad_sample_mode=path,
             delta=min(1e-5, 0.5 / len(train)),
             device=device,
         )
