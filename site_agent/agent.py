@@ -721,6 +721,10 @@ class SiteAgent:
             self.metrics.training_seconds.observe(time.perf_counter() - started)
             self.metrics.samples_used.set(update.num_samples)
             self.metrics.patients_used.set(update.patients)
+            choice = getattr(self.hook, "grad_sample_choice", None)
+            if choice is not None:
+                self.metrics.observe_grad_sample(mode=choice.mode, source=choice.source,
+                                                 seconds_per_step=choice.seconds_per_step)
             vector = (self._encode(rnd, update) if planned_hospital is None
                       else hospital_round.encode(rnd, update, planned_hospital))
             self._timeline.mark("encoded")

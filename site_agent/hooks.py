@@ -367,6 +367,12 @@ class DpTrainingHook:
         return self.dp and (not self.hospital or self.record_level != "none")
 
     @property
+    def grad_sample_choice(self) -> Any:
+        """The trainer's record-level DP path (`GradSampleChoice`), None before the
+        first trainer or for patient-level and non-private training."""
+        return getattr(self._trainer, "grad_sample_choice", None)
+
+    @property
     def units(self) -> int:
         """This site's privacy units (never leaves the site; see `released_units`)."""
         if self.privacy_unit == "patient" or (
