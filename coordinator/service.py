@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.config import CoordinatorSettings
+from common.convergence import auc_trend, describe_auc_trend
 from common.crypto.signing import VerifyingKey
 from common.errors import ConfigError
 from common.metrics_http import serve_metrics
@@ -36,6 +37,17 @@ from coordinator.study_run import StudyRun
 log = logging.getLogger("medfed.coordinator")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Federation"].full_name
 MONITOR_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Monitor"].full_name
+
+
+def log_convergence(store: CoordinatorStore) -> None:
+    """At the study's end: was the model still improving? (the DP-evaluated AUC of the
+    global model over the last rounds; post-processing of released histograms)."""
+    aucs = [float(r.metrics["auc"]) for r in store.rounds()
+            if r.status == "completed" and isinstance(r.metrics.get("auc"), int | float)]
+    verdict = auc_trend(aucs)
+    log.info("study convergence: %s", describe_auc_trend(aucs),
+             extra={"event": "study_convergence", "aucs": aucs,
+                    "still_improving": verdict.improving})
 
 
 @dataclass
@@ -187,6 +199,7 @@ async def serve(
             log.info("all %d rounds done: the study's training rounds (its statistics and "
                      "final evaluation rounds, and any aborted round, come on top)", rounds,
                      extra={"event": "study_finished", "rounds": rounds})
+            log_convergence(running.engine.store)
             if exit_when_finished:
                 # Let waiting sites hear that the federation is finished.
                 with contextlib.suppress(TimeoutError):
