@@ -647,7 +647,10 @@ device = "cpu"
                 if lines[index].get("event") in ("round_completed", "round_aborted"):
                     return lines[index], index + 1
             if not coordinator.alive:
-                raise StateError(self.coordinator_failure(coordinator, sites))
+                try:  # its last lines may still be in the pipe
+                    return self._last_round_event(coordinator, seen)
+                except RuntimeError:
+                    raise StateError(self.coordinator_failure(coordinator, sites)) from None
             self.check_sites()
             for site, proc in self.procs.items():
                 if proc.alive and any(x.get("event") == "paused" for x in list(proc.lines)):
@@ -667,6 +670,17 @@ device = "cpu"
                 )
             except RuntimeError:
                 continue
+
+    @staticmethod
+    def _last_round_event(coordinator: ManagedProcess, seen: int) -> tuple[Line, int]:
+        """A round event an exited coordinator printed from line `seen` on (read to the
+        end of its output); RuntimeError when there is none."""
+        event = coordinator.wait_for(
+            lambda e: e.get("event") in ("round_completed", "round_aborted"),
+            timeout=30.0, what="a round event", start=seen,
+        )
+        return event, next(i for i in range(seen, len(coordinator.lines))
+                           if coordinator.lines[i] is event) + 1
 
     def site_log(self, site: str) -> Path:
         return self.out / "logs" / f"{site}.log"
