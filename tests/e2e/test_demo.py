@@ -55,6 +55,8 @@ def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
     assert rounds[-1]["evaluation_only"] and not rounds[0]["evaluation_only"]
     # The site killed in the first training round after sharing its keys was dropped, and the round
     # still completed with the others.
+    faults = [line for line in result.stdout.splitlines() if line.startswith("[fault]")]
+    assert faults[0].startswith("[fault] one site will be killed mid-round"), faults
     assert rounds[0]["dropped"] == ["west"]
     assert len(rounds[0]["participants"]) == 4
     # Restarted with its ledger, it enrols (before its study opens the ledger, then with
@@ -97,9 +99,10 @@ def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
         f"DP eps=4 {audit['dp']['attack_auc']:.2f}"
     )
     assert audit["line"] in result.stdout
-    # Every site that finished holds the same final model as the coordinator.
+    # Every site holds the same final model as the coordinator, the restarted one too.
+    assert "[fault] west restarted with its ledger" in result.stdout
     final = Path(model["path"]).read_bytes()
-    for site in SITES[:-1]:
+    for site in SITES:
         assert (out / "sites" / site / "model" / "final.safetensors").read_bytes() == final
     # Each site's own ledger verifies.
     for site in SITES:
