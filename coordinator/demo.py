@@ -988,7 +988,8 @@ def waiting_for(coordinator_lines: list[Line], site_states: dict[str, str]) -> s
             opened = message
     if opened is not None:
         last = str(coordinator_lines[-1].get("msg", coordinator_lines[-1].get("text", "")))
-        text = f"{opened}; in flight (coordinator: {last.strip()[:160]})"
+        text = f"{opened}; in flight" + (
+            f" (coordinator: {last.strip()[:160]})" if last.strip() != opened else "")
     else:
         text = "the coordinator is waiting for sites to join the next round"
     down = [f"{site} {state}" for site, state in site_states.items() if state != "running"]

@@ -81,6 +81,7 @@ def test_waiting_line_names_the_round_in_flight_or_the_selection() -> None:
     assert text.startswith("round 3 open: 2 sites")
     assert "dropping ['west']" in text
     assert "site agents running: north" in text and "west killed by the demo" in text
+    assert "(coordinator:" not in waiting_for(opened[:1], states)  # said once, not twice
     done = [*opened, {"event": "round_completed", "round_number": 3, "msg": "done"}]
     assert waiting_for(done, states).startswith("the coordinator is waiting for sites")
 
