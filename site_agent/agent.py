@@ -764,7 +764,12 @@ class SiteAgent:
             records = update.records if update.records is not None else update.num_samples
             used = f"trained on {records} records"
             if update.patients:
-                used += f" ({update.patients} patients)"
+                # Under DP the trainer sees the released (noisy) count, not the exact one.
+                if getattr(self.hook, "released_units", None) == update.patients:
+                    unit = "patients" if self.hook.privacy_unit == "patient" else "units"
+                    used += f" (DP count of {unit} ~{update.patients})"
+                else:
+                    used += f" ({update.patients} patients)"
             parts.append(used)
             if update.loss is not None:
                 parts.append(f"local loss {update.loss:.4f}")
