@@ -480,6 +480,9 @@ delta = {self.o.delta}
 [policy]
 min_round_sites = {self.terms.policy.min_round_sites}
 max_colluding_sites = {self.terms.policy.max_colluding_sites}
+# Without a study (the synthetic cohort) a site plans its noise for its own
+# planned_rounds: the demo's rounds, so the budget is spent by the demo's end.
+planned_rounds = {self.o.rounds}
 
 [training]
 batch_size = {self.o.batch_size}
