@@ -41,6 +41,7 @@ from common.codec import (
     layout_bytes,
 )
 from common.config import SiteSettings
+from common.convergence import describe_loss_trend, loss_trend
 from common.crypto.random import numpy_generator, system_random
 from common.crypto.signing import SigningKey, VerifyingKey
 from common.errors import (
@@ -324,6 +325,9 @@ class SiteAgent:
         self._masker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
         self._pending_statistics: GlobalStatistics | None = None
         self._statistics_pin = StatisticsPin(settings.state)
+        # This process's local training loss per round: its trend is logged each round
+        # and at the study's end (stays in the site's own log; nothing leaves).
+        self.losses: list[float] = []
         self._rss_before_download = 0
         self._timeline = RoundTimeline()  # the round in flight's (bench round reads it)
         # Parameters of the study's model as its latest model round announced them:
@@ -385,7 +389,10 @@ class SiteAgent:
             except FederationFinished:
                 log.info("federation finished" + (
                     f" after round {self.last_round}" if self.last_round else
-                    " before this site took part in a round"))
+                    " before this site took part in a round")
+                    + (f"; {describe_loss_trend(self.losses)}" if self.losses else ""),
+                    extra={"event": "site_finished", "local_losses": self.losses,
+                           "still_improving": loss_trend(self.losses).improving})
                 if self.study is None:
                     return 0
                 try:
@@ -772,7 +779,11 @@ class SiteAgent:
                     used += f" ({update.patients} patients)"
             parts.append(used)
             if update.loss is not None:
-                parts.append(f"local loss {update.loss:.4f}")
+                self.losses.append(update.loss)
+                loss = f"local loss {update.loss:.4f}"
+                if len(self.losses) > 1:
+                    loss += f" ({describe_loss_trend(self.losses)})"
+                parts.append(loss)
         if update is not None:
             fields["records"] = (update.records if update.records is not None
                                  else update.num_samples)

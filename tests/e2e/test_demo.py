@@ -150,6 +150,11 @@ def test_demo_on_three_csvs_runs_without_a_dropout_and_every_site_gets_the_model
     # The site's log names the patient count it trains with as the DP count it is.
     log = (out / "logs" / "alpha.log").read_text()
     assert "(DP count of patients ~" in log
+    # Each round after the first names the local loss trend; the end says it again.
+    assert "over the last 1 rounds: " in log or "over the last 2 rounds: " in log
+    finished = [json.loads(line) for line in log.splitlines()
+                if '"event": "site_finished"' in line]
+    assert finished and len(finished[-1]["local_losses"]) >= 2, finished
 
 
 def test_demo_fails_fast_with_the_dead_sites_message(tmp_path: Path) -> None:
