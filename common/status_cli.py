@@ -15,6 +15,10 @@ from typing import Any
 
 from common.errors import ConfigError, Unavailable
 
+FAILED_PHASE_PREFIX = "failed: "
+"""The phase of a study that ended unfinished, followed by why: the Status RPC's
+`phase` string carries the reason (coordinator/status.py), shown as the headline."""
+
 DEFAULT_TIMEOUT_SECONDS = 10.0
 
 
@@ -62,6 +66,8 @@ def fetch_status(coordinator: str, *, ca: Path, cert: Path, key: Path,
     return {
         "federation_id": resp.federation_id,
         "finished": resp.finished,
+        "failed": (resp.phase.removeprefix(FAILED_PHASE_PREFIX)
+                   if resp.phase.startswith(FAILED_PHASE_PREFIX) else None),
         "phase": resp.phase,
         "current_round": resp.current_round,
         "completed_rounds": resp.completed_rounds,
@@ -152,6 +158,8 @@ def render(status: dict[str, Any]) -> str:
     eta = _duration(status["eta_seconds"])
     if status["finished"]:
         head = f"study finished: {_progress(status)}"
+    elif status.get("failed"):
+        head = f"study FAILED: {status['failed']}; {_progress(status)}"
     elif status["current_round"]:
         head = (f"{_in_flight(status)} in flight (round number {status['current_round']}, "
                 f"phase {status['phase']}); {_progress(status)}; ETA {eta}")

@@ -8,11 +8,15 @@ protobuf); one asyncio event loop, CPU-heavy steps in worker threads.
 
 An engine failure (a full disk, a database error) is never reported as a finished
 federation: waiting sites hear UNAVAILABLE and retry; a restarted coordinator resumes.
+A round that the sites decline for reasons that cannot change (`declined_for_good`) is
+not re-opened in a loop: the study ends as failed (`StudyFailed`), recorded in the
+state and shown by `medfed status`, and the sites hear why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -22,7 +26,7 @@ import numpy as np
 
 from common.codec import digest
 from common.config import CoordinatorSettings
-from common.errors import AbortReason, MedfedError, ProtocolAbort, Unavailable
+from common.errors import AbortReason, MedfedError, ProtocolAbort, StudyFailed, Unavailable
 from common.privacy.federation import FederationBudgetView
 from common.round import Announcement
 from common.secagg.client import IdentityVerifier
@@ -48,6 +52,11 @@ from coordinator.store import CoordinatorStore
 from coordinator.study_run import StudyRun
 from coordinator.training_round import GlobalModel, RoundResult
 from coordinator.uploads import Transfers
+
+log = logging.getLogger("medfed.coordinator")
+
+FAILED_META = "study_failed"
+"""State-database key holding why the study failed (absent while it has not)."""
 
 
 class RoundEngine:
@@ -80,6 +89,7 @@ class RoundEngine:
         self.ledgers = LedgerGate(store.database, settings)
         self.sites = SiteCalls(self.sessions, self.inbox, self.ledgers, clock=clock)
         self.finished = asyncio.Event()  # set only when the whole study completed
+        self.failure: StudyFailed | None = None  # set when the study ended unfinished
         self.model = GlobalModel.load(store, settings, study)
         if self.model.intermediaries is not None:  # "auto" v carried over a restart
             metrics.hospital_intermediaries.set(self.model.intermediaries)
@@ -113,6 +123,7 @@ class RoundEngine:
             evaluation_round=self.settings.training.final_evaluation,
             statistics_pending=self.study is not None and self.study.statistics is None,
             finished=self.finished.is_set(), now=self.clock(),
+            failure=None if self.failure is None else self.failure.reason,
         )
 
     def final_model(self, study_sha256: bytes) -> bytes:
@@ -121,8 +132,13 @@ class RoundEngine:
     # --------------------------------------------------------------- main loop
     async def run(self) -> None:
         """Run rounds until the study is complete; any other exit is a failure that
-        waiting sites hear as UNAVAILABLE (they retry), never as "finished"."""
+        waiting sites hear as UNAVAILABLE (they retry), never as "finished", except a
+        study that cannot finish (`StudyFailed`): the sites hear that and why."""
         self.recover()
+        before = self.store.get_meta(FAILED_META)
+        if before:
+            log.warning("this study failed before (%s); trying its rounds again", before,
+                        extra={"event": "study_failed_before", "reason": before})
         try:
             # Once per study, before training: the federated DP statistics release
             # (common/statistics.py) every site then preprocesses with.
@@ -130,6 +146,11 @@ class RoundEngine:
                 await self._run_round(await self.select_participants(), statistics=True)
             while self.store.completed_rounds() < self.total_rounds:
                 await self._run_round(await self.select_participants())
+        except StudyFailed as exc:
+            self.failure = exc
+            self.store.set_meta(FAILED_META, exc.reason)
+            self.sessions.close(failure=exc)
+            raise
         except BaseException as exc:
             # The cause stays in the coordinator's log (service.serve): sites learn only
             # that they should retry, not the coordinator's paths or database errors.
@@ -216,6 +237,32 @@ class RoundEngine:
             rnd.end(abort=abort)
             self.last_round_number = ann.round_number
             self.inbox.close()
+        if abort is not None:
+            self._end_if_declined_for_good(rnd, statistics=statistics)
+
+    def _end_if_declined_for_good(self, rnd: ActiveRound, *, statistics: bool) -> None:
+        """Raise `StudyFailed` when the round's participants that declined it for a
+        reason that cannot change leave fewer than `min_sites`: the same round opened
+        again would be declined again, for ever."""
+        lasting = rnd.declined_for_good
+        participants = rnd.announcement.participants
+        able = [s for s in participants if s not in lasting]
+        if not lasting or len(able) >= self.settings.min_sites:
+            return
+        kind = ("the statistics round" if statistics
+                else "the final evaluation round" if self.is_evaluation_round()
+                else f"training round {self.store.completed_rounds() + 1} of "
+                     f"{self.settings.rounds}")
+        by_reason: dict[str, list[str]] = {}
+        for site, reason in sorted(lasting.items()):
+            by_reason.setdefault(reason, []).append(site)
+        reasons = "; ".join(f"{', '.join(sites)}: {reason}"
+                            for reason, sites in by_reason.items())
+        raise StudyFailed(
+            f"{kind} (round number {rnd.number}) cannot run: {len(lasting)} of its "
+            f"{len(participants)} sites declined it for a reason that cannot change "
+            f"({reasons}), leaving {len(able)} of min_sites={self.settings.min_sites}"
+        )
 
     async def _complete_training(self, rnd: ActiveRound, aggregator: Aggregator) -> RoundResult:
         """Step the model with the round's sum (worker thread), then record the round."""
