@@ -59,6 +59,28 @@ FAILED_META = "study_failed"
 """State-database key holding why the study failed (absent while it has not)."""
 
 
+def declined_for_good(rnd: ActiveRound, *, min_sites: int, kind: str) -> StudyFailed | None:
+    """The study's failure when the participants that declined `rnd` (an aborted round,
+    `kind` naming it) for a reason that cannot change leave fewer than `min_sites`
+    sites able to take part: the same round opened again would be declined again, for
+    ever. None when a round like it can still run (no lasting decline, or enough
+    others; a site NOT_READY may be ready next time)."""
+    lasting = rnd.declined_for_good
+    participants = rnd.announcement.participants
+    able = [s for s in participants if s not in lasting]
+    if not lasting or len(able) >= min_sites:
+        return None
+    by_reason: dict[str, list[str]] = {}
+    for site, reason in sorted(lasting.items()):
+        by_reason.setdefault(reason, []).append(site)
+    reasons = "; ".join(f"{', '.join(sites)}: {reason}" for reason, sites in by_reason.items())
+    return StudyFailed(
+        f"{kind} (round number {rnd.number}) cannot run: {len(lasting)} of its "
+        f"{len(participants)} sites declined it for a reason that cannot change "
+        f"({reasons}), leaving {len(able)} of min_sites={min_sites}"
+    )
+
+
 class RoundEngine:
     """Runs `settings.rounds` rounds (and a final evaluation round), one at a time."""
 
@@ -238,31 +260,13 @@ class RoundEngine:
             self.last_round_number = ann.round_number
             self.inbox.close()
         if abort is not None:
-            self._end_if_declined_for_good(rnd, statistics=statistics)
-
-    def _end_if_declined_for_good(self, rnd: ActiveRound, *, statistics: bool) -> None:
-        """Raise `StudyFailed` when the round's participants that declined it for a
-        reason that cannot change leave fewer than `min_sites`: the same round opened
-        again would be declined again, for ever."""
-        lasting = rnd.declined_for_good
-        participants = rnd.announcement.participants
-        able = [s for s in participants if s not in lasting]
-        if not lasting or len(able) >= self.settings.min_sites:
-            return
-        kind = ("the statistics round" if statistics
-                else "the final evaluation round" if self.is_evaluation_round()
-                else f"training round {self.store.completed_rounds() + 1} of "
-                     f"{self.settings.rounds}")
-        by_reason: dict[str, list[str]] = {}
-        for site, reason in sorted(lasting.items()):
-            by_reason.setdefault(reason, []).append(site)
-        reasons = "; ".join(f"{', '.join(sites)}: {reason}"
-                            for reason, sites in by_reason.items())
-        raise StudyFailed(
-            f"{kind} (round number {rnd.number}) cannot run: {len(lasting)} of its "
-            f"{len(participants)} sites declined it for a reason that cannot change "
-            f"({reasons}), leaving {len(able)} of min_sites={self.settings.min_sites}"
-        )
+            kind = ("the statistics round" if statistics
+                    else "the final evaluation round" if self.is_evaluation_round()
+                    else f"training round {self.store.completed_rounds() + 1} of "
+                         f"{self.settings.rounds}")
+            failure = declined_for_good(rnd, min_sites=self.settings.min_sites, kind=kind)
+            if failure is not None:
+                raise failure
 
     async def _complete_training(self, rnd: ActiveRound, aggregator: Aggregator) -> RoundResult:
         """Step the model with the round's sum (worker thread), then record the round."""
