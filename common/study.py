@@ -731,7 +731,8 @@ def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
         # Refused now, not at the last round: a site that cannot pay the final
         # evaluation would leave every site without the final model.
         problems.append(
-            f"privacy.evaluation.max_evaluations = {requested.evaluation.max_evaluations!r} "
+            f"privacy.evaluation.max_evaluations = "
+            f"{json.dumps(requested.evaluation.max_evaluations)} "
             f"asks {study.max_evaluations} DP evaluations ({study.evaluations_planned_text()}),"
             f" more than this site's policy.max_evaluations = {policy.max_evaluations}: "
             "raise policy.max_evaluations in this site's config, or lower study.rounds"

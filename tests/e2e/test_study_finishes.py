@@ -38,10 +38,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 SITES = ["alpha", "beta", "gamma"]
 COLUMNS = ["Patient-ID", "Age", "Sex", "Lactate", "Admission", "Outcome"]
-DEFAULT_ROUNDS = 3
-"""`study init --rounds`: 10 rounds of three DP sites take too long on the 2-core test
-machine; tests/study/test_evaluation_allowance.py shows the default-drafted study of 10
-rounds passes the same allowance rule and the default site policy."""
 
 
 def write_site_files(root: Path, n_patients: int = 100) -> dict[str, Path]:
@@ -73,9 +69,10 @@ def test_the_study_init_study_finishes_with_the_final_model_at_every_site(
     tmp_path: Path, processes: list[ManagedProcess]
 ) -> None:
     files = write_site_files(tmp_path)
-    study_path = init_study(tmp_path, files, "--rounds", str(DEFAULT_ROUNDS))
+    study_path = init_study(tmp_path, files)  # every other setting: study init's default
     study = load_study(study_path)
-    assert study.training.final_evaluation and study.max_evaluations == DEFAULT_ROUNDS + 1
+    assert study.study.rounds == 10 and study.training.final_evaluation
+    assert study.max_evaluations == 11
 
     run = StudyProcesses(tmp_path, study=study_path, pki=make_pki(tmp_path, SITES),
                          processes=processes)
