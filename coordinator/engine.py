@@ -8,9 +8,10 @@ protobuf); one asyncio event loop, CPU-heavy steps in worker threads.
 
 An engine failure (a full disk, a database error) is never reported as a finished
 federation: waiting sites hear UNAVAILABLE and retry; a restarted coordinator resumes.
-A round that the sites decline for reasons that cannot change (`declined_for_good`) is
-not re-opened in a loop: the study ends as failed (`StudyFailed`), recorded in the
-state and shown by `medfed status`, and the sites hear why.
+A round that sites decline for reasons that cannot change is not re-opened for them in
+a loop: it runs again without them while `min_sites` others are left, else
+(`declined_for_good`) the study ends as failed (`StudyFailed`), recorded in the state
+and shown by `medfed status`, and the sites hear why.
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ class RoundEngine:
         self.sites = SiteCalls(self.sessions, self.inbox, self.ledgers, clock=clock)
         self.finished = asyncio.Event()  # set only when the whole study completed
         self.failure: StudyFailed | None = None  # set when the study ended unfinished
+        # Sites that declined a kind of round ("statistics", "training", "evaluation")
+        # for a reason that cannot change, and why: not selected for it again.
+        self.declined_kind: dict[str, dict[str, str]] = {}
         self.model = GlobalModel.load(store, settings, study)
         if self.model.intermediaries is not None:  # "auto" v carried over a restart
             metrics.hospital_intermediaries.set(self.model.intermediaries)
@@ -165,7 +169,8 @@ class RoundEngine:
             # Once per study, before training: the federated DP statistics release
             # (common/statistics.py) every site then preprocesses with.
             while self.study is not None and self.study.statistics is None:
-                await self._run_round(await self.select_participants(), statistics=True)
+                await self._run_round(
+                    await self.select_participants(statistics=True), statistics=True)
             while self.store.completed_rounds() < self.total_rounds:
                 await self._run_round(await self.select_participants())
         except StudyFailed as exc:
@@ -185,11 +190,22 @@ class RoundEngine:
         self.metrics.study_finished.set(1)
         self.sessions.close(failure=None)
 
-    async def select_participants(self) -> list[str]:
+    def round_kind(self, *, statistics: bool = False) -> str:
+        """The kind of the next round: statistics, training or evaluation."""
+        return "statistics" if statistics else (
+            "evaluation" if self.is_evaluation_round() else "training")
+
+    def eligible(self, site_ids: list[str], *, kind: str) -> list[str]:
+        """Sites with budget left that have not declined this kind of round for good."""
+        declined = self.declined_kind.get(kind, {})
+        with_budget = self.sessions.with_budget(site_ids, evaluation_round=kind == "evaluation")
+        return [s for s in with_budget if s not in declined]
+
+    async def select_participants(self, *, statistics: bool = False) -> list[str]:
         """Wait for `min_sites` eligible sites, then briefly for the rest to arrive."""
         cfg = self.settings
         return await self.sessions.gather(
-            partial(self.sessions.with_budget, evaluation_round=self.is_evaluation_round()),
+            partial(self.eligible, kind=self.round_kind(statistics=statistics)),
             min_sites=cfg.min_sites, max_sites=cfg.limits.max_sites,
             start_timeout=cfg.deadlines.round_start_timeout_seconds,
             grace=cfg.deadlines.selection_seconds,
@@ -260,13 +276,25 @@ class RoundEngine:
             self.last_round_number = ann.round_number
             self.inbox.close()
         if abort is not None:
-            kind = ("the statistics round" if statistics
-                    else "the final evaluation round" if self.is_evaluation_round()
-                    else f"training round {self.store.completed_rounds() + 1} of "
-                         f"{self.settings.rounds}")
-            failure = declined_for_good(rnd, min_sites=self.settings.min_sites, kind=kind)
-            if failure is not None:
-                raise failure
+            self.leave_out_declined_for_good(rnd, kind=self.round_kind(statistics=statistics))
+
+    def leave_out_declined_for_good(self, rnd: ActiveRound, *, kind: str) -> None:
+        """After the aborted round `rnd` of `kind`: raise `StudyFailed` when its lasting
+        declines leave fewer than `min_sites` (`declined_for_good`); else leave those
+        sites out of the next rounds of that kind (they would only decline again)."""
+        if not rnd.declined_for_good:
+            return
+        name = {"statistics": "the statistics round",
+                "evaluation": "the final evaluation round"}.get(
+            kind, f"training round {self.store.completed_rounds() + 1} of "
+                  f"{self.settings.rounds}")
+        failure = declined_for_good(rnd, min_sites=self.settings.min_sites, kind=name)
+        if failure is not None:
+            raise failure
+        for site, reason in rnd.declined_for_good.items():
+            log.warning("site %s is left out of the %s rounds: %s", site, kind, reason,
+                        extra={"event": "site_left_out", "site": site, "reason": reason})
+        self.declined_kind.setdefault(kind, {}).update(rnd.declined_for_good)
 
     async def _complete_training(self, rnd: ActiveRound, aggregator: Aggregator) -> RoundResult:
         """Step the model with the round's sum (worker thread), then record the round."""
