@@ -259,6 +259,9 @@ _COMMENTS = {
         'unit = "hospital": intermediaries = 1 keeps the hospital-level epsilon within',
         'epsilon; v > 1 or "auto" (up to 8 per round) charge the budget per intermediary',
         "and make the hospital-level epsilon v-fold (docs/privacy.md, section 7).",
+        "[privacy.evaluation] max_evaluations: DP evaluations asked of every site, one per",
+        'training round plus the final evaluation round; "derived" = rounds + 1. A site',
+        "whose policy.max_evaluations is smaller refuses the study when it receives it.",
     ],
 }
 
@@ -392,6 +395,8 @@ def _check(args: argparse.Namespace) -> int:
         "encoded_features": encoded_feature_names(study),
         "model": study.model.custom or study.model.name,
         "rounds": study.study.rounds,
+        "final_evaluation": study.training.final_evaluation,
+        "evaluations": study.max_evaluations,
         "privacy": study.privacy.model_dump(mode="json"),
     }
     if args.json:
@@ -403,6 +408,8 @@ def _check(args: argparse.Namespace) -> int:
         print(f"  model {summary['model']}, {study.study.rounds} rounds")
         p = study.privacy
         print(f"  privacy request: unit {p.unit}, epsilon {p.epsilon:g}, delta {p.delta:g}")
+        print(f"  DP evaluations asked of every site: {study.max_evaluations} "
+              f"({study.evaluations_planned_text()})")
     warning = intermediaries_warning(study.privacy)
     if warning is not None:
         print(warning, file=sys.stderr)

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from common.config import CoordinatorSettings
 from common.convergence import auc_trend, describe_auc_trend
 from common.crypto.signing import VerifyingKey
-from common.errors import ConfigError
+from common.errors import ConfigError, StudyFailed
 from common.metrics_http import serve_metrics
 from common.pki import COORDINATOR_CERT, CRL_FILE, PeerVerifier, load_ca, load_certificate
 from common.proto.medfed.v1 import federation_pb2 as pb
@@ -186,7 +186,19 @@ async def serve(
     code = 0
     if engine_task in done:
         exc = engine_task.exception()
-        if exc is not None:
+        if isinstance(exc, StudyFailed):
+            # Not an outage: the study cannot finish. Status keeps saying why and sites
+            # polling hear it (they stop), until the operator stops the coordinator.
+            log.error("%s", exc, extra={"event": "study_failed", "reason": exc.reason})
+            print(f"medfed: error: {exc}", file=sys.stderr)
+            code = 1
+            if exit_when_finished:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=linger_seconds)
+            else:
+                log.info("study failed: still serving status until stopped")
+                await stop.wait()
+        elif exc is not None:
             # Waiting sites were told UNAVAILABLE (never "finished"): they retry until a
             # coordinator restarted on the same state resumes the study.
             cause = f"{type(exc).__name__}: {exc}"

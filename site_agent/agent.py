@@ -45,16 +45,19 @@ from common.convergence import describe_loss_trend, loss_trend
 from common.crypto.random import numpy_generator, system_random
 from common.crypto.signing import SigningKey, VerifyingKey
 from common.errors import (
+    STUDY_FAILED_PREFIX,
     AbortReason,
     BudgetExhausted,
     CertificateRejected,
     ConfigError,
     CryptoError,
+    EvaluationsUsed,
     FederationFinished,
     LedgerForkError,
     MedfedError,
     ProtocolAbort,
     RoundFailed,
+    StudyFailed,
     StudyRefused,
     ValidationError,
 )
@@ -413,6 +416,21 @@ class SiteAgent:
                 if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                     log.error("coordinator refused our certificate: %s", exc.details())
                     return 3
+                details = exc.details() or ""
+                if (code == grpc.StatusCode.FAILED_PRECONDITION
+                        and details.startswith(STUDY_FAILED_PREFIX)):
+                    # The coordinator ended the study unfinished (its sites declined a
+                    # round for good): retrying would not change that.
+                    failure = StudyFailed(details.removeprefix(STUDY_FAILED_PREFIX))
+                    log.error("the coordinator ended the study unfinished: %s",
+                              failure.reason,
+                              extra={"event": "study_failed", "reason": failure.reason})
+                    if self.settings.once:
+                        raise failure from None
+                    log.info("waiting for the next study (run with --once to exit instead)")
+                    self._disconnect()
+                    self.stop.wait(NEXT_STUDY_POLL_SECONDS)
+                    continue
                 cause = tls_failure(exc)
                 self._tls_failures = self._tls_failures + 1 if cause is not None else 0
                 if cause is not None and (
@@ -584,6 +602,18 @@ class SiteAgent:
                 log.warning("could not tell the coordinator (%s): %s", rpc_exc.code(),
                             rpc_exc.details())
             raise
+        except EvaluationsUsed as exc:
+            # Waiting does not help: say so (the coordinator ends the study when too
+            # few sites are left to answer it), then wait for what it decides.
+            log.error("declining round %d: %s", ann.round, exc)
+            self.metrics.rounds.labels(outcome="failed").inc()
+            stub.DeclineRound(
+                pb.DeclineRoundRequest(
+                    round=ann.round, reason=pb.DeclineRoundRequest.EVALUATIONS_USED,
+                    budget=self.budget_pb(),
+                ),
+                timeout=30,
+            )
         except BudgetExhausted as exc:
             log.warning("declining round %d: %s", ann.round, exc)
             self._declined_for_budget = True
@@ -949,6 +979,13 @@ class SiteAgent:
         if not dp_release.check_evaluation_allowed(self.ledger, policy):
             if rnd.plan.local_epochs == 0:
                 raise dp_release.refuse_evaluation_only(rnd.number)
+            return []
+        if (rnd.plan.local_epochs > 0 and self.study is not None
+                and self.study.training.final_evaluation
+                and dp_release.evaluations_used(self.ledger) + 1 >= policy.max_evaluations):
+            # The last evaluation this policy allows is kept for the study's final
+            # evaluation round (training rounds aborted after their ledger entry use
+            # evaluations too): this training round sends an all-zero histogram.
             return []
         ann = rnd.announcement
         return [dp_release.evaluation_mechanism(

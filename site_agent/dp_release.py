@@ -24,7 +24,7 @@ import numpy as np
 
 from common.config import SitePolicySection
 from common.crypto.random import RandomSource, numpy_generator, system_random
-from common.errors import ConfigError, RoundFailed, StateError
+from common.errors import ConfigError, EvaluationsUsed, StateError
 from common.privacy.accountant import RoundNoisePlan, compose_epsilon, plan_round_noise
 from common.privacy.ddgauss import count_noise, count_site_sigma
 from common.privacy.ledger import PrivacyLedger
@@ -171,8 +171,8 @@ def check_evaluation_allowed(ledger: PrivacyLedger, policy: SitePolicySection) -
     return evaluations_used(ledger) < policy.max_evaluations
 
 
-def refuse_evaluation_only(round_number: int) -> RoundFailed:
-    return RoundFailed(
+def refuse_evaluation_only(round_number: int) -> EvaluationsUsed:
+    return EvaluationsUsed(
         f"round {round_number} is evaluation-only and this site's policy max_evaluations "
         "is reached"
     )
