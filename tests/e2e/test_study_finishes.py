@@ -98,10 +98,14 @@ def test_the_study_init_study_finishes_with_the_final_model_at_every_site(
     final = (run.state / "model" / "final.safetensors").read_bytes()
     for site in SITES:
         assert (run.site_state(site) / "model" / "final.safetensors").read_bytes() == final
-        _, entries = read_ledger(run.site_state(site) / "privacy-ledger.db")
+        header, entries = read_ledger(run.site_state(site) / "privacy-ledger.db")
         # A DP evaluation, on the ledger, in every round the study completed, the final
         # evaluation round included: the allowance the study asked paid for all of them.
         assert completed <= {e.round for e in entries if e.purpose == PURPOSE_EVALUATION}
+        # Noise planned for the study's own rounds: the budget is spent by its end (the
+        # final evaluation's reserve included), never past it.
+        spent = max(e.epsilon_after for e in entries)
+        assert 0.9 * header.budget_epsilon <= spent <= header.budget_epsilon, (site, spent)
 
 
 def used_ledger(settings_dir: Path, site: str, *, pki: Path, evaluations: int) -> None:
