@@ -357,8 +357,8 @@ class SitePolicySection(_Section):
         "v-fold group privacy, so 1 keeps it as declared. Checked at enrolment and on "
         "every round",
     )
-    # Issue 10, section 6: the site plans its own noise; an announcement can only raise
-    # the number of rounds planned for, and no round costs more than the cap.
+    # The site plans its own noise: under a study for the study's rounds; without one for
+    # this many, raised (never lowered) by an announcement. No round costs more than the cap.
     planned_rounds: int = Field(default=10, ge=1, le=1_000_000)
     max_epsilon_per_round: float | None = Field(default=None, gt=0, le=100)
     max_evaluations: int = Field(
