@@ -7,6 +7,9 @@ hospital), or with ``--model cnn|resnet18-gn|densenet121-gn`` on synthetic image
 in memory (``--image-size``, ``--batches`` steps per epoch). The three are timed in
 turn, epoch after epoch, in one process, so machine load affects them alike; medians
 are reported, of wall-clock time and of process CPU time (the steadier figure on a shared machine).
+A fourth trainer is built with ``grad_sample_mode = "auto"``, as a site's is: it times a
+few steps of each mode on its device and keeps the faster; the bench prints what it
+measured and picked beside the side-by-side figures (``auto_is_faster``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -66,7 +69,7 @@ def run(
     from site_agent.data import prepare_site_split
     from site_agent.models import ModelSpec, build_model, flatten_parameters
     from site_agent.synthetic import FEATURES, generate_cohort
-    from site_agent.trainer import LocalTrainer, TrainingConfig, choose_grad_sample_mode
+    from site_agent.trainer import LocalTrainer, TrainingConfig
 
     torch.set_num_threads(threads)
     spec = ModelSpec(name=model)
@@ -90,21 +93,36 @@ def run(
 
         physical = max_physical_batch_size or 64
         what = f"{image_size}x{image_size} images"
-    trainers = {}
-    for mode in MODES:
-        config = TrainingConfig(
+    def config(mode: str) -> Any:
+        path: Literal["ghost", "hooks", "auto"] = (
+            "hooks" if mode == "hooks" else "auto" if mode == "auto" else "ghost"
+        )
+        return TrainingConfig(
             batch_size=batch_size,
             max_physical_batch_size=physical,
             local_epochs=1,
             lr=0.5 if spec.canonical_name == "mlp" else 0.05,
             dp=mode != "nonprivate",
             privacy_unit="record",
-            grad_sample_mode="hooks" if mode == "hooks" else "ghost",
+            grad_sample_mode=path,
             delta=min(1e-5, 0.5 / len(train)),
             device=device,
         )
+
+    trainers = {}
+    for mode in MODES:
         torch.manual_seed(seed)
-        trainers[mode] = LocalTrainer(factory, train, config, seed=seed)
+        trainers[mode] = LocalTrainer(factory, train, config(mode), seed=seed)
+    # What a site's trainer picks: `auto` times each mode on a copy of the model
+    # (synthetic inputs of the physical batch shape) and keeps the faster.
+    torch.manual_seed(seed)
+    auto_started = time.perf_counter()
+    auto_trainer = LocalTrainer(factory, train, config("auto"), seed=seed)
+    auto_setup = time.perf_counter() - auto_started
+    choice = auto_trainer.grad_sample_choice
+    if choice is None:
+        raise SystemExit("auto did not choose a record-level DP path")
+    del auto_trainer
     start = flatten_parameters(trainers["nonprivate"].model)
     with warnings.catch_warnings():
         # Opacus' full backward hooks warn when inputs need no grad (they never do here).
@@ -120,7 +138,7 @@ def run(
                 cpu[mode].append(time.process_time() - cpu_start)
     median = {mode: statistics.median(values) for mode, values in seconds.items()}
     cpu_median = {mode: statistics.median(values) for mode, values in cpu.items()}
-    auto = choose_grad_sample_mode(trainers["nonprivate"].model, "auto")
+    auto = choice.mode
     # On a shared CPU, process time is the steadier measure of which path is cheaper.
     basis = cpu_median if str(trainers["ghost"].device) == "cpu" else median
     faster = min(("ghost", "hooks"), key=lambda m: basis[m])
@@ -147,7 +165,12 @@ def run(
         "hooks_cpu_ratio": cpu_median["hooks"] / cpu_median["nonprivate"],
         "ghost_mode_used": trainers["ghost"].grad_sample_mode,
         "auto_mode": auto,
+        "auto_measured_step_seconds": dict(choice.seconds_per_step),
+        "auto_setup_seconds": auto_setup,
         "auto_is_faster": auto == faster,
+        # >= 1: the epoch time of auto's pick over the faster mode's (1.0 when it is the
+        # faster); a pick that lost by a few percent lost within the run-to-run noise.
+        "auto_cost_vs_faster": basis[auto] / basis[faster],
     }
 
 
@@ -207,6 +230,18 @@ def main_from_args(args: argparse.Namespace) -> int:
             if mode == result["auto_mode"]:
                 line += "   <- auto"
         print(line)
+    measured = ", ".join(
+        f"{mode} {seconds * 1e3:.1f} ms"
+        for mode, seconds in result["auto_measured_step_seconds"].items()
+    )
+    verdict = (
+        "the faster mode here" if result["auto_is_faster"]
+        else f"{(result['auto_cost_vs_faster'] - 1) * 100:.0f}% slower than the other here"
+    )
+    print(
+        f"  auto measured per step ({measured}; {result['auto_setup_seconds']:.1f} s to set up "
+        f"the trainer) and picked {result['auto_mode']}: {verdict}"
+    )
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if not isinstance(v, np.generic)}))
     return 0

@@ -311,6 +311,11 @@ class LocalTrainingSection(_Section):
     )
 
 
+DEFAULT_MAX_EVALUATIONS: Final = 100
+"""A site's default `policy.max_evaluations`: room for the default study (10 training
+rounds + 1 final evaluation round) several times over on one ledger; every evaluation is
+still charged to the site's epsilon budget."""
+
 DEFAULT_MAX_INTERMEDIARIES: Final = 8
 """A site's default `policy.max_intermediaries`: the cap of `intermediaries = "auto"`
 (`common.privacy.hospital.MAX_AUTO_INTERMEDIARIES`; a test keeps the two equal)."""
@@ -352,12 +357,17 @@ class SitePolicySection(_Section):
         "v-fold group privacy, so 1 keeps it as declared. Checked at enrolment and on "
         "every round",
     )
-    # Issue 10, section 6: the site plans its own noise; an announcement can only raise
-    # the number of rounds planned for, and no round costs more than the cap.
+    # The site plans its own noise: under a study for the study's rounds; without one for
+    # this many, raised (never lowered) by an announcement. No round costs more than the cap.
     planned_rounds: int = Field(default=10, ge=1, le=1_000_000)
     max_epsilon_per_round: float | None = Field(default=None, gt=0, le=100)
-    # Issue 10, section 3: DP evaluations this site's ledger may record, ever.
-    max_evaluations: int = Field(default=10, ge=0, le=100_000)
+    max_evaluations: int = Field(
+        default=DEFAULT_MAX_EVALUATIONS, ge=0, le=100_000,
+        description="DP evaluations (score histograms, each a ledger entry charged to the "
+        "budget) this site's ledger may record, ever. A study asking more (its "
+        "privacy.evaluation.max_evaluations: one per training round plus the final "
+        "evaluation round) is refused at enrolment",
+    )
 
     @field_validator("members")
     @classmethod

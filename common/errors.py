@@ -16,6 +16,8 @@
     │                                revoked, wrong CA, no site id)
     ├── PrivacyError
     │   ├── BudgetExhausted          this round would exceed the site's epsilon budget
+    │   ├── EvaluationsUsed          the site's evaluation allowance is on its ledger:
+    │   │                            it declines an evaluation-only round for good
     │   ├── StudyRefused             this site can never take part in the study the
     │   │                            coordinator runs (its statistics were already
     │   │                            released): it declines and stops
@@ -29,7 +31,10 @@
     ├── Unavailable                  the coordinator cannot serve now (its round engine
     │                                failed); sites retry with backoff
     ├── RoundFailed                  this round cannot go on for this site
-    └── FederationFinished           the coordinator ran its whole study
+    ├── FederationFinished           the coordinator ran its whole study
+    └── StudyFailed                  the coordinator ended the study unfinished: its
+                                     sites declined a round for a reason that cannot
+                                     change (budget, evaluations used)
 
 `common.wire.status_for` translates these to gRPC status codes (one table); nothing
 else in the product catches broad exceptions.
@@ -148,6 +153,11 @@ class BudgetExhausted(PrivacyError):
     """Training this round would take the site past its epsilon budget."""
 
 
+class EvaluationsUsed(PrivacyError):
+    """An evaluation-only round, and the site's `policy.max_evaluations` DP evaluations
+    are already on its ledger: it declines (the reason does not change by waiting)."""
+
+
 class StudyRefused(PrivacyError):
     """This site can never take part in the coordinator's run of its study: it released
     the study's statistics already (a second release would let the noise be averaged
@@ -195,3 +205,21 @@ class RoundFailed(MedfedError):
 
 class FederationFinished(MedfedError):
     """The coordinator ran all its rounds: the study is complete."""
+
+
+STUDY_FAILED_PREFIX = "study failed: "
+"""How a `StudyFailed` reads on the wire (the gRPC details a site's poll receives)."""
+
+
+class StudyFailed(MedfedError):
+    """The coordinator ended the study before its last round: the sites it needs
+    declined a round for a reason that cannot change (a spent budget, a used evaluation
+    allowance, statistics already released), so re-opening the round would loop.
+
+    Not an outage (`Unavailable`): the coordinator keeps serving status, its polls answer
+    FAILED_PRECONDITION with this message, and `site run --once` exits non-zero with it.
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(STUDY_FAILED_PREFIX + reason)

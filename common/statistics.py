@@ -27,8 +27,9 @@ colluding sites (colluders know their own noise); the secure sum then carries th
 of the distributed discrete Gaussian (Kairouz, Liu & Steinke, ICML 2021, Prop. 14),
 recorded as one ledger entry with purpose "statistics".
 
-For range = "auto" the clip range and a robust scale (IQR / 1.349) follow from the DP
-histogram in the same release; the imputation value is its median. Only the bins whose
+For range = "auto" the clip range and a robust scale (IQR / 1.349, never below the
+standard deviation of the clipped histogram) follow from the DP histogram in the same
+release; the imputation value is its median. Only the bins whose
 noisy count is credibly above the noise count (common.noisy_counts; a plain clamp at 0
 gave each of ~50 empty bins ~0.4 sigma fake units, enough to drag a small cohort's
 1 % / 99 % quantiles out to +-1e4). Where the noise swamps a feature's values the
@@ -314,6 +315,28 @@ def _quantile(counts: np.ndarray, q: float) -> float:
     return float(lower + fraction * (upper - lower))
 
 
+def _clipped_std(counts: np.ndarray, *, low: float, high: float) -> float:
+    """Standard deviation of a histogram over LOG_EDGES clipped into [low, high], each
+    bin's units spread uniformly over its clipped width (within-bin variance width^2/12).
+
+    The scale's floor: where most units share one bin (a 0/1 column with rare ones, a
+    count that is mostly zero) the IQR lies inside that bin and comes out orders of
+    magnitude below the feature's spread, which would blow the rare values up to
+    hundreds of standard units and make them dominate every clipped gradient.
+    Post-processing of the released histogram: no privacy cost."""
+    total = float(counts.sum())
+    if total <= 0:
+        return 0.0
+    lower = np.concatenate([[LOG_EDGES[0]], LOG_EDGES])
+    upper = np.concatenate([LOG_EDGES, [LOG_EDGES[-1]]])
+    a, b = np.clip(lower, low, high), np.clip(upper, low, high)
+    weights = counts.astype(np.float64) / total
+    centres = (a + b) / 2.0
+    mean = float(np.sum(weights * centres))
+    variance = float(np.sum(weights * ((centres - mean) ** 2 + (b - a) ** 2 / 12.0)))
+    return math.sqrt(max(variance, 0.0))
+
+
 def release_noise_sigma(study: Study, *, contributors: int, max_colluding_sites: int) -> float:
     """Std of the noise on each entry of the secure sum of `contributors` releases, as the
     coordinator can know it: every site plans `plan_statistics` for n_noise honest
@@ -331,7 +354,7 @@ KEPT_FRACTION = 0.5
 feature is flagged as noise-dominated."""
 
 
-def _auto_statistics(
+def auto_statistics(
     noisy: np.ndarray, *, name: str, sigma: float, warnings: list[str]
 ) -> NumericStatistics:
     """Median, IQR / 1.349 and the 1 % / 99 % quantiles of the credible part of a noisy
@@ -353,10 +376,9 @@ def _auto_statistics(
     median = _quantile(counts, 0.5)
     iqr = _quantile(counts, 0.75) - _quantile(counts, 0.25)
     low, high = _quantile(counts, 0.01), _quantile(counts, 0.99)
-    scale = iqr / IQR_TO_STD
-    floor = max(abs(median), high - low, 1.0) * MIN_SCALE_FRACTION
-    scale = max(scale, floor)
     low, high = min(low, median), max(high, median)
+    floor = max(abs(median), high - low, 1.0) * MIN_SCALE_FRACTION
+    scale = max(iqr / IQR_TO_STD, _clipped_std(counts, low=low, high=high), floor)
     if high <= low:
         low, high = low - scale, high + scale
     # Noise-only mass a plain clamp at 0 would have added: ~0.4 sigma per empty bin.
@@ -415,7 +437,7 @@ def decode_release(
             )
         elif spec.type == "numeric":
             segment = where[f"{name}.histogram"]
-            numeric[name] = _auto_statistics(
+            numeric[name] = auto_statistics(
                 total[segment.start : segment.start + segment.length],
                 name=name, sigma=noise_sigma, warnings=warnings,
             )

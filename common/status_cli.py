@@ -15,6 +15,10 @@ from typing import Any
 
 from common.errors import ConfigError, Unavailable
 
+FAILED_PHASE_PREFIX = "failed: "
+"""The phase of a study that ended unfinished, followed by why: the Status RPC's
+`phase` string carries the reason (coordinator/status.py), shown as the headline."""
+
 DEFAULT_TIMEOUT_SECONDS = 10.0
 
 
@@ -62,6 +66,7 @@ def fetch_status(coordinator: str, *, ca: Path, cert: Path, key: Path,
     return {
         "federation_id": resp.federation_id,
         "finished": resp.finished,
+        "failed": failure_of(resp.phase),
         "phase": resp.phase,
         "current_round": resp.current_round,
         "completed_rounds": resp.completed_rounds,
@@ -147,11 +152,19 @@ def _in_flight(status: dict[str, Any]) -> str:
     return f"training round {k} of {status['training_rounds']}"
 
 
+def failure_of(phase: str) -> str | None:
+    """Why the study failed, from the phase the coordinator reports (None: it has not)."""
+    return phase.removeprefix(FAILED_PHASE_PREFIX) if phase.startswith(FAILED_PHASE_PREFIX) \
+        else None
+
+
 def render(status: dict[str, Any]) -> str:
     """Human-readable status: one headline, then one row per site."""
     eta = _duration(status["eta_seconds"])
     if status["finished"]:
         head = f"study finished: {_progress(status)}"
+    elif failure_of(status["phase"]) is not None:
+        head = f"study FAILED: {failure_of(status['phase'])}; {_progress(status)}"
     elif status["current_round"]:
         head = (f"{_in_flight(status)} in flight (round number {status['current_round']}, "
                 f"phase {status['phase']}); {_progress(status)}; ETA {eta}")

@@ -39,7 +39,7 @@ ClassLabel = int | str
 PrivacyUnit = Literal["record", "patient", "hospital"]
 # Stronger units protect more: a hospital-level guarantee covers all of its patients.
 UNIT_STRENGTH: Mapping[str, int] = {"record": 0, "patient": 1, "hospital": 2}
-TABLE_MODELS = ("mlp",)
+TABLE_MODELS = ("logistic", "mlp")
 IMAGE_MODELS = (
     "cnn", "resnet18-gn", "densenet121-gn", "densenet121", "small_cnn", "resnet18_gn"
 )
@@ -192,10 +192,24 @@ class TrainingSection(_Section):
 
 
 class EvaluationSection(_Section):
-    """``[privacy.evaluation]``: the DP score histograms behind the ROC and threshold."""
+    """``[privacy.evaluation]``: the DP score histograms behind the ROC and threshold.
+
+    ``max_evaluations``: the DP evaluations (score histograms, one ledger entry each) the
+    study asks of every site. Each training round releases one and the final
+    evaluation-only round one more, so ``"derived"`` (the default) asks for exactly
+    ``study.rounds`` + 1 (+ 0 without ``training.final_evaluation``); an explicit number
+    must cover them (`Study.evaluations_needed`), or the study is refused.
+    """
 
     histogram_bins: int = Field(default=20, ge=2, le=1000)
-    max_evaluations: int = Field(default=10, ge=1, le=100_000)
+    max_evaluations: Literal["derived"] | int = "derived"
+
+    @field_validator("max_evaluations")
+    @classmethod
+    def _evaluations_in_range(cls, value: Literal["derived"] | int) -> Literal["derived"] | int:
+        if value != "derived" and not 1 <= value <= 100_000:
+            raise ValueError("max_evaluations must be \"derived\" or an integer in 1..100000")
+        return value
 
 
 class StudyPrivacySection(_Section):
@@ -349,7 +363,36 @@ class Study(_Section):
             raise ValueError("privacy.unit = 'patient' needs data.patient_column")
         if self.privacy.record_level == "patient" and self.data.patient_column is None:
             raise ValueError("privacy.record_level = 'patient' needs data.patient_column")
+        allowance = self.privacy.evaluation.max_evaluations
+        if allowance != "derived" and allowance < self.evaluations_needed:
+            raise ValueError(
+                f"privacy.evaluation.max_evaluations = {allowance} does not cover the "
+                f"study's {self.evaluations_planned_text()}; each of them releases one DP "
+                f"evaluation, so no site could answer the last one: set max_evaluations = "
+                f"\"derived\" or at least {self.evaluations_needed}, or lower study.rounds"
+            )
         return self
+
+    @property
+    def evaluations_needed(self) -> int:
+        """DP evaluations the study releases at every site: one per training round and
+        one for the final evaluation-only round (when ``training.final_evaluation``)."""
+        return self.study.rounds + (1 if self.training.final_evaluation else 0)
+
+    @property
+    def max_evaluations(self) -> int:
+        """The evaluations the study asks of every site (``"derived"``: exactly those
+        needed); a site whose policy allows fewer refuses the study at enrolment."""
+        allowance = self.privacy.evaluation.max_evaluations
+        return self.evaluations_needed if allowance == "derived" else allowance
+
+    def evaluations_planned_text(self) -> str:
+        """``study.rounds = 10 training rounds + 1 final evaluation round
+        (training.final_evaluation = true)``: the fields the allowance follows from."""
+        final = ("+ 1 final evaluation round (training.final_evaluation = true)"
+                 if self.training.final_evaluation
+                 else "and no final evaluation round (training.final_evaluation = false)")
+        return f"study.rounds = {self.study.rounds} training rounds {final}"
 
     @property
     def num_outputs(self) -> int:
@@ -619,6 +662,9 @@ class SitePrivacyPolicy:
     max_intermediaries: int | None = None
     """Hospital-level studies: the most intermediaries this site splits into (None: the
     protocol's own bound)."""
+    max_evaluations: int | None = None
+    """DP evaluations this site's ledger may record (its ``policy.max_evaluations``);
+    None: no limit of its own (each evaluation is still charged to its budget)."""
 
 
 def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
@@ -681,6 +727,16 @@ def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
                 f"policy.max_intermediaries = {policy.max_intermediaries} (the "
                 f"hospital-level epsilon becomes up to {most}-fold)"
             )
+    if policy.max_evaluations is not None and study.max_evaluations > policy.max_evaluations:
+        # Refused now, not at the last round: a site that cannot pay the final
+        # evaluation would leave every site without the final model.
+        problems.append(
+            f"privacy.evaluation.max_evaluations = "
+            f"{json.dumps(requested.evaluation.max_evaluations)} "
+            f"asks {study.max_evaluations} DP evaluations ({study.evaluations_planned_text()}),"
+            f" more than this site's policy.max_evaluations = {policy.max_evaluations}: "
+            "raise policy.max_evaluations in this site's config, or lower study.rounds"
+        )
     factory = study.model.custom
     if factory is not None and factory not in policy.allowed_model_factories:
         problems.append(f"model.custom = {factory!r} is not in this site's allowed factories")

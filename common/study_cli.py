@@ -19,6 +19,7 @@ from typing import Any
 
 from common.errors import ConfigError
 from common.study import (
+    ModelSection,
     Study,
     encoded_feature_names,
     intermediaries_warning,
@@ -149,6 +150,20 @@ def _parse_classes(text: str) -> list[int | str]:
     return list(items)
 
 
+TABLE_DEFAULT_MODEL = "logistic"
+"""Tables start from logistic regression: under DP-SGD the fewest coordinates to noise,
+and the model class of the centralized baseline a study is judged against
+(`medfed bench utility`, docs/benchmarks.md)."""
+
+TABLE_DEFAULT_LEARNING_RATE = 1.0
+"""Per-unit gradients are clipped to max_grad_norm (C = 1), so a DP-SGD step moves the
+weights by at most lr * C: at 0.1 a study of ten rounds ends before the model converges.
+With clipping binding for most units, DP-SGD behaves like normalized SGD and tolerates
+a larger step (De et al. 2022, "Unlocking High-Accuracy Differentially Private Image
+Classification through Scale"; Ponomareva et al. 2023, "How to DP-fy ML", section 5.4),
+measured on four real cohorts in docs/benchmarks.md."""
+
+
 def draft_study(
     *,
     name: str,
@@ -183,6 +198,8 @@ def draft_study(
             else {"name": c, "type": "numeric", "missing": missing}
             for c in features
         ],
+        "model": {"name": TABLE_DEFAULT_MODEL},
+        "training": {"learning_rate": TABLE_DEFAULT_LEARNING_RATE},
         "privacy": {"unit": "patient" if patient_column else "record"},
     }
     return study_from_mapping(mapping, source="the study init flags")
@@ -227,16 +244,24 @@ _COMMENTS = {
         "  are clipped into it before standardising with the global statistics.",
     ],
     "model": [
-        'name: "mlp" (hidden = layer sizes) for tables; "cnn", "resnet18-gn",',
-        '"densenet121" for images; or custom = "package.module:factory" instead of name.',
+        'name: "logistic" (logistic regression) or "mlp" (hidden = layer sizes) for',
+        'tables; "cnn", "resnet18-gn", "densenet121" for images; or',
+        'custom = "package.module:factory" instead of name.',
     ],
-    "training": ["Local DP-SGD and the server optimizer (fedavg, fedadam, fedyogi)."],
+    "training": [
+        "Local DP-SGD and the server optimizer (fedavg, fedadam, fedyogi). Each unit's",
+        "gradient is clipped to privacy.max_grad_norm, so a step moves at most",
+        "learning_rate x max_grad_norm: 1.0 converges within the rounds on tables.",
+    ],
     "privacy": [
         "Requests: a site joins only if they are at least as strict as its own policy,",
         'which always wins. unit: "record", "patient" or "hospital".',
         'unit = "hospital": intermediaries = 1 keeps the hospital-level epsilon within',
         'epsilon; v > 1 or "auto" (up to 8 per round) charge the budget per intermediary',
         "and make the hospital-level epsilon v-fold (docs/privacy.md, section 7).",
+        "[privacy.evaluation] max_evaluations: DP evaluations asked of every site, one per",
+        'training round plus the final evaluation round; "derived" = rounds + 1. A site',
+        "whose policy.max_evaluations is smaller refuses the study when it receives it.",
     ],
 }
 
@@ -258,6 +283,23 @@ def _table(lines: list[str], header: str, values: dict[str, Any]) -> None:
         _table(lines, f"[{header.strip('[]')}.{_toml_key(key)}]", value)
 
 
+def _model_fields_that_apply(model: dict[str, Any]) -> dict[str, Any]:
+    """``hidden`` and ``dropout`` shape the mlp only: left out for another model while
+    they hold their defaults (the file still loads back to the same study)."""
+    defaults = ModelSection.model_fields
+    if model.get("name") == "mlp":
+        return model
+    return {
+        key: value for key, value in model.items()
+        if key not in ("hidden", "dropout")
+        or value != _json_default(defaults[key].default)
+    }
+
+
+def _json_default(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
 def render_study_toml(study: Study) -> str:
     """A commented TOML file that loads back to exactly `study`."""
     dumped = study.model_dump(mode="json")
@@ -274,6 +316,8 @@ def render_study_toml(study: Study) -> str:
                 if index:
                     lines.append("")
                 _table(lines, "[[features]]", feature)
+        elif section == "model":
+            _table(lines, "[model]", _model_fields_that_apply(dumped["model"]))
         else:
             _table(lines, f"[{section}]", dumped[section])
     text = "\n".join(lines) + "\n"
@@ -351,6 +395,8 @@ def _check(args: argparse.Namespace) -> int:
         "encoded_features": encoded_feature_names(study),
         "model": study.model.custom or study.model.name,
         "rounds": study.study.rounds,
+        "final_evaluation": study.training.final_evaluation,
+        "evaluations": study.max_evaluations,
         "privacy": study.privacy.model_dump(mode="json"),
     }
     if args.json:
@@ -362,6 +408,8 @@ def _check(args: argparse.Namespace) -> int:
         print(f"  model {summary['model']}, {study.study.rounds} rounds")
         p = study.privacy
         print(f"  privacy request: unit {p.unit}, epsilon {p.epsilon:g}, delta {p.delta:g}")
+        print(f"  DP evaluations asked of every site: {study.max_evaluations} "
+              f"({study.evaluations_planned_text()})")
     warning = intermediaries_warning(study.privacy)
     if warning is not None:
         print(warning, file=sys.stderr)

@@ -3,8 +3,9 @@
 A PKI, one coordinator and five site agents as separate processes over mutual TLS on
 127.0.0.1, each site with its own non-IID slice of the embedded synthetic sepsis cohort
 (or one CSV per site from ``--data``), its own privacy ledger and an epsilon budget.
-Several rounds of DP-SGD with SecAgg+; one site is killed mid-round (its masks are
-recovered) and restarted later. Then the privacy/utility table of seed 002:
+Several rounds of DP-SGD with SecAgg+; where the federation can survive a dropout (see
+`dropout_decision`), one site is killed mid-round (its masks are recovered) and
+restarted with its ledger. Then the privacy/utility table of seed 002:
 centralized non-private vs federated non-private vs federated with DP and secure
 aggregation, each site's epsilon against its budget (training and evaluation apart),
 and the membership-inference audit line (coordinator/demo_audit.py; `--no-audit`).
@@ -23,12 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from common.config import DEFAULT_COUNT_EPSILON
+from common.config import DEFAULT_COUNT_EPSILON, AggregationSection, SitePolicySection
 from common.errors import ConfigError, StateError
 from common.processes import Line, ManagedProcess, medfed_argv
+from common.secagg.params import round_floor
 
 HISTOGRAM_BINS = 50
 COUNT_EPSILON = DEFAULT_COUNT_EPSILON  # the sites' default count_epsilon
+AGGREGATION_CLIP = 0.5
+WAIT_NOTE_SECONDS = 30.0
+"""With no round event for this long, the demo prints what it is waiting for."""
 
 
 @dataclass
@@ -195,6 +200,86 @@ def validate_options(o: DemoOptions) -> None:
         raise ConfigError("--data", f"{o.data} is not a folder")
 
 
+@dataclass(frozen=True)
+class FederationTerms:
+    """The SecAgg+ terms the demo gives its coordinator ([aggregation]) and its sites
+    ([policy]), and the line saying why when they differ from the product's defaults."""
+
+    aggregation: AggregationSection
+    policy: SitePolicySection
+    note: str | None = None
+
+
+def federation_terms(n_sites: int, *, histogram_bins: int) -> FederationTerms:
+    """The product's defaults (T = 1 colluding site, rounds of at least 3 sites) from 3
+    sites on. Two sites cannot meet them: a sum of two hands each site the other's
+    (DP-noised) update by subtraction, so the demo runs them with T = 0 and a round floor
+    of 2 and says so."""
+    if n_sites < 2:
+        raise ConfigError("--data", f"a federation needs at least 2 site CSVs, found {n_sites}")
+    if n_sites >= 3:
+        return FederationTerms(
+            AggregationSection(clip=AGGREGATION_CLIP, histogram_bins=histogram_bins),
+            SitePolicySection(),
+        )
+    return FederationTerms(
+        AggregationSection(clip=AGGREGATION_CLIP, histogram_bins=histogram_bins,
+                           max_colluding_sites=0),
+        SitePolicySection(min_round_sites=2, max_colluding_sites=0),
+        note=("2 sites: the secure sum of two hands each site the other's DP-noised "
+              "update (its own subtracted), so the demo assumes no colluding site "
+              "(max_colluding_sites = 0) and lets rounds of 2 sites run "
+              "(policy.min_round_sites = 2); a real federation should have at least 3"),
+    )
+
+
+@dataclass(frozen=True)
+class DropoutDecision:
+    """Whether the demo kills one site mid-round, and the line that says why."""
+
+    inject: bool
+    threshold: int
+    floor: int
+    line: str
+
+
+def dropout_decision(n_sites: int, *, aggregation: AggregationSection,
+                     policy: SitePolicySection) -> DropoutDecision:
+    """Inject a dropout only where a round of `n_sites` survives losing one site: with
+    SecAgg+ the n - 1 survivors must still hold t Shamir shares to unmask (t from
+    `coordinator.selection.round_parameters`, the coordinator's own choice for these
+    terms), and no survivor may refuse a sum of n - 1 sites (its round floor,
+    max(min_round_sites, max_colluding_sites + 2)). The killed site is restarted before
+    the next round's selection, so the coordinator's min_sites (every site) still holds
+    then."""
+    from coordinator.selection import round_parameters
+
+    threshold, _neighbours = round_parameters(n_sites, aggregation)
+    floor = round_floor(min_round_sites=policy.min_round_sites,
+                        max_colluding_sites=max(policy.max_colluding_sites,
+                                                aggregation.max_colluding_sites))
+    survivors = n_sites - 1
+    if aggregation.secure_aggregation and survivors < threshold:
+        return DropoutDecision(
+            False, threshold, floor,
+            f"[fault] no dropout injected: with {n_sites} sites SecAgg+ needs t = "
+            f"{threshold} of them to unmask (max_colluding_sites = "
+            f"{aggregation.max_colluding_sites}), so a killed site would abort the round; "
+            "every site stays up",
+        )
+    if survivors < floor:
+        return DropoutDecision(
+            False, threshold, floor,
+            f"[fault] no dropout injected: the sites refuse sums of fewer than {floor} "
+            f"sites, and {survivors} would be left",
+        )
+    return DropoutDecision(
+        True, threshold, floor,
+        f"[fault] one site will be killed mid-round: the {survivors} survivors still hold "
+        f"t = {threshold} shares to unmask it, then it is restarted with its ledger",
+    )
+
+
 class Demo:
     histogram_bins = HISTOGRAM_BINS
     """Score bins of the federation's DP evaluation histogram (a subclass may change it)."""
@@ -212,6 +297,8 @@ class Demo:
         # `--data DIR`: the study the coordinator serves (`coordinator serve --study`).
         self.served_study: Path | None = None
         self.statistics_round: int | None = None
+        # SecAgg+ terms for the coordinator and the sites (set by `run` for its sites).
+        self.terms = federation_terms(max(options.sites, 3), histogram_bins=self.histogram_bins)
 
     def say(self, text: str) -> None:
         if not self.o.quiet:
@@ -228,8 +315,9 @@ class Demo:
             files: dict[str, Path | None] = {
                 p.stem: p.resolve() for p in sorted(self.o.data.glob("*.csv"))
             }
-            if len(files) < 3:
-                raise ConfigError("--data", f"need at least 3 site CSVs in {self.o.data}")
+            if len(files) < 2:
+                raise ConfigError("--data", f"need at least 2 site CSVs (one per site) in "
+                                            f"{self.o.data}, found {len(files)}")
             self.draft_study({site: path for site, path in files.items() if path})
             return files
         from site_agent.synthetic import site_names
@@ -248,9 +336,7 @@ class Demo:
         study, notes = draft_demo_study(
             files, name="medfed-demo", label_column=self.o.label_column,
             patient_column=self.o.patient_column, rounds=self.o.rounds,
-            local_epochs=self.o.local_epochs, learning_rate=self.o.learning_rate,
-            batch_size=self.o.batch_size, epsilon=self.o.budget_epsilon, delta=self.o.delta,
-            histogram_bins=HISTOGRAM_BINS,
+            epsilon=self.o.budget_epsilon, delta=self.o.delta, histogram_bins=HISTOGRAM_BINS,
         )
         if self.o.privacy_unit == "hospital":
             study = hospital_study(study, self.o)
@@ -337,8 +423,9 @@ federation_id = "medfed-demo"
 
 {model_and_training}
 [aggregation]
-histogram_bins = {self.histogram_bins}
-clip = 0.5
+histogram_bins = {self.terms.aggregation.histogram_bins}
+clip = {self.terms.aggregation.clip}
+max_colluding_sites = {self.terms.aggregation.max_colluding_sites}
 {hospital_aggregation(self.o)}
 [deadlines]
 selection_seconds = 5
@@ -389,6 +476,13 @@ phase_seconds = {self.o.phase_seconds}
 budget_epsilon = {self.o.budget_epsilon}
 delta = {self.o.delta}
 {'privacy_unit = "hospital"' if self.o.privacy_unit == "hospital" else ""}
+
+[policy]
+min_round_sites = {self.terms.policy.min_round_sites}
+max_colluding_sites = {self.terms.policy.max_colluding_sites}
+# Without a study (the synthetic cohort) a site plans its noise for its own
+# planned_rounds: the demo's rounds, so the budget is spent by the demo's end.
+planned_rounds = {self.o.rounds}
 
 [training]
 batch_size = {self.o.batch_size}
@@ -476,15 +570,16 @@ device = "cpu"
         for name, m in baselines.items():
             self.say(f"[baseline] {name:<18} AUC {m['auc']:.3f}")
         self.audit = self.privacy_audit(datasets)
+        self.terms = federation_terms(len(sites), histogram_bins=self.histogram_bins)
+        if self.terms.note:
+            self.say(f"[setup] {self.terms.note}")
+        victim = self.plan_fault(sites)
         coordinator = self.start_coordinator(pki, model, len(sites))
-        victim = sites[-1]
         try:
             for site in sites:
                 extra: tuple[str, ...] = ()
-                if site == victim and self.o.kill_round:
-                    # With a study, round 1 is the federated DP statistics round.
-                    kill = self.o.kill_round + (1 if self.served_study is not None else 0)
-                    extra = ("--debug-pause-after", f"{kill}:masked_input")
+                if site == victim:
+                    extra = ("--debug-pause-after", f"{self.kill_round_number()}:masked_input")
                 self.start_site(site, pki, files[site], *extra)
             self.say(f"[federation] {len(sites)} site agents started; budget "
                      f"epsilon={self.o.budget_epsilon:g} at delta={self.o.delta:g} each")
@@ -497,14 +592,36 @@ device = "cpu"
             coordinator.stop()
         return self.write_report(sites, baselines)
 
-    def follow_rounds(self, coordinator: ManagedProcess, sites: list[str], victim: str,
+    def kill_round_number(self) -> int:
+        """The coordinator's number of the `--kill-round`th training round (with a
+        study, round 1 is the federated DP statistics round)."""
+        return self.o.kill_round + (1 if self.served_study is not None else 0)
+
+    def plan_fault(self, sites: list[str]) -> str | None:
+        """The site to kill mid-round, or None where the federation could not survive
+        losing one (`dropout_decision`, said in one line) or `--kill-round 0`."""
+        if not self.o.kill_round:
+            return None
+        decision = dropout_decision(len(sites), aggregation=self.terms.aggregation,
+                                    policy=self.terms.policy)
+        self.say(decision.line)
+        return sites[-1] if decision.inject else None
+
+    def follow_rounds(self, coordinator: ManagedProcess, sites: list[str], victim: str | None,
                       pki: Path, files: dict[str, Path | None]) -> None:
         total = self.o.rounds + 1  # training rounds + the final evaluation round
         done = 0
         restarted = False
         seen = 0
         while done < total:
-            line, seen = self._next_round_event(coordinator, seen)
+            line, seen = self._next_round_event(coordinator, seen, sites)
+            if (victim is not None and not restarted
+                    and any(proc.name == victim for proc in self.killed)):
+                # After the round it was killed in (completed or aborted), before the
+                # next round's selection, which waits for every site.
+                self.start_site(victim, pki, files[victim])
+                restarted = True
+                self.say(f"[fault] {victim} restarted with its ledger: it rejoins next round")
             if line.get("event") == "round_aborted":
                 self.aborted.append({"round": int(line.get("round_number", 0)),
                                      "reason": str(line.get("reason", ""))})
@@ -519,24 +636,22 @@ device = "cpu"
                 continue
             done += 1
             self.record_round(line, sites)
-            kill = self.o.kill_round + (1 if self.served_study is not None else 0)
-            if (self.o.kill_round and not restarted
-                    and int(line.get("round_number", 0)) >= kill):
-                self.start_site(victim, pki, files[victim])
-                restarted = True
-                self.say(f"[fault] {victim} restarted with its ledger: it rejoins next round")
 
-    def _next_round_event(self, coordinator: ManagedProcess, seen: int) -> tuple[Line, int]:
-        """Wait for the coordinator's next round event; meanwhile kill a paused victim."""
+    def _next_round_event(self, coordinator: ManagedProcess, seen: int,
+                          sites: list[str]) -> tuple[Line, int]:
+        """Wait for the coordinator's next round event; meanwhile kill a paused victim,
+        and every WAIT_NOTE_SECONDS without one say what the federation waits for."""
+        waiting_since = last_note = time.monotonic()
         while True:
             lines = coordinator.lines
             for index in range(seen, len(lines)):
                 if lines[index].get("event") in ("round_completed", "round_aborted"):
                     return lines[index], index + 1
-            seen = len(lines)
             if not coordinator.alive:
-                raise StateError(f"the coordinator exited ({coordinator.proc.returncode}): "
-                                 f"{last_error(coordinator)}")
+                try:  # its last lines may still be in the pipe
+                    return self._last_round_event(coordinator, seen)
+                except RuntimeError:
+                    raise StateError(self.coordinator_failure(coordinator, sites)) from None
             self.check_sites()
             for site, proc in self.procs.items():
                 if proc.alive and any(x.get("event") == "paused" for x in list(proc.lines)):
@@ -544,6 +659,11 @@ device = "cpu"
                     proc.kill9()
                     self.say(f"[fault] kill -9 {site} mid-round, after it sent its masked "
                              "update: the survivors' Shamir shares will remove its masks")
+            now = time.monotonic()
+            if now - last_note >= WAIT_NOTE_SECONDS:
+                last_note = now
+                self.say(f"[wait] {now - waiting_since:.0f} s: "
+                         + waiting_for(list(lines), self.site_states(sites)))
             try:
                 coordinator.wait_for(
                     lambda e: e.get("event") in ("round_completed", "round_aborted"),
@@ -551,6 +671,53 @@ device = "cpu"
                 )
             except RuntimeError:
                 continue
+
+    @staticmethod
+    def _last_round_event(coordinator: ManagedProcess, seen: int) -> tuple[Line, int]:
+        """A round event an exited coordinator printed from line `seen` on (read to the
+        end of its output); RuntimeError when there is none."""
+        event = coordinator.wait_for(
+            lambda e: e.get("event") in ("round_completed", "round_aborted"),
+            timeout=30.0, what="a round event", start=seen,
+        )
+        return event, next(i for i in range(seen, len(coordinator.lines))
+                           if coordinator.lines[i] is event) + 1
+
+    def site_log(self, site: str) -> Path:
+        return self.out / "logs" / f"{site}.log"
+
+    def site_states(self, sites: list[str]) -> dict[str, str]:
+        """Each site agent in a few words: running, killed by the demo, or exited with
+        its code, its last error and its log."""
+        states = {}
+        for site in sites:
+            proc = self.procs.get(site)
+            if proc is None:
+                states[site] = "not started"
+            elif proc.alive:
+                states[site] = "running"
+            elif proc in self.killed:
+                states[site] = "killed by the demo (not restarted yet)"
+            else:
+                states[site] = (f"exited with code {proc.proc.returncode}: {last_error(proc)} "
+                                f"(log: {self.site_log(site)})")
+        return states
+
+    def coordinator_failure(self, coordinator: ManagedProcess, sites: list[str]) -> str:
+        """What failed when the coordinator exits mid-demo: its own error, then every
+        site that was not running, each with its log (a bare "fewer than min_sites"
+        names no site)."""
+        states = self.site_states(sites)
+        down = {site: state for site, state in states.items() if state != "running"}
+        text = (f"the coordinator exited with code {coordinator.proc.returncode}: "
+                f"{last_error(coordinator)} (log: {self.out / 'logs' / 'coordinator.log'})")
+        if down:
+            text += "; sites not running: " + "; ".join(
+                f"{site} {state}" for site, state in down.items())
+        else:
+            text += "; every site agent was still running (site logs: " \
+                    f"{self.out / 'logs'})"
+        return text
 
     def check_sites(self) -> None:
         """Fail fast with the site's own message when a site agent died (bad data,
@@ -807,6 +974,31 @@ device = "cpu"
             patient = patients.get(site)
             self.say(f"  {site:<18} {value:9.2f} {unit:9.2f} "
                      + (f"{patient:9.2f}" if patient is not None else f"{'-':>9}"))
+
+
+def waiting_for(coordinator_lines: list[Line], site_states: dict[str, str]) -> str:
+    """What the federation waits for, from the coordinator's log lines and the sites'
+    states: a round in flight (its number and the coordinator's last line) or the
+    selection of the next round, and any site agent that is not running."""
+    opened: str | None = None
+    for line in coordinator_lines:
+        message = str(line.get("msg", ""))
+        if line.get("event") in ("round_completed", "round_aborted"):
+            opened = None
+        elif message.startswith("round ") and " open: " in message:
+            opened = message
+    if opened is not None:
+        last = str(coordinator_lines[-1].get("msg", coordinator_lines[-1].get("text", "")))
+        text = f"{opened}; in flight" + (
+            f" (coordinator: {last.strip()[:160]})" if last.strip() != opened else "")
+    else:
+        text = "the coordinator is waiting for sites to join the next round"
+    down = [f"{site} {state}" for site, state in site_states.items() if state != "running"]
+    running = [site for site, state in site_states.items() if state == "running"]
+    text += f"; site agents running: {', '.join(running) or 'none'}"
+    if down:
+        text += "; " + "; ".join(down)
+    return text
 
 
 def last_error(proc: ManagedProcess) -> str:

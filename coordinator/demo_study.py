@@ -19,6 +19,7 @@ import numpy as np
 
 from common.errors import ConfigError, DataError
 from common.study import GlobalStatistics, Study, study_from_mapping
+from common.study_cli import TABLE_DEFAULT_LEARNING_RATE, TABLE_DEFAULT_MODEL
 from site_agent.data import is_missing, iter_table_rows
 
 
@@ -88,10 +89,12 @@ def _classes(survey: ColumnSurvey, label: str) -> list[int | str]:
 
 def draft_demo_study(
     files: dict[str, Path], *, name: str, label_column: str, patient_column: str | None,
-    rounds: int, local_epochs: int, learning_rate: float, batch_size: int,
-    epsilon: float, delta: float, histogram_bins: int,
+    rounds: int, epsilon: float, delta: float, histogram_bins: int,
 ) -> tuple[Study, list[str]]:
-    """The study for the demo's CSV folder, and lines saying what was read from values."""
+    """The study for the demo's CSV folder, and lines saying what was read from values.
+
+    Model and training are what `medfed study init` drafts (`draft_study`'s defaults),
+    so the demo on a hospital's files measures the study a hospital would start from."""
     columns, surveys = survey_csvs(files[site] for site in sorted(files))
     for required, flag in ((label_column, "--label-column"), (patient_column, "--patient-column")):
         if required is not None and required not in columns:
@@ -122,9 +125,8 @@ def draft_demo_study(
         "data": {"label_column": label_column,
                  **({"patient_column": patient_column} if patient_column else {})},
         "features": features,
-        "model": {"name": "mlp"},
-        "training": {"local_epochs": local_epochs, "learning_rate": learning_rate,
-                     "batch_size": batch_size},
+        "model": {"name": TABLE_DEFAULT_MODEL},
+        "training": {"learning_rate": TABLE_DEFAULT_LEARNING_RATE},
         "privacy": {"unit": "patient" if patient_column else "record",
                     "epsilon": epsilon, "delta": delta,
                     "evaluation": {"histogram_bins": histogram_bins}},

@@ -8,11 +8,16 @@ protobuf); one asyncio event loop, CPU-heavy steps in worker threads.
 
 An engine failure (a full disk, a database error) is never reported as a finished
 federation: waiting sites hear UNAVAILABLE and retry; a restarted coordinator resumes.
+A round that sites decline for reasons that cannot change is not re-opened for them in
+a loop: it runs again without them while `min_sites` others are left, else
+(`declined_for_good`) the study ends as failed (`StudyFailed`), recorded in the state
+and shown by `medfed status`, and the sites hear why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -22,7 +27,7 @@ import numpy as np
 
 from common.codec import digest
 from common.config import CoordinatorSettings
-from common.errors import AbortReason, MedfedError, ProtocolAbort, Unavailable
+from common.errors import AbortReason, MedfedError, ProtocolAbort, StudyFailed, Unavailable
 from common.privacy.federation import FederationBudgetView
 from common.round import Announcement
 from common.secagg.client import IdentityVerifier
@@ -48,6 +53,33 @@ from coordinator.store import CoordinatorStore
 from coordinator.study_run import StudyRun
 from coordinator.training_round import GlobalModel, RoundResult
 from coordinator.uploads import Transfers
+
+log = logging.getLogger("medfed.coordinator")
+
+FAILED_META = "study_failed"
+"""State-database key holding why the study failed (absent while it has not)."""
+
+
+def declined_for_good(rnd: ActiveRound, *, min_sites: int, kind: str) -> StudyFailed | None:
+    """The study's failure when the participants that declined `rnd` (an aborted round,
+    `kind` naming it) for a reason that cannot change leave fewer than `min_sites`
+    sites able to take part: the same round opened again would be declined again, for
+    ever. None when a round like it can still run (no lasting decline, or enough
+    others; a site NOT_READY may be ready next time)."""
+    lasting = rnd.declined_for_good
+    participants = rnd.announcement.participants
+    able = [s for s in participants if s not in lasting]
+    if not lasting or len(able) >= min_sites:
+        return None
+    by_reason: dict[str, list[str]] = {}
+    for site, reason in sorted(lasting.items()):
+        by_reason.setdefault(reason, []).append(site)
+    reasons = "; ".join(f"{', '.join(sites)}: {reason}" for reason, sites in by_reason.items())
+    return StudyFailed(
+        f"{kind} (round number {rnd.number}) cannot run: {len(lasting)} of its "
+        f"{len(participants)} sites declined it for a reason that cannot change "
+        f"({reasons}), leaving {len(able)} of min_sites={min_sites}"
+    )
 
 
 class RoundEngine:
@@ -80,6 +112,10 @@ class RoundEngine:
         self.ledgers = LedgerGate(store.database, settings)
         self.sites = SiteCalls(self.sessions, self.inbox, self.ledgers, clock=clock)
         self.finished = asyncio.Event()  # set only when the whole study completed
+        self.failure: StudyFailed | None = None  # set when the study ended unfinished
+        # Sites that declined a kind of round ("statistics", "training", "evaluation")
+        # for a reason that cannot change, and why: not selected for it again.
+        self.declined_kind: dict[str, dict[str, str]] = {}
         self.model = GlobalModel.load(store, settings, study)
         if self.model.intermediaries is not None:  # "auto" v carried over a restart
             metrics.hospital_intermediaries.set(self.model.intermediaries)
@@ -113,6 +149,7 @@ class RoundEngine:
             evaluation_round=self.settings.training.final_evaluation,
             statistics_pending=self.study is not None and self.study.statistics is None,
             finished=self.finished.is_set(), now=self.clock(),
+            failure=None if self.failure is None else self.failure.reason,
         )
 
     def final_model(self, study_sha256: bytes) -> bytes:
@@ -121,15 +158,26 @@ class RoundEngine:
     # --------------------------------------------------------------- main loop
     async def run(self) -> None:
         """Run rounds until the study is complete; any other exit is a failure that
-        waiting sites hear as UNAVAILABLE (they retry), never as "finished"."""
+        waiting sites hear as UNAVAILABLE (they retry), never as "finished", except a
+        study that cannot finish (`StudyFailed`): the sites hear that and why."""
         self.recover()
+        before = self.store.get_meta(FAILED_META)
+        if before:
+            log.warning("this study failed before (%s); trying its rounds again", before,
+                        extra={"event": "study_failed_before", "reason": before})
         try:
             # Once per study, before training: the federated DP statistics release
             # (common/statistics.py) every site then preprocesses with.
             while self.study is not None and self.study.statistics is None:
-                await self._run_round(await self.select_participants(), statistics=True)
+                await self._run_round(
+                    await self.select_participants(statistics=True), statistics=True)
             while self.store.completed_rounds() < self.total_rounds:
                 await self._run_round(await self.select_participants())
+        except StudyFailed as exc:
+            self.failure = exc
+            self.store.set_meta(FAILED_META, exc.reason)
+            self.sessions.close(failure=exc)
+            raise
         except BaseException as exc:
             # The cause stays in the coordinator's log (service.serve): sites learn only
             # that they should retry, not the coordinator's paths or database errors.
@@ -142,11 +190,22 @@ class RoundEngine:
         self.metrics.study_finished.set(1)
         self.sessions.close(failure=None)
 
-    async def select_participants(self) -> list[str]:
+    def round_kind(self, *, statistics: bool = False) -> str:
+        """The kind of the next round: statistics, training or evaluation."""
+        return "statistics" if statistics else (
+            "evaluation" if self.is_evaluation_round() else "training")
+
+    def eligible(self, site_ids: list[str], *, kind: str) -> list[str]:
+        """Sites with budget left that have not declined this kind of round for good."""
+        declined = self.declined_kind.get(kind, {})
+        with_budget = self.sessions.with_budget(site_ids, evaluation_round=kind == "evaluation")
+        return [s for s in with_budget if s not in declined]
+
+    async def select_participants(self, *, statistics: bool = False) -> list[str]:
         """Wait for `min_sites` eligible sites, then briefly for the rest to arrive."""
         cfg = self.settings
         return await self.sessions.gather(
-            partial(self.sessions.with_budget, evaluation_round=self.is_evaluation_round()),
+            partial(self.eligible, kind=self.round_kind(statistics=statistics)),
             min_sites=cfg.min_sites, max_sites=cfg.limits.max_sites,
             start_timeout=cfg.deadlines.round_start_timeout_seconds,
             grace=cfg.deadlines.selection_seconds,
@@ -217,6 +276,26 @@ class RoundEngine:
             rnd.end(abort=abort)
             self.last_round_number = ann.round_number
             self.inbox.close()
+        if abort is not None:
+            self.leave_out_declined_for_good(rnd, kind=self.round_kind(statistics=statistics))
+
+    def leave_out_declined_for_good(self, rnd: ActiveRound, *, kind: str) -> None:
+        """After the aborted round `rnd` of `kind`: raise `StudyFailed` when its lasting
+        declines leave fewer than `min_sites` (`declined_for_good`); else leave those
+        sites out of the next rounds of that kind (they would only decline again)."""
+        if not rnd.declined_for_good:
+            return
+        name = {"statistics": "the statistics round",
+                "evaluation": "the final evaluation round"}.get(
+            kind, f"training round {self.store.completed_rounds() + 1} of "
+                  f"{self.settings.rounds}")
+        failure = declined_for_good(rnd, min_sites=self.settings.min_sites, kind=name)
+        if failure is not None:
+            raise failure
+        for site, reason in rnd.declined_for_good.items():
+            log.warning("site %s is left out of the %s rounds: %s", site, kind, reason,
+                        extra={"event": "site_left_out", "site": site, "reason": reason})
+        self.declined_kind.setdefault(kind, {}).update(rnd.declined_for_good)
 
     async def _complete_training(self, rnd: ActiveRound, aggregator: Aggregator) -> RoundResult:
         """Step the model with the round's sum (worker thread), then record the round."""

@@ -78,8 +78,12 @@ class RoundInbox:
             raise StateError(f"site {site_id} was dropped from round {round_number}")
         rnd.heard_from(site_id)
 
-    def decline(self, site_id: str, round_number: int, *, reason: str = "") -> None:
-        self._round_for(site_id, round_number).decline(site_id)
+    def decline(self, site_id: str, round_number: int, *, reason: str = "",
+                lasting: bool = False) -> None:
+        """`lasting`: the reason cannot change (the engine ends the study when such
+        declines leave the round fewer than min_sites)."""
+        self._round_for(site_id, round_number).decline(
+            site_id, lasting_reason=(reason or "no reason given") if lasting else None)
         log.info("site %s declined round %d%s", site_id, round_number,
                  f": {reason}" if reason else "",
                  extra={"event": "site_declined", "site": site_id,

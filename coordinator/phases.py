@@ -147,6 +147,9 @@ class ActiveRound:
         self.phase = RoundPhase.ANNOUNCED
         self.phases: dict[RoundPhase, PhaseState] = {}
         self.declined: set[str] = set()
+        # Sites that declined for a reason that cannot change (DeclineRound's budget,
+        # evaluations used, statistics released): site id -> the reason, as logged.
+        self.declined_for_good: dict[str, str] = {}
         self.dropped_after_input: set[str] = set()
         self.uploading: set[str] = set()  # sites with an upload stream in progress
         self.abort: ProtocolAbort | None = None
@@ -231,8 +234,12 @@ class ActiveRound:
             and site_id not in first.arrived
         )
 
-    def decline(self, site_id: str) -> None:
+    def decline(self, site_id: str, *, lasting_reason: str | None = None) -> None:
+        """`lasting_reason`: why the site can never take part in a round like this one
+        (None: it may take part in the next)."""
         self.declined.add(site_id)
+        if lasting_reason is not None:
+            self.declined_for_good[site_id] = lasting_reason
         for state in self.phases.values():
             if not state.closed.is_set():
                 state.drop(site_id)

@@ -18,8 +18,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.config import CoordinatorSettings
+from common.convergence import auc_trend, describe_auc_trend
 from common.crypto.signing import VerifyingKey
-from common.errors import ConfigError
+from common.errors import ConfigError, StudyFailed
 from common.metrics_http import serve_metrics
 from common.pki import COORDINATOR_CERT, CRL_FILE, PeerVerifier, load_ca, load_certificate
 from common.proto.medfed.v1 import federation_pb2 as pb
@@ -36,6 +37,17 @@ from coordinator.study_run import StudyRun
 log = logging.getLogger("medfed.coordinator")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Federation"].full_name
 MONITOR_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Monitor"].full_name
+
+
+def log_convergence(store: CoordinatorStore) -> None:
+    """At the study's end: was the model still improving? (the DP-evaluated AUC of the
+    global model over the last rounds; post-processing of released histograms)."""
+    aucs = [float(r.metrics["auc"]) for r in store.rounds()
+            if r.status == "completed" and isinstance(r.metrics.get("auc"), int | float)]
+    verdict = auc_trend(aucs)
+    log.info("study convergence: %s", describe_auc_trend(aucs),
+             extra={"event": "study_convergence", "aucs": aucs,
+                    "still_improving": verdict.improving})
 
 
 @dataclass
@@ -174,7 +186,19 @@ async def serve(
     code = 0
     if engine_task in done:
         exc = engine_task.exception()
-        if exc is not None:
+        if isinstance(exc, StudyFailed):
+            # Not an outage: the study cannot finish. Status keeps saying why and sites
+            # polling hear it (they stop), until the operator stops the coordinator.
+            log.error("%s", exc, extra={"event": "study_failed", "reason": exc.reason})
+            print(f"medfed: error: {exc}", file=sys.stderr)
+            code = 1
+            if exit_when_finished:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=linger_seconds)
+            else:
+                log.info("study failed: still serving status until stopped")
+                await stop.wait()
+        elif exc is not None:
             # Waiting sites were told UNAVAILABLE (never "finished"): they retry until a
             # coordinator restarted on the same state resumes the study.
             cause = f"{type(exc).__name__}: {exc}"
@@ -187,6 +211,7 @@ async def serve(
             log.info("all %d rounds done: the study's training rounds (its statistics and "
                      "final evaluation rounds, and any aborted round, come on top)", rounds,
                      extra={"event": "study_finished", "rounds": rounds})
+            log_convergence(running.engine.store)
             if exit_when_finished:
                 # Let waiting sites hear that the federation is finished.
                 with contextlib.suppress(TimeoutError):

@@ -46,8 +46,20 @@ DECLINE_REASONS = {
         "it released this study's statistics already and refuses a second release; it "
         "leaves the study (a study restarted from a fresh coordinator state?)"
     ),
+    pb.DeclineRoundRequest.EVALUATIONS_USED: (
+        "its policy.max_evaluations are used up on its ledger, so it cannot answer the "
+        "final evaluation round"
+    ),
 }
 """What the coordinator logs for a site's DeclineRound reason."""
+
+LASTING_DECLINES = frozenset({
+    pb.DeclineRoundRequest.BUDGET_EXHAUSTED,
+    pb.DeclineRoundRequest.STATISTICS_RELEASED,
+    pb.DeclineRoundRequest.EVALUATIONS_USED,
+})
+"""Reasons that do not change by waiting: re-opening the same round for these sites
+would loop (NOT_READY, or no reason, may pass)."""
 
 MAX_WAIT_SECONDS = 60
 MAX_LEDGER_HISTORY_BYTES = 4 << 20
@@ -243,6 +255,7 @@ class FederationServicer(pb_grpc.FederationServicer):
         self.engine.sites.decline(
             site_id, wire.round_number(request.round), budget=wire.budget_from_pb(request.budget),
             reason=DECLINE_REASONS.get(request.reason, "no reason given"),
+            lasting=request.reason in LASTING_DECLINES,
         )
         return pb.DeclineRoundResponse()
 

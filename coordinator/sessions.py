@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.errors import StateError, Unavailable
+from common.errors import StateError, StudyFailed, Unavailable
 from common.privacy.federation import FederationBudgetView
 from common.round import Announcement, SiteBudget
 from coordinator import selection
@@ -63,7 +63,7 @@ class SiteRegistry:
         self.sites: dict[str, SiteSession] = {}
         self.changed = asyncio.Event()
         self.finished = False
-        self.failure: Unavailable | None = None
+        self.failure: Unavailable | StudyFailed | None = None
 
     def enroll(self, site_id: str, certificate_der: bytes, *, serial: str, version: str,
                device: str, budget: SiteBudget | None) -> None:
@@ -143,7 +143,8 @@ class SiteRegistry:
         return sorted(s.site_id for s in self.sites.values() if s.is_waiting)
 
     def check_open(self) -> None:
-        """Refuse polls once the engine failed: sites retry with backoff."""
+        """Refuse polls once the engine stopped: after an outage (`Unavailable`) sites
+        retry with backoff; after a failed study (`StudyFailed`) they stop."""
         if self.failure is not None:
             raise self.failure
 
@@ -178,9 +179,9 @@ class SiteRegistry:
             if session.is_waiting and session.waiting is not None:
                 session.waiting.set_result(ann)
 
-    def close(self, *, failure: Unavailable | None) -> None:
+    def close(self, *, failure: Unavailable | StudyFailed | None) -> None:
         """Answer every waiting poll: "finished" only when the study completed
-        (`failure` None), UNAVAILABLE otherwise."""
+        (`failure` None), else `failure` (UNAVAILABLE, or the study's failure)."""
         if failure is None:
             self.finished = True
         else:

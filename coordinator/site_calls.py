@@ -43,9 +43,9 @@ class SiteCalls:
         return self.ledgers.replicate(site_id, history, now=self.clock())
 
     def decline(self, site_id: str, round_number: int, *, budget: SiteBudget | None,
-                reason: str = "") -> None:
+                reason: str = "", lasting: bool = False) -> None:
         self.sessions.record_decline(site_id, round_number, budget=budget)
-        self.inbox.decline(site_id, round_number, reason=reason)
+        self.inbox.decline(site_id, round_number, reason=reason, lasting=lasting)
 
     def heartbeat(self, site_id: str, round_number: int) -> None:
         self.inbox.heartbeat(site_id, round_number)

@@ -12,6 +12,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.status_cli import FAILED_PHASE_PREFIX
 from coordinator.phases import ActiveRound
 from coordinator.sessions import SiteSession
 from coordinator.store import RoundRecord
@@ -31,6 +32,7 @@ after enrolling and says nothing more (the protocol has no message for it; the r
 is in the site's own log), so it shows as `enrolled`, then `disconnected`; a site
 restarted in a loop by its container runtime stays `enrolled`."""
 STATISTICS_STATES = ("none", "pending", "completed")
+
 ROUND_KINDS = ("statistics", "training", "evaluation")
 
 
@@ -107,10 +109,11 @@ def eta_seconds(
 def study_status(
     sessions: Sequence[SiteSession], records: Sequence[RoundRecord], *,
     rnd: ActiveRound | None, training_rounds: int, evaluation_round: bool,
-    statistics_pending: bool, finished: bool, now: float,
+    statistics_pending: bool, finished: bool, now: float, failure: str | None = None,
 ) -> StudyStatus:
     """`statistics_pending`: the study still needs its statistics round (a completed one
-    is read from `records`, status "statistics")."""
+    is read from `records`, status "statistics"). `failure`: why the study ended
+    unfinished; the phase then reads ``failed: <why>`` (FAILED_PHASE_PREFIX)."""
     total_rounds = training_rounds + (1 if evaluation_round else 0)
     completed = sum(1 for r in records if r.status == "completed")
     aborted = sum(1 for r in records if r.status == "aborted")
@@ -130,6 +133,8 @@ def study_status(
         started = next((r.started_at for r in records if r.round_number == rnd.number), None)
     if finished:
         phase = "finished"
+    elif failure is not None:
+        phase = FAILED_PHASE_PREFIX + failure
     elif in_flight and rnd is not None:
         phase = rnd.phase.value
     else:
@@ -154,7 +159,7 @@ def study_status(
         finished=finished,
         sites=sites,
         # A pending statistics round is one more round to wait for.
-        eta_seconds=0.0 if finished else eta_seconds(
+        eta_seconds=0.0 if finished else None if failure is not None else eta_seconds(
             records, total_rounds=total_rounds + (statistics == "pending"),
             rnd=rnd if in_flight else None, round_started=started, now=now,
         ),

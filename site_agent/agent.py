@@ -41,19 +41,23 @@ from common.codec import (
     layout_bytes,
 )
 from common.config import SiteSettings
+from common.convergence import describe_loss_trend, loss_trend
 from common.crypto.random import numpy_generator, system_random
 from common.crypto.signing import SigningKey, VerifyingKey
 from common.errors import (
+    STUDY_FAILED_PREFIX,
     AbortReason,
     BudgetExhausted,
     CertificateRejected,
     ConfigError,
     CryptoError,
+    EvaluationsUsed,
     FederationFinished,
     LedgerForkError,
     MedfedError,
     ProtocolAbort,
     RoundFailed,
+    StudyFailed,
     StudyRefused,
     ValidationError,
 )
@@ -324,6 +328,9 @@ class SiteAgent:
         self._masker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
         self._pending_statistics: GlobalStatistics | None = None
         self._statistics_pin = StatisticsPin(settings.state)
+        # This process's local training loss per round: its trend is logged each round
+        # and at the study's end (stays in the site's own log; nothing leaves).
+        self.losses: list[float] = []
         self._rss_before_download = 0
         self._timeline = RoundTimeline()  # the round in flight's (bench round reads it)
         # Parameters of the study's model as its latest model round announced them:
@@ -385,7 +392,10 @@ class SiteAgent:
             except FederationFinished:
                 log.info("federation finished" + (
                     f" after round {self.last_round}" if self.last_round else
-                    " before this site took part in a round"))
+                    " before this site took part in a round")
+                    + (f"; {describe_loss_trend(self.losses)}" if self.losses else ""),
+                    extra={"event": "site_finished", "local_losses": self.losses,
+                           "still_improving": loss_trend(self.losses).improving})
                 if self.study is None:
                     return 0
                 try:
@@ -406,6 +416,21 @@ class SiteAgent:
                 if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                     log.error("coordinator refused our certificate: %s", exc.details())
                     return 3
+                details = exc.details() or ""
+                if (code == grpc.StatusCode.FAILED_PRECONDITION
+                        and details.startswith(STUDY_FAILED_PREFIX)):
+                    # The coordinator ended the study unfinished (its sites declined a
+                    # round for good): retrying would not change that.
+                    failure = StudyFailed(details.removeprefix(STUDY_FAILED_PREFIX))
+                    log.error("the coordinator ended the study unfinished: %s",
+                              failure.reason,
+                              extra={"event": "study_failed", "reason": failure.reason})
+                    if self.settings.once:
+                        raise failure from None
+                    log.info("waiting for the next study (run with --once to exit instead)")
+                    self._disconnect()
+                    self.stop.wait(NEXT_STUDY_POLL_SECONDS)
+                    continue
                 cause = tls_failure(exc)
                 self._tls_failures = self._tls_failures + 1 if cause is not None else 0
                 if cause is not None and (
@@ -577,6 +602,18 @@ class SiteAgent:
                 log.warning("could not tell the coordinator (%s): %s", rpc_exc.code(),
                             rpc_exc.details())
             raise
+        except EvaluationsUsed as exc:
+            # Waiting does not help: say so (the coordinator ends the study when too
+            # few sites are left to answer it), then wait for what it decides.
+            log.error("declining round %d: %s", ann.round, exc)
+            self.metrics.rounds.labels(outcome="failed").inc()
+            stub.DeclineRound(
+                pb.DeclineRoundRequest(
+                    round=ann.round, reason=pb.DeclineRoundRequest.EVALUATIONS_USED,
+                    budget=self.budget_pb(),
+                ),
+                timeout=30,
+            )
         except BudgetExhausted as exc:
             log.warning("declining round %d: %s", ann.round, exc)
             self._declined_for_budget = True
@@ -721,6 +758,10 @@ class SiteAgent:
             self.metrics.training_seconds.observe(time.perf_counter() - started)
             self.metrics.samples_used.set(update.num_samples)
             self.metrics.patients_used.set(update.patients)
+            choice = getattr(self.hook, "grad_sample_choice", None)
+            if choice is not None:
+                self.metrics.observe_grad_sample(mode=choice.mode, source=choice.source,
+                                                 seconds_per_step=choice.seconds_per_step)
             vector = (self._encode(rnd, update) if planned_hospital is None
                       else hospital_round.encode(rnd, update, planned_hospital))
             self._timeline.mark("encoded")
@@ -760,10 +801,19 @@ class SiteAgent:
             records = update.records if update.records is not None else update.num_samples
             used = f"trained on {records} records"
             if update.patients:
-                used += f" ({update.patients} patients)"
+                # Under DP the trainer sees the released (noisy) count, not the exact one.
+                if getattr(self.hook, "released_units", None) == update.patients:
+                    unit = "patients" if self.hook.privacy_unit == "patient" else "units"
+                    used += f" (DP count of {unit} ~{update.patients})"
+                else:
+                    used += f" ({update.patients} patients)"
             parts.append(used)
             if update.loss is not None:
-                parts.append(f"local loss {update.loss:.4f}")
+                self.losses.append(update.loss)
+                loss = f"local loss {update.loss:.4f}"
+                if len(self.losses) > 1:
+                    loss += f" ({describe_loss_trend(self.losses)})"
+                parts.append(loss)
         if update is not None:
             fields["records"] = (update.records if update.records is not None
                                  else update.num_samples)
@@ -929,6 +979,13 @@ class SiteAgent:
         if not dp_release.check_evaluation_allowed(self.ledger, policy):
             if rnd.plan.local_epochs == 0:
                 raise dp_release.refuse_evaluation_only(rnd.number)
+            return []
+        if (rnd.plan.local_epochs > 0 and self.study is not None
+                and self.study.training.final_evaluation
+                and dp_release.evaluations_used(self.ledger) + 1 >= policy.max_evaluations):
+            # The last evaluation this policy allows is kept for the study's final
+            # evaluation round (training rounds aborted after their ledger entry use
+            # evaluations too): this training round sends an all-zero histogram.
             return []
         ann = rnd.announcement
         return [dp_release.evaluation_mechanism(

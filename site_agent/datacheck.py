@@ -231,6 +231,7 @@ def site_policy(settings: SiteSettings) -> SitePrivacyPolicy:
         allowed_model_factories=tuple(getattr(settings.policy, "allowed_model_factories", ())),
         max_count_epsilon=privacy.count_epsilon,
         max_intermediaries=settings.policy.max_intermediaries,
+        max_evaluations=settings.policy.max_evaluations,
     )
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from common.config import SitePolicySection
 from common.crypto.random import RandomSource, numpy_generator, system_random
-from common.errors import ConfigError, RoundFailed, StateError
+from common.errors import ConfigError, EvaluationsUsed, StateError
 from common.privacy.accountant import RoundNoisePlan, compose_epsilon, plan_round_noise
 from common.privacy.ddgauss import count_noise, count_site_sigma
 from common.privacy.ledger import PrivacyLedger
@@ -171,8 +171,8 @@ def check_evaluation_allowed(ledger: PrivacyLedger, policy: SitePolicySection) -
     return evaluations_used(ledger) < policy.max_evaluations
 
 
-def refuse_evaluation_only(round_number: int) -> RoundFailed:
-    return RoundFailed(
+def refuse_evaluation_only(round_number: int) -> EvaluationsUsed:
+    return EvaluationsUsed(
         f"round {round_number} is evaluation-only and this site's policy max_evaluations "
         "is reached"
     )
@@ -181,9 +181,25 @@ def refuse_evaluation_only(round_number: int) -> RoundFailed:
 # ------------------------------------------------------------------------ planning
 
 
-def rounds_to_plan(policy: SitePolicySection, announced: int) -> int:
-    """The rounds a site plans for: its own policy, raised (never lowered) by the
-    coordinator's announcement."""
+def rounds_to_plan(
+    policy: SitePolicySection, *, announced: int, study_rounds: int | None = None
+) -> int:
+    """The training rounds a site plans its noise for.
+
+    Under a study: the study's own ``rounds``, the contract this site accepted (its digest
+    is bound into every round's announcement), whatever a round announces. Planning for
+    the rounds that will really run is what lets a study spend its budget by its end
+    (a 3-round study planned as 10 rounds leaves most of it unused). A coordinator that
+    runs MORE rounds than the study gains nothing: the ledger is a privacy filter
+    (Rogers, Roth, Ullman & Vadhan, "Privacy Odometers and Filters", NeurIPS 2016;
+    Whitehouse, Ramdas, Rogers & Wu, "Fully-Adaptive Composition in Differential
+    Privacy", ICML 2023): it composes the whole adaptively chosen history and refuses the
+    round that would cross the budget, so the guarantee holds however many rounds are
+    asked for.
+
+    Without a study: the site's own policy, raised (never lowered) by the announcement."""
+    if study_rounds is not None:
+        return max(study_rounds, 1)
     return max(policy.planned_rounds, announced)
 
 
@@ -197,17 +213,21 @@ def plan_training_noise(
     evaluation: Sequence[Mechanism] = (),
     history: Sequence[Mechanism] | None = None,
     budget_epsilon: float | None = None,
+    study_rounds: int | None = None,
 ) -> RoundNoisePlan:
     """The next round's noise multiplier, from the ledger's composed spend and the
     site's policy (a restart re-plans from the same ledger, so it gets the same answer).
 
     `evaluation`: this round's DP evaluation release; the plan reserves one per
-    remaining round and one more for the final evaluation-only round. `history` and
+    remaining round and one more for the final evaluation-only round. `study_rounds`:
+    the accepted study's training rounds (`rounds_to_plan`). `history` and
     `budget_epsilon` replace the ledger's whole history and budget (DP-SGD beneath
     hospital-level DP plans on its own path: common.privacy.layered).
     """
     done = sum(1 for e in ledger.entries() if e.purpose == PURPOSE_TRAINING)
-    remaining = max(rounds_to_plan(policy, announced_rounds) - done, 1)
+    remaining = max(
+        rounds_to_plan(policy, announced=announced_rounds, study_rounds=study_rounds) - done, 1
+    )
     return plan_round_noise(
         history=ledger.history() if history is None else list(history),
         budget_epsilon=ledger.budget_epsilon if budget_epsilon is None else budget_epsilon,

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
@@ -367,6 +367,12 @@ class DpTrainingHook:
         return self.dp and (not self.hospital or self.record_level != "none")
 
     @property
+    def grad_sample_choice(self) -> Any:
+        """The trainer's record-level DP path (`GradSampleChoice`), None before the
+        first trainer or for patient-level and non-private training."""
+        return getattr(self._trainer, "grad_sample_choice", None)
+
+    @property
     def units(self) -> int:
         """This site's privacy units (never leaves the site; see `released_units`)."""
         if self.privacy_unit == "patient" or (
@@ -426,14 +432,14 @@ class DpTrainingHook:
             cfg = self.settings
             config = TrainingConfig(
                 batch_size=fit_batch_size(
-                    cfg.training.batch_size,
+                    self.requested_batch_size,
                     units=self.released_units if self.released_units is not None
                     else self.units,
                 ),
                 max_physical_batch_size=cfg.training.max_physical_batch_size,
                 local_epochs=key[1],
                 lr=plan.learning_rate,
-                optimizer=cfg.training.optimizer,
+                optimizer=self.local_optimizer,
                 max_grad_norm=cfg.privacy.max_grad_norm,
                 target_epsilon=self._dp_sgd_budget(cfg.privacy.budget_epsilon),
                 delta=cfg.privacy.delta,
@@ -476,12 +482,29 @@ class DpTrainingHook:
                     self.ledger, policy=self.settings.policy,
                     announced_rounds=plan.planned_rounds, sample_rate=trainer.sample_rate,
                     steps_per_round=plan.local_epochs * trainer.steps_per_epoch,
-                    evaluation=evaluation, **self._layered_plan(),
+                    evaluation=evaluation,
+                    study_rounds=None if self.study is None else self.study.study.rounds,
+                    **self._layered_plan(),
                 ).noise_multiplier
                 self._planned = {plan.round_number: sigma}
             trainer.set_noise_multiplier(sigma)
         segments: list[Segment] = trainer.planned_segments(plan.local_epochs)
         return segments
+
+    @property
+    def requested_batch_size(self) -> int:
+        """The expected logical batch: the study's (the contract every site trains by),
+        or without a study the site's own setting."""
+        if self.study is not None:
+            return self.study.training.batch_size
+        return self.settings.training.batch_size
+
+    @property
+    def local_optimizer(self) -> Literal["sgd", "adam"]:
+        """The local optimizer: the study's, or without a study the site's own setting."""
+        if self.study is not None:
+            return self.study.training.local_optimizer
+        return self.settings.training.optimizer
 
     def _dp_sgd_budget(self, budget: float) -> float:
         """DP-SGD's target: the site's budget, or beneath hospital-level DP the study's
@@ -598,8 +621,7 @@ class DpTrainingHook:
             subset = self.train_data.subset(index)
             config = dc.replace(
                 base.config, released_units=None,
-                batch_size=fit_batch_size(self.settings.training.batch_size,
-                                          units=len(subset)),
+                batch_size=fit_batch_size(self.requested_batch_size, units=len(subset)),
             )
             seed = int.from_bytes(os.urandom(8), "big") >> 1
             result = LocalTrainer(self.model, subset, config, seed=seed).train_round(

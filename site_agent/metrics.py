@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 
 from cryptography import x509
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -49,6 +50,20 @@ class SiteMetrics:
         self.device = Gauge(
             "medfed_site_device_info", "Device used for training (label).", ["device"], registry=r
         )
+        self.grad_sample_mode = Gauge(
+            "medfed_site_dp_grad_sample_mode_info",
+            "Record-level DP-SGD path in use (1): ghost or hooks, and how it was chosen "
+            "(configured, measured by auto, or rule for multi-process training).",
+            ["mode", "source"],
+            registry=r,
+        )
+        self.grad_sample_step_seconds = Gauge(
+            "medfed_site_dp_grad_sample_step_seconds",
+            "Best seconds per DP-SGD step of each record-level mode, as auto measured them "
+            "on synthetic inputs of the training batch shape.",
+            ["mode"],
+            registry=r,
+        )
         self.connected = Gauge(
             "medfed_site_connected", "1 while enrolled with the coordinator.", registry=r
         )
@@ -82,3 +97,13 @@ class SiteMetrics:
         for name, cert in (("site", own), ("ca", ca)):
             expiry: dt.datetime = cert.not_valid_after_utc
             self.certificate_expiry.labels(certificate=name).set(expiry.timestamp())
+
+    def observe_grad_sample(
+        self, *, mode: str, source: str, seconds_per_step: Mapping[str, float]
+    ) -> None:
+        """The trainer's record-level DP path and what `auto` measured (if it did)."""
+        self.grad_sample_mode.clear()
+        self.grad_sample_mode.labels(mode=mode, source=source).set(1)
+        self.grad_sample_step_seconds.clear()
+        for measured, seconds in seconds_per_step.items():
+            self.grad_sample_step_seconds.labels(mode=measured).set(seconds)

@@ -146,7 +146,7 @@ class ResNet18GN(nn.Module):
 
 Task = Literal["binary", "multiclass"]
 
-MODEL_NAMES = ("mlp", "cnn", "resnet18-gn", "densenet121-gn", "custom")
+MODEL_NAMES = ("logistic", "mlp", "cnn", "resnet18-gn", "densenet121-gn", "custom")
 """Canonical model names a study may select."""
 
 MODEL_ALIASES = {
@@ -186,6 +186,8 @@ class ModelSpec:
             return cls(name="custom", params=dict(options or {}), custom=custom)
         if (name or "mlp") == "mlp":
             return cls(name="mlp", params={"hidden": list(hidden), "dropout": dropout})
+        if name == "logistic":
+            return cls(name="logistic")
         return cls(name=str(name), params=dict(options or {}))
 
     @property
@@ -374,6 +376,12 @@ def build_model(
             float(params.get("dropout", 0.0)),
             outputs=outputs,
         )
+    elif name == "logistic":
+        # Logistic regression (softmax regression for K classes): one linear layer.
+        # Under DP-SGD it has the fewest coordinates to noise and matches the
+        # centralized baseline's model class.
+        _check_params(params, set(), name)
+        model = TabularMLP(_need(in_features, "in_features", name), (), outputs=outputs)
     elif name == "cnn":
         _check_params(params, set(), name)
         model = SmallCNN(_need(in_channels, "in_channels", name), outputs)

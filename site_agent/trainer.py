@@ -12,8 +12,10 @@ in the batch independently with probability q = batch_size / N; a fixed number o
 steps per epoch, round(N / batch_size), is taken so the accounting is exact.
 
 Record level uses Opacus: ghost clipping (Li et al. 2022, "Large Language Models Can
-Be Strong Differentially Private Learners") or per-sample-gradient hooks, whichever
-`choose_grad_sample_mode` measured faster for the kind of model. For models whose
+Be Strong Differentially Private Learners") or per-sample-gradient hooks; with
+``grad_sample_mode = "auto"`` the trainer times a few steps of each on a copy of its
+model, on its device, with synthetic inputs of its physical batch shape, and keeps the
+faster (`measure_grad_sample_modes`, `pick_faster_mode`). For models whose
 trainable layers are all Linear, the clipped sum comes from one backward pass by
 book-keeping (Bu et al. 2023, see `_GhostModule`); other models run Opacus' two-pass
 ghost clipping, with mixed ghost norms for Conv2d (Bu et al. 2022, see
@@ -32,11 +34,14 @@ trainer, since noise an attacker can predict protects nothing.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
+import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -447,6 +452,165 @@ def all_linear(model: nn.Module) -> bool:
     return bool(trainable) and all(type(m) is nn.Linear for m in trainable)
 
 
+GradSampleMode = Literal["ghost", "hooks"]
+GRAD_SAMPLE_MODES: tuple[GradSampleMode, ...] = ("ghost", "hooks")
+MEASURED_STEPS = 3
+"""Timed steps per mode when `auto` measures (after one untimed warm-up step each)."""
+
+
+@dataclass(frozen=True)
+class GradSampleChoice:
+    """Which record-level DP path a trainer runs, and why.
+
+    `source`: "configured" (the study or site asked for it), "measured" (`auto`: the
+    faster of the modes timed on this model, device and batch shape) or "rule" (`auto`
+    where no measurement runs: multi-process training, whose ranks must agree).
+    `seconds_per_step` holds the measured best step time of each mode that ran.
+    """
+
+    mode: GradSampleMode
+    source: Literal["configured", "measured", "rule"]
+    batch_shape: tuple[int, ...]
+    device: str
+    seconds_per_step: Mapping[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        timings = ", ".join(
+            f"{mode} {seconds * 1e3:.1f} ms" for mode, seconds in self.seconds_per_step.items()
+        )
+        measured = f"measured per step {timings}; " if timings else ""
+        shape = "x".join(str(n) for n in self.batch_shape)
+        return f"{measured}picked {self.mode} ({self.source}; batch {shape} on {self.device})"
+
+
+def pick_faster_mode(seconds_per_step: Mapping[str, float]) -> GradSampleMode:
+    """The mode with the smaller measured step time (ghost on a tie).
+
+    Choosing by timing costs no privacy: both modes compute the same clipped sum,
+    sum_i min(1, C / (||g_i|| + 1e-6)) g_i, with ||g_i|| the norm of record i's whole
+    gradient (ghost: `_GhostModule.bookkeeping_backward` and Opacus'
+    `GradSampleModuleFastGradientClipping.get_clipping_coef`; hooks: Opacus'
+    `DPOptimizer.clip_and_accumulate`), and the same noise draw (`_FlatNoiseMixin`).
+    """
+    usable = {
+        mode: float(seconds)
+        for mode, seconds in seconds_per_step.items()
+        if mode in GRAD_SAMPLE_MODES and math.isfinite(seconds) and seconds > 0
+    }
+    if not usable:
+        raise ConfigError(
+            "grad_sample_mode",
+            f"neither ghost nor hooks could be timed on this model ({dict(seconds_per_step)!r})",
+        )
+    return min(GRAD_SAMPLE_MODES, key=lambda m: usable.get(m, math.inf))
+
+
+def dp_training_objects(
+    mode: GradSampleMode,
+    model: nn.Module,
+    *,
+    config: TrainingConfig,
+    noise_multiplier: float,
+    generator: torch.Generator,
+) -> tuple[nn.Module, torch.optim.Optimizer, Callable[..., Any]]:
+    """(wrapped module, DP optimizer, loss) of one record-level DP-SGD mode.
+
+    Raises NotImplementedError or ValueError when Opacus cannot wrap `model` so.
+    """
+    if config.optimizer == "adam":
+        base: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    else:
+        base = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+    optimizer_kwargs: dict[str, Any] = {
+        "noise_multiplier": noise_multiplier,
+        "max_grad_norm": config.max_grad_norm,
+        "expected_batch_size": config.batch_size,
+        "loss_reduction": "mean",
+        "generator": generator,
+    }
+    if mode == "ghost":
+        module = _GhostModule(
+            model,
+            batch_first=True,
+            loss_reduction="mean",
+            max_grad_norm=config.max_grad_norm,
+            use_ghost_clipping=True,
+        )
+        ghost = _GhostOptimizer(base, **optimizer_kwargs)
+        return module, ghost, _GhostLoss(module, ghost, TaskLoss(config.task), "mean")
+    hooks = GradSampleModule(model, batch_first=True, loss_reduction="mean")
+    return hooks, _HooksOptimizer(base, **optimizer_kwargs), TaskLoss(config.task)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_grad_sample_modes(
+    model: nn.Module,
+    *,
+    input_shape: tuple[int, ...],
+    config: TrainingConfig,
+    device: torch.device,
+    steps: int = MEASURED_STEPS,
+) -> dict[str, float]:
+    """Best seconds per DP-SGD step of each record-level mode, measured on `device`.
+
+    Each mode wraps its own deep copy of `model` and takes one warm-up step, then
+    `steps` timed steps, the modes interleaved so machine load hits them alike; the
+    minimum is kept (load only ever adds time). A step is one physical batch of
+    ``min(batch_size, max_physical_batch_size)`` SYNTHETIC records of `input_shape`
+    (standard normal inputs, random labels): forward, per-sample clipping, noise and
+    the optimizer step. No site data is read, `model` is left untouched, and the noise
+    comes from a generator of its own, so nothing here is released or accounted. A
+    mode Opacus cannot run on this model is left out.
+    """
+    if steps < 1:
+        raise ConfigError("steps", "must be >= 1")
+    physical = min(config.batch_size, config.max_physical_batch_size)
+    generator = torch.Generator(device=device).manual_seed(0)
+    inputs = torch.randn((physical, *input_shape), generator=generator, device=device)
+    if config.task == "binary":
+        labels = torch.randint(0, 2, (physical,), generator=generator, device=device).float()
+    else:
+        labels = torch.randint(
+            0, config.num_classes, (physical,), generator=generator, device=device
+        )
+    runs: dict[str, tuple[nn.Module, Any, Callable[..., Any]]] = {}
+    for mode in GRAD_SAMPLE_MODES:
+        try:
+            runs[mode] = dp_training_objects(
+                mode, copy.deepcopy(model), config=config, noise_multiplier=1.0,
+                generator=generator,
+            )
+        except (NotImplementedError, ValueError) as exc:
+            logger.info("grad_sample_mode %s cannot run on this model: %s", mode, exc)
+    seconds: dict[str, list[float]] = {mode: [] for mode in runs}
+    with warnings.catch_warnings():
+        # Opacus' full backward hooks warn when inputs need no grad (they never do here).
+        warnings.simplefilter("ignore", UserWarning)
+        for step in range(steps + 1):
+            for mode in list(runs):
+                module, optimizer, criterion = runs[mode]
+                _synchronize(device)
+                started = time.perf_counter()
+                try:
+                    optimizer.signal_skip_step(do_skip=False)
+                    criterion(module(inputs), labels).backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                except (NotImplementedError, ValueError, ConfigError) as exc:
+                    logger.info("grad_sample_mode %s failed on this model: %s", mode, exc)
+                    del runs[mode], seconds[mode]
+                    continue
+                _synchronize(device)
+                if step > 0:  # the first step is warm-up (allocation, lazy init)
+                    seconds[mode].append(time.perf_counter() - started)
+    del runs
+    return {mode: min(values) for mode, values in seconds.items()}
+
+
 class LocalTrainer:
     """Trains one site's model for a round from the global weights; DP by default.
 
@@ -522,6 +686,7 @@ class LocalTrainer:
                 accountant=config.accountant,
             )
         self.grad_sample_mode = "none"
+        self.grad_sample_choice: GradSampleChoice | None = None
         if self.world_size > 1 and self.privacy_unit != "record":
             raise ConfigError(
                 "privacy_unit", "multi-process training is implemented for record-level DP-SGD only"
@@ -581,42 +746,51 @@ class LocalTrainer:
         if self.world_size > 1:
             self._build_distributed()
             return
-        mode = choose_grad_sample_mode(self.model, cfg.grad_sample_mode)
-        if mode == "ghost":
-            try:
-                self._build_ghost()
-                self.grad_sample_mode = "ghost"
-            except (NotImplementedError, ValueError) as exc:
-                if mode == "ghost":
-                    raise ConfigError(
-                        "grad_sample_mode", f"ghost clipping unavailable: {exc}"
-                    ) from exc
-                logger.info("ghost clipping unavailable (%s); falling back to hooks", exc)
-                self.model.zero_grad(set_to_none=True)
-        if self.grad_sample_mode != "ghost":
-            self._build_hooks()
-            self.grad_sample_mode = "hooks"
+        self.grad_sample_choice = self._choose_grad_sample_mode()
+        mode = self.grad_sample_choice.mode
+        try:
+            module, optimizer, criterion = dp_training_objects(
+                mode,
+                self.model,
+                config=cfg,
+                noise_multiplier=self.noise_multiplier,
+                generator=self._noise_generator,
+            )
+        except (NotImplementedError, ValueError) as exc:
+            raise ConfigError("grad_sample_mode", f"{mode} unavailable: {exc}") from exc
+        self.trained_module, self.optimizer, self._criterion = module, optimizer, criterion
+        self.grad_sample_mode = mode
         logger.info("record-level DP-SGD with grad_sample_mode=%s", self.grad_sample_mode)
 
-    def _build_ghost(self) -> None:
-        cfg = self.config
-        module = _GhostModule(
-            self.model,
-            batch_first=True,
-            loss_reduction="mean",
-            max_grad_norm=cfg.max_grad_norm,
-            use_ghost_clipping=True,
+    def _choose_grad_sample_mode(self) -> GradSampleChoice:
+        """The configured mode, or for "auto" the faster one measured on this site's
+        model, device and physical batch shape (synthetic inputs, a copy of the model:
+        nothing here is trained, released or accounted)."""
+        requested = self.config.grad_sample_mode
+        physical = min(self.config.batch_size, self.config.max_physical_batch_size)
+        shape = (physical, *self._record_shape())
+        if requested in ("ghost", "hooks"):
+            return GradSampleChoice(
+                mode=requested, source="configured", batch_shape=shape, device=str(self.device)
+            )
+        seconds = measure_grad_sample_modes(
+            self.model, input_shape=shape[1:], config=self.config, device=self.device
         )
-        optimizer = _GhostOptimizer(
-            self._base_optimizer(self.model.parameters()),
-            noise_multiplier=self.noise_multiplier,
-            max_grad_norm=cfg.max_grad_norm,
-            expected_batch_size=cfg.batch_size,
-            loss_reduction="mean",
-            generator=self._noise_generator,
+        choice = GradSampleChoice(
+            mode=pick_faster_mode(seconds),
+            source="measured",
+            seconds_per_step=seconds,
+            batch_shape=shape,
+            device=str(self.device),
         )
-        criterion = _GhostLoss(module, optimizer, TaskLoss(cfg.task), "mean")
-        self.trained_module, self.optimizer, self._criterion = module, optimizer, criterion
+        logger.info("grad_sample_mode auto: %s", choice.describe())
+        return choice
+
+    def _record_shape(self) -> tuple[int, ...]:
+        """Shape of one model input (an image's (C, H, W) or a table row's width)."""
+        if self._images is not None:
+            return tuple(self._images.shape)
+        return tuple(self.features.shape[1:])
 
     def _build_distributed(self) -> None:
         """Opacus DPDDP (rank 0's weights broadcast) + the distributed DP optimizers.
@@ -635,7 +809,15 @@ class LocalTrainer:
             "generator": self._noise_generator,
         }
         base = self._base_optimizer(self.model.parameters())
-        if choose_grad_sample_mode(self.model, cfg.grad_sample_mode) == "ghost":
+        # All ranks must run the same mode, so no per-rank measurement here: the rule.
+        mode = choose_grad_sample_mode(self.model, cfg.grad_sample_mode)
+        self.grad_sample_choice = GradSampleChoice(
+            mode=mode,
+            source="configured" if cfg.grad_sample_mode == mode else "rule",
+            batch_shape=(min(cfg.batch_size, cfg.max_physical_batch_size), *self._record_shape()),
+            device=str(self.device),
+        )
+        if mode == "ghost":
             module = _GhostModule(
                 wrapped,
                 batch_first=True,
@@ -653,20 +835,6 @@ class LocalTrainer:
             self.grad_sample_mode = "hooks-distributed"
         self.trained_module, self.optimizer = module, optimizer
         logger.info("distributed DP-SGD, rank %d of %d", self.rank, self.world_size)
-
-    def _build_hooks(self) -> None:
-        cfg = self.config
-        module = GradSampleModule(self.model, batch_first=True, loss_reduction="mean")
-        optimizer = _HooksOptimizer(
-            self._base_optimizer(self.model.parameters()),
-            noise_multiplier=self.noise_multiplier,
-            max_grad_norm=cfg.max_grad_norm,
-            expected_batch_size=cfg.batch_size,
-            loss_reduction="mean",
-            generator=self._noise_generator,
-        )
-        self.trained_module, self.optimizer = module, optimizer
-        self._criterion = TaskLoss(cfg.task)
 
     # -------------------------------------------------------------- accounting
     def set_noise_multiplier(self, sigma: float) -> None:
@@ -921,19 +1089,19 @@ class LocalTrainer:
 
 
 GHOST_MIN_PARAMETERS = 1_000_000
-"""Conv nets at least this large train faster with ghost clipping (see below)."""
+"""The rule's threshold: conv nets at least this large take ghost clipping."""
 
 
 def choose_grad_sample_mode(model: nn.Module, requested: str) -> Literal["ghost", "hooks"]:
-    """The record-level DP path for `model`; "auto" picks the faster one.
+    """The record-level DP path by rule, for multi-process training only.
 
-    Measured with `medfed bench dpsgd` on CPU (docs/benchmarks.md). Hook mode pays for
-    materialising and clipping B x P per-sample gradients; ghost clipping pays for a
-    second backward pass instead. So: all-Linear models -> ghost (book-keeping, one
-    pass: 2.8x vs hooks 6.0x for the demo MLP); large conv nets -> ghost (mixed ghost
-    norms: ResNet-18-GN 2.2x vs hooks 5.3x); small conv nets, where the second
-    backward costs more than their few per-sample gradients -> hooks (SmallCNN 1.9x
-    vs ghost 2.5x).
+    A single trainer measures instead (`measure_grad_sample_modes`); ranks of one
+    multi-process trainer must run the same mode, so they use this rule, taken from
+    `medfed bench dpsgd` on CPU (docs/benchmarks.md): all-Linear models -> ghost
+    (book-keeping, one backward pass); conv nets with >= `GHOST_MIN_PARAMETERS` ->
+    ghost (mixed ghost norms); smaller conv nets -> hooks. On a GPU the rule can be
+    wrong (ResNet-18-GN on an H200: ghost 3.90x, hooks 2.87x non-private), which is
+    why single trainers measure.
     """
     if requested == "ghost":
         return "ghost"

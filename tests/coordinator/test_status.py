@@ -158,3 +158,17 @@ def test_no_budget_reported_does_not_read_as_no_dp() -> None:
     assert "nothing spent yet" in text and "no DP" not in text
     spent = render({**_as_cli(status), "sites": [_site_row("waiting", budget=3, spent=0.5)]})
     assert "0.500 / 3 (patient)" in spent and "enrolled:" not in spent
+
+
+def test_a_failed_study_says_why_instead_of_an_eta() -> None:
+    records = [record(1, "completed", 0, 10), record(2, "aborted", 10, 12)]
+    failed = study_status([session(last_contact=NOW)], records, rnd=None, training_rounds=1,
+                          evaluation_round=True, statistics_pending=False, finished=False,
+                          now=NOW, failure="the final evaluation round cannot run: why")
+    assert failed.phase == "failed: the final evaluation round cannot run: why"
+    assert not failed.finished and failed.eta_seconds is None
+    head = render(_as_cli(failed)).splitlines()[0]
+    assert head == (
+        "federation f: study FAILED: the final evaluation round cannot run: why; 1 of 1 "
+        "training rounds completed, final evaluation round to come")
+    assert "ETA" not in head

@@ -277,3 +277,41 @@ def test_site_with_exhausted_ledger_is_never_selected_again(
     assert registry.get_sample_value(
         "medfed_coordinator_site_epsilon_budget", {"site": "e"}
     ) == budget
+
+
+def test_sites_that_decline_a_kind_of_round_for_good_are_left_out_of_it(
+    pki_layout: PkiLayout, tmp_path: Path, database_url: str
+) -> None:
+    """A site that declined a round for a reason that cannot change is not selected for
+    that kind of round again while enough others are left; when too few are, the study
+    fails naming the reason (coordinator/engine.py `leave_out_declined_for_good`)."""
+    from dataclasses import replace
+
+    from common.errors import StudyFailed
+    from coordinator.phases import ActiveRound
+    from tests.coordinator.test_phases import announcement
+
+    settings = coordinator_settings(pki_layout, tmp_path / "state", database_url=database_url,
+                                    min_sites=2)
+    store = CoordinatorStore(database_url)
+    engine = RoundEngine(settings, store, identity=_refuse_identity,  # type: ignore[arg-type]
+                         metrics=CoordinatorMetrics())
+    sites = ["alpha", "beta", "gamma"]
+    for site_id in sites:
+        engine.sites.enroll(site_id, b"", serial="1", version="t", device="cpu",
+                            budget=_ledger_budget(1.0, 8.0, entries=1))
+    reason = "its policy.max_evaluations are used up on its ledger"
+    first = ActiveRound(replace(announcement(), participants=tuple(sites)), b"")
+    first.decline("gamma", lasting_reason=reason)
+    first.decline("beta")  # not ready: may take part next time
+    engine.leave_out_declined_for_good(first, kind="evaluation")
+    assert engine.eligible(sites, kind="evaluation") == ["alpha", "beta"]
+    assert engine.eligible(sites, kind="training") == sites  # another kind of round
+
+    second = ActiveRound(replace(announcement(), participants=("alpha", "beta")), b"")
+    second.decline("beta", lasting_reason=reason)
+    with pytest.raises(StudyFailed, match="the final evaluation round") as failed:
+        engine.leave_out_declined_for_good(second, kind="evaluation")
+    assert f"beta: {reason}" in failed.value.reason
+    assert "leaving 1 of min_sites=2" in failed.value.reason
+    store.close()

@@ -48,6 +48,9 @@ def test_three_rounds_without_faults(federation: Federation) -> None:
     for site in SITES:
         assert federation.site_procs[site].wait_exit(timeout=60) == 0
     assert round_statuses(federation) == {1: "completed", 2: "completed", 3: "completed"}
+    # The study's end says whether the model was still improving (from the DP AUCs).
+    convergence = coordinator.wait_event("study_convergence")
+    assert "still_improving" in convergence and "study convergence:" in str(convergence["msg"])
     # Sites label rounds by the coordinator's round number (what `medfed status` shows
     # in brackets), never as "k of N": they cannot know the study's training round k.
     site = federation.site_procs["site-a"]

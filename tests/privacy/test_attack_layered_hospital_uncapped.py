@@ -3,9 +3,8 @@ the site's budget was charged with the record-level epsilon only (the better of 
 DP-SGD path and the 2S path). The DDGauss model-update rounds, the study's HOSPITAL-level
 guarantee, then cost the budget nothing once the DP-SGD path was the cheaper one.
 
-A coordinator that announces `planned_rounds` large (the site plans DP-SGD for
-max(policy.planned_rounds, announced): `site_agent.dp_release.rounds_to_plan`) makes each
-round's DP-SGD cost tiny, and keeps announcing HOSPITAL rounds with the study's S and z.
+A coordinator that runs many more HOSPITAL rounds than the study (each with the study's
+S and z; each round's DP-SGD as cheap as a long plan makes it) must not get them for free.
 The ledger must refuse the round that would take the hospital-level (unit-level) epsilon
 past the budget: `layered.charged` is the larger of the record-level and unit-level
 figures."""

@@ -45,6 +45,40 @@ def test_announced_one_round_gets_the_sites_own_plan(tmp_path: Path, pki_materia
     assert more.noise_multiplier > own.noise_multiplier  # an announcement can only raise
 
 
+def test_study_rounds_set_the_plan_whatever_is_announced(
+    tmp_path: Path, pki_material: Pki
+) -> None:
+    """Under a study the site plans for the study's rounds: neither a lower nor a higher
+    announcement moves its noise, and a 3-round study is not noised as 10 rounds."""
+    ledger = _ledger(tmp_path / "l.db", pki_material)
+    policy = SitePolicySection(planned_rounds=10)
+    kwargs = {"policy": policy, "sample_rate": 0.05, "steps_per_round": 20}
+    study = dp_release.plan_training_noise(ledger, announced_rounds=3, study_rounds=3, **kwargs)
+    for announced in (1, 10, 40):
+        again = dp_release.plan_training_noise(
+            ledger, announced_rounds=announced, study_rounds=3, **kwargs
+        )
+        assert again.noise_multiplier == study.noise_multiplier
+    ten = dp_release.plan_training_noise(ledger, announced_rounds=3, **kwargs)
+    assert study.noise_multiplier < ten.noise_multiplier
+    # Three rounds at the planned sigma spend the budget (the plan aims just under it).
+    assert 0.9 * 8.0 <= study.epsilon_after_plan <= 8.0
+
+
+def test_study_plan_spends_the_budget_by_its_end(tmp_path: Path, pki_material: Pki) -> None:
+    """Round by round, re-planned from the ledger: after the study's last round the
+    ledger holds >= 90% of the budget and never more than it."""
+    ledger = _ledger(tmp_path / "l.db", pki_material)
+    policy = SitePolicySection(planned_rounds=10)
+    for round_number in range(1, 4):
+        plan = dp_release.plan_training_noise(
+            ledger, policy=policy, announced_rounds=3, study_rounds=3, sample_rate=0.05,
+            steps_per_round=20,
+        )
+        ledger.reserve(round_number, [Segment(plan.noise_multiplier, 0.05, 20)], now=NOW)
+    assert 0.9 * 8.0 <= ledger.spent() <= 8.0
+
+
 def test_round_spend_never_exceeds_the_sites_cap(tmp_path: Path, pki_material: Pki) -> None:
     ledger = _ledger(tmp_path / "l.db", pki_material)
     policy = SitePolicySection(planned_rounds=1, max_epsilon_per_round=0.5)

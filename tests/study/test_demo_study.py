@@ -28,8 +28,7 @@ def _write(path: Path, rows: list[list[str]]) -> Path:
 def _draft(files: dict[str, Path]) -> tuple[Study, list[str]]:
     return draft_demo_study(
         files, name="t", label_column="Outcome", patient_column="Patient",
-        rounds=2, local_epochs=1, learning_rate=0.1, batch_size=16,
-        epsilon=4.0, delta=1e-3, histogram_bins=10,
+        rounds=2, epsilon=4.0, delta=1e-3, histogram_bins=10,
     )
 
 

@@ -13,8 +13,10 @@ import numpy as np
 
 from common.statistics import (
     HISTOGRAM_BINS,
+    auto_statistics,
     decode_release,
     encode_release,
+    histogram_bin,
     plan_statistics,
     release_noise_sigma,
     ring_to_signed,
@@ -135,3 +137,14 @@ def test_noise_only_histogram_warns_naming_the_feature() -> None:
     assert not [w for w in clean.warnings if "'lactate'" in w]
     assert b"warnings" not in statistics_bytes(clean)
     assert 1.0 <= clean.numeric["lactate"].impute <= 4.7
+
+
+def test_rare_binary_feature_keeps_a_sane_scale() -> None:
+    """A 0/1 column with 1.5% ones (flchain's `mgus`): the IQR lies inside the zero bin,
+    so IQR / 1.349 alone gave scale 0.0016 and standardised ones of ~600. The clipped
+    histogram's standard deviation floors it near the true 0.12."""
+    values = np.r_[np.zeros(5_300), np.ones(80)]
+    counts = np.bincount(histogram_bin(values), minlength=HISTOGRAM_BINS).astype(np.int64)
+    stats = auto_statistics(counts, name="mgus", sigma=0.0, warnings=[])
+    assert 0.05 < stats.scale < 0.5, stats
+    assert (1.0 - stats.mean) / stats.scale < 20

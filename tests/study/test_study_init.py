@@ -68,6 +68,10 @@ def test_init_from_header_with_odd_names(
     assert "séx=F" in encoded_feature_names(study)
     text = out.read_text(encoding="utf-8")
     assert text.startswith("# medfed study") and "# missing:" in text
+    # Tables start from logistic regression at a step size that converges under clipping.
+    assert study.model.name == "logistic" and study.training.learning_rate == 1.0
+    # mlp-only fields are not drafted for another model
+    assert not any(line.startswith("hidden") for line in text.splitlines())
 
 
 def test_init_from_feature_list_and_no_overwrite(

@@ -258,7 +258,9 @@ def test_multiclass_images_record_level_with_per_class_auc(tmp_path: Path) -> No
     train, held_out = split_images(data, held_out_fraction=0.25, seed=1)
     config = image_config(task="multiclass", num_classes=3, privacy_unit="record", local_epochs=6)
     trainer = LocalTrainer(cnn(3), train, config, seed=0)
-    assert trainer.grad_sample_mode == "hooks"  # auto: conv net -> hooks (faster)
+    choice = trainer.grad_sample_choice  # auto: the faster mode, measured on this model
+    assert choice is not None and choice.source == "measured"
+    assert choice.batch_shape[1:] == (1, 16, 16) and trainer.grad_sample_mode == choice.mode
     trainer.train_round(flatten_parameters(trainer.model))
     scores = trainer.predict(held_out)
     assert scores.shape == (len(held_out), 3)

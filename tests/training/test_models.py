@@ -26,6 +26,8 @@ from site_agent.models import (
     ("name", "kwargs", "input_shape", "output_shape"),
     [
         ("mlp", {"in_features": 9}, (4, 9), (4,)),
+        ("logistic", {"in_features": 9}, (4, 9), (4,)),
+        ("logistic", {"in_features": 9, "num_classes": 4}, (4, 9), (4, 4)),
         ("mlp", {"in_features": 9, "num_classes": 4}, (4, 9), (4, 4)),
         ("small_cnn", {"in_channels": 1, "num_classes": 3}, (2, 1, 16, 16), (2, 3)),
         ("cnn", {"in_channels": 1}, (2, 1, 16, 16), (2, 1)),
@@ -177,15 +179,24 @@ def test_custom_factory_needs_the_allow_list_and_round_trips_by_name() -> None:
         build_model(ModelSpec(custom="nocolon"), allowed_model_factories=["nocolon"])
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "resnet18_gn", "densenet121-gn"])
+@pytest.mark.parametrize("name", ["logistic", "mlp", "cnn", "resnet18_gn", "densenet121-gn"])
 def test_architecture_record_rebuilds_registry_models(name: str) -> None:
-    dims = {"in_features": 6} if name == "mlp" else {"in_channels": 1, "image_size": 32}
+    tables = ("mlp", "logistic")
+    dims = {"in_features": 6} if name in tables else {"in_channels": 1, "image_size": 32}
     record = architecture_record(ModelSpec(name), num_classes=3, **dims)
     assert record["name"] == {"resnet18_gn": "resnet18-gn"}.get(name, name)
     torch.manual_seed(1)
     a = build_from_record(record)
     b = build_model(name, num_classes=3, **dims)
     assert parameter_layout(a) == parameter_layout(b)
+
+
+def test_logistic_is_one_linear_layer() -> None:
+    """Logistic regression: weights and bias only, whatever hidden the study carries."""
+    model = build_model(ModelSpec.from_fields(name="logistic", hidden=(64, 32)), in_features=7)
+    assert [tuple(p.shape) for p in model.parameters()] == [(1, 7), (1,)]
+    with pytest.raises(ConfigError, match="logistic"):
+        build_model(ModelSpec("logistic", {"hidden": [4]}), in_features=7)
 
 
 def test_spec_from_study_fields() -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from torch import nn
 
-from common.config import SiteSettings
+from common.config import PrivacySection, SiteSettings
 from common.errors import ConfigError, PrivacyError, ValidationError
 from common.round import RoundPlan
 from common.study import Study, load_study
@@ -187,3 +187,34 @@ def test_incompatible_layer_is_named_with_its_fix_at_site_and_coordinator(
         )
     with pytest.raises(ConfigError, match=r"layer 1 \(BatchNorm2d\).*GroupNorm"):
         initial_model(load_study(study_path), seed=0)
+
+
+def test_record_level_site_measures_its_dp_path_and_exports_it(tmp_path: Path) -> None:
+    from prometheus_client import generate_latest
+
+    from site_agent.metrics import SiteMetrics
+
+    folder = write_site_folder(tmp_path / "cohort", "north_general", seed=2, patients=80)
+    study_path = images_study(tmp_path)
+    settings = site_settings(tmp_path, study_path, folder).model_copy(
+        update={"privacy": PrivacySection(privacy_unit="record")}
+    )
+    hook = joined(settings, study_path, dp=True)
+    assert hook.privacy_unit == "record" and hook.grad_sample_choice is None  # no trainer yet
+    study = load_study(study_path)
+    update = hook.train(plan_for(study, bins=10), flatten_parameters(initial_model(study, seed=0)))
+    assert np.all(np.isfinite(update.delta)) and np.any(update.delta != 0)
+    choice = hook.grad_sample_choice
+    assert choice is not None and choice.source == "measured"  # the default, auto
+    assert choice.batch_shape == (16, 1, 16, 16) and set(choice.seconds_per_step) == {
+        "ghost", "hooks"
+    }
+    metrics = SiteMetrics("north")
+    metrics.observe_grad_sample(
+        mode=choice.mode, source=choice.source, seconds_per_step=choice.seconds_per_step
+    )
+    text = generate_latest(metrics.registry).decode()
+    assert (f'medfed_site_dp_grad_sample_mode_info{{mode="{choice.mode}",source="measured"}} 1.0'
+            in text)
+    for mode, seconds in choice.seconds_per_step.items():
+        assert f'medfed_site_dp_grad_sample_step_seconds{{mode="{mode}"}} {seconds!r}' in text

@@ -14,10 +14,13 @@ from site_agent.device import select_device
 from site_agent.models import TabularMLP, build_model, flatten_parameters, load_flat_parameters
 from site_agent.synthetic import FEATURES
 from site_agent.trainer import (
+    GRAD_SAMPLE_MODES,
     LocalTrainer,
     TrainingConfig,
     choose_grad_sample_mode,
     conv_ghost_norms,
+    measure_grad_sample_modes,
+    pick_faster_mode,
     predict_scores,
 )
 
@@ -30,6 +33,7 @@ BASE = TrainingConfig(
     delta=1e-5,
     planned_rounds=ROUNDS,
     privacy_unit="record",
+    grad_sample_mode="ghost",
     device="cpu",
 )
 
@@ -75,11 +79,14 @@ def test_dp_training_learns_and_spends_exactly_the_planned_budget(site_split) ->
     assert one_round < 0.75 * epsilon  # not a per-round calibration
 
 
-def test_ghost_and_hooks_compute_the_same_step(site_split) -> None:
+@pytest.mark.parametrize("max_grad_norm", [1.0, 1e-3])  # 1e-3: every record is clipped
+def test_ghost_and_hooks_compute_the_same_step(site_split, max_grad_norm: float) -> None:
+    # Why `auto` may choose between them by timing alone: the same clipped sum and noise.
     train, _ = site_split
-    ghost = LocalTrainer(mlp, train, BASE, seed=3)
+    config = TrainingConfig(**{**BASE.__dict__, "max_grad_norm": max_grad_norm})
+    ghost = LocalTrainer(mlp, train, config, seed=3)
     hooks = LocalTrainer(
-        mlp, train, TrainingConfig(**{**BASE.__dict__, "grad_sample_mode": "hooks"}), seed=3
+        mlp, train, TrainingConfig(**{**config.__dict__, "grad_sample_mode": "hooks"}), seed=3
     )
     assert (ghost.grad_sample_mode, hooks.grad_sample_mode) == ("ghost", "hooks")
     start = flatten_parameters(ghost.model)
@@ -257,7 +264,80 @@ def test_labels_outside_the_classes_are_a_data_error(site_split) -> None:
         TrainingConfig(task="multiclass", num_classes=2)
 
 
-def test_auto_picks_ghost_for_linear_and_large_conv_models_hooks_for_small_ones() -> None:
+def test_pick_faster_mode_takes_the_smaller_measured_time() -> None:
+    assert pick_faster_mode({"ghost": 2.0, "hooks": 1.0}) == "hooks"
+    assert pick_faster_mode({"ghost": 1.0, "hooks": 2.0}) == "ghost"
+    assert pick_faster_mode({"ghost": 1.0, "hooks": 1.0}) == "ghost"  # tie: ghost
+    assert pick_faster_mode({"hooks": 5.0}) == "hooks"  # ghost could not run
+    assert pick_faster_mode({"ghost": float("nan"), "hooks": 3.0}) == "hooks"
+    assert pick_faster_mode({"ghost": 0.0, "hooks": 3.0, "other": 0.1}) == "hooks"
+    with pytest.raises(ConfigError, match="grad_sample_mode"):
+        pick_faster_mode({})
+    with pytest.raises(ConfigError, match="grad_sample_mode"):
+        pick_faster_mode({"ghost": float("inf")})
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "kwargs"),
+    [("mlp", (5,), {"in_features": 5}), ("cnn", (1, 8, 8), {"in_channels": 1, "image_size": 8})],
+)
+def test_measurement_returns_a_choice_and_leaves_the_model_alone(
+    name: str, shape: tuple[int, ...], kwargs: dict[str, int]
+) -> None:
+    torch.manual_seed(0)
+    model = build_model(name, **kwargs)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng_before = torch.get_rng_state()
+    config = TrainingConfig(**{**BASE.__dict__, "batch_size": 16, "grad_sample_mode": "auto"})
+    seconds = measure_grad_sample_modes(
+        model, input_shape=shape, config=config, device=torch.device("cpu"), steps=2
+    )
+    assert set(seconds) == set(GRAD_SAMPLE_MODES)
+    assert all(np.isfinite(t) and t > 0 for t in seconds.values())
+    assert pick_faster_mode(seconds) in GRAD_SAMPLE_MODES
+    assert torch.equal(torch.get_rng_state(), rng_before)  # global RNG untouched
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())
+    # No Opacus hook was left on the model: a plain backward pass stores no per-sample grads.
+    model(torch.randn(4, *shape)).sum().backward()
+    assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())
+
+
+def test_auto_measures_once_logs_the_choice_and_trains_as_that_mode(
+    site_split, caplog: pytest.LogCaptureFixture
+) -> None:
+    train, held_out = site_split
+    config = TrainingConfig(**{**BASE.__dict__, "grad_sample_mode": "auto"})
+    with caplog.at_level("INFO", logger="site_agent.trainer"):
+        auto = LocalTrainer(mlp, train, config, seed=9)
+    choice = auto.grad_sample_choice
+    assert choice is not None and choice.source == "measured"
+    assert set(choice.seconds_per_step) == set(GRAD_SAMPLE_MODES)
+    assert auto.grad_sample_mode == choice.mode == pick_faster_mode(choice.seconds_per_step)
+    assert choice.batch_shape == (64, len(FEATURES)) and choice.device == "cpu"
+    assert any(
+        "grad_sample_mode auto" in r.getMessage() and f"picked {choice.mode}" in r.getMessage()
+        for r in caplog.records
+    )
+    weights, history = run_rounds(auto, 2)
+    assert auto.grad_sample_choice is choice  # measured once per trainer, not per round
+    assert auc_of(weights, held_out) > 0.7 and len(history) == 2
+    # The measurement consumed none of the trainer's sampling or noise randomness: the
+    # auto trainer takes exactly the step of a trainer configured with the mode it chose.
+    start = flatten_parameters(mlp())
+    measured = LocalTrainer(mlp, train, config, seed=10)
+    fixed = TrainingConfig(**{**BASE.__dict__, "grad_sample_mode": measured.grad_sample_mode})
+    configured = LocalTrainer(mlp, train, fixed, seed=10)
+    assert configured.grad_sample_choice is not None
+    assert configured.grad_sample_choice.source == "configured"
+    np.testing.assert_array_equal(
+        measured.train_round(start).delta_flat, configured.train_round(start).delta_flat
+    )
+
+
+def test_multi_process_rule_picks_ghost_for_linear_and_large_conv_models() -> None:
     assert choose_grad_sample_mode(build_model("mlp", in_features=3), "auto") == "ghost"
     assert choose_grad_sample_mode(build_model("cnn", in_channels=1), "auto") == "hooks"
     assert choose_grad_sample_mode(build_model("cnn", in_channels=1), "ghost") == "ghost"

@@ -175,10 +175,12 @@ class DeclineRoundRequest(_message.Message):
         BUDGET_EXHAUSTED: _ClassVar[DeclineRoundRequest.Reason]
         NOT_READY: _ClassVar[DeclineRoundRequest.Reason]
         STATISTICS_RELEASED: _ClassVar[DeclineRoundRequest.Reason]
+        EVALUATIONS_USED: _ClassVar[DeclineRoundRequest.Reason]
     REASON_UNSPECIFIED: DeclineRoundRequest.Reason
     BUDGET_EXHAUSTED: DeclineRoundRequest.Reason
     NOT_READY: DeclineRoundRequest.Reason
     STATISTICS_RELEASED: DeclineRoundRequest.Reason
+    EVALUATIONS_USED: DeclineRoundRequest.Reason
     ROUND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]

@@ -1,0 +1,42 @@
+"""When the sites' declines end a study (coordinator/engine.py `declined_for_good`): only
+declines whose reason cannot change, and only when they leave fewer than min_sites."""
+
+from __future__ import annotations
+
+from coordinator.engine import declined_for_good
+from coordinator.phases import ActiveRound
+from tests.coordinator.test_phases import SITES, announcement
+
+REASON = "its policy.max_evaluations are used up on its ledger"
+
+
+def aborted_round() -> ActiveRound:
+    return ActiveRound(announcement(), b"")
+
+
+def test_every_site_declining_for_good_ends_the_study_naming_the_reason() -> None:
+    rnd = aborted_round()
+    for site in SITES:
+        rnd.decline(site, lasting_reason=REASON)
+    failure = declined_for_good(rnd, min_sites=len(SITES), kind="the final evaluation round")
+    assert failure is not None
+    assert failure.reason.startswith("the final evaluation round (round number 1) cannot run")
+    assert f"{', '.join(sorted(SITES))}: {REASON}" in failure.reason
+    assert str(failure) == "study failed: " + failure.reason
+
+
+def test_sites_merely_not_ready_never_end_the_study() -> None:
+    rnd = aborted_round()
+    for site in SITES:
+        rnd.decline(site)  # NOT_READY or no reason: may take part next time
+    assert declined_for_good(rnd, min_sites=2, kind="training round 1 of 3") is None
+
+
+def test_one_lasting_decline_ends_the_study_only_when_too_few_are_left() -> None:
+    rnd = aborted_round()
+    rnd.decline(SITES[0], lasting_reason="its privacy budget cannot pay for the round")
+    others = len(SITES) - 1
+    assert declined_for_good(rnd, min_sites=others, kind="training round 1 of 3") is None
+    failure = declined_for_good(rnd, min_sites=others + 1, kind="training round 1 of 3")
+    assert failure is not None and "budget" in failure.reason
+    assert f"leaving {others} of min_sites={others + 1}" in failure.reason
