@@ -20,6 +20,7 @@ Per dataset of `bench.utility_data` (three non-IID hospital CSVs each), one row:
   Two figures: the exact AUC of the study's final model bundle on the pooled held-back
   rows (``medfed predict``), and the AUC the federation itself released through its DP
   score histograms (``final.auc``).
+* for scale, the same logistic regression on age alone (every dataset has age).
 * the gap centralized LR minus the DP model's exact AUC, and each site's epsilon spent
   against its budget (``final.epsilon`` / ``final.budget`` of report.json).
 
@@ -197,6 +198,12 @@ def centralized_logistic_auc(table: PooledTable, held_back: np.ndarray, *,
     return exact_auc(x[held_back] @ w, table.labels[held_back])
 
 
+def age_only(table: PooledTable) -> PooledTable:
+    """The same rows with age as the only feature (what one column alone gives)."""
+    return PooledTable(site=table.site, patient_ids=table.patient_ids, labels=table.labels,
+                       numeric={"age": table.numeric["age"]}, categorical={})
+
+
 # --------------------------------------------------------------------------- the demo
 
 def write_held_back(written: Any, held_back: np.ndarray, table: PooledTable,
@@ -295,6 +302,7 @@ def measure(name: str, out: Path, *, rounds: int | None, seed: int,
         "held_back": int(held_back.sum()), "sites": written.rows, "split": written.split,
         "centralized_lr_auc": centralized_logistic_auc(table, held_back,
                                                        levels=info.categorical),
+        "age_only_lr_auc": centralized_logistic_auc(age_only(table), held_back, levels={}),
     }
     held_back_csv = out / "held-back.csv"
     held_labels = write_held_back(written, held_back, table, held_back_csv)
@@ -330,14 +338,15 @@ def format_row(row: dict[str, Any]) -> str:
         return f"| {row['dataset']} | failed: {row['error']} |"
     eps = ", ".join(f"{s} {e:.2f}/{row['budget'][s]:g}" for s, e in row["epsilon"].items())
     return (f"| {row['dataset']} | {row['patients']:,} | {row['rounds']} | "
-            f"{_fmt(row['centralized_lr_auc'])} | {_fmt(row['federated_nodp_auc'])} | "
+            f"{_fmt(row['centralized_lr_auc'])} | {_fmt(row.get('age_only_lr_auc'))} | "
+            f"{_fmt(row['federated_nodp_auc'])} | "
             f"{_fmt(row['dp_auc'])} | {_fmt(row['dp_auc_federated_evaluation'])} | "
             f"{_fmt(row['gap'])} | {eps} |")
 
 
-HEADER = ("| dataset | patients | rounds | centralized LR | federated, no DP | "
+HEADER = ("| dataset | patients | rounds | centralized LR | (age alone) | federated, no DP | "
           "federated + DP + SecAgg+ | (its DP evaluation) | gap | epsilon spent / budget |\n"
-          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
 
 
 def register(subparsers: Any) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from bench.utility import (
     PooledTable,
+    age_only,
     centralized_logistic_auc,
     exact_auc,
     held_back_mask,
@@ -131,6 +132,8 @@ def test_centralized_logistic_regression_learns_a_signal(tmp_path: Path) -> None
         assert held[rows].sum() == round(fraction * rows.sum())
     auc = centralized_logistic_auc(table, held, levels=info.categorical)
     assert auc > 0.75
+    # Age alone carries part of the signal, the full model more.
+    assert 0.55 < centralized_logistic_auc(age_only(table), held, levels={}) < auc
     # A label unrelated to the features gives no such AUC (the fit is not reading y).
     shuffled = PooledTable(site=table.site, patient_ids=table.patient_ids,
                            labels=np.random.default_rng(5).permutation(table.labels),
