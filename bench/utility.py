@@ -281,6 +281,27 @@ def bundle_auc(report: dict[str, Any], held_back_csv: Path, labels: np.ndarray,
     return exact_auc(scores, labels)
 
 
+def local_losses(demo: Path, sites: list[str]) -> dict[str, list[float]]:
+    """Each site's local training loss per training round, from its JSON log lines
+    (``site_round_done``): whether the DP model was still improving."""
+    losses: dict[str, list[float]] = {}
+    for site in sites:
+        log = demo / "logs" / f"{site}.log"
+        values: list[float] = []
+        if log.is_file():
+            for text in log.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    line = json.loads(text)
+                except ValueError:
+                    continue
+                if (isinstance(line, dict) and line.get("event") == "site_round_done"
+                        and not line.get("evaluation_only")
+                        and line.get("local_loss") is not None):
+                    values.append(round(float(line["local_loss"]), 4))
+        losses[site] = values
+    return losses
+
+
 # -------------------------------------------------------------------------- the bench
 
 def measure(name: str, out: Path, *, rounds: int | None, seed: int,
@@ -316,6 +337,7 @@ def measure(name: str, out: Path, *, rounds: int | None, seed: int,
         "dp_auc": bundle_auc(report, held_back_csv, held_labels, out),
         "dp_auc_federated_evaluation": final.get("auc"),
         "auc_by_round": [r["auc"] for r in report["rounds"]],
+        "local_loss_by_round": local_losses(out / "demo", list(report["sites"])),
         "epsilon": final["epsilon"], "budget": final["budget"],
         "epsilon_by_purpose": final.get("epsilon_by_purpose", {}),
         "delta": report.get("delta"), "privacy_unit": report.get("privacy_unit"),
