@@ -392,7 +392,7 @@ def register(subparsers: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from bench.utility_data import DATASETS
+    from bench.utility_data import DATASETS, require_bench_extra
 
     names = [n.strip() for n in args.datasets.split(",") if n.strip()]
     unknown = [n for n in names if n not in DATASETS]
@@ -400,6 +400,7 @@ def _main(args: argparse.Namespace) -> int:
         raise ConfigError("--datasets", f"unknown {unknown}; known: {', '.join(DATASETS)}")
     if args.rounds is not None and args.rounds < 1:
         raise ConfigError("--rounds", "must be >= 1")
+    require_bench_extra()
     args.out.mkdir(parents=True, exist_ok=True)
     human = sys.stderr if args.json else sys.stdout
     print(HEADER, file=human, flush=True)

