@@ -15,7 +15,7 @@ dataset        outcome (label column)                    patients  features
                (R survival::flchain; Kyle et al. 2006)             creatinine missing
 ``nwtco``      relapse within 3 years (``relapse_3y``)     3,323   5: 4 categorical
                (survival::nwtco; Wilms tumour, children)
-``rotterdam``  recurrence or death within 5 years          2,8xx  10: size categorical
+``rotterdam``  recurrence or death within 5 years          2,846  10: size categorical
                (``rfs_5y``; survival::rotterdam, breast)
 ``mgus2``      death within 5 years (``death_5y``)         1,354   6: sex categorical,
                (survival::mgus2; Kyle et al. 2002)                 3 with missing values
