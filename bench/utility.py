@@ -19,7 +19,8 @@ Per dataset of `bench.utility_data` (three non-IID hospital CSVs each), one row:
   injected dropout: the bench measures utility, not recovery) and ``--no-audit``.
   Two figures: the exact AUC of the study's final model bundle on the pooled held-back
   rows (``medfed predict``), and the AUC the federation itself released through its DP
-  score histograms (``final.auc``).
+  score histograms (``final.auc``). The summary also has the exact AUC of every
+  round's bundle (``exact_auc_by_round``), kept when a study fails to finish.
 * for scale, the same logistic regression on age alone (every dataset has age).
 * the gap centralized LR minus the DP model's exact AUC, and each site's epsilon spent
   against its budget (``final.epsilon`` / ``final.budget`` of report.json).
@@ -257,28 +258,36 @@ def run_demo(written: Any, out: Path, *, rounds: int | None, timeout: float) -> 
     return result
 
 
-def bundle_auc(report: dict[str, Any], held_back_csv: Path, labels: np.ndarray,
-               out: Path) -> float | None:
-    """Exact AUC of the study's final bundle on the held-back rows (`medfed predict`);
-    None when the study left no final bundle."""
+def score_bundle(bundle: Path, held_back_csv: Path, labels: np.ndarray, out: Path) -> float:
+    """Exact AUC of a model bundle on the held-back rows, scored by `medfed predict`."""
     from common.processes import medfed_argv
 
-    model = report.get("model") or {}
-    if model.get("kind") != "final bundle":
-        return None
-    scores_csv = out / "held-back-scores.csv"
+    scores_csv = out / f"scores-{bundle.stem}.csv"
     completed = subprocess.run(
-        medfed_argv("predict", "--model", str(model["path"]), "--data", str(held_back_csv),
+        medfed_argv("predict", "--model", str(bundle), "--data", str(held_back_csv),
                     "--out", str(scores_csv), "--json"),
         capture_output=True, text=True, timeout=600, check=False)
     if completed.returncode != 0:
-        raise RuntimeError(f"medfed predict exited {completed.returncode}: "
+        raise RuntimeError(f"medfed predict {bundle} exited {completed.returncode}: "
                            f"{completed.stderr.strip()[-300:]}")
     with scores_csv.open(newline="", encoding="utf-8") as handle:
         scores = np.array([float(row["score"]) for row in csv.DictReader(handle)])
     if scores.size != labels.size:
         raise RuntimeError(f"{scores_csv}: {scores.size} scores for {labels.size} rows")
     return exact_auc(scores, labels)
+
+
+def round_bundle_aucs(demo: Path, held_back_csv: Path, labels: np.ndarray,
+                      out: Path) -> dict[str, float]:
+    """Exact held-back AUC of the bundle the coordinator wrote after each round
+    (``coordinator/model/round-NNNNNN.safetensors``) and of the final one: whether the
+    DP model was still improving, even when a study never reached its final round."""
+    folder = demo / "coordinator" / "model"
+    aucs: dict[str, float] = {}
+    bundles = sorted(folder.glob("*.safetensors"), key=lambda p: (p.stem == "final", p.stem))
+    for bundle in bundles if folder.is_dir() else []:
+        aucs[bundle.stem] = round(score_bundle(bundle, held_back_csv, labels, out), 4)
+    return aucs
 
 
 def local_losses(demo: Path, sites: list[str]) -> dict[str, list[float]]:
@@ -327,14 +336,26 @@ def measure(name: str, out: Path, *, rounds: int | None, seed: int,
     }
     held_back_csv = out / "held-back.csv"
     held_labels = write_held_back(written, held_back, table, held_back_csv)
-    report = run_demo(written, out, rounds=rounds, timeout=timeout)
+    try:
+        report = run_demo(written, out, rounds=rounds, timeout=timeout)
+    except RuntimeError as exc:
+        # What the federation got to before failing: its round bundles' exact AUC.
+        row.update({"error": str(exc),
+                    "exact_auc_by_round": round_bundle_aucs(out / "demo", held_back_csv,
+                                                            held_labels, out),
+                    "local_loss_by_round": local_losses(out / "demo", list(written.files))})
+        return row
     final = report["final"]
+    by_round = round_bundle_aucs(out / "demo", held_back_csv, held_labels, out)
     training = [r for r in report["rounds"] if not r.get("evaluation_only")]
     row.update({
         "rounds": len(training),
         "federated_nodp_auc": report["baselines"]["federated_nodp"]["auc"],
         "centralized_mlp_nodp_auc": report["baselines"]["centralized_nodp"]["auc"],
-        "dp_auc": bundle_auc(report, held_back_csv, held_labels, out),
+        # The study's final model bundle (None when the study left none).
+        "dp_auc": by_round.get("final") if (report.get("model") or {}).get(
+            "kind") == "final bundle" else None,
+        "exact_auc_by_round": by_round,
         "dp_auc_federated_evaluation": final.get("auc"),
         "auc_by_round": [r["auc"] for r in report["rounds"]],
         "local_loss_by_round": local_losses(out / "demo", list(report["sites"])),
@@ -344,8 +365,8 @@ def measure(name: str, out: Path, *, rounds: int | None, seed: int,
         "aborted_rounds": len(report.get("aborted_rounds", [])),
         "demo_seconds": report.get("seconds"),
     })
-    dp = row["dp_auc"] if row["dp_auc"] is not None else row["dp_auc_federated_evaluation"]
-    row["gap"] = None if dp is None else row["centralized_lr_auc"] - dp
+    row["gap"] = (None if row["dp_auc"] is None
+                  else round(row["centralized_lr_auc"] - row["dp_auc"], 4))
     row["seconds"] = round(time.monotonic() - started, 1)
     return row
 
@@ -357,7 +378,9 @@ def _fmt(value: Any) -> str:
 def format_row(row: dict[str, Any]) -> str:
     """One table row (markdown): the figures of `measure`, or the failure."""
     if "error" in row:
-        return f"| {row['dataset']} | failed: {row['error']} |"
+        last = list(row.get("exact_auc_by_round", {}).items())[-1:]
+        reached = f"; last round bundle {last[0][0]}: AUC {last[0][1]:.3f}" if last else ""
+        return f"| {row['dataset']} | failed: {row['error']}{reached} |"
     eps = ", ".join(f"{s} {e:.2f}/{row['budget'][s]:g}" for s, e in row["epsilon"].items())
     return (f"| {row['dataset']} | {row['patients']:,} | {row['rounds']} | "
             f"{_fmt(row['centralized_lr_auc'])} | {_fmt(row.get('age_only_lr_auc'))} | "
@@ -385,7 +408,7 @@ def register(subparsers: Any) -> None:
                         help="training rounds (default: the product's default)")
     parser.add_argument("--split-seed", type=int, default=0,
                         help="seed of the non-IID hospital split (bench.utility_data)")
-    parser.add_argument("--timeout", type=float, default=3600.0,
+    parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds one dataset's demo may run")
     parser.add_argument("--json", action="store_true", help="summary JSON on the last line")
     parser.set_defaults(func=_main)
