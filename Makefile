@@ -23,7 +23,7 @@ $(STAMP_RUNTIME): pyproject.toml
 	touch $@
 
 $(STAMP_DEV): $(STAMP_RUNTIME)
-	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet -e '.[dev,bench]'
 	touch $@
 
 venv: $(STAMP_DEV)
