@@ -41,6 +41,7 @@ from common.errors import ConfigError, ValidationError
 from common.noisy_counts import (
     NOISE_DOMINATED,
     credible_support,
+    credible_z,
     noise_std_from_negatives,
     relative_noise,
 )
@@ -448,11 +449,15 @@ def denoised_histogram(
       (`common.noisy_counts.noise_std_from_negatives`);
     * a score bucket counts only if its count summed over both classes is credibly above
       the noise (>= z sigma sqrt 2, z = 3.3 for 20 buckets: `credible_z`); outside the
-      hull of such buckets both classes hold 0,
-      inside each count is clamped at 0 (Cormode et al., ICDT 2012; common.noisy_counts).
-      Clamping alone gave every empty bucket ~0.4 sigma fake units, which with few
-      held-out positives dragged the ROC and Youden's threshold into buckets holding
-      nothing but noise;
+      hull of such buckets both classes hold 0, inside each count is clamped at 0
+      (Cormode et al., ICDT 2012; common.noisy_counts). Clamping alone gave every empty
+      bucket ~0.4 sigma fake units, which with few held-out positives dragged the ROC and
+      Youden's threshold into buckets holding nothing but noise;
+    * where that hull is one bucket keeping under `HULL_KEEPS` of the released units
+      (adaptive edges spread a small cohort so thinly that few buckets clear the cut
+      alone: the AUC read 0.500), adjacent buckets are merged into runs, each credibly
+      above the noise (>= z sigma sqrt(2k) over k buckets: `credible_groups`), a run's
+      class counts its signed sums clamped at 0 spread over its buckets (`_allocate`);
     * noise-dominated when the noise on the smaller class's total exceeds
       `NOISE_DOMINATED` of it, or when no bucket is credible (then the counts are the
       plain clamp at 0, the best there is, so that an AUC is still reported, flagged).
@@ -462,27 +467,95 @@ def denoised_histogram(
         raise ValidationError(f"histogram of {values.size} counts is not {blocks} x 2 halves")
     sigma = noise_std_from_negatives(values) if noise_std is None else float(noise_std)
     bins = values.size // (2 * blocks)
+    z = credible_z(bins)
     out = np.zeros_like(values)
     worst = 0.0
     for block in range(blocks):
         part = values[block * 2 * bins : (block + 1) * 2 * bins]
         negatives, positives = part[:bins], part[bins:]
-        support = credible_support(negatives + positives, sigma=sigma * math.sqrt(2.0))
         kept = out[block * 2 * bins : (block + 1) * 2 * bins]
-        if support.empty:
+        support = credible_support(negatives + positives, sigma=sigma * math.sqrt(2.0), z=z)
+        lone_bucket = support.first == support.last and (
+            support.kept_total < HULL_KEEPS * support.noisy_total
+        )
+        if not support.empty and not lone_bucket:
+            inside = slice(support.first, support.last + 1)
+            kept[:bins][inside] = np.maximum(negatives[inside], 0)
+            kept[bins:][inside] = np.maximum(positives[inside], 0)
+            smaller = float(min(negatives[inside].sum(), positives[inside].sum()))
+            width = support.last - support.first + 1
+            worst = max(worst, relative_noise(sigma=sigma, bins=width, total=smaller))
+            continue
+        groups = credible_groups(negatives + positives, sigma=sigma, z=z)
+        if not groups:
             # Nothing credible: the plain clamp (the best there is), flagged below.
             kept[:] = np.maximum(part, 0)
             worst = math.inf
             continue
-        inside = slice(support.first, support.last + 1)
-        kept[:bins][inside] = np.maximum(negatives[inside], 0)
-        kept[bins:][inside] = np.maximum(positives[inside], 0)
-        # The signed sums inside the support estimate the class counts without the
-        # clamp's upward bias.
-        smaller = float(min(negatives[inside].sum(), positives[inside].sum()))
-        width = support.last - support.first + 1
-        worst = max(worst, relative_noise(sigma=sigma, bins=width, total=smaller))
+        for first, last in groups:
+            inside = slice(first, last + 1)
+            kept[:bins][inside] = _allocate(negatives[inside], sigma=sigma)
+            kept[bins:][inside] = _allocate(positives[inside], sigma=sigma)
+        # The signed sums estimate the class counts without the clamp's upward bias.
+        smaller = float(min(negatives.sum(), positives.sum()))
+        worst = max(worst, relative_noise(sigma=sigma, bins=bins, total=smaller))
     return NoisyHistogram(out, sigma, worst, sigma > 0 and worst > NOISE_DOMINATED)
+
+
+HULL_KEEPS = 0.9
+"""A hull of ONE credible bucket keeping less than this share of the released units
+means the rest were spread too thinly to clear the cut bucket by bucket (adaptive edges
+on a small cohort): then the buckets are merged into credible runs (`credible_groups`)
+instead of reading the rest as empty (AUC 0.500)."""
+ALLOCATION_SIGMAS = 1.0
+"""Inside a run, a bucket's share of the run's total follows its count less this many
+noise stds (a bucket holding only noise keeps weight in ~16% of runs' buckets)."""
+
+
+def credible_groups(totals: np.ndarray, *, sigma: float, z: float) -> list[tuple[int, int]]:
+    """Runs of adjacent buckets, from the lowest score up, each closed as soon as its
+    summed count (both classes: noise std sigma sqrt(2k) over k buckets) is credibly
+    above the noise (>= z times that); trailing buckets that never get there join the
+    last run. [] when no run is credible.
+
+    Adaptive edges spread the held-out units evenly over the buckets, so with a small
+    cohort no single bucket clears the cut although the histogram as a whole is far
+    above the noise; merging neighbours keeps the resolution the noise allows instead of
+    zeroing everything outside one bucket (which read AUC 0.500). The high-pass idea is
+    Cormode, Procopiuc, Srivastava & Tran (ICDT 2012), applied to runs of buckets."""
+    values = np.asarray(totals, dtype=np.float64).reshape(-1)
+    groups: list[tuple[int, int]] = []
+    start, running = 0, 0.0
+    for index, value in enumerate(values):
+        running += value
+        width = index - start + 1
+        if running > 0 and running >= z * sigma * math.sqrt(2.0 * width):
+            groups.append((start, index))
+            start, running = index + 1, 0.0
+    if groups and start < values.size:
+        groups[-1] = (groups[-1][0], values.size - 1)
+    return groups
+
+
+def _allocate(noisy: np.ndarray, *, sigma: float) -> np.ndarray:
+    """The run's signed total (an unbiased estimate of its real count, clamped at 0)
+    spread over its buckets in proportion to their counts soft-thresholded by
+    `ALLOCATION_SIGMAS` noise stds (a bucket holding only noise rarely keeps any weight),
+    else their clamped counts, else evenly; as integers that add up to the total
+    (largest remainders)."""
+    counts = np.asarray(noisy, dtype=np.int64)
+    total = max(int(counts.sum()), 0)
+    weights = np.maximum(counts - ALLOCATION_SIGMAS * sigma, 0.0).astype(np.float64)
+    if weights.sum() <= 0:
+        weights = np.maximum(counts, 0).astype(np.float64)
+    if weights.sum() <= 0:
+        weights = np.ones_like(weights, dtype=np.float64)
+    raw: np.ndarray = total * weights / weights.sum()
+    out: np.ndarray = np.floor(raw).astype(np.int64)
+    short = total - int(out.sum())
+    if short > 0:
+        out[np.argsort(-(raw - out), kind="stable")[:short]] += 1
+    return out
 
 
 def clipped_noisy_histogram(summed: np.ndarray, *, blocks: int = 1) -> np.ndarray:
