@@ -127,6 +127,7 @@ class ImagingDemo(Demo):
         self.image_size = image_size
         self.device = device
         self.study_path = self.out / "study.toml"
+        self.datasets: dict[str, Any] = {}
 
     def prepare(self) -> dict[str, Path | None]:
         from common.study import load_study
@@ -161,7 +162,8 @@ class ImagingDemo(Demo):
         from site_agent.imaging import image_spec_for_study, load_image_folder
 
         spec = image_spec_for_study(self.study)
-        return {s: load_image_folder(p, spec) for s, p in files.items() if p}, []
+        self.datasets = {s: load_image_folder(p, spec) for s, p in files.items() if p}
+        return self.datasets, []
 
     def initial_model(self, n_features: int) -> Path:
         """The study's network as `coordinator serve --study` builds it (DP-checked)."""
@@ -225,6 +227,12 @@ device = "{self.device}"
         report = super().write_report(sites, baselines)
         if isinstance(report.get("model"), dict):
             report["model"]["name"] = self.model_name  # the model file the run produced
+            exact = self.exact_held_out_auc(Path(report["model"]["path"]))
+            report["final"]["exact_auc"] = exact
+            estimate = report["final"].get("auc")
+            self.say(f"Exact held-out AUC of the final DP model: {exact:.3f} (the demo holds "
+                     "every hospital's images; the federation sees only its DP estimate"
+                     + (f", {estimate:.3f})" if isinstance(estimate, float) else ")"))
         report.update(
             task="imaging",
             model_name=self.model_name,
@@ -234,6 +242,27 @@ device = "{self.device}"
         )
         (self.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
         return report
+
+    def exact_held_out_auc(self, model_path: Path) -> float:
+        """AUC of the model file on every hospital's held-out patients, from the exact
+        scores: the sites' own split (held-out fraction 0.2, `split_seed` = the demo's
+        seed), pooled. A check on the demo's DP estimate that only a demo can make."""
+        from common.evaluation import metrics_from_scores
+        from common.modelfile import read_model_file
+        from site_agent.imaging import split_images
+        from site_agent.models import load_flat_parameters
+        from site_agent.predict import initial_model
+        from site_agent.trainer import predict_scores
+
+        model = initial_model(self.study, seed=self.o.seed)
+        flat = np.asarray(read_model_file(model_path).flat, dtype=np.float32)
+        load_flat_parameters(model, flat)
+        held_out = _pool([
+            split_images(data, held_out_fraction=0.2, seed=self.o.seed)[1]
+            for _, data in sorted(self.datasets.items())
+        ])
+        scores = predict_scores(model, held_out, batch_size=256)
+        return float(metrics_from_scores(scores, held_out.labels).auc)
 
 
 # ------------------------------------------------------------------ baselines
