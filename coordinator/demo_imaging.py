@@ -43,11 +43,11 @@ what the demo's sites spend on training: 5 of a budget of 6, 7-7.5 of 8), FedAvg
 update elements clipped at 0.5, fresh DP noise each run (4 runs a row unless noted),
 exact AUC on every site's held-out patients:
   * 70 patients, 2 rounds, training epsilon 5: 28 px 0.90-0.97, 24 px 0.92-0.99;
-    16 px 0.80-0.94 at lr 0.2, 0.44-0.93 at lr 0.5;
+    16 px 0.80-0.94 at lr 0.2 (3 runs), 0.44-0.93 at lr 0.5;
   * 70 patients, 2 rounds, training epsilon 7.5: 28 px 0.96-0.97; 16 px 0.83-0.95 at
     lr 0.2, 0.86-0.94 at lr 0.1, 0.64-0.88 at lr 0.5, 0.78-0.84 with 3 local epochs,
     0.81-0.89 with 3 rounds, 0.83-0.92 with 100 patients;
-  * the defaults below (120 patients, 28 px, 3 rounds, training epsilon 7, 2 runs):
+  * the defaults above (120 patients, 28 px, 3 rounds, training epsilon 7, 2 runs):
     0.96-0.99.
 Full runs (`medfed demo --task imaging --device cpu`, the exact AUC it prints): the
 defaults (budget 8, one site killed and restarted) 0.971; the e2e test's reduced run
