@@ -1,6 +1,7 @@
-"""`medfed demo --task imaging` end to end, reduced (fewer patients and rounds, small
-images): five hospitals' PNG and DICOM folders, the images study's CNN trained with
-patient-level DP-SGD and SecAgg+ by real site processes, the report names the model."""
+"""`medfed demo --task imaging` end to end, reduced (fewer patients and rounds, the
+demo's image size): five hospitals' PNG and DICOM folders, the images study's CNN
+trained with patient-level DP-SGD and SecAgg+ by real site processes, the report names
+the model and the DP model's exact held-out AUC."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def test_imaging_demo_writes_report_with_the_model(tmp_path: Path) -> None:
     result = subprocess.run(
         medfed_argv(
             "demo", "--task", "imaging", "--out", str(out), "--rounds", "2",
-            "--patients-per-site", "70", "--image-size", "16", "--kill-round", "0",
+            "--patients-per-site", "70", "--image-size", "28", "--kill-round", "0",
             "--budget-epsilon", "6", "--device", "cpu",
         ),
         cwd=REPO, capture_output=True, text=True, timeout=1150, check=False,
@@ -58,7 +59,7 @@ def test_imaging_demo_writes_report_with_the_model(tmp_path: Path) -> None:
     sites = sorted(HOSPITALS)
     assert report["sites"] == sites
     assert report["task"] == "imaging" and report["model_name"] == "cnn"
-    assert report["privacy_unit"] == "patient" and report["image_size"] == 16
+    assert report["privacy_unit"] == "patient" and report["image_size"] == 28
     rounds = report["rounds"]
     assert [r["round"] for r in rounds] == [1, 2, 3]
     assert all(r["secure_aggregation"] and not r["dropped"] for r in rounds)
@@ -68,13 +69,17 @@ def test_imaging_demo_writes_report_with_the_model(tmp_path: Path) -> None:
         for baseline in ("centralized_nodp", "federated_nodp"):
             assert 0.0 <= report["baselines"][baseline][key] <= 1.0
     # The DP model learns even this small (fixed data seeds, fresh DP noise each run):
-    # scored exactly on the held-out patients, not a coin flip. The report's own DP AUC
-    # is estimated from the noised evaluation histogram; after 2 rounds the scores sit
-    # in a narrow band (one bin), so that estimate is only bounded to [0, 1] above.
-    # Fresh DP noise each run makes this a draw: 0.698 was seen once in six full runs
-    # (~70 held-out patients: a standard error near 0.06), so the bar is two of those
-    # above a coin flip rather than the tail of the distribution.
-    assert exact_auc_of_final_model(out, report) > 0.65
+    # scored exactly on the held-out patients, at epsilon 6. The report's own DP AUC is
+    # estimated from the noised evaluation histogram, so it is only bounded above.
+    # Measured at these settings: 0.953, 0.955 and 0.971 in three full runs, 0.90-0.97
+    # in-process (coordinator.demo_imaging's IMAGING_DEFAULTS); ~70 held-out patients
+    # give a standard error near 0.03, so 0.80 is several below the lowest. At 16 px the
+    # lesion is under a pixel and full runs gave 0.70-0.85: the image size decides.
+    exact = exact_auc_of_final_model(out, report)
+    assert exact >= 0.80
+    # The demo prints the same exact AUC beside its DP estimate (computed on its own).
+    assert report["final"]["exact_auc"] == pytest.approx(exact, abs=1e-12)
+    assert f"Exact held-out AUC of the final DP model: {exact:.3f}" in result.stdout
     assert report["baselines"]["centralized_nodp"]["auc"] > 0.7
     for site in sites:
         assert 0.0 < report["final"]["epsilon"][site] <= 6.0
