@@ -303,14 +303,20 @@ def metrics_from_histogram(
     )
 
 
-def metrics_from_scores(
-    scores: np.ndarray, labels: np.ndarray, *, threshold: float = 0.5
-) -> Metrics:
-    """Exact metrics for centralized baselines (AUC by Mann-Whitney with mid-ranks)."""
+def _scores_and_labels(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Exact scores and their labels as flat arrays of one length."""
     s = np.asarray(scores, dtype=np.float64).reshape(-1)
     y = np.asarray(labels).reshape(-1)
     if s.shape != y.shape:
         raise ValidationError("scores and labels differ in length")
+    return s, y
+
+
+def metrics_from_scores(
+    scores: np.ndarray, labels: np.ndarray, *, threshold: float = 0.5
+) -> Metrics:
+    """Exact metrics for centralized baselines (AUC by Mann-Whitney with mid-ranks)."""
+    s, y = _scores_and_labels(scores, labels)
     positive = y == 1
     n_pos, n_neg = int(positive.sum()), int((~positive).sum())
     if n_pos > 0 and n_neg > 0:
@@ -390,10 +396,7 @@ def youden_threshold_from_scores(scores: np.ndarray, labels: np.ndarray) -> floa
     """Youden's threshold on exact scores (centralised baselines): predict positive when
     the score is >= the returned value, which lies halfway between two consecutive
     distinct scores, so classes that separate get sensitivity 1 and specificity 1."""
-    s = np.asarray(scores, dtype=np.float64).reshape(-1)
-    y = np.asarray(labels).reshape(-1)
-    if s.shape != y.shape:
-        raise ValidationError("scores and labels differ in length")
+    s, y = _scores_and_labels(scores, labels)
     positive = y == 1
     n_pos, n_neg = int(positive.sum()), int((~positive).sum())
     if n_pos == 0 or n_neg == 0:

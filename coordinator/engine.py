@@ -9,7 +9,9 @@ protobuf); one asyncio event loop, CPU-heavy steps in worker threads.
 An engine failure (a full disk, a database error) is never reported as a finished
 federation: waiting sites hear UNAVAILABLE and retry; a restarted coordinator resumes.
 A round that sites decline for reasons that cannot change is not re-opened for them in
-a loop: it runs again without them while `min_sites` others are left, else
+a loop: they are left out of that kind of round (it runs again without them once
+`min_sites` others are there; a left-out site's operator can still act, say on the way
+out its refusal names), and when every participant declined it for good
 (`declined_for_good`) the study ends as failed (`StudyFailed`), recorded in the state
 and shown by `medfed status`, and the sites hear why.
 """
@@ -61,15 +63,15 @@ FAILED_META = "study_failed"
 
 
 def declined_for_good(rnd: ActiveRound, *, min_sites: int, kind: str) -> StudyFailed | None:
-    """The study's failure when the participants that declined `rnd` (an aborted round,
-    `kind` naming it) for a reason that cannot change leave fewer than `min_sites`
-    sites able to take part: the same round opened again would be declined again, for
-    ever. None when a round like it can still run (no lasting decline, or enough
-    others; a site NOT_READY may be ready next time)."""
+    """The study's failure when EVERY participant of `rnd` (an aborted round, `kind`
+    naming it) declined it for a reason that cannot change: the same round opened again
+    would be declined again, for ever. None while any participant may still take part
+    (no lasting decline, or some site able: the others are left out, and the round waits
+    for `min_sites` able sites; a site NOT_READY may be ready next time)."""
     lasting = rnd.declined_for_good
     participants = rnd.announcement.participants
     able = [s for s in participants if s not in lasting]
-    if not lasting or len(able) >= min_sites:
+    if not lasting or able:
         return None
     by_reason: dict[str, list[str]] = {}
     for site, reason in sorted(lasting.items()):
@@ -280,9 +282,9 @@ class RoundEngine:
             self.leave_out_declined_for_good(rnd, kind=self.round_kind(statistics=statistics))
 
     def leave_out_declined_for_good(self, rnd: ActiveRound, *, kind: str) -> None:
-        """After the aborted round `rnd` of `kind`: raise `StudyFailed` when its lasting
-        declines leave fewer than `min_sites` (`declined_for_good`); else leave those
-        sites out of the next rounds of that kind (they would only decline again)."""
+        """After the aborted round `rnd` of `kind`: raise `StudyFailed` when every
+        participant declined it for good (`declined_for_good`); else leave those sites
+        out of the next rounds of that kind (they would only decline again)."""
         if not rnd.declined_for_good:
             return
         name = {"statistics": "the statistics round",

@@ -1,5 +1,5 @@
 """When the sites' declines end a study (coordinator/engine.py `declined_for_good`): only
-declines whose reason cannot change, and only when they leave fewer than min_sites."""
+declines whose reason cannot change, and only when every participant declined so."""
 
 from __future__ import annotations
 
@@ -32,11 +32,17 @@ def test_sites_merely_not_ready_never_end_the_study() -> None:
     assert declined_for_good(rnd, min_sites=2, kind="training round 1 of 3") is None
 
 
-def test_one_lasting_decline_ends_the_study_only_when_too_few_are_left() -> None:
+def test_a_lasting_decline_ends_the_study_only_when_no_participant_is_left() -> None:
+    """One or more sites declining for good leave the others to carry on (the round
+    waits for min_sites able sites; the declined site's operator may still act, e.g. on
+    the way out a statistics refusal names); all of them declining ends the study."""
     rnd = aborted_round()
     rnd.decline(SITES[0], lasting_reason="its privacy budget cannot pay for the round")
-    others = len(SITES) - 1
-    assert declined_for_good(rnd, min_sites=others, kind="training round 1 of 3") is None
-    failure = declined_for_good(rnd, min_sites=others + 1, kind="training round 1 of 3")
+    assert declined_for_good(rnd, min_sites=len(SITES), kind="training round 1 of 3") is None
+    for site in SITES[1:-1]:
+        rnd.decline(site, lasting_reason="its privacy budget cannot pay for the round")
+    assert declined_for_good(rnd, min_sites=len(SITES), kind="training round 1 of 3") is None
+    rnd.decline(SITES[-1], lasting_reason="its privacy budget cannot pay for the round")
+    failure = declined_for_good(rnd, min_sites=len(SITES), kind="training round 1 of 3")
     assert failure is not None and "budget" in failure.reason
-    assert f"leaving {others} of min_sites={others + 1}" in failure.reason
+    assert f"leaving 0 of min_sites={len(SITES)}" in failure.reason

@@ -283,8 +283,8 @@ def test_sites_that_decline_a_kind_of_round_for_good_are_left_out_of_it(
     pki_layout: PkiLayout, tmp_path: Path, database_url: str
 ) -> None:
     """A site that declined a round for a reason that cannot change is not selected for
-    that kind of round again while enough others are left; when too few are, the study
-    fails naming the reason (coordinator/engine.py `leave_out_declined_for_good`)."""
+    that kind of round again; when every participant of a round declined it so, the
+    study fails naming the reason (coordinator/engine.py `leave_out_declined_for_good`)."""
     from dataclasses import replace
 
     from common.errors import StudyFailed
@@ -310,8 +310,13 @@ def test_sites_that_decline_a_kind_of_round_for_good_are_left_out_of_it(
 
     second = ActiveRound(replace(announcement(), participants=("alpha", "beta")), b"")
     second.decline("beta", lasting_reason=reason)
+    engine.leave_out_declined_for_good(second, kind="evaluation")  # alpha may still run it
+    assert engine.eligible(sites, kind="evaluation") == ["alpha"]
+
+    third = ActiveRound(replace(announcement(), participants=("alpha",)), b"")
+    third.decline("alpha", lasting_reason=reason)
     with pytest.raises(StudyFailed, match="the final evaluation round") as failed:
-        engine.leave_out_declined_for_good(second, kind="evaluation")
-    assert f"beta: {reason}" in failed.value.reason
-    assert "leaving 1 of min_sites=2" in failed.value.reason
+        engine.leave_out_declined_for_good(third, kind="evaluation")
+    assert f"alpha: {reason}" in failed.value.reason
+    assert "leaving 0 of min_sites=2" in failed.value.reason
     store.close()
