@@ -177,22 +177,33 @@ def _horizon(time: np.ndarray, event: np.ndarray, *, horizon: float) -> tuple[np
     return keep, positive.astype(np.int64)
 
 
-def _flchain() -> tuple[DatasetInfo, Columns, np.ndarray]:
-    raw = _r_table("survival", "flchain")
-    horizon = 10 * DAYS_PER_YEAR
-    keep, label = _horizon(raw["futime"], raw["death"], horizon=horizon)
-    features = ("age", "sex", "sample.yr", "kappa", "lambda", "flc.grp", "creatinine", "mgus")
-    columns = {"id": raw["rownames"], "death_10y": label.astype(np.float64),
-               **{c: raw[c] for c in features}}
+def _death_within(item: str, *, horizon: float, patient: str, label: str,
+                  features: tuple[str, ...], categorical: dict[str, tuple[str, ...]],
+                  source: str, outcome: str) -> tuple[DatasetInfo, Columns, np.ndarray]:
+    """A survival::`item` cohort whose outcome is death (``death``/``futime``) within
+    `horizon` (in ``futime``'s unit); every feature not in `categorical` is numeric."""
+    raw = _r_table("survival", item)
+    keep, positive = _horizon(raw["futime"], raw["death"], horizon=horizon)
+    columns = {patient: raw["id" if "id" in raw else "rownames"],
+               label: positive.astype(np.float64), **{c: raw[c] for c in features}}
     info = DatasetInfo(
-        name="flchain", source="R survival::flchain (Dispenzieri et al. 2012; Kyle et "
+        name=item, source=source, outcome=outcome, label_column=label,
+        patient_column=patient, numeric=tuple(c for c in features if c not in categorical),
+        categorical=categorical, features=features)
+    return info, columns, keep
+
+
+def _flchain() -> tuple[DatasetInfo, Columns, np.ndarray]:
+    horizon = 10 * DAYS_PER_YEAR
+    return _death_within(
+        "flchain", horizon=horizon, patient="id", label="death_10y",
+        features=("age", "sex", "sample.yr", "kappa", "lambda", "flc.grp", "creatinine",
+                  "mgus"),
+        categorical={"sex": ("F", "M")},
+        source="R survival::flchain (Dispenzieri et al. 2012; Kyle et "
         "al. 2006), Olmsted County residents aged 50+ with a serum free light chain assay",
         outcome=f"death within 10 years of the sample ({horizon:.0f} days); patients "
-        "censored before then left out; cause of death (chapter) not a feature",
-        label_column="death_10y", patient_column="id",
-        numeric=tuple(c for c in features if c != "sex"),
-        categorical={"sex": ("F", "M")}, features=features)
-    return info, columns, keep
+        "censored before then left out; cause of death (chapter) not a feature")
 
 
 def _nwtco() -> tuple[DatasetInfo, Columns, np.ndarray]:
@@ -248,21 +259,14 @@ def _rotterdam() -> tuple[DatasetInfo, Columns, np.ndarray]:
 
 
 def _mgus2() -> tuple[DatasetInfo, Columns, np.ndarray]:
-    raw = _r_table("survival", "mgus2")
-    horizon = 5 * 12.0  # futime is in months
-    keep, label = _horizon(raw["futime"], raw["death"], horizon=horizon)
-    features = ("age", "sex", "dxyr", "hgb", "creat", "mspike")
-    columns = {"id": raw["id"], "death_5y": label.astype(np.float64),
-               **{c: raw[c] for c in features}}
-    info = DatasetInfo(
-        name="mgus2", source="R survival::mgus2 (Kyle et al. 2002), Mayo Clinic patients "
+    return _death_within(
+        "mgus2", horizon=5 * 12.0, patient="id", label="death_5y",  # futime in months
+        features=("age", "sex", "dxyr", "hgb", "creat", "mspike"),
+        categorical={"sex": ("F", "M")},
+        source="R survival::mgus2 (Kyle et al. 2002), Mayo Clinic patients "
         "with monoclonal gammopathy of undetermined significance",
         outcome="death within 5 years of diagnosis (60 months); patients censored before "
-        "then left out; progression (ptime, pstat) not a feature",
-        label_column="death_5y", patient_column="id",
-        numeric=tuple(c for c in features if c != "sex"),
-        categorical={"sex": ("F", "M")}, features=features)
-    return info, columns, keep
+        "then left out; progression (ptime, pstat) not a feature")
 
 
 DATASETS: dict[str, Callable[[], tuple[DatasetInfo, Columns, np.ndarray]]] = {
