@@ -129,9 +129,12 @@ def _logit(p: np.ndarray) -> np.ndarray:
     return np.asarray(np.clip(z, -LOGIT_LIMIT, LOGIT_LIMIT))
 
 
-def next_edges(released: np.ndarray, *, edges: np.ndarray) -> np.ndarray:
-    """The bucket edges of the next round from one block ([negatives | positives]) of
-    the score histogram a round released, counted with `edges`: quantiles of the pooled
+def next_edges(
+    released: np.ndarray, *, edges: np.ndarray, bins: int | None = None
+) -> np.ndarray:
+    """The `bins` (default: as many as `edges` has; `evaluation_bins` chooses them from
+    the noise) bucket edges of the next round from one block ([negatives | positives])
+    of the score histogram a round released, counted with `edges`: quantiles of the pooled
     released scores, mixed (1 - UNIFORM_SHARE : UNIFORM_SHARE) with a uniform spread
     over their range widened by `WIDEN` on each side, all on the logit scale.
 
@@ -143,11 +146,14 @@ def next_edges(released: np.ndarray, *, edges: np.ndarray) -> np.ndarray:
     No released mass: `default_edges`.
     """
     e = _check_edges(edges)
-    bins = e.size - 1
+    counted = e.size - 1
+    bins = counted if bins is None else bins
+    if bins < 2:
+        raise ConfigError("bins", "must be >= 2")
     counts = np.asarray(released, dtype=np.float64).reshape(-1)
-    if counts.shape != (2 * bins,):
-        raise ValidationError(f"histogram must be {2 * bins} counts for {bins + 1} edges")
-    mass = np.maximum(counts[:bins], 0.0) + np.maximum(counts[bins:], 0.0)
+    if counts.shape != (2 * counted,):
+        raise ValidationError(f"histogram must be {2 * counted} counts for {counted + 1} edges")
+    mass = np.maximum(counts[:counted], 0.0) + np.maximum(counts[counted:], 0.0)
     total = float(mass.sum())
     if not total > 0:
         return default_edges(bins)
@@ -180,16 +186,17 @@ def next_edges(released: np.ndarray, *, edges: np.ndarray) -> np.ndarray:
 
 
 def next_block_edges(
-    released: np.ndarray, *, edges: Sequence[np.ndarray]
+    released: np.ndarray, *, edges: Sequence[np.ndarray], bins: int | None = None
 ) -> tuple[np.ndarray, ...]:
-    """`next_edges` of each one-vs-rest block of a released (multi-class) histogram."""
+    """`next_edges` of each one-vs-rest block of a released (multi-class) histogram,
+    each with `bins` buckets (default: as many as it has)."""
     counts = np.asarray(released).reshape(-1)
     sizes = [2 * (np.asarray(e).size - 1) for e in edges]
     if counts.size != sum(sizes):
         raise ValidationError(f"histogram of {counts.size} counts does not fit the edges")
     starts = np.cumsum([0, *sizes])
     return tuple(
-        next_edges(counts[start : start + size], edges=e)
+        next_edges(counts[start : start + size], edges=e, bins=bins)
         for start, size, e in zip(starts, sizes, edges, strict=False)
     )
 
@@ -674,6 +681,23 @@ def announced_histogram_bins(bins: int, *, num_classes: int) -> tuple[int, int]:
 
 
 # ----------------------------------------------------- resolution and interval from noise
+
+def block_bins(
+    released: np.ndarray, *, blocks: int, noise_std: float, max_bins: int
+) -> int:
+    """`evaluation_bins` of a released histogram of `blocks` one-vs-rest blocks (its
+    class totals: the counts' sums per half); the fewest over the blocks, since every
+    block of a round has as many buckets."""
+    counts = np.asarray(released, dtype=np.float64).reshape(-1)
+    if blocks < 1 or counts.size % (2 * blocks):
+        raise ValidationError(f"histogram of {counts.size} counts is not {blocks} x 2 halves")
+    return min(
+        evaluation_bins(positives=float(part[part.size // 2 :].sum()),
+                        negatives=float(part[: part.size // 2].sum()),
+                        noise_std=noise_std, max_bins=max_bins)
+        for part in np.split(counts, blocks)
+    )
+
 
 def evaluation_bins(
     *, positives: float, negatives: float, noise_std: float, max_bins: int

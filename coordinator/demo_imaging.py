@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from common.errors import ConfigError
-from coordinator.demo import Demo, DemoOptions
+from coordinator.demo import Demo, DemoOptions, dp_auc_text
 
 IMAGING_DEFAULTS: dict[str, Any] = {
     "patients_per_site": 120,
@@ -233,7 +233,8 @@ device = "{self.device}"
             estimate = report["final"].get("auc")
             self.say(f"Exact held-out AUC of the final DP model: {exact:.3f} (the demo holds "
                      "every hospital's images; the federation sees only its DP estimate"
-                     + (f", {estimate:.3f})" if isinstance(estimate, float) else ")"))
+                     + (f", {dp_auc_text(report['final'])})" if isinstance(estimate, float)
+                        else ")"))
         report.update(
             task="imaging",
             model_name=self.model_name,
