@@ -53,16 +53,18 @@ class DecodedSum:
     # The bucket edges the histogram was counted with, one array per block.
     edges: tuple[np.ndarray, ...] = ()
 
-    def next_histogram_edges(self, *, max_bins: int) -> tuple[float, ...] | None:
+    def next_histogram_edges(self, *, max_bins: int | None = None) -> tuple[float, ...] | None:
         """The next round's announced edges, from this round's released histogram
         (`common.evaluation.next_edges`), as many buckets per block as its class totals
         and noise allow (`common.evaluation.block_bins`, at most `max_bins`: the
-        study's); None when this round evaluated nothing."""
+        study's; default: as many as this round's); None when this round evaluated
+        nothing."""
         if self.histogram is None or not self.edges or self.histogram.sum() <= 0:
             return None
         bins = block_bins(
             self.histogram, blocks=len(self.edges),
-            noise_std=float(self.metrics.get("auc_noise_std", 0.0)), max_bins=max_bins)
+            noise_std=float(self.metrics.get("auc_noise_std", 0.0)),
+            max_bins=self.edges[0].size - 1 if max_bins is None else max_bins)
         blocks = next_block_edges(self.histogram, edges=self.edges, bins=bins)
         return tuple(float(v) for block in blocks for v in block)
 
@@ -155,10 +157,12 @@ def evaluation_metrics(
         metrics["auc_buckets"] = float(edges[0].size - 1)
         if not interval.readable:
             log.warning(
-                "the federated evaluation is too noisy to read: AUC %s with DP noise std "
-                "%.3g per count on %d buckets (evaluate locally with `medfed predict`)",
+                "the federated evaluation is too noisy to read: AUC %s; DP noise std %.3g "
+                "per count on %d buckets moves it over %.2f-%.2f, the buckets' resolution "
+                "adds +-%.2f (evaluate locally with `medfed predict`)",
                 interval_text(interval.auc, interval.low, interval.high),
-                noisy.noise_std, edges[0].size - 1,
+                noisy.noise_std, edges[0].size - 1, interval.noise_low, interval.noise_high,
+                interval.resolution,
                 extra={"event": "evaluation_unreadable", "auc_interval_low": interval.low,
                        "auc_interval_high": interval.high})
     if histogram.sum() > 0 and classes > 2:
