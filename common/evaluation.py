@@ -24,6 +24,14 @@ each round (`Announcement.histogram_edges`), the same for every site:
   previous round saw in one bucket is split into many the next round, so the
   resolution follows the model wherever its scores go.
 
+How many buckets a round counts with follows the noise (`evaluation_bins`): each bucket
+adds its count's noise to the AUC, fewer buckets tie more pairs, so a small held-out
+cohort gets few wide buckets and a large one up to the study's ``histogram_bins``, chosen
+from the class totals the previous round released and the public noise std. Every AUC
+read from a release comes with a 95% interval for the exact held-out AUC
+(`auc_interval`: the noise simulated from the release, plus the buckets' resolution),
+post-processing like the rest.
+
 Each count's DP noise does not depend on the edges (one privacy unit moves one count,
 wherever the edges lie), so a coordinator choosing edges cannot weaken the guarantee;
 a site still checks them at its boundary (`round_edges`).

@@ -59,7 +59,9 @@ IMAGING_HISTOGRAM_BINS = 10
 """Score bins of the DP evaluation. A demo hospital holds out ~15-25 patients: with the
 tabular demo's 50 bins, 100 noised counts (std `DEMO_EVALUATION_NOISE_STD` each) swamp
 ~100 held-out scores and the reported AUC is noise; 10 bins keep the noise per count
-comparable to the counts."""
+comparable to the counts. The most a round counts with: after the first, rounds count
+with as few as the released class totals and the noise allow
+(`common.evaluation.evaluation_bins`: 2 for the demo's few dozen held-out images)."""
 
 DEMO_EVALUATION_NOISE_STD = 5.0
 """Total noise std on each summed count of the evaluation histogram (site default 10)."""
