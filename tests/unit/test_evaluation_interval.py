@@ -176,3 +176,21 @@ def test_next_edges_takes_the_chosen_bucket_count() -> None:
         occupied.append(int(np.count_nonzero(hist[:3] + hist[3:])))
     assert occupied[-1] >= 2, occupied
     assert metrics_from_histogram(hist, edges=edges).auc > 0.55
+
+
+def test_the_bundle_carries_the_interval_and_model_show_prints_it() -> None:
+    """`threshold_from_histogram` keeps the round's interval; `model show` prints the AUC
+    with it, or "too noisy to read" when it is wider than 0.5."""
+    from common.bundle import evaluation_auc_text, threshold_from_histogram
+
+    edges = default_edges(4)
+    hist = np.array([30, 10, 2, 0, 0, 3, 12, 25])
+    read = threshold_from_histogram(hist, bins=4, edges=edges, evaluation={
+        "auc": 0.93, "auc_interval_low": 0.86, "auc_interval_high": 0.99,
+        "auc_noise_std": 5.0})
+    assert (read.auc_interval_low, read.auc_interval_high) == (0.86, 0.99)
+    assert read.histogram_bins == 4
+    assert evaluation_auc_text(read) == "0.930 (95% interval 0.860-0.990)"
+    noisy = threshold_from_histogram(hist, bins=4, edges=edges, evaluation={
+        "auc": 0.437, "auc_interval_low": 0.05, "auc_interval_high": 0.93})
+    assert evaluation_auc_text(noisy).startswith("too noisy to read (DP estimate 0.44")
