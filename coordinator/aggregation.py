@@ -150,9 +150,9 @@ def evaluation_metrics(
     noisy = denoised_histogram(raw, blocks=blocks, noise_std=noise_std)
     histogram = noisy.counts
     metrics.update(noisy.metrics())
-    interval = auc_interval(raw, edges=edges, noise_std=noisy.noise_std,
-                            rng=np.random.default_rng(interval_seed))
     if histogram.sum() > 0:
+        interval = auc_interval(raw, edges=edges, noise_std=noisy.noise_std,
+                                rng=np.random.default_rng(interval_seed))
         metrics.update(interval.metrics())
         metrics["auc_buckets"] = float(edges[0].size - 1)
         if not interval.readable:
