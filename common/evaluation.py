@@ -780,17 +780,36 @@ class AucInterval:
                 "auc_resolution": self.resolution}
 
 
-def _released_auc(raw: np.ndarray, *, edges: Sequence[np.ndarray], noise_std: float) -> float:
-    """The AUC the coordinator reports from a raw summed histogram: `denoised_histogram`
-    then the (macro one-vs-rest) bucketed AUC."""
-    blocks = len(edges)
-    counts = denoised_histogram(raw, blocks=blocks, noise_std=noise_std).counts
-    if counts.sum() <= 0:
-        return math.nan
-    if blocks == 1:
-        return metrics_from_histogram(counts, edges=edges[0]).auc
-    return multiclass_metrics_from_histogram(
-        counts, edges=edges, num_classes=blocks).macro_auc
+def _pair_shares(counts: np.ndarray, *, blocks: int) -> tuple[float, float, float]:
+    """(AUC, strict, weak) of non-negative bucket counts, each the mean over the
+    one-vs-rest blocks: strict = share of positive-negative pairs whose positive lies in
+    a higher bucket, weak = that plus the share sharing a bucket, AUC = strict + ties / 2
+    (the trapezoid of `metrics_from_histogram`). The exact AUC of the scores behind the
+    counts lies in [strict, weak]. A block missing a class: (0.5, 0, 1)."""
+    aucs, stricts, weaks = [], [], []
+    for part in np.split(np.asarray(counts, dtype=np.float64), blocks):
+        bins = part.size // 2
+        negatives, positives = part[:bins], part[bins:]
+        pairs = float(negatives.sum() * positives.sum())
+        if pairs <= 0:
+            aucs.append(0.5)
+            stricts.append(0.0)
+            weaks.append(1.0)
+            continue
+        above = np.concatenate([np.cumsum(positives[::-1])[::-1][1:], [0.0]])
+        strict = float(negatives @ above) / pairs
+        tie = float(negatives @ positives) / pairs
+        aucs.append(strict + tie / 2.0)
+        stricts.append(strict)
+        weaks.append(strict + tie)
+    return float(np.mean(aucs)), float(np.mean(stricts)), float(np.mean(weaks))
+
+
+def _read(raw: np.ndarray, *, blocks: int, noise_std: float) -> tuple[float, float, float]:
+    """`_pair_shares` of a raw summed histogram read as the coordinator reads it
+    (`denoised_histogram` first)."""
+    return _pair_shares(
+        denoised_histogram(raw, blocks=blocks, noise_std=noise_std).counts, blocks=blocks)
 
 
 PLUG_IN_SIGMAS = 2.0
@@ -809,25 +828,6 @@ def _plug_ins(raw: np.ndarray, *, blocks: int, noise_std: float) -> list[np.ndar
     return [counts, zeroed]
 
 
-def _bucketed_auc(counts: np.ndarray, *, edges: Sequence[np.ndarray]) -> float:
-    """The (macro one-vs-rest) bucketed AUC of non-negative counts, no denoising."""
-    if len(edges) == 1:
-        return metrics_from_histogram(counts, edges=edges[0]).auc
-    return multiclass_metrics_from_histogram(
-        counts, edges=edges, num_classes=len(edges)).macro_auc
-
-
-def _tie_share(counts: np.ndarray, *, blocks: int) -> float:
-    """Largest over the blocks of the share of positive-negative pairs in one bucket."""
-    worst = 0.0
-    for part in np.split(np.asarray(counts, dtype=np.float64), blocks):
-        bins = part.size // 2
-        negatives, positives = part[:bins], part[bins:]
-        pairs = negatives.sum() * positives.sum()
-        worst = max(worst, float(negatives @ positives / pairs) if pairs > 0 else 1.0)
-    return worst
-
-
 def auc_interval(
     released: np.ndarray, *, edges: Sequence[np.ndarray], noise_std: float,
     rng: np.random.Generator, draws: int = AUC_INTERVAL_DRAWS,
@@ -840,27 +840,31 @@ def auc_interval(
     Computed from the released counts and the public per-count noise std alone:
     post-processing, no privacy cost (Dwork & Roth 2014, Prop. 2.1).
 
+    * Resolution: whatever the scores inside a bucket, the exact AUC lies between the
+      share of positive-negative pairs the buckets order strictly ("strict") and that
+      plus the share sharing a bucket ("weak"; the bucketed AUC counts ties half). So
+      the interval is a lower bound for strict and an upper bound for weak, each at
+      (1 - `level`) / 2: a bucket count and its noise both move them, and both are in
+      the simulation (a tie share read off the noisy counts as a fixed number was not
+      enough: noise in an empty bucket can fake a split).
     * Noise, by parametric bootstrap (Efron & Tibshirani 1993, ch. 6 and 13): counts
       standing in for the true ones (`_plug_ins`) are re-noised `draws` times with the
       known noise (Gaussian of std `noise_std`, rounded: the discrete Gaussian the sites
       add is within a rounding of it) and read exactly as the coordinator reads a
-      release (`denoised_histogram`, then the bucketed AUC). Reading a noisy release
-      moves its AUC (clamped noise adds fake counts, which pull the AUC towards 0.5):
-      for each stand-in the interval is the union of the percentile interval and the
-      basic one, which subtracts the reading's error on the stand-in
-      (q - AUC(stand-in)) from the reported AUC; the result is the union over both
-      stand-ins. No single stand-in is right everywhere: the denoised release carries
-      the fake counts (the error it sees is too small when one class is absent from
-      buckets, e.g. separable classes), the release with class counts under 2 sigma
-      zeroed drops real small counts (too small when the classes overlap). Measured
-      coverage of the noise part over bucketed AUCs, and of the whole interval over
-      exact AUCs: tests/unit/test_evaluation_interval.py.
-    * Resolution: the exact AUC lies within half the share of positive-negative pairs
-      sharing a bucket of the bucketed one (ties count half), so the interval is widened
-      on each side by that half-share, read from the stand-ins (the larger).
+      release (`denoised_histogram`). Reading a noisy release moves strict, weak and the
+      AUC (clamped noise adds fake counts): for each stand-in a bound is the wider of
+      the percentile one and the basic one, which subtracts the reading's error on the
+      stand-in (quantile - value of the stand-in) from the released value; the result
+      is the widest over both stand-ins. No single stand-in is right everywhere: the
+      denoised release keeps the fake counts (too little error when a class is absent
+      from buckets, e.g. separable classes), the one with class counts under 2 sigma
+      zeroed drops real small counts (too little when classes overlap). Coverage over
+      seeded cohorts and noise: tests/unit/test_evaluation_interval.py.
 
-    Clipped to [0, 1]. `rng` must be seeded by the caller (same release, same seed: the
-    same interval, which anyone holding the release can recompute)."""
+    `noise_low`/`noise_high` are the same bounds for the bucketed AUC itself; `resolution`
+    is half the released tie share. Clipped to [0, 1]. `rng` must be seeded by the
+    caller (same release, same seed: the same interval, which anyone holding the release
+    can recompute)."""
     if not 0.0 < level < 1.0 or draws < 20:
         raise ConfigError("level", "must lie in (0, 1), with at least 20 draws")
     raw = np.asarray(released, dtype=np.int64).reshape(-1)
@@ -868,35 +872,29 @@ def auc_interval(
     if blocks < 1 or raw.size != sum(2 * (np.asarray(e).size - 1) for e in edges):
         raise ValidationError(f"histogram of {raw.size} counts does not fit the edges")
     sigma = max(float(noise_std), 0.0)
-    auc = _released_auc(raw, edges=edges, noise_std=sigma)
-    stand_ins = _plug_ins(raw, blocks=blocks, noise_std=sigma)
-    resolution = max(_tie_share(t, blocks=blocks) for t in stand_ins) / 2.0
-    if not math.isfinite(auc):
-        return AucInterval(auc, 0.0, 1.0, 0.0, 1.0, resolution)
-    noise_low = noise_high = auc
+    released_values = np.array(_read(raw, blocks=blocks, noise_std=sigma))
+    auc, strict, weak = (float(v) for v in released_values)
+    low = np.array([auc, strict, strict])  # bounds of (AUC, strict, weak) so far
+    high = np.array([auc, weak, weak])
     tail = (1.0 - level) / 2.0
+    stand_ins = _plug_ins(raw, blocks=blocks, noise_std=sigma)
     per_stand_in = draws // len(stand_ins) if sigma > 0 else 0
     for truth in stand_ins:
         if per_stand_in == 0:
             break
         noise = np.rint(rng.normal(0.0, sigma, size=(per_stand_in, raw.size)))
         simulated = np.array([
-            _released_auc(truth + row.astype(np.int64), edges=edges, noise_std=sigma)
+            _read(truth + row.astype(np.int64), blocks=blocks, noise_std=sigma)
             for row in noise
         ])
-        simulated = np.where(np.isfinite(simulated), simulated, 0.5)
-        q_low, q_high = (float(v) for v in np.quantile(simulated, [tail, 1.0 - tail]))
-        plugged = _bucketed_auc(truth, edges=edges)
-        if not math.isfinite(plugged):
-            plugged = auc
-        noise_low = min(noise_low, q_low, auc - (q_high - plugged))
-        noise_high = max(noise_high, q_high, auc + (plugged - q_low))
-    noise_low, noise_high = max(noise_low, 0.0), min(noise_high, 1.0)
+        q_low, q_high = np.quantile(simulated, [tail, 1.0 - tail], axis=0)
+        plugged = np.array(_pair_shares(truth, blocks=blocks))
+        low = np.minimum(low, np.minimum(q_low, released_values - (q_high - plugged)))
+        high = np.maximum(high, np.maximum(q_high, released_values + (plugged - q_low)))
+    low, high = np.clip(low, 0.0, 1.0), np.clip(high, 0.0, 1.0)
     return AucInterval(
-        auc,
-        max(noise_low - resolution, 0.0),
-        min(noise_high + resolution, 1.0),
-        noise_low, noise_high, resolution,
+        auc, float(low[1]), float(high[2]), float(low[0]), float(high[0]),
+        (weak - strict) / 2.0,
     )
 
 
