@@ -157,12 +157,13 @@ def evaluation_metrics(
         metrics["auc_buckets"] = float(edges[0].size - 1)
         if not interval.readable:
             log.warning(
-                "the federated evaluation is too noisy to read: AUC %s; DP noise std %.3g "
-                "per count on %d buckets moves it over %.2f-%.2f, the buckets' resolution "
-                "adds +-%.2f (evaluate locally with `medfed predict`)",
+                "the federated evaluation is too noisy to read: AUC %s; with DP noise std "
+                "%.3g per count on %d buckets the bucketed AUC alone lies in %.2f-%.2f, "
+                "and %.0f%% of the positive-negative pairs share a bucket (evaluate "
+                "locally with `medfed predict`)",
                 interval_text(interval.auc, interval.low, interval.high),
                 noisy.noise_std, edges[0].size - 1, interval.noise_low, interval.noise_high,
-                interval.resolution,
+                200 * interval.resolution,
                 extra={"event": "evaluation_unreadable", "auc_interval_low": interval.low,
                        "auc_interval_high": interval.high})
     if histogram.sum() > 0 and classes > 2:
