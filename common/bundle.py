@@ -39,7 +39,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common.errors import StateError, ValidationError
-from common.evaluation import youden_threshold
+from common.evaluation import interval_text, youden_threshold
 from common.noisy_counts import NOISE_DOMINATED
 from common.study import (
     FACTORY_PATTERN,
@@ -142,6 +142,10 @@ class Threshold(_Section):
     noise_std: float | None = Field(default=None, ge=0.0)
     relative_noise: float | None = Field(default=None, ge=0.0)
     noise_dominated: bool = False
+    # The 95% interval the exact held-out AUC lies in (common.evaluation.auc_interval):
+    # the DP noise on the released counts, simulated, plus the buckets' resolution.
+    auc_interval_low: float | None = Field(default=None, ge=0.0, le=1.0)
+    auc_interval_high: float | None = Field(default=None, ge=0.0, le=1.0)
 
 
 class SitePrivacy(_Section):
@@ -218,13 +222,17 @@ def threshold_from_histogram(
         return float(value) if value is not None and math.isfinite(value) else None
 
     auc = finite("auc")
+    low, high = finite("auc_interval_low"), finite("auc_interval_high")
     return Threshold(
         value=youden_threshold(hist, bins=None if edges is not None else bins, edges=edges),
-        method="youden-dp-roc", histogram_bins=bins,
+        method="youden-dp-roc",
+        histogram_bins=bins if edges is None else int(np.asarray(edges).size - 1),
         histogram_edges=None if edges is None else tuple(float(v) for v in edges),
         auc=None if auc is None else min(max(auc, 0.0), 1.0),
         noise_std=finite("auc_noise_std"), relative_noise=finite("auc_relative_noise"),
         noise_dominated=bool(found.get("auc_noise_dominated", 0.0)),
+        auc_interval_low=None if low is None or high is None else min(max(low, 0.0), 1.0),
+        auc_interval_high=None if low is None or high is None else min(max(high, 0.0), 1.0),
     )
 
 
@@ -471,6 +479,18 @@ def input_description(study: Study) -> str:
         height, width = data.image_size
         return f"image {data.channels} x {height} x {width} (channels x height x width)"
     return f"{len(encoded_feature_names(study))} encoded features"
+
+
+def evaluation_auc_text(threshold: Threshold) -> str:
+    """The federated DP AUC as `medfed model show` prints it: with its 95% interval, or
+    "too noisy to read" when that is wider than
+    `common.evaluation.UNREADABLE_WIDTH`; "undefined" without an AUC."""
+    if threshold.auc is None:
+        return "undefined"
+    if threshold.auc_interval_low is None or threshold.auc_interval_high is None:
+        return f"{threshold.auc:.3f}"
+    return interval_text(threshold.auc, threshold.auc_interval_low,
+                         threshold.auc_interval_high)
 
 
 def evaluation_noise_text(threshold: Threshold) -> str:

@@ -24,6 +24,14 @@ each round (`Announcement.histogram_edges`), the same for every site:
   previous round saw in one bucket is split into many the next round, so the
   resolution follows the model wherever its scores go.
 
+How many buckets a round counts with follows the noise (`evaluation_bins`): each bucket
+adds its count's noise to the AUC, fewer buckets tie more pairs, so a small held-out
+cohort gets few wide buckets and a large one up to the study's ``histogram_bins``, chosen
+from the class totals the previous round released and the public noise std. Every AUC
+read from a release comes with a 95% interval for the exact held-out AUC
+(`auc_interval`: the noise simulated from the release, plus the buckets' resolution),
+post-processing like the rest.
+
 Each count's DP noise does not depend on the edges (one privacy unit moves one count,
 wherever the edges lie), so a coordinator choosing edges cannot weaken the guarantee;
 a site still checks them at its boundary (`round_edges`).
@@ -129,9 +137,12 @@ def _logit(p: np.ndarray) -> np.ndarray:
     return np.asarray(np.clip(z, -LOGIT_LIMIT, LOGIT_LIMIT))
 
 
-def next_edges(released: np.ndarray, *, edges: np.ndarray) -> np.ndarray:
-    """The bucket edges of the next round from one block ([negatives | positives]) of
-    the score histogram a round released, counted with `edges`: quantiles of the pooled
+def next_edges(
+    released: np.ndarray, *, edges: np.ndarray, bins: int | None = None
+) -> np.ndarray:
+    """The `bins` (default: as many as `edges` has; `evaluation_bins` chooses them from
+    the noise) bucket edges of the next round from one block ([negatives | positives])
+    of the score histogram a round released, counted with `edges`: quantiles of the pooled
     released scores, mixed (1 - UNIFORM_SHARE : UNIFORM_SHARE) with a uniform spread
     over their range widened by `WIDEN` on each side, all on the logit scale.
 
@@ -143,11 +154,14 @@ def next_edges(released: np.ndarray, *, edges: np.ndarray) -> np.ndarray:
     No released mass: `default_edges`.
     """
     e = _check_edges(edges)
-    bins = e.size - 1
+    counted = e.size - 1
+    bins = counted if bins is None else bins
+    if bins < 2:
+        raise ConfigError("bins", "must be >= 2")
     counts = np.asarray(released, dtype=np.float64).reshape(-1)
-    if counts.shape != (2 * bins,):
-        raise ValidationError(f"histogram must be {2 * bins} counts for {bins + 1} edges")
-    mass = np.maximum(counts[:bins], 0.0) + np.maximum(counts[bins:], 0.0)
+    if counts.shape != (2 * counted,):
+        raise ValidationError(f"histogram must be {2 * counted} counts for {counted + 1} edges")
+    mass = np.maximum(counts[:counted], 0.0) + np.maximum(counts[counted:], 0.0)
     total = float(mass.sum())
     if not total > 0:
         return default_edges(bins)
@@ -180,16 +194,17 @@ def next_edges(released: np.ndarray, *, edges: np.ndarray) -> np.ndarray:
 
 
 def next_block_edges(
-    released: np.ndarray, *, edges: Sequence[np.ndarray]
+    released: np.ndarray, *, edges: Sequence[np.ndarray], bins: int | None = None
 ) -> tuple[np.ndarray, ...]:
-    """`next_edges` of each one-vs-rest block of a released (multi-class) histogram."""
+    """`next_edges` of each one-vs-rest block of a released (multi-class) histogram,
+    each with `bins` buckets (default: as many as it has)."""
     counts = np.asarray(released).reshape(-1)
     sizes = [2 * (np.asarray(e).size - 1) for e in edges]
     if counts.size != sum(sizes):
         raise ValidationError(f"histogram of {counts.size} counts does not fit the edges")
     starts = np.cumsum([0, *sizes])
     return tuple(
-        next_edges(counts[start : start + size], edges=e)
+        next_edges(counts[start : start + size], edges=e, bins=bins)
         for start, size, e in zip(starts, sizes, edges, strict=False)
     )
 
@@ -671,3 +686,224 @@ def announced_histogram_bins(bins: int, *, num_classes: int) -> tuple[int, int]:
     if num_classes <= 2:
         return bins, 1
     return bins * num_classes, num_classes
+
+
+# ----------------------------------------------------- resolution and interval from noise
+
+def block_bins(
+    released: np.ndarray, *, blocks: int, noise_std: float, max_bins: int
+) -> int:
+    """`evaluation_bins` of a released histogram of `blocks` one-vs-rest blocks (its
+    class totals: the counts' sums per half); the fewest over the blocks, since every
+    block of a round has as many buckets."""
+    counts = np.asarray(released, dtype=np.float64).reshape(-1)
+    if blocks < 1 or counts.size % (2 * blocks):
+        raise ValidationError(f"histogram of {counts.size} counts is not {blocks} x 2 halves")
+    return min(
+        evaluation_bins(positives=float(part[part.size // 2 :].sum()),
+                        negatives=float(part[: part.size // 2].sum()),
+                        noise_std=noise_std, max_bins=max_bins)
+        for part in np.split(counts, blocks)
+    )
+
+
+def evaluation_bins(
+    *, positives: float, negatives: float, noise_std: float, max_bins: int
+) -> int:
+    """How many score buckets (per block) the next DP evaluation should count with, from
+    the class totals a previous evaluation RELEASED (`positives`, `negatives`: the noisy
+    sums, post-processing) and the public per-count noise std; in [2, `max_bins`].
+
+    The error of an AUC read from a B-bucket histogram has two parts:
+
+    * resolution: a positive and a negative sharing a bucket count as half a correct
+      ranking, so the bucketed AUC is within half the share of such pairs of the exact
+      one (`metrics_from_histogram`). With quantile edges (`next_edges`) each bucket
+      holds ~1/B of the scores, so at worst (classes overlapping) ~1/(2B);
+    * noise: every count carries noise of std sigma, whether or not it holds a score.
+      AUC = sum_i n_i (P_above_i + p_i / 2) / (P N); dAUC/dp_i = (F_i - AUC) / P and
+      dAUC/dn_i = (G_i - AUC) / N with F_i, G_i in [0, 1], so by the delta method its
+      noise std is at most sigma sqrt(B) sqrt(1/P^2 + 1/N^2) = sigma sqrt(B) / m
+      (m = P N / sqrt(P^2 + N^2), about the smaller class's count).
+
+    1/(2B) + sigma sqrt(B) / m is smallest at B = (m / sigma)^(2/3): the bias-variance
+    balance behind histogram bin rules (Scott, Biometrika 1979: n^(1/3) buckets), here
+    with the DP noise in the variance term, as for perturbed histograms in Wasserman &
+    Zhou, "A statistical framework for differential privacy", JASA 2010. A small
+    held-out cohort gets few wide buckets, a large one more; B never grows with sigma
+    and never shrinks with the cohort. No noise: `max_bins`. Classes not both released
+    above zero: 2 (nothing finer can be read)."""
+    if max_bins < 2:
+        raise ConfigError("bins", "must be >= 2")
+    if not (math.isfinite(positives) and math.isfinite(negatives)
+            and math.isfinite(noise_std)):
+        raise ValidationError("class totals and noise std must be finite")
+    if noise_std <= 0:
+        return max_bins
+    if positives <= 0 or negatives <= 0:
+        return 2
+    m = positives * negatives / math.hypot(positives, negatives)
+    best = (m / noise_std) ** (2.0 / 3.0)
+    return int(min(max(math.floor(best + 1e-9), 2), max_bins))
+
+
+AUC_INTERVAL_LEVEL = 0.95
+"""Nominal coverage of `auc_interval`."""
+AUC_INTERVAL_DRAWS = 400
+"""Parametric draws behind `auc_interval` (its Monte Carlo error on a 2.5% quantile is
+~0.8 percentage points of coverage)."""
+UNREADABLE_WIDTH = 0.5
+"""An AUC whose interval is wider than this is reported as too noisy to read."""
+
+
+@dataclass(frozen=True)
+class AucInterval:
+    """A DP AUC with the interval the exact held-out AUC lies in (`auc_interval`)."""
+
+    auc: float
+    low: float
+    high: float
+    noise_low: float  # the noise part alone: an interval for the bucketed AUC
+    noise_high: float
+    resolution: float  # half the share of positive-negative pairs sharing a bucket
+
+    @property
+    def width(self) -> float:
+        return self.high - self.low
+
+    @property
+    def readable(self) -> bool:
+        return math.isfinite(self.width) and self.width <= UNREADABLE_WIDTH
+
+    def metrics(self) -> dict[str, float]:
+        return {"auc_interval_low": self.low, "auc_interval_high": self.high,
+                "auc_resolution": self.resolution}
+
+
+def _pair_shares(counts: np.ndarray, *, blocks: int) -> tuple[float, float, float]:
+    """(AUC, strict, weak) of non-negative bucket counts, each the mean over the
+    one-vs-rest blocks: strict = share of positive-negative pairs whose positive lies in
+    a higher bucket, weak = that plus the share sharing a bucket, AUC = strict + ties / 2
+    (the trapezoid of `metrics_from_histogram`). The exact AUC of the scores behind the
+    counts lies in [strict, weak]. A block missing a class: (0.5, 0, 1)."""
+    aucs, stricts, weaks = [], [], []
+    for part in np.split(np.asarray(counts, dtype=np.float64), blocks):
+        bins = part.size // 2
+        negatives, positives = part[:bins], part[bins:]
+        pairs = float(negatives.sum() * positives.sum())
+        if pairs <= 0:
+            aucs.append(0.5)
+            stricts.append(0.0)
+            weaks.append(1.0)
+            continue
+        above = np.concatenate([np.cumsum(positives[::-1])[::-1][1:], [0.0]])
+        strict = float(negatives @ above) / pairs
+        tie = float(negatives @ positives) / pairs
+        aucs.append(strict + tie / 2.0)
+        stricts.append(strict)
+        weaks.append(strict + tie)
+    return float(np.mean(aucs)), float(np.mean(stricts)), float(np.mean(weaks))
+
+
+def _read(raw: np.ndarray, *, blocks: int, noise_std: float) -> tuple[float, float, float]:
+    """`_pair_shares` of a raw summed histogram read as the coordinator reads it
+    (`denoised_histogram` first)."""
+    return _pair_shares(
+        denoised_histogram(raw, blocks=blocks, noise_std=noise_std).counts, blocks=blocks)
+
+
+PLUG_IN_SIGMAS = 2.0
+"""`auc_interval`'s second stand-in zeroes class counts released under this many noise
+stds."""
+
+
+def _plug_ins(raw: np.ndarray, *, blocks: int, noise_std: float) -> list[np.ndarray]:
+    """The counts `auc_interval` re-noises: the denoised release, and the same with each
+    class count released under `PLUG_IN_SIGMAS` noise stds set to 0 (one when they are
+    the same, e.g. without noise)."""
+    counts = denoised_histogram(raw, blocks=blocks, noise_std=noise_std).counts
+    zeroed = np.where(raw >= PLUG_IN_SIGMAS * noise_std, counts, 0)
+    if np.array_equal(zeroed, counts) or zeroed.sum() <= 0:
+        return [counts]
+    return [counts, zeroed]
+
+
+def auc_interval(
+    released: np.ndarray, *, edges: Sequence[np.ndarray], noise_std: float,
+    rng: np.random.Generator, draws: int = AUC_INTERVAL_DRAWS,
+    level: float = AUC_INTERVAL_LEVEL,
+) -> AucInterval:
+    """The reported DP AUC of a released (raw, noisy, summed) histogram counted with
+    `edges` (one array per one-vs-rest block), and an interval, in AUC units, for the
+    exact AUC of the held-out scores behind it.
+
+    Computed from the released counts and the public per-count noise std alone:
+    post-processing, no privacy cost (Dwork & Roth 2014, Prop. 2.1).
+
+    * Resolution: whatever the scores inside a bucket, the exact AUC lies between the
+      share of positive-negative pairs the buckets order strictly ("strict") and that
+      plus the share sharing a bucket ("weak"; the bucketed AUC counts ties half). So
+      the interval is a lower bound for strict and an upper bound for weak, each at
+      (1 - `level`) / 2: a bucket count and its noise both move them, and both are in
+      the simulation (a tie share read off the noisy counts as a fixed number was not
+      enough: noise in an empty bucket can fake a split).
+    * Noise, by parametric bootstrap (Efron & Tibshirani 1993, ch. 6 and 13): counts
+      standing in for the true ones (`_plug_ins`) are re-noised `draws` times with the
+      known noise (Gaussian of std `noise_std`, rounded: the discrete Gaussian the sites
+      add is within a rounding of it) and read exactly as the coordinator reads a
+      release (`denoised_histogram`). Reading a noisy release moves strict, weak and the
+      AUC (clamped noise adds fake counts): for each stand-in a bound is the wider of
+      the percentile one and the basic one, which subtracts the reading's error on the
+      stand-in (quantile - value of the stand-in) from the released value; the result
+      is the widest over both stand-ins. No single stand-in is right everywhere: the
+      denoised release keeps the fake counts (too little error when a class is absent
+      from buckets, e.g. separable classes), the one with class counts under 2 sigma
+      zeroed drops real small counts (too little when classes overlap). Coverage over
+      seeded cohorts and noise: tests/unit/test_evaluation_interval.py.
+
+    `noise_low`/`noise_high` are the same bounds for the bucketed AUC itself; `resolution`
+    is half the released tie share. Clipped to [0, 1]. `rng` must be seeded by the
+    caller (same release, same seed: the same interval, which anyone holding the release
+    can recompute)."""
+    if not 0.0 < level < 1.0 or draws < 20:
+        raise ConfigError("level", "must lie in (0, 1), with at least 20 draws")
+    raw = np.asarray(released, dtype=np.int64).reshape(-1)
+    blocks = len(edges)
+    if blocks < 1 or raw.size != sum(2 * (np.asarray(e).size - 1) for e in edges):
+        raise ValidationError(f"histogram of {raw.size} counts does not fit the edges")
+    sigma = max(float(noise_std), 0.0)
+    released_values = np.array(_read(raw, blocks=blocks, noise_std=sigma))
+    auc, strict, weak = (float(v) for v in released_values)
+    low = np.array([auc, strict, strict])  # bounds of (AUC, strict, weak) so far
+    high = np.array([auc, weak, weak])
+    tail = (1.0 - level) / 2.0
+    stand_ins = _plug_ins(raw, blocks=blocks, noise_std=sigma)
+    per_stand_in = draws // len(stand_ins) if sigma > 0 else 0
+    for truth in stand_ins:
+        if per_stand_in == 0:
+            break
+        noise = np.rint(rng.normal(0.0, sigma, size=(per_stand_in, raw.size)))
+        simulated = np.array([
+            _read(truth + row.astype(np.int64), blocks=blocks, noise_std=sigma)
+            for row in noise
+        ])
+        q_low, q_high = np.quantile(simulated, [tail, 1.0 - tail], axis=0)
+        plugged = np.array(_pair_shares(truth, blocks=blocks))
+        low = np.minimum(low, np.minimum(q_low, released_values - (q_high - plugged)))
+        high = np.maximum(high, np.maximum(q_high, released_values + (plugged - q_low)))
+    low, high = np.clip(low, 0.0, 1.0), np.clip(high, 0.0, 1.0)
+    return AucInterval(
+        auc, float(low[1]), float(high[2]), float(low[0]), float(high[0]),
+        (weak - strict) / 2.0,
+    )
+
+
+def interval_text(auc: float, low: float, high: float) -> str:
+    """How the product prints a DP AUC: "0.912 (95% interval 0.85-0.97)", or, for an
+    interval wider than `UNREADABLE_WIDTH`, that the evaluation is too noisy to read."""
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return f"{auc:.3f}"
+    if high - low > UNREADABLE_WIDTH:
+        return (f"too noisy to read (DP estimate {auc:.2f}, 95% interval "
+                f"{low:.2f}-{high:.2f})")
+    return f"{auc:.3f} (95% interval {low:.3f}-{high:.3f})"

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError, Unavailable
+from common.evaluation import interval_text
 
 FAILED_PHASE_PREFIX = "failed: "
 """The phase of a study that ended unfinished, followed by why: the Status RPC's
@@ -79,6 +81,16 @@ def fetch_status(coordinator: str, *, ca: Path, cert: Path, key: Path,
         "statistics_round": resp.statistics_round or "none",
         "current_kind": resp.current_kind,
         "eta_seconds": None if resp.eta_seconds < 0 else resp.eta_seconds,
+        # The last completed round's DP AUC with its 95% interval for the exact
+        # held-out AUC (null before any evaluation, or the interval from an older
+        # coordinator).
+        "dp_auc": None if resp.auc_round == 0 else {
+            "round": resp.auc_round, "auc": resp.auc,
+            "interval_low": resp.auc_interval_low
+            if math.isfinite(resp.auc_interval_low) else None,
+            "interval_high": resp.auc_interval_high
+            if math.isfinite(resp.auc_interval_high) else None,
+        },
         "sites": [
             {
                 "site_id": s.site_id,
@@ -173,6 +185,12 @@ def render(status: dict[str, Any]) -> str:
     lines = [f"federation {status['federation_id']}: {head}"]
     if status["aborted_rounds"]:
         lines.append(f"aborted rounds: {status['aborted_rounds']}")
+    reading = status.get("dp_auc")
+    if reading:
+        low, high = reading["interval_low"], reading["interval_high"]
+        text = (interval_text(reading["auc"], low, high) if low is not None and high is not None
+                else f"{reading['auc']:.3f}")
+        lines.append(f"DP-evaluated AUC after round {reading['round']}: {text}")
     rows = [("SITE", "STATE", "LAST CONTACT", "EPSILON SPENT / BUDGET")]
     for site in status["sites"]:
         ago = site["last_contact_seconds_ago"]

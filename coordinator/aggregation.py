@@ -19,7 +19,10 @@ from common.crypto.quantize import dequantize_sum
 from common.egress import EVALUATION_HISTOGRAM, WEIGHT, round_manifest
 from common.errors import AbortReason, ProtocolAbort, StateError, ValidationError
 from common.evaluation import (
+    auc_interval,
+    block_bins,
     denoised_histogram,
+    interval_text,
     multiclass_metrics_from_histogram,
     next_block_edges,
     operating_point_metrics,
@@ -50,12 +53,19 @@ class DecodedSum:
     # The bucket edges the histogram was counted with, one array per block.
     edges: tuple[np.ndarray, ...] = ()
 
-    def next_histogram_edges(self) -> tuple[float, ...] | None:
+    def next_histogram_edges(self, *, max_bins: int | None = None) -> tuple[float, ...] | None:
         """The next round's announced edges, from this round's released histogram
-        (`common.evaluation.next_edges`); None when this round evaluated nothing."""
+        (`common.evaluation.next_edges`), as many buckets per block as its class totals
+        and noise allow (`common.evaluation.block_bins`, at most `max_bins`: the
+        study's; default: as many as this round's); None when this round evaluated
+        nothing."""
         if self.histogram is None or not self.edges or self.histogram.sum() <= 0:
             return None
-        blocks = next_block_edges(self.histogram, edges=self.edges)
+        bins = block_bins(
+            self.histogram, blocks=len(self.edges),
+            noise_std=float(self.metrics.get("auc_noise_std", 0.0)),
+            max_bins=self.edges[0].size - 1 if max_bins is None else max_bins)
+        blocks = next_block_edges(self.histogram, edges=self.edges, bins=bins)
         return tuple(float(v) for block in blocks for v in block)
 
 
@@ -71,8 +81,11 @@ def decode_round_sum(
     evaluation_only: bool,
     histogram_classes: int = 1,
     histogram_edges: tuple[float, ...] = (),
+    noise_std: float | None = None,
+    interval_seed: int = 0,
 ) -> DecodedSum:
-    """Decode the ring sum of `count` sites into the float32 weighted mean delta.
+    """Decode the ring sum of `count` sites into the float32 weighted mean delta
+    (`noise_std`, `interval_seed`: `evaluation_metrics`).
 
     Window by window, elementwise the same arithmetic as decoding the whole vector at
     once, without d-sized float64 temporaries (2 x 8 bytes per parameter at d = 10^7).
@@ -91,7 +104,7 @@ def decode_round_sum(
     edges = evaluation_edges(histogram_edges, bins=histogram_bins, classes=histogram_classes)
     histogram = evaluation_metrics(
         integers[EVALUATION_HISTOGRAM], edges=edges, classes=histogram_classes,
-        metrics=metrics,
+        metrics=metrics, noise_std=noise_std, interval_seed=interval_seed,
     )
     if evaluation_only or weight_sum == 0:
         return DecodedSum(None, weight_sum, metrics, histogram, edges)
@@ -119,19 +132,40 @@ def evaluation_edges(
 
 def evaluation_metrics(
     summed: np.ndarray, *, edges: tuple[np.ndarray, ...], classes: int,
-    metrics: dict[str, float],
+    metrics: dict[str, float], noise_std: float | None = None, interval_seed: int = 0,
 ) -> np.ndarray:
     """The round's DP evaluation: the summed histogram (it carries the sites' discrete
     Gaussian noise, so counts can be negative) reduced to its credible buckets
     (`denoised_histogram`), AUC and operating point into `metrics` with the noise
-    indication beside them, and a warning when the noise dominates. Returns the
-    histogram the bundle's threshold is chosen from."""
+    indication and the AUC's 95% interval (`common.evaluation.auc_interval`, drawn with
+    a generator seeded by `interval_seed`: the round number, so anyone holding the
+    release recomputes the same interval) beside them, and a warning when the noise
+    dominates. `noise_std`: the per-count noise std of the sum as the sites' ledgers
+    record it (`coordinator.ledger_gate.evaluation_noise_std`); None: estimated from
+    the negative counts. Returns the histogram the bundle's threshold is chosen from."""
     raw = np.asarray(summed, dtype=np.int64)
     if not raw.any():
         return np.zeros_like(raw)  # no evaluation this round
-    noisy = denoised_histogram(raw, blocks=classes if classes > 2 else 1)
+    blocks = classes if classes > 2 else 1
+    noisy = denoised_histogram(raw, blocks=blocks, noise_std=noise_std)
     histogram = noisy.counts
     metrics.update(noisy.metrics())
+    if histogram.sum() > 0:
+        interval = auc_interval(raw, edges=edges, noise_std=noisy.noise_std,
+                                rng=np.random.default_rng(interval_seed))
+        metrics.update(interval.metrics())
+        metrics["auc_buckets"] = float(edges[0].size - 1)
+        if not interval.readable:
+            log.warning(
+                "the federated evaluation is too noisy to read: AUC %s; with DP noise std "
+                "%.3g per count on %d buckets the bucketed AUC alone lies in %.2f-%.2f, "
+                "and %.0f%% of the positive-negative pairs share a bucket (evaluate "
+                "locally with `medfed predict`)",
+                interval_text(interval.auc, interval.low, interval.high),
+                noisy.noise_std, edges[0].size - 1, interval.noise_low, interval.noise_high,
+                200 * interval.resolution,
+                extra={"event": "evaluation_unreadable", "auc_interval_low": interval.low,
+                       "auc_interval_high": interval.high})
     if histogram.sum() > 0 and classes > 2:
         metrics.update(multiclass_round_metrics(histogram, edges, classes))
     elif histogram.sum() > 0:

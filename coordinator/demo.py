@@ -26,6 +26,7 @@ import numpy as np
 
 from common.config import DEFAULT_COUNT_EPSILON, AggregationSection, SitePolicySection
 from common.errors import ConfigError, StateError
+from common.evaluation import interval_text
 from common.processes import Line, ManagedProcess, medfed_argv
 from common.secagg.params import round_floor
 
@@ -74,6 +75,17 @@ class RoundRow:
     epsilon: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     intermediaries: int | None = None  # v of a hospital-level round (issue 13 s.2)
+
+
+def dp_auc_text(metrics: dict[str, Any]) -> str:
+    """A DP AUC as the demo prints it: with its 95% interval, or "too noisy to read"
+    (`common.evaluation.interval_text`)."""
+    auc, low, high = (metrics.get(k) for k in ("auc", "auc_interval_low", "auc_interval_high"))
+    if not isinstance(auc, float):
+        return "-"
+    if isinstance(low, float) and isinstance(high, float):
+        return interval_text(auc, low, high)
+    return f"{auc:.3f}"
 
 
 def register(subparsers: Any) -> None:
@@ -746,13 +758,14 @@ device = "cpu"
             auc=float(auc) if auc is not None else None,
             evaluation_only=bool(line.get("evaluation_only", False)),
             epsilon=eps,
-            metrics={k: line.get(k) for k in ("auc", "sensitivity", "specificity", "ppv")},
+            metrics={k: line.get(k) for k in ("auc", "sensitivity", "specificity", "ppv",
+                                              "auc_interval_low", "auc_interval_high")},
             intermediaries=(int(line["intermediaries"])
                             if line.get("intermediaries") is not None else None),
         )
         self.rows.append(row)
         kind = "final evaluation" if row.evaluation_only else "training"
-        auc_text = f"{row.auc:.3f}" if row.auc is not None else "  -  "
+        auc_text = dp_auc_text(row.metrics) if row.auc is not None else "  -  "
         eps_text = " ".join(f"{s}={e:.2f}" for s, e in eps.items())
         lost = f" ({','.join(dropped)})" if dropped else ""
         split = (f" | v={row.intermediaries}" if row.intermediaries is not None else "")
@@ -782,6 +795,8 @@ device = "cpu"
                     "secure_aggregation": r.secure_aggregation,
                     "evaluation_only": r.evaluation_only,
                     "auc": r.auc,
+                    "auc_interval_low": r.metrics.get("auc_interval_low"),
+                    "auc_interval_high": r.metrics.get("auc_interval_high"),
                     "epsilon": r.epsilon,
                     "intermediaries": r.intermediaries,
                 }
@@ -796,7 +811,8 @@ device = "cpu"
             "model": model,
             "threshold": model.get("threshold") if model else None,
             "final": {
-                **{k: final_metrics.get(k) for k in ("auc", "sensitivity", "specificity", "ppv")},
+                **{k: final_metrics.get(k) for k in ("auc", "sensitivity", "specificity", "ppv",
+                                                    "auc_interval_low", "auc_interval_high")},
                 "epsilon": eps,
                 # Each purpose composed alone (they do not add up to "epsilon").
                 "epsilon_by_purpose": self.epsilon_by_purpose(sites),
@@ -931,6 +947,10 @@ device = "cpu"
                 for c in cols
             )
             self.say(f"{name:<{width}}{values}")
+        if isinstance(report["final"].get("auc"), float):
+            self.say(f"Federated + DP AUC: {dp_auc_text(report['final'])} (the 95% interval "
+                     "holds the exact held-out AUC: DP noise on the released counts, "
+                     "simulated, plus the score buckets' resolution)")
         audit = report.get("privacy_audit") or {}
         if audit.get("skipped", True):
             self.say(f"membership inference AUC: not measured ({audit.get('reason', '-')})")

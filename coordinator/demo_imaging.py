@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from common.errors import ConfigError
-from coordinator.demo import Demo, DemoOptions
+from coordinator.demo import Demo, DemoOptions, dp_auc_text
 
 IMAGING_DEFAULTS: dict[str, Any] = {
     "patients_per_site": 120,
@@ -59,7 +59,9 @@ IMAGING_HISTOGRAM_BINS = 10
 """Score bins of the DP evaluation. A demo hospital holds out ~15-25 patients: with the
 tabular demo's 50 bins, 100 noised counts (std `DEMO_EVALUATION_NOISE_STD` each) swamp
 ~100 held-out scores and the reported AUC is noise; 10 bins keep the noise per count
-comparable to the counts."""
+comparable to the counts. The most a round counts with: after the first, rounds count
+with as few as the released class totals and the noise allow
+(`common.evaluation.evaluation_bins`: 2 for the demo's few dozen held-out images)."""
 
 DEMO_EVALUATION_NOISE_STD = 5.0
 """Total noise std on each summed count of the evaluation histogram (site default 10)."""
@@ -233,7 +235,8 @@ device = "{self.device}"
             estimate = report["final"].get("auc")
             self.say(f"Exact held-out AUC of the final DP model: {exact:.3f} (the demo holds "
                      "every hospital's images; the federation sees only its DP estimate"
-                     + (f", {estimate:.3f})" if isinstance(estimate, float) else ")"))
+                     + (f", {dp_auc_text(report['final'])})" if isinstance(estimate, float)
+                        else ")"))
         report.update(
             task="imaging",
             model_name=self.model_name,

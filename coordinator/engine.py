@@ -44,7 +44,7 @@ from coordinator import (
 from coordinator.aggregation import Aggregator
 from coordinator.bundles import final_bundle
 from coordinator.inbox import RoundInbox
-from coordinator.ledger_gate import LedgerGate
+from coordinator.ledger_gate import LedgerGate, evaluation_noise_std
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.phases import ActiveRound, Liveness, drive, phase_timeout
 from coordinator.recovery import recover
@@ -305,6 +305,8 @@ class RoundEngine:
             training_round.apply_update, rnd, aggregator, model=self.model,
             settings=self.settings, hospital_terms=hospital_sum.terms_for(
                 self.study.study if self.study else None, self.settings.aggregation),
+            evaluation_noise_std=evaluation_noise_std(
+                self.ledgers.replica, aggregator.survivors, round_number=rnd.number),
         )
         rnd.mark("updated")
         training_round.record_and_bundle(

@@ -84,12 +84,14 @@ def announce(ann: Announcement, terms: HospitalTerms | None) -> Announcement:
 def decode(
     aggregate: np.ndarray, *, ann: Announcement, count: int, histogram_classes: int = 1,
     terms: HospitalTerms | None = None, cap: int | None = None,
+    noise_std: float | None = None,
 ) -> DecodedSum:
     """The float32 mean of the clipped, noised units (hospitals, or their
     intermediaries) of the `count` contributing hospitals, with the round's DP
     evaluation metrics. `terms`: this federation's; default the announced ones. With
     the norm segment ("auto"), metrics["next_intermediaries"] is the rule's v for the
-    next round, at most `cap` (default `MAX_AUTO_INTERMEDIARIES`)."""
+    next round, at most `cap` (default `MAX_AUTO_INTERMEDIARIES`). `noise_std`: the
+    evaluation's (`aggregation.evaluation_metrics`)."""
     if not ann.is_hospital:
         raise ValidationError("not a hospital-level round")
     if count < 1:
@@ -140,7 +142,7 @@ def decode(
         ann.histogram_edges, bins=ann.histogram_bins, classes=histogram_classes)
     histogram = evaluation_metrics(
         integers[EVALUATION_HISTOGRAM], edges=edges, classes=histogram_classes,
-        metrics=metrics,
+        metrics=metrics, noise_std=noise_std, interval_seed=ann.round_number,
     )
     mean = (total / units).astype(np.float32)
     if norm_sum is not None:

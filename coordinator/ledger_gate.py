@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
+from collections.abc import Iterable
 
 from cryptography import x509
 
 from common.config import CoordinatorSettings
-from common.errors import LedgerForkError
+from common.errors import LedgerForkError, ValidationError
 from common.pki import load_certificate
+from common.privacy.mechanisms import DistributedDiscreteGaussian
 from common.privacy.replica import LedgerReplica
 from common.round import SiteBudget
 from common.sqldb import Database
@@ -48,6 +51,37 @@ class LedgerGate:
             site_id, history, now=dt.datetime.fromtimestamp(now, dt.UTC)
         )
         return head.entries
+
+
+EVALUATION_PURPOSE = "evaluation"
+"""The purpose of a site's ledger entry for one DP score histogram."""
+
+
+def evaluation_noise_std(
+    replica: LedgerReplica, sites: Iterable[str], *, round_number: int
+) -> float | None:
+    """The per-count noise std of a round's summed evaluation histogram, from the
+    signed ledger entries the contributing `sites` published: each adds N_Z(0, s^2)
+    (`DistributedDiscreteGaussian.noise_variance_per_site`), so the sum carries
+    sqrt(sum of s^2) (at most; KLS21). A site's entry for `round_number`, else its
+    latest evaluation entry (replicas catch up after the round; a site's noise setting
+    does not change between rounds). A site without a replica keeps no ledger and adds
+    no noise. None (estimate from the release instead) when a site with a replica has
+    no evaluation entry yet."""
+    variance = 0.0
+    for site in sites:
+        try:
+            history = replica.history(site)
+        except ValidationError:
+            continue
+        entries = [e for e in history.entries if e.purpose == EVALUATION_PURPOSE]
+        if not entries:
+            return None
+        this_round = [e for e in entries if e.round == round_number]
+        entry = (this_round or entries)[-1]
+        variance += sum(m.noise_variance_per_site for m in entry.mechanisms
+                        if isinstance(m, DistributedDiscreteGaussian))
+    return math.sqrt(variance) if variance > 0 else None
 
 
 def _federation_ca(settings: CoordinatorSettings) -> x509.Certificate | None:

@@ -82,6 +82,17 @@ class CoordinatorMetrics:
             "AUC of the global model, from securely aggregated score histograms.",
             registry=r,
         )
+        self.model_auc_interval_low = Gauge(
+            "medfed_coordinator_model_auc_interval_low_ratio",
+            "Lower end of the 95% interval of the DP AUC (common.evaluation.auc_interval): "
+            "the exact held-out AUC lies within it at about that rate.",
+            registry=r,
+        )
+        self.model_auc_interval_high = Gauge(
+            "medfed_coordinator_model_auc_interval_high_ratio",
+            "Upper end of the 95% interval of the DP AUC (common.evaluation.auc_interval).",
+            registry=r,
+        )
         self.hospital_intermediaries = Gauge(
             "medfed_coordinator_hospital_intermediaries",
             "Intermediaries per hospital (v) the next hospital-level round announces "
@@ -134,6 +145,8 @@ class CoordinatorMetrics:
         # (a 0 margin would fire MedfedQuorumMarginLow on a fresh coordinator).
         self.quorum_margin.set(float("nan"))
         self.model_auc.set(float("nan"))
+        self.model_auc_interval_low.set(float("nan"))
+        self.model_auc_interval_high.set(float("nan"))
         self.crl_next_update.set(float("nan"))
 
     def observe_budget(self, site: str, spent: float, budget: float) -> None:

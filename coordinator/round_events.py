@@ -8,6 +8,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from common.evaluation import interval_text
 from common.round import Announcement
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.phases import ActiveRound, PhaseClosed
@@ -92,11 +93,15 @@ def round_completed(
         **{f"t_{step}": round(seconds, 6) for step, seconds in rnd.timeline.items()},
     }
     auc = metrics.get("auc")
-    evaluation = "no DP evaluation" if auc is None else f"DP-evaluated AUC {auc:.3f}"
+    evaluation = "no DP evaluation" if auc is None else "DP-evaluated AUC " + (
+        interval_text(auc, metrics["auc_interval_low"], metrics["auc_interval_high"])
+        if "auc_interval_low" in metrics and "auc_interval_high" in metrics
+        else f"{auc:.3f}")
     if auc is not None and "auc_noise_std" in metrics:
         # common.evaluation.denoised_histogram: how far the DP noise lets the AUC be trusted.
         evaluation += (
-            f" (noise std {metrics['auc_noise_std']:.3g} per bucket"
+            f" (noise std {metrics['auc_noise_std']:.3g} per count"
+            + (f", {int(metrics['auc_buckets'])} buckets" if "auc_buckets" in metrics else "")
             + (", noise-dominated)" if metrics.get("auc_noise_dominated") else ")")
         )
     log.info(

@@ -95,6 +95,7 @@ def announcement(
     cfg = settings
     model_dim = sum(spec.elements for spec in layout)
     threshold, neighbours = round_parameters(len(participants), cfg.aggregation)
+    bins = announced_bins(cfg, histogram_edges)
     if statistics_length is not None:
         return Announcement(
             round_number=number, round_nonce=nonce, participants=tuple(participants),
@@ -118,11 +119,11 @@ def announcement(
         threshold=threshold,
         neighbours=neighbours,
         vector_length=round_manifest(
-            model_elements=model_dim, histogram_bins=cfg.aggregation.histogram_bins
+            model_elements=model_dim, histogram_bins=bins
         ).vector_length,
         quantization_bits=bits_for_sites(len(participants)),
         clip=cfg.aggregation.clip,
-        histogram_bins=cfg.aggregation.histogram_bins,
+        histogram_bins=bins,
         secure_aggregation=cfg.aggregation.secure_aggregation,
         model_layout=layout,
         model_sha256=model_sha256,
@@ -142,6 +143,16 @@ def announcement(
         statistics=statistics,
         histogram_edges=histogram_edges,
     )
+
+
+def announced_bins(settings: CoordinatorSettings, edges: tuple[float, ...]) -> int:
+    """A round's ``histogram_bins``: the study's, or as many as the announced edges
+    count (one more edge than buckets per block: the last round chose fewer buckets
+    where its noise allowed no more, common.evaluation.evaluation_bins)."""
+    if not edges:
+        return settings.aggregation.histogram_bins
+    classes = settings.aggregation.histogram_classes
+    return len(edges) - (classes if classes > 2 else 1)
 
 
 def study_announcement(

@@ -11,6 +11,7 @@ import asyncio
 import datetime as dt
 import functools
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -447,6 +448,10 @@ class MonitorServicer(pb_grpc.MonitorServicer):
             evaluation_round=status.evaluation_round,
             statistics_round=status.statistics_round,
             current_kind=status.current_kind,
+            auc_round=0 if status.auc is None else status.auc.round_number,
+            auc=0.0 if status.auc is None else status.auc.auc,
+            auc_interval_low=math.nan if status.auc is None else status.auc.low,
+            auc_interval_high=math.nan if status.auc is None else status.auc.high,
             sites=[
                 pb.SiteState(
                     site_id=s.site_id, state=s.state,

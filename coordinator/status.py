@@ -8,6 +8,7 @@ the round in flight, the state database): asking for status never changes a roun
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +48,31 @@ class SiteView:
 
 
 @dataclass(frozen=True)
+class AucReading:
+    """A round's DP AUC with its 95% interval (common.evaluation.auc_interval; the
+    interval NaN for a round recorded without one)."""
+
+    round_number: int
+    auc: float
+    low: float
+    high: float
+
+
+def last_auc(records: Sequence[RoundRecord]) -> AucReading | None:
+    """The DP AUC of the last completed round that evaluated, from its stored metrics."""
+    for record in reversed(records):
+        auc = record.metrics.get("auc") if record.status == "completed" else None
+        if isinstance(auc, int | float) and math.isfinite(auc):
+            low, high = (record.metrics.get(k) for k in ("auc_interval_low", "auc_interval_high"))
+            return AucReading(
+                record.round_number, float(auc),
+                float(low) if isinstance(low, int | float) else math.nan,
+                float(high) if isinstance(high, int | float) else math.nan,
+            )
+    return None
+
+
+@dataclass(frozen=True)
 class StudyStatus:
     """`total_rounds` = `training_rounds` + the evaluation round (if any); the statistics
     round is apart (`statistics_round`), in neither total nor `completed_rounds`."""
@@ -64,6 +90,7 @@ class StudyStatus:
     evaluation_round: bool = False
     statistics_round: str = "none"  # one of STATISTICS_STATES
     current_kind: str = ""  # one of ROUND_KINDS while a round is in flight
+    auc: AucReading | None = None  # the last completed round's DP AUC, if any
 
     @property
     def completed_training_rounds(self) -> int:
@@ -168,4 +195,5 @@ def study_status(
         evaluation_round=evaluation_round,
         statistics_round=statistics,
         current_kind=kind,
+        auc=last_auc(records),
     )

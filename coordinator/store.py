@@ -51,6 +51,10 @@ SCHEMA = (
 )
 
 
+EVALUATION_EDGES_KEY = "evaluation_edges"
+"""meta key of the bucket edges the next round's DP evaluation announces (JSON list)."""
+
+
 @dataclass(frozen=True)
 class RoundRecord:
     round_number: int
@@ -166,8 +170,10 @@ class CoordinatorStore:
         detail: str = "",
         metrics: dict[str, Any] | None = None,
         checkpoint: Checkpoint | None = None,
+        evaluation_edges: Sequence[float] | None = None,
     ) -> None:
-        """Close a round; a checkpoint is recorded in the same transaction."""
+        """Close a round; a checkpoint, and the evaluation edges the round chose for the
+        next (`evaluation_edges`), are recorded in the same transaction."""
         with self._tx() as cur:
             row = cur.execute(
                 "SELECT status FROM rounds WHERE round_number = ?", (round_number,)
@@ -192,8 +198,26 @@ class CoordinatorStore:
                     "VALUES (?, ?, ?, ?)",
                     (checkpoint.round_number, str(checkpoint.path), checkpoint.sha256, now),
                 )
+            if evaluation_edges is not None:
+                cur.execute(
+                    "INSERT INTO meta (key, value) VALUES (?, ?) "
+                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    (EVALUATION_EDGES_KEY, json.dumps([float(v) for v in evaluation_edges])),
+                )
         if row is not None and self._completed is not None:
             self._completed += int(status == "completed") - int(was_completed)
+
+    def evaluation_edges(self) -> tuple[float, ...]:
+        """The evaluation edges the last completed round chose for the next; () when
+        none (or unreadable: the default layout is always safe to count with)."""
+        raw = self.get_meta(EVALUATION_EDGES_KEY)
+        if raw is None:
+            return ()
+        try:
+            values = json.loads(raw)
+            return tuple(float(v) for v in values)
+        except (ValueError, TypeError):
+            return ()
 
     def rounds(self) -> list[RoundRecord]:
         with self._tx(write=False) as cur:

@@ -5,6 +5,7 @@ pruning third, so the store's latest checkpoint never names a missing file."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -12,7 +13,8 @@ import numpy as np
 
 from common.codec import TensorSpec
 from common.config import CoordinatorSettings
-from common.errors import AbortReason, ProtocolAbort
+from common.errors import AbortReason, ProtocolAbort, ValidationError
+from common.evaluation import round_edges
 from common.privacy.federation import SiteBudget as BudgetRow
 from common.privacy.hospital import HospitalTerms
 from coordinator import checkpoints, hospital_sum
@@ -51,8 +53,8 @@ class GlobalModel:
     # announces, chosen from the last decoded round; None before any was measured.
     intermediaries: int | None = None
     # The evaluation buckets the next round announces: set from the last released score
-    # histogram (common.evaluation.next_edges); empty before any (the default layout),
-    # and after a restart, which starts over from the default layout.
+    # histogram (common.evaluation.next_edges); empty before any (the default layout).
+    # Kept in the store with the round that chose them, so a restart goes on with them.
     histogram_edges: tuple[float, ...] = ()
 
     @classmethod
@@ -66,10 +68,41 @@ class GlobalModel:
             store, settings.model, optimizer,
             initial=study.initial_model if study is not None else None,
         )
-        return cls(layout, flat, optimizer, intermediaries=stored_intermediaries(store))
+        return cls(layout, flat, optimizer, intermediaries=stored_intermediaries(store),
+                   histogram_edges=stored_edges(store, settings))
 
     def payload(self) -> bytes | memoryview:
         return checkpoints.model_payload(self.layout, self.flat)
+
+
+def study_bins(settings: CoordinatorSettings) -> int:
+    """The buckets per block the study asks for: the most a round announces."""
+    agg = settings.aggregation
+    classes = agg.histogram_classes
+    return agg.histogram_bins // classes if classes > 2 else agg.histogram_bins
+
+
+def stored_edges(store: CoordinatorStore, settings: CoordinatorSettings) -> tuple[float, ...]:
+    """The evaluation edges the last completed round chose for the next (the store's),
+    or () (the default layout) when there are none or they no longer fit the study's
+    bins and classes (an operator changed them), which is logged."""
+    edges = store.evaluation_edges()
+    if not edges:
+        return ()
+    classes = settings.aggregation.histogram_classes
+    blocks = classes if classes > 2 else 1
+    try:
+        round_edges(edges, bins=len(edges) - blocks, blocks=blocks)
+    except ValidationError as exc:
+        log.warning("stored evaluation edges ignored (%s): the next round counts with the "
+                    "default layout", exc, extra={"event": "evaluation_edges_ignored"})
+        return ()
+    if (len(edges) - blocks) // blocks > study_bins(settings):
+        log.warning("stored evaluation edges have more buckets than the study's "
+                    "histogram_bins: the next round counts with the default layout",
+                    extra={"event": "evaluation_edges_ignored"})
+        return ()
+    return edges
 
 
 def stored_intermediaries(store: CoordinatorStore) -> int | None:
@@ -85,9 +118,12 @@ def stored_intermediaries(store: CoordinatorStore) -> int | None:
 def apply_update(
     rnd: ActiveRound, aggregator: Aggregator, *, model: GlobalModel,
     settings: CoordinatorSettings, hospital_terms: HospitalTerms | None = None,
+    evaluation_noise_std: float | None = None,
 ) -> RoundResult:
     """Decode the sum and step the model (worker thread; the model is no longer
-    served, so an elementwise optimizer may update it in place)."""
+    served, so an elementwise optimizer may update it in place). `evaluation_noise_std`:
+    the per-count noise of the evaluation histogram as the ledgers record it (None:
+    estimated from the release)."""
     ann = rnd.announcement
     aggregate = aggregator.result
     if aggregate is None:
@@ -100,14 +136,16 @@ def apply_update(
     decoded = hospital_sum.decode(
         aggregate, ann=ann, count=len(survivors),
         histogram_classes=settings.aggregation.histogram_classes, terms=hospital_terms,
+        noise_std=evaluation_noise_std,
     ) if ann.is_hospital else decode_round_sum(
         aggregate, model_dim=model.flat.size, count=len(survivors), clip=ann.clip,
         bits=ann.quantization_bits, weight_cap=ann.weight_cap,
         histogram_bins=ann.histogram_bins, evaluation_only=ann.local_epochs == 0,
         histogram_classes=settings.aggregation.histogram_classes,
         histogram_edges=ann.histogram_edges,
+        noise_std=evaluation_noise_std, interval_seed=ann.round_number,
     )
-    next_edges = decoded.next_histogram_edges()
+    next_edges = decoded.next_histogram_edges(max_bins=study_bins(settings))
     if next_edges is not None:
         model.histogram_edges = next_edges
     mean_delta = decoded.mean_delta
@@ -141,6 +179,7 @@ def record(
     store.finish_round(
         result.round_number, status="completed", now=now, survivors=result.survivors,
         dropped=result.dropped, metrics=result.metrics, checkpoint=checkpoint,
+        evaluation_edges=model.histogram_edges or None,
     )
     # Only after the new checkpoint is recorded: the store's latest record never
     # points at a deleted file.
@@ -149,6 +188,8 @@ def record(
     )
     if "auc" in result.metrics:
         metrics.model_auc.set(result.metrics["auc"])
+        metrics.model_auc_interval_low.set(result.metrics.get("auc_interval_low", math.nan))
+        metrics.model_auc_interval_high.set(result.metrics.get("auc_interval_high", math.nan))
     chosen = result.metrics.get("next_intermediaries")
     if chosen is not None:
         metrics.hospital_intermediaries.set(chosen)

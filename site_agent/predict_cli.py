@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from common.bundle import bundle_summary, evaluation_noise_text, read_bundle
+from common.bundle import bundle_summary, evaluation_auc_text, evaluation_noise_text, read_bundle
 from common.errors import DataError
 from common.study import load_study
 from site_agent.data import load_study_table
@@ -185,7 +185,7 @@ def _evaluation_noise_lines(threshold: Any) -> list[str]:
     """The federated DP AUC with its noise, and a warning when the noise dominates."""
     lines = []
     if threshold.auc is not None or threshold.noise_std is not None:
-        auc = "undefined" if threshold.auc is None else f"{threshold.auc:.3f}"
+        auc = evaluation_auc_text(threshold)
         noise = evaluation_noise_text(threshold)
         noise = f"; {noise}" if noise else ""
         lines.append(f"  federated DP AUC {auc}{noise}")

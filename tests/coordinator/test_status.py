@@ -172,3 +172,32 @@ def test_a_failed_study_says_why_instead_of_an_eta() -> None:
         "federation f: study FAILED: the final evaluation round cannot run: why; 1 of 1 "
         "training rounds completed, final evaluation round to come")
     assert "ETA" not in head
+
+
+def test_status_shows_the_last_dp_auc_with_its_interval() -> None:
+    """The last completed round's DP AUC, with its 95% interval; "too noisy to read"
+    when the interval is wider than 0.5; nothing before any evaluation."""
+    def evaluated(number: int, auc: float, low: float, high: float) -> RoundRecord:
+        return dataclasses.replace(
+            record(number, "completed", number, number + 1),
+            metrics={"auc": auc, "auc_interval_low": low, "auc_interval_high": high})
+
+    def shown(records: list[RoundRecord]) -> tuple[StudyStatus, str]:
+        status = study_status([], records, rnd=None, training_rounds=3,
+                              evaluation_round=False, statistics_pending=False,
+                              finished=False, now=NOW)
+        reading = status.auc
+        cli = {**_as_cli(status), "dp_auc": None if reading is None else {
+            "round": reading.round_number, "auc": reading.auc,
+            "interval_low": reading.low, "interval_high": reading.high}}
+        return status, render(cli)
+
+    status, text = shown([record(1, "completed", 0, 1)])
+    assert status.auc is None and "DP-evaluated AUC" not in text
+    status, text = shown([evaluated(1, 0.7, 0.1, 0.9), evaluated(2, 0.912, 0.85, 0.97),
+                          record(3, "aborted", 3, 4)])
+    assert status.auc is not None and status.auc.round_number == 2
+    assert "DP-evaluated AUC after round 2: 0.912 (95% interval 0.850-0.970)" in text
+    _, text = shown([evaluated(1, 0.437, 0.05, 0.93)])
+    assert "DP-evaluated AUC after round 1: too noisy to read (DP estimate 0.44, " \
+           "95% interval 0.05-0.93)" in text

@@ -80,6 +80,16 @@ def test_imaging_demo_writes_report_with_the_model(tmp_path: Path) -> None:
     # The demo prints the same exact AUC beside its DP estimate (computed on its own).
     assert report["final"]["exact_auc"] == pytest.approx(exact, abs=1e-12)
     assert f"Exact held-out AUC of the final DP model: {exact:.3f}" in result.stdout
+    # The DP AUC comes with a 95% interval for the exact held-out AUC (DP noise on the
+    # released counts plus the buckets' resolution, common.evaluation.auc_interval),
+    # printed beside it, and the exact AUC lies in it.
+    final = report["final"]
+    low, high = final["auc_interval_low"], final["auc_interval_high"]
+    assert 0.0 <= low <= final["auc"] <= high <= 1.0
+    assert low <= exact <= high, (final, exact)
+    assert "95% interval" in result.stdout
+    assert all(r["auc_interval_low"] <= r["auc"] <= r["auc_interval_high"]
+               for r in rounds if r["auc"] is not None)
     assert report["baselines"]["centralized_nodp"]["auc"] > 0.7
     for site in sites:
         assert 0.0 < report["final"]["epsilon"][site] <= 6.0

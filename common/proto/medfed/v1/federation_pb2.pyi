@@ -384,7 +384,7 @@ class SiteState(_message.Message):
     def __init__(self, site_id: _Optional[str] = ..., state: _Optional[str] = ..., last_contact_unix_ms: _Optional[int] = ..., epsilon_spent: _Optional[float] = ..., epsilon_budget: _Optional[float] = ..., privacy_unit: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("federation_id", "total_rounds", "completed_rounds", "current_round", "phase", "finished", "sites", "eta_seconds", "aborted_rounds", "now_unix_ms", "training_rounds", "evaluation_round", "statistics_round", "current_kind")
+    __slots__ = ("federation_id", "total_rounds", "completed_rounds", "current_round", "phase", "finished", "sites", "eta_seconds", "aborted_rounds", "now_unix_ms", "training_rounds", "evaluation_round", "statistics_round", "current_kind", "auc_round", "auc", "auc_interval_low", "auc_interval_high")
     FEDERATION_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +399,10 @@ class StatusResponse(_message.Message):
     EVALUATION_ROUND_FIELD_NUMBER: _ClassVar[int]
     STATISTICS_ROUND_FIELD_NUMBER: _ClassVar[int]
     CURRENT_KIND_FIELD_NUMBER: _ClassVar[int]
+    AUC_ROUND_FIELD_NUMBER: _ClassVar[int]
+    AUC_FIELD_NUMBER: _ClassVar[int]
+    AUC_INTERVAL_LOW_FIELD_NUMBER: _ClassVar[int]
+    AUC_INTERVAL_HIGH_FIELD_NUMBER: _ClassVar[int]
     federation_id: str
     total_rounds: int
     completed_rounds: int
@@ -413,7 +417,11 @@ class StatusResponse(_message.Message):
     evaluation_round: bool
     statistics_round: str
     current_kind: str
-    def __init__(self, federation_id: _Optional[str] = ..., total_rounds: _Optional[int] = ..., completed_rounds: _Optional[int] = ..., current_round: _Optional[int] = ..., phase: _Optional[str] = ..., finished: _Optional[bool] = ..., sites: _Optional[_Iterable[_Union[SiteState, _Mapping]]] = ..., eta_seconds: _Optional[float] = ..., aborted_rounds: _Optional[int] = ..., now_unix_ms: _Optional[int] = ..., training_rounds: _Optional[int] = ..., evaluation_round: _Optional[bool] = ..., statistics_round: _Optional[str] = ..., current_kind: _Optional[str] = ...) -> None: ...
+    auc_round: int
+    auc: float
+    auc_interval_low: float
+    auc_interval_high: float
+    def __init__(self, federation_id: _Optional[str] = ..., total_rounds: _Optional[int] = ..., completed_rounds: _Optional[int] = ..., current_round: _Optional[int] = ..., phase: _Optional[str] = ..., finished: _Optional[bool] = ..., sites: _Optional[_Iterable[_Union[SiteState, _Mapping]]] = ..., eta_seconds: _Optional[float] = ..., aborted_rounds: _Optional[int] = ..., now_unix_ms: _Optional[int] = ..., training_rounds: _Optional[int] = ..., evaluation_round: _Optional[bool] = ..., statistics_round: _Optional[str] = ..., current_kind: _Optional[str] = ..., auc_round: _Optional[int] = ..., auc: _Optional[float] = ..., auc_interval_low: _Optional[float] = ..., auc_interval_high: _Optional[float] = ...) -> None: ...
 
 class DownloadFinalModelRequest(_message.Message):
     __slots__ = ("study_sha256",)
