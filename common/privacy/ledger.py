@@ -52,6 +52,7 @@ from common.errors import (
 )
 from common.privacy import legacy
 from common.privacy.accountant import ACCOUNTANTS, EpsilonReport, account
+from common.privacy.budget import BudgetReport
 from common.privacy.layered import charged
 from common.privacy.legacy import LedgerHeader, LedgerProblem, VerifyReport
 from common.privacy.mechanisms import (
@@ -80,7 +81,6 @@ __all__ = [
     "LEDGER_FORMAT",
     "PRIVACY_UNITS",
     "PURPOSES",
-    "BudgetStatus",
     "LedgerAnchor",
     "LedgerEntry",
     "LedgerHeader",
@@ -126,22 +126,6 @@ def recovery_hint(path: Path) -> str:
         f"--state COORDINATOR_STATE > export.json` there, then `medfed ledger restore --from "
         f"export.json --ledger {path}` here (docs/privacy.md, 'Restoring a ledger')"
     )
-
-
-@dataclass(frozen=True)
-class BudgetStatus:
-    """What a site reports about its budget (never its data)."""
-
-    site_id: str
-    budget_epsilon: float
-    delta: float
-    spent_epsilon: float
-    remaining_epsilon: float
-    last_round: int | None
-    exhausted: bool
-    privacy_unit: str = "record"
-    ledger_entries: int = 0
-    ledger_head: str = ""
 
 
 # ------------------------------------------------------------------------- I/O faults
@@ -937,7 +921,7 @@ class PrivacyLedger:
             f"{self.budget_epsilon:g} (spent {spent:.4f}, delta {self.delta:g})"
         )
 
-    def status(self, next_mechanisms: Sequence[Mechanism] | None = None) -> BudgetStatus:
+    def status(self, next_mechanisms: Sequence[Mechanism] | None = None) -> BudgetReport:
         """What the site tells the coordinator: figures only, never data."""
         entries = self.entries()
         spent = entries[-1].epsilon_after if entries else 0.0
@@ -945,12 +929,11 @@ class PrivacyLedger:
             exhausted = spent >= self.budget_epsilon
         else:  # would releasing `next_mechanisms` take the site past its budget?
             exhausted = self.preview(-1, next_mechanisms) > self.budget_epsilon
-        return BudgetStatus(
+        return BudgetReport(
             site_id=self.site_id,
             budget_epsilon=self.budget_epsilon,
             delta=self.delta,
             spent_epsilon=spent,
-            remaining_epsilon=max(0.0, self.budget_epsilon - spent),
             last_round=entries[-1].round if entries else None,
             exhausted=exhausted,
             privacy_unit=self.privacy_unit,
