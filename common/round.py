@@ -20,7 +20,6 @@ from common.crypto.quantize import max_integer_for_sites
 from common.egress import STATISTICS, EgressManifest, VectorSegment, round_manifest
 from common.errors import AbortReason, ProtocolAbort, RoundFailed, ValidationError
 from common.evaluation import announced_edge_blocks
-from common.privacy.ledger import BudgetStatus
 from common.privacy.rotation import padded_length
 from common.secagg.params import (
     SecAggParams,
@@ -410,39 +409,3 @@ def validate_for_site(
         chunk_bytes=min(CHUNK_BYTES, max(ann.max_chunk_bytes or CHUNK_BYTES, MIN_CHUNK_BYTES)),
         heartbeat_seconds=ann.heartbeat_ms / 1000,
     )
-
-
-@dataclass
-class SiteBudget:
-    """What a site last reported about its own ledger (epsilon_budget 0: no ledger,
-    i.e. a run without DP accounting)."""
-
-    epsilon_budget: float = 0.0
-    epsilon_spent: float = 0.0
-    delta: float = 0.0
-    privacy_unit: str = ""
-    reported_exhausted: bool = False
-    ledger_entries: int = 0
-    ledger_head: str = ""
-    ledger_last_round: int | None = None
-
-    @property
-    def exhausted(self) -> bool:
-        if self.reported_exhausted:
-            return True
-        return self.epsilon_budget > 0 and self.epsilon_spent >= self.epsilon_budget
-
-    def as_status(self, site_id: str) -> BudgetStatus:
-        """The report in the federation view's terms."""
-        return BudgetStatus(
-            site_id=site_id,
-            budget_epsilon=self.epsilon_budget,
-            delta=self.delta,
-            spent_epsilon=self.epsilon_spent,
-            remaining_epsilon=max(0.0, self.epsilon_budget - self.epsilon_spent),
-            last_round=self.ledger_last_round,
-            exhausted=self.exhausted,
-            privacy_unit=self.privacy_unit or "record",
-            ledger_entries=self.ledger_entries,
-            ledger_head=self.ledger_head,
-        )

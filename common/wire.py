@@ -24,7 +24,7 @@ from common.errors import (
     Unavailable,
     ValidationError,
 )
-from common.privacy.ledger import BudgetStatus
+from common.privacy.budget import BudgetReport
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.round import (
     KIND_HOSPITAL,
@@ -33,7 +33,6 @@ from common.round import (
     MAX_HISTOGRAM_EDGES,
     MAX_STATISTICS_BYTES,
     Announcement,
-    SiteBudget,
 )
 from common.secagg import messages as sm
 
@@ -226,7 +225,7 @@ def _round_kind(value: int) -> str:
     return kind
 
 
-def budget_from_pb(msg: pb.BudgetStatus) -> SiteBudget | None:
+def budget_from_pb(msg: pb.BudgetStatus) -> BudgetReport | None:
     """A site's budget report; None when the message carried none."""
     if not msg.ByteSize():
         return None
@@ -238,19 +237,19 @@ def budget_from_pb(msg: pb.BudgetStatus) -> SiteBudget | None:
     uint(msg.ledger_entries, what="budget.ledger_entries", maximum=MAX_LEDGER_ENTRIES)
     # The next round must still fit: ledger_last_round + 1 <= MAX_ROUND_NUMBER.
     uint(msg.ledger_last_round, what="budget.ledger_last_round", maximum=MAX_ROUND_NUMBER - 1)
-    return SiteBudget(
-        msg.epsilon_budget,
-        msg.epsilon_spent,
-        msg.delta,
-        msg.privacy_unit[:16],
-        reported_exhausted=msg.exhausted,
+    return BudgetReport(
+        budget_epsilon=msg.epsilon_budget,
+        spent_epsilon=msg.epsilon_spent,
+        delta=msg.delta,
+        privacy_unit=msg.privacy_unit[:16],
+        exhausted=msg.exhausted,
         ledger_entries=msg.ledger_entries,
         ledger_head=msg.ledger_head,
-        ledger_last_round=msg.ledger_last_round if msg.ledger_entries else None,
+        last_round=msg.ledger_last_round if msg.ledger_entries else None,
     )
 
 
-def budget_to_pb(status: BudgetStatus | None, *, privacy_unit: str, exhausted: bool
+def budget_to_pb(status: BudgetReport | None, *, privacy_unit: str, exhausted: bool
                  ) -> pb.BudgetStatus:
     """A site's ledger status as reported with every poll (None: the site keeps no
     ledger)."""

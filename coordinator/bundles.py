@@ -26,7 +26,7 @@ from common.bundle import (
 from common.codec import TensorSpec
 from common.config import CoordinatorSettings
 from common.errors import StateError, ValidationError
-from common.privacy.federation import SiteBudget as BudgetRow
+from common.privacy.budget import BudgetReport
 from coordinator import hospital_sum
 from coordinator.study_run import StudyRun
 
@@ -40,7 +40,7 @@ def write_round_bundle(
     layout: tuple[TensorSpec, ...],
     flat: np.ndarray,
     settings: CoordinatorSettings,
-    budgets: list[BudgetRow],
+    budgets: list[BudgetReport],
     final: bool,
     secagg: tuple[int, int] = (0, 0),
     hospital_epsilons: Mapping[str, tuple[float, float] | hospital_sum.HospitalEpsilons]

@@ -15,9 +15,9 @@ from cryptography import x509
 from common.config import CoordinatorSettings
 from common.errors import LedgerForkError, ValidationError
 from common.pki import load_certificate
+from common.privacy.budget import BudgetReport
 from common.privacy.mechanisms import DistributedDiscreteGaussian
 from common.privacy.replica import LedgerReplica
-from common.round import SiteBudget
 from common.sqldb import Database
 
 log = logging.getLogger("medfed.coordinator")
@@ -29,7 +29,7 @@ class LedgerGate:
     def __init__(self, database: Database, settings: CoordinatorSettings) -> None:
         self.replica = LedgerReplica(database, ca_certificate=_federation_ca(settings))
 
-    def check_head(self, site_id: str, budget: SiteBudget | None) -> int:
+    def check_head(self, site_id: str, budget: BudgetReport | None) -> int:
         """The replica's entry count for the site; LedgerForkError (FAILED_PRECONDITION
         to the site) when its reported head does not extend the replica."""
         held = self.replica.head(site_id)

@@ -10,9 +10,9 @@ from common.config import AggregationSection, CoordinatorSettings
 from common.crypto.quantize import bits_for_sites, max_integer_for_sites
 from common.egress import round_manifest
 from common.errors import ConfigError
-from common.privacy.federation import SiteBudget as BudgetRow
+from common.privacy.budget import BudgetReport
 from common.privacy.federation import has_budget_left
-from common.round import KIND_STATISTICS, Announcement, SiteBudget
+from common.round import KIND_STATISTICS, Announcement
 from common.secagg.params import ThreatModel, choose_parameters
 from common.statistics import statistics_length
 from coordinator import hospital_sum
@@ -22,8 +22,8 @@ from coordinator.study_run import StudyRun
 def with_budget(
     site_ids: Sequence[str],
     *,
-    reports: Mapping[str, SiteBudget],
-    view: Mapping[str, BudgetRow],
+    reports: Mapping[str, BudgetReport],
+    view: Mapping[str, BudgetReport],
     evaluation_round: bool,
 ) -> list[str]:
     """The sites (order kept) that selection may pick, judged by the federation view:
@@ -35,7 +35,7 @@ def with_budget(
     chosen = []
     for site_id in site_ids:
         report = reports.get(site_id)
-        if report is not None and report.exhausted:
+        if report is not None and report.out_of_budget:
             continue
         row = view.get(site_id)
         if row is None or has_budget_left(row):

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.errors import StateError, StudyFailed, Unavailable
+from common.privacy.budget import BudgetReport
 from common.privacy.federation import FederationBudgetView
-from common.round import Announcement, SiteBudget
+from common.round import Announcement
 from coordinator import selection
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.store import CoordinatorStore
@@ -29,7 +31,7 @@ class SiteSession:
 
     site_id: str
     certificate_der: bytes
-    budget: SiteBudget = field(default_factory=SiteBudget)
+    budget: BudgetReport = field(default_factory=BudgetReport)
     budget_reported: bool = False
     waiting: asyncio.Future[Announcement | None] | None = None
     last_contact: float | None = None  # unix seconds of the site's latest call
@@ -66,7 +68,7 @@ class SiteRegistry:
         self.failure: Unavailable | StudyFailed | None = None
 
     def enroll(self, site_id: str, certificate_der: bytes, *, serial: str, version: str,
-               device: str, budget: SiteBudget | None) -> None:
+               device: str, budget: BudgetReport | None) -> None:
         session = self.sites.get(site_id)
         if session is None:
             session = self.sites[site_id] = SiteSession(site_id, certificate_der)
@@ -93,14 +95,14 @@ class SiteRegistry:
         return session
 
     def record_decline(
-        self, site_id: str, round_number: int, *, budget: SiteBudget | None
+        self, site_id: str, round_number: int, *, budget: BudgetReport | None
     ) -> None:
         """A site said it will not take part in `round_number` (shown by `medfed status`)."""
         session = self.session(site_id)
         self.record_budget(session, budget)
         session.declined_round = round_number
 
-    def record_budget(self, session: SiteSession, budget: SiteBudget | None) -> None:
+    def record_budget(self, session: SiteSession, budget: BudgetReport | None) -> None:
         """Keep a site's budget report in the session and in the federation view.
 
         A site without a ledger (budget 0: no DP accounting) is not entered in the view.
@@ -112,11 +114,12 @@ class SiteRegistry:
         session.budget = budget
         session.budget_reported = True
         site_id = session.site_id
-        spent, total = budget.epsilon_spent, budget.epsilon_budget
-        if budget.epsilon_budget > 0 or budget.ledger_entries > 0:
+        spent, total = budget.spent_epsilon, budget.budget_epsilon
+        if budget.budget_epsilon > 0 or budget.ledger_entries > 0:
             now = dt.datetime.fromtimestamp(self.clock(), dt.UTC)
             try:
-                row = self.budget_view.update_site(site_id, budget.as_status(site_id), now=now)
+                row = self.budget_view.update_site(
+                    site_id, dataclasses.replace(budget, site_id=site_id), now=now)
             except StateError as exc:
                 log.warning("budget report of site %s ignored: %s", site_id, exc)
                 recorded = self.budget_view.get(site_id)
@@ -137,7 +140,7 @@ class SiteRegistry:
         )
 
     def ledger_last_rounds(self, site_ids: list[str]) -> list[int | None]:
-        return [self.sites[s].budget.ledger_last_round for s in site_ids if s in self.sites]
+        return [self.sites[s].budget.last_round for s in site_ids if s in self.sites]
 
     def waiting_ids(self) -> list[str]:
         return sorted(s.site_id for s in self.sites.values() if s.is_waiting)

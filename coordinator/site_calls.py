@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from common.round import Announcement, SiteBudget
+from common.privacy.budget import BudgetReport
+from common.round import Announcement
 from coordinator.inbox import RoundInbox
 from coordinator.ledger_gate import LedgerGate
 from coordinator.sessions import SiteRegistry
@@ -30,19 +31,19 @@ class SiteCalls:
         self.clock = clock
 
     def enroll(self, site_id: str, certificate_der: bytes, *, serial: str, version: str,
-               device: str, budget: SiteBudget | None) -> None:
+               device: str, budget: BudgetReport | None) -> None:
         """Register the site's session; refused when its ledger head forked."""
         self.check_ledger_head(site_id, budget)
         self.sessions.enroll(site_id, certificate_der, serial=serial, version=version,
                              device=device, budget=budget)
 
-    def check_ledger_head(self, site_id: str, budget: SiteBudget | None) -> int:
+    def check_ledger_head(self, site_id: str, budget: BudgetReport | None) -> int:
         return self.ledgers.check_head(site_id, budget)
 
     def replicate_ledger(self, site_id: str, history: bytes) -> int:
         return self.ledgers.replicate(site_id, history, now=self.clock())
 
-    def decline(self, site_id: str, round_number: int, *, budget: SiteBudget | None,
+    def decline(self, site_id: str, round_number: int, *, budget: BudgetReport | None,
                 reason: str = "", lasting: bool = False) -> None:
         self.sessions.record_decline(site_id, round_number, budget=budget)
         self.inbox.decline(site_id, round_number, reason=reason, lasting=lasting)
@@ -51,7 +52,7 @@ class SiteCalls:
         self.inbox.heartbeat(site_id, round_number)
 
     async def wait_for_round(
-        self, site_id: str, *, after_round: int, wait_seconds: float, budget: SiteBudget | None
+        self, site_id: str, *, after_round: int, wait_seconds: float, budget: BudgetReport | None
     ) -> Announcement | None:
         """Long-poll until a round selecting this site opens (None on timeout); a site
         that reconnects during its round gets that round's announcement at once."""

@@ -102,7 +102,7 @@ def site_state(session: SiteSession, rnd: ActiveRound | None, *, now: float) -> 
     if any); the first rule that applies wins."""
     if rnd is not None and session.site_id in rnd.announcement.participants:
         return "declined" if session.site_id in rnd.declined else "in_round"
-    if session.budget.exhausted:
+    if session.budget.out_of_budget:
         return "exhausted"
     if session.is_waiting:
         return "waiting"
@@ -171,8 +171,8 @@ def study_status(
             site_id=s.site_id,
             state=site_state(s, rnd if in_flight else None, now=now),
             last_contact=s.last_contact,
-            epsilon_spent=s.budget.epsilon_spent,
-            epsilon_budget=s.budget.epsilon_budget,
+            epsilon_spent=s.budget.spent_epsilon,
+            epsilon_budget=s.budget.budget_epsilon,
             privacy_unit=s.budget.privacy_unit,
         )
         for s in sorted(sessions, key=lambda s: s.site_id)

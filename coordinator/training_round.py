@@ -15,7 +15,7 @@ from common.codec import TensorSpec
 from common.config import CoordinatorSettings
 from common.errors import AbortReason, ProtocolAbort, ValidationError
 from common.evaluation import round_edges
-from common.privacy.federation import SiteBudget as BudgetRow
+from common.privacy.budget import BudgetReport
 from common.privacy.hospital import HospitalTerms
 from coordinator import checkpoints, hospital_sum
 from coordinator.aggregation import UPDATE_CHUNK_ELEMENTS, Aggregator, decode_round_sum
@@ -212,7 +212,7 @@ def record_and_bundle(
     metrics: CoordinatorMetrics,
     now: float,
     run: StudyRun | None,
-    budgets: Callable[[], list[BudgetRow]],
+    budgets: Callable[[], list[BudgetReport]],
     secagg: tuple[int, int],
     final: Callable[[], bool],
     hospital_epsilons: Callable[
@@ -234,7 +234,7 @@ def bundle(
     *,
     model: GlobalModel,
     settings: CoordinatorSettings,
-    budgets: list[BudgetRow],
+    budgets: list[BudgetReport],
     secagg: tuple[int, int],
     final: bool,
     hospital_epsilons: Mapping[str, tuple[float, float] | hospital_sum.HospitalEpsilons]

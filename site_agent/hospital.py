@@ -3,7 +3,7 @@
 the announcement and the site's own policy, then encode the clipped update.
 
 The DDGauss mechanism goes on the ledger with the round's other training mechanisms,
-write-ahead (site_agent.agent reserves it before training starts), so the spend is on
+write-ahead (site_agent.training_round reserves it before training starts), so the spend is on
 disk before the update exists, let alone leaves.
 """
 

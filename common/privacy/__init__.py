@@ -16,9 +16,9 @@ from common.privacy.accountant import (
     plan_noise_multiplier,
     plan_round_noise,
 )
-from common.privacy.federation import FederationBudgetView, SiteBudget
+from common.privacy.budget import BudgetReport
+from common.privacy.federation import FederationBudgetView
 from common.privacy.ledger import (
-    BudgetStatus,
     LedgerEntry,
     PrivacyLedger,
     VerifyReport,
@@ -33,7 +33,7 @@ from common.privacy.mechanisms import (
 from common.privacy.signed import LedgerSigner, SignedEntry, SignedHistory
 
 __all__ = [
-    "BudgetStatus",
+    "BudgetReport",
     "DistributedDiscreteGaussian",
     "EpsilonReport",
     "FederationBudgetView",
@@ -47,7 +47,6 @@ __all__ = [
     "Segment",
     "SignedEntry",
     "SignedHistory",
-    "SiteBudget",
     "VerifyReport",
     "account",
     "compose_epsilon",

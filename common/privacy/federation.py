@@ -12,19 +12,16 @@ INSERT ... ON CONFLICT) and runs on both.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
 from common.errors import ConfigError, StateError
-from common.privacy.ledger import BudgetStatus
+from common.privacy.budget import STATUS_EXHAUSTED, BudgetReport
 from common.sqldb import Database, Statements
-
-STATUS_ACTIVE: Final = "active"
-STATUS_EXHAUSTED: Final = "exhausted"
 
 MIN_REMAINING_EPSILON: Final = 1e-6
 """A site with this little epsilon left (or less) is treated as exhausted: no useful
@@ -51,23 +48,6 @@ _SCHEMA = (
 )
 
 
-@dataclass(frozen=True)
-class SiteBudget:
-    """One row of the federation view."""
-
-    site_id: str
-    budget_epsilon: float
-    delta: float
-    spent_epsilon: float
-    remaining_epsilon: float
-    last_round: int | None
-    status: str
-    privacy_unit: str
-    ledger_entries: int
-    ledger_head: str
-    updated_at: str
-
-
 class FederationBudgetView:
     """Per-site budget, spent, delta, remaining, last round and status.
 
@@ -91,7 +71,7 @@ class FederationBudgetView:
     def close(self) -> None:
         self.database.close()
 
-    def update_site(self, site_id: str, status: BudgetStatus, *, now: datetime) -> SiteBudget:
+    def update_site(self, site_id: str, status: BudgetReport, *, now: datetime) -> BudgetReport:
         """Record what `site_id` reported. The spend of a site never goes down: a report
         with less spent or a shorter ledger than already recorded is refused (StateError,
         nothing written), since a site's ledger is append-only.
@@ -100,21 +80,18 @@ class FederationBudgetView:
         replicas cannot interleave between the check and the write."""
         if site_id != status.site_id:
             raise ConfigError("site_id", f"report is for {status.site_id!r}, not {site_id!r}")
-        for name in ("budget_epsilon", "delta", "spent_epsilon", "remaining_epsilon"):
+        for name in ("budget_epsilon", "delta", "spent_epsilon"):
             value = getattr(status, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(name, f"must be finite and >= 0, got {value!r}")
-        row = SiteBudget(
-            site_id=site_id,
+        row = dataclasses.replace(
+            status,
             budget_epsilon=float(status.budget_epsilon),
             delta=float(status.delta),
             spent_epsilon=float(status.spent_epsilon),
-            remaining_epsilon=float(status.remaining_epsilon),
-            last_round=status.last_round,
-            status=STATUS_EXHAUSTED if status.exhausted else STATUS_ACTIVE,
-            privacy_unit=status.privacy_unit,
+            exhausted=status.out_of_budget,
+            privacy_unit=status.privacy_unit or "record",
             ledger_entries=int(status.ledger_entries),
-            ledger_head=status.ledger_head,
             updated_at=now.isoformat(),
         )
         with self.database.transaction() as cur:
@@ -157,11 +134,11 @@ class FederationBudgetView:
             )
         return row
 
-    def get(self, site_id: str) -> SiteBudget | None:
+    def get(self, site_id: str) -> BudgetReport | None:
         with self.database.transaction(write=False) as cur:
             return _select_one(cur, site_id)
 
-    def snapshot(self) -> list[SiteBudget]:
+    def snapshot(self) -> list[BudgetReport]:
         """Every site's row, sorted by site id (for `medfed` status pages and metrics)."""
         with self.database.transaction(write=False) as cur:
             rows = cur.execute(
@@ -184,10 +161,10 @@ class FederationBudgetView:
         ]
 
 
-def has_budget_left(row: SiteBudget, *, min_remaining: float = MIN_REMAINING_EPSILON) -> bool:
+def has_budget_left(row: BudgetReport, *, min_remaining: float = MIN_REMAINING_EPSILON) -> bool:
     """The selection rule: not reported exhausted, and more than `min_remaining` left."""
     _check_min_remaining(min_remaining)
-    if row.status == STATUS_EXHAUSTED:
+    if row.out_of_budget:
         return False
     return row.remaining_epsilon > min_remaining and row.remaining_epsilon > 0
 
@@ -197,7 +174,7 @@ def _check_min_remaining(min_remaining: float) -> None:
         raise ConfigError("min_remaining", f"must be finite and >= 0, got {min_remaining}")
 
 
-def _select_one(cur: Statements, site_id: str) -> SiteBudget | None:
+def _select_one(cur: Statements, site_id: str) -> BudgetReport | None:
     row = cur.execute(
         f"SELECT {_COLUMNS} FROM federation_site_budgets WHERE site_id = ?",  # noqa: S608
         (site_id,),
@@ -205,15 +182,15 @@ def _select_one(cur: Statements, site_id: str) -> SiteBudget | None:
     return None if row is None else _to_site_budget(row)
 
 
-def _to_site_budget(row: Sequence[Any]) -> SiteBudget:
-    return SiteBudget(
+def _to_site_budget(row: Sequence[Any]) -> BudgetReport:
+    # row[4] (remaining_epsilon) is derived: stored for SQL readers of the table.
+    return BudgetReport(
         site_id=str(row[0]),
         budget_epsilon=float(row[1]),
         delta=float(row[2]),
         spent_epsilon=float(row[3]),
-        remaining_epsilon=float(row[4]),
         last_round=None if row[5] is None else int(row[5]),
-        status=str(row[6]),
+        exhausted=str(row[6]) == STATUS_EXHAUSTED,
         privacy_unit=str(row[7]),
         ledger_entries=int(row[8]),
         ledger_head=str(row[9]),

@@ -52,6 +52,7 @@ from common.errors import (
 )
 from common.privacy import legacy
 from common.privacy.accountant import ACCOUNTANTS, EpsilonReport, account
+from common.privacy.budget import BudgetReport
 from common.privacy.layered import charged
 from common.privacy.legacy import LedgerHeader, LedgerProblem, VerifyReport
 from common.privacy.mechanisms import (
@@ -80,7 +81,6 @@ __all__ = [
     "LEDGER_FORMAT",
     "PRIVACY_UNITS",
     "PURPOSES",
-    "BudgetStatus",
     "LedgerAnchor",
     "LedgerEntry",
     "LedgerHeader",
@@ -126,22 +126,6 @@ def recovery_hint(path: Path) -> str:
         f"--state COORDINATOR_STATE > export.json` there, then `medfed ledger restore --from "
         f"export.json --ledger {path}` here (docs/privacy.md, 'Restoring a ledger')"
     )
-
-
-@dataclass(frozen=True)
-class BudgetStatus:
-    """What a site reports about its budget (never its data)."""
-
-    site_id: str
-    budget_epsilon: float
-    delta: float
-    spent_epsilon: float
-    remaining_epsilon: float
-    last_round: int | None
-    exhausted: bool
-    privacy_unit: str = "record"
-    ledger_entries: int = 0
-    ledger_head: str = ""
 
 
 # ------------------------------------------------------------------------- I/O faults
@@ -917,24 +901,39 @@ class PrivacyLedger:
         pairs = [*self._pairs(self.entries()), (purpose, tuple(mechanisms)), *also]
         return self._charge(pairs).epsilon
 
-    def exhausted(self, next_mechanisms: Sequence[Mechanism]) -> bool:
-        """True if releasing `next_mechanisms` would take the site past its budget."""
-        return self.preview(-1, next_mechanisms) > self.budget_epsilon
+    def require(
+        self, round_number: int, mechanisms: Sequence[Mechanism], *,
+        purpose: str = "training", also: Sequence[tuple[str, Sequence[Mechanism]]] = (),
+        what: str | None = None,
+    ) -> float:
+        """The budget refusal: BudgetExhausted unless `mechanisms` (of `purpose`) and
+        `also` fit the budget together after the whole history (`preview`); else the
+        epsilon they would bring. `what` names the release in the refusal (default
+        "round N"). Checks only: `reserve` writes, and checks again."""
+        after = self.preview(round_number, mechanisms, purpose=purpose, also=also)
+        if after > self.budget_epsilon:
+            raise self._refusal(what or f"round {round_number}", after, spent=self.spent())
+        return after
 
-    def status(self, next_mechanisms: Sequence[Mechanism] | None = None) -> BudgetStatus:
+    def _refusal(self, what: str, epsilon: float, *, spent: float) -> BudgetExhausted:
+        return BudgetExhausted(
+            f"site {self.site_id}: {what} would bring epsilon to {epsilon:.4f} > budget "
+            f"{self.budget_epsilon:g} (spent {spent:.4f}, delta {self.delta:g})"
+        )
+
+    def status(self, next_mechanisms: Sequence[Mechanism] | None = None) -> BudgetReport:
         """What the site tells the coordinator: figures only, never data."""
         entries = self.entries()
         spent = entries[-1].epsilon_after if entries else 0.0
         if next_mechanisms is None:
             exhausted = spent >= self.budget_epsilon
-        else:
-            exhausted = self.exhausted(next_mechanisms)
-        return BudgetStatus(
+        else:  # would releasing `next_mechanisms` take the site past its budget?
+            exhausted = self.preview(-1, next_mechanisms) > self.budget_epsilon
+        return BudgetReport(
             site_id=self.site_id,
             budget_epsilon=self.budget_epsilon,
             delta=self.delta,
             spent_epsilon=spent,
-            remaining_epsilon=max(0.0, self.budget_epsilon - spent),
             last_round=entries[-1].round if entries else None,
             exhausted=exhausted,
             privacy_unit=self.privacy_unit,
@@ -1005,11 +1004,8 @@ class PrivacyLedger:
         report = self._charge([*self._pairs(entries), (purpose, mechanisms)])
         if report.epsilon > self.budget_epsilon:
             spent = entries[-1].epsilon_after if entries else 0.0
-            raise BudgetExhausted(
-                f"site {self.site_id}: {purpose} for round {round_number} would bring "
-                f"epsilon to {report.epsilon:.4f} > budget {self.budget_epsilon} (spent "
-                f"{spent:.4f}, delta {self.delta})"
-            )
+            raise self._refusal(f"{purpose} for round {round_number}", report.epsilon,
+                                spent=spent)
         entry = signer.sign(
             SignedEntry(
                 site_id=self.site_id,

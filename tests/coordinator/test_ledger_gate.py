@@ -13,10 +13,10 @@ import pytest
 from common import pki
 from common.config import CoordinatorSettings, load_settings
 from common.errors import LedgerForkError, MedfedError
+from common.privacy.budget import BudgetReport
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Gaussian
 from common.privacy.signed import LedgerSigner
-from common.round import SiteBudget
 from common.sqldb import Database
 from coordinator.ledger_gate import LedgerGate
 
@@ -33,9 +33,9 @@ def _signer(root: Path) -> LedgerSigner:
     return LedgerSigner.from_files(*pki.site_paths(root, "hospital-a"))
 
 
-def _reported(ledger: PrivacyLedger) -> SiteBudget:
+def _reported(ledger: PrivacyLedger) -> BudgetReport:
     status = ledger.status()
-    return SiteBudget(ledger_entries=status.ledger_entries, ledger_head=status.ledger_head)
+    return BudgetReport(ledger_entries=status.ledger_entries, ledger_head=status.ledger_head)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_a_head_that_extends_the_replica_passes_and_a_reset_is_refused(
     gate: LedgerGate, federation_pki: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     signer = _signer(federation_pki)
-    assert gate.check_head("hospital-a", SiteBudget()) == 0  # never seen, nothing spent
+    assert gate.check_head("hospital-a", BudgetReport()) == 0  # never seen, nothing spent
     ledger = _ledger(tmp_path / "a", signer)
     ledger.reserve(0, [Gaussian(40.0, 1.0)], now=NOW, purpose="count")
     assert gate.replicate("hospital-a", ledger.export().to_bytes(), now=NOW.timestamp()) == 1

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.config import AggregationSection
-from common.privacy.federation import SiteBudget as BudgetRow
-from common.round import SiteBudget
+from common.privacy.budget import BudgetReport
 from coordinator import selection
 from coordinator.engine import RoundEngine
 
@@ -18,11 +17,11 @@ def test_round_numbers_continue_after_the_sites_ledgers_on_a_fresh_coordinator(
     numbers its sites have already spent budget on: they would refuse those rounds."""
     assert engine.next_round_number(["alpha", "beta"]) == 1
     engine.sites.enroll("alpha", b"", serial="1", version="t", device="cpu",
-                        budget=SiteBudget(epsilon_budget=8, epsilon_spent=3,
-                                          ledger_entries=7, ledger_last_round=7))
+                        budget=BudgetReport(budget_epsilon=8, spent_epsilon=3,
+                                            ledger_entries=7, last_round=7))
     engine.sites.enroll("beta", b"", serial="2", version="t", device="cpu",
-                        budget=SiteBudget(epsilon_budget=8, epsilon_spent=1,
-                                          ledger_entries=2, ledger_last_round=2))
+                        budget=BudgetReport(budget_epsilon=8, spent_epsilon=1,
+                                            ledger_entries=2, last_round=2))
     assert engine.next_round_number(["alpha", "beta"]) == 8
     assert engine.next_round_number(["beta"]) == 3
     engine.store.begin_round(11, ["alpha", "beta"], now=0.0)
@@ -35,18 +34,17 @@ def test_next_round_number_is_pure() -> None:
     assert selection.next_round_number(recorded_next=12, ledger_last_rounds=[3]) == 12
 
 
-def _row(site: str, *, spent: float, budget: float) -> BudgetRow:
-    remaining = max(0.0, budget - spent)
-    return BudgetRow(site, budget, 1e-5, spent, remaining, 1,
-                     "active" if remaining > 0 else "exhausted", "record", 1, "ab" * 32, "")
+def _row(site: str, *, spent: float, budget: float) -> BudgetReport:
+    return BudgetReport(budget, spent, 1e-5, "record", exhausted=spent >= budget,
+                        ledger_entries=1, ledger_head="ab" * 32, last_round=1, site_id=site)
 
 
 def test_with_budget_keeps_order_and_skips_exhausted_reports() -> None:
     reports = {
-        "a": SiteBudget(),
-        "b": SiteBudget(reported_exhausted=True),
-        "c": SiteBudget(epsilon_budget=4.0, epsilon_spent=4.0),
-        "d": SiteBudget(),
+        "a": BudgetReport(),
+        "b": BudgetReport(exhausted=True),
+        "c": BudgetReport(budget_epsilon=4.0, spent_epsilon=4.0),
+        "d": BudgetReport(),
     }
     chosen = selection.with_budget(["d", "a", "b", "c"], reports=reports, view={},
                                    evaluation_round=False)
@@ -59,7 +57,7 @@ def test_with_budget_keeps_order_and_skips_exhausted_reports() -> None:
 def test_with_budget_follows_the_federation_view() -> None:
     """A recorded spend governs even when the site's own report looks fresh."""
     view = {"a": _row("a", spent=8.0, budget=8.0), "b": _row("b", spent=1.0, budget=8.0)}
-    reports = {"a": SiteBudget(), "b": SiteBudget(), "c": SiteBudget()}
+    reports = {"a": BudgetReport(), "b": BudgetReport(), "c": BudgetReport()}
     assert selection.with_budget(["a", "b", "c"], reports=reports, view=view,
                                  evaluation_round=False) == ["b", "c"]
 

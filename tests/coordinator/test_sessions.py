@@ -7,14 +7,14 @@ import asyncio
 import pytest
 
 from common.errors import Unavailable
-from common.round import SiteBudget
+from common.privacy.budget import BudgetReport
 from coordinator.engine import RoundEngine
 
 
 async def _poll_until_waiting(engine: RoundEngine, sites: tuple[str, ...]
                               ) -> list[asyncio.Task[object]]:
     for site in sites:
-        engine.sites.enroll(site, b"", serial="1", version="t", device="cpu", budget=SiteBudget())
+        engine.sites.enroll(site, b"", serial="1", version="t", device="cpu", budget=BudgetReport())
     polls: list[asyncio.Task[object]] = [
         asyncio.create_task(engine.sites.wait_for_round(site, after_round=0, wait_seconds=30,
                                                   budget=None))
@@ -96,12 +96,12 @@ def test_a_site_that_enrolls_and_never_polls_shows_enrolled_not_waiting(
     async def scenario() -> tuple[dict[str, str], dict[str, str]]:
         polls = await _poll_until_waiting(engine, ("beta",))
         engine.sites.enroll("alpha", b"", serial="2", version="t", device="cpu",
-                            budget=SiteBudget())
+                            budget=BudgetReport())
         during = {s.site_id: s.state for s in engine.status().sites}
         polls[0].cancel()
         await asyncio.gather(polls[0], return_exceptions=True)
         engine.sites.enroll("beta", b"", serial="1", version="t", device="cpu",
-                            budget=SiteBudget())
+                            budget=BudgetReport())
         after = {s.site_id: s.state for s in engine.status().sites}
         return during, after
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from common.round import KIND_STATISTICS, KIND_TRAINING, SiteBudget
+from common.privacy.budget import BudgetReport
+from common.round import KIND_STATISTICS, KIND_TRAINING
 from common.status_cli import render
 from coordinator.phases import ActiveRound, RoundPhase
 from coordinator.sessions import SiteSession
@@ -43,7 +44,7 @@ def test_site_states_between_rounds() -> None:
     assert site_state(session(last_contact=silent), None, now=NOW) == "disconnected"
     assert site_state(session(last_contact=None), None, now=NOW) == "disconnected"
     assert site_state(session(last_contact=NOW, declined_round=4), None, now=NOW) == "declined"
-    spent = SiteBudget(epsilon_budget=4.0, epsilon_spent=4.0)
+    spent = BudgetReport(budget_epsilon=4.0, spent_epsilon=4.0)
     assert site_state(session(last_contact=NOW, budget=spent), None, now=NOW) == "exhausted"
 
 

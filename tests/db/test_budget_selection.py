@@ -20,10 +20,10 @@ from common import pki
 from common.config import SiteSettings
 from common.errors import StateError, ValidationError
 from common.privacy.accountant import Segment
+from common.privacy.budget import BudgetReport
 from common.privacy.federation import FederationBudgetView
 from common.privacy.ledger import LedgerSigner, PrivacyLedger, verify_ledger
 from common.proto.medfed.v1 import federation_pb2 as pb
-from common.round import SiteBudget
 from common.wire import budget_from_pb
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
@@ -42,11 +42,11 @@ def _refuse_identity(site_id: str, certificate_der: bytes) -> object:
 
 
 def _ledger_budget(spent: float, budget: float, *, entries: int, exhausted: bool = False
-                   ) -> SiteBudget:
-    return SiteBudget(
-        epsilon_budget=budget, epsilon_spent=spent, delta=1e-5, privacy_unit="record",
-        reported_exhausted=exhausted, ledger_entries=entries, ledger_head=HEAD,
-        ledger_last_round=entries,
+                   ) -> BudgetReport:
+    return BudgetReport(
+        budget_epsilon=budget, spent_epsilon=spent, delta=1e-5, privacy_unit="record",
+        exhausted=exhausted, ledger_entries=entries, ledger_head=HEAD,
+        last_round=entries,
     )
 
 
@@ -64,7 +64,7 @@ def test_selection_follows_the_federation_view(
         "spent": _ledger_budget(8.0, 8.0, entries=4),
         "sliver": _ledger_budget(4.0 - 5e-7, 4.0, entries=3),  # remaining <= 1e-6
         "declined": _ledger_budget(2.0, 8.0, entries=2, exhausted=True),
-        "nodp": SiteBudget(privacy_unit="none"),  # keeps no ledger: not in the view
+        "nodp": BudgetReport(privacy_unit="none"),  # keeps no ledger: not in the view
         "reset": _ledger_budget(4.0, 4.0, entries=5),
     }
 
@@ -81,7 +81,7 @@ def test_selection_follows_the_federation_view(
             asyncio.ensure_future(
                 engine.sites.wait_for_round(
                     site_id, after_round=0, wait_seconds=30,
-                    budget=SiteBudget(4.0, 0.0, 1e-5, "record") if site_id == "reset" else None,
+                    budget=BudgetReport(4.0, 0.0, 1e-5, "record") if site_id == "reset" else None,
                 )
             )
             for site_id in reports
@@ -107,7 +107,7 @@ def test_selection_follows_the_federation_view(
     assert rows["declined"].status == "exhausted" and rows["spent"].status == "exhausted"
     assert rows["reset"].spent_epsilon == 4.0 and rows["reset"].ledger_entries == 5
     with pytest.raises(StateError):
-        view.update_site("reset", SiteBudget(4.0, 0.0, 1e-5).as_status("reset"),
+        view.update_site("reset", BudgetReport(4.0, 0.0, 1e-5, site_id="reset"),
                          now=datetime.now(UTC))
     view.close()
 
@@ -134,13 +134,13 @@ def test_budget_reports_from_the_wire_are_checked() -> None:
         exhausted=True, ledger_entries=3, ledger_head=HEAD, ledger_last_round=7,
     )
     budget = budget_from_pb(ok)
-    assert budget == SiteBudget(
-        8.0, 1.5, 1e-5, "patient", reported_exhausted=True, ledger_entries=3,
-        ledger_head=HEAD, ledger_last_round=7,
+    assert budget == BudgetReport(
+        8.0, 1.5, 1e-5, "patient", exhausted=True, ledger_entries=3,
+        ledger_head=HEAD, last_round=7,
     )
     assert budget.exhausted  # reported exhausted although 6.5 epsilon is "left"
     no_entries = budget_from_pb(pb.BudgetStatus(epsilon_budget=8.0, ledger_last_round=5))
-    assert no_entries is not None and no_entries.ledger_last_round is None
+    assert no_entries is not None and no_entries.last_round is None
     for bad in (
         pb.BudgetStatus(epsilon_budget=8.0, ledger_head="not hex"),
         pb.BudgetStatus(epsilon_budget=8.0, ledger_head="AB" * 32),  # upper case

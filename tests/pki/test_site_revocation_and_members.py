@@ -121,7 +121,7 @@ def test_site_roster_check_roles_revocation_and_members(
     pinned = {site: members[site] for site in ("h1", "h2")}  # h3 is not in the consortium
     agent = agent_for(pki_dir, "h1", tmp_path, members=pinned)
     agent.revocation.offer(crl_der(pki_dir), now=now)
-    identity = agent._identity  # the callback SecAggClient is given
+    identity = agent.membership.identity  # the callback SecAggClient is given
     identity("h2", _der(cert_of(pki_dir, "h2")))
     with pytest.raises(ProtocolAbort) as caught:
         identity("h3", _der(cert_of(pki_dir, "h3")))
@@ -141,7 +141,7 @@ def test_site_roster_check_roles_revocation_and_members(
     # Without pinning, h3 is accepted: what holds then is in docs/threat-model.md.
     unpinned = agent_for(pki_dir, "h1", tmp_path / "unpinned")
     unpinned.revocation.offer(crl_der(pki_dir), now=now)
-    unpinned._identity("h3", _der(cert_of(pki_dir, "h3")))
+    unpinned.membership.identity("h3", _der(cert_of(pki_dir, "h3")))
 
 
 def test_site_key_readable_by_others_is_refused_at_start_up(

@@ -10,21 +10,21 @@ import pytest
 
 from common.errors import ConfigError, StateError
 from common.privacy.accountant import Segment
+from common.privacy.budget import BudgetReport
 from common.privacy.federation import FederationBudgetView
-from common.privacy.ledger import BudgetStatus, PrivacyLedger
+from common.privacy.ledger import PrivacyLedger
 from tests.privacy.conftest import Pki
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 ROUND = [Segment(1.0, 0.01, 100)]
 
 
-def report(site_id: str, *, spent: float, budget: float = 4.0, entries: int = 1) -> BudgetStatus:
-    return BudgetStatus(
+def report(site_id: str, *, spent: float, budget: float = 4.0, entries: int = 1) -> BudgetReport:
+    return BudgetReport(
         site_id=site_id,
         budget_epsilon=budget,
         delta=1e-5,
         spent_epsilon=spent,
-        remaining_epsilon=max(0.0, budget - spent),
         last_round=entries - 1 if entries else None,
         exhausted=spent >= budget,
         ledger_entries=entries,

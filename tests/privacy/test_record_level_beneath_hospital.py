@@ -65,7 +65,7 @@ def run_round(
     hook: DpTrainingHook, ledger: PrivacyLedger, study: Study, *, number: int,
     global_flat: np.ndarray,
 ) -> tuple[list[Mechanism], np.ndarray]:
-    """One hospital round as `SiteAgent._contribute` runs it: plan DP-SGD (planning
+    """One hospital round as `TrainingRound._contribute` runs it: plan DP-SGD (planning
     thread), plan the site's DDGauss share, check the budget on the ledger's composition,
     reserve write-ahead, train, encode."""
     layout = model_layout(hook.model())

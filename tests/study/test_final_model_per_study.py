@@ -8,7 +8,7 @@ from pathlib import Path
 
 from common.bundle import read_bundle, write_bundle
 from common.study import study_sha256
-from site_agent.agent import keep_previous_study_model
+from site_agent.final_model import keep_previous_study_model
 from tests.study.helpers import trained_bundle, write_hospital_csv
 
 

@@ -132,7 +132,7 @@ def test_round_already_on_the_ledger_is_refused_before_any_rpc(
     spent_before = ledger.spent()
     stub = RecordingStub()
     with pytest.raises(RoundFailed, match="already on this site's privacy ledger"):
-        agent._run_round(stub, plain_round(3))  # type: ignore[arg-type]
+        agent.rounds.run(stub, plain_round(3))  # type: ignore[arg-type]
     assert stub.calls == []
     assert hook.trained == 0
     assert ledger.spent() == spent_before
@@ -147,7 +147,7 @@ def test_new_round_number_still_goes_to_the_coordinator(
     ledger.reserve(3, [SEGMENT], now=dt.datetime.now(dt.UTC))
     stub = RecordingStub()
     with pytest.raises(ConnectionError):
-        agent._run_round(stub, plain_round(4))  # type: ignore[arg-type]
+        agent.rounds.run(stub, plain_round(4))  # type: ignore[arg-type]
     # (Heartbeats, from their own thread, may come first.)
     assert [call for call in stub.calls if call != "Heartbeat"] == ["DownloadModel"]
 
