@@ -37,7 +37,9 @@ def test_restarted_coordinator_announces_the_edges_the_last_round_chose(
         first.wait_engine_done(120)
         chosen = first.engine.model.histogram_edges
         stored = first.engine.store.evaluation_edges()
-    group.join(60)
+        # The sites learn that the study ended from this coordinator: join them before
+        # it stops, or a site that had not yet heard would retry a closed port.
+        group.join(60)
     # The round released a histogram; the next layout follows it, not the default.
     assert chosen and stored == chosen
     (edges,) = round_edges(chosen, bins=len(chosen) - 1)
