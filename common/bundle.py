@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common.errors import StateError, ValidationError
 from common.evaluation import youden_threshold
+from common.fileio import atomic_write
 from common.noisy_counts import NOISE_DOMINATED
 from common.study import (
     FACTORY_PATTERN,
@@ -348,13 +348,8 @@ def write_bundle(path: str | Path, bundle: ModelBundle) -> str:
     SHA-256 of the file, for reports."""
     path = Path(path)
     data = bundle_bytes(bundle)
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, data)
     except OSError as exc:
         raise StateError(f"cannot write model bundle {path}: {exc.strerror}") from None
     return hashlib.sha256(data).hexdigest()

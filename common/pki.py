@@ -63,6 +63,7 @@ from common.errors import (
     PkiError,
     ProtocolAbort,
 )
+from common.fileio import atomic_write
 
 Algorithm: TypeAlias = Literal["ecdsa-p256", "ed25519"]
 ALGORITHMS: tuple[Algorithm, ...] = ("ecdsa-p256", "ed25519")
@@ -178,14 +179,6 @@ def _write_new_file(path: Path, data: bytes, *, mode: int) -> None:
         raise PkiError(f"cannot create {path}: {exc.strerror}") from None
     with os.fdopen(fd, "wb") as handle:
         handle.write(data)
-
-
-def _write_atomically(path: Path, data: bytes, *, mode: int) -> None:
-    """Replace `path` in one rename, so a reader (the coordinator) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    _write_new_file(tmp, data, mode=mode)
-    os.replace(tmp, path)
 
 
 def _refuse_existing(paths: Sequence[Path]) -> None:
@@ -952,7 +945,11 @@ def _write_crl(
     for entry in revoked:
         builder = builder.add_revoked_certificate(entry)
     crl = builder.sign(ca_key, _signature_hash(ca_key))
-    _write_atomically(root / CRL_FILE, crl.public_bytes(serialization.Encoding.PEM), mode=0o644)
+    crl_path = root / CRL_FILE
+    try:
+        atomic_write(crl_path, crl.public_bytes(serialization.Encoding.PEM), mode=0o644)
+    except OSError as exc:
+        raise PkiError(f"cannot write {crl_path}: {exc.strerror}") from None
     return crl
 
 

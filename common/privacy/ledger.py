@@ -33,7 +33,6 @@ import math
 import os
 import sqlite3
 import stat
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -50,6 +49,7 @@ from common.errors import (
     LedgerUnavailable,
     StateError,
 )
+from common.fileio import atomic_write, fsync_directory
 from common.privacy import legacy
 from common.privacy.accountant import ACCOUNTANTS, EpsilonReport, account
 from common.privacy.layered import charged
@@ -465,25 +465,7 @@ def write_anchor(path: str | Path, anchor: LedgerAnchor) -> None:
     """Atomic, durable replace (temp file, fsync, rename, fsync of the folder)."""
     anchor_path = Path(path)
     with _guard(anchor_path, "writing the ledger anchor"):
-        descriptor, temporary = tempfile.mkstemp(
-            prefix=anchor_path.name + ".", suffix=".tmp", dir=anchor_path.parent
-        )
-        try:
-            with os.fdopen(descriptor, "wb") as handle:
-                handle.write(anchor.to_bytes())
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(temporary, 0o600)
-            os.replace(temporary, anchor_path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
-        folder = os.open(anchor_path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
+        atomic_write(anchor_path, anchor.to_bytes(), mode=0o600)
 
 
 def _check_anchor(
@@ -665,6 +647,7 @@ def _write_new_ledger(path: Path, history: SignedHistory) -> None:
                     _insert_entry(conn, entry)
             _check_v2(conn, path=path, recompose=False).raise_if_broken()
         os.replace(temporary, path)
+        fsync_directory(path.parent)
 
 
 def _create_schema(connection: sqlite3.Connection, terms: LedgerTerms) -> None:
