@@ -51,12 +51,11 @@ from common.errors import (
     StateError,
 )
 from common.fileio import atomic_write, fsync_directory
-from common.privacy.accountant import ACCOUNTANTS, EpsilonReport, account
+from common.privacy.accountant import ACCOUNTANTS, EpsilonReport
 from common.privacy.layered import charged
 from common.privacy.mechanisms import (
     MECHANISM_TYPES,
     Mechanism,
-    Segment,
     canonical_json,
     mechanisms_to_json,
 )
@@ -1026,9 +1025,6 @@ class PrivacyLedger:
         _insert_entry(conn, entry)
         return entry, [*entries, entry]
 
-    def _compose(self, mechanisms: Sequence[Mechanism]) -> EpsilonReport:
-        return account(mechanisms, delta=self.delta, accountant=self.accountant)
-
     @staticmethod
     def _pairs(entries: Sequence[SignedEntry]) -> list[tuple[str, Sequence[Mechanism]]]:
         return [(entry.purpose, entry.mechanisms) for entry in entries]
@@ -1037,9 +1033,3 @@ class PrivacyLedger:
         """The whole history composed, or under record/patient-level DP-SGD beneath
         hospital-level DP the record-level epsilon (`common.privacy.layered.charged`)."""
         return charged(pairs, delta=self.delta, accountant=self.accountant)
-
-
-def segments_of(entries: Sequence[SignedEntry]) -> list[Segment]:
-    """The DP-SGD segments of `entries` (format-1 view of a history)."""
-    return [s for entry in entries for s in entry.segments]
-
