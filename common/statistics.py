@@ -294,7 +294,11 @@ def plan_statistics(study: Study, *, n_noise: int, epsilon: float | None = None,
 
 
 def ring_to_signed(aggregate: np.ndarray) -> np.ndarray:
-    """The uint32 ring sum of integer vectors (noise may be negative) as int64."""
+    """The uint32 ring sum of integer vectors (noise may be negative) as int64.
+
+    >>> ring_to_signed(np.array([5, 2**32 - 3], dtype=np.uint32)).tolist()  # 5 and -3
+    [5, -3]
+    """
     if aggregate.dtype != np.uint32:
         raise ValidationError("statistics aggregate must be uint32")
     return aggregate.view(np.int32).astype(np.int64)

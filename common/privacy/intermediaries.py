@@ -135,7 +135,13 @@ def plausible_norm_sum(
 
 
 def step_bounds(current: int, *, maximum: int) -> tuple[int, int]:
-    """[low, high] for the next v from `current` (`MAX_STEP_FACTOR`), within [1, maximum]."""
+    """[low, high] for the next v from `current` (`MAX_STEP_FACTOR`), within [1, maximum].
+
+    >>> step_bounds(8, maximum=100)
+    (4, 16)
+    >>> step_bounds(8, maximum=10), step_bounds(1, maximum=10)
+    ((4, 10), (1, 2))
+    """
     low = max(1, current // MAX_STEP_FACTOR)
     high = max(1, min(current * MAX_STEP_FACTOR, maximum))
     return min(low, high), high
