@@ -90,7 +90,7 @@ class StudyRun:
         load statistics already released for it."""
         study = load_study(path)
         warning = intermediaries_warning(study.privacy)
-        if warning is not None:  # hospital-level epsilon v-fold (issue 13): said at start-up
+        if warning is not None:  # hospital-level epsilon v-fold: said at start-up
             log.warning(warning, extra={"event": "hospital_intermediaries_warning"})
         run = cls(study=study, state=state)
         state.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -1,4 +1,4 @@
-"""What a site releases beyond DP-SGD, and how it plans its own noise (issue 10).
+"""What a site releases beyond DP-SGD, and how it plans its own noise.
 
 * The cohort size: ONE Gaussian count per data set (sensitivity 1, a ledger entry of
   purpose "count"), persisted in the site's state so a restart never re-releases; sample

@@ -1,4 +1,4 @@
-"""The study's global statistics, pinned on this site's disk (issue 10, section 4).
+"""The study's global statistics, pinned on this site's disk.
 
 The federated DP statistics are released once per study; every training announcement
 then carries the global statistics decoded from that one release. They must never

@@ -322,8 +322,8 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
 
 
 def _guarantees(header: Any, entries: Any) -> dict[str, Any]:
-    """Under hospital-level DP three figures, named plainly (issue 13,
-    `common.privacy.hospital.Guarantees`): hospital-level and intermediary-level (model
+    """Under hospital-level DP three figures, named plainly
+    (`common.privacy.hospital.Guarantees`): hospital-level and intermediary-level (model
     updates only, add/remove one hospital / one intermediary) and per-patient (every
     release, the DDGauss rounds at 2S, or with DP-SGD beneath the better of that and the
     DP-SGD path). `spent_epsilon` is what the budget is charged with (`budget_charge`)."""

@@ -112,7 +112,7 @@ def test_entries_of_every_kind_and_purpose(tmp_path: Path, pki_material: Pki) ->
     entries = ledger.entries()
     assert [e.purpose for e in entries] == ["count", "statistics", "training", "evaluation"]
     assert entries[2].mechanisms == (ROUND_SEGMENT, ddg)
-    # DP-SGD beneath a DDGauss round (issue 13): the entry is charged with the larger of
+    # DP-SGD beneath a DDGauss round: the entry is charged with the larger of
     # the record-level figure and the hospital-level composition (common.privacy.layered).
     pairs = [(e.purpose, e.mechanisms) for e in entries]
     for k in range(1, 5):
