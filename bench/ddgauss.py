@@ -9,8 +9,8 @@ ChaCha20 noise stream). The plan is the default one (rounding inflation 1%, wrap
 probability <= 2^-40) unless --bits fixes the ring; the padded length, ring width and
 the bytes one site puts on the wire are reported with the timings.
 
-`--in-round` adds, per dimension, the figure a hospital-level round actually costs
-(issue 13), side by side with the plain 32-bit SecAgg ring in one run: the site's
+`--in-round` adds, per dimension, the figure a hospital-level round actually costs,
+side by side with the plain 32-bit SecAgg ring in one run: the site's
 `common.privacy.hospital.encode_update` as `site_agent.hospital` calls it (ring planned
 by `ring_plan` from public values, the site's noise share by `site_plan`; clip + rotate +
 round + noise + modular reduction + limbs) against the plain round's `quantize` (clip

@@ -27,8 +27,8 @@ Memory: the coordinator's peak RSS is VmHWM from /proc/PID/status, read after th
 each surviving site logs its VmRSS just before the model download and its VmHWM after
 the round (`site_round_done`), and the worst growth is reported in models (4 d bytes).
 Key latency (secure rounds): each site logs `advertised_keys` with the seconds from
-receiving the announcement to sending AdvertiseKeys (noise planning runs concurrently,
-issue 8 section 4); the bench reports their maximum and median over sites and rounds.
+receiving the announcement to sending AdvertiseKeys (noise planning runs concurrently);
+the bench reports their maximum and median over sites and rounds.
 Per-phase breakdown (`breakdown`): the coordinator's `t_*` steps (each phase's first and
 last message and its close, the update and the record; deadline waits excluded) and the
 slowest surviving site's `t_*` steps, medians over rounds, with both processes' CPU

@@ -8,7 +8,7 @@ needed to apply and to judge the model:
 ``medfed.format``      ``medfed-bundle/1``
 ``medfed.study``       the study, canonical bytes (`common.study.study_bytes`)
 ``medfed.architecture`` model name or custom factory and its parameters
-``medfed.statistics``  the global preprocessing statistics (DP release, issue 10)
+``medfed.statistics``  the global preprocessing statistics (DP release)
 ``medfed.threshold``   the decision threshold (Youden's J on the DP ROC)
 ``medfed.privacy_card`` epsilon and delta per site, unit, accountant, mechanisms,
                        rounds, SecAgg parameters (for auditors)
@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common.errors import StateError, ValidationError
 from common.evaluation import interval_text, youden_threshold
+from common.fileio import atomic_write
 from common.noisy_counts import NOISE_DOMINATED
 from common.study import (
     FACTORY_PATTERN,
@@ -87,7 +87,7 @@ class _Section(BaseModel):
 
 class Architecture(_Section):
     """How to rebuild the network: a registry name with its arguments, or a custom
-    ``package.module:factory`` called with ``options`` (the model registry, issue 12)."""
+    ``package.module:factory`` called with ``options`` (the model registry)."""
 
     name: str | None = None
     custom: str | None = Field(default=None, pattern=FACTORY_PATTERN)
@@ -149,7 +149,7 @@ class Threshold(_Section):
 
 
 class SitePrivacy(_Section):
-    """One site's guarantee as the site reports it (from its noised counts, issue 10)."""
+    """One site's guarantee as the site reports it (from its noised counts)."""
 
     site: str = Field(min_length=1, max_length=64)
     epsilon: float = Field(ge=0)
@@ -157,7 +157,7 @@ class SitePrivacy(_Section):
 
 
 class GroupGuarantee(_Section):
-    """A further guarantee stated plainly. Under hospital-level DP (issue 13) three per
+    """A further guarantee stated plainly. Under hospital-level DP three per
     site: unit "hospital" (add/remove one hospital, model updates only; v-fold group
     privacy of the intermediary-level one when split), "intermediary" (add/remove one
     unit clipped to S) and "patient" (or "record": every release, a patient's records
@@ -190,7 +190,7 @@ class PrivacyCard(_Section):
     rounds: int = Field(ge=0)
     sites: tuple[SitePrivacy, ...]
     group_guarantees: tuple[GroupGuarantee, ...] = ()
-    # DP-SGD beneath hospital-level DP (issue 13, study privacy.record_level): then
+    # DP-SGD beneath hospital-level DP (study privacy.record_level): then
     # sites[].epsilon is this unit's epsilon (common.privacy.layered). Under hospital-level
     # DP sites[].epsilon is always what each site's budget is charged with; the
     # per-patient figure is the group guarantee of unit "patient" ("record").
@@ -356,13 +356,8 @@ def write_bundle(path: str | Path, bundle: ModelBundle) -> str:
     SHA-256 of the file, for reports."""
     path = Path(path)
     data = bundle_bytes(bundle)
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, data)
     except OSError as exc:
         raise StateError(f"cannot write model bundle {path}: {exc.strerror}") from None
     return hashlib.sha256(data).hexdigest()

@@ -122,7 +122,7 @@ class AggregationSection(_Section):
     neighbours: int | Literal["auto"] = "auto"
     max_colluding_sites: int = Field(default=1, ge=0)
     max_dropouts: int | Literal["auto"] = "auto"
-    # Hospital-level DP without a study (issue 13; `medfed demo --privacy-unit hospital`):
+    # Hospital-level DP without a study (`medfed demo --privacy-unit hospital`):
     # each site's whole update clipped to L2 <= hospital_clip_norm, the secure sum noised
     # with std hospital_noise_multiplier * clip by the sites. A study's privacy section
     # (unit = "hospital") takes precedence.
@@ -265,7 +265,7 @@ class PrivacySection(_Section):
     accountant: Literal["prv", "rdp"] = "prv"
     max_grad_norm: float = Field(default=1.0, gt=0)
     privacy_unit: Literal["auto", "record", "patient", "hospital"] = "auto"
-    # Issue 10: the cohort size leaves the site only as ONE DP count (Gaussian, sens. 1).
+    # The cohort size leaves the site only as ONE DP count (Gaussian, sens. 1).
     # The most this site spends on it: a study declares the value every site spends and
     # is refused above this; without a study this value is spent (docs/privacy.md).
     count_epsilon: float = Field(default=DEFAULT_COUNT_EPSILON, gt=0, le=100)
@@ -327,8 +327,8 @@ class SitePolicySection(_Section):
     min_threshold: int = Field(default=2, ge=2)
     max_colluding_sites: int = Field(default=1, ge=0)
     # One floor for both uses: rounds (and Unmask) covering fewer sites than
-    # max(min_round_sites, max_colluding_sites + 2) are refused (issue 9, sec. 3), and
-    # the distributed DP noise is planned for it minus colluding sites (issue 10).
+    # max(min_round_sites, max_colluding_sites + 2) are refused, and
+    # the distributed DP noise is planned for it minus colluding sites.
     min_round_sites: int = Field(
         default=3,
         ge=2,

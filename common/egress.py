@@ -1,6 +1,6 @@
 """The egress manifest: every value a site sends the coordinator, and what protects it.
 
-Two tables, both checked by tests against the code that sends (issue 10, section 1):
+Two tables, both checked by tests against the code that sends:
 
 * `SITE_FIELDS`: every field of every site -> coordinator message of
   protos/medfed/v1/federation.proto (`tests/privacy/test_egress_manifest.py` walks the
@@ -91,7 +91,7 @@ SITE_FIELDS: Final[dict[str, FieldEntry]] = {
     "BudgetStatus.ledger_entries": _f(DD, "how many ledger entries (releases) exist"),
     "BudgetStatus.ledger_head": _f(DD, "hash of the last signed ledger entry"),
     "BudgetStatus.ledger_last_round": _f(DD, "round of the last ledger entry"),
-    # --- Ledger replica (issue 10, section 7)
+    # --- Ledger replica
     "ReplicateLedgerRequest.history": _f(
         DD,
         "signed ledger entries after the replica's head: mechanism parameters and "

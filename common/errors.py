@@ -36,8 +36,24 @@
                                      sites declined a round for a reason that cannot
                                      change (budget, evaluations used)
 
-`common.wire.status_for` translates these to gRPC status codes (one table); nothing
-else in the product catches broad exceptions.
+`common.wire.status_for` translates these to gRPC status codes (one table,
+`common.wire.STATUS_FOR_ERROR`); anything else reaching a servicer is INTERNAL.
+
+What is not in this hierarchy, on purpose:
+
+* a caller's programming error (a non-positive chunk size, a too-small buffer, a window
+  below 1) is Python's own ValueError/TypeError; pydantic validators raise ValueError,
+  which the settings and study loaders turn into ConfigError / ValidationError;
+* one private signal, `common.privacy.accountant._PrvTooCostly`, is raised and caught
+  inside the accountant (it falls back to RDP) and never leaves it.
+
+Broad handlers: ``except BaseException`` appears only to clean up (remove a temporary
+file, roll back a transaction, tell waiting sites to retry) and re-raise, or to carry a
+worker thread's error to the thread that waits for it (the site agent's download
+thread). ``except Exception`` appears only at boundaries that must never crash, each
+with its reason on the line: the servicers' last-resort mapping to INTERNAL
+(coordinator/servicer.py), the TLS interceptor's refusal reporter (common/tls.py) and
+the logging handler (common/logs.py).
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ class _LineHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             self.sink.write_line(self.format(record))
-        except Exception:
+        except Exception:  # logging's contract: a failing handler reports, never raises
             self.handleError(record)
 
 

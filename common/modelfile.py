@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 
 from common.codec import TensorSpec, bytes_to_flat, digest, layout_bytes
 from common.errors import StateError, ValidationError
+from common.fileio import atomic_open
 
 MAGIC = b"MEDFEDM1"
 MAX_HEADER_BYTES = 1 << 20
@@ -82,16 +82,12 @@ def write_model_file(path: Path, model: ModelFile) -> None:
         "extras": [{"name": k, "elements": int(v.size)} for k, v in extras.items()],
     }
     raw_header = json.dumps(header, sort_keys=True).encode()
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
+    with atomic_open(path) as fh:
         fh.write(MAGIC + len(raw_header).to_bytes(4, "big") + raw_header)
         for view in views:
             fh.write(view)
         for v in extras.values():
             fh.write(v.data.cast("B"))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def read_model_file(path: Path) -> ModelFile:

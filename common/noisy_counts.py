@@ -91,7 +91,16 @@ def noise_std_from_negatives(noisy: np.ndarray) -> float:
 
 
 def relative_noise(*, sigma: float, bins: int, total: float) -> float:
-    """Std of the noise on the sum of `bins` counts, relative to that sum (inf: empty)."""
+    """Std of the noise on the sum of `bins` counts, relative to that sum (inf: empty).
+
+    Independent noise of std sigma on each of `bins` counts adds up to std
+    sigma * sqrt(bins) on their sum:
+
+    >>> relative_noise(sigma=2.0, bins=4, total=100.0)
+    0.04
+    >>> relative_noise(sigma=2.0, bins=4, total=0.0)
+    inf
+    """
     if sigma <= 0:
         return 0.0
     if total <= 0:

@@ -63,6 +63,7 @@ from common.errors import (
     PkiError,
     ProtocolAbort,
 )
+from common.fileio import atomic_write
 
 Algorithm: TypeAlias = Literal["ecdsa-p256", "ed25519"]
 ALGORITHMS: tuple[Algorithm, ...] = ("ecdsa-p256", "ed25519")
@@ -178,14 +179,6 @@ def _write_new_file(path: Path, data: bytes, *, mode: int) -> None:
         raise PkiError(f"cannot create {path}: {exc.strerror}") from None
     with os.fdopen(fd, "wb") as handle:
         handle.write(data)
-
-
-def _write_atomically(path: Path, data: bytes, *, mode: int) -> None:
-    """Replace `path` in one rename, so a reader (the coordinator) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    _write_new_file(tmp, data, mode=mode)
-    os.replace(tmp, path)
 
 
 def _refuse_existing(paths: Sequence[Path]) -> None:
@@ -535,91 +528,6 @@ class IssuedPair:
     key_path: Path
 
 
-def _sign_leaf(
-    root: Path,
-    *,
-    subject_cn: str,
-    san: list[x509.GeneralName],
-    usage: x509.ObjectIdentifier,
-    public_key: PublicKey,
-    validity_days: int,
-    moment: dt.datetime,
-) -> x509.Certificate:
-    """A CA-signed end-entity certificate for `public_key` (never sees a private key)."""
-    ca_cert, ca_key = _load_ca_key(root)
-    check_validity_window(ca_cert, moment, what="the federation CA certificate")
-    # A leaf never outlives its CA: clients would reject the chain anyway.
-    not_after = min(moment + dt.timedelta(days=validity_days), ca_cert.not_valid_after_utc)
-    return (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject_cn)]))
-        .issuer_name(ca_cert.subject)
-        .public_key(public_key)
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(moment - CLOCK_SKEW_ALLOWANCE)
-        .not_valid_after(not_after)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        .add_extension(x509.SubjectAlternativeName(san), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(_ski(ca_cert)),
-            critical=False,
-        )
-        .sign(ca_key, _signature_hash(ca_key))
-    )
-
-
-def _issue_leaf(
-    root: Path,
-    *,
-    subject_cn: str,
-    san: list[x509.GeneralName],
-    usage: x509.ObjectIdentifier,
-    cert_path: Path,
-    key_path: Path,
-    validity_days: int,
-    algorithm: str,
-    force: bool,
-    now: dt.datetime | None,
-) -> IssuedPair:
-    chosen = _validate_algorithm(algorithm)
-    _validate_days("validity_days", validity_days)
-    moment = _utc(now)
-    _load_ca_key(root)  # fail before moving anything aside
-    if force:
-        _move_aside(root, [cert_path, key_path], moment)
-    _refuse_existing([cert_path, key_path])
-    key = _generate_key(chosen)
-    cert = _sign_leaf(
-        root,
-        subject_cn=subject_cn,
-        san=san,
-        usage=usage,
-        public_key=key.public_key(),
-        validity_days=validity_days,
-        moment=moment,
-    )
-    cert_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _write_new_file(key_path, _key_pem(key), mode=0o600)
-    _write_new_file(cert_path, _cert_pem(cert), mode=0o644)
-    return IssuedPair(certificate=cert, cert_path=cert_path, key_path=key_path)
-
-
 def _role_uri(role: Role, name: str) -> x509.UniformResourceIdentifier:
     return x509.UniformResourceIdentifier(f"{ROLE_URI_SCHEME}{role.value}/{name}")
 
@@ -644,73 +552,11 @@ def _host_names(hosts: Sequence[str]) -> list[x509.GeneralName]:
     return names
 
 
-def issue_coordinator(
-    directory: str | os.PathLike[str],
-    hosts: Sequence[str],
-    *,
-    validity_days: int = DEFAULT_LEAF_VALIDITY_DAYS,
-    algorithm: str = "ecdsa-p256",
-    force: bool = False,
-    now: dt.datetime | None = None,
-    name: str = DEFAULT_COORDINATOR_NAME,
-) -> IssuedPair:
-    """Issue ``coordinator.crt/.key``: serverAuth, SANs the given DNS names / IPs plus
-    the role URI ``medfed://coordinator/NAME``.
-
-    Loopback names are included only if listed: a production certificate should not be
-    valid for ``localhost``.
-    """
-    root = Path(directory)
-    if SITE_ID_PATTERN.fullmatch(name) is None:
-        raise ConfigError("name", f"{name!r} is not a valid coordinator name")
-    return _issue_leaf(
-        root,
-        subject_cn="medfed coordinator",
-        san=[*_host_names(hosts), _role_uri(Role.COORDINATOR, name)],
-        usage=ExtendedKeyUsageOID.SERVER_AUTH,
-        cert_path=root / COORDINATOR_CERT,
-        key_path=root / COORDINATOR_KEY,
-        validity_days=validity_days,
-        algorithm=algorithm,
-        force=force,
-        now=now,
-    )
-
-
 def site_paths(directory: str | os.PathLike[str], site_id: str) -> tuple[Path, Path]:
     """(certificate, key) paths of `site_id` inside a PKI directory."""
     validate_site_id(site_id)
     sites = Path(directory) / SITES_DIR
     return sites / f"{site_id}.crt", sites / f"{site_id}.key"
-
-
-def issue_site(
-    directory: str | os.PathLike[str],
-    site_id: str,
-    *,
-    validity_days: int = DEFAULT_LEAF_VALIDITY_DAYS,
-    algorithm: str = "ecdsa-p256",
-    force: bool = False,
-    now: dt.datetime | None = None,
-) -> IssuedPair:
-    """Issue ``sites/SITE_ID.crt/.key``: clientAuth, CN and SAN URI name the site.
-
-    SINGLE-HOST DEMOS AND TESTS ONLY: the operator generates the hospital's private key
-    here. A real hospital runs `request_certificate` and the operator `sign_request`.
-    """
-    cert_path, key_path = site_paths(directory, site_id)
-    return _issue_leaf(
-        Path(directory),
-        subject_cn=site_id,
-        san=[_role_uri(Role.SITE, site_id)],
-        usage=ExtendedKeyUsageOID.CLIENT_AUTH,
-        cert_path=cert_path,
-        key_path=key_path,
-        validity_days=validity_days,
-        algorithm=algorithm,
-        force=force,
-        now=now,
-    )
 
 
 def monitor_paths(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
@@ -730,6 +576,171 @@ def _validate_name(role: str, name: str) -> str:
     return name
 
 
+def role_paths(directory: str | os.PathLike[str], role: Role, name: str) -> tuple[Path, Path]:
+    """(certificate, key) paths of (role, name) inside a PKI directory; ConfigError for a
+    name that is not a legal one. There is one coordinator certificate per directory."""
+    if role is Role.SITE:
+        return site_paths(directory, name)
+    if role is Role.MONITOR:
+        return monitor_paths(directory, name)
+    if not isinstance(name, str) or SITE_ID_PATTERN.fullmatch(name) is None:
+        raise ConfigError("name", f"{name!r} is not a valid coordinator name")
+    root = Path(directory)
+    return root / COORDINATOR_CERT, root / COORDINATOR_KEY
+
+
+@dataclass(frozen=True)
+class _LeafProfile:
+    """What a role's certificate says: subject CN, SANs and extended key usage."""
+
+    subject_cn: str
+    san: list[x509.GeneralName]
+    usage: x509.ObjectIdentifier
+
+
+def _leaf_profile(role: Role, name: str, hosts: Sequence[str]) -> _LeafProfile:
+    """The coordinator serves TLS (serverAuth, its host names first, then the role URI);
+    sites and monitors are clients (clientAuth, CN and role URI name them)."""
+    if role is Role.COORDINATOR:
+        return _LeafProfile(
+            subject_cn="medfed coordinator",
+            san=[*_host_names(hosts), _role_uri(role, name)],
+            usage=ExtendedKeyUsageOID.SERVER_AUTH,
+        )
+    if hosts:
+        raise ConfigError("hosts", f"a {role.value} certificate names no hosts")
+    return _LeafProfile(
+        subject_cn=name, san=[_role_uri(role, name)], usage=ExtendedKeyUsageOID.CLIENT_AUTH
+    )
+
+
+def _sign_leaf(
+    root: Path,
+    profile: _LeafProfile,
+    *,
+    public_key: PublicKey,
+    validity_days: int,
+    moment: dt.datetime,
+) -> x509.Certificate:
+    """The one place an end-entity certificate is made: CA-signed, for `public_key`
+    (never sees a private key), saying what `profile` says."""
+    ca_cert, ca_key = _load_ca_key(root)
+    check_validity_window(ca_cert, moment, what="the federation CA certificate")
+    # A leaf never outlives its CA: clients would reject the chain anyway.
+    not_after = min(moment + dt.timedelta(days=validity_days), ca_cert.not_valid_after_utc)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, profile.subject_cn)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(moment - CLOCK_SKEW_ALLOWANCE)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([profile.usage]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(profile.san), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(_ski(ca_cert)),
+            critical=False,
+        )
+        .sign(ca_key, _signature_hash(ca_key))
+    )
+
+
+def issue_certificate(
+    directory: str | os.PathLike[str],
+    role: Role,
+    name: str,
+    *,
+    hosts: Sequence[str] = (),
+    validity_days: int = DEFAULT_LEAF_VALIDITY_DAYS,
+    algorithm: str = "ecdsa-p256",
+    force: bool = False,
+    now: dt.datetime | None = None,
+) -> IssuedPair:
+    """Generate a key here and issue the (role, name) certificate for it, writing the
+    pair at `role_paths` (key 0600, certificate 0644).
+
+    Refuses to overwrite an existing pair unless `force`, which moves the old files
+    aside into ``replaced/``. `hosts` (DNS names / IPs) is for the coordinator only.
+    """
+    root = Path(directory)
+    cert_path, key_path = role_paths(root, role, name)
+    profile = _leaf_profile(role, name, hosts)
+    chosen = _validate_algorithm(algorithm)
+    _validate_days("validity_days", validity_days)
+    moment = _utc(now)
+    _load_ca_key(root)  # fail before moving anything aside
+    if force:
+        _move_aside(root, [cert_path, key_path], moment)
+    _refuse_existing([cert_path, key_path])
+    key = _generate_key(chosen)
+    cert = _sign_leaf(
+        root, profile, public_key=key.public_key(), validity_days=validity_days, moment=moment
+    )
+    cert_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _write_new_file(key_path, _key_pem(key), mode=0o600)
+    _write_new_file(cert_path, _cert_pem(cert), mode=0o644)
+    return IssuedPair(certificate=cert, cert_path=cert_path, key_path=key_path)
+
+
+def issue_coordinator(
+    directory: str | os.PathLike[str],
+    hosts: Sequence[str],
+    *,
+    validity_days: int = DEFAULT_LEAF_VALIDITY_DAYS,
+    algorithm: str = "ecdsa-p256",
+    force: bool = False,
+    now: dt.datetime | None = None,
+    name: str = DEFAULT_COORDINATOR_NAME,
+) -> IssuedPair:
+    """Issue ``coordinator.crt/.key``: serverAuth, SANs the given DNS names / IPs plus
+    the role URI ``medfed://coordinator/NAME``.
+
+    Loopback names are included only if listed: a production certificate should not be
+    valid for ``localhost``.
+    """
+    return issue_certificate(
+        directory, Role.COORDINATOR, name, hosts=hosts, validity_days=validity_days,
+        algorithm=algorithm, force=force, now=now,
+    )
+
+
+def issue_site(
+    directory: str | os.PathLike[str],
+    site_id: str,
+    *,
+    validity_days: int = DEFAULT_LEAF_VALIDITY_DAYS,
+    algorithm: str = "ecdsa-p256",
+    force: bool = False,
+    now: dt.datetime | None = None,
+) -> IssuedPair:
+    """Issue ``sites/SITE_ID.crt/.key``: clientAuth, CN and SAN URI name the site.
+
+    SINGLE-HOST DEMOS AND TESTS ONLY: the operator generates the hospital's private key
+    here. A real hospital runs `request_certificate` and the operator `sign_request`.
+    """
+    return issue_certificate(
+        directory, Role.SITE, site_id, validity_days=validity_days, algorithm=algorithm,
+        force=force, now=now,
+    )
+
+
 def issue_monitor(
     directory: str | os.PathLike[str],
     name: str,
@@ -744,18 +755,9 @@ def issue_monitor(
     A monitor (health probe, status dashboard) may call Health, reflection and the
     read-only status RPCs and nothing else; it can never enrol or sign as a site.
     """
-    cert_path, key_path = monitor_paths(directory, name)
-    return _issue_leaf(
-        Path(directory),
-        subject_cn=name,
-        san=[_role_uri(Role.MONITOR, name)],
-        usage=ExtendedKeyUsageOID.CLIENT_AUTH,
-        cert_path=cert_path,
-        key_path=key_path,
-        validity_days=validity_days,
-        algorithm=algorithm,
-        force=force,
-        now=now,
+    return issue_certificate(
+        directory, Role.MONITOR, name, validity_days=validity_days, algorithm=algorithm,
+        force=force, now=now,
     )
 
 
@@ -855,12 +857,6 @@ def load_request(
     return csr, identity
 
 
-def _leaf_paths(directory: Path, identity: CertificateIdentity) -> Path:
-    if identity.role is Role.SITE:
-        return site_paths(directory, identity.name)[0]
-    return monitor_paths(directory, identity.name)[0]
-
-
 def sign_request(
     directory: str | os.PathLike[str],
     csr_path: str | os.PathLike[str],
@@ -880,7 +876,7 @@ def sign_request(
     _validate_days("validity_days", validity_days)
     moment = _utc(now)
     csr, identity = load_request(csr_path)
-    cert_path = _leaf_paths(root, identity)
+    cert_path, _ = role_paths(root, identity.role, identity.name)
     ca_cert = load_ca(root)
     revoked = revoked_serials(root)
     live = [
@@ -899,9 +895,7 @@ def sign_request(
         )
     cert = _sign_leaf(
         root,
-        subject_cn=identity.name,
-        san=[_role_uri(identity.role, identity.name)],
-        usage=ExtendedKeyUsageOID.CLIENT_AUTH,
+        _leaf_profile(identity.role, identity.name, ()),
         public_key=csr.public_key(),  # type: ignore[arg-type]  # checked P-256 above
         validity_days=validity_days,
         moment=moment,
@@ -952,7 +946,11 @@ def _write_crl(
     for entry in revoked:
         builder = builder.add_revoked_certificate(entry)
     crl = builder.sign(ca_key, _signature_hash(ca_key))
-    _write_atomically(root / CRL_FILE, crl.public_bytes(serialization.Encoding.PEM), mode=0o644)
+    crl_path = root / CRL_FILE
+    try:
+        atomic_write(crl_path, crl.public_bytes(serialization.Encoding.PEM), mode=0o644)
+    except OSError as exc:
+        raise PkiError(f"cannot write {crl_path}: {exc.strerror}") from None
     return crl
 
 
@@ -988,12 +986,7 @@ def _crl_number(crl: x509.CertificateRevocationList) -> int:
 
 def _role_certificates(root: Path, role: Role, name: str) -> list[x509.Certificate]:
     """Every certificate in `root` naming (role, name): current one and those moved aside."""
-    if role is Role.SITE:
-        current, _ = site_paths(root, name)
-    elif role is Role.MONITOR:
-        current, _ = monitor_paths(root, name)
-    else:
-        current = root / COORDINATOR_CERT
+    current, _ = role_paths(root, role, name)
     candidates = [current, *sorted((root / REPLACED_DIR).glob(f"{current.name}.*"))]
     found = []
     for path in candidates:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 ANNOUNCEMENT_DOMAIN = b"medfed/v1/announcement"
 KIND_TRAINING = "training"
 KIND_STATISTICS = "statistics"
-KIND_HOSPITAL = "hospital"  # a training round under hospital-level DP (issue 13)
+KIND_HOSPITAL = "hospital"  # a training round under hospital-level DP
 ROUND_KINDS = (KIND_TRAINING, KIND_STATISTICS, KIND_HOSPITAL)
 MAX_HOSPITAL_LIMBS = 8
 MAX_INTERMEDIARIES = 10_000  # the study schema's bound on a fixed v
@@ -81,7 +81,7 @@ class Announcement:
     # KIND_HOSPITAL: training under hospital-level DP (clip = the update clip norm S)
     statistics: bytes = b""  # GlobalStatistics canonical JSON (empty before release)
     hospital_noise_multiplier: float = 0.0  # z of a HOSPITAL round (0 otherwise)
-    # v of a HOSPITAL round (issue 13, section 2): intermediaries per hospital this round
+    # v of a HOSPITAL round: intermediaries per hospital this round
     # (0 otherwise); with the norm segment each unit also carries its clipped norm.
     hospital_intermediaries: int = 0
     hospital_norm_segment: bool = False
@@ -246,7 +246,7 @@ class VerifiedRound:
 
 def secagg_params(ann: Announcement) -> SecAggParams:
     """The SecAgg+ parameters of a round, with the announcement's digest bound into the
-    session id and every AdvertiseKeys signature (issue 9, sec. 4): both services build
+    session id and every AdvertiseKeys signature: both services build
     them here, so a site told another story than its neighbours aborts at the roster."""
     return SecAggParams(
         round_number=ann.round_number,
@@ -260,7 +260,7 @@ def secagg_params(ann: Announcement) -> SecAggParams:
 
 
 def validate_intermediaries(ann: Announcement, *, study: Study | None = None) -> None:
-    """Issue 13, section 2: v and the norm segment belong to hospital rounds only; v in
+    """v and the norm segment belong to hospital rounds only; v in
     1..MAX_INTERMEDIARIES; with the site's study, v is the study's fixed v (and no norm
     segment), or under "auto" in 1..the public cap with the norm segment. ValidationError
     names the field and the bound."""
@@ -372,8 +372,8 @@ def validate_for_site(
         raise ValidationError("round number out of range")
     params = None
     if ann.secure_aggregation:
-        # A sum of too few sites gives one hospital's update away by subtraction
-        # (issue 9, sec. 3): refused before any key, model or training.
+        # A sum of too few sites gives one hospital's update away by subtraction:
+        # refused before any key, model or training.
         floor = round_floor(
             min_round_sites=policy.min_round_sites,
             max_colluding_sites=policy.max_colluding_sites,

@@ -1,4 +1,4 @@
-"""Federated DP statistics for preprocessing (issue 10, section 4): what every site
+"""Federated DP statistics for preprocessing: what every site
 releases once per study, before training, and how the coordinator turns the secure sum
 into the `GlobalStatistics` every site (and `predict`) standardises and imputes with.
 
@@ -20,8 +20,8 @@ segment               length  one unit adds
 Randomised rounding (E[q] = u) keeps the estimates unbiased while every entry a unit
 touches moves by at most 1: adding or removing one unit changes the vector by at most
 `l1_sensitivity` in L1 and sqrt(`l2_squared`) in L2, whatever its values (clipping into
-[low, high] bounds the real-valued sum by C = max(|low|, |high|) per unit, the test of
-issue 10). Sites add discrete Gaussian noise in the integer ring before masking
+[low, high] bounds the real-valued sum by C = max(|low|, |high|) per unit).
+Sites add discrete Gaussian noise in the integer ring before masking
 (`common.privacy.ddgauss.count_noise`), planned for n_noise = round-size floor minus the
 colluding sites (colluders know their own noise); the secure sum then carries the noise
 of the distributed discrete Gaussian (Kairouz, Liu & Steinke, ICML 2021, Prop. 14),
@@ -294,7 +294,11 @@ def plan_statistics(study: Study, *, n_noise: int, epsilon: float | None = None,
 
 
 def ring_to_signed(aggregate: np.ndarray) -> np.ndarray:
-    """The uint32 ring sum of integer vectors (noise may be negative) as int64."""
+    """The uint32 ring sum of integer vectors (noise may be negative) as int64.
+
+    >>> ring_to_signed(np.array([5, 2**32 - 3], dtype=np.uint32)).tolist()  # 5 and -3
+    [5, -3]
+    """
     if aggregate.dtype != np.uint32:
         raise ValidationError("statistics aggregate must be uint32")
     return aggregate.view(np.int32).astype(np.int64)

@@ -48,7 +48,7 @@ COMMITMENT_BYTES = sm.COMMITMENT_BYTES
 MAX_TENSORS = 10_000
 LEDGER_HEAD_RE = re.compile(r"[0-9a-f]{64}")
 # Integers a site sends are bounded here, before any of them reaches arithmetic or the
-# database (issue 9, sec. 6): the coordinator derives its next round number from the
+# database: the coordinator derives its next round number from the
 # largest ledger round a site reports, so an unbounded one (2^63 - 1) would overflow
 # SQLite's signed 64-bit integers and stop the federation at every restart. 2^53 - 1
 # is exact in a double (JSON, Prometheus) and leaves room for +1 anywhere.

@@ -62,7 +62,7 @@ def write_round_bundle(
     else:
         threshold = Threshold(value=0.5, method="fixed")
     agg = settings.aggregation
-    # Hospital-level DP (issue 13): both guarantees named plainly (coordinator.hospital_sum).
+    # Hospital-level DP: both guarantees named plainly (coordinator.hospital_sum).
     group_guarantees, hospital_notes = hospital_sum.card_parts(study, hospital_epsilons or {})
     card = PrivacyCard(
         unit=study.privacy.unit,

@@ -1,4 +1,4 @@
-"""The coordinator's side of hospital-level DP rounds (issue 13, section 1): announce a
+"""The coordinator's side of hospital-level DP rounds: announce a
 training round of a `privacy.unit = "hospital"` study as a HOSPITAL round, and decode
 its unmasked sum (KLS21 Algorithm 2, `common.privacy.hospital.decode_sum`).
 
@@ -6,7 +6,7 @@ The coordinator never sees an un-noised sum: the sites add the discrete Gaussian
 in the ring before masking. The mean is the noisy sum over the hospitals that
 contributed (each counts once; weighting by size would raise the sensitivity above S).
 
-Adaptive intermediaries (issue 13, section 2; Jiang et al., MICCAI 2023): under
+Adaptive intermediaries (Jiang et al., MICCAI 2023): under
 ``privacy.intermediaries = "auto"`` each round's decoded sum carries the noisy sum of the
 clipped unit norms (the norm coordinate, common/privacy/hospital.py); `decode` evaluates
 the authors' rule on it (`common.privacy.intermediaries.next_split_count`) and the

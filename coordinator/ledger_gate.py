@@ -1,4 +1,4 @@
-"""The coordinator's replica of every site's signed privacy ledger (issue 10, section 7),
+"""The coordinator's replica of every site's signed privacy ledger,
 kept in the state database: a site whose reported head does not extend the replica
 (fork, shrink or reset) is refused, and so never selected, until an operator restores
 it."""

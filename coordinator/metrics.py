@@ -96,7 +96,7 @@ class CoordinatorMetrics:
         self.hospital_intermediaries = Gauge(
             "medfed_coordinator_hospital_intermediaries",
             "Intermediaries per hospital (v) the next hospital-level round announces "
-            "(issue 13: the adaptive rule under privacy.intermediaries = auto).",
+            "(the adaptive rule under privacy.intermediaries = auto).",
             registry=r,
         )
         self.grpc_requests = Counter(

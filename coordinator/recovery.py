@@ -1,6 +1,6 @@
 """Recovery at start: a coordinator restarted on its state abandons the round that was
 in flight when it stopped, and says truthfully whether that round's sum had already
-been unmasked (issue 8, section 2)."""
+been unmasked."""
 
 from __future__ import annotations
 

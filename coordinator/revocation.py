@@ -1,4 +1,4 @@
-"""The CA's CRL as the coordinator relays it to sites (issue 9, sec. 5).
+"""The CA's CRL as the coordinator relays it to sites.
 
 The coordinator is not trusted with revocation on the sites' behalf: it hands them the
 CA-signed CRL (DER) with every Enroll and WaitForRound answer, and each site checks the

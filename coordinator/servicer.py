@@ -133,7 +133,7 @@ def rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             raise  # unreachable: abort raises
         except grpc.aio.AbortError:
             raise
-        except Exception:
+        except Exception:  # last resort: a bug answers INTERNAL, logged, never a crash
             self.metrics.grpc_requests.labels(method=name, code="INTERNAL").inc()
             log.exception("%s failed unexpectedly", name)
             await context.abort(grpc.StatusCode.INTERNAL, "internal error")
@@ -422,7 +422,7 @@ class MonitorServicer(pb_grpc.MonitorServicer):
         # Counted like the Federation calls (a dashboard polling status is traffic too).
         try:
             response = self._status()
-        except Exception:
+        except Exception:  # last resort: a bug answers INTERNAL, logged, never a crash
             if self.metrics is not None:
                 self.metrics.grpc_requests.labels(method="Status", code="INTERNAL").inc()
             log.exception("Status failed unexpectedly")

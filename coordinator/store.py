@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError
-from common.sqldb import SQLITE, Database, parse_database_url
+from common.sqldb import Database
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS meta (
@@ -285,11 +284,3 @@ class CoordinatorStore:
         with self._tx(write=False) as cur:
             rows = cur.execute("SELECT site_id FROM sites ORDER BY site_id").fetchall()
         return [str(r[0]) for r in rows]
-
-
-def sqlite_path(database_url: str) -> Path:
-    """Path of a ``sqlite:///...`` URL (a bare path is accepted too)."""
-    parsed = parse_database_url(database_url)
-    if parsed.dialect != SQLITE:
-        raise ConfigError("database_url", f"not a SQLite URL: {parsed.redacted()}")
-    return Path(parsed.target)

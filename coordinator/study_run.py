@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import numpy as np
 from common.codec import TensorSpec
 from common.config import CoordinatorSettings, TrainingPlanSection
 from common.errors import ConfigError, StateError
+from common.fileio import atomic_write
 from common.study import (
     GlobalStatistics,
     Study,
@@ -45,13 +45,8 @@ FINAL_MODEL = "final.safetensors"
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, data)
     except OSError as exc:
         raise StateError(f"cannot write {path}: {exc.strerror}") from None
 
@@ -95,7 +90,7 @@ class StudyRun:
         load statistics already released for it."""
         study = load_study(path)
         warning = intermediaries_warning(study.privacy)
-        if warning is not None:  # hospital-level epsilon v-fold (issue 13): said at start-up
+        if warning is not None:  # hospital-level epsilon v-fold: said at start-up
             log.warning(warning, extra={"event": "hospital_intermediaries_warning"})
         run = cls(study=study, state=state)
         state.mkdir(parents=True, exist_ok=True, mode=0o700)

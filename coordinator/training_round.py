@@ -49,7 +49,7 @@ class GlobalModel:
     layout: tuple[TensorSpec, ...]
     flat: np.ndarray
     optimizer: ServerOptimizer
-    # "auto" intermediaries (issue 13, section 2): the v the next hospital round
+    # "auto" intermediaries: the v the next hospital round
     # announces, chosen from the last decoded round; None before any was measured.
     intermediaries: int | None = None
     # The evaluation buckets the next round announces: set from the last released score

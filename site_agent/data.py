@@ -385,7 +385,7 @@ def prepare_site_split(
 class StudyTable:
     """A site's records read under a study, before encoding.
 
-    What the preprocessor, `medfed data check` and the DP statistics release (issue 10)
+    What the preprocessor, `medfed data check` and the DP statistics release
     start from: numeric columns as float64 with NaN for a missing value, categorical
     columns as indices into the declared levels with -1 for a missing value, labels as
     class indices (None when the file has no label column, as for `predict`).
@@ -542,7 +542,7 @@ class Preprocessor:
     global mean and scale; a categorical value is one-hot encoded in the declared level
     order (a missing one imputes the global level, or is all zeros under ``indicator``);
     ``indicator`` features add a 0/1 was-missing column. The statistics are required:
-    they come from the federated DP release (issue 10) or the model bundle, never from
+    they come from the federated DP release or the model bundle, never from
     this site's data alone, so every site and every hospital using the model scale alike.
     """
 

@@ -1,4 +1,4 @@
-"""What a site releases beyond DP-SGD, and how it plans its own noise (issue 10).
+"""What a site releases beyond DP-SGD, and how it plans its own noise.
 
 * The cohort size: ONE Gaussian count per data set (sensitivity 1, a ledger entry of
   purpose "count"), persisted in the site's state so a restart never re-releases; sample
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -25,6 +24,7 @@ import numpy as np
 from common.config import SitePolicySection
 from common.crypto.random import RandomSource, numpy_generator, system_random
 from common.errors import ConfigError, EvaluationsUsed, StateError
+from common.fileio import atomic_write
 from common.privacy.accountant import RoundNoisePlan, compose_epsilon, plan_round_noise
 from common.privacy.ddgauss import count_noise, count_site_sigma
 from common.privacy.ledger import PrivacyLedger
@@ -98,11 +98,9 @@ def release_cohort_count(
     # Rounding and clamping are post-processing of the Gaussian release.
     noisy = max(1, round(float(units + noise)))
     released = CohortCount(noisy, std, ledger_round)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(
+    atomic_write(path, json.dumps(
         {"noisy_count": noisy, "noise_std": std, "ledger_round": ledger_round}
-    ))
-    os.replace(tmp, path)
+    ).encode())
     return released
 
 

@@ -1,5 +1,5 @@
-"""A site's side of a hospital-level DP round (issue 13, section 1;
-`common.privacy.hospital`): plan the ring and this site's noise share from the study,
+"""A site's side of a hospital-level DP round
+(`common.privacy.hospital`): plan the ring and this site's noise share from the study,
 the announcement and the site's own policy, then encode the clipped update.
 
 The DDGauss mechanism goes on the ledger with the round's other training mechanisms,
@@ -31,7 +31,7 @@ class HospitalRound:
     plan: DDGaussPlan
     seed: bytes
     mechanism: DistributedDiscreteGaussian
-    units: int = 1  # intermediaries announced (issue 13, section 2): at most this many
+    units: int = 1  # intermediaries announced: at most this many
     terms: hospital.HospitalTerms | None = None  # the round's (norm segment, v)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -495,12 +495,6 @@ def split_images(
     held_out_units[permutation[:n_held_out]] = True
     held_out_mask = held_out_units[unit_of_record]
     return data.subset(np.flatnonzero(~held_out_mask)), data.subset(np.flatnonzero(held_out_mask))
-
-
-def with_spec(data: ImageDataset, **changes: Any) -> ImageDataset:
-    """The same files under a changed spec (e.g. another image size); fresh cache."""
-    spec = replace(data.spec, **changes)
-    return ImageDataset(data.entries, data.labels, data.patient_ids, spec, source=data.source)
 
 
 def image_spec_for_study(study: Study, *, cache_bytes: int = DEFAULT_CACHE_BYTES) -> ImageSpec:

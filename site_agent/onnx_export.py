@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +39,7 @@ from torch import nn
 
 from common.bundle import ModelBundle, bundle_metadata
 from common.errors import ConfigError, StateError
+from common.fileio import atomic_write
 from common.study import MISSING_SUFFIX, Study, encoded_feature_names, study_sha256
 from site_agent.predict import load_model
 
@@ -336,13 +336,8 @@ def export_model(
     bundle = read_bundle(model_path)
     bundle_sha = hashlib.sha256(model_path.read_bytes()).hexdigest()
     data = export_onnx_bytes(bundle, bundle_sha256=bundle_sha, allowed_factories=allowed_factories)
-    tmp = out.with_name(out.name + ".tmp")
     try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, out)
+        atomic_write(out, data)
     except OSError as exc:
         raise StateError(f"cannot write {out}: {exc.strerror}") from None
     return hashlib.sha256(data).hexdigest()

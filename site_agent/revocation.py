@@ -4,7 +4,7 @@ The coordinator cannot forge a CRL (the site checks the CA signature against its
 CA copy) but it could withhold a new one or replay an old one. Withholding ends when
 the last accepted CRL's nextUpdate passes: the site then refuses every round (fail
 closed, with a message naming the cause). Replay is refused by the CRL number, which
-never goes down. Issue 9, sec. 5; RFC 5280 sec. 5 (CRL fields), 6.3 (validity).
+never goes down. RFC 5280 sec. 5 (CRL fields), 6.3 (validity).
 """
 
 from __future__ import annotations

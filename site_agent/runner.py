@@ -47,7 +47,7 @@ def open_ledger(settings: SiteSettings, hook: TrainingHook) -> PrivacyLedger | N
 
 def refuse_fresh_ledger_over_history(path: Path) -> None:
     """A ledger (and its anchor) gone while the state folder shows this site already
-    released something: refuse to start a fresh ledger at zero (issue 10, section 7).
+    released something: refuse to start a fresh ledger at zero.
 
     Evidence of history: the persisted DP cohort count (released once, with a ledger
     entry) or a stored model bundle (the site took part in a study)."""

@@ -1,4 +1,4 @@
-"""The study's global statistics, pinned on this site's disk (issue 10, section 4).
+"""The study's global statistics, pinned on this site's disk.
 
 The federated DP statistics are released once per study; every training announcement
 then carries the global statistics decoded from that one release. They must never
@@ -12,10 +12,10 @@ across restarts.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from common.errors import StateError, StudyRefused, ValidationError
+from common.fileio import atomic_write
 from common.study import GlobalStatistics, statistics_bytes, statistics_from_bytes
 
 RELEASED_WAY_OUT = (
@@ -77,10 +77,5 @@ class StatisticsPin:
             return
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = self.path(statistics.study_sha256)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as handle:
-            handle.write(statistics_bytes(statistics))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, statistics_bytes(statistics))
         self._cache[statistics.study_sha256] = statistics

@@ -27,6 +27,7 @@ from common.privacy.accountant import (
 )
 from common.privacy.layered import charged
 from common.privacy.ledger import (
+    LedgerSigner,
     VerifyReport,
     anchor_path_for,
     read_ledger,
@@ -181,7 +182,7 @@ def _cmd_plan_round(args: argparse.Namespace) -> int:
     budget, delta, accountant = args.budget_epsilon, args.delta, args.accountant
     if args.ledger is not None:
         header, entries = read_ledger(Path(args.ledger))
-        history.extend(m for entry in entries for m in _entry_mechanisms(entry))
+        history.extend(m for entry in entries for m in entry.mechanisms)
         budget = budget if budget is not None else header.budget_epsilon
         delta = delta if delta is not None else header.delta
         accountant = accountant if accountant is not None else header.accountant
@@ -267,19 +268,14 @@ def register_privacy(subparsers: Any) -> None:
     plan_round.set_defaults(func=_cmd_plan_round)
 
 
-def _entry_mechanisms(entry: Any) -> tuple[Mechanism, ...]:
-    """Mechanisms of a format-2 entry, or the segments of a format-1 one."""
-    return tuple(getattr(entry, "mechanisms", entry.segments))
-
-
 def _ledger_summary(path: Path) -> dict[str, Any]:
     header, entries = read_ledger(path)
     rows = []
     previous = 0.0
     by_purpose: dict[str, list[tuple[str, tuple[Mechanism, ...]]]] = {}
     for entry in entries:
-        mechanisms = _entry_mechanisms(entry)
-        purpose = getattr(entry, "purpose", "training")
+        mechanisms = entry.mechanisms
+        purpose = entry.purpose
         by_purpose.setdefault(purpose, []).append((purpose, mechanisms))
         rows.append(
             {
@@ -297,14 +293,14 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
                 "created_at": entry.created_at,
                 "status": entry.status,
                 "entry_hash": entry.entry_hash,
-                "signed": bool(getattr(entry, "signature", b"")),
+                "signed": bool(entry.signature),
             }
         )
         previous = entry.epsilon_after
     spent = entries[-1].epsilon_after if entries else 0.0
     return {
         "ledger": str(path),
-        "format": 2 if header.format.endswith("/2") else 1,
+        "format": 2,
         "site_id": header.site_id,
         "privacy_unit": header.privacy_unit,
         "budget_epsilon": header.budget_epsilon,
@@ -326,8 +322,8 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
 
 
 def _guarantees(header: Any, entries: Any) -> dict[str, Any]:
-    """Under hospital-level DP three figures, named plainly (issue 13,
-    `common.privacy.hospital.Guarantees`): hospital-level and intermediary-level (model
+    """Under hospital-level DP three figures, named plainly
+    (`common.privacy.hospital.Guarantees`): hospital-level and intermediary-level (model
     updates only, add/remove one hospital / one intermediary) and per-patient (every
     release, the DDGauss rounds at 2S, or with DP-SGD beneath the better of that and the
     DP-SGD path). `spent_epsilon` is what the budget is charged with (`budget_charge`)."""
@@ -335,7 +331,7 @@ def _guarantees(header: Any, entries: Any) -> dict[str, Any]:
         return {}
     from common.privacy.hospital import guarantees, largest_intermediaries
 
-    pairs = [(getattr(e, "purpose", "training"), _entry_mechanisms(e)) for e in entries]
+    pairs = [(e.purpose, e.mechanisms) for e in entries]
     figures = guarantees(pairs, delta=header.delta, accountant=header.accountant)
     out: dict[str, Any] = {
         "hospital_level_epsilon": figures.hospital,
@@ -343,8 +339,8 @@ def _guarantees(header: Any, entries: Any) -> dict[str, Any]:
         "per_patient_epsilon": figures.per_patient,
         "intermediaries_max": figures.largest_v,
         "intermediaries_by_round": {
-            str(e.round): largest_intermediaries([("training", _entry_mechanisms(e))])
-            for e in entries if getattr(e, "purpose", "training") == "training"
+            str(e.round): largest_intermediaries([("training", e.mechanisms)])
+            for e in entries if e.purpose == "training"
         },
         "budget_charge": (
             "the larger of the record/patient-level epsilon (the better of the DP-SGD "
@@ -488,13 +484,10 @@ def _cmd_ledger_verify(args: argparse.Namespace) -> int:
     )
     if report.ok:
         checked = "hash chain and epsilons" if report.epsilons_recomposed else "hash chain"
-        if report.format == 1:
-            signatures = "format 1: NOT signed (the site agent signs it when it next starts)"
-        else:
-            signatures = f"{report.signatures_checked} signatures verified" + (
-                " against the CA" if report.ca_checked else " (certificates not checked "
-                "against a CA: give --ca)"
-            )
+        signatures = f"{report.signatures_checked} signatures verified" + (
+            " against the CA" if report.ca_checked else " (certificates not checked "
+            "against a CA: give --ca)"
+        )
         print(
             f"ledger {report.path}: OK ({report.entries_checked} entries; {checked} verified; "
             f"{signatures}; head {report.head_hash})"
@@ -556,8 +549,24 @@ def _cmd_ledger_restore(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ledger_migrate(args: argparse.Namespace) -> int:
+    from common.privacy.migrate import migrate_ledger
+
+    signer = LedgerSigner.from_files(args.cert, args.key)
+    done = migrate_ledger(Path(args.ledger), signer, anchor_path=args.anchor)
+    if done is None:
+        print(f"ledger {args.ledger}: already format 2 (signed); nothing to migrate")
+        return 0
+    print(
+        f"migrated {done.path} to format 2: {done.entries} entries signed by "
+        f"{signer.site_id}, epsilon spent {done.spent_epsilon:.4f} (unchanged), head "
+        f"{done.head_hash}; the format-1 original is kept as {done.backup_path}"
+    )
+    return 0
+
+
 def register_ledger(subparsers: Any) -> None:
-    """Entry point ``ledger``: adds `medfed ledger show|verify|export|restore`."""
+    """Entry point ``ledger``: adds `medfed ledger show|verify|export|restore|migrate`."""
     parser = subparsers.add_parser("ledger", help="read and verify a site's privacy ledger")
     commands = parser.add_subparsers(dest="ledger_command", metavar="SUBCOMMAND")
     commands.required = True
@@ -607,6 +616,19 @@ def register_ledger(subparsers: Any) -> None:
     restore.add_argument("--ca", help="federation CA certificate (PEM) the signers must chain to")
     restore.add_argument("--site", help="refuse an export for another site")
     restore.set_defaults(func=_cmd_ledger_restore)
+
+    migrate = commands.add_parser(
+        "migrate",
+        help="(site, stopped) sign a format-1 ledger into format 2, once; keeps the "
+        "original as LEDGER.format1",
+    )
+    migrate.add_argument("--ledger", required=True, help="the format-1 ledger file")
+    migrate.add_argument("--cert", required=True, help="the site's certificate (PEM)")
+    migrate.add_argument("--key", required=True, help="the site's private key (PEM)")
+    migrate.add_argument(
+        "--anchor", help="the ledger's anchor file (default: LEDGER.anchor beside it)"
+    )
+    migrate.set_defaults(func=_cmd_ledger_migrate)
 
 
 def main(argv: list[str] | None = None) -> int:

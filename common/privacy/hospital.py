@@ -1,4 +1,4 @@
-"""Hospital-level DP for training rounds (issue 13, section 1): each site's whole model
+"""Hospital-level DP for training rounds: each site's whole model
 update, clipped to L2 norm S, travels DDGauss-encoded in the SecAgg+ integer ring.
 
 Kairouz, Liu & Steinke, "The Distributed Discrete Gaussian Mechanism for Federated
@@ -26,7 +26,7 @@ bits, up to 62) and splits every ring element into `limbs` words of `limb_bits` 
 each below 2^32 / M, so the limb sums never wrap in the 32-bit SecAgg ring and the
 coordinator recombines them exactly modulo 2^bits (`to_limbs` / `from_limbs`).
 
-Adaptive intermediaries (issue 13, section 2; Jiang et al., MICCAI 2023): under
+Adaptive intermediaries (Jiang et al., MICCAI 2023): under
 ``privacy.intermediaries = "auto"`` the coordinator needs the sum of the clipped unit
 update norms. Each unit's vector then gets one more coordinate, ``c * min(||delta||, S)``
 (`NORM_SEGMENT_SCALE` = c), BEFORE the rotation, so the norm is rounded, noised and
@@ -274,7 +274,7 @@ def encode_units(
     units: Sequence[np.ndarray], *, plan: DDGaussPlan, seed: bytes, rng: RandomSource,
     terms: HospitalTerms | None = None,
 ) -> np.ndarray:
-    """A site with v intermediaries (issue 13, section 2; Jiang et al. 2023): each unit's
+    """A site with v intermediaries (Jiang et al. 2023): each unit's
     update clipped, scaled, rotated and conditionally rounded ALONE (so adding or
     removing one unit moves the sum by at most Delta_2), the integer vectors summed, then
     ONE noise share for the site, mod 2^bits, limbs."""

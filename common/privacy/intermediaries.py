@@ -25,7 +25,7 @@ both clamps are ours and are applied after the authors' rounding.
 
 Norms: the authors sum each client's norm BEFORE clipping; in medfed the sum must
 leave the site privately, so the caller passes norms clipped to S (noised like the
-update, see issue 13 section 2). The formula is the same; only the input differs.
+update, `common.privacy.hospital`). The formula is the same; only the input differs.
 
 Scale: the authors' aggregate is the pure AVERAGE of the unit updates (client weights
 1 / (N v)) and their noise is the noise on that average (std z S / (N v)); phi is not
@@ -33,7 +33,7 @@ scale-free, so `next_split_count` measures both on the average too. With the noi
 the average, v_next = floor(sqrt(lambda N) * v) does not depend on the v measured
 (lambda scales as 1 / v^2), which is what makes the rule a fixed point.
 
-Robustness (ours, s5 review H3): the norm coordinate is linear in the ring, so ONE site
+Robustness (ours, not the paper's): the norm coordinate is linear in the ring, so ONE site
 can put any value there (a hugely negative one made the floor, lambda and v = cap). As
 post-processing, `next_split_count` keeps v when the decoded sum is not credibly inside
 [0, U S] (`plausible_norm_sum`, `PLAUSIBLE_NORM_SIGMAS` of its planned noise) and moves
@@ -116,7 +116,7 @@ PLAUSIBLE_NORM_SIGMAS = 3.0
 """A decoded unit norm sum is a measurement only inside (k sigma, U S + k sigma), k this,
 sigma the norm coordinate's planned noise std: outside it, honest noise explains it with
 probability < 0.14 % per side, and a site that pushes it there (the coordinate is
-linear in the ring: s5 review H3) moves nothing."""
+linear in the ring) moves nothing."""
 MAX_STEP_FACTOR = 2
 """v moves at most by this factor per round (v // 2 <= v_next <= 2 v): what one round's
 measurement, honest or steered by a site inside the plausible range, can do."""
@@ -135,7 +135,13 @@ def plausible_norm_sum(
 
 
 def step_bounds(current: int, *, maximum: int) -> tuple[int, int]:
-    """[low, high] for the next v from `current` (`MAX_STEP_FACTOR`), within [1, maximum]."""
+    """[low, high] for the next v from `current` (`MAX_STEP_FACTOR`), within [1, maximum].
+
+    >>> step_bounds(8, maximum=100)
+    (4, 16)
+    >>> step_bounds(8, maximum=10), step_bounds(1, maximum=10)
+    ((4, 10), (1, 2))
+    """
     low = max(1, current // MAX_STEP_FACTOR)
     high = max(1, min(current * MAX_STEP_FACTOR, maximum))
     return min(low, high), high
@@ -154,7 +160,7 @@ def next_split_count(
     maximum: int,
     mode: SplitMode = "default",
 ) -> int:
-    """v for the next round from one decoded hospital round (issue 13, section 2).
+    """v for the next round from one decoded hospital round.
 
     As the authors' code measures it (`_private_grad_aggregation`): the aggregate is the
     pure average of the `units` clipped unit updates (what the model steps by), the noise
@@ -164,7 +170,7 @@ def next_split_count(
     coordinate, with noise std `norm_noise_std` (the plan's z S' / c). `current` is the
     v of the round measured (the authors' ``virtual_clients``).
 
-    Post-processing only, with two guards of ours (s5 review H3: one site can move the
+    Post-processing only, with two guards of ours (one site can move the
     norm coordinate anywhere, it is linear in the ring): a sum outside
     `plausible_norm_sum` is no measurement and v stays `current`; a plausible one is
     projected onto (0, units * S] and the authors' v is then kept within

@@ -1,4 +1,4 @@
-"""Record/patient-level DP-SGD underneath hospital-level DP (issue 13, section 1): what a
+"""Record/patient-level DP-SGD underneath hospital-level DP: what a
 ledger holding both kinds of training mechanism has spent.
 
 With `privacy.record_level` set in a hospital-level study, each training round runs

@@ -19,8 +19,9 @@ Format 2 (``medfed-privacy-ledger/2``, see `common.privacy.signed`):
   rewritten after each commit) makes a deleted, truncated or older copy of the ledger
   refuse to open instead of restarting at zero.
 
-Format-1 files (unsigned) are migrated on first open with the signing key
-(`common.privacy.legacy`). Every I/O fault surfaces as one `LedgerUnavailable` naming the
+A format-1 file (unsigned, from before format 2) is refused with a message naming
+`medfed ledger migrate` (`common.privacy.migrate`), which signs it into format 2 once.
+Every I/O fault surfaces as one `LedgerUnavailable` naming the
 file and the way out, never as a traceback.
 """
 
@@ -33,9 +34,8 @@ import math
 import os
 import sqlite3
 import stat
-import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
@@ -50,15 +50,13 @@ from common.errors import (
     LedgerUnavailable,
     StateError,
 )
-from common.privacy import legacy
-from common.privacy.accountant import ACCOUNTANTS, EpsilonReport, account
+from common.fileio import atomic_write, fsync_directory
+from common.privacy.accountant import ACCOUNTANTS, EpsilonReport
 from common.privacy.budget import BudgetReport
 from common.privacy.layered import charged
-from common.privacy.legacy import LedgerHeader, LedgerProblem, VerifyReport
 from common.privacy.mechanisms import (
     MECHANISM_TYPES,
     Mechanism,
-    Segment,
     canonical_json,
     mechanisms_to_json,
 )
@@ -90,15 +88,21 @@ __all__ = [
     "VerifyReport",
     "anchor_path_for",
     "export_ledger",
+    "migrate_hint",
     "read_anchor",
     "read_ledger",
     "recovery_hint",
     "restore_ledger",
     "verify_ledger",
+    "write_new_ledger",
 ]
 
 ANCHOR_FORMAT: Final = "medfed-ledger-anchor/1"
-EPSILON_RELATIVE_TOLERANCE: Final = legacy.EPSILON_RELATIVE_TOLERANCE
+# The format-1 header's format string: recognised only to refuse the file and name the
+# migration (common.privacy.migrate holds everything else about format 1).
+FORMAT1: Final = "medfed-privacy-ledger/1"
+# epsilon_after is recomposed on verify; allow for FFT round-off across machines/numpy.
+EPSILON_RELATIVE_TOLERANCE: Final = 1e-6
 
 LedgerEntry = SignedEntry
 
@@ -118,6 +122,67 @@ _SCHEMA: Final = (
     " sha256 TEXT PRIMARY KEY, der BLOB NOT NULL)",
 )
 _ENTRY_COLUMNS: Final = "seq, round, purpose, body, signature, entry_hash"
+
+
+@dataclass(frozen=True)
+class LedgerHeader:
+    """The header row: the site's fixed budget terms plus the chain's anchors."""
+
+    site_id: str
+    budget_epsilon: float
+    delta: float
+    accountant: str
+    privacy_unit: str
+    header_hash: str
+    entry_count: int
+    head_hash: str
+    format: str
+
+
+@dataclass(frozen=True)
+class LedgerProblem:
+    """One integrity failure; `seq` is the entry concerned (None: the header)."""
+
+    seq: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = "header" if self.seq is None else f"entry seq={self.seq}"
+        return f"{where}: {self.message}"
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Result of `verify_ledger`; `problems[0]` is the first bad entry."""
+
+    path: str
+    entries_checked: int
+    head_hash: str
+    problems: tuple[LedgerProblem, ...] = field(default_factory=tuple)
+    epsilons_recomposed: bool = False
+    format: int = 2
+    signatures_checked: int = 0
+    ca_checked: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def raise_if_broken(self) -> None:
+        if self.problems:
+            raise LedgerIntegrityError(
+                f"ledger {self.path} does not verify: {self.problems[0]}"
+                + (f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else "")
+            )
+
+
+def migrate_hint(path: Path) -> str:
+    return (
+        f"{path} is a format-1 (unsigned) privacy ledger: with the site stopped, sign it "
+        f"into format 2 once with `medfed ledger migrate --ledger {path} --cert SITE.crt "
+        "--key SITE.key` (the site's mTLS certificate and key; docs/privacy.md, "
+        "'Format-1 ledgers')"
+    )
 
 
 def recovery_hint(path: Path) -> str:
@@ -218,18 +283,19 @@ def _transaction(connection: sqlite3.Connection) -> Iterator[None]:
 # --------------------------------------------------------------------- reading rows
 
 
-def _file_format(connection: sqlite3.Connection, path: Path) -> int:
+def _check_format(connection: sqlite3.Connection, path: Path) -> None:
+    """LedgerUnavailable unless the file is a format-2 ledger (a format-1 one names the
+    migration command)."""
     row = connection.execute(
         "SELECT format FROM ledger_header WHERE id = 1"
     ).fetchone()
     if row is None:
         raise LedgerUnavailable(path, f"privacy ledger {path} has no header row; "
                                 + recovery_hint(path))
-    if row[0] == LEDGER_FORMAT:
-        return 2
-    if row[0] == legacy.LEDGER_FORMAT:
-        return 1
-    raise LedgerUnavailable(path, f"{path}: unknown ledger format {row[0]!r}")
+    if row[0] == FORMAT1:
+        raise LedgerUnavailable(path, migrate_hint(path))
+    if row[0] != LEDGER_FORMAT:
+        raise LedgerUnavailable(path, f"{path}: unknown ledger format {row[0]!r}")
 
 
 def _read_header(connection: sqlite3.Connection) -> LedgerHeader:
@@ -449,25 +515,7 @@ def write_anchor(path: str | Path, anchor: LedgerAnchor) -> None:
     """Atomic, durable replace (temp file, fsync, rename, fsync of the folder)."""
     anchor_path = Path(path)
     with _guard(anchor_path, "writing the ledger anchor"):
-        descriptor, temporary = tempfile.mkstemp(
-            prefix=anchor_path.name + ".", suffix=".tmp", dir=anchor_path.parent
-        )
-        try:
-            with os.fdopen(descriptor, "wb") as handle:
-                handle.write(anchor.to_bytes())
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(temporary, 0o600)
-            os.replace(temporary, anchor_path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
-        folder = os.open(anchor_path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
+        atomic_write(anchor_path, anchor.to_bytes(), mode=0o600)
 
 
 def _check_anchor(
@@ -494,16 +542,11 @@ def _check_anchor(
 # ----------------------------------------------------------------- read-only access
 
 
-def read_ledger(path: str | Path) -> tuple[LedgerHeader, list[Any]]:
-    """Header and entries of a ledger (format 2: `SignedEntry`; format 1: the legacy
-    entries), read-only and WITHOUT verifying signatures."""
+def read_ledger(path: str | Path) -> tuple[LedgerHeader, list[SignedEntry]]:
+    """Header and entries of a ledger, read-only and WITHOUT verifying signatures."""
     ledger_path = Path(path)
     with _guard(ledger_path, "reading the ledger"), _connect(ledger_path, mode="ro") as conn:
-        if _file_format(conn, ledger_path) == 1:
-            header, entries = legacy.read_format1(conn)
-            if header is None:
-                raise LedgerUnavailable(ledger_path, f"ledger {ledger_path} has no header row")
-            return header, list(entries)
+        _check_format(conn, ledger_path)
         return _read_header(conn), list(_read_entries(conn))
 
 
@@ -520,12 +563,11 @@ def verify_ledger(
     also the anchor file there, if any: it catches what the file alone cannot, a last
     entry deleted together with a header made to match (as the site does on open).
 
-    A format-1 file is checked as format 1 (unsigned: `signatures_checked` is 0).
-    LedgerUnavailable if the file is missing or is not a ledger."""
+    LedgerUnavailable if the file is missing, is not a ledger or is a format-1 one (the
+    message names `medfed ledger migrate`)."""
     ledger_path = Path(path)
     with _guard(ledger_path, "verifying the ledger"), _connect(ledger_path, mode="ro") as conn:
-        if _file_format(conn, ledger_path) == 1:
-            return legacy.check_chain_format1(conn, path=ledger_path, recompose=recompose)
+        _check_format(conn, ledger_path)
         report = _check_v2(conn, path=ledger_path, recompose=recompose,
                            ca_certificate=ca_certificate)
         if anchor_path is None:
@@ -558,11 +600,7 @@ def export_ledger(path: str | Path, *, after_seq: int = 0) -> SignedHistory:
     """The ledger's signed history (entries after `after_seq`) and certificates."""
     ledger_path = Path(path)
     with _guard(ledger_path, "exporting the ledger"), _connect(ledger_path, mode="ro") as conn:
-        if _file_format(conn, ledger_path) != 2:
-            raise LedgerUnavailable(
-                ledger_path, f"{ledger_path} is a format-1 ledger: start the site once to "
-                "sign and migrate it before exporting"
-            )
+        _check_format(conn, ledger_path)
         header = _read_header(conn)
         entries = [e for e in _read_entries(conn) if e.seq > after_seq]
         certificates = _read_certificates(conn)
@@ -626,15 +664,17 @@ def restore_ledger(
         )
     if anchor is not None:
         _check_anchor(ledger_path, anchor, history.terms.site_id, history.entries)
-    _write_new_ledger(ledger_path, history)
+    write_new_ledger(ledger_path, history)
     restored = LedgerAnchor(history.terms.site_id, history.head_seq, history.head_hash)
     write_anchor(anchor_file, restored)
     return restored
 
 
-def _write_new_ledger(path: Path, history: SignedHistory) -> None:
+def write_new_ledger(path: Path, history: SignedHistory) -> None:
+    """Write `history` (already verified or freshly signed by the caller) as the ledger
+    at `path`: built in a temporary file, checked, then renamed over `path` in one step."""
     temporary = path.with_name(path.name + ".restoring")
-    with _guard(path, "restoring the ledger"):
+    with _guard(path, "writing the ledger"):
         for leftover in (temporary, Path(f"{temporary}-wal"), Path(f"{temporary}-shm")):
             leftover.unlink(missing_ok=True)
         with _connect(temporary, mode="rwc") as conn:
@@ -649,6 +689,7 @@ def _write_new_ledger(path: Path, history: SignedHistory) -> None:
                     _insert_entry(conn, entry)
             _check_v2(conn, path=path, recompose=False).raise_if_broken()
         os.replace(temporary, path)
+        fsync_directory(path.parent)
 
 
 def _create_schema(connection: sqlite3.Connection, terms: LedgerTerms) -> None:
@@ -702,8 +743,8 @@ class PrivacyLedger:
     file is compared with its anchor (LedgerForkError if older, shorter or rewritten). A
     missing ledger whose anchor shows history is NOT recreated (LedgerUnavailable).
 
-    `signer` (the site's certificate key + certificate) is needed to record anything and
-    to migrate a format-1 file; without it the ledger can only be read.
+    `signer` (the site's certificate key + certificate) is needed to record anything;
+    without it the ledger can only be read.
     """
 
     def __init__(
@@ -776,8 +817,7 @@ class PrivacyLedger:
             _check_writable(self.path)
             with _guard(self.path, "opening the ledger"), self._open() as conn:
                 conn.execute("PRAGMA journal_mode=WAL")
-                if _file_format(conn, self.path) == 1:
-                    self._migrate_format1(conn)
+                _check_format(conn, self.path)
         with _guard(self.path, "opening the ledger"), self._open() as conn:
             _check_v2(conn, path=self.path, recompose=False).raise_if_broken()
             header = _read_header(conn)
@@ -801,49 +841,6 @@ class PrivacyLedger:
     def _write_anchor(self, entries: Sequence[SignedEntry]) -> None:
         head = entries[-1].entry_hash if entries else self.terms.header_hash
         write_anchor(self.anchor_path, LedgerAnchor(self.site_id, len(entries), head))
-
-    def _migrate_format1(self, conn: sqlite3.Connection) -> None:
-        """Sign a format-1 history into format 2, once; the old rows stay for audit."""
-        if self.signer is None:
-            raise ConfigError(
-                "signer",
-                f"ledger {self.path} is format 1 (unsigned): open it once with the site's "
-                "certificate key to sign and migrate it",
-            )
-        legacy.check_chain_format1(conn, path=self.path, recompose=False).raise_if_broken()
-        old_header, old_entries = legacy.read_format1(conn)
-        if old_header is None:
-            raise LedgerUnavailable(self.path, f"ledger {self.path} has no header row")
-        terms = LedgerTerms(
-            site_id=old_header.site_id,
-            budget_epsilon=old_header.budget_epsilon,
-            delta=old_header.delta,
-            accountant=old_header.accountant,
-            privacy_unit=old_header.privacy_unit,
-        )
-        with _transaction(conn):
-            conn.execute("ALTER TABLE ledger_entries RENAME TO ledger_entries_format1")
-            conn.execute("ALTER TABLE ledger_header RENAME TO ledger_header_format1")
-            _create_schema(conn, terms)
-            self._store_certificate(conn)
-            previous = terms.header_hash
-            for old in old_entries:
-                entry = self.signer.sign(
-                    SignedEntry(
-                        site_id=terms.site_id,
-                        seq=old.seq,
-                        round=old.round,
-                        purpose="training",
-                        mechanisms=tuple(old.segments),
-                        epsilon_after=old.epsilon_after,
-                        accountant_used=old.accountant_used,
-                        created_at=old.created_at,
-                        prev_hash=previous,
-                        cert_sha256=self.signer.cert_sha256,
-                    )
-                )
-                _insert_entry(conn, entry)
-                previous = entry.entry_hash
 
     def _store_certificate(self, conn: sqlite3.Connection) -> None:
         if self.signer is None:
@@ -1024,9 +1021,6 @@ class PrivacyLedger:
         _insert_entry(conn, entry)
         return entry, [*entries, entry]
 
-    def _compose(self, mechanisms: Sequence[Mechanism]) -> EpsilonReport:
-        return account(mechanisms, delta=self.delta, accountant=self.accountant)
-
     @staticmethod
     def _pairs(entries: Sequence[SignedEntry]) -> list[tuple[str, Sequence[Mechanism]]]:
         return [(entry.purpose, entry.mechanisms) for entry in entries]
@@ -1035,9 +1029,3 @@ class PrivacyLedger:
         """The whole history composed, or under record/patient-level DP-SGD beneath
         hospital-level DP the record-level epsilon (`common.privacy.layered.charged`)."""
         return charged(pairs, delta=self.delta, accountant=self.accountant)
-
-
-def segments_of(entries: Sequence[SignedEntry]) -> list[Segment]:
-    """The DP-SGD segments of `entries` (format-1 view of a history)."""
-    return [s for entry in entries for s in entry.segments]
-

@@ -162,7 +162,7 @@ class DistributedDiscreteGaussian:
     dimension: int
     l1_sensitivity: float | None = None
     count: int = 1
-    # Issue 13, intermediaries: each hospital sent the sum of this many disjoint units,
+    # Intermediaries: each hospital sent the sum of this many disjoint units,
     # each clipped alone. The sensitivities are per unit (the intermediary-level
     # guarantee, add/remove one unit; a patient inside a unit is the replace relation,
     # 2x: common.privacy.layered.record_level); a whole hospital is `units` of them

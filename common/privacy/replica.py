@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -321,9 +320,3 @@ def export_from_state(
         return replica.export(site_id)
     finally:
         replica.close()
-
-
-def entries_after(history: SignedHistory, seq: int) -> Sequence[SignedEntry]:
-    """The entries of `history` after `seq` (what a site sends when the replica ends
-    at `seq`)."""
-    return [e for e in history.entries if e.seq > seq]

@@ -169,7 +169,7 @@ class SignedEntry:
     def signed_message(self) -> bytes:
         return signed_message(self.body_bytes())
 
-    # Compatibility with format-1 callers (`entry.segments`, `entry.status`).
+    # `medfed ledger show --json` reports each entry's DP-SGD segments, steps and status.
     @property
     def segments(self) -> tuple[Segment, ...]:
         """The DP-SGD (sampled Gaussian) mechanisms of this entry."""

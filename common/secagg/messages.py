@@ -157,7 +157,7 @@ def advertise_message(
 
     Round and nonce stop cross-round replay; the announcement digest makes the
     signature say "these keys are for the round I was told about": a neighbour told
-    another story fails to verify it at the roster (issue 9, sec. 4). Pass
+    another story fails to verify it at the roster. Pass
     `params.announcement_digest`; the default is the all-zero placeholder.
     """
     return encode_fields(

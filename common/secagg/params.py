@@ -65,8 +65,8 @@ class SecAggParams:
     """SHA-256 of everything the coordinator told the site for this round (study and
     model hashes, clip, bits, bins, deadlines; computed by the caller). Bound into the
     session id and into every AdvertiseKeys signature, so sites told different stories
-    refuse each other's keys at the roster, before any share or masked input leaves
-    (issue 9, sec. 4). Defaults to 32 zero bytes: nothing beyond the parameters here."""
+    refuse each other's keys at the roster, before any share or masked input leaves.
+    Defaults to 32 zero bytes: nothing beyond the parameters here."""
 
     def __post_init__(self) -> None:
         if isinstance(self.round_number, bool) or not isinstance(self.round_number, int):
@@ -143,8 +143,7 @@ def round_floor(*, min_round_sites: int, max_colluding_sites: int) -> int:
 
     max(min_round_sites, T + 2): with T colluders (who know their own inputs) inside
     the sum, at least two honest inputs remain, so no single honest update can be
-    recovered by subtraction; a sum of two would hand each party the other's update
-    (issue 9, sec. 3).
+    recovered by subtraction; a sum of two would hand each party the other's update.
     """
     for name, value, low in (
         ("min_round_sites", min_round_sites, 2),

@@ -23,7 +23,7 @@ def session_id(params: SecAggParams, roster: Iterable[RosterEntry]) -> bytes:
 
     Includes the announcement digest and the participants, so sites that were told
     different stories never share a session id: their pairwise masks, share keys and
-    survivor-list signatures then cannot combine (issue 9, sec. 4). Counts precede
+    survivor-list signatures then cannot combine. Counts precede
     the two lists so that the encoding stays injective.
     """
     entries = sorted(roster, key=lambda e: e.site_id)

@@ -1,4 +1,4 @@
-"""A hospital-level round without processes (issue 13): the coordinator's announcement,
+"""A hospital-level round without processes: the coordinator's announcement,
 the site's checks and plan, three sites' encodings summed in the 32-bit ring, and the
 coordinator's decode to the mean of the clipped updates plus the planned noise."""
 

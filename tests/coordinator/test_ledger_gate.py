@@ -1,6 +1,6 @@
 """The coordinator's ledger gate (`coordinator.ledger_gate`): a site's reported ledger
 head is checked against the replica of its signed entries, which only the federation
-CA's site certificates may extend (issue 10, section 7). Real PKI, real SQLite."""
+CA's site certificates may extend. Real PKI, real SQLite."""
 
 from __future__ import annotations
 

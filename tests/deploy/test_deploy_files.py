@@ -1,4 +1,4 @@
-"""Deployment files (issue 5, section 4): containers, compose, Kubernetes, example configs.
+"""Deployment files: containers, compose, Kubernetes, example configs.
 
 There is no Docker engine on the test machines, so images are not built here; what can
 be checked without one is: every YAML parses, `docker-compose config` accepts the
@@ -301,7 +301,7 @@ def test_kubernetes_coordinator_manifests() -> None:
 
 
 # --------------------------------------------------------------------------- identities
-# Issue 9, section 2: the coordinator holds no site identity anywhere, its probe is a
+# The coordinator holds no site identity anywhere, its probe is a
 # monitor, and the probe verifies the server against a name the certificate carries.
 
 

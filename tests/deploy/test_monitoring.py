@@ -1,4 +1,4 @@
-"""Monitoring files against the real product (issue 5, sections 2-3).
+"""Monitoring files against the real product.
 
 `promtool` validates the Prometheus config, the alert rules (and their unit tests in
 deploy/prometheus/alerts_test.yml) and the LIVE /metrics output of a real coordinator
@@ -245,7 +245,7 @@ def test_live_values_reflect_the_completed_round(live_metrics: dict[str, str]) -
     assert value(site, "medfed_site_connected") == 1.0
     assert value(site, "medfed_site_training_duration_seconds_count") == 1.0
     assert value(site, "medfed_site_training_samples") > 0
-    # Revocation and expiry (issue 9, sec. 5): real timestamps, in the future.
+    # Revocation and expiry: real timestamps, in the future.
     now = time.time()
     assert value(coordinator, "medfed_coordinator_crl_next_update_timestamp_seconds") > now
     assert value(site, "medfed_site_crl_next_update_timestamp_seconds") > now

@@ -1,4 +1,4 @@
-"""Reading the liveness bound off a coordinator's structured log (issue 8, section 3).
+"""Reading the liveness bound off a coordinator's structured log.
 
 A site that stops answering while it trains (frozen, cut off, killed) must cost the
 round at most `HEARTBEAT_MISSES` heartbeat intervals: the round completes within that

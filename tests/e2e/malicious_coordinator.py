@@ -1,4 +1,4 @@
-"""TEST DOUBLE: a coordinator that deviates from the protocol on purpose (issue 9, sec. 8).
+"""TEST DOUBLE: a coordinator that deviates from the protocol on purpose.
 
 A small grpc.aio server implementing the Federation service over real mTLS (it holds
 the federation's real coordinator certificate), running the REAL `SecAggServer`. It

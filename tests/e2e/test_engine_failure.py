@@ -1,4 +1,4 @@
-"""End-to-end: a coordinator whose storage fails mid-study (issue 8, part 2).
+"""End-to-end: a coordinator whose storage fails mid-study.
 
 Real processes over mTLS, as in test_federation_processes.py. The coordinator's state
 folder is a small tmpfs mounted inside the test, so "disk full" is a real full

@@ -1,5 +1,5 @@
 """End-to-end: a coordinator and 5 site agents as separate OS processes on 127.0.0.1
-with mutual TLS (issue 3, section 5). Every round's unmasked aggregate is compared with
+with mutual TLS. Every round's unmasked aggregate is compared with
 the sum of the surviving sites' plaintext updates (written under test-only flags)."""
 
 from __future__ import annotations

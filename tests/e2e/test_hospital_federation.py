@@ -1,4 +1,4 @@
-"""Hospital-level DP over real processes (issue 13, section 1): a study with
+"""Hospital-level DP over real processes: a study with
 privacy.unit = "hospital" trains with each site's whole update clipped to S and
 DDGauss-encoded in the SecAgg+ ring; every site's ledger holds the mechanism of every
 training round (written before the update left), and the final model reaches every site."""
@@ -27,7 +27,7 @@ from tests.study.helpers import write_hospital_csv
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 SITES = ["alpha", "beta", "gamma"]
-# Two intermediaries per hospital (issue 13, section 2): each trained and clipped alone.
+# Two intermediaries per hospital: each trained and clipped alone.
 HOSPITAL_STUDY = STUDY.replace('rounds = 1', 'rounds = 2').replace(
     'unit = "patient"', 'unit = "hospital"\nupdate_clip_norm = 0.5\nintermediaries = 2')
 
@@ -186,7 +186,7 @@ def test_demo_hospital_level_row(tmp_path: Path) -> None:
                    for e in trained for m in e.mechanisms)
 
 
-# "auto" intermediaries (issue 13, section 2). 300 patients per site: its DP count
+# "auto" intermediaries. 300 patients per site: its DP count
 # (std ~34 at the sites' default count epsilon) splits into the largest v (count // 10
 # >= 8) with overwhelming probability, so every site trains the announced v.
 AUTO_STUDY = STUDY.replace('rounds = 1', 'rounds = 2').replace(
@@ -215,7 +215,7 @@ def test_auto_intermediaries_federation(tmp_path: Path,
     assert 1 <= v <= hospital.MAX_AUTO_INTERMEDIARIES
     # Three hospitals at v = 1: the unit norm sum (at most 3 S) can never rise above its
     # 3-sigma noise margin (12 z S' >= 3.6 S'), so the coordinator says it measured
-    # nothing and keeps v rather than act on noise (s5 review H3).
+    # nothing and keeps v rather than act on noise.
     rejected = {int(e["round_number"]) for e in coordinator.lines
                 if e.get("event") == "intermediaries_measurement_rejected"}
     assert first in rejected and v == 1

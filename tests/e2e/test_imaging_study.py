@@ -1,4 +1,4 @@
-"""An imaging study through the same commands as tables (issue 12, "done when"): a
+"""An imaging study through the same commands as tables: a
 study.toml with ``[data] kind = "images"`` and a hospital's own model factory, served by
 `medfed coordinator serve --study`; real `medfed site run` processes on PNG, 16-bit PNG
 and DICOM folders join by enrolment (each allowing the factory), train with

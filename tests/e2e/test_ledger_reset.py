@@ -1,4 +1,4 @@
-"""A ledger no one can quietly reset (issue 10, section 7), with real processes over
+"""A ledger no one can quietly reset, with real processes over
 mutual TLS: a site that trained a round loses its ledger (deleted; replaced by a shorter
 valid history; replaced by a fresh one over the site's state or over a lost state) and
 is refused each time, by itself or by the

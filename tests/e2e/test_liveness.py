@@ -1,4 +1,4 @@
-"""Liveness during training (issue 8, section 3), with real processes over mTLS: a site
+"""Liveness during training, with real processes over mTLS: a site
 that stops answering while it trains holds the round a few heartbeats, not until
 `train_seconds` passes. Each test stops one of five sites once it logs that it is
 training, and checks that the round completed without it within 3 heartbeat intervals

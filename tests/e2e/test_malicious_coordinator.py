@@ -1,4 +1,4 @@
-"""A deviating coordinator against the real site agent (issue 9, sec. 8).
+"""A deviating coordinator against the real site agent.
 
 The coordinator is `tests/e2e/malicious_coordinator.py`: real mTLS with the federation's
 coordinator certificate, the real `SecAggServer`, and valid site certificates of the
@@ -101,7 +101,7 @@ def start_site(world: World, tmp_path: Path) -> Iterator[Callable[..., ManagedPr
 
 
 def assert_nothing_after_announcement(double: MaliciousCoordinator, site: str) -> None:
-    # ReplicateLedger carries the signed ledger's parameters only (issue 10).
+    # ReplicateLedger carries the signed ledger's parameters only.
     assert set(double.record.methods_of(site)) <= {"Enroll", "WaitForRound", "ReplicateLedger"}
     assert site not in double.record.masked
 

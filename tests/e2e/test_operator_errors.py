@@ -1,4 +1,4 @@
-"""Clear errors, nothing lost (issue 11, section 3), with real processes and sockets: a
+"""Clear errors, nothing lost, with real processes and sockets: a
 gRPC or metrics port already in use, invalid TOML, a site whose TLS handshake can
 never succeed; JSON logs stay JSON even when gRPC's C core writes to stderr; the text
 log format is for people."""

@@ -1,4 +1,4 @@
-"""README.md's "Running a real federation" section, run as written (issue 11, section 4).
+"""README.md's "Running a real federation" section, run as written.
 
 The shell blocks tagged ``<!-- readme-test: NAME -->`` are extracted from README.md and
 run with bash, with only paths, ports, site and file names substituted, on three

@@ -1,4 +1,4 @@
-"""A study over real processes (issues 10 and 11): `coordinator serve --study`, the
+"""A study over real processes: `coordinator serve --study`, the
 federated DP statistics round, training with the global statistics, the final model at
 every site; and a site whose file does not match the study, which stops before sending
 anything."""

@@ -1,4 +1,4 @@
-"""A study's life as operators see it (issue 11, section 3), with real processes over
+"""A study's life as operators see it, with real processes over
 mutual TLS: `medfed status` with a monitor certificate during and after a study, a
 finished study that is not an outage (the coordinator stays up, Health SERVING, the
 finished metric set, sites told "finished"), and who may call status."""

@@ -1,4 +1,4 @@
-"""Hypothesis fuzzing of every Federation RPC on a live coordinator (issue 3, section 4).
+"""Hypothesis fuzzing of every Federation RPC on a live coordinator.
 
 One secure coordinator per module holds round 1 open in AdvertiseKeys for scripted
 sites a, b and d (long deadlines, so the round state is stable); a second, plain

@@ -1,4 +1,4 @@
-"""Hostile and broken input against the live coordinator (issue 3, section 4).
+"""Hostile and broken input against the live coordinator.
 
 Each test is named after its attack and asserts the exact gRPC status code. Attacks on
 the protocol run inside a real round: honest site agents (threads) take part next to a

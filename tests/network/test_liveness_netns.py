@@ -1,4 +1,4 @@
-"""Liveness when a site's network link goes down while it trains (issue 8, section 3):
+"""Liveness when a site's network link goes down while it trains:
 the coordinator and four site agents in their own network namespaces (the topology of
 test_netns.py), real processes over mTLS. Once the victim logs that it is training,
 its link is taken down (`ip link set eth0 down` in its namespace): no reset reaches the

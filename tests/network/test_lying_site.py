@@ -1,4 +1,4 @@
-"""A lying site cannot stop the federation (issue 9, sec. 6), over real mTLS.
+"""A lying site cannot stop the federation, over real mTLS.
 
 Every integer a site sends is range-checked at the boundary (common.wire). The attack
 that used to work: a budget report with ledger_last_round = 2^63 - 1 made the next round

@@ -1,4 +1,4 @@
-"""One secure round across network namespaces (issue 3, section 5): the coordinator in
+"""One secure round across network namespaces: the coordinator in
 one namespace, three site agents in three others, real processes, mTLS over veth links.
 
 Topology, all of it inside namespaces this test creates (nothing is added to the host's

@@ -1,4 +1,4 @@
-"""Load and stall behaviour of the live coordinator (issue 3, sections 2 and 4).
+"""Load and stall behaviour of the live coordinator.
 
 - A masked-input upload that stalls after its header is cut after
   `limits.upload_idle_seconds`, frees the only staging slot and is dropped, so the

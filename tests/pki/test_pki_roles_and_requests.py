@@ -1,5 +1,5 @@
-"""Hospital-held keys (CSR flow), certificate roles and key-file permissions (issue 9,
-sections 1 and 2): real files on disk, the real CLI in a subprocess, real crypto."""
+"""Hospital-held keys (CSR flow), certificate roles and key-file permissions: real files
+on disk, the real CLI in a subprocess, real crypto."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from common import pki, tls
-from common.errors import AbortReason, CertificateRejected, PkiError, ProtocolAbort
+from common.errors import AbortReason, CertificateRejected, ConfigError, PkiError, ProtocolAbort
 from common.pki import Role
 
 REPO = Path(__file__).resolve().parents[2]
@@ -311,3 +311,37 @@ def test_list_keeps_certificates_moved_aside_by_sign_replace(tmp_path: Path) -> 
     assert rows == {f"{old.serial_number:x}": ["replaced", "yes"],
                     f"{new.serial_number:x}": ["current", "no"]}
     assert "file" in listed.stdout.splitlines()[0].split()
+
+
+def _profile(cert: x509.Certificate) -> list[tuple[str, bool, object]]:
+    """Extensions as (oid, critical, value), key identifiers left out (they differ per key)."""
+    ids = x509.oid.ExtensionOID
+    skip = {ids.SUBJECT_KEY_IDENTIFIER, ids.AUTHORITY_KEY_IDENTIFIER}
+    return [
+        (e.oid.dotted_string, e.critical, None if e.oid in skip else e.value)
+        for e in cert.extensions
+    ]
+
+
+@pytest.mark.parametrize("role", [Role.SITE, Role.MONITOR])
+def test_a_signed_request_and_an_issued_pair_are_the_same_certificate(
+    pki_dir: Path, tmp_path: Path, now: dt.datetime, role: Role
+) -> None:
+    """One issuing routine: the operator-generated pair and the hospital's signed CSR
+    carry the same subject, extensions and validity for the same role and name."""
+    issued = pki.issue_certificate(pki_dir, role, "ward-7", now=now).certificate
+    request = pki.request_certificate(tmp_path / "hospital", "ward-7", role=role)
+    signed = pki.sign_request(pki_dir, request.csr_path, replace=True, now=now).certificate
+    assert signed.subject == issued.subject
+    assert _profile(signed) == _profile(issued)
+    assert (signed.not_valid_before_utc, signed.not_valid_after_utc) == (
+        issued.not_valid_before_utc,
+        issued.not_valid_after_utc,
+    )
+    assert pki.certificate_role(signed) is role
+
+
+def test_only_the_coordinator_certificate_names_hosts(pki_dir: Path, now: dt.datetime) -> None:
+    with pytest.raises(ConfigError, match="names no hosts"):
+        pki.issue_certificate(pki_dir, Role.SITE, "h9", hosts=["localhost"], now=now)
+    assert not (pki_dir / pki.SITES_DIR / "h9.crt").exists()

@@ -1,4 +1,4 @@
-"""What a site checks about its roster peers itself (issue 9, secs. 2, 3, 5): the CA's
+"""What a site checks about its roster peers itself: the CA's
 CRL relayed by the coordinator (signature, freshness, no rollback), certificate roles,
 and optional membership pinning (`medfed pki members`). Real PKI files, real keys."""
 

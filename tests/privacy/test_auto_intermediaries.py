@@ -1,4 +1,4 @@
-"""Adaptive intermediaries in hospital-level training (issue 13, section 2; Jiang et al.,
+"""Adaptive intermediaries in hospital-level training (Jiang et al.,
 MICCAI 2023, the authors' `select_split_num`): the norm coordinate's sensitivity, the
 coordinator's v from a real decoded round against the paper's formula on the un-noised
 quantities, the announcement's checks, the ledger's two epsilons when v varies, and the
@@ -144,7 +144,7 @@ def test_coordinator_v_from_a_decoded_round_matches_the_formula() -> None:
     true_mean = np.mean(clipped, axis=0)
     noise_norm = expected_noise_norm(std=z * terms.sensitivity / units_count, dim=dim)
 
-    # The coordinator moves v by at most x2 or /2 per round (s5 review H3: `step_bounds`,
+    # The coordinator moves v by at most x2 or /2 per round (`step_bounds`,
     # ours, not the paper's): the authors' value is compared after that limit (here it
     # binds: the paper's rule gives 2 or 3 from v = 8, the coordinator announces 4).
     step_low, step_high = step_bounds(v, maximum=hospital.MAX_AUTO_INTERMEDIARIES)

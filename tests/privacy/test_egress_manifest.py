@@ -1,5 +1,5 @@
-"""The egress manifest covers every field a site sends and every segment of its vector
-(issue 10, section 1): a new proto field or segment without a manifest entry fails here."""
+"""The egress manifest covers every field a site sends and every segment of its vector:
+a new proto field or segment without a manifest entry fails here."""
 
 from __future__ import annotations
 

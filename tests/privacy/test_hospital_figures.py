@@ -1,4 +1,4 @@
-"""Honest reporting of hospital-level DP (issue 13): three figures, named plainly.
+"""Honest reporting of hospital-level DP: three figures, named plainly.
 
 A patient added or removed inside a hospital (or intermediary) that stays in the round moves
 that unit's clipped update by up to 2S (replace relation), so the per-patient figure composes

@@ -1,4 +1,4 @@
-"""Hospital-level DP on model updates (issue 13, section 1): sensitivity of the
+"""Hospital-level DP on model updates: sensitivity of the
 (noiseless) aggregate, variance of the summed noise shares, the wider ring through a
 real SecAgg+ round, and a hospital round's announcement."""
 

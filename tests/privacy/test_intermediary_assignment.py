@@ -1,7 +1,7 @@
-"""Patients -> intermediaries under hospital-level DP with v > 1 (issue 13, section 2; s5
-review H1): the group is a keyed hash of the patient id alone, so adding or removing one
-patient changes exactly one unit's membership (the per-patient 2S bound of
-common.privacy.layered `replaced`), and ids hash alike whatever their dtype."""
+"""Patients -> intermediaries under hospital-level DP with v > 1: the group is a keyed
+hash of the patient id alone, so adding or removing one patient changes exactly one
+unit's membership (the per-patient 2S bound of common.privacy.layered `replaced`), and
+ids hash alike whatever their dtype."""
 
 from __future__ import annotations
 

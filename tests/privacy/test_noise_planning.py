@@ -1,4 +1,4 @@
-"""Issue 10, section 6: the site's planned noise holds by the ledger's own accounting.
+"""The site's planned noise holds by the ledger's own accounting.
 
 The sigma search is a secant, not a bisection (bench/noiseplan.py, docs/benchmarks.md):
 whatever the search, what it returns must meet the budget and the per-round cap when the

@@ -1,6 +1,6 @@
 """The site's ledger on real SQLite files with real certificate keys: write-ahead reserve,
 budget, restart, signed entries, tampering (including a forger who recomputes every hash),
-certificate replacement and format-1 migration."""
+certificate replacement."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from common.errors import (
     StateError,
 )
 from common.pki import load_certificate
-from common.privacy import layered, legacy
+from common.privacy import layered
 from common.privacy.accountant import Segment, compose_epsilon
 from common.privacy.ledger import PrivacyLedger, read_ledger, verify_ledger
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian, canonical_json
@@ -112,7 +112,7 @@ def test_entries_of_every_kind_and_purpose(tmp_path: Path, pki_material: Pki) ->
     entries = ledger.entries()
     assert [e.purpose for e in entries] == ["count", "statistics", "training", "evaluation"]
     assert entries[2].mechanisms == (ROUND_SEGMENT, ddg)
-    # DP-SGD beneath a DDGauss round (issue 13): the entry is charged with the larger of
+    # DP-SGD beneath a DDGauss round: the entry is charged with the larger of
     # the record-level figure and the hospital-level composition (common.privacy.layered).
     pairs = [(e.purpose, e.mechanisms) for e in entries]
     for k in range(1, 5):
@@ -389,82 +389,7 @@ def test_read_and_verify_refuse_missing_or_foreign_files(tmp_path: Path) -> None
     assert str(foreign) in str(info.value)
 
 
-# --- format 1 --------------------------------------------------------------------------
-
-
-def write_format1_ledger(path: Path, rounds: int) -> list[float]:
-    """A ledger exactly as format 1 wrote it (unsigned, hash-chained), built with the
-    format-1 encoding functions."""
-    genesis = legacy.header_hash(site_id="hospital-a", budget_epsilon=3.0, delta=DELTA,
-                                 accountant="prv", privacy_unit="patient")
-    epsilons = []
-    with raw(path) as connection:
-        for statement in legacy._SCHEMA.split(";"):
-            if statement.strip():
-                connection.execute(statement)
-        previous = genesis
-        for seq in range(1, rounds + 1):
-            epsilon = compose_epsilon([ROUND_SEGMENT] * seq, delta=DELTA)
-            epsilons.append(epsilon)
-            segments = legacy.segments_to_json([ROUND_SEGMENT])
-            created = (T0 + timedelta(hours=seq)).isoformat()
-            digest = legacy.entry_hash(seq=seq, round_number=seq, segments_json=segments,
-                                       epsilon_after=epsilon, accountant_used="prv",
-                                       created_at=created, status="committed",
-                                       prev_hash=previous)
-            connection.execute(
-                "INSERT INTO ledger_entries VALUES (?, ?, ?, ?, 'prv', ?, 'committed', ?, ?)",
-                (seq, seq, segments, epsilon, created, previous, digest),
-            )
-            previous = digest
-        connection.execute(
-            "INSERT INTO ledger_header VALUES (1, ?, 'hospital-a', 3.0, ?, 'prv', 'patient', "
-            "?, ?, ?)",
-            (legacy.LEDGER_FORMAT, DELTA, genesis, rounds, previous),
-        )
-    return epsilons
-
-
-def test_format1_ledger_is_read_then_signed_and_migrated(
-    tmp_path: Path, pki_material: Pki
-) -> None:
-    path = tmp_path / "old.ledger"
-    epsilons = write_format1_ledger(path, 2)
-    old = verify_ledger(path)
-    assert old.ok and old.format == 1 and old.signatures_checked == 0
-    with pytest.raises(ConfigError) as info:
-        open_ledger(path, None)  # migrating needs the key
-    assert info.value.field == "signer"
-    ledger = open_ledger(path, pki_material.signer_a)
-    entries = ledger.entries()
-    assert [e.epsilon_after for e in entries] == epsilons
-    assert all(e.purpose == "training" and e.mechanisms == (ROUND_SEGMENT,) for e in entries)
-    report = verify_ledger(path)
-    assert report.ok and report.format == 2 and report.signatures_checked == 2
-    with raw(path) as connection:  # the original rows are kept for audit
-        assert connection.execute("SELECT COUNT(*) FROM ledger_entries_format1").fetchone() == (2,)
-    ledger.reserve(3, [ROUND_SEGMENT], now=T0)
-    assert verify_ledger(path).ok
-
-
 VECTORS = Path(__file__).resolve().parents[1] / "vectors" / "privacy_ledger_hashes.json"
-
-
-def test_format1_hash_encoding_is_pinned() -> None:
-    """Format-1 ledgers must keep verifying (and migrating): the encoding may not drift."""
-    vector = json.loads(VECTORS.read_text())
-    header = dict(vector["header"])
-    expected_header = header.pop("header_hash")
-    assert legacy.header_hash(**header) == expected_header
-    documented = json.dumps(
-        {"format": "medfed-privacy-ledger/1", **header}, sort_keys=True, separators=(",", ":")
-    )
-    assert hashlib.sha256(documented.encode()).hexdigest() == expected_header
-    entry = dict(vector["entry"])
-    expected_entry = entry.pop("entry_hash")
-    segments = entry.pop("segments")
-    assert entry["segments_json"] == json.dumps(segments, separators=(",", ":"))
-    assert legacy.entry_hash(**entry) == expected_entry
 
 
 def test_format2_encoding_and_signed_bytes_are_pinned() -> None:

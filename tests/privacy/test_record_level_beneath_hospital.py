@@ -1,4 +1,4 @@
-"""Record/patient-level DP-SGD underneath hospital-level DP (issue 13, section 1): a site
+"""Record/patient-level DP-SGD underneath hospital-level DP: a site
 of a `privacy.unit = "hospital"` study with `privacy.record_level` trains with real
 Opacus DP-SGD, clips and DDGauss-encodes the result, and its real SQLite ledger holds
 both mechanism kinds; `medfed ledger show --json` names both guarantees, and the budget

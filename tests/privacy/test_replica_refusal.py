@@ -1,4 +1,4 @@
-"""Issue 10, section 7: a site whose ledger was reset is refused with FAILED_PRECONDITION
+"""A site whose ledger was reset is refused with FAILED_PRECONDITION
 (the coordinator's replica of its signed entries is what the report is checked against)."""
 
 from __future__ import annotations

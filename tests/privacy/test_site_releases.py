@@ -1,4 +1,4 @@
-"""Issue 10, sections 3, 5 and 6 at the site: the DP cohort count, DP evaluation and the
+"""At the site: the DP cohort count, DP evaluation and the
 site's own noise plan, each on a real signed ledger."""
 
 from __future__ import annotations

@@ -516,7 +516,7 @@ def test_handle_dispatches_by_message_type_and_refuses_site_messages() -> None:
     assert clients["site-001"].phase is Phase.ABORTED
 
 
-# ------------------------------------------------------- round-size floor (issue 9)
+# ------------------------------------------------------- round-size floor
 def _policy_federation(n: int, **kwargs: object) -> Federation:
     """A federation whose clients apply the shipped site policy (floor 3, T = 1)."""
     options: dict[str, object] = {
@@ -551,8 +551,8 @@ def _mask_all(federation: Federation, inputs: dict[str, np.ndarray]) -> Survivor
 
 
 def test_abort_when_round_has_only_two_sites() -> None:
-    """The sum of two reveals the other input to whoever holds one of them (issue 9:
-    a coordinator holding a site certificate). Refused before any key is made; and a
+    """The sum of two reveals the other input to whoever holds one of them
+    (a coordinator holding a site certificate). Refused before any key is made; and a
     round announced with three whose roster holds only two is refused before shares."""
     two = make_federation(2, threshold=2)  # the harness's floor is 2: build it anyway
     with pytest.raises(ProtocolAbort) as caught:
@@ -633,7 +633,7 @@ def test_abort_when_survivors_beyond_the_floor_are_not_authenticated() -> None:
         assert victim.revealed_kind(VICTIM) is ShareKind.SELF_MASK_SEED
 
 
-# -------------------------------------------------- one story for every site (issue 9)
+# -------------------------------------------------- one story for every site
 def _divergent_roster(federation: Federation, told_b: set[str]) -> tuple[Roster, bytes]:
     """A deviating coordinator: the sites in `told_b` were given announcement B, the
     others A. It relays every advertisement unverified (an honest SecAggServer refuses

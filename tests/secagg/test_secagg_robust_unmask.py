@@ -268,7 +268,7 @@ def _interpolate_at(points: list[tuple[int, int]], x: int) -> int:
 def test_named_holders_are_wrong_ones_up_to_the_correctable_number(
     threshold: int, extra: int, data: st.DataObject, seed: int, framing: bool
 ) -> None:
-    """Issue 9, section 7: with at most `blame_radius` wrong holders, every holder named
+    """With at most `blame_radius` wrong holders, every holder named
     is a wrong one (and all of them are), and the secret is right, even when the wrong
     holders know the secret and every honest share and *frame* honest holders: they put
     their shares on another polynomial through (0, secret) and t - 2 honest shares, the

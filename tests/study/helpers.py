@@ -2,7 +2,7 @@
 
 `noiseless_statistics` fits preprocessing statistics on one file without any noise. It
 exists for tests only: the product takes `GlobalStatistics` from the federated DP
-release (issue 10) or a model bundle, never from a site's own data.
+release or a model bundle, never from a site's own data.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Imaging data through the hospital's commands (issue 12, section 2): `medfed data
+"""Imaging data through the hospital's commands: `medfed data
 check --study --data FOLDER` names bad files; `medfed predict --model BUNDLE --data
 FOLDER` rebuilds the recorded architecture and scores the images."""
 

@@ -1,4 +1,4 @@
-"""The federated DP statistics release (issue 10, section 4): bounded per-unit
+"""The federated DP statistics release: bounded per-unit
 contributions, noise planned for the round-size floor, decoding into GlobalStatistics."""
 
 from __future__ import annotations

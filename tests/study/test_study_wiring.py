@@ -1,4 +1,4 @@
-"""Settings of a study run (issue 11, section 1): the coordinator takes its model and
+"""Settings of a study run: the coordinator takes its model and
 training settings from the study, a site never trains on synthetic data unless asked."""
 
 from __future__ import annotations

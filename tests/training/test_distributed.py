@@ -74,7 +74,7 @@ def test_two_ranks_end_identical_with_single_process_accounting(tmp_path: Path) 
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_two_ranks_train_the_imaging_model_with_unchanged_accounting(tmp_path: Path) -> None:
-    """Issue 12: torchrun + DPDDP runs an images study's CNN too (gloo, 2 processes)."""
+    """torchrun + DPDDP runs an images study's CNN too (gloo, 2 processes)."""
     from common.study import load_study
     from site_agent.imaging import image_spec_for_study, load_image_folder, split_images
     from site_agent.models import build_for_study

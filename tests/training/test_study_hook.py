@@ -1,4 +1,4 @@
-"""A site trains the study's model (issue 12, sections 1 and 2): images and custom
+"""A site trains the study's model: images and custom
 factories through `DpTrainingHook`, the same network the coordinator starts from."""
 
 from __future__ import annotations

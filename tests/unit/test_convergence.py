@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import doctest
 import math
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from common import convergence
-
-
-def test_doctests() -> None:
-    result = doctest.testmod(convergence)
-    assert result.attempted >= 4 and result.failed == 0
 
 
 def test_rising_auc_is_improving_and_flat_is_not() -> None:

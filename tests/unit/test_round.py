@@ -76,7 +76,7 @@ def test_validate_for_site_returns_the_secagg_parameters() -> None:
     assert rnd.number == 7 and rnd.announcement is ANN
     assert rnd.params is not None and rnd.params.participants == ANN.participants
     assert rnd.phase_timeout == 30.0
-    # The announcement digest is bound into the session (issue 9, sec. 4).
+    # The announcement digest is bound into the session.
     assert rnd.params.announcement_digest == ANN.digest()
 
 

@@ -1,12 +1,15 @@
-"""Format-1 ledgers (medfed-privacy-ledger/1): read, verify and migrate them.
+"""`medfed ledger migrate`: sign a format-1 privacy ledger into format 2, once.
 
-Format 1 recorded DP-SGD segments only, chained by UNKEYED hashes (anyone able to rewrite
-the file could recompute them). Format 2 (`common.privacy.ledger`) signs every entry.
-A site agent opening a format-1 ledger with its signing key migrates it once
-(`common.privacy.ledger.PrivacyLedger`): the format-1 chain is checked first, its rows are
-kept in ``ledger_entries_format1`` for audit, and each entry is re-recorded as a signed
-sampled-Gaussian entry for purpose "training". This module keeps the format-1 checks so
-`medfed ledger verify` still reads a file that was never migrated.
+Format 1 (``medfed-privacy-ledger/1``) recorded DP-SGD segments only, chained by UNKEYED
+hashes (anyone able to rewrite the file could recompute them). Format 2
+(`common.privacy.ledger`) signs every entry with the site's certificate key; the ledger
+refuses to open a format-1 file and names this command.
+
+The migration checks the whole format-1 chain and recomposes every epsilon first; then
+it keeps the original file beside the ledger as ``LEDGER.format1`` (for audit), re-records
+each entry as a signed sampled-Gaussian entry for purpose "training" (same seq, round,
+segments, epsilon_after, accountant and time), replaces the ledger in one rename, and
+writes the anchor. This module is the only place that knows the format-1 schema.
 """
 
 from __future__ import annotations
@@ -15,26 +18,39 @@ import contextlib
 import hashlib
 import json
 import sqlite3
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from common.errors import (
     ConfigError,
-    LedgerIntegrityError,
+    LedgerForkError,
+    LedgerUnavailable,
     StateError,
 )
 from common.privacy.accountant import Segment
+from common.privacy.ledger import (
+    EPSILON_RELATIVE_TOLERANCE,
+    LedgerAnchor,
+    LedgerHeader,
+    LedgerProblem,
+    LedgerSigner,
+    VerifyReport,
+    anchor_path_for,
+    read_anchor,
+    write_anchor,
+    write_new_ledger,
+)
 from common.privacy.recompose import RecordedSpend, recompose_mismatches
+from common.privacy.signed import LEDGER_FORMAT as FORMAT2
+from common.privacy.signed import LedgerTerms, SignedEntry, SignedHistory
 
 LEDGER_FORMAT: Final = "medfed-privacy-ledger/1"
+BACKUP_SUFFIX: Final = ".format1"
 STATUS_COMMITTED: Final = "committed"
 
-# epsilon_after is recomposed on verify; allow for FFT round-off across machines/numpy.
-EPSILON_RELATIVE_TOLERANCE: Final = 1e-6
-
-_SCHEMA = """
+FORMAT1_SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS ledger_header (
     id              INTEGER PRIMARY KEY CHECK (id = 1),
     format          TEXT    NOT NULL,
@@ -151,7 +167,7 @@ def entry_hash(
 
 
 @dataclass(frozen=True)
-class LedgerEntry:
+class Format1Entry:
     """One committed round: its segments and the epsilon of the whole history after it."""
 
     seq: int
@@ -167,74 +183,6 @@ class LedgerEntry:
     @property
     def segments_json(self) -> str:
         return segments_to_json(self.segments)
-
-
-@dataclass(frozen=True)
-class LedgerProblem:
-    """One integrity failure; `seq` is the entry concerned (None: the header)."""
-
-    seq: int | None
-    message: str
-
-    def __str__(self) -> str:
-        where = "header" if self.seq is None else f"entry seq={self.seq}"
-        return f"{where}: {self.message}"
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """Result of `verify_ledger`; `problems[0]` is the first bad entry."""
-
-    path: str
-    entries_checked: int
-    head_hash: str
-    problems: tuple[LedgerProblem, ...] = field(default_factory=tuple)
-    epsilons_recomposed: bool = False
-    format: int = 1
-    signatures_checked: int = 0
-    ca_checked: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def raise_if_broken(self) -> None:
-        if self.problems:
-            raise LedgerIntegrityError(
-                f"ledger {self.path} does not verify: {self.problems[0]}"
-                + (f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else "")
-            )
-
-
-@dataclass(frozen=True)
-class LedgerHeader:
-    """The header row: the site's fixed budget terms plus the chain's anchors."""
-
-    site_id: str
-    budget_epsilon: float
-    delta: float
-    accountant: str
-    privacy_unit: str
-    header_hash: str
-    entry_count: int
-    head_hash: str
-    format: str
-
-
-@contextlib.contextmanager
-def _connect(path: Path, *, read_only: bool = False) -> Iterator[sqlite3.Connection]:
-    # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves so each reserve is
-    # exactly one durable transaction (WAL + synchronous=FULL: survives power loss).
-    if read_only:
-        uri = f"{path.resolve().as_uri()}?mode=ro"
-        connection = sqlite3.connect(uri, uri=True, isolation_level=None)
-    else:
-        connection = sqlite3.connect(path, isolation_level=None)
-    try:
-        connection.execute("PRAGMA synchronous=FULL")
-        yield connection
-    finally:
-        connection.close()
 
 
 def _read_header(connection: sqlite3.Connection) -> LedgerHeader | None:
@@ -260,8 +208,8 @@ def _read_header(connection: sqlite3.Connection) -> LedgerHeader | None:
     )
 
 
-def _row_to_entry(row: Sequence[Any]) -> LedgerEntry:
-    return LedgerEntry(
+def _row_to_entry(row: Sequence[Any]) -> Format1Entry:
+    return Format1Entry(
         seq=int(row[0]),
         round=int(row[1]),
         segments=segments_from_json(str(row[2])),
@@ -274,14 +222,14 @@ def _row_to_entry(row: Sequence[Any]) -> LedgerEntry:
     )
 
 
-def _read_entries(connection: sqlite3.Connection) -> list[LedgerEntry]:
+def _read_entries(connection: sqlite3.Connection) -> list[Format1Entry]:
     rows = connection.execute(
         f"SELECT {_ENTRY_COLUMNS} FROM ledger_entries ORDER BY seq"  # noqa: S608 (constant)
     ).fetchall()
     return [_row_to_entry(row) for row in rows]
 
 
-def _computed_entry_hash(entry: LedgerEntry, segments_json: str) -> str:
+def _computed_entry_hash(entry: Format1Entry, segments_json: str) -> str:
     return entry_hash(
         seq=entry.seq,
         round_number=entry.round,
@@ -316,7 +264,7 @@ def _check_chain(connection: sqlite3.Connection, *, path: Path, recompose: bool)
         f"SELECT {_ENTRY_COLUMNS} FROM ledger_entries ORDER BY seq"  # noqa: S608 (constant)
     ).fetchall()
     prev_hash = expected_header_hash
-    checked: list[LedgerEntry] = []
+    checked: list[Format1Entry] = []
     for position, row in enumerate(raw_rows, start=1):
         seq = int(row[0])
         try:
@@ -357,11 +305,12 @@ def _check_chain(connection: sqlite3.Connection, *, path: Path, recompose: bool)
     if recomposed:
         problems.extend(_recompose_problems(header, checked))
     return VerifyReport(
-        str(path), len(raw_rows), prev_hash, tuple(problems), epsilons_recomposed=recomposed
+        str(path), len(raw_rows), prev_hash, tuple(problems), epsilons_recomposed=recomposed,
+        format=1,
     )
 
 
-def _recompose_problems(header: LedgerHeader, entries: list[LedgerEntry]) -> list[LedgerProblem]:
+def _recompose_problems(header: LedgerHeader, entries: list[Format1Entry]) -> list[LedgerProblem]:
     recorded = (
         RecordedSpend(e.seq, e.segments, e.epsilon_after, e.accountant_used) for e in entries
     )
@@ -374,48 +323,129 @@ def _recompose_problems(header: LedgerHeader, entries: list[LedgerEntry]) -> lis
     return [LedgerProblem(seq, message) for seq, message in found]
 
 
-def read_ledger_format1(path: str | Path) -> tuple[LedgerHeader, list[LedgerEntry]]:
-    """Header and entries of a ledger, read-only and WITHOUT verifying it."""
-    ledger_path = Path(path)
-    if not ledger_path.is_file():
-        raise StateError(f"no ledger at {ledger_path}")
+@dataclass(frozen=True)
+class Migration:
+    """What `migrate_ledger` did: the entries it signed, the epsilon of the whole history
+    (the same before and after) and where the format-1 original was kept."""
+
+    path: Path
+    backup_path: Path
+    entries: int
+    spent_epsilon: float
+    head_hash: str
+
+
+def _format_of(connection: sqlite3.Connection) -> str | None:
     try:
-        with _connect(ledger_path, read_only=True) as connection:
-            header = _read_header(connection)
-            if header is None:
-                raise StateError(f"ledger {ledger_path} has no header row")
-            return header, _read_entries(connection)
-    except sqlite3.DatabaseError as exc:
-        raise StateError(f"{ledger_path} is not a readable ledger: {exc}") from exc
+        row = connection.execute("SELECT format FROM ledger_header WHERE id = 1").fetchone()
+    except sqlite3.DatabaseError:
+        return None
+    return None if row is None else str(row[0])
 
 
-def verify_ledger_format1(path: str | Path, *, recompose: bool = True) -> VerifyReport:
-    """Re-walk a ledger's hash chain (read-only) and, if the chain is intact and
-    `recompose` is set, recompose every `epsilon_after` from the stored segments.
+def _signed(
+    terms: LedgerTerms, entries: Sequence[Format1Entry], signer: LedgerSigner
+) -> SignedHistory:
+    signed: list[SignedEntry] = []
+    previous = terms.header_hash
+    for old in entries:
+        entry = signer.sign(
+            SignedEntry(
+                site_id=terms.site_id,
+                seq=old.seq,
+                round=old.round,
+                purpose="training",
+                mechanisms=tuple(old.segments),
+                epsilon_after=old.epsilon_after,
+                accountant_used=old.accountant_used,
+                created_at=old.created_at,
+                prev_hash=previous,
+                cert_sha256=signer.cert_sha256,
+            )
+        )
+        signed.append(entry)
+        previous = entry.entry_hash
+    return SignedHistory(terms, tuple(signed), {signer.cert_sha256: signer.certificate_der})
 
-    Detects an edited, deleted (including the last), reordered or inserted entry, an
-    edited header, and a wrong `epsilon_after` even when its hashes were recomputed.
-    Raises StateError if the file is missing or is not a ledger.
+
+def migrate_ledger(
+    path: str | Path, signer: LedgerSigner, *, anchor_path: str | Path | None = None
+) -> Migration | None:
+    """Sign the format-1 ledger at `path` into format 2 in place; None if it is already
+    format 2. Run it with the site stopped.
+
+    Refuses (nothing changed) a chain or an epsilon that does not verify
+    (LedgerIntegrityError), a signer for another site (ConfigError), an anchor that shows
+    more entries than the file (LedgerForkError), and an existing ``LEDGER.format1``.
     """
     ledger_path = Path(path)
+    anchor_file = anchor_path_for(ledger_path) if anchor_path is None else Path(anchor_path)
+    backup = ledger_path.with_name(ledger_path.name + BACKUP_SUFFIX)
     if not ledger_path.is_file():
-        raise StateError(f"no ledger at {ledger_path}")
+        raise LedgerUnavailable(ledger_path, f"no privacy ledger at {ledger_path}")
     try:
-        with _connect(ledger_path, read_only=True) as connection:
-            return _check_chain(connection, path=ledger_path, recompose=recompose)
-    except sqlite3.DatabaseError as exc:
-        raise StateError(f"{ledger_path} is not a readable ledger: {exc}") from exc
-
-
-
-
-def check_chain_format1(
-    connection: sqlite3.Connection, *, path: Path, recompose: bool
-) -> VerifyReport:
-    """The format-1 chain check on an open connection (used before migrating)."""
-    return _check_chain(connection, path=path, recompose=recompose)
-
-
-def read_format1(connection: sqlite3.Connection) -> tuple[LedgerHeader | None, list[LedgerEntry]]:
-    """Header and entries of an open format-1 ledger, unverified."""
-    return _read_header(connection), _read_entries(connection)
+        with contextlib.closing(sqlite3.connect(ledger_path, isolation_level=None)) as conn:
+            found = _format_of(conn)
+            if found == FORMAT2:
+                return None
+            if found != LEDGER_FORMAT:
+                raise LedgerUnavailable(
+                    ledger_path, f"{ledger_path} is not a medfed privacy ledger "
+                    f"(format {found!r}); nothing was changed"
+                )
+            if backup.exists():
+                raise LedgerUnavailable(
+                    ledger_path, f"{backup} exists (an earlier migration's copy of the "
+                    "format-1 ledger?); move it away first, nothing was changed"
+                )
+            _check_chain(conn, path=ledger_path, recompose=True).raise_if_broken()
+            header = _read_header(conn)
+            if header is None:
+                raise LedgerUnavailable(ledger_path, f"ledger {ledger_path} has no header row")
+            entries = _read_entries(conn)
+            # Checkpoint any write-ahead log into the file, so that the file alone is the
+            # ledger when it is copied and then replaced (no stale -wal left beside it).
+            conn.execute("PRAGMA journal_mode=DELETE")
+            with contextlib.closing(sqlite3.connect(backup)) as copy:
+                conn.backup(copy)
+    except sqlite3.Error as exc:
+        raise LedgerUnavailable(
+            ledger_path, f"cannot read the format-1 ledger {ledger_path} ({exc}); nothing "
+            "was migrated"
+        ) from None
+    except OSError as exc:
+        raise LedgerUnavailable(
+            ledger_path, f"cannot migrate {ledger_path}: {exc.strerror}"
+        ) from None
+    try:
+        if signer.site_id != header.site_id:
+            raise ConfigError(
+                "signer", f"the certificate names site {signer.site_id!r}, but {ledger_path} "
+                f"is the ledger of {header.site_id!r}"
+            )
+        anchor = read_anchor(anchor_file)
+        if anchor is not None and anchor.seq > len(entries):
+            raise LedgerForkError(
+                f"{anchor_file} records {anchor.seq} entries but {ledger_path} holds "
+                f"{len(entries)}: this is an older copy of the ledger; nothing was migrated"
+            )
+        terms = LedgerTerms(
+            site_id=header.site_id,
+            budget_epsilon=header.budget_epsilon,
+            delta=header.delta,
+            accountant=header.accountant,
+            privacy_unit=header.privacy_unit,
+        )
+        history = _signed(terms, entries, signer)
+    except BaseException:
+        backup.unlink(missing_ok=True)
+        raise
+    write_new_ledger(ledger_path, history)
+    write_anchor(anchor_file, LedgerAnchor(terms.site_id, history.head_seq, history.head_hash))
+    return Migration(
+        path=ledger_path,
+        backup_path=backup,
+        entries=len(entries),
+        spent_epsilon=entries[-1].epsilon_after if entries else 0.0,
+        head_hash=history.head_hash,
+    )
