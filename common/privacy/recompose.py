@@ -1,6 +1,6 @@
 """Recompose a ledger's recorded epsilons from its mechanisms (both ledger formats).
 
-Shared by `common.privacy.legacy` (format 1) and `common.privacy.ledger` (format 2), so
+Shared by `common.privacy.migrate` (format 1) and `common.privacy.ledger` (format 2), so
 the check that catches an epsilon edited under recomputed hashes or signatures is one
 piece of code. It lives apart from both because the format-2 module imports the format-1
 module (to migrate), never the other way round.
