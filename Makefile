@@ -12,18 +12,20 @@ PROTO_OUT := common/proto
 
 .PHONY: test demo bench soak lint proto proto-check venv clean images lock
 
-$(STAMP_RUNTIME): pyproject.toml
+# Every package from requirements/dev.lock, pinned with its SHA-256 hash (torch's CPU
+# wheel: the default index's torch pulls gigabytes of CUDA wheels), then medfed itself
+# without resolving anything further. `make lock` re-pins it. Where no local wheel or
+# pip configuration serves torch 2.13.0+cpu:
+#   make test PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu"
+PIP_EXTRA ?=
+$(STAMP_RUNTIME): pyproject.toml requirements/dev.lock
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	# torch first, pinned: this version has a CPU wheel cached on our machines;
-	# anything else pulls gigabytes of CUDA wheels.
-	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e .
+	$(PIP) install --quiet --require-hashes $(PIP_EXTRA) -r requirements/dev.lock
+	$(PIP) install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
 $(STAMP_DEV): $(STAMP_RUNTIME)
-	$(PIP) install --quiet -e '.[dev,bench]'
 	touch $@
 
 venv: $(STAMP_DEV)
@@ -95,7 +97,7 @@ images:
 # Re-pin requirements/*.lock (with hashes) after a change to requirements/*.in;
 # needs pip-tools (pip install pip-tools) and an index that serves torch's CPU wheel.
 lock:
-	cd requirements && for role in site coordinator; do \
+	cd requirements && for role in site coordinator dev; do \
 		pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
 			--no-emit-find-links --no-emit-index-url --no-emit-trusted-host \
 			-o $$role.lock $$role.in || exit 1; \
