@@ -10,20 +10,22 @@ STAMP_DEV     := $(VENV)/.stamp-dev
 PROTO_SRC := $(wildcard protos/medfed/v1/*.proto)
 PROTO_OUT := common/proto
 
-.PHONY: test demo bench soak lint proto proto-check venv clean
+.PHONY: test demo bench soak lint proto proto-check venv clean images lock
 
-$(STAMP_RUNTIME): pyproject.toml
+# Every package from requirements/dev.lock, pinned with its SHA-256 hash (torch's CPU
+# wheel: the default index's torch pulls gigabytes of CUDA wheels), then medfed itself
+# without resolving anything further. `make lock` re-pins it. Where no local wheel or
+# pip configuration serves torch 2.13.0+cpu:
+#   make test PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu"
+PIP_EXTRA ?=
+$(STAMP_RUNTIME): pyproject.toml requirements/dev.lock
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	# torch first, pinned: this version has a CPU wheel cached on our machines;
-	# anything else pulls gigabytes of CUDA wheels.
-	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e .
+	$(PIP) install --quiet --require-hashes $(PIP_EXTRA) -r requirements/dev.lock
+	$(PIP) install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
 $(STAMP_DEV): $(STAMP_RUNTIME)
-	$(PIP) install --quiet -e '.[dev,bench]'
 	touch $@
 
 venv: $(STAMP_DEV)
@@ -60,6 +62,46 @@ proto: $(STAMP_DEV)
 # Fails when the committed stubs drift from the .proto files.
 proto-check: $(STAMP_DEV)
 	$(PY) -m common.protogen --check $(PROTO_OUT)
+
+# Container images (docker-compose.yml and deploy/k8s use these tags). Settings:
+#   ENGINE       podman or docker (default: podman where installed)
+#   VERSION      image tag (default: the version in pyproject.toml)
+#   BASE_IMAGE   Python 3.11 base image (python:3.11-slim)
+#   TORCH_INDEX  index serving torch==2.13.0+cpu ("" = none: WHEELS or pip.conf finds it)
+#   WHEELS       a folder of wheels (air-gapped builds): linked into deploy/docker/wheels
+#   IMAGE_BUILD_FLAGS  extra flags for every build (mounts, --network host, ...)
+# Every package comes from requirements/*.lock, pinned with SHA-256 hashes.
+VERSION     ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -n 1)
+ENGINE      ?= $(shell command -v podman >/dev/null 2>&1 && echo podman || echo docker)
+BASE_IMAGE  ?= python:3.11-slim
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+WHEELS      ?=
+IMAGE_BUILD_FLAGS ?=
+# podman/buildah write OCI images by default, which have no HEALTHCHECK.
+IMAGE_FORMAT := $(if $(filter podman buildah,$(notdir $(ENGINE))),--format docker,)
+IMAGE_ARGS = $(IMAGE_FORMAT) $(IMAGE_BUILD_FLAGS) --build-arg BASE_IMAGE=$(BASE_IMAGE) \
+	--build-arg TORCH_INDEX=$(TORCH_INDEX) --build-arg VERSION=$(VERSION)
+
+images:
+	@if [ -n "$(WHEELS)" ]; then \
+		for wheel in $(WHEELS)/*.whl; do \
+			ln -f "$$wheel" deploy/docker/wheels/ 2>/dev/null \
+				|| cp -f "$$wheel" deploy/docker/wheels/; \
+		done; \
+	fi
+	$(ENGINE) build $(IMAGE_ARGS) -f deploy/docker/site_agent.Dockerfile \
+		-t medfed-site-agent:$(VERSION) .
+	$(ENGINE) build $(IMAGE_ARGS) -f deploy/docker/coordinator.Dockerfile \
+		-t medfed-coordinator:$(VERSION) .
+
+# Re-pin requirements/*.lock (with hashes) after a change to requirements/*.in;
+# needs pip-tools (pip install pip-tools) and an index that serves torch's CPU wheel.
+lock:
+	cd requirements && for role in site coordinator dev; do \
+		pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
+			--no-emit-find-links --no-emit-index-url --no-emit-trusted-host \
+			-o $$role.lock $$role.in || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo-run

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any
 
-from common.errors import MedfedError
+from common.errors import ConfigError, MedfedError
 from common.logs import quiet_grpc_core
 
 COMMAND_GROUP = "medfed.commands"
@@ -35,7 +35,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     plugins = sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name)
     chosen = [ep for ep in plugins if ep.name == command]
     for ep in chosen or plugins:
-        register = ep.load()
+        try:
+            register = ep.load()
+        except ModuleNotFoundError as exc:
+            # A role image ships only its own packages (the site image has no
+            # coordinator/ or bench/): their commands are absent, not broken.
+            package = ep.value.split(":", 1)[0].split(".", 1)[0]
+            if exc.name != package:
+                raise
+            if chosen:
+                raise ConfigError(
+                    "command", f"'{ep.name}' is not installed here (no {package} package)"
+                ) from exc
+            continue
         register(sub)
     return parser
 
@@ -80,7 +92,12 @@ def main_with(
 def main(argv: Sequence[str] | None = None) -> int:
     quiet_grpc_core()  # before any plug-in imports grpc
     words = list(sys.argv[1:] if argv is None else argv)
-    return run_parsed(build_parser(_command_word(words)).parse_args(words))
+    try:
+        parser = build_parser(_command_word(words))
+    except MedfedError as exc:
+        print(f"medfed: error: {exc}", file=sys.stderr)
+        return 2
+    return run_parsed(parser.parse_args(words))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@
 #                        name the sites dial and the one the health probe verifies
 #   SITES                site ids (space-separated)
 #   MONITOR              name of the health probe's monitor certificate
-#   MODEL_FILE           initial global model (TabularMLP over the synthetic features)
+#   MODEL_FILE           legacy path without a study only: write an initial global model
+#                        (TabularMLP over the synthetic features) there; unset (the
+#                        default): none, a coordinator run with --study builds its own
 #   MODEL_SEED           torch seed of its initialisation
 #   BOOTSTRAP_PKI        1 (default) as above; 0 writes the initial model only
 #                        (Kubernetes: certificates come from Secrets made elsewhere)
@@ -34,7 +36,7 @@ HOSPITALS_DIR="${HOSPITALS_DIR:-/hospitals}"
 COORDINATOR_HOSTS="${COORDINATOR_HOSTS:-coordinator}"
 SITES="${SITES:-paediatric geriatric rural}"
 MONITOR="${MONITOR:-healthcheck}"
-MODEL_FILE="${MODEL_FILE:-/state/initial-model.mfm}"
+MODEL_FILE="${MODEL_FILE:-}"
 MODEL_SEED="${MODEL_SEED:-2}"
 BOOTSTRAP_PKI="${BOOTSTRAP_PKI:-1}"
 
@@ -79,7 +81,9 @@ if [ "$BOOTSTRAP_PKI" = 1 ]; then
     bootstrap_pki
 fi
 
-if [ ! -f "$MODEL_FILE" ]; then
+if [ -z "$MODEL_FILE" ]; then
+    :
+elif [ ! -f "$MODEL_FILE" ]; then
     MODEL_FILE="$MODEL_FILE" MODEL_SEED="$MODEL_SEED" python - <<'PY'
 import os
 from pathlib import Path

@@ -1,28 +1,44 @@
 # syntax=docker/dockerfile:1
-# medfed coordinator (CPU). Build from the repository root:
-#   docker build -f deploy/docker/coordinator.Dockerfile -t medfed-coordinator .
+# medfed coordinator (CPU). From the repository root:
+#   make images                         (both images, tags medfed-*:VERSION)
+#   docker build -f deploy/docker/coordinator.Dockerfile -t medfed-coordinator:0.1.0 .
+# Build args (all optional): BASE_IMAGE, TORCH_INDEX, WHEELS, VERSION, as in
+# site_agent.Dockerfile. Every package comes from requirements/coordinator.lock, pinned
+# with SHA-256 hashes. No bench code. torch, opacus and monai are in this image because
+# the coordinator builds a study's untrained initial model with site_agent's model
+# registry (site_agent/ is copied for that and for medfed-bootstrap's legacy model).
 # Mount at run time (nothing secret is baked into the image):
 #   /pki     ca.crt, crl.pem, coordinator.crt/.key, monitors/healthcheck.crt/.key
 #            (read-only; never a site key, never ca.key)
-#   /config  coordinator.toml (deploy/config/coordinator.toml)                  (read-only)
+#   /config  coordinator.toml (deploy/config/coordinator.toml) and study.toml  (read-only)
 #   /state   state database, checkpoints, federation ledger                      (read-write)
 # Ports: 7443 mTLS gRPC (public), 9464 Prometheus /metrics (internal network only).
+ARG BASE_IMAGE=python:3.11-slim
 
-FROM python:3.11-slim AS build
+FROM ${BASE_IMAGE} AS build
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG WHEELS=deploy/docker/wheels
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/medfed
-# torch first, pinned, from the CPU index: the default index pulls gigabytes of CUDA.
-RUN /opt/medfed/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+COPY ${WHEELS} /wheels
+COPY requirements/coordinator.lock /src/requirements/coordinator.lock
+RUN /opt/medfed/bin/pip install --require-hashes --find-links /wheels \
+        ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} -r /src/requirements/coordinator.lock
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY common ./common
 COPY coordinator ./coordinator
 COPY site_agent ./site_agent
-COPY bench ./bench
-RUN /opt/medfed/bin/pip install .
+RUN /opt/medfed/bin/pip install --no-deps --no-build-isolation . \
+    && cd / && /opt/medfed/bin/python -c "import coordinator.cli, common.cli" \
+    && /opt/medfed/bin/python -c "import importlib.util as u, sys; \
+sys.exit(u.find_spec('bench') is not None)"
 
-FROM python:3.11-slim
+FROM ${BASE_IMAGE}
 ARG MEDFED_UID=10001
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="medfed-coordinator" \
+      org.opencontainers.image.version="${VERSION}"
 RUN groupadd --system --gid "${MEDFED_UID}" medfed \
     && useradd --system --uid "${MEDFED_UID}" --gid medfed --home-dir /nonexistent \
        --no-create-home --shell /usr/sbin/nologin medfed \

@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # medfed site agent, CUDA variant. From the repo root:
-#   docker build -f deploy/docker/site_agent.cuda.Dockerfile -t medfed-site-agent:cuda .
-#   docker run --gpus all ... medfed-site-agent:cuda   (NVIDIA Container Toolkit on the host)
+#   docker build -f deploy/docker/site_agent.cuda.Dockerfile -t medfed-site-agent:0.1.0-cuda .
+#   docker run --gpus all ... medfed-site-agent:0.1.0-cuda   (NVIDIA Container Toolkit on the host)
 # Same volumes, ports and health check as site_agent.Dockerfile; set
 # training.device = "cuda" (or "auto") in site.toml.
 #
@@ -24,9 +24,10 @@ RUN /opt/medfed/bin/pip install torch==2.13.0 --index-url "${TORCH_INDEX}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY common ./common
-COPY coordinator ./coordinator
 COPY site_agent ./site_agent
-COPY bench ./bench
+# The site agent only (no coordinator or bench code), as in site_agent.Dockerfile. The
+# CUDA torch is not in requirements/site.lock (a CPU lock); the rest resolves from
+# pyproject.toml.
 RUN /opt/medfed/bin/pip install .
 
 FROM ${CUDA_IMAGE}

@@ -107,8 +107,14 @@ def test_dockerfile_basics(path: Path) -> None:
     healthchecks = [args for keyword, args in steps if keyword == "HEALTHCHECK"]
     assert len(healthchecks) == 1 and "medfed-healthcheck" in healthchecks[0]
     assert any(k == "ENTRYPOINT" and "medfed" in a for k, a in steps)
-    # torch pinned (never a silent upgrade) and installed from an explicit index.
-    assert re.search(r"torch==2\.13\.0 --index-url ", path.read_text())
+    text = path.read_text()
+    if "cuda" in path.name:
+        # torch pinned (never a silent upgrade) and installed from an explicit index.
+        assert re.search(r"torch==2\.13\.0 --index-url ", text)
+    else:
+        # Every package from the role's lock file, each pinned with its hash.
+        assert re.search(r"pip install --require-hashes .*-r /src/requirements/\w+\.lock",
+                         text.replace("\\\n", " "))
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
@@ -127,11 +133,14 @@ def test_dockerfile_bakes_in_no_secrets(path: Path) -> None:
 
 def test_cpu_images_use_python_slim_and_the_cpu_torch_index() -> None:
     for name in ("coordinator.Dockerfile", "site_agent.Dockerfile"):
-        text = (DEPLOY / "docker" / name).read_text()
-        assert {a for k, a in instructions(DEPLOY / "docker" / name) if k == "FROM"} >= {
-            "python:3.11-slim"
-        }
-        assert "https://download.pytorch.org/whl/cpu" in text
+        steps = instructions(DEPLOY / "docker" / name)
+        args = dict(a.split("=", 1) for k, a in steps if k == "ARG" and "=" in a)
+        # Base image, torch index and wheel folder are build args with these defaults.
+        assert args["BASE_IMAGE"] == "python:3.11-slim"
+        assert args["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
+        assert args["WHEELS"] == "deploy/docker/wheels"
+        assert "VERSION" in args
+        assert {a for k, a in steps if k == "FROM"} == {"${BASE_IMAGE}", "${BASE_IMAGE} AS build"}
     cuda = (DEPLOY / "docker" / "site_agent.cuda.Dockerfile").read_text()
     assert "nvidia/cuda" in cuda and "download.pytorch.org/whl/cu" in cuda
 
@@ -147,15 +156,36 @@ def test_compose_services_volumes_and_sites() -> None:
         service = services[f"site-{site}"]
         env = service["environment"]
         assert env["MEDFED_SITE_SITE"] == site
-        assert int(env["MEDFED_SITE_DATA__SYNTHETIC_COHORT_SEED"]) >= 0
-        assert env["MEDFED_SITE_PKI"] == f"/hospitals/{site}"
-        assert service["volumes"][0] == "hospitals:/hospitals:ro"
+        # The study path: each hospital's own file, read-only; no synthetic cohort.
+        assert not any("SYNTHETIC" in name for name in env)
+        assert env["MEDFED_SITE_DATA__PATH"] == "/data/records.csv"
+        assert f"./deploy/demo/data/{site}:/data:ro" in service["volumes"]
+        assert (REPO / "deploy/demo/data" / site / "records.csv").is_file()
+        # Per-site key isolation: this hospital's volume only, read-only.
+        assert env["MEDFED_SITE_PKI"] == "/pki"
+        assert service["volumes"][0] == f"hospital-{site}:/pki:ro"
+        others = {f"hospital-{o}" for o in SITES if o != site} | {"pki", "coordinator-pki"}
+        assert not {v.split(":")[0] for v in service["volumes"]} & others
         assert service["depends_on"]["coordinator"]["condition"] == "service_healthy"
         assert "ports" not in service, "site agents open no published port"
     coordinator = services["coordinator"]
     assert coordinator["depends_on"]["pki-init"]["condition"] == (
         "service_completed_successfully"
     )
+    # The coordinator runs the study, mounted as a compose config.
+    command = coordinator["command"]
+    assert command[command.index("--study") + 1] == "/config/study.toml"
+    study_target = {c["source"]: c["target"] for c in coordinator["configs"]}["study"]
+    assert study_target == "/config/study.toml"
+    assert compose["configs"]["study"]["file"] == "./deploy/demo/study.toml"
+    assert "MEDFED_COORDINATOR_MODEL__INIT_FILE" not in coordinator["environment"]
+    # Images are the tags `make images` builds.
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    for name, service in services.items():
+        image = service.get("image", "")
+        if image.startswith("medfed-"):
+            assert image.endswith(f":${{MEDFED_VERSION:-{version}}}"), name
+            assert image.split(":")[0] in {"medfed-coordinator", "medfed-site-agent"}
     assert coordinator["ports"] == ["7443:7443"]
     # Monitoring UIs only on the host's loopback.
     for name in ("prometheus", "grafana"):
@@ -239,11 +269,11 @@ def test_environment_overrides_the_example_site_file(
 ) -> None:
     """docker-compose.yml shares one site.toml and names each site by environment."""
     monkeypatch.setenv("MEDFED_SITE_SITE", "rural")
-    monkeypatch.setenv("MEDFED_SITE_DATA__SYNTHETIC_COHORT_SEED", "7")
+    monkeypatch.setenv("MEDFED_SITE_DATA__PATH", "/data/records.csv")
     settings = load_settings(SiteSettings, config_file=DEPLOY / "config/site.toml",
                              overrides={})
     assert settings.site == "rural"
-    assert settings.data.synthetic_cohort_seed == 7
+    assert str(settings.data.path) == "/data/records.csv"
     # The shipped file never trains on synthetic data unless asked for explicitly.
     assert settings.data.synthetic is False
 
@@ -491,3 +521,24 @@ def test_bootstrap_and_healthcheck_against_a_real_coordinator(tmp_path: Path) ->
         coordinator.stop()
     gone = healthcheck("grpc", *probe, *monitor, *server_cert, "--timeout", "2")
     assert gone.returncode == 1
+
+
+# --------------------------------------------------------------------------- demo study
+
+
+def test_demo_study_and_each_hospital_file_match() -> None:
+    """The study compose and Kubernetes run, and each demo hospital's file passes the
+    same check a site makes before sending anything."""
+    from common.study import load_study
+    from site_agent.data import load_study_table
+
+    study = load_study(DEPLOY / "demo/study.toml")
+    config_map = load_yaml(DEPLOY / "k8s/configmap.yaml")
+    assert config_map["data"]["study.toml"] == (DEPLOY / "demo/study.toml").read_text()
+    patients: set[str] = set()
+    for site in SITES:
+        table = load_study_table(DEPLOY / "demo/data" / site / "records.csv", study)
+        assert len(table.rows) == 600 and table.patient_ids is not None
+        ids = set(table.patient_ids.tolist())
+        assert not ids & patients, "hospitals share no patient"
+        patients |= ids

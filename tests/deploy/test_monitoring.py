@@ -96,16 +96,24 @@ def test_every_alert_the_issue_asks_for_is_defined() -> None:
     for name, rule in alerts.items():
         assert rule["labels"]["severity"] in {"info", "warning", "critical"}, name
         assert rule["annotations"]["summary"], name
-    # Operators look each alert up by name in the runbook.
+    # Operators look each alert up by name in the runbook, and its runbook_url leads there.
     runbook = (REPO / "docs" / "operations.md").read_text()
-    for name in alerts:
+    anchors = set(re.findall(r'<a id="([^"]+)"></a>', runbook))
+    for name, rule in alerts.items():
         assert name in runbook, f"{name} is not explained in docs/operations.md"
+        url = rule["annotations"].get("runbook_url", "")
+        path, _, anchor = url.partition("#")
+        assert path == "docs/operations.md" and anchor in anchors, f"{name}: {url!r}"
+        rest = runbook.split(f'<a id="{anchor}"></a>', 1)[1]
+        section = rest[rest.index("### "):].split("\n### ", 1)[0]
+        assert name in section, f"{name}: its runbook_url leads to another section"
 
 
 @needs_promtool
 def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
     """promtool parses every dashboard query (as a recording rule)."""
-    exprs = [e.replace("$__rate_interval", "5m") for e in dashboard_expressions()]
+    exprs = [e.replace("$__rate_interval", "5m").replace("$site", ".*")
+             .replace("$instance", ".*") for e in dashboard_expressions()]
     rules = {"groups": [{"name": "dashboard", "rules": [
         {"record": f"dashboard:query_{i}", "expr": expr} for i, expr in enumerate(exprs)
     ]}]}
@@ -114,6 +122,27 @@ def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
     result = promtool("check", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(exprs)} rules found" in result.stdout
+
+
+def test_dashboard_has_datasource_site_and_instance_variables() -> None:
+    """Imported into another Grafana, the dashboard asks for its Prometheus ($datasource)
+    and filters every site series by $site and $instance."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for name in ("site", "instance"):
+        assert variables[name]["type"] == "query"
+        assert variables[name]["datasource"]["uid"] == "${datasource}"
+        assert variables[name]["includeAll"] and variables[name]["multi"]
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+            for series in re.findall(r"\bmedfed_site_[a-z_]+(?:\{[^}]*\})?", target["expr"]):
+                assert 'site=~"$site"' in series and 'instance=~"$instance"' in series, series
 
 
 def test_dashboard_covers_the_requested_panels() -> None:
@@ -131,9 +160,9 @@ def test_dashboard_covers_the_requested_panels() -> None:
     datasource = yaml.safe_load(
         (REPO / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text()
     )["datasources"][0]
-    for panel in dashboard["panels"]:
-        if panel["type"] != "row":
-            assert panel["datasource"]["uid"] == datasource["uid"], panel["title"]
+    # Panels query $datasource, whose default is the provisioned Prometheus.
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["current"]["value"] == datasource["uid"]
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))
 

@@ -1,0 +1,155 @@
+"""A hospital's site agent on Kubernetes (deploy/k8s/site): a kustomize base and an
+example overlay. The base's manifests pass `kubernetes-validate --strict`; the tests
+below check what the hospital's security officer relies on: only its own pair in the
+Secret, data mounted read-only, egress only to DNS and the coordinator, the metrics
+port for its own Prometheus, and settings that load."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from common.config import SiteSettings, load_settings
+from tests.e2e.harness import REPO
+
+SITE = REPO / "deploy" / "k8s" / "site"
+BASE = SITE / "base"
+OVERLAY = SITE / "overlays" / "example"
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def base_objects() -> dict[tuple[str, str], dict[str, Any]]:
+    kustomization = load(BASE / "kustomization.yaml")[0]
+    objects = {}
+    for name in kustomization["resources"]:
+        for doc in load(BASE / name):
+            objects[(doc["kind"], doc["metadata"]["name"])] = doc
+    return objects
+
+
+def _validator() -> list[str] | None:
+    found = shutil.which("kubernetes-validate")
+    if found:
+        return [found]
+    probe = subprocess.run([sys.executable, "-c", "import kubernetes_validate"],
+                           capture_output=True, timeout=60)
+    return [sys.executable, "-m", "kubernetes_validate"] if probe.returncode == 0 else None
+
+
+def test_manifests_pass_kubernetes_validate_strict() -> None:
+    validator = _validator()
+    if validator is None:
+        pytest.skip("kubernetes-validate not installed (pip install kubernetes-validate)")
+    kustomization = load(BASE / "kustomization.yaml")[0]
+    coordinator = load(REPO / "deploy/k8s/kustomization.yaml")[0]
+    files = [str(BASE / name) for name in kustomization["resources"]]
+    files += [str(REPO / "deploy/k8s" / name) for name in coordinator["resources"]]
+    done = subprocess.run([*validator, "--strict", *files], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("passed") >= len(files)
+
+
+def test_the_set_is_complete() -> None:
+    kinds = {kind for kind, _ in base_objects()}
+    assert {"Namespace", "ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
+            "NetworkPolicy"} <= kinds
+    # The Secret is made by the hospital from its own files, never committed.
+    assert "Secret" not in kinds
+
+
+def test_pod_mounts_only_its_own_pair_and_its_data_read_only() -> None:
+    objects = base_objects()
+    deployment = objects[("Deployment", "medfed-site-agent")]
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"]
+    assert pod["automountServiceAccountToken"] is False
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    container = pod["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    for path in ("/pki", "/data", "/config"):
+        assert mounts[path].get("readOnly") is True, path
+    assert volumes[mounts["/data"]["name"]]["persistentVolumeClaim"]["readOnly"] is True
+    assert "persistentVolumeClaim" in volumes[mounts["/state"]["name"]]
+    secret = volumes[mounts["/pki"]["name"]]["secret"]
+    assert {i["key"] for i in secret["items"]} == {"ca.crt", "site.crt", "site.key"}
+    assert secret["defaultMode"] == 0o440
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["exec"]["command"][-2:] == [
+            "/usr/local/bin/medfed-healthcheck", "http"]
+    assert container["ports"] == [{"name": "metrics", "containerPort": 9465}]
+    service = objects[("Service", "medfed-site-agent-metrics")]
+    assert [p["port"] for p in service["spec"]["ports"]] == [9465]
+
+
+def test_network_policy_allows_egress_only_to_dns_and_the_coordinator() -> None:
+    policy = base_objects()[("NetworkPolicy", "medfed-site-agent")]["spec"]
+    assert set(policy["policyTypes"]) == {"Ingress", "Egress"}
+    egress = policy["egress"]
+    assert len(egress) == 2
+    dns, coordinator = egress
+    assert {p["port"] for p in dns["ports"]} == {53}
+    assert dns["to"][0]["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}
+    assert [p["port"] for p in coordinator["ports"]] == [7443]
+    assert coordinator["to"][0]["ipBlock"]["cidr"].endswith("/32")
+    # Inbound: the metrics port, from the monitoring namespace only.
+    (ingress,) = policy["ingress"]
+    assert [p["port"] for p in ingress["ports"]] == [9465] and ingress["from"]
+
+
+def test_overlay_patches_what_the_base_has() -> None:
+    overlay = load(OVERLAY / "kustomization.yaml")[0]
+    assert overlay["resources"] == ["../../base"]
+    objects = base_objects()
+    deployment = objects[("Deployment", "medfed-site-agent")]
+    image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert {i["name"] for i in overlay["images"]} == {image.split(":")[0]}
+    for patch in overlay["patches"]:
+        if "path" in patch:
+            (doc,) = load(OVERLAY / patch["path"])
+            assert (doc["kind"], doc["metadata"]["name"]) in objects
+            env = {e["name"]: e["value"]
+                   for e in doc["spec"]["template"]["spec"]["containers"][0]["env"]}
+            assert env["MEDFED_SITE_SITE"] != "SITE_ID"
+        else:
+            target = objects[(patch["target"]["kind"], patch["target"]["name"])]
+            (operation,) = yaml.safe_load(patch["patch"])
+            node: Any = target
+            for step in operation["path"].strip("/").split("/"):
+                node = node[int(step)] if isinstance(node, list) else node[step]
+            assert isinstance(node, str) and operation["value"].endswith("/32")
+
+
+def test_site_settings_in_the_config_map_load(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("MEDFED_"):
+            monkeypatch.delenv(name)
+    config = base_objects()[("ConfigMap", "medfed-site-config")]
+    path = tmp_path / "site.toml"
+    path.write_text(config["data"]["site.toml"])
+    (doc,) = load(OVERLAY / "site.yaml")
+    for item in doc["spec"]["template"]["spec"]["containers"][0]["env"]:
+        monkeypatch.setenv(item["name"], item["value"])
+    settings = load_settings(SiteSettings, config_file=path, overrides={})
+    assert settings.site == "st-marys"
+    assert settings.coordinator == "fl.example.org:7443"
+    assert settings.metrics_listen.endswith(":9465")
+    assert (settings.tls_ca, settings.tls_cert, settings.tls_key) == (
+        Path("/pki/ca.crt"), Path("/pki/site.crt"), Path("/pki/site.key"))
+    assert str(settings.data.path) == "/data/records.csv"
