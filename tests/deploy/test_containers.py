@@ -9,7 +9,8 @@ data read-only. The healthchecks baked into the images run (`podman healthcheck 
 (exit 0) on SIGTERM.
 
 Skipped, with the reason, where no engine can run a container (.ci/scripts/
-install-containers.sh installs Debian's podman). Where python:3.11-slim cannot be
+container-engine.sh installs Debian's podman; `.ci/run` does not run it yet, because
+building both images from scratch adds about 28 minutes to CI on two cores). Where python:3.11-slim cannot be
 pulled, deploy/docker/standin-base.sh builds a stand-in base under that tag (Debian
 bookworm's own Python 3.11), and the test says so.
 """
@@ -57,7 +58,7 @@ def engine(
 def _engine_problem() -> str:
     """Why no container can run here ("" when one can)."""
     if ENGINE is None:
-        return "podman not installed (.ci/scripts/install-containers.sh)"
+        return "podman not installed (.ci/scripts/container-engine.sh)"
     info = subprocess.run([ENGINE, "info", "--format", "{{.Host.OCIRuntime.Name}}"],
                           capture_output=True, text=True, timeout=120)
     if info.returncode != 0:

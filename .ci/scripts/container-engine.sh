@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs the container engine that tests/deploy/test_containers.py builds and runs the
 # images with: Debian's podman (+ buildah, and mmdebstrap for a stand-in base image where
-# python:3.11-slim cannot be pulled). Idempotent and quiet.
+# python:3.11-slim cannot be pulled). Idempotent and quiet. Not an install-*.sh, so
+# .ci/run does not run it: the images' first build adds about 28 minutes to CI on two
+# cores; run it by hand to run tests/deploy/test_containers.py.
 # Sandboxes without CAP_SYS_RESOURCE cannot raise a container's rlimits past the
 # defaults podman asks for, so a containers.conf sets limits inside the hard limits
 # here (written only when no containers.conf exists). Without apt or root it says what
@@ -25,17 +27,17 @@ if [ "$(id -u)" -ne 0 ]; then
     if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
         SUDO="sudo -n"
     elif [ "${#missing[@]}" -gt 0 ]; then
-        echo "install-containers: not root; install ${missing[*]} by hand" >&2
+        echo "container-engine: not root; install ${missing[*]} by hand" >&2
         exit 0
     fi
 fi
 
 if [ "${#missing[@]}" -gt 0 ]; then
     if ! command -v apt-get >/dev/null 2>&1; then
-        echo "install-containers: no apt-get; install ${missing[*]} by hand" >&2
+        echo "container-engine: no apt-get; install ${missing[*]} by hand" >&2
         exit 0
     fi
-    echo "install-containers: installing ${missing[*]}" >&2
+    echo "container-engine: installing ${missing[*]}" >&2
     export DEBIAN_FRONTEND=noninteractive
     $SUDO apt-get update -qq >/dev/null
     $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
