@@ -66,8 +66,10 @@ def run(
     # subcommands, and torch + Opacus would add seconds and ~300 MB to each process.
     import torch
 
+    from common.models import ModelSpec
+    from common.models.build import build_model
+    from common.models.layout import flatten_parameters
     from site_agent.data import prepare_site_split
-    from site_agent.models import ModelSpec, build_model, flatten_parameters
     from site_agent.synthetic import FEATURES, generate_cohort
     from site_agent.trainer import LocalTrainer, TrainingConfig
 

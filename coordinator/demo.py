@@ -386,8 +386,8 @@ class Demo:
         import torch
 
         from common.modelfile import ModelFile, write_model_file
-        from site_agent.hooks import model_layout
-        from site_agent.models import TabularMLP, flatten_parameters
+        from common.models.layout import flatten_parameters, model_layout
+        from common.models.tables.mlp import TabularMLP
 
         torch.manual_seed(self.o.seed)
         model = TabularMLP(n_features)

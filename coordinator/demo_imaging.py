@@ -169,9 +169,8 @@ class ImagingDemo(Demo):
     def initial_model(self, n_features: int) -> Path:
         """The study's network as `coordinator serve --study` builds it (DP-checked)."""
         from common.modelfile import ModelFile, write_model_file
-        from site_agent.hooks import model_layout
-        from site_agent.models import flatten_parameters
-        from site_agent.predict import initial_model
+        from common.models.build import initial_model
+        from common.models.layout import flatten_parameters, model_layout
 
         model = initial_model(self.study, seed=self.o.seed)
         path = self.out / "initial-model.mfm"
@@ -250,9 +249,9 @@ device = "{self.device}"
         seed), pooled. A check on the demo's DP estimate that only a demo can make."""
         from common.evaluation import metrics_from_scores
         from common.modelfile import read_model_file
+        from common.models.build import initial_model
+        from common.models.layout import load_flat_parameters
         from site_agent.imaging import split_images
-        from site_agent.models import load_flat_parameters
-        from site_agent.predict import initial_model
         from site_agent.trainer import predict_scores
 
         model = initial_model(self.study, seed=self.o.seed)
@@ -297,9 +296,10 @@ def image_baselines(
     held-out patients the federation evaluates on), with the study's model."""
     import torch
 
+    from common.models.build import build_for_study
+    from common.models.layout import flatten_parameters, load_flat_parameters
     from site_agent.hooks import fit_batch_size
     from site_agent.imaging import split_images
-    from site_agent.models import build_for_study, flatten_parameters, load_flat_parameters
     from site_agent.trainer import LocalTrainer, TrainingConfig, predict_scores
 
     splits = {

@@ -24,11 +24,11 @@ def exact_auc_of_final_model(out: Path, report: dict[str, Any]) -> float:
     """AUC of the demo's final global model on every site's held-out patients."""
     from common.evaluation import metrics_from_scores
     from common.modelfile import read_model_file
+    from common.models.build import initial_model
+    from common.models.layout import load_flat_parameters
     from common.study import load_study
     from coordinator.demo_imaging import _pool
     from site_agent.imaging import image_spec_for_study, load_image_folder, split_images
-    from site_agent.models import load_flat_parameters
-    from site_agent.predict import initial_model
     from site_agent.trainer import predict_scores
 
     study = load_study(out / "study.toml")
