@@ -27,7 +27,7 @@ def exact_auc_of_final_model(out: Path, report: dict[str, Any]) -> float:
     from common.models.build import initial_model
     from common.models.layout import load_flat_parameters
     from common.study import load_study
-    from coordinator.demo_imaging import _pool
+    from demo.imaging import _pool
     from site_agent.imaging import image_spec_for_study, load_image_folder, split_images
     from site_agent.trainer import predict_scores
 
