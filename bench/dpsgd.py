@@ -24,10 +24,12 @@ from typing import Any, Literal
 
 import numpy as np
 
+from common.models import known_aliases, model_names
+
 DEMO_SITE = "urban_academic"
 IMAGE_SITE = "lakeside_university"
 MODES = ("nonprivate", "ghost", "hooks")
-MODELS = ("mlp", "cnn", "resnet18-gn", "densenet121-gn")
+MODELS = ("mlp", *model_names("images"))
 
 
 def _image_data(
@@ -180,7 +182,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="mlp",
-        choices=[*MODELS, "small_cnn", "resnet18_gn", "densenet121"],
+        choices=[*MODELS, *sorted(known_aliases())],
         help="registry model (aliases accepted)",
     )
     parser.add_argument("--image-size", type=int, default=64, help="image side (image models)")

@@ -21,6 +21,7 @@ from common.models.registry import (
     canonical_name,
     check_params,
     kind_of,
+    known_aliases,
     model_names,
     output_units,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "canonical_name",
     "check_params",
     "kind_of",
+    "known_aliases",
     "model_names",
     "output_units",
 ]
