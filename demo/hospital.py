@@ -70,7 +70,7 @@ def hospital_report(out: Path, sites: list[str], o: DemoOptions) -> dict[str, An
 
 
 def hospital_study(study: Any, o: DemoOptions) -> Any:
-    """The drafted study under hospital-level DP (issue 13): unit hospital, clip S and
+    """The drafted study under hospital-level DP: unit hospital, clip S and
     the intermediaries per hospital; z is planned from the study's epsilon."""
     from common.study import StudyPrivacySection
 

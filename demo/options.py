@@ -34,10 +34,10 @@ class DemoOptions:
     batch_size: int = 2048
     phase_seconds: float = 30.0
     quiet: bool = False
-    # "hospital": hospital-level DP on the model updates (issue 13), no DP-SGD beneath.
+    # "hospital": hospital-level DP on the model updates, no DP-SGD beneath.
     privacy_unit: str = "auto"
     update_clip_norm: float = 1.0
-    # v per hospital, or "auto" (the adaptive rule, issue 13 s.2); needs --data: a study
+    # v per hospital, or "auto" (the adaptive rule of Jiang et al. 2023); needs --data: a study
     # carries it.
     intermediaries: int | str = 1
     audit: bool = True
@@ -53,7 +53,7 @@ class RoundRow:
     evaluation_only: bool
     epsilon: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
-    intermediaries: int | None = None  # v of a hospital-level round (issue 13 s.2)
+    intermediaries: int | None = None  # v of a hospital-level round
 
 
 
