@@ -36,8 +36,8 @@ test: $(STAMP_DEV)
 	$(VENV)/bin/pytest -q
 
 lint: $(STAMP_DEV)
-	$(VENV)/bin/ruff check common coordinator site_agent bench tests
-	$(VENV)/bin/mypy common coordinator site_agent
+	$(VENV)/bin/ruff check common coordinator site_agent demo bench tests
+	$(VENV)/bin/mypy common coordinator site_agent demo
 
 demo: $(STAMP_RUNTIME)
 	$(VENV)/bin/medfed demo

@@ -24,10 +24,12 @@ from typing import Any, Literal
 
 import numpy as np
 
+from common.models import known_aliases, model_names
+
 DEMO_SITE = "urban_academic"
 IMAGE_SITE = "lakeside_university"
 MODES = ("nonprivate", "ghost", "hooks")
-MODELS = ("mlp", "cnn", "resnet18-gn", "densenet121-gn")
+MODELS = ("mlp", *model_names("images"))
 
 
 def _image_data(
@@ -66,8 +68,10 @@ def run(
     # subcommands, and torch + Opacus would add seconds and ~300 MB to each process.
     import torch
 
+    from common.models import ModelSpec
+    from common.models.build import build_model
+    from common.models.layout import flatten_parameters
     from site_agent.data import prepare_site_split
-    from site_agent.models import ModelSpec, build_model, flatten_parameters
     from site_agent.synthetic import FEATURES, generate_cohort
     from site_agent.trainer import LocalTrainer, TrainingConfig
 
@@ -178,7 +182,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="mlp",
-        choices=[*MODELS, "small_cnn", "resnet18_gn", "densenet121"],
+        choices=[*MODELS, *sorted(known_aliases())],
         help="registry model (aliases accepted)",
     )
     parser.add_argument("--image-size", type=int, default=64, help="image side (image models)")

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from common.config import DEFAULT_COUNT_EPSILON
 from common.errors import ConfigError, PrivacyError, ValidationError
+from common.models import registry as models
 
 STUDY_FORMAT: Literal[1] = 1
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -39,10 +40,6 @@ ClassLabel = int | str
 PrivacyUnit = Literal["record", "patient", "hospital"]
 # Stronger units protect more: a hospital-level guarantee covers all of its patients.
 UNIT_STRENGTH: Mapping[str, int] = {"record": 0, "patient": 1, "hospital": 2}
-TABLE_MODELS = ("logistic", "mlp")
-IMAGE_MODELS = (
-    "cnn", "resnet18-gn", "densenet121-gn", "densenet121", "small_cnn", "resnet18_gn"
-)
 
 
 class _Section(BaseModel):
@@ -143,7 +140,7 @@ class FeatureSpec(_Section):
 
 
 class ModelSection(_Section):
-    """``[model]``: which architecture; built elsewhere (the model registry, issue 12).
+    """``[model]``: which architecture, one of the model registry's (`common.models`).
 
     Exactly one of ``name`` (a built-in) and ``custom`` (``package.module:factory``);
     neither means ``name = "mlp"``.
@@ -168,9 +165,14 @@ class ModelSection(_Section):
     def _one_model(self) -> ModelSection:
         if self.name is not None and self.custom is not None:
             raise ValueError("set either model.name or model.custom, not both")
-        if self.name is not None and self.name not in (*TABLE_MODELS, *IMAGE_MODELS):
-            known = ", ".join((*TABLE_MODELS, *IMAGE_MODELS))
-            raise ValueError(f"unknown model {self.name!r}; known: {known}, or custom = ...")
+        if self.name is not None:
+            try:
+                models.kind_of(self.name)
+            except ConfigError:
+                known = ", ".join(models.model_names())
+                raise ValueError(
+                    f"unknown model {self.name!r}; known: {known}, or custom = ..."
+                ) from None
         if any(h < 1 or h > 65536 for h in self.hidden):
             raise ValueError("hidden sizes must be in 1..65536")
         return self
@@ -354,11 +356,11 @@ class Study(_Section):
         if self.study.task == "multiclass" and n_classes < 3:
             raise ValueError("task = 'multiclass' needs at least three classes")
         name = self.model.name
-        if name is not None:
-            if self.data.kind == "table" and name not in TABLE_MODELS:
-                raise ValueError(f"model {name!r} is for images; tables use {TABLE_MODELS}")
-            if self.data.kind == "images" and name not in IMAGE_MODELS:
-                raise ValueError(f"model {name!r} is for tables; images use {IMAGE_MODELS}")
+        if name is not None and models.kind_of(name) != self.data.kind:
+            other = "images" if self.data.kind == "table" else "tables"
+            ours = "tables" if self.data.kind == "table" else "images"
+            raise ValueError(f"model {name!r} is for {other}; {ours} use "
+                             f"{models.model_names(self.data.kind)}")
         if self.privacy.unit == "patient" and self.data.patient_column is None:
             raise ValueError("privacy.unit = 'patient' needs data.patient_column")
         if self.privacy.record_level == "patient" and self.data.patient_column is None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
+from common.models import model_names
 from common.study import (
     ModelSection,
     Study,
@@ -245,7 +246,8 @@ _COMMENTS = {
     ],
     "model": [
         'name: "logistic" (logistic regression) or "mlp" (hidden = layer sizes) for',
-        'tables; "cnn", "resnet18-gn", "densenet121" for images; or',
+        "tables; " + ", ".join(f'"{name}"' for name in model_names("images"))
+        + " for images; or",
         'custom = "package.module:factory" instead of name.',
     ],
     "training": [

@@ -146,15 +146,10 @@ class StudyRun:
 
     def initial_model(self) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
         """The study's untrained network, flattened in `named_parameters` order."""
-        from site_agent.models import flatten_parameters
-        from site_agent.predict import initial_model
+        from common.models.build import initial_model
+        from common.models.layout import wire_model
 
-        model = initial_model(self.study, seed=INITIAL_MODEL_SEED)
-        layout = tuple(
-            TensorSpec(name, "<f4", tuple(int(d) for d in p.shape))
-            for name, p in model.named_parameters()
-        )
-        return layout, flatten_parameters(model).astype(np.float32)
+        return wire_model(initial_model(self.study, seed=INITIAL_MODEL_SEED))
 
     def save_statistics(self, statistics: GlobalStatistics, round_number: int) -> None:
         check_statistics(self.study, statistics)

@@ -38,11 +38,13 @@ import numpy as np
 import torch
 
 from common.errors import ConfigError, DataError
+from common.models import Task
+from common.models.layout import flatten_parameters
+from common.models.tables.mlp import TabularMLP
 from common.privacy.accountant import account
 from common.privacy.audit import DEFAULT_CONFIDENCE, AuditResult, audit_from_scores
 from common.study import GlobalStatistics, Study
 from site_agent.data import DatasetSchema, SiteData, Standardizer, load_site_data
-from site_agent.models import TabularMLP, Task, flatten_parameters
 from site_agent.trainer import LocalTrainer, TrainingConfig
 
 CANARY_ID_PREFIX = "__medfed_audit_canary_"
@@ -326,7 +328,7 @@ def load_study_audit_data(
 
 def study_audit_model(study: Study) -> AuditModel:
     """The study's network from the registry, on records its `Preprocessor` encoded."""
-    from site_agent.models import build_for_study
+    from common.models.build import build_for_study
 
     return AuditModel(
         build=lambda n: build_for_study(study, in_features=n),

@@ -13,9 +13,10 @@ import numpy as np
 import torch
 
 from common.evaluation import operating_point_metrics_from_scores
+from common.models.layout import flatten_parameters
+from common.models.tables.mlp import TabularMLP
 from site_agent.data import SiteData, Standardizer, prepare_site_split, split_by_patient
 from site_agent.hooks import fit_batch_size
-from site_agent.models import TabularMLP, flatten_parameters
 from site_agent.trainer import LocalTrainer, TrainingConfig, predict_scores
 
 
@@ -93,7 +94,7 @@ def federated_nodp(
             total += result.num_samples * result.delta_flat.astype(np.float64)
             weight += result.num_samples
         global_flat = (global_flat + total / weight).astype(np.float32)
-    from site_agent.models import load_flat_parameters
+    from common.models.layout import load_flat_parameters
 
     load_flat_parameters(model, global_flat)
     scores = np.concatenate([predict_scores(model, h.features) for _, h, _ in prepared.values()])

@@ -123,7 +123,7 @@ MISSING_TOKENS = frozenset(("", "nan", "na", "n/a", "null", "none"))
 def is_missing(text: str) -> bool:
     """Whether a cell means "no value" (case and surrounding blanks ignored).
 
-    The one definition of missing: the demo's draft study (`coordinator.demo_study`),
+    The one definition of missing: the demo's draft study (`demo.study`),
     `medfed data check` and training all read cells through it, so a token the draft
     calls missing is never refused later as "not a number"."""
     return text.strip().lower() in MISSING_TOKENS

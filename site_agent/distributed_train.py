@@ -28,10 +28,12 @@ import torch
 import torch.distributed as dist
 
 from common.errors import ConfigError
+from common.models.build import build_for_study
+from common.models.layout import flatten_parameters
+from common.models.tables.mlp import TabularMLP
 from common.study import Study, load_study
 from site_agent.data import SiteData, load_site_data, prepare_site_split
 from site_agent.imaging import ImageDataset, image_spec_for_study, load_image_folder, split_images
-from site_agent.models import TabularMLP, build_for_study, flatten_parameters
 from site_agent.synthetic import FEATURES, SCHEMA, generate_cohort
 from site_agent.trainer import LocalTrainer, TrainingConfig
 

@@ -31,8 +31,8 @@ from common.round import RoundPlan
 from common.study import GlobalStatistics, Study, study_sha256
 
 if TYPE_CHECKING:
+    from common.models import Task
     from common.study import Study
-    from site_agent.models import Task
 
 log = logging.getLogger("medfed.site")
 
@@ -217,7 +217,7 @@ class DpTrainingHook:
                 )
         # The study's model, built and DP-checked here (ModuleValidator names the layer
         # and the fix) before this site sends any key or update.
-        self._layout = model_layout(self.model())
+        self._layout = _layout_of(self.model())
         log.info(
             "study %s joined: %d records, %s patients, missing values %s", study.study.name,
             report.records, report.patients, {k: v for k, v in report.missing.items() if v},
@@ -308,7 +308,7 @@ class DpTrainingHook:
             )
         # Built once now: an unknown, disallowed or DP-incompatible model stops the site
         # at start-up with the layer and the fix named (ModuleValidator), not mid-round.
-        self._layout = model_layout(self.model())
+        self._layout = _layout_of(self.model())
 
     def _use_study(self, study: Study) -> None:
         """Task, classes and model name from the study this site trains."""
@@ -403,7 +403,8 @@ class DpTrainingHook:
         self.released_units = count.noisy_count
 
     def model(self) -> Any:
-        from site_agent.models import ModelSpec, build_for_study, build_model
+        from common.models import ModelSpec
+        from common.models.build import build_for_study, build_model
 
         if self.study is None:
             return build_model(
@@ -417,7 +418,7 @@ class DpTrainingHook:
 
     def layout(self) -> tuple[TensorSpec, ...]:
         if self._layout is None:
-            self._layout = model_layout(self.model())
+            self._layout = _layout_of(self.model())
         return self._layout
 
     def trainer_for(self, plan: RoundPlan) -> Any:
@@ -649,9 +650,9 @@ class DpTrainingHook:
             round_edges,
             score_histogram,
         )
+        from common.models.layout import load_flat_parameters
         from site_agent.dp_release import one_per_unit
         from site_agent.imaging import ImageDataset
-        from site_agent.models import load_flat_parameters
         from site_agent.trainer import predict_scores
 
         probe = self.model()
@@ -803,17 +804,16 @@ def load_configured_data(settings: SiteSettings, study: Study | None = None) -> 
     return load_site_data(data_cfg.path, schema)
 
 
-def model_layout(model: Any) -> tuple[TensorSpec, ...]:
-    """Wire layout of a torch model's parameters (float32, little-endian)."""
-    return tuple(
-        TensorSpec(name, "<f4", tuple(int(d) for d in p.shape))
-        for name, p in model.named_parameters()
-    )
-
-
 def check_layout(expected: tuple[TensorSpec, ...], announced: tuple[TensorSpec, ...]) -> None:
     """The coordinator's model must be the architecture this site trains."""
     if tuple(expected) != tuple(announced):
         raise ConfigError(
             "model", "the coordinator's model layout does not match this site's model"
         )
+
+
+def _layout_of(model: Any) -> tuple[TensorSpec, ...]:
+    """The model's wire layout (`common.models.layout`, which imports torch)."""
+    from common.models.layout import model_layout
+
+    return model_layout(model)

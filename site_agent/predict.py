@@ -1,7 +1,7 @@
 """Apply a model bundle to a hospital's file: rebuild the network, preprocess, score.
 
 The network is rebuilt from the bundle's architecture through the model registry of
-`site_agent.models` (the same code that built it for training) or, for ``custom``, by
+`common.models` (the same code that built it for training) or, for ``custom``, by
 importing the named factory from the installed packages, and only when the caller
 allows that factory by name: a bundle must not be able to make `predict` import
 arbitrary code.
@@ -23,17 +23,17 @@ from torch import nn
 from common.bundle import Architecture, ModelBundle
 from common.errors import ValidationError
 from common.evaluation import metrics_from_scores
-from common.study import Study
+from common.models.build import build_from_architecture
+from common.models.layout import load_flat_parameters
 from site_agent.data import Preprocessor, StudyTable
 from site_agent.imaging import ImageDataset
-from site_agent.models import build_for_study, build_from_architecture, load_flat_parameters
 
 PREDICT_BATCH = 4096
 
 
 def build_model(arch: Architecture, *, allowed_factories: Sequence[str] = ()) -> nn.Module:
     """The untrained, DP-checked network an architecture describes, through the one
-    registry (`site_agent.models`); unknown or disallowed is a `ConfigError`."""
+    registry (`common.models`); unknown or disallowed is a `ConfigError`."""
     return build_from_architecture(arch, allowed_model_factories=allowed_factories)
 
 
@@ -133,19 +133,3 @@ def _prediction(bundle: ModelBundle, scores: np.ndarray, labels: np.ndarray | No
 def _num(value: float) -> float | None:
     """JSON has no NaN: an undefined metric (no positives, say) is null."""
     return None if math.isnan(value) else float(value)
-
-
-def initial_model(
-    study: Study, *, seed: int, allowed_factories: Sequence[str] | None = None
-) -> nn.Module:
-    """The study's untrained network, the same at every call for a seed: what
-    `coordinator serve --study` starts round 1 from (its initial weights are public).
-
-    Built and checked with Opacus' ModuleValidator (a `ConfigError` naming the layer and
-    the fix) before any round starts. `allowed_factories` defaults to the study's own
-    custom factory: the coordinator's operator wrote the study it serves.
-    """
-    if allowed_factories is None:
-        allowed_factories = (study.model.custom,) if study.model.custom else ()
-    torch.manual_seed(seed)
-    return build_for_study(study, allowed_model_factories=allowed_factories)

@@ -63,17 +63,13 @@ from opacus.utils.tensor_utils import unfold2d
 from torch import nn
 
 from common.errors import ConfigError, DataError
+from common.models import Task, output_units
+from common.models.build import check_dp_compatible
+from common.models.layout import flatten_parameters, load_flat_parameters
 from common.privacy.accountant import Segment, plan_noise_multiplier
 from site_agent.data import SiteData, check_cohort_size
 from site_agent.device import select_device
 from site_agent.imaging import ImageDataset
-from site_agent.models import (
-    Task,
-    check_dp_compatible,
-    flatten_parameters,
-    load_flat_parameters,
-    output_units,
-)
 from site_agent.patient_dp import (
     LossFn,
     PatientSampler,

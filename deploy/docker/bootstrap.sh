@@ -91,8 +91,8 @@ from pathlib import Path
 import torch
 
 from common.modelfile import ModelFile, write_model_file
-from site_agent.hooks import model_layout
-from site_agent.models import TabularMLP, flatten_parameters
+from common.models.layout import flatten_parameters, model_layout
+from common.models.tables.mlp import TabularMLP
 from site_agent.synthetic import FEATURES
 
 torch.manual_seed(int(os.environ["MODEL_SEED"]))

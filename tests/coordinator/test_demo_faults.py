@@ -18,15 +18,11 @@ import pytest
 from common.errors import ProtocolAbort
 from common.processes import ManagedProcess
 from common.secagg.phases import Phase
-from coordinator.demo import (
-    HISTOGRAM_BINS,
-    Demo,
-    DemoOptions,
-    dropout_decision,
-    federation_terms,
-    waiting_for,
-)
 from coordinator.selection import round_parameters
+from demo.options import HISTOGRAM_BINS, DemoOptions
+from demo.run import Demo
+from demo.terms import dropout_decision, federation_terms
+from demo.watch import waiting_for
 from tests.secagg.secagg_harness import (
     make_federation,
     plaintext_sum,

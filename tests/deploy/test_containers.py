@@ -10,9 +10,9 @@ data read-only. The healthchecks baked into the images run (`podman healthcheck 
 
 Skipped, with the reason, where no engine can run a container (.ci/scripts/
 container-engine.sh installs Debian's podman; `.ci/run` does not run it yet, because
-building both images from scratch adds about 28 minutes to CI on two cores). Where python:3.11-slim cannot be
-pulled, deploy/docker/standin-base.sh builds a stand-in base under that tag (Debian
-bookworm's own Python 3.11), and the test says so.
+building both images from scratch adds about 28 minutes to CI on two cores). Where
+python:3.11-slim cannot be pulled, deploy/docker/standin-base.sh builds a stand-in base
+under that tag (Debian bookworm's own Python 3.11), and the test says so.
 """
 
 from __future__ import annotations

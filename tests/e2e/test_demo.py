@@ -15,7 +15,8 @@ import pytest
 from common.errors import StateError
 from common.processes import ManagedProcess, medfed_argv
 from common.study import load_study
-from coordinator.demo import Demo, DemoOptions
+from demo.options import DemoOptions
+from demo.run import Demo
 from tests.e2e.harness import REPO
 from tests.study.helpers import write_hospital_csv
 

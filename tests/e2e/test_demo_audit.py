@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.demo import Demo, DemoOptions
-from coordinator.demo_audit import audit_line, demo_audit, sample_units
+from demo.audit import audit_line, demo_audit, sample_units
+from demo.options import DemoOptions
+from demo.run import Demo
 from site_agent.synthetic import generate_cohort
 
 

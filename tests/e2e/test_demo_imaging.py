@@ -24,11 +24,11 @@ def exact_auc_of_final_model(out: Path, report: dict[str, Any]) -> float:
     """AUC of the demo's final global model on every site's held-out patients."""
     from common.evaluation import metrics_from_scores
     from common.modelfile import read_model_file
+    from common.models.build import initial_model
+    from common.models.layout import load_flat_parameters
     from common.study import load_study
-    from coordinator.demo_imaging import _pool
+    from demo.imaging import _pool
     from site_agent.imaging import image_spec_for_study, load_image_folder, split_images
-    from site_agent.models import load_flat_parameters
-    from site_agent.predict import initial_model
     from site_agent.trainer import predict_scores
 
     study = load_study(out / "study.toml")
@@ -72,7 +72,7 @@ def test_imaging_demo_writes_report_with_the_model(tmp_path: Path) -> None:
     # scored exactly on the held-out patients, at epsilon 6. The report's own DP AUC is
     # estimated from the noised evaluation histogram, so it is only bounded above.
     # Measured at these settings: 0.953, 0.955 and 0.971 in three full runs, 0.90-0.97
-    # in-process (coordinator.demo_imaging's IMAGING_DEFAULTS); ~70 held-out patients
+    # in-process (demo.imaging's IMAGING_DEFAULTS); ~70 held-out patients
     # give a standard error near 0.03, so 0.80 is several below the lowest. At 16 px the
     # lesion is under a pixel and full runs gave 0.70-0.85: the image size decides.
     exact = exact_auc_of_final_model(out, report)

@@ -20,9 +20,9 @@ import pytest
 from common import pki
 from common.codec import TensorSpec
 from common.crypto.random import system_random
+from common.models.layout import flatten_parameters, model_layout
+from common.models.tables.mlp import TabularMLP
 from common.processes import ManagedProcess, medfed_argv
-from site_agent.hooks import model_layout
-from site_agent.models import TabularMLP, flatten_parameters
 from site_agent.synthetic import FEATURES, generate_cohort, write_site_csvs
 from tests.e2e.harness import REPO
 from tests.e2e.malicious_coordinator import MaliciousCoordinator, Story, make_story

@@ -18,6 +18,8 @@ import pytest
 from common.config import SiteSettings
 from common.crypto.random import system_random
 from common.errors import BudgetExhausted, ConfigError
+from common.models.build import initial_model
+from common.models.layout import flatten_parameters, model_layout
 from common.privacy import hospital, layered
 from common.privacy.accountant import account, compose_epsilon
 from common.privacy.cli import main as privacy_main
@@ -27,9 +29,7 @@ from common.round import RoundPlan
 from common.study import Study, study_from_mapping
 from site_agent import dp_release
 from site_agent.datacheck import site_policy
-from site_agent.hooks import DpTrainingHook, model_layout
-from site_agent.models import flatten_parameters
-from site_agent.predict import initial_model
+from site_agent.hooks import DpTrainingHook
 from tests.privacy.conftest import Pki
 from tests.study.helpers import noiseless_statistics, study_mapping, write_hospital_csv
 

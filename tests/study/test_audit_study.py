@@ -111,9 +111,9 @@ def test_hospital_unit_and_conflicting_flags_are_refused(
 def test_a_multiclass_model_is_audited() -> None:
     import numpy as np
 
+    from common.models.build import build_model
     from site_agent.audit import AuditModel
     from site_agent.data import SiteData
-    from site_agent.models import build_model
 
     rng = np.random.default_rng(0)
     features = rng.standard_normal((300, 4)).astype(np.float32)

@@ -15,7 +15,7 @@ import pytest
 
 from common.errors import DataError
 from common.study import Study
-from coordinator.demo_study import draft_demo_study
+from demo.study import draft_demo_study
 from site_agent.data import MISSING_TOKENS, is_missing, load_study_table
 
 

@@ -224,8 +224,8 @@ def test_model_show_describes_an_image_model_input(
 ) -> None:
     """An image model's inputs are its channels and size, from the study."""
     from common.bundle import ModelBundle, architecture_from_study, bundle_summary
+    from common.models.build import initial_model
     from common.study import GlobalStatistics, load_study, study_sha256
-    from site_agent.predict import initial_model
     from tests.study.helpers import privacy_card
     from tests.training.test_study_hook import images_study
 

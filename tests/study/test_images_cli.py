@@ -30,7 +30,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def image_bundle(study: Study) -> ModelBundle:
-    from site_agent.predict import initial_model
+    from common.models.build import initial_model
 
     model = initial_model(study, seed=1)
     return ModelBundle(

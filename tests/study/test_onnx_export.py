@@ -23,9 +23,10 @@ from common.bundle import (
     write_bundle,
 )
 from common.cli import main_with
+from common.models.build import initial_model
 from common.study import load_study, study_from_mapping, study_sha256
 from site_agent.data import load_study_table
-from site_agent.predict import initial_model, predict_images, predict_table
+from site_agent.predict import predict_images, predict_table
 from site_agent.predict_cli import register_model
 from tests.study.helpers import (
     privacy_card,

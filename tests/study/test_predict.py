@@ -134,8 +134,8 @@ def test_initial_model_and_threshold_for_the_coordinator() -> None:
     import numpy as np
 
     from common.bundle import parameters_from_flat, threshold_from_histogram
-    from site_agent.models import flatten_parameters
-    from site_agent.predict import initial_model
+    from common.models.build import initial_model
+    from common.models.layout import flatten_parameters
     from tests.study.helpers import hospital_study
 
     study = hospital_study()
@@ -156,7 +156,7 @@ def test_unknown_or_unbuildable_models_are_refused() -> None:
     from common.errors import ConfigError
     from site_agent.predict import build_model
 
-    # One registry (site_agent.models): the mlp has K outputs for multi-class.
+    # One registry (common.models): the mlp has K outputs for multi-class.
     multi = build_model(Architecture(name="mlp", in_features=3, num_outputs=3))
     assert list(multi.parameters())[-1].shape == (3,)
     with pytest.raises(ConfigError, match="not 2"):

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from common.evaluation import metrics_from_scores
+from common.models.layout import load_flat_parameters
+from common.models.tables.mlp import TabularMLP
 from common.privacy.accountant import Segment
 from site_agent.data import prepare_site_split
 from site_agent.distributed_train import config_from_args
-from site_agent.models import TabularMLP, load_flat_parameters
 from site_agent.synthetic import FEATURES, generate_cohort
 from site_agent.trainer import LocalTrainer, predict_scores
 
@@ -75,9 +76,9 @@ def test_two_ranks_end_identical_with_single_process_accounting(tmp_path: Path) 
 @pytest.mark.e2e
 def test_two_ranks_train_the_imaging_model_with_unchanged_accounting(tmp_path: Path) -> None:
     """torchrun + DPDDP runs an images study's CNN too (gloo, 2 processes)."""
+    from common.models.build import build_for_study
     from common.study import load_study
     from site_agent.imaging import image_spec_for_study, load_image_folder, split_images
-    from site_agent.models import build_for_study
     from site_agent.synthetic_imaging import write_site_folder
     from tests.training.test_study_hook import images_study
 

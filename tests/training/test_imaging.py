@@ -13,8 +13,9 @@ from PIL import Image
 
 from common.errors import ConfigError, DataError
 from common.evaluation import metrics_from_scores, multiclass_metrics_from_scores
+from common.models.build import build_model
+from common.models.layout import flatten_parameters
 from site_agent.imaging import ImageSpec, dicom_window, load_image_folder, split_images
-from site_agent.models import build_model, flatten_parameters
 from site_agent.synthetic_imaging import (
     HOSPITALS,
     generate_site_images,

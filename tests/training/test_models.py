@@ -10,16 +10,10 @@ import torch
 from opacus.validators import ModuleValidator
 
 from common.errors import ConfigError, ValidationError
-from site_agent.models import (
-    ModelSpec,
-    architecture_record,
-    build_from_record,
-    build_model,
-    flatten_parameters,
-    load_flat_parameters,
-    parameter_layout,
-    resnet18_gn,
-)
+from common.models import ModelSpec, architecture_record
+from common.models.build import build_from_record, build_model
+from common.models.images.resnet18_gn import ResNet18GN
+from common.models.layout import flatten_parameters, load_flat_parameters, model_layout
 
 
 @pytest.mark.parametrize(
@@ -44,7 +38,7 @@ def test_models_are_opacus_valid_and_run(name, kwargs, input_shape, output_shape
 
 
 def test_resnet18_has_resnet18_depth() -> None:
-    model = resnet18_gn(num_classes=10)
+    model = ResNet18GN(num_classes=10)
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
     # 1 stem conv + 8 blocks x 2 convs + 3 downsampling shortcuts = 20 convolutions.
     assert len(convs) == 20
@@ -56,12 +50,12 @@ def test_flatten_and_load_round_trip_in_named_parameter_order() -> None:
     source = build_model(ModelSpec("mlp", {"hidden": [7]}), in_features=5)
     target = build_model(ModelSpec("mlp", {"hidden": [7]}), in_features=5)
     vec = flatten_parameters(source)
-    layout = parameter_layout(source)
+    layout = model_layout(source)
     assert vec.dtype == np.float32
-    assert vec.shape == (sum(int(np.prod(shape)) for _, _, shape in layout),)
-    assert [name for name, _, _ in layout] == [n for n, _ in source.named_parameters()]
-    first_name, first_dtype, first_shape = layout[0]
-    assert (first_name, first_dtype, first_shape) == ("net.0.weight", "float32", (7, 5))
+    assert vec.shape == (sum(int(np.prod(spec.shape)) for spec in layout),)
+    assert [spec.name for spec in layout] == [n for n, _ in source.named_parameters()]
+    first = layout[0]
+    assert (first.name, first.dtype, first.shape) == ("net.0.weight", "<f4", (7, 5))
     np.testing.assert_array_equal(vec[:35], source.net[0].weight.detach().numpy().reshape(-1))
     load_flat_parameters(target, vec)
     np.testing.assert_array_equal(flatten_parameters(target), vec)
@@ -166,7 +160,7 @@ def test_custom_factory_needs_the_allow_list_and_round_trips_by_name() -> None:
     assert json.loads(json.dumps(record)) == record  # JSON-safe: no pickle in bundles
     assert record["custom"] == ref and record["task"] == "multiclass"
     rebuilt = build_from_record(record, allowed_model_factories=[ref])
-    assert parameter_layout(rebuilt) == parameter_layout(model)
+    assert model_layout(rebuilt) == model_layout(model)
     with pytest.raises(ConfigError, match="allowed_model_factories"):
         build_from_record(record)
     missing = {**record, "custom": "no_such_package.models:net"}
@@ -188,7 +182,7 @@ def test_architecture_record_rebuilds_registry_models(name: str) -> None:
     torch.manual_seed(1)
     a = build_from_record(record)
     b = build_model(name, num_classes=3, **dims)
-    assert parameter_layout(a) == parameter_layout(b)
+    assert model_layout(a) == model_layout(b)
 
 
 def test_logistic_is_one_linear_layer() -> None:

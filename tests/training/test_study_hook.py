@@ -11,12 +11,12 @@ from torch import nn
 
 from common.config import PrivacySection, SiteSettings
 from common.errors import ConfigError, PrivacyError, ValidationError
+from common.models.build import initial_model
+from common.models.layout import flatten_parameters, model_layout
 from common.round import RoundPlan
 from common.study import Study, load_study
 from site_agent.datacheck import site_policy
-from site_agent.hooks import DpTrainingHook, model_layout
-from site_agent.models import flatten_parameters
-from site_agent.predict import initial_model
+from site_agent.hooks import DpTrainingHook
 from site_agent.synthetic_imaging import write_site_folder
 
 IMAGES_STUDY = """

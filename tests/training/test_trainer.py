@@ -8,10 +8,12 @@ import torch
 
 from common.errors import ConfigError, DataError
 from common.evaluation import metrics_from_scores, multiclass_metrics_from_scores
+from common.models.build import build_model
+from common.models.layout import flatten_parameters, load_flat_parameters
+from common.models.tables.mlp import TabularMLP
 from common.privacy.accountant import Segment, compose_epsilon
 from site_agent.data import SiteData
 from site_agent.device import select_device
-from site_agent.models import TabularMLP, build_model, flatten_parameters, load_flat_parameters
 from site_agent.synthetic import FEATURES
 from site_agent.trainer import (
     GRAD_SAMPLE_MODES,

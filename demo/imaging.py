@@ -1,4 +1,4 @@
-"""`medfed demo --task imaging`: the same federation on images.
+"""`medfed demo --task imaging`: the same federation on images (the imaging task).
 
 Five hospitals of the synthetic imaging cohort (`site_agent.synthetic_imaging`: non-IID
 scanners, PNG and DICOM folders with labels.csv, a learnable lesion), one images study
@@ -6,19 +6,25 @@ scanners, PNG and DICOM folders with labels.csv, a learnable lesion), one images
 agents started with ``--study`` and ``--data FOLDER`` exactly as a hospital would run
 them: DP-SGD at patient level with SecAgg+, one site killed mid-round and restarted,
 then the same privacy/utility table, plots and report.json as the tabular demo, with
-the model's name in the report.
+the model's name and the final model's exact held-out AUC in the report.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from common.errors import ConfigError
-from coordinator.demo import Demo, DemoOptions, dp_auc_text
+from common.models import model_names
+from demo.options import DemoOptions
+from demo.report import dp_auc_text
+
+if TYPE_CHECKING:
+    from demo.run import Demo
 
 IMAGING_DEFAULTS: dict[str, Any] = {
     "patients_per_site": 120,
@@ -52,8 +58,6 @@ exact AUC on every site's held-out patients:
 Full runs (`medfed demo --task imaging --device cpu`, the exact AUC it prints): the
 defaults (budget 8, one site killed and restarted) 0.971, 0.958; the e2e test's reduced run
 (70 patients, 2 rounds, budget 6) 0.953, 0.955, 0.971 at 28 px, 0.848 at 16 px."""
-
-IMAGING_MODELS = ("cnn", "resnet18-gn", "densenet121-gn")
 
 IMAGING_HISTOGRAM_BINS = 10
 """Score bins of the DP evaluation. A demo hospital holds out ~15-25 patients: with the
@@ -112,128 +116,104 @@ histogram_bins = {IMAGING_HISTOGRAM_BINS}
 """
 
 
-class ImagingDemo(Demo):
-    """The tabular demo's federation, fault and report, with image folders and a study."""
+class ImagingTask:
+    """The demo's federation, fault and report, with image folders and a study."""
 
+    name = "imaging"
     histogram_bins = IMAGING_HISTOGRAM_BINS
 
-    def __init__(
-        self, options: DemoOptions, *, model: str = "cnn", image_size: int = 28,
-        device: str = "auto",
-    ) -> None:
-        super().__init__(options)
-        if model not in IMAGING_MODELS:
-            raise ConfigError("--model", f"one of {', '.join(IMAGING_MODELS)}")
+    def __init__(self, *, model: str = "cnn", image_size: int = 28, device: str = "auto") -> None:
+        if model not in model_names("images"):
+            raise ConfigError("--model", f"one of {', '.join(model_names('images'))}")
         if not 8 <= image_size <= 512:
             raise ConfigError("--image-size", "must be in 8..512")
         self.model_name = model
         self.image_size = image_size
         self.device = device
-        self.study_path = self.out / "study.toml"
         self.datasets: dict[str, Any] = {}
+        self.study_path = Path("study.toml")  # under the demo's --out once prepared
 
-    def prepare(self) -> dict[str, Path | None]:
+    def prepare(self, demo: Demo) -> dict[str, Path | None]:
         from common.study import load_study
         from site_agent.synthetic_imaging import HOSPITALS, write_imaging_cohort
 
-        super_out = self.out
-        if super_out.exists():
-            import shutil
-
-            shutil.rmtree(super_out)
-        super_out.mkdir(parents=True)
-        names = list(HOSPITALS)[: self.o.sites]
-        if len(names) < self.o.sites:
+        if demo.out.exists():
+            shutil.rmtree(demo.out)
+        demo.out.mkdir(parents=True)
+        names = list(HOSPITALS)[: demo.o.sites]
+        if len(names) < demo.o.sites:
             raise ConfigError("--sites", f"the synthetic imaging cohort has {len(HOSPITALS)}")
+        self.study_path = demo.out / "study.toml"
         self.study_path.write_text(
-            study_text(self.o, model=self.model_name, image_size=self.image_size),
+            study_text(demo.o, model=self.model_name, image_size=self.image_size),
             encoding="utf-8",
         )
-        self.study = load_study(self.study_path)
+        demo.study = load_study(self.study_path)
         folders = write_imaging_cohort(
-            self.out / "cohort", names, seed=self.o.seed,
-            patients_per_site=self.o.patients_per_site,
+            demo.out / "cohort", names, seed=demo.o.seed,
+            patients_per_site=demo.o.patients_per_site,
         )
-        self.say(f"[setup] synthetic imaging cohort: {len(names)} hospitals x "
-                 f"{self.o.patients_per_site} patients (1-3 images each, PNG and DICOM, "
-                 f"different scanners and prevalence) in {self.out / 'cohort'}")
-        self.say(f"[setup] study {self.study_path}: model {self.model_name}, images "
+        demo.say(f"[setup] synthetic imaging cohort: {len(names)} hospitals x "
+                 f"{demo.o.patients_per_site} patients (1-3 images each, PNG and DICOM, "
+                 f"different scanners and prevalence) in {demo.out / 'cohort'}")
+        demo.say(f"[setup] study {self.study_path}: model {self.model_name}, images "
                  f"{self.image_size}x{self.image_size}, patient-level DP")
         return {site: folder.resolve() for site, folder in folders.items()}
 
-    def load_datasets(self, files: dict[str, Path | None]) -> tuple[dict[str, Any], list[str]]:
+    def load_datasets(
+        self, demo: Demo, files: dict[str, Path | None]
+    ) -> tuple[dict[str, Any], list[str]]:
         from site_agent.imaging import image_spec_for_study, load_image_folder
 
-        spec = image_spec_for_study(self.study)
+        spec = image_spec_for_study(demo.study)
         self.datasets = {s: load_image_folder(p, spec) for s, p in files.items() if p}
         return self.datasets, []
 
-    def initial_model(self, n_features: int) -> Path:
+    def initial_model(self, demo: Demo, n_features: int) -> Path:
         """The study's network as `coordinator serve --study` builds it (DP-checked)."""
         from common.modelfile import ModelFile, write_model_file
-        from site_agent.hooks import model_layout
-        from site_agent.models import flatten_parameters
-        from site_agent.predict import initial_model
+        from common.models.build import initial_model
+        from common.models.layout import wire_model
 
-        model = initial_model(self.study, seed=self.o.seed)
-        path = self.out / "initial-model.mfm"
-        write_model_file(path, ModelFile(model_layout(model), flatten_parameters(model)))
+        model = initial_model(demo.study, seed=demo.o.seed)
+        path = demo.out / "initial-model.mfm"
+        write_model_file(path, ModelFile(*wire_model(model)))
         parameters = sum(p.numel() for p in model.parameters())
-        self.say(f"[setup] initial {self.model_name}: {parameters:,} parameters "
+        demo.say(f"[setup] initial {self.model_name}: {parameters:,} parameters "
                  "(Opacus ModuleValidator: ok)")
         return path
 
-    def start_site(self, site: str, pki: Path, data: Path | None, *extra: str) -> Any:
-        from common.processes import ManagedProcess, medfed_argv
-
-        config = self.out / "sites" / f"{site}.toml"
-        config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text(
-            f"""study_file = "{self.study_path.resolve()}"
+    def site_config(self, demo: Demo, site: str, data: Path | None) -> str:
+        o = demo.o
+        return f"""study_file = "{self.study_path.resolve()}"
 
 [data]
 path = "{data}"
-split_seed = {self.o.seed}
+split_seed = {o.seed}
 
 [privacy]
-budget_epsilon = {self.o.budget_epsilon}
-delta = {self.o.delta}
+budget_epsilon = {o.budget_epsilon}
+delta = {o.delta}
 accountant = "rdp"
 count_epsilon = {DEMO_COUNT_EPSILON}
 evaluation_noise_std = {DEMO_EVALUATION_NOISE_STD}
 
 [training]
-batch_size = {self.o.batch_size}
+batch_size = {o.batch_size}
 max_physical_batch_size = 128
 device = "{self.device}"
-""",
-            encoding="utf-8",
-        )
-        proc = ManagedProcess(
-            site,
-            medfed_argv("site", "run", "--config", str(config), "--pki", str(pki),
-                        "--site", site, "--coordinator", f"127.0.0.1:{self.port}",
-                        "--metrics-listen", "127.0.0.1:0",
-                        "--state", str(self.out / "sites" / site), *extra),
-            log_dir=self.out / "logs",
-            env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
-        )
-        self.procs[site] = proc
-        return proc
+"""
 
-    def baselines(self, datasets: dict[str, Any]) -> dict[str, dict[str, float]]:
-        return image_baselines(datasets, self.o, study=self.study, device=self.device)
+    def baselines(self, demo: Demo, datasets: dict[str, Any]) -> dict[str, dict[str, float]]:
+        return image_baselines(datasets, demo.o, study=demo.study, device=self.device)
 
-    def write_report(
-        self, sites: list[str], baselines: dict[str, dict[str, float]]
-    ) -> dict[str, Any]:
-        report = super().write_report(sites, baselines)
+    def finish_report(self, demo: Demo, report: dict[str, Any]) -> None:
         if isinstance(report.get("model"), dict):
             report["model"]["name"] = self.model_name  # the model file the run produced
-            exact = self.exact_held_out_auc(Path(report["model"]["path"]))
+            exact = self.exact_held_out_auc(demo, Path(report["model"]["path"]))
             report["final"]["exact_auc"] = exact
             estimate = report["final"].get("auc")
-            self.say(f"Exact held-out AUC of the final DP model: {exact:.3f} (the demo holds "
+            demo.say(f"Exact held-out AUC of the final DP model: {exact:.3f} (the demo holds "
                      "every hospital's images; the federation sees only its DP estimate"
                      + (f", {dp_auc_text(report['final'])})" if isinstance(estimate, float)
                         else ")"))
@@ -244,25 +224,24 @@ device = "{self.device}"
             device=self.device,
             study=str(self.study_path),
         )
-        (self.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
-        return report
+        (demo.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
 
-    def exact_held_out_auc(self, model_path: Path) -> float:
+    def exact_held_out_auc(self, demo: Demo, model_path: Path) -> float:
         """AUC of the model file on every hospital's held-out patients, from the exact
         scores: the sites' own split (held-out fraction 0.2, `split_seed` = the demo's
         seed), pooled. A check on the demo's DP estimate that only a demo can make."""
         from common.evaluation import metrics_from_scores
         from common.modelfile import read_model_file
+        from common.models.build import initial_model
+        from common.models.layout import load_flat_parameters
         from site_agent.imaging import split_images
-        from site_agent.models import load_flat_parameters
-        from site_agent.predict import initial_model
         from site_agent.trainer import predict_scores
 
-        model = initial_model(self.study, seed=self.o.seed)
+        model = initial_model(demo.study, seed=demo.o.seed)
         flat = np.asarray(read_model_file(model_path).flat, dtype=np.float32)
         load_flat_parameters(model, flat)
         held_out = _pool([
-            split_images(data, held_out_fraction=0.2, seed=self.o.seed)[1]
+            split_images(data, held_out_fraction=0.2, seed=demo.o.seed)[1]
             for _, data in sorted(self.datasets.items())
         ])
         scores = predict_scores(model, held_out, batch_size=256)
@@ -300,9 +279,10 @@ def image_baselines(
     held-out patients the federation evaluates on), with the study's model."""
     import torch
 
+    from common.models.build import build_for_study
+    from common.models.layout import flatten_parameters, load_flat_parameters
     from site_agent.hooks import fit_batch_size
     from site_agent.imaging import split_images
-    from site_agent.models import build_for_study, flatten_parameters, load_flat_parameters
     from site_agent.trainer import LocalTrainer, TrainingConfig, predict_scores
 
     splits = {

@@ -1,0 +1,43 @@
+"""The one model registry both services build from.
+
+A network is one module: ``common/models/tables/NAME.py`` for tabular data or
+``common/models/images/NAME.py`` for images, with a keyword-only ``build`` function
+(see `common.models.registry` for its signature). The module's file name is the
+model's name (``_`` read as ``-``: ``images/resnet18_gn.py`` is ``resnet18-gn``); the
+registry lists the two folders without importing them, so the study schema, the
+coordinator's control plane and `common` stay torch-free at import. Torch is imported
+only by what builds or flattens a network: `common.models.build` and
+`common.models.layout`.
+"""
+
+from common.models.registry import (
+    ALIASES,
+    CUSTOM,
+    RECORD_FORMAT,
+    Kind,
+    ModelSpec,
+    Task,
+    architecture_record,
+    canonical_name,
+    check_params,
+    kind_of,
+    known_aliases,
+    model_names,
+    output_units,
+)
+
+__all__ = [
+    "ALIASES",
+    "CUSTOM",
+    "RECORD_FORMAT",
+    "Kind",
+    "ModelSpec",
+    "Task",
+    "architecture_record",
+    "canonical_name",
+    "check_params",
+    "kind_of",
+    "known_aliases",
+    "model_names",
+    "output_units",
+]

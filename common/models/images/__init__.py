@@ -1,0 +1,2 @@
+"""Networks for images: one module per network, named as the study names it
+(``_``-prefixed modules are shared helpers)."""

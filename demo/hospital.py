@@ -1,0 +1,81 @@
+"""The demo under hospital-level DP (``--privacy-unit hospital``): the coordinator's
+noise plan, the study's privacy section and the three figures the report gives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from demo.options import COUNT_EPSILON, DemoOptions
+
+
+def hospital_figures(hospital: dict[str, Any]) -> str:
+    """The table row's privacy figures under hospital-level DP: the largest hospital-level
+    and per-patient epsilon over the sites (the budget caps neither: it is charged at
+    add/remove one unit, and the per-patient figure counts the updates at 2S)."""
+    whole = max(hospital.get("epsilon", {}).values(), default=0.0)
+    patient = max(hospital.get("per_patient_epsilon", {}).values(), default=0.0)
+    return f"hospital eps {whole:.2f}, per-patient eps {patient:.2f}"
+
+
+def intermediaries_label(hospital: dict[str, Any]) -> str:
+    """The table row's suffix naming the intermediaries: fixed v, or v per round."""
+    v = hospital.get("intermediaries", 1)
+    if v == "auto":
+        chosen = hospital.get("intermediaries_by_round", {})
+        return ", v auto per round " + (
+            "/".join(str(x) for x in chosen.values()) if chosen else "-")
+    return f", v={v}" if v != 1 else ""
+
+
+def hospital_aggregation(o: DemoOptions) -> str:
+    """The coordinator's [aggregation] lines for hospital-level DP: S and a z planned so
+    the demo's rounds of updates fit the sites' budget (`common.privacy.hospital`)."""
+    if o.privacy_unit != "hospital":
+        return ""
+    from common.privacy.hospital import EVALUATION_RESERVE, plan_noise_multiplier
+
+    left = (o.budget_epsilon - COUNT_EPSILON) * (1 - EVALUATION_RESERVE)
+    z = plan_noise_multiplier(epsilon=left, delta=o.delta, rounds=o.rounds)
+    return f"hospital_clip_norm = {o.update_clip_norm}\nhospital_noise_multiplier = {z}\n"
+
+
+def hospital_report(out: Path, sites: list[str], o: DemoOptions) -> dict[str, Any]:
+    """Each site's three hospital-mode figures from its own ledger
+    (`common.privacy.hospital.guarantees`): hospital-level and intermediary-level (model
+    updates only) and per-patient (every release, the updates at 2S)."""
+    from common.privacy.hospital import guarantees
+    from common.privacy.ledger import read_ledger
+
+    epsilon: dict[str, float] = {}
+    intermediary: dict[str, float] = {}
+    per_patient: dict[str, float] = {}
+    for site in sites:
+        path = out / "sites" / site / "privacy-ledger.db"
+        if not path.exists():
+            epsilon[site] = intermediary[site] = per_patient[site] = 0.0
+            continue
+        header, entries = read_ledger(path)
+        pairs = [(e.purpose, tuple(getattr(e, "mechanisms", ()))) for e in entries]
+        figures = guarantees(pairs, delta=header.delta, accountant=header.accountant)
+        epsilon[site] = figures.hospital
+        intermediary[site] = figures.intermediary
+        per_patient[site] = figures.per_patient
+    return {"epsilon": epsilon, "intermediary_epsilon": intermediary,
+            "per_patient_epsilon": per_patient,
+            "intermediaries": o.intermediaries, "update_clip_norm": o.update_clip_norm,
+            "note": ("hospital-level and intermediary-level epsilon cover the model updates "
+                     "only; per-patient composes every release with the updates at 2S; the "
+                     "budget (epsilon by site above) is charged at add/remove one unit")}
+
+
+def hospital_study(study: Any, o: DemoOptions) -> Any:
+    """The drafted study under hospital-level DP: unit hospital, clip S and
+    the intermediaries per hospital; z is planned from the study's epsilon."""
+    from common.study import StudyPrivacySection
+
+    privacy = StudyPrivacySection.model_validate({
+        **study.privacy.model_dump(), "unit": "hospital",
+        "update_clip_norm": o.update_clip_norm, "intermediaries": o.intermediaries,
+    })
+    return study.model_copy(update={"privacy": privacy})

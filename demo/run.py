@@ -1,0 +1,372 @@
+"""The one `Demo`: a PKI, one coordinator and the site agents as real processes, one
+site killed mid-round where the federation survives it, the rounds followed from the
+coordinator's events; the task (`demo.tabular`, `demo.imaging`) supplies the data, the
+baselines, the model and the sites' configuration."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from common.errors import StateError
+from common.processes import Line, ManagedProcess, medfed_argv
+from demo.hospital import hospital_aggregation
+from demo.options import WAIT_NOTE_SECONDS, DemoOptions, RoundRow
+from demo.report import dp_auc_text, epsilon_by_site, write_report
+from demo.tabular import TabularTask
+from demo.tasks import DemoTask
+from demo.terms import dropout_decision, federation_terms
+from demo.watch import last_error, waiting_for
+
+
+class Demo:
+    """`medfed demo`: the federation, its fault and its report, for one task."""
+
+    def __init__(self, options: DemoOptions, *, task: DemoTask | None = None) -> None:
+        self.o = options
+        self.out = options.out
+        self.task: DemoTask = task if task is not None else TabularTask()
+        self.procs: dict[str, ManagedProcess] = {}
+        self.rows: list[RoundRow] = []
+        self.aborted: list[dict[str, Any]] = []
+        self.killed: set[ManagedProcess] = set()  # sites this demo killed on purpose
+        self.audit: dict[str, Any] = {"skipped": True, "reason": "not run"}
+        self.started = time.monotonic()
+        self._print_lock = threading.Lock()
+        # The study the sites train (set by the task): `--data DIR` and images.
+        self.study: Any = None
+        # `--data DIR`: the study the coordinator serves (`coordinator serve --study`).
+        self.served_study: Path | None = None
+        self.statistics_round: int | None = None
+        self.port = 0
+        # SecAgg+ terms for the coordinator and the sites (set by `run` for its sites).
+        self.terms = federation_terms(max(options.sites, 3),
+                                      histogram_bins=self.task.histogram_bins)
+
+    def say(self, text: str) -> None:
+        if not self.o.quiet:
+            with self._print_lock:
+                print(text, flush=True)
+
+    # ------------------------------------------------------------------ setup
+
+    def make_pki(self, sites: list[str]) -> Path:
+        from common.pki import init_ca, issue_coordinator, issue_site
+
+        pki = self.out / "pki"
+        init_ca(pki)
+        issue_coordinator(pki, ["127.0.0.1", "localhost"])
+        for site in sites:
+            issue_site(pki, site)
+        self.say(f"[setup] PKI: federation CA, coordinator and {len(sites)} site certificates "
+                 f"in {pki}")
+        return pki
+
+    def start_coordinator(self, pki: Path, model: Path | None, n_sites: int) -> ManagedProcess:
+        # Every round waits for all sites (the killed one is restarted right after its
+        # round), so each hospital's epsilon tells the same story.
+        config = self.out / "coordinator.toml"
+        study_args: tuple[str, ...] = ()
+        if self.served_study is not None or model is None:
+            # The study gives the model (built by the coordinator) and training settings.
+            if self.served_study is None:
+                raise StateError("the demo has neither an initial model nor a study")
+            model_and_training = ""
+            study_args = ("--study", str(self.served_study))
+        else:
+            model_and_training = f"""[model]
+init_file = "{model.resolve()}"
+
+[training]
+local_epochs = {self.o.local_epochs}
+learning_rate = {self.o.learning_rate}
+final_evaluation = true
+"""
+        config.write_text(
+            f"""rounds = {self.o.rounds}
+min_sites = {n_sites}
+federation_id = "medfed-demo"
+
+{model_and_training}
+[aggregation]
+histogram_bins = {self.terms.aggregation.histogram_bins}
+clip = {self.terms.aggregation.clip}
+max_colluding_sites = {self.terms.aggregation.max_colluding_sites}
+{hospital_aggregation(self.o)}
+[deadlines]
+selection_seconds = 5
+round_start_timeout_seconds = 600
+train_seconds = 600
+phase_seconds = {self.o.phase_seconds}
+"""
+        )
+        proc = ManagedProcess(
+            "coordinator",
+            medfed_argv("coordinator", "serve", "--config", str(config), "--pki", str(pki),
+                        "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                        "--state", str(self.out / "coordinator"), "--exit-when-finished",
+                        "--linger-seconds", "5", *study_args),
+            log_dir=self.out / "logs",
+        )
+        try:
+            event = proc.wait_event("listening", timeout=300)
+        except RuntimeError:
+            state = ("exited with code " + str(proc.proc.returncode) if not proc.alive
+                     else "did not start listening within 300 s")
+            proc.stop()
+            raise StateError(f"the coordinator {state}: {last_error(proc)} "
+                             f"(log: {self.out / 'logs' / 'coordinator.log'})") from None
+        self.port = int(event["port"])
+        self.say(f"[setup] coordinator listening on 127.0.0.1:{self.port} (mTLS only)")
+        return proc
+
+    def start_site(self, site: str, pki: Path, data: Path | None, *extra: str) -> ManagedProcess:
+        config = self.out / "sites" / f"{site}.toml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(self.task.site_config(self, site, data))
+        proc = ManagedProcess(
+            site,
+            medfed_argv("site", "run", "--config", str(config), "--pki", str(pki),
+                        "--site", site, "--coordinator", f"127.0.0.1:{self.port}",
+                        "--metrics-listen", "127.0.0.1:0",
+                        "--state", str(self.out / "sites" / site), *extra),
+            log_dir=self.out / "logs",
+            env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+        )
+        self.procs[site] = proc
+        return proc
+
+    def privacy_audit(self, datasets: dict[str, Any]) -> dict[str, Any]:
+        """Membership-inference audit on one site's records (demo/audit.py)."""
+        from demo.audit import demo_audit, skipped
+        from site_agent.data import SiteData
+
+        if not self.o.audit:
+            return skipped("--no-audit")
+        if not all(isinstance(d, SiteData) for d in datasets.values()):
+            return skipped("the audit runs on tables; image data is not audited yet")
+        self.say("[audit] membership inference on one site's records, without DP and with "
+                 f"DP at epsilon {self.o.budget_epsilon:g} ...")
+        model = None
+        if self.served_study is not None:  # `--data`: the study's encoding and model
+            from site_agent.audit import study_audit_model
+
+            model = study_audit_model(self.study)
+        result = demo_audit(datasets, epsilon=self.o.budget_epsilon, delta=self.o.delta,
+                            seed=self.o.seed, model=model)
+        self.say(f"[audit] {result.get('line') or 'skipped: ' + str(result.get('reason'))}")
+        return result
+
+    def run(self) -> dict[str, Any]:
+        files = self.task.prepare(self)
+        sites = sorted(files)
+        pki = self.make_pki(sites)
+        datasets, features = self.task.load_datasets(self, files)
+        model = self.task.initial_model(self, len(features))
+        self.say("[baseline] training centralized and federated non-private baselines ...")
+        baselines = self.task.baselines(self, datasets)
+        for name, m in baselines.items():
+            self.say(f"[baseline] {name:<18} AUC {m['auc']:.3f}")
+        self.audit = self.privacy_audit(datasets)
+        self.terms = federation_terms(len(sites), histogram_bins=self.task.histogram_bins)
+        if self.terms.note:
+            self.say(f"[setup] {self.terms.note}")
+        victim = self.plan_fault(sites)
+        coordinator = self.start_coordinator(pki, model, len(sites))
+        try:
+            for site in sites:
+                extra: tuple[str, ...] = ()
+                if site == victim:
+                    extra = ("--debug-pause-after", f"{self.kill_round_number()}:masked_input")
+                self.start_site(site, pki, files[site], *extra)
+            self.say(f"[federation] {len(sites)} site agents started; budget "
+                     f"epsilon={self.o.budget_epsilon:g} at delta={self.o.delta:g} each")
+            self.say("[federation] AUC = the global model entering each round, measured on every "
+                     "site's held-out split through securely summed score histograms")
+            self.follow_rounds(coordinator, sites, victim, pki, files)
+        finally:
+            for proc in self.procs.values():
+                proc.stop()
+            coordinator.stop()
+        return self.write_report(sites, baselines)
+
+    def kill_round_number(self) -> int:
+        """The coordinator's number of the `--kill-round`th training round (with a
+        study, round 1 is the federated DP statistics round)."""
+        return self.o.kill_round + (1 if self.served_study is not None else 0)
+
+    def plan_fault(self, sites: list[str]) -> str | None:
+        """The site to kill mid-round, or None where the federation could not survive
+        losing one (`dropout_decision`, said in one line) or `--kill-round 0`."""
+        if not self.o.kill_round:
+            return None
+        decision = dropout_decision(len(sites), aggregation=self.terms.aggregation,
+                                    policy=self.terms.policy)
+        self.say(decision.line)
+        return sites[-1] if decision.inject else None
+
+    def follow_rounds(self, coordinator: ManagedProcess, sites: list[str], victim: str | None,
+                      pki: Path, files: dict[str, Path | None]) -> None:
+        total = self.o.rounds + 1  # training rounds + the final evaluation round
+        done = 0
+        restarted = False
+        seen = 0
+        while done < total:
+            line, seen = self._next_round_event(coordinator, seen, sites)
+            if (victim is not None and not restarted
+                    and any(proc.name == victim for proc in self.killed)):
+                # After the round it was killed in (completed or aborted), before the
+                # next round's selection, which waits for every site.
+                self.start_site(victim, pki, files[victim])
+                restarted = True
+                self.say(f"[fault] {victim} restarted with its ledger: it rejoins next round")
+            if line.get("event") == "round_aborted":
+                self.aborted.append({"round": int(line.get("round_number", 0)),
+                                     "reason": str(line.get("reason", ""))})
+                self.say(f"[round {line.get('round_number')}] aborted: {line.get('reason')}")
+                continue
+            if line.get("kind") == "statistics":
+                self.statistics_round = int(line.get("round_number", 0))
+                self.say(f"[round {self.statistics_round}] federated DP statistics: "
+                         f"{len(str(line.get('survivors', '')).split(','))} sites released "
+                         "noised sums and counts; every site standardises and imputes with "
+                         "the same global values")
+                continue
+            done += 1
+            self.record_round(line, sites)
+
+    def _next_round_event(self, coordinator: ManagedProcess, seen: int,
+                          sites: list[str]) -> tuple[Line, int]:
+        """Wait for the coordinator's next round event; meanwhile kill a paused victim,
+        and every WAIT_NOTE_SECONDS without one say what the federation waits for."""
+        waiting_since = last_note = time.monotonic()
+        while True:
+            lines = coordinator.lines
+            for index in range(seen, len(lines)):
+                if lines[index].get("event") in ("round_completed", "round_aborted"):
+                    return lines[index], index + 1
+            if not coordinator.alive:
+                try:  # its last lines may still be in the pipe
+                    return self._last_round_event(coordinator, seen)
+                except RuntimeError:
+                    raise StateError(self.coordinator_failure(coordinator, sites)) from None
+            self.check_sites()
+            for site, proc in self.procs.items():
+                if proc.alive and any(x.get("event") == "paused" for x in list(proc.lines)):
+                    self.killed.add(proc)
+                    proc.kill9()
+                    self.say(f"[fault] kill -9 {site} mid-round, after it sent its masked "
+                             "update: the survivors' Shamir shares will remove its masks")
+            now = time.monotonic()
+            if now - last_note >= WAIT_NOTE_SECONDS:
+                last_note = now
+                self.say(f"[wait] {now - waiting_since:.0f} s: "
+                         + waiting_for(list(lines), self.site_states(sites)))
+            try:
+                coordinator.wait_for(
+                    lambda e: e.get("event") in ("round_completed", "round_aborted"),
+                    timeout=1.0, what="a round event", start=seen,
+                )
+            except RuntimeError:
+                continue
+
+    @staticmethod
+    def _last_round_event(coordinator: ManagedProcess, seen: int) -> tuple[Line, int]:
+        """A round event an exited coordinator printed from line `seen` on (read to the
+        end of its output); RuntimeError when there is none."""
+        event = coordinator.wait_for(
+            lambda e: e.get("event") in ("round_completed", "round_aborted"),
+            timeout=30.0, what="a round event", start=seen,
+        )
+        return event, next(i for i in range(seen, len(coordinator.lines))
+                           if coordinator.lines[i] is event) + 1
+
+    def site_log(self, site: str) -> Path:
+        return self.out / "logs" / f"{site}.log"
+
+    def site_states(self, sites: list[str]) -> dict[str, str]:
+        """Each site agent in a few words: running, killed by the demo, or exited with
+        its code, its last error and its log."""
+        states = {}
+        for site in sites:
+            proc = self.procs.get(site)
+            if proc is None:
+                states[site] = "not started"
+            elif proc.alive:
+                states[site] = "running"
+            elif proc in self.killed:
+                states[site] = "killed by the demo (not restarted yet)"
+            else:
+                states[site] = (f"exited with code {proc.proc.returncode}: {last_error(proc)} "
+                                f"(log: {self.site_log(site)})")
+        return states
+
+    def coordinator_failure(self, coordinator: ManagedProcess, sites: list[str]) -> str:
+        """What failed when the coordinator exits mid-demo: its own error, then every
+        site that was not running, each with its log (a bare "fewer than min_sites"
+        names no site)."""
+        states = self.site_states(sites)
+        down = {site: state for site, state in states.items() if state != "running"}
+        text = (f"the coordinator exited with code {coordinator.proc.returncode}: "
+                f"{last_error(coordinator)} (log: {self.out / 'logs' / 'coordinator.log'})")
+        if down:
+            text += "; sites not running: " + "; ".join(
+                f"{site} {state}" for site, state in down.items())
+        else:
+            text += "; every site agent was still running (site logs: " \
+                    f"{self.out / 'logs'})"
+        return text
+
+    def check_sites(self) -> None:
+        """Fail fast with the site's own message when a site agent died (bad data,
+        refused certificate...) instead of waiting out the round-start timeout."""
+        for site, proc in self.procs.items():
+            if proc in self.killed or proc.alive:
+                continue
+            code = proc.proc.returncode
+            if code not in (0, None):
+                raise StateError(f"site {site} exited with code {code}: {last_error(proc)} "
+                                 f"(log: {self.out / 'logs' / (site + '.log')})")
+
+    def record_round(self, line: Line, sites: list[str]) -> None:
+        participants = [s for s in str(line.get("participants", "")).split(",") if s]
+        dropped = sorted(
+            s for key in ("dropped", "dropped_after_input")
+            for s in str(line.get(key, "")).split(",") if s
+        )
+        eps = epsilon_by_site(self, sites)
+        auc = line.get("auc")
+        row = RoundRow(
+            round=int(line["round_number"]),
+            participants=participants,
+            dropped=dropped,
+            secure_aggregation=bool(line.get("secure", True)),
+            auc=float(auc) if auc is not None else None,
+            evaluation_only=bool(line.get("evaluation_only", False)),
+            epsilon=eps,
+            metrics={k: line.get(k) for k in ("auc", "sensitivity", "specificity", "ppv",
+                                              "auc_interval_low", "auc_interval_high")},
+            intermediaries=(int(line["intermediaries"])
+                            if line.get("intermediaries") is not None else None),
+        )
+        self.rows.append(row)
+        kind = "final evaluation" if row.evaluation_only else "training"
+        auc_text = dp_auc_text(row.metrics) if row.auc is not None else "  -  "
+        eps_text = " ".join(f"{s}={e:.2f}" for s, e in eps.items())
+        lost = f" ({','.join(dropped)})" if dropped else ""
+        split = (f" | v={row.intermediaries}" if row.intermediaries is not None else "")
+        self.say(
+            f"[round {row.round}] {kind:<16} sites {len(participants)}, dropped "
+            f"{len(dropped)}{lost} | AUC {auc_text} | epsilon {eps_text}{split}"
+        )
+
+    # ------------------------------------------------------------------ report
+
+    def write_report(self, sites: list[str],
+                     baselines: dict[str, dict[str, float]]) -> dict[str, Any]:
+        """report.json, the plots and the table (`demo.report`), then the task's own."""
+        report = write_report(self, sites, baselines)
+        self.task.finish_report(self, report)
+        return report

@@ -1,0 +1,42 @@
+"""What a demo task supplies to the one `Demo`: its data, baselines, model and site
+configuration. `demo.tabular` and `demo.imaging` are the two tasks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from demo.run import Demo
+
+
+class DemoTask(Protocol):
+    """The task strategy of a `Demo`; every method gets the running demo."""
+
+    name: str
+    """"tabular" or "imaging" (``--task``)."""
+
+    histogram_bins: int
+    """Score bins of the federation's DP evaluation histogram."""
+
+    def prepare(self, demo: Demo) -> dict[str, Path | None]:
+        """Write the task's inputs under ``demo.out``; site ids and their data (None: the
+        site's slice of the embedded cohort)."""
+
+    def load_datasets(
+        self, demo: Demo, files: dict[str, Path | None]
+    ) -> tuple[dict[str, Any], list[str]]:
+        """The records the sites train on, for the in-process baselines and audit, and
+        the feature names (none for images)."""
+
+    def baselines(self, demo: Demo, datasets: dict[str, Any]) -> dict[str, dict[str, float]]:
+        """Centralized and federated non-private baselines, in process."""
+
+    def initial_model(self, demo: Demo, n_features: int) -> Path | None:
+        """The coordinator's initial model file; None where the served study gives it."""
+
+    def site_config(self, demo: Demo, site: str, data: Path | None) -> str:
+        """The site agent's configuration file (TOML)."""
+
+    def finish_report(self, demo: Demo, report: dict[str, Any]) -> None:
+        """Add the task's own figures to the written report (after the table)."""

@@ -1,0 +1,108 @@
+"""The package layout of DESIGN.md, read from the source (an AST scan of every import):
+`common` imports neither service, `coordinator` imports nothing from `site_agent` (nor
+`site_agent` from `coordinator`), and only `demo`, `bench` and the tests import both.
+`common` and `coordinator` stay torch-free at import: only what builds or flattens a
+network (`common.models.build`, `common.models.layout`, the network modules) imports
+torch. The model registry's names are its network modules' file names."""
+
+from __future__ import annotations
+
+import ast
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.models import kind_of, model_names
+
+REPO = Path(__file__).resolve().parents[2]
+PRODUCT = ("common", "coordinator", "site_agent", "demo", "bench")
+FORBIDDEN = {
+    "common": {"coordinator", "site_agent", "demo", "bench"},
+    "coordinator": {"site_agent", "demo", "bench"},
+    "site_agent": {"coordinator", "demo", "bench"},
+    "demo": {"bench"},
+    "bench": set(),
+}
+TORCH_MODULES = ("common.models.build", "common.models.layout", "common.models.tables.",
+                 "common.models.images.")
+
+
+def _imported(path: Path) -> set[str]:
+    """The top-level packages a module imports (module level or inside functions)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def _sources(package: str) -> list[Path]:
+    return sorted(p for p in (REPO / package).rglob("*.py") if "proto" not in p.parts)
+
+
+@pytest.mark.parametrize("package", PRODUCT)
+def test_packages_import_only_what_the_layout_allows(package: str) -> None:
+    sources = _sources(package)
+    assert sources, f"no sources under {package}/"
+    broken = {
+        str(path.relative_to(REPO)): sorted(_imported(path) & FORBIDDEN[package])
+        for path in sources if _imported(path) & FORBIDDEN[package]
+    }
+    assert not broken, f"{package}/ may not import {sorted(FORBIDDEN[package])}: {broken}"
+
+
+def test_the_scan_sees_function_level_imports(tmp_path: Path) -> None:
+    """The rule also covers lazy imports (the way the demo used to reach site_agent)."""
+    module = tmp_path / "lazy.py"
+    module.write_text("def f():\n    from site_agent.models import x\n    import coordinator\n")
+    assert _imported(module) == {"site_agent", "coordinator"}
+
+
+def test_both_services_are_imported_together_only_beside_them() -> None:
+    both = {
+        str(path.relative_to(REPO)).split("/")[0]
+        for package in PRODUCT for path in _sources(package)
+        if {"coordinator", "site_agent"} <= _imported(path) | {package}
+    }
+    assert both <= {"demo", "bench"}, both
+
+
+def test_common_and_the_coordinator_are_torch_free_at_import() -> None:
+    modules = [
+        info.name
+        for package in ("common", "coordinator")
+        for info in pkgutil.walk_packages([str(REPO / package)], f"{package}.")
+        if not info.name.startswith("common.proto")
+        and not info.name.startswith(TORCH_MODULES)
+    ]
+    assert "coordinator.study_run" in modules and "common.study" in modules
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "    if 'torch' in sys.modules:\n"
+        "        raise SystemExit(f'importing {name} imported torch')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_network_is_one_module_named_as_the_study_names_it() -> None:
+    """A new network is one file in common/models/tables/ or images/: the registry, the
+    study schema, the demo's --model and the bundle rebuild all read it from there."""
+    for kind, folder in (("table", "tables"), ("images", "images")):
+        files = sorted(
+            p.stem.replace("_", "-") for p in (REPO / "common/models" / folder).glob("*.py")
+            if not p.stem.startswith("_")
+        )
+        assert list(model_names(kind)) == files
+        for name in files:
+            assert kind_of(name) == kind
+            assert kind_of(name.replace("-", "_")) == kind  # the module name is an alias
