@@ -104,6 +104,10 @@ MAX_BUNDLE_BYTES = 1 << 31
 """The final-model download's bound when this process heard no announcement of the
 study and its hook cannot size the study's model (otherwise `bundle_size_limit`)."""
 WAIT_SECONDS = 30
+STOP_CHECK_SECONDS = 0.2
+"""How often a site waiting for a round checks whether it was told to stop: the
+coordinator holds that wait up to WAIT_SECONDS, and SIGTERM (`docker stop` sends SIGKILL
+ten seconds later) should not wait that long."""
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 HEARTBEAT_FINAL = {
     grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION,
@@ -479,12 +483,9 @@ class SiteAgent:
             self._replica_seq = resp.ledger_seq_held
         while not self.stop.is_set():
             self._replicate(stub)
-            waited = stub.WaitForRound(
-                pb.WaitForRoundRequest(
-                    wait_seconds=WAIT_SECONDS, after_round=self.last_round, budget=self.budget_pb()
-                ),
-                timeout=WAIT_SECONDS + 15,
-            )
+            waited = self._wait_for_round(stub)
+            if waited is None:
+                return  # told to stop while no round was running
             self._accept_crl(waited.crl_der)
             if waited.federation_finished:
                 raise FederationFinished("done")
@@ -495,6 +496,24 @@ class SiteAgent:
             if limit is not None and self.rounds_done >= limit:
                 self._replicate(stub)  # leave the replica our latest entries
                 return
+
+    def _wait_for_round(self, stub: pb_grpc.FederationStub) -> pb.WaitForRoundResponse | None:
+        """The coordinator's long poll for the next round; None once `stop` is set (the
+        poll is cancelled: a stop never waits for the coordinator to answer)."""
+        call = stub.WaitForRound.future(
+            pb.WaitForRoundRequest(
+                wait_seconds=WAIT_SECONDS, after_round=self.last_round, budget=self.budget_pb()
+            ),
+            timeout=WAIT_SECONDS + 15,
+        )
+        answered = threading.Event()
+        call.add_done_callback(lambda _call: answered.set())
+        while not answered.wait(STOP_CHECK_SECONDS):
+            if self.stop.is_set():
+                call.cancel()
+                return None
+        reply: pb.WaitForRoundResponse = call.result()
+        return reply
 
     def _enroll(self, stub: pb_grpc.FederationStub) -> pb.EnrollResponse:
         """Enrol with our budget and ledger head. A refusal of a reported ledger head
