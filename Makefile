@@ -33,7 +33,7 @@ venv: $(STAMP_DEV)
 test: $(STAMP_DEV)
 	$(MAKE) --no-print-directory proto-check
 	$(MAKE) --no-print-directory lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 lint: $(STAMP_DEV)
 	$(VENV)/bin/ruff check common coordinator site_agent demo bench tests

@@ -62,6 +62,10 @@ log = logging.getLogger("medfed.site")
 
 NEXT_STUDY_POLL_SECONDS = 60.0
 WAIT_SECONDS = 30
+STOP_CHECK_SECONDS = 0.2
+"""How often a site waiting for a round checks whether it was told to stop: the
+coordinator holds that wait up to WAIT_SECONDS, and SIGTERM (`docker stop` sends SIGKILL
+ten seconds later) should not wait that long."""
 
 
 class SiteAgent:
@@ -203,13 +207,9 @@ class SiteAgent:
         membership.start(stub, resp)
         while not self.stop.is_set():
             membership.replicate(stub)
-            waited = stub.WaitForRound(
-                pb.WaitForRoundRequest(
-                    wait_seconds=WAIT_SECONDS, after_round=self.last_round,
-                    budget=membership.budget_pb(),
-                ),
-                timeout=WAIT_SECONDS + 15,
-            )
+            waited = self._wait_for_round(stub)
+            if waited is None:
+                return  # told to stop while no round was running
             membership.accept_crl(waited.crl_der)
             if waited.federation_finished:
                 raise FederationFinished("done")
@@ -220,6 +220,25 @@ class SiteAgent:
             if limit is not None and self.rounds_done >= limit:
                 membership.replicate(stub)  # leave the replica our latest entries
                 return
+
+    def _wait_for_round(self, stub: pb_grpc.FederationStub) -> pb.WaitForRoundResponse | None:
+        """The coordinator's long poll for the next round; None once `stop` is set (the
+        poll is cancelled: a stop never waits for the coordinator to answer)."""
+        call = stub.WaitForRound.future(
+            pb.WaitForRoundRequest(
+                wait_seconds=WAIT_SECONDS, after_round=self.last_round,
+                budget=self.membership.budget_pb(),
+            ),
+            timeout=WAIT_SECONDS + 15,
+        )
+        answered = threading.Event()
+        call.add_done_callback(lambda _call: answered.set())
+        while not answered.wait(STOP_CHECK_SECONDS):
+            if self.stop.is_set():
+                call.cancel()
+                return None
+        reply: pb.WaitForRoundResponse = call.result()
+        return reply
 
     def _take_part(self, stub: pb_grpc.FederationStub, ann: pb.RoundAnnouncement) -> None:
         heard_at = time.perf_counter()

@@ -9,6 +9,8 @@ import datetime as dt
 import json
 import socket
 import subprocess
+import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -158,3 +160,35 @@ def test_an_expired_site_certificate_stops_the_agent_naming_it(federation: Feder
     assert result.returncode != 0
     assert "site-old.crt" in result.stderr and "expired" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _sites_waiting(metrics_port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("medfed_coordinator_sites_active "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def test_a_site_waiting_for_a_round_exits_cleanly_on_sigterm(federation: Federation) -> None:
+    """`systemctl stop` / `docker stop` while the coordinator holds the site's wait for
+    a round (a long poll of up to 30 s): the site cancels the wait and exits 0, rather
+    than sitting it out until the stop gives up and kills it (exit -9)."""
+    coordinator = federation.start_coordinator("--model-dim", "100", "--min-sites", "2",
+                                               exit_when_finished=False)
+    try:
+        metrics_port = int(coordinator.wait_event("listening")["metrics_port"])
+        site = federation.start_site("site-a")
+        site.wait_log("enrolled in federation", timeout=120)
+        # The coordinator counts the site as waiting only while its poll is held open.
+        waiting = threading.Event()
+        while not waiting.is_set() and site.alive:
+            if _sites_waiting(metrics_port) >= 1:
+                waiting.set()
+            else:
+                waiting.wait(0.2)
+        assert waiting.is_set(), site.tail(20)
+        site.stop()
+        assert site.proc.returncode == 0, site.tail(20)
+    finally:
+        coordinator.stop()

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import hashlib
+import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +127,13 @@ def coordinator_settings(
     return CoordinatorSettings(**values)
 
 
+def thread_stack(thread: threading.Thread) -> str:
+    """Where a thread that should have ended is stuck (for the failure message)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    where = "".join(traceback.format_stack(frame)) if frame is not None else "(ended)\n"
+    return f"thread {thread.name}:\n{where}"
+
+
 class InProcessCoordinator:
     """`coordinator.service.start` on its own event loop in a daemon thread."""
 
@@ -151,6 +160,8 @@ class InProcessCoordinator:
         if self._stop is not None:
             self.loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
+        assert not self._thread.is_alive(), (
+            "coordinator thread still running 30 s after stop:\n" + thread_stack(self._thread))
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -364,9 +375,14 @@ def honest_sites(
 
     yield make
     stop.set()
+    alive = []
     for group in started:
         for thread in group.threads.values():
             thread.join(10)
+            if thread.is_alive():
+                alive.append(thread)
+    assert not alive, "site agents still running 10 s after stop:\n" + "\n".join(
+        thread_stack(thread) for thread in alive)
 
 
 # ------------------------------------------------------------- scripted (hostile) site

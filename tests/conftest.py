@@ -1,0 +1,41 @@
+"""Suite-wide collection rules for running on several pytest-xdist workers.
+
+`make test` runs `pytest -n 2 --dist loadgroup` (pyproject.toml): a test goes to whichever
+worker is free, except that the tests of one file that share a module- or class-scoped
+fixture (a federation, a trained model) form one xdist group and run on the same worker,
+so the fixture is built once, not once per worker. Files with real-process tests (`e2e`
+or `slow` marks) are handed out first: the long tests start early and the many short ones
+fill in around them, instead of one long test starting last on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+SHARED_SCOPES = frozenset({"module", "class", "package"})
+LONG_MARKS = ("e2e", "slow")
+
+
+def _shares_a_fixture(item: pytest.Item) -> bool:
+    # pytest keeps the fixtures a test resolves to in `_fixtureinfo` (read-only here).
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(
+        definition.scope in SHARED_SCOPES
+        for definitions in info.name2fixturedefs.values()
+        for definition in definitions
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    long_files: set[str] = set()
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if any(item.get_closest_marker(mark) for mark in LONG_MARKS):
+            long_files.add(path)
+        if _shares_a_fixture(item) and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(path))
+    # Stable: a file's tests stay together and in their order.
+    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in long_files)
