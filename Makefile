@@ -12,16 +12,19 @@ PROTO_OUT := common/proto
 
 .PHONY: test demo bench soak lint proto proto-check venv clean images lock
 
-# Every package from requirements/dev.lock, pinned with its SHA-256 hash (torch's CPU
-# wheel: the default index's torch pulls gigabytes of CUDA wheels), then medfed itself
-# without resolving anything further. `make lock` re-pins it. Where no local wheel or
-# pip configuration serves torch 2.13.0+cpu:
-#   make test PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu"
+# torch first, pinned: torch==2.13.0 has a CPU wheel cached on our machines (elsewhere
+# pip takes PyPI's build of the same version; PIP_EXTRA="--extra-index-url
+# https://download.pytorch.org/whl/cpu" asks for the CPU one). Then every other package
+# from requirements/dev.lock, pinned with its SHA-256 hash (the lock's platform-specific
+# torch entry left out: installed above), then medfed itself without resolving anything
+# further. `make lock` re-pins the lock.
 PIP_EXTRA ?=
 $(STAMP_RUNTIME): pyproject.toml requirements/dev.lock
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --require-hashes $(PIP_EXTRA) -r requirements/dev.lock
+	$(PIP) install --quiet $(PIP_EXTRA) torch==2.13.0
+	sed '/^torch==/,/^[a-z]/{/^torch==/d;/^ /d;}' requirements/dev.lock > $(VENV)/dev-without-torch.lock
+	$(PIP) install --quiet --require-hashes $(PIP_EXTRA) -r $(VENV)/dev-without-torch.lock
 	$(PIP) install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 

@@ -65,15 +65,16 @@ def evaluation_noise_std(
     (`DistributedDiscreteGaussian.noise_variance_per_site`), so the sum carries
     sqrt(sum of s^2) (at most; KLS21). A site's entry for `round_number`, else its
     latest evaluation entry (replicas catch up after the round; a site's noise setting
-    does not change between rounds). A site without a replica keeps no ledger and adds
-    no noise. None (estimate from the release instead) when a site with a replica has
-    no evaluation entry yet."""
+    does not change between rounds). None (estimate from the release instead) when a
+    site has no replica or no evaluation entry in it yet: a site that kept a ledger but
+    has not replicated it (nothing to send yet) still added noise, and leaving it out
+    would understate the std and narrow the reported interval."""
     variance = 0.0
     for site in sites:
         try:
             history = replica.history(site)
         except ValidationError:
-            continue
+            return None
         entries = [e for e in history.entries if e.purpose == EVALUATION_PURPOSE]
         if not entries:
             return None

@@ -5,8 +5,8 @@
 # Build args (all optional): BASE_IMAGE, TORCH_INDEX, WHEELS, VERSION, as in
 # site_agent.Dockerfile. Every package comes from requirements/coordinator.lock, pinned
 # with SHA-256 hashes. No bench code. torch, opacus and monai are in this image because
-# the coordinator builds a study's untrained initial model with site_agent's model
-# registry (site_agent/ is copied for that and for medfed-bootstrap's legacy model).
+# the coordinator builds a study's untrained initial model (common.models.build);
+# site_agent/ is copied only for medfed-bootstrap's synthetic feature list.
 # Mount at run time (nothing secret is baked into the image):
 #   /pki     ca.crt, crl.pem, coordinator.crt/.key, monitors/healthcheck.crt/.key
 #            (read-only; never a site key, never ca.key)
