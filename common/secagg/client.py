@@ -50,7 +50,7 @@ further apart end up in different sessions, whose inputs cannot meet in one sum.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Concatenate, ParamSpec, TypeVar
 
@@ -159,6 +159,49 @@ class RevealGuard:
 
     def revealed(self, owner: str) -> ShareKind | None:
         return self._revealed.get(owner)
+
+
+def checked_roster(
+    roster: Roster,
+    *,
+    participants: Container[str],
+    site_id: str,
+    keys: tuple[bytes, bytes],
+    round_floor: int,
+    threshold: int,
+) -> dict[str, RosterEntry]:
+    """The roster's entries by site id, refused (`ProtocolAbort`) when an entry is not an
+    invited participant, appears twice or has keys of the wrong length, when this site
+    (`site_id`, whose (encryption, masking) public `keys` these are) is missing or listed
+    with other keys, or when the roster is smaller than `round_floor` or `threshold`."""
+    entries: dict[str, RosterEntry] = {}
+    for entry in roster.entries:
+        if entry.site_id not in participants:
+            raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"{entry.site_id!r} in roster")
+        if entry.site_id in entries:
+            raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"{entry.site_id!r} in roster")
+        if (
+            len(entry.encryption_public_key) != KEY_BYTES
+            or len(entry.masking_public_key) != KEY_BYTES
+        ):
+            raise ProtocolAbort(AbortReason.WRONG_LENGTH, f"keys of {entry.site_id!r}")
+        entries[entry.site_id] = entry
+    mine = entries.get(site_id)
+    if mine is None:
+        raise ProtocolAbort(AbortReason.SELF_MISSING, "this site is not in the roster")
+    if (mine.encryption_public_key, mine.masking_public_key) != keys:
+        raise ProtocolAbort(AbortReason.KEY_MISMATCH, "roster has other keys for this site")
+    if len(entries) < round_floor:
+        raise ProtocolAbort(
+            AbortReason.ROUND_TOO_SMALL,
+            f"{len(entries)} sites in roster; this site needs at least {round_floor}",
+        )
+    if len(entries) < threshold:
+        raise ProtocolAbort(
+            AbortReason.TOO_FEW_PARTICIPANTS,
+            f"{len(entries)} sites in roster, threshold is {threshold}",
+        )
+    return entries
 
 
 def _aborts_on_failure(
@@ -293,36 +336,14 @@ class SecAggClient:
         """Check the roster, then Shamir-share b_u and s_u^SK among the neighbourhood."""
         self._tracker.require(Phase.ADVERTISE_KEYS, "roster")
         encryption_keys, masking_keys = self._keys()
-        entries: dict[str, RosterEntry] = {}
-        for entry in roster.entries:
-            if entry.site_id not in self._participants:
-                raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"{entry.site_id!r} in roster")
-            if entry.site_id in entries:
-                raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"{entry.site_id!r} in roster")
-            if (
-                len(entry.encryption_public_key) != KEY_BYTES
-                or len(entry.masking_public_key) != KEY_BYTES
-            ):
-                raise ProtocolAbort(AbortReason.WRONG_LENGTH, f"keys of {entry.site_id!r}")
-            entries[entry.site_id] = entry
-        mine = entries.get(self.site_id)
-        if mine is None:
-            raise ProtocolAbort(AbortReason.SELF_MISSING, "this site is not in the roster")
-        if (
-            mine.encryption_public_key != encryption_keys.public_key
-            or mine.masking_public_key != masking_keys.public_key
-        ):
-            raise ProtocolAbort(AbortReason.KEY_MISMATCH, "roster has other keys for this site")
-        if len(entries) < self.round_floor:
-            raise ProtocolAbort(
-                AbortReason.ROUND_TOO_SMALL,
-                f"{len(entries)} sites in roster; this site needs at least {self.round_floor}",
-            )
-        if len(entries) < self.params.threshold:
-            raise ProtocolAbort(
-                AbortReason.TOO_FEW_PARTICIPANTS,
-                f"{len(entries)} sites in roster, threshold is {self.params.threshold}",
-            )
+        entries = checked_roster(
+            roster,
+            participants=self._participants,
+            site_id=self.site_id,
+            keys=(encryption_keys.public_key, masking_keys.public_key),
+            round_floor=self.round_floor,
+            threshold=self.params.threshold,
+        )
         sites = sorted(entries)
         self._roster = {site: entries[site] for site in sites}
         self._x = {site: index + 1 for index, site in enumerate(sites)}
