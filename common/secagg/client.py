@@ -204,6 +204,54 @@ def checked_roster(
     return entries
 
 
+def check_survivor_list(
+    message: SurvivorList,
+    *,
+    roster: Container[str],
+    site_id: str,
+    neighbours: set[str],
+    held: set[str],
+    threshold: int,
+    round_floor: int,
+) -> None:
+    """Refuse (`ProtocolAbort`) a survivor list that repeats or invents a site, lists this
+    site (`site_id`) as dropped or not at all, lists a site both ways, disagrees with the
+    `neighbours` whose shares this site `held`, or is smaller than `threshold` or
+    `round_floor` (Bonawitz et al. 2017, sec. 4, ConsistencyCheck)."""
+    survivors, dropped = message.survivors, message.dropped
+    for listed in (survivors, dropped):
+        if len(set(listed)) != len(listed):
+            raise ProtocolAbort(AbortReason.DUPLICATE_PEER, "survivor list repeats a site")
+        unknown = [site for site in listed if site not in roster]
+        if unknown:
+            raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"survivor list names {unknown}")
+    if site_id in dropped:
+        raise ProtocolAbort(AbortReason.SELF_LISTED_AS_DROPPED, "")
+    both = set(survivors) & set(dropped)
+    if both:
+        raise ProtocolAbort(AbortReason.PEER_BOTH_ALIVE_AND_DROPPED, f"{sorted(both)}")
+    if site_id not in survivors:
+        raise ProtocolAbort(AbortReason.SELF_MISSING, "not listed as a survivor")
+    listed_neighbours = (set(survivors) | set(dropped)) & neighbours
+    if listed_neighbours != held:
+        # Every neighbour whose shares we hold must be accounted for, and none
+        # whose shares we lack may be: otherwise the coordinator could ask us about
+        # a peer we did not mask against.
+        raise ProtocolAbort(
+            AbortReason.SURVIVORS_NOT_SUBSET,
+            "survivor list disagrees with the neighbours that sent shares",
+        )
+    if len(survivors) < threshold:
+        raise ProtocolAbort(AbortReason.TOO_FEW_PARTICIPANTS, f"{len(survivors)} survivors")
+    if len(survivors) < round_floor:
+        # Checked again on the authenticated survivors before Unmask; refusing to
+        # sign already stops the round here.
+        raise ProtocolAbort(
+            AbortReason.SURVIVORS_BELOW_FLOOR,
+            f"{len(survivors)} survivors; this site needs at least {round_floor}",
+        )
+
+
 def _aborts_on_failure(
     method: Callable[Concatenate[SecAggClient, _P], _R],
 ) -> Callable[Concatenate[SecAggClient, _P], _R]:
@@ -532,38 +580,16 @@ class SecAggClient:
         """Check the coordinator's survivor list and sign it (Bonawitz et al. 2017,
         sec. 4, ConsistencyCheck); signatures are cross-checked in the next step."""
         self._tracker.require(Phase.MASKED_INPUT, "survivor list")
+        check_survivor_list(
+            message,
+            roster=self._roster,
+            site_id=self.site_id,
+            neighbours=set(self.peers),
+            held=set(self._held_shares),
+            threshold=self.params.threshold,
+            round_floor=self.round_floor,
+        )
         survivors, dropped = message.survivors, message.dropped
-        for listed in (survivors, dropped):
-            if len(set(listed)) != len(listed):
-                raise ProtocolAbort(AbortReason.DUPLICATE_PEER, "survivor list repeats a site")
-            unknown = [site for site in listed if site not in self._roster]
-            if unknown:
-                raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"survivor list names {unknown}")
-        if self.site_id in dropped:
-            raise ProtocolAbort(AbortReason.SELF_LISTED_AS_DROPPED, "")
-        both = set(survivors) & set(dropped)
-        if both:
-            raise ProtocolAbort(AbortReason.PEER_BOTH_ALIVE_AND_DROPPED, f"{sorted(both)}")
-        if self.site_id not in survivors:
-            raise ProtocolAbort(AbortReason.SELF_MISSING, "not listed as a survivor")
-        listed_neighbours = (set(survivors) | set(dropped)) & set(self.peers)
-        if listed_neighbours != set(self._held_shares):
-            # Every neighbour whose shares we hold must be accounted for, and none
-            # whose shares we lack may be: otherwise the coordinator could ask us about
-            # a peer we did not mask against.
-            raise ProtocolAbort(
-                AbortReason.SURVIVORS_NOT_SUBSET,
-                "survivor list disagrees with the neighbours that sent shares",
-            )
-        if len(survivors) < self.params.threshold:
-            raise ProtocolAbort(AbortReason.TOO_FEW_PARTICIPANTS, f"{len(survivors)} survivors")
-        if len(survivors) < self.round_floor:
-            # Checked again on the authenticated survivors before Unmask; refusing to
-            # sign already stops the round here.
-            raise ProtocolAbort(
-                AbortReason.SURVIVORS_BELOW_FLOOR,
-                f"{len(survivors)} survivors; this site needs at least {self.round_floor}",
-            )
         canonical = SurvivorList(tuple(sorted(survivors)), tuple(sorted(dropped)))
         for peer in canonical.dropped:
             state = self.peers.get(peer)
