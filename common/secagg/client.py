@@ -50,7 +50,7 @@ further apart end up in different sessions, whose inputs cannot meet in one sum.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from typing import Concatenate, ParamSpec, TypeVar
 
@@ -250,6 +250,51 @@ def check_survivor_list(
             AbortReason.SURVIVORS_BELOW_FLOOR,
             f"{len(survivors)} survivors; this site needs at least {round_floor}",
         )
+
+
+def open_shares(
+    message: SharesForRecipient,
+    *,
+    keys: Mapping[str, bytes],
+    roster: Container[str],
+    neighbours: Container[str],
+    site_id: str,
+    round_number: int,
+    session_id: bytes,
+) -> dict[str, tuple[bytes, bytes]]:
+    """Each neighbour's (self-mask seed share, masking key share) for this site, decrypted
+    with the pairwise share `keys` and bound to sender, recipient, round and session;
+    `ProtocolAbort` for a share from a stranger, a non-neighbour or twice from one
+    sender, one that does not decrypt, or one of the wrong length."""
+    received: dict[str, tuple[bytes, bytes]] = {}
+    for share in message.shares:
+        sender = share.peer_site_id
+        if sender not in roster:
+            raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"share from {sender!r}")
+        if sender not in neighbours:
+            raise ProtocolAbort(AbortReason.NOT_A_NEIGHBOUR, f"share from {sender!r}")
+        if sender in received:
+            raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"second share from {sender!r}")
+        key = keys[sender]
+        try:
+            plaintext = open_sealed(
+                key,
+                share.ciphertext,
+                associated_data=share_associated_data(
+                    sender=sender,
+                    recipient=site_id,
+                    round_number=round_number,
+                    session_id=session_id,
+                ),
+            )
+        except CryptoError:
+            raise ProtocolAbort(
+                AbortReason.DECRYPTION_FAILED, f"share from {sender!r}"
+            ) from None
+        if len(plaintext) != SHARE_PLAINTEXT_BYTES:
+            raise ProtocolAbort(AbortReason.WRONG_LENGTH, f"share from {sender!r}")
+        received[sender] = (plaintext[:SHARE_BYTES], plaintext[SHARE_BYTES:])
+    return received
 
 
 def _aborts_on_failure(
@@ -507,34 +552,15 @@ class SecAggClient:
         self._tracker.require(Phase.SHARE_KEYS, "shares")
         self._check_input(input_vector)
         _, masking_keys = self._keys()
-        received: dict[str, tuple[bytes, bytes]] = {}
-        for share in message.shares:
-            sender = share.peer_site_id
-            if sender not in self._roster:
-                raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"share from {sender!r}")
-            if sender not in self.peers:
-                raise ProtocolAbort(AbortReason.NOT_A_NEIGHBOUR, f"share from {sender!r}")
-            if sender in received:
-                raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"second share from {sender!r}")
-            key = self._share_keys[sender]
-            try:
-                plaintext = open_sealed(
-                    key,
-                    share.ciphertext,
-                    associated_data=share_associated_data(
-                        sender=sender,
-                        recipient=self.site_id,
-                        round_number=self.params.round_number,
-                        session_id=self._session_id,
-                    ),
-                )
-            except CryptoError:
-                raise ProtocolAbort(
-                    AbortReason.DECRYPTION_FAILED, f"share from {sender!r}"
-                ) from None
-            if len(plaintext) != SHARE_PLAINTEXT_BYTES:
-                raise ProtocolAbort(AbortReason.WRONG_LENGTH, f"share from {sender!r}")
-            received[sender] = (plaintext[:SHARE_BYTES], plaintext[SHARE_BYTES:])
+        received = open_shares(
+            message,
+            keys=self._share_keys,
+            roster=self._roster,
+            neighbours=self.peers,
+            site_id=self.site_id,
+            round_number=self.params.round_number,
+            session_id=self._session_id,
+        )
         if len(received) + 1 < self.params.threshold:
             # Our own secrets could never be reconstructed (Bonawitz: |U2| >= t).
             raise ProtocolAbort(
