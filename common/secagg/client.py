@@ -45,23 +45,26 @@ With the complete graph (up to 20 sites) N(u) is everyone, so every entry is ver
 and sites told different announcements all abort at the roster. With SecAgg+
 neighbourhoods, every site with a neighbour told another story aborts there; sites
 further apart end up in different sessions, whose inputs cannot meet in one sum.
+
+The message checks that need no client state (the roster, the decrypted shares, the
+survivor list) are pure functions in `common.secagg.checks`.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
-from common.crypto.aead import open_sealed, seal, share_associated_data
+from common.crypto.aead import seal, share_associated_data
 from common.crypto.kdf import KdfInfo, hkdf_sha256
-from common.crypto.keyagreement import KEY_BYTES, X25519KeyPair, derive_key, generate_keypair
+from common.crypto.keyagreement import X25519KeyPair, derive_key, generate_keypair
 from common.crypto.prg import apply_masks
 from common.crypto.random import RandomSource
-from common.crypto.shamir import SECRET_BYTES, SHARE_BYTES, split_secrets
+from common.crypto.shamir import SECRET_BYTES, split_secrets
 from common.crypto.signing import SigningKey, VerifyingKey
 from common.errors import (
     AbortReason,
@@ -71,6 +74,7 @@ from common.errors import (
     ProtocolAbort,
     ValidationError,
 )
+from common.secagg.checks import check_survivor_list, checked_roster, open_shares
 from common.secagg.graph import NeighbourGraph, neighbour_graph
 from common.secagg.messages import (
     AdvertiseKeys,
@@ -108,8 +112,6 @@ reason of the check at hand), or ProtocolAbort with its own reason (NOT_A_SITE,
 UNKNOWN_MEMBER, REVOKED_PEER), which propagates unchanged. The networked layer checks
 the chain to the federation CA and that the certificate names `site_id`. Called only
 for the sites whose signatures this client verifies (see the module docstring)."""
-
-SHARE_PLAINTEXT_BYTES = 2 * SHARE_BYTES  # self-mask seed share || masking key share
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -159,142 +161,6 @@ class RevealGuard:
 
     def revealed(self, owner: str) -> ShareKind | None:
         return self._revealed.get(owner)
-
-
-def checked_roster(
-    roster: Roster,
-    *,
-    participants: Container[str],
-    site_id: str,
-    keys: tuple[bytes, bytes],
-    round_floor: int,
-    threshold: int,
-) -> dict[str, RosterEntry]:
-    """The roster's entries by site id, refused (`ProtocolAbort`) when an entry is not an
-    invited participant, appears twice or has keys of the wrong length, when this site
-    (`site_id`, whose (encryption, masking) public `keys` these are) is missing or listed
-    with other keys, or when the roster is smaller than `round_floor` or `threshold`."""
-    entries: dict[str, RosterEntry] = {}
-    for entry in roster.entries:
-        if entry.site_id not in participants:
-            raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"{entry.site_id!r} in roster")
-        if entry.site_id in entries:
-            raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"{entry.site_id!r} in roster")
-        if (
-            len(entry.encryption_public_key) != KEY_BYTES
-            or len(entry.masking_public_key) != KEY_BYTES
-        ):
-            raise ProtocolAbort(AbortReason.WRONG_LENGTH, f"keys of {entry.site_id!r}")
-        entries[entry.site_id] = entry
-    mine = entries.get(site_id)
-    if mine is None:
-        raise ProtocolAbort(AbortReason.SELF_MISSING, "this site is not in the roster")
-    if (mine.encryption_public_key, mine.masking_public_key) != keys:
-        raise ProtocolAbort(AbortReason.KEY_MISMATCH, "roster has other keys for this site")
-    if len(entries) < round_floor:
-        raise ProtocolAbort(
-            AbortReason.ROUND_TOO_SMALL,
-            f"{len(entries)} sites in roster; this site needs at least {round_floor}",
-        )
-    if len(entries) < threshold:
-        raise ProtocolAbort(
-            AbortReason.TOO_FEW_PARTICIPANTS,
-            f"{len(entries)} sites in roster, threshold is {threshold}",
-        )
-    return entries
-
-
-def check_survivor_list(
-    message: SurvivorList,
-    *,
-    roster: Container[str],
-    site_id: str,
-    neighbours: set[str],
-    held: set[str],
-    threshold: int,
-    round_floor: int,
-) -> None:
-    """Refuse (`ProtocolAbort`) a survivor list that repeats or invents a site, lists this
-    site (`site_id`) as dropped or not at all, lists a site both ways, disagrees with the
-    `neighbours` whose shares this site `held`, or is smaller than `threshold` or
-    `round_floor` (Bonawitz et al. 2017, sec. 4, ConsistencyCheck)."""
-    survivors, dropped = message.survivors, message.dropped
-    for listed in (survivors, dropped):
-        if len(set(listed)) != len(listed):
-            raise ProtocolAbort(AbortReason.DUPLICATE_PEER, "survivor list repeats a site")
-        unknown = [site for site in listed if site not in roster]
-        if unknown:
-            raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"survivor list names {unknown}")
-    if site_id in dropped:
-        raise ProtocolAbort(AbortReason.SELF_LISTED_AS_DROPPED, "")
-    both = set(survivors) & set(dropped)
-    if both:
-        raise ProtocolAbort(AbortReason.PEER_BOTH_ALIVE_AND_DROPPED, f"{sorted(both)}")
-    if site_id not in survivors:
-        raise ProtocolAbort(AbortReason.SELF_MISSING, "not listed as a survivor")
-    listed_neighbours = (set(survivors) | set(dropped)) & neighbours
-    if listed_neighbours != held:
-        # Every neighbour whose shares we hold must be accounted for, and none
-        # whose shares we lack may be: otherwise the coordinator could ask us about
-        # a peer we did not mask against.
-        raise ProtocolAbort(
-            AbortReason.SURVIVORS_NOT_SUBSET,
-            "survivor list disagrees with the neighbours that sent shares",
-        )
-    if len(survivors) < threshold:
-        raise ProtocolAbort(AbortReason.TOO_FEW_PARTICIPANTS, f"{len(survivors)} survivors")
-    if len(survivors) < round_floor:
-        # Checked again on the authenticated survivors before Unmask; refusing to
-        # sign already stops the round here.
-        raise ProtocolAbort(
-            AbortReason.SURVIVORS_BELOW_FLOOR,
-            f"{len(survivors)} survivors; this site needs at least {round_floor}",
-        )
-
-
-def open_shares(
-    message: SharesForRecipient,
-    *,
-    keys: Mapping[str, bytes],
-    roster: Container[str],
-    neighbours: Container[str],
-    site_id: str,
-    round_number: int,
-    session_id: bytes,
-) -> dict[str, tuple[bytes, bytes]]:
-    """Each neighbour's (self-mask seed share, masking key share) for this site, decrypted
-    with the pairwise share `keys` and bound to sender, recipient, round and session;
-    `ProtocolAbort` for a share from a stranger, a non-neighbour or twice from one
-    sender, one that does not decrypt, or one of the wrong length."""
-    received: dict[str, tuple[bytes, bytes]] = {}
-    for share in message.shares:
-        sender = share.peer_site_id
-        if sender not in roster:
-            raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"share from {sender!r}")
-        if sender not in neighbours:
-            raise ProtocolAbort(AbortReason.NOT_A_NEIGHBOUR, f"share from {sender!r}")
-        if sender in received:
-            raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"second share from {sender!r}")
-        key = keys[sender]
-        try:
-            plaintext = open_sealed(
-                key,
-                share.ciphertext,
-                associated_data=share_associated_data(
-                    sender=sender,
-                    recipient=site_id,
-                    round_number=round_number,
-                    session_id=session_id,
-                ),
-            )
-        except CryptoError:
-            raise ProtocolAbort(
-                AbortReason.DECRYPTION_FAILED, f"share from {sender!r}"
-            ) from None
-        if len(plaintext) != SHARE_PLAINTEXT_BYTES:
-            raise ProtocolAbort(AbortReason.WRONG_LENGTH, f"share from {sender!r}")
-        received[sender] = (plaintext[:SHARE_BYTES], plaintext[SHARE_BYTES:])
-    return received
 
 
 def _aborts_on_failure(

@@ -34,7 +34,8 @@ from common.crypto.keyagreement import KEY_BYTES, derive_key, public_key_of
 from common.crypto.prg import apply_masks
 from common.crypto.shamir import PRIME, SHARE_BYTES
 from common.errors import AbortReason, CryptoError, ProtocolAbort, ValidationError
-from common.secagg.client import SHARE_PLAINTEXT_BYTES, IdentityVerifier, self_mask_seed
+from common.secagg.checks import SHARE_PLAINTEXT_BYTES
+from common.secagg.client import IdentityVerifier, self_mask_seed
 from common.secagg.graph import neighbourhoods
 from common.secagg.messages import (
     COMMITMENT_BYTES,
