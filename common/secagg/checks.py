@@ -6,7 +6,9 @@ the reason (Bonawitz et al. 2017, sec. 4; Bell et al. 2020, sec. 3-4).
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
+from collections.abc import Container, Iterable, Mapping
+
+import numpy as np
 
 from common.crypto.aead import open_sealed, share_associated_data
 from common.crypto.keyagreement import KEY_BYTES
@@ -15,8 +17,11 @@ from common.errors import (
     AbortReason,
     CryptoError,
     ProtocolAbort,
+    ValidationError,
 )
+from common.secagg.graph import NeighbourGraph
 from common.secagg.messages import (
+    ConsistencySignatures,
     Roster,
     RosterEntry,
     SharesForRecipient,
@@ -161,3 +166,52 @@ def open_shares(
     return received
 
 
+
+
+def relayed_signatures(
+    message: ConsistencySignatures, *, roster: Container[str], alive: Container[str]
+) -> dict[str, bytes]:
+    """The relayed consistency signatures by signer; `ProtocolAbort` for a signer listed
+    twice, one not in the roster, or one not among the `alive` survivors."""
+    relayed: dict[str, bytes] = {}
+    for signer, signature in message.signatures:
+        if signer in relayed:
+            raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"two signatures by {signer!r}")
+        if signer not in roster:
+            raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"signature by {signer!r}")
+        if signer not in alive:
+            raise ProtocolAbort(
+                AbortReason.INCONSISTENT_SURVIVOR_SETS, f"{signer!r} signed but is not alive"
+            )
+        relayed[signer] = signature
+    return relayed
+
+
+def check_neighbourhood_quorum(
+    owners: Iterable[str], *, signers: set[str], graph: NeighbourGraph, threshold: int
+) -> None:
+    """SecAgg+ quorum: the t confirmations must come from each owner's own closed
+    neighbourhood, the only sites holding its shares; otherwise two halves of a large
+    federation could be told two stories about the same owner."""
+    for owner in owners:
+        closed = {owner, *graph[owner]}
+        if len(signers & closed) < threshold:
+            raise ProtocolAbort(
+                AbortReason.INCONSISTENT_SURVIVOR_SETS,
+                f"fewer than t confirmations in the neighbourhood of {owner!r}",
+            )
+
+
+def check_input_vector(vector: np.ndarray, *, length: int) -> None:
+    """ValidationError unless `vector` is a writeable, contiguous uint32 vector of
+    `length` (it is masked in place)."""
+    if (
+        not isinstance(vector, np.ndarray)
+        or vector.dtype != np.uint32
+        or vector.shape != (length,)
+        or not vector.flags.c_contiguous
+        or not vector.flags.writeable
+    ):
+        raise ValidationError(
+            f"input must be a writeable contiguous uint32 vector of length {length}"
+        )

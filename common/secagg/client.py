@@ -74,7 +74,14 @@ from common.errors import (
     ProtocolAbort,
     ValidationError,
 )
-from common.secagg.checks import check_survivor_list, checked_roster, open_shares
+from common.secagg.checks import (
+    check_input_vector,
+    check_neighbourhood_quorum,
+    check_survivor_list,
+    checked_roster,
+    open_shares,
+    relayed_signatures,
+)
 from common.secagg.graph import NeighbourGraph, neighbour_graph
 from common.secagg.messages import (
     AdvertiseKeys,
@@ -416,7 +423,7 @@ class SecAggClient:
                              - sum_{v in N(u) alive, u > v} PRG(s_uv)   (mod 2^32)
         """
         self._tracker.require(Phase.SHARE_KEYS, "shares")
-        self._check_input(input_vector)
+        check_input_vector(input_vector, length=self.params.vector_length)
         _, masking_keys = self._keys()
         received = open_shares(
             message,
@@ -505,17 +512,7 @@ class SecAggClient:
         owners = [o for o in (*self.peers, self.site_id) if o in alive or o in survivors.dropped]
         # Holders of the shares we reveal: the closed neighbourhoods of their owners.
         holders = {h for owner in owners for h in (owner, *self._graph[owner])}
-        relayed: dict[str, bytes] = {}
-        for signer, signature in message.signatures:
-            if signer in relayed:
-                raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"two signatures by {signer!r}")
-            if signer not in self._roster:
-                raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"signature by {signer!r}")
-            if signer not in alive:
-                raise ProtocolAbort(
-                    AbortReason.INCONSISTENT_SURVIVOR_SETS, f"{signer!r} signed but is not alive"
-                )
-            relayed[signer] = signature
+        relayed = relayed_signatures(message, roster=self._roster, alive=alive)
         signed_message = self._survivors_message(survivors)
         # Our own confirmation needs no check: we signed this very list to get here.
         signers = {self.site_id}
@@ -531,16 +528,9 @@ class SecAggClient:
                 AbortReason.INCONSISTENT_SURVIVOR_SETS,
                 f"only {len(signers)} survivors confirmed the list, need {self.params.threshold}",
             )
-        for owner in owners:
-            # SecAgg+ quorum: the t confirmations must come from the owner's own closed
-            # neighbourhood, the only sites holding its shares; otherwise two halves of
-            # a large federation could be told two stories about the same owner.
-            closed = {owner, *self._graph[owner]}
-            if len(signers & closed) < self.params.threshold:
-                raise ProtocolAbort(
-                    AbortReason.INCONSISTENT_SURVIVOR_SETS,
-                    f"fewer than t confirmations in the neighbourhood of {owner!r}",
-                )
+        check_neighbourhood_quorum(
+            owners, signers=signers, graph=self._graph, threshold=self.params.threshold
+        )
         self._require_survivor_floor(alive, signers, relayed, signed_message)
         revealed: list[RevealedShare] = []
         for owner in sorted(owners):
@@ -651,16 +641,3 @@ class SecAggClient:
             survivors=survivors.survivors,
             dropped=survivors.dropped,
         )
-
-    def _check_input(self, vector: np.ndarray) -> None:
-        if (
-            not isinstance(vector, np.ndarray)
-            or vector.dtype != np.uint32
-            or vector.shape != (self.params.vector_length,)
-            or not vector.flags.c_contiguous
-            or not vector.flags.writeable
-        ):
-            raise ValidationError(
-                f"input must be a writeable contiguous uint32 vector of length "
-                f"{self.params.vector_length}"
-            )
