@@ -38,7 +38,8 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common.errors import StateError, ValidationError
-from common.evaluation import interval_text, youden_threshold
+from common.evaluation_interval import interval_text
+from common.evaluation_threshold import youden_threshold
 from common.fileio import atomic_write
 from common.noisy_counts import NOISE_DOMINATED
 from common.study import (
@@ -133,7 +134,7 @@ class Threshold(_Section):
     method: Literal["youden-dp-roc", "fixed", "argmax"] = "youden-dp-roc"
     histogram_bins: int | None = Field(default=None, ge=2)
     # The bucket edges of the histogram the threshold was chosen from (None: the
-    # default layout of `histogram_bins`, common.evaluation.default_edges).
+    # default layout of `histogram_bins`, common.evaluation_edges.default_edges).
     histogram_edges: tuple[float, ...] | None = Field(default=None, max_length=1001)
     # The federated DP AUC of the same histogram and how far its noise lets it be
     # trusted (common.evaluation.NoisyHistogram): the noise std per score bucket, that
@@ -142,7 +143,7 @@ class Threshold(_Section):
     noise_std: float | None = Field(default=None, ge=0.0)
     relative_noise: float | None = Field(default=None, ge=0.0)
     noise_dominated: bool = False
-    # The 95% interval the exact held-out AUC lies in (common.evaluation.auc_interval):
+    # The 95% interval the exact held-out AUC lies in (common.evaluation_interval.auc_interval):
     # the DP noise on the released counts, simulated, plus the buckets' resolution.
     auc_interval_low: float | None = Field(default=None, ge=0.0, le=1.0)
     auc_interval_high: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -479,7 +480,7 @@ def input_description(study: Study) -> str:
 def evaluation_auc_text(threshold: Threshold) -> str:
     """The federated DP AUC as `medfed model show` prints it: with its 95% interval, or
     "too noisy to read" when that is wider than
-    `common.evaluation.UNREADABLE_WIDTH`; "undefined" without an AUC."""
+    `common.evaluation_interval.UNREADABLE_WIDTH`; "undefined" without an AUC."""
     if threshold.auc is None:
         return "undefined"
     if threshold.auc_interval_low is None or threshold.auc_interval_high is None:

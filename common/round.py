@@ -19,7 +19,7 @@ from common.config import SitePolicySection
 from common.crypto.quantize import max_integer_for_sites
 from common.egress import STATISTICS, EgressManifest, VectorSegment, round_manifest
 from common.errors import AbortReason, ProtocolAbort, RoundFailed, ValidationError
-from common.evaluation import announced_edge_blocks
+from common.evaluation_edges import announced_edge_blocks
 from common.privacy.rotation import padded_length
 from common.secagg.params import (
     SecAggParams,
@@ -86,7 +86,7 @@ class Announcement:
     hospital_intermediaries: int = 0
     hospital_norm_segment: bool = False
     # The evaluation histogram's bucket edges, block after block (empty: the default
-    # layout; common.evaluation.round_edges reads and checks them).
+    # layout; common.evaluation_edges.round_edges reads and checks them).
     histogram_edges: tuple[float, ...] = ()
 
     @property
@@ -324,7 +324,7 @@ def validate_for_site(
             raise ValidationError("a statistics round carries no histogram_edges")
         # Edges every site counts with alike: as many as the bins ask, each block
         # strictly increasing from 0 to 1 (the site checks the block count against
-        # its study when it evaluates: common.evaluation.round_edges).
+        # its study when it evaluates: common.evaluation_edges.round_edges).
         announced_edge_blocks(ann.histogram_edges, bins=bins)
     if ann.is_hospital and not (
         0 < ann.hospital_noise_multiplier <= 1000 and ann.local_epochs > 0

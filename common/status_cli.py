@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError, Unavailable
-from common.evaluation import interval_text
+from common.evaluation_interval import interval_text
 
 FAILED_PHASE_PREFIX = "failed: "
 """The phase of a study that ended unfinished, followed by why: the Status RPC's

@@ -18,16 +18,10 @@ import numpy as np
 from common.crypto.quantize import dequantize_sum
 from common.egress import EVALUATION_HISTOGRAM, WEIGHT, round_manifest
 from common.errors import AbortReason, ProtocolAbort, StateError, ValidationError
-from common.evaluation import (
-    auc_interval,
-    block_bins,
-    denoised_histogram,
-    interval_text,
-    multiclass_metrics_from_histogram,
-    next_block_edges,
-    operating_point_metrics,
-    round_edges,
-)
+from common.evaluation import denoised_histogram, multiclass_metrics_from_histogram
+from common.evaluation_edges import block_bins, next_block_edges, round_edges
+from common.evaluation_interval import auc_interval, interval_text
+from common.evaluation_threshold import operating_point_metrics
 from common.round import secagg_params
 from common.secagg import messages as sm
 from common.secagg.client import IdentityVerifier
@@ -55,8 +49,8 @@ class DecodedSum:
 
     def next_histogram_edges(self, *, max_bins: int | None = None) -> tuple[float, ...] | None:
         """The next round's announced edges, from this round's released histogram
-        (`common.evaluation.next_edges`), as many buckets per block as its class totals
-        and noise allow (`common.evaluation.block_bins`, at most `max_bins`: the
+        (`common.evaluation_edges.next_edges`), as many buckets per block as its class totals
+        and noise allow (`common.evaluation_edges.block_bins`, at most `max_bins`: the
         study's; default: as many as this round's); None when this round evaluated
         nothing."""
         if self.histogram is None or not self.edges or self.histogram.sum() <= 0:
@@ -137,7 +131,7 @@ def evaluation_metrics(
     """The round's DP evaluation: the summed histogram (it carries the sites' discrete
     Gaussian noise, so counts can be negative) reduced to its credible buckets
     (`denoised_histogram`), AUC and operating point into `metrics` with the noise
-    indication and the AUC's 95% interval (`common.evaluation.auc_interval`, drawn with
+    indication and the AUC's 95% interval (`common.evaluation_interval.auc_interval`, drawn with
     a generator seeded by `interval_seed`: the round number, so anyone holding the
     release recomputes the same interval) beside them, and a warning when the noise
     dominates. `noise_std`: the per-count noise std of the sum as the sites' ledgers

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from common.evaluation import interval_text
+from common.evaluation_interval import interval_text
 from common.round import Announcement
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.phases import ActiveRound, PhaseClosed

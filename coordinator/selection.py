@@ -148,7 +148,7 @@ def announcement(
 def announced_bins(settings: CoordinatorSettings, edges: tuple[float, ...]) -> int:
     """A round's ``histogram_bins``: the study's, or as many as the announced edges
     count (one more edge than buckets per block: the last round chose fewer buckets
-    where its noise allowed no more, common.evaluation.evaluation_bins)."""
+    where its noise allowed no more, common.evaluation_edges.evaluation_bins)."""
     if not edges:
         return settings.aggregation.histogram_bins
     classes = settings.aggregation.histogram_classes

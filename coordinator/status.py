@@ -49,7 +49,7 @@ class SiteView:
 
 @dataclass(frozen=True)
 class AucReading:
-    """A round's DP AUC with its 95% interval (common.evaluation.auc_interval; the
+    """A round's DP AUC with its 95% interval (common.evaluation_interval.auc_interval; the
     interval NaN for a round recorded without one)."""
 
     round_number: int

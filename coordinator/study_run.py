@@ -117,7 +117,7 @@ class StudyRun:
 
     def settings(self, settings: CoordinatorSettings) -> CoordinatorSettings:
         """The coordinator's settings with the study's model and training settings."""
-        from common.evaluation import announced_histogram_bins
+        from common.evaluation_edges import announced_histogram_bins
 
         training = self.study.training
         # K one-vs-rest blocks for a multi-class study (site_agent.hooks.evaluate).

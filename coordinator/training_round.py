@@ -14,7 +14,7 @@ import numpy as np
 from common.codec import TensorSpec
 from common.config import CoordinatorSettings
 from common.errors import AbortReason, ProtocolAbort, ValidationError
-from common.evaluation import round_edges
+from common.evaluation_edges import round_edges
 from common.privacy.budget import BudgetReport
 from common.privacy.hospital import HospitalTerms
 from coordinator import checkpoints, hospital_sum
@@ -53,7 +53,7 @@ class GlobalModel:
     # announces, chosen from the last decoded round; None before any was measured.
     intermediaries: int | None = None
     # The evaluation buckets the next round announces: set from the last released score
-    # histogram (common.evaluation.next_edges); empty before any (the default layout).
+    # histogram (common.evaluation_edges.next_edges); empty before any (the default layout).
     # Kept in the store with the round that chose them, so a restart goes on with them.
     histogram_edges: tuple[float, ...] = ()
 

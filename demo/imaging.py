@@ -65,7 +65,7 @@ tabular demo's 50 bins, 100 noised counts (std `DEMO_EVALUATION_NOISE_STD` each)
 ~100 held-out scores and the reported AUC is noise; 10 bins keep the noise per count
 comparable to the counts. The most a round counts with: after the first, rounds count
 with as few as the released class totals and the noise allow
-(`common.evaluation.evaluation_bins`: 2 for the demo's few dozen held-out images)."""
+(`common.evaluation_edges.evaluation_bins`: 2 for the demo's few dozen held-out images)."""
 
 DEMO_EVALUATION_NOISE_STD = 5.0
 """Total noise std on each summed count of the evaluation histogram (site default 10)."""
@@ -264,7 +264,7 @@ def _pool(parts: list[Any]) -> Any:
 
 
 def _metrics(scores: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    from common.evaluation import operating_point_metrics_from_scores
+    from common.evaluation_threshold import operating_point_metrics_from_scores
 
     # Non-private baselines: AUC and Youden's operating point on the exact scores.
     m = operating_point_metrics_from_scores(scores, labels)

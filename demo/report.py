@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.evaluation import interval_text
+from common.evaluation_interval import interval_text
 from demo.hospital import hospital_figures, hospital_report, intermediaries_label
 
 if TYPE_CHECKING:
@@ -211,7 +211,7 @@ def plot(demo: Demo, report: dict[str, Any]) -> None:
 
 def dp_auc_text(metrics: dict[str, Any]) -> str:
     """A DP AUC as the demo prints it: with its 95% interval, or "too noisy to read"
-    (`common.evaluation.interval_text`)."""
+    (`common.evaluation_interval.interval_text`)."""
     auc, low, high = (metrics.get(k) for k in ("auc", "auc_interval_low", "auc_interval_high"))
     if not isinstance(auc, float):
         return "-"

@@ -2,7 +2,7 @@
 centralized training on the pooled data, and federated averaging without DP or secure
 aggregation. Both use the same splits and model as the federation; being non-private
 and centralised, they are measured on the exact held-out scores (AUC and Youden's
-operating point, `common.evaluation.operating_point_metrics_from_scores`). `bins` is
+operating point, `common.evaluation_threshold.operating_point_metrics_from_scores`). `bins` is
 accepted and unused: no histogram is involved."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.evaluation import operating_point_metrics_from_scores
+from common.evaluation_threshold import operating_point_metrics_from_scores
 from common.models.layout import flatten_parameters
 from common.models.tables.mlp import TabularMLP
 from site_agent.data import SiteData, Standardizer, prepare_site_split, split_by_patient

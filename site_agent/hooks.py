@@ -643,13 +643,10 @@ class DpTrainingHook:
     def evaluate(self, plan: RoundPlan, global_flat: np.ndarray) -> np.ndarray:
         """Held-out score histogram of the global model: 2 * bins counts for a binary
         study, K one-vs-rest blocks of 2 * (bins / K) for K classes (the announced bins
-        cover all blocks: `common.evaluation.bins_per_class`), counted with the round's
-        announced bucket edges (`common.evaluation.round_edges`, checked there)."""
-        from common.evaluation import (
-            multiclass_score_histogram,
-            round_edges,
-            score_histogram,
-        )
+        cover all blocks: `common.evaluation_edges.bins_per_class`), counted with the round's
+        announced bucket edges (`common.evaluation_edges.round_edges`, checked there)."""
+        from common.evaluation import multiclass_score_histogram, score_histogram
+        from common.evaluation_edges import round_edges
         from common.models.layout import load_flat_parameters
         from site_agent.dp_release import one_per_unit
         from site_agent.imaging import ImageDataset

@@ -31,7 +31,6 @@ from common.errors import (
 )
 from common.privacy.accountant import Segment
 from common.privacy.ledger import (
-    EPSILON_RELATIVE_TOLERANCE,
     LedgerAnchor,
     LedgerHeader,
     LedgerProblem,
@@ -39,9 +38,10 @@ from common.privacy.ledger import (
     VerifyReport,
     anchor_path_for,
     read_anchor,
-    write_anchor,
     write_new_ledger,
 )
+from common.privacy.ledger_anchor import write_anchor
+from common.privacy.ledger_store import EPSILON_RELATIVE_TOLERANCE
 from common.privacy.recompose import RecordedSpend, recompose_mismatches
 from common.privacy.signed import LEDGER_FORMAT as FORMAT2
 from common.privacy.signed import LedgerTerms, SignedEntry, SignedHistory

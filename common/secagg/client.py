@@ -45,6 +45,9 @@ With the complete graph (up to 20 sites) N(u) is everyone, so every entry is ver
 and sites told different announcements all abort at the roster. With SecAgg+
 neighbourhoods, every site with a neighbour told another story aborts there; sites
 further apart end up in different sessions, whose inputs cannot meet in one sum.
+
+The message checks that need no client state (the roster, the decrypted shares, the
+survivor list) are pure functions in `common.secagg.checks`.
 """
 
 from __future__ import annotations
@@ -56,12 +59,12 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
-from common.crypto.aead import open_sealed, seal, share_associated_data
+from common.crypto.aead import seal, share_associated_data
 from common.crypto.kdf import KdfInfo, hkdf_sha256
-from common.crypto.keyagreement import KEY_BYTES, X25519KeyPair, derive_key, generate_keypair
+from common.crypto.keyagreement import X25519KeyPair, derive_key, generate_keypair
 from common.crypto.prg import apply_masks
 from common.crypto.random import RandomSource
-from common.crypto.shamir import SECRET_BYTES, SHARE_BYTES, split_secrets
+from common.crypto.shamir import SECRET_BYTES, split_secrets
 from common.crypto.signing import SigningKey, VerifyingKey
 from common.errors import (
     AbortReason,
@@ -70,6 +73,14 @@ from common.errors import (
     PkiError,
     ProtocolAbort,
     ValidationError,
+)
+from common.secagg.checks import (
+    check_input_vector,
+    check_neighbourhood_quorum,
+    check_survivor_list,
+    checked_roster,
+    open_shares,
+    relayed_signatures,
 )
 from common.secagg.graph import NeighbourGraph, neighbour_graph
 from common.secagg.messages import (
@@ -108,8 +119,6 @@ reason of the check at hand), or ProtocolAbort with its own reason (NOT_A_SITE,
 UNKNOWN_MEMBER, REVOKED_PEER), which propagates unchanged. The networked layer checks
 the chain to the federation CA and that the certificate names `site_id`. Called only
 for the sites whose signatures this client verifies (see the module docstring)."""
-
-SHARE_PLAINTEXT_BYTES = 2 * SHARE_BYTES  # self-mask seed share || masking key share
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -293,36 +302,14 @@ class SecAggClient:
         """Check the roster, then Shamir-share b_u and s_u^SK among the neighbourhood."""
         self._tracker.require(Phase.ADVERTISE_KEYS, "roster")
         encryption_keys, masking_keys = self._keys()
-        entries: dict[str, RosterEntry] = {}
-        for entry in roster.entries:
-            if entry.site_id not in self._participants:
-                raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"{entry.site_id!r} in roster")
-            if entry.site_id in entries:
-                raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"{entry.site_id!r} in roster")
-            if (
-                len(entry.encryption_public_key) != KEY_BYTES
-                or len(entry.masking_public_key) != KEY_BYTES
-            ):
-                raise ProtocolAbort(AbortReason.WRONG_LENGTH, f"keys of {entry.site_id!r}")
-            entries[entry.site_id] = entry
-        mine = entries.get(self.site_id)
-        if mine is None:
-            raise ProtocolAbort(AbortReason.SELF_MISSING, "this site is not in the roster")
-        if (
-            mine.encryption_public_key != encryption_keys.public_key
-            or mine.masking_public_key != masking_keys.public_key
-        ):
-            raise ProtocolAbort(AbortReason.KEY_MISMATCH, "roster has other keys for this site")
-        if len(entries) < self.round_floor:
-            raise ProtocolAbort(
-                AbortReason.ROUND_TOO_SMALL,
-                f"{len(entries)} sites in roster; this site needs at least {self.round_floor}",
-            )
-        if len(entries) < self.params.threshold:
-            raise ProtocolAbort(
-                AbortReason.TOO_FEW_PARTICIPANTS,
-                f"{len(entries)} sites in roster, threshold is {self.params.threshold}",
-            )
+        entries = checked_roster(
+            roster,
+            participants=self._participants,
+            site_id=self.site_id,
+            keys=(encryption_keys.public_key, masking_keys.public_key),
+            round_floor=self.round_floor,
+            threshold=self.params.threshold,
+        )
         sites = sorted(entries)
         self._roster = {site: entries[site] for site in sites}
         self._x = {site: index + 1 for index, site in enumerate(sites)}
@@ -436,36 +423,17 @@ class SecAggClient:
                              - sum_{v in N(u) alive, u > v} PRG(s_uv)   (mod 2^32)
         """
         self._tracker.require(Phase.SHARE_KEYS, "shares")
-        self._check_input(input_vector)
+        check_input_vector(input_vector, length=self.params.vector_length)
         _, masking_keys = self._keys()
-        received: dict[str, tuple[bytes, bytes]] = {}
-        for share in message.shares:
-            sender = share.peer_site_id
-            if sender not in self._roster:
-                raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"share from {sender!r}")
-            if sender not in self.peers:
-                raise ProtocolAbort(AbortReason.NOT_A_NEIGHBOUR, f"share from {sender!r}")
-            if sender in received:
-                raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"second share from {sender!r}")
-            key = self._share_keys[sender]
-            try:
-                plaintext = open_sealed(
-                    key,
-                    share.ciphertext,
-                    associated_data=share_associated_data(
-                        sender=sender,
-                        recipient=self.site_id,
-                        round_number=self.params.round_number,
-                        session_id=self._session_id,
-                    ),
-                )
-            except CryptoError:
-                raise ProtocolAbort(
-                    AbortReason.DECRYPTION_FAILED, f"share from {sender!r}"
-                ) from None
-            if len(plaintext) != SHARE_PLAINTEXT_BYTES:
-                raise ProtocolAbort(AbortReason.WRONG_LENGTH, f"share from {sender!r}")
-            received[sender] = (plaintext[:SHARE_BYTES], plaintext[SHARE_BYTES:])
+        received = open_shares(
+            message,
+            keys=self._share_keys,
+            roster=self._roster,
+            neighbours=self.peers,
+            site_id=self.site_id,
+            round_number=self.params.round_number,
+            session_id=self._session_id,
+        )
         if len(received) + 1 < self.params.threshold:
             # Our own secrets could never be reconstructed (Bonawitz: |U2| >= t).
             raise ProtocolAbort(
@@ -511,38 +479,16 @@ class SecAggClient:
         """Check the coordinator's survivor list and sign it (Bonawitz et al. 2017,
         sec. 4, ConsistencyCheck); signatures are cross-checked in the next step."""
         self._tracker.require(Phase.MASKED_INPUT, "survivor list")
+        check_survivor_list(
+            message,
+            roster=self._roster,
+            site_id=self.site_id,
+            neighbours=set(self.peers),
+            held=set(self._held_shares),
+            threshold=self.params.threshold,
+            round_floor=self.round_floor,
+        )
         survivors, dropped = message.survivors, message.dropped
-        for listed in (survivors, dropped):
-            if len(set(listed)) != len(listed):
-                raise ProtocolAbort(AbortReason.DUPLICATE_PEER, "survivor list repeats a site")
-            unknown = [site for site in listed if site not in self._roster]
-            if unknown:
-                raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"survivor list names {unknown}")
-        if self.site_id in dropped:
-            raise ProtocolAbort(AbortReason.SELF_LISTED_AS_DROPPED, "")
-        both = set(survivors) & set(dropped)
-        if both:
-            raise ProtocolAbort(AbortReason.PEER_BOTH_ALIVE_AND_DROPPED, f"{sorted(both)}")
-        if self.site_id not in survivors:
-            raise ProtocolAbort(AbortReason.SELF_MISSING, "not listed as a survivor")
-        listed_neighbours = (set(survivors) | set(dropped)) & set(self.peers)
-        if listed_neighbours != set(self._held_shares):
-            # Every neighbour whose shares we hold must be accounted for, and none
-            # whose shares we lack may be: otherwise the coordinator could ask us about
-            # a peer we did not mask against.
-            raise ProtocolAbort(
-                AbortReason.SURVIVORS_NOT_SUBSET,
-                "survivor list disagrees with the neighbours that sent shares",
-            )
-        if len(survivors) < self.params.threshold:
-            raise ProtocolAbort(AbortReason.TOO_FEW_PARTICIPANTS, f"{len(survivors)} survivors")
-        if len(survivors) < self.round_floor:
-            # Checked again on the authenticated survivors before Unmask; refusing to
-            # sign already stops the round here.
-            raise ProtocolAbort(
-                AbortReason.SURVIVORS_BELOW_FLOOR,
-                f"{len(survivors)} survivors; this site needs at least {self.round_floor}",
-            )
         canonical = SurvivorList(tuple(sorted(survivors)), tuple(sorted(dropped)))
         for peer in canonical.dropped:
             state = self.peers.get(peer)
@@ -566,17 +512,7 @@ class SecAggClient:
         owners = [o for o in (*self.peers, self.site_id) if o in alive or o in survivors.dropped]
         # Holders of the shares we reveal: the closed neighbourhoods of their owners.
         holders = {h for owner in owners for h in (owner, *self._graph[owner])}
-        relayed: dict[str, bytes] = {}
-        for signer, signature in message.signatures:
-            if signer in relayed:
-                raise ProtocolAbort(AbortReason.DUPLICATE_PEER, f"two signatures by {signer!r}")
-            if signer not in self._roster:
-                raise ProtocolAbort(AbortReason.UNKNOWN_PEER, f"signature by {signer!r}")
-            if signer not in alive:
-                raise ProtocolAbort(
-                    AbortReason.INCONSISTENT_SURVIVOR_SETS, f"{signer!r} signed but is not alive"
-                )
-            relayed[signer] = signature
+        relayed = relayed_signatures(message, roster=self._roster, alive=alive)
         signed_message = self._survivors_message(survivors)
         # Our own confirmation needs no check: we signed this very list to get here.
         signers = {self.site_id}
@@ -592,16 +528,9 @@ class SecAggClient:
                 AbortReason.INCONSISTENT_SURVIVOR_SETS,
                 f"only {len(signers)} survivors confirmed the list, need {self.params.threshold}",
             )
-        for owner in owners:
-            # SecAgg+ quorum: the t confirmations must come from the owner's own closed
-            # neighbourhood, the only sites holding its shares; otherwise two halves of
-            # a large federation could be told two stories about the same owner.
-            closed = {owner, *self._graph[owner]}
-            if len(signers & closed) < self.params.threshold:
-                raise ProtocolAbort(
-                    AbortReason.INCONSISTENT_SURVIVOR_SETS,
-                    f"fewer than t confirmations in the neighbourhood of {owner!r}",
-                )
+        check_neighbourhood_quorum(
+            owners, signers=signers, graph=self._graph, threshold=self.params.threshold
+        )
         self._require_survivor_floor(alive, signers, relayed, signed_message)
         revealed: list[RevealedShare] = []
         for owner in sorted(owners):
@@ -712,16 +641,3 @@ class SecAggClient:
             survivors=survivors.survivors,
             dropped=survivors.dropped,
         )
-
-    def _check_input(self, vector: np.ndarray) -> None:
-        if (
-            not isinstance(vector, np.ndarray)
-            or vector.dtype != np.uint32
-            or vector.shape != (self.params.vector_length,)
-            or not vector.flags.c_contiguous
-            or not vector.flags.writeable
-        ):
-            raise ValidationError(
-                f"input must be a writeable contiguous uint32 vector of length "
-                f"{self.params.vector_length}"
-            )

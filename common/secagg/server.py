@@ -34,7 +34,8 @@ from common.crypto.keyagreement import KEY_BYTES, derive_key, public_key_of
 from common.crypto.prg import apply_masks
 from common.crypto.shamir import PRIME, SHARE_BYTES
 from common.errors import AbortReason, CryptoError, ProtocolAbort, ValidationError
-from common.secagg.client import SHARE_PLAINTEXT_BYTES, IdentityVerifier, self_mask_seed
+from common.secagg.checks import SHARE_PLAINTEXT_BYTES
+from common.secagg.client import IdentityVerifier, self_mask_seed
 from common.secagg.graph import neighbourhoods
 from common.secagg.messages import (
     COMMITMENT_BYTES,
@@ -136,7 +137,7 @@ class SecAggServer:
     ) -> None:
         """Accept one site's signed keys; `certificate_der` is its verified TLS cert."""
         self._tracker.require(Phase.ADVERTISE_KEYS, "advertisement")
-        self._check_site(site_id, self.params.participants, "invited")
+        _check_site(site_id, self.params.participants, "invited")
         if site_id in self._advertisements:
             raise ValidationError(f"{site_id!r} already advertised keys this round")
         if message.site_id != site_id:
@@ -185,7 +186,7 @@ class SecAggServer:
     def receive_shares(self, site_id: str, message: ShareKeysOut) -> None:
         """Accept one encrypted share pair for each of the site's neighbours."""
         self._tracker.require(Phase.SHARE_KEYS, "shares")
-        self._check_site(site_id, self._roster, "in the roster")
+        _check_site(site_id, self._roster, "in the roster")
         if site_id in self._outgoing_shares:
             raise ValidationError(f"{site_id!r} already sent its shares")
         recipients = [share.peer_site_id for share in message.shares]
@@ -219,7 +220,7 @@ class SecAggServer:
     def receive_masked_input(self, site_id: str, vector: np.ndarray | MaskedInput) -> None:
         """Add one masked vector into the single accumulator (mod 2^32)."""
         self._tracker.require(Phase.MASKED_INPUT, "masked input")
-        self._check_site(site_id, self._outgoing_shares, "a site that sent shares")
+        _check_site(site_id, self._outgoing_shares, "a site that sent shares")
         if site_id in self._masked:
             raise ValidationError(f"{site_id!r} already sent its masked input")
         array = vector.vector if isinstance(vector, MaskedInput) else vector
@@ -248,7 +249,7 @@ class SecAggServer:
         (nothing is ever unmasked from a corrupted sum).
         """
         self._tracker.require(Phase.MASKED_INPUT, "masked input")
-        self._check_site(site_id, self._outgoing_shares, "a site that sent shares")
+        _check_site(site_id, self._outgoing_shares, "a site that sent shares")
         if site_id in self._masked:
             raise ValidationError(f"{site_id!r} already sent its masked input")
         accumulator = self._require_accumulator()
@@ -293,7 +294,7 @@ class SecAggServer:
     def receive_consistency(self, site_id: str, message: ConsistencySignature) -> None:
         """Accept a survivor's signature over the survivor list (verified here)."""
         self._tracker.require(Phase.CONSISTENCY_CHECK, "consistency signature")
-        self._check_site(site_id, self._masked, "a survivor")
+        _check_site(site_id, self._masked, "a survivor")
         if site_id in self._signatures:
             raise ValidationError(f"{site_id!r} already signed the survivor list")
         self._identity(site_id, self._roster[site_id].certificate_der).verify(
@@ -325,7 +326,7 @@ class SecAggServer:
     def receive_unmask(self, site_id: str, message: UnmaskShares) -> None:
         """Accept one survivor's revealed shares, all checked before any is stored."""
         self._tracker.require(Phase.UNMASK, "unmask shares")
-        self._check_site(site_id, self._signatures, "a site that confirmed the survivors")
+        _check_site(site_id, self._signatures, "a site that confirmed the survivors")
         if site_id in self._revealed:
             raise ValidationError(f"{site_id!r} already sent its unmask shares")
         survivor_list = self._require_survivor_list()
@@ -450,10 +451,6 @@ class SecAggServer:
             self.abort()
             raise ProtocolAbort(AbortReason.RECONSTRUCTION_FAILED, "key agreement failed") from None
 
-    def _check_site(self, site_id: str, allowed: Container[str], what: str) -> None:
-        if not isinstance(site_id, str) or site_id not in allowed:
-            raise ValidationError(f"{site_id!r} is not {what}")
-
     def _mark_dropped(self, sites: set[str], phase: Phase) -> None:
         """Record dropouts for the per-site status. A site that misses the consistency
         check or unmasking stays in the sum: its masked input already arrived."""
@@ -485,6 +482,12 @@ class SecAggServer:
         if self._survivor_list is None:
             raise ProtocolAbort(AbortReason.UNEXPECTED_MESSAGE, "no survivor list yet")
         return self._survivor_list
+
+
+def _check_site(site_id: str, allowed: Container[str], what: str) -> None:
+    """ValidationError unless `site_id` is one of `allowed` (`what` names the set)."""
+    if not isinstance(site_id, str) or site_id not in allowed:
+        raise ValidationError(f"{site_id!r} is not {what}")
 
 
 def _matches_commitment(secret: bytes, *, commitment: bytes, session: bytes, owner: str) -> bool:

@@ -87,7 +87,8 @@ def test_released_histogram_sets_the_next_rounds_edges() -> None:
     """The coordinator decodes a round's histogram with the edges it announced and
     derives the next round's from the released sum; a site reading those from the
     next announcement counts the band in many buckets (common.evaluation)."""
-    from common.evaluation import default_edges, round_edges, score_histogram
+    from common.evaluation import score_histogram
+    from common.evaluation_edges import default_edges, round_edges
 
     bins, dim = 20, 16
     rng = np.random.default_rng(9)

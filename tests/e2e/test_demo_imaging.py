@@ -81,7 +81,7 @@ def test_imaging_demo_writes_report_with_the_model(tmp_path: Path) -> None:
     assert report["final"]["exact_auc"] == pytest.approx(exact, abs=1e-12)
     assert f"Exact held-out AUC of the final DP model: {exact:.3f}" in result.stdout
     # The DP AUC comes with a 95% interval for the exact held-out AUC (DP noise on the
-    # released counts plus the buckets' resolution, common.evaluation.auc_interval),
+    # released counts plus the buckets' resolution, common.evaluation_interval.auc_interval),
     # printed beside it, and the exact AUC lies in it.
     final = report["final"]
     low, high = final["auc_interval_low"], final["auc_interval_high"]

@@ -20,9 +20,9 @@ from common.evaluation import (
     metrics_from_histogram,
     metrics_from_scores,
     score_histogram,
-    uniform_edges,
-    youden_threshold,
 )
+from common.evaluation_edges import uniform_edges
+from common.evaluation_threshold import youden_threshold
 from site_agent.predict_cli import register_model, register_predict
 from tests.study.helpers import trained_bundle, write_hospital_csv
 

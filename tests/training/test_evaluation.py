@@ -15,8 +15,8 @@ from common.evaluation import (
     multiclass_metrics_from_scores,
     multiclass_score_histogram,
     score_histogram,
-    uniform_edges,
 )
+from common.evaluation_edges import uniform_edges
 
 
 def _pairs_sharing_a_bucket(scores: np.ndarray, labels: np.ndarray, bins: int) -> float:

@@ -3,7 +3,7 @@
 A DP model's scores may sit in a narrow band (all in [0.42, 0.47]); counted in fixed
 buckets they share one and the histogram AUC reads 0.500 whatever the ranking. The
 next round's buckets follow the band the previous round RELEASED
-(`common.evaluation.next_edges`, post-processing of the noisy sum), travel in the
+(`common.evaluation_edges.next_edges`, post-processing of the noisy sum), travel in the
 announcement, and every site counts with the same ones. Separable classes get an
 operating point between them. Noise below is rounded Gaussian, std 10 per bucket (the
 sites' default ``evaluation_noise_std``), a test fixture standing in for the sites'
@@ -23,19 +23,23 @@ from hypothesis import strategies as st
 from common.config import SitePolicySection
 from common.errors import ValidationError
 from common.evaluation import (
-    default_edges,
     denoised_histogram,
     metrics_from_histogram,
     metrics_from_scores,
     multiclass_metrics_from_histogram,
     multiclass_score_histogram,
+    score_histogram,
+)
+from common.evaluation_edges import (
+    default_edges,
     next_block_edges,
     next_edges,
+    round_edges,
+    uniform_edges,
+)
+from common.evaluation_threshold import (
     operating_point_metrics,
     operating_point_metrics_from_scores,
-    round_edges,
-    score_histogram,
-    uniform_edges,
     youden_threshold,
     youden_threshold_from_scores,
 )

@@ -14,18 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.evaluation import (
-    UNREADABLE_WIDTH,
-    auc_interval,
-    block_bins,
-    default_edges,
-    evaluation_bins,
-    interval_text,
-    metrics_from_histogram,
-    metrics_from_scores,
-    next_edges,
-    score_histogram,
-)
+from common.evaluation import metrics_from_histogram, metrics_from_scores, score_histogram
+from common.evaluation_edges import block_bins, default_edges, evaluation_bins, next_edges
+from common.evaluation_interval import UNREADABLE_WIDTH, auc_interval, interval_text
 
 DISTRIBUTIONS = {
     # (positive logit mean, negative logit mean, logit sd)

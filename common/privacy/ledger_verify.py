@@ -1,0 +1,334 @@
+"""Checking, exporting and restoring a ledger without opening it for writing: the hash
+chain and signatures (`common.privacy.signed`), the recomposed epsilons, the anchor;
+export as a `SignedHistory` and restore from one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sqlite3
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography import x509
+
+from common.errors import (
+    ConfigError,
+    LedgerForkError,
+    LedgerIntegrityError,
+    LedgerUnavailable,
+)
+from common.fileio import fsync_directory
+from common.privacy.ledger_anchor import (
+    LedgerAnchor,
+    _check_anchor,
+    anchor_path_for,
+    read_anchor,
+    write_anchor,
+)
+from common.privacy.ledger_store import (
+    _ENTRY_COLUMNS,
+    EPSILON_RELATIVE_TOLERANCE,
+    LedgerHeader,
+    _check_format,
+    _connect,
+    _create_schema,
+    _guard,
+    _insert_entry,
+    _parse_row,
+    _read_certificates,
+    _read_entries,
+    _read_header,
+    _terms,
+    _transaction,
+)
+from common.privacy.recompose import RecordedSpend, recompose_mismatches
+from common.privacy.signed import (
+    HistoryProblem,
+    LedgerTerms,
+    SignedEntry,
+    SignedHistory,
+    check_entries,
+)
+
+
+@dataclass(frozen=True)
+class LedgerProblem:
+    """One integrity failure; `seq` is the entry concerned (None: the header)."""
+
+    seq: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = "header" if self.seq is None else f"entry seq={self.seq}"
+        return f"{where}: {self.message}"
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Result of `verify_ledger`; `problems[0]` is the first bad entry."""
+
+    path: str
+    entries_checked: int
+    head_hash: str
+    problems: tuple[LedgerProblem, ...] = field(default_factory=tuple)
+    epsilons_recomposed: bool = False
+    format: int = 2
+    signatures_checked: int = 0
+    ca_checked: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def raise_if_broken(self) -> None:
+        if self.problems:
+            raise LedgerIntegrityError(
+                f"ledger {self.path} does not verify: {self.problems[0]}"
+                + (f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else "")
+            )
+
+
+def _check_v2(
+    connection: sqlite3.Connection,
+    *,
+    path: Path,
+    recompose: bool,
+    ca_certificate: x509.Certificate | None = None,
+) -> VerifyReport:
+    """Header, chain, signatures (and epsilons if `recompose`): every problem found."""
+    header = _read_header(connection)
+    terms = _terms(header)
+    problems: list[LedgerProblem] = []
+    if terms.header_hash != header.header_hash:
+        problems.append(LedgerProblem(None, "header fields do not match header_hash"))
+    rows = connection.execute(
+        f"SELECT {_ENTRY_COLUMNS} FROM ledger_entries ORDER BY seq"  # noqa: S608 (constant)
+    ).fetchall()
+    entries: list[SignedEntry] = []
+    unreadable = False
+    for row in rows:
+        try:
+            entries.append(_parse_row(row))
+        except ConfigError as exc:
+            problems.append(LedgerProblem(int(row[0]), f"unreadable entry ({exc})"))
+            unreadable = True
+    if not unreadable:
+        found = check_entries(
+            terms, entries, _read_certificates(connection), ca_certificate=ca_certificate
+        )
+        problems.extend(_as_problem(p) for p in found)
+    head = entries[-1].entry_hash if entries else terms.header_hash
+    if header.entry_count != len(rows):
+        problems.append(
+            LedgerProblem(
+                None,
+                f"header records {header.entry_count} entries but {len(rows)} are present"
+                " (last entry deleted or entry inserted?)",
+            )
+        )
+    if header.head_hash != head:
+        problems.append(LedgerProblem(None, "head_hash does not match the last entry"))
+    recomposed = recompose and not problems
+    if recomposed:
+        problems.extend(_recompose_problems(terms, entries))
+    return VerifyReport(
+        str(path),
+        len(rows),
+        head,
+        tuple(problems),
+        epsilons_recomposed=recomposed,
+        format=2,
+        signatures_checked=len(entries) if not unreadable else 0,
+        ca_checked=ca_certificate is not None,
+    )
+
+
+def _as_problem(problem: HistoryProblem) -> LedgerProblem:
+    return LedgerProblem(problem.seq, problem.message)
+
+
+def _recompose_problems(terms: LedgerTerms, entries: Sequence[SignedEntry]) -> list[LedgerProblem]:
+    recorded = (
+        RecordedSpend(e.seq, e.mechanisms, e.epsilon_after, e.accountant_used, e.purpose)
+        for e in entries
+    )
+    found = recompose_mismatches(
+        recorded,
+        delta=terms.delta,
+        accountant=terms.accountant,
+        relative_tolerance=EPSILON_RELATIVE_TOLERANCE,
+    )
+    return [LedgerProblem(seq, message) for seq, message in found]
+
+
+def history_problems(
+    history: SignedHistory,
+    *,
+    recompose: bool = True,
+    ca_certificate: x509.Certificate | None = None,
+) -> list[LedgerProblem]:
+    """Every problem of a whole exported history (signatures, chain, epsilons)."""
+    from common.privacy.signed import verify_history
+
+    problems = [_as_problem(p) for p in verify_history(history, ca_certificate=ca_certificate)]
+    if recompose and not problems:
+        problems.extend(_recompose_problems(history.terms, history.entries))
+    return problems
+
+
+# ----------------------------------------------------------------- read-only access
+
+
+def read_ledger(path: str | Path) -> tuple[LedgerHeader, list[SignedEntry]]:
+    """Header and entries of a ledger, read-only and WITHOUT verifying signatures."""
+    ledger_path = Path(path)
+    with _guard(ledger_path, "reading the ledger"), _connect(ledger_path, mode="ro") as conn:
+        _check_format(conn, ledger_path)
+        return _read_header(conn), list(_read_entries(conn))
+
+
+def verify_ledger(
+    path: str | Path,
+    *,
+    recompose: bool = True,
+    ca_certificate: x509.Certificate | None = None,
+    anchor_path: str | Path | None = None,
+) -> VerifyReport:
+    """Re-walk a ledger (read-only): header, hash chain, every signature with the
+    certificate it names (issued by `ca_certificate` if given) and, when the rest is
+    intact and `recompose` is set, every `epsilon_after`. With `anchor_path` (format 2),
+    also the anchor file there, if any: it catches what the file alone cannot, a last
+    entry deleted together with a header made to match (as the site does on open).
+
+    LedgerUnavailable if the file is missing, is not a ledger or is a format-1 one (the
+    message names `medfed ledger migrate`)."""
+    ledger_path = Path(path)
+    with _guard(ledger_path, "verifying the ledger"), _connect(ledger_path, mode="ro") as conn:
+        _check_format(conn, ledger_path)
+        report = _check_v2(conn, path=ledger_path, recompose=recompose,
+                           ca_certificate=ca_certificate)
+        if anchor_path is None:
+            return report
+        found = _anchor_problems(conn, ledger_path, Path(anchor_path))
+    return dataclasses.replace(report, problems=report.problems + tuple(found))
+
+
+def _anchor_problems(
+    connection: sqlite3.Connection, path: Path, anchor_file: Path
+) -> list[LedgerProblem]:
+    """The anchor check the site runs when it opens its ledger, as problems."""
+    try:
+        anchor = read_anchor(anchor_file)
+        if anchor is None:
+            return []
+        entries = list(_read_entries(connection))
+    except LedgerUnavailable as exc:
+        return [LedgerProblem(None, str(exc))]
+    except LedgerIntegrityError:
+        return []  # an unreadable entry: _check_v2 already reported it
+    try:
+        _check_anchor(path, anchor, _read_header(connection).site_id, entries)
+    except LedgerForkError as exc:
+        return [LedgerProblem(None, f"anchor {anchor_file}: {exc}")]
+    return []
+
+
+def export_ledger(path: str | Path, *, after_seq: int = 0) -> SignedHistory:
+    """The ledger's signed history (entries after `after_seq`) and certificates."""
+    ledger_path = Path(path)
+    with _guard(ledger_path, "exporting the ledger"), _connect(ledger_path, mode="ro") as conn:
+        _check_format(conn, ledger_path)
+        header = _read_header(conn)
+        entries = [e for e in _read_entries(conn) if e.seq > after_seq]
+        certificates = _read_certificates(conn)
+    used = {e.cert_sha256 for e in entries}
+    return SignedHistory(
+        _terms(header),
+        tuple(entries),
+        {digest: der for digest, der in certificates.items() if digest in used},
+    )
+
+
+def restore_ledger(
+    history: SignedHistory,
+    path: str | Path,
+    *,
+    anchor_path: str | Path | None = None,
+    min_seq: int = 0,
+    ca_certificate: x509.Certificate | None = None,
+    site_id: str | None = None,
+) -> LedgerAnchor:
+    """Write `history` as a new ledger at `path` after verifying all of it.
+
+    Refuses (LedgerIntegrityError / LedgerForkError, nothing written) a history whose
+    signatures, chain or epsilons do not verify, that is for another site, that is
+    shorter than `min_seq` or than the anchor's head, or that does not contain the
+    anchor's head. Never overwrites an existing ledger. A restore proves a LOWER bound on
+    the spend: entries the site made after the export was taken cannot be in it."""
+    ledger_path = Path(path)
+    anchor_file = anchor_path_for(ledger_path) if anchor_path is None else Path(anchor_path)
+    if ledger_path.exists():
+        raise LedgerUnavailable(
+            ledger_path, f"{ledger_path} exists; a restore never overwrites a ledger "
+            "(move it aside first if it is damaged)"
+        )
+    for target, what in ((ledger_path, "ledger"), (anchor_file, "anchor")):
+        # Never created here: a mistyped --ledger would put the restored ledger where
+        # the site agent never reads it, which then starts from an empty one elsewhere.
+        if not target.parent.is_dir():
+            raise LedgerUnavailable(
+                ledger_path, f"the folder {target.parent} for the restored {what} "
+                f"{target} does not exist. A restore creates no folder: name the site's "
+                "state folder (the one `site run --state` uses; the ledger is "
+                "STATE/privacy-ledger.db), or create it first if this is a new machine "
+                f"(`mkdir -m 700 {target.parent}`)"
+            )
+    if site_id is not None and history.terms.site_id != site_id:
+        raise LedgerIntegrityError(
+            f"the export is for site {history.terms.site_id!r}, not {site_id!r}"
+        )
+    problems = history_problems(history, ca_certificate=ca_certificate)
+    if problems:
+        raise LedgerIntegrityError(f"the export does not verify: {problems[0]}"
+                                   + (f" (+{len(problems) - 1} more)" if len(problems) > 1
+                                      else ""))
+    anchor = read_anchor(anchor_file)
+    floor = max(min_seq, anchor.seq if anchor is not None else 0)
+    if history.head_seq < floor:
+        raise LedgerForkError(
+            f"the export ends at seq {history.head_seq}, but this site is known to have "
+            f"reached seq {floor}: restoring it would forget spent budget"
+        )
+    if anchor is not None:
+        _check_anchor(ledger_path, anchor, history.terms.site_id, history.entries)
+    write_new_ledger(ledger_path, history)
+    restored = LedgerAnchor(history.terms.site_id, history.head_seq, history.head_hash)
+    write_anchor(anchor_file, restored)
+    return restored
+
+
+def write_new_ledger(path: Path, history: SignedHistory) -> None:
+    """Write `history` (already verified or freshly signed by the caller) as the ledger
+    at `path`: built in a temporary file, checked, then renamed over `path` in one step."""
+    temporary = path.with_name(path.name + ".restoring")
+    with _guard(path, "writing the ledger"):
+        for leftover in (temporary, Path(f"{temporary}-wal"), Path(f"{temporary}-shm")):
+            leftover.unlink(missing_ok=True)
+        with _connect(temporary, mode="rwc") as conn:
+            with _transaction(conn):
+                _create_schema(conn, history.terms)
+                for digest, der in history.certificates.items():
+                    conn.execute(
+                        "INSERT INTO ledger_certificates (sha256, der) VALUES (?, ?)",
+                        (digest, der),
+                    )
+                for entry in history.entries:
+                    _insert_entry(conn, entry)
+            _check_v2(conn, path=path, recompose=False).raise_if_broken()
+        os.replace(temporary, path)
+        fsync_directory(path.parent)
+
+
