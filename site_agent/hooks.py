@@ -422,7 +422,8 @@ class DpTrainingHook:
         return self._layout
 
     def trainer_for(self, plan: RoundPlan) -> Any:
-        from site_agent.trainer import LocalTrainer, TrainingConfig
+        from site_agent.trainer import LocalTrainer
+        from site_agent.training_config import TrainingConfig
 
         self._ready()
         planned = self.ledger is not None and self.released_units is not None
