@@ -502,9 +502,10 @@ class DpTrainingHook:
         """Hospital-level DP with intermediaries: each unit trains from the global model
         on its own patients (`train_intermediaries`); the agent clips and rounds each
         delta alone (site_agent.hospital)."""
+        base = self.trainer_for(plan)
         deltas, losses, records = train_intermediaries(
             self.unit_groups(self.intermediaries_for(plan)), data=self.train_data,
-            model_factory=self.model, base_config=self.trainer_for(plan).config,
+            model_factory=self.model, base_config=base.config,
             requested_batch_size=requested_batch_size(self.study, self.settings),
             plan=plan, global_flat=global_flat,
         )
