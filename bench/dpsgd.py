@@ -73,7 +73,8 @@ def run(
     from common.models.layout import flatten_parameters
     from site_agent.data import prepare_site_split
     from site_agent.synthetic import FEATURES, generate_cohort
-    from site_agent.trainer import LocalTrainer, TrainingConfig
+    from site_agent.trainer import LocalTrainer
+    from site_agent.training_config import TrainingConfig
 
     torch.set_num_threads(threads)
     spec = ModelSpec(name=model)

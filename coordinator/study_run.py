@@ -120,7 +120,7 @@ class StudyRun:
         from common.evaluation_edges import announced_histogram_bins
 
         training = self.study.training
-        # K one-vs-rest blocks for a multi-class study (site_agent.hooks.evaluate).
+        # K one-vs-rest blocks for a multi-class study (site_agent.held_out.held_out_histogram).
         bins, classes = announced_histogram_bins(
             self.study.privacy.evaluation.histogram_bins,
             num_classes=len(self.study.study.classes),

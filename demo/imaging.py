@@ -281,9 +281,10 @@ def image_baselines(
 
     from common.models.build import build_for_study
     from common.models.layout import flatten_parameters, load_flat_parameters
-    from site_agent.hooks import fit_batch_size
     from site_agent.imaging import split_images
-    from site_agent.trainer import LocalTrainer, TrainingConfig, predict_scores
+    from site_agent.trainer import LocalTrainer, predict_scores
+    from site_agent.training_config import TrainingConfig
+    from site_agent.training_plan import fit_batch_size
 
     splits = {
         site: split_images(d, held_out_fraction=0.2, seed=o.seed) for site, d in datasets.items()

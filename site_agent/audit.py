@@ -45,7 +45,8 @@ from common.privacy.accountant import account
 from common.privacy.audit import DEFAULT_CONFIDENCE, AuditResult, audit_from_scores
 from common.study import GlobalStatistics, Study
 from site_agent.data import DatasetSchema, SiteData, Standardizer, load_site_data
-from site_agent.trainer import LocalTrainer, TrainingConfig
+from site_agent.trainer import LocalTrainer
+from site_agent.training_config import TrainingConfig
 
 CANARY_ID_PREFIX = "__medfed_audit_canary_"
 

@@ -16,8 +16,9 @@ from common.evaluation_threshold import operating_point_metrics_from_scores
 from common.models.layout import flatten_parameters
 from common.models.tables.mlp import TabularMLP
 from site_agent.data import SiteData, Standardizer, prepare_site_split, split_by_patient
-from site_agent.hooks import fit_batch_size
-from site_agent.trainer import LocalTrainer, TrainingConfig, predict_scores
+from site_agent.trainer import LocalTrainer, predict_scores
+from site_agent.training_config import TrainingConfig
+from site_agent.training_plan import fit_batch_size
 
 
 def _config(o: Any, *, epochs: int, records: int) -> TrainingConfig:

@@ -35,7 +35,8 @@ from common.study import Study, load_study
 from site_agent.data import SiteData, load_site_data, prepare_site_split
 from site_agent.imaging import ImageDataset, image_spec_for_study, load_image_folder, split_images
 from site_agent.synthetic import FEATURES, SCHEMA, generate_cohort
-from site_agent.trainer import LocalTrainer, TrainingConfig
+from site_agent.trainer import LocalTrainer
+from site_agent.training_config import TrainingConfig
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -29,6 +29,25 @@ from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Mechanism
 from common.round import RoundPlan
 from common.study import GlobalStatistics, Study, study_sha256
+from site_agent.held_out import held_out_histogram
+from site_agent.intermediaries import intermediaries_for, train_intermediaries, unit_groups
+from site_agent.site_model import build_site_model, check_layout, layout_of, model_name
+from site_agent.training_data import (
+    configured_privacy_unit,
+    encode_study_table,
+    load_configured_data,
+    load_site_study,
+    split_site_data,
+    statistics_contribution,
+)
+from site_agent.training_plan import (
+    dp_sgd_budget,
+    fit_batch_size,
+    local_optimizer,
+    requested_batch_size,
+    round_noise_multiplier,
+    site_training_config,
+)
 
 if TYPE_CHECKING:
     from common.models import Task
@@ -174,7 +193,7 @@ class DpTrainingHook:
         self._image_units = 0
         self._trainer: object | None = None
         self._trainer_key: tuple[int, int] | None = None
-        # Issue 10: set by `attach_ledger`; then q, steps, weights and gauges come from
+        # Set by `attach_ledger`; then q, steps, weights and gauges come from
         # the DP count and the noise from the site's own plan over its ledger.
         self.ledger: PrivacyLedger | None = None
         self._ledger_state: Path | None = None
@@ -217,7 +236,7 @@ class DpTrainingHook:
                 )
         # The study's model, built and DP-checked here (ModuleValidator names the layer
         # and the fix) before this site sends any key or update.
-        self._layout = _layout_of(self.model())
+        self._layout = layout_of(self.model())
         log.info(
             "study %s joined: %d records, %s patients, missing values %s", study.study.name,
             report.records, report.patients, {k: v for k, v in report.missing.items() if v},
@@ -226,53 +245,27 @@ class DpTrainingHook:
 
     def statistics_release(self) -> np.ndarray:
         """This site's noiseless integer contribution to the study's statistics release
-        (common/statistics.py; the agent adds the noise)."""
-        from common.crypto.random import numpy_generator, system_random
-        from common.statistics import encode_release
-
-        if self.study is not None and self.study.data.kind == "images":
-            from common.statistics import statistics_length
-
-            # An images study has no features: its release is the unit count alone.
-            units = np.zeros(statistics_length(self.study), dtype=np.int64)
-            units[0] = self._image_units
-            return units
-        if self.study is None or self.table is None:
+        (`statistics_contribution`; the agent adds the noise)."""
+        if self.study is None or (self.table is None and self.study.data.kind != "images"):
             raise RoundFailed("a statistics round needs a study this site joined")
-        gen = numpy_generator(system_random)
-        return encode_release(self.table, self.study, uniform=lambda n: gen.random(n))
+        return statistics_contribution(self.study, self.table, image_units=self._image_units)
 
     def set_statistics(self, statistics: GlobalStatistics) -> None:
         """Encode this site's records with the federation's global statistics."""
-        from site_agent.data import Preprocessor, check_cohort_size, split_by_patient
-
         if self.study is None or self.statistics == statistics:
             return
         if self.study.data.kind == "images":
             self.statistics = statistics  # pixels are scaled by fixed rules (imaging.py)
             return
-        pre = Preprocessor(self.study, statistics)
-        data = pre.site_data(self.table)
-        if self.dp:
-            unit = "patient" if data.patient_ids is not None else "record"
-            check_cohort_size(data.num_patients, delta=self.settings.privacy.delta, unit=unit,
-                              file=str(self.settings.data.path))
-        imputed = pre.imputations(self.table)
-        if imputed:
-            log.info("imputed with the global statistics: %s", imputed)
-        self.train_data, self.holdout = split_by_patient(
-            data, held_out_fraction=self.settings.data.holdout_fraction,
-            seed=self.settings.data.split_seed,
+        self.train_data, self.holdout, self.n_features, self.patients = encode_study_table(
+            self.table, self.study, statistics, self.settings, dp=self.dp
         )
         self.statistics = statistics
-        self.n_features = int(data.features.shape[1])
-        self.patients = self.train_data.num_patients if data.patient_ids is not None else 0
         self._trainer = None
         if self.ledger is not None and self._ledger_state is not None:
             self.attach_ledger(self.ledger, state=self._ledger_state)
 
     def _load_legacy(self) -> None:
-        from site_agent.data import prepare_site_split
         from site_agent.imaging import ImageDataset
 
         settings = self.settings
@@ -282,18 +275,11 @@ class DpTrainingHook:
         if isinstance(data, ImageDataset):
             self._set_images(data)
         else:
-            self.train_data, self.holdout, _ = prepare_site_split(
-                data, held_out_fraction=settings.data.holdout_fraction,
-                seed=settings.data.split_seed,
-            )
+            self.train_data, self.holdout = split_site_data(data, settings)
             has_patients = data.patient_ids is not None
-            unit = settings.privacy.privacy_unit
-            if not self.dp:
-                self.privacy_unit = "none"
-            elif unit == "auto":
-                self.privacy_unit = "patient" if has_patients else "record"
-            else:
-                self.privacy_unit = unit
+            self.privacy_unit = configured_privacy_unit(
+                settings, dp=self.dp, has_patients=has_patients
+            )
             # Hospital-level DP by the site's own setting or study file: no DP-SGD beneath.
             self.hospital = self.hospital or self.privacy_unit == "hospital"
             if self.hospital and self.dp:
@@ -308,7 +294,7 @@ class DpTrainingHook:
             )
         # Built once now: an unknown, disallowed or DP-incompatible model stops the site
         # at start-up with the layer and the fix named (ModuleValidator), not mid-round.
-        self._layout = _layout_of(self.model())
+        self._layout = layout_of(self.model())
 
     def _use_study(self, study: Study) -> None:
         """Task, classes and model name from the study this site trains."""
@@ -324,21 +310,11 @@ class DpTrainingHook:
 
     def _set_images(self, data: Any) -> None:
         """An images study's folder: patient-level split, as `split_by_patient` for tables."""
-        from site_agent.imaging import split_images
-
         settings = self.settings
-        self.train_data, self.holdout = split_images(
-            data, held_out_fraction=settings.data.holdout_fraction, seed=settings.data.split_seed
-        )
+        self.train_data, self.holdout = split_site_data(data, settings)
         has_patients = data.patient_ids is not None
         self._image_units = data.num_patients
-        unit = settings.privacy.privacy_unit
-        if not self.dp:
-            self.privacy_unit = "none"
-        elif unit == "auto":
-            self.privacy_unit = "patient" if has_patients else "record"
-        else:
-            self.privacy_unit = unit
+        self.privacy_unit = configured_privacy_unit(settings, dp=self.dp, has_patients=has_patients)
         if self.hospital and self.dp:
             self.privacy_unit = "hospital"
         self.patients = self.train_data.num_patients if has_patients else 0
@@ -403,26 +379,16 @@ class DpTrainingHook:
         self.released_units = count.noisy_count
 
     def model(self) -> Any:
-        from common.models import ModelSpec
-        from common.models.build import build_for_study, build_model
-
-        if self.study is None:
-            return build_model(
-                ModelSpec(name=self.settings.training.model), in_features=self.n_features
-            )
-        return build_for_study(
-            self.study,
-            in_features=self.n_features,
-            allowed_model_factories=self.settings.policy.allowed_model_factories,
-        )
+        """A fresh network of the model this site trains (`build_site_model`)."""
+        return build_site_model(self.study, self.settings, in_features=self.n_features)
 
     def layout(self) -> tuple[TensorSpec, ...]:
         if self._layout is None:
-            self._layout = _layout_of(self.model())
+            self._layout = layout_of(self.model())
         return self._layout
 
     def trainer_for(self, plan: RoundPlan) -> Any:
-        from site_agent.trainer import LocalTrainer, TrainingConfig
+        from site_agent.trainer import LocalTrainer
 
         self._ready()
         planned = self.ledger is not None and self.released_units is not None
@@ -430,34 +396,22 @@ class DpTrainingHook:
         # announced planned_rounds no longer shapes the trainer.
         key = (1 if planned else plan.planned_rounds, max(plan.local_epochs, 1))
         if self._trainer is None or self._trainer_key != key:
-            cfg = self.settings
-            config = TrainingConfig(
+            config = site_training_config(
+                self.settings, plan, local_epochs=key[1],
                 batch_size=fit_batch_size(
-                    self.requested_batch_size,
+                    requested_batch_size(self.study, self.settings),
                     units=self.released_units if self.released_units is not None
                     else self.units,
                 ),
-                max_physical_batch_size=cfg.training.max_physical_batch_size,
-                local_epochs=key[1],
-                lr=plan.learning_rate,
-                optimizer=self.local_optimizer,
-                max_grad_norm=cfg.privacy.max_grad_norm,
-                target_epsilon=self._dp_sgd_budget(cfg.privacy.budget_epsilon),
-                delta=cfg.privacy.delta,
-                planned_rounds=plan.planned_rounds,
-                fedprox_mu=plan.fedprox_mu,
-                accountant=cfg.privacy.accountant,
+                optimizer=local_optimizer(self.study, self.settings),
+                target_epsilon=self._dp_sgd_budget(self.settings.privacy.budget_epsilon),
                 dp=self.dp_sgd,
                 privacy_unit="patient" if "patient" in (self.privacy_unit, self.record_level)
                 else ("record" if self.dp_sgd else "auto"),
-                grad_sample_mode=cfg.training.grad_sample_mode,
-                device=cfg.training.device,
-                task=self.task,
-                num_classes=self.num_classes,
-                released_units=self.released_units,
-                noise_multiplier=1.0 if planned else None,  # re-planned before each round
+                task=self.task, num_classes=self.num_classes,
+                released_units=self.released_units, planned=planned,
             )
-            seed = cfg.training.seed
+            seed = self.settings.training.seed
             if seed is None:
                 # Sampling and noise seeds from the OS CSPRNG, so nobody can predict the
                 # DP noise from the configuration (torch's generators hold 64 bits).
@@ -477,55 +431,19 @@ class DpTrainingHook:
         if self.ledger is not None and self.released_units is not None:
             sigma = self._planned.get(plan.round_number)
             if sigma is None:
-                from site_agent.dp_release import plan_training_noise
-
-                sigma = plan_training_noise(
-                    self.ledger, policy=self.settings.policy,
-                    announced_rounds=plan.planned_rounds, sample_rate=trainer.sample_rate,
-                    steps_per_round=plan.local_epochs * trainer.steps_per_epoch,
-                    evaluation=evaluation,
-                    study_rounds=None if self.study is None else self.study.study.rounds,
-                    **self._layered_plan(),
-                ).noise_multiplier
+                sigma = round_noise_multiplier(
+                    self.ledger, settings=self.settings, plan=plan,
+                    sample_rate=trainer.sample_rate, steps_per_epoch=trainer.steps_per_epoch,
+                    evaluation=evaluation, study=self.study, record_level=self.record_level,
+                )
                 self._planned = {plan.round_number: sigma}
             trainer.set_noise_multiplier(sigma)
         segments: list[Segment] = trainer.planned_segments(plan.local_epochs)
         return segments
 
-    @property
-    def requested_batch_size(self) -> int:
-        """The expected logical batch: the study's (the contract every site trains by),
-        or without a study the site's own setting."""
-        if self.study is not None:
-            return self.study.training.batch_size
-        return self.settings.training.batch_size
-
-    @property
-    def local_optimizer(self) -> Literal["sgd", "adam"]:
-        """The local optimizer: the study's, or without a study the site's own setting."""
-        if self.study is not None:
-            return self.study.training.local_optimizer
-        return self.settings.training.optimizer
-
     def _dp_sgd_budget(self, budget: float) -> float:
-        """DP-SGD's target: the site's budget, or beneath hospital-level DP the study's
-        record_epsilon when smaller (the site's own budget still caps it)."""
-        if self.record_level == "none" or self.study is None:
-            return budget
-        record = self.study.privacy.record_epsilon
-        return budget if record is None else min(budget, record)
-
-    def _layered_plan(self) -> dict[str, Any]:
-        """Beneath hospital-level DP, DP-SGD's noise is planned on the ledger's DP-SGD path
-        (common.privacy.layered: DDGauss rounds above DP-SGD are post-processing) for
-        record_epsilon; otherwise on the whole ledger for its budget (no overrides)."""
-        if self.record_level == "none" or self.ledger is None:
-            return {}
-        from common.privacy.layered import dpsgd_path
-
-        pairs = [(e.purpose, e.mechanisms) for e in self.ledger.entries()]
-        return {"history": dpsgd_path(pairs),
-                "budget_epsilon": self._dp_sgd_budget(self.ledger.budget_epsilon)}
+        """DP-SGD's target for this site's `budget` (`dp_sgd_budget`)."""
+        return dp_sgd_budget(budget, record_level=self.record_level, study=self.study)
 
     def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate:
         self._ready()
@@ -569,70 +487,28 @@ class DpTrainingHook:
         return v if isinstance(v, int) else 1
 
     def intermediaries_for(self, plan: RoundPlan) -> int:
-        """v this hospital trains in `plan`'s round: the study's fixed v, or under "auto"
-        the announced v (issue 13, section 2), lowered to what the site's DP patient
-        count splits into groups of `MIN_PATIENTS_PER_INTERMEDIARY` (post-processing of
-        that release: the choice, visible in the summed weight, reveals nothing new)."""
-        if self.study is None or not self.hospital:
-            return 1
-        if isinstance(self.study.privacy.intermediaries, int):
-            return self.study.privacy.intermediaries
-        from common.privacy.hospital import MIN_PATIENTS_PER_INTERMEDIARY
-
-        v = max(plan.intermediaries, 1)
-        if self.released_units is not None:
-            v = min(v, max(self.released_units // MIN_PATIENTS_PER_INTERMEDIARY, 1))
-        return v
+        """v this hospital trains in `plan`'s round (`intermediaries.intermediaries_for`)."""
+        return intermediaries_for(
+            self.study, plan, hospital=self.hospital, released_units=self.released_units
+        )
 
     def unit_groups(self, v: int) -> list[np.ndarray]:
-        """Record indices of v disjoint intermediaries: whole patients (without a patient
-        column each record, keyed by its content: `record_unit_keys`), each in the group
-        a keyed hash of its id alone gives (`intermediary_of`), fixed for the study by the
-        split seed.
-
-        Why a hash and not a shuffle: the per-patient figure charges a patient 2S per
-        round (common.privacy.layered `replaced`), which holds only if adding or removing
-        one patient moves its own unit and no other; a permutation of all patients
-        reshuffles nearly everyone when one is added (up to 2 v S). A group may come out
-        empty (rare at >= `MIN_PATIENTS_PER_INTERMEDIARY` patients per unit):
-        `_train_units` then sends a zero update for it."""
-        ids = getattr(self.train_data, "patient_ids", None)
-        keys = ids if ids is not None else record_unit_keys(self.train_data)
-        return assign_intermediaries(keys, v=v, split_seed=self.settings.data.split_seed)
+        """Record indices of v disjoint intermediaries of the training split, fixed for
+        the study by the split seed (`intermediaries.unit_groups`)."""
+        return unit_groups(self.train_data, v=v, split_seed=self.settings.data.split_seed)
 
     def _train_units(self, plan: RoundPlan, global_flat: np.ndarray, histogram: np.ndarray,
                      started: float, patients: int) -> LocalUpdate:
-        """Hospital-level DP with intermediaries (issue 13, section 2; Jiang et al.,
-        MICCAI 2023): each unit trains from the global model on its own patients; the
-        agent clips and rounds each delta alone (site_agent.hospital)."""
-        import dataclasses as dc
-
-        from site_agent.trainer import LocalTrainer
-
+        """Hospital-level DP with intermediaries: each unit trains from the global model
+        on its own patients (`train_intermediaries`); the agent clips and rounds each
+        delta alone (site_agent.hospital)."""
         base = self.trainer_for(plan)
-        deltas: list[np.ndarray] = []
-        losses: list[float] = []
-        records = 0
-        for index in self.unit_groups(self.intermediaries_for(plan)):
-            if index.size == 0:
-                # An empty intermediary (`unit_groups`) still counts as one unit: a zero
-                # update (norm 0), so the weight stays v and reveals nothing about it.
-                deltas.append(np.zeros_like(global_flat, dtype=np.float32))
-                continue
-            subset = self.train_data.subset(index)
-            config = dc.replace(
-                base.config, released_units=None,
-                batch_size=fit_batch_size(self.requested_batch_size, units=len(subset)),
-            )
-            seed = int.from_bytes(os.urandom(8), "big") >> 1
-            result = LocalTrainer(self.model, subset, config, seed=seed).train_round(
-                global_flat, local_epochs=plan.local_epochs, lr=plan.learning_rate,
-                fedprox_mu=plan.fedprox_mu,
-            )
-            deltas.append(np.array(result.delta_flat, dtype=np.float32))
-            if result.mean_loss is not None:
-                losses.append(result.mean_loss)
-            records += result.num_samples
+        deltas, losses, records = train_intermediaries(
+            self.unit_groups(self.intermediaries_for(plan)), data=self.train_data,
+            model_factory=self.model, base_config=base.config,
+            requested_batch_size=requested_batch_size(self.study, self.settings),
+            plan=plan, global_flat=global_flat,
+        )
         total = np.sum(deltas, axis=0).astype(np.float32)
         return LocalUpdate(
             total, len(deltas), histogram, time.perf_counter() - started, patients,
@@ -641,176 +517,15 @@ class DpTrainingHook:
         )
 
     def evaluate(self, plan: RoundPlan, global_flat: np.ndarray) -> np.ndarray:
-        """Held-out score histogram of the global model: 2 * bins counts for a binary
-        study, K one-vs-rest blocks of 2 * (bins / K) for K classes (the announced bins
-        cover all blocks: `common.evaluation_edges.bins_per_class`), counted with the round's
-        announced bucket edges (`common.evaluation_edges.round_edges`, checked there)."""
-        from common.evaluation import multiclass_score_histogram, score_histogram
-        from common.evaluation_edges import round_edges
+        """Held-out score histogram of the global model (`held_out_histogram`), one score
+        per privacy unit under patient- or hospital-level privacy."""
         from common.models.layout import load_flat_parameters
-        from site_agent.dp_release import one_per_unit
-        from site_agent.imaging import ImageDataset
-        from site_agent.trainer import predict_scores
 
         probe = self.model()
         load_flat_parameters(probe, global_flat)
         probe.to(self.device)
-        # One score per privacy unit (a random encounter of each held-out patient): each
-        # unit moves one count, the sensitivity the agent's histogram noise is planned for.
-        pick = one_per_unit(
-            self.holdout.patient_ids if self.privacy_unit in ("patient", "hospital") else None,
-            size=len(self.holdout),
+        return held_out_histogram(
+            probe, self.holdout, plan,
+            per_unit=self.privacy_unit in ("patient", "hospital"),
+            device=self.device, task=self.task, num_classes=self.num_classes,
         )
-        if isinstance(self.holdout, ImageDataset):
-            inputs: Any = self.holdout.subset(pick)
-        else:
-            inputs = self.holdout.features[pick]
-        labels = self.holdout.labels[pick]
-        scores = predict_scores(probe, inputs, device=self.device, task=self.task, batch_size=256)
-        if self.task == "binary":
-            (edges,) = round_edges(plan.histogram_edges, bins=plan.histogram_bins)
-            return score_histogram(scores, labels, edges=edges)
-        blocks = round_edges(
-            plan.histogram_edges, bins=plan.histogram_bins, blocks=self.num_classes)
-        return multiclass_score_histogram(scores, labels, edges=blocks)
-
-
-
-INTERMEDIARY_DOMAIN = b"medfed/v1/intermediary"
-
-
-def intermediary_key(split_seed: int) -> bytes:
-    """The BLAKE2b key of the patient -> intermediary hash: fixed by the site's split
-    seed for the study (not secret from the site; it keeps groups stable across rounds)."""
-    return hashlib.blake2b(INTERMEDIARY_DOMAIN + int(split_seed).to_bytes(16, "big", signed=True),
-                           digest_size=32).digest()
-
-
-def canonical_unit_id(unit: object) -> bytes:
-    """Bytes of a patient id (or record index) that do not depend on its dtype: integers
-    (Python, NumPy, integral floats) as their decimal digits, text as UTF-8, so the same
-    id hashes alike whether a file's column was read as numbers or as strings."""
-    if isinstance(unit, bytes | bytearray):
-        return bytes(unit)
-    if isinstance(unit, np.generic):
-        unit = unit.item()
-    if isinstance(unit, bool):
-        unit = int(unit)
-    if isinstance(unit, float) and unit.is_integer():
-        unit = int(unit)
-    return str(unit).encode("utf-8")
-
-
-def assign_intermediaries(keys: np.ndarray, *, v: int, split_seed: int) -> list[np.ndarray]:
-    """Record indices of each of v intermediaries, given one unit id per record (a
-    patient id, or `record_unit_keys`): every record of a unit in the group
-    `intermediary_of` gives its id. ConfigError when there are fewer units than v."""
-    unique, inverse = np.unique(np.asarray(keys), return_inverse=True)
-    if unique.size < v:
-        raise ConfigError("privacy.intermediaries",
-                          f"{v} intermediaries but only {unique.size} units at this site")
-    key = intermediary_key(split_seed)
-    group_of_unit = np.fromiter((intermediary_of(u, key=key, v=v) for u in unique),
-                                dtype=np.int64, count=unique.size)
-    group = group_of_unit[inverse.reshape(-1)]
-    return [np.flatnonzero(group == k) for k in range(v)]
-
-
-def record_unit_keys(data: Any) -> np.ndarray:
-    """Unit ids of a dataset without a patient column, one per record, that depend on the
-    record alone (never on its position, which shifts for every later record when one is
-    added or removed): a digest of a tabular record's encoded features and label, or an
-    image's file path. Identical records share a key (and so a unit), which keeps the
-    property that one record added or removed moves only its own unit."""
-    entries = getattr(data, "entries", None)
-    if entries is not None:  # images: the file, not its place in the listing
-        return np.array([str(entry.path) for entry in entries], dtype=object)
-    features = np.ascontiguousarray(data.features)
-    labels = np.ascontiguousarray(data.labels)
-    keys = np.empty(len(features), dtype=object)
-    for i in range(len(features)):
-        digest = hashlib.blake2b(features[i].tobytes(), digest_size=16)
-        digest.update(labels[i].tobytes())
-        keys[i] = digest.digest()
-    return keys
-
-
-def intermediary_of(unit: object, *, key: bytes, v: int) -> int:
-    """The intermediary (0..v-1) of one patient: BLAKE2b-64 of its id under `key`, mod v.
-    A function of the id alone, so one patient added or removed changes only its own
-    unit (the 2S per-patient bound; `DpTrainingHook.unit_groups`)."""
-    digest = hashlib.blake2b(canonical_unit_id(unit), key=key, digest_size=8).digest()
-    return int.from_bytes(digest, "big") % v
-
-
-def load_site_study(settings: SiteSettings) -> Study | None:
-    """The study in the site's own ``study_file``, if it names one."""
-    from common.study import load_study
-
-    if settings.study_file is None:
-        return None
-    return load_study(settings.study_file)
-
-
-def model_name(study: Study | None, settings: SiteSettings) -> str:
-    """What the site trains, for logs and reports: a registry name or the factory."""
-    if study is None:
-        return settings.training.model
-    return study.model.custom or study.model.name or "mlp"
-
-
-def fit_batch_size(requested: int, *, units: int) -> int:
-    """The expected batch, capped at a quarter of the privacy units a site has (a small
-    site still gets several steps per epoch, and sampling rate q stays below 1)."""
-    return max(1, min(requested, units // 4))
-
-
-def load_configured_data(settings: SiteSettings, study: Study | None = None) -> Any:
-    """This site's records: its image folder for an images study, its file with the
-    declared schema, or its slice of the embedded synthetic cohort."""
-    from site_agent.data import DatasetSchema, load_site_data
-    from site_agent.synthetic import FEATURES, generate_cohort
-
-    data_cfg = settings.data
-    if study is not None and study.data.kind == "images":
-        from site_agent.imaging import image_spec_for_study, load_image_folder
-
-        if data_cfg.path is None:
-            raise ConfigError("data.path", "an images study needs --data FOLDER (with labels.csv)")
-        return load_image_folder(data_cfg.path, image_spec_for_study(study))
-    if data_cfg.synthetic:
-        # Only when asked for explicitly (--synthetic): a site's own file is never
-        # replaced by the embedded cohort.
-        return generate_cohort(
-            [settings.site],
-            seed=data_cfg.synthetic_cohort_seed or 0,
-            patients_per_site=data_cfg.synthetic_patients,
-        )[settings.site]
-    if data_cfg.path is None:
-        raise ConfigError(
-            "data.path", "name this site's data file (--data FILE), or ask for the built-in "
-            "demo cohort explicitly with --synthetic"
-        )
-    features = data_cfg.features or list(FEATURES)
-    schema = DatasetSchema(
-        features=features,
-        label=data_cfg.label_column,
-        patient_id=data_cfg.patient_column,
-        nan_policy=data_cfg.nan_policy,
-    )
-    return load_site_data(data_cfg.path, schema)
-
-
-def check_layout(expected: tuple[TensorSpec, ...], announced: tuple[TensorSpec, ...]) -> None:
-    """The coordinator's model must be the architecture this site trains."""
-    if tuple(expected) != tuple(announced):
-        raise ConfigError(
-            "model", "the coordinator's model layout does not match this site's model"
-        )
-
-
-def _layout_of(model: Any) -> tuple[TensorSpec, ...]:
-    """The model's wire layout (`common.models.layout`, which imports torch)."""
-    from common.models.layout import model_layout
-
-    return model_layout(model)

@@ -8,14 +8,14 @@ of every OTHER patient to be unchanged when one patient is added or removed.
 split seed: adding one patient changed `unique.size`, hence the whole permutation, hence
 the group of almost every other patient. Every one of the v unit updates could then
 change, and the hospital's sum move by up to 2 v S, not 2 S. The assignment is now a keyed
-hash of each id alone (`site_agent.hooks.assign_intermediaries`, which `unit_groups` calls
+hash of each id alone (`site_agent.intermediaries.assign_intermediaries`, which `unit_groups` calls
 with the site's patient ids and split seed); these tests failed before that change."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from site_agent.hooks import assign_intermediaries
+from site_agent.intermediaries import assign_intermediaries
 
 
 def groups_by_patient(patient_ids: np.ndarray, v: int) -> dict[str, int]:

@@ -15,7 +15,7 @@ import pytest
 from common.errors import ConfigError
 from common.round import RoundPlan
 from site_agent.data import SiteData
-from site_agent.hooks import (
+from site_agent.intermediaries import (
     assign_intermediaries,
     intermediary_key,
     intermediary_of,

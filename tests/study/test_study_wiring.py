@@ -10,7 +10,7 @@ import pytest
 from common.config import CoordinatorSettings, SiteSettings, load_settings
 from common.errors import ConfigError
 from coordinator.study_run import StudyRun
-from site_agent.hooks import load_configured_data
+from site_agent.training_data import load_configured_data
 from tests.study.helpers import hospital_study
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench.dpsgd import main
-from site_agent.trainer import pick_faster_mode
+from site_agent.grad_sample_mode import pick_faster_mode
 
 
 def check_auto(result: dict[str, object], lines: list[str]) -> None:

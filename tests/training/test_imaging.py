@@ -23,7 +23,8 @@ from site_agent.synthetic_imaging import (
     write_dicom,
     write_site_folder,
 )
-from site_agent.trainer import LocalTrainer, TrainingConfig
+from site_agent.trainer import LocalTrainer
+from site_agent.training_config import TrainingConfig
 
 SPEC = ImageSpec(image_size=16, channels=1, patient_column="patient_id")
 

@@ -14,7 +14,8 @@ from common.models.tables.mlp import TabularMLP
 from common.privacy.accountant import compose_epsilon
 from site_agent.patient_dp import PatientLevelDPSGD, PatientSampler, clipped_gradient_sum
 from site_agent.synthetic import FEATURES
-from site_agent.trainer import LocalTrainer, TrainingConfig, predict_scores
+from site_agent.trainer import LocalTrainer, predict_scores
+from site_agent.training_config import TrainingConfig
 
 C = 0.5
 

@@ -14,17 +14,16 @@ from common.models.tables.mlp import TabularMLP
 from common.privacy.accountant import Segment, compose_epsilon
 from site_agent.data import SiteData
 from site_agent.device import select_device
-from site_agent.synthetic import FEATURES
-from site_agent.trainer import (
+from site_agent.ghost_clipping import conv_ghost_norms
+from site_agent.grad_sample_mode import (
     GRAD_SAMPLE_MODES,
-    LocalTrainer,
-    TrainingConfig,
     choose_grad_sample_mode,
-    conv_ghost_norms,
     measure_grad_sample_modes,
     pick_faster_mode,
-    predict_scores,
 )
+from site_agent.synthetic import FEATURES
+from site_agent.trainer import LocalTrainer, predict_scores
+from site_agent.training_config import TrainingConfig
 
 ROUNDS = 3
 BASE = TrainingConfig(

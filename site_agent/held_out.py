@@ -1,0 +1,49 @@
+"""Scoring the global model on a site's held-out split: the score histogram that rides
+along in the round's secure sum (the federation's ROC, not the site's)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from common.models import Task
+from common.round import RoundPlan
+
+
+def held_out_histogram(
+    model: Any,
+    holdout: Any,
+    plan: RoundPlan,
+    *,
+    per_unit: bool,
+    device: str,
+    task: Task,
+    num_classes: int,
+) -> np.ndarray:
+    """Held-out score histogram of `model`: 2 * bins counts for a binary study, K
+    one-vs-rest blocks of 2 * (bins / K) for K classes (the announced bins cover all
+    blocks: `common.evaluation_edges.bins_per_class`), counted with the round's announced
+    bucket edges (`common.evaluation_edges.round_edges`, checked there). With `per_unit`
+    (patient- or hospital-level privacy) one random encounter of each held-out patient
+    is scored."""
+    from common.evaluation import multiclass_score_histogram, score_histogram
+    from common.evaluation_edges import round_edges
+    from site_agent.dp_release import one_per_unit
+    from site_agent.imaging import ImageDataset
+    from site_agent.trainer import predict_scores
+
+    # One score per privacy unit: each unit moves one count, the sensitivity the
+    # agent's histogram noise is planned for.
+    pick = one_per_unit(holdout.patient_ids if per_unit else None, size=len(holdout))
+    if isinstance(holdout, ImageDataset):
+        inputs: Any = holdout.subset(pick)
+    else:
+        inputs = holdout.features[pick]
+    labels = holdout.labels[pick]
+    scores = predict_scores(model, inputs, device=device, task=task, batch_size=256)
+    if task == "binary":
+        (edges,) = round_edges(plan.histogram_edges, bins=plan.histogram_bins)
+        return score_histogram(scores, labels, edges=edges)
+    blocks = round_edges(plan.histogram_edges, bins=plan.histogram_bins, blocks=num_classes)
+    return multiclass_score_histogram(scores, labels, edges=blocks)
