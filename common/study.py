@@ -78,7 +78,7 @@ class DataSection(_Section):
     kind: Literal["table", "images"] = "table"
     label_column: str = Field(min_length=1)
     patient_column: str | None = Field(default=None, min_length=1)
-    # Images (issue 12): a labels CSV with one file name per row, resized to image_size.
+    # Images: a labels CSV with one file name per row, resized to image_size.
     file_column: str | None = Field(default=None, min_length=1)
     image_size: tuple[int, int] | None = None
     channels: int | None = Field(default=None, ge=1, le=16)
@@ -108,7 +108,7 @@ class FeatureSpec(_Section):
     ``missing``: ``error`` refuses the file, ``impute`` fills in the federated (DP) global
     value, ``indicator`` imputes and adds a 0/1 column saying the value was missing.
     ``range``: numeric values are clipped into it before standardising; ``auto`` means the
-    range is estimated in the federated DP statistics release (issue 10).
+    range is estimated in the federated DP statistics release.
     """
 
     name: str = Field(min_length=1, max_length=256)
@@ -223,7 +223,7 @@ class StudyPrivacySection(_Section):
     delta: float = Field(default=1e-5, gt=0, lt=1)
     max_grad_norm: float = Field(default=1.0, gt=0, le=1e6)
     max_epsilon_per_round: float | None = Field(default=None, gt=0, le=100)
-    # Hospital-level DP (issue 13): whole-update clip norm S and adaptive intermediaries.
+    # Hospital-level DP: whole-update clip norm S and adaptive intermediaries.
     update_clip_norm: float | None = Field(default=None, gt=0)
     # z: the securely summed update carries discrete Gaussian noise of std z * S per
     # coordinate. None: planned from epsilon (common.privacy.hospital.study_terms).
@@ -233,13 +233,13 @@ class StudyPrivacySection(_Section):
     # "auto" (opt-in) charge the budget per intermediary: the hospital-level epsilon is
     # then v-fold group privacy, several times epsilon (`intermediaries_warning`).
     intermediaries: Literal["auto"] | int = 1
-    # Record/patient-level DP-SGD underneath hospital-level DP (issue 13, section 1):
+    # Record/patient-level DP-SGD underneath hospital-level DP:
     # "none" trains without DP-SGD (the whole update is still clipped and noised);
     # "record" / "patient" also run Opacus DP-SGD at that unit, its noise planned by each
     # site for record_epsilon over the study's rounds (common.privacy.layered).
     record_level: Literal["none", "record", "patient"] = "none"
     record_epsilon: float | None = Field(default=None, gt=0, le=100)
-    # Once-per-study DP releases (issue 10): statistics for preprocessing, cohort count.
+    # Once-per-study DP releases: statistics for preprocessing, cohort count.
     # Declared by the consortium and spent by every site alike (a site refuses a study
     # asking for more than its own limit); docs/privacy.md "The cohort count".
     statistics_epsilon: float = Field(default=0.5, gt=0, le=100)
@@ -563,8 +563,8 @@ class GlobalStatistics(_Section):
 
     Preprocessing requires this object: there is deliberately no local fallback that
     fits statistics on one site's data (that would leak noiselessly and make sites scale
-    inputs differently). The integrator produces it from the federated DP release of
-    issue 10; ``source`` says where it came from and travels in the model bundle.
+    inputs differently). The integrator produces it from the federated DP statistics
+    release; ``source`` says where it came from and travels in the model bundle.
     """
 
     study_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
@@ -652,7 +652,7 @@ class SitePrivacyPolicy:
     """What a site accepts; built from its own config (`SiteSettings.privacy` / `.policy`).
 
     ``unit``: the weakest privacy unit the site accepts. ``allowed_model_factories``:
-    custom model factories this site is willing to import and run (issue 12).
+    custom model factories this site is willing to import and run.
     """
 
     epsilon: float

@@ -67,7 +67,7 @@ class LocalUpdate:
     # Exact records trained on, for this site's own log only (never sent: the FedAvg
     # weight is `num_samples`, a DP count when DP is on).
     records: int | None = None
-    # Hospital-level DP with intermediaries (issue 13, section 2): one delta per
+    # Hospital-level DP with intermediaries: one delta per
     # disjoint unit of patients, each to be clipped alone; `delta` is their sum.
     units: tuple[np.ndarray, ...] = ()
 
@@ -299,7 +299,7 @@ class DpTrainingHook:
     def _use_study(self, study: Study) -> None:
         """Task, classes and model name from the study this site trains."""
         self.study = study
-        # Hospital-level DP (issue 13): the whole update is clipped and noised in the
+        # Hospital-level DP: the whole update is clipped and noised in the
         # ring (site_agent.hospital); DP-SGD runs beneath only with privacy.record_level.
         self.hospital = study.privacy.unit == "hospital"
         self.task = study.study.task

@@ -35,7 +35,7 @@ class TrainingConfig:
     privacy_unit: Literal["auto", "patient", "record"] = "auto"
     grad_sample_mode: Literal["ghost", "hooks", "auto"] = "auto"
     device: str = "auto"
-    # Issue 10: the DP count of units (sample rate and steps come from it, never from N)
+    # The DP count of units (sample rate and steps come from it, never from N)
     # and the noise multiplier the site planned from its ledger (None: plan here).
     released_units: int | None = None
     noise_multiplier: float | None = None
