@@ -252,10 +252,10 @@ class RoundEngine:
                             ann, p, now=self.clock(), phase_seconds=deadlines.phase_seconds),
                         lock=self.inbox.lock, on_closed=partial(
                             round_events.phase_closed, metrics=self.metrics,
-                            heartbeat_misses=deadlines.heartbeat_misses))
-            # Before the sum is used: a crash from here on is reported as "abandoned
-            # after unmasking" at the next start (the sum existed in the clear).
-            self.store.mark_unmasked(ann.round_number)
+                            heartbeat_misses=deadlines.heartbeat_misses),
+                        # Written before the sum exists: a crash from then on is
+                        # reported at the next start as "may have been unmasked".
+                        before_sum=partial(self.store.mark_unmasked, ann.round_number))
             result = await (statistics_round.complete(
                 rnd, aggregator, run=self.study, settings=self.settings, store=self.store,
                 metrics=self.metrics, clock=self.clock,

@@ -339,10 +339,15 @@ async def drive(
     close: CloseFn,
     lock: asyncio.Lock,
     on_closed: Callable[[ActiveRound, PhaseClosed], None],
+    before_sum: Callable[[], None] | None = None,
 ) -> None:
     """Run `phases` in order: wait for each to be ready, let `close` compute its output
     and the sites expected next (under `lock`, so no upload lands mid-close), publish
-    it and open the next phase; after the last one the round is UPDATING."""
+    it and open the next phase; after the last one the round is UPDATING.
+
+    `before_sum` runs (and must have returned) before the last phase's close, the one
+    that produces the sum in the clear: the state records the intent to unmask first,
+    so a crash during or after unmasking is never reported as "nothing unmasked"."""
     state: PhaseState | None = rnd.open_phase(phases[0], set(rnd.announcement.participants))
     for index, phase in enumerate(phases):
         if state is None:
@@ -353,6 +358,8 @@ async def drive(
             if when is not None:
                 rnd.mark(f"{phase.value}.{step}", when, idle=idle_before)
         nxt = phases[index + 1] if index + 1 < len(phases) else RoundPhase.UPDATING
+        if nxt is RoundPhase.UPDATING and before_sum is not None:
+            before_sum()
         async with lock:
             output, expected = await close(phase, state)
             state = rnd.advance(state, output, nxt, expected)

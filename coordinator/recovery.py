@@ -1,6 +1,6 @@
 """Recovery at start: a coordinator restarted on its state abandons the round that was
-in flight when it stopped, and says truthfully whether that round's sum had already
-been unmasked."""
+in flight when it stopped, and says truthfully whether that round's sum may already
+have been unmasked."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ def recover(
     of the last round the state records (0 for a fresh state)."""
     for rnd in store.abandon_in_flight(now=now):
         if rnd.unmasked:
-            log.warning("round %d was abandoned at a crash after its sum was unmasked: "
-                        "the coordinator may have seen that sum; no model was built "
-                        "from it", rnd.round_number)
+            log.warning("round %d was abandoned at a crash after its sum was or may have "
+                        "been unmasked: the coordinator may have seen that sum; no model "
+                        "was built from it", rnd.round_number)
         else:
             log.warning("round %d was in flight at a crash: abandoned", rnd.round_number)
         metrics.rounds_total.labels(outcome="abandoned").inc()

@@ -25,6 +25,7 @@ from common.metrics_http import serve_metrics
 from common.pki import COORDINATOR_CERT, CRL_FILE, PeerVerifier, load_ca, load_certificate
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
+from common.state_lock import StateLock
 from common.tls import RequireCertificateRole, server_credentials
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
@@ -58,6 +59,7 @@ class RunningCoordinator:
     metrics_port: int
     health: health.aio.HealthServicer
     metrics_server: WSGIServer | None = None
+    state_lock: StateLock | None = None
 
     async def stop(self, *, grace: float | None = 0.0) -> None:
         """Stop serving and release every port and file: gRPC (in-flight calls get
@@ -73,6 +75,8 @@ class RunningCoordinator:
             await asyncio.to_thread(exporter.shutdown)
             exporter.server_close()
         self.engine.store.close()
+        if self.state_lock is not None:
+            self.state_lock.release()
 
 
 def database_url(settings: CoordinatorSettings) -> str:
@@ -80,12 +84,30 @@ def database_url(settings: CoordinatorSettings) -> str:
 
 
 async def start(settings: CoordinatorSettings) -> RunningCoordinator:
+    """Serve `settings` on its ports, holding its state folder (one coordinator per
+    folder: a second is refused naming the holder) until `RunningCoordinator.stop`."""
     if settings.study is None and settings.model is None:
         raise ConfigError(
             "study", "coordinator serve needs --study study.toml (see `medfed study init`)"
         )
     # Ledger, state database and checkpoints: readable by this service only.
-    settings.state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        settings.state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise ConfigError(
+            "state", f"cannot create the state folder {settings.state}: {exc.strerror or exc}"
+        ) from exc
+    lock = StateLock.acquire(settings.state, role="coordinator")
+    try:
+        running = await _start(settings)
+    except BaseException:
+        lock.release()
+        raise
+    running.state_lock = lock
+    return running
+
+
+async def _start(settings: CoordinatorSettings) -> RunningCoordinator:
     store = CoordinatorStore(database_url(settings))
     verifier = PeerVerifier.from_pki_dir(settings.pki)
     metrics = CoordinatorMetrics()

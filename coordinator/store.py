@@ -4,9 +4,10 @@ SQLite by default (one file under the state folder, WAL, synchronous=FULL); Post
 when `database_url` is ``postgresql://...`` (a highly available coordinator). The SQL is
 written once, portably; `common.sqldb` holds the few dialect differences.
 
-A round is written as ``in_flight`` before any site hears of it, and ``unmasked`` once
-its sum exists in the clear (before the model update and checkpoint). After a crash the
-next start marks either ``abandoned`` and says which ones had been unmasked: the
+A round is written as ``in_flight`` before any site hears of it, and ``unmasked`` just
+before its sum is computed in the clear (the intent, written before Unmask closes, so
+no crash can fall between a sum existing and the record of it). After a crash the next
+start marks either ``abandoned`` and says which ones may have been unmasked: the
 coordinator may have seen their sum, although no model was built from it. Numbering goes
 on from the largest number ever used, so a site can never confuse two rounds.
 """
@@ -126,7 +127,8 @@ class CoordinatorStore:
             ).fetchall()
             cur.execute(
                 "UPDATE rounds SET status = 'abandoned', finished_at = ?, detail = "
-                "'coordinator restarted after its sum was unmasked' WHERE status = 'unmasked'",
+                "'coordinator restarted after its sum was or may have been unmasked' "
+                "WHERE status = 'unmasked'",
                 (now,),
             )
             cur.execute(
@@ -137,7 +139,8 @@ class CoordinatorStore:
         return [AbandonedRound(int(r[0]), str(r[1]) == "unmasked") for r in rows]
 
     def mark_unmasked(self, round_number: int) -> None:
-        """The round's sum now exists in the clear (written before it is used)."""
+        """The round's sum is about to be computed in the clear (written before Unmask
+        closes, so a restart never claims a round's sum was not unmasked when it was)."""
         with self._tx() as cur:
             cur.execute(
                 "UPDATE rounds SET status = 'unmasked' WHERE round_number = ? "

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from common.config import SiteSettings
-from common.errors import LedgerUnavailable
+from common.errors import ConfigError, LedgerUnavailable
 from common.metrics_http import serve_metrics
 from common.privacy.ledger import LedgerSigner, PrivacyLedger, recovery_hint
+from common.state_lock import StateLock
 from site_agent.agent import SiteAgent
 from site_agent.dp_release import COUNT_STATE_FILE
 from site_agent.hooks import DeterministicTestHook, DpTrainingHook, TrainingHook
@@ -73,7 +74,23 @@ def run_site(
     announce: Callable[[dict[str, Any]], None] | None = None,
 ) -> int:
     # Ledger, state database and checkpoints: readable by this service only.
-    settings.state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        settings.state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise ConfigError(
+            "state", f"cannot create the state folder {settings.state}: {exc.strerror or exc}"
+        ) from exc
+    # One agent per state folder: two would fork the ledger (common/state_lock.py).
+    with StateLock.acquire(settings.state, role=f"site {settings.site}"):
+        return _run_site(settings, stop=stop, announce=announce)
+
+
+def _run_site(
+    settings: SiteSettings,
+    *,
+    stop: threading.Event | None,
+    announce: Callable[[dict[str, Any]], None] | None,
+) -> int:
     metrics = SiteMetrics(settings.site)
     hook = build_hook(settings)
     metrics.device.labels(device=hook.device).set(1)

@@ -193,13 +193,14 @@ def _check_format(connection: sqlite3.Connection, path: Path) -> None:
         raise LedgerUnavailable(path, f"{path}: unknown ledger format {row[0]!r}")
 
 
-def _read_header(connection: sqlite3.Connection) -> LedgerHeader:
+def read_header_row(connection: sqlite3.Connection) -> LedgerHeader | None:
+    """The ledger's header row (either format), or None in a ledger without one."""
     row = connection.execute(
         "SELECT site_id, budget_epsilon, delta, accountant, privacy_unit, header_hash, "
         "entry_count, head_hash, format FROM ledger_header WHERE id = 1"
     ).fetchone()
     if row is None:
-        raise StateError("ledger has no header row")
+        return None
     return LedgerHeader(
         site_id=str(row[0]),
         budget_epsilon=float(row[1]),
@@ -211,6 +212,13 @@ def _read_header(connection: sqlite3.Connection) -> LedgerHeader:
         head_hash=str(row[7]),
         format=str(row[8]),
     )
+
+
+def _read_header(connection: sqlite3.Connection) -> LedgerHeader:
+    header = read_header_row(connection)
+    if header is None:
+        raise StateError("ledger has no header row")
+    return header
 
 
 def _terms(header: LedgerHeader) -> LedgerTerms:

@@ -53,17 +53,8 @@ from common.privacy.signed import (
     check_entries,
 )
 
-
-@dataclass(frozen=True)
-class LedgerProblem:
-    """One integrity failure; `seq` is the entry concerned (None: the header)."""
-
-    seq: int | None
-    message: str
-
-    def __str__(self) -> str:
-        where = "header" if self.seq is None else f"entry seq={self.seq}"
-        return f"{where}: {self.message}"
+# One integrity failure in either a ledger file or a signed history: one type for both.
+LedgerProblem = HistoryProblem
 
 
 @dataclass(frozen=True)
@@ -119,18 +110,9 @@ def _check_v2(
         found = check_entries(
             terms, entries, _read_certificates(connection), ca_certificate=ca_certificate
         )
-        problems.extend(_as_problem(p) for p in found)
+        problems.extend(found)
     head = entries[-1].entry_hash if entries else terms.header_hash
-    if header.entry_count != len(rows):
-        problems.append(
-            LedgerProblem(
-                None,
-                f"header records {header.entry_count} entries but {len(rows)} are present"
-                " (last entry deleted or entry inserted?)",
-            )
-        )
-    if header.head_hash != head:
-        problems.append(LedgerProblem(None, "head_hash does not match the last entry"))
+    problems.extend(header_problems(header, rows=len(rows), head=head))
     recomposed = recompose and not problems
     if recomposed:
         problems.extend(_recompose_problems(terms, entries))
@@ -146,8 +128,21 @@ def _check_v2(
     )
 
 
-def _as_problem(problem: HistoryProblem) -> LedgerProblem:
-    return LedgerProblem(problem.seq, problem.message)
+def header_problems(header: LedgerHeader, *, rows: int, head: str) -> list[LedgerProblem]:
+    """The header's entry count and head hash against the rows actually present (a
+    deleted last entry or an inserted one shows here), in either ledger format."""
+    problems = []
+    if header.entry_count != rows:
+        problems.append(
+            LedgerProblem(
+                None,
+                f"header records {header.entry_count} entries but {rows} are present"
+                " (last entry deleted or entry inserted?)",
+            )
+        )
+    if header.head_hash != head:
+        problems.append(LedgerProblem(None, "head_hash does not match the last entry"))
+    return problems
 
 
 def _recompose_problems(terms: LedgerTerms, entries: Sequence[SignedEntry]) -> list[LedgerProblem]:
@@ -173,7 +168,7 @@ def history_problems(
     """Every problem of a whole exported history (signatures, chain, epsilons)."""
     from common.privacy.signed import verify_history
 
-    problems = [_as_problem(p) for p in verify_history(history, ca_certificate=ca_certificate)]
+    problems = list(verify_history(history, ca_certificate=ca_certificate))
     if recompose and not problems:
         problems.extend(_recompose_problems(history.terms, history.entries))
     return problems

@@ -41,7 +41,8 @@ from common.privacy.ledger import (
     write_new_ledger,
 )
 from common.privacy.ledger_anchor import write_anchor
-from common.privacy.ledger_store import EPSILON_RELATIVE_TOLERANCE
+from common.privacy.ledger_store import EPSILON_RELATIVE_TOLERANCE, read_header_row
+from common.privacy.ledger_verify import header_problems
 from common.privacy.recompose import RecordedSpend, recompose_mismatches
 from common.privacy.signed import LEDGER_FORMAT as FORMAT2
 from common.privacy.signed import LedgerTerms, SignedEntry, SignedHistory
@@ -187,25 +188,9 @@ class Format1Entry:
 
 def _read_header(connection: sqlite3.Connection) -> LedgerHeader | None:
     try:
-        row = connection.execute(
-            "SELECT site_id, budget_epsilon, delta, accountant, privacy_unit, header_hash, "
-            "entry_count, head_hash, format FROM ledger_header WHERE id = 1"
-        ).fetchone()
+        return read_header_row(connection)
     except sqlite3.DatabaseError as exc:
         raise StateError(f"not a medfed privacy ledger: {exc}") from exc
-    if row is None:
-        return None
-    return LedgerHeader(
-        site_id=str(row[0]),
-        budget_epsilon=float(row[1]),
-        delta=float(row[2]),
-        accountant=str(row[3]),
-        privacy_unit=str(row[4]),
-        header_hash=str(row[5]),
-        entry_count=int(row[6]),
-        head_hash=str(row[7]),
-        format=str(row[8]),
-    )
 
 
 def _row_to_entry(row: Sequence[Any]) -> Format1Entry:
@@ -289,16 +274,7 @@ def _check_chain(connection: sqlite3.Connection, *, path: Path, recompose: bool)
             problems.append(LedgerProblem(seq, f"unknown status {entry.status!r}"))
         checked.append(entry)
         prev_hash = entry.entry_hash
-    if header.entry_count != len(raw_rows):
-        problems.append(
-            LedgerProblem(
-                None,
-                f"header records {header.entry_count} entries but {len(raw_rows)} are present"
-                " (last entry deleted or entry inserted?)",
-            )
-        )
-    if header.head_hash != prev_hash:
-        problems.append(LedgerProblem(None, "head_hash does not match the last entry"))
+    problems.extend(header_problems(header, rows=len(raw_rows), head=prev_hash))
     # Recompose only an intact chain: a broken one already fails, and recomposing costs
     # an accountant call per entry. This catches an epsilon edited with rehashed chain.
     recomposed = recompose and not problems

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,7 @@ from coordinator.phases import (
     RoundPhase,
     drive,
 )
+from coordinator.store import CoordinatorStore
 
 SITES = ("alpha", "beta", "gamma")
 
@@ -198,3 +200,43 @@ def test_dropped_counts_every_phase_but_not_declines() -> None:
     rnd.decline("gamma")
     assert rnd.dropped_sites(["alpha"]) == ("beta",)
     assert rnd.dropped_sites(["alpha", "beta"]) == ()
+
+
+def test_the_intent_to_unmask_is_recorded_before_the_sum_exists(tmp_path: Path) -> None:
+    """A coordinator killed while Unmask closes may hold the sum in the clear: the
+    state database must say "unmasked" before that close starts, or a restart would
+    report the round as "nothing unmasked" (a real SQLite state, read from inside the
+    closer that computes the sum)."""
+    store = CoordinatorStore(f"sqlite:///{tmp_path / 'coordinator.db'}")
+    rnd = ActiveRound(announcement(), b"model")
+    store.begin_round(rnd.number, list(SITES), now=1.0)
+    status_at_close: dict[RoundPhase, str | None] = {}
+
+    async def close(phase: RoundPhase, state: PhaseState) -> tuple[object, set[str]]:
+        status_at_close[phase] = store.round_status(rnd.number)
+        return phase.value, set(state.expected)
+
+    async def sites() -> None:
+        for phase in SECURE_PHASES:
+            while rnd.phase is not phase:
+                await asyncio.sleep(0)
+            state = rnd.phases[phase]
+            for site in sorted(state.expected):
+                state.mark(site)
+
+    async def scenario() -> None:
+        await asyncio.gather(
+            drive(rnd, SECURE_PHASES, timeout_for=lambda _p: 30.0, close=close,
+                  lock=asyncio.Lock(), on_closed=lambda _r, _c: None,
+                  before_sum=lambda: store.mark_unmasked(rnd.number)),
+            sites(),
+        )
+
+    try:
+        asyncio.run(scenario())
+        assert status_at_close[RoundPhase.UNMASK] == "unmasked"
+        assert all(status_at_close[p] == "in_flight" for p in SECURE_PHASES[:-1])
+        abandoned = store.abandon_in_flight(now=2.0)
+        assert [(a.round_number, a.unmasked) for a in abandoned] == [(rnd.number, True)]
+    finally:
+        store.close()

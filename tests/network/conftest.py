@@ -183,9 +183,10 @@ class InProcessCoordinator:
             self._stop = asyncio.Event()
             self._engine_task = asyncio.create_task(self._running.engine.run())
             self._engine_task.add_done_callback(lambda _task: self.engine_done.set())
-        except BaseException as exc:
+        except Exception as exc:
+            # Re-raised by __enter__ in the test's thread, where it belongs.
             self._startup_error = exc
-            raise
+            return
         finally:
             self._ready.set()
         await self._stop.wait()
