@@ -25,15 +25,19 @@ def load_model(
     model: ModelSection | None,
     optimizer: ServerOptimizer,
     *,
+    state: Path,
     initial: Callable[[], tuple[tuple[TensorSpec, ...], np.ndarray]] | None = None,
 ) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
     """Latest good checkpoint if there is one (restoring `optimizer`'s state), else the
-    study's initial model (`initial`) or the configured one."""
+    study's initial model (`initial`) or the configured one. A checkpoint's recorded
+    path is relative to the state folder `state` (rows written by older versions hold an
+    absolute path, which is read as it is)."""
     ckpt = store.latest_checkpoint()
     if ckpt is not None:
-        saved = read_model_file(ckpt.path)
+        path = state / ckpt.path
+        saved = read_model_file(path)
         if digest(flat_to_bytes(saved.flat, saved.layout)).hex() != ckpt.sha256:
-            raise StateError(f"checkpoint {ckpt.path} does not match its recorded digest")
+            raise StateError(f"checkpoint {path} does not match its recorded digest")
         optimizer.load_state_dict(dict(saved.extras))
         log.info("resuming from checkpoint of round %d", ckpt.round_number)
         return saved.layout, saved.flat
@@ -71,16 +75,17 @@ def write_checkpoint(
     optimizer_name: str,
     optimizer: ServerOptimizer,
 ) -> Checkpoint:
-    """Write the model after `round_number`; the caller records it in the store."""
-    ckpt_dir = state_dir / "checkpoints"
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    path = ckpt_dir / f"round-{round_number:06d}.mfm"
+    """Write the model after `round_number`; the caller records it in the store. The
+    checkpoint's path is relative to `state_dir`, so a coordinator restarted from another
+    working directory, or with the state folder mounted elsewhere, still finds it."""
+    relative = Path("checkpoints") / f"round-{round_number:06d}.mfm"
+    (state_dir / relative.parent).mkdir(parents=True, exist_ok=True)
     write_model_file(
-        path,
+        state_dir / relative,
         ModelFile(layout, flat, {"round": round_number, "optimizer": optimizer_name},
                   optimizer.state_dict()),
     )
-    return Checkpoint(round_number, path, digest(model_payload(layout, flat)).hex())
+    return Checkpoint(round_number, relative, digest(model_payload(layout, flat)).hex())
 
 
 _CHECKPOINT_NAME = re.compile(r"^round-(\d{6,})\.mfm$")
@@ -88,7 +93,8 @@ _CHECKPOINT_NAME = re.compile(r"^round-(\d{6,})\.mfm$")
 
 def prune_checkpoints(state_dir: Path, *, keep: int, protected: Path | None) -> list[Path]:
     """Delete all but the newest `keep` checkpoint files, never `protected` (the one the
-    store's latest record points to, i.e. the one a restart resumes from); a long study
+    store's latest record points to, relative to `state_dir`: the one a restart resumes
+    from); a long study
     would otherwise fill the disk with one model per round. Returns what was deleted."""
     ckpt_dir = state_dir / "checkpoints"
     if keep < 1 or not ckpt_dir.is_dir():
@@ -99,7 +105,7 @@ def prune_checkpoints(state_dir: Path, *, keep: int, protected: Path | None) -> 
         if match is not None and path.is_file():
             numbered.append((int(match.group(1)), path))
     numbered.sort()
-    keep_resolved = None if protected is None else protected.resolve()
+    keep_resolved = None if protected is None else (state_dir / protected).resolve()
     deleted: list[Path] = []
     for _, path in numbered[: max(0, len(numbered) - keep)]:
         if keep_resolved is not None and path.resolve() == keep_resolved:

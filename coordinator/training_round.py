@@ -65,7 +65,7 @@ class GlobalModel:
         with the v its round chose for the next, so a restart continues with it."""
         optimizer = build_optimizer(settings.optimizer)
         layout, flat = checkpoints.load_model(
-            store, settings.model, optimizer,
+            store, settings.model, optimizer, state=settings.state,
             initial=study.initial_model if study is not None else None,
         )
         return cls(layout, flat, optimizer, intermediaries=stored_intermediaries(store),

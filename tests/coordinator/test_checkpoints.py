@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from common.config import CoordinatorSettings, load_settings
 from common.modelfile import flat_layout
@@ -53,7 +54,8 @@ def test_only_the_newest_files_stay_and_the_model_resumes(tmp_path: Path) -> Non
         assert _on_disk(tmp_path) == ["round-000005.mfm", "round-000006.mfm",
                                       "round-000007.mfm"]
         settings = _settings(tmp_path)
-        _, flat = load_model(store, settings.model, build_optimizer(settings.optimizer))
+        _, flat = load_model(store, settings.model, build_optimizer(settings.optimizer),
+                             state=tmp_path)
         assert flat.tolist() == [7.0] * 4
     finally:
         store.close()
@@ -69,7 +71,8 @@ def test_the_checkpoint_the_store_resumes_from_is_never_deleted(tmp_path: Path) 
         _complete_rounds(tmp_path, store, range(3, 6), keep=1, record=False)
         assert _on_disk(tmp_path) == ["round-000002.mfm", "round-000005.mfm"]
         settings = _settings(tmp_path)
-        _, flat = load_model(store, settings.model, build_optimizer(settings.optimizer))
+        _, flat = load_model(store, settings.model, build_optimizer(settings.optimizer),
+                             state=tmp_path)
         assert flat.tolist() == [2.0] * 4
     finally:
         store.close()
@@ -82,3 +85,41 @@ def test_other_files_in_the_folder_are_left_alone(tmp_path: Path) -> None:
     (folder / "round-000001.mfm.tmp").write_bytes(b"x")
     assert prune_checkpoints(tmp_path, keep=1, protected=None) == []
     assert _on_disk(tmp_path) == ["operator-copy.mfm", "round-000001.mfm.tmp"]
+
+
+def test_a_restart_from_another_working_directory_finds_the_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started as `--state coord-state` in one folder, restarted from another with the
+    state folder's absolute path: the recorded checkpoint is relative to the state
+    folder, not to the first process's working directory."""
+    first_cwd = tmp_path / "ops"
+    (first_cwd / "coord-state").mkdir(parents=True)
+    monkeypatch.chdir(first_cwd)
+    state = Path("coord-state")
+    store = CoordinatorStore(f"sqlite:///{state / 'coordinator.db'}")
+    try:
+        settings = _settings(state)
+        ckpt = write_checkpoint(state, 1, layout=flat_layout(4),
+                                flat=np.full(4, 1.5, dtype=np.float32),
+                                optimizer_name="fedavg",
+                                optimizer=build_optimizer(settings.optimizer))
+        store.begin_round(1, ["a", "b"], now=1.0)
+        store.finish_round(1, status="completed", now=1.0, checkpoint=ckpt)
+    finally:
+        store.close()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    absolute = first_cwd / "coord-state"
+    reopened = CoordinatorStore(f"sqlite:///{absolute / 'coordinator.db'}")
+    try:
+        recorded = reopened.latest_checkpoint()
+        assert recorded is not None
+        assert recorded.path == Path("checkpoints/round-000001.mfm")
+        settings = _settings(absolute)
+        _, flat = load_model(reopened, settings.model, build_optimizer(settings.optimizer),
+                             state=absolute)
+        assert flat.tolist() == [1.5] * 4
+    finally:
+        reopened.close()

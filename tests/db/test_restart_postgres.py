@@ -3,13 +3,15 @@
 Run 1: a coordinator on a real PostgreSQL database completes round 1 with four honest
 sites over mTLS, then stops; the crash of a second run is simulated by writing round 2 as
 in flight (what `begin_round` leaves behind when the process dies mid-round). Run 2 starts
-with an EMPTY state folder on the same database URL: it must abandon round 2, resume from
+with a state folder holding only the checkpoints (a shared volume) on the same
+database URL: it must abandon round 2, resume from
 the round-1 checkpoint and continue numbering at 3.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -60,7 +62,10 @@ def test_coordinator_restart_resumes_from_postgresql(
     second_settings = coordinator_settings(
         pki_layout, tmp_path / "second", database_url=postgres_url, rounds=2
     )
-    assert not (tmp_path / "second").exists()  # nothing local to resume from
+    # A standby on another host shares the checkpoints folder (the deployment docs'
+    # shared volume) but nothing else: no local state database to resume from.
+    assert not (tmp_path / "second").exists()
+    shutil.copytree(tmp_path / "first" / "checkpoints", tmp_path / "second" / "checkpoints")
     with InProcessCoordinator(second_settings) as second:
         engine = second.engine
         # The engine task ran `recover()` before this call reached the loop.
@@ -88,7 +93,9 @@ def test_coordinator_restart_resumes_from_postgresql(
     assert rounds[2].survivors == SITES
     checkpoint = reopened.latest_checkpoint()
     assert checkpoint is not None and checkpoint.round_number == 3
-    assert checkpoint.path.is_relative_to(tmp_path / "second")
+    # Recorded relative to the state folder: found wherever that folder is mounted.
+    assert checkpoint.path == Path("checkpoints/round-000003.mfm")
+    assert (tmp_path / "second" / checkpoint.path).is_file()
     reopened.close()
     # Round 3 was applied on top of the round-1 model (FedAvg, server_lr 1), not on the
     # configured initial model.
