@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from common.codec import CHUNK_BYTES, TensorSpec
 from common.config import SitePolicySection
 from common.crypto.quantize import max_integer_for_sites
-from common.egress import STATISTICS, EgressManifest, VectorSegment, round_manifest
+from common.egress import EgressManifest, VectorSegment, round_manifest
 from common.errors import AbortReason, ProtocolAbort, RoundFailed, ValidationError
 from common.evaluation_edges import announced_edge_blocks
 from common.privacy.rotation import padded_length
@@ -94,6 +94,15 @@ class Announcement:
         return self.kind == KIND_STATISTICS
 
     @property
+    def release(self) -> str:
+        """The DP release a round of this kind carries alone (`common.release`; "" for
+        a model round)."""
+        from common.release import release_for_round
+
+        kind = release_for_round(self.kind)
+        return kind.name if kind is not None else ""
+
+    @property
     def is_hospital(self) -> bool:
         return self.kind == KIND_HOSPITAL
 
@@ -120,8 +129,9 @@ class Announcement:
 
     def manifest(self) -> EgressManifest:
         """The segments of this round's masked vector (common.egress)."""
-        if self.is_statistics:
-            return EgressManifest((VectorSegment(STATISTICS, self.vector_length),))
+        release = self.release
+        if release:
+            return EgressManifest((VectorSegment(release, self.vector_length),))
         hospital_words = None
         if self.is_hospital:
             hospital_words = max(self.hospital_limbs, 1) * padded_length(
@@ -316,12 +326,13 @@ def validate_for_site(
         raise ValidationError("study_sha256 must be 32 bytes")
     if len(ann.statistics) > MAX_STATISTICS_BYTES:
         raise ValidationError("statistics too large")
+    release = ann.release
     bins = ann.histogram_bins
     if not 2 <= bins <= 1000:
         raise ValidationError("histogram_bins out of range")
     if ann.histogram_edges:
-        if ann.is_statistics:
-            raise ValidationError("a statistics round carries no histogram_edges")
+        if release:
+            raise ValidationError(f"a {release} round carries no histogram_edges")
         # Edges every site counts with alike: as many as the bins ask, each block
         # strictly increasing from 0 to 1 (the site checks the block count against
         # its study when it evaluates: common.evaluation_edges.round_edges).
@@ -340,11 +351,11 @@ def validate_for_site(
             f"{ann.hospital_intermediaries} intermediaries, more than this site's "
             f"policy.max_intermediaries = {policy.max_intermediaries}"
         )
-    if ann.is_statistics:
-        # No model and no training: the vector is the statistics layout, which the site
+    if release:
+        # No model and no training: the vector is the release's layout, which the site
         # recomputes from the study it joined (site_agent checks the length).
         if ann.model_layout or ann.model_bytes or ann.local_epochs or not ann.study_sha256:
-            raise ValidationError("a statistics round carries a study and no model")
+            raise ValidationError(f"a {release} round carries a study and no model")
         if not 1 <= ann.vector_length <= policy.max_vector_length:
             raise ValidationError("vector_length out of range")
     else:
@@ -393,8 +404,8 @@ def validate_for_site(
         validate_against_threat_model(
             params, ThreatModel(max_colluding_sites=policy.max_colluding_sites, max_dropouts=0)
         )
-    elif ann.is_statistics:
-        raise RoundFailed("the statistics release needs secure aggregation")
+    elif release:
+        raise RoundFailed(f"the {release} release needs secure aggregation")
     elif not policy.allow_plain_aggregation:
         # Plain FedAvg shows the coordinator each update: for benchmarks only.
         raise RoundFailed("this site's policy requires secure aggregation")
