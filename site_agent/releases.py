@@ -121,19 +121,18 @@ class EvaluationRelease:
 
 def release_vector(
     release: DpRelease, exact: np.ndarray, plan: NoisePlan, *, ledger: PrivacyLedger | None,
-    rnd: VerifiedRound, now: datetime, rng: RandomSource = system_random,
+    round_number: int, n_sites: int, now: datetime, rng: RandomSource = system_random,
 ) -> np.ndarray:
-    """The masked-vector plaintext of `release` in round `rnd`: its ledger entry first
-    (write-ahead: `plan.mechanism()` under `release.purpose`), then this site's share of
-    the noise added to `exact`, then the round's egress manifest encoding."""
+    """The masked-vector plaintext of `release` in round `round_number` of `n_sites`:
+    its ledger entry first (write-ahead: `plan.mechanism()` under `release.purpose`),
+    then this site's share of the noise added to `exact`, then its egress encoding
+    (signed integers in the ring, refused where a sum of `n_sites` could wrap)."""
     if ledger is not None:
-        ledger.reserve(rnd.number, [plan.mechanism()], now=now, purpose=release.purpose)
+        ledger.reserve(round_number, [plan.mechanism()], now=now, purpose=release.purpose)
     noisy = exact + plan.noise(rng)
-    ann = rnd.announcement
-    return ann.manifest().encode(
-        release.encode(noisy), clip=ann.clip, bits=ann.quantization_bits,
-        n_sites=len(rnd.params.participants) if rnd.params else 2,
-        rng=numpy_generator(rng),
+    # A release's segment is integers: the quantizer's clip and bits go unused.
+    return release.manifest().encode(
+        release.encode(noisy), clip=1.0, bits=1, n_sites=n_sites, rng=numpy_generator(rng),
     )
 
 
@@ -204,8 +203,9 @@ class RoundRelease:
                     stub, rnd, client, client.advertise_keys(), heard_at=heard_at,
                     timeline=timeline)
                 # Ledger entry first (write-ahead), then the noised vector through SecAgg+.
-                vector = release_vector(release, exact, plan, ledger=ledger, rnd=rnd,
-                                        now=utcnow())
+                vector = release_vector(
+                    release, exact, plan, ledger=ledger, round_number=rnd.number,
+                    n_sites=len(rnd.params.participants) if rnd.params else 2, now=utcnow())
                 if ledger is not None:
                     self.membership.budget_pb()
                 if self.settings.debug_write_updates:
