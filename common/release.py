@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from common.study import Study
 
 __all__ = [
+    "KIND_RELEASE",
     "PURPOSES",
     "RELEASE_MODULES",
     "ROUND_PURPOSES",
@@ -66,6 +67,10 @@ __all__ = [
     "release_kind",
     "sum_noise_sigma",
 ]
+
+KIND_RELEASE: Final = "release"
+"""The round kind of a release run as a round of its own (`ReleaseKind.round_kind`),
+named on the wire by the announcement's `release`."""
 
 RELEASE_MODULES: Final = (
     "common.statistics",
@@ -166,7 +171,8 @@ class ReleaseKind:
     """The release for one study, for a round that carries it alone (None: it rides in
     another round, which builds it)."""
     round_kind: str = ""
-    """The round kind that carries it alone ("" when it rides in another round)."""
+    """The round kind that carries it alone: `KIND_RELEASE` (the announcement names it),
+    "statistics" for the study's statistics, "" when it rides in another round."""
 
 
 RELEASES: Final[dict[str, ReleaseKind]] = {}
@@ -180,7 +186,7 @@ def register_release(kind: ReleaseKind) -> ReleaseKind:
     existing = RELEASES.get(kind.name)
     if existing is not None and existing != kind:
         raise ValidationError(f"release {kind.name!r} registered twice, differently")
-    if kind.round_kind and any(
+    if kind.round_kind and kind.round_kind != KIND_RELEASE and any(
         other.round_kind == kind.round_kind and other.name != kind.name
         for other in RELEASES.values()
     ):
@@ -210,9 +216,13 @@ def release_kind(name: str) -> ReleaseKind:
     return kind
 
 
-def release_for_round(round_kind: str) -> ReleaseKind | None:
-    """The release a round of `round_kind` carries alone (None: a model round)."""
+def release_for_round(round_kind: str, name: str = "") -> ReleaseKind | None:
+    """The release a round of `round_kind` carries alone, `name` for a `KIND_RELEASE`
+    round (None: a model round, or a name registered for no round of its own)."""
     _load()
+    if round_kind == KIND_RELEASE:
+        kind = RELEASES.get(name)
+        return kind if kind is not None and kind.round_kind == KIND_RELEASE else None
     for kind in RELEASES.values():
         if kind.round_kind and kind.round_kind == round_kind:
             return kind

@@ -21,6 +21,7 @@ from common.egress import EgressManifest, VectorSegment, round_manifest
 from common.errors import AbortReason, ProtocolAbort, RoundFailed, ValidationError
 from common.evaluation_edges import announced_edge_blocks
 from common.privacy.rotation import padded_length
+from common.release import KIND_RELEASE, release_for_round
 from common.secagg.params import (
     SecAggParams,
     ThreatModel,
@@ -35,7 +36,8 @@ ANNOUNCEMENT_DOMAIN = b"medfed/v1/announcement"
 KIND_TRAINING = "training"
 KIND_STATISTICS = "statistics"
 KIND_HOSPITAL = "hospital"  # a training round under hospital-level DP
-ROUND_KINDS = (KIND_TRAINING, KIND_STATISTICS, KIND_HOSPITAL)
+ROUND_KINDS = (KIND_TRAINING, KIND_STATISTICS, KIND_HOSPITAL, KIND_RELEASE)
+MAX_RELEASE_NAME = 64
 MAX_HOSPITAL_LIMBS = 8
 MAX_INTERMEDIARIES = 10_000  # the study schema's bound on a fixed v
 MAX_STATISTICS_BYTES = 1 << 20
@@ -88,6 +90,8 @@ class Announcement:
     # The evaluation histogram's bucket edges, block after block (empty: the default
     # layout; common.evaluation_edges.round_edges reads and checks them).
     histogram_edges: tuple[float, ...] = ()
+    # KIND_RELEASE: the registered DP release the round carries alone ("" otherwise).
+    release_name: str = ""
 
     @property
     def is_statistics(self) -> bool:
@@ -95,11 +99,9 @@ class Announcement:
 
     @property
     def release(self) -> str:
-        """The DP release a round of this kind carries alone (`common.release`; "" for
-        a model round)."""
-        from common.release import release_for_round
-
-        kind = release_for_round(self.kind)
+        """The DP release this round carries alone (`common.release`; "" for a model
+        round or a release name nothing registered)."""
+        kind = release_for_round(self.kind, self.release_name)
         return kind.name if kind is not None else ""
 
     @property
@@ -187,6 +189,9 @@ class Announcement:
         _put_uint(out, len(self.histogram_edges))
         for edge in self.histogram_edges:
             _put_float(out, edge)
+        if self.kind == KIND_RELEASE or self.release_name:
+            # Only then: every other announcement's digest is as it always was.
+            _put_bytes(out, self.release_name.encode())
         return hashlib.sha256(bytes(out)).digest()
 
 
@@ -322,6 +327,11 @@ def validate_for_site(
         raise ValidationError("round nonce must be 16 bytes")
     if ann.kind not in ROUND_KINDS:
         raise ValidationError(f"unknown round kind {ann.kind!r}")
+    if (ann.kind == KIND_RELEASE) != bool(ann.release_name):
+        raise ValidationError("a release round, and only one, names its release")
+    if ann.release_name and not ann.release:
+        raise ValidationError(f"no DP release named {ann.release_name[:MAX_RELEASE_NAME]!r} "
+                              "is registered at this site")
     if ann.study_sha256 and len(ann.study_sha256) != 32:
         raise ValidationError("study_sha256 must be 32 bytes")
     if len(ann.statistics) > MAX_STATISTICS_BYTES:

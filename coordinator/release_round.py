@@ -52,7 +52,7 @@ def decode(
     aggregate = aggregator.result
     if aggregate is None:
         raise ProtocolAbort(AbortReason.ROUND_ABANDONED, "no aggregate for this round")
-    kind = release_for_round(ann.kind)
+    kind = release_for_round(ann.kind, ann.release_name)
     if kind is None or kind.build is None:
         raise ProtocolAbort(AbortReason.ROUND_ABANDONED, f"round kind {ann.kind!r} has no release")
     if run is None:

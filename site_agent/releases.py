@@ -175,7 +175,7 @@ class RoundRelease:
     def run(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
         study = self.membership.study
         ledger = self.membership.ledger
-        kind = release_for_round(rnd.announcement.kind)
+        kind = release_for_round(rnd.announcement.kind, rnd.announcement.release_name)
         if kind is None or kind.build is None:
             raise RoundFailed(f"round kind {rnd.announcement.kind!r} carries no release")
         if study is None:

@@ -8,6 +8,7 @@ product knows about it."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,12 +18,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from common import egress, pki
+from common import egress, pki, wire
+from common.config import SitePolicySection
 from common.errors import ValidationError
 from common.privacy.accountant import compose_epsilon
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.signed import LedgerSigner
 from common.release import (
+    KIND_RELEASE,
     RELEASES,
     DpRelease,
     NoisePlan,
@@ -33,6 +36,7 @@ from common.release import (
     release_kind,
     sum_noise_sigma,
 )
+from common.round import Announcement, validate_for_site
 from common.statistics import ring_to_signed
 from site_agent.releases import release_vector
 from tests.secagg.secagg_harness import make_federation, run_round
@@ -170,3 +174,39 @@ def test_a_release_names_a_ledger_purpose_and_one_round_kind(registered: Release
     assert "test_bad_purpose" not in RELEASES and "test_other" not in RELEASES
     with pytest.raises(ValidationError, match="expected 1"):
         CountOver65().encode(np.zeros(2, dtype=np.int64))
+
+
+def test_a_release_round_names_its_release_on_the_wire(registered: ReleaseKind) -> None:
+    """A release run as a round of its own (`KIND_RELEASE`) reaches the site through the
+    one announcement: named on the wire, bound into the digest, validated like the
+    statistics round (a study, no model, secure aggregation)."""
+    own = register_release(dataclasses.replace(
+        registered, name="test_own_round", round_kind=KIND_RELEASE))
+    try:
+        ann = Announcement(
+            round_number=9, round_nonce=bytes(range(16)), participants=("a", "b", "c"),
+            threshold=2, neighbours=0, vector_length=1, quantization_bits=20, clip=1.0,
+            histogram_bins=2, secure_aggregation=True, model_layout=(), model_sha256=b"",
+            model_bytes=0, local_epochs=0, learning_rate=0.1, fedprox_mu=0.0,
+            planned_rounds=1, train_deadline_ms=1, phase_timeout_ms=30_000, weight_cap=1,
+            study_sha256=bytes(32), kind=KIND_RELEASE, release_name=own.name,
+        )
+        back = wire.announcement_from_pb(wire.announcement_to_pb(ann))
+        assert back == ann and back.release == own.name
+        assert back.manifest().kinds() == (own.name,)
+        policy = SitePolicySection(max_colluding_sites=0)
+        rnd = validate_for_site(back, policy=policy, site_id="b")
+        assert rnd.params is not None and rnd.params.announcement_digest == ann.digest()
+        other = dataclasses.replace(ann, release_name=registered.name)
+        assert other.digest() != ann.digest()
+        # A name registered for no round of its own, or for none at all, is refused.
+        for name in (registered.name, "nobody_registered_this"):
+            with pytest.raises(ValidationError, match="registered"):
+                validate_for_site(dataclasses.replace(ann, release_name=name),
+                                  policy=policy, site_id="b")
+        with pytest.raises(ValidationError, match="names its release"):
+            validate_for_site(dataclasses.replace(ann, release_name=""), policy=policy,
+                              site_id="b")
+    finally:
+        RELEASES.pop(own.name, None)
+        egress.SEGMENT_KINDS.pop(own.name, None)
