@@ -143,6 +143,13 @@ class DpRelease(ABC):
         del noise_sigma, round_number, contributors
         return total
 
+    def to_json(self, decoded: Any) -> Any:
+        """`decode`'s value as JSON data, as the coordinator keeps it by default
+        (STATE/releases/<name>-round-<n>.json): a sum becomes a list of integers."""
+        if isinstance(decoded, np.ndarray):
+            return [int(v) for v in decoded.reshape(-1)]
+        return decoded
+
     def encode(self, noisy: np.ndarray) -> dict[str, np.ndarray]:
         """The masked-vector values of this release (`EgressManifest.encode`)."""
         vector = np.asarray(noisy)

@@ -3,13 +3,14 @@ only in this file (a count of patients aged 65 or over) is registered, released 
 sites through the site's generic path (`site_agent.releases.release_vector`: a real
 signed ledger entry first, then noise from the system CSPRNG, then the egress
 encoding), summed by real SecAgg+ (real X25519/AES-GCM/Shamir, in-process), and decoded
-by the coordinator's generic path (`common.release.decode_sum`). Nothing else in the
-product knows about it."""
+by the coordinator's generic path (`common.release.decode_sum`, then kept as JSON).
+Nothing else in the product knows about it."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from common.release import (
 )
 from common.round import Announcement, validate_for_site
 from common.statistics import ring_to_signed
+from coordinator.release_round import keep_json
 from site_agent.releases import release_vector
 from tests.secagg.secagg_harness import make_federation, run_round
 
@@ -156,6 +158,9 @@ def test_a_release_of_one_file_runs_the_generic_path(
     assert noise_sigma == pytest.approx(SIGMA)
     assert noise_sigma == sum_noise_sigma(release, contributors=3, max_colluding_sites=0)
     assert abs(count - truth) <= 6 * noise_sigma
+    # Kept by the coordinator as JSON under its state (no keeper written for it).
+    kept = json.loads(keep_json(tmp_path, release, (count, noise_sigma), ROUND).read_text())
+    assert kept == {"release": release.name, "round": ROUND, "value": [count, noise_sigma]}
 
 
 def test_a_release_names_a_ledger_purpose_and_one_round_kind(registered: ReleaseKind) -> None:
