@@ -24,6 +24,7 @@ class Purpose(StrEnum):
 PURPOSES: Final = tuple(p.value for p in Purpose)
 """Every purpose a ledger accepts, as stored."""
 
-ROUND_PURPOSES: Final = (Purpose.TRAINING, Purpose.EVALUATION, Purpose.STATISTICS)
-"""Purposes released within a numbered round: a round number already on the ledger under
-one of these is never released again (the cohort count has its own numbering)."""
+ROUND_PURPOSES: Final = tuple(p for p in Purpose if p is not Purpose.COUNT)
+"""Purposes released within a numbered round, every one but the cohort count (which has
+its own numbering): a round number already on the ledger under one of these is never
+released again."""
