@@ -33,6 +33,7 @@ import numpy as np
 
 from common.crypto.quantize import max_integer_for_sites, quantize
 from common.errors import ValidationError
+from common.privacy.purpose import PURPOSES
 
 
 class Protection(StrEnum):
@@ -55,6 +56,9 @@ class FieldEntry:
 def _f(protection: Protection, description: str, purpose: str = "") -> FieldEntry:
     return FieldEntry(protection, description, purpose)
 
+
+ALL_PURPOSES: Final = ", ".join(PURPOSES)
+"""The composed spend and the signed history: every purpose."""
 
 P, C, M, D, DD = (
     Protection.PUBLIC,
@@ -83,7 +87,7 @@ SITE_FIELDS: Final[dict[str, FieldEntry]] = {
         DD,
         "composed epsilon of the ledger: its mechanisms' parameters (sample rates from "
         "the DP cohort count, never from N)",
-        "training, evaluation, statistics, count",
+        ALL_PURPOSES,
     ),
     "BudgetStatus.delta": _f(P, "the site's configured delta"),
     "BudgetStatus.privacy_unit": _f(P, "record / patient / hospital (configuration)"),
@@ -96,7 +100,7 @@ SITE_FIELDS: Final[dict[str, FieldEntry]] = {
         DD,
         "signed ledger entries after the replica's head: mechanism parameters and "
         "composed epsilons only, never data",
-        "training, evaluation, statistics, count",
+        ALL_PURPOSES,
     ),
     # --- Model download
     "DownloadModelRequest.round": _f(P, "announced round number"),

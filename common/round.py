@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING
 from common.codec import CHUNK_BYTES, TensorSpec
 from common.config import SitePolicySection
 from common.crypto.quantize import max_integer_for_sites
-from common.egress import STATISTICS, EgressManifest, VectorSegment, round_manifest
+from common.egress import EgressManifest, VectorSegment, round_manifest
 from common.errors import AbortReason, ProtocolAbort, RoundFailed, ValidationError
 from common.evaluation_edges import announced_edge_blocks
 from common.privacy.rotation import padded_length
+from common.release import KIND_RELEASE, release_for_round
 from common.secagg.params import (
     SecAggParams,
     ThreatModel,
@@ -35,7 +36,8 @@ ANNOUNCEMENT_DOMAIN = b"medfed/v1/announcement"
 KIND_TRAINING = "training"
 KIND_STATISTICS = "statistics"
 KIND_HOSPITAL = "hospital"  # a training round under hospital-level DP
-ROUND_KINDS = (KIND_TRAINING, KIND_STATISTICS, KIND_HOSPITAL)
+ROUND_KINDS = (KIND_TRAINING, KIND_STATISTICS, KIND_HOSPITAL, KIND_RELEASE)
+MAX_RELEASE_NAME = 64
 MAX_HOSPITAL_LIMBS = 8
 MAX_INTERMEDIARIES = 10_000  # the study schema's bound on a fixed v
 MAX_STATISTICS_BYTES = 1 << 20
@@ -88,10 +90,19 @@ class Announcement:
     # The evaluation histogram's bucket edges, block after block (empty: the default
     # layout; common.evaluation_edges.round_edges reads and checks them).
     histogram_edges: tuple[float, ...] = ()
+    # KIND_RELEASE: the registered DP release the round carries alone ("" otherwise).
+    release_name: str = ""
 
     @property
     def is_statistics(self) -> bool:
         return self.kind == KIND_STATISTICS
+
+    @property
+    def release(self) -> str:
+        """The DP release this round carries alone (`common.release`; "" for a model
+        round or a release name nothing registered)."""
+        kind = release_for_round(self.kind, self.release_name)
+        return kind.name if kind is not None else ""
 
     @property
     def is_hospital(self) -> bool:
@@ -120,8 +131,9 @@ class Announcement:
 
     def manifest(self) -> EgressManifest:
         """The segments of this round's masked vector (common.egress)."""
-        if self.is_statistics:
-            return EgressManifest((VectorSegment(STATISTICS, self.vector_length),))
+        release = self.release
+        if release:
+            return EgressManifest((VectorSegment(release, self.vector_length),))
         hospital_words = None
         if self.is_hospital:
             hospital_words = max(self.hospital_limbs, 1) * padded_length(
@@ -177,6 +189,9 @@ class Announcement:
         _put_uint(out, len(self.histogram_edges))
         for edge in self.histogram_edges:
             _put_float(out, edge)
+        if self.kind == KIND_RELEASE or self.release_name:
+            # Only then: every other announcement's digest is as it always was.
+            _put_bytes(out, self.release_name.encode())
         return hashlib.sha256(bytes(out)).digest()
 
 
@@ -312,16 +327,22 @@ def validate_for_site(
         raise ValidationError("round nonce must be 16 bytes")
     if ann.kind not in ROUND_KINDS:
         raise ValidationError(f"unknown round kind {ann.kind!r}")
+    if (ann.kind == KIND_RELEASE) != bool(ann.release_name):
+        raise ValidationError("a release round, and only one, names its release")
+    if ann.release_name and not ann.release:
+        raise ValidationError(f"no DP release named {ann.release_name[:MAX_RELEASE_NAME]!r} "
+                              "is registered at this site")
     if ann.study_sha256 and len(ann.study_sha256) != 32:
         raise ValidationError("study_sha256 must be 32 bytes")
     if len(ann.statistics) > MAX_STATISTICS_BYTES:
         raise ValidationError("statistics too large")
+    release = ann.release
     bins = ann.histogram_bins
     if not 2 <= bins <= 1000:
         raise ValidationError("histogram_bins out of range")
     if ann.histogram_edges:
-        if ann.is_statistics:
-            raise ValidationError("a statistics round carries no histogram_edges")
+        if release:
+            raise ValidationError(f"a {release} round carries no histogram_edges")
         # Edges every site counts with alike: as many as the bins ask, each block
         # strictly increasing from 0 to 1 (the site checks the block count against
         # its study when it evaluates: common.evaluation_edges.round_edges).
@@ -340,11 +361,11 @@ def validate_for_site(
             f"{ann.hospital_intermediaries} intermediaries, more than this site's "
             f"policy.max_intermediaries = {policy.max_intermediaries}"
         )
-    if ann.is_statistics:
-        # No model and no training: the vector is the statistics layout, which the site
+    if release:
+        # No model and no training: the vector is the release's layout, which the site
         # recomputes from the study it joined (site_agent checks the length).
         if ann.model_layout or ann.model_bytes or ann.local_epochs or not ann.study_sha256:
-            raise ValidationError("a statistics round carries a study and no model")
+            raise ValidationError(f"a {release} round carries a study and no model")
         if not 1 <= ann.vector_length <= policy.max_vector_length:
             raise ValidationError("vector_length out of range")
     else:
@@ -393,8 +414,8 @@ def validate_for_site(
         validate_against_threat_model(
             params, ThreatModel(max_colluding_sites=policy.max_colluding_sites, max_dropouts=0)
         )
-    elif ann.is_statistics:
-        raise RoundFailed("the statistics release needs secure aggregation")
+    elif release:
+        raise RoundFailed(f"the {release} release needs secure aggregation")
     elif not policy.allow_plain_aggregation:
         # Plain FedAvg shows the coordinator each update: for benchmarks only.
         raise RoundFailed("this site's policy requires secure aggregation")

@@ -41,14 +41,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
+from common.egress import SEGMENT_KINDS, STATISTICS
 from common.errors import ConfigError, ValidationError
 from common.noisy_counts import credible_support
-from common.privacy.ddgauss import count_noise, count_rho, count_site_sigma, epsilon_from_rho
-from common.privacy.mechanisms import DistributedDiscreteGaussian
+from common.privacy.ddgauss import count_rho, epsilon_from_rho
+from common.privacy.purpose import Purpose
+from common.release import DpRelease, NoisePlan, ReleaseKind, register_release, sum_noise_sigma
+from common.round import KIND_STATISTICS
 from common.study import (
     CategoricalStatistics,
     GlobalStatistics,
@@ -221,34 +224,13 @@ def encode_release(
 
 
 @dataclass(frozen=True)
-class StatisticsPlan:
-    """The noise of the release: `sigma` of the summed noise per entry, split over
-    `n_noise` sites (each adds N_Z(0, sigma^2 / n_noise))."""
+class StatisticsPlan(NoisePlan):
+    """The noise of the release (`NoisePlan`: `sigma` of the summed noise per entry,
+    split over `n_noise` sites, each adding N_Z(0, sigma^2 / n_noise)) and the
+    `epsilon` at `delta` it was planned for."""
 
-    sigma: float
-    n_noise: int
-    length: int
-    l2_sensitivity: float
-    l1_sensitivity: float
     epsilon: float
     delta: float
-
-    @property
-    def site_sigma(self) -> float:
-        return count_site_sigma(sigma=self.sigma, n_noise=self.n_noise)
-
-    def mechanism(self) -> DistributedDiscreteGaussian:
-        """What the site's ledger records for this release."""
-        return DistributedDiscreteGaussian(
-            noise_variance_per_site=self.site_sigma**2,
-            contributors=self.n_noise,
-            l2_sensitivity=self.l2_sensitivity,
-            dimension=self.length,
-            l1_sensitivity=self.l1_sensitivity,
-        )
-
-    def noise(self, rng: Callable[[int], bytes]) -> np.ndarray:
-        return count_noise(self.length, sigma=self.sigma, n_noise=self.n_noise, rng=rng)
 
 
 def _epsilon(sigma: float, *, n_noise: int, l2: float, l1: float, length: int,
@@ -343,12 +325,9 @@ def _clipped_std(counts: np.ndarray, *, low: float, high: float) -> float:
 
 def release_noise_sigma(study: Study, *, contributors: int, max_colluding_sites: int) -> float:
     """Std of the noise on each entry of the secure sum of `contributors` releases, as the
-    coordinator can know it: every site plans `plan_statistics` for n_noise honest
-    shares and adds N_Z(0, sigma^2 / n_noise), so the sum carries sigma^2 * K / n_noise;
-    n_noise is taken as K minus the colluding sites (at least 1)."""
-    k = max(contributors, 1)
-    plan = plan_statistics(study, n_noise=max(k - max_colluding_sites, 1))
-    return plan.sigma * math.sqrt(k / plan.n_noise)
+    coordinator can know it (`common.release.sum_noise_sigma` of `StatisticsQuery`)."""
+    return sum_noise_sigma(StatisticsQuery(study), contributors=contributors,
+                           max_colluding_sites=max_colluding_sites)
 
 
 FALLBACK_LOW = float(LOG_EDGES[0])
@@ -467,3 +446,51 @@ class TableLike(Protocol):
     def patient_ids(self) -> np.ndarray | None: ...
 
     def __len__(self) -> int: ...
+
+
+# --------------------------------------------------------------------------- the release
+
+
+class StatisticsQuery(DpRelease):
+    """The study's statistics as a release (`common.release`): the vector of the module
+    docstring, planned for the study's `privacy.statistics_epsilon`, decoded into the
+    `GlobalStatistics` every site then preprocesses with."""
+
+    name = STATISTICS
+    purpose = Purpose.STATISTICS
+
+    def __init__(self, study: Study) -> None:
+        self.study = study
+
+    @property
+    def length(self) -> int:
+        return statistics_length(self.study)
+
+    def query(self, site: Any) -> np.ndarray:
+        """`site.statistics_release()`: the site's training plan encodes its table (or
+        counts an images study's units) with `encode_release`."""
+        vector = np.asarray(site.statistics_release())
+        if vector.shape != (self.length,):
+            raise ValidationError("statistics vector length differs from this site's study")
+        return vector
+
+    def plan(self, *, n_noise: int) -> StatisticsPlan:
+        return plan_statistics(self.study, n_noise=n_noise)
+
+    def decode(self, total: np.ndarray, *, noise_sigma: float, round_number: int,
+               contributors: int) -> GlobalStatistics:
+        privacy = self.study.privacy
+        source = (
+            f"federated DP release, round {round_number}: {contributors} "
+            f"sites, epsilon {privacy.statistics_epsilon:g}, delta {privacy.delta:g} "
+            "(distributed discrete Gaussian)"
+        )
+        return decode_release(total, self.study, source=source, noise_sigma=noise_sigma)
+
+
+register_release(ReleaseKind(
+    name=STATISTICS, purpose=Purpose.STATISTICS, build=StatisticsQuery,
+    mechanism=SEGMENT_KINDS[STATISTICS].mechanism,
+    description=SEGMENT_KINDS[STATISTICS].description,
+    round_kind=KIND_STATISTICS,
+))

@@ -26,11 +26,13 @@ from common.errors import (
 )
 from common.privacy.budget import BudgetReport
 from common.proto.medfed.v1 import federation_pb2 as pb
+from common.release import KIND_RELEASE
 from common.round import (
     KIND_HOSPITAL,
     KIND_STATISTICS,
     KIND_TRAINING,
     MAX_HISTOGRAM_EDGES,
+    MAX_RELEASE_NAME,
     MAX_STATISTICS_BYTES,
     Announcement,
 )
@@ -112,6 +114,12 @@ def bounded(value: bytes, *, what: str, exact: int | None = None, maximum: int =
     return bytes(value)
 
 
+def bounded_text(value: str, *, what: str, maximum: int) -> str:
+    if len(value) > maximum:
+        raise ValidationError(f"{what}: longer than {maximum} characters")
+    return str(value)
+
+
 def session_id(value: bytes) -> bytes:
     return bounded(value, what="session_id", exact=SESSION_ID_BYTES)
 
@@ -166,6 +174,7 @@ def announcement_to_pb(ann: Announcement) -> pb.RoundAnnouncement:
         hospital_intermediaries=ann.hospital_intermediaries,
         hospital_norm_segment=ann.hospital_norm_segment,
         histogram_edges=list(ann.histogram_edges),
+        release=ann.release_name,
     )
 
 
@@ -173,6 +182,7 @@ _ROUND_KIND_TO_PB = {
     KIND_TRAINING: pb.RoundAnnouncement.TRAINING,
     KIND_STATISTICS: pb.RoundAnnouncement.STATISTICS,
     KIND_HOSPITAL: pb.RoundAnnouncement.HOSPITAL,
+    KIND_RELEASE: pb.RoundAnnouncement.RELEASE,
 }
 _KIND_FROM_PB_ROUND: dict[int, str] = {int(v): k for k, v in _ROUND_KIND_TO_PB.items()}
 
@@ -209,6 +219,7 @@ def announcement_from_pb(msg: pb.RoundAnnouncement) -> Announcement:
         hospital_intermediaries=msg.hospital_intermediaries,
         hospital_norm_segment=msg.hospital_norm_segment,
         histogram_edges=_edges(msg.histogram_edges),
+        release_name=bounded_text(msg.release, what="release", maximum=MAX_RELEASE_NAME),
     )
 
 

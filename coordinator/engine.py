@@ -2,7 +2,7 @@
 its record; nothing else. Each other concern has its module: sessions and long-polls
 (sessions), calls between rounds (site_calls, ledger_gate), selection and announcements
 (selection), phases, uploads (inbox, uploads), the sum (aggregation), what a round
-leaves behind (training_round, statistics_round, bundles), restart (recovery), and what
+leaves behind (training_round, release_round, bundles), restart (recovery), and what
 the operator sees (round_events, status). Dataclasses only (servicer.py speaks
 protobuf); one asyncio event loop, CPU-heavy steps in worker threads.
 
@@ -36,9 +36,9 @@ from common.secagg.client import IdentityVerifier
 from common.secagg.params import ROUND_NONCE_BYTES
 from coordinator import (
     hospital_sum,
+    release_round,
     round_events,
     selection,
-    statistics_round,
     training_round,
 )
 from coordinator.aggregation import Aggregator
@@ -256,10 +256,10 @@ class RoundEngine:
                         # Written before the sum exists: a crash from then on is
                         # reported at the next start as "may have been unmasked".
                         before_sum=partial(self.store.mark_unmasked, ann.round_number))
-            result = await (statistics_round.complete(
+            result = await (release_round.complete(
                 rnd, aggregator, run=self.study, settings=self.settings, store=self.store,
                 metrics=self.metrics, clock=self.clock,
-            ) if ann.is_statistics else self._complete_training(rnd, aggregator))
+            ) if ann.release else self._complete_training(rnd, aggregator))
             rnd.mark("recorded")
             abort = None
         except MedfedError as exc:

@@ -17,6 +17,7 @@ from common.errors import LedgerForkError, ValidationError
 from common.pki import load_certificate
 from common.privacy.budget import BudgetReport
 from common.privacy.mechanisms import DistributedDiscreteGaussian
+from common.privacy.purpose import Purpose
 from common.privacy.replica import LedgerReplica
 from common.sqldb import Database
 
@@ -53,7 +54,7 @@ class LedgerGate:
         return head.entries
 
 
-EVALUATION_PURPOSE = "evaluation"
+EVALUATION_PURPOSE = Purpose.EVALUATION
 """The purpose of a site's ledger entry for one DP score histogram."""
 
 

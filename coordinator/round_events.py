@@ -78,7 +78,7 @@ def round_completed(
         "survivors": ",".join(survivors),
         "dropped": ",".join(dropped),
         "dropped_after_input": ",".join(sorted(rnd.dropped_after_input)),
-        "kind": "statistics" if statistics else "training",
+        "kind": (ann.release or "statistics") if statistics else "training",
         "evaluation_only": ann.local_epochs == 0,
         **metrics,
         "secure": ann.secure_aggregation,

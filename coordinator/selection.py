@@ -8,13 +8,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from common.codec import TensorSpec
 from common.config import AggregationSection, CoordinatorSettings
 from common.crypto.quantize import bits_for_sites, max_integer_for_sites
-from common.egress import round_manifest
+from common.egress import STATISTICS, round_manifest
 from common.errors import ConfigError
 from common.privacy.budget import BudgetReport
 from common.privacy.federation import has_budget_left
-from common.round import KIND_STATISTICS, Announcement
+from common.release import KIND_RELEASE, DpRelease, release_kind
+from common.round import Announcement
 from common.secagg.params import ThreatModel, choose_parameters
-from common.statistics import statistics_length
 from coordinator import hospital_sum
 from coordinator.study_run import StudyRun
 
@@ -87,19 +87,21 @@ def announcement(
     now: float,
     study_sha256: bytes = b"",
     statistics: bytes = b"",
-    statistics_length: int | None = None,
+    release: DpRelease | None = None,
     histogram_edges: tuple[float, ...] = (),
 ) -> Announcement:
-    """The announcement of round `number` for `participants`; with `statistics_length`,
-    the study's statistics round (no model, no training, that vector length)."""
+    """The announcement of round `number` for `participants`; with `release`, a round
+    that carries that DP release alone (no model, no training, the release's vector
+    length; `common.release`), such as the study's statistics round."""
     cfg = settings
     model_dim = sum(spec.elements for spec in layout)
     threshold, neighbours = round_parameters(len(participants), cfg.aggregation)
     bins = announced_bins(cfg, histogram_edges)
-    if statistics_length is not None:
+    if release is not None:
+        kind = release_kind(release.name)
         return Announcement(
             round_number=number, round_nonce=nonce, participants=tuple(participants),
-            threshold=threshold, neighbours=neighbours, vector_length=statistics_length,
+            threshold=threshold, neighbours=neighbours, vector_length=release.length,
             quantization_bits=bits_for_sites(len(participants)), clip=cfg.aggregation.clip,
             histogram_bins=cfg.aggregation.histogram_bins,
             secure_aggregation=cfg.aggregation.secure_aggregation, model_layout=(),
@@ -109,7 +111,8 @@ def announcement(
             train_deadline_ms=int((now + cfg.deadlines.train_seconds) * 1000),
             phase_timeout_ms=int(cfg.deadlines.phase_seconds * 1000), weight_cap=1,
             max_chunk_bytes=cfg.limits.max_chunk_bytes, study_sha256=study_sha256,
-            kind=KIND_STATISTICS,
+            kind=kind.round_kind,
+            release_name=kind.name if kind.round_kind == KIND_RELEASE else "",
             heartbeat_ms=round(cfg.deadlines.heartbeat_seconds * 1000),
         )
     return Announcement(
@@ -155,6 +158,14 @@ def announced_bins(settings: CoordinatorSettings, edges: tuple[float, ...]) -> i
     return len(edges) - (classes if classes > 2 else 1)
 
 
+def study_release(study: StudyRun, name: str) -> DpRelease:
+    """The registered release `name` for the study being run."""
+    kind = release_kind(name)
+    if kind.build is None or not kind.round_kind:
+        raise ConfigError("release", f"{name!r} is not a release of its own round")
+    return kind.build(study.study)
+
+
 def study_announcement(
     settings: CoordinatorSettings,
     participants: Sequence[str],
@@ -181,8 +192,8 @@ def study_announcement(
         evaluation_round=evaluation_round, now=now,
         study_sha256=bytes.fromhex(study.sha256) if study is not None else b"",
         statistics=study.statistics_bytes if study is not None else b"",
-        statistics_length=(
-            statistics_length(study.study) if statistics and study is not None else None
+        release=(
+            study_release(study, STATISTICS) if statistics and study is not None else None
         ),
         histogram_edges=histogram_edges,
     )

@@ -151,10 +151,9 @@ def study_status(
     in_flight = rnd is not None and rnd.phase.value not in ("finished", "aborted")
     kind = ""
     if in_flight and rnd is not None:
-        kind = (
-            "statistics" if rnd.announcement.is_statistics
-            else "training" if completed < training_rounds else "evaluation"
-        )
+        # A release round is named by its release ("statistics", ...).
+        kind = rnd.announcement.release or (
+            "training" if completed < training_rounds else "evaluation")
     started = None
     if rnd is not None:
         started = next((r.started_at for r in records if r.round_number == rnd.number), None)

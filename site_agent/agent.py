@@ -53,7 +53,7 @@ from site_agent.hooks import TrainingHook
 from site_agent.membership import Membership, utcnow
 from site_agent.metrics import SiteMetrics
 from site_agent.phases import SecAggPhases
-from site_agent.releases import StatisticsRelease
+from site_agent.releases import RoundRelease
 from site_agent.revocation import SiteRevocation
 from site_agent.statistics_pin import StatisticsPin
 from site_agent.training_round import TrainingRound
@@ -107,8 +107,8 @@ class SiteAgent:
         self.statistics_pin = pin
         self.rounds = TrainingRound(settings, hook, membership=self.membership,
                                     phases=self.phases, metrics=metrics)
-        self.statistics = StatisticsRelease(settings, hook, membership=self.membership,
-                                            phases=self.phases, metrics=metrics, pin=pin)
+        self.releases = RoundRelease(settings, hook, membership=self.membership,
+                                     phases=self.phases, metrics=metrics, pin=pin)
         self.final_model = FinalModel(settings, hook, pin)
         self.last_round = 0
 
@@ -255,8 +255,8 @@ class SiteAgent:
             announced = rnd.announcement
             if announced.study_sha256 != self.membership.study_sha256:
                 raise RoundFailed("the round belongs to another study than the one joined")
-            if announced.is_statistics:
-                self.statistics.run(stub, rnd)
+            if announced.release:  # a DP release carried alone by its round
+                self.releases.run(stub, rnd)
                 return
             self.final_model.announced(announced.study_sha256, announced.model_elements)
             if announced.statistics:

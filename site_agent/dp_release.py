@@ -5,7 +5,8 @@
   rates, steps, FedAvg weights and gauges are computed from it, never from N.
 * DP evaluation: one score per privacy unit, a 2 x bins integer histogram noised with
   the distributed discrete Gaussian (Kairouz, Liu & Steinke, ICML 2021) split across the
-  round-size floor minus the colluding sites, so the secure sum carries the noise.
+  round-size floor minus the colluding sites, so the secure sum carries the noise (the
+  release itself: `common.evaluation_release`; its ledger budget rules here).
 * Noise planning: sigma from the site's remaining budget and its own policy
   (`plan_round_noise`), re-planned every round from what the ledger shows spent.
 """
@@ -13,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -24,16 +24,19 @@ import numpy as np
 from common.config import SitePolicySection
 from common.crypto.random import RandomSource, numpy_generator, system_random
 from common.errors import ConfigError, EvaluationsUsed, StateError
+from common.evaluation_release import EvaluationHistogram
+from common.evaluation_release import evaluation_noise_sites as evaluation_noise_sites
 from common.fileio import atomic_write
 from common.privacy.accountant import RoundNoisePlan, compose_epsilon, plan_round_noise
-from common.privacy.ddgauss import count_noise, count_site_sigma
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian, Mechanism
+from common.privacy.purpose import Purpose
+from common.release import NoisePlan
 
 COUNT_STATE_FILE = "cohort-count.json"
-PURPOSE_COUNT = "count"
-PURPOSE_EVALUATION = "evaluation"
-PURPOSE_TRAINING = "training"
+PURPOSE_COUNT = Purpose.COUNT
+PURPOSE_EVALUATION = Purpose.EVALUATION
+PURPOSE_TRAINING = Purpose.TRAINING
 
 
 # --------------------------------------------------------------------- cohort count
@@ -107,35 +110,12 @@ def release_cohort_count(
 # ----------------------------------------------------------------------- evaluation
 
 
-def evaluation_noise_sites(
-    policy: SitePolicySection, *, threshold: int, secure: bool
-) -> int:
-    """n_noise: how many honest sites' noise the sum is sure to carry.
-
-    The round-size floor max(min_round_sites, T + 2), lowered to the SecAgg+ threshold
-    (the sum holds at least t inputs), minus the T colluders (who know their own
-    noise). A plain round shows the coordinator each vector: then 1 (our noise alone)."""
-    if not secure:
-        return 1
-    colluding = policy.max_colluding_sites
-    floor = max(policy.min_round_sites, colluding + 2)
-    return max(1, min(floor, threshold) - colluding)
-
-
 def evaluation_mechanism(
     *, noise_std: float, n_noise: int, bins: int, classes: int = 1
 ) -> DistributedDiscreteGaussian:
-    """The ledger record of one histogram release: each unit adds one count, so L1 = L2 = 1;
-    with K one-vs-rest blocks (a multi-class study, `bins` covering all of them) one
-    count in each block: L1 = K, L2 = sqrt(K)."""
-    site_sigma = count_site_sigma(sigma=noise_std, n_noise=n_noise)
-    return DistributedDiscreteGaussian(
-        noise_variance_per_site=site_sigma**2,
-        contributors=n_noise,
-        l2_sensitivity=math.sqrt(classes),
-        dimension=2 * bins,
-        l1_sensitivity=float(classes),
-    )
+    """The ledger record of one histogram release (`EvaluationHistogram.plan`)."""
+    release = EvaluationHistogram(noise_std=noise_std, bins=bins, classes=classes)
+    return release.plan(n_noise=n_noise).mechanism()
 
 
 def noised_histogram(
@@ -143,8 +123,9 @@ def noised_histogram(
 ) -> np.ndarray:
     """This site's share of the distributed noise added to its integer counts."""
     counts = np.asarray(histogram, dtype=np.int64)
-    noise = count_noise(counts.size, sigma=noise_std, n_noise=n_noise, rng=rng)
-    noised: np.ndarray = counts + noise
+    plan = NoisePlan(sigma=noise_std, n_noise=n_noise, length=counts.size,
+                     l2_sensitivity=1.0, l1_sensitivity=1.0)
+    noised: np.ndarray = counts + plan.noise(rng)
     return noised
 
 

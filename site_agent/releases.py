@@ -1,6 +1,7 @@
-"""The DP values a site releases beside its model update: the evaluation histogram
-every model round carries (noised here, its ledger entry written with the round's
-training entry) and the study's statistics, released once in a round of their own.
+"""The DP values a site releases beside its model update (`common.release`): the
+evaluation histogram every model round carries (noised here, its ledger entry written
+with the round's training entry) and the releases a round carries alone, the study's
+statistics among them (`RoundRelease`, one generic path for any registered release).
 Each is on the ledger, write-ahead, before anything leaves the site; a round number
 already on the ledger is never released again.
 """
@@ -10,20 +11,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from datetime import datetime
 
 import numpy as np
 
 from common import egress
-from common.config import SiteSettings
-from common.crypto.random import numpy_generator, system_random
+from common.config import SitePolicySection, SiteSettings
+from common.crypto.random import RandomSource, numpy_generator, system_random
 from common.errors import RoundFailed, StudyRefused, ValidationError
+from common.evaluation_release import EvaluationHistogram, evaluation_noise_sites
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Mechanism
+from common.privacy.purpose import ROUND_PURPOSES
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
+from common.release import DpRelease, NoisePlan, release_for_round
 from common.round import VerifiedRound
 from common.secagg import round_floor
-from common.statistics import plan_statistics
-from common.study import study_sha256
+from common.study import Study, study_sha256
 from site_agent import dp_release
 from site_agent.connection import Heartbeats
 from site_agent.hooks import LocalUpdate, TrainingHook
@@ -36,10 +40,6 @@ from site_agent.transfers import write_debug_update
 
 log = logging.getLogger("medfed.site")
 
-PURPOSE_STATISTICS = "statistics"
-# Ledger purposes released within a round (the cohort count has its own numbering).
-ROUND_PURPOSES = (dp_release.PURPOSE_TRAINING, dp_release.PURPOSE_EVALUATION,
-                  PURPOSE_STATISTICS)
 
 
 def refuse_recorded_round(ledger: PrivacyLedger | None, rnd: VerifiedRound) -> None:
@@ -86,18 +86,20 @@ class EvaluationRelease:
             # evaluation round (training rounds aborted after their ledger entry use
             # evaluations too): this training round sends an all-zero histogram.
             return []
-        ann = rnd.announcement
-        return [dp_release.evaluation_mechanism(
+        return [self.release(rnd).plan(n_noise=self.noise_sites(rnd)).mechanism()]
+
+    def release(self, rnd: VerifiedRound) -> EvaluationHistogram:
+        """This round's histogram release (`common.evaluation_release`)."""
+        return EvaluationHistogram(
             noise_std=self.settings.privacy.evaluation_noise_std,
-            n_noise=self.noise_sites(rnd),
-            bins=ann.histogram_bins,
+            bins=rnd.announcement.histogram_bins,
             # A multi-class study's histogram has one block per class (hooks.evaluate).
             classes=int(getattr(self.hook, "histogram_classes", 1)),
-        )]
+        )
 
     def noise_sites(self, rnd: VerifiedRound) -> int:
         ann = rnd.announcement
-        return dp_release.evaluation_noise_sites(
+        return evaluation_noise_sites(
             self.settings.policy, threshold=ann.threshold, secure=ann.secure_aggregation
         )
 
@@ -110,17 +112,44 @@ class EvaluationRelease:
             histogram = np.zeros_like(np.asarray(update.histogram, dtype=np.int64))
         else:
             histogram = dp_release.noised_histogram(
-                update.histogram,
+                self.release(rnd).query(update),
                 noise_std=self.settings.privacy.evaluation_noise_std,
                 n_noise=self.noise_sites(rnd),
             )
         return dataclasses.replace(update, histogram=histogram)
 
 
-class StatisticsRelease:
-    """The study's federated DP statistics release (common/statistics.py): clipped
-    per-unit values, discrete Gaussian noise added here in the integer ring, one
-    ledger entry (purpose "statistics") written before anything leaves; once per study
+def release_vector(
+    release: DpRelease, exact: np.ndarray, plan: NoisePlan, *, ledger: PrivacyLedger | None,
+    round_number: int, n_sites: int, now: datetime, rng: RandomSource = system_random,
+) -> np.ndarray:
+    """The masked-vector plaintext of `release` in round `round_number` of `n_sites`:
+    its ledger entry first (write-ahead: `plan.mechanism()` under `release.purpose`),
+    then this site's share of the noise added to `exact`, then its egress encoding
+    (signed integers in the ring, refused where a sum of `n_sites` could wrap)."""
+    if ledger is not None:
+        ledger.reserve(round_number, [plan.mechanism()], now=now, purpose=release.purpose)
+    noisy = exact + plan.noise(rng)
+    # A release's segment is integers: the quantizer's clip and bits go unused.
+    return release.manifest().encode(
+        release.encode(noisy), clip=1.0, bits=1, n_sites=n_sites, rng=numpy_generator(rng),
+    )
+
+
+def release_noise_sites(policy: SitePolicySection) -> int:
+    """n_noise of a round release: the round-size floor minus the colluding sites (who
+    know their own noise), at least 1."""
+    colluding = policy.max_colluding_sites
+    floor = round_floor(min_round_sites=policy.min_round_sites, max_colluding_sites=colluding)
+    return max(floor - colluding, 1)
+
+
+class RoundRelease:
+    """A DP release carried alone by its round (`common.release`; the study's statistics
+    are one): the release its round kind names, built for the joined study, queried on
+    this site's data, one ledger entry of its purpose written before anything leaves,
+    noise added here in the integer ring, sent through SecAgg+. A round number already
+    on the ledger is refused; the statistics are released once per study
     (`StatisticsPin`)."""
 
     def __init__(self, settings: SiteSettings, hook: TrainingHook, *, membership: Membership,
@@ -132,14 +161,8 @@ class StatisticsRelease:
         self.metrics = metrics
         self.pin = pin
 
-    def run(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
-        study = self.membership.study
-        ledger = self.membership.ledger
-        if study is None:
-            raise RoundFailed("a statistics round needs a study")
-        # A re-announced or second release would let the coordinator average its noise
-        # away: the round number must be new on the ledger, the study's statistics unset.
-        refuse_recorded_round(ledger, rnd)
+    def refuse_statistics_again(self, study: Study) -> None:
+        """StudyRefused when this study's statistics are pinned already."""
         if self.pin.pinned(study_sha256(study)) is not None:
             raise StudyRefused(
                 "this study's statistics were already released "
@@ -148,18 +171,29 @@ class StatisticsRelease:
                 "coordinator that started the study again from a fresh state?) and stops. "
                 + RELEASED_WAY_OUT
             )
-        release = self.hook.statistics_release()
-        if release.size != rnd.announcement.vector_length:
-            raise ValidationError("statistics vector length differs from this site's study")
-        policy = self.settings.policy
-        colluding = policy.max_colluding_sites
-        floor = round_floor(min_round_sites=policy.min_round_sites,
-                            max_colluding_sites=colluding)
-        plan = plan_statistics(study, n_noise=max(floor - colluding, 1))
-        mechanism = plan.mechanism()
+
+    def run(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
+        study = self.membership.study
+        ledger = self.membership.ledger
+        kind = release_for_round(rnd.announcement.kind, rnd.announcement.release_name)
+        if kind is None or kind.build is None:
+            raise RoundFailed(f"round kind {rnd.announcement.kind!r} carries no release")
+        if study is None:
+            raise RoundFailed(f"a {kind.name} round needs a study")
+        # A re-announced or second release would let the coordinator average its noise
+        # away: the round number must be new on the ledger (and the study's statistics
+        # unset).
+        refuse_recorded_round(ledger, rnd)
+        if kind.name == egress.STATISTICS:
+            self.refuse_statistics_again(study)
+        release = kind.build(study)
+        exact = release.query(self.hook)
+        if exact.size != rnd.announcement.vector_length:
+            raise ValidationError(f"{release.name} vector length differs from this site's study")
+        plan = release.plan(n_noise=release_noise_sites(self.settings.policy))
         if ledger is not None:
-            ledger.require(rnd.number, [mechanism], purpose=PURPOSE_STATISTICS,
-                           what="the statistics release")
+            ledger.require(rnd.number, [plan.mechanism()], purpose=release.purpose,
+                           what=f"the {release.name} release")
         heard_at = time.perf_counter()
         timeline = RoundTimeline(heard_at)
         client = self.phases.client(rnd)
@@ -169,18 +203,11 @@ class StatisticsRelease:
                     stub, rnd, client, client.advertise_keys(), heard_at=heard_at,
                     timeline=timeline)
                 # Ledger entry first (write-ahead), then the noised vector through SecAgg+.
+                vector = release_vector(
+                    release, exact, plan, ledger=ledger, round_number=rnd.number,
+                    n_sites=len(rnd.params.participants) if rnd.params else 2, now=utcnow())
                 if ledger is not None:
-                    ledger.reserve(rnd.number, [mechanism], now=utcnow(),
-                                   purpose=PURPOSE_STATISTICS)
                     self.membership.budget_pb()
-                noisy = release + plan.noise(system_random)
-                # Built from the round's egress manifest: one "statistics" segment.
-                vector = rnd.announcement.manifest().encode(
-                    {egress.STATISTICS: noisy}, clip=rnd.announcement.clip,
-                    bits=rnd.announcement.quantization_bits,
-                    n_sites=len(rnd.params.participants) if rnd.params else 2,
-                    rng=numpy_generator(system_random),
-                )
                 if self.settings.debug_write_updates:
                     write_debug_update(self.settings.state, rnd.number, vector)
                 self.phases.finish(stub, rnd, client, shares, premask, vector,
@@ -189,5 +216,5 @@ class StatisticsRelease:
             client.abort()
             raise
         self.metrics.rounds.labels(outcome="completed").inc()
-        log.info("statistics release (round %d) done: sigma %.2f over %d noise shares",
-                 rnd.number, plan.sigma, plan.n_noise)
+        log.info("%s release (round %d) done: sigma %.2f over %d noise shares",
+                 release.name, rnd.number, plan.sigma, plan.n_noise)

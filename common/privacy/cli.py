@@ -42,6 +42,7 @@ from common.privacy.mechanisms import (
     mechanism_from_json_dict,
     mechanism_to_json_dict,
 )
+from common.privacy.purpose import Purpose
 
 PRIVACY_COMMAND_GROUP = "medfed.privacy_commands"
 
@@ -339,8 +340,8 @@ def _guarantees(header: Any, entries: Any) -> dict[str, Any]:
         "per_patient_epsilon": figures.per_patient,
         "intermediaries_max": figures.largest_v,
         "intermediaries_by_round": {
-            str(e.round): largest_intermediaries([("training", e.mechanisms)])
-            for e in entries if e.purpose == "training"
+            str(e.round): largest_intermediaries([(Purpose.TRAINING, e.mechanisms)])
+            for e in entries if e.purpose == Purpose.TRAINING
         },
         "budget_charge": (
             "the larger of the record/patient-level epsilon (the better of the DP-SGD "

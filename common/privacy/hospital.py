@@ -62,6 +62,7 @@ from common.privacy.ddgauss import (
     sample_discrete_gaussian,
 )
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Mechanism
+from common.privacy.purpose import Purpose
 
 if TYPE_CHECKING:
     from common.round import Announcement
@@ -317,7 +318,7 @@ def hospital_level_mechanisms(
     """The model-update mechanisms of (purpose, mechanisms) ledger entries: the DDGauss
     rounds of purpose "training", the releases the hospital-level claim covers."""
     return [
-        m.per_hospital() for purpose, mechanisms in entries if purpose == "training"
+        m.per_hospital() for purpose, mechanisms in entries if purpose == Purpose.TRAINING
         for m in mechanisms if isinstance(m, DistributedDiscreteGaussian)
     ]
 
@@ -326,7 +327,7 @@ def largest_intermediaries(entries: Sequence[tuple[str, Sequence[Mechanism]]]) -
     """The largest v any training round of the history split its hospital into (1 when
     none did): the hospital-level figure is at most v-fold group privacy at this v (each
     round is charged at its own v, `per_hospital`, which is tighter)."""
-    return max((m.units for purpose, mechanisms in entries if purpose == "training"
+    return max((m.units for purpose, mechanisms in entries if purpose == Purpose.TRAINING
                 for m in mechanisms if isinstance(m, DistributedDiscreteGaussian)), default=1)
 
 
@@ -344,7 +345,7 @@ def update_mechanisms(
     entries: Sequence[tuple[str, Sequence[Mechanism]]],
 ) -> list[DistributedDiscreteGaussian]:
     """The DDGauss model-update rounds of a history, at their per-unit sensitivity S."""
-    return [m for purpose, mechanisms in entries if purpose == "training"
+    return [m for purpose, mechanisms in entries if purpose == Purpose.TRAINING
             for m in mechanisms if isinstance(m, DistributedDiscreteGaussian)]
 
 
@@ -409,7 +410,7 @@ def intermediary_level_epsilon(
     per-patient bound: a patient inside a unit is the replace relation (`guarantees`)."""
     from common.privacy.accountant import compose_epsilon
 
-    chosen = [m for purpose, mechanisms in entries if purpose == "training"
+    chosen = [m for purpose, mechanisms in entries if purpose == Purpose.TRAINING
               for m in mechanisms if isinstance(m, DistributedDiscreteGaussian)]
     if not any(m.units > 1 for m in chosen):
         return None

@@ -48,8 +48,9 @@ from dataclasses import dataclass
 
 from common.privacy.accountant import EpsilonReport, account
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Mechanism, Segment
+from common.privacy.purpose import Purpose
 
-PURPOSE_TRAINING = "training"
+PURPOSE_TRAINING = Purpose.TRAINING
 PurposeMechanisms = tuple[str, Sequence[Mechanism]]
 
 

@@ -87,10 +87,10 @@ from common.privacy.mechanisms import (
     Mechanism,
     mechanisms_to_json,
 )
+from common.privacy.purpose import PURPOSES, Purpose
 from common.privacy.signed import (
     LEDGER_FORMAT,
     PRIVACY_UNITS,
-    PURPOSES,
     LedgerSigner,
     LedgerTerms,
     SignedEntry,
@@ -280,7 +280,7 @@ class PrivacyLedger:
 
     def preview(
         self, round_number: int, mechanisms: Sequence[Mechanism], *,
-        purpose: str = "training", also: Sequence[tuple[str, Sequence[Mechanism]]] = (),
+        purpose: str = Purpose.TRAINING, also: Sequence[tuple[str, Sequence[Mechanism]]] = (),
     ) -> float:
         """Epsilon charged after the whole history if `mechanisms` (of `purpose`) and
         `also` ((purpose, mechanisms) pairs, e.g. the round's evaluation) were added."""
@@ -290,7 +290,7 @@ class PrivacyLedger:
 
     def require(
         self, round_number: int, mechanisms: Sequence[Mechanism], *,
-        purpose: str = "training", also: Sequence[tuple[str, Sequence[Mechanism]]] = (),
+        purpose: str = Purpose.TRAINING, also: Sequence[tuple[str, Sequence[Mechanism]]] = (),
         what: str | None = None,
     ) -> float:
         """The budget refusal: BudgetExhausted unless `mechanisms` (of `purpose`) and
@@ -336,7 +336,7 @@ class PrivacyLedger:
         mechanisms: Sequence[Mechanism],
         *,
         now: datetime,
-        purpose: str = "training",
+        purpose: str = Purpose.TRAINING,
     ) -> SignedEntry:
         """Commit this release's spend BEFORE it leaves the site (write-ahead).
 
@@ -352,6 +352,7 @@ class PrivacyLedger:
             raise ConfigError("round", f"must be in [0, 2^63), got {round_number}")
         if purpose not in PURPOSES:
             raise ConfigError("purpose", f"must be one of {PURPOSES}, got {purpose!r}")
+        purpose = Purpose(purpose).value  # stored as its plain value
         mechanisms = tuple(mechanisms)
         if not mechanisms or not all(isinstance(m, MECHANISM_TYPES) for m in mechanisms):
             raise ConfigError("mechanisms", "a reservation needs at least one mechanism")

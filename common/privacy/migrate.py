@@ -43,6 +43,7 @@ from common.privacy.ledger import (
 from common.privacy.ledger_anchor import write_anchor
 from common.privacy.ledger_store import EPSILON_RELATIVE_TOLERANCE, read_header_row
 from common.privacy.ledger_verify import header_problems
+from common.privacy.purpose import Purpose
 from common.privacy.recompose import RecordedSpend, recompose_mismatches
 from common.privacy.signed import LEDGER_FORMAT as FORMAT2
 from common.privacy.signed import LedgerTerms, SignedEntry, SignedHistory
@@ -330,7 +331,7 @@ def _signed(
                 site_id=terms.site_id,
                 seq=old.seq,
                 round=old.round,
-                purpose="training",
+                purpose=Purpose.TRAINING.value,
                 mechanisms=tuple(old.segments),
                 epsilon_after=old.epsilon_after,
                 accountant_used=old.accountant_used,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from common.privacy.layered import charged
 from common.privacy.mechanisms import Mechanism
+from common.privacy.purpose import Purpose
 
 __all__ = ["RecordedSpend", "recompose_mismatches"]
 
@@ -26,7 +27,7 @@ class RecordedSpend:
     mechanisms: Sequence[Mechanism]
     epsilon_after: float
     accountant_used: str
-    purpose: str = "training"
+    purpose: str = Purpose.TRAINING
 
 
 def recompose_mismatches(

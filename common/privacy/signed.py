@@ -40,12 +40,12 @@ from common.privacy.mechanisms import (
     mechanism_from_json_dict,
     mechanism_to_json_dict,
 )
+from common.privacy.purpose import PURPOSES
 
 LEDGER_FORMAT: Final = "medfed-privacy-ledger/2"
 EXPORT_FORMAT: Final = "medfed-ledger-export/1"
 ENTRY_SIGNATURE_LABEL: Final = "medfed/v1/ledger-entry"
 PRIVACY_UNITS: Final = ("record", "patient", "hospital")
-PURPOSES: Final = ("training", "evaluation", "statistics", "count")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 

@@ -1,0 +1,261 @@
+"""The release seam: one abstraction for a DP value a site releases under SecAgg+.
+
+A release (`DpRelease`) is
+  query       the site's exact integer vector, every privacy unit's contribution bounded;
+  mechanism   the distributed discrete Gaussian on that vector (Kairouz, Liu & Steinke,
+              "The Distributed Discrete Gaussian Mechanism for Federated Learning with
+              Secure Aggregation", ICML 2021): each of n_noise honest sites adds
+              N_Z(0, sigma^2 / n_noise), so the secure sum carries sigma per entry
+              (`NoisePlan`, `common.privacy.ddgauss`);
+  purpose     its ledger purpose (`Purpose`);
+  encode      its values in the masked vector: one signed-integer segment named after it
+              (`common.egress`);
+  decode      what the coordinator makes of the noisy sum;
+  accounting  `plan(n_noise)`: sigma, the sensitivities and the ledger's mechanism record.
+
+Both services and the ledger handle a release through this module alone: the site
+writes `plan(...).mechanism()` on its ledger under `purpose` before anything leaves
+(write-ahead), adds `plan(...).noise(rng)` from `common.crypto.random`, and encodes with
+`encode`; the coordinator reads the sum with `decode_sum`. A release that runs as a round
+of its own names its round kind (`ReleaseKind.round_kind`); the study's statistics
+(`common.statistics`) are one. The evaluation histogram (`common.evaluation_release`)
+rides in every model round's vector instead.
+
+A new release is a query module that subclasses `DpRelease` and calls `register_release`,
+plus its module name in `RELEASE_MODULES` (see docs/architecture.md, "Adding a DP
+release").
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Final
+
+import numpy as np
+
+from common.egress import (
+    EgressManifest,
+    Protection,
+    SegmentKind,
+    VectorSegment,
+    register_segment_kind,
+)
+from common.errors import ValidationError
+from common.privacy.ddgauss import count_noise, count_site_sigma
+from common.privacy.mechanisms import DistributedDiscreteGaussian
+from common.privacy.purpose import PURPOSES, ROUND_PURPOSES, Purpose
+
+if TYPE_CHECKING:
+    from common.study import Study
+
+__all__ = [
+    "KIND_RELEASE",
+    "PURPOSES",
+    "RELEASE_MODULES",
+    "ROUND_PURPOSES",
+    "DpRelease",
+    "NoisePlan",
+    "Purpose",
+    "ReleaseKind",
+    "decode_sum",
+    "register_release",
+    "release_for_round",
+    "release_kind",
+    "sum_noise_sigma",
+]
+
+KIND_RELEASE: Final = "release"
+"""The round kind of a release run as a round of its own (`ReleaseKind.round_kind`),
+named on the wire by the announcement's `release`."""
+
+RELEASE_MODULES: Final = (
+    "common.statistics",
+    "common.evaluation_release",
+)
+"""The modules that register a release when imported (`release_kind` loads them)."""
+
+
+@dataclass(frozen=True)
+class NoisePlan:
+    """The distributed discrete Gaussian on an integer vector of `length` entries:
+    `sigma` of the summed noise per entry, split over `n_noise` honest sites (each adds
+    N_Z(0, sigma^2 / n_noise); KLS21 Prop. 14). Adding or removing one privacy unit
+    moves the vector by at most `l2_sensitivity` in L2 and `l1_sensitivity` in L1."""
+
+    sigma: float
+    n_noise: int
+    length: int
+    l2_sensitivity: float
+    l1_sensitivity: float
+
+    @property
+    def site_sigma(self) -> float:
+        return count_site_sigma(sigma=self.sigma, n_noise=self.n_noise)
+
+    def mechanism(self) -> DistributedDiscreteGaussian:
+        """What the site's ledger records for this release."""
+        return DistributedDiscreteGaussian(
+            noise_variance_per_site=self.site_sigma**2,
+            contributors=self.n_noise,
+            l2_sensitivity=self.l2_sensitivity,
+            dimension=self.length,
+            l1_sensitivity=self.l1_sensitivity,
+        )
+
+    def noise(self, rng: Callable[[int], bytes]) -> np.ndarray:
+        """This site's share of the noise (int64, `length` entries), from `rng` (a
+        CSPRNG in production: `common.crypto.random.system_random`)."""
+        return count_noise(self.length, sigma=self.sigma, n_noise=self.n_noise, rng=rng)
+
+
+class DpRelease(ABC):
+    """One concrete release (a query with its parameters bound): see the module
+    docstring. Subclasses set `name` (the registered release and its masked-vector
+    segment) and `purpose`, and implement `length`, `query` and `plan`; `decode`
+    defaults to the noisy signed sum itself."""
+
+    name: ClassVar[str]
+    purpose: ClassVar[Purpose]
+
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Entries of the released vector."""
+
+    @abstractmethod
+    def query(self, site: Any) -> np.ndarray:
+        """The site's exact int64 vector of `length` entries, each privacy unit's
+        contribution within the sensitivities `plan` declares. `site`: what the site
+        holds for it (its training plan: the study table, its unit count, ...)."""
+
+    @abstractmethod
+    def plan(self, *, n_noise: int) -> NoisePlan:
+        """The noise and its ledger record when `n_noise` honest sites add noise."""
+
+    def decode(self, total: np.ndarray, *, noise_sigma: float, round_number: int,
+               contributors: int) -> Any:
+        """What the coordinator keeps of the signed noisy sum `total` (`noise_sigma`
+        per entry, `contributors` sites, round `round_number`): by default the sum."""
+        del noise_sigma, round_number, contributors
+        return total
+
+    def to_json(self, decoded: Any) -> Any:
+        """`decode`'s value as JSON data, as the coordinator keeps it by default
+        (STATE/releases/<name>-round-<n>.json): a sum becomes a list of integers."""
+        if isinstance(decoded, np.ndarray):
+            return [int(v) for v in decoded.reshape(-1)]
+        return decoded
+
+    def encode(self, noisy: np.ndarray) -> dict[str, np.ndarray]:
+        """The masked-vector values of this release (`EgressManifest.encode`)."""
+        vector = np.asarray(noisy)
+        if vector.shape != (self.length,):
+            raise ValidationError(
+                f"release {self.name!r}: {vector.size} values, expected {self.length}")
+        return {self.name: vector}
+
+    def manifest(self) -> EgressManifest:
+        """The masked vector of a round that carries this release alone."""
+        return EgressManifest((VectorSegment(self.name, self.length),))
+
+
+@dataclass(frozen=True)
+class ReleaseKind:
+    """A registered release: how to build it for a study, and what the egress manifest
+    says about its segment."""
+
+    name: str
+    purpose: Purpose
+    mechanism: str
+    """What makes it DP, for the egress manifest (cite the paper)."""
+    description: str
+    """What it is, for the egress manifest."""
+    build: Callable[[Study], DpRelease] | None = None
+    """The release for one study, for a round that carries it alone (None: it rides in
+    another round, which builds it)."""
+    round_kind: str = ""
+    """The round kind that carries it alone: `KIND_RELEASE` (the announcement names it),
+    "statistics" for the study's statistics, "" when it rides in another round."""
+
+
+RELEASES: Final[dict[str, ReleaseKind]] = {}
+
+
+def register_release(kind: ReleaseKind) -> ReleaseKind:
+    """Add a release (idempotent for an identical one) and its masked-vector segment:
+    signed integers, protected by DP under its ledger purpose."""
+    if not isinstance(kind.purpose, Purpose):
+        raise ValidationError(f"release {kind.name!r}: unknown ledger purpose {kind.purpose!r}")
+    existing = RELEASES.get(kind.name)
+    if existing is not None and existing != kind:
+        raise ValidationError(f"release {kind.name!r} registered twice, differently")
+    if kind.round_kind and kind.round_kind != KIND_RELEASE and any(
+        other.round_kind == kind.round_kind and other.name != kind.name
+        for other in RELEASES.values()
+    ):
+        raise ValidationError(f"round kind {kind.round_kind!r} already carries a release")
+    if kind.round_kind and kind.build is None:
+        raise ValidationError(f"release {kind.name!r}: a round of its own builds it from the study")
+    register_segment_kind(SegmentKind(
+        kind.name, "integer", Protection.DP, kind.mechanism, kind.purpose.value,
+        kind.description,
+    ))
+    RELEASES[kind.name] = kind
+    return kind
+
+
+def _load() -> None:
+    for module in RELEASE_MODULES:
+        importlib.import_module(module)
+
+
+def release_kind(name: str) -> ReleaseKind:
+    """The registered release `name` (ValidationError when there is none)."""
+    if name not in RELEASES:
+        _load()
+    kind = RELEASES.get(name)
+    if kind is None:
+        raise ValidationError(f"no DP release named {name!r} is registered")
+    return kind
+
+
+def release_for_round(round_kind: str, name: str = "") -> ReleaseKind | None:
+    """The release a round of `round_kind` carries alone, `name` for a `KIND_RELEASE`
+    round (None: a model round, or a name registered for no round of its own)."""
+    _load()
+    if round_kind == KIND_RELEASE:
+        kind = RELEASES.get(name)
+        return kind if kind is not None and kind.round_kind == KIND_RELEASE else None
+    for kind in RELEASES.values():
+        if kind.round_kind and kind.round_kind == round_kind:
+            return kind
+    return None
+
+
+def sum_noise_sigma(release: DpRelease, *, contributors: int, max_colluding_sites: int) -> float:
+    """Std of the noise on each entry of the secure sum of `contributors` releases, as
+    the coordinator can know it: every site planned for n_noise honest shares and adds
+    N_Z(0, sigma^2 / n_noise), so the sum carries sigma^2 * K / n_noise; n_noise is
+    taken as K minus the colluding sites (at least 1)."""
+    k = max(contributors, 1)
+    plan = release.plan(n_noise=max(k - max_colluding_sites, 1))
+    return plan.sigma * math.sqrt(k / plan.n_noise)
+
+
+def decode_sum(
+    release: DpRelease, aggregate: np.ndarray, *, contributors: int, max_colluding_sites: int,
+    round_number: int,
+) -> Any:
+    """The coordinator's side of a release: its segment of the unmasked ring sum, read
+    as signed integers (`EgressManifest.decode_integers`), then `release.decode`."""
+    total = release.manifest().decode_integers(aggregate)[release.name]
+    return release.decode(
+        total,
+        noise_sigma=sum_noise_sigma(release, contributors=contributors,
+                                    max_colluding_sites=max_colluding_sites),
+        round_number=round_number, contributors=contributors,
+    )
