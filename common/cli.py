@@ -10,6 +10,7 @@ exit code.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -75,6 +76,20 @@ def run_parsed(args: argparse.Namespace) -> int:
         # Python flushes stdout at exit (the recipe of the `signal` module's docs).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as exc:
+        # A file system fault no command turned into a MedfedError (disk full, a
+        # read-only or vanished folder): the path to fix, one error record.
+        where = f": {exc.filename}" if exc.filename else ""
+        message = f"{exc.strerror or exc}{where}"
+        logging.getLogger("medfed").error("%s", message, extra={"event": "os_error"})
+        print(f"medfed: error: {message}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # the last resort: one error record, never a raw traceback
+        logging.getLogger("medfed").error("unexpected %s: %s", type(exc).__name__, exc,
+                                          exc_info=True, extra={"event": "unexpected_error"})
+        print(f"medfed: error: unexpected {type(exc).__name__}: {exc} (a bug: please report "
+              "it with the log)", file=sys.stderr)
+        return 1
     return code
 
 
