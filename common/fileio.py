@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["atomic_open", "atomic_write", "fsync_directory"]
+__all__ = ["atomic_open", "atomic_write", "fsync_directory", "replace_durably"]
 
 
 def fsync_directory(folder: str | Path) -> None:
@@ -58,3 +58,11 @@ def atomic_write(path: str | Path, data: bytes, *, mode: int = 0o666) -> None:
     """Replace `path` with `data` atomically and durably (see `atomic_open`)."""
     with atomic_open(path, mode=mode) as handle:
         handle.write(data)
+
+
+def replace_durably(temporary: str | Path, target: str | Path) -> None:
+    """Rename a complete, already fsynced `temporary` over `target`, then fsync the folder
+    so the rename survives a power cut. For files that must be checked between writing
+    and replacing (a downloaded model, a restored ledger); `atomic_open` otherwise."""
+    os.replace(temporary, target)
+    fsync_directory(Path(target).parent)

@@ -16,6 +16,7 @@ from pathlib import Path
 from common.bundle import HEADER_MARGIN_BYTES, bundle_from_bytes, bundle_size_limit, read_bundle
 from common.config import SiteSettings
 from common.errors import MedfedError, ValidationError
+from common.fileio import replace_durably
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.study import study_sha256
@@ -88,8 +89,8 @@ class FinalModel:
         after checking it is a bundle of `study` (its SHA-256), the study this site
         joined.
 
-        Streamed to a temporary file (never held whole in memory), refused as soon as it
-        runs past the announced model's size, verified, then renamed into place: a
+        Streamed to a temporary file, refused as soon as it runs past the announced
+        model's size, verified, then renamed into place (`replace_durably`): a
         refused or broken download leaves the previous file and no temporary one."""
         limit, why = self.limit(study)
         folder = self.settings.state / "model"
@@ -125,7 +126,7 @@ class FinalModel:
                                       "released statistics this site trained with")
             keep_previous_study_model(path, new_study=study_sha256(bundle.study))
             # The coordinator's file byte for byte (same SHA-256 at every site).
-            os.replace(tmp, path)
+            replace_durably(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

@@ -6,7 +6,6 @@ export as a `SignedHistory` and restore from one.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from common.errors import (
     LedgerIntegrityError,
     LedgerUnavailable,
 )
-from common.fileio import fsync_directory
+from common.fileio import replace_durably
 from common.privacy.ledger_anchor import (
     LedgerAnchor,
     _check_anchor,
@@ -323,7 +322,6 @@ def write_new_ledger(path: Path, history: SignedHistory) -> None:
                 for entry in history.entries:
                     _insert_entry(conn, entry)
             _check_v2(conn, path=path, recompose=False).raise_if_broken()
-        os.replace(temporary, path)
-        fsync_directory(path.parent)
+        replace_durably(temporary, path)
 
 
