@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,16 @@ def bundle_size_limit(*, model_elements: int) -> int:
     tensors plus `HEADER_MARGIN_BYTES`): a site refuses a final-model download beyond it
     before writing more."""
     return 4 * model_elements + HEADER_MARGIN_BYTES
+
+
+MAX_ROUND_DIGITS = 15
+ROUND_TEXT = re.compile(rf"[0-9]{{1,{MAX_ROUND_DIGITS}}}")
+"""``medfed.round``: ASCII digits only (``str.isdigit`` also accepts "²"), few enough
+that int() never meets Python's 4,300-digit limit."""
+MAX_TENSORS = 100_000
+MAX_RANK = 8
+MAX_DIMENSION = 1 << 31
+
 _KEYS = (
     "medfed.format",
     "medfed.study",
@@ -372,7 +383,8 @@ def _header_metadata(data: bytes) -> dict[str, str]:
         raise ValidationError("not a safetensors file (header length out of range)")
     try:
         header = json.loads(data[8 : 8 + length].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        # RecursionError: nested deeper than the interpreter's stack (a crafted header).
         raise ValidationError("not a safetensors file (header is not JSON)") from None
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(metadata, dict) or not all(
@@ -391,8 +403,51 @@ def _section(key: str, model: type[BaseModel], text: str) -> Any:
         raise ValidationError(f"{key}: {where}: {err['msg']}") from None
 
 
+def _parameters_layout(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """``medfed.parameters``: ``[{"name": str, "shape": [int, ...]}, ...]``, each dimension a
+    JSON integer in 0..MAX_DIMENSION (no strings, floats or 5,000-digit numbers)."""
+    expected = "medfed.parameters: expected [{name, shape}, ...]"
+    try:
+        items = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ValidationError(f"{expected} (not JSON)") from None
+    if not isinstance(items, list) or len(items) > MAX_TENSORS:
+        raise ValidationError(f"{expected} (a list of at most {MAX_TENSORS} entries)")
+    layout = []
+    for index, item in enumerate(items):
+        if not isinstance(item, dict) or set(item) != {"name", "shape"}:
+            raise ValidationError(f"{expected} (entry {index})")
+        name, shape = item["name"], item["shape"]
+        if not isinstance(name, str) or not 1 <= len(name) <= 256:
+            raise ValidationError(f"medfed.parameters: entry {index}: name must be 1-256 "
+                                  "characters")
+        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(
+            type(d) is int and 0 <= d <= MAX_DIMENSION for d in shape
+        ):
+            raise ValidationError(
+                f"medfed.parameters: shape of {name!r}: at most {MAX_RANK} integers in "
+                f"0..{MAX_DIMENSION}"
+            )
+        layout.append((name, tuple(shape)))
+    return layout
+
+
 def bundle_from_bytes(data: bytes) -> ModelBundle:
-    """Parse and verify a bundle; any problem is a `ValidationError` naming the key."""
+    """Parse and verify a bundle; any problem is a `ValidationError` naming the key.
+
+    The bytes come from another party (a download, a file handed over): every check
+    below names the key it refuses. Python's own parsing errors that a crafted file
+    could still reach (a number or nesting beyond the interpreter's limits) are refused
+    as a malformed bundle too, never raised raw."""
+    try:
+        return _bundle_from_bytes(data)
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise ValidationError(
+            f"malformed bundle ({type(exc).__name__} while parsing its metadata)"
+        ) from None
+
+
+def _bundle_from_bytes(data: bytes) -> ModelBundle:
     from safetensors import SafetensorError
     from safetensors.numpy import load
 
@@ -415,16 +470,13 @@ def bundle_from_bytes(data: bytes) -> ModelBundle:
         statistics = statistics_from_bytes(metadata["medfed.statistics"].encode("utf-8"))
     except ValidationError as exc:
         raise ValidationError(f"medfed.statistics: {exc}") from None
-    try:
-        layout_items = json.loads(metadata["medfed.parameters"])
-        layout = [
-            (str(item["name"]), tuple(int(d) for d in item["shape"])) for item in layout_items
-        ]
-    except (ValueError, TypeError, KeyError):
-        raise ValidationError("medfed.parameters: expected [{name, shape}, ...]") from None
+    layout = _parameters_layout(metadata["medfed.parameters"])
     round_text, final_text = metadata["medfed.round"], metadata["medfed.final"]
-    if not round_text.isdigit():
-        raise ValidationError("medfed.round: must be a non-negative integer")
+    if ROUND_TEXT.fullmatch(round_text) is None:
+        raise ValidationError(
+            f"medfed.round: must be a non-negative integer of at most {MAX_ROUND_DIGITS} "
+            "ASCII digits"
+        )
     if final_text not in ("true", "false"):
         raise ValidationError("medfed.final: must be 'true' or 'false'")
     try:

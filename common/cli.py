@@ -19,6 +19,7 @@ from typing import Any
 
 from common.errors import ConfigError, MedfedError
 from common.logs import quiet_grpc_core
+from common.text import printable
 
 COMMAND_GROUP = "medfed.commands"
 
@@ -67,7 +68,7 @@ def run_parsed(args: argparse.Namespace) -> int:
     try:
         code: int = args.func(args)
     except MedfedError as exc:
-        print(f"medfed: error: {exc}", file=sys.stderr)
+        print("medfed: error: " + printable(str(exc), keep="\n"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -110,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser(_command_word(words))
     except MedfedError as exc:
-        print(f"medfed: error: {exc}", file=sys.stderr)
+        print("medfed: error: " + printable(str(exc), keep="\n"), file=sys.stderr)
         return 2
     return run_parsed(parser.parse_args(words))
 

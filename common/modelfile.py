@@ -23,6 +23,7 @@ from common.fileio import atomic_open
 
 MAGIC = b"MEDFEDM1"
 MAX_HEADER_BYTES = 1 << 20
+MAX_DIMENSION = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,39 @@ def _layout_from_json(items: Any) -> tuple[TensorSpec, ...]:
     if not isinstance(items, list):
         raise ValidationError("model file: layout must be a list")
     specs = []
-    for item in items:
+    for index, item in enumerate(items):
         if not isinstance(item, dict):
-            raise ValidationError("model file: bad layout entry")
+            raise ValidationError(f"model file: layout entry {index} is not an object")
         shape = item.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
-            raise ValidationError("model file: bad shape")
+        if not isinstance(shape, list) or len(shape) > 8 or not all(
+            type(d) is int and 0 <= d <= MAX_DIMENSION for d in shape
+        ):
+            raise ValidationError(
+                f"model file: layout entry {index}: shape must be at most 8 integers in "
+                f"0..{MAX_DIMENSION}"
+            )
         specs.append(TensorSpec(str(item.get("name")), str(item.get("dtype")), tuple(shape)))
     return tuple(specs)
+
+
+def _extras_from_json(items: Any) -> list[tuple[str, int]]:
+    """``extras``: ``[{"name": str, "elements": int}, ...]``, counts as JSON integers."""
+    if not isinstance(items, list):
+        raise ValidationError("model file: extras must be a list")
+    extras = []
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ValidationError(f"model file: extras entry {index} is not an object")
+        name, count = item.get("name"), item.get("elements")
+        if not isinstance(name, str) or type(count) is not int or not 0 <= count <= (
+            MAX_DIMENSION
+        ):
+            raise ValidationError(
+                f"model file: extras entry {index}: needs a name and elements in "
+                f"0..{MAX_DIMENSION}"
+            )
+        extras.append((name, count))
+    return extras
 
 
 def _tensor_views(flat: np.ndarray, layout: Sequence[TensorSpec]) -> list[memoryview]:
@@ -110,8 +136,10 @@ def _parse(data: bytes) -> ModelFile:
         raise ValidationError("header length out of range")
     try:
         header = json.loads(data[12 : 12 + header_len])
-    except ValueError:
-        raise ValidationError("header is not JSON") from None
+    except (ValueError, RecursionError):
+        # RecursionError: nested deeper than the interpreter's stack (a crafted header);
+        # ValueError also covers a number beyond int()'s 4,300-digit limit.
+        raise ValidationError("header is not JSON within limits") from None
     if not isinstance(header, dict) or header.get("format") != 1:
         raise ValidationError("unsupported model file format")
     layout = _layout_from_json(header.get("layout"))
@@ -123,12 +151,11 @@ def _parse(data: bytes) -> ModelFile:
     flat = bytes_to_flat(body, layout)
     extras: dict[str, np.ndarray] = {}
     offset = end
-    for item in header.get("extras", []):
-        count = int(item["elements"])
+    for name, count in _extras_from_json(header.get("extras", [])):
         chunk = data[offset : offset + 4 * count]
         if len(chunk) != 4 * count:
             raise ValidationError("extras truncated")
-        extras[str(item["name"])] = np.frombuffer(chunk, dtype="<f4").astype(np.float32)
+        extras[name] = np.frombuffer(chunk, dtype="<f4").astype(np.float32)
         offset += 4 * count
     if offset != len(data):
         raise ValidationError("trailing bytes after the model")

@@ -46,6 +46,39 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+MAX_NAME_CHARS = 256
+FORMULA_STARTS = ("=", "+", "-", "@")
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def check_name(value: str, *, what: str, formula_ok: bool = False) -> str:
+    """A column name, class label or level as the study may hold it: 1 to MAX_NAME_CHARS
+    characters, all printable (no control characters, no terminal escapes, no
+    bidirectional overrides), and, unless `formula_ok`, not starting like a spreadsheet
+    formula (=, +, -, @) unless it is a number ("-1"). Names such as "Age (years)",
+    "sex.M", "Lactate mmol/L" or "time_to_event" pass. Raises ValueError (pydantic)."""
+    if not 1 <= len(value) <= MAX_NAME_CHARS:
+        raise ValueError(f"{what} must be 1 to {MAX_NAME_CHARS} characters")
+    if not value.isprintable():
+        bad = next(c for c in value if not c.isprintable())
+        raise ValueError(
+            f"{what} {value!r} holds the non-printable character U+{ord(bad):04X} "
+            "(control characters and terminal escapes are not allowed)"
+        )
+    if not formula_ok and value.startswith(FORMULA_STARTS) and not _number(value):
+        raise ValueError(
+            f"{what} {value!r} starts like a spreadsheet formula (=, +, -, @): rename it"
+        )
+    return value
+
+
 class StudySection(_Section):
     """``[study]``: what is predicted and for how long."""
 
@@ -67,6 +100,9 @@ class StudySection(_Section):
         texts = [str(c).strip() for c in value]
         if any(not t for t in texts):
             raise ValueError("class labels must not be empty")
+        for label in value:
+            if isinstance(label, str):
+                check_name(label, what="class label")
         if len(set(texts)) != len(texts):
             raise ValueError("class labels must be distinct")
         return value
@@ -82,6 +118,11 @@ class DataSection(_Section):
     file_column: str | None = Field(default=None, min_length=1)
     image_size: tuple[int, int] | None = None
     channels: int | None = Field(default=None, ge=1, le=16)
+
+    @field_validator("label_column", "patient_column", "file_column")
+    @classmethod
+    def _column_name(cls, value: str | None) -> str | None:
+        return None if value is None else check_name(value, what="column name")
 
     @field_validator("image_size")
     @classmethod
@@ -116,6 +157,18 @@ class FeatureSpec(_Section):
     levels: tuple[str, ...] | None = None
     missing: Literal["error", "impute", "indicator"] = "error"
     range: Literal["auto"] | tuple[float, float] = "auto"
+
+    @field_validator("name")
+    @classmethod
+    def _column_name(cls, value: str) -> str:
+        return check_name(value, what="feature name")
+
+    @field_validator("levels")
+    @classmethod
+    def _printable_levels(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for level in value or ():
+            check_name(level, what="level", formula_ok=True)
+        return value
 
     @model_validator(mode="after")
     def _type_fields(self) -> FeatureSpec:
@@ -476,7 +529,8 @@ def study_from_bytes(data: bytes) -> Study:
         raise ValidationError("study is too large")
     try:
         parsed = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        # RecursionError: nested deeper than the interpreter's stack (crafted input).
         raise ValidationError("study is not UTF-8 JSON") from None
     if not isinstance(parsed, dict):
         raise ValidationError("study must be a JSON object")

@@ -164,6 +164,15 @@ class SiteAgent:
                     self.connection.close()
                     self.connection.sleep_backoff()
                     continue
+                except ValidationError as exc:
+                    # The coordinator's final model is refused (malformed, another
+                    # study's, not final, too large): no file of it is kept, and the
+                    # previous final model stays. `once` ends with the error; a
+                    # long-running site stays up for the next study.
+                    log.error("final model refused: %s", exc,
+                              extra={"event": "final_model_refused", "reason": str(exc)})
+                    if self.settings.once:
+                        raise
                 if self.settings.once:
                     return 0
                 log.info("waiting for the next study (run with --once to exit instead)")

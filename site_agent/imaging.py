@@ -246,11 +246,42 @@ def _raster_channels(mode: str) -> int:
     return -1
 
 
-def _decode_raster(path: Path, spec: ImageSpec) -> np.ndarray:
+MAX_IMAGE_PIXELS = 89_478_485
+"""The most pixels one PNG/JPEG may have (Pillow's own decompression-bomb warning
+limit, about 9459 x 9459): a larger one is refused from its header, before decoding.
+The study's image size is at most 8192 x 8192."""
+
+
+def _pil_errors() -> tuple[type[BaseException], ...]:
+    """What Pillow raises for a file it cannot (or must not) decode: OSError (truncated,
+    decoder errors), its UnidentifiedImageError, ValueError (oversized text chunks),
+    DecompressionBombError (too many pixels), SyntaxError and EOFError (broken
+    chunks)."""
     from PIL import Image, UnidentifiedImageError
 
+    return (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError,
+            SyntaxError, EOFError)
+
+
+def _open_raster(path: Path) -> Any:
+    """Open a PNG/JPEG for reading its header, refusing a decompression bomb (more than
+    MAX_IMAGE_PIXELS pixels) before any pixel is decoded."""
+    from PIL import Image
+
+    image = Image.open(path)
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        image.close()
+        raise DataError(
+            f"image is {width} x {height} pixels, more than the {MAX_IMAGE_PIXELS} allowed "
+            "(a decompression bomb?)", file=str(path),
+        )
+    return image
+
+
+def _decode_raster(path: Path, spec: ImageSpec) -> np.ndarray:
     try:
-        with Image.open(path) as image:
+        with _open_raster(path) as image:
             image.load()
             mode = image.mode
             if _raster_channels(mode) == 3:
@@ -269,7 +300,7 @@ def _decode_raster(path: Path, spec: ImageSpec) -> np.ndarray:
                 planes = (np.asarray(image.convert("L"), dtype=np.float32) / 255.0)[None]
             else:
                 raise DataError(f"unsupported image mode {mode!r}", file=str(path))
-    except (OSError, UnidentifiedImageError, ValueError) as exc:
+    except _pil_errors() as exc:
         raise DataError(f"unreadable image: {exc}", file=str(path)) from exc
     planes = _to_channels(planes, spec.channels, path)
     return np.stack([_resize(p, spec.size) for p in planes]).astype(np.float32)
@@ -340,12 +371,10 @@ def _decode_dicom(path: Path, spec: ImageSpec) -> np.ndarray:
 def _check_header(path: Path, kind: str, spec: ImageSpec) -> None:
     """Cheap per-file check at open time: readable header, channels, pixel data present."""
     if kind == "raster":
-        from PIL import Image, UnidentifiedImageError
-
         try:
-            with Image.open(path) as image:
+            with _open_raster(path) as image:
                 mode = image.mode
-        except (OSError, UnidentifiedImageError, ValueError) as exc:
+        except _pil_errors() as exc:
             raise DataError(f"unreadable image: {exc}", file=str(path)) from exc
         have = _raster_channels(mode)
         if have < 0:

@@ -19,6 +19,7 @@ import numpy as np
 from common.bundle import bundle_summary, evaluation_auc_text, evaluation_noise_text, read_bundle
 from common.errors import DataError
 from common.study import load_study
+from common.text import csv_cell, printable
 from site_agent.data import load_study_table
 from site_agent.datacheck import check_data_against_study, format_report
 from site_agent.predict import predict_images, predict_table
@@ -108,7 +109,7 @@ def _data_check(args: argparse.Namespace) -> int:
     except DataError as exc:
         if not args.json:
             raise
-        print(f"medfed: error: {exc}", file=sys.stderr)
+        print("medfed: error: " + printable(str(exc)), file=sys.stderr)
         error = {"file": exc.file, "row": exc.row, "column": exc.column, "message": exc.message}
         print(json.dumps({"ok": False, "error": error}, sort_keys=True))
         return 2
@@ -121,35 +122,41 @@ def _data_check(args: argparse.Namespace) -> int:
 
 def _model_show(args: argparse.Namespace) -> int:
     bundle = read_bundle(args.model)
+
+    def say(line: str) -> None:
+        # Names come from the file: a control character is shown escaped, never run
+        # by the terminal.
+        print(printable(line))
+
     summary = bundle_summary(bundle)
     summary["file_sha256"] = hashlib.sha256(args.model.read_bytes()).hexdigest()
     if args.json:
-        print(json.dumps(summary, sort_keys=True))
+        print(json.dumps(summary, sort_keys=True))  # ensure_ascii: escapes them all
         return 0
     card = bundle.card
     arch = bundle.architecture
-    print(f"model bundle {args.model} (sha256 {summary['file_sha256']})")
-    print(f"  study {summary['study']} (sha256 {summary['study_sha256'][:16]}...)")
+    say(f"model bundle {args.model} (sha256 {summary['file_sha256']})")
+    say(f"  study {summary['study']} (sha256 {summary['study_sha256'][:16]}...)")
     state = "final" if bundle.final else "intermediate"
-    print(f"  round {bundle.round} ({state}); task {summary['task']}, classes {summary['classes']}")
-    print(f"  label column {summary['label_column']!r}")
-    print(f"  model {arch.custom or arch.name}: {summary['parameters']} parameters")
+    say(f"  round {bundle.round} ({state}); task {summary['task']}, classes {summary['classes']}")
+    say(f"  label column {summary['label_column']!r}")
+    say(f"  model {arch.custom or arch.name}: {summary['parameters']} parameters")
     if bundle.study.data.kind == "images":
-        print(f"  inputs: {summary['inputs']}")
+        say(f"  inputs: {summary['inputs']}")
     else:
-        print(f"  inputs ({len(summary['encoded_features'])}): "
-              f"{', '.join(summary['encoded_features'])}")
+        say(f"  inputs ({len(summary['encoded_features'])}): "
+            f"{', '.join(summary['encoded_features'])}")
     threshold = bundle.threshold
     if threshold.value is not None:
-        print(f"  threshold {threshold.value:g} ({threshold.method})")
+        say(f"  threshold {threshold.value:g} ({threshold.method})")
     for line in _evaluation_noise_lines(threshold):
-        print(line)
-    print(f"  preprocessing statistics: {bundle.statistics.source}")
+        say(line)
+    say(f"  preprocessing statistics: {bundle.statistics.source}")
     for warning in bundle.statistics.warnings:
-        print(f"  WARNING: preprocessing statistics: {warning}")
-    print("privacy card")
-    print(f"  unit {card.unit}; accountant {card.accountant}; rounds {card.rounds}")
-    print(f"  mechanisms: {', '.join(card.mechanisms)}")
+        say(f"  WARNING: preprocessing statistics: {warning}")
+    say("privacy card")
+    say(f"  unit {card.unit}; accountant {card.accountant}; rounds {card.rounds}")
+    say(f"  mechanisms: {', '.join(card.mechanisms)}")
     # Under hospital-level DP sites[].epsilon is what each budget is charged with: with
     # DP-SGD beneath the larger of the record/patient-level epsilon (the better of its two
     # paths) and the add/remove-one-hospital composition, without it the latter, which is
@@ -162,22 +169,22 @@ def _model_show(args: argparse.Namespace) -> int:
     else:
         level = "budget charge (add/remove one unit; not per-patient) "
     for site in card.sites:
-        print(f"  site {site.site}: {level}epsilon {site.epsilon:.3g}, delta {site.delta:g}")
+        say(f"  site {site.site}: {level}epsilon {site.epsilon:.3g}, delta {site.delta:g}")
     for group in card.group_guarantees:
         note = f" ({group.note})" if group.note else ""
-        print(f"  {group.unit}-level: epsilon {group.epsilon:.3g}, delta {group.delta:g}{note}")
+        say(f"  {group.unit}-level: epsilon {group.epsilon:.3g}, delta {group.delta:g}{note}")
     if card.secagg is None:
-        print("  aggregation: plain (no secure aggregation)")
+        say("  aggregation: plain (no secure aggregation)")
     else:
         s = card.secagg
-        print(
+        say(
             f"  {s.protocol}: threshold {s.threshold}, neighbours {s.neighbours}, "
             f"max colluding sites {s.max_colluding_sites}, ring 2^{s.ring_bits}"
         )
     if card.statistics_release:
-        print(f"  statistics release: {card.statistics_release}")
+        say(f"  statistics release: {card.statistics_release}")
     for note in card.notes:
-        print(f"  note: {note}")
+        say(f"  note: {note}")
     return 0
 
 
@@ -240,16 +247,18 @@ def _write_scores(handle: TextIO, bundle: Any, table: Any, prediction: Any) -> N
     binary = study.study.task == "binary"
     header.extend(["score"] if binary else [f"score_{c}" for c in classes])
     header.append("prediction")
-    writer.writerow(header)
+    # Names, labels and patient ids come from the study and the data file: no cell may
+    # start a spreadsheet formula (`common.text.csv_cell`).
+    writer.writerow([csv_cell(str(cell)) for cell in header])
     for i in range(len(table)):
-        row: list[Any] = [_image_name(table, i) if images else int(table.rows[i])]
+        row: list[Any] = [csv_cell(_image_name(table, i)) if images else int(table.rows[i])]
         if table.patient_ids is not None:
-            row.append(table.patient_ids[i])
+            row.append(csv_cell(table.patient_ids[i]))
         if binary:
             row.append(f"{prediction.scores[i]:.6f}")
         else:
             row.extend(f"{p:.6f}" for p in prediction.scores[i])
-        row.append(classes[int(prediction.predicted[i])])
+        row.append(csv_cell(classes[int(prediction.predicted[i])]))
         writer.writerow(row)
 
 
