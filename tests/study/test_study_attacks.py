@@ -433,6 +433,22 @@ def _bundle(world: World, **changes: Any) -> bytes:
 GOOD = b"previous good final model"
 
 
+def _edited_bundle(world: World, key: str, value: str) -> bytes:
+    """The bundle with one metadata value replaced and its digest recomputed (the digest
+    is not a signature: whoever edits the file can recompute it)."""
+    from safetensors.numpy import load, save
+
+    from common.bundle import _digest
+
+    data = bundle_bytes(world.bundle)
+    length = int.from_bytes(data[:8], "little")
+    metadata = {**json.loads(data[8 : 8 + length])["__metadata__"], key: value}
+    tensors = load(data)
+    metadata["medfed.sha256"] = _digest(
+        metadata, {name: tensors[name] for name in world.bundle.parameters})
+    return save(tensors, metadata=metadata)  # type: ignore[no-any-return]
+
+
 @pytest.mark.parametrize(
     ("case", "words"),
     [
@@ -441,6 +457,9 @@ GOOD = b"previous good final model"
         ("truncated", "safetensors|tensors|header"),
         ("not-final", "not marked final"),
         ("other-statistics", "statistics differ"),
+        ("deeply-nested-header", "header is not JSON"),
+        ("superscript-round", r"medfed\.round: must be a non-negative integer"),
+        ("5000-digit-round", r"medfed\.round: must be a non-negative integer"),
     ],
 )
 def test_bad_final_model_is_refused_and_nothing_is_overwritten(
@@ -465,6 +484,11 @@ def test_bad_final_model_is_refused_and_nothing_is_overwritten(
         # the preprocessing the site trained with.
         lied = world.statistics.model_copy(update={"source": "another release"})
         data = _bundle(world, statistics=lied)
+    elif case == "deeply-nested-header":
+        header = b'{"__metadata__":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        data = len(header).to_bytes(8, "little") + header
+    elif case in ("superscript-round", "5000-digit-round"):
+        data = _edited_bundle(world, "medfed.round", "²" if "superscript" in case else "9" * 5000)
     else:
         raise AssertionError(case)
     _final(site).parent.mkdir(parents=True)
@@ -474,6 +498,58 @@ def test_bad_final_model_is_refused_and_nothing_is_overwritten(
     assert re.search(words, str(double.error))  # type: ignore[attr-defined]
     assert _final(site).read_bytes() == GOOD
     assert not _final(site).with_name("final.safetensors.tmp").exists()
+
+
+def test_crafted_final_model_does_not_stop_a_long_running_site(
+    world: World, site: Site, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without --once a site serves study after study: a crafted final model (a
+    deeply nested header) is refused with one error record naming the cause, and the
+    agent stays up waiting for the next study instead of dying; nothing of the bad
+    file is kept and the previous final model stays."""
+    import threading
+
+    refused = threading.Event()
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if getattr(record, "event", None) == "final_model_refused":
+                refused.set()
+
+    header = b'{"__metadata__":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    crafted = len(header).to_bytes(8, "little") + header
+    _final(site).parent.mkdir(parents=True)
+    _final(site).write_bytes(GOOD)
+    rounds = [training_round(world, 2, statistics=statistics_bytes(world.statistics))]
+    watch = Watch()
+    logging.getLogger("medfed.site").addHandler(watch)
+    caplog.set_level(logging.INFO, logger="medfed.site")
+    stop = threading.Event()
+    result: list[int] = []
+    try:
+        with DeviatingStudyCoordinator(
+            world.pki, study=study_bytes(world.study), study_sha256=study_sha256(world.study),
+            rounds=rounds, final_bundle=crafted,
+        ) as double:
+            settings = SiteSettings(site="alpha", coordinator=double.address,
+                                    state=site.state, pki=world.pki, once=False)
+            agent = SiteAgent(settings, DeterministicTestHook("alpha"),
+                              metrics=SiteMetrics("alpha"), ledger=site.ledger, stop=stop)
+            thread = threading.Thread(target=lambda: result.append(agent.run()), daemon=True)
+            thread.start()
+            assert refused.wait(120), "the site never refused the crafted final model"
+            assert thread.is_alive()  # still up, waiting for the next study
+            stop.set()
+            thread.join(60)
+    finally:
+        stop.set()
+        logging.getLogger("medfed.site").removeHandler(watch)
+    assert not thread.is_alive() and result == [0]
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert [getattr(r, "event", None) for r in errors] == ["final_model_refused"]
+    assert "header is not JSON" in errors[0].getMessage()
+    assert _final(site).read_bytes() == GOOD
+    assert sorted(p.name for p in _final(site).parent.iterdir()) == ["final.safetensors"]
 
 
 def test_final_model_stream_past_the_announced_size_is_refused(
