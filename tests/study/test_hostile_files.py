@@ -382,7 +382,7 @@ def test_broken_png_stream_is_a_data_error_naming_the_file(tmp_path: Path) -> No
     broken[-20] ^= 0xFF  # inside the IDAT stream
     folder = _folder(tmp_path / "images", bytes(broken), "broken.png")
     dataset = load_image_folder(folder, SPEC)
-    index = [i for i, e in enumerate(dataset.entries) if Path(e.path).name == "broken.png"][0]
+    index = next(i for i, e in enumerate(dataset.entries) if Path(e.path).name == "broken.png")
     with pytest.raises(DataError, match="unreadable image") as refused:
         dataset.image(index)
     assert refused.value.file == str(folder / "broken.png")
