@@ -108,7 +108,9 @@ class RoundEngine:
         self.metrics = metrics
         self.clock = clock
         self.rng = rng
-        self.sessions = SiteRegistry(store, self.budget_view, metrics=metrics, clock=clock)
+        self.sessions = SiteRegistry(
+            store, self.budget_view, metrics=metrics, clock=clock,
+            report_quorum=max(settings.aggregation.max_colluding_sites, 1) + 1)
         self.transfers = Transfers(settings.limits, settings.state, metrics=metrics)
         self.inbox = RoundInbox(store, self.sessions, self.transfers)
         self.ledgers = LedgerGate(store.database, settings)
@@ -201,7 +203,8 @@ class RoundEngine:
         """Sites with budget left that have not declined this kind of round for good."""
         declined = self.declined_kind.get(kind, {})
         with_budget = self.sessions.with_budget(site_ids, evaluation_round=kind == "evaluation")
-        return [s for s in with_budget if s not in declined]
+        _, outliers = self.sessions.round_ceiling()
+        return [s for s in with_budget if s not in declined and s not in outliers]
 
     async def select_participants(self, *, statistics: bool = False) -> list[str]:
         """Wait for `min_sites` eligible sites, then briefly for the rest to arrive."""
@@ -214,10 +217,17 @@ class RoundEngine:
         )
 
     def next_round_number(self, participants: list[str]) -> int:
-        return selection.next_round_number(
+        """After the record and the participants' ledgers (as far as `round_ceiling`
+        lets them move it), never a number the store already holds."""
+        ceiling, _ = self.sessions.round_ceiling()
+        number = selection.next_round_number(
             recorded_next=self.store.next_round_number(),
             ledger_last_rounds=self.sessions.ledger_last_rounds(participants),
+            ceiling=ceiling,
         )
+        while self.store.round_status(number) is not None:
+            number += 1  # above a jump an old lie caused: those numbers stay used
+        return number
 
     def _announce(self, participants: list[str], *, statistics: bool) -> Announcement:
         payload = self.model.payload()

@@ -114,6 +114,13 @@ class CoordinatorMetrics:
             ["site"],
             registry=r,
         )
+        self.round_reports_refused = Counter(
+            "medfed_coordinator_round_reports_refused",
+            "Calls refused because the site's ledger_last_round was far past the "
+            "coordinator's round numbering and no other site corroborated it.",
+            ["site"],
+            registry=r,
+        )
         self.study_finished = Gauge(
             "medfed_coordinator_study_finished",
             "1 once every round of the study completed (the coordinator stays up and "

@@ -3,7 +3,7 @@ its SecAgg+ parameters and the announcement itself. No I/O, no clock of its own.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 from common.codec import TensorSpec
 from common.config import AggregationSection, CoordinatorSettings
@@ -43,12 +43,45 @@ def with_budget(
     return chosen
 
 
-def next_round_number(*, recorded_next: int, ledger_last_rounds: Iterable[int | None]) -> int:
+def next_round_number(
+    *, recorded_next: int, ledger_last_rounds: Iterable[int | None], ceiling: int | None = None,
+) -> int:
     """After every round this coordinator ever recorded AND after every round the
     participants' own ledgers already hold. A coordinator restored from an old backup
     (or started on empty state) would otherwise reuse round numbers that sites have
-    spent budget on, and they refuse such rounds."""
-    return max([recorded_next, *((n or 0) + 1 for n in ledger_last_rounds)])
+    spent budget on, and they refuse such rounds.
+
+    `ceiling` (`round_ceiling`): a ledger report above it is not followed (a site
+    claiming a round far ahead of the coordinator's record that no other site
+    corroborates, or a round this coordinator itself ran beyond its record)."""
+    followed = [(n or 0) + 1 for n in ledger_last_rounds if ceiling is None or (n or 0) <= ceiling]
+    return max([recorded_next, *followed])
+
+
+def round_ceiling(
+    *, recorded_next: int, reports: Mapping[str, int | None], ran: Container[int],
+    window: int, quorum: int,
+) -> tuple[int, dict[str, int]]:
+    """How far the round numbering may follow the sites' ledger reports, and the sites
+    whose report is refused (site -> reported ledger_last_round).
+
+    One site's report is followed up to `window` rounds past the coordinator's own
+    record (`recorded_next`): a coordinator restored from a recent backup, a site that
+    restored its ledger a few rounds ahead. Further only when `quorum` sites (one more
+    than the colluding sites the federation is configured against) report at least as
+    far: a coordinator restored from an old backup finds every site that trained since
+    ahead by the same rounds, while a lying site alone (ledger_last_round = 2^53 - 2)
+    cannot renumber the federation, or push the next number past what the wire allows.
+    A report of a round this coordinator ran itself (`ran`, e.g. beyond a jump an old
+    lie caused) is explained by that round and moves nothing. Every other report beyond
+    the ceiling is an outlier."""
+    limit = recorded_next - 1 + window
+    beyond = {site: n for site, n in reports.items()
+              if n is not None and n > limit and n not in ran}
+    ceiling = limit
+    if quorum >= 1 and len(beyond) >= quorum:
+        ceiling = max(ceiling, sorted(beyond.values(), reverse=True)[quorum - 1])
+    return ceiling, {site: n for site, n in beyond.items() if n > ceiling}
 
 
 def round_parameters(n_sites: int, agg: AggregationSection) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from common.privacy.federation import FederationBudgetView
 from common.round import Announcement
 from coordinator import selection
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.store import CoordinatorStore
+from coordinator.store import ROUND_WINDOW, CoordinatorStore
 
 log = logging.getLogger("medfed.coordinator")
 
@@ -57,8 +57,13 @@ class SiteRegistry:
         *,
         metrics: CoordinatorMetrics,
         clock: Callable[[], float],
+        report_quorum: int = 2,
     ) -> None:
         self.store = store
+        # Sites whose ledger reports must agree before the numbering follows them far
+        # past the coordinator's record (`selection.round_ceiling`).
+        self.report_quorum = report_quorum
+        self._refused_reports: dict[str, int] = {}
         self.budget_view = budget_view
         self.metrics = metrics
         self.clock = clock
@@ -138,6 +143,43 @@ class SiteRegistry:
             view={row.site_id: row for row in self.budget_view.snapshot()},
             evaluation_round=evaluation_round,
         )
+
+    def round_ceiling(self) -> tuple[int, dict[str, int]]:
+        """`selection.round_ceiling` over every session's latest report: how far the
+        numbering may follow the sites' ledgers, and the sites refused for now."""
+        recorded_next = self.store.next_round_number()
+        reports = {site: s.budget.last_round for site, s in self.sites.items()}
+        ran = frozenset(n for n in reports.values() if n is not None and n >= recorded_next
+                        and self.store.round_status(n) is not None)
+        return selection.round_ceiling(
+            recorded_next=recorded_next, reports=reports, ran=ran,
+            window=ROUND_WINDOW, quorum=self.report_quorum)
+
+    def refuse_outlier(self, site_id: str) -> None:
+        """StateError (FAILED_PRECONDITION to the site) when this site's ledger report
+        is an outlier: it claims a round far past the coordinator's record that no other
+        site corroborates. Logged once per reported value and counted per refusal; the
+        report is kept in the session, so other sites may still corroborate it."""
+        ceiling, outliers = self.round_ceiling()
+        reported = outliers.get(site_id)
+        if reported is None:
+            self._refused_reports.pop(site_id, None)
+            return
+        self.metrics.round_reports_refused.labels(site=site_id).inc()
+        recorded = self.store.next_round_number() - 1
+        message = (
+            f"ledger_last_round {reported} is more than {ROUND_WINDOW} rounds past this "
+            f"coordinator's round {recorded}, and fewer than {self.report_quorum} sites "
+            f"report a ledger that far: not followed (the federation's rounds stay at most "
+            f"{ceiling + 1}); if this site's ledger is really ahead (the coordinator's "
+            "state was restored from an old backup), the other sites' ledgers will be too"
+        )
+        if self._refused_reports.get(site_id) != reported:
+            self._refused_reports[site_id] = reported
+            log.warning("site %s refused: %s", site_id, message,
+                        extra={"event": "round_report_refused", "site": site_id,
+                               "ledger_last_round": reported, "round_number": recorded})
+        raise StateError(message)
 
     def ledger_last_rounds(self, site_ids: list[str]) -> list[int | None]:
         return [self.sites[s].budget.last_round for s in site_ids if s in self.sites]

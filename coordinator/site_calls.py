@@ -36,6 +36,7 @@ class SiteCalls:
         self.check_ledger_head(site_id, budget)
         self.sessions.enroll(site_id, certificate_der, serial=serial, version=version,
                              device=device, budget=budget)
+        self.sessions.refuse_outlier(site_id)
 
     def check_ledger_head(self, site_id: str, budget: BudgetReport | None) -> int:
         return self.ledgers.check_head(site_id, budget)
@@ -46,6 +47,7 @@ class SiteCalls:
     def decline(self, site_id: str, round_number: int, *, budget: BudgetReport | None,
                 reason: str = "", lasting: bool = False) -> None:
         self.sessions.record_decline(site_id, round_number, budget=budget)
+        self.sessions.refuse_outlier(site_id)
         self.inbox.decline(site_id, round_number, reason=reason, lasting=lasting)
 
     def heartbeat(self, site_id: str, round_number: int) -> None:
@@ -60,6 +62,7 @@ class SiteCalls:
         session = self.sessions.session(site_id)
         session.polled = True
         self.sessions.record_budget(session, budget)
+        self.sessions.refuse_outlier(site_id)
         current = self.inbox.rejoin(site_id, after_round=after_round)
         if current is not None:
             return current.announcement

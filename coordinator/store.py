@@ -9,13 +9,14 @@ before its sum is computed in the clear (the intent, written before Unmask close
 no crash can fall between a sum existing and the record of it). After a crash the next
 start marks either ``abandoned`` and says which ones may have been unmasked: the
 coordinator may have seen their sum, although no model was built from it. Numbering goes
-on from the largest number ever used, so a site can never confuse two rounds.
+on from the largest number used (`recorded_next_round`), so a site can never confuse two
+rounds.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,31 @@ SCHEMA = (
         agent_version TEXT NOT NULL,
         device TEXT NOT NULL)""",
 )
+
+
+ROUND_WINDOW = 1000
+"""How many rounds past the coordinator's own record one site's ledger report may move
+the numbering (`coordinator.selection.round_ceiling`); a stored round further than this
+from its predecessor is a jump (`recorded_next_round`)."""
+ROUND_FLOOR_KEY = "round_floor"
+"""meta key of the latest round begun more than ROUND_WINDOW past the record (a jump
+corroborated by enough sites): the record never goes back below it."""
+
+
+def recorded_next_round(numbers: Iterable[int], *, floor: int, window: int) -> int:
+    """The coordinator's own record of round numbers: after the last round reached from
+    round 0 in steps of at most `window`, or through `floor` (a recorded, corroborated
+    jump). A stored round beyond a larger step was numbered after one site's ledger
+    report alone, before such reports were bounded (a lie: 2^53 - 2 left no next
+    number); numbering resumes after the last round before it (the numbers above it
+    stay used). `numbers` ascending."""
+    last = 0
+    for number in numbers:
+        if number <= floor or number - last <= window:
+            last = max(last, number)
+        else:
+            break
+    return max(last, floor) + 1
 
 
 EVALUATION_EDGES_KEY = "evaluation_edges"
@@ -92,6 +118,9 @@ class CoordinatorStore:
         # several times a round, and COUNT(*) scans the whole table (55 ms a call at
         # 200,000 rounds in the soak). This process is the table's only writer.
         self._completed: int | None = None
+        # The next round number of the record (`recorded_next_round`): computed once from
+        # the whole table, then kept by begin_round.
+        self._next: int | None = None
         with self._tx() as cur:
             for statement in SCHEMA:
                 cur.execute(statement)
@@ -149,17 +178,37 @@ class CoordinatorStore:
             )
 
     def next_round_number(self) -> int:
-        with self._tx(write=False) as cur:
-            row = cur.execute("SELECT MAX(round_number) FROM rounds").fetchone()
-        return 1 if row is None or row[0] is None else int(row[0]) + 1
+        """The next round number by the coordinator's own record (`recorded_next_round`):
+        normally after the largest number used; after a jump that an old lie caused,
+        after the last round before it."""
+        if self._next is None:
+            with self._tx(write=False) as cur:
+                rows = cur.execute(
+                    "SELECT round_number FROM rounds ORDER BY round_number").fetchall()
+                floor = cur.execute(
+                    "SELECT value FROM meta WHERE key = ?", (ROUND_FLOOR_KEY,)).fetchone()
+            self._next = recorded_next_round(
+                (int(r[0]) for r in rows), floor=0 if floor is None else int(floor[0]),
+                window=ROUND_WINDOW)
+        return self._next
 
     def begin_round(self, round_number: int, participants: Sequence[str], *, now: float) -> None:
+        """Record a round as in flight; one begun more than ROUND_WINDOW past the record
+        (a corroborated jump) also becomes the record's floor, so a restart keeps it."""
+        recorded = self.next_round_number()
         with self._tx() as cur:
             cur.execute(
                 "INSERT INTO rounds (round_number, status, started_at, participants) "
                 "VALUES (?, 'in_flight', ?, ?)",
                 (round_number, now, json.dumps(sorted(participants))),
             )
+            if round_number - (recorded - 1) > ROUND_WINDOW:
+                cur.execute(
+                    "INSERT INTO meta (key, value) VALUES (?, ?) "
+                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    (ROUND_FLOOR_KEY, str(round_number)),
+                )
+        self._next = max(recorded, round_number + 1)
 
     def finish_round(
         self,
