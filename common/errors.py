@@ -30,6 +30,8 @@
     ├── Unauthenticated              the caller presented no certificate at all
     ├── Unavailable                  the coordinator cannot serve now (its round engine
     │                                failed); sites retry with backoff
+    ├── ResourceExhausted            one caller holds too many calls or request bytes
+    │                                in flight (RESOURCE_EXHAUSTED); it retries later
     ├── RoundFailed                  this round cannot go on for this site
     ├── FederationFinished           the coordinator ran its whole study
     └── StudyFailed                  the coordinator ended the study unfinished: its
@@ -214,6 +216,11 @@ class Unavailable(MedfedError):
 
     Never "finished": sites keep retrying with backoff until a restarted coordinator
     (on the same state) takes the federation up again."""
+
+
+class ResourceExhausted(MedfedError):
+    """A caller has more calls or request bytes in flight than its share allows: this
+    call is refused at once (RESOURCE_EXHAUSTED), the caller's others go on."""
 
 
 class RoundFailed(MedfedError):

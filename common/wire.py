@@ -19,6 +19,7 @@ from common.errors import (
     CryptoError,
     MedfedError,
     ProtocolAbort,
+    ResourceExhausted,
     StateError,
     Unauthenticated,
     Unavailable,
@@ -63,6 +64,7 @@ MAX_VECTOR_LENGTH = 1 << 28  # 1 GiB of uint32: the largest policy.max_vector_le
 STATUS_FOR_ERROR: tuple[tuple[type[MedfedError], grpc.StatusCode], ...] = (
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (CertificateRejected, grpc.StatusCode.PERMISSION_DENIED),
     (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
     (CryptoError, grpc.StatusCode.INVALID_ARGUMENT),

@@ -114,6 +114,13 @@ class CoordinatorMetrics:
             ["site"],
             registry=r,
         )
+        self.calls_refused = Counter(
+            "medfed_coordinator_calls_refused",
+            "Calls refused with RESOURCE_EXHAUSTED: the site held too many calls or "
+            "request bytes in flight, or all sites' requests the parsing budget.",
+            ["site"],
+            registry=r,
+        )
         self.round_reports_refused = Counter(
             "medfed_coordinator_round_reports_refused",
             "Calls refused because the site's ledger_last_round was far past the "

@@ -8,17 +8,18 @@ fields naming a site are never trusted for identity.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import functools
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from common import wire
 from common.codec import CHUNK_BYTES
@@ -27,6 +28,7 @@ from common.errors import (
     CertificateRejected,
     MedfedError,
     ProtocolAbort,
+    ResourceExhausted,
     Unauthenticated,
     ValidationError,
 )
@@ -34,6 +36,7 @@ from common.pki import PeerVerifier, Role, parse_certificate
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.tls import current_identity, peer_certificate_pem
+from coordinator.call_limits import CallLimits
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.revocation import CrlRelay
@@ -123,8 +126,9 @@ def rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     @functools.wraps(method)
     async def wrapper(self: FederationServicer, request: Any, context: Any) -> T:
         try:
-            require_parsed(request)
-            result = await method(self, request, context)
+            with self.hold_call(request):
+                require_parsed(request)
+                result = await method(self, request, context)
         except MedfedError as exc:
             code = wire.status_for(exc)
             self.metrics.grpc_requests.labels(method=name, code=code.name).inc()
@@ -161,6 +165,26 @@ class FederationServicer(pb_grpc.FederationServicer):
         self.metrics = metrics
         self.federation_id = federation_id
         self.clock = clock
+        self.limits = CallLimits()
+
+    @contextlib.contextmanager
+    def hold_call(self, request: Any) -> Iterator[None]:
+        """Hold one call of the calling site, with its parsed request's bytes, in the
+        site's share (`coordinator.call_limits`); ResourceExhausted beyond it, counted.
+        The site is the certificate's, as the interceptor verified it for this call
+        (without an interceptor all callers share one "unauthenticated" share)."""
+        try:
+            site = current_identity().name
+        except CertificateRejected:
+            site = "unauthenticated"
+        nbytes = request.ByteSize() if isinstance(request, Message) else 0
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(self.limits.hold(site, nbytes=nbytes))
+            except ResourceExhausted:
+                self.metrics.calls_refused.labels(site=site).inc()
+                raise
+            yield
 
     def _caller(self, context: Any) -> tuple[str, x509.Certificate]:
         """Verified site id of the caller, from its mTLS certificate only."""
@@ -285,9 +309,10 @@ class FederationServicer(pb_grpc.FederationServicer):
         try:
             # Bounded concurrent streams: each can hold a flow-control window of
             # sent-but-unread chunks in gRPC's buffers (large models, many sites).
-            async with self.engine.inbox.download_slot():
-                for offset, data in chunks:
-                    yield pb.ModelChunk(offset=offset, data=data)
+            with self.hold_call(request):
+                async with self.engine.inbox.download_slot():
+                    for offset, data in chunks:
+                        yield pb.ModelChunk(offset=offset, data=data)
         except MedfedError as exc:
             # The round ended mid-stream (the model is being replaced): a clear status,
             # not UNKNOWN.
@@ -310,9 +335,17 @@ class FederationServicer(pb_grpc.FederationServicer):
             self.metrics.grpc_requests.labels(method="DownloadFinalModel", code=code.name).inc()
             await context.abort(code, str(exc)[:500])
             return
-        async with self.engine.inbox.download_slot():
-            for offset in range(0, len(data), CHUNK_BYTES):
-                yield pb.ModelChunk(offset=offset, data=data[offset : offset + CHUNK_BYTES])
+        try:
+            with self.hold_call(request):
+                async with self.engine.inbox.download_slot():
+                    for offset in range(0, len(data), CHUNK_BYTES):
+                        yield pb.ModelChunk(offset=offset,
+                                            data=data[offset : offset + CHUNK_BYTES])
+        except MedfedError as exc:
+            code = wire.status_for(exc)
+            self.metrics.grpc_requests.labels(method="DownloadFinalModel", code=code.name).inc()
+            await context.abort(code, str(exc)[:500])
+            return
         self.metrics.grpc_requests.labels(method="DownloadFinalModel", code="OK").inc()
 
     @rpc
