@@ -116,7 +116,8 @@ def _data_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_json(), sort_keys=True))
     else:
-        print("\n".join(format_report(report)))
+        # Column names and levels come from the data file: escapes are shown, not run.
+        print(printable("\n".join(format_report(report)), keep="\n"))
     return 0 if report.ok else 1
 
 
