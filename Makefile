@@ -10,7 +10,7 @@ STAMP_DEV     := $(VENV)/.stamp-dev
 PROTO_SRC := $(wildcard protos/medfed/v1/*.proto)
 PROTO_OUT := common/proto
 
-.PHONY: test demo bench soak lint proto proto-check venv clean images lock
+.PHONY: test test-containers demo bench soak lint proto proto-check venv clean images lock
 
 # torch first, pinned: torch==2.13.0 has a CPU wheel cached on our machines (elsewhere
 # pip takes PyPI's build of the same version; PIP_EXTRA="--extra-index-url
@@ -37,6 +37,12 @@ test: $(STAMP_DEV)
 	$(MAKE) --no-print-directory proto-check
 	$(MAKE) --no-print-directory lint
 	$(VENV)/bin/pytest -q --durations=25
+
+# The shipped images built and run with podman (tests/deploy/test_containers.py; about
+# 28 minutes on two cores the first time, so not part of `make test`).
+# .ci/scripts/container-engine.sh installs podman.
+test-containers: $(STAMP_DEV)
+	MEDFED_CONTAINER_TESTS=1 $(VENV)/bin/pytest -q -n 0 -rs --durations=10 tests/deploy/test_containers.py
 
 lint: $(STAMP_DEV)
 	$(VENV)/bin/ruff check common coordinator site_agent demo bench tests

@@ -293,8 +293,11 @@ class ActiveRound:
             if now >= deadline:
                 timed_out = True
                 break
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation
+            # that arrives as the event is set, and the engine would run on after a stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(state.all_arrived.wait(), timeout=max(wake - now, 0.0))
+                async with asyncio.timeout(max(wake - now, 0.0)):
+                    await state.all_arrived.wait()
         if timed_out or silent:
             last = state.last_arrival if state.last_arrival is not None else started
             self.deadline_wait_seconds += time.perf_counter() - max(last, started)

@@ -240,8 +240,12 @@ class SiteRegistry:
 
     async def _wait_changed(self, timeout: float) -> None:
         self.changed.clear()
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns normally when it
+        # is cancelled just as the event is set, and a stopping coordinator would then
+        # wait out round_start_timeout_seconds before its engine task ends.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.changed.wait(), timeout=timeout)
+            async with asyncio.timeout(timeout):
+                await self.changed.wait()
 
     async def gather(
         self,

@@ -108,3 +108,33 @@ def test_a_site_that_enrolls_and_never_polls_shows_enrolled_not_waiting(
     during, after = asyncio.run(scenario())
     assert during == {"alpha": "enrolled", "beta": "waiting"}
     assert after == {"alpha": "enrolled", "beta": "enrolled"}
+
+
+@pytest.mark.parametrize("steps_before_cancel", range(6))
+def test_selection_ends_when_cancelled_as_a_site_enrolls(
+    engine: RoundEngine, steps_before_cancel: int
+) -> None:
+    """Stopping the coordinator cancels the engine while it waits for `min_sites`; a site
+    enrolling in the same instant (its wake-up already queued) must not swallow that
+    cancellation, or the engine would wait out `round_start_timeout_seconds` first."""
+
+    async def scenario() -> bool:
+        selecting = asyncio.create_task(engine.select_participants())
+        for _ in range(3):
+            await asyncio.sleep(0)  # selection is waiting for sites to change
+        engine.sites.enroll("alpha", b"", serial="1", version="t", device="cpu",
+                            budget=BudgetReport())
+        for _ in range(steps_before_cancel):
+            await asyncio.sleep(0)
+        selecting.cancel()
+        for _ in range(20):  # loop iterations, no wall-clock wait
+            if selecting.done():
+                break
+            await asyncio.sleep(0)
+        ended = selecting.done()
+        if not ended:
+            selecting.cancel()
+        await asyncio.gather(selecting, return_exceptions=True)
+        return ended and selecting.cancelled()
+
+    assert asyncio.run(scenario()), "selection kept waiting after it was cancelled"

@@ -6,6 +6,7 @@ conditions over those lines (common.processes.ManagedProcess; no sleeps as sync)
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import re
 import socket
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common import pki
 from common.processes import ManagedProcess, medfed_argv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,12 +29,17 @@ def run_medfed(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def make_pki(root: Path, sites: Sequence[str]) -> Path:
-    pki = root / "pki"
-    run_medfed("pki", "init", "--dir", str(pki))
-    run_medfed("pki", "issue", "--dir", str(pki), "--coordinator", "127.0.0.1,localhost")
+    """ROOT/pki as `medfed pki init` and `medfed pki issue --coordinator 127.0.0.1,localhost
+    / --site SITE` write it, through the same library calls with the CLI's defaults, in
+    this process: a process start per certificate costs seconds on a loaded machine, and
+    the commands themselves run in tests/pki/test_pki_cli.py and the README tests."""
+    directory = root / "pki"
+    pki.init_ca(directory)
+    now = dt.datetime.now(dt.UTC)
+    pki.issue_coordinator(directory, ["127.0.0.1", "localhost"], now=now)
     for site in sites:
-        run_medfed("pki", "issue", "--dir", str(pki), "--site", site)
-    return pki
+        pki.issue_site(directory, site, now=now)
+    return directory
 
 
 class Federation:

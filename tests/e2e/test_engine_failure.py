@@ -70,10 +70,15 @@ def start_with_round_2_held(fed: Federation) -> tuple[ManagedProcess, int]:
     """Coordinator and 5 sites; returns once round 1 completed and round 2 is open,
     held by site-a pausing after its AdvertiseKeys."""
     coordinator = fed.start_coordinator(*FAST, "--rounds", "3")
+    # Sites retry a lost coordinator with backoff capped at 2 s (30 s by default): they
+    # rejoin the restarted one within seconds instead of after up to 30 s of jitter.
+    config = fed.root / "site.toml"
+    config.write_text("[reconnect]\nmax_backoff_seconds = 2.0\n")
     for site in SITES[1:]:
-        fed.start_site(site)
+        fed.start_site(site, "--config", str(config))
     paused = fed.start_site(
-        "site-a", "--debug-pause-after", "2:advertise_keys", "--debug-pause-seconds", "2"
+        "site-a", "--config", str(config),
+        "--debug-pause-after", "2:advertise_keys", "--debug-pause-seconds", "2"
     )
     coordinator.wait_log("round 1 completed", timeout=120)
     paused.wait_event("paused", round=2, phase="advertise_keys", timeout=120)

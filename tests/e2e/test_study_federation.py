@@ -43,6 +43,9 @@ def test_statistics_round_training_and_final_model(
                          processes=processes)
     run.start_coordinator("--debug-write-aggregates")
     broken = run.start_site("broken", tmp_path / "broken.csv", "--debug-write-updates")
+    # The hospitals start beside it (min_sites is 3: the broken one never counts).
+    agents = {name: run.start_site(name, files[name], "--debug-write-updates")
+              for name in SITES}
     assert broken.wait_exit(timeout=300) != 0
     message = broken.tail(5)
     assert "broken.csv" in message and "'Lactate mmol/L'" in message
@@ -50,8 +53,6 @@ def test_statistics_round_training_and_final_model(
     # Refused before any key or update: no ledger entry, no update written.
     assert not (run.site_state("broken") / "debug-updates").exists()
 
-    agents = {name: run.start_site(name, files[name], "--debug-write-updates")
-              for name in SITES}
     for name, proc in agents.items():
         assert proc.wait_exit(timeout=800) == 0, f"{name}:\n{proc.tail(30)}"
 

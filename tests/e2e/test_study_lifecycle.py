@@ -70,13 +70,14 @@ def test_status_during_and_after_a_study_that_stays_up(federation: Federation) -
     assert before["eta_seconds"] is None  # no completed round to estimate from
     assert "medfed_coordinator_study_finished 0.0" in scrape(metrics_port)
 
-    # site-c stops for 30 s after its round-1 keys are advertised: the round is then in
+    # site-c stops for 10 s after its round-1 keys are advertised: the round is then in
     # flight, waiting in share_keys for it (the phase deadline is 60 s), when status is
-    # asked; then it goes on and the round completes.
+    # asked (one call, right after the pause is seen); then it goes on and the round
+    # completes.
     federation.start_site("site-a")
     federation.start_site("site-b")
     paused = federation.start_site("site-c", "--debug-pause-after", "1:advertise_keys",
-                                   "--debug-pause-seconds", "30")
+                                   "--debug-pause-seconds", "10")
     paused.wait_event("paused", timeout=120)
     during = status(federation)
     assert during["current_round"] == 1 and during["phase"] == "share_keys"
