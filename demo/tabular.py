@@ -87,7 +87,7 @@ class TabularTask:
         return datasets, preprocess.feature_names()
 
     def baselines(self, demo: Demo, datasets: dict[str, Any]) -> dict[str, dict[str, float]]:
-        return compute_baselines(datasets, demo.o)
+        return compute_baselines(datasets, demo.o, keys=demo.split_keys)
 
     def initial_model(self, demo: Demo, n_features: int) -> Path | None:
         """The synthetic cohort's MLP; with ``--data`` the served study gives the model."""
@@ -108,16 +108,15 @@ class TabularTask:
         o = demo.o
         if demo.served_study is not None:
             # The study (label, patient column, features) comes at enrolment.
-            source = f'path = "{data}"\nsplit_seed = {o.seed}\n'
+            source = f'path = "{data}"\n'
         elif data is None:
             source = (f"synthetic = true\nsynthetic_cohort_seed = {o.seed}\n"
-                      f"split_seed = {o.seed}\n"
                       f"synthetic_patients = {o.patients_per_site}\n")
         else:
             patient = (f'patient_column = "{o.patient_column}"\n'
                        if o.patient_column else "")
             source = (f'path = "{data}"\nlabel_column = "{o.label_column}"\n'
-                      f"split_seed = {o.seed}\n{patient}")
+                      f"{patient}")
         return f"""[data]
 {source}
 [privacy]
@@ -142,11 +141,14 @@ device = "cpu"
         """The tabular report is complete as written."""
 
 
-def compute_baselines(datasets: dict[str, Any], o: DemoOptions) -> dict[str, dict[str, float]]:
-    """Centralized and federated non-private baselines, in process (no DP, no SecAgg)."""
+def compute_baselines(
+    datasets: dict[str, Any], o: DemoOptions, *, keys: dict[str, bytes]
+) -> dict[str, dict[str, float]]:
+    """Centralized and federated non-private baselines, in process (no DP, no SecAgg), on
+    the sites' own splits (`keys`: each site's split key)."""
     from site_agent.baselines import centralized_nodp, federated_nodp
 
     return {
-        "centralized_nodp": centralized_nodp(datasets, o, bins=HISTOGRAM_BINS),
-        "federated_nodp": federated_nodp(datasets, o, bins=HISTOGRAM_BINS),
+        "centralized_nodp": centralized_nodp(datasets, o, keys=keys, bins=HISTOGRAM_BINS),
+        "federated_nodp": federated_nodp(datasets, o, keys=keys, bins=HISTOGRAM_BINS),
     }

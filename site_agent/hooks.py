@@ -31,6 +31,7 @@ from common.round import RoundPlan
 from common.study import GlobalStatistics, Study, study_sha256
 from site_agent.held_out import held_out_histogram
 from site_agent.intermediaries import intermediaries_for, train_intermediaries, unit_groups
+from site_agent.unit_split import site_split_key
 from site_agent.site_model import build_site_model, check_layout, layout_of, model_name
 from site_agent.training_data import (
     configured_privacy_unit,
@@ -493,9 +494,9 @@ class DpTrainingHook:
         )
 
     def unit_groups(self, v: int) -> list[np.ndarray]:
-        """Record indices of v disjoint intermediaries of the training split, fixed for
-        the study by the split seed (`intermediaries.unit_groups`)."""
-        return unit_groups(self.train_data, v=v, split_seed=self.settings.data.split_seed)
+        """Record indices of v disjoint intermediaries of the training split, fixed by the
+        site's secret split key (`intermediaries.unit_groups`)."""
+        return unit_groups(self.train_data, v=v, site_key=site_split_key(self.settings.state))
 
     def _train_units(self, plan: RoundPlan, global_flat: np.ndarray, histogram: np.ndarray,
                      started: float, patients: int) -> LocalUpdate:

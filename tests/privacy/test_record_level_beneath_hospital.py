@@ -55,7 +55,7 @@ def settings_for(tmp_path: Path, data: Path) -> SiteSettings:
         tls_ca=tmp_path / "ca.crt",
         tls_cert=tmp_path / "s.crt",
         tls_key=tmp_path / "s.key",
-        data={"path": data, "split_seed": 1},  # type: ignore[arg-type]
+        data={"path": data},  # type: ignore[arg-type]
         training={"device": "cpu", "batch_size": 32},  # type: ignore[arg-type]
         policy={"planned_rounds": 2},  # type: ignore[arg-type]
     )
