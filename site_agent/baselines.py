@@ -16,10 +16,10 @@ from common.evaluation_threshold import operating_point_metrics_from_scores
 from common.models.layout import flatten_parameters
 from common.models.tables.mlp import TabularMLP
 from site_agent.data import SiteData, Standardizer, prepare_site_split
-from site_agent.unit_split import split_by_patient
 from site_agent.trainer import LocalTrainer, predict_scores
 from site_agent.training_config import TrainingConfig
 from site_agent.training_plan import fit_batch_size
+from site_agent.unit_split import split_by_patient
 
 
 def _config(o: Any, *, epochs: int, records: int) -> TrainingConfig:

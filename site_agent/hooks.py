@@ -31,7 +31,6 @@ from common.round import RoundPlan
 from common.study import GlobalStatistics, Study, study_sha256
 from site_agent.held_out import held_out_histogram
 from site_agent.intermediaries import intermediaries_for, train_intermediaries, unit_groups
-from site_agent.unit_split import site_split_key
 from site_agent.site_model import build_site_model, check_layout, layout_of, model_name
 from site_agent.training_data import (
     configured_privacy_unit,
@@ -49,6 +48,7 @@ from site_agent.training_plan import (
     round_noise_multiplier,
     site_training_config,
 )
+from site_agent.unit_split import site_split_key
 
 if TYPE_CHECKING:
     from common.models import Task

@@ -1,6 +1,6 @@
 """A site's training data: its file, image folder or synthetic slice
-(`load_configured_data`), split by patient under the site's key (`split_site_data`), the privacy unit it
-trains under (`configured_privacy_unit`), a study table encoded with the federation's
+(`load_configured_data`), split by patient under the site's key (`split_site_data`), the
+privacy unit it trains under (`configured_privacy_unit`), a study table encoded with the federation's
 global statistics and split by patient (`encode_study_table`), and its contribution to
 the statistics release (`statistics_contribution`)."""
 

@@ -80,7 +80,8 @@ def test_ids_hash_alike_across_dtypes_and_runs() -> None:
                              ("MRN-1", np.str_("MRN-1"))):
         assert intermediary_of(as_int, key=key, v=8) == intermediary_of(as_other, key=key, v=8)
     # Pinned: HMAC-SHA256 and BLAKE2b are specified byte for byte, so under one site key
-    # the groups are the same on every platform and run (a change here reshuffles every deployed study's intermediaries).
+    # the groups are the same on every platform and run (a change here reshuffles every
+    # deployed study's intermediaries).
     assert [intermediary_of(f"p{i}", key=key, v=8) for i in range(8)] == PINNED
     ints = _groups(np.arange(50), 4)
     strings = _groups(np.array([str(i) for i in range(50)], dtype=object), 4)

@@ -17,10 +17,10 @@ from common.models.layout import load_flat_parameters
 from common.models.tables.mlp import TabularMLP
 from common.privacy.accountant import Segment
 from site_agent.data import prepare_site_split
-from site_agent.unit_split import site_split_key, split_by_patient
 from site_agent.distributed_train import config_from_args
 from site_agent.synthetic import FEATURES, generate_cohort
 from site_agent.trainer import LocalTrainer, predict_scores
+from site_agent.unit_split import site_split_key, split_by_patient
 
 ARGS = ["--patients", "250", "--rounds", "2", "--batch-size", "48", "--accountant", "rdp"]
 
