@@ -1,8 +1,8 @@
 """A site's training data: its file, image folder or synthetic slice
 (`load_configured_data`), split by patient under the site's key (`split_site_data`), the
-privacy unit it trains under (`configured_privacy_unit`), a study table encoded with the federation's
-global statistics and split by patient (`encode_study_table`), and its contribution to
-the statistics release (`statistics_contribution`)."""
+privacy unit it trains under (`configured_privacy_unit`), a study table encoded with the
+federation's global statistics and split by patient (`encode_study_table`), and its
+contribution to the statistics release (`statistics_contribution`)."""
 
 from __future__ import annotations
 
