@@ -105,7 +105,7 @@ def test_dp_sgd_beneath_hospital_level_writes_both_and_reports_both(
     assert hook.privacy_unit == "hospital" and hook.dp_sgd and hook.record_level == "record"
     ledger = PrivacyLedger(tmp_path / "ledger.db", site_id="hospital-a", budget_epsilon=8.0,
                            delta=DELTA, privacy_unit="hospital", signer=pki_material.signer_a)
-    (tmp_path / "state").mkdir()
+    (tmp_path / "state").mkdir(exist_ok=True)  # the split key may have made it
     hook.attach_ledger(ledger, state=tmp_path / "state")
     assert hook.released_units is not None  # a record count: DP-SGD samples records
     global_flat = flatten_parameters(initial_model(study, seed=0))
