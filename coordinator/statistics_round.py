@@ -49,7 +49,7 @@ def decode(
     )
     sigma = release_noise_sigma(
         run.study, contributors=len(aggregator.survivors),
-        max_colluding_sites=settings.aggregation.max_colluding_sites,
+        max_colluding_sites=run.study.privacy.max_colluding_sites,
     )
     stats = decode_release(ring_to_signed(aggregate), run.study, source=source,
                            noise_sigma=sigma)

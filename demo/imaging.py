@@ -82,7 +82,11 @@ patient diverged). At 0.5 the std is ~8."""
 
 
 def study_text(o: DemoOptions, *, model: str, image_size: int) -> str:
-    """The demo's images study (binary: lesion or not, patient-level DP)."""
+    """The demo's images study (binary: lesion or not, patient-level DP), with the threat
+    terms every site sizes its noise with (the demo sites' own policy)."""
+    from demo.terms import federation_terms
+
+    terms = federation_terms(o.sites, histogram_bins=IMAGING_HISTOGRAM_BINS).policy
     return f"""[study]
 name = "synthetic-lesions"
 rounds = {o.rounds}
@@ -110,6 +114,8 @@ unit = "patient"
 epsilon = {o.budget_epsilon}
 delta = {o.delta}
 count_epsilon = {DEMO_COUNT_EPSILON}
+max_colluding_sites = {terms.max_colluding_sites}
+min_round_sites = {terms.min_round_sites}
 
 [privacy.evaluation]
 histogram_bins = {IMAGING_HISTOGRAM_BINS}

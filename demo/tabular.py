@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from common.errors import ConfigError
 from demo.hospital import hospital_study
 from demo.options import HISTOGRAM_BINS, DemoOptions
+from demo.terms import federation_terms
 
 if TYPE_CHECKING:
     from demo.run import Demo
@@ -57,6 +58,11 @@ class TabularTask:
         )
         if o.privacy_unit == "hospital":
             study = hospital_study(study, o)
+        # The threat terms every site sizes its noise with: the demo sites' own policy.
+        policy = federation_terms(len(files), histogram_bins=HISTOGRAM_BINS).policy
+        study = study.model_copy(update={"privacy": study.privacy.model_copy(update={
+            "max_colluding_sites": policy.max_colluding_sites,
+            "min_round_sites": policy.min_round_sites})})
         demo.served_study = demo.out / "study.toml"
         demo.served_study.write_text(render_study_toml(study), encoding="utf-8")
         demo.study = study

@@ -60,7 +60,7 @@ def plan_round(rnd: VerifiedRound, *, study: Study | None,
     if hospital.vector_words(ring) != egress_words(rnd):
         raise RoundFailed("the announced update segment does not match this site's ring plan")
     n_noise = dp_release.evaluation_noise_sites(
-        policy, threshold=ann.threshold, secure=ann.secure_aggregation
+        policy, threshold=ann.threshold, secure=ann.secure_aggregation, study=study
     )
     plan = hospital.site_plan(ring, n_noise=n_noise)
     seed = hospital.rotation_seed(

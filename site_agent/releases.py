@@ -98,7 +98,8 @@ class EvaluationRelease:
     def noise_sites(self, rnd: VerifiedRound) -> int:
         ann = rnd.announcement
         return dp_release.evaluation_noise_sites(
-            self.settings.policy, threshold=ann.threshold, secure=ann.secure_aggregation
+            self.settings.policy, threshold=ann.threshold, secure=ann.secure_aggregation,
+            study=self.membership.study,
         )
 
     def private(self, rnd: VerifiedRound, update: LocalUpdate, *, evaluated: bool) -> LocalUpdate:
@@ -151,10 +152,9 @@ class StatisticsRelease:
         release = self.hook.statistics_release()
         if release.size != rnd.announcement.vector_length:
             raise ValidationError("statistics vector length differs from this site's study")
-        policy = self.settings.policy
-        colluding = policy.max_colluding_sites
-        floor = round_floor(min_round_sites=policy.min_round_sites,
-                            max_colluding_sites=colluding)
+        # The study's threat terms: every member adds the same share of the noise.
+        colluding, min_sites = study.privacy.max_colluding_sites, study.privacy.min_round_sites
+        floor = round_floor(min_round_sites=min_sites, max_colluding_sites=colluding)
         plan = plan_statistics(study, n_noise=max(floor - colluding, 1))
         mechanism = plan.mechanism()
         if ledger is not None:
