@@ -90,10 +90,16 @@ class TabularTask:
         tables = {s: load_study_table(p, study) for s, p in files.items() if p}
         preprocess = Preprocessor(study, exact_statistics(tables, study, seed=demo.o.seed))
         datasets = {s: preprocess.site_data(t) for s, t in tables.items()}
+        # Without a patient column the sites key each record by its values as read.
+        from site_agent.unit_split import study_record_keys
+
+        self.units = {s: study_record_keys(t) for s, t in tables.items()
+                      if t.patient_ids is None}
         return datasets, preprocess.feature_names()
 
     def baselines(self, demo: Demo, datasets: dict[str, Any]) -> dict[str, dict[str, float]]:
-        return compute_baselines(datasets, demo.o, keys=demo.split_keys)
+        return compute_baselines(datasets, demo.o, keys=demo.split_keys,
+                                 units=getattr(self, "units", None))
 
     def initial_model(self, demo: Demo, n_features: int) -> Path | None:
         """The synthetic cohort's MLP; with ``--data`` the served study gives the model."""
@@ -148,13 +154,17 @@ device = "cpu"
 
 
 def compute_baselines(
-    datasets: dict[str, Any], o: DemoOptions, *, keys: dict[str, bytes]
+    datasets: dict[str, Any], o: DemoOptions, *, keys: dict[str, bytes],
+    units: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Centralized and federated non-private baselines, in process (no DP, no SecAgg), on
-    the sites' own splits (`keys`: each site's split key)."""
+    the sites' own splits (`keys`: each site's split key; `units`: a site's unit ids when
+    not its records' own)."""
     from site_agent.baselines import centralized_nodp, federated_nodp
 
     return {
-        "centralized_nodp": centralized_nodp(datasets, o, keys=keys, bins=HISTOGRAM_BINS),
-        "federated_nodp": federated_nodp(datasets, o, keys=keys, bins=HISTOGRAM_BINS),
+        "centralized_nodp": centralized_nodp(datasets, o, keys=keys, units=units,
+                                             bins=HISTOGRAM_BINS),
+        "federated_nodp": federated_nodp(datasets, o, keys=keys, units=units,
+                                         bins=HISTOGRAM_BINS),
     }

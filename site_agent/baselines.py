@@ -55,11 +55,14 @@ def _initial_model(n_features: int, seed: int) -> TabularMLP:
 
 
 def centralized_nodp(
-    datasets: dict[str, SiteData], o: Any, *, keys: dict[str, bytes], bins: int | None = None
+    datasets: dict[str, SiteData], o: Any, *, keys: dict[str, bytes],
+    units: dict[str, Any] | None = None, bins: int | None = None,
 ) -> dict[str, float]:
     """Every site's training split pooled in one place (what federation avoids); `keys`:
-    each site's split key, so the held-out patients are the ones the sites hold out."""
-    splits = [split_by_patient(d, held_out_fraction=0.2, key=keys[site])
+    each site's split key (and `units`, a site's unit ids when they are not its records'
+    own: `unit_split.split_by_patient`), so the held-out patients are the sites'."""
+    splits = [split_by_patient(d, held_out_fraction=0.2, key=keys[site],
+                               units=(units or {}).get(site))
               for site, d in datasets.items()]
     train = _pool([t for t, _ in splits])
     held_out = _pool([h for _, h in splits])
@@ -75,12 +78,14 @@ def centralized_nodp(
 
 
 def federated_nodp(
-    datasets: dict[str, SiteData], o: Any, *, keys: dict[str, bytes], bins: int | None = None
+    datasets: dict[str, SiteData], o: Any, *, keys: dict[str, bytes],
+    units: dict[str, Any] | None = None, bins: int | None = None,
 ) -> dict[str, float]:
     """FedAvg (sample-weighted) over the same sites, splits and rounds, without DP or
     SecAgg."""
     prepared = {
-        site: prepare_site_split(d, held_out_fraction=0.2, key=keys[site])
+        site: prepare_site_split(d, held_out_fraction=0.2, key=keys[site],
+                                 units=(units or {}).get(site))
         for site, d in datasets.items()
     }
     n_features = next(iter(prepared.values()))[0].features.shape[1]

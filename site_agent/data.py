@@ -351,11 +351,13 @@ class Standardizer:
 
 
 def prepare_site_split(
-    data: SiteData, *, held_out_fraction: float = 0.2, key: bytes
+    data: SiteData, *, held_out_fraction: float = 0.2, key: bytes,
+    units: np.ndarray | None = None,
 ) -> tuple[SiteData, SiteData, Standardizer]:
     """Split by patient under the site's split key (`unit_split.split_by_patient`), fit the
     standardiser on the training part, apply it to both."""
-    train, held_out = split_by_patient(data, held_out_fraction=held_out_fraction, key=key)
+    train, held_out = split_by_patient(data, held_out_fraction=held_out_fraction, key=key,
+                                       units=units)
     standardizer = Standardizer.fit(train.features)
     return standardizer.transform(train), standardizer.transform(held_out), standardizer
 

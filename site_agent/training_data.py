@@ -99,7 +99,7 @@ def encode_study_table(
     held-out fraction under its secret split key; with DP the cohort must be large
     enough."""
     from site_agent.data import Preprocessor, check_cohort_size
-    from site_agent.unit_split import site_split_key, split_by_patient
+    from site_agent.unit_split import site_split_key, split_by_patient, study_record_keys
 
     pre = Preprocessor(study, statistics)
     data = pre.site_data(table)
@@ -110,9 +110,12 @@ def encode_study_table(
     imputed = pre.imputations(table)
     if imputed:
         log.info("imputed with the global statistics: %s", imputed)
+    # Without a patient column a record is its unit, keyed by its values as read (not
+    # as encoded with the federation's statistics).
     train, holdout = split_by_patient(
         data, held_out_fraction=settings.data.holdout_fraction,
         key=site_split_key(settings.state),
+        units=None if data.patient_ids is not None else study_record_keys(table),
     )
     patients = train.num_patients if data.patient_ids is not None else 0
     return train, holdout, int(data.features.shape[1]), patients

@@ -150,11 +150,37 @@ def held_out_mask(ids: np.ndarray, *, key: bytes, held_out_fraction: float) -> n
     return held[inverse.reshape(-1)]
 
 
-def split_by_patient(data: D, *, held_out_fraction: float, key: bytes) -> tuple[D, D]:
+def study_record_keys(table: Any) -> np.ndarray:
+    """Unit ids of a study table without a patient column (`site_agent.data.StudyTable`):
+    a digest of each record's values as read (numeric columns, level indices, label),
+    before any encoding, so a record keeps its side whatever statistics encode it."""
+    digests = [hashlib.blake2b(digest_size=16) for _ in range(len(table))]
+    columns = [*(table.numeric[c] for c in sorted(table.numeric)),
+               *(table.categorical[c] for c in sorted(table.categorical))]
+    if table.labels is not None:
+        columns.append(table.labels)
+    for column in columns:
+        values = np.ascontiguousarray(column)
+        for i, digest in enumerate(digests):
+            digest.update(values[i].tobytes())
+    keys = np.empty(len(digests), dtype=object)
+    for i, digest in enumerate(digests):
+        keys[i] = digest.digest()
+    return keys
+
+
+def split_by_patient(
+    data: D, *, held_out_fraction: float, key: bytes, units: np.ndarray | None = None
+) -> tuple[D, D]:
     """(training, held-out) of a table (`SiteData`) or an image folder (`ImageDataset`):
     no patient on both sides, each unit's side fixed by its own id and the site's key
-    (module docstring). DataError when one side comes out empty."""
-    mask = held_out_mask(unit_ids(data), key=key, held_out_fraction=held_out_fraction)
+    (module docstring). `units`: one unit id per record, when not the data's own
+    (`unit_ids`; a study table's raw records: `study_record_keys`). DataError when one
+    side comes out empty."""
+    ids = unit_ids(data) if units is None else np.asarray(units, dtype=object)
+    if len(ids) != len(data):  # type: ignore[arg-type]
+        raise DataError(f"{len(ids)} unit ids for {len(data)} records")  # type: ignore[arg-type]
+    mask = held_out_mask(ids, key=key, held_out_fraction=held_out_fraction)
     held, total = int(mask.sum()), int(mask.size)
     if held == 0 or held == total:
         raise DataError(

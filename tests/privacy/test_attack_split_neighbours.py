@@ -153,3 +153,35 @@ def test_the_split_key_is_in_nothing_a_site_sends() -> None:
     )
     assert readers == ["site_agent/distributed_train.py", "site_agent/hooks.py",
                        "site_agent/training_data.py", "site_agent/unit_split.py"]
+
+
+def test_a_study_table_without_patient_column_splits_by_its_values_as_read(
+    tmp_path: Path,
+) -> None:
+    """Under a study without a patient column each record is its unit, keyed by its
+    values as read: the split does not move when the federation's statistics (which
+    encode the records) change, and the demo's baselines can compute it."""
+    from common.config import SiteSettings
+    from common.study import study_from_mapping
+    from site_agent.data import load_study_table
+    from site_agent.training_data import encode_study_table
+    from tests.study.helpers import noiseless_statistics, study_mapping, write_hospital_csv
+
+    mapping = study_mapping(unit="record")
+    mapping["data"]["patient_column"] = None
+    study = study_from_mapping(mapping, source="test")
+    table = load_study_table(write_hospital_csv(tmp_path / "site.csv", 300), study)
+    settings = SiteSettings(
+        site="north", coordinator="127.0.0.1:1", state=tmp_path / "state",
+        tls_ca=tmp_path / "ca.crt", tls_cert=tmp_path / "s.crt", tls_key=tmp_path / "s.key",
+        data={"path": tmp_path / "site.csv"},  # type: ignore[arg-type]
+    )
+    exact = noiseless_statistics(study, table)
+    shifted = exact.model_copy(update={"numeric": {
+        name: stats.model_copy(update={"mean": stats.mean + 3.0})
+        for name, stats in exact.numeric.items()}})
+    _, held_a, _, _ = encode_study_table(table, study, exact, settings, dp=False)
+    _, held_b, _, _ = encode_study_table(table, study, shifted, settings, dp=False)
+    assert 0 < len(held_a) < len(table)
+    np.testing.assert_array_equal(held_a.labels, held_b.labels)
+    assert not np.allclose(held_a.features, held_b.features)  # encoded differently
