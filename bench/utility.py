@@ -4,9 +4,10 @@ Per dataset of `bench.utility_data` (three non-IID hospital CSVs each), one row:
 
 * **centralized LR**: non-private logistic regression on every hospital's TRAINING rows
   pooled, scored on every hospital's held-back rows pooled. The held-back rows are the
-  ones the product holds back itself: `site_agent.data.split_by_patient` with the
-  site's default ``data.holdout_fraction`` and the demo's ``split_seed``, so all the
-  figures are on the same patients. Encoding: numeric columns imputed with the pooled
+  ones the product holds back itself: `site_agent.unit_split.split_by_patient` with the
+  site's default ``data.holdout_fraction`` under each demo site's own split key (read
+  from its state folder once the demo has made it), so all the figures are on the same
+  patients. Encoding: numeric columns imputed with the pooled
   training median and standardised with the pooled training mean and deviation;
   categorical columns one-hot over the declared levels (a missing value: all zeros).
   Fitted by Newton's method (IRLS) on the mean log-loss with a small ridge
@@ -107,27 +108,41 @@ def read_sites(files: dict[str, Path], *, label_column: str, patient_column: str
     )
 
 
-def held_back_mask(table: PooledTable, *, held_out_fraction: float, seed: int) -> np.ndarray:
-    """Rows each site holds back: the product's own split, site by site."""
-    from site_agent.data import SiteData, split_by_patient
+def held_back_mask(
+    table: PooledTable, *, held_out_fraction: float, keys: dict[str, bytes]
+) -> np.ndarray:
+    """Rows each site holds back: the product's own split, site by site, under each
+    site's split key (`keys`)."""
+    from site_agent.data import SiteData
+    from site_agent.unit_split import split_by_patient
 
     mask = np.zeros(len(table), dtype=bool)
     for site in sorted(set(table.site.tolist())):
         rows = np.flatnonzero(table.site == site)
         data = SiteData(features=rows.reshape(-1, 1).astype(np.float64),
                         labels=table.labels[rows], patient_ids=table.patient_ids[rows])
-        _, held = split_by_patient(data, held_out_fraction=held_out_fraction, seed=seed)
+        _, held = split_by_patient(data, held_out_fraction=held_out_fraction, key=keys[site])
         mask[held.features[:, 0].astype(np.int64)] = True
     return mask
 
 
-def product_split() -> tuple[float, int]:
-    """(held-out fraction, split seed) a site of ``medfed demo --data`` uses."""
+def product_holdout_fraction() -> float:
+    """The held-out fraction a site of ``medfed demo --data`` uses."""
     from common.config import DataSection
-    from demo.options import DemoOptions
 
-    fraction = DataSection.model_fields["holdout_fraction"].default
-    return float(fraction), int(DemoOptions().seed)
+    return float(DataSection.model_fields["holdout_fraction"].default)
+
+
+def demo_split_keys(demo: Path, sites: list[str]) -> dict[str, bytes]:
+    """Each demo site's split key, from its state folder; RuntimeError when the demo
+    stopped before making them (then no held-back rows can be named)."""
+    from site_agent.unit_split import SITE_KEY_FILE, site_split_key
+
+    missing = [s for s in sites if not (demo / "sites" / s / SITE_KEY_FILE).is_file()]
+    if missing:
+        raise RuntimeError(f"the demo made no split key for {', '.join(missing)} "
+                           f"(in {demo / 'sites'})")
+    return {site: site_split_key(demo / "sites" / site) for site in sites}
 
 
 # ------------------------------------------------------------------ logistic regression
@@ -324,8 +339,17 @@ def measure(name: str, out: Path, *, rounds: int | None, seed: int,
     table = read_sites(written.files, label_column=info.label_column,
                        patient_column=info.patient_column, numeric=list(info.numeric),
                        categorical=list(info.categorical), classes=info.classes)
-    fraction, split_seed = product_split()
-    held_back = held_back_mask(table, held_out_fraction=fraction, seed=split_seed)
+    # The demo's sites make their split keys; the held-back rows are known from then on.
+    try:
+        report: dict[str, Any] | None = run_demo(written, out, rounds=rounds, timeout=timeout)
+        error = None
+    except RuntimeError as exc:
+        report, error = None, str(exc)
+    try:
+        keys = demo_split_keys(out / "demo", sorted(written.files))
+    except RuntimeError as exc:
+        raise RuntimeError(error or str(exc)) from None
+    held_back = held_back_mask(table, held_out_fraction=product_holdout_fraction(), keys=keys)
     row: dict[str, Any] = {
         "dataset": name, "outcome": info.outcome, "source": info.source,
         "patients": len(table), "positives": int(table.labels.sum()),
@@ -336,11 +360,9 @@ def measure(name: str, out: Path, *, rounds: int | None, seed: int,
     }
     held_back_csv = out / "held-back.csv"
     held_labels = write_held_back(written, held_back, table, held_back_csv)
-    try:
-        report = run_demo(written, out, rounds=rounds, timeout=timeout)
-    except RuntimeError as exc:
+    if report is None:
         # What the federation got to before failing: its round bundles' exact AUC.
-        row.update({"error": str(exc),
+        row.update({"error": error,
                     "exact_auc_by_round": round_bundle_aucs(out / "demo", held_back_csv,
                                                             held_labels, out),
                     "local_loss_by_round": local_losses(out / "demo", list(written.files))})

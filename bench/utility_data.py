@@ -34,7 +34,7 @@ tertiles; each patient goes, with probability ``AGE_SKEW`` (0.5), to the hospita
 their tertile (``hospital-a`` youngest ... ``hospital-c`` oldest), otherwise to a
 hospital drawn uniformly; the draw is seeded. Each hospital's CSV holds ALL of its
 rows: the product holds back ``data.holdout_fraction`` (20%) of each site's patients
-itself (`site_agent.data.split_by_patient`, seeded by ``data.split_seed``).
+itself (`site_agent.unit_split.split_by_patient`, under each site's split key).
 
 Usage::
 

@@ -279,9 +279,10 @@ class DataSection(_Section):
     label_column: str = "label"
     patient_column: str | None = None
     nan_policy: Literal["error", "drop_row", "impute_median"] = "error"
-    holdout_fraction: float = Field(default=0.2, gt=0, lt=1)
-    split_seed: int = Field(
-        default=0, description="train/held-out split by patient; keep it fixed across restarts"
+    holdout_fraction: float = Field(
+        default=0.2, gt=0, lt=1,
+        description="share of patients held out for evaluation; each patient's side comes "
+        "from a keyed hash of its id under the site's secret split key (STATE/site-split.key)",
     )
     synthetic: bool = Field(
         default=False,

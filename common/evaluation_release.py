@@ -21,20 +21,26 @@ from common.config import SitePolicySection
 from common.egress import EVALUATION_HISTOGRAM, SEGMENT_KINDS
 from common.privacy.purpose import Purpose
 from common.release import DpRelease, NoisePlan, ReleaseKind, register_release
+from common.study import Study, study_round_terms
 
 
 def evaluation_noise_sites(
-    policy: SitePolicySection, *, threshold: int, secure: bool
+    policy: SitePolicySection, *, threshold: int, secure: bool, study: Study | None = None
 ) -> int:
     """n_noise: how many honest sites' noise the sum is sure to carry.
 
     The round-size floor max(min_round_sites, T + 2), lowered to the SecAgg+ threshold
     (the sum holds at least t inputs), minus the T colluders (who know their own
-    noise). A plain round shows the coordinator each vector: then 1 (our noise alone)."""
+    noise); T and min_round_sites are the study's when there is one (every member then
+    adds the same share), else this site's policy. A plain round shows the coordinator
+    each vector: then 1 (our noise alone)."""
     if not secure:
         return 1
-    colluding = policy.max_colluding_sites
-    floor = max(policy.min_round_sites, colluding + 2)
+    colluding, min_sites = study_round_terms(
+        study, max_colluding_sites=policy.max_colluding_sites,
+        min_round_sites=policy.min_round_sites,
+    )
+    floor = max(min_sites, colluding + 2)
     return max(1, min(floor, threshold) - colluding)
 
 

@@ -395,15 +395,22 @@ def validate_for_site(
     if ann.secure_aggregation:
         # A sum of too few sites gives one hospital's update away by subtraction:
         # refused before any key, model or training.
-        floor = round_floor(
+        # With a study, its threat terms (the same at every member, in the announced
+        # study digest) size every site's noise; this site joined only if they are at
+        # least its own policy's (`check_study_against_policy`).
+        from common.study import study_round_terms
+
+        colluding, min_sites = study_round_terms(
+            study, max_colluding_sites=policy.max_colluding_sites,
             min_round_sites=policy.min_round_sites,
-            max_colluding_sites=policy.max_colluding_sites,
         )
+        floor = round_floor(min_round_sites=min_sites, max_colluding_sites=colluding)
         if len(participants) < floor:
+            who = "the study" if study is not None else "this site's policy"
             raise ProtocolAbort(
                 AbortReason.ROUND_TOO_SMALL,
-                f"round {ann.round_number} has {len(participants)} participants; this "
-                f"site's policy needs at least {floor}",
+                f"round {ann.round_number} has {len(participants)} participants; "
+                f"{who} needs at least {floor}",
             )
         params = secagg_params(ann)
         if ann.threshold < policy.min_threshold:
@@ -412,7 +419,7 @@ def validate_for_site(
             )
         # A coordinator cannot lower t below what this site's threat model needs.
         validate_against_threat_model(
-            params, ThreatModel(max_colluding_sites=policy.max_colluding_sites, max_dropouts=0)
+            params, ThreatModel(max_colluding_sites=colluding, max_dropouts=0)
         )
     elif release:
         raise RoundFailed(f"the {release} release needs secure aggregation")

@@ -297,6 +297,14 @@ class StudyPrivacySection(_Section):
     # asking for more than its own limit); docs/privacy.md "The cohort count".
     statistics_epsilon: float = Field(default=0.5, gt=0, le=100)
     count_epsilon: float = Field(default=DEFAULT_COUNT_EPSILON, gt=0, le=100)
+    # The SecAgg+ threat terms every member sizes its share of distributed noise with:
+    # at most T = max_colluding_sites sites collude with the coordinator (they know
+    # their own noise), and no secure round covers fewer than
+    # max(min_round_sites, T + 2) sites. Declared once for all members (bound into the
+    # study digest every round announces), so every site adds the same share; a site
+    # refuses a study whose terms are weaker than its own policy (`study_round_terms`).
+    max_colluding_sites: int = Field(default=1, ge=0, le=10_000)
+    min_round_sites: int = Field(default=3, ge=2, le=1_000_000)
     evaluation: EvaluationSection = EvaluationSection()
 
     @field_validator("intermediaries")
@@ -721,6 +729,24 @@ class SitePrivacyPolicy:
     max_evaluations: int | None = None
     """DP evaluations this site's ledger may record (its ``policy.max_evaluations``);
     None: no limit of its own (each evaluation is still charged to its budget)."""
+    max_colluding_sites: int | None = None
+    """The most colluding sites this site assumes (its ``policy.max_colluding_sites``): a
+    study assuming fewer is refused. None: any."""
+    min_round_sites: int | None = None
+    """This site's round floor (``policy.min_round_sites``): a study whose floor
+    max(min_round_sites, T + 2) is lower is refused. None: any."""
+
+
+def study_round_terms(
+    study: Study | None, *, max_colluding_sites: int, min_round_sites: int
+) -> tuple[int, int]:
+    """(T, min_round_sites) that size a round's distributed noise and floor: the study's
+    when the site joined one (the same at every member; the site's own policy was
+    checked against them at joining), else the site's own (`max_colluding_sites`,
+    `min_round_sites`: its policy)."""
+    if study is None:
+        return max_colluding_sites, min_round_sites
+    return study.privacy.max_colluding_sites, study.privacy.min_round_sites
 
 
 def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
@@ -782,6 +808,21 @@ def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
                 f"into up to {most} intermediaries, more than this site's "
                 f"policy.max_intermediaries = {policy.max_intermediaries} (the "
                 f"hospital-level epsilon becomes up to {most}-fold)"
+            )
+    if (policy.max_colluding_sites is not None
+            and requested.max_colluding_sites < policy.max_colluding_sites):
+        problems.append(
+            f"privacy.max_colluding_sites = {requested.max_colluding_sites} assumes fewer "
+            f"colluding sites than this site's policy ({policy.max_colluding_sites}): every "
+            "member would add too little noise for this site's threat model"
+        )
+    if policy.min_round_sites is not None:
+        floor = max(requested.min_round_sites, requested.max_colluding_sites + 2)
+        own = max(policy.min_round_sites, (policy.max_colluding_sites or 0) + 2)
+        if floor < own:
+            problems.append(
+                f"the study's round floor max(privacy.min_round_sites, "
+                f"privacy.max_colluding_sites + 2) = {floor} is below this site's {own}"
             )
     if policy.max_evaluations is not None and study.max_evaluations > policy.max_evaluations:
         # Refused now, not at the last round: a site that cannot pay the final

@@ -81,7 +81,8 @@ def decode(
     release = kind.build(run.study)
     decoded = decode_sum(
         release, aggregate, contributors=len(aggregator.survivors),
-        max_colluding_sites=settings.aggregation.max_colluding_sites,
+        # The study's collusion bound: the one every member sized its noise share by.
+        max_colluding_sites=run.study.privacy.max_colluding_sites,
         round_number=ann.round_number,
     )
     keep = KEEPERS.get(kind.name)

@@ -82,7 +82,11 @@ patient diverged). At 0.5 the std is ~8."""
 
 
 def study_text(o: DemoOptions, *, model: str, image_size: int) -> str:
-    """The demo's images study (binary: lesion or not, patient-level DP)."""
+    """The demo's images study (binary: lesion or not, patient-level DP), with the threat
+    terms every site sizes its noise with (the demo sites' own policy)."""
+    from demo.terms import federation_terms
+
+    terms = federation_terms(o.sites, histogram_bins=IMAGING_HISTOGRAM_BINS).policy
     return f"""[study]
 name = "synthetic-lesions"
 rounds = {o.rounds}
@@ -110,6 +114,8 @@ unit = "patient"
 epsilon = {o.budget_epsilon}
 delta = {o.delta}
 count_epsilon = {DEMO_COUNT_EPSILON}
+max_colluding_sites = {terms.max_colluding_sites}
+min_round_sites = {terms.min_round_sites}
 
 [privacy.evaluation]
 histogram_bins = {IMAGING_HISTOGRAM_BINS}
@@ -189,7 +195,6 @@ class ImagingTask:
 
 [data]
 path = "{data}"
-split_seed = {o.seed}
 
 [privacy]
 budget_epsilon = {o.budget_epsilon}
@@ -205,7 +210,8 @@ device = "{self.device}"
 """
 
     def baselines(self, demo: Demo, datasets: dict[str, Any]) -> dict[str, dict[str, float]]:
-        return image_baselines(datasets, demo.o, study=demo.study, device=self.device)
+        return image_baselines(datasets, demo.o, study=demo.study, device=self.device,
+                               keys=demo.split_keys)
 
     def finish_report(self, demo: Demo, report: dict[str, Any]) -> None:
         if isinstance(report.get("model"), dict):
@@ -228,21 +234,21 @@ device = "{self.device}"
 
     def exact_held_out_auc(self, demo: Demo, model_path: Path) -> float:
         """AUC of the model file on every hospital's held-out patients, from the exact
-        scores: the sites' own split (held-out fraction 0.2, `split_seed` = the demo's
-        seed), pooled. A check on the demo's DP estimate that only a demo can make."""
+        scores: the sites' own split (held-out fraction 0.2 under each site's split key),
+        pooled. A check on the demo's DP estimate that only a demo can make."""
         from common.evaluation import metrics_from_scores
         from common.modelfile import read_model_file
         from common.models.build import initial_model
         from common.models.layout import load_flat_parameters
-        from site_agent.imaging import split_images
         from site_agent.trainer import predict_scores
+        from site_agent.unit_split import split_by_patient
 
         model = initial_model(demo.study, seed=demo.o.seed)
         flat = np.asarray(read_model_file(model_path).flat, dtype=np.float32)
         load_flat_parameters(model, flat)
         held_out = _pool([
-            split_images(data, held_out_fraction=0.2, seed=demo.o.seed)[1]
-            for _, data in sorted(self.datasets.items())
+            split_by_patient(data, held_out_fraction=0.2, key=demo.split_keys[site])[1]
+            for site, data in sorted(self.datasets.items())
         ])
         scores = predict_scores(model, held_out, batch_size=256)
         return float(metrics_from_scores(scores, held_out.labels).auc)
@@ -273,7 +279,8 @@ def _metrics(scores: np.ndarray, labels: np.ndarray) -> dict[str, float]:
 
 
 def image_baselines(
-    datasets: dict[str, Any], o: DemoOptions, *, study: Any, device: str
+    datasets: dict[str, Any], o: DemoOptions, *, study: Any, device: str,
+    keys: dict[str, bytes],
 ) -> dict[str, dict[str, float]]:
     """Centralized and FedAvg non-private baselines on the sites' own splits (the same
     held-out patients the federation evaluates on), with the study's model."""
@@ -281,13 +288,14 @@ def image_baselines(
 
     from common.models.build import build_for_study
     from common.models.layout import flatten_parameters, load_flat_parameters
-    from site_agent.imaging import split_images
     from site_agent.trainer import LocalTrainer, predict_scores
     from site_agent.training_config import TrainingConfig
     from site_agent.training_plan import fit_batch_size
+    from site_agent.unit_split import split_by_patient
 
-    splits = {
-        site: split_images(d, held_out_fraction=0.2, seed=o.seed) for site, d in datasets.items()
+    splits = {  # each site's own split, under its key
+        site: split_by_patient(d, held_out_fraction=0.2, key=keys[site])
+        for site, d in datasets.items()
     }
 
     def config(epochs: int, units: int) -> TrainingConfig:

@@ -40,6 +40,9 @@ class Demo:
         # `--data DIR`: the study the coordinator serves (`coordinator serve --study`).
         self.served_study: Path | None = None
         self.statistics_round: int | None = None
+        # Each site's split key, made in its state folder before it starts, so the
+        # in-process baselines hold out the patients the sites hold out.
+        self.split_keys: dict[str, bytes] = {}
         self.port = 0
         # SecAgg+ terms for the coordinator and the sites (set by `run` for its sites).
         self.terms = federation_terms(max(options.sites, 3),
@@ -122,6 +125,10 @@ phase_seconds = {self.o.phase_seconds}
         self.say(f"[setup] coordinator listening on 127.0.0.1:{self.port} (mTLS only)")
         return proc
 
+    def site_state(self, site: str) -> Path:
+        """The site's state folder (ledger, split key)."""
+        return self.out / "sites" / site
+
     def start_site(self, site: str, pki: Path, data: Path | None, *extra: str) -> ManagedProcess:
         config = self.out / "sites" / f"{site}.toml"
         config.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +138,7 @@ phase_seconds = {self.o.phase_seconds}
             medfed_argv("site", "run", "--config", str(config), "--pki", str(pki),
                         "--site", site, "--coordinator", f"127.0.0.1:{self.port}",
                         "--metrics-listen", "127.0.0.1:0",
-                        "--state", str(self.out / "sites" / site), *extra),
+                        "--state", str(self.site_state(site)), *extra),
             log_dir=self.out / "logs",
             env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
         )
@@ -163,6 +170,9 @@ phase_seconds = {self.o.phase_seconds}
         files = self.task.prepare(self)
         sites = sorted(files)
         pki = self.make_pki(sites)
+        from site_agent.unit_split import site_split_key
+
+        self.split_keys = {site: site_split_key(self.site_state(site)) for site in sites}
         datasets, features = self.task.load_datasets(self, files)
         model = self.task.initial_model(self, len(features))
         self.say("[baseline] training centralized and federated non-private baselines ...")

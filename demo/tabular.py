@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from common.errors import ConfigError
 from demo.hospital import hospital_study
 from demo.options import HISTOGRAM_BINS, DemoOptions
+from demo.terms import federation_terms
 
 if TYPE_CHECKING:
     from demo.run import Demo
@@ -57,6 +58,11 @@ class TabularTask:
         )
         if o.privacy_unit == "hospital":
             study = hospital_study(study, o)
+        # The threat terms every site sizes its noise with: the demo sites' own policy.
+        policy = federation_terms(len(files), histogram_bins=HISTOGRAM_BINS).policy
+        study = study.model_copy(update={"privacy": study.privacy.model_copy(update={
+            "max_colluding_sites": policy.max_colluding_sites,
+            "min_round_sites": policy.min_round_sites})})
         demo.served_study = demo.out / "study.toml"
         demo.served_study.write_text(render_study_toml(study), encoding="utf-8")
         demo.study = study
@@ -84,10 +90,16 @@ class TabularTask:
         tables = {s: load_study_table(p, study) for s, p in files.items() if p}
         preprocess = Preprocessor(study, exact_statistics(tables, study, seed=demo.o.seed))
         datasets = {s: preprocess.site_data(t) for s, t in tables.items()}
+        # Without a patient column the sites key each record by its values as read.
+        from site_agent.unit_split import study_record_keys
+
+        self.units = {s: study_record_keys(t) for s, t in tables.items()
+                      if t.patient_ids is None}
         return datasets, preprocess.feature_names()
 
     def baselines(self, demo: Demo, datasets: dict[str, Any]) -> dict[str, dict[str, float]]:
-        return compute_baselines(datasets, demo.o)
+        return compute_baselines(datasets, demo.o, keys=demo.split_keys,
+                                 units=getattr(self, "units", None))
 
     def initial_model(self, demo: Demo, n_features: int) -> Path | None:
         """The synthetic cohort's MLP; with ``--data`` the served study gives the model."""
@@ -108,16 +120,15 @@ class TabularTask:
         o = demo.o
         if demo.served_study is not None:
             # The study (label, patient column, features) comes at enrolment.
-            source = f'path = "{data}"\nsplit_seed = {o.seed}\n'
+            source = f'path = "{data}"\n'
         elif data is None:
             source = (f"synthetic = true\nsynthetic_cohort_seed = {o.seed}\n"
-                      f"split_seed = {o.seed}\n"
                       f"synthetic_patients = {o.patients_per_site}\n")
         else:
             patient = (f'patient_column = "{o.patient_column}"\n'
                        if o.patient_column else "")
             source = (f'path = "{data}"\nlabel_column = "{o.label_column}"\n'
-                      f"split_seed = {o.seed}\n{patient}")
+                      f"{patient}")
         return f"""[data]
 {source}
 [privacy]
@@ -142,11 +153,18 @@ device = "cpu"
         """The tabular report is complete as written."""
 
 
-def compute_baselines(datasets: dict[str, Any], o: DemoOptions) -> dict[str, dict[str, float]]:
-    """Centralized and federated non-private baselines, in process (no DP, no SecAgg)."""
+def compute_baselines(
+    datasets: dict[str, Any], o: DemoOptions, *, keys: dict[str, bytes],
+    units: dict[str, Any] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Centralized and federated non-private baselines, in process (no DP, no SecAgg), on
+    the sites' own splits (`keys`: each site's split key; `units`: a site's unit ids when
+    not its records' own)."""
     from site_agent.baselines import centralized_nodp, federated_nodp
 
     return {
-        "centralized_nodp": centralized_nodp(datasets, o, bins=HISTOGRAM_BINS),
-        "federated_nodp": federated_nodp(datasets, o, bins=HISTOGRAM_BINS),
+        "centralized_nodp": centralized_nodp(datasets, o, keys=keys, units=units,
+                                             bins=HISTOGRAM_BINS),
+        "federated_nodp": federated_nodp(datasets, o, keys=keys, units=units,
+                                         bins=HISTOGRAM_BINS),
     }

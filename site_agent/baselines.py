@@ -15,10 +15,11 @@ import torch
 from common.evaluation_threshold import operating_point_metrics_from_scores
 from common.models.layout import flatten_parameters
 from common.models.tables.mlp import TabularMLP
-from site_agent.data import SiteData, Standardizer, prepare_site_split, split_by_patient
+from site_agent.data import SiteData, Standardizer, prepare_site_split
 from site_agent.trainer import LocalTrainer, predict_scores
 from site_agent.training_config import TrainingConfig
 from site_agent.training_plan import fit_batch_size
+from site_agent.unit_split import split_by_patient
 
 
 def _config(o: Any, *, epochs: int, records: int) -> TrainingConfig:
@@ -54,10 +55,15 @@ def _initial_model(n_features: int, seed: int) -> TabularMLP:
 
 
 def centralized_nodp(
-    datasets: dict[str, SiteData], o: Any, *, bins: int | None = None
+    datasets: dict[str, SiteData], o: Any, *, keys: dict[str, bytes],
+    units: dict[str, Any] | None = None, bins: int | None = None,
 ) -> dict[str, float]:
-    """Every site's training split pooled in one place (what federation avoids)."""
-    splits = [split_by_patient(d, held_out_fraction=0.2, seed=o.seed) for d in datasets.values()]
+    """Every site's training split pooled in one place (what federation avoids); `keys`:
+    each site's split key (and `units`, a site's unit ids when they are not its records'
+    own: `unit_split.split_by_patient`), so the held-out patients are the sites'."""
+    splits = [split_by_patient(d, held_out_fraction=0.2, key=keys[site],
+                               units=(units or {}).get(site))
+              for site, d in datasets.items()]
     train = _pool([t for t, _ in splits])
     held_out = _pool([h for _, h in splits])
     standardizer = Standardizer.fit(train.features)
@@ -72,11 +78,14 @@ def centralized_nodp(
 
 
 def federated_nodp(
-    datasets: dict[str, SiteData], o: Any, *, bins: int | None = None
+    datasets: dict[str, SiteData], o: Any, *, keys: dict[str, bytes],
+    units: dict[str, Any] | None = None, bins: int | None = None,
 ) -> dict[str, float]:
-    """FedAvg (sample-weighted) over the same sites and rounds, without DP or SecAgg."""
+    """FedAvg (sample-weighted) over the same sites, splits and rounds, without DP or
+    SecAgg."""
     prepared = {
-        site: prepare_site_split(d, held_out_fraction=0.2, seed=o.seed)
+        site: prepare_site_split(d, held_out_fraction=0.2, key=keys[site],
+                                 units=(units or {}).get(site))
         for site, d in datasets.items()
     }
     n_features = next(iter(prepared.values()))[0].features.shape[1]

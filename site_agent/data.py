@@ -35,6 +35,7 @@ from common.study import (
     class_index,
     encoded_feature_names,
 )
+from site_agent.unit_split import split_by_patient
 
 NanPolicy = Literal["error", "drop_row", "impute_median"]
 MIN_PRIVACY_UNITS = 50
@@ -95,9 +96,10 @@ class SiteData:
 
 
 def training_units(units: int, *, held_out_fraction: float) -> int:
-    """Privacy units left for DP-SGD after `split_by_patient` holds some out (the same
-    rounding), so `data check` judges the cohort the trainer will judge."""
-    return units - max(1, round(held_out_fraction * units))
+    """Privacy units expected for DP-SGD after `split_by_patient` holds some out (each unit
+    is held out with probability `held_out_fraction`, so the trainer's count is within
+    sampling noise of this), for `data check` to judge the cohort before the split."""
+    return units - round(held_out_fraction * units)
 
 
 def check_cohort_size(n_units: int, *, delta: float, unit: str, file: str | None = None) -> None:
@@ -324,28 +326,6 @@ def load_site_data(
     return data
 
 
-def split_by_patient(
-    data: SiteData, *, held_out_fraction: float, seed: int
-) -> tuple[SiteData, SiteData]:
-    """Train / held-out split with no patient on both sides; deterministic by `seed`."""
-    if not 0.0 < held_out_fraction < 1.0:
-        raise ConfigError("held_out_fraction", "must be in (0, 1)")
-    if data.patient_ids is None:
-        unit_of_record = np.arange(len(data))
-        n_units = len(data)
-    else:
-        # Sorting the distinct ids first makes the split independent of row order.
-        _, unit_of_record = np.unique(data.patient_ids, return_inverse=True)
-        n_units = int(unit_of_record.max()) + 1
-    rng = np.random.default_rng(seed)
-    permutation = rng.permutation(n_units)
-    n_held_out = max(1, round(held_out_fraction * n_units))
-    held_out_units = np.zeros(n_units, dtype=bool)
-    held_out_units[permutation[:n_held_out]] = True
-    held_out_mask = held_out_units[unit_of_record]
-    return data.subset(np.flatnonzero(~held_out_mask)), data.subset(np.flatnonzero(held_out_mask))
-
-
 @dataclass(frozen=True)
 class Standardizer:
     """Per-feature z-scoring with statistics from the site's own training split only.
@@ -371,10 +351,13 @@ class Standardizer:
 
 
 def prepare_site_split(
-    data: SiteData, *, held_out_fraction: float = 0.2, seed: int
+    data: SiteData, *, held_out_fraction: float = 0.2, key: bytes,
+    units: np.ndarray | None = None,
 ) -> tuple[SiteData, SiteData, Standardizer]:
-    """Split by patient, fit the standardiser on the training part, apply it to both."""
-    train, held_out = split_by_patient(data, held_out_fraction=held_out_fraction, seed=seed)
+    """Split by patient under the site's split key (`unit_split.split_by_patient`), fit the
+    standardiser on the training part, apply it to both."""
+    train, held_out = split_by_patient(data, held_out_fraction=held_out_fraction, key=key,
+                                       units=units)
     standardizer = Standardizer.fit(train.features)
     return standardizer.transform(train), standardizer.transform(held_out), standardizer
 

@@ -232,6 +232,8 @@ def site_policy(settings: SiteSettings) -> SitePrivacyPolicy:
         max_count_epsilon=privacy.count_epsilon,
         max_intermediaries=settings.policy.max_intermediaries,
         max_evaluations=settings.policy.max_evaluations,
+        max_colluding_sites=settings.policy.max_colluding_sites,
+        min_round_sites=settings.policy.min_round_sites,
     )
 
 

@@ -33,10 +33,11 @@ from common.models.layout import flatten_parameters
 from common.models.tables.mlp import TabularMLP
 from common.study import Study, load_study
 from site_agent.data import SiteData, load_site_data, prepare_site_split
-from site_agent.imaging import ImageDataset, image_spec_for_study, load_image_folder, split_images
+from site_agent.imaging import ImageDataset, image_spec_for_study, load_image_folder
 from site_agent.synthetic import FEATURES, SCHEMA, generate_cohort
 from site_agent.trainer import LocalTrainer
 from site_agent.training_config import TrainingConfig
+from site_agent.unit_split import site_split_key, split_by_patient
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--grad-sample-mode", default="ghost", choices=["ghost", "hooks"])
     parser.add_argument("--study", type=Path, help="images study: its model and image spec")
     parser.add_argument("--data", type=Path, help="the study's image folder (labels.csv)")
+    parser.add_argument("--state", type=Path, default=None,
+                        help="folder of the site's split key (default: --out), as `site run`")
     return parser
 
 
@@ -77,6 +80,11 @@ def config_from_args(
     )
 
 
+def _split_key(args: argparse.Namespace) -> bytes:
+    """The site's split key (`unit_split.site_split_key`): every rank reads the same one."""
+    return site_split_key(args.state if args.state is not None else args.out)
+
+
 def _site_data_and_model(
     args: argparse.Namespace, study: Study | None
 ) -> tuple[SiteData | ImageDataset, Callable[[], torch.nn.Module]]:
@@ -86,7 +94,7 @@ def _site_data_and_model(
         if study.data.kind != "images" or args.data is None:
             raise ConfigError("--study", "give an images study and its folder (--data)")
         images = load_image_folder(args.data, image_spec_for_study(study))
-        image_train, _ = split_images(images, held_out_fraction=0.2, seed=args.seed)
+        image_train, _ = split_by_patient(images, held_out_fraction=0.2, key=_split_key(args))
 
         def study_model() -> torch.nn.Module:
             torch.manual_seed(args.seed)
@@ -99,7 +107,7 @@ def _site_data_and_model(
         data = generate_cohort([args.site], seed=args.seed, patients_per_site=args.patients)[
             args.site
         ]
-    train, _, _ = prepare_site_split(data, seed=args.seed)
+    train, _, _ = prepare_site_split(data, key=_split_key(args))
 
     def mlp() -> torch.nn.Module:
         torch.manual_seed(args.seed)

@@ -48,6 +48,7 @@ from site_agent.training_plan import (
     round_noise_multiplier,
     site_training_config,
 )
+from site_agent.unit_split import site_split_key
 
 if TYPE_CHECKING:
     from common.models import Task
@@ -493,9 +494,9 @@ class DpTrainingHook:
         )
 
     def unit_groups(self, v: int) -> list[np.ndarray]:
-        """Record indices of v disjoint intermediaries of the training split, fixed for
-        the study by the split seed (`intermediaries.unit_groups`)."""
-        return unit_groups(self.train_data, v=v, split_seed=self.settings.data.split_seed)
+        """Record indices of v disjoint intermediaries of the training split, fixed by the
+        site's secret split key (`intermediaries.unit_groups`)."""
+        return unit_groups(self.train_data, v=v, site_key=site_split_key(self.settings.state))
 
     def _train_units(self, plan: RoundPlan, global_flat: np.ndarray, histogram: np.ndarray,
                      started: float, patients: int) -> LocalUpdate:

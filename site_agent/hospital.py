@@ -9,14 +9,16 @@ disk before the update exists, let alone leaves.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from common import egress
 from common.config import SitePolicySection
 from common.crypto.random import numpy_generator, system_random
-from common.errors import RoundFailed
+from common.errors import BudgetExhausted, RoundFailed
 from common.privacy import hospital
 from common.privacy.ddgauss import DDGaussPlan
 from common.privacy.mechanisms import DistributedDiscreteGaussian
@@ -24,6 +26,9 @@ from common.round import VerifiedRound, validate_intermediaries
 from common.study import Study
 from site_agent import dp_release
 from site_agent.hooks import LocalUpdate
+
+if TYPE_CHECKING:
+    from common.privacy.ledger import PrivacyLedger
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,13 @@ class HospitalRound:
     mechanism: DistributedDiscreteGaussian
     units: int = 1  # intermediaries announced: at most this many
     terms: hospital.HospitalTerms | None = None  # the round's (norm segment, v)
+    # What the same round at the site's own noise multiplier is built from
+    # (`check_round_cap`): the honest noise shares, the model size, the round's sites
+    # and the rounds the coordinator announced.
+    n_noise: int = 1
+    dim: int = 0
+    max_sites: int = 0
+    announced_rounds: int = 1
 
 
 def plan_round(rnd: VerifiedRound, *, study: Study | None,
@@ -60,7 +72,7 @@ def plan_round(rnd: VerifiedRound, *, study: Study | None,
     if hospital.vector_words(ring) != egress_words(rnd):
         raise RoundFailed("the announced update segment does not match this site's ring plan")
     n_noise = dp_release.evaluation_noise_sites(
-        policy, threshold=ann.threshold, secure=ann.secure_aggregation
+        policy, threshold=ann.threshold, secure=ann.secure_aggregation, study=study
     )
     plan = hospital.site_plan(ring, n_noise=n_noise)
     seed = hospital.rotation_seed(
@@ -70,7 +82,73 @@ def plan_round(rnd: VerifiedRound, *, study: Study | None,
     # The ledger records the announced v: a site that trains fewer (its DP count allows
     # fewer under "auto", hooks.DpTrainingHook) is then covered conservatively.
     units = terms.intermediaries
-    return HospitalRound(plan, seed, hospital.mechanism(plan, units=units), units, terms)
+    return HospitalRound(plan, seed, hospital.mechanism(plan, units=units), units, terms,
+                         n_noise=n_noise, dim=ann.model_elements,
+                         max_sites=len(ann.participants), announced_rounds=ann.planned_rounds)
+
+
+def own_noise_multiplier(
+    study: Study | None, *, policy: SitePolicySection, announced_rounds: int,
+    budget_epsilon: float, delta: float,
+) -> float:
+    """z of this site's own plan for a hospital round: the study's privacy.epsilon (after
+    its statistics and count releases and the evaluation reserve) over the study's rounds,
+    whatever z the study or the coordinator names (`hospital.study_terms` with z unset);
+    without a study the site's budget over its planned rounds (raised, never lowered, by
+    the announcement)."""
+    if study is not None:
+        planned = study.model_copy(update={"privacy": study.privacy.model_copy(
+            update={"update_noise_multiplier": None})})
+        return hospital.study_terms(planned).noise_multiplier
+    rounds = max(policy.planned_rounds, announced_rounds)
+    return hospital.plan_noise_multiplier(
+        epsilon=budget_epsilon * (1 - hospital.EVALUATION_RESERVE), delta=delta, rounds=rounds)
+
+
+def check_round_cap(
+    ledger: PrivacyLedger, planned: HospitalRound, *, number: int,
+    study: Study | None, policy: SitePolicySection,
+) -> float:
+    """The epsilon this hospital round adds to the ledger's history; BudgetExhausted,
+    before anything is reserved, when it exceeds the per-round cap: the smaller of the
+    site's and the study's `max_epsilon_per_round` when either is set, else what the same
+    round costs at the noise multiplier of the site's own plan (`own_noise_multiplier`),
+    so a study or a coordinator naming a smaller z cannot spend the budget in one round."""
+    from common.privacy.accountant import compose_epsilon
+
+    history = ledger.history()
+
+    def added(mechanism: DistributedDiscreteGaussian) -> float:
+        before = compose_epsilon(history, delta=ledger.delta, accountant=ledger.accountant)
+        after = compose_epsilon([*history, mechanism], delta=ledger.delta,
+                                accountant=ledger.accountant)
+        return after - (before if history else 0.0)
+
+    cost = added(planned.mechanism)
+    caps = [c for c in (policy.max_epsilon_per_round,
+                        None if study is None else study.privacy.max_epsilon_per_round)
+            if c is not None]
+    if caps:
+        cap, source = min(caps), "max_epsilon_per_round"
+    else:
+        if planned.terms is None:
+            raise RoundFailed("a hospital round without its terms")
+        own_z = own_noise_multiplier(
+            study, policy=policy, announced_rounds=planned.announced_rounds,
+            budget_epsilon=ledger.budget_epsilon, delta=ledger.delta)
+        own = dataclasses.replace(planned.terms, noise_multiplier=own_z)
+        ring = hospital.ring_plan(own, dim=planned.dim, max_sites=planned.max_sites)
+        own_mechanism = hospital.mechanism(hospital.site_plan(ring, n_noise=planned.n_noise),
+                                           units=planned.units)
+        cap, source = added(own_mechanism), f"a round of this site's own plan, z = {own_z:.4g}"
+    if cost > cap + 1e-9:
+        raise BudgetExhausted(
+            f"hospital round {number} would add epsilon {cost:.4g} to this site's ledger, "
+            f"more than the per-round cap {cap:.4g} ({source}): its noise multiplier "
+            f"{planned.terms.noise_multiplier if planned.terms else 0:g} is below what "
+            "this site's plan allows for one round"
+        )
+    return cost
 
 
 def require_hospital_round(rnd: VerifiedRound, *, hospital_mode: bool) -> None:

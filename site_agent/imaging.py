@@ -505,27 +505,6 @@ def load_image_folder(
     )
 
 
-def split_images(
-    data: ImageDataset, *, held_out_fraction: float, seed: int
-) -> tuple[ImageDataset, ImageDataset]:
-    """Train / held-out split with no patient on both sides (as `split_by_patient`)."""
-    if not 0.0 < held_out_fraction < 1.0:
-        raise ConfigError("held_out_fraction", "must be in (0, 1)")
-    if data.patient_ids is None:
-        unit_of_record = np.arange(len(data))
-        n_units = len(data)
-    else:
-        _, unit_of_record = np.unique(data.patient_ids, return_inverse=True)
-        n_units = int(unit_of_record.max()) + 1
-    rng = np.random.default_rng(seed)
-    permutation = rng.permutation(n_units)
-    n_held_out = max(1, round(held_out_fraction * n_units))
-    held_out_units = np.zeros(n_units, dtype=bool)
-    held_out_units[permutation[:n_held_out]] = True
-    held_out_mask = held_out_units[unit_of_record]
-    return data.subset(np.flatnonzero(~held_out_mask)), data.subset(np.flatnonzero(held_out_mask))
-
-
 def image_spec_for_study(study: Study, *, cache_bytes: int = DEFAULT_CACHE_BYTES) -> ImageSpec:
     """How an images study's ``[data]`` section reads a site's folder."""
     data = study.data

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses as dc
 import hashlib
+import hmac
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ import numpy as np
 from common.errors import ConfigError
 from common.round import RoundPlan
 from site_agent.training_plan import fit_batch_size
+from site_agent.unit_split import canonical_unit_id, unit_ids
 
 if TYPE_CHECKING:
     from common.study import Study
@@ -29,29 +31,14 @@ if TYPE_CHECKING:
 INTERMEDIARY_DOMAIN = b"medfed/v1/intermediary"
 
 
-def intermediary_key(split_seed: int) -> bytes:
-    """The BLAKE2b key of the patient -> intermediary hash: fixed by the site's split
-    seed for the study (not secret from the site; it keeps groups stable across rounds)."""
-    return hashlib.blake2b(INTERMEDIARY_DOMAIN + int(split_seed).to_bytes(16, "big", signed=True),
-                           digest_size=32).digest()
+def intermediary_key(site_key: bytes) -> bytes:
+    """The BLAKE2b key of the patient -> intermediary hash: HMAC-SHA256 of the domain
+    under the site's split key (`unit_split.site_split_key`: secret to the site, fixed
+    in its state folder, so groups stay stable across rounds and restarts)."""
+    return hmac.new(site_key, INTERMEDIARY_DOMAIN, hashlib.sha256).digest()
 
 
-def canonical_unit_id(unit: object) -> bytes:
-    """Bytes of a patient id (or record index) that do not depend on its dtype: integers
-    (Python, NumPy, integral floats) as their decimal digits, text as UTF-8, so the same
-    id hashes alike whether a file's column was read as numbers or as strings."""
-    if isinstance(unit, bytes | bytearray):
-        return bytes(unit)
-    if isinstance(unit, np.generic):
-        unit = unit.item()
-    if isinstance(unit, bool):
-        unit = int(unit)
-    if isinstance(unit, float) and unit.is_integer():
-        unit = int(unit)
-    return str(unit).encode("utf-8")
-
-
-def assign_intermediaries(keys: np.ndarray, *, v: int, split_seed: int) -> list[np.ndarray]:
+def assign_intermediaries(keys: np.ndarray, *, v: int, site_key: bytes) -> list[np.ndarray]:
     """Record indices of each of v intermediaries, given one unit id per record (a
     patient id, or `record_unit_keys`): every record of a unit in the group
     `intermediary_of` gives its id. ConfigError when there are fewer units than v."""
@@ -59,30 +46,11 @@ def assign_intermediaries(keys: np.ndarray, *, v: int, split_seed: int) -> list[
     if unique.size < v:
         raise ConfigError("privacy.intermediaries",
                           f"{v} intermediaries but only {unique.size} units at this site")
-    key = intermediary_key(split_seed)
+    key = intermediary_key(site_key)
     group_of_unit = np.fromiter((intermediary_of(u, key=key, v=v) for u in unique),
                                 dtype=np.int64, count=unique.size)
     group = group_of_unit[inverse.reshape(-1)]
     return [np.flatnonzero(group == k) for k in range(v)]
-
-
-def record_unit_keys(data: Any) -> np.ndarray:
-    """Unit ids of a dataset without a patient column, one per record, that depend on the
-    record alone (never on its position, which shifts for every later record when one is
-    added or removed): a digest of a tabular record's encoded features and label, or an
-    image's file path. Identical records share a key (and so a unit), which keeps the
-    property that one record added or removed moves only its own unit."""
-    entries = getattr(data, "entries", None)
-    if entries is not None:  # images: the file, not its place in the listing
-        return np.array([str(entry.path) for entry in entries], dtype=object)
-    features = np.ascontiguousarray(data.features)
-    labels = np.ascontiguousarray(data.labels)
-    keys = np.empty(len(features), dtype=object)
-    for i in range(len(features)):
-        digest = hashlib.blake2b(features[i].tobytes(), digest_size=16)
-        digest.update(labels[i].tobytes())
-        keys[i] = digest.digest()
-    return keys
 
 
 def intermediary_of(unit: object, *, key: bytes, v: int) -> int:
@@ -112,16 +80,14 @@ def intermediaries_for(
     return v
 
 
-def unit_groups(data: Any, *, v: int, split_seed: int) -> list[np.ndarray]:
+def unit_groups(data: Any, *, v: int, site_key: bytes) -> list[np.ndarray]:
     """Record indices of v disjoint intermediaries of `data`: whole patients (without a
     patient column each record, keyed by its content: `record_unit_keys`), each in the
     group a keyed hash of its id alone gives (`intermediary_of`), fixed for the study by
-    the split seed. A group may come out empty (rare at >=
+    the site's split key. A group may come out empty (rare at >=
     `MIN_PATIENTS_PER_INTERMEDIARY` patients per unit): `train_intermediaries` then
     sends a zero update for it."""
-    ids = getattr(data, "patient_ids", None)
-    keys = ids if ids is not None else record_unit_keys(data)
-    return assign_intermediaries(keys, v=v, split_seed=split_seed)
+    return assign_intermediaries(unit_ids(data), v=v, site_key=site_key)
 
 
 def train_intermediaries(

@@ -27,7 +27,7 @@ from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.release import DpRelease, NoisePlan, release_for_round
 from common.round import VerifiedRound
 from common.secagg import round_floor
-from common.study import Study, study_sha256
+from common.study import Study, study_round_terms, study_sha256
 from site_agent import dp_release
 from site_agent.connection import Heartbeats
 from site_agent.hooks import LocalUpdate, TrainingHook
@@ -100,7 +100,8 @@ class EvaluationRelease:
     def noise_sites(self, rnd: VerifiedRound) -> int:
         ann = rnd.announcement
         return evaluation_noise_sites(
-            self.settings.policy, threshold=ann.threshold, secure=ann.secure_aggregation
+            self.settings.policy, threshold=ann.threshold, secure=ann.secure_aggregation,
+            study=self.membership.study,
         )
 
     def private(self, rnd: VerifiedRound, update: LocalUpdate, *, evaluated: bool) -> LocalUpdate:
@@ -136,11 +137,15 @@ def release_vector(
     )
 
 
-def release_noise_sites(policy: SitePolicySection) -> int:
+def release_noise_sites(policy: SitePolicySection, study: Study | None) -> int:
     """n_noise of a round release: the round-size floor minus the colluding sites (who
-    know their own noise), at least 1."""
-    colluding = policy.max_colluding_sites
-    floor = round_floor(min_round_sites=policy.min_round_sites, max_colluding_sites=colluding)
+    know their own noise), at least 1; the study's terms when there is one (every
+    member then adds the same share), else this site's policy."""
+    colluding, min_sites = study_round_terms(
+        study, max_colluding_sites=policy.max_colluding_sites,
+        min_round_sites=policy.min_round_sites,
+    )
+    floor = round_floor(min_round_sites=min_sites, max_colluding_sites=colluding)
     return max(floor - colluding, 1)
 
 
@@ -190,7 +195,8 @@ class RoundRelease:
         exact = release.query(self.hook)
         if exact.size != rnd.announcement.vector_length:
             raise ValidationError(f"{release.name} vector length differs from this site's study")
-        plan = release.plan(n_noise=release_noise_sites(self.settings.policy))
+        # The study's threat terms: every member adds the same share of the noise.
+        plan = release.plan(n_noise=release_noise_sites(self.settings.policy, study))
         if ledger is not None:
             ledger.require(rnd.number, [plan.mechanism()], purpose=release.purpose,
                            what=f"the {release.name} release")

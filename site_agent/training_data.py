@@ -1,8 +1,8 @@
 """A site's training data: its file, image folder or synthetic slice
-(`load_configured_data`), split by patient (`split_site_data`), the privacy unit it
-trains under (`configured_privacy_unit`), a study table encoded with the federation's
-global statistics and split by patient (`encode_study_table`), and its contribution to
-the statistics release (`statistics_contribution`)."""
+(`load_configured_data`), split by patient under the site's key (`split_site_data`), the
+privacy unit it trains under (`configured_privacy_unit`), a study table encoded with the
+federation's global statistics and split by patient (`encode_study_table`), and its
+contribution to the statistics release (`statistics_contribution`)."""
 
 from __future__ import annotations
 
@@ -66,16 +66,17 @@ def load_configured_data(settings: SiteSettings, study: Study | None = None) -> 
 
 
 def split_site_data(data: Any, settings: SiteSettings) -> tuple[Any, Any]:
-    """(training, held-out) split of a site's records by patient, with the site's
-    held-out fraction and split seed: `split_images` for an image folder,
-    `prepare_site_split` for a table."""
+    """(training, held-out) split of a site's records (a table, encoded and standardised
+    on its training part, or an image folder) by patient, with the site's held-out
+    fraction under its secret split key (`unit_split`)."""
     from site_agent.data import prepare_site_split
-    from site_agent.imaging import ImageDataset, split_images
+    from site_agent.imaging import ImageDataset
+    from site_agent.unit_split import site_split_key, split_by_patient
 
-    fraction, seed = settings.data.holdout_fraction, settings.data.split_seed
+    fraction, key = settings.data.holdout_fraction, site_split_key(settings.state)
     if isinstance(data, ImageDataset):
-        return split_images(data, held_out_fraction=fraction, seed=seed)
-    train, holdout, _ = prepare_site_split(data, held_out_fraction=fraction, seed=seed)
+        return split_by_patient(data, held_out_fraction=fraction, key=key)
+    train, holdout, _ = prepare_site_split(data, held_out_fraction=fraction, key=key)
     return train, holdout
 
 
@@ -95,8 +96,10 @@ def encode_study_table(
 ) -> tuple[Any, Any, int, int]:
     """(training split, held-out split, features, training patients) of a study table
     encoded with the federation's global statistics, split by patient with the site's
-    held-out fraction and split seed; with DP the cohort must be large enough."""
-    from site_agent.data import Preprocessor, check_cohort_size, split_by_patient
+    held-out fraction under its secret split key; with DP the cohort must be large
+    enough."""
+    from site_agent.data import Preprocessor, check_cohort_size
+    from site_agent.unit_split import site_split_key, split_by_patient, study_record_keys
 
     pre = Preprocessor(study, statistics)
     data = pre.site_data(table)
@@ -107,8 +110,12 @@ def encode_study_table(
     imputed = pre.imputations(table)
     if imputed:
         log.info("imputed with the global statistics: %s", imputed)
+    # Without a patient column a record is its unit, keyed by its values as read (not
+    # as encoded with the federation's statistics).
     train, holdout = split_by_patient(
-        data, held_out_fraction=settings.data.holdout_fraction, seed=settings.data.split_seed,
+        data, held_out_fraction=settings.data.holdout_fraction,
+        key=site_split_key(settings.state),
+        units=None if data.patient_ids is not None else study_record_keys(table),
     )
     patients = train.num_patients if data.patient_ids is not None else 0
     return train, holdout, int(data.features.shape[1]), patients

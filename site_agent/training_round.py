@@ -212,6 +212,11 @@ class TrainingRound:
                 # too is on the ledger before training starts.
                 planned_hospital = hospital_round.plan_round(
                     rnd, study=self.membership.study, policy=self.settings.policy)
+                if self.membership.ledger is not None:
+                    # No single round above the per-round cap, before anything is reserved.
+                    hospital_round.check_round_cap(
+                        self.membership.ledger, planned_hospital, number=rnd.number,
+                        study=self.membership.study, policy=self.settings.policy)
                 segments = [*segments, planned_hospital.mechanism]
             self._reserve(rnd, segments, evaluation)
             log.info("round %d: training", rnd.number,

@@ -28,8 +28,9 @@ def exact_auc_of_final_model(out: Path, report: dict[str, Any]) -> float:
     from common.models.layout import load_flat_parameters
     from common.study import load_study
     from demo.imaging import _pool
-    from site_agent.imaging import image_spec_for_study, load_image_folder, split_images
+    from site_agent.imaging import image_spec_for_study, load_image_folder
     from site_agent.trainer import predict_scores
+    from site_agent.unit_split import site_split_key, split_by_patient
 
     study = load_study(out / "study.toml")
     model = initial_model(study, seed=0)
@@ -37,9 +38,10 @@ def exact_auc_of_final_model(out: Path, report: dict[str, Any]) -> float:
                                            dtype=np.float32))
     spec = image_spec_for_study(study)
     held_out = _pool([
-        split_images(load_image_folder(folder, spec), held_out_fraction=0.2, seed=7)[1]
+        split_by_patient(load_image_folder(folder, spec), held_out_fraction=0.2,
+                         key=site_split_key(out / "sites" / folder.name))[1]
         for folder in sorted((out / "cohort").iterdir()) if folder.is_dir()
-    ])  # the demo's split: site holdout_fraction 0.2, split_seed = the demo's --seed 7
+    ])  # the demo's split: site holdout_fraction 0.2 under each site's own split key
     scores = predict_scores(model, held_out, batch_size=256)
     return float(metrics_from_scores(scores, held_out.labels).auc)
 

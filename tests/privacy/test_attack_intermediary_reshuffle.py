@@ -9,7 +9,7 @@ split seed: adding one patient changed `unique.size`, hence the whole permutatio
 the group of almost every other patient. Every one of the v unit updates could then
 change, and the hospital's sum move by up to 2 v S, not 2 S. The assignment is now a keyed
 hash of each id alone (`site_agent.intermediaries.assign_intermediaries`, which `unit_groups` calls
-with the site's patient ids and split seed); these tests failed before that change."""
+with the site's patient ids and split key); these tests failed before that change."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from site_agent.intermediaries import assign_intermediaries
 
 
 def groups_by_patient(patient_ids: np.ndarray, v: int) -> dict[str, int]:
-    groups = assign_intermediaries(patient_ids, v=v, split_seed=7)
+    groups = assign_intermediaries(patient_ids, v=v, site_key=b"k" * 32)
     out: dict[str, int] = {}
     for k, index in enumerate(groups):
         for record in index:

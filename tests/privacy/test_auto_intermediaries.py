@@ -280,7 +280,7 @@ def _joined_hospital_site(tmp_path: Path, study: Study, pki_material: Pki,
     data = write_hospital_csv(tmp_path / "north.csv", 120, seed=1)
     settings = SiteSettings(
         site="hospital-a", coordinator="127.0.0.1:9", state=tmp_path, pki=tmp_path,
-        data={"path": data, "split_seed": 1},  # type: ignore[arg-type]
+        data={"path": data},  # type: ignore[arg-type]
         training={"device": "cpu", "batch_size": 16, "seed": 3},  # type: ignore[arg-type]
         privacy={"delta": 1e-3, "privacy_unit": "hospital"},  # type: ignore[arg-type]
     )

@@ -15,19 +15,15 @@ import pytest
 from common.errors import ConfigError
 from common.round import RoundPlan
 from site_agent.data import SiteData
-from site_agent.intermediaries import (
-    assign_intermediaries,
-    intermediary_key,
-    intermediary_of,
-    record_unit_keys,
-)
+from site_agent.intermediaries import assign_intermediaries, intermediary_key, intermediary_of
+from site_agent.unit_split import record_unit_keys
 from tests.privacy.conftest import Pki
 from tests.privacy.test_auto_intermediaries import _auto_study, _joined_hospital_site
 
 
-def _groups(patient_ids: np.ndarray, v: int, *, seed: int = 7) -> list[set[str]]:
+def _groups(patient_ids: np.ndarray, v: int, *, key: bytes = b"k" * 32) -> list[set[str]]:
     """Each unit's members (patient ids, or record keys without a patient column)."""
-    groups = assign_intermediaries(patient_ids, v=v, split_seed=seed)
+    groups = assign_intermediaries(patient_ids, v=v, site_key=key)
     return [{str(patient_ids[r]) for r in index} for index in groups]
 
 
@@ -64,7 +60,7 @@ def test_records_without_patient_column_are_units_by_content() -> None:
     def units(f: np.ndarray, y: np.ndarray) -> list[set[bytes]]:
         keys = record_unit_keys(SiteData(features=f, labels=y, patient_ids=None))
         return [{keys[r] for r in index}
-                for index in assign_intermediaries(keys, v=4, split_seed=7)]
+                for index in assign_intermediaries(keys, v=4, site_key=b"k" * 32)]
 
     base = units(features, labels)
     extra = rng.normal(size=(1, 6)).astype(np.float32)
@@ -77,14 +73,15 @@ def test_records_without_patient_column_are_units_by_content() -> None:
 
 
 def test_ids_hash_alike_across_dtypes_and_runs() -> None:
-    key = intermediary_key(7)
-    assert key == intermediary_key(7) and key != intermediary_key(8)
+    key = intermediary_key(b"k" * 32)
+    assert key == intermediary_key(b"k" * 32) and key != intermediary_key(b"K" * 32)
     for as_int, as_other in ((12345, "12345"), (12345, np.int64(12345)),
                              (12345, np.int32(12345)), (12345, 12345.0),
                              ("MRN-1", np.str_("MRN-1"))):
         assert intermediary_of(as_int, key=key, v=8) == intermediary_of(as_other, key=key, v=8)
-    # Pinned: BLAKE2b is specified byte for byte, so the groups are the same on every
-    # platform and run (a change here reshuffles every deployed study's intermediaries).
+    # Pinned: HMAC-SHA256 and BLAKE2b are specified byte for byte, so under one site key
+    # the groups are the same on every platform and run (a change here reshuffles every
+    # deployed study's intermediaries).
     assert [intermediary_of(f"p{i}", key=key, v=8) for i in range(8)] == PINNED
     ints = _groups(np.arange(50), 4)
     strings = _groups(np.array([str(i) for i in range(50)], dtype=object), 4)
@@ -96,7 +93,7 @@ def test_fewer_units_than_v_is_refused() -> None:
         _groups(np.array(["a", "b", "c"], dtype=object), 4)
 
 
-PINNED = [6, 7, 4, 5, 2, 4, 6, 4]
+PINNED = [2, 1, 4, 6, 1, 7, 1, 3]
 
 
 def test_an_empty_intermediary_trains_nothing_and_sends_a_zero_update(

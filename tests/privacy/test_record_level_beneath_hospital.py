@@ -55,7 +55,7 @@ def settings_for(tmp_path: Path, data: Path) -> SiteSettings:
         tls_ca=tmp_path / "ca.crt",
         tls_cert=tmp_path / "s.crt",
         tls_key=tmp_path / "s.key",
-        data={"path": data, "split_seed": 1},  # type: ignore[arg-type]
+        data={"path": data},  # type: ignore[arg-type]
         training={"device": "cpu", "batch_size": 32},  # type: ignore[arg-type]
         policy={"planned_rounds": 2},  # type: ignore[arg-type]
     )
@@ -105,7 +105,7 @@ def test_dp_sgd_beneath_hospital_level_writes_both_and_reports_both(
     assert hook.privacy_unit == "hospital" and hook.dp_sgd and hook.record_level == "record"
     ledger = PrivacyLedger(tmp_path / "ledger.db", site_id="hospital-a", budget_epsilon=8.0,
                            delta=DELTA, privacy_unit="hospital", signer=pki_material.signer_a)
-    (tmp_path / "state").mkdir()
+    (tmp_path / "state").mkdir(exist_ok=True)  # the split key may have made it
     hook.attach_ledger(ledger, state=tmp_path / "state")
     assert hook.released_units is not None  # a record count: DP-SGD samples records
     global_flat = flatten_parameters(initial_model(study, seed=0))

@@ -20,6 +20,7 @@ from site_agent.data import prepare_site_split
 from site_agent.distributed_train import config_from_args
 from site_agent.synthetic import FEATURES, generate_cohort
 from site_agent.trainer import LocalTrainer, predict_scores
+from site_agent.unit_split import site_split_key, split_by_patient
 
 ARGS = ["--patients", "250", "--rounds", "2", "--batch-size", "48", "--accountant", "rdp"]
 
@@ -59,7 +60,7 @@ def test_two_ranks_end_identical_with_single_process_accounting(tmp_path: Path) 
         grad_sample_mode="ghost",
     )
     data = generate_cohort(["urban_academic"], seed=0, patients_per_site=250)["urban_academic"]
-    train, held_out, _ = prepare_site_split(data, seed=0)
+    train, held_out, _ = prepare_site_split(data, key=site_split_key(tmp_path))
     single = LocalTrainer(
         lambda: TabularMLP(len(FEATURES)), train, config_from_args(args, device="cpu"), seed=0
     )
@@ -78,7 +79,7 @@ def test_two_ranks_train_the_imaging_model_with_unchanged_accounting(tmp_path: P
     """torchrun + DPDDP runs an images study's CNN too (gloo, 2 processes)."""
     from common.models.build import build_for_study
     from common.study import load_study
-    from site_agent.imaging import image_spec_for_study, load_image_folder, split_images
+    from site_agent.imaging import image_spec_for_study, load_image_folder
     from site_agent.synthetic_imaging import write_site_folder
     from tests.training.test_study_hook import images_study
 
@@ -102,8 +103,9 @@ def test_two_ranks_train_the_imaging_model_with_unchanged_accounting(tmp_path: P
     assert summary["world_size"] == 2
 
     study = load_study(study_path)
-    train, _ = split_images(
-        load_image_folder(folder, image_spec_for_study(study)), held_out_fraction=0.2, seed=0
+    train, _ = split_by_patient(  # the launcher's split: the key it made in --out
+        load_image_folder(folder, image_spec_for_study(study)), held_out_fraction=0.2,
+        key=site_split_key(out),
     )
     args = Namespace(batch_size=16, lr=0.2, target_epsilon=8.0, delta=1e-5, rounds=1,
                      accountant="rdp", grad_sample_mode="ghost")

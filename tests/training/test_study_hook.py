@@ -64,7 +64,7 @@ def site_settings(tmp_path: Path, study: Path, data: Path, **policy: object) -> 
         tls_cert=tmp_path / "s.crt",
         tls_key=tmp_path / "s.key",
         study_file=study,
-        data={"path": data, "split_seed": 1},  # type: ignore[arg-type]
+        data={"path": data},  # type: ignore[arg-type]
         training={"seed": 3, "device": "cpu", "batch_size": 16},  # type: ignore[arg-type]
         policy=policy,  # type: ignore[arg-type]
     )
