@@ -11,6 +11,7 @@ history and ``medfed ledger restore`` (site) rebuilds a lost ledger from it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from importlib.metadata import entry_points
@@ -633,6 +634,64 @@ def _cmd_ledger_backup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ledger_carry(args: argparse.Namespace) -> int:
+    """New terms for a site's ledger, its spend carried (`common.privacy.carry`)."""
+    import datetime as dt
+    import sqlite3
+
+    from common.privacy.carry import carry_ledger
+    from common.privacy.receipts import check_against, read_receipts, sign_receipt, write_receipt
+    from common.privacy.signed import LedgerTerms
+
+    ledger = Path(args.ledger)
+    header, entries = read_ledger(ledger)
+    old_terms = LedgerTerms(header.site_id, header.budget_epsilon, header.delta,
+                            header.accountant, header.privacy_unit)
+    terms = LedgerTerms(
+        site_id=header.site_id,
+        budget_epsilon=header.budget_epsilon if args.budget_epsilon is None
+        else args.budget_epsilon,
+        delta=header.delta if args.delta is None else args.delta,
+        accountant=header.accountant if args.accountant is None else args.accountant,
+        privacy_unit=header.privacy_unit,
+    )
+    if not (terms.budget_epsilon > 0 and 0 < terms.delta < 1):
+        raise ConfigError("budget_epsilon", "needs budget > 0 and delta in (0, 1)")
+    receipt = None if args.receipts is None else read_receipts(args.receipts, header.site_id)
+    if receipt is not None:
+        check_against(receipt, old_terms, entries, what=f"privacy ledger {ledger}")
+    signer = LedgerSigner.from_files(args.cert, args.key)
+    number = 1
+    while (kept := ledger.with_name(f"{ledger.name}.terms-{number}")).exists():
+        number += 1
+    # Fold the write-ahead log into the file, then move the old ledger (and its anchor)
+    # aside: it is kept for audit, the new one takes its place.
+    with contextlib.closing(sqlite3.connect(ledger)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    anchor, kept_anchor = anchor_path_for(ledger), anchor_path_for(kept)
+    ledger.rename(kept)
+    if anchor.exists():
+        anchor.rename(kept_anchor)
+    try:
+        done = carry_ledger(kept, ledger, terms=terms, signer=signer,
+                            now=dt.datetime.now(dt.UTC))
+    except BaseException:
+        ledger.unlink(missing_ok=True)
+        kept.rename(ledger)
+        if kept_anchor.exists():
+            kept_anchor.rename(anchor)
+        raise
+    if args.receipts is not None:
+        write_receipt(args.receipts, sign_receipt(signer, terms, read_ledger(ledger)[1]))
+    print(
+        f"carried {done.entries} entries into {ledger} under budget={terms.budget_epsilon:g}, "
+        f"delta={terms.delta:g}, accountant={terms.accountant}: spent {done.spent:.4f} "
+        f"(was {done.old_spent:.4f} under the old terms), remaining "
+        f"{max(0.0, terms.budget_epsilon - done.spent):.4f}; the old ledger is kept as {kept}"
+    )
+    return 0
+
+
 def _cmd_ledger_migrate(args: argparse.Namespace) -> int:
     from common.privacy.migrate import migrate_ledger
 
@@ -720,6 +779,21 @@ def register_ledger(subparsers: Any) -> None:
     backup.add_argument("--key", required=True, help="the site's private key (PEM)")
     backup.add_argument("--out", required=True, help="the new backup file")
     backup.set_defaults(func=_cmd_ledger_backup)
+
+    carry = commands.add_parser(
+        "carry",
+        help="(site, stopped) new budget, delta or accountant for a ledger: a new ledger "
+        "that opens with the whole old history (its spend counts); the old one is kept "
+        "as LEDGER.terms-N")
+    carry.add_argument("--ledger", required=True, help="the site's ledger file")
+    carry.add_argument("--budget-epsilon", type=float, help="the new budget (default: kept)")
+    carry.add_argument("--delta", type=float, help="the new delta (default: kept)")
+    carry.add_argument("--accountant", choices=ACCOUNTANTS, help="(default: kept)")
+    carry.add_argument("--cert", required=True, help="the site's certificate (PEM)")
+    carry.add_argument("--key", required=True, help="the site's private key (PEM)")
+    carry.add_argument("--receipts", help="the site's receipts folder (privacy.receipts_dir): "
+                       "checked before, rewritten after")
+    carry.set_defaults(func=_cmd_ledger_carry)
 
     migrate = commands.add_parser(
         "migrate",

@@ -244,7 +244,11 @@ class PrivacyLedger:
                     name,
                     f"ledger {self.path} was created with {name}="
                     f"{getattr(stored, name)!r}, not {getattr(self.terms, name)!r}; a site "
-                    "resumes its ledger, it cannot change it",
+                    "resumes its ledger, it cannot change it"
+                    + ("" if name in ("site_id", "privacy_unit") else
+                       f". To change it with the spend carried over, stop the site and run "
+                       f"`medfed ledger carry --ledger {self.path} --{name.replace('_', '-')} "
+                       f"{getattr(self.terms, name)} --cert SITE.crt --key SITE.key`"),
                 )
         if anchor is not None:
             _check_anchor(self.path, anchor, self.site_id, entries)

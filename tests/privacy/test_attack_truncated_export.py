@@ -192,7 +192,7 @@ def test_a_site_whose_state_folder_was_lost_refuses_to_start_at_zero(
 ) -> None:
     state, receipts, full = four_entries(tmp_path, pki_material.signer_a)
     lose_state(state)
-    with pytest.raises(LedgerUnavailable, match="signed head receipt .* records 4 entries"):
+    with pytest.raises(LedgerUnavailable, match=r"signed head receipt .* records 4 entries"):
         open_ledger(state / "privacy-ledger.db", pki_material.signer_a, receipts)
     # An older copy put back (ledger and anchor alike) is refused too.
     write = state / "privacy-ledger.db"
