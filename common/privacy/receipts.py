@@ -216,7 +216,8 @@ def check_against(
         raise LedgerForkError(
             f"{what} has other terms (header {terms.header_hash[:16]}...) than the signed "
             f"head receipt {receipt.where} (header {r.header_hash[:16]}...): a different "
-            "ledger"
+            "ledger (after `medfed ledger carry`, give it the receipts folder with "
+            "--receipts so the receipt follows the new terms)"
         )
     held = entries[r.entries - 1].entry_hash if r.entries else terms.header_hash
     if held != r.head_hash:
