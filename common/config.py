@@ -271,6 +271,10 @@ class PrivacySection(_Section):
     count_epsilon: float = Field(default=DEFAULT_COUNT_EPSILON, gt=0, le=100)
     # Total noise std on each summed count of an evaluation histogram (split across sites).
     evaluation_noise_std: float = Field(default=10.0, ge=1.0, le=1e6)
+    # A folder (ideally on another volume or machine) where the site keeps a signed
+    # receipt of its ledger head after every commit: a lost state folder then cannot be
+    # restored from a truncated export (docs/privacy.md, "Head receipts").
+    receipts_dir: Path | None = None
 
 
 class DataSection(_Section):

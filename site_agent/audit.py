@@ -37,14 +37,18 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from common.config import DEFAULT_COUNT_EPSILON
+from common.crypto.random import DeterministicRandom
 from common.errors import ConfigError, DataError
 from common.models import Task
 from common.models.layout import flatten_parameters
 from common.models.tables.mlp import TabularMLP
 from common.privacy.accountant import account
 from common.privacy.audit import DEFAULT_CONFIDENCE, AuditResult, audit_from_scores
+from common.privacy.mechanisms import Gaussian
 from common.study import GlobalStatistics, Study
 from site_agent.data import DatasetSchema, SiteData, Standardizer, load_site_data
+from site_agent.dp_release import gaussian_std_for, noisy_unit_count
 from site_agent.trainer import LocalTrainer
 from site_agent.training_config import TrainingConfig
 
@@ -67,6 +71,8 @@ class AuditSettings:
     canary_records: int = 4
     confidence: float = DEFAULT_CONFIDENCE
     accountant: str = "prv"
+    # The DP count of units the training is sized from, as the site releases it.
+    count_epsilon: float = DEFAULT_COUNT_EPSILON
 
     def __post_init__(self) -> None:
         if self.canaries < 10:
@@ -76,7 +82,7 @@ class AuditSettings:
         for name in ("epochs", "batch_size", "canary_records"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, "must be >= 1")
-        for name in ("lr", "max_grad_norm", "canary_radius"):
+        for name in ("lr", "max_grad_norm", "canary_radius", "count_epsilon"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, "must be positive")
 
@@ -108,6 +114,11 @@ class AuditReport:
     privacy_unit: str
     records: int
     canaries_included: int
+    released_units: int | None = None  # the DP unit count training was sized from
+    count_noise_std: float | None = None
+    sample_rate: float | None = None
+    # The training and the DP count it was sized from, composed: the ledger's charge.
+    epsilon_with_count: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         r = self.result
@@ -131,6 +142,10 @@ class AuditReport:
             ],
             "privacy_unit": self.privacy_unit,
             "records": self.records,
+            "released_units": self.released_units,
+            "count_noise_std": self.count_noise_std,
+            "sample_rate": self.sample_rate,
+            "epsilon_with_count": self.epsilon_with_count,
         }
 
 
@@ -140,10 +155,12 @@ def _seeded_model(model: AuditModel, n_features: int, seed: int) -> torch.nn.Mod
 
 
 def _train(
-    data: SiteData, settings: AuditSettings, model: AuditModel, *, dp: bool, seed: int
+    data: SiteData, settings: AuditSettings, model: AuditModel, *, dp: bool, seed: int,
+    released_units: int | None = None,
 ) -> tuple[LocalTrainer, list[Any]]:
     units = data.num_patients
     config = TrainingConfig(
+        released_units=released_units,
         batch_size=max(1, min(settings.batch_size, units // 4)),
         max_physical_batch_size=4096,
         local_epochs=settings.epochs,
@@ -249,20 +266,41 @@ def run_audit(
         chosen = np.repeat(chosen, settings.canary_records)
     training = _concat(standardized, canaries.subset(chosen))
     dp = settings.epsilon is not None
-    trainer, segments = _train(training, settings, model, dp=dp, seed=seed + 1)
+    released = std = None
+    if dp:
+        # The shipped mechanism: the site's sampling rate and steps come from its ONE DP
+        # count of units (site_agent.dp_release), never from the exact count, which here
+        # includes the canaries trained on.
+        std = gaussian_std_for(epsilon=settings.count_epsilon, delta=settings.delta,
+                               accountant=settings.accountant)
+        # Its noise follows the run's seed like the training noise (drawn from the OS
+        # CSPRNG unless a test pins --seed).
+        released = noisy_unit_count(
+            training.num_patients, std=std,
+            rng=DeterministicRandom(f"medfed-audit-count/{seed}".encode()))
+    trainer, segments = _train(training, settings, model, dp=dp, seed=seed + 1,
+                               released_units=released)
     scores = label_log_likelihood(trainer, canaries)
     result = audit_from_scores(
         scores, included, delta=settings.delta, confidence=settings.confidence
     )
-    claimed = None
-    if dp:
+    claimed = with_count = None
+    if dp and std is not None:
         claimed = account(segments, delta=settings.delta, accountant=settings.accountant).epsilon
+        # What the site's ledger charges for this run: the count and the training,
+        # composed (the count's output shaped the training that followed).
+        with_count = account([*segments, Gaussian(std, 1.0)], delta=settings.delta,
+                             accountant=settings.accountant).epsilon
     return AuditReport(
         result=result,
         epsilon_claimed=claimed,
         privacy_unit=trainer.privacy_unit,
         records=len(data),
         canaries_included=int(included.sum()),
+        released_units=released,
+        count_noise_std=std,
+        sample_rate=trainer.sample_rate if dp else None,
+        epsilon_with_count=with_count,
     )
 
 
@@ -366,6 +404,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
             "batch_size": study.training.batch_size,
             "optimizer": study.training.local_optimizer,
             "max_grad_norm": study.privacy.max_grad_norm,
+            "count_epsilon": study.privacy.count_epsilon,
         }
     else:
         if args.label_column is None:
@@ -393,6 +432,10 @@ def _cmd_audit(args: argparse.Namespace) -> int:
         f"({report['canaries']} canaries, {report['canaries_included']} trained on; "
         f"bound at {100 * report['confidence']:.0f}% confidence, delta {report['delta']:g}; "
         f"privacy unit: {report['privacy_unit']})"
+        + ("" if report["released_units"] is None else
+           f"; sized from the DP unit count {report['released_units']} (noise std "
+           f"{report['count_noise_std']:.2f}); with that count epsilon "
+           f"{report['epsilon_with_count']:.4f}")
     )
     return 0
 

@@ -62,6 +62,15 @@ def gaussian_std_for(*, epsilon: float, delta: float, accountant: str) -> float:
     return high
 
 
+def noisy_unit_count(units: int, *, std: float, rng: RandomSource = system_random) -> int:
+    """The DP count of `units` (Gaussian, sensitivity 1, noise from `rng`): what the
+    site's training sizes its sampling rate and steps from (`TrainingConfig.
+    released_units`), so they depend on the data only through a DP release."""
+    noise = numpy_generator(rng).normal(0.0, std)
+    # Rounding and clamping are post-processing of the Gaussian release.
+    return max(1, round(float(units + noise)))
+
+
 @dataclass(frozen=True)
 class CohortCount:
     noisy_count: int
@@ -97,9 +106,7 @@ def release_cohort_count(
     previous = [e for e in ledger.entries() if e.purpose == PURPOSE_COUNT]
     ledger_round = max((e.round for e in previous), default=-1) + 1
     ledger.reserve(ledger_round, [Gaussian(std, 1.0)], now=now, purpose=PURPOSE_COUNT)
-    noise = numpy_generator(rng).normal(0.0, std)
-    # Rounding and clamping are post-processing of the Gaussian release.
-    noisy = max(1, round(float(units + noise)))
+    noisy = noisy_unit_count(units, std=std, rng=rng)
     released = CohortCount(noisy, std, ledger_round)
     atomic_write(path, json.dumps(
         {"noisy_count": noisy, "noise_std": std, "ledger_round": ledger_round}

@@ -43,6 +43,7 @@ def open_ledger(settings: SiteSettings, hook: TrainingHook) -> PrivacyLedger | N
         accountant=privacy.accountant,
         privacy_unit=hook.privacy_unit,
         signer=LedgerSigner.from_files(cert, key),
+        receipts_dir=privacy.receipts_dir,
     )
 
 

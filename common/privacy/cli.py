@@ -11,6 +11,7 @@ history and ``medfed ledger restore`` (site) rebuilds a lost ledger from it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from importlib.metadata import entry_points
@@ -30,6 +31,7 @@ from common.privacy.ledger import (
     LedgerSigner,
     VerifyReport,
     anchor_path_for,
+    ledger_notes,
     read_ledger,
     restore_ledger,
     verify_ledger,
@@ -318,6 +320,7 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
         },
         "entries": rows,
         "head_hash": header.head_hash,
+        "warnings": ledger_notes(path),
         **_guarantees(header, entries),
     }
 
@@ -440,6 +443,8 @@ def _cmd_ledger_show(args: argparse.Namespace) -> int:
 def _print_ledger(summary: dict[str, Any]) -> None:
     unit = summary["privacy_unit"]
     level = {"patient": "patient-level", "hospital": "hospital-level"}.get(unit, "record-level")
+    for warning in summary.get("warnings", []):
+        print(f"WARNING: {warning}")
     print(f"ledger        {summary['ledger']} (format {summary['format']})")
     print(f"site          {summary['site_id']}")
     print(f"privacy unit  {unit} ({level} DP)")
@@ -493,6 +498,8 @@ def _cmd_ledger_verify(args: argparse.Namespace) -> int:
             f"ledger {report.path}: OK ({report.entries_checked} entries; {checked} verified; "
             f"{signatures}; head {report.head_hash})"
         )
+        for warning in ledger_notes(args.ledger):
+            print(f"WARNING: {warning}")
         return 0
     print(f"ledger {report.path}: INTEGRITY FAILURE", file=sys.stderr)
     print(f"first problem: {report.problems[0]}", file=sys.stderr)
@@ -521,6 +528,7 @@ def _cmd_ledger_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_ledger_restore(args: argparse.Namespace) -> int:
+    from common.privacy.receipts import read_receipt_file, read_receipts
     from common.privacy.signed import SignedHistory
 
     source = Path(args.source)
@@ -534,18 +542,152 @@ def _cmd_ledger_restore(args: argparse.Namespace) -> int:
         raise LedgerIntegrityError(f"{source}: {exc}") from None
     if args.min_seq < 0:
         raise ConfigError("min_seq", "must be >= 0")
-    anchor = restore_ledger(
+    ca = _load_ca(args.ca)
+    site = history.terms.site_id
+    found = []
+    for folder in args.receipts:
+        receipt = read_receipts(folder, site, ca_certificate=ca)
+        if receipt is not None:
+            found.append(receipt)
+    for file in args.receipt:
+        receipt = read_receipt_file(file, site, ca_certificate=ca)
+        if receipt is None:
+            raise ConfigError("receipt", f"no head receipt at {file}")
+        found.append(receipt)
+    result = restore_ledger(
         history,
         Path(args.ledger),
         anchor_path=args.anchor,
         min_seq=args.min_seq,
-        ca_certificate=_load_ca(args.ca),
+        ca_certificate=ca,
         site_id=args.site,
+        receipts=found,
+        accept_lower_bound=args.accept_lower_bound,
+    )
+    for lowered in result.lowered:
+        _supersede(Path(lowered.where))
+    for note in result.notes:
+        print(f"WARNING: {note}", file=sys.stderr)
+    proof = (
+        f"; checked against the signed head receipt {result.best_receipt.where} "
+        f"({result.best_receipt.receipt.entries} entries)"
+        if result.best_receipt is not None and not result.lowered
+        else "" if result.lowered else
+        "; NO signed head receipt was given (--receipts DIR), so nothing shows the export "
+        "is complete"
     )
     print(
-        f"restored {anchor.seq} signed entries of site {anchor.site_id} into {args.ledger} "
-        f"(head {anchor.head_hash}); this is a LOWER bound on the site's spend: anything "
-        "recorded after the export was taken is not in it"
+        f"restored {result.seq} signed entries of site {result.site_id} into {args.ledger} "
+        f"(head {result.head_hash}){proof}; this is a LOWER bound on the site's spend: "
+        "anything recorded after the newest receipt is not in it"
+    )
+    return 0
+
+
+def _supersede(path: Path) -> None:
+    """A receipt an accepted lower restore fell short of: kept beside, no longer read
+    (the site would otherwise refuse its restored ledger)."""
+    from common.privacy.receipts import SUPERSEDED_SUFFIX
+
+    if not path.is_file():
+        return  # the receipt carried by the export itself
+    target = path.with_name(path.name + SUPERSEDED_SUFFIX)
+    number = 1
+    while target.exists():
+        number += 1
+        target = path.with_name(f"{path.name}{SUPERSEDED_SUFFIX}.{number}")
+    try:
+        path.rename(target)
+    except OSError as exc:
+        raise ConfigError("receipts", f"cannot move the superseded receipt {path} aside "
+                          f"({exc.strerror}); the site will refuse the restored ledger "
+                          "until it is moved") from None
+    print(f"WARNING: the receipt {path} is kept as {target}", file=sys.stderr)
+
+
+def _cmd_ledger_backup(args: argparse.Namespace) -> int:
+    """The site's own backup: its whole signed history plus a signed head receipt."""
+    import dataclasses
+
+    from common.privacy.ledger import export_ledger, read_ledger
+    from common.privacy.receipts import sign_receipt
+
+    path = Path(args.ledger)
+    report = _integrity(path)
+    report.raise_if_broken()
+    signer = LedgerSigner.from_files(args.cert, args.key)
+    history = export_ledger(path)
+    _, entries = read_ledger(path)
+    receipt = sign_receipt(signer, history.terms, entries)
+    data = dataclasses.replace(history, head_receipt=receipt.to_json_dict()).to_bytes()
+    out = Path(args.out)
+    try:
+        with out.open("xb") as handle:
+            handle.write(data)
+    except FileExistsError:
+        raise ConfigError("out", f"{out} exists; choose a new file") from None
+    except OSError as exc:
+        raise ConfigError("out", f"cannot write {out}: {exc.strerror}") from None
+    print(f"wrote {len(entries)} signed entries of {history.terms.site_id} and a signed head "
+          f"receipt (head {receipt.head_hash[:16]}..., epsilon {receipt.epsilon_spent:.4f}) "
+          f"to {out}")
+    return 0
+
+
+def _cmd_ledger_carry(args: argparse.Namespace) -> int:
+    """New terms for a site's ledger, its spend carried (`common.privacy.carry`)."""
+    import datetime as dt
+    import sqlite3
+
+    from common.privacy.carry import carry_ledger
+    from common.privacy.receipts import check_against, read_receipts, sign_receipt, write_receipt
+    from common.privacy.signed import LedgerTerms
+
+    ledger = Path(args.ledger)
+    header, entries = read_ledger(ledger)
+    old_terms = LedgerTerms(header.site_id, header.budget_epsilon, header.delta,
+                            header.accountant, header.privacy_unit)
+    terms = LedgerTerms(
+        site_id=header.site_id,
+        budget_epsilon=header.budget_epsilon if args.budget_epsilon is None
+        else args.budget_epsilon,
+        delta=header.delta if args.delta is None else args.delta,
+        accountant=header.accountant if args.accountant is None else args.accountant,
+        privacy_unit=header.privacy_unit,
+    )
+    if not (terms.budget_epsilon > 0 and 0 < terms.delta < 1):
+        raise ConfigError("budget_epsilon", "needs budget > 0 and delta in (0, 1)")
+    receipt = None if args.receipts is None else read_receipts(args.receipts, header.site_id)
+    if receipt is not None:
+        check_against(receipt, old_terms, entries, what=f"privacy ledger {ledger}")
+    signer = LedgerSigner.from_files(args.cert, args.key)
+    number = 1
+    while (kept := ledger.with_name(f"{ledger.name}.terms-{number}")).exists():
+        number += 1
+    # Fold the write-ahead log into the file, then move the old ledger (and its anchor)
+    # aside: it is kept for audit, the new one takes its place.
+    with contextlib.closing(sqlite3.connect(ledger)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    anchor, kept_anchor = anchor_path_for(ledger), anchor_path_for(kept)
+    ledger.rename(kept)
+    if anchor.exists():
+        anchor.rename(kept_anchor)
+    try:
+        done = carry_ledger(kept, ledger, terms=terms, signer=signer,
+                            now=dt.datetime.now(dt.UTC))
+    except BaseException:
+        ledger.unlink(missing_ok=True)
+        kept.rename(ledger)
+        if kept_anchor.exists():
+            kept_anchor.rename(anchor)
+        raise
+    if args.receipts is not None:
+        write_receipt(args.receipts, sign_receipt(signer, terms, read_ledger(ledger)[1]))
+    print(
+        f"carried {done.entries} entries into {ledger} under budget={terms.budget_epsilon:g}, "
+        f"delta={terms.delta:g}, accountant={terms.accountant}: spent {done.spent:.4f} "
+        f"(was {done.old_spent:.4f} under the old terms), remaining "
+        f"{max(0.0, terms.budget_epsilon - done.spent):.4f}; the old ledger is kept as {kept}"
     )
     return 0
 
@@ -616,7 +758,42 @@ def register_ledger(subparsers: Any) -> None:
     )
     restore.add_argument("--ca", help="federation CA certificate (PEM) the signers must chain to")
     restore.add_argument("--site", help="refuse an export for another site")
+    restore.add_argument(
+        "--receipts", action="append", default=[], metavar="DIR",
+        help="a receipts folder (the site's privacy.receipts_dir, a copy of it): refuse a "
+        "history shorter than, or forked from, the signed head receipt there (repeatable)")
+    restore.add_argument(
+        "--receipt", action="append", default=[], metavar="FILE",
+        help="one head receipt file (repeatable)")
+    restore.add_argument(
+        "--accept-lower-bound", action="store_true",
+        help="restore a history shorter than a signed head receipt anyway (when no "
+        "complete copy exists); the ledger records the warning for good")
     restore.set_defaults(func=_cmd_ledger_restore)
+
+    backup = commands.add_parser(
+        "backup", help="(site) the ledger's signed history plus a signed head receipt, "
+        "to a new file (restore refuses a truncated copy of it)")
+    backup.add_argument("--ledger", required=True, help="path of the site's ledger file")
+    backup.add_argument("--cert", required=True, help="the site's certificate (PEM)")
+    backup.add_argument("--key", required=True, help="the site's private key (PEM)")
+    backup.add_argument("--out", required=True, help="the new backup file")
+    backup.set_defaults(func=_cmd_ledger_backup)
+
+    carry = commands.add_parser(
+        "carry",
+        help="(site, stopped) new budget, delta or accountant for a ledger: a new ledger "
+        "that opens with the whole old history (its spend counts); the old one is kept "
+        "as LEDGER.terms-N")
+    carry.add_argument("--ledger", required=True, help="the site's ledger file")
+    carry.add_argument("--budget-epsilon", type=float, help="the new budget (default: kept)")
+    carry.add_argument("--delta", type=float, help="the new delta (default: kept)")
+    carry.add_argument("--accountant", choices=ACCOUNTANTS, help="(default: kept)")
+    carry.add_argument("--cert", required=True, help="the site's certificate (PEM)")
+    carry.add_argument("--key", required=True, help="the site's private key (PEM)")
+    carry.add_argument("--receipts", help="the site's receipts folder (privacy.receipts_dir): "
+                       "checked before, rewritten after")
+    carry.set_defaults(func=_cmd_ledger_carry)
 
     migrate = commands.add_parser(
         "migrate",

@@ -74,9 +74,11 @@ from common.privacy.ledger_store import (
 )
 from common.privacy.ledger_verify import (
     LedgerProblem,
+    RestoreResult,
     VerifyReport,
     _check_v2,
     export_ledger,
+    ledger_notes,
     read_ledger,
     restore_ledger,
     verify_ledger,
@@ -88,6 +90,13 @@ from common.privacy.mechanisms import (
     mechanisms_to_json,
 )
 from common.privacy.purpose import PURPOSES, Purpose
+from common.privacy.receipts import (
+    HeadReceipt,
+    check_against,
+    read_receipts,
+    sign_receipt,
+    write_receipt,
+)
 from common.privacy.signed import (
     LEDGER_FORMAT,
     PRIVACY_UNITS,
@@ -109,9 +118,11 @@ __all__ = [
     "LedgerProblem",
     "LedgerSigner",
     "PrivacyLedger",
+    "RestoreResult",
     "VerifyReport",
     "anchor_path_for",
     "export_ledger",
+    "ledger_notes",
     "migrate_hint",
     "read_anchor",
     "read_ledger",
@@ -148,6 +159,7 @@ class PrivacyLedger:
         privacy_unit: str = "record",
         signer: LedgerSigner | None = None,
         anchor_path: str | Path | None = None,
+        receipts_dir: str | Path | None = None,
     ) -> None:
         if not site_id:
             raise ConfigError("site_id", "must not be empty")
@@ -173,6 +185,9 @@ class PrivacyLedger:
         self.accountant = accountant
         self.privacy_unit = privacy_unit
         self.signer = signer
+        # A folder the site names, ideally on another volume: after every commit a signed
+        # head receipt goes there, and on open a ledger shorter than it is refused.
+        self.receipts_dir = None if receipts_dir is None else Path(receipts_dir)
         self.terms = LedgerTerms(
             site_id=site_id,
             budget_epsilon=self.budget_epsilon,
@@ -186,6 +201,16 @@ class PrivacyLedger:
 
     def _open_or_create(self) -> None:
         anchor = read_anchor(self.anchor_path)
+        receipt = (None if self.receipts_dir is None
+                   else read_receipts(self.receipts_dir, self.site_id))
+        if not self.path.exists() and receipt is not None and receipt.receipt.entries > 0:
+            raise LedgerUnavailable(
+                self.path,
+                f"privacy ledger {self.path} is missing, but the signed head receipt "
+                f"{receipt.where} records {receipt.receipt.entries} entries (epsilon "
+                f"{receipt.receipt.epsilon_spent:.4f}): the site refuses to start again at "
+                "zero spend; " + recovery_hint(self.path),
+            )
         if not self.path.exists():
             if anchor is not None and anchor.seq > 0:
                 raise LedgerUnavailable(
@@ -219,10 +244,16 @@ class PrivacyLedger:
                     name,
                     f"ledger {self.path} was created with {name}="
                     f"{getattr(stored, name)!r}, not {getattr(self.terms, name)!r}; a site "
-                    "resumes its ledger, it cannot change it",
+                    "resumes its ledger, it cannot change it"
+                    + ("" if name in ("site_id", "privacy_unit") else
+                       f". To change it with the spend carried over, stop the site and run "
+                       f"`medfed ledger carry --ledger {self.path} --{name.replace('_', '-')} "
+                       f"{getattr(self.terms, name)} --cert SITE.crt --key SITE.key`"),
                 )
         if anchor is not None:
             _check_anchor(self.path, anchor, self.site_id, entries)
+        if receipt is not None:
+            check_against(receipt, stored, entries, what=f"privacy ledger {self.path}")
         self._write_anchor(entries)
 
     def _open(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
@@ -231,6 +262,14 @@ class PrivacyLedger:
     def _write_anchor(self, entries: Sequence[SignedEntry]) -> None:
         head = entries[-1].entry_hash if entries else self.terms.header_hash
         write_anchor(self.anchor_path, LedgerAnchor(self.site_id, len(entries), head))
+        if self.receipts_dir is not None and self.signer is not None:
+            write_receipt(self.receipts_dir, sign_receipt(self.signer, self.terms, entries))
+
+    def receipt(self) -> HeadReceipt:
+        """A signed head receipt of the ledger as it is now (for a backup)."""
+        if self.signer is None:
+            raise ConfigError("signer", "a head receipt needs the site's signing key")
+        return sign_receipt(self.signer, self.terms, self.entries())
 
     def _store_certificate(self, conn: sqlite3.Connection) -> None:
         if self.signer is None:

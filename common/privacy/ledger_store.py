@@ -52,6 +52,9 @@ _SCHEMA: Final = (
     " UNIQUE (round, purpose))",
     "CREATE TABLE IF NOT EXISTS ledger_certificates ("
     " sha256 TEXT PRIMARY KEY, der BLOB NOT NULL)",
+    # Warnings an operator accepted (a restore below a signed head receipt, a carried
+    # history): shown by `ledger show` and `verify`; not part of the signed chain.
+    "CREATE TABLE IF NOT EXISTS ledger_notes (id INTEGER PRIMARY KEY, note TEXT NOT NULL)",
 )
 _ENTRY_COLUMNS: Final = "seq, round, purpose, body, signature, entry_hash"
 
@@ -266,6 +269,23 @@ def _read_entries(connection: sqlite3.Connection) -> list[SignedEntry]:
 def _read_certificates(connection: sqlite3.Connection) -> dict[str, bytes]:
     rows = connection.execute("SELECT sha256, der FROM ledger_certificates").fetchall()
     return {str(digest): bytes(der) for digest, der in rows}
+
+
+def read_notes(connection: sqlite3.Connection) -> list[str]:
+    """The ledger's recorded warnings (none in a ledger written before notes existed)."""
+    exists = connection.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'ledger_notes'"
+    ).fetchone()
+    if exists is None:
+        return []
+    return [str(r[0]) for r in connection.execute("SELECT note FROM ledger_notes ORDER BY id")]
+
+
+def add_note(connection: sqlite3.Connection, note: str) -> None:
+    connection.execute(
+        "CREATE TABLE IF NOT EXISTS ledger_notes (id INTEGER PRIMARY KEY, note TEXT NOT NULL)"
+    )
+    connection.execute("INSERT INTO ledger_notes (note) VALUES (?)", (note,))
 
 
 def _create_schema(connection: sqlite3.Connection, terms: LedgerTerms) -> None:

@@ -42,7 +42,10 @@ from common.privacy.ledger_store import (
     _read_header,
     _terms,
     _transaction,
+    add_note,
+    read_notes,
 )
+from common.privacy.receipts import FoundReceipt, HeadReceipt, best, check_against
 from common.privacy.recompose import RecordedSpend, recompose_mismatches
 from common.privacy.signed import (
     HistoryProblem,
@@ -184,6 +187,13 @@ def read_ledger(path: str | Path) -> tuple[LedgerHeader, list[SignedEntry]]:
         return _read_header(conn), list(_read_entries(conn))
 
 
+def ledger_notes(path: str | Path) -> list[str]:
+    """The warnings recorded in a ledger (e.g. a restore accepted below a receipt)."""
+    ledger_path = Path(path)
+    with _guard(ledger_path, "reading the ledger"), _connect(ledger_path, mode="ro") as conn:
+        return read_notes(conn)
+
+
 def verify_ledger(
     path: str | Path,
     *,
@@ -254,14 +264,21 @@ def restore_ledger(
     min_seq: int = 0,
     ca_certificate: x509.Certificate | None = None,
     site_id: str | None = None,
-) -> LedgerAnchor:
+    receipts: Sequence[FoundReceipt] = (),
+    accept_lower_bound: bool = False,
+) -> RestoreResult:
     """Write `history` as a new ledger at `path` after verifying all of it.
 
     Refuses (LedgerIntegrityError / LedgerForkError, nothing written) a history whose
     signatures, chain or epsilons do not verify, that is for another site, that is
     shorter than `min_seq` or than the anchor's head, or that does not contain the
-    anchor's head. Never overwrites an existing ledger. A restore proves a LOWER bound on
-    the spend: entries the site made after the export was taken cannot be in it."""
+    anchor's head. It also refuses one shorter than, or forked from, any signed head
+    receipt: `receipts` (from the site's receipts folders) and the one the export itself
+    carries (a site's own backup); the error names the receipt that proved it. With
+    `accept_lower_bound` such a history is restored anyway and the receipts it falls
+    short of are recorded in the ledger as a warning (`RestoreResult.lowered`). Never
+    overwrites an existing ledger. Even a restore matching every receipt proves a LOWER
+    bound only: entries after the newest receipt cannot be known."""
     ledger_path = Path(path)
     anchor_file = anchor_path_for(ledger_path) if anchor_path is None else Path(anchor_path)
     if ledger_path.exists():
@@ -298,13 +315,80 @@ def restore_ledger(
         )
     if anchor is not None:
         _check_anchor(ledger_path, anchor, history.terms.site_id, history.entries)
-    write_new_ledger(ledger_path, history)
+    found = [*receipts, *_embedded_receipt(history, ca_certificate)]
+    lowered: list[tuple[FoundReceipt, str]] = []
+    for receipt in sorted(found, key=lambda f: -f.receipt.entries):
+        if receipt.receipt.site_id != history.terms.site_id:
+            raise LedgerIntegrityError(
+                f"head receipt {receipt.where} is for site {receipt.receipt.site_id!r}, not "
+                f"{history.terms.site_id!r}")
+        try:
+            check_against(receipt, history.terms, history.entries, what="the export")
+        except LedgerForkError as exc:
+            if not accept_lower_bound:
+                raise LedgerForkError(
+                    f"{exc}. Find a complete copy (a later backup, the coordinator's "
+                    "replica); only if none exists, restore this one with "
+                    "--accept-lower-bound (the ledger then records that it is lower than "
+                    "the site's own receipt)") from None
+            lowered.append((receipt, str(exc)))
+    notes = [
+        f"LOWER THAN A SIGNED HEAD RECEIPT: restored {history.head_seq} entries (head "
+        f"{history.head_hash[:16]}...), but the receipt {r.where} records {r.receipt.entries} "
+        f"entries and epsilon {r.receipt.epsilon_spent:.4f}; accepted with "
+        f"--accept-lower-bound. The spend shown UNDERSTATES the site's real spend by the "
+        f"entries lost ({why})"
+        for r, why in lowered
+    ]
+    write_new_ledger(ledger_path, history, notes=notes)
     restored = LedgerAnchor(history.terms.site_id, history.head_seq, history.head_hash)
     write_anchor(anchor_file, restored)
-    return restored
+    return RestoreResult(restored, tuple(r for r, _ in lowered), tuple(notes),
+                         best(found))
 
 
-def write_new_ledger(path: Path, history: SignedHistory) -> None:
+@dataclass(frozen=True)
+class RestoreResult:
+    """What `restore_ledger` wrote: the new anchor, the receipts it was accepted below
+    (empty unless `accept_lower_bound`), the warnings recorded, the best receipt seen."""
+
+    anchor: LedgerAnchor
+    lowered: tuple[FoundReceipt, ...]
+    notes: tuple[str, ...]
+    best_receipt: FoundReceipt | None
+
+    # The anchor's fields, so callers that only need the head read it directly.
+    @property
+    def seq(self) -> int:
+        return self.anchor.seq
+
+    @property
+    def site_id(self) -> str:
+        return self.anchor.site_id
+
+    @property
+    def head_hash(self) -> str:
+        return self.anchor.head_hash
+
+
+def _embedded_receipt(
+    history: SignedHistory, ca_certificate: x509.Certificate | None
+) -> list[FoundReceipt]:
+    """The head receipt a site's own backup carries (verified; none in a coordinator's
+    export)."""
+    if history.head_receipt is None:
+        return []
+    try:
+        receipt = HeadReceipt.from_json_dict(dict(history.head_receipt))
+    except ConfigError as exc:
+        raise LedgerIntegrityError(f"the export's head receipt is damaged ({exc})") from None
+    problem = receipt.problem(ca_certificate=ca_certificate)
+    if problem is not None:
+        raise LedgerIntegrityError(f"the export's head receipt does not verify: {problem}")
+    return [FoundReceipt(receipt, "carried by the export itself")]
+
+
+def write_new_ledger(path: Path, history: SignedHistory, *, notes: Sequence[str] = ()) -> None:
     """Write `history` (already verified or freshly signed by the caller) as the ledger
     at `path`: built in a temporary file, checked, then renamed over `path` in one step."""
     temporary = path.with_name(path.name + ".restoring")
@@ -321,6 +405,8 @@ def write_new_ledger(path: Path, history: SignedHistory) -> None:
                     )
                 for entry in history.entries:
                     _insert_entry(conn, entry)
+                for note in notes:
+                    add_note(conn, note)
             _check_v2(conn, path=path, recompose=False).raise_if_broken()
         replace_durably(temporary, path)
 

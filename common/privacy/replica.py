@@ -5,8 +5,10 @@ lets the coordinator (1) refuse a site whose reported ledger head does not exten
 has already seen: a fork (history rewritten), a shrink (an older copy) or a reset (a
 fresh ledger), and (2) hand a site that lost its ledger a verified copy to restore
 (`medfed ledger export --site ID` here, `medfed ledger restore` at the site). Because the
-entries are signed with the site's certificate key, the coordinator cannot forge or
-lower a site's history either: a restore verifies every signature.
+entries are signed with the site's certificate key, the coordinator cannot forge a
+site's history: a restore verifies every signature. It CAN hand over a truncated one
+(every remaining entry still verifies); what refuses that is the site's own signed head
+receipt (`common.privacy.receipts`), which `medfed ledger restore` checks.
 
 Lives in the coordinator's state database (`common.sqldb`: SQLite or PostgreSQL), SQL
 written once (TEXT / BIGINT, base64 for certificates so no BLOB/BYTEA difference).

@@ -304,6 +304,9 @@ class SignedHistory:
     terms: LedgerTerms
     entries: tuple[SignedEntry, ...]
     certificates: Mapping[str, bytes] = field(default_factory=dict)  # sha256 hex -> DER
+    # A site's own backup also carries its signed head receipt (`common.privacy.receipts`,
+    # raw JSON here: parsed and verified by whoever restores it).
+    head_receipt: Mapping[str, Any] | None = None
 
     @property
     def head_hash(self) -> str:
@@ -316,8 +319,10 @@ class SignedHistory:
     def to_bytes(self) -> bytes:
         """Canonical JSON (sorted keys, no whitespace): the same history, the same bytes."""
         used = sorted({e.cert_sha256 for e in self.entries})
+        extra = {} if self.head_receipt is None else {"head_receipt": dict(self.head_receipt)}
         return canonical_json(
             {
+                **extra,
                 "format": EXPORT_FORMAT,
                 "header": {**self.terms.to_json_dict(), "header_hash": self.terms.header_hash},
                 "entries": [e.to_json_dict() for e in self.entries],
@@ -338,8 +343,11 @@ class SignedHistory:
             raise LedgerIntegrityError(f"not a ledger export (not JSON: {exc})") from None
         if not isinstance(raw, dict) or raw.get("format") != EXPORT_FORMAT:
             raise LedgerIntegrityError(f"not a ledger export (format is not {EXPORT_FORMAT})")
-        if set(raw) != {"format", "header", "entries", "certificates"}:
+        if set(raw) - {"head_receipt"} != {"format", "header", "entries", "certificates"}:
             raise LedgerIntegrityError("ledger export has unexpected or missing fields")
+        receipt = raw.get("head_receipt")
+        if receipt is not None and not isinstance(receipt, dict):
+            raise LedgerIntegrityError("ledger export: head_receipt must be an object")
         try:
             terms = LedgerTerms.from_json_dict(raw["header"])
             if not isinstance(raw["entries"], list):
@@ -356,7 +364,7 @@ class SignedHistory:
                 certificates[digest] = der
         except (ConfigError, binascii.Error) as exc:
             raise LedgerIntegrityError(f"malformed ledger export: {exc}") from None
-        return cls(terms, entries, certificates)
+        return cls(terms, entries, certificates, head_receipt=receipt)
 
 
 def check_entries(

@@ -119,3 +119,26 @@ def test_registered_under_medfed_privacy(capsys: pytest.CaptureFixture[str]) -> 
         privacy_main(["privacy", "audit", "--help"])
     assert stop.value.code == 0
     assert "--label-column" in capsys.readouterr().out
+
+
+def test_the_audited_training_is_sized_from_the_dp_unit_count(site_csv: Path) -> None:
+    """The shipped mechanism: q and the steps come from the site's one DP count of its
+    units (canaries included), never from the exact count."""
+    from common.privacy.accountant import account
+    from common.privacy.mechanisms import Gaussian
+    from site_agent.audit import load_audit_data
+    from site_agent.dp_release import gaussian_std_for
+
+    data = load_audit_data(site_csv, label="sepsis", patient="patient_id")
+    settings = AuditSettings(canaries=40, epsilon=4.0, epochs=1, count_epsilon=0.05)
+    report = run_audit(data, settings, seed=5)
+    std = gaussian_std_for(epsilon=0.05, delta=settings.delta, accountant="prv")
+    assert report.count_noise_std == pytest.approx(std)
+    units = data.num_patients + report.canaries_included  # one unit per canary
+    assert report.released_units is not None and report.released_units != units
+    batch = min(settings.batch_size, units // 4)
+    assert report.sample_rate == pytest.approx(min(batch / report.released_units, 1.0))
+    assert report.epsilon_claimed is not None and report.epsilon_with_count is not None
+    assert report.epsilon_with_count > report.epsilon_claimed
+    count_alone = account([Gaussian(std, 1.0)], delta=settings.delta).epsilon
+    assert count_alone == pytest.approx(0.05, rel=0.01)
