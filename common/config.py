@@ -207,6 +207,12 @@ class CoordinatorSettings(_Settings):
         repr=False,
         description="sqlite:///path or postgresql://...; default STATE/coordinator.db",
     )
+    database_outage_seconds: float = Field(
+        default=300.0, gt=0, le=86_400,
+        description="PostgreSQL: how long the coordinator rides out a lost state database "
+        "(a restart, a failover; the round in flight is abandoned, then retried with "
+        "backoff) before it stops with an error naming the database",
+    )
     federation_id: str = Field(default="medfed", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     rounds: int = Field(default=10, ge=1, le=1_000_000)
     min_sites: int = Field(default=3, ge=2)
