@@ -187,6 +187,18 @@ class ActiveRound:
         """`site_id` is alive now (a heartbeat or any message of this round)."""
         self.last_heard[site_id] = time.monotonic()
 
+    def is_silent(self, site_id: str, now: float) -> bool:
+        """`site_id` is expected in the heartbeat phase in flight but has not been heard
+        from (heartbeat, chunk or message) for more than one interval at `now`
+        (time.monotonic())."""
+        state = self.phases.get(self.phase)
+        if self.liveness is None or state is None or self.phase not in HEARTBEAT_PHASES:
+            return False
+        if site_id not in state.expected or site_id in state.arrived:
+            return False
+        heard = max(self.last_heard.get(site_id, state.opened_at), state.opened_at)
+        return now - heard > self.liveness.interval
+
     def dropped_sites(self, survivors: Sequence[str]) -> tuple[str, ...]:
         """Participants whose input is not in the sum and who did not decline, whatever
         the phase they were dropped in."""
