@@ -442,8 +442,9 @@ class SiteSettings(_Settings):
     )
     debug_pause_after: str | None = Field(
         default=None,
-        pattern=r"^\d+:(advertise_keys|share_keys|masked_input|consistency_check)$",
-        description="TEST ONLY: ROUND:PHASE after which to pause (fault-injection tests)",
+        pattern=r"^\d+:(advertise_keys|share_keys|upload|masked_input|consistency_check)$",
+        description="TEST ONLY: ROUND:PHASE after which to pause (fault-injection tests; "
+        "`upload`: mid-stream, after the masked input's first chunk)",
     )
     debug_pause_seconds: float = Field(default=3600.0, gt=0)
     debug_train_seconds: float = Field(
