@@ -218,7 +218,7 @@ def render(status: dict[str, Any]) -> str:
             "and its own log says why")
     if any(site["state"] == "silent" for site in status["sites"]):
         lines.append(
-            "silent: selected for this round but no heartbeat for more than one interval "
+            "silent: selected for this round but no heartbeat for 1.5 intervals "
             "(frozen or cut off); the round drops it after heartbeat_misses intervals")
     if any(site["state"] == "gone" for site in status["sites"]):
         lines.append(

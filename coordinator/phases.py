@@ -56,6 +56,9 @@ HEARTBEAT_PHASES = frozenset(
 """Phases during which sites heartbeat (until their masked input is uploaded); later
 phases follow within moments of the upload and keep their deadline only."""
 
+SILENT_AFTER_INTERVALS = 1.5
+"""`ActiveRound.is_silent`: a beat due once per interval, allowed half an interval late."""
+
 _P = RoundPhase
 TRANSITIONS: dict[RoundPhase, frozenset[RoundPhase]] = {
     _P.ANNOUNCED: frozenset({_P.ADVERTISE_KEYS, _P.MASKED_INPUT, _P.ABORTED}),
@@ -189,15 +192,16 @@ class ActiveRound:
 
     def is_silent(self, site_id: str, now: float) -> bool:
         """`site_id` is expected in the heartbeat phase in flight but has not been heard
-        from (heartbeat, chunk or message) for more than one interval at `now`
-        (time.monotonic())."""
+        from (heartbeat, chunk or message) for more than SILENT_AFTER_INTERVALS
+        intervals at `now` (time.monotonic()): it missed a beat, late by half an
+        interval or more."""
         state = self.phases.get(self.phase)
         if self.liveness is None or state is None or self.phase not in HEARTBEAT_PHASES:
             return False
         if site_id not in state.expected or site_id in state.arrived:
             return False
         heard = max(self.last_heard.get(site_id, state.opened_at), state.opened_at)
-        return now - heard > self.liveness.interval
+        return now - heard > SILENT_AFTER_INTERVALS * self.liveness.interval
 
     def dropped_sites(self, survivors: Sequence[str]) -> tuple[str, ...]:
         """Participants whose input is not in the sum and who did not decline, whatever

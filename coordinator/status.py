@@ -36,7 +36,7 @@ reflect the current sites and network)."""
 SITE_STATES = ("waiting", "enrolled", "in_round", "silent", "declined", "exhausted", "gone",
                "disconnected")
 """`silent`: selected for the round in flight and expected in its phase, but no heartbeat
-or message for more than one heartbeat interval (frozen or cut off: it is dropped after
+or message for 1.5 heartbeat intervals (frozen or cut off: it is dropped after
 `heartbeat_misses` intervals). `gone`: it took part, then stopped asking for rounds (not
 polling, no call for REPOLL_GRACE_SECONDS), e.g. an agent that exited after `--once`.
 `enrolled`: enrolled but has not asked for a round since. A site that refuses the

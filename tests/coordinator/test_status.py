@@ -58,7 +58,7 @@ def test_a_site_that_stopped_polling_is_gone_not_waiting() -> None:
 
 
 def test_a_silent_participant_is_shown_silent_and_a_beating_one_in_round() -> None:
-    """In a heartbeat phase, a participant not heard for more than one interval is
+    """In a heartbeat phase, a participant not heard for 1.5 intervals is
     `silent` (frozen or cut off), one that beats is `in_round`; one that has sent its
     phase's message is `in_round` whatever it does next."""
     interval = 5.0
