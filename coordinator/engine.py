@@ -232,7 +232,7 @@ class RoundEngine:
         from the latest checkpoint); after `database_outage_seconds` give up."""
         bound = self.settings.database_outage_seconds
         started = time.monotonic()
-        log.warning("%s: the round in flight is abandoned; retrying for up to %g s "
+        log.warning("%s: any round in flight is abandoned; retrying for up to %g s "
                     "(database_outage_seconds)", lost, bound,
                     extra={"event": "database_lost", "reason": str(lost)})
         delay = DATABASE_RETRY_FIRST_SECONDS
