@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from common.errors import DatabaseUnavailable
 from tests.db.conftest import _Server
 from tests.db.test_restart_postgres import on_loop
 from tests.network.conftest import (
@@ -130,3 +131,37 @@ def test_restart_and_outage_cost_at_most_the_round_in_flight(
     assert outage is not None and outage > 0
     assert len(lost.records) == 1  # the outage is reported once, not per retry
     assert "postgresql://medfed@127.0.0.1" in lost.records[0].getMessage()
+
+
+def test_a_database_that_stays_down_stops_the_engine_naming_it(
+    pki_layout: PkiLayout,
+    tmp_path: Path,
+    private_postgres: _Server,
+    honest_sites: Callable[[str, Sequence[str]], HonestSites],
+) -> None:
+    """Beyond `database_outage_seconds` the engine gives up with an error that names the
+    database, its password redacted (the server trusts local connections, so the URL
+    may carry any password)."""
+    url = private_postgres.url.replace("medfed@", "medfed:s3cret@", 1)
+    settings = coordinator_settings(
+        pki_layout, tmp_path / "state", database_url=url, rounds=3,
+        database_outage_seconds=2.0,
+    )
+    with InProcessCoordinator(settings) as coordinator:
+        store = coordinator.engine.store
+        record_intent = store.mark_unmasked
+
+        def stop_server_then_record(round_number: int) -> None:
+            if round_number == 2:
+                private_postgres.control("stop", "-m", "fast")
+            record_intent(round_number)
+
+        store.mark_unmasked = stop_server_then_record  # type: ignore[method-assign]
+        honest_sites(coordinator.address, SITES)
+        assert coordinator.engine_done.wait(120), "the engine did not give up"
+        error = coordinator.engine_error()
+    assert isinstance(error, DatabaseUnavailable), repr(error)
+    text = str(error)
+    assert "still unreachable after 2 s (database_outage_seconds)" in text
+    assert "postgresql://medfed:***@127.0.0.1" in text
+    assert "s3cret" not in text
