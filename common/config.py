@@ -207,6 +207,12 @@ class CoordinatorSettings(_Settings):
         repr=False,
         description="sqlite:///path or postgresql://...; default STATE/coordinator.db",
     )
+    database_outage_seconds: float = Field(
+        default=300.0, gt=0, le=86_400,
+        description="PostgreSQL: how long the coordinator rides out a lost state database "
+        "(a restart, a failover; the round in flight is abandoned, then retried with "
+        "backoff) before it stops with an error naming the database",
+    )
     federation_id: str = Field(default="medfed", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     rounds: int = Field(default=10, ge=1, le=1_000_000)
     min_sites: int = Field(default=3, ge=2)
@@ -441,8 +447,9 @@ class SiteSettings(_Settings):
     )
     debug_pause_after: str | None = Field(
         default=None,
-        pattern=r"^\d+:(advertise_keys|share_keys|masked_input|consistency_check)$",
-        description="TEST ONLY: ROUND:PHASE after which to pause (fault-injection tests)",
+        pattern=r"^\d+:(advertise_keys|share_keys|upload|masked_input|consistency_check)$",
+        description="TEST ONLY: ROUND:PHASE after which to pause (fault-injection tests; "
+        "`upload`: mid-stream, after the masked input's first chunk)",
     )
     debug_pause_seconds: float = Field(default=3600.0, gt=0)
     debug_train_seconds: float = Field(

@@ -29,7 +29,9 @@
     │                                or damaged; names the file and what to do
     ├── Unauthenticated              the caller presented no certificate at all
     ├── Unavailable                  the coordinator cannot serve now (its round engine
-    │                                failed); sites retry with backoff
+    │   │                            failed); sites retry with backoff
+    │   └── DatabaseUnavailable      the connection to the state database is lost (a
+    │                                server restart, a failover); the engine retries
     ├── ResourceExhausted            one caller holds too many calls or request bytes
     │                                in flight (RESOURCE_EXHAUSTED); it retries later
     ├── RoundFailed                  this round cannot go on for this site
@@ -216,6 +218,13 @@ class Unavailable(MedfedError):
 
     Never "finished": sites keep retrying with backoff until a restarted coordinator
     (on the same state) takes the federation up again."""
+
+
+class DatabaseUnavailable(Unavailable):
+    """The state database cannot be reached: its connection was lost (a server restart,
+    a failover) and one reconnect failed. Not a wrong statement or a full disk (those
+    stay the database's own errors): the round in flight is abandoned and the engine
+    retries with backoff, up to `database_outage_seconds`."""
 
 
 class ResourceExhausted(MedfedError):

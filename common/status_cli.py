@@ -216,6 +216,14 @@ def render(status: dict[str, Any]) -> str:
             "enrolled: the site enrolled but has not asked for a round since; a site that "
             "refuses the study (data check, or privacy policy) stops right after enrolling "
             "and its own log says why")
+    if any(site["state"] == "silent" for site in status["sites"]):
+        lines.append(
+            "silent: selected for this round but no heartbeat for 1.5 intervals "
+            "(frozen or cut off); the round drops it after heartbeat_misses intervals")
+    if any(site["state"] == "gone" for site in status["sites"]):
+        lines.append(
+            "gone: the site stopped asking for rounds (it exited, e.g. after --once, or "
+            "cannot reach the coordinator); it rejoins when it polls again")
     return "\n".join(lines)
 
 

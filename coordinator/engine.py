@@ -8,6 +8,10 @@ protobuf); one asyncio event loop, CPU-heavy steps in worker threads.
 
 An engine failure (a full disk, a database error) is never reported as a finished
 federation: waiting sites hear UNAVAILABLE and retry; a restarted coordinator resumes.
+A lost connection to the state database (a PostgreSQL restart or failover,
+`DatabaseUnavailable`) costs at most the round in flight: that round is abandoned, the
+engine retries with backoff, re-reads its state as a restarted coordinator would and goes
+on; only a database unreachable for `database_outage_seconds` stops it.
 A round that sites decline for reasons that cannot change is not re-opened for them in
 a loop: they are left out of that kind of round (it runs again without them once
 `min_sites` others are there; a left-out site's operator can still act, say on the way
@@ -29,7 +33,14 @@ import numpy as np
 
 from common.codec import digest
 from common.config import CoordinatorSettings
-from common.errors import AbortReason, MedfedError, ProtocolAbort, StudyFailed, Unavailable
+from common.errors import (
+    AbortReason,
+    DatabaseUnavailable,
+    MedfedError,
+    ProtocolAbort,
+    StudyFailed,
+    Unavailable,
+)
 from common.privacy.federation import FederationBudgetView
 from common.round import Announcement
 from common.secagg.client import IdentityVerifier
@@ -57,6 +68,10 @@ from coordinator.training_round import GlobalModel, RoundResult
 from coordinator.uploads import Transfers
 
 log = logging.getLogger("medfed.coordinator")
+
+DATABASE_RETRY_FIRST_SECONDS = 0.5
+DATABASE_RETRY_MAX_SECONDS = 10.0
+"""Backoff between reconnect attempts while the state database is lost (doubling)."""
 
 FAILED_META = "study_failed"
 """State-database key holding why the study failed (absent while it has not)."""
@@ -164,19 +179,23 @@ class RoundEngine:
         """Run rounds until the study is complete; any other exit is a failure that
         waiting sites hear as UNAVAILABLE (they retry), never as "finished", except a
         study that cannot finish (`StudyFailed`): the sites hear that and why."""
-        self.recover()
-        before = self.store.get_meta(FAILED_META)
-        if before:
-            log.warning("this study failed before (%s); trying its rounds again", before,
-                        extra={"event": "study_failed_before", "reason": before})
         try:
+            try:
+                self.recover()
+            except DatabaseUnavailable as exc:
+                await self._ride_out(exc)  # it recovers once the database answers
+            before = self.store.get_meta(FAILED_META)
+            if before:
+                log.warning("this study failed before (%s); trying its rounds again", before,
+                            extra={"event": "study_failed_before", "reason": before})
             # Once per study, before training: the federated DP statistics release
             # (common/statistics.py) every site then preprocesses with.
-            while self.study is not None and self.study.statistics is None:
-                await self._run_round(
-                    await self.select_participants(statistics=True), statistics=True)
-            while self.store.completed_rounds() < self.total_rounds:
-                await self._run_round(await self.select_participants())
+            while True:
+                try:
+                    if not await self._next_round():
+                        break
+                except DatabaseUnavailable as exc:
+                    await self._ride_out(exc)
         except StudyFailed as exc:
             self.failure = exc
             self.store.set_meta(FAILED_META, exc.reason)
@@ -193,6 +212,53 @@ class RoundEngine:
         self.finished.set()
         self.metrics.study_finished.set(1)
         self.sessions.close(failure=None)
+
+    async def _next_round(self) -> bool:
+        """Run the next round: the statistics round while the study still needs it,
+        then training and evaluation rounds; False once the study is complete."""
+        if self.study is not None and self.study.statistics is None:
+            await self._run_round(
+                await self.select_participants(statistics=True), statistics=True)
+            return True
+        if self.store.completed_rounds() < self.total_rounds:
+            await self._run_round(await self.select_participants())
+            return True
+        return False
+
+    async def _ride_out(self, lost: DatabaseUnavailable) -> None:
+        """The state database was lost (the round in flight, if any, was abandoned):
+        retry with backoff until it answers, then re-read the state as a restarted
+        coordinator would (the abandoned round is recorded as such, the model comes
+        from the latest checkpoint); after `database_outage_seconds` give up."""
+        bound = self.settings.database_outage_seconds
+        started = time.monotonic()
+        log.warning("%s: any round in flight is abandoned; retrying for up to %g s "
+                    "(database_outage_seconds)", lost, bound,
+                    extra={"event": "database_lost", "reason": str(lost)})
+        delay = DATABASE_RETRY_FIRST_SECONDS
+        while True:
+            left = started + bound - time.monotonic()
+            await asyncio.sleep(max(min(delay, left), 0.0))
+            try:
+                # Off the event loop: a reconnect may wait for its connect timeout.
+                await asyncio.to_thread(self.store.database.ping)
+                self.last_round_number = recover(
+                    self.store, self.budget_view, self.metrics, now=self.clock(),
+                    cause="a loss of the state database")
+                self.model = GlobalModel.load(self.store, self.settings, self.study)
+            except DatabaseUnavailable as again:
+                if time.monotonic() - started >= bound:
+                    raise DatabaseUnavailable(
+                        f"{again}; still unreachable after {bound:g} s "
+                        "(database_outage_seconds)") from None
+                delay = min(delay * 2, DATABASE_RETRY_MAX_SECONDS)
+                continue
+            break
+        seconds = time.monotonic() - started
+        self.metrics.database_outage_seconds.set(seconds)
+        log.warning("state database outage ridden out: %.1f s; going on after round %d",
+                    seconds, self.last_round_number,
+                    extra={"event": "database_outage_over", "outage_seconds": round(seconds, 3)})
 
     def round_kind(self, *, statistics: bool = False) -> str:
         """The kind of the next round: statistics, training or evaluation."""
@@ -251,7 +317,12 @@ class RoundEngine:
             started=started, identity=self.identity, metrics=self.metrics,
             max_colluding_sites=self.settings.aggregation.max_colluding_sites,
         )
-        self.store.begin_round(ann.round_number, participants, now=self.clock())
+        try:
+            self.store.begin_round(ann.round_number, participants, now=self.clock())
+        except BaseException:
+            rnd.end(abort=ProtocolAbort(AbortReason.ROUND_ABANDONED, "round not recorded"))
+            self.inbox.close()
+            raise
         self.metrics.current_round.set(ann.round_number)
         round_events.round_opened(ann)
         self.sessions.announce(ann)
@@ -272,6 +343,10 @@ class RoundEngine:
             ) if ann.release else self._complete_training(rnd, aggregator))
             rnd.mark("recorded")
             abort = None
+        except DatabaseUnavailable:
+            abort = ProtocolAbort(AbortReason.ROUND_ABANDONED,
+                                  "the coordinator lost its state database: round abandoned")
+            raise
         except MedfedError as exc:
             abort = exc if isinstance(exc, ProtocolAbort) else ProtocolAbort(
                 AbortReason.ROUND_ABANDONED, str(exc)

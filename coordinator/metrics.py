@@ -49,6 +49,17 @@ class CoordinatorMetrics:
             ["phase"],
             registry=r,
         )
+        self.database_reconnects_total = Counter(
+            "medfed_coordinator_database_reconnects",
+            "Outages of the state database (lost connection) ridden out: counted when "
+            "the coordinator reconnected.",
+            registry=r,
+        )
+        self.database_outage_seconds = Gauge(
+            "medfed_coordinator_database_outage_seconds",
+            "Duration of the latest state-database outage ridden out.",
+            registry=r,
+        )
         self.bytes_received = Counter(
             "medfed_coordinator_received_bytes",
             "Bytes of masked update vectors received.",

@@ -9,7 +9,8 @@ soon as they hear of a round, then download and train, so uploads overlap other 
 training and only ConsistencyCheck and Unmask follow the last upload.
 
 Liveness: from the moment a site hears of a round until its masked input is uploaded
-it sends a heartbeat every `Liveness.interval` seconds. A site expected in one of those
+(while it streams that upload too) it sends a heartbeat every `Liveness.interval`
+seconds; every upload chunk received also counts. A site expected in one of those
 phases that has been silent (no heartbeat, no message) for `Liveness.misses` intervals
 is dropped from it at once, exactly as the deadline would drop it later, so a frozen
 or cut-off site holds the round a few heartbeats, not until `train_seconds` passes.
@@ -55,6 +56,9 @@ HEARTBEAT_PHASES = frozenset(
 """Phases during which sites heartbeat (until their masked input is uploaded); later
 phases follow within moments of the upload and keep their deadline only."""
 
+SILENT_AFTER_INTERVALS = 1.5
+"""`ActiveRound.is_silent`: a beat due once per interval, allowed half an interval late."""
+
 _P = RoundPhase
 TRANSITIONS: dict[RoundPhase, frozenset[RoundPhase]] = {
     _P.ANNOUNCED: frozenset({_P.ADVERTISE_KEYS, _P.MASKED_INPUT, _P.ABORTED}),
@@ -95,6 +99,7 @@ class PhaseState:
     output: Any = None
     first_arrival: float | None = None  # perf_counter of the first accepted message
     last_arrival: float | None = None  # perf_counter of the latest accepted message
+    _dropped: dict[str, asyncio.Event] = field(default_factory=dict)
 
     def mark(self, site_id: str) -> None:
         self.arrived.add(site_id)
@@ -104,9 +109,20 @@ class PhaseState:
         self.check_complete()
 
     def drop(self, site_id: str) -> None:
-        """Stop waiting for `site_id` in this phase (declined, or its upload stalled)."""
+        """Stop waiting for `site_id` in this phase (declined, silent, or its upload
+        stalled); an upload it is still streaming is cut (`dropped_event`)."""
         self.expected.discard(site_id)
+        event = self._dropped.get(site_id)
+        if event is not None:
+            event.set()
         self.check_complete()
+
+    def dropped_event(self, site_id: str) -> asyncio.Event:
+        """Set when `site_id` is dropped from this phase (an upload stream waits on it)."""
+        event = self._dropped.setdefault(site_id, asyncio.Event())
+        if site_id not in self.expected:
+            event.set()
+        return event
 
     def check_complete(self) -> None:
         if self.expected <= self.arrived:
@@ -173,6 +189,19 @@ class ActiveRound:
     def heard_from(self, site_id: str) -> None:
         """`site_id` is alive now (a heartbeat or any message of this round)."""
         self.last_heard[site_id] = time.monotonic()
+
+    def is_silent(self, site_id: str, now: float) -> bool:
+        """`site_id` is expected in the heartbeat phase in flight but has not been heard
+        from (heartbeat, chunk or message) for more than SILENT_AFTER_INTERVALS
+        intervals at `now` (time.monotonic()): it missed a beat, late by half an
+        interval or more."""
+        state = self.phases.get(self.phase)
+        if self.liveness is None or state is None or self.phase not in HEARTBEAT_PHASES:
+            return False
+        if site_id not in state.expected or site_id in state.arrived:
+            return False
+        heard = max(self.last_heard.get(site_id, state.opened_at), state.opened_at)
+        return now - heard > SILENT_AFTER_INTERVALS * self.liveness.interval
 
     def dropped_sites(self, survivors: Sequence[str]) -> tuple[str, ...]:
         """Participants whose input is not in the sum and who did not decline, whatever
@@ -308,12 +337,14 @@ class ActiveRound:
         """Drop the pending sites silent for `liveness.misses` intervals since the phase
         opened (appending them to `into`); the time the next one would be due.
 
-        A site streaming its upload is left to the upload's idle cut."""
+        A site streaming its upload is no exception: it keeps beating while it streams
+        and each chunk received counts as hearing from it, so only a frozen or cut-off
+        uploader goes silent; dropping it cuts its stream."""
         if self.liveness is None:
             return float("inf")
         limit = self.liveness.silence_limit
         due = float("inf")
-        for site_id in sorted(state.expected - state.arrived - self.uploading):
+        for site_id in sorted(state.expected - state.arrived):
             heard = max(self.last_heard.get(site_id, state.opened_at), state.opened_at)
             if now - heard >= limit:
                 state.drop(site_id)

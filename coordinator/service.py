@@ -111,6 +111,7 @@ async def _start(settings: CoordinatorSettings) -> RunningCoordinator:
     store = CoordinatorStore(database_url(settings))
     verifier = PeerVerifier.from_pki_dir(settings.pki)
     metrics = CoordinatorMetrics()
+    store.database.on_reconnect = metrics.database_reconnects_total.inc
     ca_cert = load_ca(settings.pki)
     metrics.observe_certificate("ca", "ca", ca_cert)
     metrics.observe_certificate(

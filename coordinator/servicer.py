@@ -26,6 +26,7 @@ from common.codec import CHUNK_BYTES
 from common.errors import (
     AbortReason,
     CertificateRejected,
+    DatabaseUnavailable,
     MedfedError,
     ProtocolAbort,
     ResourceExhausted,
@@ -133,7 +134,11 @@ def rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             code = wire.status_for(exc)
             self.metrics.grpc_requests.labels(method=name, code=code.name).inc()
             log.info("%s -> %s: %s", name, code.name, exc)
-            await context.abort(code, str(exc)[:500])
+            # A lost database is the coordinator's own matter (its log names it): the
+            # site hears only that it should retry.
+            details = ("coordinator state database unavailable: retry later"
+                       if isinstance(exc, DatabaseUnavailable) else str(exc)[:500])
+            await context.abort(code, details)
             raise  # unreachable: abort raises
         except grpc.aio.AbortError:
             raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,12 +23,23 @@ DISCONNECTED_AFTER_SECONDS = 90.0
 """A site silent for longer than this counts as disconnected: agents re-poll at least
 every 60 s (the server's long-poll cap) plus RPC slack."""
 
+REPOLL_GRACE_SECONDS = 35.0
+"""A site that neither waits in a long-poll nor called for this long has stopped asking
+for rounds (`gone`: it exited, say after `--once`): an agent polls again at once after
+a round or an answer, and within its reconnect backoff (30 s at most by default) after
+an error."""
+
 ETA_WINDOW = 5
 """Completed rounds the ETA's median round duration is taken over (recent rounds
 reflect the current sites and network)."""
 
-SITE_STATES = ("waiting", "enrolled", "in_round", "declined", "exhausted", "disconnected")
-"""`enrolled`: enrolled but has not asked for a round since. A site that refuses the
+SITE_STATES = ("waiting", "enrolled", "in_round", "silent", "declined", "exhausted", "gone",
+               "disconnected")
+"""`silent`: selected for the round in flight and expected in its phase, but no heartbeat
+or message for 1.5 heartbeat intervals (frozen or cut off: it is dropped after
+`heartbeat_misses` intervals). `gone`: it took part, then stopped asking for rounds (not
+polling, no call for REPOLL_GRACE_SECONDS), e.g. an agent that exited after `--once`.
+`enrolled`: enrolled but has not asked for a round since. A site that refuses the
 study (a data error, or a study asking more epsilon than its policy allows) stops right
 after enrolling and says nothing more (the protocol has no message for it; the reason
 is in the site's own log), so it shows as `enrolled`, then `disconnected`; a site
@@ -101,7 +113,9 @@ def site_state(session: SiteSession, rnd: ActiveRound | None, *, now: float) -> 
     """One word for what a site is doing (see SITE_STATES; `rnd`: the round in flight,
     if any); the first rule that applies wins."""
     if rnd is not None and session.site_id in rnd.announcement.participants:
-        return "declined" if session.site_id in rnd.declined else "in_round"
+        if session.site_id in rnd.declined:
+            return "declined"
+        return "silent" if rnd.is_silent(session.site_id, time.monotonic()) else "in_round"
     if session.budget.out_of_budget:
         return "exhausted"
     if session.is_waiting:
@@ -112,6 +126,8 @@ def site_state(session: SiteSession, rnd: ActiveRound | None, *, now: float) -> 
         return "enrolled"
     if session.declined_round is not None:
         return "declined"
+    if now - session.last_contact > REPOLL_GRACE_SECONDS:
+        return "gone"  # no poll open and none for longer than an agent waits to re-poll
     return "waiting"  # between two long-polls
 
 

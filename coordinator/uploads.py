@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -195,7 +196,7 @@ class Transfers:
                     max_chunk_bytes=limits.max_chunk_bytes,
                 )
                 try:
-                    await self._receive_before_close(rnd, state, spool, chunks)
+                    await self._receive_before_close(rnd, state, site_id, spool, chunks)
                     async with lock:
                         rnd.require_phase(RoundPhase.MASKED_INPUT, site_id)
                         windows = spool.windows(SPOOL_WINDOW_ELEMENTS)
@@ -209,7 +210,7 @@ class Transfers:
                 assembler = ChunkAssembler(
                     buffer, total_bytes=length * 4, max_chunk_bytes=limits.max_chunk_bytes
                 )
-                await self._receive_before_close(rnd, state, assembler, chunks)
+                await self._receive_before_close(rnd, state, site_id, assembler, chunks)
                 async with lock:
                     # Re-check under the lock: the deadline may have closed the phase
                     # while this site was still streaming.
@@ -225,21 +226,29 @@ class Transfers:
         self,
         rnd: ActiveRound,
         state: PhaseState,
+        site_id: str,
         assembler: ChunkAssembler,
         chunks: AsyncIterator[tuple[int, bytes]],
     ) -> None:
-        """A stream still open when MaskedInput closes is cut off (its data could no
-        longer be used), so a stalled stream frees its upload slot at the deadline."""
-        receive = asyncio.ensure_future(self._receive_into(assembler, chunks))
+        """A stream still open when MaskedInput closes, or when its site is dropped
+        (silent for `Liveness.misses` heartbeats: frozen or cut off), is cut (its data
+        could no longer be used), so it frees its upload slot at once."""
+        receive = asyncio.ensure_future(
+            self._receive_into(assembler, chunks, alive=partial(rnd.heard_from, site_id)))
         closed = asyncio.ensure_future(state.closed.wait())
+        dropped = asyncio.ensure_future(state.dropped_event(site_id).wait())
         try:
-            await asyncio.wait({receive, closed}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({receive, closed, dropped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             closed.cancel()
+            dropped.cancel()
             if not receive.done():
                 receive.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await receive
+        if receive.cancelled() and site_id not in state.expected:
+            raise StateError(f"site {site_id} was dropped from round {rnd.number} while "
+                             "its upload was streaming")
         if receive.cancelled():
             raise ProtocolAbort(
                 AbortReason.UNEXPECTED_MESSAGE,
@@ -248,7 +257,8 @@ class Transfers:
         receive.result()  # the stream's ValidationError, if any
 
     async def _receive_into(
-        self, assembler: ChunkAssembler, chunks: AsyncIterator[tuple[int, bytes]]
+        self, assembler: ChunkAssembler, chunks: AsyncIterator[tuple[int, bytes]],
+        *, alive: Callable[[], None],
     ) -> None:
         idle = self.limits.upload_idle_seconds
         loop = asyncio.get_running_loop()
@@ -259,6 +269,7 @@ class Transfers:
             async with asyncio.timeout(idle) as window:
                 async for offset, data in chunks:
                     assembler.add(offset, data)
+                    alive()  # a chunk is as good as a heartbeat
                     window.reschedule(loop.time() + idle)
         except TimeoutError:
             raise ProtocolAbort(

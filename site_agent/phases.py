@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 
@@ -144,7 +145,8 @@ class SecAggPhases:
         timeline.mark("masked")
         log.debug("round %d: update masked", rnd.number)
         survivors_pb = stub.UploadMaskedInput(
-            upload_stream(rnd, session, masked.vector),
+            upload_stream(rnd, session, masked.vector,
+                          after_first_chunk=partial(self.debug_pause, rnd.number, "upload")),
             timeout=deadline(rnd, training=True),
         )
         timeline.mark("uploaded")

@@ -107,17 +107,21 @@ class ModelDownload:
 
 
 def upload_stream(
-    rnd: VerifiedRound, session: bytes, vector: np.ndarray
+    rnd: VerifiedRound, session: bytes, vector: np.ndarray, *,
+    after_first_chunk: Callable[[], None] | None = None,
 ) -> Iterator[pb.MaskedInputChunk]:
     """The (masked) upload as UploadMaskedInput streams it: a header, then chunks as
-    large as the coordinator accepts."""
+    large as the coordinator accepts (`after_first_chunk`: TEST ONLY fault injection,
+    called once the first chunk was sent)."""
     yield pb.MaskedInputChunk(
         header=pb.MaskedInputHeader(
             round=rnd.number, session_id=session, vector_length=vector.size
         )
     )
-    for offset, data in iter_chunks(vector, chunk_bytes=rnd.chunk_bytes):
+    for index, (offset, data) in enumerate(iter_chunks(vector, chunk_bytes=rnd.chunk_bytes)):
         yield pb.MaskedInputChunk(chunk=pb.ModelChunk(offset=offset, data=data))
+        if index == 0 and after_first_chunk is not None:
+            after_first_chunk()
 
 
 def write_debug_update(state: Path, round_number: int, vector: np.ndarray) -> None:

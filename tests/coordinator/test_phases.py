@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from common.config import LimitsSection
 from common.errors import AbortReason, ProtocolAbort, StateError
 from common.modelfile import flat_layout
 from common.round import Announcement
+from coordinator.aggregation import PlainAggregator
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.phases import (
     PLAIN_PHASES,
     SECURE_PHASES,
@@ -23,6 +28,7 @@ from coordinator.phases import (
     drive,
 )
 from coordinator.store import CoordinatorStore
+from coordinator.uploads import Transfers
 
 SITES = ("alpha", "beta", "gamma")
 
@@ -178,21 +184,67 @@ def test_a_silent_site_is_dropped_and_a_beating_one_is_waited_for() -> None:
     assert rnd.phases[RoundPhase.MASKED_INPUT].output == ["alpha", "beta"]
 
 
-def test_a_site_streaming_its_upload_is_left_to_the_idle_cut() -> None:
-    rnd = ActiveRound(announcement(secure=False), b"", liveness=Liveness(0.01, 2))
+def test_a_frozen_uploader_is_dropped_within_the_silence_limit_and_a_slow_one_kept(
+    tmp_path: Path,
+) -> None:
+    """Liveness covers uploads too: alpha sends one chunk of its upload and freezes (no
+    chunk, no heartbeat), beta streams slowly, beating and sending a chunk per interval
+    for twice the silence limit, gamma uploads at once. With the upload idle cut and
+    the phase deadline both far away, alpha is dropped after `misses` silent intervals
+    and its stream cut; beta's upload is kept and summed."""
+    interval, misses = 0.05, 3
+    rnd = ActiveRound(announcement(secure=False), b"", liveness=Liveness(interval, misses))
+    transfers = Transfers(LimitsSection(upload_idle_seconds=600.0, max_concurrent_uploads=3),
+                          tmp_path, metrics=CoordinatorMetrics())
+    length = rnd.announcement.vector_length
+    transfers.prepare(length)
+    aggregator = PlainAggregator(rnd)
+    lock = asyncio.Lock()
     closed: list[PhaseClosed] = []
+    frozen = asyncio.Event()  # never set: alpha's process is stopped
+    vectors = {site: np.full(length, n + 1, dtype="<u4") for n, site in enumerate(SITES)}
 
     async def close(phase: RoundPhase, state: PhaseState) -> tuple[object, set[str]]:
         return sorted(state.arrived), set()
 
-    async def scenario() -> None:
-        rnd.uploading.add("alpha")
-        await drive(rnd, PLAIN_PHASES, timeout_for=lambda _p: 0.2, close=close,
-                    lock=asyncio.Lock(), on_closed=lambda _r, c: closed.append(c))
+    async def frozen_stream() -> AsyncIterator[tuple[int, bytes]]:
+        yield 0, vectors["alpha"][:4].tobytes()
+        await frozen.wait()
 
-    asyncio.run(scenario())
-    assert closed[0].silent == ("beta", "gamma")
-    assert closed[0].missing == SITES  # alpha only at the deadline
+    async def slow_stream() -> AsyncIterator[tuple[int, bytes]]:
+        data = vectors["beta"].tobytes()
+        pieces = 2 * misses
+        step = -(-len(data) // pieces // 4) * 4
+        for offset in range(0, len(data), step):
+            rnd.heard_from("beta")  # its heartbeat thread beats on while it streams
+            await asyncio.sleep(interval)  # a slow link's pace, not a synchronisation
+            yield offset, data[offset:offset + step]
+
+    async def upload(site: str, stream: AsyncIterator[tuple[int, bytes]]) -> None:
+        await transfers.receive(rnd, site, length, stream, into=aggregator, lock=lock)
+
+    async def scenario() -> BaseException | None:
+        driving = asyncio.ensure_future(
+            drive(rnd, PLAIN_PHASES, timeout_for=lambda _p: 600.0, close=close, lock=lock,
+                  on_closed=lambda _r, c: closed.append(c)))
+        await asyncio.sleep(0)  # let drive open MaskedInput
+        results = await asyncio.gather(
+            upload("alpha", frozen_stream()), upload("beta", slow_stream()),
+            upload("gamma", (lambda: _one(vectors["gamma"]))()), return_exceptions=True)
+        await driving
+        return results[0] if isinstance(results[0], BaseException) else None
+
+    alpha_error = asyncio.run(scenario())
+    assert isinstance(alpha_error, StateError)
+    assert "dropped" in str(alpha_error)
+    assert closed[0].silent == ("alpha",)
+    assert rnd.phases[RoundPhase.MASKED_INPUT].output == ["beta", "gamma"]
+    np.testing.assert_array_equal(aggregator.total, vectors["beta"] + vectors["gamma"])
+    assert rnd.uploading == set()
+
+
+async def _one(vector: np.ndarray) -> AsyncIterator[tuple[int, bytes]]:
+    yield 0, vector.tobytes()
 
 
 def test_dropped_counts_every_phase_but_not_declines() -> None:

@@ -4,15 +4,17 @@ The RPC itself is exercised over real mTLS in tests/e2e/test_study_lifecycle.py.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from common.privacy.budget import BudgetReport
 from common.round import KIND_STATISTICS, KIND_TRAINING
 from common.status_cli import render
-from coordinator.phases import ActiveRound, RoundPhase
+from coordinator.phases import ActiveRound, Liveness, RoundPhase
 from coordinator.sessions import SiteSession
 from coordinator.status import (
     DISCONNECTED_AFTER_SECONDS,
+    REPOLL_GRACE_SECONDS,
     StudyStatus,
     eta_seconds,
     site_state,
@@ -46,6 +48,29 @@ def test_site_states_between_rounds() -> None:
     assert site_state(session(last_contact=NOW, declined_round=4), None, now=NOW) == "declined"
     spent = BudgetReport(budget_epsilon=4.0, spent_epsilon=4.0)
     assert site_state(session(last_contact=NOW, budget=spent), None, now=NOW) == "exhausted"
+
+
+def test_a_site_that_stopped_polling_is_gone_not_waiting() -> None:
+    """An agent run with `--once` exits after its round: no poll open, no call since."""
+    assert site_state(session(last_contact=NOW - 1), None, now=NOW) == "waiting"
+    left = NOW - REPOLL_GRACE_SECONDS - 1
+    assert site_state(session(last_contact=left), None, now=NOW) == "gone"
+
+
+def test_a_silent_participant_is_shown_silent_and_a_beating_one_in_round() -> None:
+    """In a heartbeat phase, a participant not heard for 1.5 intervals is
+    `silent` (frozen or cut off), one that beats is `in_round`; one that has sent its
+    phase's message is `in_round` whatever it does next."""
+    interval = 5.0
+    rnd = ActiveRound(announcement(secure=False), b"", liveness=Liveness(interval, 3))
+    state = rnd.open_phase(RoundPhase.MASKED_INPUT, set(rnd.announcement.participants))
+    now = time.monotonic()
+    state.opened_at = now - 3 * interval  # the phase has been open three intervals
+    rnd.last_heard["alpha"] = now  # beating
+    state.mark("gamma")  # uploaded, then went quiet: its phase is done
+    states = {site: site_state(session(site_id=site, last_contact=NOW), rnd, now=NOW)
+              for site in ("alpha", "beta", "gamma")}
+    assert states == {"alpha": "in_round", "beta": "silent", "gamma": "in_round"}
 
 
 def test_eta_is_unknown_before_a_round_completes_then_median_based() -> None:

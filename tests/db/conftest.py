@@ -82,22 +82,32 @@ class _Server:
         )
         if result.returncode != 0:
             raise RuntimeError(f"initdb failed: {result.stderr.strip()}")
+        errors = []
+        for _attempt in range(3):  # a free port can be taken between probe and bind
+            self.port = _free_port()
+            result = self._pg_ctl("start")
+            if result.returncode == 0:
+                return
+            errors.append(result.stderr.strip() or result.stdout.strip())
+        raise RuntimeError(f"pg_ctl start failed: {errors}")
+
+    def _pg_ctl(self, action: str, *args: str) -> subprocess.CompletedProcess[str]:
         # Throwaway server: durability settings off (the tests check logic, not disks).
         options = (
             "-c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off "
             f"-c full_page_writes=off -k {self.base}"
         )
-        errors = []
-        for _attempt in range(3):  # a free port can be taken between probe and bind
-            self.port = _free_port()
-            result = self._run(
-                "pg_ctl", "-D", str(self.data), "-l", str(self.base / "server.log"), "-w",
-                "-t", "60", "-o", f"-p {self.port} {options}", "start",
-            )
-            if result.returncode == 0:
-                return
-            errors.append(result.stderr.strip() or result.stdout.strip())
-        raise RuntimeError(f"pg_ctl start failed: {errors}")
+        return self._run(
+            "pg_ctl", "-D", str(self.data), "-l", str(self.base / "server.log"), "-w",
+            "-t", "60", "-o", f"-p {self.port} {options}", *args, action,
+        )
+
+    def control(self, action: str, *args: str) -> None:
+        """`pg_ctl ACTION` on the running server's port (restart, stop, start); raises
+        when it fails."""
+        result = self._pg_ctl(action, *args)
+        if result.returncode != 0:
+            raise RuntimeError(f"pg_ctl {action} failed: {result.stderr.strip()}")
 
     def stop(self) -> None:
         with contextlib.suppress(subprocess.SubprocessError, OSError):
@@ -137,6 +147,26 @@ def postgres_server() -> Iterator[str]:
         pytest.skip(f"could not start a private PostgreSQL server: {exc}")
     try:
         yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def private_postgres(postgres_server: str) -> Iterator[_Server]:
+    """A PostgreSQL server of this test alone, which it may restart or stop
+    (`_Server.control`); its URL is `.url`."""
+    if os.environ.get("MEDFED_TEST_POSTGRES_URL"):
+        pytest.skip("restarting a server needs one the tests start (not MEDFED_TEST_POSTGRES_URL)")
+    bindir = _server_binaries()
+    assert bindir is not None  # postgres_server skipped otherwise
+    server = _Server(bindir)
+    try:
+        server.start()
+    except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
+        server.stop()
+        pytest.skip(f"could not start a private PostgreSQL server: {exc}")
+    try:
+        yield server
     finally:
         server.stop()
 

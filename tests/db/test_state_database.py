@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import ConfigError, StateError
+from common.errors import ConfigError, DatabaseUnavailable, StateError
 from common.privacy.budget import BudgetReport
 from common.privacy.federation import FederationBudgetView
 from common.sqldb import POSTGRESQL, SQLITE, Database, parse_database_url, translate
@@ -280,17 +280,50 @@ def test_postgresql_writers_queue_on_the_write_lock(postgres_url: str) -> None:
 
 
 def test_postgresql_connection_is_reopened_after_it_breaks(postgres_url: str) -> None:
-    """A failover or server restart kills the connection: the next transaction reconnects."""
+    """A failover or server restart kills the connection: the next transaction's liveness
+    check finds it dead and reconnects first, so that transaction runs (and is counted)."""
+    import psycopg
+
+    store = CoordinatorStore(postgres_url)
+    reconnects: list[int] = []
+    store.database.on_reconnect = lambda: reconnects.append(1)
+    store.set_meta("k", "v1")
+
+    def backend_pid() -> int:
+        with store.database.transaction(write=False) as cur:
+            row = cur.execute("SELECT pg_backend_pid()").fetchone()
+        assert row is not None
+        return int(row[0])
+
+    pid = backend_pid()
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    assert store.get_meta("k") == "v1"  # on a new connection, at the first try
+    assert backend_pid() != pid
+    assert reconnects == [1]
+    store.close()
+
+
+def test_postgresql_connection_lost_mid_transaction_is_unavailable_not_a_bug(
+    postgres_url: str,
+) -> None:
+    """A connection that dies inside a transaction raises DatabaseUnavailable (the
+    engine rides it out, nothing committed); a wrong statement stays the database's own
+    error, which is not ridden out."""
     import psycopg
 
     store = CoordinatorStore(postgres_url)
     store.set_meta("k", "v1")
-    with store.database.transaction(write=False) as cur:
-        pid = cur.execute("SELECT pg_backend_pid()").fetchone()
-    assert pid is not None
-    with psycopg.connect(postgres_url, autocommit=True) as admin:
-        admin.execute("SELECT pg_terminate_backend(%s)", (pid[0],))
-    with pytest.raises(psycopg.OperationalError):
-        store.get_meta("k")  # the transaction that finds the connection dead fails...
-    assert store.get_meta("k") == "v1"  # ...the next one runs on a new connection
+    with (pytest.raises(DatabaseUnavailable, match="unreachable") as lost,
+          store.database.transaction() as cur):
+        cur.execute("UPDATE meta SET value = ? WHERE key = ?", ("v2", "k"))
+        row = cur.execute("SELECT pg_backend_pid()").fetchone()
+        assert row is not None
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+        cur.execute("SELECT 1")
+    assert "medfed_test_" in str(lost.value)  # names the database
+    assert store.get_meta("k") == "v1"  # the lost transaction committed nothing
+    with pytest.raises(psycopg.errors.UndefinedTable), store.database.transaction() as cur:
+        cur.execute("SELECT * FROM no_such_table")
     store.close()

@@ -70,3 +70,30 @@ def test_a_site_killed_mid_training_is_dropped_after_missed_heartbeats(
     assert_liveness_bound(federation.coordinator, round_number=1, gone="site-d",
                           interval=HEARTBEAT_SECONDS)
     assert federation.assert_exact_sum(1) == ["site-a", "site-b", "site-c", "site-e"]
+
+
+def test_a_site_frozen_mid_upload_is_dropped_and_a_slow_uploader_kept(
+    federation: Federation,
+) -> None:
+    """Liveness holds while a masked input streams: site-c stops mid-upload (after its
+    first chunk) and is then frozen, so its stream stays open but it beats no more;
+    site-e stalls mid-upload for 2.5 silence limits while its heartbeats go on, then
+    finishes. site-c is dropped within the heartbeat bound (not after
+    `upload_idle_seconds`), site-e's input is in the sum."""
+    federation.start_coordinator(*LIVENESS)
+    for site in ("site-a", "site-b", "site-d"):
+        federation.start_site(site)
+    frozen = federation.start_site("site-c", "--debug-pause-after", "1:upload")
+    slow_pause = 2.5 * HEARTBEAT_SECONDS * 3
+    slow = federation.start_site("site-e", "--debug-pause-after", "1:upload",
+                                 "--debug-pause-seconds", str(slow_pause))
+    frozen.wait_event("paused", round=1, phase="upload", timeout=300)
+    frozen.proc.send_signal(signal.SIGSTOP)  # its upload stream stays open, silent
+    try:
+        slow.wait_event("paused", round=1, phase="upload", timeout=300)
+        assert federation.coordinator is not None
+        assert_liveness_bound(federation.coordinator, round_number=1, gone="site-c",
+                              interval=HEARTBEAT_SECONDS)
+        assert federation.assert_exact_sum(1) == ["site-a", "site-b", "site-d", "site-e"]
+    finally:
+        frozen.proc.send_signal(signal.SIGCONT)

@@ -1,7 +1,8 @@
-"""Liveness when a site's network link goes down while it trains:
+"""Liveness when a site's network link goes down while it trains or mid-upload:
 the coordinator and four site agents in their own network namespaces (the topology of
-test_netns.py), real processes over mTLS. Once the victim logs that it is training,
-its link is taken down (`ip link set eth0 down` in its namespace): no reset reaches the
+test_netns.py), real processes over mTLS. Once the victim logs that it is training (or
+has paused its upload stream after the first chunk, its heartbeats going on), its link
+is taken down (`ip link set eth0 down` in its namespace): no reset reaches the
 coordinator, only silence. The round completes without it within 3 heartbeat intervals
 (plus stated slack) after the last live upload, on the coordinator's log timestamps.
 
@@ -31,7 +32,11 @@ HEARTBEAT_SECONDS = 2.0
 SITE_ENV = {"MEDFED_SITE_DEBUG_TRAIN_SECONDS": "3"}
 
 
-def test_a_site_whose_link_goes_down_mid_training_is_dropped(tmp_path: Path) -> None:
+@pytest.mark.parametrize("moment", ["training", "upload"])
+def test_a_site_whose_link_goes_down_mid_round_is_dropped(tmp_path: Path, moment: str) -> None:
+    """`upload`: the victim's stream is open on the coordinator when its link goes down;
+    it is dropped on missed heartbeats, not after `upload_idle_seconds`."""
+    victim_args = ("--debug-pause-after", "1:upload") if moment == "upload" else ()
     with build_topology(SITES) as topology:
         pki_dir = make_pki(tmp_path, SITES)
         logs = tmp_path / "logs"
@@ -62,10 +67,14 @@ def test_a_site_whose_link_goes_down_mid_training_is_dropped(tmp_path: Path) -> 
                         "--metrics-listen", "127.0.0.1:0",
                         "--state", str(tmp_path / "sites" / site),
                         "--trainer", "test-deterministic", "--debug-write-updates",
+                        *(victim_args if site == VICTIM else ()),
                     )),
                     env=SITE_ENV, log_dir=logs, cwd=REPO,
                 )
-            processes[VICTIM].wait_event("training_started", round_number=1, timeout=300)
+            if moment == "upload":
+                processes[VICTIM].wait_event("paused", round=1, phase="upload", timeout=300)
+            else:
+                processes[VICTIM].wait_event("training_started", round_number=1, timeout=300)
             ip("-n", topology.site_ns[VICTIM], "link", "set", "eth0", "down")
             completed = assert_liveness_bound(coordinator, round_number=1, gone=VICTIM,
                                               interval=HEARTBEAT_SECONDS)
