@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common import pki
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
+from common.state_lock import LOCK_FILE
 from tests.network.conftest import (
     InProcessCoordinator,
     PkiLayout,
@@ -307,5 +308,6 @@ def test_uploads_staged_on_disk_give_the_exact_sum(
     assert list(survivors) == sites
     assert np.array_equal(aggregate, ring_sum([honest.update(s, 1) for s in survivors]))
     # The staging files are anonymous (unlinked at creation): nothing is left behind.
-    files = sorted(p.name for p in coord.settings.state.iterdir() if p.is_file())
+    files = sorted(p.name for p in coord.settings.state.iterdir()
+                   if p.is_file() and p.name != LOCK_FILE)
     assert all(name.startswith("coordinator.db") for name in files), files
