@@ -65,7 +65,8 @@ tabular demo's 50 bins, 100 noised counts (std `DEMO_EVALUATION_NOISE_STD` each)
 ~100 held-out scores and the reported AUC is noise; 10 bins keep the noise per count
 comparable to the counts. The most a round counts with: after the first, rounds count
 with as few as the released class totals and the noise allow
-(`common.evaluation_edges.evaluation_bins`: 2 for the demo's few dozen held-out images)."""
+(`common.evaluation_edges.evaluation_bins`: 6-7 for the demo's ~240 held-out patients at
+std ~4)."""
 
 DEMO_EVALUATION_NOISE_STD = 2.5
 """Each site's ``evaluation_noise_std`` (site default 10): the std the sum of the
