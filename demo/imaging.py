@@ -247,13 +247,14 @@ device = "{self.device}"
         scores: the sites' own split (held-out fraction 0.2, `split_seed` = the demo's
         seed), pooled. A check on the demo's DP estimate that only a demo can make."""
         from common.evaluation import metrics_from_scores
+        from common.modelfile import read_model_file
         from common.models.build import initial_model
         from common.models.layout import load_flat_parameters
         from site_agent.imaging import split_images
         from site_agent.trainer import predict_scores
 
         model = initial_model(demo.study, seed=demo.o.seed)
-        flat = model_file_flat(model_path)
+        flat = np.asarray(read_model_file(model_path).flat, dtype=np.float32)
         load_flat_parameters(model, flat)
         held_out = _pool([
             split_images(data, held_out_fraction=0.2, seed=demo.o.seed)[1]
@@ -261,17 +262,6 @@ device = "{self.device}"
         ])
         scores = predict_scores(model, held_out, batch_size=256)
         return float(metrics_from_scores(scores, held_out.labels).auc)
-
-
-def model_file_flat(path: Path) -> np.ndarray:
-    """The parameters of the demo's final model: the study's bundle (a served study's
-    ``final.safetensors``) or a model file (a checkpoint)."""
-    from common.bundle import read_bundle
-    from common.modelfile import read_model_file
-
-    if path.suffix == ".safetensors":
-        return np.asarray(read_bundle(path).flat(), dtype=np.float32)
-    return np.asarray(read_model_file(path).flat, dtype=np.float32)
 
 
 # ------------------------------------------------------------------ baselines
