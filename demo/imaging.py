@@ -161,10 +161,6 @@ class ImagingTask:
             encoding="utf-8",
         )
         demo.study = load_study(self.study_path)
-        # Served by the coordinator (`coordinator serve --study`): it then knows the
-        # network, so the next round's evaluation buckets can move with the model
-        # (`coordinator.training_round.follow_the_model`).
-        demo.served_study = self.study_path
         folders = write_imaging_cohort(
             demo.out / "cohort", names, seed=demo.o.seed,
             patients_per_site=demo.o.patients_per_site,
