@@ -74,10 +74,13 @@ n_noise = 2 honest sites' shares carries (`site_agent.dp_release.evaluation_nois
 rounds of at least 3 sites with 1 colluding); a round of k sites sums k shares, std
 2.5 sqrt(k / 2) per count, ~4 with all five hospitals. Sized for the demo's held-out
 cohort, ~48 patients a hospital (`IMAGING_DEFAULTS`: 240 patients, the sites' default
-held-out fraction 0.2), ~45 of them positive over the five: the final DP AUC's 95%
-interval (`common.evaluation_interval.auc_interval`) is then readable (width < 0.5)
-in 95% of simulated releases of an AUC-0.98 model at per-count std 3.95, 7% at 7.9
-(the sites' std 5 before); at 120 patients a site (~23 positives) 57% even at std 2.5.
+held-out fraction 0.2), ~45 of them positive over the five. Simulated with buckets
+placed on the scores (`common.evaluation_interval.auc_interval`), an AUC-0.98 model's
+interval is readable (width < 0.5) in 95% of releases at per-count std 3.95, 7% at
+7.9 (the sites' std 5 before); at 120 patients a site (~23 positives) 57% even at std
+2.5. The demo's own rounds still read "too noisy": its coordinator runs from a model
+file, so its buckets cannot follow the DP model's narrow, moving band
+(`coordinator.training_round.follow_the_model` needs a served study).
 The four evaluations (3 rounds + the final one) cost each site more of its budget than
 at std 5 (zCDP rho = 1 / (2 sigma^2) each, Canonne, Kamath & Steinke 2020), composed
 with its DP-SGD on its ledger: the training noise is planned for what is left."""
