@@ -153,6 +153,26 @@ def next_block_edges(
     )
 
 
+def shift_edges(
+    values: Sequence[float], *, bins: int, shifts: Sequence[float]
+) -> tuple[float, ...]:
+    """Announced edges (``histogram_bins`` = `bins`, one block per entry of `shifts`)
+    with each block's inner edges moved by its shift on the logit scale, clipped to
+    +-LOGIT_LIMIT: the next round's buckets follow the model where a probe of the public
+    model says its scores moved (`common.models.probe`; post-processing). A block whose
+    moved edges would no longer be strictly increasing (piled at a limit) keeps its
+    edges."""
+    blocks = round_edges(values, bins=bins, blocks=len(shifts))
+    out: list[float] = []
+    for block, by in zip(blocks, shifts, strict=True):
+        if not math.isfinite(by):
+            raise ValidationError("edge shift must be finite")
+        inner = np.clip(_logit(block[1:-1]) + by, -LOGIT_LIMIT, LOGIT_LIMIT)
+        moved = np.concatenate([[0.0], _sigmoid(inner), [1.0]])
+        out.extend(float(v) for v in (moved if np.all(np.diff(moved) > 0) else block))
+    return tuple(out)
+
+
 def round_edges(
     announced: Sequence[float], *, bins: int, blocks: int = 1
 ) -> tuple[np.ndarray, ...]:

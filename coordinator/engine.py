@@ -392,6 +392,7 @@ class RoundEngine:
                 self.study.study if self.study else None, self.settings.aggregation),
             evaluation_noise_std=evaluation_noise_std(
                 self.ledgers.replica, aggregator.survivors, round_number=rnd.number),
+            study=self.study.study if self.study else None,
         )
         rnd.mark("updated")
         training_round.record_and_bundle(

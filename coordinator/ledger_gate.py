@@ -64,9 +64,11 @@ def evaluation_noise_std(
     """The per-count noise std of a round's summed evaluation histogram, from the
     signed ledger entries the contributing `sites` published: each adds N_Z(0, s^2)
     (`DistributedDiscreteGaussian.noise_variance_per_site`), so the sum carries
-    sqrt(sum of s^2) (at most; KLS21). A site's entry for `round_number`, else its
-    latest evaluation entry (replicas catch up after the round; a site's noise setting
-    does not change between rounds). None (estimate from the release instead) when a
+    sqrt(sum of s^2) (at most; KLS21). A site's entry for `round_number` (a site sends
+    it to the replica once it is on its ledger, before its histogram), else its latest
+    evaluation entry (a site's noise setting does not change between rounds; a replica
+    that missed the round's entry catches up after it). None (estimate from the
+    release instead) when a
     site has no replica or no evaluation entry in it yet: a site that kept a ledger but
     has not replicated it (nothing to send yet) still added noise, and leaving it out
     would understate the std and narrow the reported interval."""

@@ -8,6 +8,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,6 +26,9 @@ from coordinator.optimizers import ServerOptimizer, apply_step, build_optimizer
 from coordinator.phases import ActiveRound
 from coordinator.store import CoordinatorStore
 from coordinator.study_run import StudyRun
+
+if TYPE_CHECKING:
+    from common.study import Study
 
 log = logging.getLogger("medfed.coordinator")
 
@@ -118,12 +122,13 @@ def stored_intermediaries(store: CoordinatorStore) -> int | None:
 def apply_update(
     rnd: ActiveRound, aggregator: Aggregator, *, model: GlobalModel,
     settings: CoordinatorSettings, hospital_terms: HospitalTerms | None = None,
-    evaluation_noise_std: float | None = None,
+    evaluation_noise_std: float | None = None, study: Study | None = None,
 ) -> RoundResult:
     """Decode the sum and step the model (worker thread; the model is no longer
     served, so an elementwise optimizer may update it in place). `evaluation_noise_std`:
     the per-count noise of the evaluation histogram as the ledgers record it (None:
-    estimated from the release)."""
+    estimated from the release). With a `study`, the next round's evaluation edges
+    move with the model (`follow_the_model`)."""
     ann = rnd.announcement
     aggregate = aggregator.result
     if aggregate is None:
@@ -146,8 +151,6 @@ def apply_update(
         noise_std=evaluation_noise_std, interval_seed=ann.round_number,
     )
     next_edges = decoded.next_histogram_edges(max_bins=study_bins(settings))
-    if next_edges is not None:
-        model.histogram_edges = next_edges
     mean_delta = decoded.mean_delta
     chosen = decoded.metrics.get("next_intermediaries")
     if chosen is not None:
@@ -155,11 +158,41 @@ def apply_update(
     if mean_delta is None:
         mean_delta = np.zeros(model.flat.size, dtype=np.float32)
     else:
+        # The model the round evaluated, probed before the step may update it in place.
+        before = probe(study, model.flat) if study and next_edges else None
         model.flat = apply_step(
             model.optimizer, model.flat, mean_delta, window=UPDATE_CHUNK_ELEMENTS
         )
+        if before is not None and next_edges is not None and study is not None:
+            next_edges = follow_the_model(next_edges, before=before,
+                                          after=probe(study, model.flat))
+    if next_edges is not None:
+        model.histogram_edges = next_edges
     return RoundResult(ann.round_number, survivors, rnd.dropped_sites(survivors),
                        mean_delta, decoded.metrics, decoded.histogram, edges=decoded.edges)
+
+
+def probe(study: Study, flat: np.ndarray) -> np.ndarray:
+    """`common.models.probe.probe_logits` (imports torch: only when a round steps)."""
+    from common.models.probe import probe_logits
+
+    return probe_logits(study, flat)
+
+
+def follow_the_model(
+    edges: tuple[float, ...], *, before: np.ndarray, after: np.ndarray
+) -> tuple[float, ...]:
+    """The next round's edges, chosen from the release of the model before the step,
+    moved by how far a public probe of the model moved in the step
+    (`common.evaluation_edges.shift_edges`): a DP model's scores can move by more than
+    the width of the band they sit in, out of every bucket the release alone set."""
+    from common.evaluation_edges import shift_edges
+
+    shifts = np.asarray(after, dtype=np.float64) - np.asarray(before, dtype=np.float64)
+    bins = len(edges) // shifts.size - 1
+    log.info("next evaluation edges moved by %s logits with the model",
+             ", ".join(f"{v:+.3f}" for v in shifts))
+    return shift_edges(edges, bins=bins * shifts.size, shifts=[float(v) for v in shifts])
 
 
 def record(

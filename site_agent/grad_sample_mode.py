@@ -3,8 +3,11 @@ hooks (`GradSampleChoice`).
 
 With ``grad_sample_mode = "auto"`` a single trainer times a few steps of each on a copy
 of its model, on its device, with synthetic inputs of its physical batch shape, and keeps
-the faster (`measure_grad_sample_modes`, `pick_faster_mode`); ranks of a multi-process
-trainer must agree, so they follow a rule instead (`choose_grad_sample_mode`).
+the faster (`measure_grad_sample_modes`, `pick_faster_mode`). A site measures once per
+study, when it joins (`prepared_grad_sample_choice`: the model built, before any key is
+sent, so no round waits for it), and keeps the decision in its state directory, so a
+restart does not measure again. Ranks of a multi-process trainer must agree, so they
+follow a rule instead (`choose_grad_sample_mode`).
 `dp_training_objects` and `distributed_dp_objects` build the Opacus module, DP optimizer
 and loss of the chosen mode.
 """
@@ -12,12 +15,14 @@ and loss of the chosen mode.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -29,7 +34,8 @@ from opacus.optimizers import (
 )
 from torch import nn
 
-from common.errors import ConfigError
+from common.errors import ConfigError, StateError
+from common.fileio import atomic_write
 from site_agent.ghost_clipping import (
     GhostLoss,
     GhostModule,
@@ -203,6 +209,67 @@ def measure_grad_sample_modes(
                     seconds[mode].append(time.perf_counter() - started)
     del runs
     return {mode: min(values) for mode, values in seconds.items()}
+
+
+MODE_STATE_FILE = "grad-sample-mode.json"
+"""The site's `auto` decision for the study it joined (`prepared_grad_sample_choice`)."""
+
+
+def prepared_grad_sample_choice(
+    model: nn.Module,
+    *,
+    input_shape: tuple[int, ...],
+    config: TrainingConfig,
+    device: torch.device,
+    state: Path,
+    key: str,
+) -> GradSampleChoice:
+    """`auto`'s decision for one study, measured once (`measure_grad_sample_modes` on a
+    physical batch of ``min(batch_size, max_physical_batch_size)`` synthetic records)
+    and kept in `state`/MODE_STATE_FILE under `key` (the study, model, device and batch
+    shape it was measured for): a restarted site reads it back instead of measuring
+    again. The batch is the study's, not capped by this site's record count, so the
+    decision depends on no site data. A file for another key is replaced."""
+    shape = (min(config.batch_size, config.max_physical_batch_size), *input_shape)
+    path = state / MODE_STATE_FILE
+    saved = _saved_choice(path, key)
+    if saved is not None:
+        mode, seconds = saved
+        choice = GradSampleChoice(mode=mode, source="measured", batch_shape=shape,
+                                  device=str(device), seconds_per_step=seconds)
+        logger.info("grad_sample_mode auto (kept from %s): %s", path, choice.describe())
+        return choice
+    seconds = measure_grad_sample_modes(model, input_shape=input_shape, config=config,
+                                        device=device)
+    choice = GradSampleChoice(mode=pick_faster_mode(seconds), source="measured",
+                              batch_shape=shape, device=str(device), seconds_per_step=seconds)
+    state.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(
+        {"key": key, "mode": choice.mode, "seconds_per_step": dict(seconds)}).encode())
+    logger.info("grad_sample_mode auto: %s", choice.describe())
+    return choice
+
+
+def _saved_choice(path: Path, key: str) -> tuple[GradSampleMode, dict[str, float]] | None:
+    """The (mode, timings) saved under `key`, None when the file is absent or for
+    another key; StateError when it is unreadable."""
+    if not path.exists():
+        return None
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        if raw["key"] != key:
+            return None
+        mode = raw["mode"]
+        seconds = {str(m): float(v) for m, v in raw["seconds_per_step"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise StateError(
+            f"{path} is unreadable ({exc}): it holds this site's measured grad_sample_mode; "
+            "delete it to measure again"
+        ) from None
+    if mode not in GRAD_SAMPLE_MODES:
+        raise StateError(f"{path}: mode {mode!r} is not one of {GRAD_SAMPLE_MODES}; "
+                         "delete it to measure again")
+    return mode, seconds
 
 
 GHOST_MIN_PARAMETERS = 1_000_000

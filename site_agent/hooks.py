@@ -43,6 +43,7 @@ from site_agent.training_data import (
 from site_agent.training_plan import (
     dp_sgd_budget,
     fit_batch_size,
+    joined_grad_sample_choice,
     local_optimizer,
     requested_batch_size,
     round_noise_multiplier,
@@ -53,6 +54,7 @@ from site_agent.unit_split import site_split_key
 if TYPE_CHECKING:
     from common.models import Task
     from common.study import Study
+    from site_agent.grad_sample_mode import GradSampleChoice
 
 log = logging.getLogger("medfed.site")
 
@@ -194,6 +196,8 @@ class DpTrainingHook:
         self._image_units = 0
         self._trainer: object | None = None
         self._trainer_key: tuple[int, int] | None = None
+        # `auto`'s record-level DP path, chosen when an images study is joined.
+        self._dp_path: GradSampleChoice | None = None
         # Set by `attach_ledger`; then q, steps, weights and gauges come from
         # the DP count and the noise from the site's own plan over its ledger.
         self.ledger: PrivacyLedger | None = None
@@ -225,6 +229,7 @@ class DpTrainingHook:
         self.train_data = None
         self._trainer = None
         self.joined = True
+        self._dp_path = None
         if study.data.kind == "images":
             # Pixels need no global statistics: the folder trains as soon as it is checked.
             self._set_images(load_configured_data(self.settings, study))
@@ -237,7 +242,14 @@ class DpTrainingHook:
                 )
         # The study's model, built and DP-checked here (ModuleValidator names the layer
         # and the fix) before this site sends any key or update.
-        self._layout = layout_of(self.model())
+        model = self.model()
+        self._layout = layout_of(model)
+        if study.data.kind == "images" and self.dp_sgd and "patient" not in (
+                self.privacy_unit, self.record_level):
+            # Record-level DP-SGD's path, measured now (once per study), not in a round.
+            self._dp_path = joined_grad_sample_choice(
+                self.settings, study, model=model, record_shape=tuple(self.train_data.shape),
+                device=self.device)
         log.info(
             "study %s joined: %d records, %s patients, missing values %s", study.study.name,
             report.records, report.patients, {k: v for k, v in report.missing.items() if v},
@@ -345,9 +357,10 @@ class DpTrainingHook:
 
     @property
     def grad_sample_choice(self) -> Any:
-        """The trainer's record-level DP path (`GradSampleChoice`), None before the
-        first trainer or for patient-level and non-private training."""
-        return getattr(self._trainer, "grad_sample_choice", None)
+        """The record-level DP path (`GradSampleChoice`): the trainer's, or before the
+        first trainer the one `auto` measured when an images study was joined; None for
+        patient-level and non-private training."""
+        return getattr(self._trainer, "grad_sample_choice", None) or self._dp_path
 
     @property
     def units(self) -> int:
@@ -417,7 +430,8 @@ class DpTrainingHook:
                 # Sampling and noise seeds from the OS CSPRNG, so nobody can predict the
                 # DP noise from the configuration (torch's generators hold 64 bits).
                 seed = int.from_bytes(os.urandom(8), "big") >> 1
-            self._trainer = LocalTrainer(self.model, self.train_data, config, seed=seed)
+            self._trainer = LocalTrainer(self.model, self.train_data, config, seed=seed,
+                                         grad_sample_choice=self._dp_path)
             self._trainer_key = key
         return self._trainer
 

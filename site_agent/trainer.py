@@ -15,7 +15,8 @@ Record level uses Opacus: ghost clipping (Li et al. 2022, "Large Language Models
 Be Strong Differentially Private Learners") or per-sample-gradient hooks; with
 ``grad_sample_mode = "auto"`` the trainer times a few steps of each on a copy of its
 model, on its device, with synthetic inputs of its physical batch shape, and keeps the
-faster (`site_agent.grad_sample_mode`). For models whose trainable layers are all
+faster (`site_agent.grad_sample_mode`), unless its site measured when it joined the
+study and passed that decision in. For models whose trainable layers are all
 Linear, the clipped sum comes from one backward pass by book-keeping (Bu et al. 2023,
 see `site_agent.ghost_clipping.GhostModule`); other models run Opacus' two-pass ghost
 clipping, with mixed ghost norms for Conv2d (Bu et al. 2022, see
@@ -105,7 +106,11 @@ class LocalTrainer:
         config: TrainingConfig,
         *,
         seed: int,
+        grad_sample_choice: GradSampleChoice | None = None,
     ) -> None:
+        # `auto`'s decision made when the site joined its study
+        # (`prepared_grad_sample_choice`): used instead of measuring here.
+        self._prepared_choice = grad_sample_choice
         self.config = config
         self.device = select_device(config.device)
         self.model = model_factory().to(self.device)
@@ -239,6 +244,10 @@ class LocalTrainer:
             return GradSampleChoice(
                 mode=requested, source="configured", batch_shape=shape, device=str(self.device)
             )
+        prepared = self._prepared_choice
+        if (prepared is not None and prepared.device == str(self.device)
+                and prepared.batch_shape[1:] == shape[1:]):
+            return prepared
         seconds = measure_grad_sample_modes(
             self.model, input_shape=shape[1:], config=self.config, device=self.device
         )

@@ -1,8 +1,9 @@
 """How a site trains in a round: the trainer's configuration from the site's settings,
 the round plan and the study (`site_training_config`), the expected batch
 (`requested_batch_size`, `fit_batch_size`), the local optimizer, DP-SGD's privacy
-target (`dp_sgd_budget`) and a round's noise planned from the site's ledger
-(`round_noise_multiplier`)."""
+target (`dp_sgd_budget`), a round's noise planned from the site's ledger
+(`round_noise_multiplier`) and the record-level DP path `auto` picks when the site joins
+a study (`joined_grad_sample_choice`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from site_agent.training_config import TrainingConfig
 if TYPE_CHECKING:
     from common.models import Task
     from common.study import Study
+    from site_agent.grad_sample_mode import GradSampleChoice
 
 
 def fit_batch_size(requested: int, *, units: int) -> int:
@@ -130,3 +132,45 @@ def round_noise_multiplier(
         study_rounds=None if study is None else study.study.rounds,
         **overrides,
     ).noise_multiplier
+
+
+def joined_grad_sample_choice(
+    settings: SiteSettings,
+    study: Study,
+    *,
+    model: Any,
+    record_shape: tuple[int, ...],
+    device: str,
+) -> GradSampleChoice | None:
+    """`grad_sample_mode = "auto"`'s decision for record-level DP-SGD on `study`'s
+    `model`, made once when the site joins the study (before any key is sent, so no
+    round's noise planning waits for the ~minutes a large network's measurement takes
+    on a CPU) and kept in the site's state (`prepared_grad_sample_choice`). None when
+    the site configured a mode, or trains as several processes (their ranks follow a
+    rule)."""
+    import torch
+    import torch.distributed as dist
+
+    from site_agent.grad_sample_mode import prepared_grad_sample_choice
+
+    if settings.training.grad_sample_mode != "auto" or (
+        dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    ):
+        return None
+    config = TrainingConfig(
+        batch_size=requested_batch_size(study, settings),
+        max_physical_batch_size=settings.training.max_physical_batch_size,
+        optimizer=local_optimizer(study, settings),
+        max_grad_norm=settings.privacy.max_grad_norm,
+        dp=True, privacy_unit="record", device=device,
+        task=study.study.task, num_classes=len(study.study.classes),
+    )
+    from common.study import study_sha256
+
+    shape = "x".join(str(n) for n in record_shape)
+    physical = min(config.batch_size, config.max_physical_batch_size)
+    return prepared_grad_sample_choice(
+        model, input_shape=record_shape, config=config, device=torch.device(device),
+        state=settings.state,
+        key=f"study {study_sha256(study)}, device {device}, batch {physical}x{shape}",
+    )

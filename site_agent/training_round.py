@@ -219,6 +219,11 @@ class TrainingRound:
                         study=self.membership.study, policy=self.settings.policy)
                 segments = [*segments, planned_hospital.mechanism]
             self._reserve(rnd, segments, evaluation)
+            if evaluation:
+                # The round's evaluation entry (its noise, parameters only) reaches the
+                # coordinator's replica before our histogram does, so the round's sum is
+                # read with the noise the sites announced, never an estimate.
+                self.membership.replicate(stub)
             log.info("round %d: training", rnd.number,
                      extra={"event": "training_started", "round_number": rnd.number})
             started = time.perf_counter()

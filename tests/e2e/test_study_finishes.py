@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -92,10 +93,17 @@ def test_the_study_init_study_finishes_with_the_final_model_at_every_site(
 
     store = CoordinatorStore(f"sqlite:///{run.state / 'coordinator.db'}")
     try:
-        completed = {r.round_number for r in store.rounds() if r.status == "completed"}
+        records = [r for r in store.rounds() if r.status == "completed"]
+        completed = {r.round_number for r in records}
         assert store.get_meta(FAILED_META) is None
     finally:
         store.close()
+    # Every DP evaluation, the first round's included, is read with the noise the sites
+    # put on their ledgers (each adds std 10 / sqrt(n_noise = 2) per count; three sum),
+    # sent to the replica before the histogram: never an estimate from the release.
+    announced = math.sqrt(len(SITES) * PrivacySection().evaluation_noise_std ** 2 / 2)
+    for record in records:
+        assert record.metrics["auc_noise_std"] == pytest.approx(announced), record
     assert len(completed) == study.max_evaluations  # the training rounds + the final one
     final = (run.state / "model" / "final.safetensors").read_bytes()
     for site in SITES:

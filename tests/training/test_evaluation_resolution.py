@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -321,3 +322,67 @@ def test_a_thinly_spread_small_cohort_is_read_in_credible_runs_not_as_one_bucket
         aucs.append(metrics_from_histogram(read.counts, edges=edges).auc)
     assert exact > 0.9
     assert float(np.mean(aucs)) > 0.7 and max(aucs) <= exact + 0.05, aucs
+
+
+PROBE_STUDY = """
+[study]
+name = "probe"
+rounds = 2
+task = "binary"
+classes = [0, 1]
+
+[data]
+kind = "images"
+label_column = "label"
+patient_column = "patient_id"
+file_column = "file"
+image_size = [16, 16]
+channels = 1
+
+[model]
+name = "cnn"
+
+[privacy]
+unit = "patient"
+"""
+
+
+def test_edges_move_with_the_model_so_a_band_that_jumps_is_resolved_at_once(
+    tmp_path: Path,
+) -> None:
+    """A DP model's band (here 0.2 logits wide) moves by 2 logits in one step: buckets
+    set from the last release alone put it all in an end bucket (AUC 0.500); moved by
+    the public probe of the model (`common.models.probe`, the coordinator's
+    `follow_the_model`), they hold it the very next round."""
+    from common.models.build import initial_model
+    from common.models.layout import flatten_parameters
+    from common.models.probe import probe_logits
+    from common.study import load_study
+    from coordinator.training_round import follow_the_model
+
+    path = tmp_path / "study.toml"
+    path.write_text(PROBE_STUDY, encoding="utf-8")
+    study = load_study(path)
+    before = flatten_parameters(initial_model(study, seed=0))
+    after = before.copy()
+    after[-1] += 2.0  # the output bias: every input's logit moves by exactly 2
+    probe_before, probe_after = probe_logits(study, before), probe_logits(study, after)
+    assert probe_after - probe_before == pytest.approx([2.0], abs=1e-5)
+
+    rng = np.random.default_rng(11)
+    labels = (rng.random(3000) < 0.3).astype(np.int64)
+    logits = -2.0 + 0.05 * (rng.normal(size=labels.size) + 2.0 * labels)  # ~0.2 wide
+    band = 1.0 / (1.0 + np.exp(-logits))
+    moved = 1.0 / (1.0 + np.exp(-(logits + 2.0)))
+    exact = metrics_from_scores(moved, labels).auc
+    edges = default_edges(BINS)
+    for _ in range(3):  # buckets zoomed onto the band the last releases showed
+        edges = next_edges(score_histogram(band, labels, edges=edges), edges=edges)
+    stale = metrics_from_histogram(score_histogram(moved, labels, edges=edges), edges=edges)
+    assert stale.auc == 0.5
+    (followed,) = round_edges(
+        follow_the_model(tuple(float(v) for v in edges), before=probe_before,
+                         after=probe_after), bins=BINS)
+    read = metrics_from_histogram(score_histogram(moved, labels, edges=followed),
+                                  edges=followed)
+    assert abs(read.auc - exact) <= AUC_TOLERANCE, (read.auc, exact)

@@ -3,6 +3,7 @@ factories through `DpTrainingHook`, the same network the coordinator starts from
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from common.models.layout import flatten_parameters, model_layout
 from common.round import RoundPlan
 from common.study import Study, load_study
 from site_agent.datacheck import site_policy
+from site_agent.grad_sample_mode import MODE_STATE_FILE
 from site_agent.hooks import DpTrainingHook
 from site_agent.synthetic_imaging import write_site_folder
 
@@ -200,12 +202,22 @@ def test_record_level_site_measures_its_dp_path_and_exports_it(tmp_path: Path) -
         update={"privacy": PrivacySection(privacy_unit="record")}
     )
     hook = joined(settings, study_path, dp=True)
-    assert hook.privacy_unit == "record" and hook.grad_sample_choice is None  # no trainer yet
+    # `auto` (the default) measured when the site joined the study, before any round:
+    # nothing has trained yet, and the decision is in the site's state.
+    assert hook.privacy_unit == "record"
+    choice = hook.grad_sample_choice
+    assert choice is not None and choice.source == "measured"
+    saved = json.loads((settings.state / MODE_STATE_FILE).read_text())
+    assert saved["mode"] == choice.mode and saved["seconds_per_step"] == choice.seconds_per_step
+    # A restarted site joining the same study reads it back (a new measurement would
+    # give other timings) ...
+    again = joined(settings, study_path, dp=True).grad_sample_choice
+    assert again is not None and again.seconds_per_step == choice.seconds_per_step
     study = load_study(study_path)
     update = hook.train(plan_for(study, bins=10), flatten_parameters(initial_model(study, seed=0)))
     assert np.all(np.isfinite(update.delta)) and np.any(update.delta != 0)
-    choice = hook.grad_sample_choice
-    assert choice is not None and choice.source == "measured"  # the default, auto
+    # ... and the round's trainer runs the path chosen at join, without measuring.
+    assert hook.grad_sample_choice is choice
     assert choice.batch_shape == (16, 1, 16, 16) and set(choice.seconds_per_step) == {
         "ghost", "hooks"
     }

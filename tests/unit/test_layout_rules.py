@@ -26,7 +26,8 @@ FORBIDDEN = {
     "demo": {"bench"},
     "bench": set(),
 }
-TORCH_MODULES = ("common.models.build", "common.models.layout", "common.models.tables.",
+TORCH_MODULES = ("common.models.build", "common.models.layout", "common.models.probe",
+                 "common.models.tables.",
                  "common.models.images.")
 
 
