@@ -27,6 +27,7 @@ same epsilon.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import warnings
@@ -64,6 +65,7 @@ __all__ = [
     "SampledGaussian",
     "Segment",
     "account",
+    "clear_composition_caches",
     "compose_epsilon",
     "epsilon_after",
     "plan_noise_multiplier",
@@ -232,12 +234,34 @@ def _prv_epsilon(history: list[tuple[float, float, int]], delta: float) -> float
         return float(accountant.get_epsilon(delta, eps_error=PRV_EPS_ERROR))
 
 
+@functools.lru_cache(maxsize=1024)
+def _sampled_gaussian_rdp_step(sigma: float, q: float) -> np.ndarray:
+    """RDP of ONE step of the Poisson-subsampled Gaussian at every order of RDP_ORDERS
+    (Mironov, Talwar & Zhang 2019, via Opacus's `compute_rdp`), read-only.
+
+    RDP composes additively (Mironov, CSF 2017, Proposition 1) and Opacus's `compute_rdp`
+    is exactly this one-step vector times `steps`, so `steps * curve` is bit-for-bit the
+    figure `compute_rdp(steps=steps)` returns. Cached per (sigma, q): a site's history
+    repeats a handful of mechanisms, and the pure-Python series per order is what an RDP
+    composition spends its time on."""
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        curve = np.asarray(
+            compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(RDP_ORDERS)),
+            dtype=np.float64,
+        )
+    curve.setflags(write=False)
+    return curve
+
+
 def _rdp_epsilon(history: CanonicalHistory, delta: float) -> float:
     """RDP of the whole history on RDP_ORDERS, converted once to (epsilon, delta).
 
     Sampled Gaussians use Opacus's RDP (same numbers as its RDPAccountant); each DDGauss
     release adds Proposition 14's RDP at every order (Kairouz, Liu & Steinke 2021)."""
-    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+    from opacus.accountants.analysis.rdp import get_privacy_spent
 
     orders = np.array(RDP_ORDERS, dtype=np.float64)
     total = np.zeros_like(orders)
@@ -245,10 +269,7 @@ def _rdp_epsilon(history: CanonicalHistory, delta: float) -> float:
         # "Optimal order is the largest alpha": the bound is still valid (just looser).
         warnings.simplefilter("ignore", UserWarning)
         for sigma, q, steps in history.gaussians:
-            total += np.asarray(
-                compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=list(RDP_ORDERS)),
-                dtype=np.float64,
-            )
+            total += _sampled_gaussian_rdp_step(sigma, q) * steps
         for mechanism in history.ddgauss:
             total += mechanism.count * np.array([mechanism.rdp(float(a)) for a in orders])
         epsilon, _ = get_privacy_spent(orders=list(RDP_ORDERS), rdp=list(total), delta=delta)
@@ -270,16 +291,54 @@ def _pld_epsilon(history: CanonicalHistory, delta: float) -> float:
     return float(accountant.get_epsilon(delta))
 
 
+# Compositions by (canonical history, delta, accountant). Every accountant here is a
+# deterministic function of the canonical history (the same history always gives the
+# same epsilon, which is what lets `verify` recompose a ledger), so a memoised report is
+# exactly the one a fresh composition would return. Within a round the site composes the
+# same histories several times: the plan's round epsilon (ledger + round + evaluation)
+# is the write-ahead check's `preview` and the evaluation `reserve`, and the plan's
+# whole-study epsilon is the next round's. The memo makes each of those one composition.
+_REPORT_CACHE_SIZE = 256
+_REPORTS: OrderedDict[tuple[Any, ...], EpsilonReport] = OrderedDict()
+_REPORTS_LOCK = threading.Lock()
+
+
 def account(
     mechanisms: Sequence[Mechanism], *, delta: float, accountant: str = "prv"
 ) -> EpsilonReport:
     """(epsilon, delta) of the composition of ALL `mechanisms`, with provenance.
 
     `accountant` is the one requested; the report's `accountant` is the one used (RDP
-    when the history holds a zCDP mechanism or PLD/PRV failed, with the reason)."""
+    when the history holds a zCDP mechanism or PLD/PRV failed, with the reason).
+    Memoised per canonical history (exact: the composition is deterministic)."""
     _check_delta(delta)
     _check_accountant(accountant)
     history = canonical_mechanisms(mechanisms)
+    key = (history, float(delta), accountant)
+    with _REPORTS_LOCK:
+        cached = _REPORTS.get(key)
+        if cached is not None:
+            _REPORTS.move_to_end(key)
+            return cached
+    report = _account(history, delta=float(delta), accountant=accountant)
+    with _REPORTS_LOCK:
+        _REPORTS[key] = report
+        while len(_REPORTS) > _REPORT_CACHE_SIZE:
+            _REPORTS.popitem(last=False)
+    return report
+
+
+def clear_composition_caches() -> None:
+    """Forget every memoised composition, RDP curve and round plan (for benchmarks
+    timing the uncached path, and tests composing from scratch)."""
+    with _REPORTS_LOCK:
+        _REPORTS.clear()
+    with _ROUND_PLANS_LOCK:
+        _ROUND_PLANS.clear()
+    _sampled_gaussian_rdp_step.cache_clear()
+
+
+def _account(history: CanonicalHistory, *, delta: float, accountant: str) -> EpsilonReport:
     if not history:
         return EpsilonReport(0.0, float(delta), accountant, accountant)
     if accountant == "rdp":
@@ -394,6 +453,7 @@ def plan_round_noise(
     epsilon_tolerance: float = 0.01,
     per_round: Sequence[Mechanism] = (),
     reserved: Sequence[Mechanism] = (),
+    warm_start: bool = True,
 ) -> RoundNoisePlan:
     """Noise multiplier for the next round, planned by the SITE from its own ledger.
 
@@ -409,6 +469,17 @@ def plan_round_noise(
     as sigma grows, so the smallest sigma meeting both is found by bisection on each and
     the larger one kept. `remaining_rounds` is the site's policy, not an announcement:
     nothing a coordinator says can make a round cost more than the cap.
+
+    `warm_start`: the budget search starts at the sigma of the history's last DP-SGD
+    segment at this sample rate. Any sigma the search returns meets both constraints
+    (its epsilon within `epsilon_tolerance` below the target, as evaluated), so where
+    to start changes the cost, not the guarantee. After a round planned at sigma, the
+    plan's history (ledger + round + the rounds left) is the previous plan's history
+    again, so the previous sigma still meets the budget with the same epsilon and is
+    kept after one composition: every round of a study then releases the same
+    mechanism, its segments merge and the ledger's compositions stay as cheap as the
+    first round's. The cap is only searched when the chosen sigma breaks it (epsilon
+    falls as sigma grows, so a sigma within the cap is at least the cap's smallest).
     """
     _check_delta(delta)
     _check_accountant(accountant)
@@ -434,7 +505,7 @@ def plan_round_noise(
     key = (canonical_mechanisms(past), float(budget_epsilon), float(delta),
            probe.sample_rate, steps_per_round, remaining_rounds, max_epsilon_per_round,
            accountant, float(epsilon_tolerance), canonical_mechanisms(extra),
-           canonical_mechanisms(later))
+           canonical_mechanisms(later), warm_start)
     with _ROUND_PLANS_LOCK:
         cached = _ROUND_PLANS.get(key)
         if cached is not None:
@@ -470,9 +541,13 @@ def plan_round_noise(
             )
         return round_epsilons[sigma]
 
-    sigma = _smallest_sigma(plan_epsilon, budget_epsilon, epsilon_tolerance)
+    start = _last_sigma(past, sample_rate=probe.sample_rate) if warm_start else None
+    sigma = _smallest_sigma(plan_epsilon, budget_epsilon, epsilon_tolerance,
+                            start=1.0 if start is None else start)
     binding = "budget"
-    if max_epsilon_per_round is not None:
+    if max_epsilon_per_round is not None and (
+        not warm_start or round_epsilon(sigma) > max_epsilon_per_round
+    ):
         # The budget's sigma is a good first guess: the cap usually binds near it.
         capped = _smallest_sigma(
             round_epsilon, max_epsilon_per_round, epsilon_tolerance, start=sigma
@@ -493,6 +568,15 @@ def plan_round_noise(
         while len(_ROUND_PLANS) > _ROUND_PLAN_CACHE_SIZE:
             _ROUND_PLANS.popitem(last=False)
     return plan
+
+
+def _last_sigma(history: Sequence[Mechanism], *, sample_rate: float) -> float | None:
+    """Noise multiplier of the last DP-SGD segment at `sample_rate` in `history`."""
+    for mechanism in reversed(history):
+        if (isinstance(mechanism, Segment) and mechanism.steps > 0
+                and mechanism.sample_rate == sample_rate):
+            return float(mechanism.noise_multiplier)
+    return None
 
 
 def _smallest_sigma(
