@@ -44,10 +44,11 @@ def replay(*, rounds: int, old: bool, accountant: str, evaluation: bool,
            sample_rate: float, steps: int) -> dict[str, Any]:
     """Replay `rounds` rounds; CPU seconds per round and the final charge."""
     acc.clear_composition_caches()
-    saved = (acc._REPORT_CACHE_SIZE, acc._sampled_gaussian_rdp_step)
+    saved = (acc._REPORT_CACHE_SIZE, acc._sampled_gaussian_rdp_step, acc._opacus_rdp_step)
     if old:
         acc._REPORT_CACHE_SIZE = 0  # every composition from scratch
         acc._sampled_gaussian_rdp_step = saved[1].__wrapped__  # type: ignore[assignment]
+        acc._opacus_rdp_step = saved[2].__wrapped__  # type: ignore[assignment]
     try:
         per_round = _evaluation(evaluation)
         pairs: list[tuple[str, tuple[Mechanism, ...]]] = [("count", (Gaussian(10.0, 1.0),))]
@@ -74,7 +75,8 @@ def replay(*, rounds: int, old: bool, accountant: str, evaluation: bool,
             cpu.append(time.process_time() - start)
             sigmas.append(plan.noise_multiplier)
     finally:
-        acc._REPORT_CACHE_SIZE, acc._sampled_gaussian_rdp_step = saved  # type: ignore[assignment]
+        (acc._REPORT_CACHE_SIZE, acc._sampled_gaussian_rdp_step,  # type: ignore[assignment]
+         acc._opacus_rdp_step) = saved
     acc.clear_composition_caches()
     fresh = charged(pairs, delta=DELTA, accountant=accountant).epsilon
     return {"cpu_seconds": cpu, "sigmas": sigmas, "charged": charge, "fresh": fresh,

@@ -213,8 +213,12 @@ def _new_prv_accountant() -> Any:
     class _GuardedPRVAccountant(PRVAccountant):  # type: ignore[misc]
         """Opacus PRV accountant that refuses meshes too large for this machine."""
 
-        def _get_domain(self, **kwargs: Any) -> Any:
-            domain = super()._get_domain(**kwargs)
+        def _get_domain(
+            self, *, prvs: Sequence[Any], num_self_compositions: Sequence[int],
+            eps_error: float, delta_error: float,
+        ) -> Any:
+            domain = _prv_domain(prvs, num_self_compositions, eps_error=eps_error,
+                                 delta_error=delta_error)
             if domain.size > MAX_PRV_DOMAIN_POINTS:
                 raise _PrvTooCostly(
                     f"PRV mesh of {domain.size} points exceeds {MAX_PRV_DOMAIN_POINTS}"
@@ -222,6 +226,57 @@ def _new_prv_accountant() -> Any:
             return domain
 
     return _GuardedPRVAccountant()
+
+
+# Opacus's RDPAccountant orders, which its PRV domain sizing uses.
+_OPACUS_RDP_ALPHAS: tuple[float, ...] = (
+    *(1 + x / 10.0 for x in range(1, 100)), *(float(a) for a in range(12, 64)),
+)
+
+
+@functools.lru_cache(maxsize=1024)
+def _opacus_rdp_step(sigma: float, q: float) -> np.ndarray:
+    """One step's sampled-Gaussian RDP (Mironov, Talwar & Zhang 2019) at Opacus's
+    default orders, read-only; `steps * curve` is bit-for-bit `compute_rdp(steps=...)`."""
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    curve = np.asarray(compute_rdp(q=q, noise_multiplier=sigma, steps=1,
+                                   orders=list(_OPACUS_RDP_ALPHAS)), dtype=np.float64)
+    curve.setflags(write=False)
+    return curve
+
+
+def _prv_domain(
+    prvs: Sequence[Any], steps: Sequence[int], *, eps_error: float, delta_error: float
+) -> Any:
+    """Opacus's `PRVAccountant._get_domain` computed from cached RDP curves: the same
+    arithmetic in the same order, so the same domain and the same epsilon.
+
+    The truncation bound L is Gopi, Lee & Wutschitz 2021, Remark 5.6, as Opacus
+    implements it (`compute_safe_domain_size`): the RDP epsilon of the whole history at
+    delta_error / 4 and of each mechanism once at delta_error / (8 k), plus 3; the mesh
+    is eps_error / sqrt(k log(12 / delta_error) / 2). Opacus evaluates the RDP series
+    in pure Python per order and mechanism for every composition; here each (sigma, q)
+    curve is computed once (RDP composes additively, Mironov 2017)."""
+    from opacus.accountants.analysis.prv.domain import Domain
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+
+    total_compositions = sum(steps)
+    alphas = list(_OPACUS_RDP_ALPHAS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        # RDPAccountant.get_privacy_spent: sum() of each entry's compute_rdp, from 0.
+        rdp: Any = 0
+        for prv, count in zip(prvs, steps, strict=True):
+            rdp = rdp + _opacus_rdp_step(prv.noise_multiplier, prv.sample_rate) * count
+        l_max = float(get_privacy_spent(orders=alphas, rdp=rdp, delta=delta_error / 4)[0])
+        for prv in prvs:
+            single = 0 + _opacus_rdp_step(prv.noise_multiplier, prv.sample_rate) * 1
+            l_max = max(l_max, float(get_privacy_spent(
+                orders=alphas, rdp=single, delta=delta_error / (8 * total_compositions))[0]))
+    bound = max(l_max, eps_error) + 3
+    mesh_size = eps_error / np.sqrt(total_compositions * np.log(12 / delta_error) / 2)
+    return Domain.create_aligned(-bound, bound, mesh_size)
 
 
 def _prv_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
@@ -336,6 +391,7 @@ def clear_composition_caches() -> None:
     with _ROUND_PLANS_LOCK:
         _ROUND_PLANS.clear()
     _sampled_gaussian_rdp_step.cache_clear()
+    _opacus_rdp_step.cache_clear()
 
 
 def _account(history: CanonicalHistory, *, delta: float, accountant: str) -> EpsilonReport:

@@ -115,3 +115,28 @@ def test_prv_plan_keeps_its_sigma_and_charges_a_fresh_composition(
     fresh = accountant.account(ledger.history(), delta=DELTA)
     assert fresh.accountant == "prv"
     assert fresh.epsilon == ledger.spent()
+
+
+def test_prv_is_opacus_own_composition_bit_for_bit() -> None:
+    """The PRV domain sized from cached RDP curves is Opacus's: the epsilon equals
+    Opacus's own PRVAccountant on the same history (Gopi, Lee & Wutschitz 2021)."""
+    from opacus.accountants import PRVAccountant
+
+    histories = [
+        [(1.3, Q, STEPS * 7), (10.0, 1.0, 1)],
+        [(0.9, 0.05, 40), (1.7, Q, 120), (25.0, 1.0, 2)],
+    ]
+    for history in histories:
+        accountant.clear_composition_caches()
+        mechanisms: list[Mechanism] = [
+            Gaussian(sigma, 1.0, steps) if q == 1.0 else Segment(sigma, q, steps)
+            for sigma, q, steps in history
+        ]
+        ours = accountant.account(mechanisms, delta=DELTA)
+        theirs = PRVAccountant()
+        theirs.history = sorted(history)
+        with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore"):
+            warnings.simplefilter("ignore", UserWarning)
+            expected = float(theirs.get_epsilon(DELTA, eps_error=accountant.PRV_EPS_ERROR))
+        assert ours.accountant == "prv"
+        assert ours.epsilon == expected
