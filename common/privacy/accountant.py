@@ -375,7 +375,9 @@ def account(
         if cached is not None:
             _REPORTS.move_to_end(key)
             return cached
-    report = _account(history, delta=float(delta), accountant=accountant)
+    report, deterministic = _account(history, delta=float(delta), accountant=accountant)
+    if not deterministic:
+        return report  # a fallback after a failure (memory, say) may not recur: not kept
     with _REPORTS_LOCK:
         _REPORTS[key] = report
         while len(_REPORTS) > _REPORT_CACHE_SIZE:
@@ -394,18 +396,23 @@ def clear_composition_caches() -> None:
     _opacus_rdp_step.cache_clear()
 
 
-def _account(history: CanonicalHistory, *, delta: float, accountant: str) -> EpsilonReport:
+def _account(
+    history: CanonicalHistory, *, delta: float, accountant: str
+) -> tuple[EpsilonReport, bool]:
+    """The report, and whether it is a function of the history alone (memoisable)."""
     if not history:
-        return EpsilonReport(0.0, float(delta), accountant, accountant)
+        return EpsilonReport(0.0, float(delta), accountant, accountant), True
     if accountant == "rdp":
-        return EpsilonReport(_rdp_epsilon(history, delta), float(delta), "rdp", "rdp")
+        return EpsilonReport(_rdp_epsilon(history, delta), float(delta), "rdp", "rdp"), True
     if history.ddgauss:
         reason = (
             "history contains a distributed discrete Gaussian (a zCDP guarantee, Kairouz "
             f"et al. 2021) that {accountant.upper()} cannot express; whole history "
             "composed in RDP"
         )
-        return EpsilonReport(_rdp_epsilon(history, delta), float(delta), "rdp", accountant, reason)
+        report = EpsilonReport(_rdp_epsilon(history, delta), float(delta), "rdp", accountant,
+                               reason)
+        return report, True
     try:
         if accountant == "prv":
             epsilon = _prv_epsilon(list(history.gaussians), delta)
@@ -418,8 +425,11 @@ def _account(history: CanonicalHistory, *, delta: float, accountant: str) -> Eps
         reason = (
             f"{accountant.upper()} accountant unusable for this history ({exc}); RDP bound used"
         )
-        return EpsilonReport(_rdp_epsilon(history, delta), float(delta), "rdp", accountant, reason)
-    return EpsilonReport(epsilon, float(delta), accountant, accountant)
+        report = EpsilonReport(_rdp_epsilon(history, delta), float(delta), "rdp", accountant,
+                               reason)
+        # The mesh-size refusal is a function of the history; other failures may not be.
+        return report, isinstance(exc, _PrvTooCostly)
+    return EpsilonReport(epsilon, float(delta), accountant, accountant), True
 
 
 def compose_epsilon(
