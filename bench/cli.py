@@ -17,6 +17,7 @@ BENCHMARK_MODULES: list[str] = [
     "bench.soak",
     "bench.ddgauss",
     "bench.noiseplan",
+    "bench.ledger",
     "bench.utility",
 ]
 """Registrars of `medfed bench` subcommands, in help order."""

@@ -4,7 +4,7 @@
 (and the per-round cap), each probe a whole-history composition with the ledger's
 accountant. The benchmark times the scenarios the site meets (a fresh ledger, a capped
 one-round plan, a ledger with history) and counts the compositions each needed; the
-plan cache is cleared before every repeat, so the search itself is what is timed.
+plan and composition caches are cleared before every repeat, so the search itself is what is timed.
 
 Wall and CPU time are both printed: the development VM is shared, so wall time
 inflates under load while CPU time stays near the unloaded figure. Run it on two trees
@@ -50,6 +50,9 @@ def run_scenario(name: str, *, accountant: str, repeats: int) -> dict[str, Any]:
     walls, cpus, counts = [], [], []
     sigma = 0.0
     for _ in range(repeats):
+        clear = getattr(acc, "clear_composition_caches", None)
+        if clear is not None:
+            clear()  # plans, memoised compositions and RDP curves
         cache = getattr(acc, "_ROUND_PLANS", None)
         if cache is not None:
             cache.clear()

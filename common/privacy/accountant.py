@@ -27,6 +27,7 @@ same epsilon.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import warnings
@@ -64,6 +65,7 @@ __all__ = [
     "SampledGaussian",
     "Segment",
     "account",
+    "clear_composition_caches",
     "compose_epsilon",
     "epsilon_after",
     "plan_noise_multiplier",
@@ -211,8 +213,12 @@ def _new_prv_accountant() -> Any:
     class _GuardedPRVAccountant(PRVAccountant):  # type: ignore[misc]
         """Opacus PRV accountant that refuses meshes too large for this machine."""
 
-        def _get_domain(self, **kwargs: Any) -> Any:
-            domain = super()._get_domain(**kwargs)
+        def _get_domain(
+            self, *, prvs: Sequence[Any], num_self_compositions: Sequence[int],
+            eps_error: float, delta_error: float,
+        ) -> Any:
+            domain = _prv_domain(prvs, num_self_compositions, eps_error=eps_error,
+                                 delta_error=delta_error)
             if domain.size > MAX_PRV_DOMAIN_POINTS:
                 raise _PrvTooCostly(
                     f"PRV mesh of {domain.size} points exceeds {MAX_PRV_DOMAIN_POINTS}"
@@ -220,6 +226,57 @@ def _new_prv_accountant() -> Any:
             return domain
 
     return _GuardedPRVAccountant()
+
+
+# Opacus's RDPAccountant orders, which its PRV domain sizing uses.
+_OPACUS_RDP_ALPHAS: tuple[float, ...] = (
+    *(1 + x / 10.0 for x in range(1, 100)), *(float(a) for a in range(12, 64)),
+)
+
+
+@functools.lru_cache(maxsize=1024)
+def _opacus_rdp_step(sigma: float, q: float) -> np.ndarray:
+    """One step's sampled-Gaussian RDP (Mironov, Talwar & Zhang 2019) at Opacus's
+    default orders, read-only; `steps * curve` is bit-for-bit `compute_rdp(steps=...)`."""
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    curve = np.asarray(compute_rdp(q=q, noise_multiplier=sigma, steps=1,
+                                   orders=list(_OPACUS_RDP_ALPHAS)), dtype=np.float64)
+    curve.setflags(write=False)
+    return curve
+
+
+def _prv_domain(
+    prvs: Sequence[Any], steps: Sequence[int], *, eps_error: float, delta_error: float
+) -> Any:
+    """Opacus's `PRVAccountant._get_domain` computed from cached RDP curves: the same
+    arithmetic in the same order, so the same domain and the same epsilon.
+
+    The truncation bound L is Gopi, Lee & Wutschitz 2021, Remark 5.6, as Opacus
+    implements it (`compute_safe_domain_size`): the RDP epsilon of the whole history at
+    delta_error / 4 and of each mechanism once at delta_error / (8 k), plus 3; the mesh
+    is eps_error / sqrt(k log(12 / delta_error) / 2). Opacus evaluates the RDP series
+    in pure Python per order and mechanism for every composition; here each (sigma, q)
+    curve is computed once (RDP composes additively, Mironov 2017)."""
+    from opacus.accountants.analysis.prv.domain import Domain
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+
+    total_compositions = sum(steps)
+    alphas = list(_OPACUS_RDP_ALPHAS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        # RDPAccountant.get_privacy_spent: sum() of each entry's compute_rdp, from 0.
+        rdp: Any = 0
+        for prv, count in zip(prvs, steps, strict=True):
+            rdp = rdp + _opacus_rdp_step(prv.noise_multiplier, prv.sample_rate) * count
+        l_max = float(get_privacy_spent(orders=alphas, rdp=rdp, delta=delta_error / 4)[0])
+        for prv in prvs:
+            single = 0 + _opacus_rdp_step(prv.noise_multiplier, prv.sample_rate) * 1
+            l_max = max(l_max, float(get_privacy_spent(
+                orders=alphas, rdp=single, delta=delta_error / (8 * total_compositions))[0]))
+    bound = max(l_max, eps_error) + 3
+    mesh_size = eps_error / np.sqrt(total_compositions * np.log(12 / delta_error) / 2)
+    return Domain.create_aligned(-bound, bound, mesh_size)
 
 
 def _prv_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
@@ -232,12 +289,34 @@ def _prv_epsilon(history: list[tuple[float, float, int]], delta: float) -> float
         return float(accountant.get_epsilon(delta, eps_error=PRV_EPS_ERROR))
 
 
+@functools.lru_cache(maxsize=1024)
+def _sampled_gaussian_rdp_step(sigma: float, q: float) -> np.ndarray:
+    """RDP of ONE step of the Poisson-subsampled Gaussian at every order of RDP_ORDERS
+    (Mironov, Talwar & Zhang 2019, via Opacus's `compute_rdp`), read-only.
+
+    RDP composes additively (Mironov, CSF 2017, Proposition 1) and Opacus's `compute_rdp`
+    is exactly this one-step vector times `steps`, so `steps * curve` is bit-for-bit the
+    figure `compute_rdp(steps=steps)` returns. Cached per (sigma, q): a site's history
+    repeats a handful of mechanisms, and the pure-Python series per order is what an RDP
+    composition spends its time on."""
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        curve = np.asarray(
+            compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(RDP_ORDERS)),
+            dtype=np.float64,
+        )
+    curve.setflags(write=False)
+    return curve
+
+
 def _rdp_epsilon(history: CanonicalHistory, delta: float) -> float:
     """RDP of the whole history on RDP_ORDERS, converted once to (epsilon, delta).
 
     Sampled Gaussians use Opacus's RDP (same numbers as its RDPAccountant); each DDGauss
     release adds Proposition 14's RDP at every order (Kairouz, Liu & Steinke 2021)."""
-    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+    from opacus.accountants.analysis.rdp import get_privacy_spent
 
     orders = np.array(RDP_ORDERS, dtype=np.float64)
     total = np.zeros_like(orders)
@@ -245,10 +324,7 @@ def _rdp_epsilon(history: CanonicalHistory, delta: float) -> float:
         # "Optimal order is the largest alpha": the bound is still valid (just looser).
         warnings.simplefilter("ignore", UserWarning)
         for sigma, q, steps in history.gaussians:
-            total += np.asarray(
-                compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=list(RDP_ORDERS)),
-                dtype=np.float64,
-            )
+            total += _sampled_gaussian_rdp_step(sigma, q) * steps
         for mechanism in history.ddgauss:
             total += mechanism.count * np.array([mechanism.rdp(float(a)) for a in orders])
         epsilon, _ = get_privacy_spent(orders=list(RDP_ORDERS), rdp=list(total), delta=delta)
@@ -270,27 +346,73 @@ def _pld_epsilon(history: CanonicalHistory, delta: float) -> float:
     return float(accountant.get_epsilon(delta))
 
 
+# Compositions by (canonical history, delta, accountant). Every accountant here is a
+# deterministic function of the canonical history (the same history always gives the
+# same epsilon, which is what lets `verify` recompose a ledger), so a memoised report is
+# exactly the one a fresh composition would return. Within a round the site composes the
+# same histories several times: the plan's round epsilon (ledger + round + evaluation)
+# is the write-ahead check's `preview` and the evaluation `reserve`, and the plan's
+# whole-study epsilon is the next round's. The memo makes each of those one composition.
+_REPORT_CACHE_SIZE = 256
+_REPORTS: OrderedDict[tuple[Any, ...], EpsilonReport] = OrderedDict()
+_REPORTS_LOCK = threading.Lock()
+
+
 def account(
     mechanisms: Sequence[Mechanism], *, delta: float, accountant: str = "prv"
 ) -> EpsilonReport:
     """(epsilon, delta) of the composition of ALL `mechanisms`, with provenance.
 
     `accountant` is the one requested; the report's `accountant` is the one used (RDP
-    when the history holds a zCDP mechanism or PLD/PRV failed, with the reason)."""
+    when the history holds a zCDP mechanism or PLD/PRV failed, with the reason).
+    Memoised per canonical history (exact: the composition is deterministic)."""
     _check_delta(delta)
     _check_accountant(accountant)
     history = canonical_mechanisms(mechanisms)
+    key = (history, float(delta), accountant)
+    with _REPORTS_LOCK:
+        cached = _REPORTS.get(key)
+        if cached is not None:
+            _REPORTS.move_to_end(key)
+            return cached
+    report, deterministic = _account(history, delta=float(delta), accountant=accountant)
+    if not deterministic:
+        return report  # a fallback after a failure (memory, say) may not recur: not kept
+    with _REPORTS_LOCK:
+        _REPORTS[key] = report
+        while len(_REPORTS) > _REPORT_CACHE_SIZE:
+            _REPORTS.popitem(last=False)
+    return report
+
+
+def clear_composition_caches() -> None:
+    """Forget every memoised composition, RDP curve and round plan (for benchmarks
+    timing the uncached path, and tests composing from scratch)."""
+    with _REPORTS_LOCK:
+        _REPORTS.clear()
+    with _ROUND_PLANS_LOCK:
+        _ROUND_PLANS.clear()
+    _sampled_gaussian_rdp_step.cache_clear()
+    _opacus_rdp_step.cache_clear()
+
+
+def _account(
+    history: CanonicalHistory, *, delta: float, accountant: str
+) -> tuple[EpsilonReport, bool]:
+    """The report, and whether it is a function of the history alone (memoisable)."""
     if not history:
-        return EpsilonReport(0.0, float(delta), accountant, accountant)
+        return EpsilonReport(0.0, float(delta), accountant, accountant), True
     if accountant == "rdp":
-        return EpsilonReport(_rdp_epsilon(history, delta), float(delta), "rdp", "rdp")
+        return EpsilonReport(_rdp_epsilon(history, delta), float(delta), "rdp", "rdp"), True
     if history.ddgauss:
         reason = (
             "history contains a distributed discrete Gaussian (a zCDP guarantee, Kairouz "
             f"et al. 2021) that {accountant.upper()} cannot express; whole history "
             "composed in RDP"
         )
-        return EpsilonReport(_rdp_epsilon(history, delta), float(delta), "rdp", accountant, reason)
+        report = EpsilonReport(_rdp_epsilon(history, delta), float(delta), "rdp", accountant,
+                               reason)
+        return report, True
     try:
         if accountant == "prv":
             epsilon = _prv_epsilon(list(history.gaussians), delta)
@@ -303,8 +425,11 @@ def account(
         reason = (
             f"{accountant.upper()} accountant unusable for this history ({exc}); RDP bound used"
         )
-        return EpsilonReport(_rdp_epsilon(history, delta), float(delta), "rdp", accountant, reason)
-    return EpsilonReport(epsilon, float(delta), accountant, accountant)
+        report = EpsilonReport(_rdp_epsilon(history, delta), float(delta), "rdp", accountant,
+                               reason)
+        # The mesh-size refusal is a function of the history; other failures may not be.
+        return report, isinstance(exc, _PrvTooCostly)
+    return EpsilonReport(epsilon, float(delta), accountant, accountant), True
 
 
 def compose_epsilon(
@@ -394,6 +519,7 @@ def plan_round_noise(
     epsilon_tolerance: float = 0.01,
     per_round: Sequence[Mechanism] = (),
     reserved: Sequence[Mechanism] = (),
+    warm_start: bool = True,
 ) -> RoundNoisePlan:
     """Noise multiplier for the next round, planned by the SITE from its own ledger.
 
@@ -409,6 +535,17 @@ def plan_round_noise(
     as sigma grows, so the smallest sigma meeting both is found by bisection on each and
     the larger one kept. `remaining_rounds` is the site's policy, not an announcement:
     nothing a coordinator says can make a round cost more than the cap.
+
+    `warm_start`: the budget search starts at the sigma of the history's last DP-SGD
+    segment at this sample rate. Any sigma the search returns meets both constraints
+    (its epsilon within `epsilon_tolerance` below the target, as evaluated), so where
+    to start changes the cost, not the guarantee. After a round planned at sigma, the
+    plan's history (ledger + round + the rounds left) is the previous plan's history
+    again, so the previous sigma still meets the budget with the same epsilon and is
+    kept after one composition: every round of a study then releases the same
+    mechanism, its segments merge and the ledger's compositions stay as cheap as the
+    first round's. The cap is only searched when the chosen sigma breaks it (epsilon
+    falls as sigma grows, so a sigma within the cap is at least the cap's smallest).
     """
     _check_delta(delta)
     _check_accountant(accountant)
@@ -434,7 +571,7 @@ def plan_round_noise(
     key = (canonical_mechanisms(past), float(budget_epsilon), float(delta),
            probe.sample_rate, steps_per_round, remaining_rounds, max_epsilon_per_round,
            accountant, float(epsilon_tolerance), canonical_mechanisms(extra),
-           canonical_mechanisms(later))
+           canonical_mechanisms(later), warm_start)
     with _ROUND_PLANS_LOCK:
         cached = _ROUND_PLANS.get(key)
         if cached is not None:
@@ -470,9 +607,13 @@ def plan_round_noise(
             )
         return round_epsilons[sigma]
 
-    sigma = _smallest_sigma(plan_epsilon, budget_epsilon, epsilon_tolerance)
+    start = _last_sigma(past, sample_rate=probe.sample_rate) if warm_start else None
+    sigma = _smallest_sigma(plan_epsilon, budget_epsilon, epsilon_tolerance,
+                            start=1.0 if start is None else start)
     binding = "budget"
-    if max_epsilon_per_round is not None:
+    if max_epsilon_per_round is not None and (
+        not warm_start or round_epsilon(sigma) > max_epsilon_per_round
+    ):
         # The budget's sigma is a good first guess: the cap usually binds near it.
         capped = _smallest_sigma(
             round_epsilon, max_epsilon_per_round, epsilon_tolerance, start=sigma
@@ -493,6 +634,15 @@ def plan_round_noise(
         while len(_ROUND_PLANS) > _ROUND_PLAN_CACHE_SIZE:
             _ROUND_PLANS.popitem(last=False)
     return plan
+
+
+def _last_sigma(history: Sequence[Mechanism], *, sample_rate: float) -> float | None:
+    """Noise multiplier of the last DP-SGD segment at `sample_rate` in `history`."""
+    for mechanism in reversed(history):
+        if (isinstance(mechanism, Segment) and mechanism.steps > 0
+                and mechanism.sample_rate == sample_rate):
+            return float(mechanism.noise_multiplier)
+    return None
 
 
 def _smallest_sigma(
