@@ -149,6 +149,7 @@ class ImagingTask:
             encoding="utf-8",
         )
         demo.study = load_study(self.study_path)
+        demo.served_study = self.study_path  # `coordinator serve --study`
         folders = write_imaging_cohort(
             demo.out / "cohort", names, seed=demo.o.seed,
             patients_per_site=demo.o.patients_per_site,
@@ -157,7 +158,9 @@ class ImagingTask:
                  f"{demo.o.patients_per_site} patients (1-3 images each, PNG and DICOM, "
                  f"different scanners and prevalence) in {demo.out / 'cohort'}")
         demo.say(f"[setup] study {self.study_path}: model {self.model_name}, images "
-                 f"{self.image_size}x{self.image_size}, patient-level DP")
+                 f"{self.image_size}x{self.image_size}, patient-level DP; served with "
+                 "`coordinator serve --study`, sites enrolled into it")
+        self.say_model(demo)
         return {site: folder.resolve() for site, folder in folders.items()}
 
     def load_datasets(
@@ -169,19 +172,14 @@ class ImagingTask:
         self.datasets = {s: load_image_folder(p, spec) for s, p in files.items() if p}
         return self.datasets, []
 
-    def initial_model(self, demo: Demo, n_features: int) -> Path:
+    def say_model(self, demo: Demo) -> None:
         """The study's network as `coordinator serve --study` builds it (DP-checked)."""
-        from common.modelfile import ModelFile, write_model_file
         from common.models.build import initial_model
-        from common.models.layout import wire_model
 
         model = initial_model(demo.study, seed=demo.o.seed)
-        path = demo.out / "initial-model.mfm"
-        write_model_file(path, ModelFile(*wire_model(model)))
         parameters = sum(p.numel() for p in model.parameters())
         demo.say(f"[setup] initial {self.model_name}: {parameters:,} parameters "
                  "(Opacus ModuleValidator: ok)")
-        return path
 
     def site_config(self, demo: Demo, site: str, data: Path | None) -> str:
         o = demo.o
@@ -297,7 +295,7 @@ def image_baselines(
         )
 
     def initial() -> Any:
-        torch.manual_seed(o.seed)  # the federation's initial weights
+        torch.manual_seed(o.seed)  # fixed initial weights (the federation's: the study's)
         return build_for_study(study)
 
     held_out = _pool([h for _, h in splits.values()])

@@ -6,11 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import DEFAULT_COUNT_EPSILON
 from common.errors import ConfigError
 
 HISTOGRAM_BINS = 50
-COUNT_EPSILON = DEFAULT_COUNT_EPSILON  # the sites' default count_epsilon
 AGGREGATION_CLIP = 0.5
 WAIT_NOTE_SECONDS = 30.0
 """With no round event for this long, the demo prints what it is waiting for."""
