@@ -123,10 +123,10 @@ def held_back_mask(table: PooledTable, *, held_out_fraction: float, seed: int) -
 
 def product_split() -> tuple[float, int]:
     """(held-out fraction, split seed) a site of ``medfed demo --data`` uses."""
-    from common.config import DataSection
+    from common.config import SiteDataSection
     from demo.options import DemoOptions
 
-    fraction = DataSection.model_fields["holdout_fraction"].default
+    fraction = SiteDataSection.model_fields["holdout_fraction"].default
     return float(fraction), int(DemoOptions().seed)
 
 
