@@ -35,8 +35,7 @@ class DemoOptions:
     # "hospital": hospital-level DP on the model updates, no DP-SGD beneath.
     privacy_unit: str = "auto"
     update_clip_norm: float = 1.0
-    # v per hospital, or "auto" (the adaptive rule of Jiang et al. 2023); needs --data: a study
-    # carries it.
+    # v per hospital, or "auto" (the adaptive rule of Jiang et al. 2023); the study carries it.
     intermediaries: int | str = 1
     audit: bool = True
 
@@ -62,8 +61,8 @@ def validate_options(o: DemoOptions) -> None:
         raise ConfigError("--rounds", "must be >= 1")
     if o.kill_round < 0 or o.kill_round > o.rounds:
         raise ConfigError("--kill-round", f"must be between 0 and --rounds ({o.rounds})")
-    if o.intermediaries != 1 and (o.privacy_unit != "hospital" or o.data is None):
-        raise ConfigError("--intermediaries", "needs --privacy-unit hospital and --data")
+    if o.intermediaries != 1 and o.privacy_unit != "hospital":
+        raise ConfigError("--intermediaries", "needs --privacy-unit hospital")
     if o.data is not None and not o.data.is_dir():
         raise ConfigError("--data", f"{o.data} is not a folder")
 

@@ -75,3 +75,16 @@ def test_a_site_without_a_study_is_told_what_to_pass(tmp_path: Path) -> None:
     })
     with pytest.raises(ConfigError, match="not this site's --study"):
         DpTrainingHook(pinned, dp=True).join_study(load_study(other), site_policy(pinned))
+
+
+def test_a_coordinator_model_file_is_refused_naming_study_init(tmp_path: Path) -> None:
+    """A coordinator trains a study: a `[model] init_file` says which command drafts one."""
+    config = tmp_path / "coordinator.toml"
+    config.write_text('[model]\ninit_file = "initial-model.mfm"\n')
+    with pytest.raises(ConfigError, match=r"medfed study init.*--study study\.toml") as err:
+        load_settings(CoordinatorSettings, config_file=config,
+                      overrides={"pki": tmp_path, "state": tmp_path})
+    assert err.value.field == "model"
+    with pytest.raises(ConfigError, match="study names the columns") as site:
+        _site(tmp_path, path=tmp_path / "own.csv", label_column="sepsis")
+    assert site.value.field == "data"
