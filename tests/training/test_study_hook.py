@@ -196,10 +196,16 @@ def test_record_level_site_measures_its_dp_path_and_exports_it(tmp_path: Path) -
 
     folder = write_site_folder(tmp_path / "cohort", "north_general", seed=2, patients=80)
     study_path = images_study(tmp_path)
-    settings = site_settings(tmp_path, study_path, folder).model_copy(
+    record_site = site_settings(tmp_path, study_path, folder).model_copy(
         update={"privacy": PrivacySection(privacy_unit="record")}
     )
-    hook = joined(settings, study_path, dp=True)
+    # A patient-level study trains patient-level at a site that would accept record.
+    assert joined(record_site, study_path, dp=True).privacy_unit == "patient"
+    # Record-level DP-SGD is the study's choice (no patient column, unit record); the
+    # site's own privacy_unit is only the weakest unit it accepts.
+    study_path.write_text(study_path.read_text().replace('patient_column = "patient_id"\n', "")
+                          .replace('unit = "patient"', 'unit = "record"'))
+    hook = joined(record_site, study_path, dp=True)
     assert hook.privacy_unit == "record" and hook.grad_sample_choice is None  # no trainer yet
     study = load_study(study_path)
     update = hook.train(plan_for(study, bins=10), flatten_parameters(initial_model(study, seed=0)))
