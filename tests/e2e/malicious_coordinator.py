@@ -123,9 +123,12 @@ class MaliciousCoordinator(pb_grpc.FederationServicer):
         puppets: Sequence[str] = (),
         withhold: Sequence[str] = (),
         study: Study | None = None,
+        final_model: bytes = b"",
     ) -> None:
         self.pki_dir = pki_dir
         self.study = study  # sent at enrolment, as a coordinator serving it does
+        # The study's final bundle, which a site downloads once the federation finished.
+        self.final_model = final_model
         self.stories = dict(stories)
         self.server_story = server_story
         self.withhold = set(withhold)
@@ -256,6 +259,14 @@ class MaliciousCoordinator(pb_grpc.FederationServicer):
     ) -> AsyncIterator[pb.ModelChunk]:
         site, _ = self._caller(context, "DownloadModel")
         model = self.stories[site].model
+        for offset in range(0, len(model), CHUNK_BYTES):
+            yield pb.ModelChunk(offset=offset, data=model[offset : offset + CHUNK_BYTES])
+
+    async def DownloadFinalModel(
+        self, request: pb.DownloadFinalModelRequest, context: Any
+    ) -> AsyncIterator[pb.ModelChunk]:
+        self._caller(context, "DownloadFinalModel")
+        model = self.final_model
         for offset in range(0, len(model), CHUNK_BYTES):
             yield pb.ModelChunk(offset=offset, data=model[offset : offset + CHUNK_BYTES])
 

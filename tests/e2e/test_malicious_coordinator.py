@@ -20,11 +20,14 @@ import pytest
 
 from common import pki
 from common.codec import TensorSpec
+from common.config import CoordinatorSettings
 from common.crypto.random import system_random
 from common.models.build import initial_model
 from common.models.layout import flatten_parameters, model_layout
 from common.processes import ManagedProcess, medfed_argv
 from common.study import GlobalStatistics
+from coordinator.bundles import write_round_bundle
+from coordinator.study_run import StudyRun
 from demo.study import exact_statistics, synthetic_demo_study
 from site_agent.data import load_study_table
 from site_agent.synthetic import generate_cohort, write_site_csvs
@@ -49,6 +52,7 @@ class World:
     hospital_keys: Path
     data: dict[str, Path]
     statistics: GlobalStatistics  # announced as if the study's release produced them
+    final_model: bytes  # the study's final bundle, served once the double says "finished"
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +74,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     cohort = generate_cohort(list(HOSPITALS), seed=11, patients_per_site=160)
     data = write_site_csvs(root / "data", cohort)
     tables = {site: load_study_table(path, STUDY) for site, path in data.items()}
-    return World(root, pki_dir, keys, data, exact_statistics(tables, STUDY, seed=0))
+    statistics = exact_statistics(tables, STUDY, seed=0)
+    run = StudyRun(study=STUDY, state=root / "coordinator", statistics=statistics)
+    layout, flat = model(0)
+    write_round_bundle(run, round_number=1, layout=layout, flat=flat, budgets=[], final=True,
+                       settings=CoordinatorSettings(pki=pki_dir, state=run.state))
+    return World(root, pki_dir, keys, data, statistics, run.final_path.read_bytes())
 
 
 def model(seed: int) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
@@ -95,7 +104,7 @@ def start_site(world: World, tmp_path: Path) -> Iterator[Callable[..., ManagedPr
                 "--site", site, "--coordinator", address, "--metrics-listen", "127.0.0.1:0",
                 "--state", str(tmp_path / "state" / site), "--data", str(world.data[site]),
                 "--budget-epsilon", "8", "--delta", "1e-3", "--trainer", "dpsgd",
-                "--debug-write-updates",
+                "--debug-write-updates", "--once",
             ),
             log_dir=tmp_path / "logs", cwd=REPO, env={"PYTHONPATH": str(REPO)},
         )
@@ -108,8 +117,10 @@ def start_site(world: World, tmp_path: Path) -> Iterator[Callable[..., ManagedPr
 
 
 def assert_nothing_after_announcement(double: MaliciousCoordinator, site: str) -> None:
-    # ReplicateLedger carries the signed ledger's parameters only.
-    assert set(double.record.methods_of(site)) <= {"Enroll", "WaitForRound", "ReplicateLedger"}
+    # ReplicateLedger carries the signed ledger's parameters only; the final model is the
+    # coordinator's, downloaded.
+    assert set(double.record.methods_of(site)) <= {
+        "Enroll", "WaitForRound", "ReplicateLedger", "DownloadFinalModel"}
     assert site not in double.record.masked
 
 
@@ -123,7 +134,8 @@ def test_abort_when_round_has_only_two_sites(
                        nonce=system_random(16), threshold=2, study=STUDY,
                        statistics=world.statistics)
     with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
-                              puppets=["evil"], study=STUDY) as double:
+                              puppets=["evil"], study=STUDY,
+                              final_model=world.final_model) as double:
         site = start_site("h1", double.address)
         site.wait_log("round 1 aborted: round_too_small", timeout=180)
         assert site.wait_exit(60) == 0
@@ -142,7 +154,7 @@ def test_abort_when_survivor_set_shrinks_below_floor_after_masked_input(
                        statistics=world.statistics)
     with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
                               puppets=["evil", "h3", "h4"], withhold=["h4"],
-                              study=STUDY) as double:
+                              study=STUDY, final_model=world.final_model) as double:
         site = start_site("h1", double.address, policy="min_round_sites = 4")
         site.wait_log("round 1 aborted: survivors_below_floor", timeout=300)
         assert site.wait_exit(60) == 0
@@ -190,7 +202,8 @@ def test_divergent_announcements_abort(
                          threshold=3, clip=0.5, study=STUDY, statistics=world.statistics)
     stories: dict[str, Story] = {"h1": story_a, "h2": story_b}
     with MaliciousCoordinator(world.pki, stories=stories, server_story=story_a,
-                              puppets=["evil"], study=STUDY) as double:
+                              puppets=["evil"], study=STUDY,
+                              final_model=world.final_model) as double:
         sites = {name: start_site(name, double.address) for name in stories}
         for proc in sites.values():
             proc.wait_log("round 1 aborted: bad_signature", timeout=300)
