@@ -211,8 +211,9 @@ def test_divergent_announcements_abort(
     for name in stories:
         methods = set(double.record.methods_of(name))
         # The model download runs beside the key phases (it sends nothing of the site's
-        # but the round number); no share, update, signature or heartbeat data left.
+        # but the round number), the final model's after the study; no share, update,
+        # signature or heartbeat data left.
         assert methods <= {"Enroll", "WaitForRound", "ReplicateLedger", "AdvertiseKeys",
-                           "DownloadModel", "Heartbeat"}, methods
+                           "DownloadModel", "Heartbeat", "DownloadFinalModel"}, methods
         assert not methods & {"ShareKeys", "UploadMaskedInput", "ConsistencyCheck", "Unmask"}
         assert name not in double.record.masked
