@@ -228,15 +228,15 @@ device = "{self.device}"
         """AUC of the model file on every hospital's held-out patients, from the exact
         scores: the sites' own split (held-out fraction 0.2, `split_seed` = the demo's
         seed), pooled. A check on the demo's DP estimate that only a demo can make."""
+        from common.bundle import read_bundle
         from common.evaluation import metrics_from_scores
-        from common.modelfile import read_model_file
         from common.models.build import initial_model
         from common.models.layout import load_flat_parameters
         from site_agent.imaging import split_images
         from site_agent.trainer import predict_scores
 
         model = initial_model(demo.study, seed=demo.o.seed)
-        flat = np.asarray(read_model_file(model_path).flat, dtype=np.float32)
+        flat = np.asarray(read_bundle(model_path).flat(), dtype=np.float32)  # the final bundle
         load_flat_parameters(model, flat)
         held_out = _pool([
             split_images(data, held_out_fraction=0.2, seed=demo.o.seed)[1]
