@@ -61,7 +61,10 @@ def test_imaging_demo_writes_report_with_the_model(tmp_path: Path) -> None:
     assert report["task"] == "imaging" and report["model_name"] == "cnn"
     assert report["privacy_unit"] == "patient" and report["image_size"] == 28
     rounds = report["rounds"]
-    assert [r["round"] for r in rounds] == [1, 2, 3]
+    # The study's federated DP statistics round (1), two training rounds and the final
+    # evaluation round.
+    assert report["statistics_round"] == 1
+    assert [r["round"] for r in rounds] == [2, 3, 4]
     assert all(r["secure_aggregation"] and not r["dropped"] for r in rounds)
     assert rounds[-1]["evaluation_only"]
     for key in ("auc", "sensitivity", "specificity", "ppv"):
