@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from common.models import known_aliases, model_names
+from common.models import model_names
 
 DEMO_SITE = "urban_academic"
 IMAGE_SITE = "lakeside_university"
@@ -186,8 +186,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="mlp",
-        choices=[*MODELS, *sorted(known_aliases())],
-        help="registry model (aliases accepted)",
+        choices=list(MODELS),
+        help="registry model",
     )
     parser.add_argument("--image-size", type=int, default=64, help="image side (image models)")
     parser.add_argument(

@@ -128,9 +128,9 @@ def held_back_mask(
 
 def product_holdout_fraction() -> float:
     """The held-out fraction a site of ``medfed demo --data`` uses."""
-    from common.config import DataSection
+    from common.config import SiteDataSection
 
-    return float(DataSection.model_fields["holdout_fraction"].default)
+    return float(SiteDataSection.model_fields["holdout_fraction"].default)
 
 
 def demo_split_keys(demo: Path, sites: list[str]) -> dict[str, bytes]:

@@ -77,21 +77,26 @@ def _check_listen(value: str) -> str:
 # --------------------------------------------------------------------------- coordinator
 
 
-class ModelSection(_Section):
-    """Where the first global model comes from."""
+NO_STUDY_MODEL = (
+    "a coordinator trains a study, not a model file: draft one with `medfed study init` "
+    "and serve it with `coordinator serve --study study.toml` (the study gives the model, "
+    "its features and the training settings)"
+)
 
-    init_file: Path | None = Field(
-        default=None, description="medfed model file (.mfm) written by `medfed model init`"
-    )
-    dim: int | None = Field(
-        default=None, ge=1, le=1 << 30, description="zero-initialised flat model of this size"
-    )
 
-    @model_validator(mode="after")
-    def _one_source(self) -> ModelSection:
-        if (self.init_file is None) == (self.dim is None):
-            raise ValueError("set exactly one of model.init_file and model.dim")
-        return self
+class TransportModelSection(_Section):
+    """TEST ONLY: a zero-initialised flat model and no study, for transport tests and
+    benchmarks whose sites run the `test-deterministic` trainer (a site that trains
+    refuses a coordinator without a study). Every federation that trains runs a study."""
+
+    dim: int = Field(ge=1, le=1 << 30, description="zero-initialised flat model of this size")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_model_file(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "init_file" in data:
+            raise ValueError(NO_STUDY_MODEL)
+        return data
 
 
 class TrainingPlanSection(_Section):
@@ -222,8 +227,9 @@ class CoordinatorSettings(_Settings):
         "local epochs, learning rate, FedProx, server optimizer, histogram bins) come "
         "from it; this file keeps operational settings only",
     )
-    model: ModelSection | None = Field(
-        default=None, description="transport tests and benchmarks only: a model without a study"
+    model: TransportModelSection | None = Field(
+        default=None, description="transport tests and benchmarks only: a flat model without "
+        "a study, for test-deterministic sites"
     )
     training: TrainingPlanSection = TrainingPlanSection()
     aggregation: AggregationSection = AggregationSection()
@@ -245,8 +251,8 @@ class CoordinatorSettings(_Settings):
     def _study_or_model(self) -> CoordinatorSettings:
         if self.study is not None and self.model is not None:
             raise ValueError(
-                "set a study (--study study.toml) or, for transport tests only, a model "
-                "(--model-dim / --model-init), not both: the study gives the model"
+                "set a study (--study study.toml) or, for transport tests only, a flat "
+                "model (--model-dim), not both: the study gives the model"
             )
         return self
 
@@ -270,10 +276,11 @@ class PrivacySection(_Section):
     delta: float = Field(default=1e-5, gt=0, lt=1)
     accountant: Literal["prv", "rdp"] = "prv"
     max_grad_norm: float = Field(default=1.0, gt=0)
+    # The weakest privacy unit this site accepts from a study ("auto": any).
     privacy_unit: Literal["auto", "record", "patient", "hospital"] = "auto"
     # The cohort size leaves the site only as ONE DP count (Gaussian, sens. 1).
     # The most this site spends on it: a study declares the value every site spends and
-    # is refused above this; without a study this value is spent (docs/privacy.md).
+    # is refused above this (docs/privacy.md).
     count_epsilon: float = Field(default=DEFAULT_COUNT_EPSILON, gt=0, le=100)
     # Total noise std on each summed count of an evaluation histogram (split across sites).
     evaluation_noise_std: float = Field(default=10.0, ge=1.0, le=1e6)
@@ -283,33 +290,47 @@ class PrivacySection(_Section):
     receipts_dir: Path | None = None
 
 
-class DataSection(_Section):
-    path: Path | None = Field(default=None, description="CSV or Parquet file of this site")
-    features: list[str] | None = Field(default=None, description="feature columns (default: all)")
-    label_column: str = "label"
-    patient_column: str | None = None
-    nan_policy: Literal["error", "drop_row", "impute_median"] = "error"
+STUDY_NAMES_IT = (
+    "the study names the columns, labels, missing-value policies and model ([data], "
+    "[[features]] and [model] of study.toml, sent by the coordinator at enrolment); remove "
+    "it from this site's settings"
+)
+
+
+def _refuse_study_fields(data: Any, fields: tuple[str, ...]) -> Any:
+    """A site setting that only a study may declare: refused with where it now lives."""
+    if isinstance(data, Mapping):
+        given = [name for name in fields if name in data]
+        if given:
+            raise ValueError(f"{', '.join(given)}: {STUDY_NAMES_IT}")
+    return data
+
+
+class SiteDataSection(_Section):
+    """Where this site's records are and how it holds some out; what they contain is
+    the study's (common/study.py `DataSection`, `FeatureSpec`)."""
+
+    path: Path | None = Field(
+        default=None, description="CSV or Parquet file of this site, or an images study's "
+        "folder with labels.csv"
+    )
     holdout_fraction: float = Field(
         default=0.2, gt=0, lt=1,
         description="share of patients held out for evaluation; each patient's side comes "
         "from a keyed hash of its id under the site's secret split key (STATE/site-split.key)",
     )
-    synthetic: bool = Field(
-        default=False,
-        description="train on the embedded synthetic cohort (demo); only when asked for "
-        "explicitly, and never together with a data file",
-    )
-    synthetic_cohort_seed: int | None = Field(
-        default=None, description="seed of the synthetic cohort (with synthetic = true)"
-    )
-    synthetic_patients: int | None = Field(
-        default=None, ge=1, description="patients of this site's synthetic slice"
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _study_fields(cls, data: Any) -> Any:
+        return _refuse_study_fields(data, (
+            "features", "label_column", "patient_column", "nan_policy", "synthetic",
+            "synthetic_cohort_seed", "synthetic_patients",
+        ))
 
 
 class LocalTrainingSection(_Section):
     trainer: Literal["dpsgd", "nonprivate", "test-deterministic"] = "dpsgd"
-    model: Literal["mlp"] = "mlp"
     batch_size: int = Field(default=256, ge=1)
     max_physical_batch_size: int = Field(default=1024, ge=1)
     optimizer: Literal["sgd", "adam"] = "sgd"
@@ -320,6 +341,11 @@ class LocalTrainingSection(_Section):
         description="TESTS ONLY: fixed seed for Poisson sampling and DP noise; default draws "
         "a fresh seed from the OS CSPRNG (predictable noise would void the DP guarantee)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _study_fields(cls, data: Any) -> Any:
+        return _refuse_study_fields(data, ("model",))
 
 
 DEFAULT_MAX_EVALUATIONS: Final = 100
@@ -423,14 +449,15 @@ class SiteSettings(_Settings):
     metrics_listen: str = "127.0.0.1:9465"
     state: Path
     privacy: PrivacySection = PrivacySection()
-    data: DataSection = DataSection()
+    data: SiteDataSection = SiteDataSection()
     training: LocalTrainingSection = LocalTrainingSection()
     policy: SitePolicySection = SitePolicySection()
     reconnect: ReconnectSection = ReconnectSection()
     study_file: Path | None = Field(
         default=None,
-        description="study.toml this site trains (its model and, for images, the image "
-        "size, channels and classes); without one, the tabular mlp of data.features",
+        description="study.toml this site agreed to: the only study it joins (another "
+        "study from the coordinator is refused at enrolment); without one, the "
+        "coordinator's study, checked against this site's policy and data",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = Field(
@@ -464,11 +491,6 @@ class SiteSettings(_Settings):
         explicit = (self.tls_ca, self.tls_cert, self.tls_key)
         if self.pki is None and not all(explicit):
             raise ValueError("set pki, or all of tls_ca, tls_cert and tls_key")
-        if self.data.synthetic and self.data.path is not None:
-            raise ValueError(
-                "data: a data file and synthetic = true exclude each other (the file is "
-                "what trains; drop --synthetic)"
-            )
         return self
 
     def tls_paths(self) -> tuple[Path, Path, Path]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from common.codec import TensorSpec, digest, flat_to_bytes
-from common.config import ModelSection
+from common.config import TransportModelSection
 from common.errors import ConfigError, StateError
 from common.modelfile import ModelFile, flat_layout, read_model_file, write_model_file
 from coordinator.optimizers import ServerOptimizer
@@ -22,16 +22,16 @@ log = logging.getLogger("medfed.coordinator")
 
 def load_model(
     store: CoordinatorStore,
-    model: ModelSection | None,
+    model: TransportModelSection | None,
     optimizer: ServerOptimizer,
     *,
     state: Path,
     initial: Callable[[], tuple[tuple[TensorSpec, ...], np.ndarray]] | None = None,
 ) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
     """Latest good checkpoint if there is one (restoring `optimizer`'s state), else the
-    study's initial model (`initial`) or the configured one. A checkpoint's recorded
-    path is relative to the state folder `state` (rows written by older versions hold an
-    absolute path, which is read as it is)."""
+    study's initial model (`initial`) or, for transport tests, the flat model. A
+    checkpoint's recorded path is relative to the state folder `state` (rows written by
+    older versions hold an absolute path, which is read as it is)."""
     ckpt = store.latest_checkpoint()
     if ckpt is not None:
         path = state / ckpt.path
@@ -44,12 +44,7 @@ def load_model(
     if initial is not None:
         return initial()
     if model is None:
-        raise ConfigError("model", "no initial model configured")
-    if model.init_file is not None:
-        loaded = read_model_file(model.init_file)
-        return loaded.layout, loaded.flat
-    if model.dim is None:  # excluded by ModelSection validation
-        raise ConfigError("model", "no initial model configured")
+        raise ConfigError("study", "no study: serve one with --study study.toml")
     return flat_layout(model.dim), np.zeros(model.dim, dtype=np.float32)
 
 

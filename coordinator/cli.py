@@ -37,9 +37,8 @@ def register(subparsers: Any) -> None:
         help="study.toml: model, features and training settings (`medfed study init`)",
     )
     serve.add_argument("--model-dim", type=int,
-                       help="transport tests/benchmarks: zero-initialised flat model")
-    serve.add_argument("--model-init", type=Path,
-                       help="transport tests/benchmarks: initial model file (.mfm)")
+                       help="transport tests/benchmarks only (test-deterministic sites): "
+                       "a zero-initialised flat model and no study")
     serve.add_argument(
         "--plain", action="store_true", default=None,
         help="plain FedAvg without secure aggregation (benchmarks only)",
@@ -69,8 +68,6 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
     model: dict[str, Any] = {}
     if args.model_dim is not None:
         model["dim"] = args.model_dim
-    if args.model_init is not None:
-        model["init_file"] = args.model_init
     overrides: dict[str, Any] = {
         "pki": args.pki,
         "listen": args.listen,

@@ -40,7 +40,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--intermediaries", type=_intermediaries, default=d.intermediaries,
                         help="hospital-level DP: v disjoint patient groups per hospital, "
                         "each clipped alone, or 'auto': v chosen every round by the rule "
-                        "of Jiang et al. 2023 (needs --data). Default 1: the budget caps "
+                        "of Jiang et al. 2023. Default 1: the budget caps "
                         "the hospital-level epsilon; v > 1 or auto make it v-fold")
     parser.add_argument("--no-audit", dest="audit", action="store_false",
                         help="skip the membership-inference audit (about 30 s on 2 cores)")

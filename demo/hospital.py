@@ -1,12 +1,12 @@
-"""The demo under hospital-level DP (``--privacy-unit hospital``): the coordinator's
-noise plan, the study's privacy section and the three figures the report gives."""
+"""The demo under hospital-level DP (``--privacy-unit hospital``): the study's privacy
+section (its z planned from the study's epsilon) and the three figures the report gives."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from demo.options import COUNT_EPSILON, DemoOptions
+from demo.options import DemoOptions
 
 
 def hospital_figures(hospital: dict[str, Any]) -> str:
@@ -26,18 +26,6 @@ def intermediaries_label(hospital: dict[str, Any]) -> str:
         return ", v auto per round " + (
             "/".join(str(x) for x in chosen.values()) if chosen else "-")
     return f", v={v}" if v != 1 else ""
-
-
-def hospital_aggregation(o: DemoOptions) -> str:
-    """The coordinator's [aggregation] lines for hospital-level DP: S and a z planned so
-    the demo's rounds of updates fit the sites' budget (`common.privacy.hospital`)."""
-    if o.privacy_unit != "hospital":
-        return ""
-    from common.privacy.hospital import EVALUATION_RESERVE, plan_noise_multiplier
-
-    left = (o.budget_epsilon - COUNT_EPSILON) * (1 - EVALUATION_RESERVE)
-    z = plan_noise_multiplier(epsilon=left, delta=o.delta, rounds=o.rounds)
-    return f"hospital_clip_norm = {o.update_clip_norm}\nhospital_noise_multiplier = {z}\n"
 
 
 def hospital_report(out: Path, sites: list[str], o: DemoOptions) -> dict[str, Any]:

@@ -170,6 +170,7 @@ class ImagingTask:
             encoding="utf-8",
         )
         demo.study = load_study(self.study_path)
+        demo.served_study = self.study_path  # `coordinator serve --study`
         folders = write_imaging_cohort(
             demo.out / "cohort", names, seed=demo.o.seed,
             patients_per_site=demo.o.patients_per_site,
@@ -178,7 +179,9 @@ class ImagingTask:
                  f"{demo.o.patients_per_site} patients (1-3 images each, PNG and DICOM, "
                  f"different scanners and prevalence) in {demo.out / 'cohort'}")
         demo.say(f"[setup] study {self.study_path}: model {self.model_name}, images "
-                 f"{self.image_size}x{self.image_size}, patient-level DP")
+                 f"{self.image_size}x{self.image_size}, patient-level DP; served with "
+                 "`coordinator serve --study`, sites enrolled into it")
+        self.say_model(demo)
         return {site: folder.resolve() for site, folder in folders.items()}
 
     def load_datasets(
@@ -190,19 +193,14 @@ class ImagingTask:
         self.datasets = {s: load_image_folder(p, spec) for s, p in files.items() if p}
         return self.datasets, []
 
-    def initial_model(self, demo: Demo, n_features: int) -> Path:
+    def say_model(self, demo: Demo) -> None:
         """The study's network as `coordinator serve --study` builds it (DP-checked)."""
-        from common.modelfile import ModelFile, write_model_file
         from common.models.build import initial_model
-        from common.models.layout import wire_model
 
         model = initial_model(demo.study, seed=demo.o.seed)
-        path = demo.out / "initial-model.mfm"
-        write_model_file(path, ModelFile(*wire_model(model)))
         parameters = sum(p.numel() for p in model.parameters())
         demo.say(f"[setup] initial {self.model_name}: {parameters:,} parameters "
                  "(Opacus ModuleValidator: ok)")
-        return path
 
     def site_config(self, demo: Demo, site: str, data: Path | None) -> str:
         o = demo.o
@@ -251,15 +249,15 @@ device = "{self.device}"
         """AUC of the model file on every hospital's held-out patients, from the exact
         scores: the sites' own split (held-out fraction 0.2 under each site's split key),
         pooled. A check on the demo's DP estimate that only a demo can make."""
+        from common.bundle import read_bundle
         from common.evaluation import metrics_from_scores
-        from common.modelfile import read_model_file
         from common.models.build import initial_model
         from common.models.layout import load_flat_parameters
         from site_agent.trainer import predict_scores
         from site_agent.unit_split import split_by_patient
 
         model = initial_model(demo.study, seed=demo.o.seed)
-        flat = np.asarray(read_model_file(model_path).flat, dtype=np.float32)
+        flat = np.asarray(read_bundle(model_path).flat(), dtype=np.float32)  # the final bundle
         load_flat_parameters(model, flat)
         held_out = _pool([
             split_by_patient(data, held_out_fraction=0.2, key=demo.split_keys[site])[1]
@@ -320,7 +318,7 @@ def image_baselines(
         )
 
     def initial() -> Any:
-        torch.manual_seed(o.seed)  # the federation's initial weights
+        torch.manual_seed(o.seed)  # fixed initial weights (the federation's: the study's)
         return build_for_study(study)
 
     held_out = _pool([h for _, h in splits.values()])

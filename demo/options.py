@@ -6,11 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import DEFAULT_COUNT_EPSILON
 from common.errors import ConfigError
 
 HISTOGRAM_BINS = 50
-COUNT_EPSILON = DEFAULT_COUNT_EPSILON  # the sites' default count_epsilon
 AGGREGATION_CLIP = 0.5
 WAIT_NOTE_SECONDS = 30.0
 """With no round event for this long, the demo prints what it is waiting for."""
@@ -37,8 +35,7 @@ class DemoOptions:
     # "hospital": hospital-level DP on the model updates, no DP-SGD beneath.
     privacy_unit: str = "auto"
     update_clip_norm: float = 1.0
-    # v per hospital, or "auto" (the adaptive rule of Jiang et al. 2023); needs --data: a study
-    # carries it.
+    # v per hospital, or "auto" (the adaptive rule of Jiang et al. 2023); the study carries it.
     intermediaries: int | str = 1
     audit: bool = True
 
@@ -64,8 +61,8 @@ def validate_options(o: DemoOptions) -> None:
         raise ConfigError("--rounds", "must be >= 1")
     if o.kill_round < 0 or o.kill_round > o.rounds:
         raise ConfigError("--kill-round", f"must be between 0 and --rounds ({o.rounds})")
-    if o.intermediaries != 1 and (o.privacy_unit != "hospital" or o.data is None):
-        raise ConfigError("--intermediaries", "needs --privacy-unit hospital and --data")
+    if o.intermediaries != 1 and o.privacy_unit != "hospital":
+        raise ConfigError("--intermediaries", "needs --privacy-unit hospital")
     if o.data is not None and not o.data.is_dir():
         raise ConfigError("--data", f"{o.data} is not a folder")
 

@@ -12,7 +12,6 @@ from typing import Any
 
 from common.errors import StateError
 from common.processes import Line, ManagedProcess, medfed_argv
-from demo.hospital import hospital_aggregation
 from demo.options import WAIT_NOTE_SECONDS, DemoOptions, RoundRow
 from demo.report import dp_auc_text, epsilon_by_site, write_report
 from demo.tabular import TabularTask
@@ -35,9 +34,9 @@ class Demo:
         self.audit: dict[str, Any] = {"skipped": True, "reason": "not run"}
         self.started = time.monotonic()
         self._print_lock = threading.Lock()
-        # The study the sites train (set by the task): `--data DIR` and images.
+        # The study the sites train and its file, which the coordinator serves
+        # (`coordinator serve --study`); both set by the task.
         self.study: Any = None
-        # `--data DIR`: the study the coordinator serves (`coordinator serve --study`).
         self.served_study: Path | None = None
         self.statistics_round: int | None = None
         # Each site's split key, made in its state folder before it starts, so the
@@ -67,37 +66,23 @@ class Demo:
                  f"in {pki}")
         return pki
 
-    def start_coordinator(self, pki: Path, model: Path | None, n_sites: int) -> ManagedProcess:
+    def start_coordinator(self, pki: Path, n_sites: int) -> ManagedProcess:
         # Every round waits for all sites (the killed one is restarted right after its
-        # round), so each hospital's epsilon tells the same story.
+        # round), so each hospital's epsilon tells the same story. The served study gives
+        # the model (built by the coordinator) and the training settings.
         config = self.out / "coordinator.toml"
-        study_args: tuple[str, ...] = ()
-        if self.served_study is not None or model is None:
-            # The study gives the model (built by the coordinator) and training settings.
-            if self.served_study is None:
-                raise StateError("the demo has neither an initial model nor a study")
-            model_and_training = ""
-            study_args = ("--study", str(self.served_study))
-        else:
-            model_and_training = f"""[model]
-init_file = "{model.resolve()}"
-
-[training]
-local_epochs = {self.o.local_epochs}
-learning_rate = {self.o.learning_rate}
-final_evaluation = true
-"""
+        if self.served_study is None:
+            raise StateError("the demo's task wrote no study to serve")
         config.write_text(
             f"""rounds = {self.o.rounds}
 min_sites = {n_sites}
 federation_id = "medfed-demo"
 
-{model_and_training}
 [aggregation]
 histogram_bins = {self.terms.aggregation.histogram_bins}
 clip = {self.terms.aggregation.clip}
 max_colluding_sites = {self.terms.aggregation.max_colluding_sites}
-{hospital_aggregation(self.o)}
+
 [deadlines]
 selection_seconds = 5
 round_start_timeout_seconds = 600
@@ -110,7 +95,7 @@ phase_seconds = {self.o.phase_seconds}
             medfed_argv("coordinator", "serve", "--config", str(config), "--pki", str(pki),
                         "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                         "--state", str(self.out / "coordinator"), "--exit-when-finished",
-                        "--linger-seconds", "5", *study_args),
+                        "--linger-seconds", "5", "--study", str(self.served_study)),
             log_dir=self.out / "logs",
         )
         try:
@@ -156,11 +141,9 @@ phase_seconds = {self.o.phase_seconds}
             return skipped("the audit runs on tables; image data is not audited yet")
         self.say("[audit] membership inference on one site's records, without DP and with "
                  f"DP at epsilon {self.o.budget_epsilon:g} ...")
-        model = None
-        if self.served_study is not None:  # `--data`: the study's encoding and model
-            from site_agent.audit import study_audit_model
+        from site_agent.audit import study_audit_model
 
-            model = study_audit_model(self.study)
+        model = study_audit_model(self.study)  # the study's encoding and model
         result = demo_audit(datasets, epsilon=self.o.budget_epsilon, delta=self.o.delta,
                             seed=self.o.seed, model=model)
         self.say(f"[audit] {result.get('line') or 'skipped: ' + str(result.get('reason'))}")
@@ -173,8 +156,7 @@ phase_seconds = {self.o.phase_seconds}
         from site_agent.unit_split import site_split_key
 
         self.split_keys = {site: site_split_key(self.site_state(site)) for site in sites}
-        datasets, features = self.task.load_datasets(self, files)
-        model = self.task.initial_model(self, len(features))
+        datasets, _features = self.task.load_datasets(self, files)
         self.say("[baseline] training centralized and federated non-private baselines ...")
         baselines = self.task.baselines(self, datasets)
         for name, m in baselines.items():
@@ -184,7 +166,7 @@ phase_seconds = {self.o.phase_seconds}
         if self.terms.note:
             self.say(f"[setup] {self.terms.note}")
         victim = self.plan_fault(sites)
-        coordinator = self.start_coordinator(pki, model, len(sites))
+        coordinator = self.start_coordinator(pki, len(sites))
         try:
             for site in sites:
                 extra: tuple[str, ...] = ()
@@ -203,9 +185,9 @@ phase_seconds = {self.o.phase_seconds}
         return self.write_report(sites, baselines)
 
     def kill_round_number(self) -> int:
-        """The coordinator's number of the `--kill-round`th training round (with a
-        study, round 1 is the federated DP statistics round)."""
-        return self.o.kill_round + (1 if self.served_study is not None else 0)
+        """The coordinator's number of the `--kill-round`th training round (round 1 is
+        the study's federated DP statistics round)."""
+        return self.o.kill_round + 1
 
     def plan_fault(self, sites: list[str]) -> str | None:
         """The site to kill mid-round, or None where the federation could not survive

@@ -145,3 +145,27 @@ def exact_statistics(tables: dict[str, Any], study: Study, *, seed: int) -> Glob
     for site in sorted(tables):
         total += encode_release(tables[site], study, uniform=rng.random)
     return decode_release(total, study, source="the demo's non-private baseline (exact)")
+
+
+def synthetic_demo_study(
+    *, name: str, rounds: int, epsilon: float, delta: float, histogram_bins: int,
+    local_epochs: int, learning_rate: float, batch_size: int,
+) -> Study:
+    """The study of the embedded synthetic sepsis cohort (`site_agent.synthetic`): its
+    columns as the generator writes them (all numeric, none missing), declared as a real
+    study declares them rather than read from the values; the small MLP the cohort's
+    ground truth is learnable by, and the demo's training settings."""
+    from site_agent.synthetic import FEATURES, LABEL, PATIENT_ID
+
+    mapping: dict[str, Any] = {
+        "study": {"name": name, "rounds": rounds, "task": "binary", "classes": [0, 1]},
+        "data": {"label_column": LABEL, "patient_column": PATIENT_ID},
+        "features": [{"name": column, "type": "numeric", "missing": "error"}
+                     for column in FEATURES],
+        "model": {"name": "mlp"},
+        "training": {"local_epochs": local_epochs, "learning_rate": learning_rate,
+                     "batch_size": batch_size},
+        "privacy": {"unit": "patient", "epsilon": epsilon, "delta": delta,
+                    "evaluation": {"histogram_bins": histogram_bins}},
+    }
+    return study_from_mapping(mapping, source="the demo's synthetic cohort")

@@ -1,6 +1,7 @@
-"""The tabular demo: the embedded synthetic sepsis cohort, or one CSV per site from
-``--data DIR`` with a study drafted from the files (`demo.study`) and served with
-`coordinator serve --study`."""
+"""The tabular demo: the embedded synthetic sepsis cohort written as one CSV per site, or
+one CSV per site from ``--data DIR``; either way a study (declared for the cohort, drafted
+from the files: `demo.study`) served with `coordinator serve --study`, every site enrolled
+into it as a hospital is."""
 
 from __future__ import annotations
 
@@ -24,30 +25,38 @@ class TabularTask:
     histogram_bins = HISTOGRAM_BINS
 
     def prepare(self, demo: Demo) -> dict[str, Path | None]:
-        """Site ids and their data files (None: the site's slice of the embedded cohort)."""
+        """Site ids and their data files (the synthetic cohort's are written here)."""
         if demo.out.exists():
             shutil.rmtree(demo.out)
         demo.out.mkdir(parents=True)
-        if demo.o.data is not None:
-            files: dict[str, Path | None] = {
-                p.stem: p.resolve() for p in sorted(demo.o.data.glob("*.csv"))
-            }
+        o = demo.o
+        if o.data is not None:
+            files = {p.stem: p.resolve() for p in sorted(o.data.glob("*.csv"))}
             if len(files) < 2:
                 raise ConfigError("--data", f"need at least 2 site CSVs (one per site) in "
-                                            f"{demo.o.data}, found {len(files)}")
-            self.draft_study(demo, {site: path for site, path in files.items() if path})
-            return files
-        from site_agent.synthetic import site_names
+                                            f"{o.data}, found {len(files)}")
+            self.draft_study(demo, files)
+            return dict(files)
+        from demo.study import synthetic_demo_study
+        from site_agent.synthetic import generate_cohort, site_names, write_site_csvs
 
-        names = site_names(demo.o.sites)
+        names = site_names(o.sites)
+        folder = demo.out / "cohort"
+        written = write_site_csvs(folder, generate_cohort(
+            names, seed=o.seed, patients_per_site=o.patients_per_site))
         demo.say(f"[setup] synthetic sepsis cohort: {len(names)} hospitals x "
-                 f"{demo.o.patients_per_site:,} patients, several encounters each, "
-                 f"non-IID ({', '.join(names)}); each site generates only its own slice")
-        return dict.fromkeys(names)
+                 f"{o.patients_per_site:,} patients, several encounters each, "
+                 f"non-IID ({', '.join(names)}); one CSV per hospital in {folder}")
+        study = synthetic_demo_study(
+            name="medfed-demo", rounds=o.rounds, epsilon=o.budget_epsilon, delta=o.delta,
+            histogram_bins=HISTOGRAM_BINS, local_epochs=o.local_epochs,
+            learning_rate=o.learning_rate, batch_size=o.batch_size,
+        )
+        self.serve_study(demo, study, what="declared for the cohort")
+        return {site: path.resolve() for site, path in written.items()}
 
     def draft_study(self, demo: Demo, files: dict[str, Path]) -> None:
-        """`--data DIR`: the study every site is enrolled into (demo.study)."""
-        from common.study_cli import render_study_toml
+        """`--data DIR`: the study drafted from the files (demo.study)."""
         from demo.study import draft_demo_study
 
         o = demo.o
@@ -56,33 +65,33 @@ class TabularTask:
             patient_column=o.patient_column, rounds=o.rounds,
             epsilon=o.budget_epsilon, delta=o.delta, histogram_bins=HISTOGRAM_BINS,
         )
+        self.serve_study(demo, study, what="drafted from the files")
+        for note in notes:
+            demo.say(f"[setup]   {note} (read from the demo's files; a real study declares it)")
+
+    def serve_study(self, demo: Demo, study: Any, *, what: str) -> None:
+        """Write the study every site is enrolled into; the coordinator serves it."""
+        from common.study_cli import render_study_toml
+
+        o = demo.o
         if o.privacy_unit == "hospital":
             study = hospital_study(study, o)
         # The threat terms every site sizes its noise with: the demo sites' own policy.
-        policy = federation_terms(len(files), histogram_bins=HISTOGRAM_BINS).policy
+        policy = demo.terms.policy
         study = study.model_copy(update={"privacy": study.privacy.model_copy(update={
             "max_colluding_sites": policy.max_colluding_sites,
             "min_round_sites": policy.min_round_sites})})
         demo.served_study = demo.out / "study.toml"
         demo.served_study.write_text(render_study_toml(study), encoding="utf-8")
         demo.study = study
-        demo.say(f"[setup] study {demo.served_study}: {len(study.features)} features, "
-                 f"label {o.label_column!r}, {study.privacy.unit}-level DP; served with "
-                 "`coordinator serve --study`, sites enrolled into it")
-        for note in notes:
-            demo.say(f"[setup]   {note} (read from the demo's files; a real study declares it)")
+        demo.say(f"[setup] study {demo.served_study} ({what}): {len(study.features)} "
+                 f"features, label {study.data.label_column!r}, {study.privacy.unit}-level "
+                 "DP; served with `coordinator serve --study`, sites enrolled into it")
 
     def load_datasets(
         self, demo: Demo, files: dict[str, Path | None]
     ) -> tuple[dict[str, Any], list[str]]:
         """The same records the sites train on, for the in-process baselines."""
-        from site_agent.synthetic import FEATURES, generate_cohort
-
-        sites = sorted(files)
-        if demo.o.data is None:
-            cohort = generate_cohort(sites, seed=demo.o.seed,
-                                     patients_per_site=demo.o.patients_per_site)
-            return cohort, list(FEATURES)
         from demo.study import exact_statistics
         from site_agent.data import Preprocessor, load_study_table
 
@@ -101,36 +110,12 @@ class TabularTask:
         return compute_baselines(datasets, demo.o, keys=demo.split_keys,
                                  units=getattr(self, "units", None))
 
-    def initial_model(self, demo: Demo, n_features: int) -> Path | None:
-        """The synthetic cohort's MLP; with ``--data`` the served study gives the model."""
-        if demo.served_study is not None:
-            return None
-        import torch
-
-        from common.modelfile import ModelFile, write_model_file
-        from common.models.layout import wire_model
-        from common.models.tables.mlp import TabularMLP
-
-        torch.manual_seed(demo.o.seed)
-        path = demo.out / "initial-model.mfm"
-        write_model_file(path, ModelFile(*wire_model(TabularMLP(n_features))))
-        return path
-
     def site_config(self, demo: Demo, site: str, data: Path | None) -> str:
         o = demo.o
-        if demo.served_study is not None:
-            # The study (label, patient column, features) comes at enrolment.
-            source = f'path = "{data}"\n'
-        elif data is None:
-            source = (f"synthetic = true\nsynthetic_cohort_seed = {o.seed}\n"
-                      f"synthetic_patients = {o.patients_per_site}\n")
-        else:
-            patient = (f'patient_column = "{o.patient_column}"\n'
-                       if o.patient_column else "")
-            source = (f'path = "{data}"\nlabel_column = "{o.label_column}"\n'
-                      f"{patient}")
+        # The study (label, patient column, features, model, training) comes at enrolment.
         return f"""[data]
-{source}
+path = "{data}"
+
 [privacy]
 budget_epsilon = {o.budget_epsilon}
 delta = {o.delta}
@@ -139,12 +124,8 @@ delta = {o.delta}
 [policy]
 min_round_sites = {demo.terms.policy.min_round_sites}
 max_colluding_sites = {demo.terms.policy.max_colluding_sites}
-# Without a study (the synthetic cohort) a site plans its noise for its own
-# planned_rounds: the demo's rounds, so the budget is spent by the demo's end.
-planned_rounds = {o.rounds}
 
 [training]
-batch_size = {o.batch_size}
 max_physical_batch_size = 4096
 device = "cpu"
 """

@@ -1,4 +1,4 @@
-"""What a demo task supplies to the one `Demo`: its data, baselines, model and site
+"""What a demo task supplies to the one `Demo`: its data, its study, baselines and site
 configuration. `demo.tabular` and `demo.imaging` are the two tasks."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ class DemoTask(Protocol):
     """Score bins of the federation's DP evaluation histogram."""
 
     def prepare(self, demo: Demo) -> dict[str, Path | None]:
-        """Write the task's inputs under ``demo.out``; site ids and their data (None: the
-        site's slice of the embedded cohort)."""
+        """Write the task's inputs under ``demo.out`` and the study the coordinator
+        serves (``demo.served_study``, ``demo.study``); site ids and their data."""
 
     def load_datasets(
         self, demo: Demo, files: dict[str, Path | None]
@@ -31,9 +31,6 @@ class DemoTask(Protocol):
 
     def baselines(self, demo: Demo, datasets: dict[str, Any]) -> dict[str, dict[str, float]]:
         """Centralized and federated non-private baselines, in process."""
-
-    def initial_model(self, demo: Demo, n_features: int) -> Path | None:
-        """The coordinator's initial model file; None where the served study gives it."""
 
     def site_config(self, demo: Demo, site: str, data: Path | None) -> str:
         """The site agent's configuration file (TOML)."""

@@ -39,20 +39,16 @@ def register(subparsers: Any) -> None:
     run.add_argument("--data", type=Path,
                      help="CSV or Parquet file with this site's records (what trains), or, "
                      "for an images study, a folder of images with labels.csv")
-    run.add_argument("--study", type=Path, help="study.toml: the model and data this site trains")
+    run.add_argument("--study", type=Path,
+                     help="study.toml this site agreed to: it joins no other study (the "
+                     "coordinator serves the study; without --study, the coordinator's)")
     run.add_argument("--allow-factory", action="append", default=None, metavar="PKG.MOD:FN",
                      help="custom model factory this site may import and run (repeatable)")
-    run.add_argument(
-        "--synthetic", action="store_true", default=None,
-        help="train on the built-in synthetic demo cohort instead of a file (demo only)",
-    )
     run.add_argument(
         "--once", action="store_true", default=None,
         help="exit 0 once the study's final model is stored (default: stay up for the "
         "next study)",
     )
-    run.add_argument("--label-column", help="label column (0/1)")
-    run.add_argument("--patient-column", help="patient id column: patient-level DP")
     run.add_argument("--budget-epsilon", type=float, help="this site's epsilon budget")
     run.add_argument("--delta", type=float, help="DP delta")
     run.add_argument("--device", help="auto, cpu, cuda or cuda:N")
@@ -91,12 +87,7 @@ def settings_from_args(args: argparse.Namespace) -> SiteSettings:
         "debug_pause_after": args.debug_pause_after,
         "debug_pause_seconds": args.debug_pause_seconds,
         "log_format": args.log_format,
-        "data": {
-            "path": args.data,
-            "synthetic": args.synthetic,
-            "label_column": args.label_column,
-            "patient_column": args.patient_column,
-        },
+        "data": {"path": args.data},
         "privacy": {"budget_epsilon": args.budget_epsilon, "delta": args.delta},
         "training": {"device": args.device, "trainer": args.trainer},
         "study_file": args.study,
@@ -112,15 +103,14 @@ def _run(args: argparse.Namespace) -> int:
     from site_agent.runner import run_site
 
     settings = settings_from_args(args)
-    if (settings.data.path is None and not settings.data.synthetic
-            and settings.training.trainer != "test-deterministic"):
+    if settings.data.path is None and settings.training.trainer != "test-deterministic":
         # Nothing could ever train: say so now, not at enrolment (docs/deploy.md).
         raise ConfigError(
             "data.path", "name this site's data file (data.path in the config, or --data "
-            "FILE); the built-in demo cohort only with --synthetic"
+            "FILE): the study the coordinator serves says what its columns are"
         )
     path = settings.data.path
-    if path is not None and not settings.data.synthetic and not Path(path).exists():
+    if path is not None and not Path(path).exists():
         # Its contents are checked against the study at enrolment; its absence now.
         raise ConfigError("data.path", f"{path} does not exist")
     configure_logging(f"site:{settings.site}", settings.log_level, settings.log_format)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from common.config import DataSection, SiteSettings
+from common.config import SiteDataSection, SiteSettings
 from common.errors import DataError
 from common.study import SitePrivacyPolicy, Study, check_study_against_policy
 from site_agent.data import StudyTable, check_cohort_size, load_study_table, training_units
@@ -117,7 +117,7 @@ def _check_training_cohort(units: int, *, delta: float, unit: str, problems: lis
     """The one cohort-size rule (site_agent.data's docstring) on the units DP-SGD will
     train on: those left after the held-out split (data.holdout_fraction, default 20%),
     as the site's trainer judges them."""
-    held_out = DataSection.model_fields["holdout_fraction"].default
+    held_out = SiteDataSection.model_fields["holdout_fraction"].default
     train = training_units(units, held_out_fraction=held_out)
     try:
         check_cohort_size(train, delta=delta, unit=unit)

@@ -33,11 +33,10 @@ from site_agent.held_out import held_out_histogram
 from site_agent.intermediaries import intermediaries_for, train_intermediaries, unit_groups
 from site_agent.site_model import build_site_model, check_layout, layout_of, model_name
 from site_agent.training_data import (
-    configured_privacy_unit,
     encode_study_table,
-    load_configured_data,
+    load_site_images,
     load_site_study,
-    split_site_data,
+    split_site_images,
     statistics_contribution,
 )
 from site_agent.training_plan import (
@@ -145,12 +144,12 @@ class DeterministicTestHook:
 class DpTrainingHook:
     """Opacus DP-SGD (or non-private, for baselines) on this site's own data.
 
-    With a study (the coordinator sends it at enrolment), nothing is read before
-    `join_study`: the site's file is checked against the study there, before any key or
-    update is sent, and encoded with the federation's global statistics once the
-    statistics release produced them (`set_statistics`). Without a study (transport
-    tests, the legacy demo), `join_study(None)` loads the file under the site config's
-    schema, or the synthetic cohort when the site asked for it explicitly.
+    It trains only under a study (the coordinator sends it at enrolment); nothing is
+    read before `join_study`: the site's file is checked against the study there, before
+    any key or update is sent, and encoded with the federation's global statistics once
+    the statistics release produced them (`set_statistics`). A coordinator serving no
+    study is refused at enrolment (`join_study(None)`), as is one serving a study other
+    than the site's own `study_file` when it names one.
 
     The trainer, and so the noise multiplier, is built at the first round from the
     announced planned rounds and local epochs, with this site's budget as its target
@@ -158,7 +157,7 @@ class DpTrainingHook:
     a ledger attached the site re-plans its noise every round from what it has spent.
     """
 
-    def __init__(self, settings: SiteSettings, *, dp: bool, study: Study | None = None) -> None:
+    def __init__(self, settings: SiteSettings, *, dp: bool) -> None:
         from site_agent.device import select_device
 
         # torch and Opacus load now, not in the first round's noise planning, where the
@@ -175,9 +174,8 @@ class DpTrainingHook:
                 "(tests only; leave it unset in production)"
             )
         self.study: Study | None = None
-        # A study file of the site's own (`study_file`): used when the coordinator sends
-        # none (the legacy path), e.g. an images study under `coordinator --config`.
-        self.local_study = study if study is not None else load_site_study(settings)
+        # The site's own study file (`study_file`): the only study it will join.
+        self.own_study = load_site_study(settings)
         self.table: Any = None
         self.statistics: GlobalStatistics | None = None
         self.train_data: Any = None
@@ -192,7 +190,7 @@ class DpTrainingHook:
         # One-vs-rest blocks in the evaluation histogram: the ledger's sensitivity.
         self.histogram_classes = 1
         self._layout: tuple[TensorSpec, ...] | None = None
-        self.model_name = model_name(self.local_study, settings)
+        self.model_name = model_name(self.own_study)
         self._image_units = 0
         self._trainer: object | None = None
         self._trainer_key: tuple[int, int] | None = None
@@ -208,11 +206,24 @@ class DpTrainingHook:
     # ------------------------------------------------------------------ joining
     def join_study(self, study: Study | None, policy: Any) -> None:
         """Check this site's data against `study` (DataError / PrivacyError before
-        anything is sent), or load it the legacy way when there is no study."""
+        anything is sent). Without a study, or with another study than the site's own
+        `study_file`, a ConfigError saying what to pass: this site trains only a study."""
         if study is None:
-            if not self.joined:
-                self._load_legacy()
-            return
+            raise ConfigError(
+                "study",
+                "the coordinator serves no study, and a site trains only under one: start "
+                "the coordinator with `coordinator serve --study study.toml` (drafted with "
+                "`medfed study init`); this site joins it with --data FILE, and with "
+                "--study study.toml refuses any other study",
+            )
+        if self.own_study is not None and study_sha256(study) != study_sha256(self.own_study):
+            raise ConfigError(
+                "study",
+                f"the coordinator serves study {study.study.name!r} (sha256 "
+                f"{study_sha256(study)[:12]}...), not this site's --study "
+                f"{self.settings.study_file} ({self.own_study.study.name!r}, sha256 "
+                f"{study_sha256(self.own_study)[:12]}...)",
+            )
         if self.study is not None and study_sha256(self.study) == study_sha256(study):
             return
         from site_agent.data import load_study_table
@@ -232,7 +243,7 @@ class DpTrainingHook:
         self._dp_path = None
         if study.data.kind == "images":
             # Pixels need no global statistics: the folder trains as soon as it is checked.
-            self._set_images(load_configured_data(self.settings, study))
+            self._set_images(load_site_images(self.settings, study))
         else:
             self.table = load_study_table(path, study)
             if self.dp:
@@ -278,37 +289,6 @@ class DpTrainingHook:
         if self.ledger is not None and self._ledger_state is not None:
             self.attach_ledger(self.ledger, state=self._ledger_state)
 
-    def _load_legacy(self) -> None:
-        from site_agent.imaging import ImageDataset
-
-        settings = self.settings
-        if self.local_study is not None:
-            self._use_study(self.local_study)
-        data = load_configured_data(settings, self.local_study)
-        if isinstance(data, ImageDataset):
-            self._set_images(data)
-        else:
-            self.train_data, self.holdout = split_site_data(data, settings)
-            has_patients = data.patient_ids is not None
-            self.privacy_unit = configured_privacy_unit(
-                settings, dp=self.dp, has_patients=has_patients
-            )
-            # Hospital-level DP by the site's own setting or study file: no DP-SGD beneath.
-            self.hospital = self.hospital or self.privacy_unit == "hospital"
-            if self.hospital and self.dp:
-                self.privacy_unit = "hospital"
-            self.n_features = int(data.features.shape[1])
-            self.patients = self.train_data.num_patients if has_patients else 0
-        self.joined = True
-        if self.privacy_unit == "record":
-            log.warning(
-                "record-level DP: no patient column, so each encounter (not each patient) "
-                "is the privacy unit"
-            )
-        # Built once now: an unknown, disallowed or DP-incompatible model stops the site
-        # at start-up with the layer and the fix named (ModuleValidator), not mid-round.
-        self._layout = layout_of(self.model())
-
     def _use_study(self, study: Study) -> None:
         """Task, classes and model name from the study this site trains."""
         self.study = study
@@ -318,18 +298,18 @@ class DpTrainingHook:
         self.task = study.study.task
         self.num_classes = len(study.study.classes)
         self.histogram_classes = self.num_classes if self.num_classes > 2 else 1
-        self.model_name = model_name(study, self.settings)
+        self.model_name = model_name(study)
         self._layout = None
 
     def _set_images(self, data: Any) -> None:
         """An images study's folder: patient-level split, as `split_by_patient` for tables."""
-        settings = self.settings
-        self.train_data, self.holdout = split_site_data(data, settings)
+        self.train_data, self.holdout = split_site_images(data, self.settings)
         has_patients = data.patient_ids is not None
         self._image_units = data.num_patients
-        self.privacy_unit = configured_privacy_unit(settings, dp=self.dp, has_patients=has_patients)
-        if self.hospital and self.dp:
-            self.privacy_unit = "hospital"
+        if self.dp:
+            self.privacy_unit = (
+                "hospital" if self.hospital else "patient" if has_patients else "record"
+            )
         self.patients = self.train_data.num_patients if has_patients else 0
         self.n_features = None
         if self.ledger is not None and self._ledger_state is not None:
@@ -339,7 +319,7 @@ class DpTrainingHook:
         if self.train_data is None:
             raise RoundFailed(
                 "no global statistics yet: the study's statistics release comes first"
-                if self.study is not None else "site data not loaded"
+                if self.study is not None else "no study joined"
             )
 
     @property
@@ -383,10 +363,11 @@ class DpTrainingHook:
         self._ledger_state = state
         if not self.dp or self.train_data is None:
             return
-        # Under a study every site spends the study's count_epsilon (checked against this
-        # site's limit, privacy.count_epsilon, when it joined); without one, its own.
-        epsilon = (self.settings.privacy.count_epsilon if self.study is None
-                   else self.study.privacy.count_epsilon)
+        # Every site spends the study's count_epsilon (checked against this site's limit,
+        # privacy.count_epsilon, when it joined).
+        if self.study is None:
+            raise RoundFailed("no study joined")
+        epsilon = self.study.privacy.count_epsilon
         count = release_cohort_count(
             ledger, units=self.units, epsilon=epsilon, state=state, now=dt.datetime.now(dt.UTC),
         )

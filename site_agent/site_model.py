@@ -1,6 +1,6 @@
-"""The model a site trains: its name for logs and reports (`model_name`), the network
-built from the study or the site's settings (`build_site_model`), and the check that the
-coordinator's model has the same wire layout (`check_layout`)."""
+"""The model a site trains: its name for logs and reports (`model_name`), the study's
+network (`build_site_model`), and the check that the coordinator's model has the same
+wire layout (`check_layout`)."""
 
 from __future__ import annotations
 
@@ -14,23 +14,22 @@ if TYPE_CHECKING:
     from common.study import Study
 
 
-def model_name(study: Study | None, settings: SiteSettings) -> str:
-    """What the site trains, for logs and reports: a registry name or the factory."""
+def model_name(study: Study | None) -> str:
+    """What the site trains, for logs and reports: a registry name or the factory
+    ("" before the site joined a study)."""
     if study is None:
-        return settings.training.model
+        return ""
     return study.model.custom or study.model.name or "mlp"
 
 
 def build_site_model(
     study: Study | None, settings: SiteSettings, *, in_features: int | None
 ) -> Any:
-    """A fresh network: the study's model (with the site's allowed model factories), or
-    without a study the site's `training.model`."""
-    from common.models import ModelSpec
-    from common.models.build import build_for_study, build_model
+    """A fresh network: the study's model (with the site's allowed model factories)."""
+    from common.models.build import build_for_study
 
     if study is None:
-        return build_model(ModelSpec(name=settings.training.model), in_features=in_features)
+        raise ConfigError("study", "no study joined: a site builds the study's model only")
     return build_for_study(
         study,
         in_features=in_features,

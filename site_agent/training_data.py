@@ -1,7 +1,6 @@
-"""A site's training data: its file, image folder or synthetic slice
-(`load_configured_data`), split by patient under the site's key (`split_site_data`), the
-privacy unit it trains under (`configured_privacy_unit`), a study table encoded with the
-federation's global statistics and split by patient (`encode_study_table`), and its
+"""A site's training data under its study: an image folder (`load_site_images`) split
+by patient under the site's secret key (`split_site_images`), a study table encoded with
+the federation's global statistics and split by patient (`encode_study_table`), and its
 contribution to the statistics release (`statistics_contribution`)."""
 
 from __future__ import annotations
@@ -29,66 +28,23 @@ def load_site_study(settings: SiteSettings) -> Study | None:
     return load_study(settings.study_file)
 
 
-def load_configured_data(settings: SiteSettings, study: Study | None = None) -> Any:
-    """This site's records: its image folder for an images study, its file with the
-    declared schema, or its slice of the embedded synthetic cohort."""
-    from site_agent.data import DatasetSchema, load_site_data
-    from site_agent.synthetic import FEATURES, generate_cohort
+def load_site_images(settings: SiteSettings, study: Study) -> Any:
+    """This site's image folder (`data.path`, with labels.csv) for an images study."""
+    from site_agent.imaging import image_spec_for_study, load_image_folder
 
-    data_cfg = settings.data
-    if study is not None and study.data.kind == "images":
-        from site_agent.imaging import image_spec_for_study, load_image_folder
-
-        if data_cfg.path is None:
-            raise ConfigError("data.path", "an images study needs --data FOLDER (with labels.csv)")
-        return load_image_folder(data_cfg.path, image_spec_for_study(study))
-    if data_cfg.synthetic:
-        # Only when asked for explicitly (--synthetic): a site's own file is never
-        # replaced by the embedded cohort.
-        return generate_cohort(
-            [settings.site],
-            seed=data_cfg.synthetic_cohort_seed or 0,
-            patients_per_site=data_cfg.synthetic_patients,
-        )[settings.site]
-    if data_cfg.path is None:
-        raise ConfigError(
-            "data.path", "name this site's data file (--data FILE), or ask for the built-in "
-            "demo cohort explicitly with --synthetic"
-        )
-    features = data_cfg.features or list(FEATURES)
-    schema = DatasetSchema(
-        features=features,
-        label=data_cfg.label_column,
-        patient_id=data_cfg.patient_column,
-        nan_policy=data_cfg.nan_policy,
-    )
-    return load_site_data(data_cfg.path, schema)
+    if settings.data.path is None:
+        raise ConfigError("data.path", "an images study needs --data FOLDER (with labels.csv)")
+    return load_image_folder(settings.data.path, image_spec_for_study(study))
 
 
-def split_site_data(data: Any, settings: SiteSettings) -> tuple[Any, Any]:
-    """(training, held-out) split of a site's records (a table, encoded and standardised
-    on its training part, or an image folder) by patient, with the site's held-out
-    fraction under its secret split key (`unit_split`)."""
-    from site_agent.data import prepare_site_split
-    from site_agent.imaging import ImageDataset
+def split_site_images(data: Any, settings: SiteSettings) -> tuple[Any, Any]:
+    """(training, held-out) split of a site's image folder by patient, with the site's
+    held-out fraction under its secret split key (`unit_split`; tables:
+    `encode_study_table`)."""
     from site_agent.unit_split import site_split_key, split_by_patient
 
-    fraction, key = settings.data.holdout_fraction, site_split_key(settings.state)
-    if isinstance(data, ImageDataset):
-        return split_by_patient(data, held_out_fraction=fraction, key=key)
-    train, holdout, _ = prepare_site_split(data, held_out_fraction=fraction, key=key)
-    return train, holdout
-
-
-def configured_privacy_unit(settings: SiteSettings, *, dp: bool, has_patients: bool) -> str:
-    """The site's `privacy.privacy_unit` ("auto": patient with a patient column, else
-    record); "none" without DP."""
-    unit = settings.privacy.privacy_unit
-    if not dp:
-        return "none"
-    if unit == "auto":
-        return "patient" if has_patients else "record"
-    return unit
+    return split_by_patient(data, held_out_fraction=settings.data.holdout_fraction,
+                            key=site_split_key(settings.state))
 
 
 def encode_study_table(

@@ -11,33 +11,27 @@ only by what builds or flattens a network: `common.models.build` and
 """
 
 from common.models.registry import (
-    ALIASES,
     CUSTOM,
     RECORD_FORMAT,
     Kind,
     ModelSpec,
     Task,
     architecture_record,
-    canonical_name,
     check_params,
     kind_of,
-    known_aliases,
     model_names,
     output_units,
 )
 
 __all__ = [
-    "ALIASES",
     "CUSTOM",
     "RECORD_FORMAT",
     "Kind",
     "ModelSpec",
     "Task",
     "architecture_record",
-    "canonical_name",
     "check_params",
     "kind_of",
-    "known_aliases",
     "model_names",
     "output_units",
 ]

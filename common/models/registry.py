@@ -1,4 +1,4 @@
-"""Model names, kinds and aliases, read from the network modules' file names (torch-free).
+"""Model names and kinds, read from the network modules' file names (torch-free).
 
 A network module (``common/models/tables/*.py`` or ``common/models/images/*.py``; names
 starting with ``_`` are helpers, not networks) defines one keyword-only function:
@@ -37,10 +37,6 @@ CUSTOM = "custom"
 PACKAGES: dict[Kind, str] = {"table": "tables", "images": "images"}
 """The folder of `common/models` holding each kind's network modules."""
 
-ALIASES: dict[str, str] = {"small_cnn": "cnn", "densenet121": "densenet121-gn"}
-"""Earlier registry names, kept so existing configs still load. Every network's module
-name (``resnet18_gn``) is an alias of its name too."""
-
 RECORD_FORMAT = 1
 """Version of `architecture_record`'s layout (bump when a field changes meaning)."""
 
@@ -63,25 +59,14 @@ def model_names(kind: Kind | None = None) -> tuple[str, ...]:
     return tuple(name for name, (k, _) in _modules().items() if kind is None or k == kind)
 
 
-def canonical_name(name: str) -> str:
-    """The registry name of `name` (an alias or a module name resolved); unknown names
-    are returned as given (`kind_of` refuses them)."""
-    if name in _modules():
-        return name
-    if name in ALIASES:
-        return ALIASES[name]
-    hyphenated = name.replace("_", "-")
-    return hyphenated if hyphenated in _modules() else name
-
-
 def kind_of(name: str) -> Kind:
     """The data kind a built-in network takes; a `ConfigError` for an unknown name."""
-    entry = _modules().get(canonical_name(name))
+    entry = _modules().get(name)
     if entry is None:
         raise ConfigError(
             "model",
-            f"unknown model {name!r}; known: {list(model_names())} (aliases "
-            f"{sorted(known_aliases())}), or custom = 'package.module:factory'",
+            f"unknown model {name!r}; known: {list(model_names())}, or custom = "
+            "'package.module:factory'",
         )
     return entry[0]
 
@@ -89,13 +74,7 @@ def kind_of(name: str) -> Kind:
 def module_of(name: str) -> str:
     """The module path of a built-in network (after `kind_of` accepted its name)."""
     kind_of(name)
-    return _modules()[canonical_name(name)][1]
-
-
-def known_aliases() -> dict[str, str]:
-    """Every accepted alias: the legacy `ALIASES` and the networks' module names."""
-    modules = {name.replace("-", "_"): name for name in _modules() if "-" in name}
-    return {**modules, **ALIASES}
+    return _modules()[name][1]
 
 
 def check_params(params: Mapping[str, Any], allowed: set[str], model: str) -> None:
@@ -139,10 +118,10 @@ class ModelSpec:
 
     @property
     def canonical_name(self) -> str:
-        """The registry name with aliases resolved ("custom" when a factory is named)."""
+        """The registry name ("custom" when a factory is named)."""
         if self.custom is not None:
             return CUSTOM
-        return canonical_name(self.name)
+        return self.name
 
 
 def output_units(*, task: Task, num_classes: int) -> int:

@@ -1,6 +1,6 @@
 #!/bin/sh
 # One-off federation bootstrap for docker-compose.yml (the "pki-init" service).
-# Idempotent: an existing CA, site key or initial model is never replaced, so re-running
+# Idempotent: an existing CA or site key is never replaced, so re-running
 # `docker-compose up` keeps every certificate and the training history.
 #
 # It plays every party of the real flow (docs/pki.md) on one host, in three folders:
@@ -17,12 +17,9 @@
 #                        name the sites dial and the one the health probe verifies
 #   SITES                site ids (space-separated)
 #   MONITOR              name of the health probe's monitor certificate
-#   MODEL_FILE           legacy path without a study only: write an initial global model
-#                        (TabularMLP over the synthetic features) there; unset (the
-#                        default): none, a coordinator run with --study builds its own
-#   MODEL_SEED           torch seed of its initialisation
-#   BOOTSTRAP_PKI        1 (default) as above; 0 writes the initial model only
-#                        (Kubernetes: certificates come from Secrets made elsewhere)
+#   BOOTSTRAP_PKI        1 (default) as above; 0 does nothing (Kubernetes: certificates
+#                        come from Secrets made elsewhere; the coordinator builds the
+#                        initial model from the study it serves)
 #
 # Each run copies the current crl.pem to the coordinator's folder, so a revocation
 # (`medfed pki revoke --dir PKI_DIR ...`) reaches it by re-running this script.
@@ -36,8 +33,6 @@ HOSPITALS_DIR="${HOSPITALS_DIR:-/hospitals}"
 COORDINATOR_HOSTS="${COORDINATOR_HOSTS:-coordinator}"
 SITES="${SITES:-paediatric geriatric rural}"
 MONITOR="${MONITOR:-healthcheck}"
-MODEL_FILE="${MODEL_FILE:-}"
-MODEL_SEED="${MODEL_SEED:-2}"
 BOOTSTRAP_PKI="${BOOTSTRAP_PKI:-1}"
 
 # copy SRC DST: replace DST in one rename (a running coordinator re-reads crl.pem).
@@ -79,29 +74,4 @@ done
 
 if [ "$BOOTSTRAP_PKI" = 1 ]; then
     bootstrap_pki
-fi
-
-if [ -z "$MODEL_FILE" ]; then
-    :
-elif [ ! -f "$MODEL_FILE" ]; then
-    MODEL_FILE="$MODEL_FILE" MODEL_SEED="$MODEL_SEED" python - <<'PY'
-import os
-from pathlib import Path
-
-import torch
-
-from common.modelfile import ModelFile, write_model_file
-from common.models.layout import flatten_parameters, model_layout
-from common.models.tables.mlp import TabularMLP
-from site_agent.synthetic import FEATURES
-
-torch.manual_seed(int(os.environ["MODEL_SEED"]))
-model = TabularMLP(len(FEATURES))
-path = Path(os.environ["MODEL_FILE"])
-path.parent.mkdir(parents=True, exist_ok=True)
-write_model_file(path, ModelFile(model_layout(model), flatten_parameters(model)))
-print(f"bootstrap: wrote initial model {path}")
-PY
-else
-    echo "bootstrap: $MODEL_FILE exists, keeping it"
 fi

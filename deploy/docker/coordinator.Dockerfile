@@ -6,7 +6,8 @@
 # site_agent.Dockerfile. Every package comes from requirements/coordinator.lock, pinned
 # with SHA-256 hashes. No bench code. torch, opacus and monai are in this image because
 # the coordinator builds a study's untrained initial model (common.models.build);
-# site_agent/ is copied only for medfed-bootstrap's synthetic feature list.
+# site_agent/ is still copied, though medfed-bootstrap no longer writes a model from its
+# synthetic feature list; dropping it needs a container test run.
 # Mount at run time (nothing secret is baked into the image):
 #   /pki     ca.crt, crl.pem, coordinator.crt/.key, monitors/healthcheck.crt/.key
 #            (read-only; never a site key, never ca.key)

@@ -274,8 +274,6 @@ def test_environment_overrides_the_example_site_file(
                              overrides={})
     assert settings.site == "rural"
     assert str(settings.data.path) == "/data/records.csv"
-    # The shipped file never trains on synthetic data unless asked for explicitly.
-    assert settings.data.synthetic is False
 
 
 def test_kubernetes_config_map_validates(clean_env: None, tmp_path: Path) -> None:
@@ -455,7 +453,7 @@ def test_bootstrap_and_healthcheck_against_a_real_coordinator(tmp_path: Path) ->
            "HOSPITALS_DIR": str(hospitals),
            # As in docker-compose.yml: the certificate does NOT name 127.0.0.1.
            "COORDINATOR_HOSTS": "coordinator",
-           "SITES": "paediatric", "MODEL_FILE": str(tmp_path / "state/initial-model.mfm")}
+           "SITES": "paediatric"}
     for run in (1, 2):  # the second run must keep everything
         done = subprocess.run(["sh", str(BOOTSTRAP)], env=env, capture_output=True, text=True,
                               timeout=180, cwd=tmp_path)
@@ -463,11 +461,9 @@ def test_bootstrap_and_healthcheck_against_a_real_coordinator(tmp_path: Path) ->
         if run == 1:
             first_ca = (operator / "ca.crt").read_bytes()
             first_key = (hospitals / "paediatric/sites/paediatric.key").read_bytes()
-            first_model = (tmp_path / "state/initial-model.mfm").read_bytes()
     assert "keeping the PKI" in done.stdout
     assert (operator / "ca.crt").read_bytes() == first_ca
     assert (hospitals / "paediatric/sites/paediatric.key").read_bytes() == first_key
-    assert (tmp_path / "state/initial-model.mfm").read_bytes() == first_model
 
     def keys(folder: Path) -> set[str]:
         return {str(p.relative_to(folder)) for p in folder.rglob("*.key")}
@@ -484,7 +480,7 @@ def test_bootstrap_and_healthcheck_against_a_real_coordinator(tmp_path: Path) ->
         "coordinator",
         medfed_argv("coordinator", "serve", "--config", str(DEPLOY / "config/coordinator.toml"),
                     "--pki", str(coordinator_pki), "--state", str(tmp_path / "state"),
-                    "--model-init", str(tmp_path / "state/initial-model.mfm"),
+                    "--study", str(DEPLOY / "demo/study.toml"),
                     "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"),
         log_dir=tmp_path / "logs", cwd=REPO,
         env={k: "" for k in os.environ if k.startswith("MEDFED_")},

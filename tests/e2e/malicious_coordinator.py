@@ -40,6 +40,7 @@ from common.round import Announcement, secagg_params
 from common.secagg import messages as sm
 from common.secagg.client import SecAggClient
 from common.secagg.server import SecAggServer
+from common.study import GlobalStatistics, Study, statistics_bytes, study_bytes, study_sha256
 from common.tls import peer_certificate_pem, server_credentials
 
 
@@ -60,7 +61,11 @@ def make_story(
     threshold: int,
     clip: float = 1.0,
     histogram_bins: int = 10,
+    study: Study | None = None,
+    statistics: GlobalStatistics | None = None,
 ) -> Story:
+    """A training round 1 of `study` (the one the double serves at enrolment), carrying
+    `statistics` as if the study's statistics round had released them."""
     model = flat_to_bytes(flat.astype(np.float32), layout)
     elements = sum(spec.elements for spec in layout)
     now_ms = int(dt.datetime.now(dt.UTC).timestamp() * 1000)
@@ -73,6 +78,8 @@ def make_story(
             model_bytes=len(model), local_epochs=1, learning_rate=0.1, fedprox_mu=0.0,
             planned_rounds=1, train_deadline_ms=now_ms + 120_000, phase_timeout_ms=60_000,
             weight_cap=1000,
+            study_sha256=bytes.fromhex(study_sha256(study)) if study is not None else b"",
+            statistics=statistics_bytes(statistics) if statistics is not None else b"",
         ),
         model,
     )
@@ -115,8 +122,13 @@ class MaliciousCoordinator(pb_grpc.FederationServicer):
         server_story: Story,
         puppets: Sequence[str] = (),
         withhold: Sequence[str] = (),
+        study: Study | None = None,
+        final_model: bytes = b"",
     ) -> None:
         self.pki_dir = pki_dir
+        self.study = study  # sent at enrolment, as a coordinator serving it does
+        # The study's final bundle, which a site downloads once the federation finished.
+        self.final_model = final_model
         self.stories = dict(stories)
         self.server_story = server_story
         self.withhold = set(withhold)
@@ -207,7 +219,11 @@ class MaliciousCoordinator(pb_grpc.FederationServicer):
     # ------------------------------------------------------------ membership RPCs
     async def Enroll(self, request: pb.EnrollRequest, context: Any) -> pb.EnrollResponse:
         self._caller(context, "Enroll")
-        return pb.EnrollResponse(federation_id="malicious", crl_der=self.crl_der)
+        if self.study is None:
+            return pb.EnrollResponse(federation_id="malicious", crl_der=self.crl_der)
+        return pb.EnrollResponse(federation_id="malicious", crl_der=self.crl_der,
+                                 study=study_bytes(self.study),
+                                 study_sha256=study_sha256(self.study))
 
     async def WaitForRound(
         self, request: pb.WaitForRoundRequest, context: Any
@@ -243,6 +259,14 @@ class MaliciousCoordinator(pb_grpc.FederationServicer):
     ) -> AsyncIterator[pb.ModelChunk]:
         site, _ = self._caller(context, "DownloadModel")
         model = self.stories[site].model
+        for offset in range(0, len(model), CHUNK_BYTES):
+            yield pb.ModelChunk(offset=offset, data=model[offset : offset + CHUNK_BYTES])
+
+    async def DownloadFinalModel(
+        self, request: pb.DownloadFinalModelRequest, context: Any
+    ) -> AsyncIterator[pb.ModelChunk]:
+        self._caller(context, "DownloadFinalModel")
+        model = self.final_model
         for offset in range(0, len(model), CHUNK_BYTES):
             yield pb.ModelChunk(offset=offset, data=model[offset : offset + CHUNK_BYTES])
 

@@ -172,8 +172,7 @@ def test_demo_fails_fast_with_the_dead_sites_message(tmp_path: Path) -> None:
         "north",
         medfed_argv("site", "run", "--pki", str(pki), "--site", "north",
                     "--coordinator", "127.0.0.1:9", "--metrics-listen", "127.0.0.1:0",
-                    "--state", str(tmp_path / "north"), "--data", str(missing),
-                    "--label-column", "sepsis"),
+                    "--state", str(tmp_path / "north"), "--data", str(missing)),
         log_dir=tmp_path / "logs", cwd=REPO,
     )
     demo.procs["north"] = site

@@ -22,8 +22,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 def exact_auc_of_final_model(out: Path, report: dict[str, Any]) -> float:
     """AUC of the demo's final global model on every site's held-out patients."""
+    from common.bundle import read_bundle
     from common.evaluation import metrics_from_scores
-    from common.modelfile import read_model_file
     from common.models.build import initial_model
     from common.models.layout import load_flat_parameters
     from common.study import load_study
@@ -34,7 +34,7 @@ def exact_auc_of_final_model(out: Path, report: dict[str, Any]) -> float:
 
     study = load_study(out / "study.toml")
     model = initial_model(study, seed=0)
-    load_flat_parameters(model, np.asarray(read_model_file(Path(report["model"]["path"])).flat,
+    load_flat_parameters(model, np.asarray(read_bundle(Path(report["model"]["path"])).flat(),
                                            dtype=np.float32))
     spec = image_spec_for_study(study)
     held_out = _pool([
@@ -63,7 +63,10 @@ def test_imaging_demo_writes_report_with_the_model(tmp_path: Path) -> None:
     assert report["task"] == "imaging" and report["model_name"] == "cnn"
     assert report["privacy_unit"] == "patient" and report["image_size"] == 28
     rounds = report["rounds"]
-    assert [r["round"] for r in rounds] == [1, 2, 3]
+    # The study's federated DP statistics round (1), two training rounds and the final
+    # evaluation round.
+    assert report["statistics_round"] == 1
+    assert [r["round"] for r in rounds] == [2, 3, 4]
     assert all(r["secure_aggregation"] and not r["dropped"] for r in rounds)
     assert rounds[-1]["evaluation_only"]
     for key in ("auc", "sensitivity", "specificity", "ppv"):

@@ -3,9 +3,10 @@
 The coordinator is `tests/e2e/malicious_coordinator.py`: real mTLS with the federation's
 coordinator certificate, the real `SecAggServer`, and valid site certificates of the
 same CA that it plays itself. The hospitals are real `medfed site run` processes with
-keys they generated themselves (`pki request` / `pki sign`), DP-SGD on a synthetic CSV,
-and a privacy ledger. In each attack the site aborts with the expected reason (its log
-line) and what it sent does not give its update away.
+keys they generated themselves (`pki request` / `pki sign`), enrolled into the study the
+double serves, DP-SGD on a synthetic CSV, and a privacy ledger. In each attack the site
+aborts with the expected reason (its log line) and what it sent does not give its update
+away.
 """
 
 from __future__ import annotations
@@ -19,11 +20,17 @@ import pytest
 
 from common import pki
 from common.codec import TensorSpec
+from common.config import CoordinatorSettings
 from common.crypto.random import system_random
+from common.models.build import initial_model
 from common.models.layout import flatten_parameters, model_layout
-from common.models.tables.mlp import TabularMLP
 from common.processes import ManagedProcess, medfed_argv
-from site_agent.synthetic import FEATURES, generate_cohort, write_site_csvs
+from common.study import GlobalStatistics
+from coordinator.bundles import write_round_bundle
+from coordinator.study_run import StudyRun
+from demo.study import exact_statistics, synthetic_demo_study
+from site_agent.data import load_study_table
+from site_agent.synthetic import generate_cohort, write_site_csvs
 from tests.e2e.harness import REPO
 from tests.e2e.malicious_coordinator import MaliciousCoordinator, Story, make_story
 
@@ -31,6 +38,11 @@ pytestmark = pytest.mark.e2e
 
 HOSPITALS = ("h1", "h2")  # real processes; keys generated at the "hospital"
 HELD_BY_COORDINATOR = ("evil", "h3", "h4")  # certificates + keys the double holds
+STUDY = synthetic_demo_study(
+    name="malicious", rounds=1, epsilon=8.0, delta=1e-3, histogram_bins=10, local_epochs=1,
+    learning_rate=0.1, batch_size=64,
+)
+"""The study the double serves at enrolment (a site trains only under one)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,8 @@ class World:
     pki: Path
     hospital_keys: Path
     data: dict[str, Path]
+    statistics: GlobalStatistics  # announced as if the study's release produced them
+    final_model: bytes  # the study's final bundle, served once the double says "finished"
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +73,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
         pki.issue_site(pki_dir, site)
     cohort = generate_cohort(list(HOSPITALS), seed=11, patients_per_site=160)
     data = write_site_csvs(root / "data", cohort)
-    return World(root, pki_dir, keys, data)
+    tables = {site: load_study_table(path, STUDY) for site, path in data.items()}
+    statistics = exact_statistics(tables, STUDY, seed=0)
+    run = StudyRun(study=STUDY, state=root / "coordinator", statistics=statistics)
+    layout, flat = model(0)
+    write_round_bundle(run, round_number=1, layout=layout, flat=flat, budgets=[], final=True,
+                       settings=CoordinatorSettings(pki=pki_dir, state=run.state))
+    return World(root, pki_dir, keys, data, statistics, run.final_path.read_bytes())
 
 
 def model(seed: int) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
-    import torch
-
-    torch.manual_seed(seed)
-    net = TabularMLP(len(FEATURES))
+    net = initial_model(STUDY, seed=seed)
     return model_layout(net), flatten_parameters(net)
 
 
@@ -86,9 +103,8 @@ def start_site(world: World, tmp_path: Path) -> Iterator[Callable[..., ManagedPr
                 "--tls-key", str(world.hospital_keys / site / f"{site}.key"),
                 "--site", site, "--coordinator", address, "--metrics-listen", "127.0.0.1:0",
                 "--state", str(tmp_path / "state" / site), "--data", str(world.data[site]),
-                "--label-column", "sepsis", "--patient-column", "patient_id",
                 "--budget-epsilon", "8", "--delta", "1e-3", "--trainer", "dpsgd",
-                "--debug-write-updates",
+                "--debug-write-updates", "--once",
             ),
             log_dir=tmp_path / "logs", cwd=REPO, env={"PYTHONPATH": str(REPO)},
         )
@@ -101,8 +117,10 @@ def start_site(world: World, tmp_path: Path) -> Iterator[Callable[..., ManagedPr
 
 
 def assert_nothing_after_announcement(double: MaliciousCoordinator, site: str) -> None:
-    # ReplicateLedger carries the signed ledger's parameters only.
-    assert set(double.record.methods_of(site)) <= {"Enroll", "WaitForRound", "ReplicateLedger"}
+    # ReplicateLedger carries the signed ledger's parameters only; the final model is the
+    # coordinator's, downloaded.
+    assert set(double.record.methods_of(site)) <= {
+        "Enroll", "WaitForRound", "ReplicateLedger", "DownloadFinalModel"}
     assert site not in double.record.masked
 
 
@@ -113,9 +131,11 @@ def test_abort_when_round_has_only_two_sites(
     away. h1 refuses the announcement before any key, download or training."""
     layout, flat = model(1)
     story = make_story(participants=["evil", "h1"], layout=layout, flat=flat,
-                       nonce=system_random(16), threshold=2)
+                       nonce=system_random(16), threshold=2, study=STUDY,
+                       statistics=world.statistics)
     with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
-                              puppets=["evil"]) as double:
+                              puppets=["evil"], study=STUDY,
+                              final_model=world.final_model) as double:
         site = start_site("h1", double.address)
         site.wait_log("round 1 aborted: round_too_small", timeout=180)
         assert site.wait_exit(60) == 0
@@ -130,9 +150,11 @@ def test_abort_when_survivor_set_shrinks_below_floor_after_masked_input(
     h4 from the sum: h1 refuses to sign the survivor list or send Unmask shares."""
     layout, flat = model(2)
     story = make_story(participants=["evil", "h1", "h3", "h4"], layout=layout, flat=flat,
-                       nonce=system_random(16), threshold=3)
+                       nonce=system_random(16), threshold=3, study=STUDY,
+                       statistics=world.statistics)
     with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
-                              puppets=["evil", "h3", "h4"], withhold=["h4"]) as double:
+                              puppets=["evil", "h3", "h4"], withhold=["h4"],
+                              study=STUDY, final_model=world.final_model) as double:
         site = start_site("h1", double.address, policy="min_round_sites = 4")
         site.wait_log("round 1 aborted: survivors_below_floor", timeout=300)
         assert site.wait_exit(60) == 0
@@ -175,12 +197,13 @@ def test_divergent_announcements_abort(
     _, flat_b = model(4)
     participants = ["evil", "h1", "h2"]
     story_a = make_story(participants=participants, layout=layout, flat=flat_a, nonce=nonce,
-                         threshold=3)
+                         threshold=3, study=STUDY, statistics=world.statistics)
     story_b = make_story(participants=participants, layout=layout, flat=flat_b, nonce=nonce,
-                         threshold=3, clip=0.5)
+                         threshold=3, clip=0.5, study=STUDY, statistics=world.statistics)
     stories: dict[str, Story] = {"h1": story_a, "h2": story_b}
     with MaliciousCoordinator(world.pki, stories=stories, server_story=story_a,
-                              puppets=["evil"]) as double:
+                              puppets=["evil"], study=STUDY,
+                              final_model=world.final_model) as double:
         sites = {name: start_site(name, double.address) for name in stories}
         for proc in sites.values():
             proc.wait_log("round 1 aborted: bad_signature", timeout=300)
@@ -188,8 +211,9 @@ def test_divergent_announcements_abort(
     for name in stories:
         methods = set(double.record.methods_of(name))
         # The model download runs beside the key phases (it sends nothing of the site's
-        # but the round number); no share, update, signature or heartbeat data left.
+        # but the round number), the final model's after the study; no share, update,
+        # signature or heartbeat data left.
         assert methods <= {"Enroll", "WaitForRound", "ReplicateLedger", "AdvertiseKeys",
-                           "DownloadModel", "Heartbeat"}, methods
+                           "DownloadModel", "Heartbeat", "DownloadFinalModel"}, methods
         assert not methods & {"ShareKeys", "UploadMaskedInput", "ConsistencyCheck", "Unmask"}
         assert name not in double.record.masked

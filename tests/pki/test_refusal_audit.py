@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from common import pki, tls
-from common.config import CoordinatorSettings, ModelSection
+from common.config import CoordinatorSettings, TransportModelSection
 from common.errors import ConfigError
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
@@ -55,7 +55,7 @@ def refusals(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
 def settings_for(pki_dir: Path, tmp_path: Path) -> CoordinatorSettings:
     return CoordinatorSettings(
         pki=pki_dir, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0",
-        state=tmp_path / "state", rounds=1, min_sites=3, model=ModelSection(dim=8),
+        state=tmp_path / "state", rounds=1, min_sites=3, model=TransportModelSection(dim=8),
     )
 
 

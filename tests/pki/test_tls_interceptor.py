@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from common import pki, tls
-from common.config import CoordinatorSettings, ModelSection
+from common.config import CoordinatorSettings, TransportModelSection
 from common.errors import CertificateRejected
 from common.pki import Role
 from coordinator.service import start
@@ -382,7 +382,7 @@ def test_the_coordinator_installs_the_role_interceptor(
         state=tmp_path / "state",
         rounds=1,
         min_sites=3,
-        model=ModelSection(dim=8),
+        model=TransportModelSection(dim=8),
     )
 
     async def scenario() -> None:

@@ -108,14 +108,30 @@ def test_restart_replans_from_what_the_ledger_shows(tmp_path: Path, pki_material
 # ---------------------------------------------------------------- section 5: the count
 
 def _hook(tmp_path: Path, patients: int) -> DpTrainingHook:
+    """A site joined to a study of the synthetic cohort, its records encoded with the
+    federation's statistics (the same for every `patients`: they are released apart)."""
+    from demo.study import exact_statistics, synthetic_demo_study
+    from site_agent.data import load_study_table
+    from site_agent.synthetic import generate_cohort, write_site_csvs
+
+    study = synthetic_demo_study(name="releases", rounds=1, epsilon=8.0, delta=1e-5,
+                                 histogram_bins=5, local_epochs=1, learning_rate=0.1,
+                                 batch_size=16)
+    released = write_site_csvs(tmp_path / "released", generate_cohort(
+        ["hospital-a"], seed=1, patients_per_site=200))["hospital-a"]
+    statistics = exact_statistics({"hospital-a": load_study_table(released, study)}, study,
+                                  seed=0)
+    path = write_site_csvs(tmp_path / "data", generate_cohort(
+        ["hospital-a"], seed=1, patients_per_site=patients))["hospital-a"]
     settings = SiteSettings(
         site="hospital-a", coordinator="127.0.0.1:9", state=tmp_path, pki=tmp_path,
-        data={"synthetic": True, "synthetic_cohort_seed": 1, "synthetic_patients": patients},
-        training={"device": "cpu", "batch_size": 16},
+        data={"path": path},
+        training={"device": "cpu"},
         privacy={"privacy_unit": "patient"},
     )
     hook = DpTrainingHook(settings, dp=True)
-    hook.join_study(None, site_policy(settings))  # no study: the site's own (synthetic) data
+    hook.join_study(study, site_policy(settings))
+    hook.set_statistics(statistics)
     return hook
 
 

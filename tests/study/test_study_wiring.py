@@ -1,5 +1,5 @@
-"""Settings of a study run: the coordinator takes its model and
-training settings from the study, a site never trains on synthetic data unless asked."""
+"""Settings of a study run: the coordinator takes its model and training settings from
+the study; a site trains only under a study, and only its own when it names one."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import pytest
 
 from common.config import CoordinatorSettings, SiteSettings, load_settings
 from common.errors import ConfigError
+from common.study import load_study
 from coordinator.study_run import StudyRun
-from site_agent.training_data import load_configured_data
+from site_agent.datacheck import site_policy
+from site_agent.hooks import DpTrainingHook
 from tests.study.helpers import hospital_study
 
 
@@ -55,10 +57,34 @@ def test_a_different_study_on_the_same_state_is_refused(tmp_path: Path) -> None:
     StudyRun.open(first, tmp_path / "state")  # the same study resumes
 
 
-def test_no_synthetic_data_unless_asked(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="--synthetic"):
-        load_configured_data(_site(tmp_path, synthetic_cohort_seed=3))
-    with pytest.raises(ConfigError, match="exclude each other"):
-        _site(tmp_path, synthetic=True, path=tmp_path / "own.csv")
-    data = load_configured_data(_site(tmp_path, synthetic=True, synthetic_patients=60))
-    assert len(data) > 0
+def test_a_site_without_a_study_is_told_what_to_pass(tmp_path: Path) -> None:
+    """A DP or non-private site whose coordinator serves no study is refused at enrolment,
+    naming the coordinator's --study; a site with its own study file joins only that."""
+    settings = _site(tmp_path, path=tmp_path / "own.csv")
+    for dp in (True, False):
+        with pytest.raises(ConfigError, match=r"coordinator serve --study study\.toml"):
+            DpTrainingHook(settings, dp=dp).join_study(None, site_policy(settings))
+    own = tmp_path / "own.toml"
+    own.write_text('[study]\nname = "own"\nrounds = 2\n[data]\nlabel_column = "y"\n'
+                   '[[features]]\nname = "x"\n[privacy]\nunit = "record"\n')
+    other = tmp_path / "other.toml"
+    other.write_text(own.read_text().replace('label_column = "y"', 'label_column = "x2"'))
+    pinned = load_settings(SiteSettings, overrides={
+        "site": "alpha", "coordinator": "127.0.0.1:9", "state": tmp_path, "pki": tmp_path,
+        "data": {"path": tmp_path / "own.csv"}, "study_file": own,
+    })
+    with pytest.raises(ConfigError, match="not this site's --study"):
+        DpTrainingHook(pinned, dp=True).join_study(load_study(other), site_policy(pinned))
+
+
+def test_a_coordinator_model_file_is_refused_naming_study_init(tmp_path: Path) -> None:
+    """A coordinator trains a study: a `[model] init_file` says which command drafts one."""
+    config = tmp_path / "coordinator.toml"
+    config.write_text('[model]\ninit_file = "initial-model.mfm"\n')
+    with pytest.raises(ConfigError, match=r"medfed study init.*--study study\.toml") as err:
+        load_settings(CoordinatorSettings, config_file=config,
+                      overrides={"pki": tmp_path, "state": tmp_path})
+    assert err.value.field == "model"
+    with pytest.raises(ConfigError, match="study names the columns") as site:
+        _site(tmp_path, path=tmp_path / "own.csv", label_column="sepsis")
+    assert site.value.field == "data"

@@ -10,7 +10,7 @@ import torch
 from opacus.validators import ModuleValidator
 
 from common.errors import ConfigError, ValidationError
-from common.models import ModelSpec, architecture_record
+from common.models import ModelSpec, architecture_record, kind_of
 from common.models.build import build_from_record, build_model
 from common.models.images.resnet18_gn import ResNet18GN
 from common.models.layout import flatten_parameters, load_flat_parameters, model_layout
@@ -23,9 +23,9 @@ from common.models.layout import flatten_parameters, load_flat_parameters, model
         ("logistic", {"in_features": 9}, (4, 9), (4,)),
         ("logistic", {"in_features": 9, "num_classes": 4}, (4, 9), (4, 4)),
         ("mlp", {"in_features": 9, "num_classes": 4}, (4, 9), (4, 4)),
-        ("small_cnn", {"in_channels": 1, "num_classes": 3}, (2, 1, 16, 16), (2, 3)),
+        ("cnn", {"in_channels": 1, "num_classes": 3}, (2, 1, 16, 16), (2, 3)),
         ("cnn", {"in_channels": 1}, (2, 1, 16, 16), (2, 1)),
-        ("resnet18_gn", {"in_channels": 3, "num_classes": 3}, (1, 3, 32, 32), (1, 3)),
+        ("resnet18-gn", {"in_channels": 3, "num_classes": 3}, (1, 3, 32, 32), (1, 3)),
         ("resnet18-gn", {"in_channels": 1}, (1, 1, 32, 32), (1, 1)),
         ("densenet121-gn", {"in_channels": 1, "num_classes": 3}, (2, 1, 32, 32), (2, 3)),
     ],
@@ -173,12 +173,12 @@ def test_custom_factory_needs_the_allow_list_and_round_trips_by_name() -> None:
         build_model(ModelSpec(custom="nocolon"), allowed_model_factories=["nocolon"])
 
 
-@pytest.mark.parametrize("name", ["logistic", "mlp", "cnn", "resnet18_gn", "densenet121-gn"])
+@pytest.mark.parametrize("name", ["logistic", "mlp", "cnn", "resnet18-gn", "densenet121-gn"])
 def test_architecture_record_rebuilds_registry_models(name: str) -> None:
     tables = ("mlp", "logistic")
     dims = {"in_features": 6} if name in tables else {"in_channels": 1, "image_size": 32}
     record = architecture_record(ModelSpec(name), num_classes=3, **dims)
-    assert record["name"] == {"resnet18_gn": "resnet18-gn"}.get(name, name)
+    assert record["name"] == name
     torch.manual_seed(1)
     a = build_from_record(record)
     b = build_model(name, num_classes=3, **dims)
@@ -196,7 +196,7 @@ def test_logistic_is_one_linear_layer() -> None:
 def test_spec_from_study_fields() -> None:
     mlp = ModelSpec.from_fields(name=None, hidden=(8,), dropout=0.1)
     assert mlp == ModelSpec("mlp", {"hidden": [8], "dropout": 0.1})
-    assert ModelSpec.from_fields(name="densenet121").canonical_name == "densenet121-gn"
+    assert ModelSpec.from_fields(name="densenet121-gn").canonical_name == "densenet121-gn"
     custom = ModelSpec.from_fields(name=None, custom="pkg.mod:make", options={"width": 4})
     assert (custom.canonical_name, custom.params) == ("custom", {"width": 4})
 
@@ -214,3 +214,10 @@ def test_custom_factory_gets_only_the_sizes_it_declares() -> None:
         allowed_model_factories=[ref],
     )
     assert model(torch.randn(2, 1, 4, 4)).shape == (2, 3)
+
+
+@pytest.mark.parametrize("name", ["small_cnn", "densenet121", "resnet18_gn"])
+def test_only_registry_names_are_models(name: str) -> None:
+    """One name per network, its module's (``_`` read as ``-``): no alias resolves."""
+    with pytest.raises(ConfigError, match="unknown model"):
+        kind_of(name)

@@ -198,9 +198,16 @@ def test_record_level_site_measures_its_dp_path_and_exports_it(tmp_path: Path) -
 
     folder = write_site_folder(tmp_path / "cohort", "north_general", seed=2, patients=80)
     study_path = images_study(tmp_path)
-    settings = site_settings(tmp_path, study_path, folder).model_copy(
+    record_site = site_settings(tmp_path, study_path, folder).model_copy(
         update={"privacy": PrivacySection(privacy_unit="record")}
     )
+    # A patient-level study trains patient-level at a site that would accept record.
+    assert joined(record_site, study_path, dp=True).privacy_unit == "patient"
+    # Record-level DP-SGD is the study's choice (no patient column, unit record); the
+    # site's own privacy_unit is only the weakest unit it accepts.
+    study_path.write_text(study_path.read_text().replace('patient_column = "patient_id"\n', "")
+                          .replace('unit = "patient"', 'unit = "record"'))
+    settings = record_site
     hook = joined(settings, study_path, dp=True)
     # `auto` (the default) measured when the site joined the study, before any round:
     # nothing has trained yet, and the decision is in the site's state.

@@ -158,7 +158,7 @@ def test_conv_model_uses_opacus_two_pass_ghost_and_matches_hooks() -> None:
 
         def cnn() -> torch.nn.Module:
             torch.manual_seed(0)
-            return _BinaryHead(build_model("small_cnn", in_channels=1, num_classes=2))
+            return _BinaryHead(build_model("cnn", in_channels=1, num_classes=2))
 
         trainer = LocalTrainer(cnn, images, config, seed=0)
         assert trainer.grad_sample_mode == mode

@@ -247,7 +247,6 @@ def test_fixed_dp_seed_is_loudly_flagged(
         coordinator="127.0.0.1:9",
         state=tmp_path,
         pki=tmp_path,
-        data={"synthetic_cohort_seed": 1, "synthetic_patients": 40},
         training={"seed": seed, "device": "cpu"},
     )
     with caplog.at_level(logging.WARNING, logger="medfed.site"):
