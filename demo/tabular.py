@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 from common.errors import ConfigError
 from demo.hospital import hospital_study
 from demo.options import HISTOGRAM_BINS, DemoOptions
-from demo.terms import federation_terms
 
 if TYPE_CHECKING:
     from demo.run import Demo
