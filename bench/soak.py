@@ -18,6 +18,11 @@ its memory every ``--diagnose-every`` seconds (RSS by mapping kind, glibc's heap
 and free, SQLite's own allocations, the objects the garbage collector tracks and, with
 ``--tracemalloc FRAMES``, the Python tracebacks whose memory grew most); FILE gets
 the samples, each with the rounds completed when it was taken, and the summary.
+
+The soak fails (exit 1) when a round aborted for a reason other than the injected kills:
+an abort counts as caused by a kill only when one of the round's participants was killed
+within `ROUND_DEADLINES` phase deadlines before it. Aborts before the first completed
+round (start-up on a loaded machine) are reported apart and do not fail the run.
 """
 
 from __future__ import annotations
@@ -39,6 +44,40 @@ from common.errors import ConfigError
 from common.processes import Line, ManagedProcess, medfed_argv
 
 REPO = Path(__file__).resolve().parents[1]
+# A round's whole life in phase deadlines (training, the SecAgg+ phases, selection and
+# slack): a kill further back than this did not cause an abort.
+ROUND_DEADLINES = 8
+
+
+@dataclass(frozen=True)
+class AbortRecord:
+    """One `round_aborted` line of the coordinator, with when the soak read it."""
+
+    round_number: int
+    reason: str
+    participants: tuple[str, ...]
+    at: float  # time.monotonic() when read
+
+    @classmethod
+    def from_line(cls, line: Line, *, at: float) -> AbortRecord:
+        named = str(line.get("participants", ""))
+        return cls(int(line.get("round_number", 0)), str(line.get("reason", "")),
+                   tuple(p for p in named.split(",") if p), at)
+
+
+def unexplained_aborts(
+    aborts: list[AbortRecord], kills: list[tuple[str, float]], *, window: float,
+    measured_from: float,
+) -> list[AbortRecord]:
+    """The aborts (read at or after `measured_from`) that no injected kill explains: none
+    of the round's participants was killed within `window` seconds before the abort."""
+    return [
+        abort for abort in aborts
+        if abort.at >= measured_from and not any(
+            site in abort.participants and abort.at - window <= killed_at <= abort.at
+            for site, killed_at in kills
+        )
+    ]
 
 
 def proc_rss_bytes(pid: int) -> int:
@@ -72,6 +111,7 @@ class SoakRecord:
 
     completed: int = 0
     aborted: int = 0
+    aborts: list[AbortRecord] = field(default_factory=list)
     # (round number, coordinator RSS right after that round completed)
     rss_by_round: list[tuple[int, int]] = field(default_factory=list)
     # probe sample number -> (rounds completed, latest round number) when it was taken
@@ -102,6 +142,7 @@ class Soak:
         self.sites: dict[str, ManagedProcess] = {}
         self.port = 0
         self.restarts = 0
+        self.kills: list[tuple[str, float]] = []  # (site, time.monotonic() of the kill)
         self.diagnose_every = diagnose_every
         self.tracemalloc_frames = tracemalloc_frames
         self.sqlite_heap_limit = sqlite_heap_limit
@@ -119,8 +160,10 @@ class Soak:
                 self.record.completed += 1
                 self.record.rss_by_round.append((int(line.get("round_number", 0)), rss))
         elif event == "round_aborted":
+            abort = AbortRecord.from_line(line, at=time.monotonic())
             with self.record.lock:
                 self.record.aborted += 1
+                self.record.aborts.append(abort)
         elif event == "probe_sample":
             with self.record.lock:
                 last = self.record.rss_by_round[-1][0] if self.record.rss_by_round else 0
@@ -186,6 +229,7 @@ class Soak:
         )
 
     def kill_and_restart(self, site: str) -> None:
+        self.kills.append((site, time.monotonic()))
         self.sites[site].kill9()
         self.sites[site].stop()
         self.restarts += 1
@@ -217,6 +261,7 @@ def run(*, sites: int, minutes: float, kill_every: float, dim: int,
             # The first COMPLETED round, whichever number it has: on a loaded machine
             # round 1 can abort (sites too slow to advertise keys) and never complete.
             coordinator.wait_event("round_completed", timeout=300)
+            measured_from = time.monotonic()
             pid = coordinator.proc.pid
             rss_start, fds_start = proc_rss_bytes(pid), open_descriptors(pid)
             started = time.monotonic()
@@ -251,6 +296,7 @@ def run(*, sites: int, minutes: float, kill_every: float, dim: int,
             with soak.record.lock:
                 completed, aborted = soak.record.completed, soak.record.aborted
                 series = list(soak.record.rss_by_round)
+                aborts = list(soak.record.aborts)
         finally:
             soak.stop()
     second_half = series[len(series) // 2 :]
@@ -264,6 +310,14 @@ def run(*, sites: int, minutes: float, kill_every: float, dim: int,
         "rounds_completed": completed,
         "rounds_aborted": aborted,
         "sites_killed": soak.restarts,
+        "rounds_aborted_before_first_completed": sum(a.at < measured_from for a in aborts),
+        "unexplained_aborts": [
+            {"round_number": a.round_number, "reason": a.reason,
+             "participants": list(a.participants)}
+            for a in unexplained_aborts(aborts, soak.kills,
+                                        window=ROUND_DEADLINES * phase_seconds,
+                                        measured_from=measured_from)
+        ],
         "coordinator_rss_start_bytes": rss_start,
         "coordinator_rss_end_bytes": rss_end,
         "coordinator_fds_start": fds_start,
@@ -339,6 +393,8 @@ def format_result(result: dict[str, Any]) -> str:
         f"{result['kill_every_seconds']:g} s (d={result['dim']})",
         f"  rounds completed {result['rounds_completed']}, aborted {result['rounds_aborted']}, "
         f"sites killed {result['sites_killed']}",
+        *[f"  ABORTED WITHOUT A KILL: round {a['round_number']}: {a['reason']}"
+          for a in result["unexplained_aborts"]],
         f"  coordinator RSS {result['coordinator_rss_start_bytes'] / mib:.1f} MiB -> "
         f"{result['coordinator_rss_end_bytes'] / mib:.1f} MiB; open fds "
         f"{result['coordinator_fds_start']} -> {result['coordinator_fds_end']}",
@@ -391,4 +447,9 @@ def _main(args: argparse.Namespace) -> int:
         tracemalloc_frames=args.tracemalloc, sqlite_heap_limit=args.sqlite_heap_limit,
     )
     print(json.dumps(result) if args.json else format_result(result), flush=True)
+    unexplained = result["unexplained_aborts"]
+    if unexplained:
+        print(f"soak FAILED: {len(unexplained)} round(s) aborted for a reason other than "
+              "the injected kills (see above)", file=sys.stderr, flush=True)
+        return 1
     return 0

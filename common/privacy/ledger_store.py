@@ -5,6 +5,7 @@ creating the schema."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sqlite3
@@ -94,22 +95,81 @@ def recovery_hint(path: Path) -> str:
 # ------------------------------------------------------------------------- I/O faults
 
 
+# SQLite's primary result codes (https://www.sqlite.org/rescode.html): the low byte of
+# `sqlite3.Error.sqlite_errorcode`.
+_SQLITE_PERM: Final = 3
+_SQLITE_READONLY: Final = 8
+_SQLITE_IOERR: Final = 10
+_SQLITE_CORRUPT: Final = 11
+_SQLITE_FULL: Final = 13
+_SQLITE_CANTOPEN: Final = 14
+_SQLITE_NOTADB: Final = 26
+_DISK_FULL_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
+_READ_ONLY_ERRNOS: Final = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+def _sqlite_code(exc: BaseException) -> int | None:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code & 0xFF if isinstance(code, int) else None
+
+
+# Below this many free bytes a failed write is put down to a full disk: SQLite reports
+# ENOSPC while growing its -shm index as a plain I/O error (SQLITE_IOERR_SHMSIZE), and a
+# ledger write needs at least a 32 KiB index page plus its log pages.
+_NEARLY_FULL_BYTES: Final = 1 << 20
+
+
+def _free_bytes(folder: Path) -> int | None:
+    """Bytes this process may still write on `folder`'s filesystem (root may use the
+    reserved blocks), or None when that cannot be asked."""
+    try:
+        found = os.statvfs(folder)
+    except OSError:
+        return None
+    blocks = found.f_bfree if os.geteuid() == 0 else found.f_bavail
+    return blocks * found.f_frsize
+
+
 def _fault(path: Path, exc: BaseException, doing: str) -> LedgerUnavailable:
-    """One clear error for any SQLite / OS failure on the ledger file."""
+    """One clear error for any SQLite / OS failure on the ledger file. A full disk, a
+    read-only file or folder and a damaged file are told apart: only damage calls for a
+    restore, the other two leave the ledger intact and name what to fix."""
     text = str(exc)
     lowered = text.lower()
+    code = _sqlite_code(exc)
+    os_errno = exc.errno if isinstance(exc, OSError) else None
+    free = _free_bytes(path.parent) if code == _SQLITE_IOERR else None
+    if (code == _SQLITE_FULL or os_errno in _DISK_FULL_ERRNOS
+            or (free is not None and free < _NEARLY_FULL_BYTES)):
+        left = "" if free is None else f"; {free} bytes free"
+        return LedgerUnavailable(
+            path,
+            f"disk full at {path.parent} while {doing} ({text}{left}): free space on that "
+            f"filesystem and start again; the privacy ledger {path} is intact (the "
+            "unfinished write was rolled back), do not move or restore it",
+        )
     if not path.exists():
         return LedgerUnavailable(
             path,
             f"privacy ledger {path} disappeared while {doing}; stop the site and "
             + recovery_hint(path),
         )
-    if "readonly" in lowered or "read-only" in lowered or isinstance(exc, PermissionError):
+    if (code in (_SQLITE_READONLY, _SQLITE_PERM) or os_errno in _READ_ONLY_ERRNOS
+            or "readonly" in lowered or "read-only" in lowered):
         return LedgerUnavailable(
             path,
-            f"privacy ledger {path} cannot be written ({text}): the site agent needs "
+            f"privacy ledger {path} is read-only ({text}): the site agent needs "
             f"read-write access to the file and to its folder {path.parent} (SQLite "
-            "creates its journal there); fix the permissions and start again",
+            "creates its journal there); fix the permissions or the mount and start "
+            "again. The ledger is not damaged: `medfed ledger show` and `verify` read a "
+            "read-only copy as it is",
+        )
+    if code == _SQLITE_CANTOPEN:
+        return LedgerUnavailable(
+            path,
+            f"privacy ledger {path} cannot be opened while {doing} ({text}): check that "
+            f"the file and its folder {path.parent} are readable (and, for the site "
+            "agent, writable); this is not a sign of damage",
         )
     if "no such table" in lowered or "no such column" in lowered:
         return LedgerUnavailable(
@@ -117,11 +177,20 @@ def _fault(path: Path, exc: BaseException, doing: str) -> LedgerUnavailable:
             f"privacy ledger {path} is damaged ({text}); do not delete it: "
             + recovery_hint(path),
         )
-    if isinstance(exc, sqlite3.DatabaseError):
+    if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB) or (
+        isinstance(exc, sqlite3.DatabaseError)
+        and not isinstance(exc, sqlite3.OperationalError)
+    ):
         return LedgerUnavailable(
             path,
             f"privacy ledger {path} is unreadable or not a ledger ({text}); keep the file "
             "for investigation (move it aside) and " + recovery_hint(path),
+        )
+    if code == _SQLITE_IOERR or isinstance(exc, OSError):
+        return LedgerUnavailable(
+            path,
+            f"privacy ledger {path}: I/O error while {doing} ({text}); check the disk "
+            "(kernel log) and run `medfed ledger verify` before restoring anything",
         )
     return LedgerUnavailable(path, f"privacy ledger {path}: {doing} failed ({text})")
 
@@ -152,10 +221,13 @@ def _check_writable(path: Path) -> None:
 @contextlib.contextmanager
 def _connect(path: Path, *, mode: str) -> Iterator[sqlite3.Connection]:
     """mode "ro", "rw" (never creates: a deleted ledger must not come back empty) or
-    "rwc" (creation only)."""
+    "rwc" (creation only). "ro" also reads a copy in a folder nobody can write (an
+    auditor's snapshot, a read-only mount), see `_read_only_uri`."""
     if mode != "rwc" and not path.exists():
         raise LedgerUnavailable(path, f"no privacy ledger at {path}")
     uri = f"{path.resolve().as_uri()}?mode={mode}"
+    if mode == "ro":
+        uri = _read_only_uri(path, uri)
     # isolation_level=None: BEGIN IMMEDIATE / COMMIT are explicit, so each reserve is one
     # durable transaction (WAL + synchronous=FULL: survives power loss).
     connection = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30.0)
@@ -165,6 +237,29 @@ def _connect(path: Path, *, mode: str) -> Iterator[sqlite3.Connection]:
         yield connection
     finally:
         connection.close()
+
+
+def _read_only_uri(path: Path, uri: str) -> str:
+    """The URI that reads `path` without writing anything. A WAL-mode ledger opened
+    read-only still needs its -shm index, which SQLite creates beside the file; in a
+    folder that cannot be written that fails, so the file is opened `immutable=1`
+    (https://www.sqlite.org/uri.html): no -wal/-shm, no locks. Only safe when nothing
+    else can be pending: a non-empty -wal beside the file holds committed entries the
+    immutable read would skip, so it is read with its -shm, or refused."""
+    folder = path.resolve().parent
+    if os.access(folder, os.W_OK):
+        return uri
+    wal = folder / f"{path.name}-wal"
+    if wal.exists() and wal.stat().st_size > 0:
+        if (folder / f"{path.name}-shm").exists():
+            return uri
+        raise LedgerUnavailable(
+            path,
+            f"privacy ledger {path} has a write-ahead log {wal} with entries not yet in "
+            f"the file, and its folder {folder} is read-only: copy the ledger together "
+            "with its -wal file into a writable folder and read that copy",
+        )
+    return f"{uri}&immutable=1"
 
 
 @contextlib.contextmanager

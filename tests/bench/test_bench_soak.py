@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import component_slopes
+from bench.soak import AbortRecord, component_slopes, unexplained_aborts
 from bench.soak_probe import Probe, mapping_rss, status_fields
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,6 +70,41 @@ def test_component_slopes_fit_the_second_half_and_skip_the_final_sample() -> Non
     assert "sqlite_memory_used" not in slopes  # not in these samples
 
 
+def _aborted(round_number: int, reason: str, participants: str, *, at: float) -> AbortRecord:
+    """A `round_aborted` line as the coordinator logs it (coordinator/round_events.py)."""
+    line = {"level": "warning", "event": "round_aborted", "round_number": round_number,
+            "participants": participants, "reason": reason,
+            "message": f"round {round_number} aborted: {reason}"}
+    return AbortRecord.from_line(line, at=at)
+
+
+def test_an_abort_right_after_a_participant_was_killed_is_explained() -> None:
+    aborts = [_aborted(40, "too_few_participants: no site uploaded",
+                       "site-00,site-01,site-02", at=100.0)]
+    assert unexplained_aborts(aborts, [("site-01", 95.0)], window=40.0,
+                              measured_from=10.0) == []
+
+
+def test_an_abort_no_kill_explains_fails_the_soak() -> None:
+    not_a_participant = _aborted(41, "round_abandoned: round ended", "site-00,site-02",
+                                 at=100.0)
+    killed_long_before = _aborted(42, "wrong_session: session id does not match",
+                                  "site-00,site-01,site-02", at=300.0)
+    killed_after = _aborted(43, "round_abandoned: round ended", "site-00,site-01",
+                            at=400.0)
+    kills = [("site-01", 95.0), ("site-01", 410.0)]
+    found = unexplained_aborts([not_a_participant, killed_long_before, killed_after], kills,
+                               window=40.0, measured_from=10.0)
+    assert [a.round_number for a in found] == [41, 42, 43]
+    assert found[0].participants == ("site-00", "site-02")
+
+
+def test_aborts_before_the_first_completed_round_do_not_fail_the_soak() -> None:
+    warm_up = _aborted(1, "too_few_participants: fewer sites advertised keys", "site-00",
+                       at=5.0)
+    assert unexplained_aborts([warm_up], [], window=40.0, measured_from=10.0) == []
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_soak_diagnose_pairs_probe_samples_with_rounds(tmp_path: Path) -> None:
@@ -80,8 +115,10 @@ def test_soak_diagnose_pairs_probe_samples_with_rounds(tmp_path: Path) -> None:
          "--diagnose", str(out), "--diagnose-every", "3", "--json"],
         capture_output=True, text=True, cwd=REPO, timeout=280, check=False,
     )
+    # Exit 0 also means no round aborted for a reason other than the injected kills.
     assert completed.returncode == 0, completed.stdout + completed.stderr
     report = json.loads(out.read_text())
+    assert report["result"]["unexplained_aborts"] == []
     samples = report["samples"]
     assert samples and samples[-1]["final"] is True
     assert samples[-1]["rss_after_malloc_trim"] > 0
