@@ -25,7 +25,7 @@ from common.crypto.random import system_random
 from common.models.build import initial_model
 from common.models.layout import flatten_parameters, model_layout
 from common.processes import ManagedProcess, medfed_argv
-from common.study import GlobalStatistics
+from common.study import GlobalStatistics, Study, study_sha256
 from coordinator.bundles import write_round_bundle
 from coordinator.study_run import StudyRun
 from demo.study import exact_statistics, synthetic_demo_study
@@ -43,6 +43,10 @@ STUDY = synthetic_demo_study(
     learning_rate=0.1, batch_size=64,
 )
 """The study the double serves at enrolment (a site trains only under one)."""
+FLOOR_4_STUDY = STUDY.model_copy(update={
+    "privacy": STUDY.privacy.model_copy(update={"min_round_sites": 4})})
+"""The same study with a round floor of 4: a site refuses a study whose floor is below
+its own policy's, so a site requiring sums over 4 sites joins only this one."""
 
 
 @dataclass(frozen=True)
@@ -75,11 +79,18 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     data = write_site_csvs(root / "data", cohort)
     tables = {site: load_study_table(path, STUDY) for site, path in data.items()}
     statistics = exact_statistics(tables, STUDY, seed=0)
-    run = StudyRun(study=STUDY, state=root / "coordinator", statistics=statistics)
+    final = final_bundle(STUDY, statistics, pki_dir=pki_dir, state=root / "coordinator")
+    return World(root, pki_dir, keys, data, statistics, final)
+
+
+def final_bundle(study: Study, statistics: GlobalStatistics, *, pki_dir: Path,
+                 state: Path) -> bytes:
+    """The study's final model bundle, as the coordinator writes it."""
+    run = StudyRun(study=study, state=state, statistics=statistics)
     layout, flat = model(0)
     write_round_bundle(run, round_number=1, layout=layout, flat=flat, budgets=[], final=True,
                        settings=CoordinatorSettings(pki=pki_dir, state=run.state))
-    return World(root, pki_dir, keys, data, statistics, run.final_path.read_bytes())
+    return run.final_path.read_bytes()
 
 
 def model(seed: int) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
@@ -146,15 +157,20 @@ def test_abort_when_survivor_set_shrinks_below_floor_after_masked_input(
     world: World, start_site: Callable[..., ManagedProcess], tmp_path: Path
 ) -> None:
     """Four announced (h1 real; h3, h4 honest sites the double plays; evil colludes),
-    h1 requires sums over 4 sites. After the masked inputs are in, the coordinator drops
-    h4 from the sum: h1 refuses to sign the survivor list or send Unmask shares."""
+    h1 and the study require sums over 4 sites. After the masked inputs are in, the
+    coordinator drops h4 from the sum: h1 refuses to sign the survivor list or send
+    Unmask shares."""
     layout, flat = model(2)
+    statistics = world.statistics.model_copy(
+        update={"study_sha256": study_sha256(FLOOR_4_STUDY)})
     story = make_story(participants=["evil", "h1", "h3", "h4"], layout=layout, flat=flat,
-                       nonce=system_random(16), threshold=3, study=STUDY,
-                       statistics=world.statistics)
+                       nonce=system_random(16), threshold=3, study=FLOOR_4_STUDY,
+                       statistics=statistics)
+    final = final_bundle(FLOOR_4_STUDY, statistics, pki_dir=world.pki,
+                         state=tmp_path / "coordinator")
     with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
                               puppets=["evil", "h3", "h4"], withhold=["h4"],
-                              study=STUDY, final_model=world.final_model) as double:
+                              study=FLOOR_4_STUDY, final_model=final) as double:
         site = start_site("h1", double.address, policy="min_round_sites = 4")
         site.wait_log("round 1 aborted: survivors_below_floor", timeout=300)
         assert site.wait_exit(60) == 0
