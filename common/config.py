@@ -323,6 +323,12 @@ class SiteDataSection(_Section):
     @model_validator(mode="before")
     @classmethod
     def _study_fields(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "split_seed" in data:
+            raise ValueError(
+                "split_seed: the held-out split is no longer seeded; each patient's side "
+                "comes from a keyed hash under the site's secret key (STATE/site-split.key, "
+                "made on first start: one re-split of an existing site); remove split_seed"
+            )
         return _refuse_study_fields(data, (
             "features", "label_column", "patient_column", "nan_policy", "synthetic",
             "synthetic_cohort_seed", "synthetic_patients",

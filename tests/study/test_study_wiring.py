@@ -88,3 +88,13 @@ def test_a_coordinator_model_file_is_refused_naming_study_init(tmp_path: Path) -
     with pytest.raises(ConfigError, match="study names the columns") as site:
         _site(tmp_path, path=tmp_path / "own.csv", label_column="sepsis")
     assert site.value.field == "data"
+
+
+def test_a_site_config_with_the_old_split_seed_says_the_split_is_keyed_now(
+    tmp_path: Path,
+) -> None:
+    """An upgraded site's config still naming `split_seed`: the error says what replaced
+    it (the secret split key) and what happens to an existing site, not just 'extra'."""
+    with pytest.raises(ConfigError, match=r"site-split\.key.*remove split_seed") as err:
+        _site(tmp_path, path=tmp_path / "own.csv", split_seed=0)
+    assert err.value.field == "data"
