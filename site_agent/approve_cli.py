@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from common.config import SiteSettings, load_settings
-from common.errors import ConfigError
+from common.errors import ConfigError, ValidationError
 from common.study import Study, load_study, study_sha256
 from site_agent.approvals import Approvals
 
@@ -44,18 +44,19 @@ def register(sub: Any) -> None:
 
 
 def file_kind(path: Path) -> str:
-    """"study" or "query": the TOML's top-level table ([study] or [query])."""
+    """"study" or "query", by the TOML's top-level keys."""
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(str(path), f"cannot read: {exc.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(str(path), f"not valid TOML: {exc}") from None
-    kinds = [k for k in ("study", "query") if isinstance(raw.get(k), dict)]
-    if len(kinds) != 1:
-        raise ConfigError(str(path), "neither a study ([study] table) nor a query ([query] "
-                          "table)")
-    return kinds[0]
+    if isinstance(raw.get("study"), dict):
+        return "study"
+    if "study_sha256" in raw and "statistics" in raw:
+        return "query"
+    raise ConfigError(str(path), "neither a study (a [study] table) nor a query (name, "
+                      "study_sha256 and [[statistics]])")
 
 
 def _state_and_study(args: argparse.Namespace) -> tuple[Path, Study | None]:
@@ -82,12 +83,31 @@ def describe_study(study: Study, out: TextIO) -> None:
 
 
 def describe_query(query: Any, sha256: str, study: Study, out: TextIO) -> None:
-    from common.analytics.query import describe
+    """What a privacy officer approves: the study, the cohort, each statistic with its
+    epsilon and the cells it releases."""
+    from common.analytics.vector import statistic_cells
 
     print(f"query         {query.name} (sha256 {sha256})", file=out)
+    if query.description:
+        print(f"              {query.description}", file=out)
     print(f"for study     {study.study.name} (sha256 {query.study_sha256})", file=out)
-    for line in describe(query):
-        print(f"  {line}", file=out)
+    if not query.cohort:
+        print("cohort        every patient", file=out)
+    for condition in query.cohort:
+        terms = condition.model_dump(exclude_none=True, exclude={"feature"})
+        print(f"cohort        {condition.feature}: "
+              + ", ".join(f"{k} {v}" for k, v in sorted(terms.items())), file=out)
+    print(f"epsilon       {query.epsilon:g} in all (delta {study.privacy.delta:g}), on every "
+          "participating site's ledger, each time it runs", file=out)
+    for spec in query.statistics:
+        cells = statistic_cells(spec, study)
+        extra = spec.model_dump(exclude_none=True, exclude={"name", "kind", "epsilon", "by"})
+        by = ", ".join(s.feature for s in spec.by)
+        print(f"  - {spec.name}: {spec.kind}"
+              + (f" of {extra.pop('feature')}" if "feature" in extra else "")
+              + (f" by {by}" if by else "")
+              + f", epsilon {spec.epsilon:g}, {len(cells)} cells"
+              + "".join(f", {k} {v}" for k, v in sorted(extra.items())), file=out)
 
 
 def _confirm(args: argparse.Namespace, what: str) -> bool:
@@ -122,7 +142,10 @@ def _approve(args: argparse.Namespace) -> int:
     if own is None:
         raise ConfigError("--study", "a query belongs to a study: approve the study first "
                           "(`medfed site approve STUDY.toml`) or name it with --study")
-    query = load_query(path, study=own)
+    try:
+        query = load_query(path, study=own)
+    except ValidationError as exc:
+        raise ConfigError(str(path), str(exc)) from None
     sha256 = query_sha256(query)
     describe_query(query, sha256, own, out)
     if query.study_sha256 != study_sha256(own):

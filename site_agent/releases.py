@@ -166,6 +166,61 @@ def release_noise_sites(policy: SitePolicySection, study: Study | None) -> int:
     return max(floor - colluding, 1)
 
 
+def refuse_unapproved(approvals: Approvals, ledger: PrivacyLedger | None, study: Study,
+                      payload: bytes) -> None:
+    """QueryRefused unless the announced query (its exact bytes' SHA-256) is one this
+    site approved, for the study it joined, and has run fewer times than the approval
+    allows (counted on the ledger: one "query" entry per release)."""
+    sha256 = hashlib.sha256(payload).hexdigest()
+    approval = approvals.query(sha256)
+    if approval is None:
+        raise QueryRefused(
+            f"the round's query (sha256 {sha256}) is not one this site approved "
+            f"(approve it with `medfed site approve QUERY.toml`; pins under "
+            f"{approvals.folder})")
+    if approval.study_sha256 != study_sha256(study):
+        raise QueryRefused(
+            f"query {approval.name!r} was approved for another study "
+            f"({approval.study_sha256[:12]}...) than the one this site joined")
+    released = times_released(ledger, sha256)
+    if released >= approval.times:
+        raise QueryRefused(
+            f"query {approval.name!r} (sha256 {sha256[:12]}...) already ran {released} "
+            f"time(s) on this site's ledger, as many as its approval allows "
+            f"({approval.times}); approve it again with --times to allow more")
+
+
+def prepare_release(
+    rnd: VerifiedRound, *, study: Study, ledger: PrivacyLedger | None, approvals: Approvals,
+    policy: SitePolicySection, site: object,
+) -> tuple[DpRelease, np.ndarray, list[NoisePlan]]:
+    """Everything a site checks before a round release leaves it, and what it then
+    releases: the release its round names (for an approved query, only that query's
+    exact bytes, within its allowance), this site's exact vector (`site`: what the
+    release reads, the training hook) and the noise plans, which the ledger must be able
+    to pay (BudgetExhausted otherwise). Nothing is written."""
+    ann = rnd.announcement
+    kind = release_for_round(ann.kind, ann.release_name)
+    if kind is None or (kind.build is None and kind.build_payload is None):
+        raise RoundFailed(f"round kind {ann.kind!r} carries no release")
+    # A re-announced or second release would let the coordinator average its noise
+    # away: the round number must be new on the ledger (and an approved query within
+    # its allowance; the statistics are pinned apart, `StatisticsPin`).
+    refuse_recorded_round(ledger, rnd)
+    if kind.build_payload is not None:
+        refuse_unapproved(approvals, ledger, study, ann.release_payload)
+    release = build_release(kind, study, ann.release_payload)
+    exact = release.query(site)
+    if exact.size != ann.vector_length:
+        raise ValidationError(f"{release.name} vector length differs from this site's study")
+    # The study's threat terms: every member adds the same share of the noise.
+    plans = check_plans(release, release.plans(n_noise=release_noise_sites(policy, study)))
+    if ledger is not None:
+        ledger.require(rnd.number, [p.mechanism() for p in plans], purpose=release.purpose,
+                       what=f"the {release.name} release")
+    return release, exact, plans
+
+
 class RoundRelease:
     """A DP release carried alone by its round (`common.release`; the study's statistics
     are one): the release its round kind names, built for the joined study, queried on
@@ -195,55 +250,17 @@ class RoundRelease:
                 + RELEASED_WAY_OUT
             )
 
-    def refuse_unapproved(self, study: Study, payload: bytes) -> None:
-        """QueryRefused unless the announced query (its exact bytes' SHA-256) is one this
-        site approved, for the study it joined, and has run fewer times than the approval
-        allows (counted on the ledger: one "query" entry per release)."""
-        sha256 = hashlib.sha256(payload).hexdigest()
-        approval = self.approvals.query(sha256)
-        if approval is None:
-            raise QueryRefused(
-                f"the round's query (sha256 {sha256}) is not one this site approved "
-                f"(approve it with `medfed site approve QUERY.toml`; pins under "
-                f"{self.approvals.folder})")
-        if approval.study_sha256 != study_sha256(study):
-            raise QueryRefused(
-                f"query {approval.name!r} was approved for another study "
-                f"({approval.study_sha256[:12]}...) than the one this site joined")
-        released = times_released(self.membership.ledger, sha256)
-        if released >= approval.times:
-            raise QueryRefused(
-                f"query {approval.name!r} (sha256 {sha256[:12]}...) already ran {released} "
-                f"time(s) on this site's ledger, as many as its approval allows "
-                f"({approval.times}); approve it again with --times to allow more")
-
     def run(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
         study = self.membership.study
         ledger = self.membership.ledger
-        ann = rnd.announcement
-        kind = release_for_round(ann.kind, ann.release_name)
-        if kind is None or (kind.build is None and kind.build_payload is None):
-            raise RoundFailed(f"round kind {ann.kind!r} carries no release")
         if study is None:
-            raise RoundFailed(f"a {kind.name} round needs a study")
-        # A re-announced or second release would let the coordinator average its noise
-        # away: the round number must be new on the ledger (and the study's statistics
-        # unset, and an approved query within its allowance).
-        refuse_recorded_round(ledger, rnd)
-        if kind.name == egress.STATISTICS:
+            raise RoundFailed(f"a {rnd.announcement.release} round needs a study")
+        kind = release_for_round(rnd.announcement.kind, rnd.announcement.release_name)
+        if kind is not None and kind.name == egress.STATISTICS:
             self.refuse_statistics_again(study)
-        if kind.build_payload is not None:
-            self.refuse_unapproved(study, ann.release_payload)
-        release = build_release(kind, study, ann.release_payload)
-        exact = release.query(self.hook)
-        if exact.size != ann.vector_length:
-            raise ValidationError(f"{release.name} vector length differs from this site's study")
-        # The study's threat terms: every member adds the same share of the noise.
-        plans = check_plans(release, release.plans(
-            n_noise=release_noise_sites(self.settings.policy, study)))
-        if ledger is not None:
-            ledger.require(rnd.number, [p.mechanism() for p in plans],
-                           purpose=release.purpose, what=f"the {release.name} release")
+        release, exact, plans = prepare_release(
+            rnd, study=study, ledger=ledger, approvals=self.approvals,
+            policy=self.settings.policy, site=self.hook)
         heard_at = time.perf_counter()
         timeline = RoundTimeline(heard_at)
         client = self.phases.client(rnd)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
-from common.errors import ConfigError, ValidationError
+from common.errors import ValidationError
 from common.privacy.purpose import Purpose
 from common.privacy.signed import QueryRef
 from common.release import KIND_RELEASE, DpRelease, NoisePlan, ReleaseKind, register_release
@@ -33,18 +33,14 @@ QUERY_RELEASE: Final = "query"
 
 
 def query_from_payload(payload: bytes, *, study: Study) -> Query:
-    """The query an announcement carries: parsed against `study`, refused
-    (ValidationError) unless the bytes are its canonical form, so that their SHA-256 is
-    the one a site approved."""
-    from common.analytics.query import query_bytes, query_from_bytes
+    """The query an announcement carries: canonical bytes (so that their SHA-256 is the
+    one a site approved) of a query written for `study`; ValidationError otherwise."""
+    from common.analytics.query import query_from_bytes
 
     try:
-        query = query_from_bytes(payload, study=study)
-    except ConfigError as exc:
-        raise ValidationError(f"the announced query does not parse: {exc}") from None
-    if query_bytes(query) != payload:
-        raise ValidationError("the announced query is not in canonical form")
-    return query
+        return query_from_bytes(payload, study=study)
+    except ValidationError as exc:
+        raise ValidationError(f"the announced query is refused: {exc}") from None
 
 
 class QueryRelease(DpRelease):

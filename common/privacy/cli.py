@@ -322,8 +322,9 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
         "entries": rows,
         # The approved queries answered, by name (each entry also in `entries`).
         "queries": [
-            {**row["query"], "round": row["round"], "epsilon_increase": row["epsilon_increase"]}
-            for row in rows if "query" in row
+            {**entry.query.to_json_dict(), "round": entry.round,
+             "epsilon_increase": row["epsilon_increase"]}
+            for entry, row in zip(entries, rows, strict=True) if entry.query is not None
         ],
         "head_hash": header.head_hash,
         "warnings": ledger_notes(path),
