@@ -58,7 +58,7 @@ from common.analytics.query import (
     value_range,
 )
 from common.errors import ValidationError
-from common.privacy.accountant import compose_epsilon
+from common.privacy.ddgauss import epsilon_from_rho
 from common.release import NoisePlan
 from common.statistics import TableLike, calibrate_count_sigma, unit_values
 from common.study import Study
@@ -183,11 +183,14 @@ def block_plans(query: Query, *, study: Study, n_noise: int) -> list[NoisePlan]:
 
 
 def query_epsilon(query: Query, *, study: Study, n_noise: int) -> float:
-    """The query's epsilon at the study's delta when its blocks are composed as the
-    ledger composes them (RDP over each block's zCDP guarantee): never above
-    `Query.epsilon`, the sum of the statistics' epsilons."""
-    mechanisms = [plan.mechanism() for plan in block_plans(query, study=study, n_noise=n_noise)]
-    return compose_epsilon(mechanisms, delta=study.privacy.delta, accountant="rdp")
+    """The query's epsilon at the study's delta with its blocks composed in zCDP (rho
+    adds up: Bun & Steinke, TCC 2016, Lemma 2.3; each block's rho from KLS21 Prop. 14,
+    `DistributedDiscreteGaussian.zcdp_rho`; converted by CKS20 Cor. 13): never above
+    `Query.epsilon`, the sum of the statistics' epsilons. The ledger composes the same
+    mechanisms in RDP, which is never looser."""
+    rho = math.fsum(plan.mechanism().zcdp_rho
+                    for plan in block_plans(query, study=study, n_noise=n_noise))
+    return epsilon_from_rho(rho, study.privacy.delta)
 
 
 def block_slices(query: Query, *, study: Study) -> dict[str, slice]:
