@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from common.analytics.check import check_query
 from common.analytics.query import draft_query, load_query
 from common.errors import ConfigError
 from common.study import load_study
+
+QUERY_COMMAND_GROUP = "medfed.query_commands"
 
 
 def register(subparsers: Any) -> None:
@@ -49,8 +52,15 @@ def register(subparsers: Any) -> None:
     check.add_argument("--json", action="store_true", help="one JSON object")
     check.set_defaults(func=_check)
 
-    # `medfed query run` (the operator asks the coordinator to run an approved query as
-    # a round of its own) is added here, after `check`, as one more `actions` parser.
+    # `medfed query run` (the operator asks the coordinator to run an approved query as a
+    # round of its own) lives with the coordinator: a plug-in of this group, absent from
+    # an image without the coordinator package.
+    for plugin in sorted(entry_points(group=QUERY_COMMAND_GROUP), key=lambda e: e.name):
+        try:
+            plugin.load()(actions)
+        except ModuleNotFoundError as exc:
+            if exc.name != plugin.value.split(":", 1)[0].split(".", 1)[0]:
+                raise
 
 
 def _init(args: argparse.Namespace) -> int:
