@@ -69,6 +69,9 @@ def register(subparsers: Any) -> None:
         help="accept rounds without secure aggregation (benchmarks only)",
     )
     run.set_defaults(func=_run)
+    from site_agent import approve_cli
+
+    approve_cli.register(sub)
 
 
 def settings_from_args(args: argparse.Namespace) -> SiteSettings:
