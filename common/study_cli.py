@@ -78,6 +78,23 @@ def register(subparsers: Any) -> None:
         default="0,1",
         help="labels as written in the label column; binary: NEGATIVE,POSITIVE",
     )
+    init.add_argument(
+        "--member",
+        action="append",
+        default=[],
+        metavar="SITE=FINGERPRINT",
+        help="a hospital of the study and its public-key SHA-256, as `medfed pki request` "
+        "printed it and its officer read it out (repeatable)",
+    )
+    init.add_argument(
+        "--member-from",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="CSR_OR_CRT",
+        help="a hospital's certificate request or signed certificate: its site id and "
+        "public-key SHA-256 become a member (repeatable)",
+    )
     init.set_defaults(func=_init)
 
     check = actions.add_parser("check", help="validate a study file and print its sha256")
@@ -175,8 +192,10 @@ def draft_study(
     categorical: dict[str, list[str]],
     missing: str,
     classes: list[int | str],
+    members: Sequence[tuple[str, str]] = (),
 ) -> Study:
-    """The study `study init` writes: every column but label and patient id is a feature."""
+    """The study `study init` writes: every column but label and patient id is a feature;
+    `members` (site id, public-key fingerprint) are its hospitals."""
     reserved = {label_column, patient_column}
     features = [c for c in columns if c not in reserved]
     for column in categorical:
@@ -203,6 +222,8 @@ def draft_study(
         "training": {"learning_rate": TABLE_DEFAULT_LEARNING_RATE},
         "privacy": {"unit": "patient" if patient_column else "record"},
     }
+    if members:
+        mapping["members"] = [{"name": n, "fingerprint": f} for n, f in members]
     return study_from_mapping(mapping, source="the study init flags")
 
 
@@ -265,6 +286,13 @@ _COMMENTS = {
         'training round plus the final evaluation round; "derived" = rounds + 1. A site',
         "whose policy.max_evaluations is smaller refuses the study when it receives it.",
     ],
+    "members": [
+        "The hospitals of this study: site id and the SHA-256 of its public key, as",
+        "`medfed pki request` printed it and its officer read it out. Every site refuses",
+        "a round naming anyone else, or a member under another key (a CA holder's sybils),",
+        "before any share leaves it. A new hospital means a new study that every site",
+        "approves again (`medfed site approve`).",
+    ],
 }
 
 
@@ -310,14 +338,16 @@ def render_study_toml(study: Study) -> str:
         "# column names only; edit it, then run `medfed data check --study THIS --data FILE`",
         "# at every site. Operational settings (addresses, state, deadlines) do not go here.",
     ]
-    for section in ("study", "data", "features", "model", "training", "privacy"):
+    for section in ("study", "data", "features", "model", "training", "privacy", "members"):
+        if section == "members" and not study.members:
+            continue
         lines.append("")
         lines.extend(f"# {text}" for text in _COMMENTS[section])
-        if section == "features":
-            for index, feature in enumerate(dumped["features"]):
+        if section in ("features", "members"):
+            for index, item in enumerate(dumped[section]):
                 if index:
                     lines.append("")
-                _table(lines, "[[features]]", feature)
+                _table(lines, f"[[{section}]]", item)
         elif section == "model":
             _table(lines, "[model]", _model_fields_that_apply(dumped["model"]))
         else:
@@ -367,6 +397,7 @@ def _init(args: argparse.Namespace) -> int:
         categorical=categorical,
         missing=args.missing,
         classes=_parse_classes(args.classes),
+        members=_members(args.member, args.member_from),
     )
     text = render_study_toml(study)
     try:
@@ -380,10 +411,54 @@ def _init(args: argparse.Namespace) -> int:
         f"wrote {out}: {len(study.features)} features, label {study.data.label_column!r}, "
         f"sha256 {study_sha256(study)}"
     )
+    _print_members(study)
     warning = intermediaries_warning(study.privacy)
     if warning is not None:
         print(warning, file=sys.stderr)
     return 0
+
+
+def _members(pairs: Sequence[str], files: Sequence[Path]) -> list[tuple[str, str]]:
+    """--member SITE=FINGERPRINT and --member-from CSR_OR_CRT, in the order given."""
+    from common import pki
+    from common.errors import PkiError
+
+    out = []
+    for item in pairs:
+        name, sep, fingerprint = item.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError("member", f"expected SITE=FINGERPRINT, got {item!r}")
+        out.append((name.strip(), fingerprint.strip()))
+    for path in files:
+        try:
+            text = path.read_bytes()
+        except OSError as exc:
+            raise ConfigError("member-from", f"cannot read {path}: {exc.strerror}") from None
+        try:
+            if b"CERTIFICATE REQUEST" in text:
+                csr, identity = pki.load_request(path)
+                if identity.role is not pki.Role.SITE:
+                    raise ConfigError("member-from", f"{path} requests a "
+                                      f"{identity.role.value} certificate, not a site's")
+                out.append((identity.name, pki.public_key_fingerprint(csr)))
+            else:
+                cert = pki.load_certificate(path)
+                out.append((pki.site_id_from_certificate(cert),
+                            pki.public_key_fingerprint(cert)))
+        except PkiError as exc:
+            raise ConfigError("member-from", f"{path}: {exc}") from None
+    return out
+
+
+def _print_members(study: Study) -> None:
+    if not study.members:
+        print("  members: none listed: any site certificate the CA signs may be in a round "
+              "(a CA holder could run sybil sites); list them with --member-from or "
+              "[[members]]", file=sys.stderr)
+        return
+    print(f"  members ({len(study.members)}), public-key SHA-256:")
+    for member in study.members:
+        print(f"    {member.name:<24} {member.fingerprint}")
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -400,6 +475,7 @@ def _check(args: argparse.Namespace) -> int:
         "final_evaluation": study.training.final_evaluation,
         "evaluations": study.max_evaluations,
         "privacy": study.privacy.model_dump(mode="json"),
+        "members": study.member_fingerprints(),
     }
     if args.json:
         print(json.dumps(summary, sort_keys=True))
@@ -412,6 +488,7 @@ def _check(args: argparse.Namespace) -> int:
         print(f"  privacy request: unit {p.unit}, epsilon {p.epsilon:g}, delta {p.delta:g}")
         print(f"  DP evaluations asked of every site: {study.max_evaluations} "
               f"({study.evaluations_planned_text()})")
+        _print_members(study)
     warning = intermediaries_warning(study.privacy)
     if warning is not None:
         print(warning, file=sys.stderr)

@@ -24,6 +24,7 @@ from common.study.policy import (
 )
 from common.study.schema import (
     FACTORY_PATTERN,
+    FINGERPRINT_PATTERN,
     FORMULA_STARTS,
     MAX_NAME_CHARS,
     MAX_STUDY_BYTES,
@@ -38,6 +39,7 @@ from common.study.schema import (
     ModelSection,
     PrivacyUnit,
     Study,
+    StudyMember,
     StudyModel,
     StudyPrivacySection,
     StudySection,
@@ -57,6 +59,7 @@ from common.study.schema import (
 
 __all__ = [
     "FACTORY_PATTERN",
+    "FINGERPRINT_PATTERN",
     "FORMULA_STARTS",
     "MAX_NAME_CHARS",
     "MAX_STUDY_BYTES",
@@ -75,6 +78,7 @@ __all__ = [
     "PrivacyUnit",
     "SitePrivacyPolicy",
     "Study",
+    "StudyMember",
     "StudyModel",
     "StudyPrivacySection",
     "StudySection",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from common.config import DEFAULT_COUNT_EPSILON
+from common.config import DEFAULT_COUNT_EPSILON, SITE_ID_PATTERN
 from common.errors import ConfigError, ValidationError
 from common.models import registry as models
 
@@ -382,6 +383,33 @@ def intermediaries_warning(privacy: StudyPrivacySection) -> str | None:
     )
 
 
+FINGERPRINT_PATTERN = r"^[0-9a-f]{64}$"
+"""A member's public-key fingerprint: the hex SHA-256 of its certificate's
+SubjectPublicKeyInfo, as `medfed pki request` / `pki sign` / `pki members` print it."""
+_FINGERPRINT = re.compile(FINGERPRINT_PATTERN)
+
+
+class StudyMember(StudyModel):
+    """One hospital of the study: its site id (the name in its certificate) and the
+    fingerprint of the public key its officer read out when its CSR was signed. A round
+    whose roster holds anyone else, or a member under another key, is refused by every
+    site before any share or masked input leaves it."""
+
+    name: str = Field(pattern=SITE_ID_PATTERN)
+    fingerprint: str
+
+    @field_validator("fingerprint", mode="before")
+    @classmethod
+    def _fingerprint(cls, value: Any) -> Any:
+        if not isinstance(value, str) or not _FINGERPRINT.fullmatch(value):
+            raise ValueError(
+                "expected the public key's SHA-256 as 64 lower-case hex digits, as "
+                "`medfed pki request` and `medfed pki sign` print it"
+            )
+        return value
+
+
+
 class Study(StudyModel):
     """A whole study file."""
 
@@ -391,9 +419,14 @@ class Study(StudyModel):
     model: ModelSection = ModelSection()
     training: TrainingSection = TrainingSection()
     privacy: StudyPrivacySection = StudyPrivacySection()
+    # The hospitals whose sites may be in a round, pinned by key ([[members]]); part of
+    # the canonical bytes and digest only when listed (a study without members keeps
+    # the digest it had before members existed).
+    members: tuple[StudyMember, ...] = ()
 
     @model_validator(mode="after")
     def _consistent(self) -> Study:
+        _check_members(self.members)
         names = [f.name for f in self.features]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -463,11 +496,32 @@ class Study(StudyModel):
         """One logit for binary, one per class for multi-class."""
         return 1 if self.study.task == "binary" else len(self.study.classes)
 
+    def member_fingerprints(self) -> dict[str, str]:
+        """Site id -> public-key fingerprint of every listed member."""
+        return {member.name: member.fingerprint for member in self.members}
+
     def feature(self, name: str) -> FeatureSpec:
         for spec in self.features:
             if spec.name == name:
                 return spec
         raise ConfigError("features", f"no feature named {name!r}")
+
+
+def _check_members(members: Sequence[StudyMember]) -> None:
+    """Each hospital once, each key once: a name listed twice (under two keys) or one key
+    under two names would let a single hospital count as two in a round's floor."""
+    names = [m.name for m in members]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"members: each hospital is listed once; repeated: {repeated}")
+    owner: dict[str, str] = {}
+    for member in members:
+        other = owner.setdefault(member.fingerprint, member.name)
+        if other != member.name:
+            raise ValueError(
+                f"members: {other!r} and {member.name!r} have the same key fingerprint "
+                f"{member.fingerprint[:16]}...; every hospital has its own key"
+            )
 
 
 # --------------------------------------------------------------------------- loading
@@ -520,8 +574,11 @@ def load_study(path: str | Path) -> Study:
 def study_bytes(study: Study) -> bytes:
     """Canonical encoding (JSON, sorted keys, no spaces): what the coordinator sends and
     hashes, so every party agrees byte for byte on what was studied."""
+    dumped = study.model_dump(mode="json")
+    if not study.members:
+        del dumped["members"]  # the digest of a study without members is unchanged
     return json.dumps(
-        study.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        dumped, sort_keys=True, separators=(",", ":"), ensure_ascii=False
     ).encode("utf-8")
 
 
