@@ -144,7 +144,9 @@ class AbortReason(enum.Enum):
     UPLOAD_IDLE = "upload_idle"  # an upload stream sent nothing for too long
     ROUND_TOO_SMALL = "round_too_small"  # fewer sites than this site's floor
     SURVIVORS_BELOW_FLOOR = "survivors_below_floor"  # the sum would cover too few sites
-    UNKNOWN_MEMBER = "unknown_member"  # roster peer not in the site's pinned members
+    # A round naming a site that is not a member of the study (or of the site's pinned
+    # policy.members), or a member under another key than the one pinned.
+    UNKNOWN_MEMBER = "unknown_member"
     REVOKED_PEER = "revoked_peer"  # roster peer's certificate is on the CA's CRL
     NOT_A_SITE = "not_a_site"  # a roster entry's certificate is not a site certificate
 

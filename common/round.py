@@ -329,6 +329,17 @@ def validate_for_site(
     participants = ann.participants
     if site_id not in participants:
         raise RoundFailed(f"round {ann.round_number} does not list this site")
+    if study is not None and study.members:
+        # The study's hospitals, pinned by key: a roster naming anyone else (sybil sites
+        # a CA holder minted) is refused before any key is advertised. The keys are
+        # checked against the members' fingerprints at the roster (site_agent.membership).
+        outsiders = sorted(set(participants) - set(study.member_fingerprints()))
+        if outsiders:
+            raise ProtocolAbort(
+                AbortReason.UNKNOWN_MEMBER,
+                f"round {ann.round_number} lists {outsiders}, not members of study "
+                f"{study.study.name!r} (its [[members]]); refused before any key is sent",
+            )
     if len(ann.round_nonce) != ROUND_NONCE_LENGTH:
         raise ValidationError("round nonce must be 16 bytes")
     if ann.kind not in ROUND_KINDS:

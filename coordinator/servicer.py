@@ -33,7 +33,7 @@ from common.errors import (
     Unauthenticated,
     ValidationError,
 )
-from common.pki import PeerVerifier, Role, parse_certificate
+from common.pki import PeerVerifier, Role, parse_certificate, public_key_fingerprint
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.tls import current_identity, peer_certificate_pem
@@ -41,6 +41,7 @@ from coordinator.call_limits import CallLimits
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.revocation import CrlRelay
+from coordinator.study_run import StudyRun
 
 log = logging.getLogger("medfed.coordinator.rpc")
 
@@ -123,6 +124,23 @@ def add_to_server(servicer: FederationServicer, server: grpc.aio.Server) -> None
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )
     server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def refuse_non_member(run: StudyRun | None, site_id: str, cert: x509.Certificate) -> None:
+    """A study listing its [[members]] enrols only them, each under its pinned key
+    (CertificateRejected: PERMISSION_DENIED). Every site checks each round's roster
+    against the same members itself; this keeps a non-member out of the rosters too."""
+    if run is None or not run.study.members:
+        return
+    pinned = run.study.member_fingerprints().get(site_id)
+    fingerprint = public_key_fingerprint(cert)
+    if pinned != fingerprint:
+        what = ("is not a member" if pinned is None
+                else f"presents key {fingerprint[:16]}..., not the member's {pinned[:16]}...")
+        raise CertificateRejected(
+            f"site {site_id!r} {what} of study {run.study.study.name!r} (its [[members]]); "
+            "a new hospital joins with a new study version that every site approves"
+        )
 
 
 def rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -229,6 +247,7 @@ class FederationServicer(pb_grpc.FederationServicer):
     async def Enroll(self, request: pb.EnrollRequest, context: Any) -> pb.EnrollResponse:
         site_id, cert = self._caller(context)
         self.metrics.observe_certificate("site", site_id, cert)
+        refuse_non_member(self.engine.study, site_id, cert)
         # None: the site reported no budget (its ledger opens once it knows the study).
         budget = wire.budget_from_pb(request.budget)
         self.engine.sites.enroll(

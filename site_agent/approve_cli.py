@@ -80,6 +80,21 @@ def describe_study(study: Study, out: TextIO) -> None:
           f"statistics epsilon {p.statistics_epsilon:g}; at most {p.max_colluding_sites} "
           f"colluding sites, rounds of at least {p.min_round_sites} sites", file=out)
     print(f"features      {', '.join(f.name for f in study.features)}", file=out)
+    describe_members(study, out)
+
+
+def describe_members(study: Study, out: TextIO) -> None:
+    """The hospitals a round may hold, each with the public-key SHA-256 its officer read
+    out (`medfed pki request`): compare them before approving."""
+    if not study.members:
+        print("members       NONE LISTED: any site certificate the federation CA signs "
+              "could be in a round (a CA holder could run sybil sites); a site refuses "
+              "such a study when its policy.allow_open_membership = false", file=out)
+        return
+    print(f"members       {len(study.members)} hospitals; every round holds only these, "
+          "each under this key (public-key SHA-256):", file=out)
+    for member in study.members:
+        print(f"  - {member.name:<24} {member.fingerprint}", file=out)
 
 
 def describe_query(query: Any, sha256: str, study: Study, out: TextIO) -> None:

@@ -17,7 +17,7 @@ from cryptography import x509
 from common import wire
 from common.config import SiteSettings
 from common.crypto.signing import VerifyingKey
-from common.errors import AbortReason, LedgerForkError, ProtocolAbort
+from common.errors import AbortReason, ConfigError, LedgerForkError, ProtocolAbort
 from common.pki import check_roster_certificate, public_key_fingerprint
 from common.privacy.ledger import PrivacyLedger, recovery_hint
 from common.proto.medfed.v1 import federation_pb2 as pb
@@ -35,6 +35,27 @@ AGENT_VERSION = "medfed-site/0.1"
 
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+def check_members_listed(study: Study, settings: SiteSettings) -> None:
+    """A study without [[members]] lets any certificate the CA signs into a round: refused
+    unless this site's policy.allow_open_membership, and logged as a warning when it is."""
+    if study.members:
+        return
+    if not settings.policy.allow_open_membership:
+        raise ConfigError(
+            "policy.allow_open_membership",
+            f"study {study.study.name!r} lists no [[members]]: any site certificate the "
+            "CA signs could be in its rounds (a CA holder could run sybil sites). Ask for "
+            "a study listing its hospitals' key fingerprints (`medfed study init "
+            "--member-from CSR`), or set policy.allow_open_membership = true",
+        )
+    log.warning(
+        "study %r lists no [[members]]: any site certificate the CA signs may be in a "
+        "round (a CA holder could run sybil sites); set policy.allow_open_membership = "
+        "false to refuse such studies", study.study.name,
+        extra={"event": "open_membership"},
+    )
 
 
 class Membership:
@@ -126,6 +147,7 @@ class Membership:
             study = study_from_enrolment(bytes(resp.study), announced_sha256=resp.study_sha256)
             if self.study is not None and study_sha256(self.study) != resp.study_sha256:
                 log.info("the coordinator runs a new study: %s", study.study.name)
+            check_members_listed(study, self.settings)
         self.hook.join_study(study, site_policy(self.settings))
         self.study = study
         self.study_sha256 = bytes.fromhex(resp.study_sha256) if study is not None else b""
@@ -152,13 +174,26 @@ class Membership:
             certificate_der, ca_cert=self.ca_cert, now=now, site_id=site_id
         )
         self.revocation.check_peer(site_id, cert, now=now)
+        fingerprint = public_key_fingerprint(cert)
         members = self.settings.policy.members
-        if members is not None and members.get(site_id) != public_key_fingerprint(cert):
+        if members is not None and members.get(site_id) != fingerprint:
             raise ProtocolAbort(
                 AbortReason.UNKNOWN_MEMBER,
                 f"roster entry {site_id!r} is not a pinned member of this consortium "
                 "(policy.members)",
             )
+        study = self.study
+        if study is not None and study.members:
+            pinned = study.member_fingerprints().get(site_id)
+            if pinned != fingerprint:
+                what = ("is not a member" if pinned is None
+                        else f"holds key {fingerprint[:16]}..., not the member's "
+                        f"{pinned[:16]}...")
+                raise ProtocolAbort(
+                    AbortReason.UNKNOWN_MEMBER,
+                    f"roster entry {site_id!r} {what} of study {study.study.name!r} "
+                    "(its [[members]]); no share is sent",
+                )
         return VerifyingKey.from_certificate(cert)
 
     # --------------------------------------------------------------- replication
