@@ -233,3 +233,56 @@ def test_divergent_announcements_abort(
                            "DownloadModel", "Heartbeat", "DownloadFinalModel"}, methods
         assert not methods & {"ShareKeys", "UploadMaskedInput", "ConsistencyCheck", "Unmask"}
         assert name not in double.record.masked
+
+
+def fingerprint_of_request(keys: Path, site: str) -> str:
+    """A hospital's `medfed pki request`: the public-key SHA-256 its officer reads out."""
+    request = pki.request_certificate(keys / site, site)
+    csr, _ = pki.load_request(request.csr_path)
+    return pki.public_key_fingerprint(csr)
+
+
+@pytest.mark.parametrize("sybils", [("sybil1", "sybil2"), ("m2", "m3")],
+                         ids=["new-names", "members-names"])
+def test_attack_ca_holder_runs_sybil_round(
+    world: World, start_site: Callable[..., ManagedProcess], tmp_path: Path,
+    sybils: tuple[str, str],
+) -> None:
+    """The coordinator holds the CA: it mints two site certificates and runs the
+    floor-sized round {h1, sybil, sybil}; knowing both sybils' inputs and secrets, the
+    sum would give h1's exact input away. h1 approved a study listing its hospitals by
+    key (h1, m2, m3; m2 and m3 made their keys at home). Sybils under new names: h1
+    refuses the announcement before any key, download or training. Sybils minted under
+    the members' names (with the CA holder's keys): h1 refuses at the roster, before any
+    share or masked input leaves it."""
+    members = {
+        "h1": pki.public_key_fingerprint(pki.load_certificate(world.pki / "sites" / "h1.crt")),
+        "m2": fingerprint_of_request(tmp_path / "keys", "m2"),
+        "m3": fingerprint_of_request(tmp_path / "keys", "m3"),
+    }
+    study = Study.model_validate({
+        **STUDY.model_dump(mode="json"),
+        "members": [{"name": n, "fingerprint": f} for n, f in members.items()]})
+    for sybil in sybils:
+        pki.issue_site(world.pki, sybil)  # what a CA holder can always mint
+    statistics = world.statistics.model_copy(update={"study_sha256": study_sha256(study)})
+    final = final_bundle(study, statistics, pki_dir=world.pki, state=tmp_path / "coordinator")
+    layout, flat = model(5)
+    story = make_story(participants=["h1", *sybils], layout=layout, flat=flat,
+                       nonce=system_random(16), threshold=3, study=study,
+                       statistics=statistics)
+    with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
+                              puppets=list(sybils), study=study, final_model=final) as double:
+        # The shipped site configuration: a study must list its members.
+        site = start_site("h1", double.address, policy="allow_open_membership = false")
+        site.wait_log("round 1 aborted: unknown_member", timeout=300)
+        assert site.wait_exit(60) == 0
+    methods = set(double.record.methods_of("h1"))
+    if sybils == ("sybil1", "sybil2"):
+        assert_nothing_after_announcement(double, "h1")
+    else:
+        # Public keys were advertised (the names were the members'); the keys were not:
+        # no share, masked input, signature or unmasking share left h1.
+        assert "AdvertiseKeys" in methods
+        assert not methods & {"ShareKeys", "UploadMaskedInput", "ConsistencyCheck", "Unmask"}
+        assert "h1" not in double.record.masked
