@@ -257,6 +257,8 @@ def test_a_study_in_containers(images: dict[str, int], run: dict[str, object],
             "-e", f"MEDFED_SITE_SITE={site}", "-e", f"MEDFED_SITE_COORDINATOR={name}:7443",
             "-e", "MEDFED_SITE_PKI=/pki", "-e", "MEDFED_SITE_METRICS_LISTEN=0.0.0.0:9465",
             "-e", "MEDFED_SITE_DATA__PATH=/data/records.csv",
+            # The demo study predates the keys: no [[members]] (as docker-compose.yml).
+            "-e", "MEDFED_SITE_POLICY__ALLOW_OPEN_MEMBERSHIP=true",
             "-e", "OMP_NUM_THREADS=1",
         ], ["--config", "/config/site.toml", "--once"], logs)
 
