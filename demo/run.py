@@ -66,6 +66,30 @@ class Demo:
                  f"in {pki}")
         return pki
 
+    def approve_with_members(self, pki: Path, sites: list[str]) -> None:
+        """The study lists its hospitals by public-key SHA-256 ([[members]], as `medfed
+        study init --member-from` writes them) and every hospital approves it (`medfed
+        site approve`): each site then joins only this study and refuses any round naming
+        anyone else, or a member under another key (a CA holder's sybil sites)."""
+        from common.pki import load_certificate, public_key_fingerprint, site_paths
+        from common.study import load_study, study_sha256
+        from site_agent.approvals import Approvals
+
+        if self.served_study is None:
+            raise StateError("the demo's task wrote no study to serve")
+        members = "".join(
+            f'\n[[members]]\nname = "{site}"\nfingerprint = "'
+            f'{public_key_fingerprint(load_certificate(site_paths(pki, site)[0]))}"\n'
+            for site in sites)
+        with self.served_study.open("a", encoding="utf-8") as handle:
+            handle.write("\n# The hospitals of this study and their keys (public-key SHA-256)."
+                         + members)
+        self.study = load_study(self.served_study)
+        for site in sites:
+            Approvals(self.site_state(site)).approve_study(self.study)
+        self.say(f"[setup] study lists its {len(sites)} hospitals by key; each approved "
+                 f"sha256 {study_sha256(self.study)[:16]}... (`medfed site approve`)")
+
     def start_coordinator(self, pki: Path, n_sites: int) -> ManagedProcess:
         # Every round waits for all sites (the killed one is restarted right after its
         # round), so each hospital's epsilon tells the same story. The served study gives
@@ -153,6 +177,7 @@ phase_seconds = {self.o.phase_seconds}
         files = self.task.prepare(self)
         sites = sorted(files)
         pki = self.make_pki(sites)
+        self.approve_with_members(pki, sites)
         from site_agent.unit_split import site_split_key
 
         self.split_keys = {site: site_split_key(self.site_state(site)) for site in sites}

@@ -123,6 +123,7 @@ delta = {o.delta}
 [policy]
 min_round_sites = {demo.terms.policy.min_round_sites}
 max_colluding_sites = {demo.terms.policy.max_colluding_sites}
+allow_open_membership = false
 
 [training]
 max_physical_batch_size = 4096
