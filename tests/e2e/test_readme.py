@@ -24,8 +24,8 @@ from tests.e2e.harness import README_SITES, Readme, readme_blocks
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 SITES = README_SITES
-BLOCKS = ("hospital-key", "operator-pki", "study-init", "data-check", "coordinator", "site",
-          "status", "predict")
+BLOCKS = ("hospital-key", "operator-pki", "study-init", "data-check", "approve", "coordinator",
+          "site", "status", "predict")
 WARDS = ["icu", "surgical", "medical"]
 
 
@@ -66,6 +66,9 @@ def test_the_readme_federation_runs_as_written(
     readme.run(readme.command("study-init"))
     for site in SITES:
         assert "ok" in readme.run(readme.command("data-check", site)).splitlines()[0]
+        approved = readme.run(readme.command("approve", site))
+        # The members the hospital approves: all three, each with its key fingerprint.
+        assert all(f"  - {name} " in approved for name in SITES), approved
 
     coordinator = readme.start("coordinator", readme.command("coordinator"))
     processes.append(coordinator)
