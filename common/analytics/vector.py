@@ -99,9 +99,11 @@ class QueryBlock:
 # --------------------------------------------------------------------------- layout
 
 
-def _bin_labels(edges: Sequence[float]) -> list[str]:
+def _bin_labels(edges: Sequence[float], *, closed_last: bool = True) -> list[str]:
+    """``[a, b)`` per bin, the last ``[a, b]`` when `closed_last`."""
     k = len(edges) - 1
-    return [f"[{edges[i]:g}, {edges[i + 1]:g}{']' if i == k - 1 else ')'}" for i in range(k)]
+    return [f"[{edges[i]:g}, {edges[i + 1]:g}{']' if closed_last and i == k - 1 else ')'}"
+            for i in range(k)]
 
 
 def strata_labels(spec: StatisticSpec, study: Study) -> list[str]:
@@ -136,7 +138,7 @@ def statistic_cells(spec: StatisticSpec, study: Study) -> tuple[str, ...]:
         return (*bins, "missing")
     grid = spec.grid or ()
     cells = []
-    for label in _bin_labels(grid):
+    for label in _bin_labels(grid, closed_last=False):
         cells += [f"{label}: events", f"{label}: censored"]
     return (*cells, f">= {grid[-1]:g}", "missing")
 
