@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import tomllib
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 

@@ -49,7 +49,7 @@ def test_init_then_check_on_the_sites_file(
     assert report["released"] is False
     assert report["units"] == 80
     assert 0 < report["cohort"] < 80  # the women among 80 patients
-    assert [s["name"] for s in report["statistics"]][0] == "patients"
+    assert next(s["name"] for s in report["statistics"]) == "patients"
     assert report["epsilon"] == pytest.approx(1.0)
     assert 0 < report["epsilon_composed"] < report["epsilon"]
     assert report["length"] == sum(s["cells"] for s in report["statistics"])
