@@ -33,6 +33,48 @@ from tests.analytics.helpers import (
 
 STUDY = followup_study()
 QUERY = query_of(every_kind_toml(STUDY), STUDY)
+STRATIFIED = query_of(f"""
+name = "stratified"
+study_sha256 = "{QUERY.study_sha256}"
+
+[[cohort]]
+feature = "Ward"
+levels = ["icu"]
+
+[[statistics]]
+name = "mortality"
+kind = "rate"
+epsilon = 0.5
+[[statistics.by]]
+feature = "Sex"
+[[statistics.by]]
+feature = "Age (years)"
+bins = [30, 50, 70]
+
+[[statistics]]
+name = "lactate"
+kind = "mean"
+feature = "Lactate mmol/L"
+range = [0.5, 2.5]
+resolution = 0.5
+epsilon = 0.5
+[[statistics.by]]
+feature = "Sex"
+
+[[statistics]]
+name = "ages"
+kind = "histogram"
+feature = "Age (years)"
+bins = [20, 40, 60, 80]
+epsilon = 0.5
+
+[[statistics]]
+name = "late"
+kind = "kaplan_meier"
+feature = "Follow-up days"
+grid = [20, 40, 80, 200]
+epsilon = 0.5
+""", STUDY)
 
 # A: two rows (ages 50 and 52 -> 51; alive then dead -> dead), B: filtered out (age 30),
 # C: ward missing, D: follow-up missing, E: beyond the time grid.
@@ -126,20 +168,32 @@ def test_one_patient_moves_each_block_within_its_sensitivity(
     case: tuple[list[Row], list[Row]],
 ) -> None:
     rows, extra = case
-    with_patient = site_vector(QUERY, table_of(rows + extra), study=STUDY)
-    if rows:
-        without = site_vector(QUERY, table_of(rows), study=STUDY)
-    else:
-        without = np.zeros_like(with_patient)
-    blocks = query_blocks(QUERY, study=STUDY, n_noise=1)
-    slices = block_slices(QUERY, study=STUDY)
-    for block in blocks:
-        diff = (with_patient - without)[slices[block.statistic]].astype(np.float64)
-        assert np.abs(diff).sum() <= block.l1_sensitivity + 1e-9
-        assert np.sqrt((diff**2).sum()) <= block.l2_sensitivity + 1e-9
-        # The patient lands somewhere in every block (a cell or "missing") unless the
-        # filter excludes it outright.
-        assert np.all(diff >= 0)
+    for query in (QUERY, STRATIFIED):
+        with_patient = site_vector(query, table_of(rows + extra), study=STUDY)
+        if rows:
+            without = site_vector(query, table_of(rows), study=STUDY)
+        else:
+            without = np.zeros_like(with_patient)
+        slices = block_slices(query, study=STUDY)
+        for block in query_blocks(query, study=STUDY, n_noise=1):
+            diff = (with_patient - without)[slices[block.statistic]].astype(np.float64)
+            assert np.abs(diff).sum() <= block.l1_sensitivity + 1e-9
+            assert np.sqrt((diff**2).sum()) <= block.l2_sensitivity + 1e-9
+            # Adding a patient never lowers a cell (no cross-patient effects).
+            assert np.all(diff >= 0)
+
+
+def test_strata_cross_product_and_clipping_pinned() -> None:
+    vector = site_vector(STRATIFIED, table_of(HAND), study=STUDY)
+    blocks = {n: vector[s].tolist() for n, s in block_slices(STRATIFIED, study=STUDY).items()}
+    # cohort: ward icu = A, D (C's ward is missing: excluded as missing everywhere)
+    # strata F&[30,50), F&[50,70], M&..: A (F, 51) -> F&[50,70] dead; D (F, 80 -> last bin)
+    assert blocks["mortality"] == [0, 0, 2, 0, 0, 0, 0, 0, 1]
+    # lactate: A mean(2.0) = 2.0 -> q = 3 of K = 4; D 3.0 clipped to 2.5 -> q = 4
+    assert blocks["lactate"] == [7, 1, 0, 0, 4]
+    assert blocks["ages"] == [0, 1, 1, 1]  # A 51 -> [40, 60); D 80 -> last bin; C missing
+    # A at 10 (< 20): first interval, event; D: time missing; C: filter missing
+    assert blocks["late"] == [1, 0, 0, 0, 0, 0, 0, 2]
 
 
 def test_direct_at_risk_counts_would_move_by_the_number_of_intervals() -> None:
