@@ -43,7 +43,7 @@ by `common.statistics.calibrate_count_sigma`, the calibration of the statistics 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,7 @@ from common.analytics.query import (
 )
 from common.errors import ValidationError
 from common.privacy.ddgauss import epsilon_from_rho
+from common.privacy.mechanisms import DistributedDiscreteGaussian
 from common.release import NoisePlan
 from common.statistics import TableLike, calibrate_count_sigma, unit_values
 from common.study import Study
@@ -182,6 +183,21 @@ def block_plans(query: Query, *, study: Study, n_noise: int) -> list[NoisePlan]:
     """One `NoisePlan` per statistic (`QueryBlock.plan`); a site's ledger entry for the
     query holds every plan's `mechanism()`."""
     return [block.plan() for block in query_blocks(query, study=study, n_noise=n_noise)]
+
+
+def query_mechanisms(query: Query, *, study: Study,
+                     n_noise: int) -> list[DistributedDiscreteGaussian]:
+    """What a site's ledger entry for the query holds: one mechanism per statistic."""
+    return [plan.mechanism() for plan in block_plans(query, study=study, n_noise=n_noise)]
+
+
+def block_noise(plans: Sequence[NoisePlan], rng: Callable[[int], bytes]) -> np.ndarray:
+    """This site's noise for the whole query vector (int64): each block's share
+    (`NoisePlan.noise`) from `rng` (a CSPRNG in production:
+    `common.crypto.random.system_random`), concatenated in block order."""
+    if not plans:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([plan.noise(rng) for plan in plans]).astype(np.int64)
 
 
 def query_epsilon(query: Query, *, study: Study, n_noise: int) -> float:

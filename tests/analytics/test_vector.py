@@ -12,10 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.analytics.vector import (
+    block_noise,
     block_plans,
     block_slices,
     query_blocks,
     query_length,
+    query_mechanisms,
     site_vector,
     statistic_cells,
 )
@@ -143,6 +145,11 @@ def test_block_sensitivities_and_plans() -> None:
     assert [p.length for p in plans] == [b.length for b in blocks]
     # Same epsilon, 100x the sensitivity: ~100x the noise (the tau terms are negligible).
     assert plans[2].sigma / plans[0].sigma == pytest.approx(100, rel=0.05)
+    assert query_mechanisms(QUERY, study=STUDY, n_noise=2) == [p.mechanism() for p in plans]
+    generator = np.random.default_rng(0)
+    noise = block_noise(plans, lambda n: generator.bytes(n))  # the test's seeded source
+    assert noise.dtype == np.int64 and noise.size == query_length(QUERY, study=STUDY)
+    assert noise[block_slices(QUERY, study=STUDY)["age"]].std() > 10 * noise[:2].std()
 
 
 @st.composite
