@@ -243,6 +243,8 @@ def table_units(table: TableLike, study: Study) -> Units:
     labels = getattr(table, "labels", None)
     masks = None
     if labels is not None:
+        if len(study.study.classes) > 62:
+            raise ValidationError("queries read outcomes of studies with at most 62 classes")
         n = len(table)
         ids = table.patient_ids
         index = np.arange(n) if ids is None else np.unique(ids, return_inverse=True)[1].reshape(-1)
