@@ -149,11 +149,9 @@ def test_three_hospitals_answer_an_approved_query(
     # Each hospital approves the study and the query (shown, pinned under its state).
     for site in SITES:
         state = run.site_state(site)
-        shown = run_medfed("site", "approve", str(study_path), "--state", str(state),
-                           "--yes").stdout
+        shown = run_medfed("site", "approve", str(study_path), str(query_path),
+                           "--state", str(state), "--yes").stdout
         assert "questions" in shown and "epsilon 8" in shown
-        shown = run_medfed("site", "approve", str(query_path), "--state", str(state),
-                           "--yes").stdout
         assert "first-questions" in shown and "kaplan_meier" in shown
         assert json.loads(shown.splitlines()[-1])["sha256"] == query_sha256(query)
 
