@@ -338,12 +338,14 @@ def check_query_against_study(query: Query, study: Study, *, source: str = "quer
         field = f"cohort[{i}]"
         spec = feature(f"{field}.feature", condition.feature)
         if spec.type == "numeric" and condition.range is None:
-            raise _fail(f"{field}.range", f"numeric feature {spec.name!r} is filtered by "
-                        "range = [low, high]", source=source)
+            raise _fail(f"{field}.levels", f"levels apply to categorical features; numeric "
+                        f"feature {spec.name!r} is filtered by range = [low, high]",
+                        source=source)
         if spec.type == "categorical":
             if condition.levels is None:
-                raise _fail(f"{field}.levels", f"categorical feature {spec.name!r} is "
-                            "filtered by levels = [...]", source=source)
+                raise _fail(f"{field}.range", f"range applies to numeric features; "
+                            f"categorical feature {spec.name!r} is filtered by levels = [...]",
+                            source=source)
             unknown = [lv for lv in condition.levels if lv not in (spec.levels or ())]
             if unknown:
                 raise _fail(f"{field}.levels", f"{unknown} are not declared levels of "
