@@ -114,10 +114,12 @@ def describe_query(query: Any, sha256: str, study: Study, out: TextIO) -> None:
 def _confirm(args: argparse.Namespace, what: str) -> bool:
     if args.yes:
         return True
-    if not sys.stdin.isatty():
-        raise ConfigError("--yes", f"approving {what} needs a confirmation: run it at a "
-                          "terminal, or pass --yes once you have read the summary")
-    answer = input(f"Approve {what} for this site? [y/N] ")
+    print(f"Approve {what} for this site? [y/N] ", end="", flush=True)
+    answer = sys.stdin.readline()
+    if not answer:
+        raise ConfigError("--yes", f"approving {what} needs a confirmation: answer y, or "
+                          "pass --yes once you have read the summary")
+    print()
     return answer.strip().lower() in ("y", "yes")
 
 

@@ -1,7 +1,8 @@
 """Asking the federation a question, over real processes: three hospitals approve a study
 and a query (`medfed site approve`), the operator runs the query (`medfed query run`)
 on a running coordinator, which runs it as a round of its own through SecAgg+ before the
-study's first round; no training round is needed.
+study's first round; no training round is needed. The commands are README.md's "Ask
+the federation a question" blocks, run as written (paths substituted only).
 
 The answer (a count, an outcome rate by sex, a clipped mean and a Kaplan-Meier curve)
 is checked against the same statistics computed centrally on the three files pooled;
@@ -13,7 +14,10 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,14 +26,21 @@ from common.analytics.answer import answer_query
 from common.analytics.query import load_query, query_sha256
 from common.analytics.vector import query_length, site_vector
 from common.privacy.ledger import read_ledger
-from common.processes import ManagedProcess, medfed_argv
+from common.processes import ManagedProcess
 from common.study import load_study, study_sha256
 from site_agent.data import load_study_table
-from tests.e2e.harness import PROCESS_ENV, REPO, StudyProcesses, make_pki, run_medfed
+from tests.e2e.harness import (
+    README_SITES,
+    Readme,
+    StudyProcesses,
+    make_pki,
+    readme_blocks,
+    run_medfed,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-SITES = ["alpha", "beta", "gamma"]
+SITES = README_SITES
 COLUMNS = ["Patient-ID", "Age (years)", "Sex", "Lactate mmol/L", "Days", "Outcome"]
 WIDE = 0.9999
 """The level the coverage is asserted at: the same release read again (post-processing,
@@ -132,6 +143,21 @@ def write_hospital(path: Path, *, patients: int, seed: int) -> Path:
     return path
 
 
+class Processes(StudyProcesses):
+    """The study's processes on the README's state folders (`Readme.command`)."""
+
+    def __init__(self, root: Path, **kwargs: Any) -> None:
+        super().__init__(root, **kwargs)
+        self.state = root / "state" / "coordinator"
+
+    def site_state(self, site: str) -> Path:
+        return self.root / "state" / site
+
+
+def test_readme_blocks_are_tagged() -> None:
+    assert {"query-init", "query-approve", "query-run"} <= set(readme_blocks())
+
+
 def test_three_hospitals_answer_an_approved_query(
     tmp_path: Path, processes: list[ManagedProcess]
 ) -> None:
@@ -141,27 +167,34 @@ def test_three_hospitals_answer_an_approved_query(
     query_path = tmp_path / "query.toml"
     query_path.write_text(query_toml(study_sha256(study)))
     query = load_query(query_path, study=study)
+    # The README's site names (its commands name st-marys' key and file).
     files = {site: write_hospital(tmp_path / f"{site}.csv", patients=80, seed=i + 1)
              for i, site in enumerate(SITES)}
 
-    run = StudyProcesses(tmp_path, study=study_path, pki=make_pki(tmp_path, SITES),
-                         processes=processes)
-    # Each hospital approves the study and the query (shown, pinned under its state).
+    run = Processes(tmp_path, study=study_path, pki=make_pki(tmp_path, SITES),
+                    processes=processes)
+    readme = Readme(tmp_path)
+    # The README's draft and offline check run as written (in a folder of their own:
+    # the query run here asks more than the draft does).
+    drafts = tmp_path / "draft"
+    drafts.mkdir()
+    (drafts / "study.toml").write_text(STUDY)
+    checked = readme.run(f"cd {drafts}\n" + readme.command("query-init", SITES[0]))
+    assert "first-questions" in checked and (drafts / "query.toml").exists()
+    # Each hospital approves the study and the query (shown, asked, pinned under its
+    # state), answering the README command's questions with y.
     for site in SITES:
-        state = run.site_state(site)
-        shown = run_medfed("site", "approve", str(study_path), str(query_path),
-                           "--state", str(state), "--yes").stdout
+        shown = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", readme.command("query-approve", site)],
+            cwd=tmp_path, env={**os.environ, **readme.env}, input="y\ny\n",
+            capture_output=True, text=True, timeout=120, check=True).stdout
         assert "questions" in shown and "epsilon 8" in shown
         assert "first-questions" in shown and "kaplan_meier" in shown
         assert json.loads(shown.splitlines()[-1])["sha256"] == query_sha256(query)
 
     run.start_coordinator()
     out = tmp_path / "answer"
-    asking = ManagedProcess(
-        "query-run",
-        medfed_argv("query", "run", "--query", str(query_path), "--coordinator-state",
-                    str(run.state), "--out", str(out), "--timeout", "300"),
-        log_dir=run.logs, env=PROCESS_ENV, cwd=REPO)
+    asking = readme.start("query-run", readme.command("query-run") + " --timeout 300")
     processes.append(asking)
     # The sites join the study they approved (no --study): the coordinator serves it.
     for site in SITES:
