@@ -79,8 +79,8 @@ SITE_FIELDS: Final[dict[str, FieldEntry]] = {
     "WaitForRoundRequest.budget": _f(DD, "BudgetStatus (below)"),
     "DeclineRoundRequest.round": _f(P, "announced round number"),
     "DeclineRoundRequest.reason": _f(
-        DD, "budget exhausted / evaluations used / not ready: follows from the ledger "
-        "(DP mechanisms only)"
+        DD, "budget exhausted / evaluations used / query not approved / not ready: "
+        "follows from the ledger (DP mechanisms only) and the site's approvals"
     ),
     "DeclineRoundRequest.budget": _f(DD, "BudgetStatus (below)"),
     "BudgetStatus.epsilon_budget": _f(P, "the site's own configured budget"),
