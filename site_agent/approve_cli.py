@@ -30,7 +30,8 @@ def register(sub: Any) -> None:
         "the only one this site joins; a query is answered only in that exact form, for "
         "this site's study, at most --times times.",
     )
-    approve.add_argument("file", type=Path, metavar="FILE", help="study.toml or query.toml")
+    approve.add_argument("files", type=Path, nargs="+", metavar="FILE",
+                         help="study.toml or query.toml (a study first, then its queries)")
     where = approve.add_mutually_exclusive_group(required=True)
     where.add_argument("--config", type=Path, help="the site's TOML settings (for its state)")
     where.add_argument("--state", type=Path, help="the site's state folder")
@@ -128,16 +129,27 @@ def describe_query(query: Any, sha256: str, study: Study, out: TextIO) -> None:
 def _confirm(args: argparse.Namespace, what: str) -> bool:
     if args.yes:
         return True
-    if not sys.stdin.isatty():
-        raise ConfigError("--yes", f"approving {what} needs a confirmation: run it at a "
-                          "terminal, or pass --yes once you have read the summary")
-    answer = input(f"Approve {what} for this site? [y/N] ")
+    print(f"Approve {what} for this site? [y/N] ", end="", flush=True)
+    answer = sys.stdin.readline()
+    if not answer:
+        raise ConfigError("--yes", f"approving {what} needs a confirmation: answer y, or "
+                          "pass --yes once you have read the summary")
+    print()
     return answer.strip().lower() in ("y", "yes")
 
 
 def _approve(args: argparse.Namespace) -> int:
-    path: Path = args.file
+    """Each FILE in order (a study approved here is the study of the queries after it)."""
     state, own = _state_and_study(args)
+    for path in args.files:
+        code = _approve_one(args, path, state, own)
+        if code:
+            return code
+        own = Approvals(state).study() if args.study is None else own
+    return 0
+
+
+def _approve_one(args: argparse.Namespace, path: Path, state: Path, own: Study | None) -> int:
     approvals = Approvals(state)
     out = sys.stdout
     if file_kind(path) == "study":
