@@ -149,3 +149,27 @@ def test_init_refuses_a_malformed_member(
                 "--label-column", "y", flag, value]) == 2
     assert words in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_site_approve_shows_the_members_and_pins_the_study(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from site_agent import approve_cli
+    from site_agent.approvals import Approvals
+
+    study = study_from_mapping(with_members({"name": "h1", "fingerprint": A},
+                                            {"name": "h2", "fingerprint": B}))
+    path = tmp_path / "study.toml"
+    path.write_text(render_study_toml(study))
+
+    def register_site(sub: Any) -> None:
+        site = sub.add_parser("site").add_subparsers(dest="site_command", required=True)
+        approve_cli.register(site)
+
+    state = tmp_path / "state"
+    assert main_with([register_site], ["site", "approve", str(path), "--state", str(state),
+                                       "--yes"]) == 0
+    shown = capsys.readouterr().out
+    assert "members       2 hospitals" in shown
+    assert "  - h1 " in shown and A in shown and B in shown
+    assert Approvals(state).study() == study
