@@ -296,6 +296,8 @@ def _members(args: argparse.Namespace) -> int:
         raise ConfigError("--dir", f"no valid, unrevoked site certificate in {args.dir}")
     print("# Paste into every site's configuration (site.toml). Compare each line with the")
     print("# fingerprint the hospital read out when its CSR was signed (`medfed pki sign`).")
+    print("# The study pins the same values for every site ([[members]]: `medfed study init")
+    print("# --member-from pki/sites/SITE.crt`); this table is a site's own extra pin.")
     print("[policy.members]")
     for site_id, fingerprint in members.items():
         print(f'"{site_id}" = "{fingerprint}"')
