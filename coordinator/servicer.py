@@ -170,7 +170,7 @@ class FederationServicer(pb_grpc.FederationServicer):
         self.metrics = metrics
         self.federation_id = federation_id
         self.clock = clock
-        self.limits = CallLimits()
+        self.limits = CallLimits.from_settings(engine.settings.limits)
 
     @contextlib.contextmanager
     def hold_call(self, request: Any) -> Iterator[None]:
