@@ -335,11 +335,16 @@ class SiteDataSection(_Section):
         ))
 
 
+STUDY_DECIDES: Final = {
+    "batch_size": "[training] batch_size",
+    "optimizer": "[training] local_optimizer",
+}
+"""Site training settings the study decides: refused with the study field that does."""
+
+
 class LocalTrainingSection(_Section):
     trainer: Literal["dpsgd", "nonprivate", "test-deterministic"] = "dpsgd"
-    batch_size: int = Field(default=256, ge=1)
     max_physical_batch_size: int = Field(default=1024, ge=1)
-    optimizer: Literal["sgd", "adam"] = "sgd"
     grad_sample_mode: Literal["auto", "ghost", "hooks"] = "auto"
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     seed: int | None = Field(
@@ -351,6 +356,14 @@ class LocalTrainingSection(_Section):
     @model_validator(mode="before")
     @classmethod
     def _study_fields(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            decided = {name: field for name, field in STUDY_DECIDES.items() if name in data}
+            if decided:
+                raise ValueError("; ".join(
+                    f"training.{name}: every site trains by the study's {field} (study.toml, "
+                    "sent by the coordinator at enrolment); remove it from this site's settings"
+                    for name, field in decided.items()
+                ))
         return _refuse_study_fields(data, ("model",))
 
 

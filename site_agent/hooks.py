@@ -394,11 +394,11 @@ class DpTrainingHook:
             config = site_training_config(
                 self.settings, plan, local_epochs=key[1],
                 batch_size=fit_batch_size(
-                    requested_batch_size(self.study, self.settings),
+                    requested_batch_size(self.study),
                     units=self.released_units if self.released_units is not None
                     else self.units,
                 ),
-                optimizer=local_optimizer(self.study, self.settings),
+                optimizer=local_optimizer(self.study),
                 target_epsilon=self._dp_sgd_budget(self.settings.privacy.budget_epsilon),
                 dp=self.dp_sgd,
                 privacy_unit="patient" if "patient" in (self.privacy_unit, self.record_level)
@@ -502,7 +502,7 @@ class DpTrainingHook:
         deltas, losses, records = train_intermediaries(
             self.unit_groups(self.intermediaries_for(plan)), data=self.train_data,
             model_factory=self.model, base_config=base.config,
-            requested_batch_size=requested_batch_size(self.study, self.settings),
+            requested_batch_size=requested_batch_size(self.study),
             plan=plan, global_flat=global_flat,
         )
         total = np.sum(deltas, axis=0).astype(np.float32)

@@ -281,7 +281,7 @@ def _joined_hospital_site(tmp_path: Path, study: Study, pki_material: Pki,
     settings = SiteSettings(
         site="hospital-a", coordinator="127.0.0.1:9", state=tmp_path, pki=tmp_path,
         data={"path": data},  # type: ignore[arg-type]
-        training={"device": "cpu", "batch_size": 16, "seed": 3},  # type: ignore[arg-type]
+        training={"device": "cpu", "seed": 3},  # type: ignore[arg-type]
         privacy={"delta": 1e-3, "privacy_unit": "hospital"},  # type: ignore[arg-type]
     )
     hook = DpTrainingHook(settings, dp=True)

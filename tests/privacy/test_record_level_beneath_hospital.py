@@ -56,7 +56,7 @@ def settings_for(tmp_path: Path, data: Path) -> SiteSettings:
         tls_cert=tmp_path / "s.crt",
         tls_key=tmp_path / "s.key",
         data={"path": data},  # type: ignore[arg-type]
-        training={"device": "cpu", "batch_size": 32},  # type: ignore[arg-type]
+        training={"device": "cpu"},  # type: ignore[arg-type]
         policy={"planned_rounds": 2},  # type: ignore[arg-type]
     )
 
