@@ -14,8 +14,8 @@ from common.privacy.ledger import LedgerSigner, PrivacyLedger, recovery_hint
 from common.state_lock import StateLock
 from site_agent.agent import SiteAgent
 from site_agent.dp_release import COUNT_STATE_FILE
-from site_agent.hooks import DeterministicTestHook, DpTrainingHook, TrainingHook
 from site_agent.metrics import SiteMetrics
+from site_agent.site_training import DeterministicTestHook, DpTrainingHook, TrainingHook
 
 
 def build_hook(settings: SiteSettings) -> TrainingHook:

@@ -30,8 +30,8 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.store import CoordinatorStore
 from site_agent.agent import SiteAgent
 from site_agent.dp_release import evaluation_mechanism
-from site_agent.hooks import DeterministicTestHook, RoundPlan
 from site_agent.metrics import SiteMetrics
+from site_agent.site_training import DeterministicTestHook, RoundPlan
 from tests.network.conftest import InProcessCoordinator, PkiLayout, coordinator_settings
 
 HEAD = "ab" * 32

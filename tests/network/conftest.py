@@ -38,8 +38,8 @@ from common.secagg.client import SecAggClient
 from coordinator.engine import RoundEngine
 from coordinator.service import RunningCoordinator, start
 from site_agent.agent import SiteAgent
-from site_agent.hooks import DeterministicTestHook
 from site_agent.metrics import SiteMetrics
+from site_agent.site_training import DeterministicTestHook
 
 HONEST_SITES = ("a", "b", "c", "d", "e", "f")
 MODEL_DIM = 64

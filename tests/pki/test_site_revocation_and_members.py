@@ -19,9 +19,9 @@ from common import pki
 from common.config import LocalTrainingSection, SitePolicySection, SiteSettings
 from common.errors import AbortReason, CertificateRejected, PkiError, ProtocolAbort, RoundFailed
 from site_agent.agent import SiteAgent
-from site_agent.hooks import DeterministicTestHook
 from site_agent.metrics import SiteMetrics
 from site_agent.revocation import SiteRevocation
+from site_agent.site_training import DeterministicTestHook
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -50,8 +50,8 @@ from common.study import (
 )
 from site_agent.agent import SiteAgent
 from site_agent.data import load_study_table
-from site_agent.hooks import DeterministicTestHook
 from site_agent.metrics import SiteMetrics
+from site_agent.site_training import DeterministicTestHook
 from tests.study.deviating_coordinator import DeviatingStudyCoordinator
 from tests.study.helpers import (
     hospital_study,

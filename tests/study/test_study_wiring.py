@@ -12,7 +12,7 @@ from common.errors import ConfigError
 from common.study import load_study
 from coordinator.study_run import StudyRun
 from site_agent.datacheck import site_policy
-from site_agent.hooks import DpTrainingHook
+from site_agent.site_training import DpTrainingHook
 from tests.study.helpers import hospital_study
 
 
