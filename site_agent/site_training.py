@@ -2,14 +2,13 @@
 
 The agent asks a hook, before anything else, which DP mechanism this round would run
 (`planned_segments`, so the ledger can refuse or record it write-ahead), then for the
-update itself. `DeterministicTestHook` is for tests and benchmarks of the transport;
-`DpTrainingHook` trains with Opacus DP-SGD on the site's data.
+update itself. `DpTrainingHook` trains with Opacus DP-SGD on the site's data (the
+transport benchmarks and tests run a deterministic double: `bench.transport_site`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import importlib
 import logging
 import os
@@ -83,56 +82,6 @@ class TrainingHook(Protocol):
     def statistics_release(self) -> np.ndarray: ...
 
     def set_statistics(self, statistics: GlobalStatistics) -> None: ...
-
-
-class DeterministicTestHook:
-    """TEST ONLY: an update derived from (site, round), no data, no privacy cost.
-
-    Lets transport and fault tests check the coordinator's unmasked sum exactly.
-    """
-
-    privacy_unit = "none"
-    device = "cpu"
-
-    def __init__(self, site_id: str, *, scale: float = 0.5, samples: int = 100,
-                 train_seconds: float = 0.0) -> None:
-        self.site_id = site_id
-        self.scale = scale
-        self.samples = samples
-        # Liveness tests freeze or cut off a site while it "trains": give them a window.
-        self.train_seconds = train_seconds
-        self.study: Study | None = None
-
-    def join_study(self, study: Study | None, policy: Any) -> None:
-        self.study = study
-
-    def statistics_release(self) -> np.ndarray:
-        from common.statistics import statistics_length
-
-        if self.study is None:
-            raise RoundFailed("a statistics round needs a study")
-        return np.zeros(statistics_length(self.study), dtype=np.int64)
-
-    def set_statistics(self, statistics: GlobalStatistics) -> None:
-        return None
-
-    def planned_segments(
-        self, plan: RoundPlan, *, evaluation: Sequence[Mechanism] = ()
-    ) -> list[Segment]:
-        return []
-
-    def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate:
-        if self.train_seconds:
-            time.sleep(self.train_seconds)
-        seed = hashlib.sha256(f"{self.site_id}/{plan.round_number}".encode()).digest()
-        gen = np.random.Generator(np.random.PCG64(int.from_bytes(seed[:8], "big")))
-        # Drawn as float32 and scaled in place: one model-sized vector, like a real
-        # trainer's update (a float64 draw would add two models to the site's peak).
-        delta = gen.random(global_flat.size, dtype=np.float32)
-        delta *= np.float32(2 * self.scale)
-        delta -= np.float32(self.scale)
-        hist = gen.integers(0, 5, size=2 * plan.histogram_bins).astype(np.int64)
-        return LocalUpdate(delta, self.samples, hist, 0.0)
 
 
 class DpTrainingHook:

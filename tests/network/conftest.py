@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.transport_site import DeterministicTestHook
 from common import pki, wire
 from common.codec import CHUNK_BYTES, iter_chunks
 from common.config import CoordinatorSettings, SiteSettings
@@ -39,7 +40,6 @@ from coordinator.engine import RoundEngine
 from coordinator.service import RunningCoordinator, start
 from site_agent.agent import SiteAgent
 from site_agent.metrics import SiteMetrics
-from site_agent.site_training import DeterministicTestHook
 
 HONEST_SITES = ("a", "b", "c", "d", "e", "f")
 MODEL_DIM = 64
@@ -358,7 +358,6 @@ def honest_sites(
                 coordinator=address,
                 metrics_listen="127.0.0.1:0",
                 state=state,
-                training={"trainer": "test-deterministic"},
                 debug_write_updates=True,
                 reconnect={"initial_backoff_seconds": 0.1, "max_backoff_seconds": 0.5},
             )
