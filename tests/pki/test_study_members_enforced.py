@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.serialization import Encoding
 
+from bench.transport_site import DeterministicTestHook
 from common import pki
 from common.config import LocalTrainingSection, SitePolicySection, SiteSettings
 from common.errors import AbortReason, CertificateRejected, ConfigError, ProtocolAbort
@@ -19,7 +20,6 @@ from common.study import Study, study_from_mapping
 from coordinator.servicer import refuse_non_member
 from coordinator.study_run import StudyRun
 from site_agent.agent import SiteAgent
-from site_agent.hooks import DeterministicTestHook
 from site_agent.membership import check_members_listed
 from site_agent.metrics import SiteMetrics
 from tests.pki.test_site_revocation_and_members import crl_der
