@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from bench.transport_site import DeterministicTestHook
 from common import pki
-from common.config import LocalTrainingSection, SitePolicySection, SiteSettings
+from common.config import SitePolicySection, SiteSettings
 from common.errors import AbortReason, CertificateRejected, ConfigError, ProtocolAbort
 from common.round import validate_for_site
 from common.study import Study, study_from_mapping
@@ -50,8 +50,7 @@ def test_announcement_naming_a_non_member_is_refused_before_any_key() -> None:
 
 def agent_in(pki_dir: Path, site: str, tmp_path: Path) -> SiteAgent:
     settings = SiteSettings(
-        pki=pki_dir, site=site, coordinator="127.0.0.1:1", state=tmp_path / "state",
-        training=LocalTrainingSection(trainer="test-deterministic"))
+        pki=pki_dir, site=site, coordinator="127.0.0.1:1", state=tmp_path / "state")
     return SiteAgent(settings, DeterministicTestHook(site), metrics=SiteMetrics(site),
                      ledger=None)
 
