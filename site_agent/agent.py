@@ -36,6 +36,7 @@ from common.errors import (
     EvaluationsUsed,
     FederationFinished,
     ProtocolAbort,
+    QueryRefused,
     RoundFailed,
     StudyFailed,
     StudyRefused,
@@ -313,9 +314,23 @@ class SiteAgent:
                 ),
                 timeout=30,
             )
+        except QueryRefused as exc:
+            # Not approved, or its allowance used: this query only (not the study).
+            log.error("declining round %d: %s", ann.round, exc,
+                      extra={"event": "query_refused", "reason": str(exc)})
+            self.metrics.rounds.labels(outcome="failed").inc()
+            stub.DeclineRound(
+                pb.DeclineRoundRequest(
+                    round=ann.round, reason=pb.DeclineRoundRequest.QUERY_NOT_APPROVED,
+                    budget=self.budget_pb(),
+                ),
+                timeout=30,
+            )
         except BudgetExhausted as exc:
             log.warning("declining round %d: %s", ann.round, exc)
-            self.membership.declined_for_budget = True
+            # A query the budget cannot pay says nothing of the training plan's rounds.
+            if not ann.release_payload:
+                self.membership.declined_for_budget = True
             self.metrics.rounds.labels(outcome="declined_budget").inc()
             stub.DeclineRound(
                 pb.DeclineRoundRequest(

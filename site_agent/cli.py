@@ -76,6 +76,9 @@ def register(subparsers: Any, *, hook_factory: HookFactory | None = None) -> Non
         help="accept rounds without secure aggregation (benchmarks only)",
     )
     run.set_defaults(func=partial(_run, hook_factory=hook_factory))
+    from site_agent import approve_cli
+
+    approve_cli.register(sub)
 
 
 def settings_from_args(args: argparse.Namespace) -> SiteSettings:

@@ -101,11 +101,13 @@ class SiteDataset(Protocol):
 
 
 def load_site_study(settings: SiteSettings) -> Study | None:
-    """The study in the site's own ``study_file``, if it names one."""
+    """The study in the site's own ``study_file``, if it names one, else the study
+    approved with `medfed site approve` (STATE/approved/study.json), if any."""
     from common.study import load_study
+    from site_agent.approvals import Approvals
 
     if settings.study_file is None:
-        return None
+        return Approvals(settings.state).study()
     return load_study(settings.study_file)
 
 
