@@ -20,6 +20,7 @@ BENCHMARK_MODULES: list[str] = [
     "bench.ledger",
     "bench.utility",
     "bench.query",
+    "bench.query_coverage",
 ]
 """Registrars of `medfed bench` subcommands, in help order."""
 

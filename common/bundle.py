@@ -193,6 +193,18 @@ class SecAggCard(_Section):
     clip: float | None = Field(default=None, gt=0)
 
 
+class QueryRun(_Section):
+    """A federated DP query the federation answered before this model (`medfed query
+    run`): each participating site's ledger paid `epsilon` for it, already inside
+    sites[].epsilon; named here so a reader of the model knows what else was asked."""
+
+    name: str = Field(min_length=1, max_length=64)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    round: int = Field(ge=1)
+    epsilon: float = Field(ge=0)
+    contributors: int = Field(ge=1)
+
+
 class PrivacyCard(_Section):
     """What an auditor needs to judge the model's privacy."""
 
@@ -209,6 +221,7 @@ class PrivacyCard(_Section):
     record_level: Literal["record", "patient"] | None = None
     secagg: SecAggCard | None = Field(default=None, description="None: plain aggregation")
     statistics_release: str | None = Field(default=None, max_length=500)
+    queries: tuple[QueryRun, ...] = Field(default=(), max_length=10_000)
     notes: tuple[str, ...] = ()
 
     @model_validator(mode="after")
@@ -283,6 +296,14 @@ def parameters_from_flat(
     return out
 
 
+def card_json(card: PrivacyCard) -> dict[str, Any]:
+    """The card as stored; without queries byte-identical to the format before them."""
+    dumped = card.model_dump(mode="json")
+    if not dumped.get("queries"):
+        dumped.pop("queries", None)
+    return dumped
+
+
 def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
@@ -339,7 +360,7 @@ def bundle_metadata(bundle: ModelBundle) -> dict[str, str]:
         "medfed.architecture": _json(bundle.architecture.model_dump(mode="json")),
         "medfed.statistics": statistics_bytes(bundle.statistics).decode("utf-8"),
         "medfed.threshold": _json(bundle.threshold.model_dump(mode="json")),
-        "medfed.privacy_card": _json(bundle.card.model_dump(mode="json")),
+        "medfed.privacy_card": _json(card_json(bundle.card)),
         "medfed.parameters": _json(
             [{"name": n, "shape": list(np.shape(v))} for n, v in bundle.parameters.items()]
         ),

@@ -11,10 +11,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+import pydantic
 
 from common.bundle import (
     ModelBundle,
     PrivacyCard,
+    QueryRun,
     SecAggCard,
     SitePrivacy,
     Threshold,
@@ -27,10 +29,22 @@ from common.codec import TensorSpec
 from common.config import CoordinatorSettings
 from common.errors import StateError, ValidationError
 from common.privacy.budget import BudgetReport
-from coordinator import hospital_sum
+from coordinator import hospital_sum, queries
 from coordinator.study_run import StudyRun
 
 log = logging.getLogger("medfed.coordinator")
+
+
+def queries_before(state: Path, round_number: int) -> tuple[QueryRun, ...]:
+    """The queries answered before the model of `round_number`, for its privacy card."""
+    out = []
+    for answered in queries.answered_before(state, round_number):
+        try:
+            out.append(QueryRun.model_validate(answered))
+        except pydantic.ValidationError as exc:
+            log.warning("query %s not named on the privacy card: %s",
+                        answered.get("sha256"), exc.errors()[0]["msg"])
+    return tuple(out)
 
 
 def write_round_bundle(
@@ -86,6 +100,7 @@ def write_round_bundle(
             clip=agg.clip,
         ) if agg.secure_aggregation else None,
         statistics_release=run.statistics.source,
+        queries=queries_before(settings.state, round_number),
         notes=("SecAgg+ threshold and neighbours of the last round (neighbours none: "
                "complete graph)", *hospital_notes),
     )

@@ -140,6 +140,7 @@ def keep_answer(state: Path, release: Any, total: np.ndarray, *, noise_sigmas: l
     record = {
         "format": ANSWER_FORMAT, "query_sha256": sha256, "query": release.query_def.name,
         "round": round_number, "contributors": contributors,
+        "epsilon": float(release.query_def.epsilon),
         "noise_sigmas": [float(s) for s in noise_sigmas],
         "total": [int(v) for v in np.asarray(total).reshape(-1)],
         "answer": release.to_json(answer),
@@ -160,8 +161,8 @@ def read_answer(path: Path, *, release: DpRelease) -> dict[str, Any]:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise ValidationError(f"{path}: not a readable answer ({exc})") from None
-    fields = {"format", "query_sha256", "query", "round", "contributors", "noise_sigmas",
-              "total", "answer"}
+    fields = {"format", "query_sha256", "query", "round", "contributors", "epsilon",
+              "noise_sigmas", "total", "answer"}
     if not isinstance(raw, dict) or set(raw) != fields or raw["format"] != ANSWER_FORMAT:
         raise ValidationError(f"{path}: not a {ANSWER_FORMAT} file")
     total, sigmas, k = raw["total"], raw["noise_sigmas"], raw["contributors"]
@@ -175,3 +176,26 @@ def read_answer(path: Path, *, release: DpRelease) -> dict[str, Any]:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValidationError(f"{path}: contributors: a positive integer expected")
     return raw
+
+
+def answered_before(state: Path, round_number: int) -> list[dict[str, Any]]:
+    """Every query answered in a round before `round_number` (one entry per run, from
+    STATE/queries/answers/<sha256>-round-<n>.json), for the privacy card of the model
+    after that round. A file that does not read as an answer record is skipped with a
+    warning (the card is written from what the coordinator can vouch for)."""
+    runs: list[dict[str, Any]] = []
+    directory = folder(state, ANSWERS)
+    if not directory.is_dir():
+        return runs
+    for path in sorted(directory.glob("*-round-*.json")):
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            run = {"name": raw["query"], "sha256": raw["query_sha256"],
+                   "round": raw["round"], "epsilon": raw["epsilon"],
+                   "contributors": raw["contributors"]}
+        except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            log.warning("query answer %s not named on the privacy card: %s", path, exc)
+            continue
+        if isinstance(run["round"], int) and run["round"] < round_number:
+            runs.append(run)
+    return sorted(runs, key=lambda r: (r["round"], r["sha256"]))

@@ -164,8 +164,10 @@ class DpTrainingHook:
             raise ConfigError(
                 "study",
                 f"the coordinator serves study {study.study.name!r} (sha256 "
-                f"{study_sha256(study)[:12]}...), not this site's --study "
-                f"{self.settings.study_file} ({self.own_study.study.name!r}, sha256 "
+                f"{study_sha256(study)[:12]}...), not this site's "
+                + (f"--study {self.settings.study_file}" if self.settings.study_file
+                   else "approved study (medfed site approve)")
+                + f" ({self.own_study.study.name!r}, sha256 "
                 f"{study_sha256(self.own_study)[:12]}...)",
             )
         if self.study is not None and study_sha256(self.study) == study_sha256(study):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from common.analytics.query import query_bytes, query_from_mapping, query_sha256
@@ -76,3 +77,42 @@ def test_waiting_for_an_answer_that_does_not_come_says_where_the_query_waits(
     queries.submit(tmp_path, payload(study))
     assert not queries.failed_path(tmp_path, sha).exists()
     assert queries.pending(tmp_path, study) is not None
+
+
+def test_the_privacy_card_of_a_later_model_names_the_queries_answered_before_it(
+    study: Study, tmp_path: Path,
+) -> None:
+    """A query answered in round 3 is on the card of the model after round 4 (and of
+    every later one), not on round 3's or earlier; the card reads back from a real
+    bundle's JSON, and a card without queries keeps its stored form."""
+    from common.bundle import PrivacyCard, card_json
+    from coordinator.bundles import queries_before
+
+    sha = queries.submit(tmp_path, payload(study, "before-training"))
+    pending = queries.pending(tmp_path, study)
+    assert pending is not None
+    release = pending.release
+    total = np.zeros(release.length, dtype=np.int64)
+    sigmas = [plan.sigma for plan in release.plans(n_noise=3)]
+    answer = release.decode_blocks(total, noise_sigmas=sigmas, round_number=3, contributors=3)
+    queries.keep_answer(tmp_path, release, total, noise_sigmas=sigmas, contributors=3,
+                        round_number=3, answer=answer)
+    assert not queries.inbox_path(tmp_path, sha).exists()
+
+    assert queries_before(tmp_path, 3) == ()
+    named = queries_before(tmp_path, 4)
+    assert [(q.name, q.sha256, q.round, q.contributors) for q in named] == [
+        ("before-training", sha, 3, 3)]
+    assert named[0].epsilon == pytest.approx(release.query_def.epsilon)
+    # A damaged answer file is left off the card, never written onto it.
+    broken = queries.folder(tmp_path, queries.ANSWERS) / f"{'1' * 64}-round-000002.json"
+    broken.write_text("{not json")
+    assert [q.sha256 for q in queries_before(tmp_path, 9)] == [sha]
+
+    card = {"unit": "patient", "accountant": "per-site ledger", "mechanisms": ["m"],
+            "rounds": 4, "sites": [{"site": "a", "epsilon": 1.0, "delta": 1e-5}]}
+    plain = PrivacyCard.model_validate(card)
+    assert "queries" not in card_json(plain)
+    with_queries = PrivacyCard.model_validate({**card, "queries": [
+        q.model_dump(mode="json") for q in named]})
+    assert PrivacyCard.model_validate(card_json(with_queries)).queries == named
