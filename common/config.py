@@ -308,7 +308,7 @@ def _refuse_study_fields(data: Any, fields: tuple[str, ...]) -> Any:
 
 class SiteDataSection(_Section):
     """Where this site's records are and how it holds some out; what they contain is
-    the study's (common/study.py `DataSection`, `FeatureSpec`)."""
+    the study's (common/study/schema.py `DataSection`, `FeatureSpec`)."""
 
     path: Path | None = Field(
         default=None, description="CSV or Parquet file of this site, or an images study's "
