@@ -50,12 +50,12 @@ from common.study import Study, check_statistics, statistics_from_bytes
 from common.tls import SiteTlsFiles
 from site_agent.connection import RETRYABLE, Connection, Heartbeats
 from site_agent.final_model import FinalModel
-from site_agent.hooks import TrainingHook
 from site_agent.membership import Membership, utcnow
 from site_agent.metrics import SiteMetrics
 from site_agent.phases import SecAggPhases
 from site_agent.releases import RoundRelease
 from site_agent.revocation import SiteRevocation
+from site_agent.site_training import TrainingHook
 from site_agent.statistics_pin import StatisticsPin
 from site_agent.training_round import TrainingRound
 

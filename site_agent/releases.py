@@ -30,11 +30,11 @@ from common.secagg import round_floor
 from common.study import Study, study_round_terms, study_sha256
 from site_agent import dp_release
 from site_agent.connection import Heartbeats
-from site_agent.hooks import LocalUpdate, TrainingHook
 from site_agent.membership import Membership, utcnow
 from site_agent.metrics import SiteMetrics
 from site_agent.phases import SecAggPhases
 from site_agent.round_timeline import RoundTimeline
+from site_agent.site_training import LocalUpdate, TrainingHook
 from site_agent.statistics_pin import RELEASED_WAY_OUT, StatisticsPin
 from site_agent.transfers import write_debug_update
 
