@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from common.errors import StateError
+from common.privacy.ledger import anchor_path_for
+from common.privacy.ledger_verify import verify_ledger
 from common.processes import ManagedProcess, medfed_argv
 from common.study import load_study
 from demo.options import DemoOptions
@@ -23,6 +26,10 @@ from tests.study.helpers import write_hospital_csv
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 SITES = ["north", "south", "east", "west"]
+# The killed site's round waits out the consistency-check phase deadline before the
+# survivors unmask without it: 10 s instead of the demo's 30 (the coordinator's
+# documented environment setting, which overrides the demo's coordinator.toml).
+SHORT_PHASES = {**os.environ, "MEDFED_COORDINATOR_DEADLINES__PHASE_SECONDS": "10"}
 
 
 def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
@@ -37,6 +44,7 @@ def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
             "--kill-round", "1", "--delta", "1e-3", "--budget-epsilon", "4",
         ),
         cwd=REPO, capture_output=True, text=True, timeout=850, check=False,
+        env=SHORT_PHASES,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
@@ -105,12 +113,18 @@ def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
     final = Path(model["path"]).read_bytes()
     for site in SITES:
         assert (out / "sites" / site / "model" / "final.safetensors").read_bytes() == final
-    # Each site's own ledger verifies.
+    # Each site's own ledger verifies: the restarted site's through `medfed ledger
+    # verify`, the others through the function it calls (each CLI run re-composes the
+    # ledger's epsilons from scratch in a fresh process, seconds of CPU apiece).
     for site in SITES:
         ledger = out / "sites" / site / "privacy-ledger.db"
-        verify = subprocess.run(medfed_argv("ledger", "verify", "--ledger", str(ledger)),
-                                cwd=REPO, capture_output=True, text=True, check=False)
-        assert verify.returncode == 0, verify.stdout + verify.stderr
+        if site == "west":
+            verify = subprocess.run(medfed_argv("ledger", "verify", "--ledger", str(ledger)),
+                                    cwd=REPO, capture_output=True, text=True, check=False)
+            assert verify.returncode == 0, verify.stdout + verify.stderr
+        else:
+            report = verify_ledger(ledger, anchor_path=anchor_path_for(ledger))
+            assert report.ok and report.epsilons_recomposed, report.problems
 
 
 def test_demo_on_three_csvs_runs_without_a_dropout_and_every_site_gets_the_model(
