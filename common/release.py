@@ -51,6 +51,7 @@ from common.privacy.ddgauss import count_noise, count_site_sigma
 from common.privacy.mechanisms import DistributedDiscreteGaussian
 from common.privacy.purpose import PURPOSES, ROUND_PURPOSES, Purpose
 from common.privacy.signed import QueryRef
+from common.secagg.params import round_floor
 
 if TYPE_CHECKING:
     from common.study import Study
@@ -67,9 +68,11 @@ __all__ = [
     "build_release",
     "check_plans",
     "decode_sum",
+    "planned_noise_sites",
     "register_release",
     "release_for_round",
     "release_kind",
+    "study_noise_sites",
     "sum_noise_sigma",
     "sum_noise_sigmas",
 ]
@@ -296,28 +299,42 @@ def check_plans(release: DpRelease, plans: Sequence[NoisePlan]) -> list[NoisePla
     return plans
 
 
-def sum_noise_sigmas(release: DpRelease, *, contributors: int,
-                     max_colluding_sites: int) -> list[float]:
+def planned_noise_sites(*, min_round_sites: int, max_colluding_sites: int) -> int:
+    """n_noise every member plans a round release for: the round floor
+    max(min_round_sites, T + 2) minus the T colluding sites (who know their own noise),
+    at least 1. The study pins both terms, so every member and the coordinator compute
+    the same number; it does not depend on how many sites end up in the sum."""
+    floor = round_floor(min_round_sites=min_round_sites, max_colluding_sites=max_colluding_sites)
+    return max(floor - max_colluding_sites, 1)
+
+
+def study_noise_sites(study: Study) -> int:
+    """`planned_noise_sites` of a study's pinned terms."""
+    return planned_noise_sites(min_round_sites=study.privacy.min_round_sites,
+                               max_colluding_sites=study.privacy.max_colluding_sites)
+
+
+def sum_noise_sigmas(release: DpRelease, *, contributors: int, noise_sites: int) -> list[float]:
     """Std of the noise on each entry of each block (`DpRelease.plans`) of the secure
-    sum of `contributors` releases, as the coordinator can know it: every site planned
-    for n_noise honest shares and adds N_Z(0, sigma^2 / n_noise), so the sum carries
-    sigma^2 * K / n_noise; n_noise is taken as K minus the colluding sites (at least 1)."""
+    sum of `contributors` releases: every site planned for `noise_sites` honest shares
+    (`planned_noise_sites`) and added N_Z(0, sigma^2 / noise_sites), so the sum of K
+    carries sigma^2 * K / noise_sites (more than sigma^2 when more sites than the floor
+    contributed, less when dropouts left fewer)."""
     k = max(contributors, 1)
-    plans = check_plans(release, release.plans(n_noise=max(k - max_colluding_sites, 1)))
+    plans = check_plans(release, release.plans(n_noise=max(noise_sites, 1)))
     return [plan.sigma * math.sqrt(k / plan.n_noise) for plan in plans]
 
 
-def sum_noise_sigma(release: DpRelease, *, contributors: int, max_colluding_sites: int) -> float:
+def sum_noise_sigma(release: DpRelease, *, contributors: int, noise_sites: int) -> float:
     """`sum_noise_sigmas` of a release of one block."""
-    sigmas = sum_noise_sigmas(release, contributors=contributors,
-                              max_colluding_sites=max_colluding_sites)
+    sigmas = sum_noise_sigmas(release, contributors=contributors, noise_sites=noise_sites)
     if len(sigmas) != 1:
         raise ValidationError(f"release {release.name!r} has {len(sigmas)} noise blocks")
     return sigmas[0]
 
 
 def decode_sum(
-    release: DpRelease, aggregate: np.ndarray, *, contributors: int, max_colluding_sites: int,
+    release: DpRelease, aggregate: np.ndarray, *, contributors: int, noise_sites: int,
     round_number: int,
 ) -> Any:
     """The coordinator's side of a release: its segment of the unmasked ring sum, read
@@ -327,6 +344,6 @@ def decode_sum(
     return release.decode_blocks(
         total,
         noise_sigmas=sum_noise_sigmas(release, contributors=contributors,
-                                      max_colluding_sites=max_colluding_sites),
+                                      noise_sites=noise_sites),
         round_number=round_number, contributors=contributors,
     )

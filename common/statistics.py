@@ -50,7 +50,14 @@ from common.errors import ConfigError, ValidationError
 from common.noisy_counts import credible_support
 from common.privacy.ddgauss import count_rho, epsilon_from_rho
 from common.privacy.purpose import Purpose
-from common.release import DpRelease, NoisePlan, ReleaseKind, register_release, sum_noise_sigma
+from common.release import (
+    DpRelease,
+    NoisePlan,
+    ReleaseKind,
+    register_release,
+    study_noise_sites,
+    sum_noise_sigma,
+)
 from common.round import KIND_STATISTICS
 from common.study import (
     CategoricalStatistics,
@@ -345,11 +352,12 @@ def _clipped_std(counts: np.ndarray, *, low: float, high: float) -> float:
     return math.sqrt(max(variance, 0.0))
 
 
-def release_noise_sigma(study: Study, *, contributors: int, max_colluding_sites: int) -> float:
-    """Std of the noise on each entry of the secure sum of `contributors` releases, as the
-    coordinator can know it (`common.release.sum_noise_sigma` of `StatisticsQuery`)."""
+def release_noise_sigma(study: Study, *, contributors: int) -> float:
+    """Std of the noise on each entry of the secure sum of `contributors` releases, every
+    member having planned for the study's n_noise (`common.release.sum_noise_sigma` of
+    `StatisticsQuery`)."""
     return sum_noise_sigma(StatisticsQuery(study), contributors=contributors,
-                           max_colluding_sites=max_colluding_sites)
+                           noise_sites=study_noise_sites(study))
 
 
 FALLBACK_LOW = float(LOG_EDGES[0])

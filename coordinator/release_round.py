@@ -26,6 +26,7 @@ from common.release import (
     build_release,
     decode_sum,
     release_for_round,
+    study_noise_sites,
     sum_noise_sigmas,
 )
 from coordinator import checkpoints, queries
@@ -86,10 +87,10 @@ def decode(
         )
     release = build_release(kind, run.study, ann.release_payload)
     contributors = len(aggregator.survivors)
-    # The study's collusion bound: the one every member sized its noise share by.
-    colluding = run.study.privacy.max_colluding_sites
+    # The study's pinned terms: the n_noise every member sized its noise share by.
+    noise_sites = study_noise_sites(run.study)
     decoded = decode_sum(
-        release, aggregate, contributors=contributors, max_colluding_sites=colluding,
+        release, aggregate, contributors=contributors, noise_sites=noise_sites,
         round_number=ann.round_number,
     )
     keep = KEEPERS.get(kind.name)
@@ -100,7 +101,7 @@ def decode(
             settings.state, release,
             release.manifest().decode_integers(aggregate)[release.name],
             noise_sigmas=sum_noise_sigmas(release, contributors=contributors,
-                                          max_colluding_sites=colluding),
+                                          noise_sites=noise_sites),
             contributors=contributors, round_number=ann.round_number, answer=decoded)
     elif keep is not None:
         keep(run, decoded, ann.round_number)

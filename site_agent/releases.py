@@ -31,10 +31,10 @@ from common.release import (
     NoisePlan,
     build_release,
     check_plans,
+    planned_noise_sites,
     release_for_round,
 )
 from common.round import VerifiedRound
-from common.secagg import round_floor
 from common.study import Study, study_round_terms, study_sha256
 from site_agent import dp_release
 from site_agent.approvals import Approvals, times_released
@@ -162,8 +162,7 @@ def release_noise_sites(policy: SitePolicySection, study: Study | None) -> int:
         study, max_colluding_sites=policy.max_colluding_sites,
         min_round_sites=policy.min_round_sites,
     )
-    floor = round_floor(min_round_sites=min_sites, max_colluding_sites=colluding)
-    return max(floor - colluding, 1)
+    return planned_noise_sites(min_round_sites=min_sites, max_colluding_sites=colluding)
 
 
 def refuse_unapproved(approvals: Approvals, ledger: PrivacyLedger | None, study: Study,

@@ -237,7 +237,7 @@ def test_a_cell_of_one_patient_is_only_noise_and_the_ledger_pays_for_it(
     federation_vectors = dict(zip(federation.params.participants, vectors.values(), strict=True))
     total, survivors = run_round(federation, federation_vectors)
     assert len(survivors) == 3
-    answer = decode_sum(release, total, contributors=3, max_colluding_sites=1,
+    answer = decode_sum(release, total, contributors=3, noise_sites=2,
                         round_number=20)
     (count,) = [e for e in answer.statistic("patients").estimates]
     # One patient more or less is well inside the noise the coordinator is told of.
@@ -285,3 +285,38 @@ def test_a_query_of_another_study_or_other_bytes_is_refused(
     ann = announce(study, query, 43)
     assert dataclasses.replace(ann, release_payload=spaced).digest() != ann.digest()
     assert site.query_entries() == []
+
+
+def test_a_site_dropping_out_of_a_query_round_leaves_the_survivors_sum_answered(
+    study: Study, sites: dict[str, Site], hospitals: dict[str, Hospital],
+) -> None:
+    """Dropouts as in training rounds: one of three sites paid (its ledger entry is
+    written first) and then vanished before its masked input; SecAgg+ unmasks the two
+    survivors' sum, and the answer is read with the two survivors' noise (each site
+    planned for n_noise = 2 honest shares, so two survivors carry the full sigma) and
+    covers their exact pooled count."""
+    from common.secagg.phases import Phase
+
+    query = make_query(study, "with-a-dropout")
+    approve(sites, study, query)
+    release = QueryRelease(study, query)
+    ann = announce(study, query, 30)
+    vectors = {name: site.release(ann, study) for name, site in sites.items()}
+    assert all(len(site.query_entries()) == 1 for site in sites.values())  # all paid
+    federation = make_federation(3, threshold=2, vector_length=release.length,
+                                 round_number=30, min_round_sites=2, max_colluding_sites=0)
+    names = dict(zip(federation.params.participants, SITES, strict=True))
+    federation_vectors = {fed: vectors[site] for fed, site in names.items()}
+    gone = federation.params.participants[2]
+    total, survivors = run_round(federation, federation_vectors,
+                                 dropouts={gone: Phase.MASKED_INPUT})
+    assert gone not in survivors and len(survivors) == 2
+    answer = decode_sum(release, total, contributors=2, noise_sites=2,
+                        round_number=30)
+    exact = sum(release.query(hospitals[names[s]]) for s in survivors)
+    (count,) = answer.statistic("patients").estimates
+    # The two survivors' own noise std: the full sigma of one statistic at n_noise = 2.
+    (plan, _) = release.plans(n_noise=2)
+    assert answer.statistic("patients").noise_std == pytest.approx(plan.sigma)
+    assert count.low - 6 * plan.sigma <= exact[0] <= count.high + 6 * plan.sigma
+    assert abs(count.value - exact[0]) < 6 * plan.sigma

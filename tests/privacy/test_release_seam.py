@@ -149,14 +149,14 @@ def test_a_release_of_one_file_runs_the_generic_path(
         assert 0 < entry.epsilon_after < 8.0
 
     # The coordinator's generic decode: the exact signed sum of what the sites sent ...
-    count, noise_sigma = decode_sum(release, total, contributors=3, max_colluding_sites=0,
+    count, noise_sigma = decode_sum(release, total, contributors=3, noise_sites=3,
                                     round_number=ROUND)
     sent = sum(int(ring_to_signed(v)[0]) for v in vectors.values())
     assert count == sent
     # ... which is the true count plus the sites' noise (three shares of variance
     # SIGMA^2 / 3 each: std SIGMA, as the coordinator computes it).
     assert noise_sigma == pytest.approx(SIGMA)
-    assert noise_sigma == sum_noise_sigma(release, contributors=3, max_colluding_sites=0)
+    assert noise_sigma == sum_noise_sigma(release, contributors=3, noise_sites=3)
     assert abs(count - truth) <= 6 * noise_sigma
     # Kept by the coordinator as JSON under its state (no keeper written for it).
     kept = json.loads(keep_json(tmp_path, release, (count, noise_sigma), ROUND).read_text())
@@ -215,3 +215,27 @@ def test_a_release_round_names_its_release_on_the_wire(registered: ReleaseKind) 
     finally:
         RELEASES.pop(own.name, None)
         egress.SEGMENT_KINDS.pop(own.name, None)
+
+
+@pytest.mark.parametrize(("contributors", "expected_ratio"), [(2, 1.0), (3, 1.5**0.5),
+                                                              (5, 2.5**0.5)])
+def test_the_sum_noise_is_read_from_the_n_noise_every_member_planned_for(
+    contributors: int, expected_ratio: float,
+) -> None:
+    """Every member of a study with a round floor of 3 and one colluding site plans for
+    n_noise = 2 shares, whatever the round's size: a sum over 5 sites carries 2.5 shares'
+    worth of variance (sigma^2 * 5 / 2), one over 2 survivors exactly sigma^2. Reading it
+    as n_noise = K - T (the coordinator's old assumption) understated a 5-site sum's
+    noise by a factor 1.41 (intervals too narrow) and overstated a 2-survivor one's."""
+    from common.release import planned_noise_sites, sum_noise_sigmas
+
+    n_noise = planned_noise_sites(min_round_sites=3, max_colluding_sites=1)
+    assert n_noise == 2
+    release = CountOver65()
+    (sigma,) = sum_noise_sigmas(release, contributors=contributors, noise_sites=n_noise)
+    assert sigma == pytest.approx(SIGMA * expected_ratio)
+    # What the sites add, drawn: each N_Z(0, SIGMA^2 / 2), K of them.
+    plan = release.plan(n_noise=n_noise)
+    draws = np.array([sum(int(plan.noise(np.random.default_rng(1000 * i + k).bytes)[0])
+                          for k in range(contributors)) for i in range(3000)])
+    assert draws.std() == pytest.approx(sigma, rel=0.06)

@@ -92,7 +92,7 @@ def _noisy_sum(tmp_path: Path, study: Study, *, seed: int) -> tuple[np.ndarray, 
 
 def test_small_cohort_auto_ranges_are_not_swamped_by_empty_bin_noise(tmp_path: Path) -> None:
     study = _study()
-    sigma = release_noise_sigma(study, contributors=len(SITES), max_colluding_sites=COLLUDING)
+    sigma = release_noise_sigma(study, contributors=len(SITES))
     assert sigma > 10  # the regime of the walkthrough: ~17 per bin
     for seed in (11, 12, 13):
         total, truth = _noisy_sum(tmp_path, study, seed=seed)
