@@ -1,6 +1,8 @@
 """Where an evaluation histogram's bucket edges lie and how many buckets it counts with:
-the default logit-scale layout, the next round's edges from the released quantiles
-(post-processing of a DP release: Dwork & Roth 2014, Prop. 2.1), the site's boundary
+the default logit-scale layout, the first round's around a public probe of the model
+(`probe_edges`), the next round's edges from the released quantiles moved with the
+probe (post-processing of a DP release and of the public model: Dwork & Roth 2014,
+Prop. 2.1), the site's boundary
 check of announced edges (`round_edges`), and the bucket count that follows the noise
 (`evaluation_bins`).
 """
@@ -231,26 +233,6 @@ def next_block_edges(
         next_edges(counts[start : start + size], edges=e, bins=bins, shift=by, anchor=at)
         for start, size, e, (by, at) in zip(starts, sizes, edges, moves, strict=False)
     )
-
-
-def shift_edges(
-    values: Sequence[float], *, bins: int, shifts: Sequence[float]
-) -> tuple[float, ...]:
-    """Announced edges (``histogram_bins`` = `bins`, one block per entry of `shifts`)
-    with each block's inner edges moved by its shift on the logit scale, clipped to
-    +-LOGIT_LIMIT: the next round's buckets follow the model where a probe of the public
-    model says its scores moved (`common.models.probe`; post-processing). A block whose
-    moved edges would no longer be strictly increasing (piled at a limit) keeps its
-    edges."""
-    blocks = round_edges(values, bins=bins, blocks=len(shifts))
-    out: list[float] = []
-    for block, by in zip(blocks, shifts, strict=True):
-        if not math.isfinite(by):
-            raise ValidationError("edge shift must be finite")
-        inner = np.clip(_logit(block[1:-1]) + by, -LOGIT_LIMIT, LOGIT_LIMIT)
-        moved = np.concatenate([[0.0], _sigmoid(inner), [1.0]])
-        out.extend(float(v) for v in (moved if np.all(np.diff(moved) > 0) else block))
-    return tuple(out)
 
 
 def round_edges(

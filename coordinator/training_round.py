@@ -131,7 +131,7 @@ def apply_update(
     served, so an elementwise optimizer may update it in place). `evaluation_noise_std`:
     the per-count noise of the evaluation histogram as the ledgers record it (None:
     estimated from the release). With a `study`, the next round's evaluation edges
-    move with the model (`follow_the_model`)."""
+    move with the model (a public probe before and after the step, `next_edges`' shift)."""
     ann = rnd.announcement
     aggregate = aggregator.result
     if aggregate is None:
