@@ -139,9 +139,11 @@ def next_edges(
     (at least `MIN_WIDTH` logits, far coarser than a DP model's band of a tenth of a
     logit) its range is widened by what the probe cannot know: `FOLLOW_SHARE` of the
     shift, `FOLLOW_SPREAD` of the range, `FOLLOW_FLOOR`. End buckets reach the logit
-    limits; with an `anchor` their unbounded side ends `LOST_SPAN` beyond the probe (a
-    release that missed the band is found again near the probe instead of spread over
-    a dozen logits). Post-processing of the release and the public model, as above.
+    limits; with an `anchor` their unbounded side ends as far beyond their inner edge
+    as the occupied inner buckets reach (at most `LOST_SPAN`), or, with no inner bucket
+    occupied, `LOST_SPAN` beyond the probe (a release that missed the band is found
+    again near the probe instead of spread over a dozen logits). Post-processing of
+    the release and the public model, as above.
     """
     e = _check_edges(edges)
     counted = e.size - 1
@@ -165,8 +167,14 @@ def next_edges(
     if shift is not None and anchor is not None:
         if not (math.isfinite(shift) and math.isfinite(anchor)):
             raise ValidationError("probe shift and anchor must be finite")
-        z[0] = max(-LOGIT_LIMIT, min(z[1], anchor) - LOST_SPAN)
-        z[-1] = min(LOGIT_LIMIT, max(z[-2], anchor) + LOST_SPAN)
+        inner = occupied[(occupied > 0) & (occupied < counted - 1)]
+        if inner.size:  # the band reaches into an end bucket by about its inner width
+            reach = min(float(z[inner[-1] + 1] - z[inner[0]]), LOST_SPAN)
+            z[0] = max(-LOGIT_LIMIT, z[1] - reach)
+            z[-1] = min(LOGIT_LIMIT, z[-2] + reach)
+        else:
+            z[0] = max(-LOGIT_LIMIT, min(z[1], anchor) - LOST_SPAN)
+            z[-1] = min(LOGIT_LIMIT, max(z[-2], anchor) + LOST_SPAN)
         if occupied.size == 1:  # a band narrower than its bucket: look near the probe
             k = int(occupied[0])
             low = max(z[k], min(z[k + 1], anchor) - LOST_SPAN)
