@@ -163,6 +163,11 @@ class DeadlineSection(_Section):
     )
 
 
+MESSAGE_OVERHEAD_BYTES: Final = 64 << 10
+"""Room above `limits.max_chunk_bytes` in the largest request message gRPC accepts
+(an upload chunk's framing, a ledger history's certificates)."""
+
+
 class LimitsSection(_Section):
     max_concurrent_uploads: int = Field(default=2, ge=1, le=64)
     max_chunk_bytes: int = Field(default=4 << 20, ge=1 << 16, le=4 << 20)
@@ -180,6 +185,51 @@ class LimitsSection(_Section):
         description="cut a masked-input upload that sends no chunk for this long (slow "
         "loris): its staging slot is freed and the site is dropped from that phase",
     )
+    max_calls_per_site: int = Field(
+        default=16,
+        ge=8,
+        le=10_000,
+        description="calls one site certificate may have in flight at once; one more is "
+        "refused with RESOURCE_EXHAUSTED. An honest agent holds at most 7 (a long poll "
+        "and its replacement, a heartbeat, a model download, a phase call, an upload, a "
+        "ledger replication)",
+    )
+    max_request_bytes_per_site: int = Field(
+        default=16 << 20,
+        ge=MESSAGE_OVERHEAD_BYTES + (1 << 16),
+        le=1 << 36,
+        description="bytes of parsed requests one site may have in flight at once; one "
+        "more is refused with RESOURCE_EXHAUSTED. At least one largest message "
+        "(max_chunk_bytes + 64 KiB), or an honest site's ledger replication is refused",
+    )
+    max_request_bytes: int = Field(
+        default=256 << 20,
+        ge=MESSAGE_OVERHEAD_BYTES + (1 << 16),
+        le=1 << 40,
+        description="bytes of parsed requests of all sites in flight at once (the "
+        "coordinator's memory budget for parsing); at least max_request_bytes_per_site",
+    )
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest request message gRPC accepts (`grpc.max_receive_message_length`)."""
+        return self.max_chunk_bytes + MESSAGE_OVERHEAD_BYTES
+
+    @model_validator(mode="after")
+    def _shares_hold_a_message(self) -> LimitsSection:
+        if self.max_request_bytes_per_site < self.max_message_bytes:
+            raise ValueError(
+                f"max_request_bytes_per_site ({self.max_request_bytes_per_site}) is below "
+                f"one largest message, max_chunk_bytes + 64 KiB ({self.max_message_bytes}): "
+                "a site's upload chunk or ledger replication would always be refused"
+            )
+        if self.max_request_bytes < self.max_request_bytes_per_site:
+            raise ValueError(
+                f"max_request_bytes ({self.max_request_bytes}) is below "
+                f"max_request_bytes_per_site ({self.max_request_bytes_per_site}): the "
+                "coordinator's budget must hold at least one site's share"
+            )
+        return self
 
 
 class CheckpointSection(_Section):
@@ -308,7 +358,7 @@ def _refuse_study_fields(data: Any, fields: tuple[str, ...]) -> Any:
 
 class SiteDataSection(_Section):
     """Where this site's records are and how it holds some out; what they contain is
-    the study's (common/study.py `DataSection`, `FeatureSpec`)."""
+    the study's (common/study/schema.py `DataSection`, `FeatureSpec`)."""
 
     path: Path | None = Field(
         default=None, description="CSV or Parquet file of this site, or an images study's "

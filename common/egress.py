@@ -76,6 +76,7 @@ SITE_FIELDS: Final[dict[str, FieldEntry]] = {
     "WaitForRoundRequest.wait_seconds": _f(P, "long-poll length"),
     "WaitForRoundRequest.after_round": _f(P, "last round number the site heard of"),
     "WaitForRoundRequest.budget": _f(DD, "BudgetStatus (below)"),
+    "WaitForRoundRequest.heartbeats": _f(P, "whether the site beats while this poll is open"),
     "DeclineRoundRequest.round": _f(P, "announced round number"),
     "DeclineRoundRequest.reason": _f(
         DD, "budget exhausted / evaluations used / not ready: follows from the ledger "
@@ -106,7 +107,8 @@ SITE_FIELDS: Final[dict[str, FieldEntry]] = {
     "DownloadModelRequest.round": _f(P, "announced round number"),
     "DownloadFinalModelRequest.study_sha256": _f(P, "hash of the study the site joined"),
     "HeartbeatRequest.round": _f(
-        P, "announced round number; the beat itself says only that the site is alive"
+        P, "announced round number (0: waiting in its long-poll); the beat itself says "
+        "only that the site is alive"
     ),
     # --- SecAgg+ (Bell et al. 2020)
     "AdvertiseKeysRequest.round": _f(P, "announced round number"),

@@ -240,34 +240,56 @@ def _epsilon(sigma: float, *, n_noise: int, l2: float, l1: float, length: int,
     return epsilon_from_rho(rho, delta)
 
 
-def plan_statistics(study: Study, *, n_noise: int, epsilon: float | None = None,
-                    delta: float | None = None) -> StatisticsPlan:
-    """Smallest summed noise sigma whose release costs at most `epsilon` (default: the
-    study's privacy.statistics_epsilon) at `delta` (default: the study's), found by
-    bisection on the zCDP bound of `count_rho` (KLS21 Prop. 14 -> CKS20 Cor. 13)."""
+def calibrate_count_sigma(
+    *, epsilon: float, delta: float, n_noise: int, length: int, l2_sensitivity: float,
+    l1_sensitivity: float, field: str = "privacy.statistics_epsilon",
+) -> float:
+    """Smallest summed noise sigma of the distributed discrete Gaussian on an integer
+    vector of `length` entries (sensitivities `l2_sensitivity`, `l1_sensitivity` per
+    privacy unit) whose release costs at most `epsilon` at `delta`: bisection on the
+    zCDP bound of `count_rho` (KLS21 Prop. 14 -> CKS20 Cor. 13). An epsilon too small
+    to plan is a `ConfigError` naming `field`."""
     if n_noise < 1:
         raise ConfigError("n_noise", "at least one honest site must add noise")
-    eps = study.privacy.statistics_epsilon if epsilon is None else epsilon
-    dlt = study.privacy.delta if delta is None else delta
-    length = statistics_length(study)
-    l2 = math.sqrt(l2_squared_sensitivity(study))
-    l1 = float(l1_sensitivity(study))
+    if not (math.isfinite(epsilon) and epsilon > 0):
+        raise ConfigError(field, f"{epsilon!r} must be a positive number")
+    l2, l1 = float(l2_sensitivity), float(l1_sensitivity)
     # Each site's discrete Gaussian needs a parameter of at least 1/2 (Prop. 14).
     low, high = 0.5 * math.sqrt(n_noise), 1e7
-    if _epsilon(high, n_noise=n_noise, l2=l2, l1=l1, length=length, delta=dlt) > eps:
-        raise ConfigError("privacy.statistics_epsilon", f"{eps:g} is too small to plan")
-    if _epsilon(low, n_noise=n_noise, l2=l2, l1=l1, length=length, delta=dlt) <= eps:
+    if _epsilon(high, n_noise=n_noise, l2=l2, l1=l1, length=length, delta=delta) > epsilon:
+        # Large sensitivities (clipped sums in fine steps) need a wider bracket.
+        high = 1e7 * max(l2, 1.0)
+        if _epsilon(high, n_noise=n_noise, l2=l2, l1=l1, length=length,
+                    delta=delta) > epsilon:
+            raise ConfigError(field, f"{epsilon:g} is too small to plan")
+    if _epsilon(low, n_noise=n_noise, l2=l2, l1=l1, length=length, delta=delta) <= epsilon:
         high = low
     for _ in range(200):
         if high / low < 1 + 1e-6:
             break
         middle = math.sqrt(low * high)
-        if _epsilon(middle, n_noise=n_noise, l2=l2, l1=l1, length=length, delta=dlt) <= eps:
+        if _epsilon(middle, n_noise=n_noise, l2=l2, l1=l1, length=length,
+                    delta=delta) <= epsilon:
             high = middle
         else:
             low = middle
+    return high
+
+
+def plan_statistics(study: Study, *, n_noise: int, epsilon: float | None = None,
+                    delta: float | None = None) -> StatisticsPlan:
+    """Smallest summed noise sigma whose release costs at most `epsilon` (default: the
+    study's privacy.statistics_epsilon) at `delta` (default: the study's)
+    (`calibrate_count_sigma`)."""
+    eps = study.privacy.statistics_epsilon if epsilon is None else epsilon
+    dlt = study.privacy.delta if delta is None else delta
+    length = statistics_length(study)
+    l2 = math.sqrt(l2_squared_sensitivity(study))
+    l1 = float(l1_sensitivity(study))
+    sigma = calibrate_count_sigma(epsilon=eps, delta=dlt, n_noise=n_noise, length=length,
+                                  l2_sensitivity=l2, l1_sensitivity=l1)
     return StatisticsPlan(
-        sigma=high, n_noise=n_noise, length=length, l2_sensitivity=l2, l1_sensitivity=l1,
+        sigma=sigma, n_noise=n_noise, length=length, l2_sensitivity=l2, l1_sensitivity=l1,
         epsilon=eps, delta=dlt,
     )
 

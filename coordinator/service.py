@@ -126,14 +126,13 @@ async def _start(settings: CoordinatorSettings) -> RunningCoordinator:
 
     study = StudyRun.open(settings.study, settings.state) if settings.study else None
     engine = RoundEngine(settings, store, identity=identity, metrics=metrics, study=study)
-    limit = settings.limits.max_chunk_bytes + (64 << 10)
     server = grpc.aio.server(
         # Per-method certificate roles: sites call Federation, monitors Health/status,
         # revoked certificates nothing (common/tls.py, ACCESS_RULES). Each refusal is
         # logged (rate-limited) and counted: no servicer runs to do it.
         interceptors=[RequireCertificateRole(verifier, on_refused=RefusalLog(metrics))],
         options=[
-            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_receive_message_length", settings.limits.max_message_bytes),
             ("grpc.max_send_message_length", 8 << 20),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),

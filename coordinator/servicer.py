@@ -170,7 +170,7 @@ class FederationServicer(pb_grpc.FederationServicer):
         self.metrics = metrics
         self.federation_id = federation_id
         self.clock = clock
-        self.limits = CallLimits()
+        self.limits = CallLimits.from_settings(engine.settings.limits)
 
     @contextlib.contextmanager
     def hold_call(self, request: Any) -> Iterator[None]:
@@ -190,6 +190,11 @@ class FederationServicer(pb_grpc.FederationServicer):
                 self.metrics.calls_refused.labels(site=site).inc()
                 raise
             yield
+
+    @property
+    def heartbeat_ms(self) -> int:
+        """The sites' heartbeat interval (in rounds and in their long-polls)."""
+        return round(self.engine.settings.deadlines.heartbeat_seconds * 1000)
 
     def _caller(self, context: Any) -> tuple[str, x509.Certificate]:
         """Verified site id of the caller, from its mTLS certificate only."""
@@ -242,6 +247,7 @@ class FederationServicer(pb_grpc.FederationServicer):
             crl_der=self._crl_der(),
             study=study.canonical if study is not None else b"",
             study_sha256=study.sha256 if study is not None else "",
+            heartbeat_ms=self.heartbeat_ms,
         )
 
     @rpc
@@ -266,6 +272,7 @@ class FederationServicer(pb_grpc.FederationServicer):
             after_round=wire.round_number(request.after_round, "after_round"),
             wait_seconds=wait,
             budget=wire.budget_from_pb(request.budget),
+            beat_seconds=self.heartbeat_ms / 1000 if request.heartbeats else None,
         )
         if ann is None:
             return pb.WaitForRoundResponse(

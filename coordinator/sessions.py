@@ -40,7 +40,12 @@ class SiteSession:
     # the study (its data check or privacy policy) stops right after enrolling and
     # never polls, and must not look like one waiting for a round (`medfed status`).
     polled: bool = False
-
+    # Its latest long-poll promised a Heartbeat (round 0) every this many seconds while
+    # open (None: an agent that does not beat between rounds).
+    beat_seconds: float | None = None
+    # Its latest long-poll ended with nothing to announce (it timed out): a live agent
+    # polls again at once, so one that does not, and stopped beating, is silent.
+    poll_lapsed: bool = False
 
     @property
     def is_waiting(self) -> bool:
@@ -79,6 +84,7 @@ class SiteRegistry:
             session = self.sites[site_id] = SiteSession(site_id, certificate_der)
         session.certificate_der = certificate_der
         session.polled = False
+        session.beat_seconds, session.poll_lapsed = None, False
         self.store.record_site(
             site_id, cert_serial=serial, agent_version=version, device=device, now=self.clock()
         )
@@ -193,8 +199,10 @@ class SiteRegistry:
         if self.failure is not None:
             raise self.failure
 
-    async def poll(self, site_id: str, *, wait_seconds: float) -> Announcement | None:
-        """Long-poll until a round selecting this site opens (None on timeout)."""
+    async def poll(self, site_id: str, *, wait_seconds: float,
+                   beat_seconds: float | None = None) -> Announcement | None:
+        """Long-poll until a round selecting this site opens (None on timeout);
+        `beat_seconds`: the site beats this often while the poll is open."""
         session = self.session(site_id)
         self.check_open()
         if self.finished:
@@ -203,7 +211,9 @@ class SiteRegistry:
         if session.is_waiting and session.waiting is not None:
             session.waiting.set_result(None)  # a newer poll replaces an older one
         session.waiting = future
+        session.beat_seconds, session.poll_lapsed = beat_seconds, False
         self.changed.set()
+        current = False
         try:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(future), timeout=wait_seconds)
@@ -213,7 +223,10 @@ class SiteRegistry:
             # would open a round for it and the round would wait out its first phase.
             if session.waiting is future:
                 session.waiting = None
+                current = True
                 self.changed.set()
+        if current:
+            session.poll_lapsed = not future.done()  # timed out: nothing was answered
         # No await between the check and here: selection cannot pick this site after
         # it stopped waiting, and an announcement that raced the timeout is not lost.
         return future.result() if future.done() and not future.cancelled() else None

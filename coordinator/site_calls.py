@@ -51,13 +51,20 @@ class SiteCalls:
         self.inbox.decline(site_id, round_number, reason=reason, lasting=lasting)
 
     def heartbeat(self, site_id: str, round_number: int) -> None:
+        """A site is alive: in `round_number`, or (0) waiting in its long-poll (its
+        last contact, noted for every call, is all that a round-0 beat records)."""
+        if round_number == 0:
+            self.sessions.session(site_id)  # StateError: not enrolled
+            return
         self.inbox.heartbeat(site_id, round_number)
 
     async def wait_for_round(
-        self, site_id: str, *, after_round: int, wait_seconds: float, budget: BudgetReport | None
+        self, site_id: str, *, after_round: int, wait_seconds: float, budget: BudgetReport | None,
+        beat_seconds: float | None = None,
     ) -> Announcement | None:
         """Long-poll until a round selecting this site opens (None on timeout); a site
-        that reconnects during its round gets that round's announcement at once."""
+        that reconnects during its round gets that round's announcement at once.
+        `beat_seconds`: the site beats (round 0) this often while the poll is open."""
         self.check_ledger_head(site_id, budget)
         session = self.sessions.session(site_id)
         session.polled = True
@@ -66,4 +73,5 @@ class SiteCalls:
         current = self.inbox.rejoin(site_id, after_round=after_round)
         if current is not None:
             return current.announcement
-        return await self.sessions.poll(site_id, wait_seconds=wait_seconds)
+        return await self.sessions.poll(site_id, wait_seconds=wait_seconds,
+                                        beat_seconds=beat_seconds)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.status_cli import FAILED_PHASE_PREFIX
-from coordinator.phases import ActiveRound
+from coordinator.phases import SILENT_AFTER_INTERVALS, ActiveRound
 from coordinator.sessions import SiteSession
 from coordinator.store import RoundRecord
 
@@ -37,8 +37,11 @@ SITE_STATES = ("waiting", "enrolled", "in_round", "silent", "declined", "exhaust
                "disconnected")
 """`silent`: selected for the round in flight and expected in its phase, but no heartbeat
 or message for 1.5 heartbeat intervals (frozen or cut off: it is dropped after
-`heartbeat_misses` intervals). `gone`: it took part, then stopped asking for rounds (not
-polling, no call for REPOLL_GRACE_SECONDS), e.g. an agent that exited after `--once`.
+`heartbeat_misses` intervals); or between rounds, holding a long-poll (or one that
+just timed out, which a live agent renews at once) whose heartbeats stopped for 1.5
+intervals, until it counts as `disconnected`. `gone`: it took part, then stopped asking
+for rounds (not polling, no call for REPOLL_GRACE_SECONDS), e.g. an agent that exited
+after `--once`.
 `enrolled`: enrolled but has not asked for a round since. A site that refuses the
 study (a data error, or a study asking more epsilon than its policy allows) stops right
 after enrolling and says nothing more (the protocol has no message for it; the reason
@@ -109,6 +112,15 @@ class StudyStatus:
         return min(self.completed_rounds, self.training_rounds)
 
 
+def stopped_beating(session: SiteSession, *, now: float) -> bool:
+    """Between rounds: the site's long-poll is open (or just timed out) and promised
+    heartbeats, and nothing came from the site for SILENT_AFTER_INTERVALS intervals."""
+    if session.beat_seconds is None or not (session.is_waiting or session.poll_lapsed):
+        return False
+    heard = session.last_contact
+    return heard is None or now - heard > SILENT_AFTER_INTERVALS * session.beat_seconds
+
+
 def site_state(session: SiteSession, rnd: ActiveRound | None, *, now: float) -> str:
     """One word for what a site is doing (see SITE_STATES; `rnd`: the round in flight,
     if any); the first rule that applies wins."""
@@ -118,6 +130,9 @@ def site_state(session: SiteSession, rnd: ActiveRound | None, *, now: float) -> 
         return "silent" if rnd.is_silent(session.site_id, time.monotonic()) else "in_round"
     if session.budget.out_of_budget:
         return "exhausted"
+    if stopped_beating(session, now=now):
+        disconnected = now - (session.last_contact or 0.0) > DISCONNECTED_AFTER_SECONDS
+        return "disconnected" if disconnected else "silent"
     if session.is_waiting:
         return "waiting"
     if session.last_contact is None or now - session.last_contact > DISCONNECTED_AFTER_SECONDS:

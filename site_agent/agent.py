@@ -15,6 +15,7 @@ each round's outcome is answered.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -47,7 +48,7 @@ from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.round import validate_for_site
 from common.study import Study, check_statistics, statistics_from_bytes
 from common.tls import SiteTlsFiles
-from site_agent.connection import RETRYABLE, Connection
+from site_agent.connection import RETRYABLE, Connection, Heartbeats
 from site_agent.final_model import FinalModel
 from site_agent.hooks import TrainingHook
 from site_agent.membership import Membership, utcnow
@@ -111,6 +112,9 @@ class SiteAgent:
                                      phases=self.phases, metrics=metrics, pin=pin)
         self.final_model = FinalModel(settings, hook, pin)
         self.last_round = 0
+        # The coordinator's heartbeat interval while a long-poll is open (its Enroll
+        # answer; 0: it expects no beats between rounds).
+        self.poll_beat_seconds = 0.0
 
     # The parts' state, read by operators' tools and tests.
     @property
@@ -213,6 +217,7 @@ class SiteAgent:
         membership.accept_crl(resp.crl_der)
         self.connection.established()
         log.info("enrolled in federation %s", resp.federation_id)
+        self.poll_beat_seconds = resp.heartbeat_ms / 1000
         membership.start(stub, resp)
         while not self.stop.is_set():
             membership.replicate(stub)
@@ -233,19 +238,23 @@ class SiteAgent:
     def _wait_for_round(self, stub: pb_grpc.FederationStub) -> pb.WaitForRoundResponse | None:
         """The coordinator's long poll for the next round; None once `stop` is set (the
         poll is cancelled: a stop never waits for the coordinator to answer)."""
+        beat = self.poll_beat_seconds
         call = stub.WaitForRound.future(
             pb.WaitForRoundRequest(
                 wait_seconds=WAIT_SECONDS, after_round=self.last_round,
-                budget=self.membership.budget_pb(),
+                budget=self.membership.budget_pb(), heartbeats=beat > 0,
             ),
             timeout=WAIT_SECONDS + 15,
         )
         answered = threading.Event()
         call.add_done_callback(lambda _call: answered.set())
-        while not answered.wait(STOP_CHECK_SECONDS):
-            if self.stop.is_set():
-                call.cancel()
-                return None
+        # While the poll is open the site beats (round 0), so the coordinator tells a
+        # waiting site from a frozen or cut-off one (`medfed status`: silent).
+        with Heartbeats(stub, 0, beat) if beat > 0 else contextlib.nullcontext():
+            while not answered.wait(STOP_CHECK_SECONDS):
+                if self.stop.is_set():
+                    call.cancel()
+                    return None
         reply: pb.WaitForRoundResponse = call.result()
         return reply
 

@@ -1,6 +1,7 @@
 """The site's line to the coordinator: one mTLS channel it dials out (it never listens),
 exponential backoff with full jitter between tries, what repeated TLS handshake
-failures mean, and the heartbeats that tell the coordinator a site in a round is alive.
+failures mean, and the heartbeats that tell the coordinator a site is alive (in a round,
+and waiting in its long-poll between rounds).
 """
 
 from __future__ import annotations
@@ -129,7 +130,9 @@ class Connection:
 class Heartbeats:
     """Tells the coordinator this site is alive, every `interval` seconds from a
     background thread, while the site downloads, plans its noise, trains and encodes:
-    otherwise a frozen or cut-off site would hold the round until its deadline."""
+    otherwise a frozen or cut-off site would hold the round until its deadline. Round 0:
+    while it waits in its long-poll for a round (`medfed status` shows it silent when
+    the beats stop)."""
 
     def __init__(self, stub: pb_grpc.FederationStub, round_number: int, interval: float) -> None:
         self.stub = stub

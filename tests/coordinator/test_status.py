@@ -3,6 +3,7 @@ The RPC itself is exercised over real mTLS in tests/e2e/test_study_lifecycle.py.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from typing import Any
@@ -227,3 +228,27 @@ def test_status_shows_the_last_dp_auc_with_its_interval() -> None:
     _, text = shown([evaluated(1, 0.437, 0.05, 0.93)])
     assert "DP-evaluated AUC after round 1: too noisy to read (DP estimate 0.44, " \
            "95% interval 0.05-0.93)" in text
+
+
+def test_a_waiting_site_whose_heartbeats_stopped_is_silent_not_waiting() -> None:
+    """Between rounds an agent beats every interval while its long-poll is open: one
+    not heard for 1.5 intervals is frozen or cut off (`silent`), also once its poll timed
+    out unrenewed, until it counts as disconnected; an agent that promised no beats
+    stays `waiting`, and one whose poll was answered and that then left is `gone`."""
+    loop = asyncio.new_event_loop()
+    try:
+        def polling(**fields: object) -> SiteSession:
+            return session(waiting=loop.create_future(), **fields)
+
+        beats = {"beat_seconds": 2.0}
+        assert site_state(polling(last_contact=NOW - 2.9, **beats), None, now=NOW) == "waiting"
+        assert site_state(polling(last_contact=NOW - 3.1, **beats), None, now=NOW) == "silent"
+        assert site_state(polling(last_contact=NOW - 3.1), None, now=NOW) == "waiting"
+        lapsed = {"poll_lapsed": True, **beats}
+        assert site_state(session(last_contact=NOW - 3.1, **lapsed), None, now=NOW) == "silent"
+        late = NOW - DISCONNECTED_AFTER_SECONDS - 1
+        assert site_state(session(last_contact=late, **lapsed), None, now=NOW) == "disconnected"
+        left = NOW - REPOLL_GRACE_SECONDS - 1
+        assert site_state(session(last_contact=left, **beats), None, now=NOW) == "gone"
+    finally:
+        loop.close()

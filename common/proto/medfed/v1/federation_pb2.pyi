@@ -48,20 +48,22 @@ class EnrollRequest(_message.Message):
     def __init__(self, agent_version: _Optional[str] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ..., device: _Optional[str] = ...) -> None: ...
 
 class EnrollResponse(_message.Message):
-    __slots__ = ("federation_id", "current_round", "ledger_seq_held", "crl_der", "study", "study_sha256")
+    __slots__ = ("federation_id", "current_round", "ledger_seq_held", "crl_der", "study", "study_sha256", "heartbeat_ms")
     FEDERATION_ID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     LEDGER_SEQ_HELD_FIELD_NUMBER: _ClassVar[int]
     CRL_DER_FIELD_NUMBER: _ClassVar[int]
     STUDY_FIELD_NUMBER: _ClassVar[int]
     STUDY_SHA256_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     federation_id: str
     current_round: int
     ledger_seq_held: int
     crl_der: bytes
     study: bytes
     study_sha256: str
-    def __init__(self, federation_id: _Optional[str] = ..., current_round: _Optional[int] = ..., ledger_seq_held: _Optional[int] = ..., crl_der: _Optional[bytes] = ..., study: _Optional[bytes] = ..., study_sha256: _Optional[str] = ...) -> None: ...
+    heartbeat_ms: int
+    def __init__(self, federation_id: _Optional[str] = ..., current_round: _Optional[int] = ..., ledger_seq_held: _Optional[int] = ..., crl_der: _Optional[bytes] = ..., study: _Optional[bytes] = ..., study_sha256: _Optional[str] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class ReplicateLedgerRequest(_message.Message):
     __slots__ = ("history",)
@@ -76,14 +78,16 @@ class ReplicateLedgerResponse(_message.Message):
     def __init__(self, ledger_seq_held: _Optional[int] = ...) -> None: ...
 
 class WaitForRoundRequest(_message.Message):
-    __slots__ = ("wait_seconds", "after_round", "budget")
+    __slots__ = ("wait_seconds", "after_round", "budget", "heartbeats")
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     AFTER_ROUND_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEATS_FIELD_NUMBER: _ClassVar[int]
     wait_seconds: int
     after_round: int
     budget: BudgetStatus
-    def __init__(self, wait_seconds: _Optional[int] = ..., after_round: _Optional[int] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ...) -> None: ...
+    heartbeats: bool
+    def __init__(self, wait_seconds: _Optional[int] = ..., after_round: _Optional[int] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ..., heartbeats: _Optional[bool] = ...) -> None: ...
 
 class RoundAnnouncement(_message.Message):
     __slots__ = ("round", "round_nonce", "participants", "threshold", "neighbours", "vector_length", "quantization_bits", "clip", "histogram_bins", "secure_aggregation", "model", "model_sha256", "model_bytes", "local_epochs", "learning_rate", "fedprox_mu", "planned_rounds", "train_deadline_ms", "phase_timeout_ms", "weight_cap", "max_chunk_bytes", "heartbeat_ms", "study_sha256", "kind", "statistics", "hospital_noise_multiplier", "hospital_intermediaries", "hospital_norm_segment", "histogram_edges", "release")

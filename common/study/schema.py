@@ -20,7 +20,6 @@ import json
 import math
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,7 +27,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from common.config import DEFAULT_COUNT_EPSILON
-from common.errors import ConfigError, PrivacyError, ValidationError
+from common.errors import ConfigError, ValidationError
 from common.models import registry as models
 
 STUDY_FORMAT: Literal[1] = 1
@@ -42,7 +41,9 @@ PrivacyUnit = Literal["record", "patient", "hospital"]
 UNIT_STRENGTH: Mapping[str, int] = {"record": 0, "patient": 1, "hospital": 2}
 
 
-class _Section(BaseModel):
+class StudyModel(BaseModel):
+    """Every study section: unknown fields refused, values frozen."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -79,7 +80,7 @@ def check_name(value: str, *, what: str, formula_ok: bool = False) -> str:
     return value
 
 
-class StudySection(_Section):
+class StudySection(StudyModel):
     """``[study]``: what is predicted and for how long."""
 
     name: str = Field(pattern=NAME_PATTERN)
@@ -108,7 +109,7 @@ class StudySection(_Section):
         return value
 
 
-class DataSection(_Section):
+class DataSection(StudyModel):
     """``[data]``: the shape of every site's file (the site's own path stays local)."""
 
     kind: Literal["table", "images"] = "table"
@@ -143,7 +144,7 @@ class DataSection(_Section):
         return self
 
 
-class FeatureSpec(_Section):
+class FeatureSpec(StudyModel):
     """``[[features]]``: one input column, its encoding and its missing-value policy.
 
     ``missing``: ``error`` refuses the file, ``impute`` fills in the federated (DP) global
@@ -192,7 +193,7 @@ class FeatureSpec(_Section):
         return self
 
 
-class ModelSection(_Section):
+class ModelSection(StudyModel):
     """``[model]``: which architecture, one of the model registry's (`common.models`).
 
     Exactly one of ``name`` (a built-in) and ``custom`` (``package.module:factory``);
@@ -231,7 +232,7 @@ class ModelSection(_Section):
         return self
 
 
-class TrainingSection(_Section):
+class TrainingSection(StudyModel):
     """``[training]``: local DP-SGD and the server optimizer."""
 
     local_epochs: int = Field(default=1, ge=1, le=1000)
@@ -246,7 +247,7 @@ class TrainingSection(_Section):
     )
 
 
-class EvaluationSection(_Section):
+class EvaluationSection(StudyModel):
     """``[privacy.evaluation]``: the DP score histograms behind the ROC and threshold.
 
     ``max_evaluations``: the DP evaluations (score histograms, one ledger entry each) the
@@ -267,7 +268,7 @@ class EvaluationSection(_Section):
         return value
 
 
-class StudyPrivacySection(_Section):
+class StudyPrivacySection(StudyModel):
     """``[privacy]``: requests. A site joins only if they are at least as strict as its own
     policy (`check_study_against_policy`), and its own policy still governs its spend."""
 
@@ -381,7 +382,7 @@ def intermediaries_warning(privacy: StudyPrivacySection) -> str | None:
     )
 
 
-class Study(_Section):
+class Study(StudyModel):
     """A whole study file."""
 
     study: StudySection
@@ -483,7 +484,7 @@ def _field_of(loc: Sequence[int | str]) -> str:
     return out or "study"
 
 
-def _first_problem(exc: pydantic.ValidationError) -> tuple[str, str]:
+def first_problem(exc: pydantic.ValidationError) -> tuple[str, str]:
     problems = []
     for err in exc.errors():
         loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
@@ -498,7 +499,7 @@ def study_from_mapping(data: Mapping[str, Any], *, source: str = "study") -> Stu
     try:
         return Study.model_validate(dict(data))
     except pydantic.ValidationError as exc:
-        field, message = _first_problem(exc)
+        field, message = first_problem(exc)
         raise ConfigError(field, f"{message} (in {source})") from None
 
 
@@ -545,7 +546,7 @@ def study_from_bytes(data: bytes) -> Study:
     try:
         return Study.model_validate(parsed)
     except pydantic.ValidationError as exc:
-        field, message = _first_problem(exc)
+        field, message = first_problem(exc)
         raise ValidationError(f"study: {field}: {message}") from None
 
 
@@ -592,250 +593,3 @@ def class_index(study: Study, cell: str) -> int | None:
             if isinstance(label, int) and number == label:
                 return index
     return None
-
-
-# --------------------------------------------------------------------------- statistics
-
-
-class NumericStatistics(_Section):
-    """Global preprocessing values of one numeric feature (from the federated DP release)."""
-
-    mean: float
-    scale: float = Field(gt=0)
-    impute: float
-    clip_low: float
-    clip_high: float
-
-    @model_validator(mode="after")
-    def _finite(self) -> NumericStatistics:
-        values = (self.mean, self.scale, self.impute, self.clip_low, self.clip_high)
-        if not all(math.isfinite(v) for v in values):
-            raise ValueError("statistics must be finite")
-        if self.clip_low > self.clip_high:
-            raise ValueError("clip_low must not exceed clip_high")
-        return self
-
-
-class CategoricalStatistics(_Section):
-    impute: str | None = Field(default=None, description="level used for a missing value")
-
-
-class GlobalStatistics(_Section):
-    """Means, scales, imputation values and clip ranges every site and `predict` apply.
-
-    Preprocessing requires this object: there is deliberately no local fallback that
-    fits statistics on one site's data (that would leak noiselessly and make sites scale
-    inputs differently). The integrator produces it from the federated DP statistics
-    release; ``source`` says where it came from and travels in the model bundle.
-    """
-
-    study_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    source: str = Field(min_length=1, max_length=200)
-    numeric: dict[str, NumericStatistics] = Field(default_factory=dict)
-    categorical: dict[str, CategoricalStatistics] = Field(default_factory=dict)
-    # Where the DP noise swamps a feature's released values (common.statistics
-    # `release_warnings`): shown by the coordinator and `medfed model show`.
-    warnings: tuple[str, ...] = Field(default=(), max_length=200)
-
-
-def check_statistics(study: Study, statistics: GlobalStatistics) -> None:
-    """Refuse statistics made for another study or missing a feature's values."""
-    if statistics.study_sha256 != study_sha256(study):
-        raise ValidationError("statistics: study_sha256 does not match the study")
-    numeric = {f.name: f for f in study.features if f.type == "numeric"}
-    categorical = {f.name: f for f in study.features if f.type == "categorical"}
-    if set(statistics.numeric) != set(numeric):
-        raise ValidationError(
-            f"statistics: numeric features {sorted(statistics.numeric)} != study's "
-            f"{sorted(numeric)}"
-        )
-    if set(statistics.categorical) != set(categorical):
-        raise ValidationError(
-            f"statistics: categorical features {sorted(statistics.categorical)} != study's "
-            f"{sorted(categorical)}"
-        )
-    for name, spec in numeric.items():
-        values = statistics.numeric[name]
-        if spec.range != "auto" and (values.clip_low, values.clip_high) != tuple(spec.range):
-            raise ValidationError(f"statistics: clip range of {name!r} differs from the study")
-        # The release decodes mean and imputation value inside the clip range; anything
-        # else was not computed from it (a coordinator probing the site's encoding).
-        for what, value in (("mean", values.mean), ("impute", values.impute)):
-            if not values.clip_low <= value <= values.clip_high:
-                raise ValidationError(
-                    f"statistics: {what} of {name!r} ({value:g}) lies outside its clip range "
-                    f"[{values.clip_low:g}, {values.clip_high:g}]"
-                )
-    for name, spec in categorical.items():
-        level = statistics.categorical[name].impute
-        if level is not None and level not in (spec.levels or ()):
-            raise ValidationError(f"statistics: impute level of {name!r} is not declared")
-        if spec.missing == "impute" and level is None:
-            raise ValidationError(f"statistics: {name!r} has missing = 'impute' but no level")
-
-
-def load_statistics(path: str | Path, study: Study) -> GlobalStatistics:
-    """Read statistics (JSON) from an explicit file and check them against `study`."""
-    path = Path(path)
-    try:
-        statistics = statistics_from_bytes(path.read_bytes())
-    except OSError as exc:
-        raise ConfigError("statistics", f"cannot read {path}: {exc.strerror}") from None
-    except ValidationError as exc:
-        raise ConfigError("statistics", f"{path}: {exc}") from None
-    try:
-        check_statistics(study, statistics)
-    except ValidationError as exc:
-        raise ConfigError("statistics", f"{path}: {exc}") from None
-    return statistics
-
-
-def statistics_from_bytes(data: bytes) -> GlobalStatistics:
-    try:
-        return GlobalStatistics.model_validate_json(data)
-    except pydantic.ValidationError as exc:
-        field, message = _first_problem(exc)
-        raise ValidationError(f"statistics: {field}: {message}") from None
-
-
-def statistics_bytes(statistics: GlobalStatistics) -> bytes:
-    """Canonical JSON; without warnings it is byte-identical to the format before them."""
-    dumped = statistics.model_dump(mode="json")
-    if not dumped.get("warnings"):
-        dumped.pop("warnings", None)
-    return json.dumps(dumped, sort_keys=True, separators=(",", ":")).encode("utf-8")
-
-
-# --------------------------------------------------------------------------- site policy
-
-
-@dataclass(frozen=True)
-class SitePrivacyPolicy:
-    """What a site accepts; built from its own config (`SiteSettings.privacy` / `.policy`).
-
-    ``unit``: the weakest privacy unit the site accepts. ``allowed_model_factories``:
-    custom model factories this site is willing to import and run.
-    """
-
-    epsilon: float
-    delta: float
-    unit: PrivacyUnit = "record"
-    max_epsilon_per_round: float | None = None
-    allowed_model_factories: tuple[str, ...] = ()
-    max_count_epsilon: float | None = None
-    max_intermediaries: int | None = None
-    """Hospital-level studies: the most intermediaries this site splits into (None: the
-    protocol's own bound)."""
-    max_evaluations: int | None = None
-    """DP evaluations this site's ledger may record (its ``policy.max_evaluations``);
-    None: no limit of its own (each evaluation is still charged to its budget)."""
-    max_colluding_sites: int | None = None
-    """The most colluding sites this site assumes (its ``policy.max_colluding_sites``): a
-    study assuming fewer is refused. None: any."""
-    min_round_sites: int | None = None
-    """This site's round floor (``policy.min_round_sites``): a study whose floor
-    max(min_round_sites, T + 2) is lower is refused. None: any."""
-
-
-def study_round_terms(
-    study: Study | None, *, max_colluding_sites: int, min_round_sites: int
-) -> tuple[int, int]:
-    """(T, min_round_sites) that size a round's distributed noise and floor: the study's
-    when the site joined one (the same at every member; the site's own policy was
-    checked against them at joining), else the site's own (`max_colluding_sites`,
-    `min_round_sites`: its policy)."""
-    if study is None:
-        return max_colluding_sites, min_round_sites
-    return study.privacy.max_colluding_sites, study.privacy.min_round_sites
-
-
-def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
-    """Join only if the study's requests are at least as strict as the site's policy.
-
-    Raises `PrivacyError` listing every request the policy does not allow. Passing does
-    not hand control to the study: the site still plans its training noise under its own
-    policy. The two once-per-study releases are the consortium's to declare (every site
-    spends the study's `statistics_epsilon` and `count_epsilon`, so the releases are
-    equally noisy and the hospital-level plan holds), hence checked against the site's
-    limits here.
-    """
-    requested = study.privacy
-    problems = []
-    if requested.epsilon > policy.epsilon:
-        problems.append(
-            f"privacy.epsilon = {requested.epsilon:g} exceeds this site's {policy.epsilon:g}"
-        )
-    if requested.delta > policy.delta:
-        problems.append(f"privacy.delta = {requested.delta:g} exceeds this site's {policy.delta:g}")
-    if UNIT_STRENGTH[requested.unit] < UNIT_STRENGTH[policy.unit]:
-        problems.append(
-            f"privacy.unit = {requested.unit!r} is weaker than this site's {policy.unit!r}"
-        )
-    if policy.max_epsilon_per_round is not None and (
-        requested.max_epsilon_per_round is None
-        or requested.max_epsilon_per_round > policy.max_epsilon_per_round
-    ):
-        problems.append(
-            "privacy.max_epsilon_per_round is not set, and this site caps every round at "
-            f"{policy.max_epsilon_per_round:g}: the study must declare a cap no larger"
-            if requested.max_epsilon_per_round is None else
-            f"privacy.max_epsilon_per_round = {requested.max_epsilon_per_round:g} exceeds "
-            f"this site's {policy.max_epsilon_per_round:g}"
-        )
-    # The statistics release is one release too (the site plans its noise from the
-    # study's statistics_epsilon): a study asking for a nearly noiseless one, which
-    # holds the unit and missing counts, is refused by the per-round cap and budget.
-    cap = policy.epsilon if policy.max_epsilon_per_round is None else min(
-        policy.max_epsilon_per_round, policy.epsilon)
-    if requested.statistics_epsilon > cap:
-        problems.append(
-            f"privacy.statistics_epsilon = {requested.statistics_epsilon:g} exceeds this "
-            f"site's {cap:g}"
-        )
-    count_cap = cap if policy.max_count_epsilon is None else min(cap, policy.max_count_epsilon)
-    if requested.count_epsilon > count_cap:
-        problems.append(
-            f"privacy.count_epsilon = {requested.count_epsilon:g} exceeds this site's "
-            f"{count_cap:g} (its privacy.count_epsilon limit for the one DP cohort count)"
-        )
-    if requested.unit == "hospital" and policy.max_intermediaries is not None:
-        from common.privacy.hospital import intermediaries_cap
-
-        most = intermediaries_cap(study) or 1
-        if most > policy.max_intermediaries:
-            problems.append(
-                f"privacy.intermediaries = {requested.intermediaries!r} splits a hospital "
-                f"into up to {most} intermediaries, more than this site's "
-                f"policy.max_intermediaries = {policy.max_intermediaries} (the "
-                f"hospital-level epsilon becomes up to {most}-fold)"
-            )
-    if (policy.max_colluding_sites is not None
-            and requested.max_colluding_sites < policy.max_colluding_sites):
-        problems.append(
-            f"privacy.max_colluding_sites = {requested.max_colluding_sites} assumes fewer "
-            f"colluding sites than this site's policy ({policy.max_colluding_sites}): every "
-            "member would add too little noise for this site's threat model"
-        )
-    if policy.min_round_sites is not None:
-        floor = max(requested.min_round_sites, requested.max_colluding_sites + 2)
-        own = max(policy.min_round_sites, (policy.max_colluding_sites or 0) + 2)
-        if floor < own:
-            problems.append(
-                f"the study's round floor max(privacy.min_round_sites, "
-                f"privacy.max_colluding_sites + 2) = {floor} is below this site's {own}"
-            )
-    if policy.max_evaluations is not None and study.max_evaluations > policy.max_evaluations:
-        # Refused now, not at the last round: a site that cannot pay the final
-        # evaluation would leave every site without the final model.
-        problems.append(
-            f"privacy.evaluation.max_evaluations = "
-            f"{json.dumps(requested.evaluation.max_evaluations)} "
-            f"asks {study.max_evaluations} DP evaluations ({study.evaluations_planned_text()}),"
-            f" more than this site's policy.max_evaluations = {policy.max_evaluations}: "
-            "raise policy.max_evaluations in this site's config, or lower study.rounds"
-        )
-    factory = study.model.custom
-    if factory is not None and factory not in policy.allowed_model_factories:
-        problems.append(f"model.custom = {factory!r} is not in this site's allowed factories")
-    if problems:
-        raise PrivacyError("study refused by this site's policy: " + "; ".join(problems))

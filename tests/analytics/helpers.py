@@ -1,0 +1,130 @@
+"""A follow-up study with a time column, small tables built by hand, and a query
+touching every statistic kind."""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Sequence
+
+import numpy as np
+
+from common.analytics.query import Query, check_query_against_study, query_from_mapping
+from common.study import Study, study_from_mapping, study_sha256
+from site_agent.data import StudyTable
+
+SEXES = ["F", "M"]
+WARDS = ["icu", "general"]
+
+
+def followup_study() -> Study:
+    return study_from_mapping({
+        "study": {"name": "followup", "rounds": 1, "classes": ["alive", "dead"]},
+        "data": {"label_column": "Died", "patient_column": "MRN"},
+        "features": [
+            {"name": "Age (years)", "type": "numeric", "range": [18, 100]},
+            {"name": "Sex", "type": "categorical", "levels": SEXES},
+            {"name": "Lactate mmol/L", "missing": "impute"},
+            {"name": "Follow-up days", "type": "numeric", "range": [0, 400],
+             "missing": "impute"},
+            {"name": "Ward", "type": "categorical", "levels": WARDS, "missing": "impute"},
+        ],
+        "privacy": {"unit": "patient", "epsilon": 4.0, "delta": 1e-5},
+    }, source="tests.analytics")
+
+
+Row = tuple[str, float, str, float, float, str | None, str]
+"""(MRN, age, sex, lactate, follow-up days, ward or None, "alive"/"dead")."""
+
+
+def table_of(rows: Sequence[Row]) -> StudyTable:
+    """A StudyTable as `load_study_table` returns it (NaN / -1 for a missing value)."""
+    return StudyTable(
+        numeric={
+            "Age (years)": np.array([r[1] for r in rows], dtype=np.float64),
+            "Lactate mmol/L": np.array([r[3] for r in rows], dtype=np.float64),
+            "Follow-up days": np.array([r[4] for r in rows], dtype=np.float64),
+        },
+        categorical={
+            "Sex": np.array([SEXES.index(r[2]) for r in rows], dtype=np.int64),
+            "Ward": np.array([-1 if r[5] is None else WARDS.index(r[5]) for r in rows],
+                             dtype=np.int64),
+        },
+        labels=np.array([["alive", "dead"].index(r[6]) for r in rows], dtype=np.int64),
+        patient_ids=np.array([r[0] for r in rows], dtype=object),
+        rows=np.arange(2, 2 + len(rows), dtype=np.int64),
+        source="hand-made",
+    )
+
+
+NAN = math.nan
+
+
+def every_kind_toml(study: Study, *, epsilon: float = 0.5) -> str:
+    return f"""
+name = "every-kind"
+study_sha256 = "{study_sha256(study)}"
+
+[[cohort]]
+feature = "Age (years)"
+range = [40, 100]
+
+[[statistics]]
+name = "patients"
+kind = "count"
+epsilon = {epsilon}
+
+[[statistics]]
+name = "mortality"
+kind = "rate"
+epsilon = {epsilon}
+[[statistics.by]]
+feature = "Sex"
+
+[[statistics]]
+name = "age"
+kind = "mean"
+feature = "Age (years)"
+range = [0, 100]
+resolution = 1
+epsilon = {epsilon}
+
+[[statistics]]
+name = "wards"
+kind = "histogram"
+feature = "Ward"
+epsilon = {epsilon}
+
+[[statistics]]
+name = "survival"
+kind = "kaplan_meier"
+feature = "Follow-up days"
+grid = [0, 30, 60]
+epsilon = {epsilon}
+"""
+
+
+def query_of(text: str, study: Study) -> Query:
+    query = query_from_mapping(tomllib.loads(text), source="test")
+    check_query_against_study(query, study, source="test")
+    return query
+
+
+def random_rows(rng: np.random.Generator, n: int, *, prefix: str = "P",
+                max_visits: int = 2) -> list[Row]:
+    """`n` patients, 1..max_visits rows each, some missing ward / follow-up / lactate."""
+    rows: list[Row] = []
+    for p in range(n):
+        age = float(rng.integers(18, 101))
+        sex = SEXES[int(rng.integers(0, 2))]
+        days = float(rng.exponential(80.0))
+        dead = rng.random() < 1 - math.exp(-days / 150.0)
+        for _ in range(int(rng.integers(1, max_visits + 1))):
+            ward = None if rng.random() < 0.1 else WARDS[int(rng.integers(0, 2))]
+            time = NAN if rng.random() < 0.05 else days
+            lactate = NAN if rng.random() < 0.1 else float(rng.gamma(2.0, 1.0))
+            rows.append((f"{prefix}{p}", age, sex, lactate, time, ward,
+                         "dead" if dead else "alive"))
+    return rows
+
+
