@@ -19,6 +19,7 @@ BENCHMARK_MODULES: list[str] = [
     "bench.noiseplan",
     "bench.ledger",
     "bench.utility",
+    "bench.query",
 ]
 """Registrars of `medfed bench` subcommands, in help order."""
 

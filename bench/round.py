@@ -1,11 +1,12 @@
 """`medfed bench round`: one federated round with SecAgg+ vs plain FedAvg, side by side.
 
 Real processes over mutual TLS on 127.0.0.1: a temporary PKI, one coordinator and N site
-agents (`--trainer test-deterministic`, so an update costs no training time). Each
-measured round gets a fresh coordinator (`--rounds 1`) and fresh sites; secure and plain
-rounds alternate (S P, P S, S P, ...) so machine load affects both alike, with the same
-process count, model size and transport. Sites stay up until the round is logged as
-completed, so no process exit competes with the coordinator inside the timed window.
+agents (`bench.transport_site`'s deterministic double, so an update costs no training
+time). Each measured round gets a fresh coordinator (`--rounds 1`) and fresh sites;
+secure and plain rounds alternate (S P, P S, S P, ...) so machine load affects both
+alike, with the same process count, model size and transport. Sites stay up until the
+round is logged as completed, so no process exit competes with the coordinator inside
+the timed window.
 
 Dropouts (K sites, both modes, so both sum N - K updates):
 - secure rounds: K sites run `--debug-pause-after 1:share_keys` (they advertise
@@ -132,6 +133,11 @@ class _Child:
 
 def _medfed(*args: str) -> list[str]:
     return [sys.executable, "-m", "common.cli", *args]
+
+
+def _transport_site(*args: str) -> list[str]:
+    """`medfed` whose sites run the deterministic double (`bench.transport_site`)."""
+    return [sys.executable, "-m", "bench.transport_site", *args]
 
 
 def proc_status_bytes(pid: int, key: str) -> int:
@@ -307,12 +313,11 @@ class RoundBench:
                     extra = ["--allow-plain-aggregation"]
                 self._sites.append(_Child.start(
                     site,
-                    _medfed(
+                    _transport_site(
                         "site", "run", "--pki", str(self.pki), "--site", site,
                         "--coordinator", f"127.0.0.1:{listening['port']}",
                         "--metrics-listen", "127.0.0.1:0", "--state", str(run_dir / site),
-                        "--trainer", "test-deterministic", "--debug-write-updates",
-                        *extra,
+                        "--debug-write-updates", *extra,
                     ),
                     env=self.env, log=run_dir / f"{site}.log",
                 ))

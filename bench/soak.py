@@ -1,10 +1,10 @@
 """`medfed bench soak` (`make soak`): a long federation under churn, to find leaks.
 
 Real processes over mutual TLS on 127.0.0.1: a temporary PKI, one coordinator and N site
-agents (`--trainer test-deterministic`, so rounds cost transport and SecAgg+ only). Every
-`--kill-every` seconds one site (round robin) is killed with SIGKILL, wherever its round
-is, and restarted at once: it rejoins with its state folder, as a crashed hospital
-container would. The coordinator runs until `--minutes` have passed.
+agents (`bench.transport_site`'s deterministic double: rounds cost transport and SecAgg+
+only). Every `--kill-every` seconds one site (round robin) is killed with SIGKILL,
+wherever its round is, and restarted at once: it rejoins with its state folder, as a
+crashed hospital container would. The coordinator runs until `--minutes` have passed.
 
 Printed at the end: rounds completed and aborted, sites killed, the coordinator's RSS and
 open file descriptors at the start (after its first completed round, so imports and the
@@ -220,11 +220,10 @@ class Soak:
     def _start_site(self, site: str) -> None:
         self.sites[site] = ManagedProcess(
             site,
-            medfed_argv(
-                "site", "run", "--pki", str(self.pki), "--site", site,
-                "--coordinator", f"127.0.0.1:{self.port}", "--metrics-listen", "127.0.0.1:0",
-                "--state", str(self.root / "sites" / site), "--trainer", "test-deterministic",
-            ),
+            [sys.executable, "-m", "bench.transport_site",
+             "site", "run", "--pki", str(self.pki), "--site", site,
+             "--coordinator", f"127.0.0.1:{self.port}", "--metrics-listen", "127.0.0.1:0",
+             "--state", str(self.root / "sites" / site)],
             log_dir=self.logs, cwd=REPO,
         )
 

@@ -86,8 +86,9 @@ NO_STUDY_MODEL = (
 
 class TransportModelSection(_Section):
     """TEST ONLY: a zero-initialised flat model and no study, for transport tests and
-    benchmarks whose sites run the `test-deterministic` trainer (a site that trains
-    refuses a coordinator without a study). Every federation that trains runs a study."""
+    benchmarks whose sites run a deterministic double (`bench.transport_site`; a site
+    that trains refuses a coordinator without a study). Every federation that trains
+    runs a study."""
 
     dim: int = Field(ge=1, le=1 << 30, description="zero-initialised flat model of this size")
 
@@ -279,7 +280,7 @@ class CoordinatorSettings(_Settings):
     )
     model: TransportModelSection | None = Field(
         default=None, description="transport tests and benchmarks only: a flat model without "
-        "a study, for test-deterministic sites"
+        "a study, for the deterministic sites of `bench.transport_site`"
     )
     training: TrainingPlanSection = TrainingPlanSection()
     aggregation: AggregationSection = AggregationSection()
@@ -385,11 +386,16 @@ class SiteDataSection(_Section):
         ))
 
 
+STUDY_DECIDES: Final = {
+    "batch_size": "[training] batch_size",
+    "optimizer": "[training] local_optimizer",
+}
+"""Site training settings the study decides: refused with the study field that does."""
+
+
 class LocalTrainingSection(_Section):
-    trainer: Literal["dpsgd", "nonprivate", "test-deterministic"] = "dpsgd"
-    batch_size: int = Field(default=256, ge=1)
+    trainer: Literal["dpsgd", "nonprivate"] = "dpsgd"
     max_physical_batch_size: int = Field(default=1024, ge=1)
-    optimizer: Literal["sgd", "adam"] = "sgd"
     grad_sample_mode: Literal["auto", "ghost", "hooks"] = "auto"
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     seed: int | None = Field(
@@ -401,6 +407,14 @@ class LocalTrainingSection(_Section):
     @model_validator(mode="before")
     @classmethod
     def _study_fields(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            decided = {name: field for name, field in STUDY_DECIDES.items() if name in data}
+            if decided:
+                raise ValueError("; ".join(
+                    f"training.{name}: every site trains by the study's {field} (study.toml, "
+                    "sent by the coordinator at enrolment); remove it from this site's settings"
+                    for name, field in decided.items()
+                ))
         return _refuse_study_fields(data, ("model",))
 
 
@@ -535,10 +549,6 @@ class SiteSettings(_Settings):
         "`upload`: mid-stream, after the masked input's first chunk)",
     )
     debug_pause_seconds: float = Field(default=3600.0, gt=0)
-    debug_train_seconds: float = Field(
-        default=0.0, ge=0, le=3600,
-        description="TEST ONLY: the test-deterministic trainer takes this long per round",
-    )
 
     _listen = field_validator("coordinator", "metrics_listen")(_check_listen)
 

@@ -24,6 +24,7 @@ negative) sums correctly; the coordinator reads the sum back as a signed int32.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -79,8 +80,8 @@ SITE_FIELDS: Final[dict[str, FieldEntry]] = {
     "WaitForRoundRequest.heartbeats": _f(P, "whether the site beats while this poll is open"),
     "DeclineRoundRequest.round": _f(P, "announced round number"),
     "DeclineRoundRequest.reason": _f(
-        DD, "budget exhausted / evaluations used / not ready: follows from the ledger "
-        "(DP mechanisms only)"
+        DD, "budget exhausted / evaluations used / query not approved / not ready: "
+        "follows from the ledger (DP mechanisms only) and the site's approvals"
     ),
     "DeclineRoundRequest.budget": _f(DD, "BudgetStatus (below)"),
     "BudgetStatus.epsilon_budget": _f(P, "the site's own configured budget"),
@@ -393,8 +394,17 @@ def render_markdown() -> str:
 
 
 def docs_section() -> str:
+    """The egress tables, every registered release's segment included (each release
+    module registers its segment when imported: all of them are loaded first)."""
+    from common.release import RELEASE_MODULES
+
+    for module in RELEASE_MODULES:
+        importlib.import_module(module)
     return f"{DOCS_BEGIN}\n{render_markdown()}{DOCS_END}\n"
 
 
 if __name__ == "__main__":  # pragma: no cover - documentation helper
-    print(docs_section(), end="")
+    # The release modules register into `common.egress`, not this __main__ copy.
+    from common.egress import docs_section as registered_docs_section
+
+    print(registered_docs_section(), end="")

@@ -185,6 +185,12 @@ class StudyRefused(PrivacyError):
     away). Unlike a failed round, waiting does not help: the site declines and stops."""
 
 
+class QueryRefused(PrivacyError):
+    """A query round this site will not answer: the query is not one it approved (its
+    exact SHA-256, for the study it joined), or it ran as many times as the approval
+    allows. It declines with that reason; the coordinator learns nothing else."""
+
+
 class LedgerIntegrityError(PrivacyError):
     """A ledger's hash chain does not verify: an entry was edited, deleted or moved."""
 

@@ -11,7 +11,9 @@ A release (`DpRelease`) is
   encode      its values in the masked vector: one signed-integer segment named after it
               (`common.egress`);
   decode      what the coordinator makes of the noisy sum;
-  accounting  `plan(n_noise)`: sigma, the sensitivities and the ledger's mechanism record.
+  accounting  `plan(n_noise)`: sigma, the sensitivities and the ledger's mechanism record;
+              a vector of several blocks, each with its own sigma (a query's statistics),
+              gives one plan per block (`plans(n_noise)`), all in one ledger entry.
 
 Both services and the ledger handle a release through this module alone: the site
 writes `plan(...).mechanism()` on its ledger under `purpose` before anything leaves
@@ -31,7 +33,7 @@ from __future__ import annotations
 import importlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
@@ -48,6 +50,7 @@ from common.errors import ValidationError
 from common.privacy.ddgauss import count_noise, count_site_sigma
 from common.privacy.mechanisms import DistributedDiscreteGaussian
 from common.privacy.purpose import PURPOSES, ROUND_PURPOSES, Purpose
+from common.privacy.signed import QueryRef
 
 if TYPE_CHECKING:
     from common.study import Study
@@ -61,11 +64,14 @@ __all__ = [
     "NoisePlan",
     "Purpose",
     "ReleaseKind",
+    "build_release",
+    "check_plans",
     "decode_sum",
     "register_release",
     "release_for_round",
     "release_kind",
     "sum_noise_sigma",
+    "sum_noise_sigmas",
 ]
 
 KIND_RELEASE: Final = "release"
@@ -75,6 +81,7 @@ named on the wire by the announcement's `release`."""
 RELEASE_MODULES: Final = (
     "common.statistics",
     "common.evaluation_release",
+    "common.analytics.query_release",
 )
 """The modules that register a release when imported (`release_kind` loads them)."""
 
@@ -136,12 +143,34 @@ class DpRelease(ABC):
     def plan(self, *, n_noise: int) -> NoisePlan:
         """The noise and its ledger record when `n_noise` honest sites add noise."""
 
+    def plans(self, *, n_noise: int) -> list[NoisePlan]:
+        """The vector's blocks in order, each with its own noise: one plan per block,
+        their lengths adding up to `length`, each one mechanism of the release's one
+        ledger entry (sequential composition). By default one block: `plan`."""
+        return [self.plan(n_noise=n_noise)]
+
+    def ledger_query(self) -> QueryRef | None:
+        """What a "query" ledger entry names (`Purpose.QUERY` releases); None for every
+        other purpose."""
+        return None
+
     def decode(self, total: np.ndarray, *, noise_sigma: float, round_number: int,
                contributors: int) -> Any:
         """What the coordinator keeps of the signed noisy sum `total` (`noise_sigma`
         per entry, `contributors` sites, round `round_number`): by default the sum."""
         del noise_sigma, round_number, contributors
         return total
+
+    def decode_blocks(self, total: np.ndarray, *, noise_sigmas: Sequence[float],
+                      round_number: int, contributors: int) -> Any:
+        """`decode` with each block's noise std (`plans`' order): a release of several
+        blocks overrides this; one of one block decodes with its one sigma."""
+        if len(noise_sigmas) != 1:
+            raise ValidationError(
+                f"release {self.name!r}: {len(noise_sigmas)} noise blocks; override "
+                "decode_blocks to decode them")
+        return self.decode(total, noise_sigma=noise_sigmas[0], round_number=round_number,
+                           contributors=contributors)
 
     def to_json(self, decoded: Any) -> Any:
         """`decode`'s value as JSON data, as the coordinator keeps it by default
@@ -177,6 +206,10 @@ class ReleaseKind:
     build: Callable[[Study], DpRelease] | None = None
     """The release for one study, for a round that carries it alone (None: it rides in
     another round, which builds it)."""
+    build_payload: Callable[[Study, bytes], DpRelease] | None = None
+    """Instead of `build`: the release for one study and the exact bytes its round's
+    announcement carries (`Announcement.release_payload`, bound into the digest), such
+    as an approved query; it validates them (ValidationError)."""
     round_kind: str = ""
     """The round kind that carries it alone: `KIND_RELEASE` (the announcement names it),
     "statistics" for the study's statistics, "" when it rides in another round."""
@@ -198,8 +231,11 @@ def register_release(kind: ReleaseKind) -> ReleaseKind:
         for other in RELEASES.values()
     ):
         raise ValidationError(f"round kind {kind.round_kind!r} already carries a release")
-    if kind.round_kind and kind.build is None:
-        raise ValidationError(f"release {kind.name!r}: a round of its own builds it from the study")
+    if kind.round_kind and (kind.build is None) == (kind.build_payload is None):
+        raise ValidationError(f"release {kind.name!r}: a round of its own builds it from the "
+                              "study (build), or from the study and its payload (build_payload)")
+    if kind.build_payload is not None and kind.round_kind != KIND_RELEASE:
+        raise ValidationError(f"release {kind.name!r}: only a release round carries a payload")
     register_segment_kind(SegmentKind(
         kind.name, "integer", Protection.DP, kind.mechanism, kind.purpose.value,
         kind.description,
@@ -236,14 +272,48 @@ def release_for_round(round_kind: str, name: str = "") -> ReleaseKind | None:
     return None
 
 
-def sum_noise_sigma(release: DpRelease, *, contributors: int, max_colluding_sites: int) -> float:
-    """Std of the noise on each entry of the secure sum of `contributors` releases, as
-    the coordinator can know it: every site planned for n_noise honest shares and adds
-    N_Z(0, sigma^2 / n_noise), so the sum carries sigma^2 * K / n_noise; n_noise is
-    taken as K minus the colluding sites (at least 1)."""
+def build_release(kind: ReleaseKind, study: Study, payload: bytes = b"") -> DpRelease:
+    """The release of `kind` for `study` (and the payload its round announced)."""
+    if kind.build_payload is not None:
+        if not payload:
+            raise ValidationError(f"a {kind.name} round carries its payload; none announced")
+        return kind.build_payload(study, payload)
+    if payload:
+        raise ValidationError(f"a {kind.name} round carries no payload")
+    if kind.build is None:
+        raise ValidationError(f"release {kind.name!r} is not a round of its own")
+    return kind.build(study)
+
+
+def check_plans(release: DpRelease, plans: Sequence[NoisePlan]) -> list[NoisePlan]:
+    """`plans` as a list, refused unless there is one and their blocks cover the
+    release's `length` exactly (a plan of the wrong size would mis-noise the vector)."""
+    plans = list(plans)
+    if not plans or sum(p.length for p in plans) != release.length:
+        raise ValidationError(
+            f"release {release.name!r}: noise blocks of {[p.length for p in plans]} entries "
+            f"do not cover its {release.length}")
+    return plans
+
+
+def sum_noise_sigmas(release: DpRelease, *, contributors: int,
+                     max_colluding_sites: int) -> list[float]:
+    """Std of the noise on each entry of each block (`DpRelease.plans`) of the secure
+    sum of `contributors` releases, as the coordinator can know it: every site planned
+    for n_noise honest shares and adds N_Z(0, sigma^2 / n_noise), so the sum carries
+    sigma^2 * K / n_noise; n_noise is taken as K minus the colluding sites (at least 1)."""
     k = max(contributors, 1)
-    plan = release.plan(n_noise=max(k - max_colluding_sites, 1))
-    return plan.sigma * math.sqrt(k / plan.n_noise)
+    plans = check_plans(release, release.plans(n_noise=max(k - max_colluding_sites, 1)))
+    return [plan.sigma * math.sqrt(k / plan.n_noise) for plan in plans]
+
+
+def sum_noise_sigma(release: DpRelease, *, contributors: int, max_colluding_sites: int) -> float:
+    """`sum_noise_sigmas` of a release of one block."""
+    sigmas = sum_noise_sigmas(release, contributors=contributors,
+                              max_colluding_sites=max_colluding_sites)
+    if len(sigmas) != 1:
+        raise ValidationError(f"release {release.name!r} has {len(sigmas)} noise blocks")
+    return sigmas[0]
 
 
 def decode_sum(
@@ -251,11 +321,12 @@ def decode_sum(
     round_number: int,
 ) -> Any:
     """The coordinator's side of a release: its segment of the unmasked ring sum, read
-    as signed integers (`EgressManifest.decode_integers`), then `release.decode`."""
+    as signed integers (`EgressManifest.decode_integers`), then `release.decode_blocks`
+    with each block's noise std."""
     total = release.manifest().decode_integers(aggregate)[release.name]
-    return release.decode(
+    return release.decode_blocks(
         total,
-        noise_sigma=sum_noise_sigma(release, contributors=contributors,
-                                    max_colluding_sites=max_colluding_sites),
+        noise_sigmas=sum_noise_sigmas(release, contributors=contributors,
+                                      max_colluding_sites=max_colluding_sites),
         round_number=round_number, contributors=contributors,
     )

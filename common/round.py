@@ -41,6 +41,7 @@ MAX_RELEASE_NAME = 64
 MAX_HOSPITAL_LIMBS = 8
 MAX_INTERMEDIARIES = 10_000  # the study schema's bound on a fixed v
 MAX_STATISTICS_BYTES = 1 << 20
+MAX_RELEASE_PAYLOAD_BYTES = 1 << 20
 MAX_HISTOGRAM_EDGES = 2_000
 """Most bucket edges a round announces: histogram_bins (<= 1000) plus one per block."""
 ROUND_NONCE_LENGTH = 16
@@ -92,6 +93,8 @@ class Announcement:
     histogram_edges: tuple[float, ...] = ()
     # KIND_RELEASE: the registered DP release the round carries alone ("" otherwise).
     release_name: str = ""
+    # KIND_RELEASE of a release built from approved bytes (a query): those bytes.
+    release_payload: bytes = b""
 
     @property
     def is_statistics(self) -> bool:
@@ -192,6 +195,9 @@ class Announcement:
         if self.kind == KIND_RELEASE or self.release_name:
             # Only then: every other announcement's digest is as it always was.
             _put_bytes(out, self.release_name.encode())
+        if self.release_payload:
+            # Only then, as above: the payload by hash, as the statistics.
+            _put_bytes(out, hashlib.sha256(self.release_payload).digest())
         return hashlib.sha256(bytes(out)).digest()
 
 
@@ -336,6 +342,10 @@ def validate_for_site(
         raise ValidationError("study_sha256 must be 32 bytes")
     if len(ann.statistics) > MAX_STATISTICS_BYTES:
         raise ValidationError("statistics too large")
+    if len(ann.release_payload) > MAX_RELEASE_PAYLOAD_BYTES:
+        raise ValidationError("release_payload too large")
+    if ann.release_payload and ann.kind != KIND_RELEASE:
+        raise ValidationError("only a release round carries a release_payload")
     release = ann.release
     bins = ann.histogram_bins
     if not 2 <= bins <= 1000:

@@ -34,6 +34,7 @@ from common.round import (
     KIND_TRAINING,
     MAX_HISTOGRAM_EDGES,
     MAX_RELEASE_NAME,
+    MAX_RELEASE_PAYLOAD_BYTES,
     MAX_STATISTICS_BYTES,
     Announcement,
 )
@@ -177,6 +178,7 @@ def announcement_to_pb(ann: Announcement) -> pb.RoundAnnouncement:
         hospital_norm_segment=ann.hospital_norm_segment,
         histogram_edges=list(ann.histogram_edges),
         release=ann.release_name,
+        release_payload=ann.release_payload,
     )
 
 
@@ -222,6 +224,8 @@ def announcement_from_pb(msg: pb.RoundAnnouncement) -> Announcement:
         hospital_norm_segment=msg.hospital_norm_segment,
         histogram_edges=_edges(msg.histogram_edges),
         release_name=bounded_text(msg.release, what="release", maximum=MAX_RELEASE_NAME),
+        release_payload=bounded(msg.release_payload, what="release_payload",
+                                maximum=MAX_RELEASE_PAYLOAD_BYTES),
     )
 
 

@@ -37,7 +37,7 @@ def register(subparsers: Any) -> None:
         help="study.toml: model, features and training settings (`medfed study init`)",
     )
     serve.add_argument("--model-dim", type=int,
-                       help="transport tests/benchmarks only (test-deterministic sites): "
+                       help="transport tests/benchmarks only (bench.transport_site sites): "
                        "a zero-initialised flat model and no study")
     serve.add_argument(
         "--plain", action="store_true", default=None,

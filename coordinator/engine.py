@@ -47,6 +47,7 @@ from common.secagg.client import IdentityVerifier
 from common.secagg.params import ROUND_NONCE_BYTES
 from coordinator import (
     hospital_sum,
+    queries,
     release_round,
     round_events,
     selection,
@@ -217,13 +218,42 @@ class RoundEngine:
         """Run the next round: the statistics round while the study still needs it,
         then training and evaluation rounds; False once the study is complete."""
         if self.study is not None and self.study.statistics is None:
-            await self._run_round(
-                await self.select_participants(statistics=True), statistics=True)
+            participants = await self.select_participants(statistics=True)
+            if not await self._run_query(participants):
+                await self._run_round(participants, statistics=True)
             return True
         if self.store.completed_rounds() < self.total_rounds:
-            await self._run_round(await self.select_participants())
+            participants = await self.select_participants()
+            if not await self._run_query(participants):
+                await self._run_round(participants)
             return True
         return False
+
+    async def _run_query(self, participants: list[str]) -> bool:
+        """An approved query the operator put in the inbox (`coordinator.queries`), run
+        as a release round of its own with `participants` before the study's next round;
+        False when none waits. A query round that cannot complete (sites declined it, too
+        few survived) fails alone, recorded for the operator: never the study, and never
+        retried (the sites that released already paid for it)."""
+        if self.study is None:
+            return False
+        query = await asyncio.to_thread(
+            queries.pending, self.settings.state, self.study.study)
+        if query is None:
+            return False
+        log.info("running query %s (sha256 %s...) with %s", query.name, query.sha256[:12],
+                 ", ".join(participants), extra={"event": "query_round",
+                                                 "query_sha256": query.sha256})
+        rnd = await self._run_round(participants, query=query)
+        if not queries.answer_path(
+                self.settings.state, query.sha256).exists():
+            declined = "; ".join(f"{site}: {reason}" for site, reason in
+                                 sorted(rnd.declined_for_good.items()))
+            queries.fail(self.settings.state, query.sha256,
+                         f"round {rnd.number} did not complete"
+                         + (f" (declined: {declined})" if declined else ""),
+                         round_number=rnd.number)
+        return True
 
     async def _ride_out(self, lost: DatabaseUnavailable) -> None:
         """The state database was lost (the round in flight, if any, was abandoned):
@@ -295,7 +325,14 @@ class RoundEngine:
             number += 1  # above a jump an old lie caused: those numbers stay used
         return number
 
-    def _announce(self, participants: list[str], *, statistics: bool) -> Announcement:
+    def _announce(self, participants: list[str], *, statistics: bool,
+                  query: queries.PendingQuery | None = None) -> Announcement:
+        if query is not None and self.study is not None:
+            return selection.query_announcement(
+                self.settings, participants, study=self.study,
+                number=self.next_round_number(participants),
+                nonce=self.rng(ROUND_NONCE_BYTES), now=self.clock(), release=query.release,
+                payload=query.payload)
         payload = self.model.payload()
         return selection.study_announcement(
             self.settings, participants, study=self.study,
@@ -306,13 +343,16 @@ class RoundEngine:
             histogram_edges=self.model.histogram_edges,
         )
 
-    async def _run_round(self, participants: list[str], *, statistics: bool = False) -> None:
-        ann = self._announce(participants, statistics=statistics)
+    async def _run_round(self, participants: list[str], *, statistics: bool = False,
+                         query: queries.PendingQuery | None = None) -> ActiveRound:
+        """Run one round and return it (recorded, or ended with its abort). A query round
+        (`query`) that aborts is the query's failure (`_run_query`), not the study's."""
+        ann = self._announce(participants, statistics=statistics, query=query)
         self.last_secagg = (ann.threshold, ann.neighbours)
         started, cpu_started = time.perf_counter(), time.process_time()
         deadlines = self.settings.deadlines
         rnd, aggregator = self.inbox.open_round(
-            ann, b"" if statistics else self.model.payload(),
+            ann, b"" if statistics or query is not None else self.model.payload(),
             liveness=Liveness(ann.heartbeat_ms / 1000, deadlines.heartbeat_misses),
             started=started, identity=self.identity, metrics=self.metrics,
             max_colluding_sites=self.settings.aggregation.max_colluding_sites,
@@ -363,8 +403,9 @@ class RoundEngine:
             rnd.end(abort=abort)
             self.last_round_number = ann.round_number
             self.inbox.close()
-        if abort is not None:
+        if abort is not None and query is None:
             self.leave_out_declined_for_good(rnd, kind=self.round_kind(statistics=statistics))
+        return rnd
 
     def leave_out_declined_for_good(self, rnd: ActiveRound, *, kind: str) -> None:
         """After the aborted round `rnd` of `kind`: raise `StudyFailed` when every

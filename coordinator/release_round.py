@@ -21,8 +21,14 @@ from common.config import CoordinatorSettings
 from common.egress import STATISTICS
 from common.errors import AbortReason, ProtocolAbort
 from common.fileio import atomic_write
-from common.release import DpRelease, decode_sum, release_for_round
-from coordinator import checkpoints
+from common.release import (
+    DpRelease,
+    build_release,
+    decode_sum,
+    release_for_round,
+    sum_noise_sigmas,
+)
+from coordinator import checkpoints, queries
 from coordinator.aggregation import Aggregator
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.phases import ActiveRound
@@ -70,7 +76,7 @@ def decode(
     if aggregate is None:
         raise ProtocolAbort(AbortReason.ROUND_ABANDONED, "no aggregate for this round")
     kind = release_for_round(ann.kind, ann.release_name)
-    if kind is None or kind.build is None:
+    if kind is None or (kind.build is None and kind.build_payload is None):
         raise ProtocolAbort(AbortReason.ROUND_ABANDONED, f"round kind {ann.kind!r} has no release")
     if run is None:
         raise ProtocolAbort(AbortReason.ROUND_ABANDONED, f"{kind.name} round without a study")
@@ -78,15 +84,25 @@ def decode(
         checkpoints.write_debug_aggregate(
             settings.state, ann.round_number, aggregate, aggregator.survivors
         )
-    release = kind.build(run.study)
+    release = build_release(kind, run.study, ann.release_payload)
+    contributors = len(aggregator.survivors)
+    # The study's collusion bound: the one every member sized its noise share by.
+    colluding = run.study.privacy.max_colluding_sites
     decoded = decode_sum(
-        release, aggregate, contributors=len(aggregator.survivors),
-        # The study's collusion bound: the one every member sized its noise share by.
-        max_colluding_sites=run.study.privacy.max_colluding_sites,
+        release, aggregate, contributors=contributors, max_colluding_sites=colluding,
         round_number=ann.round_number,
     )
     keep = KEEPERS.get(kind.name)
-    if keep is not None:
+    if kind.build_payload is not None:
+        # An approved query: its answer for the operator (`medfed query run`), with the
+        # noisy sum and noise it was decoded from.
+        queries.keep_answer(
+            settings.state, release,
+            release.manifest().decode_integers(aggregate)[release.name],
+            noise_sigmas=sum_noise_sigmas(release, contributors=contributors,
+                                          max_colluding_sites=colluding),
+            contributors=contributors, round_number=ann.round_number, answer=decoded)
+    elif keep is not None:
         keep(run, decoded, ann.round_number)
     else:
         keep_json(settings.state, release, decoded, ann.round_number)

@@ -3,6 +3,7 @@ its SecAgg+ parameters and the announcement itself. No I/O, no clock of its own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Container, Iterable, Mapping, Sequence
 
 from common.codec import TensorSpec
@@ -179,6 +180,27 @@ def announcement(
         statistics=statistics,
         histogram_edges=histogram_edges,
     )
+
+
+def query_announcement(
+    settings: CoordinatorSettings,
+    participants: Sequence[str],
+    *,
+    study: StudyRun,
+    number: int,
+    nonce: bytes,
+    now: float,
+    release: DpRelease,
+    payload: bytes,
+) -> Announcement:
+    """The announcement of an approved query's release round: the study's hash, the
+    query's exact bytes (`release_payload`, bound into the digest), no model."""
+    ann = announcement(
+        settings, participants, number=number, nonce=nonce, layout=(), model_sha256=b"",
+        model_bytes=0, evaluation_round=False, now=now,
+        study_sha256=bytes.fromhex(study.sha256), release=release,
+    )
+    return dataclasses.replace(ann, release_payload=payload)
 
 
 def announced_bins(settings: CoordinatorSettings, edges: tuple[float, ...]) -> int:

@@ -55,6 +55,10 @@ DECLINE_REASONS = {
         "its policy.max_evaluations are used up on its ledger, so it cannot answer the "
         "final evaluation round"
     ),
+    pb.DeclineRoundRequest.QUERY_NOT_APPROVED: (
+        "the round's query is not one it approved for this study, or it already ran as "
+        "many times as its approval allows"
+    ),
 }
 """What the coordinator logs for a site's DeclineRound reason."""
 
@@ -62,6 +66,7 @@ LASTING_DECLINES = frozenset({
     pb.DeclineRoundRequest.BUDGET_EXHAUSTED,
     pb.DeclineRoundRequest.STATISTICS_RELEASED,
     pb.DeclineRoundRequest.EVALUATIONS_USED,
+    pb.DeclineRoundRequest.QUERY_NOT_APPROVED,
 })
 """Reasons that do not change by waiting: re-opening the same round for these sites
 would loop (NOT_READY, or no reason, may pass)."""

@@ -36,6 +36,7 @@ from common.errors import (
     EvaluationsUsed,
     FederationFinished,
     ProtocolAbort,
+    QueryRefused,
     RoundFailed,
     StudyFailed,
     StudyRefused,
@@ -50,12 +51,12 @@ from common.study import Study, check_statistics, statistics_from_bytes
 from common.tls import SiteTlsFiles
 from site_agent.connection import RETRYABLE, Connection, Heartbeats
 from site_agent.final_model import FinalModel
-from site_agent.hooks import TrainingHook
 from site_agent.membership import Membership, utcnow
 from site_agent.metrics import SiteMetrics
 from site_agent.phases import SecAggPhases
 from site_agent.releases import RoundRelease
 from site_agent.revocation import SiteRevocation
+from site_agent.site_training import TrainingHook
 from site_agent.statistics_pin import StatisticsPin
 from site_agent.training_round import TrainingRound
 
@@ -313,9 +314,23 @@ class SiteAgent:
                 ),
                 timeout=30,
             )
+        except QueryRefused as exc:
+            # Not approved, or its allowance used: this query only (not the study).
+            log.error("declining round %d: %s", ann.round, exc,
+                      extra={"event": "query_refused", "reason": str(exc)})
+            self.metrics.rounds.labels(outcome="failed").inc()
+            stub.DeclineRound(
+                pb.DeclineRoundRequest(
+                    round=ann.round, reason=pb.DeclineRoundRequest.QUERY_NOT_APPROVED,
+                    budget=self.budget_pb(),
+                ),
+                timeout=30,
+            )
         except BudgetExhausted as exc:
             log.warning("declining round %d: %s", ann.round, exc)
-            self.membership.declined_for_budget = True
+            # A query the budget cannot pay says nothing of the training plan's rounds.
+            if not ann.release_payload:
+                self.membership.declined_for_budget = True
             self.metrics.rounds.labels(outcome="declined_budget").inc()
             stub.DeclineRound(
                 pb.DeclineRoundRequest(

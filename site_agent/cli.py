@@ -6,15 +6,22 @@ import argparse
 import json
 import signal
 import threading
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.config import SiteSettings, load_settings
 from common.errors import ConfigError
 from common.logs import configure_logging
 
+if TYPE_CHECKING:
+    from site_agent.runner import HookFactory
 
-def register(subparsers: Any) -> None:
+
+def register(subparsers: Any, *, hook_factory: HookFactory | None = None) -> None:
+    """`medfed site ...`. `hook_factory` replaces the site's training (Opacus DP-SGD,
+    or non-private for baselines, on its `--data`) with a plug-in's: the transport
+    benchmarks' deterministic double (`bench.transport_site`)."""
     parser = subparsers.add_parser("site", help="run a hospital's site agent")
     sub = parser.add_subparsers(dest="site_command", required=True, metavar="ACTION")
     run = sub.add_parser(
@@ -53,8 +60,8 @@ def register(subparsers: Any) -> None:
     run.add_argument("--delta", type=float, help="DP delta")
     run.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     run.add_argument(
-        "--trainer", choices=["dpsgd", "nonprivate", "test-deterministic"],
-        help="dpsgd (default); test-deterministic is for transport tests only",
+        "--trainer", choices=["dpsgd", "nonprivate"],
+        help="dpsgd (default); nonprivate trains without DP (baselines only)",
     )
     run.add_argument("--exit-after-rounds", type=int, help="leave after this many rounds")
     run.add_argument(
@@ -68,7 +75,10 @@ def register(subparsers: Any) -> None:
         "--allow-plain-aggregation", action="store_true", default=None,
         help="accept rounds without secure aggregation (benchmarks only)",
     )
-    run.set_defaults(func=_run)
+    run.set_defaults(func=partial(_run, hook_factory=hook_factory))
+    from site_agent import approve_cli
+
+    approve_cli.register(sub)
 
 
 def settings_from_args(args: argparse.Namespace) -> SiteSettings:
@@ -99,11 +109,11 @@ def settings_from_args(args: argparse.Namespace) -> SiteSettings:
     return load_settings(SiteSettings, config_file=args.config, overrides=overrides)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, *, hook_factory: HookFactory | None = None) -> int:
     from site_agent.runner import run_site
 
     settings = settings_from_args(args)
-    if settings.data.path is None and settings.training.trainer != "test-deterministic":
+    if settings.data.path is None and hook_factory is None:
         # Nothing could ever train: say so now, not at enrolment (docs/deploy.md).
         raise ConfigError(
             "data.path", "name this site's data file (data.path in the config, or --data "
@@ -117,4 +127,5 @@ def _run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    return run_site(settings, stop=stop, announce=lambda info: print(json.dumps(info), flush=True))
+    return run_site(settings, stop=stop, announce=lambda info: print(json.dumps(info), flush=True),
+                    hook_factory=hook_factory)

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from common.study import (
     encoded_feature_names,
 )
 from site_agent.unit_split import split_by_patient
+
+if TYPE_CHECKING:
+    import torch
 
 NanPolicy = Literal["error", "drop_row", "impute_median"]
 MIN_PRIVACY_UNITS = 50
@@ -93,6 +96,25 @@ class SiteData:
             labels=self.labels[index],
             patient_ids=None if self.patient_ids is None else self.patient_ids[index],
         )
+
+    @property
+    def record_shape(self) -> tuple[int, ...]:
+        """Shape of one model input: the row's encoded width."""
+        return tuple(self.features.shape[1:])
+
+    def load(self, index: np.ndarray) -> torch.Tensor:
+        """The rows at `index` as a float32 batch on the CPU (`Records`)."""
+        import torch
+
+        return torch.as_tensor(np.asarray(self.features[index], dtype=np.float32))
+
+    def loader(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Model inputs of a tensor of record indices: the table lives on `device`
+        whole, so a step costs one gather (`Records`)."""
+        import torch
+
+        rows = torch.as_tensor(self.features, dtype=torch.float32, device=device)
+        return lambda index: rows[index]
 
 
 def training_units(units: int, *, held_out_fraction: float) -> int:

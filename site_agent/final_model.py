@@ -20,7 +20,7 @@ from common.fileio import replace_durably
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.study import study_sha256
-from site_agent.hooks import TrainingHook
+from site_agent.site_training import TrainingHook
 from site_agent.statistics_pin import StatisticsPin
 
 log = logging.getLogger("medfed.site")

@@ -120,11 +120,33 @@ def dp_training_objects(
 
     Raises NotImplementedError or ValueError when Opacus cannot wrap `model` so.
     """
-    base = base_optimizer(model.parameters(), config)
+    return _wrapped_dp_objects(
+        mode, model, base_optimizer(model.parameters(), config),
+        optimizer_classes=(GhostOptimizer, HooksOptimizer), config=config,
+        noise_multiplier=noise_multiplier, expected_batch_size=config.batch_size,
+        generator=generator,
+    )
+
+
+def _wrapped_dp_objects(
+    mode: GradSampleMode,
+    model: nn.Module,
+    base: torch.optim.Optimizer,
+    *,
+    optimizer_classes: tuple[type[Any], type[Any]],
+    config: TrainingConfig,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    generator: torch.Generator,
+) -> tuple[nn.Module, torch.optim.Optimizer, Callable[..., Any]]:
+    """(wrapped module, DP optimizer, loss) of `mode` over `model` (a plain module or
+    DPDDP), its DP optimizer the (ghost, hooks) class of `optimizer_classes` around
+    `base`: one process or distributed differ only in those classes and the batch."""
+    ghost_class, hooks_class = optimizer_classes
     optimizer_kwargs: dict[str, Any] = {
         "noise_multiplier": noise_multiplier,
         "max_grad_norm": config.max_grad_norm,
-        "expected_batch_size": config.batch_size,
+        "expected_batch_size": expected_batch_size,
         "loss_reduction": "mean",
         "generator": generator,
     }
@@ -136,10 +158,10 @@ def dp_training_objects(
             max_grad_norm=config.max_grad_norm,
             use_ghost_clipping=True,
         )
-        ghost = GhostOptimizer(base, **optimizer_kwargs)
+        ghost = ghost_class(base, **optimizer_kwargs)
         return module, ghost, GhostLoss(module, ghost, TaskLoss(config.task), "mean")
     hooks = GradSampleModule(model, batch_first=True, loss_reduction="mean")
-    return hooks, HooksOptimizer(base, **optimizer_kwargs), TaskLoss(config.task)
+    return hooks, hooks_class(base, **optimizer_kwargs), TaskLoss(config.task)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -313,16 +335,6 @@ def distributed_dp_objects(
     clips its own per-sample gradients, rank 0 alone adds the noise, and the sum is
     all-reduced: the same Gaussian mechanism as one process.
     """
-    wrapped = DPDDP(model)
-    per_worker_batch = config.batch_size / world_size
-    optimizer_kwargs: dict[str, Any] = {
-        "noise_multiplier": noise_multiplier,
-        "max_grad_norm": config.max_grad_norm,
-        "expected_batch_size": per_worker_batch,
-        "loss_reduction": "mean",
-        "generator": generator,
-    }
-    base = base_optimizer(model.parameters(), config)
     # All ranks must run the same mode, so no per-rank measurement here: the rule.
     mode = choose_grad_sample_mode(model, config.grad_sample_mode)
     choice = GradSampleChoice(
@@ -331,17 +343,11 @@ def distributed_dp_objects(
         batch_shape=batch_shape,
         device=device,
     )
-    if mode == "ghost":
-        module = GhostModule(
-            wrapped,
-            batch_first=True,
-            loss_reduction="mean",
-            max_grad_norm=config.max_grad_norm,
-            use_ghost_clipping=True,
-        )
-        optimizer = DistributedDPOptimizerFastGradientClipping(base, **optimizer_kwargs)
-        criterion = GhostLoss(module, optimizer, TaskLoss(config.task), "mean")
-        return choice, "ghost-distributed", (module, optimizer, criterion)
-    hooks = GradSampleModule(wrapped, batch_first=True, loss_reduction="mean")
-    distributed = DistributedDPOptimizer(base, **optimizer_kwargs)
-    return choice, "hooks-distributed", (hooks, distributed, TaskLoss(config.task))
+    base = base_optimizer(model.parameters(), config)
+    objects = _wrapped_dp_objects(
+        mode, DPDDP(model), base,
+        optimizer_classes=(DistributedDPOptimizerFastGradientClipping, DistributedDPOptimizer),
+        config=config, noise_multiplier=noise_multiplier,
+        expected_batch_size=config.batch_size / world_size, generator=generator,
+    )
+    return choice, f"{mode}-distributed", objects

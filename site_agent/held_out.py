@@ -9,11 +9,12 @@ import numpy as np
 
 from common.models import Task
 from common.round import RoundPlan
+from site_agent.site_dataset import Records
 
 
 def held_out_histogram(
     model: Any,
-    holdout: Any,
+    holdout: Records,
     plan: RoundPlan,
     *,
     per_unit: bool,
@@ -30,18 +31,14 @@ def held_out_histogram(
     from common.evaluation import multiclass_score_histogram, score_histogram
     from common.evaluation_edges import round_edges
     from site_agent.dp_release import one_per_unit
-    from site_agent.imaging import ImageDataset
     from site_agent.trainer import predict_scores
 
     # One score per privacy unit: each unit moves one count, the sensitivity the
     # agent's histogram noise is planned for.
     pick = one_per_unit(holdout.patient_ids if per_unit else None, size=len(holdout))
-    if isinstance(holdout, ImageDataset):
-        inputs: Any = holdout.subset(pick)
-    else:
-        inputs = holdout.features[pick]
-    labels = holdout.labels[pick]
-    scores = predict_scores(model, inputs, device=device, task=task, batch_size=256)
+    scored = holdout.subset(pick)
+    scores = predict_scores(model, scored, device=device, task=task, batch_size=256)
+    labels = scored.labels
     if task == "binary":
         (edges,) = round_edges(plan.histogram_edges, bins=plan.histogram_bins)
         return score_histogram(scores, labels, edges=edges)

@@ -25,7 +25,7 @@ from common.privacy.mechanisms import DistributedDiscreteGaussian
 from common.round import VerifiedRound, validate_intermediaries
 from common.study import Study
 from site_agent import dp_release
-from site_agent.hooks import LocalUpdate
+from site_agent.site_training import LocalUpdate
 
 if TYPE_CHECKING:
     from common.privacy.ledger import PrivacyLedger

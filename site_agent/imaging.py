@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -181,6 +181,16 @@ class ImageDataset:
         """(channels, height, width) of one decoded image."""
         height, width = self.spec.size
         return (self.spec.channels, height, width)
+
+    @property
+    def record_shape(self) -> tuple[int, ...]:
+        """Shape of one model input (`Records`): (channels, height, width)."""
+        return self.shape
+
+    def loader(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Model inputs of a tensor of image indices, decoded per physical batch
+        (through the bounded cache) and moved to `device` (`Records`)."""
+        return lambda index: self.load(index.cpu().numpy()).to(device)
 
     def subset(self, index: np.ndarray) -> ImageDataset:
         """The images at `index` (own cache of the same size)."""

@@ -24,9 +24,9 @@ from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.study import Study, study_from_enrolment, study_sha256
 from site_agent.datacheck import site_policy
-from site_agent.hooks import TrainingHook
 from site_agent.metrics import SiteMetrics
 from site_agent.revocation import SiteRevocation
+from site_agent.site_training import TrainingHook
 
 log = logging.getLogger("medfed.site")
 

@@ -9,8 +9,10 @@ already on the ledger is never released again.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
+from collections.abc import Sequence
 from datetime import datetime
 
 import numpy as np
@@ -18,23 +20,30 @@ import numpy as np
 from common import egress
 from common.config import SitePolicySection, SiteSettings
 from common.crypto.random import RandomSource, numpy_generator, system_random
-from common.errors import RoundFailed, StudyRefused, ValidationError
+from common.errors import QueryRefused, RoundFailed, StudyRefused, ValidationError
 from common.evaluation_release import EvaluationHistogram, evaluation_noise_sites
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Mechanism
 from common.privacy.purpose import ROUND_PURPOSES
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.release import DpRelease, NoisePlan, release_for_round
+from common.release import (
+    DpRelease,
+    NoisePlan,
+    build_release,
+    check_plans,
+    release_for_round,
+)
 from common.round import VerifiedRound
 from common.secagg import round_floor
 from common.study import Study, study_round_terms, study_sha256
 from site_agent import dp_release
+from site_agent.approvals import Approvals, times_released
 from site_agent.connection import Heartbeats
-from site_agent.hooks import LocalUpdate, TrainingHook
 from site_agent.membership import Membership, utcnow
 from site_agent.metrics import SiteMetrics
 from site_agent.phases import SecAggPhases
 from site_agent.round_timeline import RoundTimeline
+from site_agent.site_training import LocalUpdate, TrainingHook
 from site_agent.statistics_pin import RELEASED_WAY_OUT, StatisticsPin
 from site_agent.transfers import write_debug_update
 
@@ -121,16 +130,24 @@ class EvaluationRelease:
 
 
 def release_vector(
-    release: DpRelease, exact: np.ndarray, plan: NoisePlan, *, ledger: PrivacyLedger | None,
-    round_number: int, n_sites: int, now: datetime, rng: RandomSource = system_random,
+    release: DpRelease, exact: np.ndarray, plan: NoisePlan | Sequence[NoisePlan], *,
+    ledger: PrivacyLedger | None, round_number: int, n_sites: int, now: datetime,
+    rng: RandomSource = system_random,
 ) -> np.ndarray:
     """The masked-vector plaintext of `release` in round `round_number` of `n_sites`:
-    its ledger entry first (write-ahead: `plan.mechanism()` under `release.purpose`),
-    then this site's share of the noise added to `exact`, then its egress encoding
-    (signed integers in the ring, refused where a sum of `n_sites` could wrap)."""
+    its ledger entry first (write-ahead: each block's `plan.mechanism()` under
+    `release.purpose`, naming its query where it answers one), then this site's share
+    of each block's noise added to `exact`, then its egress encoding (signed integers
+    in the ring, refused where a sum of `n_sites` could wrap)."""
+    plans = check_plans(release, [plan] if isinstance(plan, NoisePlan) else plan)
+    exact = np.asarray(exact, dtype=np.int64)
+    if exact.shape != (release.length,):
+        raise ValidationError(
+            f"release {release.name!r}: {exact.size} values, expected {release.length}")
     if ledger is not None:
-        ledger.reserve(round_number, [plan.mechanism()], now=now, purpose=release.purpose)
-    noisy = exact + plan.noise(rng)
+        ledger.reserve(round_number, [p.mechanism() for p in plans], now=now,
+                       purpose=release.purpose, query=release.ledger_query())
+    noisy = exact + np.concatenate([p.noise(rng) for p in plans])
     # A release's segment is integers: the quantizer's clip and bits go unused.
     return release.manifest().encode(
         release.encode(noisy), clip=1.0, bits=1, n_sites=n_sites, rng=numpy_generator(rng),
@@ -149,6 +166,61 @@ def release_noise_sites(policy: SitePolicySection, study: Study | None) -> int:
     return max(floor - colluding, 1)
 
 
+def refuse_unapproved(approvals: Approvals, ledger: PrivacyLedger | None, study: Study,
+                      payload: bytes) -> None:
+    """QueryRefused unless the announced query (its exact bytes' SHA-256) is one this
+    site approved, for the study it joined, and has run fewer times than the approval
+    allows (counted on the ledger: one "query" entry per release)."""
+    sha256 = hashlib.sha256(payload).hexdigest()
+    approval = approvals.query(sha256)
+    if approval is None:
+        raise QueryRefused(
+            f"the round's query (sha256 {sha256}) is not one this site approved "
+            f"(approve it with `medfed site approve QUERY.toml`; pins under "
+            f"{approvals.folder})")
+    if approval.study_sha256 != study_sha256(study):
+        raise QueryRefused(
+            f"query {approval.name!r} was approved for another study "
+            f"({approval.study_sha256[:12]}...) than the one this site joined")
+    released = times_released(ledger, sha256)
+    if released >= approval.times:
+        raise QueryRefused(
+            f"query {approval.name!r} (sha256 {sha256[:12]}...) already ran {released} "
+            f"time(s) on this site's ledger, as many as its approval allows "
+            f"({approval.times}); approve it again with --times to allow more")
+
+
+def prepare_release(
+    rnd: VerifiedRound, *, study: Study, ledger: PrivacyLedger | None, approvals: Approvals,
+    policy: SitePolicySection, site: object,
+) -> tuple[DpRelease, np.ndarray, list[NoisePlan]]:
+    """Everything a site checks before a round release leaves it, and what it then
+    releases: the release its round names (for an approved query, only that query's
+    exact bytes, within its allowance), this site's exact vector (`site`: what the
+    release reads, the training hook) and the noise plans, which the ledger must be able
+    to pay (BudgetExhausted otherwise). Nothing is written."""
+    ann = rnd.announcement
+    kind = release_for_round(ann.kind, ann.release_name)
+    if kind is None or (kind.build is None and kind.build_payload is None):
+        raise RoundFailed(f"round kind {ann.kind!r} carries no release")
+    # A re-announced or second release would let the coordinator average its noise
+    # away: the round number must be new on the ledger (and an approved query within
+    # its allowance; the statistics are pinned apart, `StatisticsPin`).
+    refuse_recorded_round(ledger, rnd)
+    if kind.build_payload is not None:
+        refuse_unapproved(approvals, ledger, study, ann.release_payload)
+    release = build_release(kind, study, ann.release_payload)
+    exact = release.query(site)
+    if exact.size != ann.vector_length:
+        raise ValidationError(f"{release.name} vector length differs from this site's study")
+    # The study's threat terms: every member adds the same share of the noise.
+    plans = check_plans(release, release.plans(n_noise=release_noise_sites(policy, study)))
+    if ledger is not None:
+        ledger.require(rnd.number, [p.mechanism() for p in plans], purpose=release.purpose,
+                       what=f"the {release.name} release")
+    return release, exact, plans
+
+
 class RoundRelease:
     """A DP release carried alone by its round (`common.release`; the study's statistics
     are one): the release its round kind names, built for the joined study, queried on
@@ -165,6 +237,7 @@ class RoundRelease:
         self.phases = phases
         self.metrics = metrics
         self.pin = pin
+        self.approvals = Approvals(settings.state)
 
     def refuse_statistics_again(self, study: Study) -> None:
         """StudyRefused when this study's statistics are pinned already."""
@@ -180,26 +253,14 @@ class RoundRelease:
     def run(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound) -> None:
         study = self.membership.study
         ledger = self.membership.ledger
-        kind = release_for_round(rnd.announcement.kind, rnd.announcement.release_name)
-        if kind is None or kind.build is None:
-            raise RoundFailed(f"round kind {rnd.announcement.kind!r} carries no release")
         if study is None:
-            raise RoundFailed(f"a {kind.name} round needs a study")
-        # A re-announced or second release would let the coordinator average its noise
-        # away: the round number must be new on the ledger (and the study's statistics
-        # unset).
-        refuse_recorded_round(ledger, rnd)
-        if kind.name == egress.STATISTICS:
+            raise RoundFailed(f"a {rnd.announcement.release} round needs a study")
+        kind = release_for_round(rnd.announcement.kind, rnd.announcement.release_name)
+        if kind is not None and kind.name == egress.STATISTICS:
             self.refuse_statistics_again(study)
-        release = kind.build(study)
-        exact = release.query(self.hook)
-        if exact.size != rnd.announcement.vector_length:
-            raise ValidationError(f"{release.name} vector length differs from this site's study")
-        # The study's threat terms: every member adds the same share of the noise.
-        plan = release.plan(n_noise=release_noise_sites(self.settings.policy, study))
-        if ledger is not None:
-            ledger.require(rnd.number, [plan.mechanism()], purpose=release.purpose,
-                           what=f"the {release.name} release")
+        release, exact, plans = prepare_release(
+            rnd, study=study, ledger=ledger, approvals=self.approvals,
+            policy=self.settings.policy, site=self.hook)
         heard_at = time.perf_counter()
         timeline = RoundTimeline(heard_at)
         client = self.phases.client(rnd)
@@ -210,7 +271,7 @@ class RoundRelease:
                     timeline=timeline)
                 # Ledger entry first (write-ahead), then the noised vector through SecAgg+.
                 vector = release_vector(
-                    release, exact, plan, ledger=ledger, round_number=rnd.number,
+                    release, exact, plans, ledger=ledger, round_number=rnd.number,
                     n_sites=len(rnd.params.participants) if rnd.params else 2, now=utcnow())
                 if ledger is not None:
                     self.membership.budget_pb()
@@ -222,5 +283,6 @@ class RoundRelease:
             client.abort()
             raise
         self.metrics.rounds.labels(outcome="completed").inc()
-        log.info("%s release (round %d) done: sigma %.2f over %d noise shares",
-                 release.name, rnd.number, plan.sigma, plan.n_noise)
+        log.info("%s release (round %d) done: sigma %s over %d noise shares",
+                 release.name, rnd.number, ", ".join(f"{p.sigma:.2f}" for p in plans),
+                 plans[0].n_noise)

@@ -14,15 +14,16 @@ from common.privacy.ledger import LedgerSigner, PrivacyLedger, recovery_hint
 from common.state_lock import StateLock
 from site_agent.agent import SiteAgent
 from site_agent.dp_release import COUNT_STATE_FILE
-from site_agent.hooks import DeterministicTestHook, DpTrainingHook, TrainingHook
 from site_agent.metrics import SiteMetrics
+from site_agent.site_training import DpTrainingHook, TrainingHook
+
+HookFactory = Callable[[SiteSettings], TrainingHook]
+"""How a site agent gets its training from its settings (`build_hook`, or a plug-in's)."""
 
 
 def build_hook(settings: SiteSettings) -> TrainingHook:
-    trainer = settings.training.trainer
-    if trainer == "test-deterministic":
-        return DeterministicTestHook(settings.site, train_seconds=settings.debug_train_seconds)
-    return DpTrainingHook(settings, dp=trainer == "dpsgd")
+    """The site's training on its data: Opacus DP-SGD, or non-private for baselines."""
+    return DpTrainingHook(settings, dp=settings.training.trainer == "dpsgd")
 
 
 def open_ledger(settings: SiteSettings, hook: TrainingHook) -> PrivacyLedger | None:
@@ -73,6 +74,7 @@ def run_site(
     *,
     stop: threading.Event | None = None,
     announce: Callable[[dict[str, Any]], None] | None = None,
+    hook_factory: HookFactory | None = None,
 ) -> int:
     # Ledger, state database and checkpoints: readable by this service only.
     try:
@@ -83,7 +85,8 @@ def run_site(
         ) from exc
     # One agent per state folder: two would fork the ledger (common/state_lock.py).
     with StateLock.acquire(settings.state, role=f"site {settings.site}"):
-        return _run_site(settings, stop=stop, announce=announce)
+        return _run_site(settings, stop=stop, announce=announce,
+                         hook_factory=hook_factory or build_hook)
 
 
 def _run_site(
@@ -91,9 +94,10 @@ def _run_site(
     *,
     stop: threading.Event | None,
     announce: Callable[[dict[str, Any]], None] | None,
+    hook_factory: HookFactory,
 ) -> int:
     metrics = SiteMetrics(settings.site)
-    hook = build_hook(settings)
+    hook = hook_factory(settings)
     metrics.device.labels(device=hook.device).set(1)
     def open_and_attach() -> PrivacyLedger | None:
         ledger = open_ledger(settings, hook)

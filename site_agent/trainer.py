@@ -24,7 +24,8 @@ clipping, with mixed ghost norms for Conv2d (Bu et al. 2022, see
 way. Patient-level steps clip per patient (`site_agent.patient_dp`,
 `site_agent.patient_steps`). The loss follows the task: BCE with logits (binary) or
 cross-entropy (multi-class), `site_agent.task_loss.TaskLoss`.
-Image datasets (`site_agent.imaging.ImageDataset`) are decoded per physical batch.
+The trainer holds one path for tables and images: its records (`site_agent.site_dataset.
+Records`) give it a loader (a table's rows on the device, images decoded per physical batch).
 Large logical batches are split into physical batches with the protocol of Opacus'
 `BatchMemoryManager` (`signal_skip_step`), driven directly from tensor indices: no
 DataLoader, which is most of the per-step cost for a small tabular model
@@ -61,9 +62,9 @@ from site_agent.grad_sample_mode import (
     measure_grad_sample_modes,
     pick_faster_mode,
 )
-from site_agent.imaging import ImageDataset
 from site_agent.patient_dp import PatientSampler
 from site_agent.patient_steps import clipped_patient_sum
+from site_agent.site_dataset import Records
 from site_agent.task_loss import TaskLoss, label_tensor, record_loss_fn
 from site_agent.training_config import PrivacyUnit, TrainingConfig, TrainResult
 
@@ -102,7 +103,7 @@ class LocalTrainer:
     def __init__(
         self,
         model_factory: Callable[[], nn.Module],
-        data: SiteData | ImageDataset,
+        data: Records,
         config: TrainingConfig,
         *,
         seed: int,
@@ -116,13 +117,9 @@ class LocalTrainer:
         self.model = model_factory().to(self.device)
         if len(data) == 0:
             raise DataError("no training records", file=data.source or None)
-        # Tables live on the device whole; images are decoded on access (bounded cache).
-        self._images: ImageDataset | None = None
-        self.features = torch.zeros(0)
-        if isinstance(data, ImageDataset):
-            self._images = data
-        else:
-            self.features = torch.as_tensor(data.features, dtype=torch.float32, device=self.device)
+        # Model inputs of record indices (a table's rows on the device, images decoded).
+        self._inputs = data.loader(self.device)
+        self.record_shape = tuple(data.record_shape)
         self.loss = TaskLoss(config.task)
         self._record_loss = record_loss_fn(config.task)
         self.labels = label_tensor(
@@ -184,13 +181,7 @@ class LocalTrainer:
         self._build_training_objects()
 
     # ----------------------------------------------------------------- setup
-    def _inputs(self, index: torch.Tensor) -> torch.Tensor:
-        """Model inputs of the records at `index` (images decoded from disk on demand)."""
-        if self._images is None:
-            return self.features[index]
-        return self._images.load(index.cpu().numpy()).to(self.device)
-
-    def _choose_unit(self, data: SiteData | ImageDataset) -> PrivacyUnit:
+    def _choose_unit(self, data: Records) -> PrivacyUnit:
         if not self.config.dp:
             return "none"
         wanted = self.config.privacy_unit
@@ -239,7 +230,7 @@ class LocalTrainer:
         nothing here is trained, released or accounted)."""
         requested = self.config.grad_sample_mode
         physical = min(self.config.batch_size, self.config.max_physical_batch_size)
-        shape = (physical, *self._record_shape())
+        shape = (physical, *self.record_shape)
         if requested in ("ghost", "hooks"):
             return GradSampleChoice(
                 mode=requested, source="configured", batch_shape=shape, device=str(self.device)
@@ -261,12 +252,6 @@ class LocalTrainer:
         logger.info("grad_sample_mode auto: %s", choice.describe())
         return choice
 
-    def _record_shape(self) -> tuple[int, ...]:
-        """Shape of one model input (an image's (C, H, W) or a table row's width)."""
-        if self._images is not None:
-            return tuple(self._images.shape)
-        return tuple(self.features.shape[1:])
-
     def _build_distributed(self) -> None:
         """Opacus DPDDP (rank 0's weights broadcast) + the distributed DP optimizers
         (`distributed_dp_objects`): the same Gaussian mechanism as one process."""
@@ -278,7 +263,7 @@ class LocalTrainer:
             world_size=self.world_size,
             batch_shape=(
                 min(self.config.batch_size, self.config.max_physical_batch_size),
-                *self._record_shape(),
+                *self.record_shape,
             ),
             device=str(self.device),
         )
@@ -485,7 +470,7 @@ class LocalTrainer:
         return loss_sum / int(records.numel())
 
     # -------------------------------------------------------------- inference
-    def predict(self, features: np.ndarray | ImageDataset) -> np.ndarray:
+    def predict(self, features: np.ndarray | Records) -> np.ndarray:
         """Scores of the current local model (for held-out evaluation)."""
         return predict_scores(
             self.model,
@@ -498,7 +483,7 @@ class LocalTrainer:
 
 def predict_scores(
     model: nn.Module,
-    features: np.ndarray | ImageDataset,
+    features: np.ndarray | Records,
     *,
     device: torch.device | str = "cpu",
     task: Task = "binary",
@@ -506,20 +491,21 @@ def predict_scores(
 ) -> np.ndarray:
     """Scores in float64: sigmoid [N] for a binary task, softmax [N, K] for multi-class.
 
-    Runs in batches, so an image folder is scored without loading it whole.
+    Runs in batches, so an image folder is scored without loading it whole; a bare
+    feature array is scored as a table's rows.
     """
+    records: Records = (
+        SiteData(features, np.zeros(len(features)), None)
+        if isinstance(features, np.ndarray) else features
+    )
     was_training = model.training
     model.eval()
-    n = len(features)
+    n = len(records)
     parts: list[np.ndarray] = []
     with torch.no_grad():
         for start in range(0, n, batch_size):
             index = np.arange(start, min(n, start + batch_size))
-            if isinstance(features, ImageDataset):
-                x = features.load(index).to(device)
-            else:
-                x = torch.as_tensor(np.asarray(features[index], dtype=np.float32), device=device)
-            logits = model(x)
+            logits = model(records.load(index).to(device))
             if task == "binary":
                 scores = torch.sigmoid(logits.reshape(-1))
             else:

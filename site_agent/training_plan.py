@@ -28,19 +28,14 @@ def fit_batch_size(requested: int, *, units: int) -> int:
     return max(1, min(requested, units // 4))
 
 
-def requested_batch_size(study: Study | None, settings: SiteSettings) -> int:
-    """The expected logical batch: the study's (the contract every site trains by), or
-    without a study the site's own setting."""
-    if study is not None:
-        return study.training.batch_size
-    return settings.training.batch_size
+def requested_batch_size(study: Study) -> int:
+    """The expected logical batch: the study's, the contract every site trains by."""
+    return study.training.batch_size
 
 
-def local_optimizer(study: Study | None, settings: SiteSettings) -> Literal["sgd", "adam"]:
-    """The local optimizer: the study's, or without a study the site's own setting."""
-    if study is not None:
-        return study.training.local_optimizer
-    return settings.training.optimizer
+def local_optimizer(study: Study) -> Literal["sgd", "adam"]:
+    """The local optimizer: the study's."""
+    return study.training.local_optimizer
 
 
 def dp_sgd_budget(budget: float, *, record_level: str, study: Study | None) -> float:
@@ -158,9 +153,9 @@ def joined_grad_sample_choice(
     ):
         return None
     config = TrainingConfig(
-        batch_size=requested_batch_size(study, settings),
+        batch_size=requested_batch_size(study),
         max_physical_batch_size=settings.training.max_physical_batch_size,
-        optimizer=local_optimizer(study, settings),
+        optimizer=local_optimizer(study),
         max_grad_norm=settings.privacy.max_grad_norm,
         dp=True, privacy_unit="record", device=device,
         task=study.study.task, num_classes=len(study.study.classes),

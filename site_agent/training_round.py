@@ -28,12 +28,12 @@ from common.study import GlobalStatistics
 from site_agent import dp_release
 from site_agent import hospital as hospital_round
 from site_agent.connection import Heartbeats
-from site_agent.hooks import LocalUpdate, TrainingHook
 from site_agent.membership import Membership, utcnow
 from site_agent.metrics import SiteMetrics
 from site_agent.phases import SecAggPhases
 from site_agent.releases import EvaluationRelease, refuse_recorded_round
 from site_agent.round_timeline import RoundTimeline
+from site_agent.site_training import LocalUpdate, TrainingHook
 from site_agent.transfers import ModelDownload, write_debug_update
 
 log = logging.getLogger("medfed.site")

@@ -8,16 +8,17 @@ what the query would release and cost, releasing nothing. Registered through the
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from common.analytics.check import check_query
-from common.analytics.query import draft_query, load_query
+from common.analytics.query import draft_query
 from common.errors import ConfigError
 from common.study import load_study
+
+QUERY_COMMAND_GROUP = "medfed.query_commands"
 
 
 def register(subparsers: Any) -> None:
@@ -40,17 +41,16 @@ def register(subparsers: Any) -> None:
                       help="total epsilon, split evenly over the drafted statistics")
     init.set_defaults(func=_init)
 
-    check = actions.add_parser(
-        "check", help="run a query offline on this site's file: cohort size, what would be "
-        "released, the epsilon it costs (releases nothing)")
-    check.add_argument("--study", required=True, type=Path)
-    check.add_argument("--query", required=True, type=Path)
-    check.add_argument("--data", required=True, type=Path, help="this site's CSV or Parquet")
-    check.add_argument("--json", action="store_true", help="one JSON object")
-    check.set_defaults(func=_check)
-
-    # `medfed query run` (the operator asks the coordinator to run an approved query as
-    # a round of its own) is added here, after `check`, as one more `actions` parser.
+    # `medfed query check` (a site's own file) and `medfed query run` (the operator asks
+    # the coordinator to run an approved query as a round of its own) live with the site
+    # agent and the coordinator: plug-ins of this group, absent from an image without
+    # their package.
+    for plugin in sorted(entry_points(group=QUERY_COMMAND_GROUP), key=lambda e: e.name):
+        try:
+            plugin.load()(actions)
+        except ModuleNotFoundError as exc:
+            if exc.name != plugin.value.split(":", 1)[0].split(".", 1)[0]:
+                raise
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -70,20 +70,6 @@ def _init(args: argparse.Namespace) -> int:
     print(f"wrote {out}: query {args.name!r} against study {study.study.name!r}; edit it, "
           f"then `medfed query check --study {args.study} --query {out} --data FILE`")
     return 0
-
-
-def _check(args: argparse.Namespace) -> int:
-    from site_agent.data import load_study_table
-
-    study = load_study(args.study)
-    query = load_query(args.query, study=study)
-    table = load_study_table(args.data, study)
-    report = check_query(query, table, study=study, policy_or_none=None)
-    if args.json:
-        print(json.dumps(report.to_json(), sort_keys=True))
-    else:
-        print(report.render())
-    return 0 if report.ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -102,6 +102,7 @@ from common.privacy.signed import (
     PRIVACY_UNITS,
     LedgerSigner,
     LedgerTerms,
+    QueryRef,
     SignedEntry,
     SignedHistory,
     utc_timestamp,
@@ -376,8 +377,10 @@ class PrivacyLedger:
         *,
         now: datetime,
         purpose: str = Purpose.TRAINING,
+        query: QueryRef | None = None,
     ) -> SignedEntry:
         """Commit this release's spend BEFORE it leaves the site (write-ahead).
+        A "query" entry names its query (`query`), no other entry does.
 
         One transaction: checks the budget, appends the signed, chained entry, moves the
         header's count and head hash; then the anchor is rewritten. Raises
@@ -392,6 +395,8 @@ class PrivacyLedger:
         if purpose not in PURPOSES:
             raise ConfigError("purpose", f"must be one of {PURPOSES}, got {purpose!r}")
         purpose = Purpose(purpose).value  # stored as its plain value
+        if (query is not None) != (purpose == Purpose.QUERY):
+            raise ConfigError("query", "a query entry, and only one, names its query")
         mechanisms = tuple(mechanisms)
         if not mechanisms or not all(isinstance(m, MECHANISM_TYPES) for m in mechanisms):
             raise ConfigError("mechanisms", "a reservation needs at least one mechanism")
@@ -401,7 +406,7 @@ class PrivacyLedger:
         _check_writable(self.path)
         with _guard(self.path, "recording a spend"), self._open() as conn, _transaction(conn):
             entry, entries = self._reserve_locked(
-                conn, round_number, purpose, mechanisms, created_at
+                conn, round_number, purpose, mechanisms, created_at, query=query
             )
         self._write_anchor(entries)
         return entry
@@ -413,6 +418,8 @@ class PrivacyLedger:
         purpose: str,
         mechanisms: tuple[Mechanism, ...],
         created_at: str,
+        *,
+        query: QueryRef | None = None,
     ) -> tuple[SignedEntry, list[SignedEntry]]:
         signer = self.signer
         if signer is None:
@@ -420,7 +427,8 @@ class PrivacyLedger:
         entries = _read_entries(conn)
         for existing in entries:
             if existing.round == round_number and existing.purpose == purpose:
-                if mechanisms_to_json(existing.mechanisms) == mechanisms_to_json(mechanisms):
+                if (mechanisms_to_json(existing.mechanisms) == mechanisms_to_json(mechanisms)
+                        and existing.query == query):
                     return existing, entries
                 raise StateError(
                     f"round {round_number} ({purpose}) is already reserved with different "
@@ -445,6 +453,7 @@ class PrivacyLedger:
                 created_at=created_at,
                 prev_hash=header.head_hash,
                 cert_sha256=signer.cert_sha256,
+                query=query,
             )
         )
         self._store_certificate(conn)

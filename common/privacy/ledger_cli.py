@@ -80,6 +80,7 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
                 "status": entry.status,
                 "entry_hash": entry.entry_hash,
                 "signed": bool(entry.signature),
+                **({"query": entry.query.to_json_dict()} if entry.query is not None else {}),
             }
         )
         previous = entry.epsilon_after
@@ -102,6 +103,12 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
             for purpose, pairs in sorted(by_purpose.items())
         },
         "entries": rows,
+        # The approved queries answered, by name (each entry also in `entries`).
+        "queries": [
+            {**entry.query.to_json_dict(), "round": entry.round,
+             "epsilon_increase": row["epsilon_increase"]}
+            for entry, row in zip(entries, rows, strict=True) if entry.query is not None
+        ],
         "head_hash": header.head_hash,
         "warnings": ledger_notes(path),
         **_guarantees(header, entries),
@@ -243,6 +250,11 @@ def _print_ledger(summary: dict[str, Any]) -> None:
         print(f"  {purpose:<11} {epsilon:.4f} (alone; purposes compose, they do not add)")
     if "hospital_level_epsilon" in summary:
         _print_hospital_figures(summary)
+    if summary["queries"]:
+        print("queries answered")
+        for query in summary["queries"]:
+            print(f"  {query['name']} (round {query['round']}, +epsilon "
+                  f"{query['epsilon_increase']:.4f}, sha256 {query['sha256'][:16]}...)")
     print(f"head hash     {summary['head_hash']}")
     print()
     print(
@@ -254,6 +266,8 @@ def _print_ledger(summary: dict[str, Any]) -> None:
             f"{row['seq']:>4} {row['round']:>6} {row['purpose']:<10} "
             f"{row['epsilon_increase']:>9.4f} {row['epsilon_after']:>9.4f}  {row['created_at']}"
         )
+        if "query" in row:
+            print(f"{'':>33}query {row['query']['name']} (sha256 {row['query']['sha256']})")
         for raw in row["mechanisms"]:
             print(f"{'':>33}{describe(mechanism_from_json_dict(raw))}")
 

@@ -19,6 +19,7 @@ class Purpose(StrEnum):
     EVALUATION = "evaluation"  # the held-out score histogram of a model round
     STATISTICS = "statistics"  # the study's once-per-study preprocessing statistics
     COUNT = "count"  # the site's one DP cohort count (numbered on its own)
+    QUERY = "query"  # an approved analytics query's answer (its entry names the query)
 
 
 PURPOSES: Final = tuple(p.value for p in Purpose)

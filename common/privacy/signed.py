@@ -128,6 +128,36 @@ def _hex64(name: str, value: object) -> str:
     return text
 
 
+MAX_QUERY_NAME: Final = 64
+_QUERY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+@dataclass(frozen=True)
+class QueryRef:
+    """The approved query a "query" ledger entry answered: its name and the SHA-256 of
+    its canonical bytes (what the site approved, `medfed site approve`)."""
+
+    name: str
+    sha256: str
+
+    def __post_init__(self) -> None:
+        if _QUERY_NAME.fullmatch(self.name) is None:
+            raise ConfigError("query.name", "must be 1-64 letters, digits, '.', '_' or '-', "
+                              f"got {self.name[:80]!r}")
+        if _HEX64.fullmatch(self.sha256) is None:
+            raise ConfigError("query.sha256", "must be a lower-case hex SHA-256")
+
+    def to_json_dict(self) -> dict[str, str]:
+        return {"name": self.name, "sha256": self.sha256}
+
+    @classmethod
+    def from_json_dict(cls, raw: object) -> QueryRef:
+        if not isinstance(raw, dict) or set(raw) != {"name", "sha256"}:
+            raise ConfigError("query", "must be an object with exactly name and sha256")
+        return cls(name=_text("query.name", raw["name"]),
+                   sha256=_text("query.sha256", raw["sha256"]))
+
+
 @dataclass(frozen=True)
 class SignedEntry:
     """One ledger entry: the mechanisms released for `round` and `purpose`, signed."""
@@ -143,10 +173,13 @@ class SignedEntry:
     prev_hash: str
     cert_sha256: str
     signature: bytes = b""
+    # A "query" entry names the approved query it answered (`QueryRef`); None for
+    # every other purpose, whose body is then exactly as it always was.
+    query: QueryRef | None = None
 
     def body(self) -> dict[str, Any]:
         """Everything the signature covers (all fields but the signature)."""
-        return {
+        body: dict[str, Any] = {
             "site_id": self.site_id,
             "seq": self.seq,
             "round": self.round,
@@ -158,6 +191,9 @@ class SignedEntry:
             "prev_hash": self.prev_hash,
             "cert_sha256": self.cert_sha256,
         }
+        if self.query is not None:
+            body["query"] = self.query.to_json_dict()
+        return body
 
     def body_bytes(self) -> bytes:
         return canonical_json(self.body())
@@ -196,8 +232,9 @@ class SignedEntry:
             "accountant_used", "created_at", "prev_hash", "cert_sha256", "entry_hash",
             "signature",
         }
-        if set(raw) != expected:
-            raise ConfigError("entry", f"needs exactly the fields {sorted(expected)}")
+        if set(raw) - {"query"} != expected:
+            raise ConfigError("entry", f"needs exactly the fields {sorted(expected)} "
+                              "(and, for a query entry, query)")
         mechanisms_raw = raw["mechanisms"]
         if not isinstance(mechanisms_raw, list) or not mechanisms_raw:
             raise ConfigError("mechanisms", "must be a non-empty list")
@@ -220,7 +257,11 @@ class SignedEntry:
             prev_hash=_hex64("prev_hash", raw["prev_hash"]),
             cert_sha256=_hex64("cert_sha256", raw["cert_sha256"]),
             signature=signature,
+            query=QueryRef.from_json_dict(raw["query"]) if "query" in raw else None,
         )
+        if (entry.query is not None) != (purpose == "query"):
+            raise ConfigError("query", f"entry seq={entry.seq}: a query entry, and only one, "
+                              "names its query")
         if raw["entry_hash"] != entry.entry_hash:
             raise ConfigError("entry_hash", f"entry seq={entry.seq}: does not match its fields")
         return entry

@@ -59,12 +59,10 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
-from common.crypto.aead import seal, share_associated_data
 from common.crypto.kdf import KdfInfo, hkdf_sha256
 from common.crypto.keyagreement import X25519KeyPair, derive_key, generate_keypair
-from common.crypto.prg import apply_masks
 from common.crypto.random import RandomSource
-from common.crypto.shamir import SECRET_BYTES, split_secrets
+from common.crypto.shamir import SECRET_BYTES
 from common.crypto.signing import SigningKey, VerifyingKey
 from common.errors import (
     AbortReason,
@@ -83,11 +81,11 @@ from common.secagg.checks import (
     relayed_signatures,
 )
 from common.secagg.graph import NeighbourGraph, neighbour_graph
+from common.secagg.masking import agree, encrypted_shares, mask_input, prepared_mask
 from common.secagg.messages import (
     AdvertiseKeys,
     ConsistencySignature,
     ConsistencySignatures,
-    EncryptedShare,
     MaskedInput,
     Message,
     RevealedShare,
@@ -335,44 +333,16 @@ class SecAggClient:
                 AbortReason.BAD_SIGNATURE,
             )
         neighbours = self._graph[self.site_id]
-
         seed = self._rng(SECRET_BYTES)
-        holders = sorted((*neighbours, self.site_id))
-        shares = split_secrets(
-            [seed, masking_keys.private_key],
-            threshold=self.params.threshold,
-            xs=[self._x[site] for site in holders],
-            rng=self._rng,
+        own, self._share_keys, out = encrypted_shares(
+            (seed, masking_keys.private_key), site_id=self.site_id,
+            holders=sorted((*neighbours, self.site_id)), xs=self._x,
+            encryption_private_key=encryption_keys.private_key,
+            encryption_public_keys={h: self._roster[h].encryption_public_key for h in neighbours},
+            threshold=self.params.threshold, round_number=self.params.round_number,
+            session_id=self._session_id, rng=self._rng,
         )
-        out: list[EncryptedShare] = []
-        for holder, (seed_share, key_share) in zip(holders, shares):
-            if holder == self.site_id:
-                self._own_shares = (seed_share, key_share)
-                continue
-            key = self._agree(
-                encryption_keys.private_key,
-                self._roster[holder].encryption_public_key,
-                KdfInfo.SHARE_ENCRYPTION_KEY,
-            )
-            # The same key decrypts what this neighbour sends us (derive_key is
-            # symmetric): keep it rather than redoing the X25519 + HKDF next phase.
-            self._share_keys[holder] = key
-            out.append(
-                EncryptedShare(
-                    peer_site_id=holder,
-                    ciphertext=seal(
-                        key,
-                        seed_share + key_share,
-                        associated_data=share_associated_data(
-                            sender=self.site_id,
-                            recipient=holder,
-                            round_number=self.params.round_number,
-                            session_id=self._session_id,
-                        ),
-                        rng=self._rng,
-                    ),
-                )
-            )
+        self._own_shares = (own[0], own[1])
         self._self_mask_seed = self_mask_seed(seed, session=self._session_id)
         self.peers = {peer: PeerState(PeerStatus.AWAITING_SHARES) for peer in neighbours}
         self._tracker.advance(Phase.SHARE_KEYS)
@@ -402,26 +372,15 @@ class SecAggClient:
                 )
             except CryptoError:
                 continue  # receive_shares aborts if this peer's shares arrive
-        mask = np.zeros(self.params.vector_length, dtype=np.uint32)
-        add, subtract = self._signed(seeds, list(seeds))
-        apply_masks(mask, add=[self._self_mask_seed, *add], subtract=subtract)
-        self._premask, self._premasked = mask, seeds
-
-    def _signed(self, seeds: dict[str, bytes], peers: list[str]) -> tuple[
-        list[bytes], list[bytes]
-    ]:
-        """(add, subtract): +PRG(s_uv) where u < v, -PRG(s_uv) where u > v."""
-        add = [seeds[peer] for peer in peers if self.site_id < peer]
-        return add, [seeds[peer] for peer in peers if self.site_id > peer]
+        self._premask = prepared_mask(self.site_id, self_mask_seed=self._self_mask_seed,
+                                      seeds=seeds, vector_length=self.params.vector_length)
+        self._premasked = seeds
 
     # --------------------------------------------------------- phase 3: MaskedInput
     @_aborts_on_failure
     def receive_shares(self, message: SharesForRecipient, input_vector: np.ndarray) -> MaskedInput:
-        """Decrypt neighbours' shares, then mask `input_vector` IN PLACE and return it.
-
-        y_u = x_u + PRG(b_u) + sum_{v in N(u) alive, u < v} PRG(s_uv)
-                             - sum_{v in N(u) alive, u > v} PRG(s_uv)   (mod 2^32)
-        """
+        """Decrypt neighbours' shares, then mask `input_vector` IN PLACE and return it
+        (`common.secagg.masking.mask_input`)."""
         self._tracker.require(Phase.SHARE_KEYS, "shares")
         check_input_vector(input_vector, length=self.params.vector_length)
         _, masking_keys = self._keys()
@@ -456,20 +415,8 @@ class SecAggClient:
             else:
                 state.status, state.dropped_in = PeerStatus.DROPPED, Phase.SHARE_KEYS
         self._held_shares = received
-        if premask is None:
-            add, subtract = self._signed(seeds, sorted(received))
-            apply_masks(input_vector, add=[self._self_mask_seed, *add], subtract=subtract)
-        else:
-            # The prepared masks cover the self mask and every neighbour in
-            # `premasked`: add them, then the alive neighbours left out there, and
-            # take out the neighbours that sent no shares (opposite signs).
-            np.add(input_vector, premask, out=input_vector)
-            missing = [peer for peer in sorted(received) if peer not in premasked]
-            gone = [peer for peer in sorted(premasked) if peer not in received]
-            add, subtract = self._signed(seeds, missing)
-            undo_add, undo_subtract = self._signed(premasked, gone)
-            apply_masks(input_vector, add=[*add, *undo_subtract],
-                        subtract=[*subtract, *undo_add])
+        mask_input(input_vector, site_id=self.site_id, self_mask_seed=self._self_mask_seed,
+                   seeds=seeds, received=received, premask=premask, premasked=premasked)
         self._tracker.advance(Phase.MASKED_INPUT)
         return MaskedInput(vector=input_vector)
 
@@ -581,12 +528,7 @@ class SecAggClient:
         return self._encryption_keys, self._masking_keys
 
     def _agree(self, private_key: bytes, peer_public_key: bytes, info: KdfInfo) -> bytes:
-        try:
-            return derive_key(private_key, peer_public_key, session_id=self._session_id, info=info)
-        except CryptoError:
-            # A low-order public key (only a malicious, yet validly signing, peer can
-            # send one) makes the agreed secret predictable: refuse the round.
-            raise ProtocolAbort(AbortReason.DECRYPTION_FAILED, "key agreement failed") from None
+        return agree(private_key, peer_public_key, session_id=self._session_id, info=info)
 
     def _verify(self, site: str, message: bytes, signature: bytes, reason: AbortReason) -> None:
         """Check `site`'s signature with the key of its roster certificate.

@@ -17,7 +17,7 @@ from common.privacy import hospital
 from common.round import KIND_HOSPITAL, Announcement, validate_for_site
 from coordinator import hospital_sum
 from site_agent import hospital as site_hospital
-from site_agent.hooks import LocalUpdate
+from site_agent.site_training import LocalUpdate
 
 DIM = 300
 SITES = ("alpha", "beta", "gamma")

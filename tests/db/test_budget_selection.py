@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.transport_site import DeterministicTestHook
 from common import pki
 from common.config import SiteSettings
 from common.errors import StateError, ValidationError
@@ -24,13 +25,13 @@ from common.privacy.budget import BudgetReport
 from common.privacy.federation import FederationBudgetView
 from common.privacy.ledger import LedgerSigner, PrivacyLedger, verify_ledger
 from common.proto.medfed.v1 import federation_pb2 as pb
+from common.round import RoundPlan
 from common.wire import budget_from_pb
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.store import CoordinatorStore
 from site_agent.agent import SiteAgent
 from site_agent.dp_release import evaluation_mechanism
-from site_agent.hooks import DeterministicTestHook, RoundPlan
 from site_agent.metrics import SiteMetrics
 from tests.network.conftest import InProcessCoordinator, PkiLayout, coordinator_settings
 
@@ -191,7 +192,7 @@ def _agent(
 ) -> SiteAgent:
     settings = SiteSettings(
         pki=pki_layout.root, site=site, coordinator=address, metrics_listen="127.0.0.1:0",
-        state=state, training={"trainer": "test-deterministic"},
+        state=state,
         reconnect={"initial_backoff_seconds": 0.1, "max_backoff_seconds": 0.5},
     )
     hook = LedgerTestHook(site) if ledger is not None else DeterministicTestHook(site)

@@ -23,6 +23,12 @@ from common.processes import ManagedProcess, medfed_argv
 REPO = Path(__file__).resolve().parents[2]
 
 
+def transport_site_argv(*args: str) -> list[str]:
+    """argv of `medfed` with the transport benchmarks' deterministic site double
+    (`bench.transport_site`: `site run` takes every flag of the product's)."""
+    return [sys.executable, "-m", "bench.transport_site", *args]
+
+
 def run_medfed(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(medfed_argv(*args), check=True, capture_output=True, text=True,
                           cwd=REPO)
@@ -79,10 +85,10 @@ class Federation:
     def start_site(self, site: str, *extra: str) -> ManagedProcess:
         proc = ManagedProcess(
             site,
-            medfed_argv("site", "run", "--pki", str(self.pki), "--site", site,
-                   "--coordinator", f"127.0.0.1:{self.port}", "--metrics-listen", "127.0.0.1:0",
-                   "--state", str(self.root / "sites" / site), "--trainer", "test-deterministic",
-                   "--debug-write-updates", *extra),
+            transport_site_argv(
+                "site", "run", "--pki", str(self.pki), "--site", site,
+                "--coordinator", f"127.0.0.1:{self.port}", "--metrics-listen", "127.0.0.1:0",
+                "--state", str(self.root / "sites" / site), "--debug-write-updates", *extra),
             env=self.env, log_dir=self.logs, cwd=REPO,
         )
         self.site_procs[site] = proc

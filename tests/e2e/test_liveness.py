@@ -24,9 +24,9 @@ HEARTBEAT_SECONDS = 2.0
 LIVENESS = ("--phase-seconds", "30", "--train-seconds", "120", "--selection-seconds", "0.5",
             "--model-dim", "5000", "--min-sites", "5", "--rounds", "1",
             "--heartbeat-seconds", str(HEARTBEAT_SECONDS))
-# Every site "trains" for a few seconds (test-deterministic trainer): the window in
+# Every site "trains" for a few seconds (bench.transport_site's double): the window in
 # which the test stops one of them.
-TRAINING = {"MEDFED_SITE_DEBUG_TRAIN_SECONDS": "3"}
+TRAINING = {"MEDFED_TRANSPORT_TRAIN_SECONDS": "3"}
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 
 from common.pki import init_ca, issue_site
 from common.processes import ManagedProcess, medfed_argv
-from tests.e2e.harness import REPO, Federation, make_pki
+from tests.e2e.harness import REPO, Federation, make_pki, transport_site_argv
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -90,10 +90,9 @@ def _site_failing_tls(fed: Federation, name: str, *, pki: Path,
     """site-a of `pki` dialling `coordinator`, giving up after 3 TLS failures."""
     return ManagedProcess(
         f"site-a-{name}",
-        medfed_argv("site", "run", "--pki", str(pki), "--site", "site-a",
-                    "--coordinator", coordinator, "--metrics-listen", "127.0.0.1:0",
-                    "--state", str(fed.root / f"{name}-site"),
-                    "--trainer", "test-deterministic"),
+        transport_site_argv("site", "run", "--pki", str(pki), "--site", "site-a",
+                            "--coordinator", coordinator, "--metrics-listen", "127.0.0.1:0",
+                            "--state", str(fed.root / f"{name}-site")),
         env={"MEDFED_SITE_RECONNECT__MAX_TLS_FAILURES": "3",
              "MEDFED_SITE_RECONNECT__MAX_BACKOFF_SECONDS": "1"},
         log_dir=fed.logs, cwd=REPO,
@@ -152,10 +151,10 @@ def test_an_expired_site_certificate_stops_the_agent_naming_it(federation: Feder
     pki = federation.root / "old-pki"  # a CA still valid, that issued a 1-day certificate
     init_ca(pki, validity_days=3650, now=long_ago)
     issue_site(pki, "site-old", validity_days=1, now=long_ago)
-    result = run(medfed_argv(
+    result = run(transport_site_argv(
         "site", "run", "--pki", str(pki), "--site", "site-old",
         "--coordinator", "127.0.0.1:9", "--metrics-listen", "127.0.0.1:0",
-        "--state", str(federation.root / "old-site"), "--trainer", "test-deterministic",
+        "--state", str(federation.root / "old-site"),
     ))
     assert result.returncode != 0
     assert "site-old.crt" in result.stderr and "expired" in result.stderr

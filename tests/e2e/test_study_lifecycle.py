@@ -85,7 +85,7 @@ def test_status_during_and_after_a_study_that_stays_up(federation: Federation) -
     assert states == {site: "in_round" for site in SITES}
     for site in during["sites"]:  # type: ignore[attr-defined]
         assert site["last_contact_seconds_ago"] is not None
-        assert site["epsilon_budget"] == 0  # test-deterministic trainer: no DP ledger
+        assert site["epsilon_budget"] == 0  # the deterministic double: no DP ledger
 
     coordinator.wait_log("all 1 rounds done", timeout=180)
     # Sites hear "finished" and exit 0 while the coordinator stays up.

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.transport_site import DeterministicTestHook
 from common import pki, wire
 from common.codec import CHUNK_BYTES, iter_chunks
 from common.config import CoordinatorSettings, SiteSettings
@@ -38,7 +39,6 @@ from common.secagg.client import SecAggClient
 from coordinator.engine import RoundEngine
 from coordinator.service import RunningCoordinator, start
 from site_agent.agent import SiteAgent
-from site_agent.hooks import DeterministicTestHook
 from site_agent.metrics import SiteMetrics
 
 HONEST_SITES = ("a", "b", "c", "d", "e", "f")
@@ -358,7 +358,6 @@ def honest_sites(
                 coordinator=address,
                 metrics_listen="127.0.0.1:0",
                 state=state,
-                training={"trainer": "test-deterministic"},
                 debug_write_updates=True,
                 reconnect={"initial_backoff_seconds": 0.1, "max_backoff_seconds": 0.5},
             )

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from common.processes import ManagedProcess, medfed_argv
-from tests.e2e.harness import REPO
+from tests.e2e.harness import REPO, transport_site_argv
 from tests.e2e.liveness import assert_liveness_bound
 from tests.network.conftest import read_aggregate, ring_sum
 from tests.network.test_netns import COORDINATOR_IP, build_topology, in_ns, ip, make_pki
@@ -27,9 +27,9 @@ pytestmark = pytest.mark.timeout(600)
 SITES = ("site-a", "site-b", "site-c", "site-d")
 VICTIM = "site-b"
 HEARTBEAT_SECONDS = 2.0
-# Every site "trains" for a few seconds (test-deterministic trainer): the window in
-# which its link goes down.
-SITE_ENV = {"MEDFED_SITE_DEBUG_TRAIN_SECONDS": "3"}
+# Every site "trains" for a few seconds (the deterministic double of
+# bench.transport_site): the window in which its link goes down.
+SITE_ENV = {"MEDFED_TRANSPORT_TRAIN_SECONDS": "3"}
 
 
 @pytest.mark.parametrize("moment", ["training", "upload"])
@@ -61,12 +61,12 @@ def test_a_site_whose_link_goes_down_mid_round_is_dropped(tmp_path: Path, moment
             for site in SITES:
                 processes[site] = ManagedProcess(
                     site,
-                    in_ns(topology.site_ns[site], *medfed_argv(
+                    in_ns(topology.site_ns[site], *transport_site_argv(
                         "site", "run", "--pki", str(pki_dir), "--site", site,
                         "--coordinator", f"{COORDINATOR_IP}:{port}",
                         "--metrics-listen", "127.0.0.1:0",
                         "--state", str(tmp_path / "sites" / site),
-                        "--trainer", "test-deterministic", "--debug-write-updates",
+                        "--debug-write-updates",
                         *(victim_args if site == VICTIM else ()),
                     )),
                     env=SITE_ENV, log_dir=logs, cwd=REPO,

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from common.processes import ManagedProcess, medfed_argv
-from tests.e2e.harness import REPO, run_medfed
+from tests.e2e.harness import REPO, run_medfed, transport_site_argv
 from tests.network.conftest import read_aggregate, ring_sum
 
 pytestmark = pytest.mark.timeout(120)
@@ -164,11 +164,11 @@ def test_secure_round_between_network_namespaces(topology: Topology, tmp_path: P
         for site in SITES:
             processes.append(ManagedProcess(
                 site,
-                in_ns(topology.site_ns[site], *medfed_argv(
+                in_ns(topology.site_ns[site], *transport_site_argv(
                     "site", "run", "--pki", str(pki_dir), "--site", site,
                     "--coordinator", f"{COORDINATOR_IP}:{port}",
                     "--metrics-listen", "127.0.0.1:0", "--state", str(tmp_path / "sites" / site),
-                    "--trainer", "test-deterministic", "--debug-write-updates",
+                    "--debug-write-updates",
                 )),
                 log_dir=logs, cwd=REPO,
             ))

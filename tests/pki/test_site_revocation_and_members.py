@@ -15,11 +15,11 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
+from bench.transport_site import DeterministicTestHook
 from common import pki
-from common.config import LocalTrainingSection, SitePolicySection, SiteSettings
+from common.config import SitePolicySection, SiteSettings
 from common.errors import AbortReason, CertificateRejected, PkiError, ProtocolAbort, RoundFailed
 from site_agent.agent import SiteAgent
-from site_agent.hooks import DeterministicTestHook
 from site_agent.metrics import SiteMetrics
 from site_agent.revocation import SiteRevocation
 
@@ -40,7 +40,6 @@ def agent_for(
 ) -> SiteAgent:
     settings = SiteSettings(
         pki=directory, site=site, coordinator="127.0.0.1:1", state=tmp_path / "state",
-        training=LocalTrainingSection(trainer="test-deterministic"),
         policy=SitePolicySection(members=members),
     )
     return SiteAgent(settings, DeterministicTestHook(site), metrics=SiteMetrics(site),

@@ -22,7 +22,7 @@ from common.privacy import hospital
 from common.round import Announcement, validate_for_site
 from coordinator import hospital_sum
 from site_agent import hospital as site_hospital
-from site_agent.hooks import LocalUpdate
+from site_agent.site_training import LocalUpdate
 from tests.privacy.test_intermediaries_guards import _announcement, _forged_words
 
 SITES = ("alpha", "beta", "mallory")

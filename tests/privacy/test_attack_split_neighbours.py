@@ -151,8 +151,8 @@ def test_the_split_key_is_in_nothing_a_site_sends() -> None:
         for p in (root / folder).rglob("*.py")
         if "site_split_key(" in p.read_text(encoding="utf-8")
     )
-    assert readers == ["site_agent/distributed_train.py", "site_agent/hooks.py",
-                       "site_agent/training_data.py", "site_agent/unit_split.py"]
+    assert readers == ["site_agent/distributed_train.py", "site_agent/site_dataset.py",
+                       "site_agent/site_training.py", "site_agent/unit_split.py"]
 
 
 def test_a_study_table_without_patient_column_splits_by_its_values_as_read(
@@ -164,7 +164,7 @@ def test_a_study_table_without_patient_column_splits_by_its_values_as_read(
     from common.config import SiteSettings
     from common.study import study_from_mapping
     from site_agent.data import load_study_table
-    from site_agent.training_data import encode_study_table
+    from site_agent.site_dataset import encode_study_table
     from tests.study.helpers import noiseless_statistics, study_mapping, write_hospital_csv
 
     mapping = study_mapping(unit="record")

@@ -32,7 +32,8 @@ from coordinator.training_round import stored_intermediaries
 from site_agent import dp_release
 from site_agent import hospital as site_hospital
 from site_agent.datacheck import site_policy
-from site_agent.hooks import DpTrainingHook, LocalUpdate
+from site_agent.site_dataset import TableDataset
+from site_agent.site_training import DpTrainingHook, LocalUpdate
 from tests.privacy.conftest import Pki
 from tests.study.helpers import noiseless_statistics, study_mapping, write_hospital_csv
 
@@ -281,13 +282,13 @@ def _joined_hospital_site(tmp_path: Path, study: Study, pki_material: Pki,
     settings = SiteSettings(
         site="hospital-a", coordinator="127.0.0.1:9", state=tmp_path, pki=tmp_path,
         data={"path": data},  # type: ignore[arg-type]
-        training={"device": "cpu", "batch_size": 16, "seed": 3},  # type: ignore[arg-type]
+        training={"device": "cpu", "seed": 3},  # type: ignore[arg-type]
         privacy={"delta": 1e-3, "privacy_unit": "hospital"},  # type: ignore[arg-type]
     )
     hook = DpTrainingHook(settings, dp=True)
     hook.join_study(study, site_policy(settings))
-    assert hook.table is not None
-    hook.set_statistics(noiseless_statistics(study, hook.table))
+    assert isinstance(hook.dataset, TableDataset)
+    hook.set_statistics(noiseless_statistics(study, hook.dataset.table))
     (tmp_path / dp_release.COUNT_STATE_FILE).write_text(
         json.dumps({"noisy_count": noisy_count, "noise_std": 34.0, "ledger_round": 0}))
     ledger = PrivacyLedger(tmp_path / "l.db", site_id="hospital-a", budget_epsilon=8.0,

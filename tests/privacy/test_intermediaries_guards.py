@@ -30,7 +30,7 @@ from common.round import Announcement, validate_for_site
 from coordinator import hospital_sum
 from coordinator.aggregation import DecodedSum
 from site_agent import hospital as site_hospital
-from site_agent.hooks import LocalUpdate
+from site_agent.site_training import LocalUpdate
 
 SITES = ("alpha", "beta", "mallory")
 DIM, Z, CLIP, V = 400, 0.3, 0.5, 8

@@ -29,7 +29,8 @@ from common.round import RoundPlan
 from common.study import Study, study_from_mapping
 from site_agent import dp_release
 from site_agent.datacheck import site_policy
-from site_agent.hooks import DpTrainingHook
+from site_agent.site_dataset import TableDataset
+from site_agent.site_training import DpTrainingHook
 from tests.privacy.conftest import Pki
 from tests.study.helpers import noiseless_statistics, study_mapping, write_hospital_csv
 
@@ -56,7 +57,7 @@ def settings_for(tmp_path: Path, data: Path) -> SiteSettings:
         tls_cert=tmp_path / "s.crt",
         tls_key=tmp_path / "s.key",
         data={"path": data},  # type: ignore[arg-type]
-        training={"device": "cpu", "batch_size": 32},  # type: ignore[arg-type]
+        training={"device": "cpu"},  # type: ignore[arg-type]
         policy={"planned_rounds": 2},  # type: ignore[arg-type]
     )
 
@@ -101,7 +102,8 @@ def test_dp_sgd_beneath_hospital_level_writes_both_and_reports_both(
     settings = settings_for(tmp_path, data)
     hook = DpTrainingHook(settings, dp=True)
     hook.join_study(study, site_policy(settings))
-    hook.set_statistics(noiseless_statistics(study, hook.table))
+    assert isinstance(hook.dataset, TableDataset)
+    hook.set_statistics(noiseless_statistics(study, hook.dataset.table))
     assert hook.privacy_unit == "hospital" and hook.dp_sgd and hook.record_level == "record"
     ledger = PrivacyLedger(tmp_path / "ledger.db", site_id="hospital-a", budget_epsilon=8.0,
                            delta=DELTA, privacy_unit="hospital", signer=pki_material.signer_a)

@@ -19,7 +19,7 @@ from common.privacy.mechanisms import Gaussian, Segment
 from common.round import RoundPlan
 from site_agent import dp_release
 from site_agent.datacheck import site_policy
-from site_agent.hooks import DpTrainingHook
+from site_agent.site_training import DpTrainingHook
 from tests.privacy.conftest import Pki
 
 NOW = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bench.transport_site import DeterministicTestHook
 from common import egress, pki
 from common.bundle import ModelBundle, bundle_bytes, bundle_size_limit
 from common.config import SitePolicySection, SiteSettings
@@ -50,7 +51,6 @@ from common.study import (
 )
 from site_agent.agent import SiteAgent
 from site_agent.data import load_study_table
-from site_agent.hooks import DeterministicTestHook
 from site_agent.metrics import SiteMetrics
 from tests.study.deviating_coordinator import DeviatingStudyCoordinator
 from tests.study.helpers import (

@@ -12,7 +12,7 @@ from common.errors import ConfigError
 from common.study import load_study
 from coordinator.study_run import StudyRun
 from site_agent.datacheck import site_policy
-from site_agent.hooks import DpTrainingHook
+from site_agent.site_training import DpTrainingHook
 from tests.study.helpers import hospital_study
 
 
@@ -98,3 +98,21 @@ def test_a_site_config_with_the_old_split_seed_says_the_split_is_keyed_now(
     with pytest.raises(ConfigError, match=r"site-split\.key.*remove split_seed") as err:
         _site(tmp_path, path=tmp_path / "own.csv", split_seed=0)
     assert err.value.field == "data"
+
+
+@pytest.mark.parametrize(("setting", "value", "study_field"), [
+    ("batch_size", 64, r"\[training\] batch_size"),
+    ("optimizer", "adam", r"\[training\] local_optimizer"),
+])
+def test_a_site_batch_size_or_optimizer_is_refused_naming_the_study_field(
+    tmp_path: Path, setting: str, value: object, study_field: str
+) -> None:
+    """The study's batch and local optimizer are what every site trains by: a site
+    setting for either could never take effect, so loading it says which field decides."""
+    config = tmp_path / "site.toml"
+    config.write_text(f"[training]\n{setting} = {value!r}\n".replace("'", '"'))
+    with pytest.raises(ConfigError, match=rf"training\.{setting}: .*study's {study_field}") as err:
+        load_settings(SiteSettings, config_file=config, overrides={
+            "site": "alpha", "coordinator": "127.0.0.1:9", "state": tmp_path, "pki": tmp_path,
+        })
+    assert err.value.field == "training"

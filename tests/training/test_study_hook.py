@@ -18,7 +18,7 @@ from common.round import RoundPlan
 from common.study import Study, load_study
 from site_agent.datacheck import site_policy
 from site_agent.grad_sample_mode import MODE_STATE_FILE
-from site_agent.hooks import DpTrainingHook
+from site_agent.site_training import DpTrainingHook
 from site_agent.synthetic_imaging import write_site_folder
 
 IMAGES_STUDY = """
@@ -67,7 +67,7 @@ def site_settings(tmp_path: Path, study: Path, data: Path, **policy: object) -> 
         tls_key=tmp_path / "s.key",
         study_file=study,
         data={"path": data},  # type: ignore[arg-type]
-        training={"seed": 3, "device": "cpu", "batch_size": 16},  # type: ignore[arg-type]
+        training={"seed": 3, "device": "cpu"},  # type: ignore[arg-type]
         policy=policy,  # type: ignore[arg-type]
     )
 

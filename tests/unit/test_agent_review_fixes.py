@@ -24,8 +24,8 @@ from common.privacy.ledger import LedgerSigner, PrivacyLedger
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.round import Announcement, RoundPlan, VerifiedRound, validate_for_site
 from site_agent.agent import SiteAgent
-from site_agent.hooks import DpTrainingHook, LocalUpdate
 from site_agent.metrics import SiteMetrics
+from site_agent.site_training import DpTrainingHook, LocalUpdate
 
 SEGMENT = Segment(noise_multiplier=1.2, sample_rate=0.05, steps=20)
 

@@ -46,7 +46,7 @@ CHANGES: dict[str, Any] = {
     "study_sha256": b"\x02" * 32, "kind": "statistics", "statistics": b"{}",
     "hospital_noise_multiplier": 1.5, "hospital_intermediaries": 3,
     "hospital_norm_segment": True, "histogram_edges": (0.0, 0.5, 1.0),
-    "release_name": "statistics",
+    "release_name": "statistics", "release_payload": b"{}",
 }
 
 

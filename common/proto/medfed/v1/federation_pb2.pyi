@@ -90,7 +90,7 @@ class WaitForRoundRequest(_message.Message):
     def __init__(self, wait_seconds: _Optional[int] = ..., after_round: _Optional[int] = ..., budget: _Optional[_Union[BudgetStatus, _Mapping]] = ..., heartbeats: _Optional[bool] = ...) -> None: ...
 
 class RoundAnnouncement(_message.Message):
-    __slots__ = ("round", "round_nonce", "participants", "threshold", "neighbours", "vector_length", "quantization_bits", "clip", "histogram_bins", "secure_aggregation", "model", "model_sha256", "model_bytes", "local_epochs", "learning_rate", "fedprox_mu", "planned_rounds", "train_deadline_ms", "phase_timeout_ms", "weight_cap", "max_chunk_bytes", "heartbeat_ms", "study_sha256", "kind", "statistics", "hospital_noise_multiplier", "hospital_intermediaries", "hospital_norm_segment", "histogram_edges", "release")
+    __slots__ = ("round", "round_nonce", "participants", "threshold", "neighbours", "vector_length", "quantization_bits", "clip", "histogram_bins", "secure_aggregation", "model", "model_sha256", "model_bytes", "local_epochs", "learning_rate", "fedprox_mu", "planned_rounds", "train_deadline_ms", "phase_timeout_ms", "weight_cap", "max_chunk_bytes", "heartbeat_ms", "study_sha256", "kind", "statistics", "hospital_noise_multiplier", "hospital_intermediaries", "hospital_norm_segment", "histogram_edges", "release", "release_payload")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         TRAINING: _ClassVar[RoundAnnouncement.Kind]
@@ -131,6 +131,7 @@ class RoundAnnouncement(_message.Message):
     HOSPITAL_NORM_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     HISTOGRAM_EDGES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     round: int
     round_nonce: bytes
     participants: _containers.RepeatedScalarFieldContainer[str]
@@ -161,7 +162,8 @@ class RoundAnnouncement(_message.Message):
     hospital_norm_segment: bool
     histogram_edges: _containers.RepeatedScalarFieldContainer[float]
     release: str
-    def __init__(self, round: _Optional[int] = ..., round_nonce: _Optional[bytes] = ..., participants: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., neighbours: _Optional[int] = ..., vector_length: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., clip: _Optional[float] = ..., histogram_bins: _Optional[int] = ..., secure_aggregation: _Optional[bool] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., model_sha256: _Optional[bytes] = ..., model_bytes: _Optional[int] = ..., local_epochs: _Optional[int] = ..., learning_rate: _Optional[float] = ..., fedprox_mu: _Optional[float] = ..., planned_rounds: _Optional[int] = ..., train_deadline_ms: _Optional[int] = ..., phase_timeout_ms: _Optional[int] = ..., weight_cap: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., study_sha256: _Optional[bytes] = ..., kind: _Optional[_Union[RoundAnnouncement.Kind, str]] = ..., statistics: _Optional[bytes] = ..., hospital_noise_multiplier: _Optional[float] = ..., hospital_intermediaries: _Optional[int] = ..., hospital_norm_segment: _Optional[bool] = ..., histogram_edges: _Optional[_Iterable[float]] = ..., release: _Optional[str] = ...) -> None: ...
+    release_payload: bytes
+    def __init__(self, round: _Optional[int] = ..., round_nonce: _Optional[bytes] = ..., participants: _Optional[_Iterable[str]] = ..., threshold: _Optional[int] = ..., neighbours: _Optional[int] = ..., vector_length: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., clip: _Optional[float] = ..., histogram_bins: _Optional[int] = ..., secure_aggregation: _Optional[bool] = ..., model: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., model_sha256: _Optional[bytes] = ..., model_bytes: _Optional[int] = ..., local_epochs: _Optional[int] = ..., learning_rate: _Optional[float] = ..., fedprox_mu: _Optional[float] = ..., planned_rounds: _Optional[int] = ..., train_deadline_ms: _Optional[int] = ..., phase_timeout_ms: _Optional[int] = ..., weight_cap: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., study_sha256: _Optional[bytes] = ..., kind: _Optional[_Union[RoundAnnouncement.Kind, str]] = ..., statistics: _Optional[bytes] = ..., hospital_noise_multiplier: _Optional[float] = ..., hospital_intermediaries: _Optional[int] = ..., hospital_norm_segment: _Optional[bool] = ..., histogram_edges: _Optional[_Iterable[float]] = ..., release: _Optional[str] = ..., release_payload: _Optional[bytes] = ...) -> None: ...
 
 class WaitForRoundResponse(_message.Message):
     __slots__ = ("has_round", "round", "federation_finished", "crl_der")
@@ -184,11 +186,13 @@ class DeclineRoundRequest(_message.Message):
         NOT_READY: _ClassVar[DeclineRoundRequest.Reason]
         STATISTICS_RELEASED: _ClassVar[DeclineRoundRequest.Reason]
         EVALUATIONS_USED: _ClassVar[DeclineRoundRequest.Reason]
+        QUERY_NOT_APPROVED: _ClassVar[DeclineRoundRequest.Reason]
     REASON_UNSPECIFIED: DeclineRoundRequest.Reason
     BUDGET_EXHAUSTED: DeclineRoundRequest.Reason
     NOT_READY: DeclineRoundRequest.Reason
     STATISTICS_RELEASED: DeclineRoundRequest.Reason
     EVALUATIONS_USED: DeclineRoundRequest.Reason
+    QUERY_NOT_APPROVED: DeclineRoundRequest.Reason
     ROUND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]

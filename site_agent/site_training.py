@@ -1,15 +1,14 @@
-"""Training hooks: what a site contributes to a round.
+"""The site's training under its study: what a site contributes to a round.
 
 The agent asks a hook, before anything else, which DP mechanism this round would run
 (`planned_segments`, so the ledger can refuse or record it write-ahead), then for the
-update itself. `DeterministicTestHook` is for tests and benchmarks of the transport;
-`DpTrainingHook` trains with Opacus DP-SGD on the site's data.
+update itself. `DpTrainingHook` trains with Opacus DP-SGD on the site's data (the
+transport benchmarks and tests run a deterministic double: `bench.transport_site`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import importlib
 import logging
 import os
@@ -31,14 +30,8 @@ from common.round import RoundPlan
 from common.study import GlobalStatistics, Study, study_sha256
 from site_agent.held_out import held_out_histogram
 from site_agent.intermediaries import intermediaries_for, train_intermediaries, unit_groups
+from site_agent.site_dataset import SiteDataset, UnitSplit, load_site_study, open_site_dataset
 from site_agent.site_model import build_site_model, check_layout, layout_of, model_name
-from site_agent.training_data import (
-    encode_study_table,
-    load_site_images,
-    load_site_study,
-    split_site_images,
-    statistics_contribution,
-)
 from site_agent.training_plan import (
     dp_sgd_budget,
     fit_batch_size,
@@ -91,56 +84,6 @@ class TrainingHook(Protocol):
     def set_statistics(self, statistics: GlobalStatistics) -> None: ...
 
 
-class DeterministicTestHook:
-    """TEST ONLY: an update derived from (site, round), no data, no privacy cost.
-
-    Lets transport and fault tests check the coordinator's unmasked sum exactly.
-    """
-
-    privacy_unit = "none"
-    device = "cpu"
-
-    def __init__(self, site_id: str, *, scale: float = 0.5, samples: int = 100,
-                 train_seconds: float = 0.0) -> None:
-        self.site_id = site_id
-        self.scale = scale
-        self.samples = samples
-        # Liveness tests freeze or cut off a site while it "trains": give them a window.
-        self.train_seconds = train_seconds
-        self.study: Study | None = None
-
-    def join_study(self, study: Study | None, policy: Any) -> None:
-        self.study = study
-
-    def statistics_release(self) -> np.ndarray:
-        from common.statistics import statistics_length
-
-        if self.study is None:
-            raise RoundFailed("a statistics round needs a study")
-        return np.zeros(statistics_length(self.study), dtype=np.int64)
-
-    def set_statistics(self, statistics: GlobalStatistics) -> None:
-        return None
-
-    def planned_segments(
-        self, plan: RoundPlan, *, evaluation: Sequence[Mechanism] = ()
-    ) -> list[Segment]:
-        return []
-
-    def train(self, plan: RoundPlan, global_flat: np.ndarray) -> LocalUpdate:
-        if self.train_seconds:
-            time.sleep(self.train_seconds)
-        seed = hashlib.sha256(f"{self.site_id}/{plan.round_number}".encode()).digest()
-        gen = np.random.Generator(np.random.PCG64(int.from_bytes(seed[:8], "big")))
-        # Drawn as float32 and scaled in place: one model-sized vector, like a real
-        # trainer's update (a float64 draw would add two models to the site's peak).
-        delta = gen.random(global_flat.size, dtype=np.float32)
-        delta *= np.float32(2 * self.scale)
-        delta -= np.float32(self.scale)
-        hist = gen.integers(0, 5, size=2 * plan.histogram_bins).astype(np.int64)
-        return LocalUpdate(delta, self.samples, hist, 0.0)
-
-
 class DpTrainingHook:
     """Opacus DP-SGD (or non-private, for baselines) on this site's own data.
 
@@ -176,7 +119,9 @@ class DpTrainingHook:
         self.study: Study | None = None
         # The site's own study file (`study_file`): the only study it will join.
         self.own_study = load_site_study(settings)
-        self.table: Any = None
+        # The site's data under the joined study (`site_agent.site_dataset`), and its
+        # split by unit once made (a table's needs the global statistics).
+        self.dataset: SiteDataset | None = None
         self.statistics: GlobalStatistics | None = None
         self.train_data: Any = None
         self.holdout: Any = None
@@ -191,10 +136,9 @@ class DpTrainingHook:
         self.histogram_classes = 1
         self._layout: tuple[TensorSpec, ...] | None = None
         self.model_name = model_name(self.own_study)
-        self._image_units = 0
         self._trainer: object | None = None
         self._trainer_key: tuple[int, int] | None = None
-        # `auto`'s record-level DP path, chosen when an images study is joined.
+        # `auto`'s record-level DP path, chosen at join when the dataset `measure_at_join`.
         self._dp_path: GradSampleChoice | None = None
         # Set by `attach_ledger`; then q, steps, weights and gauges come from
         # the DP count and the noise from the site's own plan over its ledger.
@@ -220,13 +164,14 @@ class DpTrainingHook:
             raise ConfigError(
                 "study",
                 f"the coordinator serves study {study.study.name!r} (sha256 "
-                f"{study_sha256(study)[:12]}...), not this site's --study "
-                f"{self.settings.study_file} ({self.own_study.study.name!r}, sha256 "
+                f"{study_sha256(study)[:12]}...), not this site's "
+                + (f"--study {self.settings.study_file}" if self.settings.study_file
+                   else "approved study (medfed site approve)")
+                + f" ({self.own_study.study.name!r}, sha256 "
                 f"{study_sha256(self.own_study)[:12]}...)",
             )
         if self.study is not None and study_sha256(self.study) == study_sha256(study):
             return
-        from site_agent.data import load_study_table
         from site_agent.datacheck import check_site_can_join
 
         path = self.settings.data.path
@@ -241,21 +186,19 @@ class DpTrainingHook:
         self._trainer = None
         self.joined = True
         self._dp_path = None
-        if study.data.kind == "images":
+        dataset = self.dataset = open_site_dataset(study, self.settings, path=path, dp=self.dp)
+        if self.dp:
+            self.privacy_unit = (
+                "hospital" if self.hospital else "patient" if dataset.has_patients else "record"
+            )
+        if not dataset.needs_statistics:
             # Pixels need no global statistics: the folder trains as soon as it is checked.
-            self._set_images(load_site_images(self.settings, study))
-        else:
-            self.table = load_study_table(path, study)
-            if self.dp:
-                self.privacy_unit = (
-                    "hospital" if self.hospital
-                    else "patient" if self.table.patient_ids is not None else "record"
-                )
+            self._use_split(dataset.split(None))
         # The study's model, built and DP-checked here (ModuleValidator names the layer
         # and the fix) before this site sends any key or update.
         model = self.model()
         self._layout = layout_of(model)
-        if study.data.kind == "images" and self.dp_sgd and "patient" not in (
+        if dataset.measure_at_join and self.dp_sgd and "patient" not in (
                 self.privacy_unit, self.record_level):
             # Record-level DP-SGD's path, measured now (once per study), not in a round.
             self._dp_path = joined_grad_sample_choice(
@@ -270,24 +213,18 @@ class DpTrainingHook:
     def statistics_release(self) -> np.ndarray:
         """This site's noiseless integer contribution to the study's statistics release
         (`statistics_contribution`; the agent adds the noise)."""
-        if self.study is None or (self.table is None and self.study.data.kind != "images"):
+        if self.dataset is None:
             raise RoundFailed("a statistics round needs a study this site joined")
-        return statistics_contribution(self.study, self.table, image_units=self._image_units)
+        return self.dataset.statistics_contribution()
 
     def set_statistics(self, statistics: GlobalStatistics) -> None:
-        """Encode this site's records with the federation's global statistics."""
-        if self.study is None or self.statistics == statistics:
+        """Split this site's records once the federation's global statistics encode them
+        (a dataset that `needs_statistics`; a folder was split when it was joined)."""
+        if self.dataset is None or self.statistics == statistics:
             return
-        if self.study.data.kind == "images":
-            self.statistics = statistics  # pixels are scaled by fixed rules (imaging.py)
-            return
-        self.train_data, self.holdout, self.n_features, self.patients = encode_study_table(
-            self.table, self.study, statistics, self.settings, dp=self.dp
-        )
+        if self.dataset.needs_statistics:
+            self._use_split(self.dataset.split(statistics))
         self.statistics = statistics
-        self._trainer = None
-        if self.ledger is not None and self._ledger_state is not None:
-            self.attach_ledger(self.ledger, state=self._ledger_state)
 
     def _use_study(self, study: Study) -> None:
         """Task, classes and model name from the study this site trains."""
@@ -301,26 +238,23 @@ class DpTrainingHook:
         self.model_name = model_name(study)
         self._layout = None
 
-    def _set_images(self, data: Any) -> None:
-        """An images study's folder: patient-level split, as `split_by_patient` for tables."""
-        self.train_data, self.holdout = split_site_images(data, self.settings)
-        has_patients = data.patient_ids is not None
-        self._image_units = data.num_patients
-        if self.dp:
-            self.privacy_unit = (
-                "hospital" if self.hospital else "patient" if has_patients else "record"
-            )
-        self.patients = self.train_data.num_patients if has_patients else 0
-        self.n_features = None
+    def _use_split(self, split: UnitSplit) -> None:
+        """Train on `split` from the next round (the DP count re-released on it)."""
+        self.train_data, self.holdout = split.train, split.holdout
+        self.n_features, self.patients = split.in_features, split.patients
+        self._trainer = None
         if self.ledger is not None and self._ledger_state is not None:
             self.attach_ledger(self.ledger, state=self._ledger_state)
 
-    def _ready(self) -> None:
+    def _ready(self) -> Study:
+        """The joined study, once this site's records are split for it."""
+        if self.study is None:
+            raise RoundFailed("no study joined")
         if self.train_data is None:
             raise RoundFailed(
                 "no global statistics yet: the study's statistics release comes first"
-                if self.study is not None else "no study joined"
             )
+        return self.study
 
     @property
     def record_level(self) -> str:
@@ -338,7 +272,7 @@ class DpTrainingHook:
     @property
     def grad_sample_choice(self) -> Any:
         """The record-level DP path (`GradSampleChoice`): the trainer's, or before the
-        first trainer the one `auto` measured when an images study was joined; None for
+        first trainer the one `auto` measured when the study was joined; None for
         patient-level and non-private training."""
         return getattr(self._trainer, "grad_sample_choice", None) or self._dp_path
 
@@ -385,7 +319,7 @@ class DpTrainingHook:
     def trainer_for(self, plan: RoundPlan) -> Any:
         from site_agent.trainer import LocalTrainer
 
-        self._ready()
+        study = self._ready()
         planned = self.ledger is not None and self.released_units is not None
         # With a ledger the noise is re-planned every round (`planned_segments`), so the
         # announced planned_rounds no longer shapes the trainer.
@@ -394,11 +328,11 @@ class DpTrainingHook:
             config = site_training_config(
                 self.settings, plan, local_epochs=key[1],
                 batch_size=fit_batch_size(
-                    requested_batch_size(self.study, self.settings),
+                    requested_batch_size(study),
                     units=self.released_units if self.released_units is not None
                     else self.units,
                 ),
-                optimizer=local_optimizer(self.study, self.settings),
+                optimizer=local_optimizer(study),
                 target_epsilon=self._dp_sgd_budget(self.settings.privacy.budget_epsilon),
                 dp=self.dp_sgd,
                 privacy_unit="patient" if "patient" in (self.privacy_unit, self.record_level)
@@ -502,7 +436,7 @@ class DpTrainingHook:
         deltas, losses, records = train_intermediaries(
             self.unit_groups(self.intermediaries_for(plan)), data=self.train_data,
             model_factory=self.model, base_config=base.config,
-            requested_batch_size=requested_batch_size(self.study, self.settings),
+            requested_batch_size=requested_batch_size(self._ready()),
             plan=plan, global_flat=global_flat,
         )
         total = np.sum(deltas, axis=0).astype(np.float32)

@@ -1,0 +1,173 @@
+"""`medfed site approve FILE`: a hospital approves a study or a query, as one command.
+
+It prints what FILE is, asks for confirmation (unless --yes) and pins its SHA-256
+under the site's state folder (`site_agent.approvals`). A study is then the only one
+the site joins (as `site run --study FILE`); a query is released only with its exact
+bytes, for the site's study, at most --times times (default once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any, TextIO
+
+from common.config import SiteSettings, load_settings
+from common.errors import ConfigError, ValidationError
+from common.study import Study, load_study, study_sha256
+from site_agent.approvals import Approvals
+
+
+def register(sub: Any) -> None:
+    approve = sub.add_parser(
+        "approve",
+        help="approve a study or a query for this site (shows it, asks, pins its SHA-256)",
+        description="Pins FILE's SHA-256 under the site's state folder: a study is then "
+        "the only one this site joins; a query is answered only in that exact form, for "
+        "this site's study, at most --times times.",
+    )
+    approve.add_argument("files", type=Path, nargs="+", metavar="FILE",
+                         help="study.toml or query.toml (a study first, then its queries)")
+    where = approve.add_mutually_exclusive_group(required=True)
+    where.add_argument("--config", type=Path, help="the site's TOML settings (for its state)")
+    where.add_argument("--state", type=Path, help="the site's state folder")
+    approve.add_argument("--study", type=Path,
+                         help="for a query: the site's study (default: its approved study, "
+                         "or the config's study_file)")
+    approve.add_argument("--times", type=int, default=1,
+                         help="for a query: how many times it may run (default 1)")
+    approve.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    approve.set_defaults(func=_approve)
+
+
+def file_kind(path: Path) -> str:
+    """"study" or "query", by the TOML's top-level keys."""
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(path), f"not valid TOML: {exc}") from None
+    if isinstance(raw.get("study"), dict):
+        return "study"
+    if "study_sha256" in raw and "statistics" in raw:
+        return "query"
+    raise ConfigError(str(path), "neither a study (a [study] table) nor a query (name, "
+                      "study_sha256 and [[statistics]])")
+
+
+def _state_and_study(args: argparse.Namespace) -> tuple[Path, Study | None]:
+    if args.config is not None:
+        settings = load_settings(SiteSettings, config_file=args.config, overrides={})
+        state = settings.state
+        own = load_study(settings.study_file) if settings.study_file is not None else None
+    else:
+        state, own = args.state, None
+    if args.study is not None:
+        own = load_study(args.study)
+    return state, own if own is not None else Approvals(state).study()
+
+
+def describe_study(study: Study, out: TextIO) -> None:
+    p = study.privacy
+    print(f"study         {study.study.name} (sha256 {study_sha256(study)})", file=out)
+    print(f"model         {study.model.name or 'default for ' + study.data.kind}", file=out)
+    print(f"rounds        {study.evaluations_planned_text()}", file=out)
+    print(f"privacy       {p.unit}-level DP, epsilon {p.epsilon:g} at delta {p.delta:g}; "
+          f"statistics epsilon {p.statistics_epsilon:g}; at most {p.max_colluding_sites} "
+          f"colluding sites, rounds of at least {p.min_round_sites} sites", file=out)
+    print(f"features      {', '.join(f.name for f in study.features)}", file=out)
+
+
+def describe_query(query: Any, sha256: str, study: Study, out: TextIO) -> None:
+    """What a privacy officer approves: the study, the cohort, each statistic with its
+    epsilon and the cells it releases."""
+    from common.analytics.vector import statistic_cells
+
+    print(f"query         {query.name} (sha256 {sha256})", file=out)
+    if query.description:
+        print(f"              {query.description}", file=out)
+    print(f"for study     {study.study.name} (sha256 {query.study_sha256})", file=out)
+    if not query.cohort:
+        print("cohort        every patient", file=out)
+    for condition in query.cohort:
+        terms = condition.model_dump(exclude_none=True, exclude={"feature"})
+        print(f"cohort        {condition.feature}: "
+              + ", ".join(f"{k} {v}" for k, v in sorted(terms.items())), file=out)
+    print(f"epsilon       {query.epsilon:g} in all (delta {study.privacy.delta:g}), on every "
+          "participating site's ledger, each time it runs", file=out)
+    for spec in query.statistics:
+        cells = statistic_cells(spec, study)
+        extra = spec.model_dump(exclude_none=True, exclude={"name", "kind", "epsilon", "by"})
+        by = ", ".join(s.feature for s in spec.by)
+        print(f"  - {spec.name}: {spec.kind}"
+              + (f" of {extra.pop('feature')}" if "feature" in extra else "")
+              + (f" by {by}" if by else "")
+              + f", epsilon {spec.epsilon:g}, {len(cells)} cells"
+              + "".join(f", {k} {v}" for k, v in sorted(extra.items())), file=out)
+
+
+def _confirm(args: argparse.Namespace, what: str) -> bool:
+    if args.yes:
+        return True
+    print(f"Approve {what} for this site? [y/N] ", end="", flush=True)
+    answer = sys.stdin.readline()
+    if not answer:
+        raise ConfigError("--yes", f"approving {what} needs a confirmation: answer y, or "
+                          "pass --yes once you have read the summary")
+    print()
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _approve(args: argparse.Namespace) -> int:
+    """Each FILE in order (a study approved here is the study of the queries after it)."""
+    state, own = _state_and_study(args)
+    for path in args.files:
+        code = _approve_one(args, path, state, own)
+        if code:
+            return code
+        own = Approvals(state).study() if args.study is None else own
+    return 0
+
+
+def _approve_one(args: argparse.Namespace, path: Path, state: Path, own: Study | None) -> int:
+    approvals = Approvals(state)
+    out = sys.stdout
+    if file_kind(path) == "study":
+        study = load_study(path)
+        describe_study(study, out)
+        if own is not None and study_sha256(own) != study_sha256(study):
+            print(f"NOTE: this replaces the approved study {own.study.name!r}", file=out)
+        if not _confirm(args, f"study {study.study.name!r}"):
+            print("not approved", file=out)
+            return 1
+        pinned = approvals.approve_study(study)
+        print(json.dumps({"approved": "study", "sha256": study_sha256(study),
+                          "pin": str(pinned)}), file=out)
+        return 0
+    from common.analytics.query import load_query, query_sha256
+
+    if own is None:
+        raise ConfigError("--study", "a query belongs to a study: approve the study first "
+                          "(`medfed site approve STUDY.toml`) or name it with --study")
+    try:
+        query = load_query(path, study=own)
+    except ValidationError as exc:
+        raise ConfigError(str(path), str(exc)) from None
+    sha256 = query_sha256(query)
+    describe_query(query, sha256, own, out)
+    if query.study_sha256 != study_sha256(own):
+        raise ConfigError(str(path), f"the query is for study {query.study_sha256[:12]}..., "
+                          f"not this site's study {own.study.name!r}")
+    if not _confirm(args, f"query {query.name!r} ({args.times} run(s))"):
+        print("not approved", file=out)
+        return 1
+    pinned = approvals.approve_query(name=query.name, sha256=sha256, study=own,
+                                     times=args.times, now=dt.datetime.now(dt.UTC))
+    print(json.dumps({"approved": "query", "name": query.name, "sha256": sha256,
+                      "times": args.times, "pin": str(pinned)}), file=out)
+    return 0
