@@ -222,7 +222,6 @@ count_epsilon = {DEMO_COUNT_EPSILON}
 evaluation_noise_std = {DEMO_EVALUATION_NOISE_STD}
 
 [training]
-batch_size = {o.batch_size}
 max_physical_batch_size = 128
 device = "{self.device}"
 """
