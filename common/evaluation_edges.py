@@ -1,6 +1,8 @@
 """Where an evaluation histogram's bucket edges lie and how many buckets it counts with:
-the default logit-scale layout, the next round's edges from the released quantiles
-(post-processing of a DP release: Dwork & Roth 2014, Prop. 2.1), the site's boundary
+the default logit-scale layout, the first round's around a public probe of the model
+(`probe_edges`), the next round's edges from the released quantiles moved with the
+probe (post-processing of a DP release and of the public model: Dwork & Roth 2014,
+Prop. 2.1), the site's boundary
 check of announced edges (`round_edges`), and the bucket count that follows the noise
 (`evaluation_bins`).
 """
@@ -62,6 +64,24 @@ def default_edges(bins: int) -> np.ndarray:
     return np.concatenate([[0.0], _sigmoid(inner), [1.0]])
 
 
+def probe_edges(anchor: float, *, bins: int) -> np.ndarray:
+    """The first evaluated round's `bins` + 1 edges around where a public probe of the
+    model puts its scores (`common.models.probe`, post-processing of the public model):
+    `bins` - 1 inner edges at `anchor` + DEFAULT_LOGIT_SPAN t^3 for t equally spaced on
+    [-1, 1] on the logit scale, fine near the probe (0.09 logits either side of it at
+    10 buckets) and as wide as `default_edges` at the ends, so a DP model's band a tenth
+    of a logit wide lands in a bucket of its own size instead of one 1.5 logits wide.
+    `default_edges` when the anchor is so far out that the edges pile at the limits."""
+    if bins < 2:
+        raise ConfigError("bins", "must be >= 2")
+    if not math.isfinite(anchor):
+        raise ValidationError("probe anchor must be finite")
+    t = np.linspace(-1.0, 1.0, bins - 1) if bins > 2 else np.zeros(1)
+    inner = np.clip(anchor + DEFAULT_LOGIT_SPAN * t**3, -LOGIT_LIMIT, LOGIT_LIMIT)
+    out = np.concatenate([[0.0], _sigmoid(inner), [1.0]])
+    return out if np.all(np.diff(out) > 0) else default_edges(bins)
+
+
 def uniform_edges(bins: int) -> np.ndarray:
     """`bins` equal-width buckets on [0, 1] (edges i / bins)."""
     if bins < 2:
@@ -81,8 +101,23 @@ def _logit(p: np.ndarray) -> np.ndarray:
     return np.asarray(np.clip(z, -LOGIT_LIMIT, LOGIT_LIMIT))
 
 
+FOLLOW_SHARE = 0.15
+"""`next_edges` with a probe: the window around the released band, moved by the probe's
+shift, is widened on each side by this share of the shift (the held-out scores and the
+probe's do not move exactly together: 5-8% of the step on the imaging demo's DP model),
+plus `FOLLOW_SPREAD` of the band's own width and `FOLLOW_FLOOR` logits."""
+FOLLOW_SPREAD = 0.1
+FOLLOW_FLOOR = 0.02
+LOST_SPAN = 0.5
+"""With a probe, an end bucket's unbounded side is read as ending this many logits
+beyond both its inner edge and the probe (the held-out scores sat within 0.2 logits of
+the probe on the imaging demo's DP model): an end bucket holding the released mass then
+still places the next round's buckets near the scores."""
+
+
 def next_edges(
-    released: np.ndarray, *, edges: np.ndarray, bins: int | None = None
+    released: np.ndarray, *, edges: np.ndarray, bins: int | None = None,
+    shift: float | None = None, anchor: float | None = None,
 ) -> np.ndarray:
     """The `bins` (default: as many as `edges` has; `evaluation_bins` chooses them from
     the noise) bucket edges of the next round from one block ([negatives | positives])
@@ -96,6 +131,19 @@ def next_edges(
     strictly increasing over the widened range, so its quantiles are strictly
     increasing edges; the outer edges stay 0 and 1, so every score has a bucket.
     No released mass: `default_edges`.
+
+    With `shift` (the logit distance a public probe of the model moved in the step
+    since the release, `common.models.probe`) and `anchor` (the probe's logit on the
+    model the release evaluated), the next round evaluates a model whose scores moved:
+    the released distribution is moved by `shift`, and instead of widening by `WIDEN`
+    (at least `MIN_WIDTH` logits, far coarser than a DP model's band of a tenth of a
+    logit) its range is widened by what the probe cannot know: `FOLLOW_SHARE` of the
+    shift, `FOLLOW_SPREAD` of the range, `FOLLOW_FLOOR`. End buckets reach the logit
+    limits; with an `anchor` their unbounded side ends as far beyond their inner edge
+    as the occupied inner buckets reach (at most `LOST_SPAN`), or, with no inner bucket
+    occupied, `LOST_SPAN` beyond the probe (a release that missed the band is found
+    again near the probe instead of spread over a dozen logits). Post-processing of
+    the release and the public model, as above.
     """
     e = _check_edges(edges)
     counted = e.size - 1
@@ -105,18 +153,51 @@ def next_edges(
     counts = np.asarray(released, dtype=np.float64).reshape(-1)
     if counts.shape != (2 * counted,):
         raise ValidationError(f"histogram must be {2 * counted} counts for {counted + 1} edges")
-    mass = np.maximum(counts[:counted], 0.0) + np.maximum(counts[counted:], 0.0)
+    negatives, positives = np.maximum(counts[:counted], 0.0), np.maximum(counts[counted:], 0.0)
+    mass = negatives + positives
+    if shift is not None and negatives.sum() > 0 and positives.sum() > 0:
+        # Each class weighs the same: with the few buckets the noise allows, the middle
+        # edge falls where the classes meet, not inside the larger class.
+        mass = negatives / negatives.sum() + positives / positives.sum()
     total = float(mass.sum())
     if not total > 0:
         return default_edges(bins)
     z = _logit(e)
-    lower, upper = z[:-1], z[1:]
     occupied = np.flatnonzero(mass > 0)
+    if shift is not None and anchor is not None:
+        if not (math.isfinite(shift) and math.isfinite(anchor)):
+            raise ValidationError("probe shift and anchor must be finite")
+        inner = occupied[(occupied > 0) & (occupied < counted - 1)]
+        if inner.size:  # the band reaches into an end bucket by about its inner width
+            reach = min(float(z[inner[-1] + 1] - z[inner[0]]), LOST_SPAN)
+            z[0] = max(-LOGIT_LIMIT, z[1] - reach)
+            z[-1] = min(LOGIT_LIMIT, z[-2] + reach)
+        else:
+            z[0] = max(-LOGIT_LIMIT, min(z[1], anchor) - LOST_SPAN)
+            z[-1] = min(LOGIT_LIMIT, max(z[-2], anchor) + LOST_SPAN)
+        if occupied.size == 1:  # a band narrower than its bucket: look near the probe
+            k = int(occupied[0])
+            low = max(z[k], min(z[k + 1], anchor) - LOST_SPAN)
+            high = min(z[k + 1], max(z[k], anchor) + LOST_SPAN)
+            z[k], z[k + 1] = low, high
+            z = np.maximum.accumulate(z)
+    lower, upper = z[:-1], z[1:]
     a, b = float(lower[occupied[0]]), float(upper[occupied[-1]])
-    width = max(b - a, MIN_WIDTH)
-    centre = (a + b) / 2.0
-    lo = max(centre - (0.5 + WIDEN) * width, -LOGIT_LIMIT)
-    hi = min(centre + (0.5 + WIDEN) * width, LOGIT_LIMIT)
+    if shift is None:
+        width = max(b - a, MIN_WIDTH)
+        centre = (a + b) / 2.0
+        lo = max(centre - (0.5 + WIDEN) * width, -LOGIT_LIMIT)
+        hi = min(centre + (0.5 + WIDEN) * width, LOGIT_LIMIT)
+    else:
+        if not math.isfinite(shift):
+            raise ValidationError("probe shift must be finite")
+        z = np.clip(z + shift, -LOGIT_LIMIT, LOGIT_LIMIT)
+        lower, upper = z[:-1], z[1:]
+        a, b = float(lower[occupied[0]]), float(upper[occupied[-1]])
+        margin = FOLLOW_SHARE * abs(shift) + FOLLOW_SPREAD * (b - a) + FOLLOW_FLOOR
+        lo, hi = max(a - margin, -LOGIT_LIMIT), min(b + margin, LOGIT_LIMIT)
+        if not hi > lo:
+            return default_edges(bins)
     knots = np.unique(np.concatenate([[lo, hi], z[(z > lo) & (z < hi)]]))
     # The released CDF at the knots: each bucket's mass spread evenly over its logits
     # (a bucket of zero logit width, clipped at the limit, counts as a step).
@@ -138,39 +219,28 @@ def next_edges(
 
 
 def next_block_edges(
-    released: np.ndarray, *, edges: Sequence[np.ndarray], bins: int | None = None
+    released: np.ndarray, *, edges: Sequence[np.ndarray], bins: int | None = None,
+    shifts: Sequence[float] | None = None, anchors: Sequence[float] | None = None,
 ) -> tuple[np.ndarray, ...]:
     """`next_edges` of each one-vs-rest block of a released (multi-class) histogram,
-    each with `bins` buckets (default: as many as it has)."""
+    each with `bins` buckets (default: as many as it has), each block followed by its
+    probe's shift from its anchor where `shifts` and `anchors` are given."""
     counts = np.asarray(released).reshape(-1)
     sizes = [2 * (np.asarray(e).size - 1) for e in edges]
     if counts.size != sum(sizes):
         raise ValidationError(f"histogram of {counts.size} counts does not fit the edges")
     starts = np.cumsum([0, *sizes])
+    if (shifts is None) != (anchors is None) or (
+            shifts is not None and anchors is not None
+            and not len(shifts) == len(anchors) == len(edges)):
+        raise ValidationError(f"give a probe shift and anchor for each of {len(edges)} blocks")
+    moves: list[tuple[float | None, float | None]] = (
+        [(None, None)] * len(edges) if shifts is None or anchors is None
+        else [(float(s), float(a)) for s, a in zip(shifts, anchors, strict=True)])
     return tuple(
-        next_edges(counts[start : start + size], edges=e, bins=bins)
-        for start, size, e in zip(starts, sizes, edges, strict=False)
+        next_edges(counts[start : start + size], edges=e, bins=bins, shift=by, anchor=at)
+        for start, size, e, (by, at) in zip(starts, sizes, edges, moves, strict=False)
     )
-
-
-def shift_edges(
-    values: Sequence[float], *, bins: int, shifts: Sequence[float]
-) -> tuple[float, ...]:
-    """Announced edges (``histogram_bins`` = `bins`, one block per entry of `shifts`)
-    with each block's inner edges moved by its shift on the logit scale, clipped to
-    +-LOGIT_LIMIT: the next round's buckets follow the model where a probe of the public
-    model says its scores moved (`common.models.probe`; post-processing). A block whose
-    moved edges would no longer be strictly increasing (piled at a limit) keeps its
-    edges."""
-    blocks = round_edges(values, bins=bins, blocks=len(shifts))
-    out: list[float] = []
-    for block, by in zip(blocks, shifts, strict=True):
-        if not math.isfinite(by):
-            raise ValidationError("edge shift must be finite")
-        inner = np.clip(_logit(block[1:-1]) + by, -LOGIT_LIMIT, LOGIT_LIMIT)
-        moved = np.concatenate([[0.0], _sigmoid(inner), [1.0]])
-        out.extend(float(v) for v in (moved if np.all(np.diff(moved) > 0) else block))
-    return tuple(out)
 
 
 def round_edges(

@@ -47,19 +47,30 @@ class DecodedSum:
     # The bucket edges the histogram was counted with, one array per block.
     edges: tuple[np.ndarray, ...] = ()
 
-    def next_histogram_edges(self, *, max_bins: int | None = None) -> tuple[float, ...] | None:
+    def next_histogram_edges(
+        self, *, max_bins: int | None = None, before: np.ndarray | None = None,
+        after: np.ndarray | None = None,
+    ) -> tuple[float, ...] | None:
         """The next round's announced edges, from this round's released histogram
         (`common.evaluation_edges.next_edges`), as many buckets per block as its class totals
         and noise allow (`common.evaluation_edges.block_bins`, at most `max_bins`: the
         study's; default: as many as this round's); None when this round evaluated
-        nothing."""
+        nothing. `before`/`after`: a public probe of the model this round evaluated and
+        of the model the next round evaluates (`common.models.probe.probe_logits`, one
+        logit per block): the edges follow the model's move (`next_edges`' shift)."""
         if self.histogram is None or not self.edges or self.histogram.sum() <= 0:
             return None
         bins = block_bins(
             self.histogram, blocks=len(self.edges),
             noise_std=float(self.metrics.get("auc_noise_std", 0.0)),
             max_bins=self.edges[0].size - 1 if max_bins is None else max_bins)
-        blocks = next_block_edges(self.histogram, edges=self.edges, bins=bins)
+        shifts = anchors = None
+        if before is not None and after is not None:
+            anchors = [float(v) for v in np.asarray(before, dtype=np.float64).reshape(-1)]
+            shifts = [float(a) - b for a, b in zip(
+                np.asarray(after, dtype=np.float64).reshape(-1), anchors, strict=True)]
+        blocks = next_block_edges(self.histogram, edges=self.edges, bins=bins,
+                                  shifts=shifts, anchors=anchors)
         return tuple(float(v) for block in blocks for v in block)
 
 

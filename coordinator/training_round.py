@@ -72,8 +72,11 @@ class GlobalModel:
             store, settings.model, optimizer, state=settings.state,
             initial=study.initial_model if study is not None else None,
         )
+        edges = stored_edges(store, settings)
+        if not edges and study is not None:
+            edges = first_edges(study.study, flat, bins=study_bins(settings))
         return cls(layout, flat, optimizer, intermediaries=stored_intermediaries(store),
-                   histogram_edges=stored_edges(store, settings))
+                   histogram_edges=edges)
 
     def payload(self) -> bytes | memoryview:
         return checkpoints.model_payload(self.layout, self.flat)
@@ -128,7 +131,7 @@ def apply_update(
     served, so an elementwise optimizer may update it in place). `evaluation_noise_std`:
     the per-count noise of the evaluation histogram as the ledgers record it (None:
     estimated from the release). With a `study`, the next round's evaluation edges
-    move with the model (`follow_the_model`)."""
+    move with the model (a public probe before and after the step, `next_edges`' shift)."""
     ann = rnd.announcement
     aggregate = aggregator.result
     if aggregate is None:
@@ -150,26 +153,39 @@ def apply_update(
         histogram_edges=ann.histogram_edges,
         noise_std=evaluation_noise_std, interval_seed=ann.round_number,
     )
-    next_edges = decoded.next_histogram_edges(max_bins=study_bins(settings))
     mean_delta = decoded.mean_delta
     chosen = decoded.metrics.get("next_intermediaries")
     if chosen is not None:
         model.intermediaries = int(chosen)
+    before = after = None
     if mean_delta is None:
         mean_delta = np.zeros(model.flat.size, dtype=np.float32)
     else:
         # The model the round evaluated, probed before the step may update it in place.
-        before = probe(study, model.flat) if study and next_edges else None
+        evaluated = study is not None and decoded.histogram is not None
+        before = probe(study, model.flat) if evaluated and study is not None else None
         model.flat = apply_step(
             model.optimizer, model.flat, mean_delta, window=UPDATE_CHUNK_ELEMENTS
         )
-        if before is not None and next_edges is not None and study is not None:
-            next_edges = follow_the_model(next_edges, before=before,
-                                          after=probe(study, model.flat))
+        if before is not None and study is not None:
+            after = probe(study, model.flat)
+            log.info("next evaluation edges follow the model: a public probe moved %s "
+                     "logits", ", ".join(f"{v:+.3f}" for v in after - before))
+    next_edges = decoded.next_histogram_edges(
+        max_bins=study_bins(settings), before=before, after=after)
     if next_edges is not None:
         model.histogram_edges = next_edges
     return RoundResult(ann.round_number, survivors, rnd.dropped_sites(survivors),
                        mean_delta, decoded.metrics, decoded.histogram, edges=decoded.edges)
+
+
+def first_edges(study: Study, flat: np.ndarray, *, bins: int) -> tuple[float, ...]:
+    """The first evaluated round's edges, each block's around where a public probe of
+    the model puts its scores (`common.evaluation_edges.probe_edges`)."""
+    from common.evaluation_edges import probe_edges
+
+    return tuple(float(v) for anchor in probe(study, flat)
+                 for v in probe_edges(float(anchor), bins=bins))
 
 
 def probe(study: Study, flat: np.ndarray) -> np.ndarray:
@@ -177,22 +193,6 @@ def probe(study: Study, flat: np.ndarray) -> np.ndarray:
     from common.models.probe import probe_logits
 
     return probe_logits(study, flat)
-
-
-def follow_the_model(
-    edges: tuple[float, ...], *, before: np.ndarray, after: np.ndarray
-) -> tuple[float, ...]:
-    """The next round's edges, chosen from the release of the model before the step,
-    moved by how far a public probe of the model moved in the step
-    (`common.evaluation_edges.shift_edges`): a DP model's scores can move by more than
-    the width of the band they sit in, out of every bucket the release alone set."""
-    from common.evaluation_edges import shift_edges
-
-    shifts = np.asarray(after, dtype=np.float64) - np.asarray(before, dtype=np.float64)
-    bins = len(edges) // shifts.size - 1
-    log.info("next evaluation edges moved by %s logits with the model",
-             ", ".join(f"{v:+.3f}" for v in shifts))
-    return shift_edges(edges, bins=bins * shifts.size, shifts=[float(v) for v in shifts])
 
 
 def record(

@@ -2,11 +2,12 @@
 each class's score on `PROBE_INPUTS` synthetic records (uniform pixels for an images
 study, standard normal features for a table) from the fixed public seed `PROBE_SEED`.
 
-The coordinator moves the next round's evaluation buckets by how far this probe moved
-between the model a round evaluated and the model it produced
-(`common.evaluation_edges.shift_edges`): a DP model's held-out scores can sit in a band
-a fraction of a logit wide that moves by more than its width from one round to the
-next, so buckets set from the last release alone miss it. The probe reads only the
+The coordinator lays the first evaluated round's buckets around this probe
+(`common.evaluation_edges.probe_edges`) and moves each later round's by how far it
+moved between the model a round evaluated and the model it produced
+(`common.evaluation_edges.next_edges` with a shift): a DP model's held-out scores can
+sit in a band a tenth of a logit wide that moves by more than its width from one round
+to the next, so buckets set from the last release alone miss it. The probe reads only the
 public global model and public random inputs: post-processing, no privacy cost (Dwork &
 Roth 2014, Prop. 2.1). Imports torch: only the coordinator's round step calls it.
 """
