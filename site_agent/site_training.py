@@ -30,7 +30,13 @@ from common.round import RoundPlan
 from common.study import GlobalStatistics, Study, study_sha256
 from site_agent.held_out import held_out_histogram
 from site_agent.intermediaries import intermediaries_for, train_intermediaries, unit_groups
-from site_agent.site_dataset import SiteDataset, UnitSplit, load_site_study, open_site_dataset
+from site_agent.site_dataset import (
+    SiteDataset,
+    TableDataset,
+    UnitSplit,
+    load_site_study,
+    open_site_dataset,
+)
 from site_agent.site_model import build_site_model, check_layout, layout_of, model_name
 from site_agent.training_plan import (
     dp_sgd_budget,
@@ -46,6 +52,7 @@ from site_agent.unit_split import site_split_key
 if TYPE_CHECKING:
     from common.models import Task
     from common.study import Study
+    from site_agent.data import StudyTable
     from site_agent.grad_sample_mode import GradSampleChoice
 
 log = logging.getLogger("medfed.site")
@@ -209,6 +216,13 @@ class DpTrainingHook:
             report.records, report.patients, {k: v for k, v in report.missing.items() if v},
             extra={"event": "study_joined", "records": report.records},
         )
+
+    @property
+    def table(self) -> StudyTable | None:
+        """Every row of the site's file as read under the joined study, what a federated
+        query is answered on (`common.analytics`); None for an image folder or before
+        the site joined a study."""
+        return self.dataset.table if isinstance(self.dataset, TableDataset) else None
 
     def statistics_release(self) -> np.ndarray:
         """This site's noiseless integer contribution to the study's statistics release
