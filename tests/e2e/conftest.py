@@ -2,17 +2,53 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Generator, Iterator
 
 import pytest
 
 from common.processes import ManagedProcess
 
+TAIL_LINES = 8
+TAIL_WIDTH = 240
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, None]:
+    """Keeps each phase's report on the test item, so a fixture's teardown can tell
+    whether the test failed."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"report_{report.when}", report)
+
+
+def process_tails(started: list[ManagedProcess]) -> str:
+    """The last lines every process printed, shortened: what a failed federation was
+    doing (a CI log keeps only the end of the output)."""
+    parts = []
+    for proc in started:
+        state = "running" if proc.alive else f"exited {proc.proc.returncode}"
+        parts.append(f"--- {proc.name} ({state})")
+        for line in proc.tail(TAIL_LINES).splitlines():
+            try:
+                record = json.loads(line)
+                text = record.get("msg") or line if isinstance(record, dict) else line
+            except ValueError:
+                text = line
+            parts.append("  " + str(text)[:TAIL_WIDTH])
+    return "\n".join(parts)
+
 
 @pytest.fixture
-def processes() -> Iterator[list[ManagedProcess]]:
-    """Processes a test started; each is stopped when the test ends, pass or fail."""
+def processes(request: pytest.FixtureRequest) -> Iterator[list[ManagedProcess]]:
+    """Processes a test started; each is stopped when the test ends, pass or fail. When
+    the test failed, the end of every process's output is printed first."""
     started: list[ManagedProcess] = []
     yield started
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed and started:
+        print("\nprocess output at the failure:\n" + process_tails(started))
     for proc in started:
         proc.stop()
