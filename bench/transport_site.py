@@ -67,6 +67,11 @@ class DeterministicTestHook:
     def set_statistics(self, statistics: GlobalStatistics) -> None:
         return None
 
+    @property
+    def table(self) -> None:
+        """No data: a query round is refused (`QueryRelease.query`)."""
+        return None
+
     def planned_segments(
         self, plan: RoundPlan, *, evaluation: Sequence[Mechanism] = ()
     ) -> list[Segment]:

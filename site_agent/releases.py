@@ -191,7 +191,7 @@ def refuse_unapproved(approvals: Approvals, ledger: PrivacyLedger | None, study:
 
 def prepare_release(
     rnd: VerifiedRound, *, study: Study, ledger: PrivacyLedger | None, approvals: Approvals,
-    policy: SitePolicySection, site: object,
+    policy: SitePolicySection, site: TrainingHook,
 ) -> tuple[DpRelease, np.ndarray, list[NoisePlan]]:
     """Everything a site checks before a round release leaves it, and what it then
     releases: the release its round names (for an approved query, only that query's

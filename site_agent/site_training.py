@@ -51,6 +51,7 @@ from site_agent.unit_split import site_split_key
 
 if TYPE_CHECKING:
     from common.models import Task
+    from common.statistics import TableLike
     from common.study import Study
     from site_agent.data import StudyTable
     from site_agent.grad_sample_mode import GradSampleChoice
@@ -89,6 +90,11 @@ class TrainingHook(Protocol):
     def statistics_release(self) -> np.ndarray: ...
 
     def set_statistics(self, statistics: GlobalStatistics) -> None: ...
+
+    @property
+    def table(self) -> TableLike | None:
+        """The joined study's table (every row of the site's file), what an approved
+        query is answered on; None for an image folder or before joining."""
 
 
 class DpTrainingHook:

@@ -75,7 +75,7 @@ class QueryRelease(DpRelease):
         table the site loaded when it joined)."""
         from common.analytics.vector import site_vector
 
-        table = getattr(site, "table", None)
+        table = site.table  # site_agent.site_training.TrainingHook.table
         if table is None:
             raise ValidationError("this site holds no study table to answer a query on")
         vector = np.asarray(site_vector(self.query_def, table, study=self.study),
