@@ -17,9 +17,7 @@ timed by `medfed bench query` and tested end to end by tests/e2e/test_query_fede
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -30,105 +28,30 @@ from typing import Any
 
 import numpy as np
 
+from bench.analytics_cohort import every_kind_query_toml, followup_study, write_followup_csv
 from common.analytics.answer import answer_query
 from common.analytics.query import Query, check_query_against_study, query_from_mapping
 from common.analytics.vector import noise_sigmas, query_blocks, query_length, site_vector
 from common.crypto.random import system_random
 from common.errors import ConfigError
-from common.study import Study, study_from_mapping, study_sha256
 
 SITES = ("north", "south", "east")
-STUDY = {
-    "study": {"name": "coverage", "rounds": 1, "classes": ["alive", "dead"]},
-    "data": {"label_column": "Died", "patient_column": "MRN"},
-    "features": [
-        {"name": "Age (years)", "type": "numeric", "range": [18, 100]},
-        {"name": "Sex", "type": "categorical", "levels": ["F", "M"]},
-        {"name": "Lactate mmol/L", "missing": "impute"},
-        {"name": "Follow-up days", "type": "numeric", "range": [0, 400], "missing": "impute"},
-        {"name": "Ward", "type": "categorical", "levels": ["icu", "general"],
-         "missing": "impute"},
-    ],
-    "privacy": {"unit": "patient", "epsilon": 4.0, "delta": 1e-5},
-}
-
-
-def query_text(study: Study, *, epsilon: float) -> str:
-    return f"""
-name = "coverage"
-study_sha256 = "{study_sha256(study)}"
-
-[[cohort]]
-feature = "Age (years)"
-range = [40, 100]
-
-[[statistics]]
-name = "patients"
-kind = "count"
-epsilon = {epsilon}
-
-[[statistics]]
-name = "mortality"
-kind = "rate"
-epsilon = {epsilon}
-[[statistics.by]]
-feature = "Sex"
-
-[[statistics]]
-name = "age"
-kind = "mean"
-feature = "Age (years)"
-range = [0, 100]
-resolution = 1
-epsilon = {epsilon}
-
-[[statistics]]
-name = "wards"
-kind = "histogram"
-feature = "Ward"
-epsilon = {epsilon}
-
-[[statistics]]
-name = "survival"
-kind = "kaplan_meier"
-feature = "Follow-up days"
-grid = [0, 30, 60, 90, 180]
-epsilon = {epsilon}
-"""
-
-
-def write_site(path: Path, rng: np.random.Generator, *, patients: int, prefix: str,
-               hazard: float) -> None:
-    """One hospital's export: 1-2 rows per patient, strings, blanks for missing values."""
-    with path.open("w", newline="") as handle:
-        out = csv.writer(handle)
-        out.writerow(["MRN", "Age (years)", "Sex", "Lactate mmol/L", "Follow-up days",
-                      "Ward", "Died"])
-        for p in range(patients):
-            age = int(rng.integers(18, 101))
-            sex = "FM"[int(rng.integers(0, 2))]
-            days = float(rng.exponential(90.0))
-            dead = rng.random() < 1 - math.exp(-days * hazard)
-            for _ in range(int(rng.integers(1, 3))):
-                ward = "" if rng.random() < 0.1 else ("icu", "general")[int(rng.integers(0, 2))]
-                time = "" if rng.random() < 0.05 else f"{days:.1f}"
-                lactate = "" if rng.random() < 0.1 else f"{rng.gamma(2.0, 1.0):.2f}"
-                out.writerow([f"{prefix}{p:05d}", age, sex, lactate, time, ward,
-                              "dead" if dead else "alive"])
 
 
 def run(*, draws: int, patients: int, epsilon: float, seed: int, root: Path) -> dict[str, Any]:
     from site_agent.data import load_study_table
 
-    study = study_from_mapping(STUDY, source="bench")
-    query: Query = query_from_mapping(tomllib.loads(query_text(study, epsilon=epsilon)),
-                                      source="bench")
+    study = followup_study("coverage")
+    query: Query = query_from_mapping(
+        tomllib.loads(every_kind_query_toml(study, epsilon=epsilon, name="coverage",
+                                            grid=(0, 30, 60, 90, 180))),
+        source="bench")
     check_query_against_study(query, study, source="bench")
     rng = np.random.default_rng(seed)
     exact_total = np.zeros(query_length(query, study=study), dtype=np.int64)
     for i, site in enumerate(SITES):
         path = root / f"{site}.csv"
-        write_site(path, rng, patients=patients, prefix=f"{site[0].upper()}",
+        write_followup_csv(path, rng, patients=patients, prefix=f"{site[0].upper()}",
                    hazard=1 / (120.0 + 60 * i))
         vector = site_vector(query, load_study_table(path, study), study=study)
         exact_total += vector

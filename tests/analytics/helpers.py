@@ -9,28 +9,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bench.analytics_cohort import SEXES as _SEXES
+from bench.analytics_cohort import WARDS as _WARDS
+from bench.analytics_cohort import every_kind_query_toml
+from bench.analytics_cohort import followup_study as _followup_study
 from common.analytics.query import Query, check_query_against_study, query_from_mapping
-from common.study import Study, study_from_mapping, study_sha256
+from common.study import Study
 from site_agent.data import StudyTable
 
-SEXES = ["F", "M"]
-WARDS = ["icu", "general"]
+SEXES = list(_SEXES)
+WARDS = list(_WARDS)
 
 
 def followup_study() -> Study:
-    return study_from_mapping({
-        "study": {"name": "followup", "rounds": 1, "classes": ["alive", "dead"]},
-        "data": {"label_column": "Died", "patient_column": "MRN"},
-        "features": [
-            {"name": "Age (years)", "type": "numeric", "range": [18, 100]},
-            {"name": "Sex", "type": "categorical", "levels": SEXES},
-            {"name": "Lactate mmol/L", "missing": "impute"},
-            {"name": "Follow-up days", "type": "numeric", "range": [0, 400],
-             "missing": "impute"},
-            {"name": "Ward", "type": "categorical", "levels": WARDS, "missing": "impute"},
-        ],
-        "privacy": {"unit": "patient", "epsilon": 4.0, "delta": 1e-5},
-    }, source="tests.analytics")
+    return _followup_study(source="tests.analytics")
 
 
 Row = tuple[str, float, str, float, float, str | None, str]
@@ -61,47 +53,7 @@ NAN = math.nan
 
 
 def every_kind_toml(study: Study, *, epsilon: float = 0.5) -> str:
-    return f"""
-name = "every-kind"
-study_sha256 = "{study_sha256(study)}"
-
-[[cohort]]
-feature = "Age (years)"
-range = [40, 100]
-
-[[statistics]]
-name = "patients"
-kind = "count"
-epsilon = {epsilon}
-
-[[statistics]]
-name = "mortality"
-kind = "rate"
-epsilon = {epsilon}
-[[statistics.by]]
-feature = "Sex"
-
-[[statistics]]
-name = "age"
-kind = "mean"
-feature = "Age (years)"
-range = [0, 100]
-resolution = 1
-epsilon = {epsilon}
-
-[[statistics]]
-name = "wards"
-kind = "histogram"
-feature = "Ward"
-epsilon = {epsilon}
-
-[[statistics]]
-name = "survival"
-kind = "kaplan_meier"
-feature = "Follow-up days"
-grid = [0, 30, 60]
-epsilon = {epsilon}
-"""
+    return every_kind_query_toml(study, epsilon=epsilon)
 
 
 def query_of(text: str, study: Study) -> Query:
