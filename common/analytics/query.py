@@ -57,6 +57,7 @@ from common.study import (
     class_index,
     study_sha256,
 )
+from common.study.schema import FeatureName
 
 QUERY_FORMAT: Literal[1] = 1
 STATISTIC_NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
@@ -105,14 +106,9 @@ class CohortCondition(_Section):
     levels). A patient whose value of a filter feature is missing, and who passes every
     condition whose value is known, is counted as excluded for a missing value."""
 
-    feature: str
+    feature: FeatureName
     range: tuple[float, float] | None = None
     levels: tuple[str, ...] | None = None
-
-    @field_validator("feature")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        return check_name(value, what="feature name")
 
     @field_validator("range")
     @classmethod
@@ -134,13 +130,8 @@ class Stratum(_Section):
     levels, or a numeric feature cut at ``bins`` (edges; values outside fall into the
     end bins)."""
 
-    feature: str
+    feature: FeatureName
     bins: tuple[float, ...] | None = None
-
-    @field_validator("feature")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        return check_name(value, what="feature name")
 
     @field_validator("bins")
     @classmethod
@@ -167,16 +158,11 @@ class StatisticSpec(_Section):
     epsilon: float = Field(gt=0, le=100)
     by: tuple[Stratum, ...] = ()
     outcome: int | str | None = None
-    feature: str | None = None
+    feature: FeatureName | None = None
     range: tuple[float, float] | None = None
     resolution: float | None = Field(default=None, gt=0)
     bins: tuple[float, ...] | None = None
     grid: tuple[float, ...] | None = None
-
-    @field_validator("feature")
-    @classmethod
-    def _name(cls, value: str | None) -> str | None:
-        return None if value is None else check_name(value, what="feature name")
 
     @field_validator("outcome")
     @classmethod

@@ -22,10 +22,10 @@ import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from common.config import DEFAULT_COUNT_EPSILON, SITE_ID_PATTERN
 from common.errors import ConfigError, ValidationError
@@ -79,6 +79,14 @@ def check_name(value: str, *, what: str, formula_ok: bool = False) -> str:
             f"{what} {value!r} starts like a spreadsheet formula (=, +, -, @): rename it"
         )
     return value
+
+
+def _feature_name(value: str) -> str:
+    return check_name(value, what="feature name")
+
+
+FeatureName = Annotated[str, AfterValidator(_feature_name)]
+"""A declared feature's name (`check_name`), wherever a study or query names one."""
 
 
 class StudySection(StudyModel):
@@ -154,16 +162,11 @@ class FeatureSpec(StudyModel):
     range is estimated in the federated DP statistics release.
     """
 
-    name: str = Field(min_length=1, max_length=256)
+    name: FeatureName = Field(min_length=1, max_length=256)
     type: Literal["numeric", "categorical"] = "numeric"
     levels: tuple[str, ...] | None = None
     missing: Literal["error", "impute", "indicator"] = "error"
     range: Literal["auto"] | tuple[float, float] = "auto"
-
-    @field_validator("name")
-    @classmethod
-    def _column_name(cls, value: str) -> str:
-        return check_name(value, what="feature name")
 
     @field_validator("levels")
     @classmethod
