@@ -1,0 +1,91 @@
+"""A `medfed` command imports what it runs, no more: the commands that neither train nor
+rebuild a network start without torch and Opacus (about 8 s of CPU per process on a
+loaded two-core machine; the suite starts hundreds of them).
+
+Each command runs for real in a fresh interpreter through `common.cli.main`, the entry
+point of the `medfed` script; the interpreter then reports which heavy packages it holds.
+`coordinator serve` itself does import torch and Opacus: it builds the study's round-1
+network and checks it with Opacus' ModuleValidator before it listens.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common import pki
+from common.bundle import write_bundle
+from tests.e2e.harness import REPO
+from tests.study.helpers import study_toml, trained_bundle, write_hospital_csv
+
+HEAVY = ("torch", "opacus", "scipy", "sympy", "matplotlib")
+MARK = "MODULES:"
+PROBE = (
+    "import atexit, json, sys\n"
+    f"atexit.register(lambda: print({MARK!r} + json.dumps(sorted(\n"
+    f"    m for m in {HEAVY!r} if m in sys.modules)), file=sys.stderr))\n"
+    "from common.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def heavy_imports(*argv: str) -> tuple[list[str], subprocess.CompletedProcess[str]]:
+    """The heavy packages `medfed ARGV` imported, and how it ended."""
+    result = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=REPO,
+                            capture_output=True, text=True, timeout=300, check=False)
+    lines = [line for line in result.stderr.splitlines() if line.startswith(MARK)]
+    assert lines, result.stdout + result.stderr
+    return json.loads(lines[-1][len(MARK):]), result
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("startup")
+    csv = write_hospital_csv(root / "north.csv", 60, seed=1)
+    study = root / "study.toml"
+    study.write_text(study_toml("startup", rounds=1))
+    model = root / "final.safetensors"
+    write_bundle(model, trained_bundle(csv, steps=1))
+    pki.init_ca(root / "pki")
+    return {"root": root, "csv": csv, "study": study, "model": model, "pki": root / "pki"}
+
+
+def test_the_probe_sees_an_import_of_torch(files: dict[str, Path]) -> None:
+    """The check can fail: `medfed predict` scores with the network, so it holds torch."""
+    modules, result = heavy_imports("predict", "--model", str(files["model"]),
+                                    "--data", str(files["csv"]),
+                                    "--out", str(files["root"] / "scores.csv"))
+    assert result.returncode == 0, result.stderr
+    assert {"torch", "opacus"} <= set(modules)
+
+
+@pytest.mark.parametrize("command", [
+    ["data", "check", "--study", "{study}", "--data", "{csv}"],
+    ["model", "show", "--model", "{model}"],
+    ["study", "init", "--out", "{root}/drafted.toml", "--header-from", "{csv}",
+     "--label-column", "Outcome", "--patient-column", "Patient-ID"],
+    ["pki", "issue", "--dir", "{pki}", "--site", "south"],
+    ["status", "--coordinator", "127.0.0.1:9", "--tls-ca", "{pki}/ca.crt",
+     "--tls-cert", "{pki}/ca.crt", "--tls-key", "{pki}/ca.key", "--timeout", "1"],
+], ids=lambda command: " ".join(command[:2]))
+def test_a_command_that_trains_nothing_starts_without_torch(
+    files: dict[str, Path], command: list[str]
+) -> None:
+    argv = [word.format(**{k: str(v) for k, v in files.items()}) for word in command]
+    modules, result = heavy_imports(*argv)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert modules == [], (argv, modules)
+
+
+@pytest.mark.parametrize("command", ["coordinator serve", "site run", "ledger show",
+                                     "ledger verify", "query run", "demo", "bench"])
+def test_every_command_parses_its_options_without_torch(command: str) -> None:
+    """Registering and parsing a command (here its --help) loads no network code: the
+    coordinator and the site import torch when they build their model, not before."""
+    modules, result = heavy_imports(*command.split(), "--help")
+    assert result.returncode == 0, result.stderr
+    assert modules == [], (command, modules)
