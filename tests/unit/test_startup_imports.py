@@ -1,6 +1,6 @@
 """A `medfed` command imports what it runs, no more: the commands that neither train nor
 rebuild a network start without torch and Opacus (about 8 s of CPU per process on a
-loaded two-core machine; the suite starts hundreds of them).
+loaded two-core machine; the README blocks and the tests start many of them).
 
 Each command runs for real in a fresh interpreter through `common.cli.main`, the entry
 point of the `medfed` script; the interpreter then reports which heavy packages it holds.
