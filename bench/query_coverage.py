@@ -115,7 +115,7 @@ def main_from_args(args: argparse.Namespace) -> int:
 
 def register(bench_subparsers: Any) -> None:
     parser = bench_subparsers.add_parser(
-        "query-coverage", help="how often a query's 95% intervals cover the pooled exact "
+        "query-coverage", help="how often a query's 95%% intervals cover the pooled exact "
         "answer, over noise draws (3 sites' CSVs, the product's noise and answers)")
     parser.add_argument("--draws", type=int, default=200)
     parser.add_argument("--patients", type=int, default=400, help="patients per site")

@@ -22,7 +22,6 @@ from common.study import load_study
 from common.text import csv_cell, printable
 from site_agent.data import load_study_table
 from site_agent.datacheck import check_data_against_study, format_report
-from site_agent.predict import predict_images, predict_table
 
 
 def register_data(subparsers: Any) -> None:
@@ -272,6 +271,10 @@ def _image_name(images: Any, i: int) -> str:
 
 
 def _predict(args: argparse.Namespace) -> int:
+    # torch and Opacus load here, not at registration: `data check` and `model show`
+    # never import them.
+    from site_agent.predict import predict_images, predict_table
+
     bundle = read_bundle(args.model)
     table: Any
     if bundle.study.data.kind == "images":

@@ -35,8 +35,8 @@ HOSPITAL_STUDY = STUDY.replace('rounds = 1', 'rounds = 2').replace(
 DEMO_SITES = ["north", "south", "east"]
 
 
-def _hospital_demo(tmp_path: Path, *, seed: int,
-                   intermediaries: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+def _hospital_demo(tmp_path: Path, *, seed: int, intermediaries: str,
+                   kill_round: int = 0) -> tuple[subprocess.CompletedProcess[str], Path]:
     """`medfed demo` in hospital mode on three generated CSV sites; must exit 0."""
     cohort = generate_cohort(DEMO_SITES, seed=seed, patients_per_site=300)
     write_site_csvs(tmp_path / "data", cohort)
@@ -45,7 +45,7 @@ def _hospital_demo(tmp_path: Path, *, seed: int,
         medfed_argv(
             "demo", "--data", str(tmp_path / "data"), "--label-column", "sepsis",
             "--patient-column", "patient_id", "--out", str(out), "--rounds", "2",
-            "--kill-round", "0", "--delta", "1e-3", "--budget-epsilon", "8",
+            "--kill-round", str(kill_round), "--delta", "1e-3", "--budget-epsilon", "8",
             "--privacy-unit", "hospital", "--update-clip-norm", "1.0",
             "--intermediaries", intermediaries, "--no-audit",
         ),
@@ -163,9 +163,28 @@ def test_demo_hospital_level_row(tmp_path: Path) -> None:
     """`medfed demo --privacy-unit hospital --intermediaries 2`: the federation trains
     with hospital-level DP (two intermediaries per hospital), the table names the row,
     and the report gives each site's hospital-level epsilon (model updates only) next to
-    its composed per-patient one."""
-    result, out = _hospital_demo(tmp_path, seed=3, intermediaries="2")
+    its composed per-patient one.
+
+    Asked to kill a site in round 1 of three, the demo kills nobody (SecAgg+ needs all
+    three to unmask: t = 3 at T = 1), says so in one line, prints a line per round, and
+    the study finishes with the final model at every site."""
+    result, out = _hospital_demo(tmp_path, seed=3, intermediaries="2", kill_round=1)
     report = json.loads((out / "report.json").read_text())
+    lines = result.stdout.splitlines()
+    faults = [line for line in lines if line.startswith("[fault]")]
+    assert len(faults) == 1 and faults[0].startswith("[fault] no dropout injected"), faults
+    assert "t = 3" in faults[0]
+    for number, kind in ((2, "training"), (3, "training"), (4, "final evaluation")):
+        assert any(line.startswith(f"[round {number}] {kind}") for line in lines), lines
+    sites = sorted(DEMO_SITES)
+    assert report["sites"] == sites
+    assert report["aborted_rounds"] == []
+    assert all(r["dropped"] == [] and r["participants"] == sites for r in report["rounds"])
+    assert report["evaluation_round"] == 4
+    final = Path(report["model"]["path"]).read_bytes()
+    assert report["model"]["kind"] == "final bundle"
+    for site in sites:
+        assert (out / "sites" / site / "model" / "final.safetensors").read_bytes() == final
     assert report["privacy_unit"] == "hospital"
     assert "Federated + hospital-level DP" in result.stdout
     assert "MODEL UPDATES ONLY" in result.stdout
