@@ -22,7 +22,9 @@ see `site_agent.ghost_clipping.GhostModule`); other models run Opacus' two-pass 
 clipping, with mixed ghost norms for Conv2d (Bu et al. 2022, see
 `site_agent.ghost_clipping.conv_ghost_norms`). Opacus' optimizers add the noise either
 way. Patient-level steps clip per patient (`site_agent.patient_dp`,
-`site_agent.patient_steps`). The loss follows the task: BCE with logits (binary) or
+`site_agent.patient_steps`): per-patient norms by ghost clipping and the clipped sum by
+book-keeping, one forward and one backward pass (`site_agent.unit_clipping`), or the
+per-record reference for a model that has a layer without a unit-norm rule. The loss follows the task: BCE with logits (binary) or
 cross-entropy (multi-class), `site_agent.task_loss.TaskLoss`.
 The trainer holds one path for tables and images: its records (`site_agent.site_dataset.
 Records`) give it a loader (a table's rows on the device, images decoded per physical batch).
@@ -67,6 +69,7 @@ from site_agent.patient_steps import clipped_patient_sum
 from site_agent.site_dataset import Records
 from site_agent.task_loss import TaskLoss, label_tensor, record_loss_fn
 from site_agent.training_config import PrivacyUnit, TrainingConfig, TrainResult
+from site_agent.unit_clipping import UnitClipper, supports_unit_clipping
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +202,16 @@ class LocalTrainer:
             self.optimizer = base_optimizer(self.model.parameters(), cfg)
             self.trained_module: nn.Module = self.model
             if self.privacy_unit == "patient":
-                self.grad_sample_mode = "functorch-per-patient"
+                self._unit_clipper: UnitClipper | None = None
+                if supports_unit_clipping(self.model):
+                    self._unit_clipper = UnitClipper(
+                        self.model,
+                        max_grad_norm=cfg.max_grad_norm,
+                        loss_per_record=TaskLoss(cfg.task, "none"),
+                    )
+                    self.grad_sample_mode = "ghost-per-patient"
+                else:
+                    self.grad_sample_mode = "functorch-per-patient"
                 self._patient_sampler = PatientSampler(
                     self._patient_of_record, sample_rate=self.sample_rate
                 )
@@ -453,6 +465,7 @@ class LocalTrainer:
             record_loss=self._record_loss,
             config=self.config,
             device=self.device,
+            clipper=self._unit_clipper,
         )
         # Same noise draw as PatientLevelDPSGD (patient_dp.py): per tensor, in order.
         cfg = self.config

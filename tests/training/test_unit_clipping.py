@@ -1,0 +1,118 @@
+"""Unit-level ghost clipping is exact: one pass gives the per-record reference's sum."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from common.models.tables.mlp import TabularMLP
+from site_agent.patient_dp import clipped_gradient_sum
+from site_agent.patient_steps import clipped_patient_sum, patient_groups
+from site_agent.task_loss import TaskLoss, record_loss_fn
+from site_agent.training_config import TrainingConfig
+from site_agent.unit_clipping import UnitClipper, supports_unit_clipping, unit_pairs
+
+
+class _SmallConv(nn.Module):
+    """Conv2d (padded, strided, with and without bias), GroupNorm, LayerNorm, Linear."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
+            nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False), nn.ReLU(),
+            nn.Conv2d(16, 64, 3), nn.ReLU(),  # deep, small map: the pair Gram rule
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.LayerNorm(64), nn.Linear(64, classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _ids(sizes: list[int]) -> torch.Tensor:
+    return torch.tensor([p for p, n in enumerate(sizes) for _ in range(n)])
+
+
+def _flat(model: nn.Module, sums: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([sums[name].reshape(-1) for name, _ in model.named_parameters()])
+
+
+def test_unit_pairs_are_all_same_unit_pairs() -> None:
+    unit = torch.tensor([2, 0, 2, 1, 2])
+    i, j = unit_pairs(unit, 3)
+    got = sorted(zip(i.tolist(), j.tolist()))
+    want = sorted((a, b) for a in range(5) for b in range(5) if unit[a] == unit[b])
+    assert got == want
+
+
+@pytest.mark.parametrize("clip", [0.05, 1.0, 100.0])
+@pytest.mark.parametrize("task", ["binary", "multiclass"])
+@pytest.mark.parametrize("arch", ["mlp", "conv"])
+def test_one_pass_clipped_sum_equals_per_record_reference(arch: str, task: str,
+                                                          clip: float) -> None:
+    torch.manual_seed(3)
+    classes = 1 if task == "binary" else 3
+    sizes = [1, 3, 2, 7, 1, 4]  # the 7-record patient makes explicit and pair rules meet
+    ids = _ids(sizes)
+    if arch == "mlp":
+        model: nn.Module = TabularMLP(6, hidden=(32, 16))  # pair rule, then explicit
+        if classes > 1:
+            model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, classes))
+        x = torch.randn(len(ids), 6) * 2
+    else:
+        model = _SmallConv(classes)
+        x = torch.randn(len(ids), 3, 8, 8)
+    if task == "binary":
+        y = torch.randint(0, 2, (len(ids),)).float()
+        loss_task = "binary"
+    else:
+        y = torch.randint(0, classes, (len(ids),))
+        loss_task = "multiclass"
+    assert supports_unit_clipping(model)
+    reference = clipped_gradient_sum(
+        model, x, y, ids, max_grad_norm=clip, loss_fn=record_loss_fn(loss_task)
+    )
+    clipper = UnitClipper(model, max_grad_norm=clip, loss_per_record=TaskLoss(loss_task, "none"))
+    sums, loss = clipper.clipped_sum(x, y, ids, len(sizes))
+    torch.testing.assert_close(_flat(model, sums), reference, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(loss, TaskLoss(loss_task, "sum")(model(x), y))
+    assert all(p.grad is None for p in model.parameters())  # nothing else written
+
+
+@pytest.mark.parametrize("physical", [1, 3, 5, 8, 1000])
+def test_split_steps_equal_the_unsplit_sum(physical: int) -> None:
+    """A physical batch smaller than a step (even than one patient) splits the step
+    into whole-patient groups and chunks; the clipped sum does not change."""
+    torch.manual_seed(4)
+    model = _SmallConv(1)
+    sizes = [2, 6, 1, 3, 1]
+    ids = _ids(sizes)
+    x, y = torch.randn(len(ids), 3, 8, 8), torch.randint(0, 2, (len(ids),)).float()
+    perm = torch.randperm(len(ids))  # records arrive in sampled order, not by patient
+    config = TrainingConfig(batch_size=4, max_physical_batch_size=physical, max_grad_norm=0.3)
+    clipper = UnitClipper(model, max_grad_norm=0.3, loss_per_record=TaskLoss("binary", "none"))
+    sums, loss = clipped_patient_sum(
+        model, perm, ids[perm], len(sizes), inputs=lambda r: x[r], labels=y,
+        record_loss=record_loss_fn("binary"), config=config, device=torch.device("cpu"),
+        clipper=clipper,
+    )
+    reference = clipped_gradient_sum(model, x, y, ids, max_grad_norm=0.3)
+    torch.testing.assert_close(_flat(model, sums), reference, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(loss, TaskLoss("binary", "sum")(model(x), y))
+
+
+def test_patient_groups_respect_the_limit() -> None:
+    assert patient_groups([2, 6, 1, 3, 1], 5) == [(0, 1), (1, 2), (2, 5)]
+    assert patient_groups([1, 1, 1], 1) == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_a_layer_applied_twice_is_refused() -> None:
+    layer = nn.Linear(3, 3)
+    model = nn.Sequential(layer, nn.ReLU(), layer)
+    clipper = UnitClipper(model, max_grad_norm=1.0,
+                          loss_per_record=lambda out, y: out.sum(dim=1) * y)
+    from common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="once per forward"):
+        clipper.clipped_sum(torch.randn(4, 3), torch.ones(4), torch.arange(4), 4)
