@@ -13,7 +13,9 @@ measured and picked beside the side-by-side figures (``auto_is_faster``).
 
 ``--privacy-unit patient`` times the path a site takes whenever its data has a patient
 column (``privacy_unit = "auto"``): patient-level DP-SGD (`site_agent.unit_clipping`)
-against non-private training on the same records, with the patient ids kept.
+against non-private training on the same records, with the patient ids kept; the
+non-private batches hold as many records as a patient batch does on average (batch size
+x records per patient), so both take the same number of steps of the same size.
 Each mode's peak memory during its epochs is reported beside its time: on a GPU the
 allocator's peak, on a CPU the resident set's peak above its level at the epoch's start
 (sampled every millisecond).
@@ -22,6 +24,7 @@ allocator's peak, on a CPU the resident set's peak above its level at the epoch'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -279,10 +282,16 @@ def _run_patient(
 
     if train.patient_ids is None:
         raise SystemExit("these records have no patient ids")
+    # Non-private batches hold as many RECORDS as a patient batch does on average, so
+    # both take the same steps per epoch of the same size.
+    per_patient = len(train) / len(set(train.patient_ids.tolist()))
     trainers = {}
     for mode in PATIENT_MODES:
         torch.manual_seed(seed)
-        trainers[mode] = LocalTrainer(factory, train, config(mode), seed=seed)
+        cfg = config(mode)
+        if mode == "nonprivate":
+            cfg = dataclasses.replace(cfg, batch_size=max(1, round(cfg.batch_size * per_patient)))
+        trainers[mode] = LocalTrainer(factory, train, cfg, seed=seed)
     if trainers["patient"].privacy_unit != "patient":
         raise SystemExit("auto did not choose patient-level DP on data with patient ids")
     start = flatten_parameters(trainers["nonprivate"].model)
