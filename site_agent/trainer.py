@@ -40,6 +40,7 @@ trainer, since noise an attacker can predict protects nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -64,6 +65,7 @@ from site_agent.grad_sample_mode import (
     measure_grad_sample_modes,
     pick_faster_mode,
 )
+from site_agent.memory_budget import DpPath, default_memory_budget, physical_batch_for_budget
 from site_agent.patient_dp import PatientSampler
 from site_agent.patient_steps import clipped_patient_sum
 from site_agent.site_dataset import Records
@@ -181,6 +183,7 @@ class LocalTrainer:
         # Record i belongs to rank i % world_size: each record is in exactly one shard
         # and is sampled there with probability q, so (sigma, q, steps) are unchanged.
         self._shard = torch.arange(self.rank, self.num_samples, self.world_size)
+        self.config = self._fit_physical_batch(self.config)
         self._build_training_objects()
 
     # ----------------------------------------------------------------- setup
@@ -193,6 +196,28 @@ class LocalTrainer:
         if wanted == "record" or data.patient_ids is None:
             return "record"
         return "patient"
+
+    def _fit_physical_batch(self, config: TrainingConfig) -> TrainingConfig:
+        """The config with the physical batch its memory budget allows for this model
+        and DP path (`site_agent.memory_budget`); unchanged without a budget."""
+        if config.memory_budget is None:
+            return config
+        budget = (
+            default_memory_budget(self.device) if config.memory_budget == "default"
+            else config.memory_budget
+        )
+        path: DpPath = "nonprivate"
+        if self.privacy_unit == "patient":
+            path = "unit-ghost" if supports_unit_clipping(self.model) else "reference"
+        elif self.privacy_unit == "record":
+            path = "per-sample"
+        physical = physical_batch_for_budget(
+            self.model, self.record_shape, budget=budget, path=path, device=self.device,
+            cap=config.max_physical_batch_size,
+        )
+        logger.info("physical batch %d records (memory budget %.0f MiB, %s)",
+                    physical, budget / 2**20, path)
+        return dataclasses.replace(config, max_physical_batch_size=physical)
 
     def _build_training_objects(self) -> None:
         cfg = self.config

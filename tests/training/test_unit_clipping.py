@@ -116,3 +116,48 @@ def test_a_layer_applied_twice_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="once per forward"):
         clipper.clipped_sum(torch.randn(4, 3), torch.ones(4), torch.arange(4), 4)
+
+
+def test_a_tiny_memory_budget_splits_steps_and_keeps_the_sum() -> None:
+    """The physical batch comes from the budget; a budget below a patient batch splits
+    each step into smaller physical batches, and the clipped sum is the unsplit one."""
+    import numpy as np
+
+    from common.errors import ConfigError
+    from site_agent.data import SiteData
+    from site_agent.memory_budget import estimate_step_memory
+    from site_agent.trainer import LocalTrainer
+
+    torch.manual_seed(5)
+    sizes = [1 + p % 3 for p in range(60)]
+    ids = _ids(sizes)
+    x = np.random.default_rng(0).normal(size=(len(ids), 3, 8, 8)).astype(np.float32)
+    y = (np.arange(len(ids)) % 2).astype(np.float64)
+    data = SiteData(x, y, ids.numpy().astype(str), source="test images")
+    probe = _SmallConv(1)
+    step = estimate_step_memory(probe, (3, 8, 8), path="unit-ghost", device=torch.device("cpu"))
+    assert step.fixed > 0 and step.per_record > 0
+
+    def trainer(budget: int | None) -> LocalTrainer:
+        config = TrainingConfig(batch_size=20, max_physical_batch_size=1024, memory_budget=budget,
+                                noise_multiplier=1.0, max_grad_norm=0.3, delta=1e-3)
+        torch.manual_seed(5)
+        return LocalTrainer(lambda: _SmallConv(1), data, config, seed=1)
+
+    roomy = trainer(step.fixed + 1000 * step.per_record)
+    tight = trainer(step.fixed + 3 * step.per_record)
+    assert roomy.config.max_physical_batch_size == 1000
+    assert tight.config.max_physical_batch_size == 3
+    assert tight.grad_sample_mode == "ghost-per-patient"
+    records = torch.arange(len(ids))
+    sums = []
+    for t in (roomy, tight):
+        clipped, _ = clipped_patient_sum(
+            t.model, records, ids, len(sizes), inputs=t._inputs, labels=t.labels,
+            record_loss=record_loss_fn("binary"), config=t.config, device=t.device,
+            clipper=t._unit_clipper,
+        )
+        sums.append(_flat(t.model, clipped))
+    torch.testing.assert_close(sums[0], sums[1], rtol=1e-4, atol=1e-6)
+    with pytest.raises(ConfigError, match="memory_budget"):
+        trainer(step.fixed + step.per_record // 2)
