@@ -104,7 +104,9 @@ def _one_large_patient(
     summed = [torch.zeros_like(p) for _, p in named]
     loss_sum = torch.zeros((), device=summed[0].device)
     criterion = TaskLoss(config.task, "sum")
-    for chunk in group_records.split(config.max_physical_batch_size):
+    limit = config.max_physical_batch_size
+    for start in range(0, int(group_records.numel()), limit):
+        chunk = group_records[start : start + limit]
         loss = criterion(model(inputs(chunk)), labels[chunk])
         grads = torch.autograd.grad(loss, [p for _, p in named])
         for acc, g in zip(summed, grads):

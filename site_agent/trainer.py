@@ -24,8 +24,9 @@ clipping, with mixed ghost norms for Conv2d (Bu et al. 2022, see
 way. Patient-level steps clip per patient (`site_agent.patient_dp`,
 `site_agent.patient_steps`): per-patient norms by ghost clipping and the clipped sum by
 book-keeping, one forward and one backward pass (`site_agent.unit_clipping`), or the
-per-record reference for a model that has a layer without a unit-norm rule. The loss follows the task: BCE with logits (binary) or
-cross-entropy (multi-class), `site_agent.task_loss.TaskLoss`.
+per-record reference for a model that has a layer without a unit-norm rule. The loss
+follows the task: BCE with logits (binary) or cross-entropy (multi-class),
+`site_agent.task_loss.TaskLoss`.
 The trainer holds one path for tables and images: its records (`site_agent.site_dataset.
 Records`) give it a loader (a table's rows on the device, images decoded per physical batch).
 Large logical batches are split into physical batches with the protocol of Opacus'
@@ -183,6 +184,9 @@ class LocalTrainer:
         # Record i belongs to rank i % world_size: each record is in exactly one shard
         # and is sampled there with probability q, so (sigma, q, steps) are unchanged.
         self._shard = torch.arange(self.rank, self.num_samples, self.world_size)
+        self._unit_clipper = (
+            self._build_unit_clipper() if self.privacy_unit == "patient" else None
+        )
         self.config = self._fit_physical_batch(self.config)
         self._build_training_objects()
 
@@ -208,7 +212,7 @@ class LocalTrainer:
         )
         path: DpPath = "nonprivate"
         if self.privacy_unit == "patient":
-            path = "unit-ghost" if supports_unit_clipping(self.model) else "reference"
+            path = "unit-ghost" if self._unit_clipper is not None else "reference"
         elif self.privacy_unit == "record":
             path = "per-sample"
         physical = physical_batch_for_budget(
@@ -227,16 +231,10 @@ class LocalTrainer:
             self.optimizer = base_optimizer(self.model.parameters(), cfg)
             self.trained_module: nn.Module = self.model
             if self.privacy_unit == "patient":
-                self._unit_clipper: UnitClipper | None = None
-                if supports_unit_clipping(self.model):
-                    self._unit_clipper = UnitClipper(
-                        self.model,
-                        max_grad_norm=cfg.max_grad_norm,
-                        loss_per_record=TaskLoss(cfg.task, "none"),
-                    )
-                    self.grad_sample_mode = "ghost-per-patient"
-                else:
-                    self.grad_sample_mode = "functorch-per-patient"
+                self.grad_sample_mode = (
+                    "functorch-per-patient" if self._unit_clipper is None
+                    else "ghost-per-patient"
+                )
                 self._patient_sampler = PatientSampler(
                     self._patient_of_record, sample_rate=self.sample_rate
                 )
@@ -260,6 +258,25 @@ class LocalTrainer:
         self.trained_module, self.optimizer, self._criterion = module, optimizer, criterion
         self.grad_sample_mode = mode
         logger.info("record-level DP-SGD with grad_sample_mode=%s", self.grad_sample_mode)
+
+    def _build_unit_clipper(self) -> UnitClipper | None:
+        """Unit-level ghost clipping when this model suits it (checked on one forward
+        pass of a record; nothing is trained or released), else None: the per-record
+        reference path."""
+        if not supports_unit_clipping(self.model):
+            return None
+        clipper = UnitClipper(
+            self.model,
+            max_grad_norm=self.config.max_grad_norm,
+            loss_per_record=TaskLoss(self.config.task, "none"),
+        )
+        try:
+            clipper.check(self._inputs(torch.zeros(1, dtype=torch.int64, device=self.device)))
+        except ConfigError as exc:
+            logger.info("patient-level DP-SGD takes per-record gradients: %s", exc)
+            clipper.remove()
+            return None
+        return clipper
 
     def _choose_grad_sample_mode(self) -> GradSampleChoice:
         """The configured mode, or for "auto" the faster one measured on this site's

@@ -173,9 +173,15 @@ class UnitClipper:
         self.layers = [module for _, module in trainable_modules(model)]
         self.names = {id(p): name for name, p in model.named_parameters()}
         self._records: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+        self._versions: list[int] = []
         self._capture = False
-        for layer in self.layers:
-            layer.register_forward_hook(self._hook)
+        self._handles = [layer.register_forward_hook(self._hook) for layer in self.layers]
+
+    def remove(self) -> None:
+        """Take this clipper's hooks off the model."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _hook(self, layer: nn.Module, inputs: Any, output: torch.Tensor) -> None:
         if not (self._capture and torch.is_grad_enabled()):
@@ -185,18 +191,29 @@ class UnitClipper:
             raise ConfigError("grad_sample_mode", "unit-level clipping needs each trainable "
                               "layer applied once per forward pass")
         self._records.append((layer, inputs[0].detach(), output))
+        self._versions.append(output._version)
 
-    def _forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
-        self._records = []
+    def _forward(self, x: torch.Tensor, y: torch.Tensor | None) -> tuple[torch.Tensor, list[Any]]:
+        self._records, self._versions = [], []
         self._capture = True
         try:
-            losses = self.loss_per_record(self.model(x), y)
+            out = self.model(x)
+            losses = out if y is None else self.loss_per_record(out, y)
         finally:
             self._capture = False
         records, self._records = self._records, []
         if len(records) != len(self.layers):
             raise ConfigError("grad_sample_mode", "a trainable layer did not run in forward")
+        if any(r[2]._version != v for r, v in zip(records, self._versions)):
+            # The gradient of a tensor changed in place is not that of the layer output.
+            raise ConfigError("grad_sample_mode", "unit-level clipping needs each trainable "
+                              "layer's output left unchanged (no in-place operation on it)")
         return losses, records
+
+    def check(self, x: torch.Tensor) -> None:
+        """Raise ConfigError unless one forward pass on `x` suits unit-level clipping
+        (each trainable layer run once, its output not changed in place)."""
+        self._forward(x, None)
 
     def clipped_sum(self, x: torch.Tensor, y: torch.Tensor, unit: torch.Tensor,
                     num_units: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -243,7 +260,8 @@ class UnitClipper:
                     grad = weighted.t().mm(a)
                 else:
                     grad = torch.einsum("not,ndt->od", weighted, a)
-                out[self.names[id(layer.weight)]] = grad.reshape(layer.weight.shape)
+                weight = cast(torch.Tensor, layer.weight)
+                out[self.names[id(weight)]] = grad.reshape(weight.shape)
             if layer.bias is not None and layer.bias.requires_grad:
                 dims = (0,) if kind == "linear" else (0, 2)
                 out[self.names[id(layer.bias)]] = weighted.sum(dim=dims)

@@ -161,3 +161,29 @@ def test_a_tiny_memory_budget_splits_steps_and_keeps_the_sum() -> None:
     torch.testing.assert_close(sums[0], sums[1], rtol=1e-4, atol=1e-6)
     with pytest.raises(ConfigError, match="memory_budget"):
         trainer(step.fixed + step.per_record // 2)
+
+
+def test_an_in_place_change_of_a_layer_output_takes_the_reference_path() -> None:
+    """ReLU(inplace=True) on a GroupNorm output would hand autograd the ReLU's gradient;
+    the trainer notices on one forward pass and keeps the exact per-record path."""
+    import numpy as np
+
+    from site_agent.data import SiteData
+    from site_agent.trainer import LocalTrainer
+
+    def factory() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(inplace=True),
+                             nn.Flatten(), nn.Linear(4 * 4 * 4, 1))
+
+    ids = np.array([str(p // 2) for p in range(120)])
+    data = SiteData(np.zeros((120, 1, 6, 6), np.float32), np.zeros(120), ids, source="t")
+    config = TrainingConfig(batch_size=10, noise_multiplier=1.0, delta=1e-3)
+    trainer = LocalTrainer(factory, data, config, seed=0)
+    assert trainer.privacy_unit == "patient"
+    assert trainer.grad_sample_mode == "functorch-per-patient"
+    clipper = UnitClipper(factory(), max_grad_norm=1.0,
+                          loss_per_record=TaskLoss("binary", "none"))
+    from common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="in-place|in place"):
+        clipper.check(torch.zeros(2, 1, 6, 6))
