@@ -9,7 +9,8 @@ g_u = sum_{i in u} g_i. It needs each unit's gradient NORM, never the unit's gra
   Differential Privacy", Sec. 3, for Conv2d): a layer's per-sample weight gradient is
   G_i A_i^T (A_i the input, G_i the output gradient of record i), so
   ||g_u||^2 = sum_{i, j in u} <A_i^T A_j, G_i^T G_j>: the per-sample Gram terms, summed
-  over the PAIRS of records of one unit. Each layer takes the cheaper of these pair Gram
+  over the PAIRS of records of one unit (each record's own term, plus twice each
+  unordered pair of distinct records). Each layer takes the cheaper of these pair Gram
   terms and the explicit per-unit gradient sum_{i in u} G_i A_i^T. Other layers
   (GroupNorm, LayerNorm, Embedding, ...) take Opacus' per-sample gradient of that layer
   alone, summed per unit.
@@ -65,16 +66,17 @@ def supports_unit_clipping(model: nn.Module) -> bool:
 
 
 def unit_pairs(unit: torch.Tensor, num_units: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """All ordered pairs (i, j) of records of the same unit (i == j included)."""
+    """All pairs (i, j), i != j, of records of the same unit, each unordered pair once."""
     order = torch.argsort(unit, stable=True)
     counts = torch.bincount(unit, minlength=num_units)
     starts = torch.cumsum(counts, 0) - counts
     sorted_unit = unit[order]
-    width = counts[sorted_unit]  # partners of each (sorted) record
-    left = torch.repeat_interleave(torch.arange(unit.numel(), device=unit.device), width)
+    position = torch.arange(unit.numel(), device=unit.device)
+    # Partners of the record at sorted position p: the later records of its unit.
+    width = starts[sorted_unit] + counts[sorted_unit] - 1 - position
+    left = torch.repeat_interleave(position, width)
     offsets = torch.cumsum(width, 0) - width
-    within = torch.arange(int(width.sum()), device=unit.device) - offsets[left]
-    right = starts[sorted_unit[left]] + within
+    right = left + 1 + torch.arange(int(width.sum()), device=unit.device) - offsets[left]
     return order[left], order[right]
 
 
@@ -103,10 +105,17 @@ class _Context:
                           device=values.device)
         return out.index_add_(0, self.unit, values)
 
-    def pair_sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Sum [pairs] per unit of the pair's records."""
-        out = torch.zeros(self.num_units, dtype=values.dtype, device=values.device)
-        return out.index_add_(0, self.unit[self.pairs[0]], values)
+    def pair_sum(self, diagonal: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+        """Per unit: the sum of the records' own terms [n] plus twice the sum of their
+        pairs' terms [pairs] (each unordered pair stands for (i, j) and (j, i))."""
+        out = torch.zeros(self.num_units, dtype=diagonal.dtype, device=diagonal.device)
+        out.index_add_(0, self.unit, diagonal)
+        return out.index_add_(0, self.unit[self.pairs[0]], 2 * pairs)
+
+    def gather(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`values` [n, ...] at the pairs' first and second records."""
+        i, j = self.pairs
+        return values.index_select(0, i), values.index_select(0, j)
 
 
 def _squared_norm(rows: torch.Tensor) -> torch.Tensor:
@@ -117,15 +126,17 @@ def _linear_squared(layer: nn.Linear, a: torch.Tensor, g: torch.Tensor,
                     ctx: _Context) -> torch.Tensor:
     weight, bias = layer.weight.requires_grad, layer.bias is not None and layer.bias.requires_grad
     d_in, d_out = a.shape[1], g.shape[1]
-    if ctx.num_pairs * (d_in + d_out) <= ctx.n * d_in * d_out:
-        i, j = ctx.pairs
-        gg = (g[i] * g[j]).sum(dim=1)
-        term = torch.zeros_like(gg)
+    if (ctx.n + ctx.num_pairs) * (d_in + d_out) <= ctx.n * d_in * d_out:
+        gi, gj = ctx.gather(g)
+        gg, g_sq = (gi * gj).sum(dim=1), g.square().sum(dim=1)
+        pair_term, own_term = torch.zeros_like(gg), torch.zeros_like(g_sq)
         if weight:
-            term = term + gg * (a[i] * a[j]).sum(dim=1)
+            ai, aj = ctx.gather(a)
+            pair_term = pair_term + gg * (ai * aj).sum(dim=1)
+            own_term = own_term + g_sq * a.square().sum(dim=1)
         if bias:
-            term = term + gg
-        return ctx.pair_sum(term)
+            pair_term, own_term = pair_term + gg, own_term + g_sq
+        return ctx.pair_sum(own_term, pair_term)
     squared = torch.zeros(ctx.num_units, dtype=g.dtype, device=g.device)
     if weight:
         squared = squared + _squared_norm(ctx.per_unit(torch.einsum("no,nd->nod", g, a)))
@@ -139,11 +150,17 @@ def _conv_squared(layer: nn.Conv2d, unfolded: torch.Tensor, g: torch.Tensor,
     squared = torch.zeros(ctx.num_units, dtype=g.dtype, device=g.device)
     if layer.weight.requires_grad:
         d, t, o = unfolded.shape[1], unfolded.shape[2], g.shape[1]
-        if ctx.num_pairs * t * t * (d + o) < ctx.n * t * d * o:
-            i, j = ctx.pairs
-            gram_a = torch.bmm(unfolded[i].transpose(1, 2), unfolded[j])
-            gram_g = torch.bmm(g[i].transpose(1, 2), g[j])
-            squared = squared + ctx.pair_sum((gram_a * gram_g).sum(dim=(1, 2)))
+        if (ctx.n + ctx.num_pairs) * t * t * (d + o) < ctx.n * t * d * o:
+            own = (
+                torch.bmm(unfolded.transpose(1, 2), unfolded)
+                * torch.bmm(g.transpose(1, 2), g)
+            ).sum(dim=(1, 2))
+            ui, uj = ctx.gather(unfolded)
+            gi, gj = ctx.gather(g)
+            cross = (
+                torch.bmm(ui.transpose(1, 2), uj) * torch.bmm(gi.transpose(1, 2), gj)
+            ).sum(dim=(1, 2))
+            squared = squared + ctx.pair_sum(own, cross)
         else:
             squared = squared + _squared_norm(
                 ctx.per_unit(torch.bmm(g, unfolded.transpose(1, 2)))
