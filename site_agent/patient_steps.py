@@ -65,6 +65,13 @@ def clipped_patient_sum(
     loss_sum = torch.zeros((), device=device)
     if num_patients == 0:
         return total, loss_sum
+    if clipper is not None and records.numel() <= limit:  # one physical batch
+        clipped, loss_sum = clipper.clipped_sum(
+            inputs(records), labels[records], patient_index, num_patients
+        )
+        for name, value in clipped.items():
+            total[name] += value
+        return total, loss_sum
     order = torch.argsort(patient_index, stable=True)
     records, patient_index = records[order], patient_index[order]
     counts = torch.bincount(patient_index, minlength=num_patients).tolist()
