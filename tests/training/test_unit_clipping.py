@@ -190,3 +190,20 @@ def test_an_in_place_change_of_a_layer_output_takes_the_reference_path() -> None
 
     with pytest.raises(ConfigError, match="in-place"):
         clipper.check(torch.zeros(2, 1, 6, 6))
+
+
+@pytest.mark.parametrize("name", ["resnet18-gn", "cnn"])
+def test_registry_image_models_match_the_reference(name: str) -> None:
+    """The study models themselves (residual blocks, GroupNorm, strided convs)."""
+    from common.models import ModelSpec
+    from common.models.build import build_model
+
+    torch.manual_seed(6)
+    model = build_model(ModelSpec(name=name), in_channels=1, image_size=16)
+    ids = _ids([1, 3, 2])
+    x, y = torch.randn(len(ids), 1, 16, 16), torch.randint(0, 2, (len(ids),)).float()
+    clipper = UnitClipper(model, max_grad_norm=0.1, loss_per_record=TaskLoss("binary", "none"))
+    clipper.check(x)
+    sums, _ = clipper.clipped_sum(x, y, ids, 3)
+    reference = clipped_gradient_sum(model, x, y, ids, max_grad_norm=0.1)
+    torch.testing.assert_close(_flat(model, sums), reference, rtol=1e-4, atol=1e-6)
