@@ -77,11 +77,15 @@ def estimate_step_memory(
             t = out[0, 0].numel()
             d = module.in_channels * int(torch.tensor(module.kernel_size).prod())
             o = module.out_channels
-            # unfolded input, output gradient, and the cheaper per-record norm rule's
-            # buffer (explicit gradient O x D, or pair Gram matrices, at most 2 T D O/(D+O))
-            extra += d * t + o * t + max(o * d, 2 * t * d * o // (d + o))
+            # unfolded input and output gradient, plus the norm rule `_conv_squared`
+            # takes (records ~ pairs): T x T Gram matrices of A and G for the record and
+            # its pairs, or the per-record and per-unit explicit O x D gradients.
+            rule = 4 * t * t if 2 * t * (d + o) < d * o else 2 * o * d
+            extra += d * t + o * t + rule
         elif isinstance(module, nn.Linear):
-            extra += module.in_features * module.out_features + module.out_features
+            d_in, d_out = module.in_features, module.out_features
+            rule = 4 * (d_in + d_out) if 2 * (d_in + d_out) <= d_in * d_out else 2 * d_in * d_out
+            extra += d_out + rule
         else:
             extra += sum(p.numel() for p in module.parameters(recurse=False))
 
