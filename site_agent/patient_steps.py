@@ -61,16 +61,18 @@ def clipped_patient_sum(
     """
     limit = config.max_physical_batch_size
     params = {name: p.detach() for name, p in model.named_parameters()}
-    total = {name: torch.zeros_like(p) for name, p in params.items()}
-    loss_sum = torch.zeros((), device=device)
-    if num_patients == 0:
-        return total, loss_sum
-    if clipper is not None and records.numel() <= limit:  # one physical batch
+    if clipper is not None and 0 < num_patients and records.numel() <= limit:
+        # One physical batch: the clipper's sums as they are (frozen parameters: zero).
         clipped, loss_sum = clipper.clipped_sum(
             inputs(records), labels[records], patient_index, num_patients
         )
-        for name, value in clipped.items():
-            total[name] += value
+        for name, p in params.items():
+            if name not in clipped:
+                clipped[name] = torch.zeros_like(p)
+        return clipped, loss_sum
+    total = {name: torch.zeros_like(p) for name, p in params.items()}
+    loss_sum = torch.zeros((), device=device)
+    if num_patients == 0:
         return total, loss_sum
     order = torch.argsort(patient_index, stable=True)
     records, patient_index = records[order], patient_index[order]
