@@ -61,7 +61,7 @@ def clipped_patient_sum(
     """
     limit = config.max_physical_batch_size
     params = {name: p.detach() for name, p in model.named_parameters()}
-    if clipper is not None and 0 < num_patients and records.numel() <= limit:
+    if clipper is not None and num_patients > 0 and records.numel() <= limit:
         # One physical batch: the clipper's sums as they are (frozen parameters: zero).
         clipped, loss_sum = clipper.clipped_sum(
             inputs(records), labels[records], patient_index, num_patients
