@@ -14,6 +14,8 @@ with a safety factor for allocator slack and temporaries.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -23,6 +25,9 @@ from opacus.utils.module_utils import trainable_modules
 from torch import nn
 
 from common.errors import ConfigError
+from site_agent.training_config import TrainingConfig
+
+logger = logging.getLogger(__name__)
 
 DpPath = Literal["nonprivate", "unit-ghost", "per-sample", "reference"]
 SAFETY = 1.5
@@ -131,3 +136,28 @@ def physical_batch_for_budget(
             f"~{estimate.per_record / 2**20:.1f} MiB per record",
         )
     return min(cap, fits)
+
+
+def fit_physical_batch(
+    config: TrainingConfig,
+    model: nn.Module,
+    record_shape: tuple[int, ...],
+    *,
+    path: DpPath,
+    device: torch.device,
+) -> TrainingConfig:
+    """`config` with the physical batch its memory budget allows for `model` and the DP
+    `path` ("default": the device's safe default); unchanged without a budget."""
+    if config.memory_budget is None:
+        return config
+    budget = (
+        default_memory_budget(device) if config.memory_budget == "default"
+        else config.memory_budget
+    )
+    physical = physical_batch_for_budget(
+        model, record_shape, budget=budget, path=path, device=device,
+        cap=config.max_physical_batch_size,
+    )
+    logger.info("physical batch %d records (memory budget %.0f MiB, %s)",
+                physical, budget / 2**20, path)
+    return dataclasses.replace(config, max_physical_batch_size=physical)

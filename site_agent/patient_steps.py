@@ -9,16 +9,40 @@ vmap over grad), which is exact but materialises every record's gradient.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
+from common.errors import ConfigError
 from site_agent.patient_dp import LossFn, clipped_unit_sum, per_record_gradients
 from site_agent.task_loss import TaskLoss
 from site_agent.training_config import TrainingConfig
-from site_agent.unit_clipping import UnitClipper
+from site_agent.unit_clipping import UnitClipper, supports_unit_clipping
+
+logger = logging.getLogger(__name__)
+
+
+def unit_clipper_for(
+    model: nn.Module, inputs: Callable[[torch.Tensor], torch.Tensor], config: TrainingConfig
+) -> UnitClipper | None:
+    """Unit-level ghost clipping when `model` suits it (checked on one forward pass of
+    record 0; nothing is trained or released), else None: the per-record reference."""
+    if not supports_unit_clipping(model):
+        return None
+    clipper = UnitClipper(
+        model, max_grad_norm=config.max_grad_norm, loss_per_record=TaskLoss(config.task, "none")
+    )
+    device = next(model.parameters()).device
+    try:
+        clipper.check(inputs(torch.zeros(1, dtype=torch.int64, device=device)))
+    except ConfigError as exc:
+        logger.info("patient-level DP-SGD takes per-record gradients: %s", exc)
+        clipper.remove()
+        return None
+    return clipper
 
 
 def patient_groups(counts: list[int], limit: int) -> list[tuple[int, int]]:

@@ -41,7 +41,6 @@ trainer, since noise an attacker can predict protects nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -66,13 +65,12 @@ from site_agent.grad_sample_mode import (
     measure_grad_sample_modes,
     pick_faster_mode,
 )
-from site_agent.memory_budget import DpPath, default_memory_budget, physical_batch_for_budget
+from site_agent.memory_budget import DpPath, fit_physical_batch
 from site_agent.patient_dp import PatientSampler
-from site_agent.patient_steps import clipped_patient_sum
+from site_agent.patient_steps import clipped_patient_sum, unit_clipper_for
 from site_agent.site_dataset import Records
 from site_agent.task_loss import TaskLoss, label_tensor, record_loss_fn
 from site_agent.training_config import PrivacyUnit, TrainingConfig, TrainResult
-from site_agent.unit_clipping import UnitClipper, supports_unit_clipping
 
 logger = logging.getLogger(__name__)
 
@@ -185,9 +183,15 @@ class LocalTrainer:
         # and is sampled there with probability q, so (sigma, q, steps) are unchanged.
         self._shard = torch.arange(self.rank, self.num_samples, self.world_size)
         self._unit_clipper = (
-            self._build_unit_clipper() if self.privacy_unit == "patient" else None
+            unit_clipper_for(self.model, self._inputs, config)
+            if self.privacy_unit == "patient" else None
         )
-        self.config = self._fit_physical_batch(self.config)
+        path: DpPath = "per-sample" if self.privacy_unit == "record" else "nonprivate"
+        if self.privacy_unit == "patient":
+            path = "unit-ghost" if self._unit_clipper is not None else "reference"
+        self.config = fit_physical_batch(
+            config, self.model, self.record_shape, path=path, device=self.device
+        )
         self._build_training_objects()
 
     # ----------------------------------------------------------------- setup
@@ -200,28 +204,6 @@ class LocalTrainer:
         if wanted == "record" or data.patient_ids is None:
             return "record"
         return "patient"
-
-    def _fit_physical_batch(self, config: TrainingConfig) -> TrainingConfig:
-        """The config with the physical batch its memory budget allows for this model
-        and DP path (`site_agent.memory_budget`); unchanged without a budget."""
-        if config.memory_budget is None:
-            return config
-        budget = (
-            default_memory_budget(self.device) if config.memory_budget == "default"
-            else config.memory_budget
-        )
-        path: DpPath = "nonprivate"
-        if self.privacy_unit == "patient":
-            path = "unit-ghost" if self._unit_clipper is not None else "reference"
-        elif self.privacy_unit == "record":
-            path = "per-sample"
-        physical = physical_batch_for_budget(
-            self.model, self.record_shape, budget=budget, path=path, device=self.device,
-            cap=config.max_physical_batch_size,
-        )
-        logger.info("physical batch %d records (memory budget %.0f MiB, %s)",
-                    physical, budget / 2**20, path)
-        return dataclasses.replace(config, max_physical_batch_size=physical)
 
     def _build_training_objects(self) -> None:
         cfg = self.config
@@ -258,25 +240,6 @@ class LocalTrainer:
         self.trained_module, self.optimizer, self._criterion = module, optimizer, criterion
         self.grad_sample_mode = mode
         logger.info("record-level DP-SGD with grad_sample_mode=%s", self.grad_sample_mode)
-
-    def _build_unit_clipper(self) -> UnitClipper | None:
-        """Unit-level ghost clipping when this model suits it (checked on one forward
-        pass of a record; nothing is trained or released), else None: the per-record
-        reference path."""
-        if not supports_unit_clipping(self.model):
-            return None
-        clipper = UnitClipper(
-            self.model,
-            max_grad_norm=self.config.max_grad_norm,
-            loss_per_record=TaskLoss(self.config.task, "none"),
-        )
-        try:
-            clipper.check(self._inputs(torch.zeros(1, dtype=torch.int64, device=self.device)))
-        except ConfigError as exc:
-            logger.info("patient-level DP-SGD takes per-record gradients: %s", exc)
-            clipper.remove()
-            return None
-        return clipper
 
     def _choose_grad_sample_mode(self) -> GradSampleChoice:
         """The configured mode, or for "auto" the faster one measured on this site's
