@@ -10,11 +10,21 @@ are reported, of wall-clock time and of process CPU time (the steadier figure on
 A fourth trainer is built with ``grad_sample_mode = "auto"``, as a site's is: it times a
 few steps of each mode on its device and keeps the faster; the bench prints what it
 measured and picked beside the side-by-side figures (``auto_is_faster``).
+
+``--privacy-unit patient`` times the path a site takes whenever its data has a patient
+column (``privacy_unit = "auto"``): patient-level DP-SGD (`site_agent.unit_clipping`)
+against non-private training on the same records, with the patient ids kept; the
+non-private batches hold as many records as a patient batch does on average (batch size
+x records per patient), so both take the same number of steps of the same size.
+Each mode's peak memory during its epochs is reported beside its time: on a GPU the
+allocator's peak, on a CPU the resident set's peak above its level at the epoch's start
+(sampled every millisecond).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -30,22 +40,80 @@ from common.models import model_names
 DEMO_SITE = "urban_academic"
 IMAGE_SITE = "lakeside_university"
 MODES = ("nonprivate", "ghost", "hooks")
+PATIENT_MODES = ("nonprivate", "patient")
+PRIVACY_UNITS = ("record", "patient")
+
+
+class PeakMemory:
+    """Peak memory of one timed epoch, in bytes: the CUDA allocator's peak on a GPU,
+    else the process's resident set sampled every millisecond above its starting level."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.peak = 0
+
+    def __enter__(self) -> PeakMemory:
+        import threading
+
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            return self
+        self._base = _resident_bytes()
+        self._peak = self._base
+        self._stop = threading.Event()
+
+        def sample() -> None:
+            while not self._stop.wait(0.001):
+                self._peak = max(self._peak, _resident_bytes())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self._base
+            return
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self._peak, _resident_bytes()) - self._base
+
+
+def _resident_bytes() -> int:
+    """This process's resident set size (Linux /proc; 0 where that is unavailable)."""
+    import os
+
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 MODELS = ("mlp", *model_names("images"))
 
 
 def _image_data(
     *, records: int, image_size: int, seed: int
 ) -> Any:
-    """`records` synthetic images in memory (so decoding is not what is timed)."""
+    """`records` synthetic images in memory (so decoding is not what is timed), with
+    their patient ids."""
     from site_agent.data import SiteData
     from site_agent.synthetic_imaging import in_memory_images
 
-    images, labels, _ = in_memory_images(
+    images, labels, patients = in_memory_images(
         IMAGE_SITE, seed=seed, patients=records, image_size=image_size
     )
     if images.shape[0] < records:
         raise SystemExit(f"only {images.shape[0]} synthetic images; ask for fewer batches")
-    return SiteData(images[:records], labels[:records], None, source="synthetic images")
+    return SiteData(
+        images[:records], labels[:records], patients[:records], source="synthetic images"
+    )
 
 
 def run(
@@ -59,6 +127,7 @@ def run(
     batches: int | None = None,
     max_physical_batch_size: int | None = None,
     device: str = "cpu",
+    privacy_unit: str = "record",
 ) -> dict[str, Any]:
     """Median seconds per epoch of each mode and the DP/non-private ratios.
 
@@ -77,6 +146,8 @@ def run(
     from site_agent.trainer import LocalTrainer
     from site_agent.training_config import TrainingConfig
 
+    if privacy_unit not in PRIVACY_UNITS:
+        raise SystemExit(f"--privacy-unit must be one of {', '.join(PRIVACY_UNITS)}")
     torch.set_num_threads(threads)
     spec = ModelSpec(name=model)
     if spec.canonical_name == "mlp":
@@ -111,12 +182,17 @@ def run(
             local_epochs=1,
             lr=0.5 if spec.canonical_name == "mlp" else 0.05,
             dp=mode != "nonprivate",
-            privacy_unit="record",
+            privacy_unit="auto" if privacy_unit == "patient" else "record",
             grad_sample_mode=path,
             delta=min(1e-5, 0.5 / len(train)),
             device=device,
         )
 
+    if privacy_unit == "patient":
+        return _run_patient(config, factory, train, epochs=epochs, seed=seed, meta={
+            "model": spec.canonical_name, "input": what, "batch_size": batch_size,
+            "max_physical_batch_size": physical, "threads": threads, "epochs": epochs,
+        })
     trainers = {}
     for mode in MODES:
         torch.manual_seed(seed)
@@ -137,13 +213,7 @@ def run(
         warnings.simplefilter("ignore", UserWarning)
         for trainer in trainers.values():  # warm-up: first-call allocations, lazy init
             trainer.train_round(start)
-        seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
-        cpu: dict[str, list[float]] = {mode: [] for mode in MODES}
-        for _ in range(epochs):
-            for mode, trainer in trainers.items():
-                cpu_start = time.process_time()
-                seconds[mode].append(trainer.train_round(start).seconds)
-                cpu[mode].append(time.process_time() - cpu_start)
+        seconds, cpu, peak = _alternate(trainers, start, epochs)
     median = {mode: statistics.median(values) for mode, values in seconds.items()}
     cpu_median = {mode: statistics.median(values) for mode, values in cpu.items()}
     auto = choice.mode
@@ -171,6 +241,7 @@ def run(
         "hooks_cpu_seconds": cpu_median["hooks"],
         "ghost_cpu_ratio": cpu_median["ghost"] / cpu_median["nonprivate"],
         "hooks_cpu_ratio": cpu_median["hooks"] / cpu_median["nonprivate"],
+        **{f"{mode}_peak_mib": peak[mode] / 2**20 for mode in MODES},
         "ghost_mode_used": trainers["ghost"].grad_sample_mode,
         "auto_mode": auto,
         "auto_measured_step_seconds": dict(choice.seconds_per_step),
@@ -179,6 +250,73 @@ def run(
         # >= 1: the epoch time of auto's pick over the faster mode's (1.0 when it is the
         # faster); a pick that lost by a few percent lost within the run-to-run noise.
         "auto_cost_vs_faster": basis[auto] / basis[faster],
+    }
+
+
+def _alternate(
+    trainers: dict[str, Any], start: Any, epochs: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, int]]:
+    """Epochs of each trainer in turn: wall and CPU seconds per epoch, peak bytes."""
+    seconds: dict[str, list[float]] = {mode: [] for mode in trainers}
+    cpu: dict[str, list[float]] = {mode: [] for mode in trainers}
+    peak = {mode: 0 for mode in trainers}
+    for _ in range(epochs):
+        for mode, trainer in trainers.items():
+            cpu_start = time.process_time()
+            with PeakMemory(str(trainer.device)) as memory:
+                seconds[mode].append(trainer.train_round(start).seconds)
+            cpu[mode].append(time.process_time() - cpu_start)
+            peak[mode] = max(peak[mode], memory.peak)
+    return seconds, cpu, peak
+
+
+def _run_patient(
+    config: Any, factory: Any, train: Any, *, epochs: int, seed: int, meta: dict[str, Any]
+) -> dict[str, Any]:
+    """Non-private against patient-level DP-SGD (what `auto` picks on data with a
+    patient column), epochs alternated."""
+    import torch
+
+    from common.models.layout import flatten_parameters
+    from site_agent.trainer import LocalTrainer
+
+    if train.patient_ids is None:
+        raise SystemExit("these records have no patient ids")
+    # Non-private batches hold as many RECORDS as a patient batch does on average, so
+    # both take the same steps per epoch of the same size.
+    per_patient = len(train) / len(set(train.patient_ids.tolist()))
+    trainers = {}
+    for mode in PATIENT_MODES:
+        torch.manual_seed(seed)
+        cfg = config(mode)
+        if mode == "nonprivate":
+            cfg = dataclasses.replace(cfg, batch_size=max(1, round(cfg.batch_size * per_patient)))
+        trainers[mode] = LocalTrainer(factory, train, cfg, seed=seed)
+    if trainers["patient"].privacy_unit != "patient":
+        raise SystemExit("auto did not choose patient-level DP on data with patient ids")
+    start = flatten_parameters(trainers["nonprivate"].model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for trainer in trainers.values():
+            trainer.train_round(start)
+        seconds, cpu, peak = _alternate(trainers, start, epochs)
+    median = {mode: statistics.median(values) for mode, values in seconds.items()}
+    cpu_median = {mode: statistics.median(values) for mode, values in cpu.items()}
+    dp = trainers["patient"]
+    return {
+        **meta,
+        "privacy_unit": "patient",
+        "parameters": int(sum(p.numel() for p in dp.model.parameters())),
+        "records": len(train),
+        "patients": dp.num_units,
+        "steps_per_epoch": dp.steps_per_epoch,
+        "device": str(dp.device),
+        **{f"{mode}_seconds": median[mode] for mode in PATIENT_MODES},
+        **{f"{mode}_cpu_seconds": cpu_median[mode] for mode in PATIENT_MODES},
+        **{f"{mode}_peak_mib": peak[mode] / 2**20 for mode in PATIENT_MODES},
+        "patient_ratio": median["patient"] / median["nonprivate"],
+        "patient_cpu_ratio": cpu_median["patient"] / cpu_median["nonprivate"],
+        "patient_mode_used": dp.grad_sample_mode,
     }
 
 
@@ -203,6 +341,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--privacy-unit", choices=list(PRIVACY_UNITS), default="record",
+        help="record: ghost and hooks record-level DP-SGD; patient: the patient-level path "
+        "`auto` takes on data with a patient column, with the patient ids kept",
+    )
     parser.add_argument("--json", action="store_true", help="last line is a JSON object")
 
 
@@ -217,7 +360,10 @@ def main_from_args(args: argparse.Namespace) -> int:
         batches=args.batches,
         max_physical_batch_size=args.max_physical_batch_size,
         device=args.device,
+        privacy_unit=args.privacy_unit,
     )
+    if args.privacy_unit == "patient":
+        return _print_patient(result, as_json=args.json)
     print(
         f"DP-SGD on {result['model']} ({result['parameters']:,} parameters, {result['input']}), "
         f"{result['records']} records, batch {result['batch_size']} "
@@ -228,7 +374,8 @@ def main_from_args(args: argparse.Namespace) -> int:
     for mode in MODES:
         line = (
             f"  {mode:<11} {result[f'{mode}_seconds'] * 1e3:9.1f} ms/epoch wall "
-            f"{result[f'{mode}_cpu_seconds'] * 1e3:9.1f} ms CPU"
+            f"{result[f'{mode}_cpu_seconds'] * 1e3:9.1f} ms CPU "
+            f"{result[f'{mode}_peak_mib']:8.1f} MiB peak"
         )
         if mode != "nonprivate":
             line += (
@@ -252,6 +399,31 @@ def main_from_args(args: argparse.Namespace) -> int:
     )
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if not isinstance(v, np.generic)}))
+    return 0
+
+
+def _print_patient(result: dict[str, Any], *, as_json: bool) -> int:
+    print(
+        f"patient-level DP-SGD on {result['model']} ({result['parameters']:,} parameters, "
+        f"{result['input']}), {result['records']} records of {result['patients']} patients, "
+        f"batch {result['batch_size']} patients (physical {result['max_physical_batch_size']} "
+        f"records), {result['steps_per_epoch']} steps/epoch, {result['threads']} thread(s), "
+        f"{result['device']}, median of {result['epochs']} epochs"
+    )
+    for mode in PATIENT_MODES:
+        line = (
+            f"  {mode:<11} {result[f'{mode}_seconds'] * 1e3:9.1f} ms/epoch wall "
+            f"{result[f'{mode}_cpu_seconds'] * 1e3:9.1f} ms CPU "
+            f"{result[f'{mode}_peak_mib']:8.1f} MiB peak"
+        )
+        if mode == "patient":
+            line += (
+                f"   {result['patient_ratio']:.2f}x non-private "
+                f"({result['patient_cpu_ratio']:.2f}x CPU; {result['patient_mode_used']})"
+            )
+        print(line)
+    if as_json:
+        print(json.dumps(result))
     return 0
 
 

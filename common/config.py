@@ -393,9 +393,42 @@ STUDY_DECIDES: Final = {
 """Site training settings the study decides: refused with the study field that does."""
 
 
+def parse_memory_size(value: object) -> int:
+    """Bytes of a size such as 512MiB, 4GiB, 2GB or a plain number of bytes."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{value!r} is not a size (e.g. 512MiB, 4GiB)")
+    if isinstance(value, int):
+        size = value
+    else:
+        units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+                 "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
+        cleaned = value.strip().lower().replace(" ", "")
+        number, factor = cleaned, 1
+        for suffix, scale in units.items():
+            if cleaned.endswith(suffix):
+                number, factor = cleaned[: -len(suffix)], scale
+                break
+        try:
+            size = int(float(number) * factor)
+        except ValueError:
+            raise ValueError(f"{value!r} is not a size (e.g. 512MiB, 4GiB)") from None
+    if size < 1:
+        raise ValueError(f"must be positive, got {value!r}")
+    return size
+
+
 class LocalTrainingSection(_Section):
     trainer: Literal["dpsgd", "nonprivate"] = "dpsgd"
-    max_physical_batch_size: int = Field(default=1024, ge=1)
+    max_physical_batch_size: int | None = Field(
+        default=None, ge=1,
+        description="records per forward/backward pass; unset: the most that `memory_budget` "
+        "holds for the study's model and DP path (at most 1024)",
+    )
+    memory_budget: int | None = Field(
+        default=None,
+        description="memory one training step may use, e.g. \"4GiB\" (CPU RAM, or GPU memory "
+        "when training on a GPU); unset: a quarter of the RAM or half the GPU's memory",
+    )
     grad_sample_mode: Literal["auto", "ghost", "hooks"] = "auto"
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     seed: int | None = Field(
@@ -403,6 +436,11 @@ class LocalTrainingSection(_Section):
         description="TESTS ONLY: fixed seed for Poisson sampling and DP noise; default draws "
         "a fresh seed from the OS CSPRNG (predictable noise would void the DP guarantee)",
     )
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _memory_size(cls, value: object) -> int | None:
+        return None if value is None else parse_memory_size(value)
 
     @model_validator(mode="before")
     @classmethod

@@ -22,8 +22,11 @@ see `site_agent.ghost_clipping.GhostModule`); other models run Opacus' two-pass 
 clipping, with mixed ghost norms for Conv2d (Bu et al. 2022, see
 `site_agent.ghost_clipping.conv_ghost_norms`). Opacus' optimizers add the noise either
 way. Patient-level steps clip per patient (`site_agent.patient_dp`,
-`site_agent.patient_steps`). The loss follows the task: BCE with logits (binary) or
-cross-entropy (multi-class), `site_agent.task_loss.TaskLoss`.
+`site_agent.patient_steps`): per-patient norms by ghost clipping and the clipped sum by
+book-keeping, one forward and one backward pass (`site_agent.unit_clipping`), or the
+per-record reference for a model that has a layer without a unit-norm rule. The loss
+follows the task: BCE with logits (binary) or cross-entropy (multi-class),
+`site_agent.task_loss.TaskLoss`.
 The trainer holds one path for tables and images: its records (`site_agent.site_dataset.
 Records`) give it a loader (a table's rows on the device, images decoded per physical batch).
 Large logical batches are split into physical batches with the protocol of Opacus'
@@ -62,8 +65,9 @@ from site_agent.grad_sample_mode import (
     measure_grad_sample_modes,
     pick_faster_mode,
 )
+from site_agent.memory_budget import DpPath, fit_physical_batch
 from site_agent.patient_dp import PatientSampler
-from site_agent.patient_steps import clipped_patient_sum
+from site_agent.patient_steps import clipped_patient_sum, unit_clipper_for
 from site_agent.site_dataset import Records
 from site_agent.task_loss import TaskLoss, label_tensor, record_loss_fn
 from site_agent.training_config import PrivacyUnit, TrainingConfig, TrainResult
@@ -178,6 +182,16 @@ class LocalTrainer:
         # Record i belongs to rank i % world_size: each record is in exactly one shard
         # and is sampled there with probability q, so (sigma, q, steps) are unchanged.
         self._shard = torch.arange(self.rank, self.num_samples, self.world_size)
+        self._unit_clipper = (
+            unit_clipper_for(self.model, self._inputs, config)
+            if self.privacy_unit == "patient" else None
+        )
+        path: DpPath = "per-sample" if self.privacy_unit == "record" else "nonprivate"
+        if self.privacy_unit == "patient":
+            path = "unit-ghost" if self._unit_clipper is not None else "reference"
+        self.config = fit_physical_batch(
+            config, self.model, self.record_shape, path=path, device=self.device
+        )
         self._build_training_objects()
 
     # ----------------------------------------------------------------- setup
@@ -199,7 +213,10 @@ class LocalTrainer:
             self.optimizer = base_optimizer(self.model.parameters(), cfg)
             self.trained_module: nn.Module = self.model
             if self.privacy_unit == "patient":
-                self.grad_sample_mode = "functorch-per-patient"
+                self.grad_sample_mode = (
+                    "functorch-per-patient" if self._unit_clipper is None
+                    else "ghost-per-patient"
+                )
                 self._patient_sampler = PatientSampler(
                     self._patient_of_record, sample_rate=self.sample_rate
                 )
@@ -453,6 +470,7 @@ class LocalTrainer:
             record_loss=self._record_loss,
             config=self.config,
             device=self.device,
+            clipper=self._unit_clipper,
         )
         # Same noise draw as PatientLevelDPSGD (patient_dp.py): per tensor, in order.
         cfg = self.config

@@ -21,6 +21,10 @@ class TrainingConfig:
 
     batch_size: int = 256
     max_physical_batch_size: int = 1024
+    # Bytes one step may use ("default": the device's safe default); when set, the
+    # physical batch is the most that fits (`site_agent.memory_budget`), at most
+    # `max_physical_batch_size`. None: `max_physical_batch_size` as given.
+    memory_budget: int | Literal["default"] | None = None
     local_epochs: int = 1
     lr: float = 0.1
     optimizer: Literal["sgd", "adam"] = "sgd"
@@ -47,6 +51,8 @@ class TrainingConfig:
         for name in positive_ints:
             if getattr(self, name) < 1:
                 raise ConfigError(name, "must be >= 1")
+        if isinstance(self.memory_budget, int) and self.memory_budget < 1:
+            raise ConfigError("memory_budget", "must be positive")
         for name in ("lr", "max_grad_norm", "target_epsilon"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, "must be positive")

@@ -47,6 +47,22 @@ def dp_sgd_budget(budget: float, *, record_level: str, study: Study | None) -> f
     return budget if record is None else min(budget, record)
 
 
+DEFAULT_PHYSICAL_CAP = 1024
+"""The most records per forward/backward pass when the site set no physical batch."""
+
+
+def physical_batch_settings(settings: SiteSettings) -> dict[str, Any]:
+    """`TrainingConfig`'s physical-batch fields from the site's settings: the site's
+    `max_physical_batch_size` when set (and its `memory_budget` when set too), else the
+    batch derived from `memory_budget` or, unset, the device's safe default."""
+    training = settings.training
+    if training.max_physical_batch_size is not None:
+        return {"max_physical_batch_size": training.max_physical_batch_size,
+                "memory_budget": training.memory_budget}
+    return {"max_physical_batch_size": DEFAULT_PHYSICAL_CAP,
+            "memory_budget": training.memory_budget or "default"}
+
+
 def site_training_config(
     settings: SiteSettings,
     plan: RoundPlan,
@@ -68,7 +84,7 @@ def site_training_config(
     placeholder, re-planned before each round."""
     return TrainingConfig(
         batch_size=batch_size,
-        max_physical_batch_size=settings.training.max_physical_batch_size,
+        **physical_batch_settings(settings),
         local_epochs=local_epochs,
         lr=plan.learning_rate,
         optimizer=optimizer,
@@ -154,7 +170,7 @@ def joined_grad_sample_choice(
         return None
     config = TrainingConfig(
         batch_size=requested_batch_size(study),
-        max_physical_batch_size=settings.training.max_physical_batch_size,
+        **physical_batch_settings(settings),
         optimizer=local_optimizer(study),
         max_grad_norm=settings.privacy.max_grad_norm,
         dp=True, privacy_unit="record", device=device,

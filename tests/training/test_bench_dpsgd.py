@@ -52,3 +52,22 @@ def test_bench_image_model_side_by_side(capsys: pytest.CaptureFixture[str]) -> N
     check_auto(result, lines)
     for key in ("nonprivate_seconds", "ghost_seconds", "hooks_seconds"):
         assert result[key] > 0
+
+
+def test_bench_patient_level_through_auto(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--privacy-unit patient` times the path auto takes on data with patient ids."""
+    argv = ["--privacy-unit", "patient", "--model", "cnn", "--image-size", "16",
+            "--batch-size", "16", "--batches", "8"]
+    assert main([*argv, "--epochs", "1", "--max-physical-batch-size", "8", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert result["privacy_unit"] == "patient"
+    assert result["patient_mode_used"] == "ghost-per-patient"
+    assert result["records"] == 128 and result["patients"] < result["records"]
+    assert result["patient_ratio"] == pytest.approx(
+        result["patient_seconds"] / result["nonprivate_seconds"]
+    )
+    for mode in ("nonprivate", "patient"):
+        assert result[f"{mode}_seconds"] > 0 and result[f"{mode}_peak_mib"] >= 0
+    assert any("patient" in line and "x non-private" in line and "MiB peak" in line
+               for line in lines)

@@ -1,0 +1,285 @@
+"""Unit-level (patient-level) clipping from ONE forward and ONE backward pass.
+
+The clipped sum of unit-level DP-SGD (McMahan et al. 2018, per-user clipping; the
+mechanism is in `site_agent.patient_dp`) is sum_u min(1, C / (||g_u|| + 1e-6)) g_u with
+g_u = sum_{i in u} g_i. It needs each unit's gradient NORM, never the unit's gradient:
+
+- Norms by ghost clipping generalised to units (Li et al. 2022 for Linear; Bu et al.
+  2022, "Scalable and Efficient Training of Large Convolutional Neural Networks with
+  Differential Privacy", Sec. 3, for Conv2d): a layer's per-sample weight gradient is
+  G_i A_i^T (A_i the input, G_i the output gradient of record i), so
+  ||g_u||^2 = sum_{i, j in u} <A_i^T A_j, G_i^T G_j>: the per-sample Gram terms, summed
+  over the PAIRS of records of one unit (each record's own term, plus twice each
+  unordered pair of distinct records). Each layer takes the cheaper of these pair Gram
+  terms and the explicit per-unit gradient sum_{i in u} G_i A_i^T. Other layers
+  (GroupNorm, LayerNorm, Embedding, ...) take Opacus' per-sample gradient of that layer
+  alone, summed per unit.
+- The clipped sum by book-keeping (Bu et al. 2023, "Differentially Private Optimization
+  on Large Model at Small Cost", ICML, Alg. 1): with c_i = c_{u(i)} the coefficient of
+  record i's unit, each layer's clipped gradient is (c * G)^T A, from the output
+  gradients the norm pass already holds. No second backward pass, and the loss comes
+  from the same forward.
+
+The backward runs to the trainable layers' OUTPUTS only (`torch.autograd.grad`), so no
+parameter gradient of the unclipped loss is formed. Exact for every model whose
+trainable layers are each applied once per forward and have a norm rule here;
+`supports_unit_clipping` says whether a model qualifies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from opacus.grad_sample import GradSampleModule
+from opacus.utils.module_utils import trainable_modules
+from opacus.utils.tensor_utils import unfold2d
+from torch import nn
+
+from common.errors import ConfigError
+
+_GRAD_SAMPLERS: dict[type, Callable[..., dict[nn.Parameter, torch.Tensor]]] = dict(
+    GradSampleModule.GRAD_SAMPLERS
+)
+
+
+def _layer_kind(module: nn.Module) -> str | None:
+    if type(module) is nn.Linear:
+        return "linear"
+    if type(module) is nn.Conv2d and module.groups == 1 and module.padding_mode == "zeros":
+        return "conv"
+    if type(module) in _GRAD_SAMPLERS:
+        return "generic"
+    return None
+
+
+def supports_unit_clipping(model: nn.Module) -> bool:
+    """True when every trainable layer has a unit-norm rule here (Linear, plain Conv2d,
+    or a layer Opacus computes per-sample gradients for) and every trainable parameter
+    belongs directly to such a layer."""
+    layers = [module for _, module in trainable_modules(model)]
+    if not layers or any(_layer_kind(m) is None for m in layers):
+        return False
+    covered = {id(p) for m in layers for p in m.parameters(recurse=False) if p.requires_grad}
+    return all(id(p) in covered for p in model.parameters() if p.requires_grad)
+
+
+def unit_pairs(unit: torch.Tensor, num_units: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All pairs (i, j), i != j, of records of the same unit, each unordered pair once."""
+    order = torch.argsort(unit, stable=True)
+    counts = torch.bincount(unit, minlength=num_units)
+    starts = torch.cumsum(counts, 0) - counts
+    sorted_unit = unit[order]
+    position = torch.arange(unit.numel(), device=unit.device)
+    # Partners of the record at sorted position p: the later records of its unit.
+    width = starts[sorted_unit] + counts[sorted_unit] - 1 - position
+    left = torch.repeat_interleave(position, width)
+    offsets = torch.cumsum(width, 0) - width
+    right = left + 1 + torch.arange(int(width.sum()), device=unit.device) - offsets[left]
+    return order[left], order[right]
+
+
+class _Context:
+    """The per-record unit layout of one physical batch, shared by the layer rules."""
+
+    def __init__(self, unit: torch.Tensor, num_units: int) -> None:
+        self.unit = unit
+        self.num_units = num_units
+        self.n = int(unit.numel())
+        self._pairs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._pairs is None:
+            self._pairs = unit_pairs(self.unit, self.num_units)
+        return self._pairs
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.pairs[0].numel())
+
+    def per_unit(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum [n, ...] per record into [num_units, ...]."""
+        out = torch.zeros((self.num_units, *values.shape[1:]), dtype=values.dtype,
+                          device=values.device)
+        return out.index_add_(0, self.unit, values)
+
+    def pair_sum(self, diagonal: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+        """Per unit: the sum of the records' own terms [n] plus twice the sum of their
+        pairs' terms [pairs] (each unordered pair stands for (i, j) and (j, i))."""
+        out = torch.zeros(self.num_units, dtype=diagonal.dtype, device=diagonal.device)
+        out.index_add_(0, self.unit, diagonal)
+        return out.index_add_(0, self.unit[self.pairs[0]], 2 * pairs)
+
+    def gather(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`values` [n, ...] at the pairs' first and second records."""
+        i, j = self.pairs
+        return values.index_select(0, i), values.index_select(0, j)
+
+
+def _squared_norm(rows: torch.Tensor) -> torch.Tensor:
+    return rows.reshape(rows.shape[0], -1).square().sum(dim=1)
+
+
+def _linear_squared(layer: nn.Linear, a: torch.Tensor, g: torch.Tensor,
+                    ctx: _Context) -> torch.Tensor:
+    weight, bias = layer.weight.requires_grad, layer.bias is not None and layer.bias.requires_grad
+    d_in, d_out = a.shape[1], g.shape[1]
+    if (ctx.n + ctx.num_pairs) * (d_in + d_out) <= ctx.n * d_in * d_out:
+        gi, gj = ctx.gather(g)
+        gg, g_sq = (gi * gj).sum(dim=1), g.square().sum(dim=1)
+        pair_term, own_term = torch.zeros_like(gg), torch.zeros_like(g_sq)
+        if weight:
+            ai, aj = ctx.gather(a)
+            pair_term = pair_term + gg * (ai * aj).sum(dim=1)
+            own_term = own_term + g_sq * a.square().sum(dim=1)
+        if bias:
+            pair_term, own_term = pair_term + gg, own_term + g_sq
+        return ctx.pair_sum(own_term, pair_term)
+    squared = torch.zeros(ctx.num_units, dtype=g.dtype, device=g.device)
+    if weight:
+        squared = squared + _squared_norm(ctx.per_unit(torch.einsum("no,nd->nod", g, a)))
+    if bias:
+        squared = squared + _squared_norm(ctx.per_unit(g))
+    return squared
+
+
+def _conv_squared(layer: nn.Conv2d, unfolded: torch.Tensor, g: torch.Tensor,
+                  ctx: _Context) -> torch.Tensor:
+    squared = torch.zeros(ctx.num_units, dtype=g.dtype, device=g.device)
+    if layer.weight.requires_grad:
+        d, t, o = unfolded.shape[1], unfolded.shape[2], g.shape[1]
+        if (ctx.n + ctx.num_pairs) * t * t * (d + o) < ctx.n * t * d * o:
+            own = (
+                torch.bmm(unfolded.transpose(1, 2), unfolded)
+                * torch.bmm(g.transpose(1, 2), g)
+            ).sum(dim=(1, 2))
+            ui, uj = ctx.gather(unfolded)
+            gi, gj = ctx.gather(g)
+            cross = (
+                torch.bmm(ui.transpose(1, 2), uj) * torch.bmm(gi.transpose(1, 2), gj)
+            ).sum(dim=(1, 2))
+            squared = squared + ctx.pair_sum(own, cross)
+        else:
+            squared = squared + _squared_norm(
+                ctx.per_unit(torch.bmm(g, unfolded.transpose(1, 2)))
+            )
+    if layer.bias is not None and layer.bias.requires_grad:
+        squared = squared + _squared_norm(ctx.per_unit(g.sum(dim=2)))
+    return squared
+
+
+class UnitClipper:
+    """Clipped per-unit gradient sums of a model, one forward and one backward pass.
+
+    Usage: ``clipped, loss_sum = clipper.clipped_sum(x, y, unit, num_units)``; the model's
+    parameter gradients are not touched.
+    """
+
+    def __init__(self, model: nn.Module, *, max_grad_norm: float,
+                 loss_per_record: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        if max_grad_norm <= 0:
+            raise ConfigError("max_grad_norm", "must be positive")
+        if not supports_unit_clipping(model):
+            raise ConfigError("grad_sample_mode", "unit-level ghost clipping does not support "
+                              "a trainable layer of this model")
+        self.model = model
+        self.max_grad_norm = max_grad_norm
+        self.loss_per_record = loss_per_record
+        self.layers = [module for _, module in trainable_modules(model)]
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self._records: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+        self._versions: list[int] = []
+        self._capture = False
+        self._handles = [layer.register_forward_hook(self._hook) for layer in self.layers]
+
+    def remove(self) -> None:
+        """Take this clipper's hooks off the model."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _hook(self, layer: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        if not (self._capture and torch.is_grad_enabled()):
+            return
+        if any(r[0] is layer for r in self._records):
+            self._records.clear()
+            raise ConfigError("grad_sample_mode", "unit-level clipping needs each trainable "
+                              "layer applied once per forward pass")
+        self._records.append((layer, inputs[0].detach(), output))
+        self._versions.append(output._version)
+
+    def _forward(self, x: torch.Tensor, y: torch.Tensor | None) -> tuple[torch.Tensor, list[Any]]:
+        self._records, self._versions = [], []
+        self._capture = True
+        try:
+            out = self.model(x)
+            losses = out if y is None else self.loss_per_record(out, y)
+        finally:
+            self._capture = False
+        records, self._records = self._records, []
+        if len(records) != len(self.layers):
+            raise ConfigError("grad_sample_mode", "a trainable layer did not run in forward")
+        if any(r[2]._version != v for r, v in zip(records, self._versions)):
+            # The gradient of a tensor changed in place is not that of the layer output.
+            raise ConfigError("grad_sample_mode", "unit-level clipping needs each trainable "
+                              "layer's output left unchanged (no in-place operation on it)")
+        return losses, records
+
+    def check(self, x: torch.Tensor) -> None:
+        """Raise ConfigError unless one forward pass on `x` suits unit-level clipping
+        (each trainable layer run once, its output not changed in place)."""
+        self._forward(x, None)
+
+    def clipped_sum(self, x: torch.Tensor, y: torch.Tensor, unit: torch.Tensor,
+                    num_units: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """(sum_u c_u g_u by parameter name, summed loss) for records `x`, `y` whose
+        units are `unit` (dense, in [0, num_units))."""
+        losses, records = self._forward(x, y)
+        outputs = [out for _, _, out in records]
+        backprops = torch.autograd.grad(losses.sum(), outputs)
+        ctx = _Context(unit, num_units)
+        squared = torch.zeros(num_units, dtype=torch.float32, device=unit.device)
+        prepared: list[tuple[str, nn.Module, Any, torch.Tensor]] = []
+        for (layer, a, _), g in zip(records, backprops):
+            g = g.detach()
+            kind = _layer_kind(layer)
+            if kind == "linear" and g.dim() == 2:
+                a = a.to(g.dtype)
+                squared += _linear_squared(layer, a, g, ctx).to(squared.dtype)
+                prepared.append(("linear", layer, a, g))
+            elif kind == "conv":
+                layer = cast(nn.Conv2d, layer)
+                unfolded = unfold2d(a.to(g.dtype), kernel_size=layer.kernel_size,
+                                    padding=layer.padding, stride=layer.stride,
+                                    dilation=layer.dilation)
+                g = g.reshape(g.shape[0], layer.out_channels, -1)
+                squared += _conv_squared(layer, unfolded, g, ctx).to(squared.dtype)
+                prepared.append(("conv", layer, unfolded, g))
+            else:
+                samples = _GRAD_SAMPLERS[type(layer)](layer, [a], g)
+                for gs in samples.values():
+                    squared += _squared_norm(ctx.per_unit(gs)).to(squared.dtype)
+                prepared.append(("generic", layer, samples, g))
+        # Same clip factor as Opacus (min(1, C / (||g|| + 1e-6))).
+        factor = (self.max_grad_norm / (squared.sqrt() + 1e-6)).clamp(max=1.0)
+        c = factor[unit]
+        out: dict[str, torch.Tensor] = {}
+        for kind, layer, a, g in prepared:
+            if kind == "generic":
+                for p, gs in a.items():
+                    out[self.names[id(p)]] = torch.einsum("n,n...->...", c.to(gs.dtype), gs)
+                continue
+            weighted = g * c.to(g.dtype).reshape(-1, *([1] * (g.dim() - 1)))
+            if layer.weight.requires_grad:
+                if kind == "linear":
+                    grad = weighted.t().mm(a)
+                else:
+                    grad = torch.einsum("not,ndt->od", weighted, a)
+                weight = cast(torch.Tensor, layer.weight)
+                out[self.names[id(weight)]] = grad.reshape(weight.shape)
+            if layer.bias is not None and layer.bias.requires_grad:
+                dims = (0,) if kind == "linear" else (0, 2)
+                out[self.names[id(layer.bias)]] = weighted.sum(dim=dims)
+        return out, losses.detach().sum()
