@@ -270,15 +270,15 @@ def print_table(demo: Demo, report: dict[str, Any]) -> None:
 
 def print_hospital(demo: Demo, hospital: dict[str, Any]) -> None:
     """The three hospital-mode figures per site, each with the relation it holds for
-    (the budget rows above are the add/remove-one-unit charge, not per-patient)."""
+    (the budget rows above are each ledger's charge: the per-patient figure)."""
     v = hospital["intermediaries"]
     if v == "auto":
         largest = max(hospital.get("intermediaries_by_round", {}).values(), default=1)
         fold = f"each round v-fold, largest v {largest}"
     else:
         fold = f"{v}-fold" if v != 1 else "v = 1: same as intermediary-level"
-    demo.say("  the epsilons above are each budget's charge (model updates at add/remove "
-             "one unit); three figures per site:")
+    demo.say("  the epsilons above are each budget's charge (the per-patient figure: "
+             "every release, model updates at 2S); three figures per site:")
     demo.say(f"  {'site':<18} {'hospital':>9} {'intermed.':>9} {'patient':>9}   "
              f"hospital = add/remove one hospital ({fold}), intermediary = add/remove "
              "one unit (both MODEL UPDATES ONLY); patient = every release, updates at 2S")
