@@ -77,8 +77,9 @@ def write_report(demo: Demo, sites: list[str], baselines: dict[str, dict[str, fl
 
 def epsilon_by_purpose(demo: Demo, sites: list[str]) -> dict[str, dict[str, float]]:
     """Each site's epsilon per ledger purpose (training, evaluation, statistics,
-    count), each purpose's entries composed ALONE: they do not add up to the total."""
-    from common.privacy.accountant import account
+    count), each purpose's entries composed ALONE as the ledger charges them (hospital
+    mode: the model updates at 2S, per patient): they do not add up to the total."""
+    from common.privacy.layered import charged
     from common.privacy.ledger import read_ledger
 
     out: dict[str, dict[str, float]] = {}
@@ -88,13 +89,15 @@ def epsilon_by_purpose(demo: Demo, sites: list[str]) -> dict[str, dict[str, floa
             out[site] = {}
             continue
         header, entries = read_ledger(path)
-        grouped: dict[str, list[Any]] = {}
+        grouped: dict[str, list[tuple[str, tuple[Any, ...]]]] = {}
         for entry in entries:
-            mechanisms = getattr(entry, "mechanisms", entry.segments)
-            grouped.setdefault(getattr(entry, "purpose", "training"), []).extend(mechanisms)
+            purpose = getattr(entry, "purpose", "training")
+            mechanisms = tuple(getattr(entry, "mechanisms", entry.segments))
+            grouped.setdefault(purpose, []).append((purpose, mechanisms))
         out[site] = {
-            purpose: account(ms, delta=header.delta, accountant=header.accountant).epsilon
-            for purpose, ms in sorted(grouped.items())
+            purpose: charged(pairs, delta=header.delta, accountant=header.accountant,
+                             charge=header.charge).epsilon
+            for purpose, pairs in sorted(grouped.items())
         }
     return out
 
