@@ -99,10 +99,10 @@ from common.privacy.receipts import (
     write_receipt,
 )
 from common.privacy.signed import (
-    LEDGER_FORMAT,
     CHARGE_RECORD_LEVEL,
     CHARGE_UNIT,
     CHARGES,
+    LEDGER_FORMAT,
     PRIVACY_UNITS,
     LedgerSigner,
     LedgerTerms,

@@ -299,10 +299,12 @@ def read_header_row(connection: sqlite3.Connection) -> LedgerHeader | None:
     # A ledger created before the `charge` column keeps its file as it is: the column is
     # read where it exists, never added.
     columns = {str(c[1]) for c in connection.execute("PRAGMA table_info(ledger_header)")}
-    charge = "charge" if "charge" in columns else "NULL"
     row = connection.execute(
         "SELECT site_id, budget_epsilon, delta, accountant, privacy_unit, header_hash, "
-        f"entry_count, head_hash, format, {charge} FROM ledger_header WHERE id = 1"  # noqa: S608
+        "entry_count, head_hash, format, charge FROM ledger_header WHERE id = 1"
+        if "charge" in columns else
+        "SELECT site_id, budget_epsilon, delta, accountant, privacy_unit, header_hash, "
+        "entry_count, head_hash, format, NULL FROM ledger_header WHERE id = 1"
     ).fetchone()
     if row is None:
         return None

@@ -378,9 +378,9 @@ def intermediaries_warning(privacy: StudyPrivacySection) -> str | None:
     return (
         f"warning: privacy.unit = \"hospital\" with privacy.intermediaries = "
         f"{privacy.intermediaries!r}: each site's budget (epsilon {privacy.epsilon:g}) is "
-        f"charged per patient (each intermediary's update at 2S), not per hospital, so the "
-        f"hospital-level epsilon is v-fold group privacy of the intermediary-level one "
-        f"({v}; the zCDP cost grows v^2-fold) and can exceed epsilon; set "
+        "charged per patient (a patient moves its intermediary by up to 2S), not per "
+        "hospital, so the hospital-level epsilon is v-fold group privacy of the "
+        f"intermediary-level one ({v}; the zCDP cost grows v^2-fold) and can exceed epsilon; set "
         "intermediaries = 1 if the agreement caps the hospital-level epsilon"
     )
 
