@@ -219,6 +219,11 @@ class PrivacyCard(_Section):
     # DP sites[].epsilon is always what each site's budget is charged with; the
     # per-patient figure is the group guarantee of unit "patient" ("record").
     record_level: Literal["record", "patient"] | None = None
+    # Under hospital-level DP: what each site's budget (sites[].epsilon) is charged with,
+    # its ledger's term (common.privacy.signed.CHARGES): "record_level", the per-patient
+    # figure (model updates at 2S), or "unit", the add/remove-one-unit composition at S
+    # (None: a card written before the field, which charged "unit").
+    budget_charge: Literal["unit", "record_level"] | None = None
     secagg: SecAggCard | None = Field(default=None, description="None: plain aggregation")
     statistics_release: str | None = Field(default=None, max_length=500)
     queries: tuple[QueryRun, ...] = Field(default=(), max_length=10_000)
@@ -297,10 +302,13 @@ def parameters_from_flat(
 
 
 def card_json(card: PrivacyCard) -> dict[str, Any]:
-    """The card as stored; without queries byte-identical to the format before them."""
+    """The card as stored; without queries (or a budget charge) byte-identical to the
+    format before them."""
     dumped = card.model_dump(mode="json")
     if not dumped.get("queries"):
         dumped.pop("queries", None)
+    if dumped.get("budget_charge") is None:
+        dumped.pop("budget_charge", None)
     return dumped
 
 
@@ -340,6 +348,8 @@ def _check_consistent(bundle: ModelBundle) -> None:
         raise ValidationError("medfed.privacy_card: unit differs from the study's")
     if (bundle.card.record_level or "none") != bundle.study.privacy.record_level:
         raise ValidationError("medfed.privacy_card: record_level differs from the study's")
+    if bundle.card.budget_charge is not None and bundle.card.unit != "hospital":
+        raise ValidationError("medfed.privacy_card: budget_charge applies to unit hospital")
     if bundle.round < 0:
         raise ValidationError("medfed.round: must be >= 0")
     if not bundle.parameters:

@@ -279,9 +279,10 @@ _COMMENTS = {
     "privacy": [
         "Requests: a site joins only if they are at least as strict as its own policy,",
         'which always wins. unit: "record", "patient" or "hospital".',
-        'unit = "hospital": intermediaries = 1 keeps the hospital-level epsilon within',
-        'epsilon; v > 1 or "auto" (up to 8 per round) charge the budget per intermediary',
-        "and make the hospital-level epsilon v-fold (docs/privacy.md, section 7).",
+        'unit = "hospital": each site\'s budget is charged per patient (model updates at',
+        "2S), which bounds the hospital-level epsilon too with intermediaries = 1;",
+        'v > 1 or "auto" (up to 8 per round) make the hospital-level epsilon v-fold of',
+        "the intermediary-level one (docs/privacy.md, section 7).",
         "[privacy.evaluation] max_evaluations: DP evaluations asked of every site, one per",
         'training round plus the final evaluation round; "derived" = rounds + 1. A site',
         "whose policy.max_evaluations is smaller refuses the study when it receives it.",

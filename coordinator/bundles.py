@@ -83,6 +83,7 @@ def write_round_bundle(
         accountant="per-site ledger",
         group_guarantees=group_guarantees,
         record_level=hospital_sum.card_record_level(study),
+        budget_charge=hospital_sum.card_budget_charge(study),
         mechanisms=hospital_sum.card_mechanisms(study) or (
             "sampled-gaussian (DP-SGD, per-unit clipping)",
             "distributed-discrete-gaussian (federated statistics, once per study)",

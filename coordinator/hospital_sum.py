@@ -204,6 +204,13 @@ def replica_epsilons(replica: LedgerReplica) -> dict[str, HospitalEpsilons]:
     return out
 
 
+def card_budget_charge(study: Study) -> Literal["record_level"] | None:
+    """What a hospital-level study's sites charge their budgets with: the per-patient
+    figure (their ledgers' `charge = "record_level"`, `site_agent.runner.open_ledger`);
+    None outside hospital mode."""
+    return "record_level" if study.privacy.unit == "hospital" else None
+
+
 def card_record_level(study: Study) -> Literal["record", "patient"] | None:
     """The unit of DP-SGD beneath hospital-level DP (study privacy.record_level), if any."""
     level = study.privacy.record_level
@@ -284,9 +291,10 @@ def card_parts(
             "model updates at add/remove one hospital), so the budget caps both "
             "(docs/privacy.md)"
             if beneath else
-            "sites[].epsilon is what each site's budget is charged with: every release "
-            "composed, the model updates at add/remove one intermediary (S; the "
-            "hospital when v = 1), as the study's epsilon plans the noise; it is NOT a "
-            "per-patient bound (docs/privacy.md, section 7)"),
+            "sites[].epsilon is what each site's budget is charged with: the per-patient "
+            "epsilon (every release, the model updates at 2S, replace relation), which "
+            "the study's epsilon plans the noise for; the budget therefore bounds every "
+            "patient, and the intermediary-level figure with it (docs/privacy.md, "
+            "section 7)"),
     )
     return tuple(guarantees), notes

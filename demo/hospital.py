@@ -11,8 +11,8 @@ from demo.options import DemoOptions
 
 def hospital_figures(hospital: dict[str, Any]) -> str:
     """The table row's privacy figures under hospital-level DP: the largest hospital-level
-    and per-patient epsilon over the sites (the budget caps neither: it is charged at
-    add/remove one unit, and the per-patient figure counts the updates at 2S)."""
+    and per-patient epsilon over the sites (the budget is charged with the per-patient
+    figure, which counts the updates at 2S, and so caps it)."""
     whole = max(hospital.get("epsilon", {}).values(), default=0.0)
     patient = max(hospital.get("per_patient_epsilon", {}).values(), default=0.0)
     return f"hospital eps {whole:.2f}, per-patient eps {patient:.2f}"
@@ -53,8 +53,8 @@ def hospital_report(out: Path, sites: list[str], o: DemoOptions) -> dict[str, An
             "per_patient_epsilon": per_patient,
             "intermediaries": o.intermediaries, "update_clip_norm": o.update_clip_norm,
             "note": ("hospital-level and intermediary-level epsilon cover the model updates "
-                     "only; per-patient composes every release with the updates at 2S; the "
-                     "budget (epsilon by site above) is charged at add/remove one unit")}
+                     "only; per-patient composes every release with the updates at 2S, and "
+                     "is what the budget (epsilon by site above) is charged with")}
 
 
 def hospital_study(study: Any, o: DemoOptions) -> Any:

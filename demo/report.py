@@ -77,8 +77,9 @@ def write_report(demo: Demo, sites: list[str], baselines: dict[str, dict[str, fl
 
 def epsilon_by_purpose(demo: Demo, sites: list[str]) -> dict[str, dict[str, float]]:
     """Each site's epsilon per ledger purpose (training, evaluation, statistics,
-    count), each purpose's entries composed ALONE: they do not add up to the total."""
-    from common.privacy.accountant import account
+    count), each purpose's entries composed ALONE as the ledger charges them (hospital
+    mode: the model updates at 2S, per patient): they do not add up to the total."""
+    from common.privacy.layered import charged
     from common.privacy.ledger import read_ledger
 
     out: dict[str, dict[str, float]] = {}
@@ -88,13 +89,15 @@ def epsilon_by_purpose(demo: Demo, sites: list[str]) -> dict[str, dict[str, floa
             out[site] = {}
             continue
         header, entries = read_ledger(path)
-        grouped: dict[str, list[Any]] = {}
+        grouped: dict[str, list[tuple[str, tuple[Any, ...]]]] = {}
         for entry in entries:
-            mechanisms = getattr(entry, "mechanisms", entry.segments)
-            grouped.setdefault(getattr(entry, "purpose", "training"), []).extend(mechanisms)
+            purpose = getattr(entry, "purpose", "training")
+            mechanisms = tuple(getattr(entry, "mechanisms", entry.segments))
+            grouped.setdefault(purpose, []).append((purpose, mechanisms))
         out[site] = {
-            purpose: account(ms, delta=header.delta, accountant=header.accountant).epsilon
-            for purpose, ms in sorted(grouped.items())
+            purpose: charged(pairs, delta=header.delta, accountant=header.accountant,
+                             charge=header.charge).epsilon
+            for purpose, pairs in sorted(grouped.items())
         }
     return out
 
@@ -270,15 +273,15 @@ def print_table(demo: Demo, report: dict[str, Any]) -> None:
 
 def print_hospital(demo: Demo, hospital: dict[str, Any]) -> None:
     """The three hospital-mode figures per site, each with the relation it holds for
-    (the budget rows above are the add/remove-one-unit charge, not per-patient)."""
+    (the budget rows above are each ledger's charge: the per-patient figure)."""
     v = hospital["intermediaries"]
     if v == "auto":
         largest = max(hospital.get("intermediaries_by_round", {}).values(), default=1)
         fold = f"each round v-fold, largest v {largest}"
     else:
         fold = f"{v}-fold" if v != 1 else "v = 1: same as intermediary-level"
-    demo.say("  the epsilons above are each budget's charge (model updates at add/remove "
-             "one unit); three figures per site:")
+    demo.say("  the epsilons above are each budget's charge (the per-patient figure: "
+             "every release, model updates at 2S); three figures per site:")
     demo.say(f"  {'site':<18} {'hospital':>9} {'intermed.':>9} {'patient':>9}   "
              f"hospital = add/remove one hospital ({fold}), intermediary = add/remove "
              "one unit (both MODEL UPDATES ONLY); patient = every release, updates at 2S")

@@ -101,8 +101,10 @@ def own_noise_multiplier(
             update={"update_noise_multiplier": None})})
         return hospital.study_terms(planned).noise_multiplier
     rounds = max(policy.planned_rounds, announced_rounds)
+    # The site's hospital-unit ledger charges the per-patient figure (rounds at 2S).
     return hospital.plan_noise_multiplier(
-        epsilon=budget_epsilon * (1 - hospital.EVALUATION_RESERVE), delta=delta, rounds=rounds)
+        epsilon=budget_epsilon * (1 - hospital.EVALUATION_RESERVE), delta=delta, rounds=rounds,
+        sensitivity=hospital.PER_PATIENT_SENSITIVITY)
 
 
 def check_round_cap(

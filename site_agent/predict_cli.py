@@ -159,13 +159,16 @@ def _model_show(args: argparse.Namespace) -> int:
     say(f"  mechanisms: {', '.join(card.mechanisms)}")
     # Under hospital-level DP sites[].epsilon is what each budget is charged with: with
     # DP-SGD beneath the larger of the record/patient-level epsilon (the better of its two
-    # paths) and the add/remove-one-hospital composition, without it the latter, which is
-    # NOT per-patient; the three named figures (hospital, intermediary, patient) follow
-    # as group guarantees.
+    # paths) and the add/remove-one-hospital composition; without it the per-patient
+    # epsilon (card budget_charge "record_level"), or on a card written before that term
+    # the add/remove-one-unit composition, which is NOT per-patient. The three named
+    # figures (hospital, intermediary, patient) follow as group guarantees.
     if card.unit != "hospital":
         level = ""
     elif card.record_level is not None:
         level = f"budget charge = max({card.record_level}-level, hospital-level) "
+    elif card.budget_charge == "record_level":
+        level = "budget charge = per-patient (model updates at 2S) "
     else:
         level = "budget charge (add/remove one unit; not per-patient) "
     for site in card.sites:

@@ -11,6 +11,7 @@ from common.config import SiteSettings
 from common.errors import ConfigError, LedgerUnavailable
 from common.metrics_http import serve_metrics
 from common.privacy.ledger import LedgerSigner, PrivacyLedger, recovery_hint
+from common.privacy.signed import CHARGE_RECORD_LEVEL, CHARGE_UNIT
 from common.state_lock import StateLock
 from site_agent.agent import SiteAgent
 from site_agent.dp_release import COUNT_STATE_FILE
@@ -43,6 +44,10 @@ def open_ledger(settings: SiteSettings, hook: TrainingHook) -> PrivacyLedger | N
         delta=privacy.delta,
         accountant=privacy.accountant,
         privacy_unit=hook.privacy_unit,
+        # Hospital mode charges the per-patient figure (the model updates at 2S), so the
+        # budget bounds every patient; an older hospital ledger (charged at S) is refused
+        # on open, naming `medfed ledger carry --charge record_level`.
+        charge=CHARGE_RECORD_LEVEL if hook.privacy_unit == "hospital" else CHARGE_UNIT,
         signer=LedgerSigner.from_files(cert, key),
         receipts_dir=privacy.receipts_dir,
     )

@@ -90,7 +90,8 @@ def carried_history(
     previous = terms.header_hash
     for old in old_entries:
         pairs.append((old.purpose, old.mechanisms))
-        report = charged(pairs, delta=terms.delta, accountant=terms.accountant)
+        report = charged(pairs, delta=terms.delta, accountant=terms.accountant,
+                         charge=terms.charge)
         entry = signer.sign(SignedEntry(
             site_id=terms.site_id,
             seq=old.seq,
@@ -131,7 +132,7 @@ def carry_ledger(
     report.raise_if_broken()
     header, old_entries = read_ledger(old)
     old_terms = LedgerTerms(header.site_id, header.budget_epsilon, header.delta,
-                            header.accountant, header.privacy_unit)
+                            header.accountant, header.privacy_unit, header.charge)
     if old_terms == terms:
         raise ConfigError("terms", f"{old} already has these terms; nothing to carry")
     history = carried_history(old_terms, tuple(old_entries), terms, signer, now=now)
@@ -140,7 +141,8 @@ def carry_ledger(
     note = (
         f"CARRIED: opens with the {len(old_entries)} entries of the ledger {old} (terms "
         f"budget={old_terms.budget_epsilon:g}, delta={old_terms.delta:g}, accountant="
-        f"{old_terms.accountant}; head {header.head_hash}; epsilon spent {old_spent:.4f}), "
+        f"{old_terms.accountant}, charge={old_terms.charge}; head {header.head_hash}; "
+        f"epsilon spent {old_spent:.4f}), "
         f"recomposed under the new terms to {spent:.4f}"
     )
     write_new_ledger(new, history, notes=[note])

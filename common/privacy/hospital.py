@@ -162,15 +162,28 @@ class HospitalTerms:
         return dataclasses.replace(self, intermediaries=intermediaries)
 
 
-def plan_noise_multiplier(*, epsilon: float, delta: float, rounds: int) -> float:
-    """Smallest z (to 1e-4 relative) with `rounds` rounds of a Gaussian of sensitivity S
-    and std z S, composed in zCDP (rho = rounds / 2 z^2, inflated by the allowed
-    rounding inflation), at most `epsilon` at `delta`. The site's ledger recomposes the
-    exact KLS21 bound; this only makes z public and deterministic."""
+PER_PATIENT_SENSITIVITY = 2.0
+"""A patient added or removed inside a unit that stays in the round moves its clipped
+update by up to 2S (the replace relation, `common.privacy.layered.replaced`): the
+sensitivity, in units of S, that a hospital-mode study without DP-SGD beneath plans z
+for, because its sites' ledgers charge that per-patient figure."""
+
+
+def plan_noise_multiplier(
+    *, epsilon: float, delta: float, rounds: int, sensitivity: float = 1.0,
+) -> float:
+    """Smallest z (to 1e-4 relative) with `rounds` rounds of a Gaussian of sensitivity
+    `sensitivity` x S and std z S, composed in zCDP (rho = rounds sensitivity^2 / 2 z^2,
+    inflated by the allowed rounding inflation; Bun & Steinke 2016, Prop. 1.6 and Lemma
+    2.3), at most `epsilon` at `delta`. The site's ledger recomposes the exact KLS21
+    bound; this only makes z public and deterministic. At `sensitivity` 2 (the
+    per-patient relation, `PER_PATIENT_SENSITIVITY`) z is twice the one at 1."""
     if not (epsilon > 0 and math.isfinite(epsilon)):
         raise ConfigError("privacy.epsilon", "must be positive to plan hospital-level noise")
+    if not (sensitivity > 0 and math.isfinite(sensitivity)):
+        raise ConfigError("sensitivity", f"must be positive, got {sensitivity!r}")
     rounds = max(int(rounds), 1)
-    factor = (1 + MAX_ROUNDING_INFLATION) ** 2
+    factor = (1 + MAX_ROUNDING_INFLATION) ** 2 * sensitivity**2
 
     def eps(z: float) -> float:
         return epsilon_from_rho(rounds * factor / (2 * z * z), delta)
@@ -421,7 +434,12 @@ def study_terms(study: Study) -> HospitalTerms:
     """S and z of a hospital-level study. z defaults to the smallest noise for which the
     study's rounds of model updates cost at most privacy.epsilon minus the once-per-study
     statistics and count releases, less `EVALUATION_RESERVE` of that for evaluation
-    (`plan_noise_multiplier`)."""
+    (`plan_noise_multiplier`), at the relation its sites' ledgers charge: without DP-SGD
+    beneath (`record_level = "none"`) the per-patient one, each round at 2S
+    (`PER_PATIENT_SENSITIVITY`; `common.privacy.layered.charged`), so z is twice the
+    add/remove-one-hospital plan; with DP-SGD beneath the per-patient figure is the
+    DP-SGD path's and the rounds are planned at S (the unit-level figure the ledger
+    also caps)."""
     privacy = study.privacy
     if privacy.unit != "hospital":
         raise ConfigError("privacy.unit", "hospital-level terms need unit = 'hospital'")
@@ -436,8 +454,10 @@ def study_terms(study: Study) -> HospitalTerms:
             raise ConfigError(
                 "privacy.epsilon", "leaves nothing for model updates after statistics and count"
             )
-        z = plan_noise_multiplier(epsilon=left * (1 - EVALUATION_RESERVE),
-                                  delta=privacy.delta, rounds=study.study.rounds)
+        z = plan_noise_multiplier(
+            epsilon=left * (1 - EVALUATION_RESERVE), delta=privacy.delta,
+            rounds=study.study.rounds,
+            sensitivity=PER_PATIENT_SENSITIVITY if privacy.record_level == "none" else 1.0)
     # "auto" (the adaptive rule, common/privacy/intermediaries.py): v starts at
     # AUTO_START_INTERMEDIARIES and each round announces the next (`for_round`); the
     # units carry their clipped norms so the coordinator can evaluate the rule.

@@ -24,11 +24,15 @@ Steinke, ICML 2021). The ledger entry of such a round holds both. Two guarantees
   Each is an upper bound on the same per-record privacy loss, so the smaller one holds
   (Dwork & Roth 2014, Prop. 2.1 for post-processing; neighbouring inclusion for B).
 
-A ledger without a layered round (no DP-SGD beneath any DDGauss round) is CHARGED with its
-whole history composed at the add/remove sensitivity S, as before (`account` of every
-mechanism), so existing ledgers keep their epsilons; its per-patient figure is path B
-alone (`record_level`: both paths coincide), the DDGauss rounds at 2S. That is the one
-per-patient function the ledger, the CLI, the model card and the demo report share.
+A ledger without a layered round (no DP-SGD beneath any DDGauss round) has one
+per-patient figure, path B alone (`record_level`: both paths coincide), the DDGauss
+rounds at 2S: the one per-patient function the ledger, the CLI, the model card and the
+demo report share. What it is CHARGED with is the ledger's term `charge`
+(`common.privacy.signed.CHARGES`): a hospital-unit ledger created with
+`charge = "record_level"` is charged that per-patient figure, so its budget bounds every
+patient; a ledger without the term (every ledger written before it) keeps its whole
+history composed at the add/remove sensitivity S, so its stored epsilons still
+recompose exactly.
 
 A layered ledger is charged with the LARGER of two figures, so that its budget bounds
 both guarantees the study makes: the record/patient-level epsilon above, and the
@@ -46,9 +50,11 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.errors import ConfigError
 from common.privacy.accountant import EpsilonReport, account
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Mechanism, Segment
 from common.privacy.purpose import Purpose
+from common.privacy.signed import CHARGE_RECORD_LEVEL, CHARGE_UNIT, CHARGES
 
 PURPOSE_TRAINING = Purpose.TRAINING
 PurposeMechanisms = tuple[str, Sequence[Mechanism]]
@@ -139,8 +145,9 @@ def record_level(
     history: the better of paths A and B. Without DP-SGD beneath any round both paths are
     the same composition, every DDGauss training round at the replace relation (2S: a
     patient added or removed inside a unit that stays in the round) with every
-    other release, so it is computed once; that figure exceeds the add/remove one the
-    budget is charged with (`charged`), and is the honest per-patient figure."""
+    other release, so it is computed once; that figure exceeds the
+    add/remove composition (`charged` of a ledger without `charge = "record_level"`),
+    and is the honest per-patient figure."""
     b = account(hospital_path(entries), delta=delta, accountant=accountant)
     if not is_layered(entries):
         return RecordLevel(b.epsilon, b.epsilon, b.epsilon, b.accountant)
@@ -150,20 +157,32 @@ def record_level(
 
 
 def charged(
-    entries: Sequence[PurposeMechanisms], *, delta: float, accountant: str
+    entries: Sequence[PurposeMechanisms], *, delta: float, accountant: str,
+    charge: str = CHARGE_UNIT,
 ) -> EpsilonReport:
-    """What a ledger charges its budget with after `entries`: the whole history composed
-    (`account`, each DDGauss round at its add/remove sensitivity S), or for a layered
-    history the larger of the record/patient-level epsilon (the better of the two paths)
-    and the unit-level one (`unit_level`), so the budget caps both. A pure function of the
-    history, so verify recomposes it exactly.
+    """What a ledger charges its budget with after `entries`, by its terms' `charge`. A
+    pure function of the history and the terms, so verify recomposes it exactly.
 
-    The add/remove charge of a history without DP-SGD beneath is what the study's epsilon
-    plans z for (`common.privacy.hospital.study_terms`): the unit-level guarantee of the
-    model updates (one hospital, or one intermediary), composed with the per-patient
-    releases. It is NOT the per-patient figure (`record_level`, at 2S); changing the
-    charge would change every hospital-mode budget and z (docs/privacy.md, section 7)."""
+    * `CHARGE_RECORD_LEVEL` (hospital-unit ledgers created with it): the per-record/
+      per-patient figure. Without DP-SGD beneath, path B (`hospital_path`: every DDGauss
+      training round at the replace relation 2S, composed with every other release); it
+      dominates the add/remove composition at S (same releases, each round's sensitivity
+      doubled; RDP is increasing in the sensitivity), so the budget caps the per-patient
+      guarantee and, with it, the one per unit. The study plans z for it
+      (`common.privacy.hospital.study_terms`).
+    * `CHARGE_UNIT` (the default, every ledger written before the field existed): the
+      whole history composed (`account`, each DDGauss round at its add/remove
+      sensitivity S). For a hospital-unit ledger that is the unit-level figure, NOT the
+      per-patient one (`record_level`, at 2S), which it understates.
+
+    Either way a layered history (DP-SGD beneath) is charged the larger of the
+    record/patient-level epsilon (the better of the two paths) and the unit-level one
+    (`unit_level`), so the budget caps both."""
+    if charge not in CHARGES:
+        raise ConfigError("charge", f"must be one of {CHARGES}, got {charge!r}")
     if not is_layered(entries):
+        if charge == CHARGE_RECORD_LEVEL:
+            return account(hospital_path(entries), delta=delta, accountant=accountant)
         return account([m for _, ms in entries for m in ms], delta=delta, accountant=accountant)
     a = account(dpsgd_path(entries), delta=delta, accountant=accountant)
     b = account(hospital_path(entries), delta=delta, accountant=accountant)

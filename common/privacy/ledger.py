@@ -8,7 +8,8 @@ and budget belong to its data for life, across studies.
 
 Format 2 (``medfed-privacy-ledger/2``, see `common.privacy.signed`):
 
-* the header holds the budget, delta, accountant and privacy unit; its hash is the
+* the header holds the budget, delta, accountant, privacy unit and (hospital unit) what
+  the budget is charged with (`charge`, absent = the add/remove composition); its hash is the
   genesis ``prev_hash``; it also keeps ``entry_count`` and ``head_hash``, updated in the
   same transaction as each insert, so a deleted LAST entry is detected too;
 * each entry records one or more mechanisms (`common.privacy.mechanisms`), its purpose
@@ -98,6 +99,9 @@ from common.privacy.receipts import (
     write_receipt,
 )
 from common.privacy.signed import (
+    CHARGE_RECORD_LEVEL,
+    CHARGE_UNIT,
+    CHARGES,
     LEDGER_FORMAT,
     PRIVACY_UNITS,
     LedgerSigner,
@@ -158,6 +162,7 @@ class PrivacyLedger:
         delta: float,
         accountant: str = "prv",
         privacy_unit: str = "record",
+        charge: str = CHARGE_UNIT,
         signer: LedgerSigner | None = None,
         anchor_path: str | Path | None = None,
         receipts_dir: str | Path | None = None,
@@ -174,6 +179,11 @@ class PrivacyLedger:
             raise ConfigError(
                 "privacy_unit", f"must be one of {PRIVACY_UNITS}, got {privacy_unit!r}"
             )
+        if charge not in CHARGES:
+            raise ConfigError("charge", f"must be one of {CHARGES}, got {charge!r}")
+        if charge == CHARGE_RECORD_LEVEL and privacy_unit != "hospital":
+            raise ConfigError("charge", f"{CHARGE_RECORD_LEVEL!r} is the charge of a "
+                              f"hospital-unit ledger, not of a {privacy_unit}-level one")
         if signer is not None and signer.site_id != site_id:
             raise ConfigError(
                 "signer", f"certificate names site {signer.site_id!r}, not {site_id!r}"
@@ -185,6 +195,7 @@ class PrivacyLedger:
         self.delta = float(delta)
         self.accountant = accountant
         self.privacy_unit = privacy_unit
+        self.charge = charge
         self.signer = signer
         # A folder the site names, ideally on another volume: after every commit a signed
         # head receipt goes there, and on open a ledger shorter than it is refused.
@@ -195,6 +206,7 @@ class PrivacyLedger:
             delta=self.delta,
             accountant=accountant,
             privacy_unit=privacy_unit,
+            charge=charge,
         )
         self._open_or_create()
 
@@ -239,7 +251,8 @@ class PrivacyLedger:
             header = _read_header(conn)
             entries = _read_entries(conn)
         stored = _terms(header)
-        for name in ("site_id", "budget_epsilon", "delta", "accountant", "privacy_unit"):
+        for name in ("site_id", "budget_epsilon", "delta", "accountant", "privacy_unit",
+                     "charge"):
             if getattr(stored, name) != getattr(self.terms, name):
                 raise ConfigError(
                     name,
@@ -345,7 +358,9 @@ class PrivacyLedger:
     def _refusal(self, what: str, epsilon: float, *, spent: float) -> BudgetExhausted:
         return BudgetExhausted(
             f"site {self.site_id}: {what} would bring epsilon to {epsilon:.4f} > budget "
-            f"{self.budget_epsilon:g} (spent {spent:.4f}, delta {self.delta:g})"
+            f"{self.budget_epsilon:g} (spent {spent:.4f}, delta {self.delta:g}"
+            + ("; the per-patient epsilon, hospital rounds at 2S" if self.charge ==
+               CHARGE_RECORD_LEVEL else "") + ")"
         )
 
     def status(self, next_mechanisms: Sequence[Mechanism] | None = None) -> BudgetReport:
@@ -465,6 +480,8 @@ class PrivacyLedger:
         return [(entry.purpose, entry.mechanisms) for entry in entries]
 
     def _charge(self, pairs: Sequence[tuple[str, Sequence[Mechanism]]]) -> EpsilonReport:
-        """The whole history composed, or under record/patient-level DP-SGD beneath
-        hospital-level DP the record-level epsilon (`common.privacy.layered.charged`)."""
-        return charged(pairs, delta=self.delta, accountant=self.accountant)
+        """What the budget is charged with under this ledger's terms
+        (`common.privacy.layered.charged`): the whole history composed, or for a
+        hospital-unit ledger with `charge = "record_level"` the per-patient figure."""
+        return charged(pairs, delta=self.delta, accountant=self.accountant,
+                       charge=self.charge)

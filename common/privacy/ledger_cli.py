@@ -36,6 +36,7 @@ from common.privacy.mechanisms import (
     mechanism_to_json_dict,
 )
 from common.privacy.purpose import Purpose
+from common.privacy.signed import CHARGE_RECORD_LEVEL, CHARGE_UNIT, CHARGES
 
 
 def print_json(value: Any) -> None:
@@ -93,13 +94,16 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
         "budget_epsilon": header.budget_epsilon,
         "delta": header.delta,
         "accountant": header.accountant,
+        # What the budget is charged with (common.privacy.signed.CHARGES).
+        "charge": header.charge,
         "spent_epsilon": spent,
         "remaining_epsilon": max(0.0, header.budget_epsilon - spent),
         # Each purpose composed ALONE, as the ledger charges (DP-SGD beneath a hospital
         # round: the better path, common.privacy.layered): they do not add up to
         # spent_epsilon.
         "epsilon_by_purpose": {
-            purpose: charged(pairs, delta=header.delta, accountant=header.accountant).epsilon
+            purpose: charged(pairs, delta=header.delta, accountant=header.accountant,
+                             charge=header.charge).epsilon
             for purpose, pairs in sorted(by_purpose.items())
         },
         "entries": rows,
@@ -141,9 +145,15 @@ def _guarantees(header: Any, entries: Any) -> dict[str, Any]:
             "and hospital paths) and the hospital-level composition (every release, the "
             "model updates at add/remove one hospital): the budget caps both"
             if figures.layered else
+            "the per-patient epsilon (every release, the model updates at 2S, replace "
+            "relation): the budget caps it, and with it the per-"
+            + ("intermediary" if figures.largest_v > 1 else "hospital")
+            + " composition at S"
+            if header.charge == CHARGE_RECORD_LEVEL else
             "every release composed, the model updates at add/remove one "
             + ("intermediary" if figures.largest_v > 1 else "hospital")
-            + " (sensitivity S): what the study's epsilon plans z for; NOT per-patient"),
+            + " (sensitivity S; a ledger written before the per-patient charge): NOT "
+            "per-patient"),
     }
     if figures.layered:
         out["record_level_epsilon"] = figures.per_patient
@@ -431,7 +441,7 @@ def _cmd_ledger_carry(args: argparse.Namespace) -> int:
     ledger = Path(args.ledger)
     header, entries = read_ledger(ledger)
     old_terms = LedgerTerms(header.site_id, header.budget_epsilon, header.delta,
-                            header.accountant, header.privacy_unit)
+                            header.accountant, header.privacy_unit, header.charge)
     terms = LedgerTerms(
         site_id=header.site_id,
         budget_epsilon=header.budget_epsilon if args.budget_epsilon is None
@@ -439,7 +449,11 @@ def _cmd_ledger_carry(args: argparse.Namespace) -> int:
         delta=header.delta if args.delta is None else args.delta,
         accountant=header.accountant if args.accountant is None else args.accountant,
         privacy_unit=header.privacy_unit,
+        charge=header.charge if args.charge is None else args.charge,
     )
+    if terms.charge == CHARGE_RECORD_LEVEL and terms.privacy_unit != "hospital":
+        raise ConfigError("charge", f"{CHARGE_RECORD_LEVEL!r} is the charge of a "
+                          f"hospital-unit ledger; {ledger} is {terms.privacy_unit}-level")
     if not (terms.budget_epsilon > 0 and 0 < terms.delta < 1):
         raise ConfigError("budget_epsilon", "needs budget > 0 and delta in (0, 1)")
     receipt = None if args.receipts is None else read_receipts(args.receipts, header.site_id)
@@ -567,13 +581,19 @@ def register_ledger(subparsers: Any) -> None:
 
     carry = commands.add_parser(
         "carry",
-        help="(site, stopped) new budget, delta or accountant for a ledger: a new ledger "
+        help="(site, stopped) new budget, delta, accountant or charge for a ledger: a new "
+        "ledger "
         "that opens with the whole old history (its spend counts); the old one is kept "
         "as LEDGER.terms-N")
     carry.add_argument("--ledger", required=True, help="the site's ledger file")
     carry.add_argument("--budget-epsilon", type=float, help="the new budget (default: kept)")
     carry.add_argument("--delta", type=float, help="the new delta (default: kept)")
     carry.add_argument("--accountant", choices=ACCOUNTANTS, help="(default: kept)")
+    carry.add_argument(
+        "--charge", choices=CHARGES,
+        help="what the budget is charged with (default: kept); a hospital-unit ledger "
+        f"written before the term existed is '{CHARGE_UNIT}' and a site now opens it only "
+        f"as '{CHARGE_RECORD_LEVEL}' (the per-patient figure)")
     carry.add_argument("--cert", required=True, help="the site's certificate (PEM)")
     carry.add_argument("--key", required=True, help="the site's private key (PEM)")
     carry.add_argument("--receipts", help="the site's receipts folder (privacy.receipts_dir): "

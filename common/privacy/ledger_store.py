@@ -25,6 +25,7 @@ from common.privacy.mechanisms import (
     canonical_json,
 )
 from common.privacy.signed import (
+    CHARGE_UNIT,
     LEDGER_FORMAT,
     LedgerTerms,
     SignedEntry,
@@ -44,7 +45,7 @@ _SCHEMA: Final = (
     " id INTEGER PRIMARY KEY CHECK (id = 1), format TEXT NOT NULL, site_id TEXT NOT NULL,"
     " budget_epsilon REAL NOT NULL, delta REAL NOT NULL, accountant TEXT NOT NULL,"
     " privacy_unit TEXT NOT NULL, header_hash TEXT NOT NULL, entry_count INTEGER NOT NULL,"
-    " head_hash TEXT NOT NULL)",
+    " head_hash TEXT NOT NULL, charge TEXT)",
     # `body` is the canonical JSON the signature covers; round and purpose are copies
     # kept as columns for the one-entry-per-(round, purpose) rule (checked on read).
     "CREATE TABLE IF NOT EXISTS ledger_entries ("
@@ -73,6 +74,8 @@ class LedgerHeader:
     entry_count: int
     head_hash: str
     format: str
+    charge: str = CHARGE_UNIT
+    """What the budget is charged with; `CHARGE_UNIT` in a file without the column."""
 
 
 def migrate_hint(path: Path) -> str:
@@ -293,9 +296,15 @@ def _check_format(connection: sqlite3.Connection, path: Path) -> None:
 
 def read_header_row(connection: sqlite3.Connection) -> LedgerHeader | None:
     """The ledger's header row (either format), or None in a ledger without one."""
+    # A ledger created before the `charge` column keeps its file as it is: the column is
+    # read where it exists, never added.
+    columns = {str(c[1]) for c in connection.execute("PRAGMA table_info(ledger_header)")}
     row = connection.execute(
         "SELECT site_id, budget_epsilon, delta, accountant, privacy_unit, header_hash, "
-        "entry_count, head_hash, format FROM ledger_header WHERE id = 1"
+        "entry_count, head_hash, format, charge FROM ledger_header WHERE id = 1"
+        if "charge" in columns else
+        "SELECT site_id, budget_epsilon, delta, accountant, privacy_unit, header_hash, "
+        "entry_count, head_hash, format, NULL FROM ledger_header WHERE id = 1"
     ).fetchone()
     if row is None:
         return None
@@ -309,6 +318,7 @@ def read_header_row(connection: sqlite3.Connection) -> LedgerHeader | None:
         entry_count=int(row[6]),
         head_hash=str(row[7]),
         format=str(row[8]),
+        charge=CHARGE_UNIT if row[9] is None else str(row[9]),
     )
 
 
@@ -326,6 +336,7 @@ def _terms(header: LedgerHeader) -> LedgerTerms:
         delta=header.delta,
         accountant=header.accountant,
         privacy_unit=header.privacy_unit,
+        charge=header.charge,
     )
 
 
@@ -389,7 +400,8 @@ def _create_schema(connection: sqlite3.Connection, terms: LedgerTerms) -> None:
     genesis = terms.header_hash
     connection.execute(
         "INSERT INTO ledger_header (id, format, site_id, budget_epsilon, delta, accountant, "
-        "privacy_unit, header_hash, entry_count, head_hash) VALUES (1, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
+        "privacy_unit, header_hash, entry_count, head_hash, charge) "
+        "VALUES (1, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?)",
         (
             LEDGER_FORMAT,
             terms.site_id,
@@ -399,6 +411,7 @@ def _create_schema(connection: sqlite3.Connection, terms: LedgerTerms) -> None:
             terms.privacy_unit,
             genesis,
             genesis,
+            None if terms.charge == CHARGE_UNIT else terms.charge,
         ),
     )
 

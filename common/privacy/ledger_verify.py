@@ -156,6 +156,7 @@ def _recompose_problems(terms: LedgerTerms, entries: Sequence[SignedEntry]) -> l
         recorded,
         delta=terms.delta,
         accountant=terms.accountant,
+        charge=terms.charge,
         relative_tolerance=EPSILON_RELATIVE_TOLERANCE,
     )
     return [LedgerProblem(seq, message) for seq, message in found]

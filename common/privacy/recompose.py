@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from common.privacy.layered import charged
 from common.privacy.mechanisms import Mechanism
 from common.privacy.purpose import Purpose
+from common.privacy.signed import CHARGE_UNIT
 
 __all__ = ["RecordedSpend", "recompose_mismatches"]
 
@@ -36,9 +37,11 @@ def recompose_mismatches(
     delta: float,
     accountant: str,
     relative_tolerance: float,
+    charge: str = CHARGE_UNIT,
 ) -> list[tuple[int, str]]:
     """(seq, message) for every entry whose recorded epsilon_after (or accountant) differs
-    from the whole history up to it, composed again with the ledger's accountant.
+    from the whole history up to it, composed again with the ledger's accountant and
+    charge (`common.privacy.signed.CHARGES`).
 
     `relative_tolerance` allows for FFT round-off across machines and numpy versions.
     """
@@ -49,7 +52,7 @@ def recompose_mismatches(
         # The ledger's own charge (common.privacy.layered): the whole history, or the
         # larger of the record-level and hospital-level figures when DP-SGD ran beneath
         # hospital-level DP.
-        report = charged(history, delta=delta, accountant=accountant)
+        report = charged(history, delta=delta, accountant=accountant, charge=charge)
         if not math.isclose(report.epsilon, entry.epsilon_after, rel_tol=relative_tolerance):
             mismatches.append(
                 (

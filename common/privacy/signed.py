@@ -46,6 +46,13 @@ LEDGER_FORMAT: Final = "medfed-privacy-ledger/2"
 EXPORT_FORMAT: Final = "medfed-ledger-export/1"
 ENTRY_SIGNATURE_LABEL: Final = "medfed/v1/ledger-entry"
 PRIVACY_UNITS: Final = ("record", "patient", "hospital")
+CHARGE_UNIT: Final = "unit"
+"""A ledger's budget charge: the whole history composed, each hospital-level round at its
+add/remove-one-unit sensitivity S (the default; a header without a `charge` field)."""
+CHARGE_RECORD_LEVEL: Final = "record_level"
+"""A hospital-unit ledger's budget charge: the per-record/per-patient figure, each
+hospital-level round at the replace relation 2S (`common.privacy.layered.charged`)."""
+CHARGES: Final = (CHARGE_UNIT, CHARGE_RECORD_LEVEL)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -67,9 +74,12 @@ class LedgerTerms:
     delta: float
     accountant: str
     privacy_unit: str
+    # What the budget is charged with (CHARGES). The default is left out of the header's
+    # JSON, so a ledger written before this field existed keeps its header hash.
+    charge: str = CHARGE_UNIT
 
     def to_json_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "format": LEDGER_FORMAT,
             "site_id": self.site_id,
             "budget_epsilon": float(self.budget_epsilon),
@@ -77,6 +87,9 @@ class LedgerTerms:
             "accountant": self.accountant,
             "privacy_unit": self.privacy_unit,
         }
+        if self.charge != CHARGE_UNIT:
+            out["charge"] = self.charge
+        return out
 
     @property
     def header_hash(self) -> str:
@@ -87,8 +100,14 @@ class LedgerTerms:
         if not isinstance(raw, dict):
             raise ConfigError("header", "must be a JSON object")
         expected = {"format", "site_id", "budget_epsilon", "delta", "accountant", "privacy_unit"}
-        if set(raw) - {"header_hash"} != expected:
-            raise ConfigError("header", f"needs the fields {sorted(expected)}")
+        if set(raw) - {"header_hash", "charge"} != expected:
+            raise ConfigError("header", f"needs the fields {sorted(expected)} (and may "
+                              "hold `charge`)")
+        charge = _text("charge", raw.get("charge", CHARGE_UNIT))
+        if charge not in CHARGES or ("charge" in raw and charge == CHARGE_UNIT):
+            # The default is never written: a header naming it is not one this code made.
+            raise ConfigError("charge", f"must be {CHARGE_RECORD_LEVEL!r} when present, "
+                              f"got {charge!r}")
         if raw["format"] != LEDGER_FORMAT:
             raise ConfigError("header", f"unknown ledger format {raw['format']!r}")
         terms = cls(
@@ -97,6 +116,7 @@ class LedgerTerms:
             delta=_finite("delta", raw["delta"]),
             accountant=_text("accountant", raw["accountant"]),
             privacy_unit=_text("privacy_unit", raw["privacy_unit"]),
+            charge=charge,
         )
         if "header_hash" in raw and raw["header_hash"] != terms.header_hash:
             raise ConfigError("header_hash", "does not match the header's fields")

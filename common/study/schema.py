@@ -288,8 +288,9 @@ class StudyPrivacySection(StudyModel):
     update_noise_multiplier: float | None = Field(default=None, gt=0, le=1000)
     # v intermediaries per hospital (Jiang et al., MICCAI 2023). 1 (default): true
     # hospital-level DP, the hospital-level epsilon stays within the budget. v > 1 or
-    # "auto" (opt-in) charge the budget per intermediary: the hospital-level epsilon is
-    # then v-fold group privacy, several times epsilon (`intermediaries_warning`).
+    # "auto" (opt-in): the budget is charged per patient (an intermediary's update at
+    # 2S); the hospital-level epsilon is then v-fold group privacy of the
+    # intermediary-level one and can exceed epsilon (`intermediaries_warning`).
     intermediaries: Literal["auto"] | int = 1
     # Record/patient-level DP-SGD underneath hospital-level DP:
     # "none" trains without DP-SGD (the whole update is still clipped and noised);
@@ -380,9 +381,10 @@ def intermediaries_warning(privacy: StudyPrivacySection) -> str | None:
     return (
         f"warning: privacy.unit = \"hospital\" with privacy.intermediaries = "
         f"{privacy.intermediaries!r}: each site's budget (epsilon {privacy.epsilon:g}) is "
-        f"charged per intermediary, so the hospital-level epsilon is v-fold group privacy "
-        f"({v}; the zCDP cost grows v^2-fold) and exceeds epsilon; set intermediaries = 1 "
-        "if the agreement caps the hospital-level epsilon"
+        "charged per patient (a patient moves its intermediary by up to 2S), not per "
+        "hospital, so the hospital-level epsilon is v-fold group privacy of the "
+        f"intermediary-level one ({v}; the zCDP cost grows v^2-fold) and can exceed epsilon; set "
+        "intermediaries = 1 if the agreement caps the hospital-level epsilon"
     )
 
 

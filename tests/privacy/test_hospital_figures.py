@@ -3,7 +3,8 @@
 A patient added or removed inside a hospital (or intermediary) that stays in the round moves
 that unit's clipped update by up to 2S (replace relation), so the per-patient figure composes
 the DDGauss rounds at 2S with the rest of the history and is larger than the
-intermediary-level (add/remove one unit, S) one the budget is charged with. The ledger
+intermediary-level (add/remove one unit, S) one, which a ledger without the per-patient
+charge (written before it) is charged with. The ledger
 (`medfed ledger show`), the model card and `model show` name all three; a study that
 says unit = "hospital" gets one intermediary per hospital unless it opts in to more,
 and is warned what that costs."""
@@ -105,7 +106,7 @@ def test_ledger_show_names_all_three(
     assert summary["hospital_level_epsilon"] == pytest.approx(figures.hospital)
     assert summary["intermediary_level_epsilon"] == pytest.approx(figures.intermediary)
     assert summary["per_patient_epsilon"] == pytest.approx(figures.per_patient)
-    # What the budget is charged with is said, and it is not the per-patient figure.
+    # A ledger without the per-patient charge says what it is charged with: not per-patient.
     assert summary["spent_epsilon"] < summary["per_patient_epsilon"]
     assert "NOT per-patient" in summary["budget_charge"]
     assert "patient_level_epsilon" not in summary  # the old, understated key
@@ -138,7 +139,9 @@ def test_the_card_names_all_three(intermediaries: int) -> None:
     assert by_unit["patient"].epsilon == pytest.approx(figures.per_patient)
     assert "2S" in by_unit["patient"].note
     assert "add/remove one hospital" in by_unit["hospital"].note
-    assert any("NOT a per-patient bound" in note for note in notes)
+    # The card says the budget is charged with the per-patient figure.
+    assert any("charged with: the per-patient epsilon" in note for note in notes)
+    assert hospital_sum.card_budget_charge(study) == "record_level"
 
 
 def test_model_show_names_all_three(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -164,10 +167,18 @@ def test_model_show_names_all_three(tmp_path: Path, capsys: pytest.CaptureFixtur
     write_bundle(path, bundle)
     assert predict_main(["model", "show", "--model", str(path)]) == 0
     text = capsys.readouterr().out
+    # A card written before the budget_charge field: the add/remove charge, said so.
     for label in ("hospital-level: epsilon", "intermediary-level: epsilon",
                   "patient-level: epsilon", "budget charge (add/remove one unit; "
                   "not per-patient)"):
         assert label in text
+    charged_card = card.model_copy(update={
+        "budget_charge": hospital_sum.card_budget_charge(study)})
+    write_bundle(path, dataclasses.replace(bundle, card=charged_card))
+    assert predict_main(["model", "show", "--model", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "budget charge = per-patient (model updates at 2S)" in text
+    assert "not per-patient" not in text
 
 
 def test_default_is_one_intermediary_and_more_is_warned(
