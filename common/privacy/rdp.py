@@ -19,7 +19,7 @@ of CPU for torch alone.
 
 The series are evaluated exactly as the reference implementation in TF Privacy and
 Opacus does (same terms, same stopping rule), vectorised per order; the figures agree
-with Opacus's `compute_rdp` / `get_privacy_spent` to float rounding
+with Opacus's `compute_rdp` / `get_privacy_spent` to float rounding, never below it
 (tests/privacy/test_accountant_against_opacus.py).
 """
 
@@ -138,7 +138,8 @@ def _log_a_fractional(q: float, sigma: float, alpha: float) -> float:
 def sampled_gaussian_rdp(*, q: float, sigma: float, orders: Sequence[float]) -> np.ndarray:
     """RDP of ONE step of the Poisson-subsampled Gaussian at every order in `orders`
     (Mironov, Talwar & Zhang 2019); `steps` steps cost `steps` times this (Mironov 2017,
-    Proposition 1). Entries may be inf (no noise)."""
+    Proposition 1). Entries may be inf (no noise). Series figures (0 < q < 1) carry the
+    rounding allowance RDP_ROUNDING_RELATIVE / RDP_ROUNDING_ABSOLUTE."""
     out = np.empty(len(orders), dtype=np.float64)
     for index, alpha in enumerate(orders):
         alpha = float(alpha)
