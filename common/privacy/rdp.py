@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy import special
+from scipy import special  # type: ignore[import-untyped]
 
 __all__ = ["epsilon_from_rdp", "sampled_gaussian_rdp"]
 
