@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from common.privacy import accountant as acc
+from common.privacy import prv
 from common.privacy.layered import charged
 from common.privacy.mechanisms import Gaussian, Mechanism, Segment
 
@@ -45,11 +46,11 @@ def replay(*, rounds: int, stop_after: int, old: bool, accountant: str, evaluati
     """Replay the first `stop_after` rounds of a `rounds`-round study; CPU seconds per
     round and the last charge."""
     acc.clear_composition_caches()
-    saved = (acc._REPORT_CACHE_SIZE, acc._sampled_gaussian_rdp_step, acc._opacus_rdp_step)
+    saved = (acc._REPORT_CACHE_SIZE, acc._sampled_gaussian_rdp_step, prv._rdp_curve)
     if old:
         acc._REPORT_CACHE_SIZE = 0  # every composition from scratch
         acc._sampled_gaussian_rdp_step = saved[1].__wrapped__  # type: ignore[assignment]
-        acc._opacus_rdp_step = saved[2].__wrapped__  # type: ignore[assignment]
+        prv._rdp_curve = saved[2].__wrapped__  # type: ignore[assignment]
     try:
         per_round = _evaluation(evaluation)
         pairs: list[tuple[str, tuple[Mechanism, ...]]] = [("count", (Gaussian(10.0, 1.0),))]
@@ -77,7 +78,7 @@ def replay(*, rounds: int, stop_after: int, old: bool, accountant: str, evaluati
             sigmas.append(plan.noise_multiplier)
     finally:
         (acc._REPORT_CACHE_SIZE, acc._sampled_gaussian_rdp_step,  # type: ignore[assignment]
-         acc._opacus_rdp_step) = saved
+         prv._rdp_curve) = saved
     acc.clear_composition_caches()
     fresh = charged(pairs, delta=DELTA, accountant=accountant).epsilon
     return {"cpu_seconds": cpu, "sigmas": sigmas, "charged": charge, "fresh": fresh,

@@ -8,14 +8,19 @@ never by summing per-round epsilons (basic composition, far too pessimistic).
 
 Accountants:
 
-* ``"prv"`` (default): Opacus's numerical composition of privacy-loss random variables,
-  Gopi, Lee & Wutschitz, "Numerical Composition of Differential Privacy", NeurIPS 2021.
-  The value returned is Opacus's *upper* bound (estimate + ``eps_error``).
+* ``"prv"`` (default): numerical composition of privacy-loss random variables, Gopi,
+  Lee & Wutschitz, "Numerical Composition of Differential Privacy", NeurIPS 2021
+  (`common.privacy.prv`; the same figures as Opacus's PRVAccountant). The value
+  returned is the *upper* bound (estimate + ``eps_error``).
 * ``"pld"``: Google's dp_accounting privacy-loss distributions (Koskela et al. 2020;
   Doroshenko et al., "Connect the Dots", PETS 2022), pessimistic discretisation, so an
   upper bound too. Composes heterogeneous Gaussian and sampled-Gaussian events.
 * ``"rdp"``: Renyi DP, Mironov, CSF 2017, with the sampled-Gaussian RDP of Mironov,
-  Talwar & Zhang 2019 (Opacus), converted with Balle et al. 2020. Looser, always usable.
+  Talwar & Zhang 2019 (`common.privacy.rdp`), converted with Balle et al. 2020. Looser,
+  always usable.
+
+PRV and RDP are computed here with numpy/scipy alone: a process that only reports an
+epsilon never imports torch or Opacus.
 
 PLD/PRV express only (sampled) Gaussians. A history containing a distributed discrete
 Gaussian (a zCDP/RDP guarantee, Kairouz, Liu & Steinke, ICML 2021, Proposition 14) is
@@ -30,7 +35,6 @@ from __future__ import annotations
 import functools
 import math
 import threading
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -39,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from common.errors import ConfigError
+from common.privacy import prv
 from common.privacy.mechanisms import (
     MECHANISM_TYPES,
     DistributedDiscreteGaussian,
@@ -47,6 +52,7 @@ from common.privacy.mechanisms import (
     SampledGaussian,
     Segment,
 )
+from common.privacy.rdp import epsilon_from_rdp, sampled_gaussian_rdp
 
 ACCOUNTANTS = ("prv", "pld", "rdp")
 
@@ -91,8 +97,8 @@ RDP_ORDERS: tuple[float, ...] = (
 # complex128 array cells during the FFT convolution; 4M points stay well under 1 GiB.
 MAX_PRV_DOMAIN_POINTS = 4_000_000
 
-# Opacus's PRV error parameters, passed explicitly so a future default change cannot
-# silently change a ledger's recomputed epsilons.
+# PRV error parameter (the reference implementation's default), fixed here so a change
+# of default elsewhere cannot silently change a ledger's recomputed epsilons.
 PRV_EPS_ERROR = 0.01
 
 # First step of the sigma search, from one evaluation: epsilon ~ sigma^(-exponent). For
@@ -121,10 +127,6 @@ class EpsilonReport:
     @property
     def fell_back(self) -> bool:
         return self.fallback_reason is not None
-
-
-class _PrvTooCostly(Exception):
-    """Internal: the PRV mesh for this history would be too large."""
 
 
 def _check_delta(delta: float) -> None:
@@ -207,127 +209,40 @@ def canonical_history(segments: Iterable[Segment]) -> list[tuple[float, float, i
     return list(canonical_mechanisms(segments).gaussians)
 
 
-def _new_prv_accountant() -> Any:
-    from opacus.accountants import PRVAccountant
-
-    class _GuardedPRVAccountant(PRVAccountant):  # type: ignore[misc]
-        """Opacus PRV accountant that refuses meshes too large for this machine."""
-
-        def _get_domain(
-            self, *, prvs: Sequence[Any], num_self_compositions: Sequence[int],
-            eps_error: float, delta_error: float,
-        ) -> Any:
-            domain = _prv_domain(prvs, num_self_compositions, eps_error=eps_error,
-                                 delta_error=delta_error)
-            if domain.size > MAX_PRV_DOMAIN_POINTS:
-                raise _PrvTooCostly(
-                    f"PRV mesh of {domain.size} points exceeds {MAX_PRV_DOMAIN_POINTS}"
-                )
-            return domain
-
-    return _GuardedPRVAccountant()
-
-
-# Opacus's RDPAccountant orders, which its PRV domain sizing uses.
-_OPACUS_RDP_ALPHAS: tuple[float, ...] = (
-    *(1 + x / 10.0 for x in range(1, 100)), *(float(a) for a in range(12, 64)),
-)
-
-
-@functools.lru_cache(maxsize=1024)
-def _opacus_rdp_step(sigma: float, q: float) -> np.ndarray:
-    """One step's sampled-Gaussian RDP (Mironov, Talwar & Zhang 2019) at Opacus's
-    default orders, read-only; `steps * curve` is bit-for-bit `compute_rdp(steps=...)`."""
-    from opacus.accountants.analysis.rdp import compute_rdp
-
-    curve = np.asarray(compute_rdp(q=q, noise_multiplier=sigma, steps=1,
-                                   orders=list(_OPACUS_RDP_ALPHAS)), dtype=np.float64)
-    curve.setflags(write=False)
-    return curve
-
-
-def _prv_domain(
-    prvs: Sequence[Any], steps: Sequence[int], *, eps_error: float, delta_error: float
-) -> Any:
-    """Opacus's `PRVAccountant._get_domain` computed from cached RDP curves: the same
-    arithmetic in the same order, so the same domain and the same epsilon.
-
-    The truncation bound L is Gopi, Lee & Wutschitz 2021, Remark 5.6, as Opacus
-    implements it (`compute_safe_domain_size`): the RDP epsilon of the whole history at
-    delta_error / 4 and of each mechanism once at delta_error / (8 k), plus 3; the mesh
-    is eps_error / sqrt(k log(12 / delta_error) / 2). Opacus evaluates the RDP series
-    in pure Python per order and mechanism for every composition; here each (sigma, q)
-    curve is computed once (RDP composes additively, Mironov 2017)."""
-    from opacus.accountants.analysis.prv.domain import Domain
-    from opacus.accountants.analysis.rdp import get_privacy_spent
-
-    total_compositions = sum(steps)
-    alphas = list(_OPACUS_RDP_ALPHAS)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        # RDPAccountant.get_privacy_spent: sum() of each entry's compute_rdp, from 0.
-        rdp: Any = 0
-        for prv, count in zip(prvs, steps, strict=True):
-            rdp = rdp + _opacus_rdp_step(prv.noise_multiplier, prv.sample_rate) * count
-        l_max = float(get_privacy_spent(orders=alphas, rdp=rdp, delta=delta_error / 4)[0])
-        for prv in prvs:
-            single = 0 + _opacus_rdp_step(prv.noise_multiplier, prv.sample_rate) * 1
-            l_max = max(l_max, float(get_privacy_spent(
-                orders=alphas, rdp=single, delta=delta_error / (8 * total_compositions))[0]))
-    bound = max(l_max, eps_error) + 3
-    mesh_size = eps_error / np.sqrt(total_compositions * np.log(12 / delta_error) / 2)
-    return Domain.create_aligned(-bound, bound, mesh_size)
-
-
 def _prv_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
-    accountant = _new_prv_accountant()
-    accountant.history = list(history)
-    # q = 1 makes Opacus take log(0) on a masked-out branch, and its domain sizing calls
-    # RDP, which warns about extreme orders; both are harmless for the bound, only noisy.
-    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return float(accountant.get_epsilon(delta, eps_error=PRV_EPS_ERROR))
+    """Gopi, Lee & Wutschitz 2021 upper bound (`common.privacy.prv`), refusing meshes
+    larger than MAX_PRV_DOMAIN_POINTS."""
+    return prv.prv_epsilon(history, delta=delta, eps_error=PRV_EPS_ERROR,
+                           max_points=MAX_PRV_DOMAIN_POINTS)
 
 
 @functools.lru_cache(maxsize=1024)
 def _sampled_gaussian_rdp_step(sigma: float, q: float) -> np.ndarray:
     """RDP of ONE step of the Poisson-subsampled Gaussian at every order of RDP_ORDERS
-    (Mironov, Talwar & Zhang 2019, via Opacus's `compute_rdp`), read-only.
+    (Mironov, Talwar & Zhang 2019; `common.privacy.rdp`), read-only.
 
-    RDP composes additively (Mironov, CSF 2017, Proposition 1) and Opacus's `compute_rdp`
-    is exactly this one-step vector times `steps`, so `steps * curve` is bit-for-bit the
-    figure `compute_rdp(steps=steps)` returns. Cached per (sigma, q): a site's history
-    repeats a handful of mechanisms, and the pure-Python series per order is what an RDP
-    composition spends its time on."""
-    from opacus.accountants.analysis.rdp import compute_rdp
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        curve = np.asarray(
-            compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(RDP_ORDERS)),
-            dtype=np.float64,
-        )
+    RDP composes additively (Mironov, CSF 2017, Proposition 1), so `steps` steps cost
+    `steps * curve`. Cached per (sigma, q): a site's history repeats a handful of
+    mechanisms, and the series per order is what an RDP composition spends its time on."""
+    curve = sampled_gaussian_rdp(q=q, sigma=sigma, orders=RDP_ORDERS)
     curve.setflags(write=False)
     return curve
 
 
 def _rdp_epsilon(history: CanonicalHistory, delta: float) -> float:
-    """RDP of the whole history on RDP_ORDERS, converted once to (epsilon, delta).
+    """RDP of the whole history on RDP_ORDERS, converted once to (epsilon, delta)
+    (Balle et al. 2020, Theorem 21).
 
-    Sampled Gaussians use Opacus's RDP (same numbers as its RDPAccountant); each DDGauss
-    release adds Proposition 14's RDP at every order (Kairouz, Liu & Steinke 2021)."""
-    from opacus.accountants.analysis.rdp import get_privacy_spent
-
+    Sampled Gaussians: Mironov, Talwar & Zhang 2019 (`common.privacy.rdp`, the same
+    figures as Opacus's RDPAccountant); each DDGauss release adds Proposition 14's RDP at
+    every order (Kairouz, Liu & Steinke 2021)."""
     orders = np.array(RDP_ORDERS, dtype=np.float64)
     total = np.zeros_like(orders)
-    with warnings.catch_warnings():
-        # "Optimal order is the largest alpha": the bound is still valid (just looser).
-        warnings.simplefilter("ignore", UserWarning)
-        for sigma, q, steps in history.gaussians:
-            total += _sampled_gaussian_rdp_step(sigma, q) * steps
-        for mechanism in history.ddgauss:
-            total += mechanism.count * np.array([mechanism.rdp(float(a)) for a in orders])
-        epsilon, _ = get_privacy_spent(orders=list(RDP_ORDERS), rdp=list(total), delta=delta)
+    for sigma, q, steps in history.gaussians:
+        total += _sampled_gaussian_rdp_step(sigma, q) * steps
+    for mechanism in history.ddgauss:
+        total += mechanism.count * np.array([mechanism.rdp(float(a)) for a in orders])
+    epsilon, _ = epsilon_from_rdp(orders=RDP_ORDERS, rdp=total, delta=delta)
     return float(epsilon)
 
 
@@ -393,7 +308,7 @@ def clear_composition_caches() -> None:
     with _ROUND_PLANS_LOCK:
         _ROUND_PLANS.clear()
     _sampled_gaussian_rdp_step.cache_clear()
-    _opacus_rdp_step.cache_clear()
+    prv.clear_caches()
 
 
 def _account(
@@ -420,7 +335,7 @@ def _account(
             epsilon = _pld_epsilon(history, delta)
         if not math.isfinite(epsilon) or epsilon < 0:
             raise ArithmeticError(f"{accountant.upper()} returned {epsilon!r}")
-    except (_PrvTooCostly, ArithmeticError, ValueError, MemoryError, RuntimeError) as exc:
+    except (prv.PrvDomainTooLarge, ArithmeticError, ValueError, MemoryError, RuntimeError) as exc:
         # RDP upper-bounds the true epsilon too, so falling back never under-reports.
         reason = (
             f"{accountant.upper()} accountant unusable for this history ({exc}); RDP bound used"
@@ -428,7 +343,7 @@ def _account(
         report = EpsilonReport(_rdp_epsilon(history, delta), float(delta), "rdp", accountant,
                                reason)
         # The mesh-size refusal is a function of the history; other failures may not be.
-        return report, isinstance(exc, _PrvTooCostly)
+        return report, isinstance(exc, prv.PrvDomainTooLarge)
     return EpsilonReport(epsilon, float(delta), accountant, accountant), True
 
 

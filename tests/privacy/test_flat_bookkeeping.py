@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from common.config import SitePolicySection
-from common.privacy import accountant
+from common.privacy import accountant, prv
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian, Mechanism, Segment
 from site_agent import dp_release
@@ -117,9 +117,10 @@ def test_prv_plan_keeps_its_sigma_and_charges_a_fresh_composition(
     assert fresh.epsilon == ledger.spent()
 
 
-def test_prv_is_opacus_own_composition_bit_for_bit() -> None:
-    """The PRV domain sized from cached RDP curves is Opacus's: the epsilon equals
-    Opacus's own PRVAccountant on the same history (Gopi, Lee & Wutschitz 2021)."""
+def test_prv_is_opacus_own_composition() -> None:
+    """The PRV composition (its domain sized from cached RDP curves) is Opacus's: the
+    epsilon is Opacus's own PRVAccountant's on the same history (Gopi, Lee & Wutschitz
+    2021), never below it and above it by at most the accountant's allowance."""
     from opacus.accountants import PRVAccountant
 
     histories = [
@@ -139,4 +140,4 @@ def test_prv_is_opacus_own_composition_bit_for_bit() -> None:
             warnings.simplefilter("ignore", UserWarning)
             expected = float(theirs.get_epsilon(DELTA, eps_error=accountant.PRV_EPS_ERROR))
         assert ours.accountant == "prv"
-        assert ours.epsilon == expected
+        assert expected <= ours.epsilon <= expected * (1 + 2 * prv.PRV_ROUNDING_RELATIVE)
