@@ -175,7 +175,8 @@ class SecAggPhases:
         reveal = client.receive_consistency(wire.signatures_from_pb(sigs_pb))
         # What the site knows from here on: its shares went out. The coordinator answers
         # only once it recorded the round as completed (its sum decoded and stored).
-        log.info("round %d: unmasking shares sent", rnd.number)
+        log.info("round %d: unmasking shares sent", rnd.number,
+                 extra={"event": "round_unmask_sent", "round_number": rnd.number})
         try:
             result = stub.Unmask(
                 wire.unmask_to_pb(reveal, round_number=rnd.number, session=session),
@@ -184,7 +185,9 @@ class SecAggPhases:
         except grpc.RpcError as exc:
             log.warning("round %d: the coordinator did not confirm the round (%s): not "
                         "done here; the coordinator's record says whether it completed",
-                        rnd.number, exc.code())
+                        rnd.number, exc.code(),
+                        extra={"event": "round_unconfirmed", "round_number": rnd.number,
+                               "code": exc.code().name})
             raise
         client.complete()
         confirmed(rnd, completed=result.completed, timeline=timeline)
