@@ -125,5 +125,5 @@ def write_debug_aggregate(
     # Written as a stream (not ndarray.tofile, which needs a seekable file), so a test
     # can make the file a pipe and hold the coordinator between its sum and its record.
     with open(debug / f"round-{round_number:06d}.u32", "wb") as out:
-        out.write(memoryview(words).cast("B"))
+        out.write(words.data)
     (debug / f"round-{round_number:06d}.survivors").write_text("\n".join(survivors) + "\n")
