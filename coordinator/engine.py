@@ -126,7 +126,8 @@ class RoundEngine:
         self.rng = rng
         self.sessions = SiteRegistry(
             store, self.budget_view, metrics=metrics, clock=clock,
-            report_quorum=max(settings.aggregation.max_colluding_sites, 1) + 1)
+            report_quorum=max(settings.aggregation.max_colluding_sites, 1) + 1,
+            heartbeat_misses=settings.deadlines.heartbeat_misses)
         self.transfers = Transfers(settings.limits, settings.state, metrics=metrics)
         self.inbox = RoundInbox(store, self.sessions, self.transfers)
         self.ledgers = LedgerGate(store.database, settings)

@@ -129,14 +129,19 @@ class RoundInbox:
         return self.transfers.download_slot()
 
     async def _submit(self, site_id: str, round_number: int, phase: RoundPhase,
-                      session_id: bytes | None, deliver: Callable[[SecAggServer], None]) -> Any:
-        """Hand a site's SecAgg+ message to the server, then long-poll the phase."""
+                      session_id: bytes | None, deliver: Callable[[SecAggServer], None],
+                      *, recorded: bool = False) -> Any:
+        """Hand a site's SecAgg+ message to the server, then long-poll the phase (and,
+        `recorded`, the round's record)."""
         rnd, state, aggregator = self._in_phase(site_id, round_number, phase,
                                                 session_id=session_id)
         rnd.heard_from(site_id)
         deliver(_secure(aggregator))
         state.mark(site_id)
-        return await rnd.wait_closed(phase)
+        output = await rnd.wait_closed(phase)
+        if recorded:
+            await rnd.wait_recorded()
+        return output
 
     async def advertise(
         self, site_id: str, round_number: int, nonce: bytes, msg: sm.AdvertiseKeys
@@ -182,6 +187,9 @@ class RoundInbox:
                  extra={"event": "masked_input_added", "round_number": rnd.number,
                         "site": site_id})
         survivors: sm.SurvivorList = await rnd.wait_closed(RoundPhase.MASKED_INPUT)
+        if not rnd.announcement.secure_aggregation:
+            # The last phase of a plain round: answered once the round is recorded.
+            await rnd.wait_recorded()
         return survivors
 
     async def consistency(
@@ -196,9 +204,11 @@ class RoundInbox:
     async def unmask(
         self, site_id: str, round_number: int, session_id: bytes, msg: sm.UnmaskShares
     ) -> int:
+        """Answered once the round is recorded as completed (its abort raised when it
+        ended otherwise), never when only the share arrived."""
         contributors: int = await self._submit(
             site_id, round_number, RoundPhase.UNMASK, session_id,
-            lambda server: server.receive_unmask(site_id, msg),
+            lambda server: server.receive_unmask(site_id, msg), recorded=True,
         )
         return contributors
 

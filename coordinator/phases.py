@@ -304,6 +304,15 @@ class ActiveRound:
             return state.output
         raise self.abort or ProtocolAbort(AbortReason.ROUND_ABANDONED, "round ended")
 
+    async def wait_recorded(self) -> None:
+        """Until the round ended; returns only when it ended recorded as completed
+        (FINISHED: its sum decoded and stored), else raises its abort. A site learns
+        that its round is done from this alone: a coordinator that dies between the
+        sum and its record answers nothing, so no site reports that round as done."""
+        await self.finished.wait()
+        if self.abort is not None:
+            raise self.abort
+
     async def wait_ready(self, state: PhaseState, timeout: float) -> PhaseClosed:
         """Until every expected site arrived (or was dropped for silence), or `timeout`
         seconds passed."""

@@ -51,6 +51,15 @@ class SiteSession:
     def is_waiting(self) -> bool:
         return self.waiting is not None and not self.waiting.done()
 
+    def stopped_beating(self, *, now: float, intervals: float) -> bool:
+        """Between rounds: its long-poll is open (or just timed out) and promised
+        heartbeats, and nothing came from the site for more than `intervals` heartbeat
+        intervals by `now` (unix seconds): frozen or cut off."""
+        if self.beat_seconds is None or not (self.is_waiting or self.poll_lapsed):
+            return False
+        heard = self.last_contact
+        return heard is None or now - heard > intervals * self.beat_seconds
+
 
 class SiteRegistry:
     """Sessions of the sites enrolled since this coordinator started."""
@@ -63,8 +72,13 @@ class SiteRegistry:
         metrics: CoordinatorMetrics,
         clock: Callable[[], float],
         report_quorum: int = 2,
+        heartbeat_misses: int = 3,
     ) -> None:
         self.store = store
+        # A waiting site silent (no heartbeat) for more heartbeat intervals than this is
+        # not selected: frozen or cut off, it would only be dropped from the round.
+        self.heartbeat_misses = heartbeat_misses
+        self._left_out: set[str] = set()  # waiting, but silent: not selected (logged once)
         # Sites whose ledger reports must agree before the numbering follows them far
         # past the coordinator's record (`selection.round_ceiling`).
         self.report_quorum = report_quorum
@@ -92,6 +106,13 @@ class SiteRegistry:
         self.record_budget(session, budget)
         self.metrics.sites_enrolled.set(len(self.store.enrolled_sites()))
         self.changed.set()
+
+    def beat(self, site_id: str) -> None:
+        """A heartbeat from `site_id` while it waits (StateError: not enrolled); one
+        left out of selection for silence has selection count it again at once."""
+        self.session(site_id)
+        if site_id in self._left_out:
+            self.changed.set()
 
     def touch(self, site_id: str) -> None:
         """Note a call from `site_id` (its last contact, for `medfed status`)."""
@@ -191,7 +212,24 @@ class SiteRegistry:
         return [self.sites[s].budget.last_round for s in site_ids if s in self.sites]
 
     def waiting_ids(self) -> list[str]:
-        return sorted(s.site_id for s in self.sites.values() if s.is_waiting)
+        """Sites holding a long-poll, less those that stopped beating for more than
+        `heartbeat_misses` intervals (a frozen process's poll stays open; selected, it
+        would hold the round's first phase until the liveness check dropped it)."""
+        now = self.clock()
+        waiting = [s for s in self.sites.values() if s.is_waiting]
+        silent = {s.site_id for s in waiting
+                  if s.stopped_beating(now=now, intervals=self.heartbeat_misses)}
+        for site_id in sorted(silent - self._left_out):
+            log.warning("site %s holds a long-poll but sent no heartbeat for %d intervals: "
+                        "not selected until it beats again", site_id, self.heartbeat_misses,
+                        extra={"event": "site_silent_not_selected", "site": site_id})
+        waiting_now = {s.site_id for s in waiting}
+        for site_id in sorted((self._left_out & waiting_now) - silent):
+            log.info("site %s beats again: selectable", site_id,
+                     extra={"event": "site_selectable_again", "site": site_id})
+        # One whose poll ended while silent stays left out until it waits and beats.
+        self._left_out = silent | (self._left_out - waiting_now)
+        return sorted(s.site_id for s in waiting if s.site_id not in silent)
 
     def check_open(self) -> None:
         """Refuse polls once the engine stopped: after an outage (`Unavailable`) sites

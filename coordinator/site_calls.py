@@ -54,7 +54,7 @@ class SiteCalls:
         """A site is alive: in `round_number`, or (0) waiting in its long-poll (its
         last contact, noted for every call, is all that a round-0 beat records)."""
         if round_number == 0:
-            self.sessions.session(site_id)  # StateError: not enrolled
+            self.sessions.beat(site_id)
             return
         self.inbox.heartbeat(site_id, round_number)
 

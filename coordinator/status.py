@@ -115,10 +115,7 @@ class StudyStatus:
 def stopped_beating(session: SiteSession, *, now: float) -> bool:
     """Between rounds: the site's long-poll is open (or just timed out) and promised
     heartbeats, and nothing came from the site for SILENT_AFTER_INTERVALS intervals."""
-    if session.beat_seconds is None or not (session.is_waiting or session.poll_lapsed):
-        return False
-    heard = session.last_contact
-    return heard is None or now - heard > SILENT_AFTER_INTERVALS * session.beat_seconds
+    return session.stopped_beating(now=now, intervals=SILENT_AFTER_INTERVALS)
 
 
 def site_state(session: SiteSession, rnd: ActiveRound | None, *, now: float) -> str:

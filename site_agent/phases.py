@@ -15,13 +15,14 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
+import grpc
 import numpy as np
 
 from common import wire
 from common.config import SiteSettings
 from common.crypto.random import system_random
 from common.crypto.signing import SigningKey, VerifyingKey
-from common.errors import AbortReason, ProtocolAbort
+from common.errors import AbortReason, ProtocolAbort, RoundFailed
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.round import VerifiedRound
@@ -45,6 +46,15 @@ def deadline(rnd: VerifiedRound, *, training: bool = False) -> float:
     if training:
         base += max(rnd.train_deadline - time.time(), 0)
     return base
+
+
+def confirmed(rnd: VerifiedRound, *, completed: bool, timeline: RoundTimeline) -> None:
+    """The coordinator's answer to the round's last call: the round is recorded as
+    completed (`completed`), the one fact that lets a site log it as done."""
+    if not completed:
+        raise RoundFailed(f"round {rnd.number}: the coordinator did not record the round "
+                          "as completed")
+    timeline.mark("recorded")
 
 
 class SecAggPhases:
@@ -163,19 +173,33 @@ class SecAggPhases:
         timeline.mark("consistency")
         self.debug_pause(rnd.number, "consistency_check")
         reveal = client.receive_consistency(wire.signatures_from_pb(sigs_pb))
-        result = stub.Unmask(
-            wire.unmask_to_pb(reveal, round_number=rnd.number, session=session),
-            timeout=deadline(rnd),
-        )
+        # What the site knows from here on: its shares went out. The coordinator answers
+        # only once it recorded the round as completed (its sum decoded and stored).
+        log.info("round %d: unmasking shares sent", rnd.number,
+                 extra={"event": "round_unmask_sent", "round_number": rnd.number})
+        try:
+            result = stub.Unmask(
+                wire.unmask_to_pb(reveal, round_number=rnd.number, session=session),
+                timeout=deadline(rnd),
+            )
+        except grpc.RpcError as exc:
+            log.warning("round %d: the coordinator did not confirm the round (%s): not "
+                        "done here; the coordinator's record says whether it completed",
+                        rnd.number, exc.code(),
+                        extra={"event": "round_unconfirmed", "round_number": rnd.number,
+                               "code": exc.code().name})
+            raise
         client.complete()
-        timeline.mark("unmasked")
-        log.info("round %d unmasked: %d contributors", rnd.number, result.contributors)
+        confirmed(rnd, completed=result.completed, timeline=timeline)
+        log.info("round %d recorded by the coordinator: %d contributors", rnd.number,
+                 result.contributors)
 
     def upload_plain(self, stub: pb_grpc.FederationStub, rnd: VerifiedRound,
                      vector: np.ndarray, *, timeline: RoundTimeline) -> None:
         """A round without secure aggregation (the site's policy allows it): the
         vector goes up as it is."""
+        # Answered once the coordinator recorded the round (an error otherwise).
         stub.UploadMaskedInput(
             upload_stream(rnd, b"", vector), timeout=deadline(rnd, training=True),
         )
-        timeline.mark("uploaded")
+        confirmed(rnd, completed=True, timeline=timeline)

@@ -56,9 +56,9 @@ def test_bench_round_small_federation_is_exact() -> None:
     assert closes[-1] <= secure["coordinator_steps"]["recorded"]
     assert "masked_input.closed" in plain["coordinator_steps"]
     assert "advertise_keys.closed" not in plain["coordinator_steps"]
-    for step in ("roster", "shares", "masked", "uploaded", "unmasked"):
+    for step in ("roster", "shares", "masked", "uploaded", "recorded"):
         assert step in secure["slowest_site_steps"]
-    assert "uploaded" in plain["slowest_site_steps"] and "masked" not in plain[
+    assert "recorded" in plain["slowest_site_steps"] and "masked" not in plain[
         "slowest_site_steps"]
     assert secure["coordinator_cpu_seconds"] > 0 and plain["site_cpu_seconds"] > 0
     assert len(result["load_average"]) == 2

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
+from common.config import CoordinatorSettings, load_settings
 from common.errors import Unavailable
 from common.privacy.budget import BudgetReport
 from coordinator.engine import RoundEngine
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.store import CoordinatorStore
+from tests.coordinator.conftest import refuse_identity
 
 
 async def _poll_until_waiting(engine: RoundEngine, sites: tuple[str, ...]
@@ -138,3 +143,48 @@ def test_selection_ends_when_cancelled_as_a_site_enrolls(
         return ended and selecting.cancelled()
 
     assert asyncio.run(scenario()), "selection kept waiting after it was cancelled"
+
+
+def test_a_waiting_site_that_stopped_beating_is_not_selectable(tmp_path: Path) -> None:
+    """A long-poll stays open while its process is frozen: once the site sent nothing
+    for more than `heartbeat_misses` (3) of the intervals it promised, selection leaves
+    it out; its next heartbeat makes it selectable again."""
+    now = [1_000.0]
+    settings = load_settings(
+        CoordinatorSettings,
+        overrides={"pki": tmp_path, "state": tmp_path, "model": {"dim": 8}, "min_sites": 2},
+    )
+    store = CoordinatorStore(f"sqlite:///{tmp_path / 'coordinator.db'}")
+    engine = RoundEngine(settings, store, identity=refuse_identity,
+                         metrics=CoordinatorMetrics(), clock=lambda: now[0])
+
+    def beat(site: str) -> None:
+        engine.sessions.touch(site)  # what the servicer notes for every call
+        engine.sites.heartbeat(site, 0)
+
+    async def scenario() -> list[list[str]]:
+        for site in ("alpha", "beta"):
+            engine.sites.enroll(site, b"", serial="1", version="t", device="cpu",
+                                budget=BudgetReport())
+        polls = [asyncio.create_task(engine.sites.wait_for_round(
+            site, after_round=0, wait_seconds=30, budget=None, beat_seconds=1.0))
+            for site in ("alpha", "beta")]
+        while len(engine.sessions.waiting_ids()) < 2:
+            await asyncio.sleep(0)  # let the polls register (no wall-clock wait)
+        seen = []
+        now[0] += 2.5  # both silent 2.5 intervals: not yet left out
+        beat("alpha")
+        seen.append(engine.sessions.waiting_ids())
+        now[0] += 1.0  # beta silent 3.5 intervals, alpha 1
+        seen.append(engine.sessions.waiting_ids())
+        beat("beta")
+        seen.append(engine.sessions.waiting_ids())
+        for poll in polls:
+            poll.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
+        return seen
+
+    try:
+        assert asyncio.run(scenario()) == [["alpha", "beta"], ["alpha"], ["alpha", "beta"]]
+    finally:
+        store.close()

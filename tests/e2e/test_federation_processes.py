@@ -4,7 +4,10 @@ the sum of the surviving sites' plaintext updates (written under test-only flags
 
 from __future__ import annotations
 
+import os
+import queue
 import sqlite3
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,3 +110,48 @@ def test_next_round_completes_after_coordinator_is_killed_mid_round(
     last = federation.site_procs["site-b"].wait_event("site_round_done", round_number=4)
     assert str(last["msg"]).startswith(
         "round number 4 (training; the study plans 3 training rounds) done:"), last
+
+
+def test_no_site_logs_done_when_the_coordinator_dies_between_the_sum_and_its_record(
+    federation: Federation,
+) -> None:
+    """Round 2's debug aggregate file is a pipe nobody reads: the coordinator blocks
+    writing it after Unmask closed (every share in, the sum computed) and before the
+    round is recorded. Held there until every site's Unmask call ran out of time (a
+    coordinator that answered on the share alone would have had that long to answer),
+    then killed: no site reports round 2 as done, the restarted coordinator records it
+    abandoned, and round 3 is done everywhere."""
+    aggregates = federation.root / "coordinator" / "aggregates"
+    aggregates.mkdir(parents=True)
+    pipe = aggregates / "round-000002.u32"
+    os.mkfifo(pipe)
+    # More than a pipe's buffer (64 KiB): the write blocks while nobody reads.
+    args = (*FAST, "--model-dim", "50000", "--rounds", "2")
+    coordinator = federation.start_coordinator(*args)
+    for site in SITES:
+        federation.start_site(site)
+    opened: queue.Queue[int] = queue.Queue()
+    # Returns once the coordinator opened the pipe to write round 2's sum.
+    threading.Thread(target=lambda: opened.put(os.open(pipe, os.O_RDONLY)),
+                     daemon=True).start()
+    reader = opened.get(timeout=180)
+    try:
+        for site in SITES:
+            federation.site_procs[site].wait_event(
+                "round_unconfirmed", round_number=2, code="DEADLINE_EXCEEDED", timeout=120)
+        port = federation.port
+        coordinator.kill9()
+    finally:
+        os.close(reader)
+    restarted = federation.start_coordinator(*args, port=port)
+    restarted.wait_log(
+        "round 2 was abandoned at a crash after its sum was or may have been unmasked",
+        timeout=60)
+    restarted.wait_log("all 2 rounds done", timeout=180)
+    assert round_statuses(federation) == {1: "completed", 2: "abandoned", 3: "completed"}
+    for site in SITES:
+        proc = federation.site_procs[site]
+        assert proc.wait_exit(timeout=60) == 0
+        done = [line["round_number"] for line in proc.lines
+                if line.get("event") == "site_round_done"]
+        assert done == [1, 3], (site, done)

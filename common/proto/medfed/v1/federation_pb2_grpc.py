@@ -164,7 +164,8 @@ class FederationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UploadMaskedInput(self, request_iterator, context):
-        """--- Phase 3: MaskedInput (client streaming; long-poll; returns survivors)
+        """--- Phase 3: MaskedInput (client streaming; long-poll; returns survivors;
+        in a round without secure aggregation, answered once the round is recorded)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -178,7 +179,8 @@ class FederationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Unmask(self, request, context):
-        """--- Phase 5: Unmask (long-poll; returns the round outcome) -------------
+        """--- Phase 5: Unmask (long-poll; answered once the coordinator recorded the
+        round as completed; an error when the round ended without that record) ---
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
