@@ -40,7 +40,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import fft, special  # type: ignore[import-untyped]
 
 from common.privacy.rdp import epsilon_from_rdp, sampled_gaussian_rdp
 
@@ -97,6 +96,8 @@ class _Domain:
 
 def _cdf(t: np.ndarray, *, q: float, sigma: float) -> np.ndarray:
     """CDF of the PRV of the Poisson-subsampled Gaussian (Gopi et al. 2021, Prop. B4)."""
+    from scipy import special  # type: ignore[import-untyped]  # imported when used
+
     t = np.asarray(t, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         floor = np.log(1 - q)
@@ -162,6 +163,8 @@ def _discretise(prv: _TruncatedPrv, domain: _Domain) -> tuple[np.ndarray, _Domai
 
 def _self_compose(pmf: np.ndarray, domain: _Domain, times: int) -> tuple[np.ndarray, _Domain]:
     """pmf convolved with itself `times` times by FFT, re-centred on the grid."""
+    from scipy import fft  # type: ignore[import-untyped]  # imported when used
+
     composed = fft.irfft(fft.rfft(pmf) ** times, n=len(pmf))
     roll = times - 1
     if times % 2 == 0:
@@ -171,6 +174,8 @@ def _self_compose(pmf: np.ndarray, domain: _Domain, times: int) -> tuple[np.ndar
 
 def _convolve_same(left: np.ndarray, right: np.ndarray) -> np.ndarray:
     """Linear convolution of two equal-length pmfs, its central part (length kept)."""
+    from scipy import fft  # type: ignore[import-untyped]  # imported when used
+
     n = len(left)
     full_length = 2 * n - 1
     size = fft.next_fast_len(full_length, real=True)
