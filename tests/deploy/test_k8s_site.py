@@ -7,6 +7,8 @@ port for its own Prometheus, and settings that load."""
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -153,3 +155,67 @@ def test_site_settings_in_the_config_map_load(
     assert (settings.tls_ca, settings.tls_cert, settings.tls_key) == (
         Path("/pki/ca.crt"), Path("/pki/site.crt"), Path("/pki/site.key"))
     assert str(settings.data.path) == "/data/records.csv"
+
+
+# ----------------------------------------------------------------- docs/deploy.md's walk
+
+
+def _kubectl_steps(section: str) -> list[list[str]]:
+    """The kubectl commands of a docs section's shell blocks, in order."""
+    steps = []
+    for block in re.findall(r"```sh\n(.*?)```", section, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line)
+            if words[:1] == ["kubectl"]:
+                steps.append(words)
+    return steps
+
+
+def _secret_volume(deployment: dict[str, Any]) -> dict[str, Any]:
+    (secret,) = [v["secret"] for v in deployment["spec"]["template"]["spec"]["volumes"]
+                 if "secret" in v]
+    return secret
+
+
+def _check_walk(steps: list[list[str]], *, namespace: str, secret: dict[str, Any],
+                applied: Path) -> None:
+    kinds = []
+    for words in steps:
+        if words[1:3] == ["create", "namespace"]:
+            assert words[3] == namespace
+            kinds.append("namespace")
+        elif words[1] == "apply" and "-f" in words:
+            (doc,) = load(REPO / words[words.index("-f") + 1])
+            assert doc["kind"] == "Namespace" and doc["metadata"]["name"] == namespace
+            kinds.append("namespace")
+        elif "secret" in words and "create" in words:
+            assert words[words.index("-n") + 1] == namespace
+            assert words[words.index("generic") + 1] == secret["secretName"]
+            keys = {w.split("=", 2)[1] for w in words if w.startswith("--from-file=")}
+            assert keys == {i["key"] for i in secret["items"]}
+            kinds.append("secret")
+        elif words[1] == "apply" and "-k" in words:
+            assert (REPO / words[words.index("-k") + 1]).resolve() == applied.resolve()
+            kinds.append("apply")
+    # The Secret needs its namespace; the pods need their Secret.
+    assert kinds == ["namespace", "secret", "apply"], kinds
+
+
+def test_deploy_md_walks_the_site_set_in_order() -> None:
+    text = (REPO / "docs" / "deploy.md").read_text()
+    section = text.split("### A site on Kubernetes", 1)[1].split("\n#", 1)[0]
+    overlay = load(OVERLAY / "kustomization.yaml")[0]
+    deployment = base_objects()[("Deployment", "medfed-site-agent")]
+    _check_walk(_kubectl_steps(section), namespace=overlay["namespace"],
+                secret=_secret_volume(deployment), applied=OVERLAY)
+
+
+def test_deploy_md_walks_the_coordinator_set_in_order() -> None:
+    text = (REPO / "docs" / "deploy.md").read_text()
+    section = text.split("- Kubernetes (coordinator):", 1)[1].split("\n- ", 1)[0]
+    coordinator = REPO / "deploy" / "k8s"
+    kustomization = load(coordinator / "kustomization.yaml")[0]
+    (deployment,) = [d for name in kustomization["resources"]
+                     for d in load(coordinator / name) if d["kind"] == "Deployment"]
+    _check_walk(_kubectl_steps(section), namespace=kustomization["namespace"],
+                secret=_secret_volume(deployment), applied=coordinator)
