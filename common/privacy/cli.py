@@ -237,8 +237,16 @@ def register_privacy(subparsers: Any) -> None:
     plan.add_argument("--accountant", choices=ACCOUNTANTS, default="prv")
     plan.set_defaults(func=_cmd_plan)
     # Plug-ins (e.g. `audit` from site_agent.audit): `common` never imports site_agent.
+    # A role image ships only its own packages (the coordinator image has no site_agent/):
+    # a plug-in whose package is absent adds no command; any other import error is raised.
     for plugin in sorted(entry_points(group=PRIVACY_COMMAND_GROUP), key=lambda e: e.name):
-        plugin.load()(commands)
+        try:
+            register = plugin.load()
+        except ModuleNotFoundError as exc:
+            if exc.name != plugin.value.split(":", 1)[0].split(".", 1)[0]:
+                raise
+            continue
+        register(commands)
 
     plan_round = commands.add_parser(
         "plan-round",

@@ -4,10 +4,11 @@
 #   docker build -f deploy/docker/coordinator.Dockerfile -t medfed-coordinator:0.1.0 .
 # Build args (all optional): BASE_IMAGE, TORCH_INDEX, WHEELS, VERSION, as in
 # site_agent.Dockerfile. Every package comes from requirements/coordinator.lock, pinned
-# with SHA-256 hashes. No bench code. torch, opacus and monai are in this image because
-# the coordinator builds a study's untrained initial model (common.models.build);
-# site_agent/ is still copied, though medfed-bootstrap no longer writes a model from its
-# synthetic feature list; dropping it needs a container test run.
+# with SHA-256 hashes. The image carries the coordinator and common/ only: no site agent,
+# no bench code (tests/deploy/test_role_images.py runs the coordinator with both absent).
+# torch, opacus and monai are in this image because the coordinator builds a study's
+# untrained initial model (common.models.build) and the privacy accountants use opacus's
+# (common.privacy.accountant).
 # Mount at run time (nothing secret is baked into the image):
 #   /pki     ca.crt, crl.pem, coordinator.crt/.key, monitors/healthcheck.crt/.key
 #            (read-only; never a site key, never ca.key)
@@ -29,11 +30,12 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY common ./common
 COPY coordinator ./coordinator
-COPY site_agent ./site_agent
 RUN /opt/medfed/bin/pip install --no-deps --no-build-isolation . \
     && cd / && /opt/medfed/bin/python -c "import coordinator.cli, common.cli" \
     && /opt/medfed/bin/python -c "import importlib.util as u, sys; \
-sys.exit(u.find_spec('bench') is not None)"
+sys.exit(any(u.find_spec(m) for m in ('site_agent', 'bench', 'demo')))" \
+    && /opt/medfed/bin/medfed privacy --help >/dev/null \
+    && /opt/medfed/bin/medfed query run --help >/dev/null
 
 FROM ${BASE_IMAGE}
 ARG MEDFED_UID=10001

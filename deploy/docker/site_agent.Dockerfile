@@ -38,7 +38,8 @@ COPY site_agent ./site_agent
 RUN /opt/medfed/bin/pip install --no-deps --no-build-isolation . \
     && cd / && /opt/medfed/bin/python -c "import site_agent.cli, common.cli" \
     && /opt/medfed/bin/python -c "import importlib.util as u, sys; \
-sys.exit(any(u.find_spec(m) for m in ('coordinator', 'bench')))"
+sys.exit(any(u.find_spec(m) for m in ('coordinator', 'bench', 'demo')))" \
+    && /opt/medfed/bin/medfed site run --help >/dev/null
 
 FROM ${BASE_IMAGE}
 ARG MEDFED_UID=10001

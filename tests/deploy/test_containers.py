@@ -172,8 +172,13 @@ def test_role_images_carry_only_their_own_code(images: dict[str, int]) -> None:
     assert site.strip() == "['site_agent', 'torch']"
     coordinator = engine("run", "--rm", "--entrypoint", "python", COORDINATOR_IMAGE,
                          "-c", probe).stdout
-    # The coordinator builds a study's initial model with site_agent's model registry.
-    assert "'coordinator'" in coordinator and "'bench'" not in coordinator
+    # torch: the coordinator builds a study's initial model (common.models.build).
+    assert coordinator.strip() == "['coordinator', 'torch']"
+    helped = engine("run", "--rm", "--entrypoint", "medfed", COORDINATOR_IMAGE,
+                    "--help").stdout
+    commands = re.findall(r"^    (\w+)\s", helped, re.M)
+    assert "coordinator" in commands and "pki" in commands and "privacy" in commands
+    assert "site" not in commands and "bench" not in commands
     # `medfed` in the site image lists the site's commands, not the coordinator's.
     helped = engine("run", "--rm", "--entrypoint", "medfed", SITE_IMAGE, "--help").stdout
     commands = re.findall(r"^    (\w+)\s", helped, re.M)

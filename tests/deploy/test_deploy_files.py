@@ -111,6 +111,12 @@ def test_dockerfile_basics(path: Path) -> None:
     if "cuda" in path.name:
         # torch pinned (never a silent upgrade) and installed from an explicit index.
         assert re.search(r"torch==2\.13\.0 --index-url ", text)
+        # The rest from the site lock with hashes, its CPU torch entry cut as `make` does.
+        drop_torch = re.search(r"sed '(/\^torch==/[^']+)'", text)
+        makefile = (REPO / "Makefile").read_text()
+        assert drop_torch and f"sed '{drop_torch.group(1)}'" in makefile
+        assert re.search(r"pip install --require-hashes .*-r /src/requirements/"
+                         r"site-without-torch\.lock", text.replace("\\\n", " "))
     else:
         # Every package from the role's lock file, each pinned with its hash.
         assert re.search(r"pip install --require-hashes .*-r /src/requirements/\w+\.lock",
@@ -143,6 +149,11 @@ def test_cpu_images_use_python_slim_and_the_cpu_torch_index() -> None:
         assert {a for k, a in steps if k == "FROM"} == {"${BASE_IMAGE}", "${BASE_IMAGE} AS build"}
     cuda = (DEPLOY / "docker" / "site_agent.cuda.Dockerfile").read_text()
     assert "nvidia/cuda" in cuda and "download.pytorch.org/whl/cu" in cuda
+    steps = instructions(DEPLOY / "docker" / "site_agent.cuda.Dockerfile")
+    args = dict(a.split("=", 1) for k, a in steps if k == "ARG" and "=" in a)
+    assert args["CUDA_IMAGE"].startswith("nvidia/cuda:")
+    assert args["TORCH_INDEX"].startswith("https://download.pytorch.org/whl/cu")
+    assert args["WHEELS"] == "deploy/docker/wheels" and "VERSION" in args
 
 
 # --------------------------------------------------------------------------- compose

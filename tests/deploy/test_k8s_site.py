@@ -7,6 +7,8 @@ port for its own Prometheus, and settings that load."""
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -153,3 +155,188 @@ def test_site_settings_in_the_config_map_load(
     assert (settings.tls_ca, settings.tls_cert, settings.tls_key) == (
         Path("/pki/ca.crt"), Path("/pki/site.crt"), Path("/pki/site.key"))
     assert str(settings.data.path) == "/data/records.csv"
+
+
+# ----------------------------------------------------------------- docs/deploy.md's walk
+
+
+def _kubectl_steps(section: str) -> list[list[str]]:
+    """The kubectl commands of a docs section's shell blocks, in order."""
+    steps = []
+    for block in re.findall(r"```sh\n(.*?)```", section, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line)
+            if words[:1] == ["kubectl"]:
+                steps.append(words)
+    return steps
+
+
+def _secret_volume(deployment: dict[str, Any]) -> dict[str, Any]:
+    (secret,) = [v["secret"] for v in deployment["spec"]["template"]["spec"]["volumes"]
+                 if "secret" in v]
+    return secret
+
+
+def _check_walk(steps: list[list[str]], *, namespace: str, secret: dict[str, Any],
+                applied: Path) -> None:
+    kinds = []
+    for words in steps:
+        if words[1:3] == ["create", "namespace"]:
+            assert words[3] == namespace
+            kinds.append("namespace")
+        elif words[1] == "apply" and "-f" in words:
+            (doc,) = load(REPO / words[words.index("-f") + 1])
+            assert doc["kind"] == "Namespace" and doc["metadata"]["name"] == namespace
+            kinds.append("namespace")
+        elif "secret" in words and "create" in words:
+            assert words[words.index("-n") + 1] == namespace
+            assert words[words.index("generic") + 1] == secret["secretName"]
+            keys = {w.split("=", 2)[1] for w in words if w.startswith("--from-file=")}
+            assert keys == {i["key"] for i in secret["items"]}
+            kinds.append("secret")
+        elif words[1] == "apply" and "-k" in words:
+            assert (REPO / words[words.index("-k") + 1]).resolve() == applied.resolve()
+            kinds.append("apply")
+    # The Secret needs its namespace; the pods need their Secret.
+    assert kinds == ["namespace", "secret", "apply"], kinds
+
+
+def test_deploy_md_walks_the_site_set_in_order() -> None:
+    text = (REPO / "docs" / "deploy.md").read_text()
+    section = text.split("### A site on Kubernetes", 1)[1].split("\n#", 1)[0]
+    overlay = load(OVERLAY / "kustomization.yaml")[0]
+    deployment = base_objects()[("Deployment", "medfed-site-agent")]
+    _check_walk(_kubectl_steps(section), namespace=overlay["namespace"],
+                secret=_secret_volume(deployment), applied=OVERLAY)
+
+
+def test_deploy_md_walks_the_coordinator_set_in_order() -> None:
+    text = (REPO / "docs" / "deploy.md").read_text()
+    section = text.split("- Kubernetes (coordinator):", 1)[1].split("\n- ", 1)[0]
+    coordinator = REPO / "deploy" / "k8s"
+    kustomization = load(coordinator / "kustomization.yaml")[0]
+    (deployment,) = [d for name in kustomization["resources"]
+                     for d in load(coordinator / name) if d["kind"] == "Deployment"]
+    _check_walk(_kubectl_steps(section), namespace=kustomization["namespace"],
+                secret=_secret_volume(deployment), applied=coordinator)
+
+
+# ------------------------------------------------------------- the rendered overlay
+# No kustomize binary on the test machines: a renderer for exactly the kustomization
+# fields the shipped sets use (anything else fails the test rather than being skipped),
+# so that the objects a cluster receives from `kubectl apply -k` are what is validated.
+
+KUSTOMIZE_FIELDS = {"apiVersion", "kind", "resources", "namespace", "images", "patches",
+                    "labels"}
+
+
+def _merge(target: Any, patch: Any) -> Any:
+    """Strategic merge as kustomize does it for these objects: maps merge, lists of
+    named items merge by name, anything else is replaced."""
+    if isinstance(target, dict) and isinstance(patch, dict):
+        for key, value in patch.items():
+            target[key] = _merge(target[key], value) if key in target else value
+        return target
+    if (isinstance(target, list) and isinstance(patch, list)
+            and all(isinstance(i, dict) and "name" in i for i in [*target, *patch])):
+        by_name = {item["name"]: item for item in target}
+        for item in patch:
+            if item["name"] in by_name:
+                _merge(by_name[item["name"]], item)
+            else:
+                target.append(item)
+        return target
+    return patch
+
+
+def _pod_containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    if doc["kind"] != "Deployment":
+        return []
+    containers: list[dict[str, Any]] = doc["spec"]["template"]["spec"]["containers"]
+    return containers
+
+
+def render(folder: Path) -> list[dict[str, Any]]:
+    kustomization = load(folder / "kustomization.yaml")[0]
+    unknown = set(kustomization) - KUSTOMIZE_FIELDS
+    assert not unknown, f"{folder}: the test's renderer does not know {sorted(unknown)}"
+    docs: list[dict[str, Any]] = []
+    for resource in kustomization["resources"]:
+        path = folder / resource
+        docs += render(path) if path.is_dir() else load(path)
+
+    def target(kind: str, name: str) -> dict[str, Any]:
+        (found,) = [d for d in docs if (d["kind"], d["metadata"]["name"]) == (kind, name)]
+        return found
+
+    for label in kustomization.get("labels", []):
+        assert set(label) == {"pairs"}, label
+        for doc in docs:
+            doc["metadata"].setdefault("labels", {}).update(label["pairs"])
+    namespace = kustomization.get("namespace")
+    if namespace:
+        for doc in docs:
+            if doc["kind"] == "Namespace":
+                doc["metadata"]["name"] = namespace
+            else:
+                doc["metadata"]["namespace"] = namespace
+    for image in kustomization.get("images", []):
+        assert set(image) <= {"name", "newTag"}, image
+        for doc in docs:
+            for container in _pod_containers(doc):
+                if container["image"].split(":")[0] == image["name"]:
+                    container["image"] = f"{image['name']}:{image['newTag']}"
+    for patch in kustomization.get("patches", []):
+        if "path" in patch:
+            (doc,) = load(folder / patch["path"])
+            _merge(target(doc["kind"], doc["metadata"]["name"]), doc)
+            continue
+        assert set(patch) == {"target", "patch"}, patch
+        node: Any = target(patch["target"]["kind"], patch["target"]["name"])
+        for operation in yaml.safe_load(patch["patch"]):
+            assert operation["op"] == "replace", operation
+            *parents, last = operation["path"].strip("/").split("/")
+            for step in parents:
+                node = node[int(step)] if isinstance(node, list) else node[step]
+            key: Any = int(last) if isinstance(node, list) else last
+            assert key in node if isinstance(node, dict) else key < len(node), operation
+            node[key] = operation["value"]
+    return docs
+
+
+def test_the_rendered_sets_pass_kubernetes_validate_strict(tmp_path: Path) -> None:
+    validator = _validator()
+    if validator is None:
+        pytest.skip("kubernetes-validate not installed (pip install kubernetes-validate)")
+    files = []
+    for name, folder in (("site", OVERLAY), ("coordinator", REPO / "deploy/k8s")):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump_all(render(folder), sort_keys=False))
+        files.append(str(path))
+    done = subprocess.run([*validator, "--strict", *files], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("passed") >= 12, done.stdout
+
+
+def test_the_rendered_overlay_is_the_example_hospital() -> None:
+    docs = render(OVERLAY)
+    overlay = load(OVERLAY / "kustomization.yaml")[0]
+    assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {
+        overlay["namespace"]}
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Namespace"] == [
+        overlay["namespace"]]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    (container,) = _pod_containers(deployment)
+    names = [e["name"] for e in container["env"]]
+    assert len(names) == len(set(names)), names  # merged by name, not appended
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["MEDFED_SITE_SITE"] == "st-marys"
+    assert env["MEDFED_SITE_COORDINATOR"] == "fl.example.org:7443"
+    assert "OMP_NUM_THREADS" in env  # the base's entries survive the patch
+    assert container["image"] == "medfed-site-agent:" + overlay["images"][0]["newTag"]
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    cidrs = [peer["ipBlock"]["cidr"] for rule in policy["spec"]["egress"]
+             for peer in rule["to"] if "ipBlock" in peer]
+    assert cidrs == ["203.0.113.7/32"]
+    assert all(d["metadata"]["labels"]["app.kubernetes.io/part-of"] == "medfed" for d in docs)

@@ -287,3 +287,90 @@ def test_live_values_reflect_the_completed_round(live_metrics: dict[str, str]) -
         assert value(site, series) > now
     assert re.search(r'^medfed_site_device_info\{device="(cpu|cuda[:0-9]*)"\} 1\.0$', site,
                      flags=re.MULTILINE)
+
+
+def _input_series(exposition: str, *, job: str, instance: str, minutes: int,
+                  extra: str = "") -> list[dict[str, str]]:
+    """A /metrics text as promtool input series, each value held for `minutes`."""
+    series = []
+    for line in exposition.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = re.fullmatch(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)", line)
+        assert match, line
+        name, labels, raw = match.groups()
+        value = float(raw)
+        text = "NaN" if value != value else f"{value:f}"
+        own = f'job="{job}",instance="{instance}"{extra}'
+        series.append({"series": f"{name}{{{own}{',' + labels if labels else ''}}}",
+                       "values": " ".join([text] * (minutes + 1))})
+    return series
+
+
+def _alert_names() -> list[str]:
+    rules = yaml.safe_load((PROMETHEUS / "alerts.yml").read_text())
+    return [r["alert"] for group in rules["groups"] for r in group["rules"] if "alert" in r]
+
+
+@pytest.mark.e2e
+@needs_promtool
+def test_no_alert_fires_on_a_healthy_three_site_federation(
+    live_metrics: dict[str, str], tmp_path: Path
+) -> None:
+    """The compose demo's shape (a coordinator, three sites that each refuse a sum of
+    two, every round at the quorum threshold): the live /metrics after a completed secure
+    round, scraped for 30 minutes as deploy/prometheus/prometheus.yml labels them, fire no
+    alert. The same metrics with one site's scrape failing fire MedfedSiteDown."""
+    minutes = 30
+    sites = [f"site-{site}:9465" for site in SITES]
+
+    def series(rural_up: str) -> list[dict[str, str]]:
+        found = _input_series(live_metrics["coordinator"], job="medfed-coordinator",
+                              instance="coordinator:9464", minutes=minutes)
+        found.append({"series": 'up{job="medfed-coordinator",instance="coordinator:9464"}',
+                      "values": f"1x{minutes}"})
+        for site, instance in zip(SITES, sites):
+            found += _input_series(live_metrics["site"], job="medfed-sites",
+                                   instance=instance, minutes=minutes,
+                                   extra=f',site="{site}"')
+            up = rural_up if site == "rural" else f"1x{minutes}"
+            found.append({"series": f'up{{job="medfed-sites",instance="{instance}",'
+                                    f'site="{site}"}}', "values": up})
+        return found
+
+    rules = yaml.safe_load((PROMETHEUS / "alerts.yml").read_text())
+    (down,) = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "MedfedSiteDown"]
+    instance = "site-rural:9465"
+    tests = {
+        "rule_files": [str(PROMETHEUS / "alerts.yml")],
+        "evaluation_interval": "1m",
+        "tests": [
+            {"name": "healthy federation: no alert", "interval": "1m",
+             "input_series": series(f"1x{minutes}"),
+             "alert_rule_test": [{"eval_time": f"{t}m", "alertname": name, "exp_alerts": []}
+                                 for name in _alert_names() for t in (5, 15, minutes)]},
+            {"name": "one site's scrape fails: MedfedSiteDown", "interval": "1m",
+             "input_series": series(f"1x10 0x{minutes - 10}"),
+             "alert_rule_test": [{
+                 "eval_time": f"{minutes}m", "alertname": "MedfedSiteDown",
+                 "exp_alerts": [{
+                     "exp_labels": {"severity": down["labels"]["severity"],
+                                    "job": "medfed-sites", "instance": instance,
+                                    "site": "rural"},
+                     "exp_annotations": {
+                         "runbook_url": down["annotations"]["runbook_url"],
+                         "summary": down["annotations"]["summary"].replace(
+                             "{{ $labels.instance }}", instance),
+                         "description": down["annotations"]["description"]},
+                 }],
+             }]},
+        ],
+    }
+    path = tmp_path / "live_alerts_test.yml"
+    path.write_text(yaml.safe_dump(tests, sort_keys=False))
+    result = promtool("test", "rules", str(path))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    # The shape the alert's expression is about: the last secure round had no spare site.
+    margin = re.search(r"^medfed_coordinator_quorum_margin_sites (\S+)$",
+                       live_metrics["coordinator"], re.M)
+    assert margin and float(margin.group(1)) == 0.0
