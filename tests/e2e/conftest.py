@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
+from pathlib import Path
 
 import pytest
 
 from common.processes import ManagedProcess
+from tests.e2e.harness import Federation, run_medfed
 
 TAIL_LINES = 8
 TAIL_WIDTH = 240
@@ -52,3 +54,27 @@ def processes(request: pytest.FixtureRequest) -> Iterator[list[ManagedProcess]]:
         print("\nprocess output at the failure:\n" + process_tails(started))
     for proc in started:
         proc.stop()
+
+
+@pytest.fixture
+def monitored_federation(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[Callable[[Sequence[str]], Federation]]:
+    """Makes a federation of real processes whose PKI also holds an `ops` monitor
+    certificate (for `medfed status`); everything it started is stopped when the test
+    ends, after printing the end of each process's output if the test failed."""
+    made: list[Federation] = []
+
+    def make(sites: Sequence[str]) -> Federation:
+        fed = Federation(tmp_path, sites)
+        run_medfed("pki", "issue", "--dir", str(fed.pki), "--monitor", "ops")
+        made.append(fed)
+        return fed
+
+    yield make
+    report = getattr(request.node, "report_call", None)
+    started = [proc for fed in made for proc in fed.processes()]
+    if report is not None and report.failed and started:
+        print("\nprocess output at the failure:\n" + process_tails(started))
+    for fed in made:
+        fed.stop()

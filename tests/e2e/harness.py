@@ -12,13 +12,16 @@ import re
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from common import pki
 from common.processes import ManagedProcess, medfed_argv
+from common.status_cli import fetch_status
+from common.tls import MonitorTlsFiles
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,6 +102,29 @@ class Federation:
             proc.stop()
         if self.coordinator is not None:
             self.coordinator.stop()
+
+    def processes(self) -> list[ManagedProcess]:
+        """The coordinator (its latest start) and every site, for a failure's report."""
+        started = [self.coordinator] if self.coordinator is not None else []
+        return [*started, *self.site_procs.values()]
+
+    def site_states(self, monitor: str = "ops") -> dict[str, str]:
+        """Each site's state as `medfed status` reports it, asked with a monitor
+        certificate (`pki issue --monitor`)."""
+        files = MonitorTlsFiles.from_pki_dir(self.pki, monitor)
+        status = fetch_status(f"127.0.0.1:{self.port}", ca=files.ca, cert=files.cert,
+                              key=files.key, timeout=10)
+        return {s["site_id"]: s["state"] for s in status["sites"]}  # type: ignore[attr-defined]
+
+    def until_states(self, condition: Callable[[dict[str, str]], bool], *,
+                     timeout: float) -> dict[str, str]:
+        """Ask for status until `condition` holds on the site states, or fail at `timeout`."""
+        end = time.monotonic() + timeout
+        states = self.site_states()
+        while not condition(states):
+            assert time.monotonic() < end, f"status never matched; last: {states}"
+            states = self.site_states()
+        return states
 
     # ----------------------------------------------------------------- checks
     def aggregate(self, round_number: int) -> tuple[np.ndarray, list[str]]:

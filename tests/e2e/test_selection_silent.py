@@ -7,13 +7,11 @@ for the round after. Waits are on log events and status, never sleeps."""
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 import pytest
 
-from tests.e2e.harness import Federation, run_medfed
-from tests.e2e.test_status_silent import until
+from tests.e2e.harness import Federation
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -23,20 +21,16 @@ SETTINGS = ("--phase-seconds", "30", "--train-seconds", "30", "--selection-secon
             "--heartbeat-seconds", "1")
 
 
-@pytest.fixture
-def federation(tmp_path: Path) -> Iterator[Federation]:
-    fed = Federation(tmp_path, SITES)
-    run_medfed("pki", "issue", "--dir", str(fed.pki), "--monitor", "ops")
-    yield fed
-    fed.stop()
 
-
-def test_a_site_frozen_in_its_long_poll_is_not_selected(federation: Federation) -> None:
+def test_a_site_frozen_in_its_long_poll_is_not_selected(
+    monitored_federation: Callable[[Sequence[str]], Federation],
+) -> None:
+    federation = monitored_federation(SITES)
     coordinator = federation.start_coordinator(*SETTINGS)
     # Two sites wait (min_sites 3: no round opens); site-d freezes in its long-poll.
     federation.start_site("site-a")
     frozen = federation.start_site("site-d")
-    until(federation, lambda s: s.get("site-a") == s.get("site-d") == "waiting", timeout=60)
+    federation.until_states(lambda s: s.get("site-a") == s.get("site-d") == "waiting", timeout=60)
     frozen.proc.send_signal(signal.SIGSTOP)
     try:
         left_out = coordinator.wait_event("site_silent_not_selected", site="site-d",

@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.status_cli import fetch_status
 from common.tls import MonitorTlsFiles, channel_credentials_from_files
-from tests.e2e.harness import REPO, Federation, run_medfed
+from tests.e2e.harness import REPO, Federation
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -26,13 +26,6 @@ SITES = ["site-a", "site-b", "site-c"]
 SETTINGS = ("--phase-seconds", "60", "--train-seconds", "20", "--selection-seconds", "0.5",
             "--model-dim", "2000", "--min-sites", "3", "--rounds", "1")
 
-
-@pytest.fixture
-def federation(tmp_path: Path) -> Iterator[Federation]:
-    fed = Federation(tmp_path, SITES)
-    run_medfed("pki", "issue", "--dir", str(fed.pki), "--monitor", "ops")
-    yield fed
-    fed.stop()
 
 
 def status_cli(fed: Federation, *args: str, cert: Path, key: Path
@@ -60,7 +53,10 @@ def scrape(port: int) -> str:
         return str(resp.read().decode())
 
 
-def test_status_during_and_after_a_study_that_stays_up(federation: Federation) -> None:
+def test_status_during_and_after_a_study_that_stays_up(
+    monitored_federation: Callable[[Sequence[str]], Federation],
+) -> None:
+    federation = monitored_federation(SITES)
     coordinator = federation.start_coordinator(*SETTINGS, exit_when_finished=False)
     metrics_port = int(coordinator.wait_event("listening")["metrics_port"])
 
@@ -115,7 +111,10 @@ def test_status_during_and_after_a_study_that_stays_up(federation: Federation) -
     assert coordinator.proc.returncode == 0
 
 
-def test_only_monitor_certificates_may_ask_for_status(federation: Federation) -> None:
+def test_only_monitor_certificates_may_ask_for_status(
+    monitored_federation: Callable[[Sequence[str]], Federation],
+) -> None:
+    federation = monitored_federation(SITES)
     """A site certificate is refused (the status names every hospital and its budget),
     and so is the coordinator's own (server-only) certificate."""
     federation.start_coordinator(*SETTINGS, exit_when_finished=False)
