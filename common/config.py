@@ -13,10 +13,10 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -136,8 +136,25 @@ class AggregationSection(_Section):
     hospital_noise_multiplier: float | None = Field(default=None, gt=0, le=1000)
 
 
+SERVER_OPTIMIZERS: Final = ("fedavg", "fedadam", "fedyogi")
+"""The coordinator's server optimizers, by name (`coordinator.optimizers.BUILDERS` builds
+each): a new one is its class and builder there and its name here."""
+
+
+def _known_server_optimizer(name: str) -> str:
+    if name not in SERVER_OPTIMIZERS:
+        raise ValueError(
+            f"unknown server optimizer {name!r}; one of {', '.join(SERVER_OPTIMIZERS)}"
+        )
+    return name
+
+
+ServerOptimizerName = Annotated[str, AfterValidator(_known_server_optimizer)]
+"""A field naming a server optimizer (the study's and the coordinator config's)."""
+
+
 class OptimizerSection(_Section):
-    name: Literal["fedavg", "fedadam", "fedyogi"] = "fedavg"
+    name: ServerOptimizerName = "fedavg"
     server_lr: float = Field(default=1.0, gt=0)
     beta1: float = Field(default=0.9, ge=0, lt=1)
     beta2: float = Field(default=0.99, ge=0, lt=1)

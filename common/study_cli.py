@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from common.config import SERVER_OPTIMIZERS
 from common.errors import ConfigError
 from common.models import model_names
 from common.study import (
@@ -272,7 +273,7 @@ _COMMENTS = {
         'custom = "package.module:factory" instead of name.',
     ],
     "training": [
-        "Local DP-SGD and the server optimizer (fedavg, fedadam, fedyogi). Each unit's",
+        f"Local DP-SGD and the server optimizer ({', '.join(SERVER_OPTIMIZERS)}). Each unit's",
         "gradient is clipped to privacy.max_grad_norm, so a step moves at most",
         "learning_rate x max_grad_norm: 1.0 converges within the rounds on tables.",
     ],

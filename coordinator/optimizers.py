@@ -14,11 +14,12 @@ checkpoints need no pickle.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
 
-from common.config import OptimizerSection
+from common.config import SERVER_OPTIMIZERS, OptimizerSection
 from common.errors import ConfigError, StateError, ValidationError
 
 
@@ -158,18 +159,24 @@ class FedYogi(_AdaptiveServerOptimizer):
         return updated
 
 
-OPTIMIZERS = ("fedavg", "fedadam", "fedyogi")
+BUILDERS: dict[str, Callable[[OptimizerSection], ServerOptimizer]] = {
+    "fedavg": lambda cfg: FedAvg(server_lr=cfg.server_lr),
+    "fedadam": lambda cfg: FedAdam(lr=cfg.server_lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                                   tau=cfg.tau),
+    "fedyogi": lambda cfg: FedYogi(lr=cfg.server_lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                                   tau=cfg.tau),
+}
+"""One builder per name in `common.config.SERVER_OPTIMIZERS` (the names a study and the
+coordinator config accept)."""
 
 
 def build_optimizer(cfg: OptimizerSection) -> ServerOptimizer:
-    """The configured server optimizer (the one registry of names)."""
-    if cfg.name == "fedavg":
-        return FedAvg(server_lr=cfg.server_lr)
-    if cfg.name == "fedadam":
-        return FedAdam(lr=cfg.server_lr, beta1=cfg.beta1, beta2=cfg.beta2, tau=cfg.tau)
-    if cfg.name == "fedyogi":
-        return FedYogi(lr=cfg.server_lr, beta1=cfg.beta1, beta2=cfg.beta2, tau=cfg.tau)
-    raise ConfigError("optimizer.name", f"unknown optimizer {cfg.name!r}; one of {OPTIMIZERS}")
+    """The configured server optimizer."""
+    builder = BUILDERS.get(cfg.name)
+    if builder is None:
+        raise ConfigError("optimizer.name",
+                          f"unknown optimizer {cfg.name!r}; one of {', '.join(SERVER_OPTIMIZERS)}")
+    return builder(cfg)
 
 
 def apply_step(

@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from common.config import DEFAULT_COUNT_EPSILON, SITE_ID_PATTERN
+from common.config import DEFAULT_COUNT_EPSILON, SITE_ID_PATTERN, ServerOptimizerName
 from common.errors import ConfigError, ValidationError
 from common.models import registry as models
 
@@ -244,7 +244,7 @@ class TrainingSection(StudyModel):
     batch_size: int = Field(default=256, ge=1, le=1 << 20)
     local_optimizer: Literal["sgd", "adam"] = "sgd"
     fedprox_mu: float = Field(default=0.0, ge=0, le=100)
-    server_optimizer: Literal["fedavg", "fedadam", "fedyogi"] = "fedavg"
+    server_optimizer: ServerOptimizerName = "fedavg"
     server_learning_rate: float = Field(default=1.0, gt=0, le=100)
     final_evaluation: bool = Field(
         default=True, description="one evaluation-only round at the end (sets the threshold)"

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import numpy as np
+import pydantic
 import pytest
 
-from common.config import OptimizerSection
-from coordinator.optimizers import FedAdam, FedAvg, FedYogi, apply_step, build_optimizer
+from common.config import SERVER_OPTIMIZERS, OptimizerSection
+from coordinator.optimizers import (
+    BUILDERS,
+    FedAdam,
+    FedAvg,
+    FedYogi,
+    apply_step,
+    build_optimizer,
+)
 
 
 @pytest.mark.parametrize(("name", "cls"), [("fedavg", FedAvg), ("fedadam", FedAdam),
@@ -35,3 +43,15 @@ def test_elementwise_step_reuses_the_model_buffer() -> None:
     flat = np.zeros(100, dtype=np.float32)
     stepped = apply_step(FedAvg(), flat, np.ones(100, dtype=np.float32), window=7)
     assert stepped is flat and np.all(flat == 1.0)
+
+
+def test_every_server_optimizer_a_study_accepts_is_built_and_no_other() -> None:
+    """The names a study/config accept (common.config) and the builders (coordinator)
+    are one list: a name added on one side only fails here."""
+    assert set(BUILDERS) == set(SERVER_OPTIMIZERS)
+    for name in SERVER_OPTIMIZERS:
+        stepped = build_optimizer(OptimizerSection(name=name)).step(
+            np.zeros(4, np.float32), np.ones(4, np.float32))
+        assert stepped.shape == (4,) and np.all(np.isfinite(stepped))
+    with pytest.raises(pydantic.ValidationError, match="unknown server optimizer 'sgdm'"):
+        OptimizerSection(name="sgdm")
