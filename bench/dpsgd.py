@@ -13,9 +13,15 @@ measured and picked beside the side-by-side figures (``auto_is_faster``).
 
 ``--privacy-unit patient`` times the path a site takes whenever its data has a patient
 column (``privacy_unit = "auto"``): patient-level DP-SGD (`site_agent.unit_clipping`)
-against non-private training on the same records, with the patient ids kept; the
-non-private batches hold as many records as a patient batch does on average (batch size
-x records per patient), so both take the same number of steps of the same size.
+against non-private training on the same records, with the patient ids kept. A
+patient-level epoch is round(patients / batch) Poisson steps, which forward
+round(U / B) x B / U of the records in expectation (0.93 of them at 137 patients and
+batch 32) and a random number each epoch, while a non-private epoch forwards every
+record once. So the non-private batch is ceil(records / steps): both modes take the same
+number of steps per epoch, each step one forward and one backward per physical batch of
+the same size limit, and the ratios are of seconds per record forwarded, with the
+records each mode forwarded counted at the model's input (``*_records_per_epoch``,
+``*_forwards_per_epoch``).
 Each mode's peak memory during its epochs is reported beside its time: on a GPU the
 allocator's peak, on a CPU the resident set's peak above its level at the epoch's start
 (sampled every millisecond).
@@ -213,7 +219,8 @@ def run(
         warnings.simplefilter("ignore", UserWarning)
         for trainer in trainers.values():  # warm-up: first-call allocations, lazy init
             trainer.train_round(start)
-        seconds, cpu, peak = _alternate(trainers, start, epochs)
+        timings = _alternate(trainers, start, epochs)
+    seconds, cpu, peak = timings.seconds, timings.cpu, timings.peak
     median = {mode: statistics.median(values) for mode, values in seconds.items()}
     cpu_median = {mode: statistics.median(values) for mode, values in cpu.items()}
     auto = choice.mode
@@ -253,28 +260,65 @@ def run(
     }
 
 
-def _alternate(
-    trainers: dict[str, Any], start: Any, epochs: int
-) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, int]]:
-    """Epochs of each trainer in turn: wall and CPU seconds per epoch, peak bytes."""
-    seconds: dict[str, list[float]] = {mode: [] for mode in trainers}
-    cpu: dict[str, list[float]] = {mode: [] for mode in trainers}
-    peak = {mode: 0 for mode in trainers}
+class ForwardCount:
+    """Forward passes of a model and the records they carried (its input's first
+    dimension), counted at the model's input while the context is open."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.forwards = 0
+        self.records = 0
+
+    def _count(self, module: Any, inputs: tuple[Any, ...]) -> None:
+        self.forwards += 1
+        self.records += int(inputs[0].shape[0])
+
+    def __enter__(self) -> ForwardCount:
+        self._handle = self.model.register_forward_pre_hook(self._count)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle.remove()
+
+
+@dataclasses.dataclass
+class Timings:
+    """Per mode and epoch: wall and CPU seconds, records forwarded, forward passes;
+    and the peak memory of any epoch."""
+
+    seconds: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+    records: dict[str, list[int]]
+    forwards: dict[str, list[int]]
+    peak: dict[str, int]
+
+
+def _alternate(trainers: dict[str, Any], start: Any, epochs: int) -> Timings:
+    """Epochs of each trainer in turn."""
+    timings = Timings(
+        seconds={mode: [] for mode in trainers}, cpu={mode: [] for mode in trainers},
+        records={mode: [] for mode in trainers}, forwards={mode: [] for mode in trainers},
+        peak={mode: 0 for mode in trainers},
+    )
     for _ in range(epochs):
         for mode, trainer in trainers.items():
             cpu_start = time.process_time()
-            with PeakMemory(str(trainer.device)) as memory:
-                seconds[mode].append(trainer.train_round(start).seconds)
-            cpu[mode].append(time.process_time() - cpu_start)
-            peak[mode] = max(peak[mode], memory.peak)
-    return seconds, cpu, peak
+            with PeakMemory(str(trainer.device)) as memory, ForwardCount(trainer.model) as count:
+                timings.seconds[mode].append(trainer.train_round(start).seconds)
+            timings.cpu[mode].append(time.process_time() - cpu_start)
+            timings.records[mode].append(count.records)
+            timings.forwards[mode].append(count.forwards)
+            timings.peak[mode] = max(timings.peak[mode], memory.peak)
+    return timings
 
 
 def _run_patient(
     config: Any, factory: Any, train: Any, *, epochs: int, seed: int, meta: dict[str, Any]
 ) -> dict[str, Any]:
     """Non-private against patient-level DP-SGD (what `auto` picks on data with a
-    patient column), epochs alternated."""
+    patient column), epochs alternated; ratios of seconds per record forwarded."""
+    import math
+
     import torch
 
     from common.models.layout import flatten_parameters
@@ -282,27 +326,32 @@ def _run_patient(
 
     if train.patient_ids is None:
         raise SystemExit("these records have no patient ids")
-    # Non-private batches hold as many RECORDS as a patient batch does on average, so
-    # both take the same steps per epoch of the same size.
-    per_patient = len(train) / len(set(train.patient_ids.tolist()))
-    trainers = {}
-    for mode in PATIENT_MODES:
-        torch.manual_seed(seed)
-        cfg = config(mode)
-        if mode == "nonprivate":
-            cfg = dataclasses.replace(cfg, batch_size=max(1, round(cfg.batch_size * per_patient)))
-        trainers[mode] = LocalTrainer(factory, train, cfg, seed=seed)
-    if trainers["patient"].privacy_unit != "patient":
+    torch.manual_seed(seed)
+    dp = LocalTrainer(factory, train, config("patient"), seed=seed)
+    if dp.privacy_unit != "patient":
         raise SystemExit("auto did not choose patient-level DP on data with patient ids")
+    # A non-private epoch is one pass over the records: batches of ceil(N / steps)
+    # records take the patient-level epoch's number of steps.
+    nonprivate = dataclasses.replace(
+        config("nonprivate"), batch_size=math.ceil(len(train) / dp.steps_per_epoch)
+    )
+    torch.manual_seed(seed)
+    trainers = {"nonprivate": LocalTrainer(factory, train, nonprivate, seed=seed), "patient": dp}
     start = flatten_parameters(trainers["nonprivate"].model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         for trainer in trainers.values():
             trainer.train_round(start)
-        seconds, cpu, peak = _alternate(trainers, start, epochs)
-    median = {mode: statistics.median(values) for mode, values in seconds.items()}
-    cpu_median = {mode: statistics.median(values) for mode, values in cpu.items()}
-    dp = trainers["patient"]
+        timings = _alternate(trainers, start, epochs)
+
+    def per_record(values: dict[str, list[float]], mode: str) -> float:
+        """Median over epochs of seconds per record forwarded."""
+        return statistics.median(
+            value / max(1, records) for value, records in zip(values[mode], timings.records[mode])
+        )
+
+    wall = {mode: per_record(timings.seconds, mode) for mode in PATIENT_MODES}
+    cpu = {mode: per_record(timings.cpu, mode) for mode in PATIENT_MODES}
     return {
         **meta,
         "privacy_unit": "patient",
@@ -310,12 +359,19 @@ def _run_patient(
         "records": len(train),
         "patients": dp.num_units,
         "steps_per_epoch": dp.steps_per_epoch,
+        "nonprivate_steps_per_epoch": math.ceil(len(train) / nonprivate.batch_size),
+        "nonprivate_batch_size": nonprivate.batch_size,
         "device": str(dp.device),
-        **{f"{mode}_seconds": median[mode] for mode in PATIENT_MODES},
-        **{f"{mode}_cpu_seconds": cpu_median[mode] for mode in PATIENT_MODES},
-        **{f"{mode}_peak_mib": peak[mode] / 2**20 for mode in PATIENT_MODES},
-        "patient_ratio": median["patient"] / median["nonprivate"],
-        "patient_cpu_ratio": cpu_median["patient"] / cpu_median["nonprivate"],
+        **{f"{mode}_seconds": statistics.median(timings.seconds[mode]) for mode in PATIENT_MODES},
+        **{f"{mode}_cpu_seconds": statistics.median(timings.cpu[mode])
+           for mode in PATIENT_MODES},
+        **{f"{mode}_records_per_epoch": timings.records[mode] for mode in PATIENT_MODES},
+        **{f"{mode}_forwards_per_epoch": timings.forwards[mode] for mode in PATIENT_MODES},
+        **{f"{mode}_seconds_per_record": wall[mode] for mode in PATIENT_MODES},
+        **{f"{mode}_cpu_seconds_per_record": cpu[mode] for mode in PATIENT_MODES},
+        **{f"{mode}_peak_mib": timings.peak[mode] / 2**20 for mode in PATIENT_MODES},
+        "patient_ratio": wall["patient"] / wall["nonprivate"],
+        "patient_cpu_ratio": cpu["patient"] / cpu["nonprivate"],
         "patient_mode_used": dp.grad_sample_mode,
     }
 
@@ -406,14 +462,18 @@ def _print_patient(result: dict[str, Any], *, as_json: bool) -> int:
     print(
         f"patient-level DP-SGD on {result['model']} ({result['parameters']:,} parameters, "
         f"{result['input']}), {result['records']} records of {result['patients']} patients, "
-        f"batch {result['batch_size']} patients (physical {result['max_physical_batch_size']} "
-        f"records), {result['steps_per_epoch']} steps/epoch, {result['threads']} thread(s), "
-        f"{result['device']}, median of {result['epochs']} epochs"
+        f"batch {result['batch_size']} patients (non-private: {result['nonprivate_batch_size']} "
+        f"records; physical {result['max_physical_batch_size']} records), "
+        f"{result['steps_per_epoch']} steps/epoch, {result['threads']} thread(s), "
+        f"{result['device']}, median of {result['epochs']} epochs; ratios per record forwarded"
     )
     for mode in PATIENT_MODES:
+        records = result[f"{mode}_records_per_epoch"]
         line = (
             f"  {mode:<11} {result[f'{mode}_seconds'] * 1e3:9.1f} ms/epoch wall "
             f"{result[f'{mode}_cpu_seconds'] * 1e3:9.1f} ms CPU "
+            f"{result[f'{mode}_cpu_seconds_per_record'] * 1e3:7.2f} ms CPU/record "
+            f"({min(records)}-{max(records)} records/epoch) "
             f"{result[f'{mode}_peak_mib']:8.1f} MiB peak"
         )
         if mode == "patient":
