@@ -472,7 +472,7 @@ def _print_patient(result: dict[str, Any], *, as_json: bool) -> int:
         line = (
             f"  {mode:<11} {result[f'{mode}_seconds'] * 1e3:9.1f} ms/epoch wall "
             f"{result[f'{mode}_cpu_seconds'] * 1e3:9.1f} ms CPU "
-            f"{result[f'{mode}_cpu_seconds_per_record'] * 1e3:7.2f} ms CPU/record "
+            f"{result[f'{mode}_cpu_seconds_per_record'] * 1e6:9.1f} us CPU/record "
             f"({min(records)}-{max(records)} records/epoch) "
             f"{result[f'{mode}_peak_mib']:8.1f} MiB peak"
         )
