@@ -192,16 +192,17 @@ def test_an_in_place_change_of_a_layer_output_takes_the_reference_path() -> None
         clipper.check(torch.zeros(2, 1, 6, 6))
 
 
-@pytest.mark.parametrize("name", ["resnet18-gn", "cnn"])
-def test_registry_image_models_match_the_reference(name: str) -> None:
-    """The study models themselves (residual blocks, GroupNorm, strided convs)."""
+@pytest.mark.parametrize(("name", "size"), [("resnet18-gn", 16), ("resnet18-gn", 32), ("cnn", 16)])
+def test_registry_image_models_match_the_reference(name: str, size: int) -> None:
+    """The study models themselves (residual blocks, GroupNorm, strided convs), at the
+    image sizes benchmarked (ResNet's last stage on 1x1 maps)."""
     from common.models import ModelSpec
     from common.models.build import build_model
 
     torch.manual_seed(6)
-    model = build_model(ModelSpec(name=name), in_channels=1, image_size=16)
+    model = build_model(ModelSpec(name=name), in_channels=1, image_size=size)
     ids = _ids([1, 3, 2])
-    x, y = torch.randn(len(ids), 1, 16, 16), torch.randint(0, 2, (len(ids),)).float()
+    x, y = torch.randn(len(ids), 1, size, size), torch.randint(0, 2, (len(ids),)).float()
     clipper = UnitClipper(model, max_grad_norm=0.1, loss_per_record=TaskLoss("binary", "none"))
     clipper.check(x)
     sums, _ = clipper.clipped_sum(x, y, ids, 3)
