@@ -91,20 +91,27 @@ def write_site(path: Path, *, patients: int, seed: int) -> Path:
 
 
 def run(*, cells: int, patients: int, root: Path, timeout: float) -> dict[str, Any]:
+    folder = root / "pki"
+    pki.init_ca(folder)
+    now = dt.datetime.now(dt.UTC)
+    pki.issue_coordinator(folder, ["127.0.0.1", "localhost"], now=now)
+    for site in SITES:
+        pki.issue_site(folder, site, now=now)
+    # The study lists its hospitals by public-key SHA-256 (`study init --member-from`):
+    # a site joins no study without them.
+    members = "".join(
+        f'\n[[members]]\nname = "{site}"\nfingerprint = "'
+        f'{pki.public_key_fingerprint(pki.load_certificate(pki.site_paths(folder, site)[0]))}"\n'
+        for site in SITES)
     study_path = root / "study.toml"
-    study_path.write_text(STUDY)
+    study_path.write_text(STUDY + members)
     study = load_study(study_path)
     query_path = root / "query.toml"
     query_path.write_text(query_toml(study_sha256(study), cells))
     query = load_query(query_path, study=study)
     length = query_length(query, study=study)
-    folder = root / "pki"
-    pki.init_ca(folder)
-    now = dt.datetime.now(dt.UTC)
-    pki.issue_coordinator(folder, ["127.0.0.1", "localhost"], now=now)
     files = {}
     for i, site in enumerate(SITES):
-        pki.issue_site(folder, site, now=now)
         files[site] = write_site(root / f"{site}.csv", patients=patients, seed=i + 1)
         approvals = Approvals(root / "sites" / site)
         approvals.approve_study(study)

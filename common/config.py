@@ -504,10 +504,12 @@ class SitePolicySection(_Section):
         "(`medfed pki members`); a roster entry not listed aborts the round",
     )
     allow_open_membership: bool = Field(
-        default=True,
-        description="join a study that lists no [[members]] (then any site certificate "
-        "the CA signs may be in a round, and a CA holder can run sybil sites); false "
-        "refuses such a study at enrolment. A study's members are always enforced",
+        default=False,
+        description="join a study that lists no [[members]] while this site pins no "
+        "policy.members (then any site certificate the CA signs may be in a round, and a "
+        "CA holder can run sybil sites). False (the default, and every shipped config) "
+        "refuses such a study at enrolment; true joins it with a warning. A study's "
+        "members are always enforced",
     )
     max_vector_length: int = Field(default=1 << 28, ge=1)
     allow_plain_aggregation: bool = Field(

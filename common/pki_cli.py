@@ -136,9 +136,14 @@ def register(subparsers: Any) -> None:
     members = actions.add_parser(
         "members",
         help="print [policy.members] (site id = SHA-256 of its certificate public key) for "
-        "sites that pin the consortium's membership",
+        "sites that pin the consortium's membership, or with --study the [[members]] a "
+        "study lists",
     )
     members.add_argument("--dir", required=True, type=Path)
+    members.add_argument(
+        "--study", action="store_true",
+        help="print [[members]] tables to append to a study file (what `study init "
+        "--member-from` writes)")
     members.set_defaults(func=_members)
 
 
@@ -294,6 +299,12 @@ def _members(args: argparse.Namespace) -> int:
     members = pki.site_members(args.dir, now=_now())
     if not members:
         raise ConfigError("--dir", f"no valid, unrevoked site certificate in {args.dir}")
+    if args.study:
+        print("# The study's hospitals, each with its public-key SHA-256: compare each with")
+        print("# the fingerprint its officer read out (`medfed pki request`).")
+        for site_id, fingerprint in members.items():
+            print(f'[[members]]\nname = "{site_id}"\nfingerprint = "{fingerprint}"')
+        return 0
     print("# Paste into every site's configuration (site.toml). Compare each line with the")
     print("# fingerprint the hospital read out when its CSR was signed (`medfed pki sign`).")
     print("# The study pins the same values for every site ([[members]]: `medfed study init")

@@ -90,7 +90,8 @@ def describe_members(study: Study, out: TextIO) -> None:
     if not study.members:
         print("members       NONE LISTED: any site certificate the federation CA signs "
               "could be in a round (a CA holder could run sybil sites); a site refuses "
-              "such a study when its policy.allow_open_membership = false", file=out)
+              "such a study at enrolment unless it pins its own policy.members or sets "
+              "policy.allow_open_membership = true", file=out)
         return
     print(f"members       {len(study.members)} hospitals; every round holds only these, "
           "each under this key (public-key SHA-256):", file=out)

@@ -39,21 +39,33 @@ def utcnow() -> dt.datetime:
 
 def check_members_listed(study: Study, settings: SiteSettings) -> None:
     """A study without [[members]] lets any certificate the CA signs into a round: refused
-    unless this site's policy.allow_open_membership, and logged as a warning when it is."""
+    at enrolment (ConfigError naming policy.allow_open_membership, the study and the way
+    out) unless this site pins its own policy.members (checked at every roster) or opts
+    in with policy.allow_open_membership, which is logged as a warning."""
     if study.members:
+        return
+    if settings.policy.members is not None:
+        log.info(
+            "study %r lists no [[members]]; this site's policy.members pins the %d sites "
+            "a round may name", study.study.name, len(settings.policy.members),
+            extra={"event": "members_pinned_by_site"},
+        )
         return
     if not settings.policy.allow_open_membership:
         raise ConfigError(
             "policy.allow_open_membership",
-            f"study {study.study.name!r} lists no [[members]]: any site certificate the "
-            "CA signs could be in its rounds (a CA holder could run sybil sites). Ask for "
-            "a study listing its hospitals' key fingerprints (`medfed study init "
-            "--member-from CSR`), or set policy.allow_open_membership = true",
+            f"the coordinator's study {study.study.name!r} (sha256 "
+            f"{study_sha256(study)[:12]}...) lists no [[members]], so any site certificate "
+            "the CA signs could be in its rounds (a CA holder could run sybil sites), and "
+            "this site refuses open membership (the default). Ask the coordinator for a "
+            "study listing its hospitals' key fingerprints (`medfed study init "
+            "--member-from CSR`), or pin them in this site's [policy.members] (`medfed pki "
+            "members`), or opt in with policy.allow_open_membership = true",
         )
     log.warning(
         "study %r lists no [[members]]: any site certificate the CA signs may be in a "
-        "round (a CA holder could run sybil sites); set policy.allow_open_membership = "
-        "false to refuse such studies", study.study.name,
+        "round (a CA holder could run sybil sites); policy.allow_open_membership = true "
+        "lets this site join it", study.study.name,
         extra={"event": "open_membership"},
     )
 

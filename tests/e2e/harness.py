@@ -153,6 +153,20 @@ class Federation:
 
 # ------------------------------------------------------------------ a study, as processes
 
+
+def list_members(study: Path, pki_dir: Path, sites: Sequence[str]) -> Path:
+    """Append to `study` its [[members]]: each site with the public-key SHA-256 of its
+    certificate in `pki_dir`, as `medfed study init --member-from pki/sites/SITE.crt`
+    lists them. A site with default settings joins only a study listing its members."""
+    members = "".join(
+        f'\n[[members]]\nname = "{site}"\nfingerprint = "'
+        f'{pki.public_key_fingerprint(pki.load_certificate(pki.site_paths(pki_dir, site)[0]))}"\n'
+        for site in sites)
+    with study.open("a", encoding="utf-8") as handle:
+        handle.write(members)
+    return study
+
+
 PROCESS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 """One thread per process: several sites and a coordinator share a 2-core machine."""
 

@@ -20,7 +20,7 @@ from common.privacy.mechanisms import DistributedDiscreteGaussian
 from common.processes import ManagedProcess, medfed_argv
 from common.study import load_study
 from site_agent.synthetic import generate_cohort, write_site_csvs
-from tests.e2e.harness import REPO, make_pki
+from tests.e2e.harness import REPO, list_members, make_pki
 from tests.e2e.test_study_federation import STUDY
 from tests.study.helpers import write_hospital_csv
 
@@ -62,6 +62,7 @@ def _run_federation(tmp_path: Path, processes: list[ManagedProcess], study_text:
     pki = make_pki(tmp_path, SITES)
     study_path = tmp_path / "study.toml"
     study_path.write_text(study_text)
+    list_members(study_path, pki, SITES)
     for index, site in enumerate(SITES):
         write_hospital_csv(tmp_path / f"{site}.csv", patients, seed=index + 1)
     logs = tmp_path / "logs"

@@ -19,7 +19,7 @@ from common.privacy.ledger import read_ledger
 from common.processes import ManagedProcess
 from site_agent.predict_cli import register_data, register_predict
 from site_agent.synthetic_imaging import HOSPITALS, write_site_folder
-from tests.e2e.harness import StudyProcesses, make_pki
+from tests.e2e.harness import StudyProcesses, list_members, make_pki
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -93,7 +93,8 @@ def test_imaging_study_trains_a_custom_model_on_png_and_dicom(
     error = json.loads(out.splitlines()[-1])["error"]
     assert code == 2 and error["file"] == str(victim), error
 
-    run = StudyProcesses(tmp_path, study=study, pki=make_pki(tmp_path, SITES),
+    pki = make_pki(tmp_path, SITES)
+    run = StudyProcesses(tmp_path, study=list_members(study, pki, SITES), pki=pki,
                          processes=processes)
     run.start_coordinator()
     agents = {site: run.start_site(site, folders[site], "--allow-factory", FACTORY,

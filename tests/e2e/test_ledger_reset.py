@@ -18,7 +18,7 @@ from common.privacy.ledger import anchor_path_for, export_ledger, read_anchor, r
 from common.privacy.ledger_verify import verify_ledger
 from common.privacy.signed import SignedHistory
 from common.processes import ManagedProcess, medfed_argv
-from tests.e2e.harness import REPO, StudyProcesses, make_pki
+from tests.e2e.harness import REPO, StudyProcesses, list_members, make_pki
 from tests.study.helpers import hospital_csvs, study_toml
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
@@ -42,6 +42,7 @@ def test_reset_ledgers_are_refused_and_a_restore_keeps_the_spend(
     pki = make_pki(tmp_path, SITES)
     study_path = tmp_path / "study.toml"
     study_path.write_text(study_toml("ledger-reset", rounds=2))
+    list_members(study_path, pki, SITES)
     files = hospital_csvs(tmp_path, SITES)
     run = StudyProcesses(tmp_path, study=study_path, pki=pki, processes=processes)
     coordinator = run.start_coordinator()

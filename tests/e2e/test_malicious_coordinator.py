@@ -42,11 +42,21 @@ STUDY = synthetic_demo_study(
     name="malicious", rounds=1, epsilon=8.0, delta=1e-3, histogram_bins=10, local_epochs=1,
     learning_rate=0.1, batch_size=64,
 )
-"""The study the double serves at enrolment (a site trains only under one)."""
-FLOOR_4_STUDY = STUDY.model_copy(update={
-    "privacy": STUDY.privacy.model_copy(update={"min_round_sites": 4})})
-"""The same study with a round floor of 4: a site refuses a study whose floor is below
-its own policy's, so a site requiring sums over 4 sites joins only this one."""
+"""The study's terms, listing no members (what a site with default settings refuses)."""
+
+
+def with_members(study: Study, members: dict[str, str]) -> Study:
+    """`study` listing `members` (site id -> public-key SHA-256) as its [[members]]."""
+    return Study.model_validate({
+        **study.model_dump(mode="json"),
+        "members": [{"name": n, "fingerprint": f} for n, f in members.items()]})
+
+
+def floor_4(study: Study) -> Study:
+    """The same study with a round floor of 4: a site refuses a study whose floor is below
+    its own policy's, so a site requiring sums over 4 sites joins only this one."""
+    return study.model_copy(update={
+        "privacy": study.privacy.model_copy(update={"min_round_sites": 4})})
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,7 @@ class World:
     pki: Path
     hospital_keys: Path
     data: dict[str, Path]
+    study: Study  # served at enrolment: STUDY listing every certificate made here as members
     statistics: GlobalStatistics  # announced as if the study's release produced them
     final_model: bytes  # the study's final bundle, served once the double says "finished"
 
@@ -75,12 +86,18 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
         # What the shipped deployment used to give the coordinator (and what a CA
         # holder can always mint): valid site certificates of the federation CA.
         pki.issue_site(pki_dir, site)
+    # The study lists them all (the double plays h3 and h4 as honest members and evil as
+    # a colluding one), so these attacks reach the round a site with default settings
+    # joins; what a member-less study gets is test_attack_ca_holder_runs_sybil_round_*.
+    study = with_members(STUDY, {
+        site: pki.public_key_fingerprint(pki.load_certificate(pki_dir / "sites" / f"{site}.crt"))
+        for site in (*HOSPITALS, *HELD_BY_COORDINATOR)})
     cohort = generate_cohort(list(HOSPITALS), seed=11, patients_per_site=160)
     data = write_site_csvs(root / "data", cohort)
-    tables = {site: load_study_table(path, STUDY) for site, path in data.items()}
-    statistics = exact_statistics(tables, STUDY, seed=0)
-    final = final_bundle(STUDY, statistics, pki_dir=pki_dir, state=root / "coordinator")
-    return World(root, pki_dir, keys, data, statistics, final)
+    tables = {site: load_study_table(path, study) for site, path in data.items()}
+    statistics = exact_statistics(tables, study, seed=0)
+    final = final_bundle(study, statistics, pki_dir=pki_dir, state=root / "coordinator")
+    return World(root, pki_dir, keys, data, study, statistics, final)
 
 
 def final_bundle(study: Study, statistics: GlobalStatistics, *, pki_dir: Path,
@@ -103,12 +120,16 @@ def start_site(world: World, tmp_path: Path) -> Iterator[Callable[..., ManagedPr
     started: list[ManagedProcess] = []
 
     def start(site: str, address: str, *, policy: str = "") -> ManagedProcess:
-        config = tmp_path / f"{site}.toml"
-        config.write_text(f"[policy]\n{policy}\n")
+        """`site run` with flags only (every setting at its default), and with a config
+        file holding `policy` ([policy] lines) when one is given."""
+        config: tuple[str, ...] = ()
+        if policy:
+            (tmp_path / f"{site}.toml").write_text(f"[policy]\n{policy}\n")
+            config = ("--config", str(tmp_path / f"{site}.toml"))
         proc = ManagedProcess(
             site,
             medfed_argv(
-                "site", "run", "--config", str(config),
+                "site", "run", *config,
                 "--tls-ca", str(world.pki / "ca.crt"),
                 "--tls-cert", str(world.pki / "sites" / f"{site}.crt"),
                 "--tls-key", str(world.hospital_keys / site / f"{site}.key"),
@@ -142,10 +163,10 @@ def test_abort_when_round_has_only_two_sites(
     away. h1 refuses the announcement before any key, download or training."""
     layout, flat = model(1)
     story = make_story(participants=["evil", "h1"], layout=layout, flat=flat,
-                       nonce=system_random(16), threshold=2, study=STUDY,
+                       nonce=system_random(16), threshold=2, study=world.study,
                        statistics=world.statistics)
     with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
-                              puppets=["evil"], study=STUDY,
+                              puppets=["evil"], study=world.study,
                               final_model=world.final_model) as double:
         site = start_site("h1", double.address)
         site.wait_log("round 1 aborted: round_too_small", timeout=180)
@@ -161,16 +182,15 @@ def test_abort_when_survivor_set_shrinks_below_floor_after_masked_input(
     coordinator drops h4 from the sum: h1 refuses to sign the survivor list or send
     Unmask shares."""
     layout, flat = model(2)
-    statistics = world.statistics.model_copy(
-        update={"study_sha256": study_sha256(FLOOR_4_STUDY)})
+    study = floor_4(world.study)
+    statistics = world.statistics.model_copy(update={"study_sha256": study_sha256(study)})
     story = make_story(participants=["evil", "h1", "h3", "h4"], layout=layout, flat=flat,
-                       nonce=system_random(16), threshold=3, study=FLOOR_4_STUDY,
+                       nonce=system_random(16), threshold=3, study=study,
                        statistics=statistics)
-    final = final_bundle(FLOOR_4_STUDY, statistics, pki_dir=world.pki,
-                         state=tmp_path / "coordinator")
+    final = final_bundle(study, statistics, pki_dir=world.pki, state=tmp_path / "coordinator")
     with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
                               puppets=["evil", "h3", "h4"], withhold=["h4"],
-                              study=FLOOR_4_STUDY, final_model=final) as double:
+                              study=study, final_model=final) as double:
         site = start_site("h1", double.address, policy="min_round_sites = 4")
         site.wait_log("round 1 aborted: survivors_below_floor", timeout=300)
         assert site.wait_exit(60) == 0
@@ -213,12 +233,13 @@ def test_divergent_announcements_abort(
     _, flat_b = model(4)
     participants = ["evil", "h1", "h2"]
     story_a = make_story(participants=participants, layout=layout, flat=flat_a, nonce=nonce,
-                         threshold=3, study=STUDY, statistics=world.statistics)
+                         threshold=3, study=world.study, statistics=world.statistics)
     story_b = make_story(participants=participants, layout=layout, flat=flat_b, nonce=nonce,
-                         threshold=3, clip=0.5, study=STUDY, statistics=world.statistics)
+                         threshold=3, clip=0.5, study=world.study,
+                         statistics=world.statistics)
     stories: dict[str, Story] = {"h1": story_a, "h2": story_b}
     with MaliciousCoordinator(world.pki, stories=stories, server_story=story_a,
-                              puppets=["evil"], study=STUDY,
+                              puppets=["evil"], study=world.study,
                               final_model=world.final_model) as double:
         sites = {name: start_site(name, double.address) for name in stories}
         for proc in sites.values():
@@ -260,9 +281,7 @@ def test_attack_ca_holder_runs_sybil_round(
         "m2": fingerprint_of_request(tmp_path / "keys", "m2"),
         "m3": fingerprint_of_request(tmp_path / "keys", "m3"),
     }
-    study = Study.model_validate({
-        **STUDY.model_dump(mode="json"),
-        "members": [{"name": n, "fingerprint": f} for n, f in members.items()]})
+    study = with_members(STUDY, members)
     for sybil in sybils:
         pki.issue_site(world.pki, sybil)  # what a CA holder can always mint
     statistics = world.statistics.model_copy(update={"study_sha256": study_sha256(study)})
@@ -273,8 +292,7 @@ def test_attack_ca_holder_runs_sybil_round(
                        statistics=statistics)
     with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
                               puppets=list(sybils), study=study, final_model=final) as double:
-        # The shipped site configuration: a study must list its members.
-        site = start_site("h1", double.address, policy="allow_open_membership = false")
+        site = start_site("h1", double.address)  # flags only: every setting's default
         site.wait_log("round 1 aborted: unknown_member", timeout=300)
         assert site.wait_exit(60) == 0
     methods = set(double.record.methods_of("h1"))
@@ -286,3 +304,40 @@ def test_attack_ca_holder_runs_sybil_round(
         assert "AdvertiseKeys" in methods
         assert not methods & {"ShareKeys", "UploadMaskedInput", "ConsistencyCheck", "Unmask"}
         assert "h1" not in double.record.masked
+
+
+def test_attack_ca_holder_runs_sybil_round_against_a_site_with_default_settings(
+    world: World, start_site: Callable[..., ManagedProcess], tmp_path: Path,
+) -> None:
+    """The CA-holding coordinator serves a study listing no members and runs the
+    floor-sized round {h1, minted1, minted2} with two certificates it minted. h1, started
+    with flags only (no configuration file: policy.allow_open_membership at its
+    default), refuses the study at enrolment, naming the study, the setting and the way
+    out, and stops with exit code 2: it never learns of the round, and the sybils' sum
+    never gets its masked input. A default that let it join would reach the round."""
+    sybils = ("minted1", "minted2")
+    for sybil in sybils:
+        pki.issue_site(world.pki, sybil)  # what a CA holder can always mint
+    statistics = world.statistics.model_copy(update={"study_sha256": study_sha256(STUDY)})
+    final = final_bundle(STUDY, statistics, pki_dir=world.pki, state=tmp_path / "coordinator")
+    layout, flat = model(6)
+    story = make_story(participants=["h1", *sybils], layout=layout, flat=flat,
+                       nonce=system_random(16), threshold=3, study=STUDY,
+                       statistics=statistics)
+    with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
+                              puppets=list(sybils), study=STUDY, final_model=final) as double:
+        site = start_site("h1", double.address)
+        assert site.wait_exit(300) == 2, site.tail(30)
+    site.stop()  # joins its output readers: every line is in
+    text = "\n".join(str(line.get("msg", line.get("text", ""))) for line in site.lines)
+    refusal = next(line for line in text.splitlines() if "medfed: error:" in line)
+    for part in ("policy.allow_open_membership", f"study {STUDY.study.name!r}",
+                 f"sha256 {study_sha256(STUDY)[:12]}", "lists no [[members]]",
+                 "medfed study init --member-from", "medfed pki members",
+                 "policy.allow_open_membership = true"):
+        assert part in refusal, refusal
+    assert "Traceback" not in text
+    # Nothing after the enrolment: no round asked for, no key, no share, no masked input.
+    assert set(double.record.methods_of("h1")) == {"Enroll"}
+    assert "h1" not in double.record.masked
+    assert not (tmp_path / "state" / "h1" / "debug-updates").exists()

@@ -33,6 +33,7 @@ from tests.e2e.harness import (
     README_SITES,
     Readme,
     StudyProcesses,
+    list_members,
     make_pki,
     readme_blocks,
     run_medfed,
@@ -163,7 +164,8 @@ def test_three_hospitals_answer_an_approved_query(
 ) -> None:
     study_path = tmp_path / "study.toml"
     study_path.write_text(STUDY)
-    study = load_study(study_path)
+    pki = make_pki(tmp_path, SITES)
+    study = load_study(list_members(study_path, pki, SITES))
     query_path = tmp_path / "query.toml"
     query_path.write_text(query_toml(study_sha256(study)))
     query = load_query(query_path, study=study)
@@ -171,8 +173,7 @@ def test_three_hospitals_answer_an_approved_query(
     files = {site: write_hospital(tmp_path / f"{site}.csv", patients=80, seed=i + 1)
              for i, site in enumerate(SITES)}
 
-    run = Processes(tmp_path, study=study_path, pki=make_pki(tmp_path, SITES),
-                    processes=processes)
+    run = Processes(tmp_path, study=study_path, pki=pki, processes=processes)
     readme = Readme(tmp_path)
     # The README's draft and offline check run as written (in a folder of their own:
     # the query run here asks more than the draft does).

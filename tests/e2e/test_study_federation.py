@@ -18,7 +18,7 @@ from common.processes import ManagedProcess
 from common.statistics import statistics_length
 from common.study import check_statistics, load_study, statistics_from_bytes
 from site_agent.dp_release import gaussian_std_for
-from tests.e2e.harness import StudyProcesses, make_pki
+from tests.e2e.harness import StudyProcesses, list_members, make_pki
 from tests.study.helpers import hospital_csvs, study_toml
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -32,15 +32,15 @@ def test_statistics_round_training_and_final_model(
 ) -> None:
     study_path = tmp_path / "study.toml"
     study_path.write_text(STUDY)
-    study = load_study(study_path)
+    pki = make_pki(tmp_path, [*SITES, "broken"])
+    study = load_study(list_members(study_path, pki, [*SITES, "broken"]))
     files = hospital_csvs(tmp_path, SITES)
     # The broken hospital's file lacks a column the study needs.
     rows = list(csv.reader(files["alpha"].open(encoding="utf-8")))
     with (tmp_path / "broken.csv").open("w", newline="", encoding="utf-8") as handle:
         csv.writer(handle).writerows([row[:3] + row[4:] for row in rows])
 
-    run = StudyProcesses(tmp_path, study=study_path, pki=make_pki(tmp_path, [*SITES, "broken"]),
-                         processes=processes)
+    run = StudyProcesses(tmp_path, study=study_path, pki=pki, processes=processes)
     run.start_coordinator("--debug-write-aggregates")
     broken = run.start_site("broken", tmp_path / "broken.csv", "--debug-write-updates")
     # The hospitals start beside it (min_sites is 3: the broken one never counts).

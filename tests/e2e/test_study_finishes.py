@@ -57,13 +57,16 @@ def write_site_files(root: Path, n_patients: int = 100) -> dict[str, Path]:
     return files
 
 
-def init_study(root: Path, files: dict[str, Path], *extra: str) -> Path:
-    """`medfed study init` with only what a user must say about the data."""
+def init_study(root: Path, files: dict[str, Path], *extra: str, pki: Path) -> Path:
+    """`medfed study init` with only what a user must say about the data, and its
+    hospitals (`--member-from` each site certificate in `pki`)."""
     out = root / "study.toml"
+    members = [arg for site in SITES
+               for arg in ("--member-from", str(pki / "sites" / f"{site}.crt"))]
     run_medfed("study", "init", "--out", str(out), "--header-from", str(files[SITES[0]]),
                "--label-column", "Outcome", "--patient-column", "Patient-ID",
                "--categorical", "Sex=F,M", "--categorical", "Admission=elective,emergency,"
-               "transfer", "--missing", "impute", *extra)
+               "transfer", "--missing", "impute", *members, *extra)
     return out
 
 
@@ -75,14 +78,15 @@ def test_the_study_init_study_finishes_with_the_final_model_at_every_site(
     # rounds of three DP sites take too long on a shared 2-core test machine (the default
     # ten-round draft passes the same allowance rule and the default site policy:
     # tests/study/test_evaluation_allowance.py).
-    study_path = init_study(tmp_path, files, "--rounds", str(ROUNDS))
+    pki = make_pki(tmp_path, SITES)
+    study_path = init_study(tmp_path, files, "--rounds", str(ROUNDS), pki=pki)
     study = load_study(study_path)
+    assert [m.name for m in study.members] == SITES
     assert study.training.final_evaluation
     assert study.privacy.evaluation.max_evaluations == "derived"
     assert study.max_evaluations == ROUNDS + 1
 
-    run = StudyProcesses(tmp_path, study=study_path, pki=make_pki(tmp_path, SITES),
-                         processes=processes)
+    run = StudyProcesses(tmp_path, study=study_path, pki=pki, processes=processes)
     # The sites poll as soon as their last round ends and hear "finished" at once: a
     # 5 s linger is ample, and the test waits for the coordinator's own exit after it.
     coordinator = run.start_coordinator("--exit-when-finished", "--linger-seconds", "5")
@@ -138,9 +142,9 @@ def test_a_final_round_every_site_declines_for_good_ends_the_study_saying_why(
     tmp_path: Path, processes: list[ManagedProcess]
 ) -> None:
     files = write_site_files(tmp_path)
-    study_path = init_study(tmp_path, files, "--rounds", "1")
-    assert load_study(study_path).max_evaluations == 2  # 1 training + the final round
     pki = make_pki(tmp_path, SITES)
+    study_path = init_study(tmp_path, files, "--rounds", "1", pki=pki)
+    assert load_study(study_path).max_evaluations == 2  # 1 training + the final round
     run_medfed("pki", "issue", "--dir", str(pki), "--monitor", "ops")
     # Each site allows 2 evaluations (the study's 2: enrolment passes) and its ledger
     # already holds 2 from an earlier study.

@@ -16,7 +16,7 @@ from common.processes import ManagedProcess
 from common.study import load_study, study_sha256
 from site_agent.data import load_study_table
 from site_agent.statistics_pin import StatisticsPin
-from tests.e2e.harness import StudyProcesses, make_pki
+from tests.e2e.harness import StudyProcesses, list_members, make_pki
 from tests.study.helpers import hospital_csvs, noiseless_statistics, study_toml
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -29,10 +29,10 @@ def test_a_site_that_released_the_statistics_declines_the_rerun_and_stops(
 ) -> None:
     study_path = tmp_path / "study.toml"
     study_path.write_text(study_toml("rerun", rounds=1))
-    study = load_study(study_path)
+    pki = make_pki(tmp_path, SITES)
+    study = load_study(list_members(study_path, pki, SITES))
     files = hospital_csvs(tmp_path, SITES)
-    run = StudyProcesses(tmp_path, study=study_path, pki=make_pki(tmp_path, SITES),
-                         processes=processes)
+    run = StudyProcesses(tmp_path, study=study_path, pki=pki, processes=processes)
     # alpha took part in an earlier run of this very study: its state folder holds the
     # statistics it accepted then (what the agent writes at its first training round).
     alpha_state = run.site_state("alpha")

@@ -162,3 +162,20 @@ def test_pki_members_prints_the_policy_table(pki_dir: Path, now: dt.datetime) ->
     policy = SitePolicySection(**tomllib.loads(out)["policy"])
     # Revoked h2 is left out; h1's pin is its certificate's public-key fingerprint.
     assert policy.members == {"h1": pki.public_key_fingerprint(cert_of(pki_dir, "h1"))}
+
+
+def test_pki_members_study_prints_members_a_study_lists(pki_dir: Path, now: dt.datetime) -> None:
+    """`pki members --study` appended to a study file: the study lists the valid,
+    unrevoked site certificates as its [[members]], as `study init --member-from` would."""
+    from common.study import study_from_mapping
+    from tests.study.helpers import study_mapping
+
+    pki.revoke_site(pki_dir, "h2", now=now)
+    out = subprocess.run(
+        [sys.executable, "-m", "common.cli", "pki", "members", "--dir", str(pki_dir), "--study"],
+        check=True, capture_output=True, text=True, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    ).stdout
+    study = study_from_mapping({**study_mapping(), **tomllib.loads(out)})
+    assert study.member_fingerprints() == {
+        "h1": pki.public_key_fingerprint(cert_of(pki_dir, "h1"))}

@@ -1,6 +1,7 @@
 """A study's [[members]] enforced: a site refuses a round naming anyone else (at the
 announcement) or a member under another key (at the roster), a study without members
-unless its policy allows open membership, and the coordinator refuses to enrol them."""
+unless the site pins its own members or opts in to open membership (the default
+refuses it), and the coordinator refuses to enrol them."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from common import pki
 from common.config import SitePolicySection, SiteSettings
 from common.errors import AbortReason, CertificateRejected, ConfigError, ProtocolAbort
 from common.round import validate_for_site
-from common.study import Study, study_from_mapping
+from common.study import Study, study_from_mapping, study_sha256
 from coordinator.servicer import refuse_non_member
 from coordinator.study_run import StudyRun
 from site_agent.agent import SiteAgent
@@ -80,17 +81,28 @@ def test_roster_member_under_another_key_or_a_non_member_aborts(
         assert says in str(caught.value)
 
 
-def test_a_study_without_members_needs_open_membership_in_the_policy(
+def test_a_study_without_members_is_refused_by_default_unless_pinned_or_opted_in(
     pki_dir: Path, tmp_path: Path
 ) -> None:
+    """Default settings (flags only, no configuration file) refuse a member-less study at
+    enrolment, naming the study, the setting and the ways out; a study listing members is
+    joined; a site pinning its own policy.members, or opting in, joins a member-less one."""
     settings = SiteSettings(
-        pki=pki_dir, site="h1", coordinator="127.0.0.1:1", state=tmp_path / "state",
-        policy=SitePolicySection(allow_open_membership=False))
-    with pytest.raises(ConfigError, match="lists no \\[\\[members\\]\\]"):
-        check_members_listed(study_from_mapping(study_mapping()), settings)
+        pki=pki_dir, site="h1", coordinator="127.0.0.1:1", state=tmp_path / "state")
+    assert settings.policy.allow_open_membership is False
+    open_study = study_from_mapping(study_mapping())
+    with pytest.raises(ConfigError) as caught:
+        check_members_listed(open_study, settings)
+    assert caught.value.field == "policy.allow_open_membership"
+    for part in ("study 'sepsis-pilot'", f"sha256 {study_sha256(open_study)[:12]}",
+                 "lists no [[members]]", "medfed study init --member-from",
+                 "medfed pki members", "policy.allow_open_membership = true"):
+        assert part in str(caught.value)
     check_members_listed(members_study(pki_dir, ("h1", "h2")), settings)
-    open_policy = settings.model_copy(update={"policy": SitePolicySection()})
-    check_members_listed(study_from_mapping(study_mapping()), open_policy)
+    pinned = SitePolicySection(members=pki.site_members(pki_dir))
+    check_members_listed(open_study, settings.model_copy(update={"policy": pinned}))
+    opted_in = SitePolicySection(allow_open_membership=True)
+    check_members_listed(open_study, settings.model_copy(update={"policy": opted_in}))
 
 
 def test_coordinator_refuses_to_enrol_a_non_member(

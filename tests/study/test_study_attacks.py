@@ -162,6 +162,12 @@ def make_site(world: World, state: Path, *, budget: float) -> Site:
 RunSite = Callable[..., DeviatingStudyCoordinator]
 
 
+def pinned_members(world: World) -> SitePolicySection:
+    """The site's own pin of the consortium (`medfed pki members`): the study served here
+    lists no [[members]], which a site joins only when it pins them itself (or opts in)."""
+    return SitePolicySection(members=pki.site_members(world.pki))
+
+
 @pytest.fixture
 def run_site(world: World, caplog: pytest.LogCaptureFixture) -> Iterator[RunSite]:
     """Run the real agent (once) against a deviating coordinator until the federation
@@ -181,7 +187,7 @@ def run_site(world: World, caplog: pytest.LogCaptureFixture) -> Iterator[RunSite
         with double:
             settings = SiteSettings(
                 site="alpha", coordinator=double.address, state=site.state, pki=world.pki,
-                once=True,
+                once=True, policy=pinned_members(world),
             )
             agent = SiteAgent(settings, DeterministicTestHook("alpha"),
                               metrics=SiteMetrics("alpha"), ledger=site.ledger)
@@ -532,7 +538,8 @@ def test_crafted_final_model_does_not_stop_a_long_running_site(
             rounds=rounds, final_bundle=crafted,
         ) as double:
             settings = SiteSettings(site="alpha", coordinator=double.address,
-                                    state=site.state, pki=world.pki, once=False)
+                                    state=site.state, pki=world.pki, once=False,
+                                    policy=pinned_members(world))
             agent = SiteAgent(settings, DeterministicTestHook("alpha"),
                               metrics=SiteMetrics("alpha"), ledger=site.ledger, stop=stop)
             thread = threading.Thread(target=lambda: result.append(agent.run()), daemon=True)
