@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def transport_site_argv(*args: str) -> list[str]:
     """argv of `medfed` with the transport benchmarks' deterministic site double
-    (`bench.transport_site`: `site run` takes every flag of the product's)."""
+    (`bench.transport_site`: `site run` takes every flag of the product's and the test
+    instrumentation's, `bench.instrumented`)."""
     return [sys.executable, "-m", "bench.transport_site", *args]
 
 
