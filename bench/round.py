@@ -22,7 +22,8 @@ spent after its last message waiting for its deadline (`deadline_wait_seconds` i
 coordinator's log). That is the cost of a round whose dropouts are detected instantly;
 the deadline itself is a configuration choice, reported separately.
 
-Exactness: every round's unmasked ring sum (coordinator `--debug-write-aggregates`)
+Exactness: every round's unmasked ring sum (coordinator `--debug-write-aggregates`;
+the coordinator and sites run through `bench.instrumented`, the product has no such flag)
 must equal the sum of the surviving sites' plaintext ring vectors (`--debug-write-updates`).
 Memory: the coordinator's peak RSS is VmHWM from /proc/PID/status, read after the round;
 each surviving site logs its VmRSS just before the model download and its VmHWM after
@@ -56,6 +57,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from bench.instrumented import instrumented_argv
 from common import pki
 from common.errors import ConfigError
 from common.secagg.params import ThreatModel, choose_parameters
@@ -129,10 +131,6 @@ class _Child:
                 self.proc.wait(timeout=10)
         for thread in self.threads:
             thread.join(timeout=5)
-
-
-def _medfed(*args: str) -> list[str]:
-    return [sys.executable, "-m", "common.cli", *args]
 
 
 def _transport_site(*args: str) -> list[str]:
@@ -285,7 +283,7 @@ class RoundBench:
         deadline = f"{self.phase_seconds:g}"
         coordinator = _Child.start(
             "coordinator",
-            _medfed(
+            instrumented_argv(
                 "coordinator", "serve", "--pki", str(self.pki), "--listen", "127.0.0.1:0",
                 "--metrics-listen", "127.0.0.1:0", "--state", str(run_dir / "coordinator"),
                 "--rounds", "1", "--min-sites", str(len(self.site_ids)),

@@ -8,8 +8,10 @@ data): it is this command, the product's `site` command with the double plugged 
 
     python -m bench.transport_site site run --pki PKI --site S --coordinator HOST:PORT ...
 
-taking every flag of `medfed site run`. `MEDFED_TRANSPORT_TRAIN_SECONDS` makes each
-round's "training" take that long (liveness tests freeze or cut off a site meanwhile).
+taking every flag of `medfed site run` and the instrumentation flags of
+`bench.instrumented` (`--debug-write-updates`, `--debug-pause-after`).
+`MEDFED_TRANSPORT_TRAIN_SECONDS` makes each round's "training" take that long (liveness
+tests freeze or cut off a site meanwhile).
 """
 
 from __future__ import annotations
@@ -23,13 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.cli import main_with
+from bench import instrumented
 from common.config import SiteSettings
 from common.errors import ConfigError, RoundFailed
 from common.privacy.accountant import Segment
 from common.privacy.mechanisms import Mechanism
 from common.round import RoundPlan
-from site_agent import cli as site_cli
 from site_agent.site_training import LocalUpdate
 
 if TYPE_CHECKING:
@@ -103,13 +104,10 @@ def deterministic_hook(settings: SiteSettings) -> DeterministicTestHook:
     return DeterministicTestHook(settings.site, train_seconds=seconds)
 
 
-def register(subparsers: Any) -> None:
-    """`site ...` with the deterministic double as every site's training."""
-    site_cli.register(subparsers, hook_factory=deterministic_hook)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    return main_with([register], argv)
+    """`bench.instrumented` (the product's `site` and `coordinator` commands with the
+    test instrumentation flags) with the deterministic double as every site's training."""
+    return instrumented.main(argv, hook_factory=deterministic_hook)
 
 
 if __name__ == "__main__":

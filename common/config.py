@@ -309,9 +309,6 @@ class CoordinatorSettings(_Settings):
     log_format: Literal["json", "text"] = Field(
         default="json", description="json: one object per line (log shippers); text: for people"
     )
-    debug_write_aggregates: bool = Field(
-        default=False, description="TEST ONLY: write each round's unmasked ring sum to STATE"
-    )
 
     _listen = field_validator("listen", "metrics_listen")(_check_listen)
 
@@ -596,22 +593,12 @@ class SiteSettings(_Settings):
     log_format: Literal["json", "text"] = Field(
         default="json", description="json: one object per line (log shippers); text: for people"
     )
-    debug_write_updates: bool = Field(
-        default=False, description="TEST ONLY: write each round's plaintext ring update to STATE"
-    )
     exit_after_rounds: int | None = Field(default=None, ge=1)
     once: bool = Field(
         default=False,
         description="exit 0 once the study's final model is stored; otherwise stay up for "
         "the next study",
     )
-    debug_pause_after: str | None = Field(
-        default=None,
-        pattern=r"^\d+:(advertise_keys|share_keys|upload|masked_input|consistency_check)$",
-        description="TEST ONLY: ROUND:PHASE after which to pause (fault-injection tests; "
-        "`upload`: mid-stream, after the masked input's first chunk)",
-    )
-    debug_pause_seconds: float = Field(default=3600.0, gt=0)
 
     _listen = field_validator("coordinator", "metrics_listen")(_check_listen)
 
@@ -648,6 +635,20 @@ def _drop_none(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+_TEST_INSTRUMENTATION = (
+    "test instrumentation, no longer a setting of medfed: remove it from this config "
+    "(no configuration makes a service write updates or sums to disk or pause; tests "
+    "and benchmarks pass it as a flag of `python -m bench.instrumented`)"
+)
+REMOVED_SETTINGS = {
+    "debug_write_aggregates": _TEST_INSTRUMENTATION,
+    "debug_write_updates": _TEST_INSTRUMENTATION,
+    "debug_pause_after": _TEST_INSTRUMENTATION,
+    "debug_pause_seconds": _TEST_INSTRUMENTATION,
+}
+"""Settings an older config may still name, and why each is refused."""
+
+
 def load_settings(
     cls: type[SettingsT], *, config_file: Path | None = None, overrides: Mapping[str, Any]
 ) -> SettingsT:
@@ -661,6 +662,9 @@ def load_settings(
         problems = []
         for err in exc.errors():
             field = ".".join(str(p) for p in err["loc"]) or "settings"
+            if err["type"] == "extra_forbidden" and field in REMOVED_SETTINGS:
+                problems.append((field, REMOVED_SETTINGS[field]))
+                continue
             # Our validators raise ValueError; pydantic prefixes their text with noise.
             problems.append((field, err["msg"].removeprefix("Value error, ")))
         first_field, first_message = problems[0]

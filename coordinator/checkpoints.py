@@ -113,17 +113,3 @@ def prune_checkpoints(state_dir: Path, *, keep: int, protected: Path | None) -> 
     if deleted:
         log.debug("deleted %d old checkpoint(s), keeping the newest %d", len(deleted), keep)
     return deleted
-
-
-def write_debug_aggregate(
-    state_dir: Path, round_number: int, aggregate: np.ndarray, survivors: tuple[str, ...]
-) -> None:
-    """TEST ONLY: the unmasked ring sum and its survivors, for exact-sum checks."""
-    debug = state_dir / "aggregates"
-    debug.mkdir(parents=True, exist_ok=True)
-    words = np.ascontiguousarray(aggregate.astype("<u4", copy=False))
-    # Written as a stream (not ndarray.tofile, which needs a seekable file), so a test
-    # can make the file a pipe and hold the coordinator between its sum and its record.
-    with open(debug / f"round-{round_number:06d}.u32", "wb") as out:
-        out.write(words.data)
-    (debug / f"round-{round_number:06d}.survivors").write_text("\n".join(survivors) + "\n")

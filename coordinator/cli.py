@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from common.config import CoordinatorSettings, load_settings
 from common.logs import configure_logging
+from common.observer import ObserverFactory
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Any, *, observer_factory: ObserverFactory | None = None) -> None:
+    """`medfed coordinator ...`. `observer_factory` plugs in what watches the rounds
+    (tests and benchmarks: `bench.instrumented`; the product watches nothing)."""
     parser = subparsers.add_parser("coordinator", help="run the federation coordinator")
     sub = parser.add_subparsers(dest="coordinator_command", required=True, metavar="ACTION")
     serve = sub.add_parser(
@@ -50,10 +54,6 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--selection-seconds", type=float,
                        help="wait this long for more sites once min_sites are ready")
     serve.add_argument(
-        "--debug-write-aggregates", action="store_true", default=None,
-        help="TEST ONLY: write each round's unmasked ring sum under STATE",
-    )
-    serve.add_argument(
         "--exit-when-finished", action="store_true",
         help="exit (0) once the study is finished, after --linger-seconds (batch use); "
         "by default the coordinator stays up and reports the study as finished",
@@ -61,7 +61,7 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--linger-seconds", type=float, default=5.0,
                        help="with --exit-when-finished: keep serving this long after the "
                        "last round so waiting sites hear that the study is finished")
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=partial(_serve, observer_factory=observer_factory))
 
 
 def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
@@ -85,16 +85,16 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
             "selection_seconds": args.selection_seconds,
             "heartbeat_seconds": args.heartbeat_seconds,
         },
-        "debug_write_aggregates": args.debug_write_aggregates,
         "log_format": args.log_format,
     }
     return load_settings(CoordinatorSettings, config_file=args.config, overrides=overrides)
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, *, observer_factory: ObserverFactory | None = None) -> int:
     from coordinator.service import serve
 
     settings = settings_from_args(args)
     configure_logging("coordinator", settings.log_level, settings.log_format)
+    observer = observer_factory(settings.state) if observer_factory is not None else None
     return asyncio.run(serve(settings, exit_when_finished=args.exit_when_finished,
-                             linger_seconds=args.linger_seconds))
+                             linger_seconds=args.linger_seconds, observer=observer))

@@ -41,6 +41,7 @@ from common.errors import (
     StudyFailed,
     Unavailable,
 )
+from common.observer import NoObserver, RoundObserver
 from common.privacy.federation import FederationBudgetView
 from common.round import Announcement
 from common.secagg.client import IdentityVerifier
@@ -114,8 +115,11 @@ class RoundEngine:
         rng: Callable[[int], bytes] = os.urandom,
         budget_view: FederationBudgetView | None = None,
         study: StudyRun | None = None,
+        observer: RoundObserver | None = None,
     ) -> None:
         self.study = study  # its model and training settings replace the config's
+        # Shown each round's unmasked sum (common.observer); the product's watches nothing.
+        self.observer = observer or NoObserver()
         self.settings = settings = study.settings(settings) if study is not None else settings
         self.store = store
         # In the store's database: a restarted or fail-over coordinator keeps it.
@@ -380,7 +384,7 @@ class RoundEngine:
                         before_sum=partial(self.store.mark_unmasked, ann.round_number))
             result = await (release_round.complete(
                 rnd, aggregator, run=self.study, settings=self.settings, store=self.store,
-                metrics=self.metrics, clock=self.clock,
+                metrics=self.metrics, clock=self.clock, observer=self.observer,
             ) if ann.release else self._complete_training(rnd, aggregator))
             rnd.mark("recorded")
             abort = None
@@ -434,7 +438,7 @@ class RoundEngine:
                 self.study.study if self.study else None, self.settings.aggregation),
             evaluation_noise_std=evaluation_noise_std(
                 self.ledgers.replica, aggregator.survivors, round_number=rnd.number),
-            study=self.study.study if self.study else None,
+            study=self.study.study if self.study else None, observer=self.observer,
         )
         rnd.mark("updated")
         training_round.record_and_bundle(

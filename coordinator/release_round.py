@@ -21,6 +21,7 @@ from common.config import CoordinatorSettings
 from common.egress import STATISTICS
 from common.errors import AbortReason, ProtocolAbort
 from common.fileio import atomic_write
+from common.observer import NoObserver, RoundObserver
 from common.release import (
     DpRelease,
     build_release,
@@ -29,7 +30,7 @@ from common.release import (
     study_noise_sites,
     sum_noise_sigmas,
 )
-from coordinator import checkpoints, queries
+from coordinator import queries
 from coordinator.aggregation import Aggregator
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.phases import ActiveRound
@@ -69,9 +70,10 @@ RELEASES_DIR = "releases"
 
 def decode(
     rnd: ActiveRound, aggregator: Aggregator, *, run: StudyRun | None,
-    settings: CoordinatorSettings,
+    settings: CoordinatorSettings, observer: RoundObserver | None = None,
 ) -> RoundResult:
-    """Decode the release and keep it (worker thread)."""
+    """Decode the release and keep it (worker thread); `observer` is shown the unmasked
+    sum first (`common.observer`)."""
     ann = rnd.announcement
     aggregate = aggregator.result
     if aggregate is None:
@@ -81,10 +83,8 @@ def decode(
         raise ProtocolAbort(AbortReason.ROUND_ABANDONED, f"round kind {ann.kind!r} has no release")
     if run is None:
         raise ProtocolAbort(AbortReason.ROUND_ABANDONED, f"{kind.name} round without a study")
-    if settings.debug_write_aggregates:
-        checkpoints.write_debug_aggregate(
-            settings.state, ann.round_number, aggregate, aggregator.survivors
-        )
+    (observer or NoObserver()).aggregate_unmasked(
+        ann.round_number, aggregate, aggregator.survivors)
     release = build_release(kind, run.study, ann.release_payload)
     contributors = len(aggregator.survivors)
     # The study's pinned terms: the n_noise every member sized its noise share by.
@@ -130,9 +130,10 @@ def record(
 async def complete(
     rnd: ActiveRound, aggregator: Aggregator, *, run: StudyRun | None,
     settings: CoordinatorSettings, store: CoordinatorStore, metrics: CoordinatorMetrics,
-    clock: Callable[[], float],
+    clock: Callable[[], float], observer: RoundObserver | None = None,
 ) -> RoundResult:
     """Decode (worker thread), then record the release round."""
-    result = await asyncio.to_thread(decode, rnd, aggregator, run=run, settings=settings)
+    result = await asyncio.to_thread(decode, rnd, aggregator, run=run, settings=settings,
+                                     observer=observer)
     record(result, kind=rnd.announcement.release, store=store, metrics=metrics, now=clock())
     return result

@@ -22,6 +22,7 @@ from common.convergence import auc_trend, describe_auc_trend
 from common.crypto.signing import VerifyingKey
 from common.errors import ConfigError, StudyFailed
 from common.metrics_http import serve_metrics
+from common.observer import RoundObserver
 from common.pki import COORDINATOR_CERT, CRL_FILE, PeerVerifier, load_ca, load_certificate
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
@@ -83,9 +84,12 @@ def database_url(settings: CoordinatorSettings) -> str:
     return settings.database_url or f"sqlite:///{settings.state / 'coordinator.db'}"
 
 
-async def start(settings: CoordinatorSettings) -> RunningCoordinator:
+async def start(
+    settings: CoordinatorSettings, *, observer: RoundObserver | None = None
+) -> RunningCoordinator:
     """Serve `settings` on its ports, holding its state folder (one coordinator per
-    folder: a second is refused naming the holder) until `RunningCoordinator.stop`."""
+    folder: a second is refused naming the holder) until `RunningCoordinator.stop`.
+    `observer`: what a test plugs in to watch the rounds (`common.observer`)."""
     if settings.study is None and settings.model is None:
         raise ConfigError(
             "study", "coordinator serve needs --study study.toml (see `medfed study init`)"
@@ -99,7 +103,7 @@ async def start(settings: CoordinatorSettings) -> RunningCoordinator:
         ) from exc
     lock = StateLock.acquire(settings.state, role="coordinator")
     try:
-        running = await _start(settings)
+        running = await _start(settings, observer=observer)
     except BaseException:
         lock.release()
         raise
@@ -107,7 +111,9 @@ async def start(settings: CoordinatorSettings) -> RunningCoordinator:
     return running
 
 
-async def _start(settings: CoordinatorSettings) -> RunningCoordinator:
+async def _start(
+    settings: CoordinatorSettings, *, observer: RoundObserver | None
+) -> RunningCoordinator:
     store = CoordinatorStore(database_url(settings))
     verifier = PeerVerifier.from_pki_dir(settings.pki)
     metrics = CoordinatorMetrics()
@@ -125,7 +131,8 @@ async def _start(settings: CoordinatorSettings) -> RunningCoordinator:
         return VerifyingKey.from_public_key(key)
 
     study = StudyRun.open(settings.study, settings.state) if settings.study else None
-    engine = RoundEngine(settings, store, identity=identity, metrics=metrics, study=study)
+    engine = RoundEngine(settings, store, identity=identity, metrics=metrics, study=study,
+                         observer=observer)
     server = grpc.aio.server(
         # Per-method certificate roles: sites call Federation, monitors Health/status,
         # revoked certificates nothing (common/tls.py, ACCESS_RULES). Each refusal is
@@ -185,12 +192,12 @@ async def _start(settings: CoordinatorSettings) -> RunningCoordinator:
 
 async def serve(
     settings: CoordinatorSettings, *, exit_when_finished: bool = False,
-    linger_seconds: float = 5.0,
+    linger_seconds: float = 5.0, observer: RoundObserver | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT. A finished study is not an outage: the coordinator
     stays up (status `finished`, Health SERVING, sites told the federation finished);
     `exit_when_finished` (batch use) exits `linger_seconds` after the last round."""
-    running = await start(settings)
+    running = await start(settings, observer=observer)
     # One machine-readable line so scripts and tests learn the bound ports.
     print(
         json.dumps({"event": "listening", "port": running.port,

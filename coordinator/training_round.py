@@ -16,6 +16,7 @@ from common.codec import TensorSpec
 from common.config import CoordinatorSettings
 from common.errors import AbortReason, ProtocolAbort, ValidationError
 from common.evaluation_edges import round_edges
+from common.observer import NoObserver, RoundObserver
 from common.privacy.budget import BudgetReport
 from common.privacy.hospital import HospitalTerms
 from coordinator import checkpoints, hospital_sum
@@ -126,21 +127,23 @@ def apply_update(
     rnd: ActiveRound, aggregator: Aggregator, *, model: GlobalModel,
     settings: CoordinatorSettings, hospital_terms: HospitalTerms | None = None,
     evaluation_noise_std: float | None = None, study: Study | None = None,
+    observer: RoundObserver | None = None,
 ) -> RoundResult:
     """Decode the sum and step the model (worker thread; the model is no longer
     served, so an elementwise optimizer may update it in place). `evaluation_noise_std`:
     the per-count noise of the evaluation histogram as the ledgers record it (None:
     estimated from the release). With a `study`, the next round's evaluation edges
-    move with the model (a public probe before and after the step, `next_edges`' shift)."""
+    move with the model (a public probe before and after the step, `next_edges`' shift).
+    `observer` is shown the unmasked sum first (`common.observer`)."""
+    observer = observer or NoObserver()
     ann = rnd.announcement
     aggregate = aggregator.result
     if aggregate is None:
         raise ProtocolAbort(AbortReason.ROUND_ABANDONED, "no aggregate for this round")
     survivors = aggregator.survivors
-    if settings.debug_write_aggregates:
-        # TEST ONLY: streamed straight from the ring sum before it is decoded in
-        # place (a copy would add a model-sized vector to the coordinator's peak).
-        checkpoints.write_debug_aggregate(settings.state, ann.round_number, aggregate, survivors)
+    # Shown the ring sum itself before it is decoded in place (a copy would add a
+    # model-sized vector to the coordinator's peak); the product's observer does nothing.
+    observer.aggregate_unmasked(ann.round_number, aggregate, survivors)
     decoded = hospital_sum.decode(
         aggregate, ann=ann, count=len(survivors),
         histogram_classes=settings.aggregation.histogram_classes, terms=hospital_terms,

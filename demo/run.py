@@ -5,6 +5,7 @@ baselines, the model and the sites' configuration."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -138,17 +139,22 @@ phase_seconds = {self.o.phase_seconds}
         """The site's state folder (ledger, split key)."""
         return self.out / "sites" / site
 
-    def start_site(self, site: str, pki: Path, data: Path | None, *extra: str) -> ManagedProcess:
+    def start_site(self, site: str, pki: Path, data: Path | None, *,
+                   pause_after: str | None = None) -> ManagedProcess:
+        """`medfed site run`; with `pause_after` (ROUND:PHASE), the victim of the fault
+        injection: the same command through `bench.instrumented`, the test entry that
+        can pause a site after a phase (the product cannot), so the demo kills it there."""
         config = self.out / "sites" / f"{site}.toml"
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(self.task.site_config(self, site, data))
+        command = ("site", "run", "--config", str(config), "--pki", str(pki),
+                   "--site", site, "--coordinator", f"127.0.0.1:{self.port}",
+                   "--metrics-listen", "127.0.0.1:0", "--state", str(self.site_state(site)))
+        argv = medfed_argv(*command) if pause_after is None else [
+            sys.executable, "-m", "bench.instrumented", *command,
+            "--debug-pause-after", pause_after]
         proc = ManagedProcess(
-            site,
-            medfed_argv("site", "run", "--config", str(config), "--pki", str(pki),
-                        "--site", site, "--coordinator", f"127.0.0.1:{self.port}",
-                        "--metrics-listen", "127.0.0.1:0",
-                        "--state", str(self.site_state(site)), *extra),
-            log_dir=self.out / "logs",
+            site, argv, log_dir=self.out / "logs",
             env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
         )
         self.procs[site] = proc
@@ -194,10 +200,8 @@ phase_seconds = {self.o.phase_seconds}
         coordinator = self.start_coordinator(pki, len(sites))
         try:
             for site in sites:
-                extra: tuple[str, ...] = ()
-                if site == victim:
-                    extra = ("--debug-pause-after", f"{self.kill_round_number()}:masked_input")
-                self.start_site(site, pki, files[site], *extra)
+                self.start_site(site, pki, files[site], pause_after=(
+                    f"{self.kill_round_number()}:masked_input" if site == victim else None))
             self.say(f"[federation] {len(sites)} site agents started; budget "
                      f"epsilon={self.o.budget_epsilon:g} at delta={self.o.delta:g} each")
             self.say("[federation] AUC = the global model entering each round, measured on every "

@@ -42,6 +42,7 @@ from common.errors import (
     StudyRefused,
     ValidationError,
 )
+from common.observer import RoundObserver
 from common.pki import load_certificate, read_private_key_pem, site_id_from_certificate
 from common.privacy.ledger import PrivacyLedger
 from common.proto.medfed.v1 import federation_pb2 as pb
@@ -80,7 +81,9 @@ class SiteAgent:
         ledger: PrivacyLedger | None,
         stop: threading.Event | None = None,
         open_ledger: Callable[[], PrivacyLedger | None] | None = None,
+        observer: RoundObserver | None = None,
     ) -> None:
+        """`observer`: what a test plugs in to watch the rounds (`common.observer`)."""
         self.settings = settings
         self.site_id = settings.site
         self.hook = hook
@@ -104,7 +107,8 @@ class SiteAgent:
         self.membership = Membership(settings, hook, metrics=metrics, ca_cert=ca_cert,
                                      ledger=ledger, open_ledger=open_ledger)
         self.phases = SecAggPhases(settings, signing_key=signing_key,
-                                   identity=self.membership.identity, stop=self.stop)
+                                   identity=self.membership.identity, stop=self.stop,
+                                   observer=observer)
         pin = StatisticsPin(settings.state)
         self.statistics_pin = pin
         self.rounds = TrainingRound(settings, hook, membership=self.membership,

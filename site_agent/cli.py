@@ -13,15 +13,21 @@ from typing import TYPE_CHECKING, Any
 from common.config import SiteSettings, load_settings
 from common.errors import ConfigError
 from common.logs import configure_logging
+from common.observer import ObserverFactory
 
 if TYPE_CHECKING:
     from site_agent.runner import HookFactory
 
 
-def register(subparsers: Any, *, hook_factory: HookFactory | None = None) -> None:
+def register(
+    subparsers: Any, *, hook_factory: HookFactory | None = None,
+    observer_factory: ObserverFactory | None = None,
+) -> None:
     """`medfed site ...`. `hook_factory` replaces the site's training (Opacus DP-SGD,
     or non-private for baselines, on its `--data`) with a plug-in's: the transport
-    benchmarks' deterministic double (`bench.transport_site`)."""
+    benchmarks' deterministic double (`bench.transport_site`). `observer_factory` plugs
+    in what watches the rounds (tests and benchmarks: `bench.instrumented`; the product
+    watches nothing)."""
     parser = subparsers.add_parser("site", help="run a hospital's site agent")
     sub = parser.add_subparsers(dest="site_command", required=True, metavar="ACTION")
     run = sub.add_parser(
@@ -65,17 +71,11 @@ def register(subparsers: Any, *, hook_factory: HookFactory | None = None) -> Non
     )
     run.add_argument("--exit-after-rounds", type=int, help="leave after this many rounds")
     run.add_argument(
-        "--debug-write-updates", action="store_true", default=None,
-        help="TEST ONLY: write each round's plaintext ring update under STATE",
-    )
-    run.add_argument("--debug-pause-after", metavar="ROUND:PHASE",
-                     help="TEST ONLY: pause after this phase of this round")
-    run.add_argument("--debug-pause-seconds", type=float, help="TEST ONLY: pause length")
-    run.add_argument(
         "--allow-plain-aggregation", action="store_true", default=None,
         help="accept rounds without secure aggregation (benchmarks only)",
     )
-    run.set_defaults(func=partial(_run, hook_factory=hook_factory))
+    run.set_defaults(func=partial(_run, hook_factory=hook_factory,
+                                  observer_factory=observer_factory))
     from site_agent import approve_cli
 
     approve_cli.register(sub)
@@ -93,9 +93,6 @@ def settings_from_args(args: argparse.Namespace) -> SiteSettings:
         "state": args.state,
         "exit_after_rounds": args.exit_after_rounds,
         "once": args.once,
-        "debug_write_updates": args.debug_write_updates,
-        "debug_pause_after": args.debug_pause_after,
-        "debug_pause_seconds": args.debug_pause_seconds,
         "log_format": args.log_format,
         "data": {"path": args.data},
         "privacy": {"budget_epsilon": args.budget_epsilon, "delta": args.delta},
@@ -109,7 +106,10 @@ def settings_from_args(args: argparse.Namespace) -> SiteSettings:
     return load_settings(SiteSettings, config_file=args.config, overrides=overrides)
 
 
-def _run(args: argparse.Namespace, *, hook_factory: HookFactory | None = None) -> int:
+def _run(
+    args: argparse.Namespace, *, hook_factory: HookFactory | None = None,
+    observer_factory: ObserverFactory | None = None,
+) -> int:
     from site_agent.runner import run_site
 
     settings = settings_from_args(args)
@@ -127,5 +127,6 @@ def _run(args: argparse.Namespace, *, hook_factory: HookFactory | None = None) -
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    observer = observer_factory(settings.state) if observer_factory is not None else None
     return run_site(settings, stop=stop, announce=lambda info: print(json.dumps(info), flush=True),
-                    hook_factory=hook_factory)
+                    hook_factory=hook_factory, observer=observer)

@@ -7,7 +7,6 @@ here is aborted by the caller and nothing more is revealed.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -23,6 +22,7 @@ from common.config import SiteSettings
 from common.crypto.random import system_random
 from common.crypto.signing import SigningKey, VerifyingKey
 from common.errors import AbortReason, ProtocolAbort, RoundFailed
+from common.observer import NoObserver, RoundObserver
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.round import VerifiedRound
@@ -68,8 +68,12 @@ class SecAggPhases:
         signing_key: SigningKey,
         identity: Callable[[str, bytes], VerifyingKey],
         stop: threading.Event,
+        observer: RoundObserver | None = None,
     ) -> None:
         self.settings = settings
+        # Shown each update before masking and each phase's end (common.observer); the
+        # product's watches nothing.
+        self.observer = observer or NoObserver()
         self.signing_key = signing_key
         self.identity = identity
         self.stop = stop
@@ -89,14 +93,8 @@ class SecAggPhases:
             max_colluding_sites=self.settings.policy.max_colluding_sites,
         )
 
-    def debug_pause(self, round_number: int, phase: str) -> None:
-        """TEST ONLY fault injection: stop after a phase so a test can kill -9 us there."""
-        if self.settings.debug_pause_after != f"{round_number}:{phase}":
-            return
-        print(
-            json.dumps({"event": "paused", "round": round_number, "phase": phase}), flush=True
-        )
-        self.stop.wait(self.settings.debug_pause_seconds)
+    def after_phase(self, round_number: int, phase: str) -> None:
+        self.observer.after_phase(round_number, phase, stop=self.stop)
 
     def exchange_keys(
         self, stub: pb_grpc.FederationStub, rnd: VerifiedRound, client: SecAggClient,
@@ -117,7 +115,7 @@ class SecAggPhases:
             timeout=deadline(rnd),
         )
         timeline.mark("roster")
-        self.debug_pause(rnd.number, "advertise_keys")
+        self.after_phase(rnd.number, "advertise_keys")
         shares_out = client.receive_roster(wire.roster_from_pb(roster_pb))
         # While the ShareKeys barrier waits for the slowest site (and the model is
         # downloading), not after training, on the critical path of the round.
@@ -132,7 +130,7 @@ class SecAggPhases:
             timeout=deadline(rnd),
         )
         timeline.mark("shares")
-        self.debug_pause(rnd.number, "share_keys")
+        self.after_phase(rnd.number, "share_keys")
         return wire.shares_for_recipient_from_pb(received), premask
 
     def finish(
@@ -148,6 +146,7 @@ class SecAggPhases:
         timeline: RoundTimeline,
     ) -> None:
         """MaskedInput, ConsistencyCheck and Unmask."""
+        self.observer.update_before_masking(rnd.number, vector)
         session = client.session_id
         if premask is not None:
             premask.result()  # the masks are ready (or its error is raised here)
@@ -156,13 +155,13 @@ class SecAggPhases:
         log.debug("round %d: update masked", rnd.number)
         survivors_pb = stub.UploadMaskedInput(
             upload_stream(rnd, session, masked.vector,
-                          after_first_chunk=partial(self.debug_pause, rnd.number, "upload")),
+                          after_first_chunk=partial(self.after_phase, rnd.number, "upload")),
             timeout=deadline(rnd, training=True),
         )
         timeline.mark("uploaded")
         log.debug("round %d: masked input uploaded", rnd.number)
         heartbeats.stop()  # the last phases follow at once and keep their deadlines
-        self.debug_pause(rnd.number, "masked_input")
+        self.after_phase(rnd.number, "masked_input")
         signature = client.receive_survivors(wire.survivors_from_pb(survivors_pb))
         sigs_pb = stub.ConsistencyCheck(
             pb.ConsistencyCheckRequest(
@@ -171,7 +170,7 @@ class SecAggPhases:
             timeout=deadline(rnd),
         )
         timeline.mark("consistency")
-        self.debug_pause(rnd.number, "consistency_check")
+        self.after_phase(rnd.number, "consistency_check")
         reveal = client.receive_consistency(wire.signatures_from_pb(sigs_pb))
         # What the site knows from here on: its shares went out. The coordinator answers
         # only once it recorded the round as completed (its sum decoded and stored).
@@ -198,6 +197,7 @@ class SecAggPhases:
                      vector: np.ndarray, *, timeline: RoundTimeline) -> None:
         """A round without secure aggregation (the site's policy allows it): the
         vector goes up as it is."""
+        self.observer.update_before_masking(rnd.number, vector)
         # Answered once the coordinator recorded the round (an error otherwise).
         stub.UploadMaskedInput(
             upload_stream(rnd, b"", vector), timeout=deadline(rnd, training=True),

@@ -45,7 +45,6 @@ from site_agent.phases import SecAggPhases
 from site_agent.round_timeline import RoundTimeline
 from site_agent.site_training import LocalUpdate, TrainingHook
 from site_agent.statistics_pin import RELEASED_WAY_OUT, StatisticsPin
-from site_agent.transfers import write_debug_update
 
 log = logging.getLogger("medfed.site")
 
@@ -274,8 +273,6 @@ class RoundRelease:
                     n_sites=len(rnd.params.participants) if rnd.params else 2, now=utcnow())
                 if ledger is not None:
                     self.membership.budget_pb()
-                if self.settings.debug_write_updates:
-                    write_debug_update(self.settings.state, rnd.number, vector)
                 self.phases.finish(stub, rnd, client, shares, premask, vector,
                                    heartbeats=heartbeats, timeline=timeline)
         except BaseException:

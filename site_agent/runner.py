@@ -10,6 +10,7 @@ from typing import Any
 from common.config import SiteSettings
 from common.errors import ConfigError, LedgerUnavailable
 from common.metrics_http import serve_metrics
+from common.observer import RoundObserver
 from common.privacy.ledger import LedgerSigner, PrivacyLedger, recovery_hint
 from common.privacy.signed import CHARGE_RECORD_LEVEL, CHARGE_UNIT
 from common.state_lock import StateLock
@@ -80,6 +81,7 @@ def run_site(
     stop: threading.Event | None = None,
     announce: Callable[[dict[str, Any]], None] | None = None,
     hook_factory: HookFactory | None = None,
+    observer: RoundObserver | None = None,
 ) -> int:
     # Ledger, state database and checkpoints: readable by this service only.
     try:
@@ -91,7 +93,7 @@ def run_site(
     # One agent per state folder: two would fork the ledger (common/state_lock.py).
     with StateLock.acquire(settings.state, role=f"site {settings.site}"):
         return _run_site(settings, stop=stop, announce=announce,
-                         hook_factory=hook_factory or build_hook)
+                         hook_factory=hook_factory or build_hook, observer=observer)
 
 
 def _run_site(
@@ -100,6 +102,7 @@ def _run_site(
     stop: threading.Event | None,
     announce: Callable[[dict[str, Any]], None] | None,
     hook_factory: HookFactory,
+    observer: RoundObserver | None,
 ) -> int:
     metrics = SiteMetrics(settings.site)
     hook = hook_factory(settings)
@@ -114,7 +117,7 @@ def _run_site(
     # The privacy unit (and so the ledger's terms) is known once the site joined the
     # coordinator's study: the agent opens the ledger then, before any release.
     agent = SiteAgent(settings, hook, metrics=metrics, ledger=None, stop=stop,
-                      open_ledger=open_and_attach)
+                      open_ledger=open_and_attach, observer=observer)
     agent.budget_pb()
     _, metrics_port = serve_metrics(settings.metrics_listen, metrics.registry)
     if announce is not None:

@@ -34,7 +34,7 @@ from site_agent.phases import SecAggPhases
 from site_agent.releases import EvaluationRelease, refuse_recorded_round
 from site_agent.round_timeline import RoundTimeline
 from site_agent.site_training import LocalUpdate, TrainingHook
-from site_agent.transfers import ModelDownload, write_debug_update
+from site_agent.transfers import ModelDownload
 
 log = logging.getLogger("medfed.site")
 
@@ -244,8 +244,6 @@ class TrainingRound:
                       else hospital_round.encode(rnd, update, planned_hospital))
             timeline.mark("encoded")
             log.debug("round %d: update trained and encoded", rnd.number)
-            if self.settings.debug_write_updates:
-                write_debug_update(self.settings.state, rnd.number, vector)
             if client is not None and keys is not None:
                 self.phases.finish(stub, rnd, client, *keys, vector, heartbeats=heartbeats,
                                    timeline=timeline)

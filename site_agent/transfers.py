@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -122,11 +121,3 @@ def upload_stream(
         yield pb.MaskedInputChunk(chunk=pb.ModelChunk(offset=offset, data=data))
         if index == 0 and after_first_chunk is not None:
             after_first_chunk()
-
-
-def write_debug_update(state: Path, round_number: int, vector: np.ndarray) -> None:
-    """TEST ONLY (`debug_write_updates`): the encoded vector before masking, so a test
-    can check the coordinator's sum against the sites' inputs."""
-    folder = state / "debug-updates"
-    folder.mkdir(parents=True, exist_ok=True)
-    vector.astype("<u4", copy=False).tofile(folder / f"round-{round_number:06d}.u32")

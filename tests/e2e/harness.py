@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.instrumented import instrumented_argv
 from common import pki
 from common.processes import ManagedProcess, medfed_argv
 from common.status_cli import fetch_status
@@ -28,8 +29,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 def transport_site_argv(*args: str) -> list[str]:
     """argv of `medfed` with the transport benchmarks' deterministic site double
-    (`bench.transport_site`: `site run` takes every flag of the product's)."""
+    (`bench.transport_site`: `site run` takes every flag of the product's and the test
+    instrumentation's, `bench.instrumented`)."""
     return [sys.executable, "-m", "bench.transport_site", *args]
+
+
+def service_argv(*args: str) -> list[str]:
+    """argv of `medfed ARGS`, through `bench.instrumented` where ARGS ask for its test
+    instrumentation (`--debug-*`: the product has no such flags)."""
+    if any(arg.startswith("--debug-") for arg in args):
+        return instrumented_argv(*args)
+    return medfed_argv(*args)
 
 
 def run_medfed(*args: str) -> subprocess.CompletedProcess[str]:
@@ -75,7 +85,7 @@ class Federation:
         self._restarts += 1
         proc = ManagedProcess(
             f"coordinator-{self._restarts}",
-            medfed_argv("coordinator", "serve", "--pki", str(self.pki), "--listen", listen,
+            instrumented_argv("coordinator", "serve", "--pki", str(self.pki), "--listen", listen,
                    "--metrics-listen", "127.0.0.1:0", "--state", str(self.root / "coordinator"),
                    "--debug-write-aggregates", *batch, *extra),
             env=self.env, log_dir=self.logs, cwd=REPO,
@@ -192,7 +202,7 @@ class StudyProcesses:
         """Waits until it listens; `extra`: more `coordinator serve` flags."""
         proc = ManagedProcess(
             "coordinator",
-            medfed_argv("coordinator", "serve", "--study", str(self.study),
+            service_argv("coordinator", "serve", "--study", str(self.study),
                         "--pki", str(self.pki), "--listen", "127.0.0.1:0",
                         "--metrics-listen", "127.0.0.1:0", "--state", str(self.state),
                         "--min-sites", str(min_sites), "--selection-seconds", "1",
@@ -212,7 +222,7 @@ class StudyProcesses:
         count = self._starts[site]
         proc = ManagedProcess(
             site if count == 1 else f"{site}-{count}",
-            medfed_argv("site", "run", "--pki", str(self.pki), "--site", site,
+            service_argv("site", "run", "--pki", str(self.pki), "--site", site,
                         "--coordinator", f"127.0.0.1:{self.port}",
                         "--metrics-listen", "127.0.0.1:0", "--state", str(self.site_state(site)),
                         "--data", str(data), "--once", *extra),

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.instrumented import instrumented_argv
 from common.bundle import read_bundle
 from common.privacy import hospital
 from common.privacy.ledger import read_ledger
@@ -69,11 +70,11 @@ def _run_federation(tmp_path: Path, processes: list[ManagedProcess], study_text:
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     coordinator = ManagedProcess(
         "coordinator",
-        medfed_argv("coordinator", "serve", "--study", str(study_path), "--pki", str(pki),
-                    "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                    "--state", str(tmp_path / "coordinator"), "--min-sites", "3",
-                    "--selection-seconds", "1", "--debug-write-aggregates",
-                    "--linger-seconds", "20"),
+        instrumented_argv("coordinator", "serve", "--study", str(study_path), "--pki", str(pki),
+                          "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                          "--state", str(tmp_path / "coordinator"), "--min-sites", "3",
+                          "--selection-seconds", "1", "--debug-write-aggregates",
+                          "--linger-seconds", "20"),
         log_dir=logs, env=env, cwd=REPO,
     )
     processes.append(coordinator)
@@ -82,11 +83,11 @@ def _run_federation(tmp_path: Path, processes: list[ManagedProcess], study_text:
     for name in SITES:
         agents[name] = ManagedProcess(
             name,
-            medfed_argv("site", "run", "--pki", str(pki), "--site", name,
-                        "--coordinator", f"127.0.0.1:{port}", "--metrics-listen",
-                        "127.0.0.1:0", "--state", str(tmp_path / "sites" / name),
-                        "--data", str(tmp_path / f"{name}.csv"), "--debug-write-updates",
-                        "--once"),
+            instrumented_argv("site", "run", "--pki", str(pki), "--site", name,
+                              "--coordinator", f"127.0.0.1:{port}", "--metrics-listen",
+                              "127.0.0.1:0", "--state", str(tmp_path / "sites" / name),
+                              "--data", str(tmp_path / f"{name}.csv"), "--debug-write-updates",
+                              "--once"),
             log_dir=logs, env=env, cwd=REPO,
         )
         processes.append(agents[name])

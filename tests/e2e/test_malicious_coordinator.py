@@ -18,13 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.instrumented import instrumented_argv
 from common import pki
 from common.codec import TensorSpec
 from common.config import CoordinatorSettings
 from common.crypto.random import system_random
 from common.models.build import initial_model
 from common.models.layout import flatten_parameters, model_layout
-from common.processes import ManagedProcess, medfed_argv
+from common.processes import ManagedProcess
 from common.study import GlobalStatistics, Study, study_sha256
 from coordinator.bundles import write_round_bundle
 from coordinator.study_run import StudyRun
@@ -128,7 +129,7 @@ def start_site(world: World, tmp_path: Path) -> Iterator[Callable[..., ManagedPr
             config = ("--config", str(tmp_path / f"{site}.toml"))
         proc = ManagedProcess(
             site,
-            medfed_argv(
+            instrumented_argv(
                 "site", "run", *config,
                 "--tls-ca", str(world.pki / "ca.crt"),
                 "--tls-cert", str(world.pki / "sites" / f"{site}.crt"),

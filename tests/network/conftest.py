@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.instrumented import Instrumentation
 from bench.transport_site import DeterministicTestHook
 from common import pki, wire
 from common.codec import CHUNK_BYTES, iter_chunks
@@ -117,7 +118,6 @@ def coordinator_settings(
             "heartbeat_seconds": 300.0,
         },
         "limits": {"max_chunk_bytes": MAX_CHUNK_BYTES},
-        "debug_write_aggregates": True,
     }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(values.get(key), dict):
@@ -135,10 +135,12 @@ def thread_stack(thread: threading.Thread) -> str:
 
 
 class InProcessCoordinator:
-    """`coordinator.service.start` on its own event loop in a daemon thread."""
+    """`coordinator.service.start` on its own event loop in a daemon thread, writing
+    each round's unmasked sum under its state folder (`read_aggregate`)."""
 
     def __init__(self, settings: CoordinatorSettings) -> None:
         self.settings = settings
+        self.observer = Instrumentation(settings.state, write_aggregates=True)
         self.loop = asyncio.new_event_loop()
         self.engine_done = threading.Event()
         self._ready = threading.Event()
@@ -174,7 +176,7 @@ class InProcessCoordinator:
 
     async def _serve(self) -> None:
         try:
-            self._running = await start(self.settings)
+            self._running = await start(self.settings, observer=self.observer)
             self._stop = asyncio.Event()
             self._engine_task = asyncio.create_task(self._running.engine.run())
             self._engine_task.add_done_callback(lambda _task: self.engine_done.set())
@@ -358,12 +360,11 @@ def honest_sites(
                 coordinator=address,
                 metrics_listen="127.0.0.1:0",
                 state=state,
-                debug_write_updates=True,
                 reconnect={"initial_backoff_seconds": 0.1, "max_backoff_seconds": 0.5},
             )
             agent = SiteAgent(
                 settings, DeterministicTestHook(site), metrics=SiteMetrics(site), ledger=None,
-                stop=stop,
+                stop=stop, observer=Instrumentation(state, write_updates=True),
             )
 
             def run(agent: SiteAgent = agent, site: str = site) -> None:

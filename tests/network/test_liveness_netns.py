@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.processes import ManagedProcess, medfed_argv
+from bench.instrumented import instrumented_argv
+from common.processes import ManagedProcess
 from tests.e2e.harness import REPO, transport_site_argv
 from tests.e2e.liveness import assert_liveness_bound
 from tests.network.conftest import read_aggregate, ring_sum
@@ -44,7 +45,7 @@ def test_a_site_whose_link_goes_down_mid_round_is_dropped(tmp_path: Path, moment
         try:
             coordinator = ManagedProcess(
                 "coordinator",
-                in_ns(topology.coordinator_ns, *medfed_argv(
+                in_ns(topology.coordinator_ns, *instrumented_argv(
                     "coordinator", "serve", "--pki", str(pki_dir),
                     "--listen", f"{COORDINATOR_IP}:0", "--metrics-listen", "127.0.0.1:0",
                     "--state", str(tmp_path / "coordinator"), "--debug-write-aggregates",

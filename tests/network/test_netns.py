@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.processes import ManagedProcess, medfed_argv
+from bench.instrumented import instrumented_argv
+from common.processes import ManagedProcess
 from tests.e2e.harness import REPO, run_medfed, transport_site_argv
 from tests.network.conftest import read_aggregate, ring_sum
 
@@ -148,7 +149,7 @@ def test_secure_round_between_network_namespaces(topology: Topology, tmp_path: P
     try:
         coordinator = ManagedProcess(
             "coordinator",
-            in_ns(topology.coordinator_ns, *medfed_argv(
+            in_ns(topology.coordinator_ns, *instrumented_argv(
                 "coordinator", "serve", "--pki", str(pki_dir),
                 "--listen", f"{COORDINATOR_IP}:0", "--metrics-listen", "127.0.0.1:0",
                 "--state", str(tmp_path / "coordinator"), "--debug-write-aggregates",
