@@ -165,7 +165,9 @@ class LedgerReplica:
             if head_hash != current.head_hash:
                 raise LedgerForkError(
                     f"site {site_id} reports head {head_hash[:16]}... at seq {entries}, but "
-                    f"the replica holds {current.head_hash[:16]}... there: its ledger forked"
+                    f"the replica holds {current.head_hash[:16]}... there: its ledger forked "
+                    "(a ledger carried into new terms, `medfed ledger carry`, is accepted "
+                    "once the site sends its whole history)"
                 )
             return True
         return False
