@@ -143,13 +143,19 @@ class Membership:
                     details = again.details() or ""
                 else:
                     return resp
-            path = self.ledger.path
-            raise LedgerForkError(
-                f"the coordinator refused this site's privacy ledger {path} "
-                f"(FAILED_PRECONDITION: {details}); the site stops rather than spend "
-                "a budget it already spent. Move the ledger aside and " + recovery_hint(path)
-            ) from None
+            raise self._refused(details) from None
         return resp
+
+    def _refused(self, details: str) -> LedgerForkError:
+        if self.ledger is None:
+            return LedgerForkError(f"the coordinator refused this site's privacy ledger "
+                                   f"(FAILED_PRECONDITION: {details})")
+        path = self.ledger.path
+        return LedgerForkError(
+            f"the coordinator refused this site's privacy ledger {path} "
+            f"(FAILED_PRECONDITION: {details}); the site stops rather than spend "
+            "a budget it already spent. Move the ledger aside and " + recovery_hint(path)
+        )
 
     def _carried(self) -> bool:
         """Whether this site's ledger opens with a history carried from older terms."""
@@ -246,6 +252,11 @@ class Membership:
             if (exc.code() != grpc.StatusCode.FAILED_PRECONDITION or self.replica_seq == 0
                     or not self._carried()):
                 raise
-            self._send_carried_history(stub)
+            try:
+                self._send_carried_history(stub)
+            except grpc.RpcError as again:
+                if again.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                raise self._refused(again.details() or "") from None
             return
         self.replica_seq = resp.ledger_seq_held

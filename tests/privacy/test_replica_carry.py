@@ -168,3 +168,21 @@ def test_attack_carry_that_changes_the_privacy_unit_is_refused(
     with pytest.raises(LedgerForkError, match=r"privacy unit changed \(patient -> record\)"):
         replica.extend(SITE, history, now=T0)
     assert_unchanged(replica, replicated)
+
+
+def test_a_carried_ledger_ahead_of_the_replica_is_accepted_whole(
+    tmp_path: Path, replica: LedgerReplica, replicated: SignedHistory, pki_material: Pki
+) -> None:
+    """The site carried and recorded a round the replica never received: the suffix the
+    site would send after the replica's head cannot show the carry, the whole can."""
+    path = tmp_path / "site" / "privacy-ledger.db"
+    done = carry_ledger(path, tmp_path / "site" / "carried.db", terms=NEW_TERMS,
+                        signer=pki_material.signer_a, now=T0)
+    carried = site_ledger(done.path, pki_material.signer_a, budget=9.0)
+    grow(carried, range(4, 5))
+    assert not replica.check_head(SITE, entries=4, head_hash=carried.head_hash())  # ahead
+    with pytest.raises(LedgerForkError, match="send it from seq 1"):
+        replica.extend(SITE, carried.export(after_seq=3), now=T0)
+    head = replica.extend(SITE, carried.export(), now=T0)
+    assert (head.entries, head.head_hash) == (4, carried.head_hash())
+    assert head.carried is not None and head.carried.old_entries == 3
