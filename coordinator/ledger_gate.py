@@ -1,7 +1,9 @@
 """The coordinator's replica of every site's signed privacy ledger,
 kept in the state database: a site whose reported head does not extend the replica
 (fork, shrink or reset) is refused, and so never selected, until an operator restores
-it."""
+it. A site that carried its ledger into new terms (`medfed ledger carry`) sends its
+whole history, which the replica accepts once it verifies as a carry of what it holds
+(`LedgerReplica.extend`): logged as `ledger_carried`."""
 
 from __future__ import annotations
 
@@ -51,6 +53,20 @@ class LedgerGate:
         head = self.replica.extend(
             site_id, history, now=dt.datetime.fromtimestamp(now, dt.UTC)
         )
+        carried = head.carried
+        if carried is not None:
+            log.warning(
+                "site %s carried its ledger into new terms: the replica now holds its %d "
+                "entries under head %s... (was %d entries, head %s...); epsilon spent %.4f "
+                "(was %.4f under the old terms); the old history is kept "
+                "(privacy_replica_carried)",
+                site_id, head.entries, carried.new_head_hash[:16], carried.old_entries,
+                carried.old_head_hash[:16], carried.new_spent, carried.old_spent,
+                extra={"event": "ledger_carried", "site": site_id,
+                       "old_head": carried.old_head_hash, "new_head": carried.new_head_hash,
+                       "old_entries": carried.old_entries, "entries": head.entries,
+                       "spent_before": carried.old_spent, "spent_after": carried.new_spent},
+            )
         return head.entries
 
 

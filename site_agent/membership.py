@@ -19,7 +19,8 @@ from common.config import SiteSettings
 from common.crypto.signing import VerifyingKey
 from common.errors import AbortReason, ConfigError, LedgerForkError, ProtocolAbort
 from common.pki import check_roster_certificate, public_key_fingerprint
-from common.privacy.ledger import PrivacyLedger, recovery_hint
+from common.privacy.carry import is_carried
+from common.privacy.ledger import PrivacyLedger, ledger_notes, recovery_hint
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.study import Study, study_from_enrolment, study_sha256
@@ -131,24 +132,63 @@ class Membership:
         # all rather than an empty ledger, which the coordinator's replica rightly
         # refuses as a reset for a site that already spent (a restarted site).
         budget = self.budget_pb() if self.ledger is not None else pb.BudgetStatus()
+        request = pb.EnrollRequest(
+            agent_version=AGENT_VERSION, budget=budget, device=self.hook.device
+        )
         try:
-            resp: pb.EnrollResponse = stub.Enroll(
-                pb.EnrollRequest(
-                    agent_version=AGENT_VERSION, budget=budget, device=self.hook.device
-                ),
-                timeout=30,
-            )
+            resp: pb.EnrollResponse = stub.Enroll(request, timeout=30)
         except grpc.RpcError as exc:
             refused = exc.code() == grpc.StatusCode.FAILED_PRECONDITION
             if not refused or self.ledger is None or not budget.ledger_head:
                 raise
-            path = self.ledger.path
-            raise LedgerForkError(
-                f"the coordinator refused this site's privacy ledger {path} "
-                f"(FAILED_PRECONDITION: {exc.details()}); the site stops rather than spend "
-                "a budget it already spent. Move the ledger aside and " + recovery_hint(path)
-            ) from None
+            details = exc.details() or ""
+            if self._carried():
+                # The replica still holds the terms before `medfed ledger carry`: it can
+                # check a carry only from the whole new history (entries it receives
+                # anyway), after which this head extends it.
+                try:
+                    self._send_carried_history(stub)
+                    resp = stub.Enroll(request, timeout=30)
+                except grpc.RpcError as again:
+                    if again.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                        raise
+                    details = again.details() or ""
+                else:
+                    return resp
+            raise self._refused(details) from None
         return resp
+
+    def _refused(self, details: str) -> LedgerForkError:
+        if self.ledger is None:
+            return LedgerForkError(f"the coordinator refused this site's privacy ledger "
+                                   f"(FAILED_PRECONDITION: {details})")
+        path = self.ledger.path
+        return LedgerForkError(
+            f"the coordinator refused this site's privacy ledger {path} "
+            f"(FAILED_PRECONDITION: {details}); the site stops rather than spend "
+            "a budget it already spent. Move the ledger aside and " + recovery_hint(path)
+        )
+
+    def _carried(self) -> bool:
+        """Whether this site's ledger opens with a history carried from older terms."""
+        return self.ledger is not None and is_carried(ledger_notes(self.ledger.path))
+
+    def _send_carried_history(self, stub: pb_grpc.FederationStub) -> None:
+        """Send the replica this carried ledger's whole signed history (the entries it
+        already holds, re-recorded under the new terms, and any after them)."""
+        ledger = self.ledger
+        if ledger is None:
+            return
+        history = ledger.export()
+        log.info(
+            "this site's ledger was carried into new terms: sending its %d signed entries "
+            "for the coordinator's replica to check the carry", len(history.entries),
+            extra={"event": "ledger_carry_sent", "entries": len(history.entries)},
+        )
+        resp = stub.ReplicateLedger(
+            pb.ReplicateLedgerRequest(history=history.to_bytes()), timeout=30
+        )
+        self.replica_seq = resp.ledger_seq_held
 
     def join(self, resp: pb.EnrollResponse) -> bool:
         """Check the coordinator's study against this site's policy and data BEFORE
@@ -216,5 +256,19 @@ class Membership:
         if len(self.ledger.entries()) <= self.replica_seq:
             return
         history = self.ledger.export(after_seq=self.replica_seq).to_bytes()
-        resp = stub.ReplicateLedger(pb.ReplicateLedgerRequest(history=history), timeout=30)
+        try:
+            resp = stub.ReplicateLedger(pb.ReplicateLedgerRequest(history=history), timeout=30)
+        except grpc.RpcError as exc:
+            # A carried ledger ahead of the replica's (old-terms) head: the suffix cannot
+            # show the carry, the whole history can.
+            if (exc.code() != grpc.StatusCode.FAILED_PRECONDITION or self.replica_seq == 0
+                    or not self._carried()):
+                raise
+            try:
+                self._send_carried_history(stub)
+            except grpc.RpcError as again:
+                if again.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                raise self._refused(again.details() or "") from None
+            return
         self.replica_seq = resp.ledger_seq_held

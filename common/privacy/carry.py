@@ -34,8 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Final
 
-from common.errors import ConfigError, LedgerUnavailable
+from common.errors import ConfigError, LedgerForkError, LedgerUnavailable
 from common.privacy.layered import charged
 from common.privacy.ledger_anchor import LedgerAnchor, anchor_path_for, write_anchor
 from common.privacy.ledger_verify import read_ledger, verify_ledger, write_new_ledger
@@ -47,6 +48,80 @@ from common.privacy.signed import (
     SignedHistory,
     utc_timestamp,
 )
+
+CARRY_NOTE_PREFIX: Final = "CARRIED: "
+"""How a carried ledger's note starts (`ledger_notes`). Notes are not signed: a site
+reads it only to decide to send its whole history to the coordinator's replica, which
+checks the carry itself from the signed entries (`check_carry`)."""
+
+CARRY_KEPT_FIELDS: Final = ("site_id", "seq", "round", "purpose", "mechanisms", "query")
+"""What a carry re-records unchanged from each old entry: the release itself."""
+CARRY_RENEWED_FIELDS: Final = (
+    "epsilon_after", "accountant_used", "created_at", "prev_hash", "cert_sha256", "signature",
+)
+"""What a carry may change in each re-recorded entry: the figures composed under the
+new terms (`epsilon_after`, `accountant_used`), when and by which certificate it was
+re-signed (`created_at`, `cert_sha256`, `signature`), and the chain that now starts at
+the new header (`prev_hash`). `SignedEntry` has no other field."""
+
+
+def is_carried(notes: Sequence[str]) -> bool:
+    """Whether a ledger's notes say it opens with a carried history."""
+    return any(note.startswith(CARRY_NOTE_PREFIX) for note in notes)
+
+
+def check_carry(
+    old_terms: LedgerTerms,
+    old_entries: Sequence[SignedEntry],
+    history: SignedHistory,
+) -> None:
+    """Refuse (LedgerForkError, naming what differs) a `history` under other terms
+    than `old_terms` unless it is a carry of `old_entries` (a ledger's whole history
+    from seq 1, as a replica holds it): same site and privacy unit, starting at seq 1,
+    at least as long, and its first len(old_entries) entries re-recording the old ones
+    one to one (`CARRY_KEPT_FIELDS` equal; only `CARRY_RENEWED_FIELDS` may differ).
+    The chain and signatures of `history` are its verifier's to check (`check_entries`
+    from its header): this function compares releases only.
+
+    Why accepting such a history keeps the guarantee: its entries hold every mechanism
+    the old ledger released, in the same order, and the new ledger's budget refusal
+    composes them with every later release; the old and new releases are one adaptive
+    composition over the same data and neighbour relation (RDP: Mironov 2017,
+    Proposition 1; PLD/PRV: Koskela et al. 2020, Gopi et al. 2021), which is exactly
+    what composing all mechanisms gives (module docstring). A history that drops,
+    reorders or alters a release would compose less than was released (a reset in
+    disguise); a privacy-unit change would bound another neighbour relation."""
+    site = old_terms.site_id
+    if history.terms.site_id != site:
+        raise LedgerForkError(f"a carry of site {site}'s ledger names site "
+                              f"{history.terms.site_id!r}")
+    if history.terms.privacy_unit != old_terms.privacy_unit:
+        raise LedgerForkError(
+            f"site {site} reports a ledger with other terms whose privacy unit changed "
+            f"({old_terms.privacy_unit} -> {history.terms.privacy_unit}): not a carry (its "
+            "history bounds another neighbour relation), a reset ledger"
+        )
+    entries = history.entries
+    if entries and entries[0].seq != 1:
+        raise LedgerForkError(
+            f"site {site} reports a ledger with other terms from seq {entries[0].seq}: a "
+            "carry is checked from its whole history (send it from seq 1)"
+        )
+    if len(entries) < len(old_entries):
+        raise LedgerForkError(
+            f"site {site} reports a ledger with other terms holding {len(entries)} entries, "
+            f"but the replica holds {len(old_entries)}: not a carry (a carry re-records "
+            "every old entry), a reset ledger"
+        )
+    for old, new in zip(old_entries, entries, strict=False):
+        for name in CARRY_KEPT_FIELDS:
+            if getattr(old, name) != getattr(new, name):
+                raise LedgerForkError(
+                    f"site {site} reports a ledger with other terms whose entry seq="
+                    f"{old.seq} has another {name} than the replica's entry seq={old.seq}: "
+                    "not a carry (a carry re-records every old release unchanged, in "
+                    "order), a reset ledger"
+                )
 
 
 @dataclass(frozen=True)
@@ -103,6 +178,7 @@ def carried_history(
             created_at=created_at,
             prev_hash=previous,
             cert_sha256=signer.cert_sha256,
+            query=old.query,
         ))
         entries.append(entry)
         previous = entry.entry_hash
@@ -139,7 +215,7 @@ def carry_ledger(
     old_spent = old_entries[-1].epsilon_after if old_entries else 0.0
     spent = history.entries[-1].epsilon_after if history.entries else 0.0
     note = (
-        f"CARRIED: opens with the {len(old_entries)} entries of the ledger {old} (terms "
+        f"{CARRY_NOTE_PREFIX}opens with the {len(old_entries)} entries of the ledger {old} (terms "
         f"budget={old_terms.budget_epsilon:g}, delta={old_terms.delta:g}, accountant="
         f"{old_terms.accountant}, charge={old_terms.charge}; head {header.head_hash}; "
         f"epsilon spent {old_spent:.4f}), "

@@ -26,6 +26,7 @@ from typing import Any, Final
 from cryptography import x509
 
 from common.errors import ConfigError, LedgerForkError, LedgerIntegrityError, ValidationError
+from common.privacy.carry import check_carry
 from common.privacy.mechanisms import canonical_json
 from common.privacy.signed import (
     LedgerTerms,
@@ -45,16 +46,39 @@ _SCHEMA: Final = (
     " entry_hash TEXT NOT NULL, PRIMARY KEY (site_id, seq))",
     "CREATE TABLE IF NOT EXISTS privacy_replica_certificates ("
     " sha256 TEXT PRIMARY KEY, der_base64 TEXT NOT NULL)",
+    # A carry replaced a site's terms and entries (`common.privacy.carry`): what the
+    # replica held before, kept for audit (the old signed entries verify under it).
+    "CREATE TABLE IF NOT EXISTS privacy_replica_carried ("
+    " site_id TEXT NOT NULL, old_head_hash TEXT NOT NULL, old_header_json TEXT NOT NULL,"
+    " old_entry_count BIGINT NOT NULL, old_spent TEXT NOT NULL, new_header_json TEXT NOT NULL,"
+    " new_head_hash TEXT NOT NULL, new_spent TEXT NOT NULL, carried_at TEXT NOT NULL,"
+    " PRIMARY KEY (site_id, old_head_hash))",
+    "CREATE TABLE IF NOT EXISTS privacy_replica_carried_entries ("
+    " site_id TEXT NOT NULL, old_head_hash TEXT NOT NULL, seq BIGINT NOT NULL,"
+    " entry_json TEXT NOT NULL, PRIMARY KEY (site_id, old_head_hash, seq))",
 )
 
 
 @dataclass(frozen=True)
+class ReplicaCarry:
+    """A carry the replica accepted: what it held before and what it holds now."""
+
+    old_head_hash: str
+    old_entries: int
+    old_spent: float
+    new_head_hash: str
+    new_spent: float
+
+
+@dataclass(frozen=True)
 class ReplicaHead:
-    """How far the replica of one site's ledger goes."""
+    """How far the replica of one site's ledger goes (`carried`: set by the `extend`
+    that accepted a carry)."""
 
     site_id: str
     entries: int
     head_hash: str
+    carried: ReplicaCarry | None = None
 
 
 class LedgerReplica:
@@ -141,7 +165,9 @@ class LedgerReplica:
             if head_hash != current.head_hash:
                 raise LedgerForkError(
                     f"site {site_id} reports head {head_hash[:16]}... at seq {entries}, but "
-                    f"the replica holds {current.head_hash[:16]}... there: its ledger forked"
+                    f"the replica holds {current.head_hash[:16]}... there: its ledger forked "
+                    "(a ledger carried into new terms, `medfed ledger carry`, is accepted "
+                    "once the site sends its whole history)"
                 )
             return True
         return False
@@ -158,9 +184,10 @@ class LedgerReplica:
         replica's next seq (entries the replica already holds must be identical). Raises,
         writing nothing:
 
-        * LedgerForkError: the head is behind the replica (shrink), the terms changed or
-          the ledger is empty while the replica is not (reset), an entry differs from the
-          replica's at the same seq (fork);
+        * LedgerForkError: the head is behind the replica (shrink), the terms changed and
+          the history is not a carry of the replica's (`common.privacy.carry.check_carry`:
+          a reset), the ledger is empty while the replica is not (reset), an entry
+          differs from the replica's at the same seq (fork);
         * LedgerIntegrityError: a new entry's chain, site or signature does not verify
           (or its certificate is not from the CA);
         * ValidationError: the run starts after the replica's next seq (a gap: send the
@@ -180,6 +207,9 @@ class LedgerReplica:
             else:
                 stored_terms = LedgerTerms.from_json_dict(json.loads(str(row[0])))
                 count, head = int(row[1]), str(row[2])
+                if history.terms != stored_terms:
+                    return self._carry(cur, site_id, history, stored_terms, head,
+                                       updated_at=updated_at)
             new = self._new_entries(cur, site_id, history, stored_terms, count, head)
             if row is not None and not new:
                 return ReplicaHead(site_id, count, head)
@@ -227,6 +257,95 @@ class LedgerReplica:
             )
         return ReplicaHead(site_id, new_count, new_head)
 
+    def _carry(
+        self,
+        cur: Statements,
+        site_id: str,
+        history: SignedHistory,
+        stored_terms: LedgerTerms,
+        head: str,
+        *,
+        updated_at: str,
+    ) -> ReplicaHead:
+        """Replace the replica's history by `history` if it verifies as a carry of it
+        (see `extend`); archive the old one first. Inside `extend`'s transaction."""
+        rows = cur.execute(
+            "SELECT entry_json FROM privacy_replica_entries WHERE site_id = ? ORDER BY seq",
+            (site_id,),
+        ).fetchall()
+        old_entries = [SignedEntry.from_json_dict(json.loads(str(r[0]))) for r in rows]
+        try:
+            check_carry(stored_terms, old_entries, history)
+        except LedgerForkError as exc:
+            raise LedgerForkError(
+                f"{exc} (the replica holds terms {_terms_text(stored_terms)}; the site "
+                f"reports {_terms_text(history.terms)})"
+            ) from None
+        entries = list(history.entries)
+        certificates = {**_certificates(cur, {e.cert_sha256 for e in entries}),
+                        **dict(history.certificates)}
+        problems = check_entries(history.terms, entries, certificates,
+                                 ca_certificate=self.ca_certificate)
+        if problems:
+            raise LedgerIntegrityError(
+                f"site {site_id}: the carried ledger does not verify: {problems[0]}"
+            )
+        new_head = history.head_hash
+        carried = ReplicaCarry(
+            old_head_hash=head,
+            old_entries=len(old_entries),
+            old_spent=old_entries[-1].epsilon_after if old_entries else 0.0,
+            new_head_hash=new_head,
+            new_spent=entries[-1].epsilon_after if entries else 0.0,
+        )
+        cur.execute(
+            "INSERT INTO privacy_replica_carried (site_id, old_head_hash, old_header_json, "
+            "old_entry_count, old_spent, new_header_json, new_head_hash, new_spent, "
+            "carried_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (site_id, head, canonical_json(stored_terms.to_json_dict()).decode("ascii"),
+             len(old_entries), repr(carried.old_spent),
+             canonical_json(history.terms.to_json_dict()).decode("ascii"), new_head,
+             repr(carried.new_spent), updated_at),
+        )
+        for old, raw in zip(old_entries, rows, strict=True):
+            cur.execute(
+                "INSERT INTO privacy_replica_carried_entries (site_id, old_head_hash, seq, "
+                "entry_json) VALUES (?, ?, ?, ?)",
+                (site_id, head, old.seq, str(raw[0])),
+            )
+        cur.execute("DELETE FROM privacy_replica_entries WHERE site_id = ?", (site_id,))
+        for entry in entries:
+            cur.execute(
+                "INSERT INTO privacy_replica_entries (site_id, seq, entry_json, "
+                "entry_hash) VALUES (?, ?, ?, ?)",
+                (site_id, entry.seq, canonical_json(entry.to_json_dict()).decode("ascii"),
+                 entry.entry_hash),
+            )
+        for digest in sorted({e.cert_sha256 for e in entries}):
+            cur.execute(
+                "INSERT INTO privacy_replica_certificates (sha256, der_base64) "
+                "VALUES (?, ?) ON CONFLICT (sha256) DO NOTHING",
+                (digest, base64.b64encode(certificates[digest]).decode("ascii")),
+            )
+        cur.execute(
+            "UPDATE privacy_replica_sites SET header_json = ?, entry_count = ?, "
+            "head_hash = ?, updated_at = ? WHERE site_id = ?",
+            (canonical_json(history.terms.to_json_dict()).decode("ascii"), len(entries),
+             new_head, updated_at, site_id),
+        )
+        return ReplicaHead(site_id, len(entries), new_head, carried)
+
+    def carries(self, site_id: str) -> list[tuple[str, int, str]]:
+        """The carries accepted for `site_id`, oldest first: (old head hash, old entry
+        count, new head hash)."""
+        with self.database.transaction(write=False) as cur:
+            rows = cur.execute(
+                "SELECT old_head_hash, old_entry_count, new_head_hash, carried_at FROM "
+                "privacy_replica_carried WHERE site_id = ? ORDER BY carried_at, old_entry_count",
+                (site_id,),
+            ).fetchall()
+        return [(str(r[0]), int(r[1]), str(r[2])) for r in rows]
+
     @staticmethod
     def _new_entries(
         cur: Statements,
@@ -236,11 +355,8 @@ class LedgerReplica:
         count: int,
         head: str,
     ) -> list[SignedEntry]:
-        if history.terms != stored_terms:
-            raise LedgerForkError(
-                f"site {site_id} reports a ledger with other terms than its replica "
-                "(budget, delta, accountant or privacy unit changed): a reset ledger"
-            )
+        # Other terms than the stored ones never get here: `extend` checks them as a carry.
+        del stored_terms
         entries = list(history.entries)
         if not entries:
             if count > 0:
@@ -276,6 +392,11 @@ class LedgerReplica:
                     )
         del head
         return [e for e in entries if e.seq > count]
+
+
+def _terms_text(terms: LedgerTerms) -> str:
+    return (f"budget={terms.budget_epsilon:g}, delta={terms.delta:g}, accountant="
+            f"{terms.accountant}, unit={terms.privacy_unit}, charge={terms.charge}")
 
 
 def _shrink_message(site_id: str, reported: int, held: int) -> str:

@@ -105,3 +105,24 @@ def test_a_carry_across_privacy_units_is_refused(tmp_path: Path, pki_material: P
         carry_ledger(old.path, tmp_path / "new.db", terms=terms,
                      signer=pki_material.signer_a, now=T0)
     assert not (tmp_path / "new.db").exists()
+
+
+def test_a_carried_query_entry_keeps_the_query_it_answered(
+    tmp_path: Path, pki_material: Pki
+) -> None:
+    """A "query" entry names its query in its signed body; its re-recording must too (an
+    entry without it is not a ledger entry: the carried ledger would not read back)."""
+    from common.privacy.mechanisms import Gaussian
+    from common.privacy.signed import QueryRef
+
+    old = open_ledger(tmp_path / "old.db", pki_material.signer_a, budget=5.0)
+    spend(old, range(1, 2))
+    asked = QueryRef("cohort-size", "ab" * 32)
+    old.reserve(2, [Gaussian(40.0, 1.0)], now=T0, purpose="query", query=asked)
+    terms = LedgerTerms("hospital-a", 6.0, DELTA, "prv", "patient")
+    done = carry_ledger(old.path, tmp_path / "new.db", terms=terms,
+                        signer=pki_material.signer_a, now=T0)
+    new = open_ledger(done.path, pki_material.signer_a, budget=6.0)
+    assert [(e.purpose, e.query) for e in new.entries()] == [("training", None),
+                                                             ("query", asked)]
+    assert verify_ledger(done.path).ok
