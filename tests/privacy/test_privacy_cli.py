@@ -227,23 +227,3 @@ def test_installed_medfed_command_verifies_and_rejects(
     assert bad.returncode == 1
     assert "first problem: entry seq=1: unreadable entry" in bad.stderr
 
-
-def test_the_privacy_and_ledger_commands_start_without_torch() -> None:
-    """`medfed privacy|ledger` registers `privacy audit` from its light argument module
-    (the plug-in the package declares), so `ledger show` does not pay torch's and
-    Opacus's start-up; the audit's training code loads when `audit` runs."""
-    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
-    assert 'audit = "site_agent.audit_cli:register"' in pyproject
-    probe = (
-        "import argparse, sys\n"
-        "from common.privacy.cli import register_ledger, register_privacy\n"
-        "parser = argparse.ArgumentParser()\n"
-        "sub = parser.add_subparsers()\n"
-        "register_privacy(sub); register_ledger(sub)\n"
-        "parser.parse_args(['privacy', 'audit', '--data', 'x.csv'])\n"
-        "print(sorted(m for m in ('torch', 'opacus') if m in sys.modules))\n"
-    )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                            timeout=120, check=False)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
