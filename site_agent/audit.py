@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -47,6 +46,9 @@ from common.privacy.accountant import account
 from common.privacy.audit import DEFAULT_CONFIDENCE, AuditResult, audit_from_scores
 from common.privacy.mechanisms import Gaussian
 from common.study import GlobalStatistics, Study
+from site_agent.audit_cli import DEFAULT_CANARIES, DEFAULT_EPOCHS
+from site_agent.audit_cli import main as main
+from site_agent.audit_cli import register as register
 from site_agent.data import DatasetSchema, SiteData, Standardizer, load_site_data
 from site_agent.dp_release import gaussian_std_for, noisy_unit_count
 from site_agent.trainer import LocalTrainer
@@ -59,10 +61,10 @@ CANARY_ID_PREFIX = "__medfed_audit_canary_"
 class AuditSettings:
     """What one audit trains. `epsilon` None = non-private training (the audit's control)."""
 
-    canaries: int = 200
+    canaries: int = DEFAULT_CANARIES
     epsilon: float | None = 8.0
     delta: float = 1e-5
-    epochs: int = 60
+    epochs: int = DEFAULT_EPOCHS
     batch_size: int = 128
     lr: float = 0.1
     optimizer: Literal["sgd", "adam"] = "sgd"
@@ -377,7 +379,8 @@ def study_audit_model(study: Study) -> AuditModel:
     )
 
 
-def _cmd_audit(args: argparse.Namespace) -> int:
+def run_audit_command(args: argparse.Namespace) -> int:
+    """`medfed privacy audit` once its arguments are parsed (site_agent/audit_cli.py)."""
     # Without --seed the training noise comes from the OS CSPRNG (a reproducible
     # seed is for tests: noise an attacker can regenerate protects nothing).
     seed = args.seed if args.seed is not None else secrets.randbits(62)
@@ -438,69 +441,6 @@ def _cmd_audit(args: argparse.Namespace) -> int:
            f"{report['epsilon_with_count']:.4f}")
     )
     return 0
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
-    return value
-
-
-def register(commands: Any) -> None:
-    """Adds `audit` under `medfed privacy` (plug-in group ``medfed.privacy_commands``)."""
-    parser = commands.add_parser(
-        "audit",
-        help="train locally with canaries, attack them, report an epsilon lower bound",
-    )
-    parser.add_argument("--data", required=True, help="CSV or Parquet file of records")
-    parser.add_argument("--label-column", default=None, help="required without --study")
-    parser.add_argument("--patient-column", default=None, help="patient-level DP if given")
-    parser.add_argument(
-        "--study",
-        default=None,
-        help="study file: train its features, encoding, model and privacy settings",
-    )
-    parser.add_argument(
-        "--statistics",
-        default=None,
-        help="with --study: the federation's preprocessing statistics (JSON); default: "
-        "a noiseless release of this file, kept local",
-    )
-    privacy = parser.add_mutually_exclusive_group()
-    privacy.add_argument(
-        "--epsilon",
-        type=_positive_float,
-        default=None,
-        help="target epsilon of the audited DP-SGD training (default: the study's, else 8)",
-    )
-    privacy.add_argument("--no-dp", action="store_true", help="audit non-private training")
-    parser.add_argument(
-        "--delta", type=_positive_float, default=None, help="default: the study's, else 1e-5"
-    )
-    parser.add_argument("--canaries", type=int, default=AuditSettings.canaries)
-    parser.add_argument("--epochs", type=int, default=AuditSettings.epochs)
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="fixed seed (tests only: makes the DP noise reproducible)",
-    )
-    parser.add_argument("--json", action="store_true", help="one JSON object on the last line")
-    parser.set_defaults(func=_cmd_audit)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m site_agent.audit ...` = `medfed privacy audit ...`."""
-    from common.cli import run_parsed
-
-    parser = argparse.ArgumentParser(prog="medfed privacy")
-    commands = parser.add_subparsers(dest="privacy_command", required=True)
-    register(commands)
-    return run_parsed(parser.parse_args(["audit", *(argv or [])]))
 
 
 if __name__ == "__main__":

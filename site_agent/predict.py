@@ -31,15 +31,22 @@ from site_agent.imaging import ImageDataset
 PREDICT_BATCH = 4096
 
 
-def build_model(arch: Architecture, *, allowed_factories: Sequence[str] = ()) -> nn.Module:
-    """The untrained, DP-checked network an architecture describes, through the one
-    registry (`common.models`); unknown or disallowed is a `ConfigError`."""
-    return build_from_architecture(arch, allowed_model_factories=allowed_factories)
+def build_model(
+    arch: Architecture, *, allowed_factories: Sequence[str] = (), check_dp: bool = True
+) -> nn.Module:
+    """The untrained network an architecture describes, through the one registry
+    (`common.models`), DP-checked unless `check_dp=False`; unknown or disallowed is a
+    `ConfigError`."""
+    return build_from_architecture(arch, allowed_model_factories=allowed_factories,
+                                   check_dp=check_dp)
 
 
 def load_model(bundle: ModelBundle, *, allowed_factories: Sequence[str] = ()) -> nn.Module:
     """The bundle's network with its parameters, in eval mode."""
-    model = build_model(bundle.architecture, allowed_factories=allowed_factories)
+    # Scoring runs no DP-SGD step: the trained network is not re-checked for Opacus
+    # (which would cost the command seconds of start-up importing it).
+    model = build_model(bundle.architecture, allowed_factories=allowed_factories,
+                        check_dp=False)
     expected = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     stored = [(n, tuple(np.shape(v))) for n, v in bundle.parameters.items()]
     if expected != stored:

@@ -14,6 +14,13 @@ Hundreds of tests start `medfed` processes. With PYTHONDONTWRITEBYTECODE set (as
 CI machines), each of them compiled this checkout's modules from source again (about
 0.6 s of CPU per process on two busy cores); the suite lets them write and reuse
 `__pycache__` (git- and docker-ignored) instead.
+
+torch and NumPy's BLAS run one thread per test process (OMP_NUM_THREADS and
+MKL_NUM_THREADS default to 1, for the workers and every process they start, as the
+e2e harness already asked of its site processes): with two workers on two cores, a
+second intra-op thread per process buys no time and its OpenMP spin-waiting burns CPU
+(tests/privacy/test_privacy_audit_run.py: 54 s of CPU with two threads, 15 s with one).
+A caller's own setting wins.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # processes they start.
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     sys.dont_write_bytecode = False
+    for threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(threads, "1")
 
 
 def _shares_a_fixture(item: pytest.Item) -> bool:

@@ -2,7 +2,9 @@
 
 The built-in networks come from their modules (`common.models.registry`); a hospital's
 own is a ``package.module:factory`` that the site's (or coordinator's) operator allowed
-by name. Imports torch and Opacus: only what builds a network imports this module.
+by name. Imports torch: only what builds a network imports this module. Opacus is
+imported by the DP check alone (seconds of start-up that `predict`, which rebuilds a
+trained network to score with it, does not pay).
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from opacus.utils.module_utils import trainable_modules
-from opacus.validators import ModuleValidator
 from torch import nn
 
 from common.errors import ConfigError
@@ -103,6 +103,9 @@ def check_dp_compatible(model: nn.Module) -> None:
 
     Opacus' own errors do not say which layer failed; a hospital's engineer needs that.
     """
+    from opacus.utils.module_utils import trainable_modules
+    from opacus.validators import ModuleValidator
+
     for path, layer in trainable_modules(model):
         validator = ModuleValidator.VALIDATORS.get(type(layer))
         if validator is None:
@@ -261,10 +264,11 @@ def initial_model(
 
 
 def build_from_architecture(
-    arch: Architecture, *, allowed_model_factories: Sequence[str] = ()
+    arch: Architecture, *, allowed_model_factories: Sequence[str] = (), check_dp: bool = True
 ) -> nn.Module:
     """Rebuild a model bundle's recorded architecture (common.bundle.Architecture)
-    through the one registry; a custom factory must be installed and allowed."""
+    through the one registry; a custom factory must be installed and allowed.
+    `check_dp=False` for a network that only scores (no DP-SGD step will run on it)."""
     if arch.num_outputs == 2:
         raise ConfigError(
             "model", "a recorded model has 1 output (binary) or K >= 3 (multi-class), not 2"
@@ -285,4 +289,5 @@ def build_from_architecture(
         in_channels=arch.in_channels,
         image_size=arch.image_size,
         allowed_model_factories=allowed_model_factories,
+        check_dp=check_dp,
     )

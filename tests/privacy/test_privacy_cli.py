@@ -226,3 +226,4 @@ def test_installed_medfed_command_verifies_and_rejects(
     bad = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 1
     assert "first problem: entry seq=1: unreadable entry" in bad.stderr
+

@@ -78,7 +78,7 @@ def test_a_command_that_trains_nothing_starts_without_torch(
 
 
 HELP_COMMANDS = ["coordinator serve", "site run", "ledger show", "ledger verify", "query run",
-                 "demo", "bench", "predict", "model export"]
+                 "demo", "bench", "predict", "model export", "privacy epsilon", "privacy audit"]
 HELP_PROBE = (
     "import contextlib, io, json, sys\n"
     "from common.cli import build_parser\n"
@@ -95,10 +95,23 @@ HELP_PROBE = (
 def test_every_command_parses_its_options_without_torch() -> None:
     """Registering and parsing a command (here its --help, each in turn in one
     interpreter) loads no network code: the coordinator and the site import torch when
-    they build their model, `predict` when it scores, not before."""
+    they build their model, `predict` when it scores, not before. `medfed privacy`
+    registers its `audit` plug-in (site_agent.audit_cli) without the audit's training
+    code, so `privacy epsilon` and `python -m common.privacy.cli ledger ...` start light."""
     result = subprocess.run([sys.executable, "-c", HELP_PROBE, json.dumps(HELP_COMMANDS)],
                             cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert list(seen) == HELP_COMMANDS
     assert {command: modules for command, modules in seen.items() if modules} == {}
+
+
+def test_predict_scores_without_opacus(files: dict[str, Path]) -> None:
+    """`predict` rebuilds the trained network to score with it: torch, but no DP-SGD
+    step and so no Opacus (seconds of start-up per run)."""
+    out = files["root"] / "scores.csv"
+    modules, result = heavy_imports("predict", "--model", str(files["model"]),
+                                    "--data", str(files["csv"]), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "torch" in modules and "opacus" not in modules, modules
+    assert out.stat().st_size > 0
