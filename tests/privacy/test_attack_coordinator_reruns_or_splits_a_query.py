@@ -240,8 +240,12 @@ def test_a_cell_of_one_patient_is_only_noise_and_the_ledger_pays_for_it(
     answer = decode_sum(release, total, contributors=3, noise_sites=2,
                         round_number=20)
     (count,) = [e for e in answer.statistic("patients").estimates]
-    # One patient more or less is well inside the noise the coordinator is told of.
-    assert count.std > 2.0 and count.low <= 0 and count.high >= 2
+    # One patient more or less is well inside the noise the coordinator is told of: the
+    # noise std is over twice the one patient's contribution. (Where the noisy value and
+    # its interval land is random, and a count is clamped at 0: asserting the interval
+    # covers 0 and 2 failed about 1 run in 8.)
+    assert count.std > 2.0
+    assert 0.0 <= count.low <= count.value <= count.high
     assert answer.statistic("patients").noise_std == pytest.approx(count.std)
 
 
