@@ -16,7 +16,7 @@ from common.privacy.ledger import export_ledger, ledger_notes
 from common.privacy.replica import export_from_state
 from common.privacy.signed import SignedHistory
 from common.processes import ManagedProcess, medfed_argv
-from tests.e2e.harness import REPO, StudyProcesses, make_pki
+from tests.e2e.harness import REPO, StudyProcesses, list_members, make_pki
 from tests.study.helpers import hospital_csvs, study_toml
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
@@ -31,6 +31,7 @@ def test_a_carried_ledger_is_accepted_and_trains_the_next_round(
     pki = make_pki(tmp_path, SITES)
     study_path = tmp_path / "study.toml"
     study_path.write_text(study_toml("ledger-carry", rounds=2))
+    list_members(study_path, pki, SITES)
     files = hospital_csvs(tmp_path, SITES)
     run = StudyProcesses(tmp_path, study=study_path, pki=pki, processes=processes)
     coordinator = run.start_coordinator()
