@@ -5,6 +5,7 @@ baselines, the model and the sites' configuration."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
@@ -19,6 +20,9 @@ from demo.tabular import TabularTask
 from demo.tasks import DemoTask
 from demo.terms import dropout_decision, federation_terms
 from demo.watch import last_error, waiting_for
+
+FINAL_MODEL_SECONDS = 300
+"""How long after the last round a site may take to download and store the final model."""
 
 
 class Demo:
@@ -149,7 +153,8 @@ phase_seconds = {self.o.phase_seconds}
         config.write_text(self.task.site_config(self, site, data))
         command = ("site", "run", "--config", str(config), "--pki", str(pki),
                    "--site", site, "--coordinator", f"127.0.0.1:{self.port}",
-                   "--metrics-listen", "127.0.0.1:0", "--state", str(self.site_state(site)))
+                   "--metrics-listen", "127.0.0.1:0", "--state", str(self.site_state(site)),
+                   "--once")
         argv = medfed_argv(*command) if pause_after is None else [
             sys.executable, "-m", "bench.instrumented", *command,
             "--debug-pause-after", pause_after]
@@ -207,11 +212,28 @@ phase_seconds = {self.o.phase_seconds}
             self.say("[federation] AUC = the global model entering each round, measured on every "
                      "site's held-out split through securely summed score histograms")
             self.follow_rounds(coordinator, sites, victim, pki, files)
+            self.wait_for_final_models(sites)
         finally:
             for proc in self.procs.values():
                 proc.stop()
             coordinator.stop()
         return self.write_report(sites, baselines)
+
+    def wait_for_final_models(self, sites: list[str]) -> None:
+        """Each site (`--once`) exits 0 once it stored the study's final model: wait for
+        that before stopping anything, so the report never names a model a site lacks."""
+        for site in sites:
+            proc = self.procs[site]
+            try:
+                code = proc.wait_exit(timeout=FINAL_MODEL_SECONDS)
+            except subprocess.TimeoutExpired:
+                raise StateError(
+                    f"site {site} did not store the final model within "
+                    f"{FINAL_MODEL_SECONDS} s of the last round: {last_error(proc)} "
+                    f"(log: {self.out / 'logs' / (site + '.log')})") from None
+            if code != 0:
+                raise StateError(f"site {site} exited with code {code} after the last round: "
+                                 f"{last_error(proc)} (log: {self.out / 'logs' / (site + '.log')})")
 
     def kill_round_number(self) -> int:
         """The coordinator's number of the `--kill-round`th training round (round 1 is
