@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -227,19 +228,7 @@ class LedgerReplica:
                 raise LedgerIntegrityError(
                     f"site {site_id}: ledger entries do not verify: {problems[0]}"
                 )
-            for entry in new:
-                cur.execute(
-                    "INSERT INTO privacy_replica_entries (site_id, seq, entry_json, "
-                    "entry_hash) VALUES (?, ?, ?, ?)",
-                    (site_id, entry.seq, canonical_json(entry.to_json_dict()).decode("ascii"),
-                     entry.entry_hash),
-                )
-            for digest in sorted({e.cert_sha256 for e in new}):
-                cur.execute(
-                    "INSERT INTO privacy_replica_certificates (sha256, der_base64) "
-                    "VALUES (?, ?) ON CONFLICT (sha256) DO NOTHING",
-                    (digest, base64.b64encode(certificates[digest]).decode("ascii")),
-                )
+            _insert_entries(cur, site_id, new, certificates)
             new_count = count + len(new)
             new_head = new[-1].entry_hash if new else head
             cur.execute(
@@ -314,19 +303,7 @@ class LedgerReplica:
                 (site_id, head, old.seq, str(raw[0])),
             )
         cur.execute("DELETE FROM privacy_replica_entries WHERE site_id = ?", (site_id,))
-        for entry in entries:
-            cur.execute(
-                "INSERT INTO privacy_replica_entries (site_id, seq, entry_json, "
-                "entry_hash) VALUES (?, ?, ?, ?)",
-                (site_id, entry.seq, canonical_json(entry.to_json_dict()).decode("ascii"),
-                 entry.entry_hash),
-            )
-        for digest in sorted({e.cert_sha256 for e in entries}):
-            cur.execute(
-                "INSERT INTO privacy_replica_certificates (sha256, der_base64) "
-                "VALUES (?, ?) ON CONFLICT (sha256) DO NOTHING",
-                (digest, base64.b64encode(certificates[digest]).decode("ascii")),
-            )
+        _insert_entries(cur, site_id, entries, certificates)
         cur.execute(
             "UPDATE privacy_replica_sites SET header_json = ?, entry_count = ?, "
             "head_hash = ?, updated_at = ? WHERE site_id = ?",
@@ -413,6 +390,29 @@ def _site_row(cur: Statements, site_id: str) -> tuple[Any, ...] | None:
         "WHERE site_id = ?",
         (site_id,),
     ).fetchone()
+
+
+def _insert_entries(
+    cur: Statements,
+    site_id: str,
+    entries: Sequence[SignedEntry],
+    certificates: Mapping[str, bytes],
+) -> None:
+    """Store verified `entries` of `site_id` and each certificate they were signed
+    with (a certificate already stored is kept)."""
+    for entry in entries:
+        cur.execute(
+            "INSERT INTO privacy_replica_entries (site_id, seq, entry_json, "
+            "entry_hash) VALUES (?, ?, ?, ?)",
+            (site_id, entry.seq, canonical_json(entry.to_json_dict()).decode("ascii"),
+             entry.entry_hash),
+        )
+    for digest in sorted({e.cert_sha256 for e in entries}):
+        cur.execute(
+            "INSERT INTO privacy_replica_certificates (sha256, der_base64) "
+            "VALUES (?, ?) ON CONFLICT (sha256) DO NOTHING",
+            (digest, base64.b64encode(certificates[digest]).decode("ascii")),
+        )
 
 
 def _certificates(cur: Statements, digests: set[str]) -> dict[str, bytes]:
