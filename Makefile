@@ -12,19 +12,38 @@ PROTO_OUT := common/proto
 
 .PHONY: test test-containers demo bench soak lint proto proto-check venv clean images lock
 
-# torch first, pinned: torch==2.13.0 has a CPU wheel cached on our machines (elsewhere
-# pip takes PyPI's build of the same version; PIP_EXTRA="--extra-index-url
-# https://download.pytorch.org/whl/cpu" asks for the CPU one). Then every other package
-# from requirements/dev.lock, pinned with its SHA-256 hash (the lock's platform-specific
-# torch entry left out: installed above), then medfed itself without resolving anything
-# further. `make lock` re-pins the lock.
+# Every package comes from requirements/dev.lock, pinned with its SHA-256 hash (`make
+# lock` re-pins it). uv installs it (seconds; pip takes minutes on two cores): uv itself
+# first, from requirements/bootstrap.lock with its hashes, then the lock without
+# resolving anything (`uv pip check` then confirms the set is consistent), then medfed
+# itself. torch is the lock's CPU build, torch==2.13.0+cpu: uv looks for it where pip is
+# configured to look (PIP_FIND_LINKS or pip's find-links: our machines cache the wheel
+# there); elsewhere UV_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu
+# --index-strategy unsafe-best-match" names PyTorch's CPU index. Where uv cannot be
+# installed or cannot install the lock, pip installs the same pins (torch first, its
+# lock entry left out; PIP_EXTRA as UV_EXTRA) and says so.
 PIP_EXTRA ?=
-$(STAMP_RUNTIME): pyproject.toml requirements/dev.lock
+UV_EXTRA  ?=
+$(STAMP_RUNTIME): pyproject.toml requirements/dev.lock requirements/bootstrap.lock
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet $(PIP_EXTRA) torch==2.13.0
-	sed '/^torch==/,/^[a-z]/{/^torch==/d;/^ /d;}' requirements/dev.lock > $(VENV)/dev-without-torch.lock
-	$(PIP) install --quiet --require-hashes $(PIP_EXTRA) -r $(VENV)/dev-without-torch.lock
+	@links=""; \
+	for dir in $${PIP_FIND_LINKS:-$$($(PIP) config get global.find-links 2>/dev/null)}; do \
+		links="$$links --find-links $$dir"; \
+	done; \
+	if $(PIP) install --quiet --require-hashes -r requirements/bootstrap.lock \
+		&& $(VENV)/bin/uv pip install --python $(PY) --quiet --no-deps --require-hashes \
+			$$links $(UV_EXTRA) -r requirements/dev.lock \
+		&& $(VENV)/bin/uv pip check --python $(PY) --quiet; then \
+		echo "installed requirements/dev.lock with uv"; \
+	else \
+		echo "uv could not install requirements/dev.lock: installing it with pip (minutes)"; \
+		$(PIP) install --quiet $(PIP_EXTRA) torch==2.13.0 \
+		&& sed '/^torch==/,/^[a-z]/{/^torch==/d;/^ /d;}' requirements/dev.lock \
+			> $(VENV)/dev-without-torch.lock \
+		&& $(PIP) install --quiet --require-hashes $(PIP_EXTRA) \
+			-r $(VENV)/dev-without-torch.lock || exit 1; \
+	fi
 	$(PIP) install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
@@ -33,9 +52,10 @@ $(STAMP_DEV): $(STAMP_RUNTIME)
 
 venv: $(STAMP_DEV)
 
+# mypy runs inside the suite (tests/unit/test_type_check.py), beside the other tests.
 test: $(STAMP_DEV)
 	$(MAKE) --no-print-directory proto-check
-	$(MAKE) --no-print-directory lint
+	$(VENV)/bin/ruff check common coordinator site_agent demo bench tests
 	$(VENV)/bin/pytest -q --durations=25
 
 # The shipped images built and run with podman (tests/deploy/test_containers.py; about
