@@ -188,6 +188,8 @@ class SiteAgent:
                 self.connection.close()
                 self.stop.wait(NEXT_STUDY_POLL_SECONDS)
             except grpc.RpcError as exc:
+                if self.stop.is_set():
+                    break  # the stop cancelled the call in flight (Connection)
                 code = exc.code()
                 if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
                     log.error("coordinator refused our certificate: %s", exc.details())
@@ -352,7 +354,7 @@ class SiteAgent:
             log.error("round %d failed: %s", ann.round, exc)
             self.metrics.rounds.labels(outcome="failed").inc()
         except grpc.RpcError as exc:
-            if exc.code() in RETRYABLE:
+            if exc.code() in RETRYABLE or self.stop.is_set():
                 raise
             log.warning("round %d ended by coordinator: %s %s", ann.round, exc.code(),
                         exc.details())

@@ -61,8 +61,25 @@ class Connection:
         self.tls_failures = 0
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.FederationStub | None = None
+        self._lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
+
+    def _close_on_stop(self) -> None:
+        """A stop cancels every RPC in flight: an upload on a link that went dead would
+        otherwise hold a SIGTERM until TCP gives up, well past `docker stop`'s ten
+        seconds."""
+        self.stop.wait()
+        self.close()
 
     def stub(self) -> pb_grpc.FederationStub:
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._close_on_stop,
+                                             name="close-on-stop", daemon=True)
+            self._watcher.start()
+        with self._lock:
+            return self._open()
+
+    def _open(self) -> pb_grpc.FederationStub:
         if self._stub is None:
             self._channel = grpc.secure_channel(
                 self.settings.coordinator,
@@ -80,10 +97,11 @@ class Connection:
         return self._stub
 
     def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-        self._channel = None
-        self._stub = None
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel = None
+            self._stub = None
 
     def established(self) -> None:
         """The coordinator answered: the next failure starts the backoff afresh."""

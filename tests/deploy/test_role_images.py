@@ -147,12 +147,14 @@ def test_the_coordinator_images_commands_work_without_site_agent(tmp_path: Path)
     assert {"coordinator", "pki", "privacy", "ledger", "study", "query", "status"} <= commands
     assert not commands & {"site", "bench", "demo", "predict", "model", "data"}
     # The same commands the image's build checks, and those medfed-bootstrap runs.
+    helps = {}
     for argv in (["coordinator", "serve", "--help"], ["privacy", "--help"],
                  ["query", "run", "--help"], ["pki", "--help"], ["ledger", "--help"]):
         done = run_python(env, "-m", "common.cli", *argv)
         assert done.returncode == 0, f"{argv}: {done.stderr[-2000:]}"
-    privacy = run_python(env, "-m", "common.cli", "privacy", "--help").stdout
-    assert "audit" not in subcommands(privacy)  # site_agent's plug-in: absent, not broken
+        helps[argv[0]] = done.stdout
+    # site_agent's plug-in: absent, not broken
+    assert "audit" not in subcommands(helps["privacy"])
     missing = run_python(env, "-m", "common.cli", "site", "run", "--help")
     assert missing.returncode == 2
     assert "'site' is not installed here (no site_agent package)" in missing.stderr

@@ -17,6 +17,7 @@ the fixture's teardown, also on failure.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import os
 import re
 import shutil
@@ -29,8 +30,9 @@ import numpy as np
 import pytest
 
 from bench.instrumented import instrumented_argv
+from common import pki
 from common.processes import ManagedProcess
-from tests.e2e.harness import REPO, run_medfed, transport_site_argv
+from tests.e2e.harness import REPO, transport_site_argv
 from tests.network.conftest import read_aggregate, ring_sum
 
 pytestmark = pytest.mark.timeout(120)
@@ -133,12 +135,16 @@ def uplink_bytes_sent(namespace: str) -> int:
 
 
 def make_pki(root: Path, sites: Sequence[str]) -> Path:
-    """The coordinator certificate names its namespace IP (and nothing else)."""
+    """The coordinator certificate names its namespace IP (and nothing else): ROOT/pki as
+    `medfed pki init` and `medfed pki issue --coordinator IP / --site SITE` write it,
+    through the same library calls in this process (the commands themselves run in
+    tests/pki/test_pki_cli.py and the README tests)."""
     pki_dir = root / "pki"
-    run_medfed("pki", "init", "--dir", str(pki_dir))
-    run_medfed("pki", "issue", "--dir", str(pki_dir), "--coordinator", COORDINATOR_IP)
+    pki.init_ca(pki_dir)
+    now = dt.datetime.now(dt.UTC)
+    pki.issue_coordinator(pki_dir, [COORDINATOR_IP], now=now)
     for site in sites:
-        run_medfed("pki", "issue", "--dir", str(pki_dir), "--site", site)
+        pki.issue_site(pki_dir, site, now=now)
     return pki_dir
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import csv
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -66,8 +67,10 @@ def module_path(name: str) -> Path | None:
     return package if package.exists() else None
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every product module `path` imports, at module level or inside functions."""
+@functools.cache
+def imported_modules(path: Path) -> frozenset[str]:
+    """Every product module `path` imports, at module level or inside functions (each
+    file parsed once: the closures of several roots share most of their files)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
@@ -75,7 +78,8 @@ def imported_modules(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {n for n in names if n.split(".")[0] in PRODUCT and module_path(n) is not None}
+    return frozenset(n for n in names
+                     if n.split(".")[0] in PRODUCT and module_path(n) is not None)
 
 
 def closure(root: str) -> set[Path]:

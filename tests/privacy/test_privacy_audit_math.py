@@ -34,9 +34,12 @@ def exact_p_value(m: int, r: int, v: int, eps: float, delta: float) -> float:
     """Theorem 5.2's right-hand side with math.comb: a second, direct implementation."""
     q = math.exp(eps) / (1.0 + math.exp(eps))
 
+    # Each binomial term computed once; every tail adds its terms in the same order.
+    terms = [math.comb(r, j) * q**j * (1 - q) ** (r - j) for j in range(r + 1)]
+
     def tail(k: int) -> float:
         k = max(k, 0)
-        return sum(math.comb(r, j) * q**j * (1 - q) ** (r - j) for j in range(k, r + 1))
+        return sum(terms[k:])
 
     worst = max(((tail(v - i) - tail(v)) / i for i in range(1, v + 1)), default=0.0)
     return min(1.0, tail(v) + 2 * m * delta * worst)
