@@ -87,8 +87,10 @@ def unit_pairs(unit: torch.Tensor, num_units: int, *,
 class _Context:
     """The per-record unit layout of one physical batch, shared by the layer rules."""
 
-    def __init__(self, unit: torch.Tensor, num_units: int) -> None:
+    def __init__(self, unit: torch.Tensor, num_units: int,
+                 workspace: torch.Tensor | None = None) -> None:
         self.unit = unit
+        self.workspace = workspace
         self.num_units = num_units
         self.n = int(unit.numel())
         self._pairs: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -114,6 +116,24 @@ class _Context:
         if self._rows is None:
             self._rows = unit_pairs(self.unit, self.num_units, include_self=True)
         return self._rows
+
+    def row_dots(self, values: torch.Tensor) -> torch.Tensor:
+        """values_i . values_j at each of `rows` (i, j), for `values` [n, d]. The two
+        gathered [rows, d] operands go to the workspace, reused from step to step (a
+        fresh buffer of this size is memory the allocator maps and faults in anew)."""
+        i, j = self.rows
+        rows, width = int(i.numel()), int(values.shape[1])
+        size = 2 * rows * width
+        space = self.workspace
+        if (space is None or space.numel() < size or space.dtype != values.dtype
+                or space.device != values.device):
+            space = torch.empty(size, dtype=values.dtype, device=values.device)
+            self.workspace = space
+        left = space[: rows * width].view(rows, width)
+        right = space[rows * width : size].view(rows, width)
+        torch.index_select(values, 0, i, out=left)
+        torch.index_select(values, 0, j, out=right)
+        return left.mul_(right).sum(dim=1)
 
     def rows_sum(self, terms: torch.Tensor) -> torch.Tensor:
         """Per unit, sum_{i, j in u} of a symmetric term given at `rows` [rows]: each
@@ -158,11 +178,10 @@ def _linear_pair_terms(layer: nn.Linear, a: torch.Tensor, g: torch.Tensor,
     """At each of `ctx.rows` (i, j): <grad_i, grad_j> of the layer's trainable
     parameters, (g_i . g_j)(a_i . a_j + 1) (weight and bias; Li et al. 2022)."""
     weight, bias = layer.weight.requires_grad, layer.bias is not None and layer.bias.requires_grad
-    i, j = ctx.rows
-    gg = torch.linalg.vecdot(g.index_select(0, i), g.index_select(0, j))
+    gg = ctx.row_dots(g)
     if not weight:
         return gg
-    aa = torch.linalg.vecdot(a.index_select(0, i), a.index_select(0, j))
+    aa = ctx.row_dots(a)
     return gg * (aa + 1) if bias else gg * aa
 
 
@@ -226,6 +245,7 @@ class UnitClipper:
         self._records: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
         self._versions: list[int] = []
         self._capture = False
+        self._workspace: torch.Tensor | None = None
         self._handles = [layer.register_forward_hook(self._hook) for layer in self.layers]
 
     def remove(self) -> None:
@@ -273,7 +293,7 @@ class UnitClipper:
         losses, records = self._forward(x, y)
         outputs = [out for _, _, out in records]
         backprops = torch.autograd.grad(losses.sum(), outputs)
-        ctx = _Context(unit, num_units)
+        ctx = _Context(unit, num_units, self._workspace)
         squared = torch.zeros(num_units, dtype=torch.float32, device=unit.device)
         prepared: list[tuple[str, nn.Module, Any, torch.Tensor]] = []
         pair_terms: torch.Tensor | None = None
@@ -305,6 +325,7 @@ class UnitClipper:
                 prepared.append(("generic", layer, samples, g))
         if pair_terms is not None:
             squared += ctx.rows_sum(pair_terms).to(squared.dtype)
+        self._workspace = ctx.workspace
         # Same clip factor as Opacus (min(1, C / (||g|| + 1e-6))).
         factor = (self.max_grad_norm / (squared.sqrt() + 1e-6)).clamp(max=1.0)
         c = factor.index_select(0, unit)
