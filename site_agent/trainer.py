@@ -479,7 +479,8 @@ class LocalTrainer:
             noise = torch.normal(
                 0.0, std, size=p.shape, generator=self._noise_generator, device=p.device
             )
-            p.grad = (clipped[name] + noise) / cfg.batch_size
+            # (clipped + noise) / B, in the noise's buffer (no temporary per parameter).
+            p.grad = noise.add_(clipped[name]).div_(cfg.batch_size)
         self._add_proximal_gradient(anchor, mu)
         self._base_step()
         self.optimizer.zero_grad(set_to_none=True)
