@@ -84,16 +84,17 @@ def clipped_patient_sum(
     per-record reference. Returns the clipped sums by parameter name and the summed loss.
     """
     limit = config.max_physical_batch_size
-    params = {name: p.detach() for name, p in model.named_parameters()}
     if clipper is not None and num_patients > 0 and records.numel() <= limit:
         # One physical batch: the clipper's sums as they are (frozen parameters: zero).
         clipped, loss_sum = clipper.clipped_sum(
             inputs(records), labels[records], patient_index, num_patients
         )
-        for name, p in params.items():
-            if name not in clipped:
-                clipped[name] = torch.zeros_like(p)
+        if len(clipped) < len(clipper.names):
+            for name, p in model.named_parameters():
+                if name not in clipped:
+                    clipped[name] = torch.zeros_like(p)
         return clipped, loss_sum
+    params = {name: p.detach() for name, p in model.named_parameters()}
     total = {name: torch.zeros_like(p) for name, p in params.items()}
     loss_sum = torch.zeros((), device=device)
     if num_patients == 0:

@@ -65,29 +65,37 @@ def supports_unit_clipping(model: nn.Module) -> bool:
     return all(id(p) in covered for p in model.parameters() if p.requires_grad)
 
 
-def unit_pairs(unit: torch.Tensor, num_units: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """All pairs (i, j), i != j, of records of the same unit, each unordered pair once."""
+def unit_pairs(unit: torch.Tensor, num_units: int, *,
+               include_self: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """All pairs (i, j), i != j, of records of the same unit, each unordered pair once;
+    with `include_self` also each record paired with itself, (i, i)."""
     order = torch.argsort(unit, stable=True)
     counts = torch.bincount(unit, minlength=num_units)
-    starts = torch.cumsum(counts, 0) - counts
-    sorted_unit = unit[order]
+    ends = torch.cumsum(counts, 0)
+    # Partners of the record at sorted position p: the later records of its unit
+    # (and p itself with `include_self`).
+    shift = 0 if include_self else 1
     position = torch.arange(unit.numel(), device=unit.device)
-    # Partners of the record at sorted position p: the later records of its unit.
-    width = starts[sorted_unit] + counts[sorted_unit] - 1 - position
-    left = torch.repeat_interleave(position, width)
+    width = ends.index_select(0, unit.index_select(0, order)) - shift - position
+    left = torch.repeat_interleave(width)
     offsets = torch.cumsum(width, 0) - width
-    right = left + 1 + torch.arange(int(width.sum()), device=unit.device) - offsets[left]
-    return order[left], order[right]
+    right = torch.arange(left.numel(), device=unit.device) - offsets.index_select(0, left)
+    right += left + shift
+    return order.index_select(0, left), order.index_select(0, right)
 
 
 class _Context:
     """The per-record unit layout of one physical batch, shared by the layer rules."""
 
-    def __init__(self, unit: torch.Tensor, num_units: int) -> None:
+    def __init__(self, unit: torch.Tensor, num_units: int,
+                 workspace: torch.Tensor | None = None) -> None:
         self.unit = unit
+        self.workspace = workspace
         self.num_units = num_units
         self.n = int(unit.numel())
         self._pairs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._num_pairs: int | None = None
 
     @property
     def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +105,43 @@ class _Context:
 
     @property
     def num_pairs(self) -> int:
-        return int(self.pairs[0].numel())
+        if self._num_pairs is None:
+            counts = torch.bincount(self.unit, minlength=self.num_units)
+            self._num_pairs = int((counts * (counts - 1)).sum()) // 2
+        return self._num_pairs
+
+    @property
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every (i, j), i <= j, of records of the same unit, each once."""
+        if self._rows is None:
+            self._rows = unit_pairs(self.unit, self.num_units, include_self=True)
+        return self._rows
+
+    def row_dots(self, values: torch.Tensor) -> torch.Tensor:
+        """values_i . values_j at each of `rows` (i, j), for `values` [n, d]. The two
+        gathered [rows, d] operands go to the workspace, reused from step to step (a
+        fresh buffer of this size is memory the allocator maps and faults in anew)."""
+        i, j = self.rows
+        rows, width = int(i.numel()), int(values.shape[1])
+        size = 2 * rows * width
+        space = self.workspace
+        if (space is None or space.numel() < size or space.dtype != values.dtype
+                or space.device != values.device):
+            space = torch.empty(size, dtype=values.dtype, device=values.device)
+            self.workspace = space
+        left = space[: rows * width].view(rows, width)
+        right = space[rows * width : size].view(rows, width)
+        torch.index_select(values, 0, i, out=left)
+        torch.index_select(values, 0, j, out=right)
+        return left.mul_(right).sum(dim=1)
+
+    def rows_sum(self, terms: torch.Tensor) -> torch.Tensor:
+        """Per unit, sum_{i, j in u} of a symmetric term given at `rows` [rows]: each
+        record's own term once, each unordered pair's twice ((i, j) and (j, i))."""
+        i, j = self.rows
+        weighted = torch.where(i == j, terms, 2 * terms)
+        out = torch.zeros(self.num_units, dtype=terms.dtype, device=terms.device)
+        return out.index_add_(0, self.unit.index_select(0, i), weighted)
 
     def per_unit(self, values: torch.Tensor) -> torch.Tensor:
         """Sum [n, ...] per record into [num_units, ...]."""
@@ -122,21 +166,30 @@ def _squared_norm(rows: torch.Tensor) -> torch.Tensor:
     return rows.reshape(rows.shape[0], -1).square().sum(dim=1)
 
 
-def _linear_squared(layer: nn.Linear, a: torch.Tensor, g: torch.Tensor,
-                    ctx: _Context) -> torch.Tensor:
-    weight, bias = layer.weight.requires_grad, layer.bias is not None and layer.bias.requires_grad
+def _linear_is_paired(a: torch.Tensor, g: torch.Tensor, ctx: _Context) -> bool:
+    """The pair Gram rule, (n + pairs) (d + o) multiply-adds, is cheaper than the
+    explicit per-record gradients, n d o."""
     d_in, d_out = a.shape[1], g.shape[1]
-    if (ctx.n + ctx.num_pairs) * (d_in + d_out) <= ctx.n * d_in * d_out:
-        gi, gj = ctx.gather(g)
-        gg, g_sq = (gi * gj).sum(dim=1), g.square().sum(dim=1)
-        pair_term, own_term = torch.zeros_like(gg), torch.zeros_like(g_sq)
-        if weight:
-            ai, aj = ctx.gather(a)
-            pair_term = pair_term + gg * (ai * aj).sum(dim=1)
-            own_term = own_term + g_sq * a.square().sum(dim=1)
-        if bias:
-            pair_term, own_term = pair_term + gg, own_term + g_sq
-        return ctx.pair_sum(own_term, pair_term)
+    return (ctx.n + ctx.num_pairs) * (d_in + d_out) <= ctx.n * d_in * d_out
+
+
+def _linear_pair_terms(layer: nn.Linear, a: torch.Tensor, g: torch.Tensor,
+                       ctx: _Context) -> torch.Tensor:
+    """At each of `ctx.rows` (i, j): <grad_i, grad_j> of the layer's trainable
+    parameters, (g_i . g_j)(a_i . a_j + 1) (weight and bias; Li et al. 2022)."""
+    weight, bias = layer.weight.requires_grad, layer.bias is not None and layer.bias.requires_grad
+    gg = ctx.row_dots(g)
+    if not weight:
+        return gg
+    aa = ctx.row_dots(a)
+    return gg * (aa + 1) if bias else gg * aa
+
+
+def _linear_explicit_squared(layer: nn.Linear, a: torch.Tensor, g: torch.Tensor,
+                             ctx: _Context) -> torch.Tensor:
+    """Per unit, the squared norm of the explicit per-unit gradient sum_{i in u} g_i a_i^T
+    (and sum_{i in u} g_i for the bias)."""
+    weight, bias = layer.weight.requires_grad, layer.bias is not None and layer.bias.requires_grad
     squared = torch.zeros(ctx.num_units, dtype=g.dtype, device=g.device)
     if weight:
         squared = squared + _squared_norm(ctx.per_unit(torch.einsum("no,nd->nod", g, a)))
@@ -192,6 +245,7 @@ class UnitClipper:
         self._records: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
         self._versions: list[int] = []
         self._capture = False
+        self._workspace: torch.Tensor | None = None
         self._handles = [layer.register_forward_hook(self._hook) for layer in self.layers]
 
     def remove(self) -> None:
@@ -239,15 +293,22 @@ class UnitClipper:
         losses, records = self._forward(x, y)
         outputs = [out for _, _, out in records]
         backprops = torch.autograd.grad(losses.sum(), outputs)
-        ctx = _Context(unit, num_units)
+        ctx = _Context(unit, num_units, self._workspace)
         squared = torch.zeros(num_units, dtype=torch.float32, device=unit.device)
         prepared: list[tuple[str, nn.Module, Any, torch.Tensor]] = []
+        pair_terms: torch.Tensor | None = None
         for (layer, a, _), g in zip(records, backprops):
             g = g.detach()
             kind = _layer_kind(layer)
             if kind == "linear" and g.dim() == 2:
+                linear = cast(nn.Linear, layer)
                 a = a.to(g.dtype)
-                squared += _linear_squared(layer, a, g, ctx).to(squared.dtype)
+                if _linear_is_paired(a, g, ctx):
+                    # Summed over the paired layers first: one per-unit reduction.
+                    terms = _linear_pair_terms(linear, a, g, ctx)
+                    pair_terms = terms if pair_terms is None else pair_terms + terms
+                else:
+                    squared += _linear_explicit_squared(linear, a, g, ctx).to(squared.dtype)
                 prepared.append(("linear", layer, a, g))
             elif kind == "conv":
                 layer = cast(nn.Conv2d, layer)
@@ -262,24 +323,34 @@ class UnitClipper:
                 for gs in samples.values():
                     squared += _squared_norm(ctx.per_unit(gs)).to(squared.dtype)
                 prepared.append(("generic", layer, samples, g))
+        if pair_terms is not None:
+            squared += ctx.rows_sum(pair_terms).to(squared.dtype)
+        self._workspace = ctx.workspace
         # Same clip factor as Opacus (min(1, C / (||g|| + 1e-6))).
         factor = (self.max_grad_norm / (squared.sqrt() + 1e-6)).clamp(max=1.0)
-        c = factor[unit]
+        c = factor.index_select(0, unit)
         out: dict[str, torch.Tensor] = {}
         for kind, layer, a, g in prepared:
             if kind == "generic":
                 for p, gs in a.items():
                     out[self.names[id(p)]] = torch.einsum("n,n...->...", c.to(gs.dtype), gs)
                 continue
-            weighted = g * c.to(g.dtype).reshape(-1, *([1] * (g.dim() - 1)))
+            c_g = c.to(g.dtype)
+            train_bias = layer.bias is not None and layer.bias.requires_grad
+            if kind == "linear":
+                # sum_i c_i g_i a_i^T = G^T diag(c) A: the narrower of G and A scaled.
+                if layer.weight.requires_grad:
+                    grad = (g.t().mm(a * c_g[:, None]) if a.shape[1] <= g.shape[1]
+                            else (g * c_g[:, None]).t().mm(a))
+                    out[self.names[id(layer.weight)]] = grad
+                if train_bias:
+                    out[self.names[id(layer.bias)]] = g.t().mv(c_g)
+                continue
+            weighted = g * c_g.reshape(-1, *([1] * (g.dim() - 1)))
             if layer.weight.requires_grad:
-                if kind == "linear":
-                    grad = weighted.t().mm(a)
-                else:
-                    grad = torch.einsum("not,ndt->od", weighted, a)
+                grad = torch.einsum("not,ndt->od", weighted, a)
                 weight = cast(torch.Tensor, layer.weight)
                 out[self.names[id(weight)]] = grad.reshape(weight.shape)
-            if layer.bias is not None and layer.bias.requires_grad:
-                dims = (0,) if kind == "linear" else (0, 2)
-                out[self.names[id(layer.bias)]] = weighted.sum(dim=dims)
+            if train_bias:
+                out[self.names[id(layer.bias)]] = weighted.sum(dim=(0, 2))
         return out, losses.detach().sum()

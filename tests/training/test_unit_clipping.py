@@ -208,3 +208,30 @@ def test_registry_image_models_match_the_reference(name: str, size: int) -> None
     sums, _ = clipper.clipped_sum(x, y, ids, 3)
     reference = clipped_gradient_sum(model, x, y, ids, max_grad_norm=0.1)
     torch.testing.assert_close(_flat(model, sums), reference, rtol=1e-4, atol=1e-6)
+
+
+def test_unit_pairs_with_self_add_each_record_paired_with_itself() -> None:
+    unit = torch.tensor([2, 0, 2, 1, 2, 0])
+    i, j = unit_pairs(unit, 3, include_self=True)
+    got = sorted((min(a, b), max(a, b)) for a, b in zip(i.tolist(), j.tolist()))
+    want = sorted(
+        (a, b) for a in range(6) for b in range(a, 6) if unit[a] == unit[b]
+    )
+    assert got == want
+
+
+def test_a_clipper_reused_over_steps_of_different_sizes_stays_exact() -> None:
+    """The pair gathers' workspace is kept from step to step: a larger step, then a
+    smaller one, then a larger one again each give the per-record reference's sum."""
+    torch.manual_seed(5)
+    model = TabularMLP(6, hidden=(32, 16))
+    clipper = UnitClipper(model, max_grad_norm=0.2, loss_per_record=TaskLoss("binary", "none"))
+    for sizes in ([4, 1, 6, 2, 3], [2, 1], [1, 5, 5, 1, 3, 2, 2]):
+        ids = _ids(sizes)
+        perm = torch.randperm(len(ids))
+        x, y = torch.randn(len(ids), 6) * 2, torch.randint(0, 2, (len(ids),)).float()
+        reference = clipped_gradient_sum(
+            model, x, y, ids, max_grad_norm=0.2, loss_fn=record_loss_fn("binary")
+        )
+        sums, _ = clipper.clipped_sum(x[perm], y[perm], ids[perm], len(sizes))
+        torch.testing.assert_close(_flat(model, sums), reference, rtol=1e-4, atol=1e-6)
