@@ -43,7 +43,7 @@ def register(subparsers: Any) -> None:
                         "of Jiang et al. 2023. Default 1: the budget caps "
                         "the hospital-level epsilon; v > 1 or auto make it v-fold")
     parser.add_argument("--no-audit", dest="audit", action="store_false",
-                        help="skip the membership-inference audit (about 30 s on 2 cores)")
+                        help="skip the membership-inference audit (about 10 s on 2 cores)")
     imaging = parser.add_argument_group("imaging (--task imaging)")
     imaging.add_argument("--task", choices=["tabular", "imaging"], default="tabular",
                          help="tabular: the sepsis cohort (default); imaging: five hospitals' "
