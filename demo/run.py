@@ -214,6 +214,7 @@ phase_seconds = {self.o.phase_seconds}
         return result
 
     def run(self) -> dict[str, Any]:
+        """The whole demo, its own trainings on DEMO_TORCH_THREADS threads; the report."""
         with torch_threads(DEMO_TORCH_THREADS):
             return self._run()
 
