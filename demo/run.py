@@ -26,6 +26,11 @@ from demo.watch import last_error, waiting_for
 FINAL_MODEL_SECONDS = 300
 """How long after the last round a site may take to download and store the final model."""
 
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+"""The environment of the processes the demo starts: the coordinator's model work (the
+initial model, the evaluation probe) and a site's training are small enough that
+intra-op threads on the machine's few cores only contend with the other processes."""
+
 DEMO_TORCH_THREADS = 1
 """Torch threads for the demo's own trainings (the baselines, the audit, the imaging
 demo's exact AUC), which are one site's size or less: one thread, as its site agents
@@ -149,7 +154,7 @@ phase_seconds = {self.o.phase_seconds}
                 "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                 "--state", str(self.out / "coordinator"), "--exit-when-finished",
                 "--linger-seconds", "5", "--study", str(self.served_study)),
-            log_dir=self.out / "logs",
+            log_dir=self.out / "logs", env=ONE_THREAD,
         )
         try:
             event = proc.wait_event("listening", timeout=300)
@@ -188,8 +193,7 @@ phase_seconds = {self.o.phase_seconds}
             sys.executable, "-m", "bench.instrumented", *command,
             "--debug-pause-after", pause_after]
         proc = ManagedProcess(
-            site, argv, log_dir=self.out / "logs",
-            env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+            site, argv, log_dir=self.out / "logs", env=ONE_THREAD,
         )
         self.procs[site] = proc
         return proc
