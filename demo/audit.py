@@ -55,7 +55,6 @@ def demo_audit(
     A failure (a site too small for DP training, say) is reported as skipped with its
     reason: the audit illustrates the guarantee, the federation does not depend on it.
     """
-    from site_agent.audit import AuditSettings, run_audit
     from site_agent.data import check_cohort_size
 
     site = sorted(datasets)[0]
@@ -66,6 +65,9 @@ def demo_audit(
     try:
         # Before any training: the site's own units alone must be enough for DP-SGD.
         check_cohort_size(data.num_patients, delta=delta, unit=unit, file=data.source or None)
+        # The trainer (torch, Opacus) only once there is something to train.
+        from site_agent.audit import AuditSettings, run_audit
+
         for name, target in (("no_dp", None), ("dp", epsilon)):
             settings = AuditSettings(
                 canaries=AUDIT_CANARIES, epochs=AUDIT_EPOCHS, batch_size=AUDIT_BATCH,

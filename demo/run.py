@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,32 @@ from demo.watch import last_error, waiting_for
 
 FINAL_MODEL_SECONDS = 300
 """How long after the last round a site may take to download and store the final model."""
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+"""The environment of the processes the demo starts: the coordinator's model work (the
+initial model, the evaluation probe) and a site's training are small enough that
+intra-op threads on the machine's few cores only contend with the other processes."""
+
+DEMO_TORCH_THREADS = 1
+"""Torch threads for the demo's own trainings (the baselines, the audit, the imaging
+demo's exact AUC), which are one site's size or less: one thread, as its site agents
+train (OMP_NUM_THREADS=1). Intra-op threads on these small models cost more than they
+save: measured on the e2e tests' cohorts (2 cores, loaded), the imaging baselines took
+7 CPU-s on one thread against 27 on two, the tabular audit 3.7 against 12.4, each in
+less wall time too, with the same audit line."""
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Torch's intra-op thread count set to `threads` for the block, then restored."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class Demo:
@@ -121,11 +149,12 @@ phase_seconds = {self.o.phase_seconds}
         )
         proc = ManagedProcess(
             "coordinator",
-            medfed_argv("coordinator", "serve", "--config", str(config), "--pki", str(pki),
-                        "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                        "--state", str(self.out / "coordinator"), "--exit-when-finished",
-                        "--linger-seconds", "5", "--study", str(self.served_study)),
-            log_dir=self.out / "logs",
+            self.service_argv(
+                "coordinator", "serve", "--config", str(config), "--pki", str(pki),
+                "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                "--state", str(self.out / "coordinator"), "--exit-when-finished",
+                "--linger-seconds", "5", "--study", str(self.served_study)),
+            log_dir=self.out / "logs", env=ONE_THREAD,
         )
         try:
             event = proc.wait_event("listening", timeout=300)
@@ -138,6 +167,11 @@ phase_seconds = {self.o.phase_seconds}
         self.port = int(event["port"])
         self.say(f"[setup] coordinator listening on 127.0.0.1:{self.port} (mTLS only)")
         return proc
+
+    def service_argv(self, *command: str) -> list[str]:
+        """The argv of a service the demo starts (`coordinator serve`, `site run`):
+        `medfed` with this interpreter."""
+        return medfed_argv(*command)
 
     def site_state(self, site: str) -> Path:
         """The site's state folder (ledger, split key)."""
@@ -155,12 +189,11 @@ phase_seconds = {self.o.phase_seconds}
                    "--site", site, "--coordinator", f"127.0.0.1:{self.port}",
                    "--metrics-listen", "127.0.0.1:0", "--state", str(self.site_state(site)),
                    "--once")
-        argv = medfed_argv(*command) if pause_after is None else [
+        argv = self.service_argv(*command) if pause_after is None else [
             sys.executable, "-m", "bench.instrumented", *command,
             "--debug-pause-after", pause_after]
         proc = ManagedProcess(
-            site, argv, log_dir=self.out / "logs",
-            env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+            site, argv, log_dir=self.out / "logs", env=ONE_THREAD,
         )
         self.procs[site] = proc
         return proc
@@ -185,6 +218,11 @@ phase_seconds = {self.o.phase_seconds}
         return result
 
     def run(self) -> dict[str, Any]:
+        """The whole demo, its own trainings on DEMO_TORCH_THREADS threads; the report."""
+        with torch_threads(DEMO_TORCH_THREADS):
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
         files = self.task.prepare(self)
         sites = sorted(files)
         pki = self.make_pki(sites)

@@ -1,109 +1,144 @@
-"""Hospital-level DP over real processes: a study with
-privacy.unit = "hospital" trains with each site's whole update clipped to S and
-DDGauss-encoded in the SecAgg+ ring; every site's ledger holds the mechanism of every
-training round (written before the update left), and the final model reaches every site."""
+"""Hospital-level DP over real processes, from two `medfed demo --privacy-unit hospital`
+runs (a coordinator and three site agents each, SecAgg+, the study served with
+`coordinator serve --study`): with two intermediaries per hospital, each site's whole
+update is clipped to S and DDGauss-encoded in the SecAgg+ ring, every site's ledger
+holds the mechanism of every training round (written before the update left) and the
+final model reaches every site; with "auto" intermediaries the coordinator picks v
+each round. Each run is built once (a module-scoped fixture, one xdist group each) and
+read by the tests of the federation and of the demo's report alike."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from bench.instrumented import instrumented_argv
 from common.bundle import read_bundle
+from common.cli import build_parser
 from common.privacy import hospital
 from common.privacy.ledger import read_ledger
 from common.privacy.mechanisms import DistributedDiscreteGaussian
-from common.processes import ManagedProcess, medfed_argv
+from common.processes import Line, ManagedProcess, medfed_argv
 from common.study import load_study
+from demo.cli import exit_status, tabular_options
+from demo.options import DemoOptions
+from demo.run import Demo
 from site_agent.synthetic import generate_cohort, write_site_csvs
-from tests.e2e.harness import REPO, list_members, make_pki
-from tests.e2e.test_study_federation import STUDY
-from tests.study.helpers import write_hospital_csv
+from tests.e2e.harness import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-SITES = ["alpha", "beta", "gamma"]
-# Two intermediaries per hospital: each trained and clipped alone.
-HOSPITAL_STUDY = STUDY.replace('rounds = 1', 'rounds = 2').replace(
-    'unit = "patient"', 'unit = "hospital"\nupdate_clip_norm = 0.5\nintermediaries = 2')
-
-
 DEMO_SITES = ["north", "south", "east"]
+FIXED = pytest.mark.xdist_group("hospital_demo_fixed_v")
+AUTO = pytest.mark.xdist_group("hospital_demo_auto_v")
 
 
-def _hospital_demo(tmp_path: Path, *, seed: int, intermediaries: str,
-                   kill_round: int = 0) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """`medfed demo` in hospital mode on three generated CSV sites; must exit 0."""
+class InstrumentedDemo(Demo):
+    """`medfed demo` whose coordinator and sites run through `bench.instrumented` (with
+    `debug_writes`: the coordinator writes each round's unmasked ring sum, each site its
+    ring vector before its masks), keeping its coordinator's process, and scraping the
+    coordinator's metrics once the last training round completed (it still serves the
+    final evaluation round then)."""
+
+    def __init__(self, options: DemoOptions, *, debug_writes: bool) -> None:
+        super().__init__(options)
+        self.debug_writes = debug_writes
+        self.coordinator: ManagedProcess | None = None
+        self.scraped: str | None = None
+
+    def service_argv(self, *command: str) -> list[str]:
+        if not self.debug_writes:
+            return super().service_argv(*command)
+        flag = ("--debug-write-aggregates" if command[0] == "coordinator"
+                else "--debug-write-updates")
+        return instrumented_argv(*command, flag)
+
+    def start_coordinator(self, pki: Path, n_sites: int) -> ManagedProcess:
+        self.coordinator = super().start_coordinator(pki, n_sites)
+        return self.coordinator
+
+    def record_round(self, line: Line, sites: list[str]) -> None:
+        super().record_round(line, sites)
+        trained = [row for row in self.rows if not row.evaluation_only]
+        if self.scraped is None and len(trained) == self.o.rounds:
+            assert self.coordinator is not None
+            listening = next(e for e in self.coordinator.lines
+                             if e.get("event") == "listening")
+            with urllib.request.urlopen(
+                    f"http://127.0.0.1:{int(listening['metrics_port'])}/metrics",
+                    timeout=10) as resp:
+                self.scraped = resp.read().decode()
+
+
+@dataclass
+class DemoRun:
+    stdout: str
+    out: Path
+    report: dict[str, Any]
+    demo: InstrumentedDemo
+
+
+def _hospital_demo(folder: Path, *, seed: int, intermediaries: str, clip: str,
+                   kill_round: int = 0, debug_writes: bool = False) -> DemoRun:
+    """`medfed demo` in hospital mode on three generated CSV sites (its command line
+    parsed by the `medfed` parser, the demo run in this process, its stdout captured);
+    must end with exit status 0."""
     cohort = generate_cohort(DEMO_SITES, seed=seed, patients_per_site=300)
-    write_site_csvs(tmp_path / "data", cohort)
-    out = tmp_path / "run"
-    result = subprocess.run(
-        medfed_argv(
-            "demo", "--data", str(tmp_path / "data"), "--label-column", "sepsis",
-            "--patient-column", "patient_id", "--out", str(out), "--rounds", "2",
-            "--kill-round", str(kill_round), "--delta", "1e-3", "--budget-epsilon", "8",
-            "--privacy-unit", "hospital", "--update-clip-norm", "1.0",
-            "--intermediaries", intermediaries, "--no-audit",
-        ),
-        cwd=REPO, capture_output=True, text=True, timeout=850, check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result, out
+    write_site_csvs(folder / "data", cohort)
+    out = folder / "run"
+    args = build_parser("demo").parse_args([
+        "demo", "--data", str(folder / "data"), "--label-column", "sepsis",
+        "--patient-column", "patient_id", "--out", str(out), "--rounds", "2",
+        "--kill-round", str(kill_round), "--delta", "1e-3", "--budget-epsilon", "8",
+        "--privacy-unit", "hospital", "--update-clip-norm", clip,
+        "--intermediaries", intermediaries, "--no-audit",
+    ])
+    demo = InstrumentedDemo(tabular_options(args), debug_writes=debug_writes)
+    stdout = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout):
+            report = demo.run()
+    except BaseException:
+        print(stdout.getvalue()[-3000:])  # shown by pytest with the fixture's error
+        raise
+    assert exit_status(report) == 0, stdout.getvalue()[-3000:]
+    return DemoRun(stdout.getvalue(), out, report, demo)
 
 
-def _run_federation(tmp_path: Path, processes: list[ManagedProcess], study_text: str, *,
-                    patients: int = 120) -> ManagedProcess:
-    """A coordinator serving `study_text` and three `site run --once` to the end; the
-    coordinator (lingering 20 s) is returned."""
-    pki = make_pki(tmp_path, SITES)
-    study_path = tmp_path / "study.toml"
-    study_path.write_text(study_text)
-    list_members(study_path, pki, SITES)
-    for index, site in enumerate(SITES):
-        write_hospital_csv(tmp_path / f"{site}.csv", patients, seed=index + 1)
-    logs = tmp_path / "logs"
-    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    coordinator = ManagedProcess(
-        "coordinator",
-        instrumented_argv("coordinator", "serve", "--study", str(study_path), "--pki", str(pki),
-                          "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-                          "--state", str(tmp_path / "coordinator"), "--min-sites", "3",
-                          "--selection-seconds", "1", "--debug-write-aggregates",
-                          "--linger-seconds", "20"),
-        log_dir=logs, env=env, cwd=REPO,
-    )
-    processes.append(coordinator)
-    port = int(coordinator.wait_event("listening", timeout=120)["port"])
-    agents = {}
-    for name in SITES:
-        agents[name] = ManagedProcess(
-            name,
-            instrumented_argv("site", "run", "--pki", str(pki), "--site", name,
-                              "--coordinator", f"127.0.0.1:{port}", "--metrics-listen",
-                              "127.0.0.1:0", "--state", str(tmp_path / "sites" / name),
-                              "--data", str(tmp_path / f"{name}.csv"), "--debug-write-updates",
-                              "--once"),
-            log_dir=logs, env=env, cwd=REPO,
-        )
-        processes.append(agents[name])
-    for name, proc in agents.items():
-        assert proc.wait_exit(timeout=800) == 0, f"{name}:\n{proc.tail(30)}"
-    return coordinator
+@pytest.fixture(scope="module")
+def fixed_v(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """`medfed demo --privacy-unit hospital --intermediaries 2 --update-clip-norm 0.5
+    --kill-round 1`, instrumented to write the sums and the sites' ring vectors."""
+    return _hospital_demo(tmp_path_factory.mktemp("fixed_v"), seed=3, intermediaries="2",
+                          clip="0.5", kill_round=1, debug_writes=True)
 
 
-def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProcess]) -> None:
-    _run_federation(tmp_path, processes, HOSPITAL_STUDY)
-    study = load_study(tmp_path / "study.toml")
-    state = tmp_path / "coordinator"
+@pytest.fixture(scope="module")
+def auto_v(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """`medfed demo --privacy-unit hospital --intermediaries auto`."""
+    return _hospital_demo(tmp_path_factory.mktemp("auto_v"), seed=4,
+                          intermediaries="auto", clip="1.0")
+
+
+@FIXED
+def test_hospital_level_federation(fixed_v: DemoRun) -> None:
+    """Two intermediaries per hospital, each trained and clipped alone (S = 0.5)."""
+    out = fixed_v.out
+    study = load_study(out / "study.toml")
+    state = out / "coordinator"
     terms = hospital.study_terms(study)
     training_rounds: list[list[int]] = []
-    for name in SITES:
-        _, entries = read_ledger(tmp_path / "sites" / name / "privacy-ledger.db")
+    for name in DEMO_SITES:
+        _, entries = read_ledger(out / "sites" / name / "privacy-ledger.db")
         trained = [e for e in entries if e.purpose == "training"]
         training_rounds.append([e.round for e in trained])
         assert len(trained) == 2
@@ -119,14 +154,14 @@ def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProces
     for number in training_rounds[0]:
         aggregate = np.fromfile(state / "aggregates" / f"round-{number:06d}.u32", "<u4")
         expected = np.zeros_like(aggregate)
-        for name in SITES:
-            upload = tmp_path / "sites" / name / "debug-updates" / f"round-{number:06d}.u32"
+        for name in DEMO_SITES:
+            upload = out / "sites" / name / "debug-updates" / f"round-{number:06d}.u32"
             np.add(expected, np.fromfile(upload, "<u4"), out=expected)
         assert np.array_equal(aggregate, expected)
 
     final = (state / "model" / "final.safetensors").read_bytes()
-    for name in SITES:
-        assert (tmp_path / "sites" / name / "model" / "final.safetensors").read_bytes() == final
+    for name in DEMO_SITES:
+        assert (out / "sites" / name / "model" / "final.safetensors").read_bytes() == final
     bundle = read_bundle(state / "model" / "final.safetensors")
     assert bundle.card.unit == "hospital"
     assert any("hospital-level" in m for m in bundle.card.mechanisms)
@@ -134,7 +169,7 @@ def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProces
     assert {g.unit for g in bundle.card.group_guarantees} <= {
         "hospital", "intermediary", "patient"}
     whole = [g for g in bundle.card.group_guarantees if g.unit == "hospital"]
-    assert len(whole) == len(SITES)
+    assert len(whole) == len(DEMO_SITES)
     assert all("model updates only" in g.note and "2 intermediaries" in g.note for g in whole)
     assert all("add/remove one intermediary" in g.note for g in bundle.card.group_guarantees
                if g.unit == "intermediary")
@@ -143,7 +178,7 @@ def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProces
     # `medfed ledger show` names both guarantees plainly.
     shown = subprocess.run(
         medfed_argv("ledger", "show", "--ledger",
-                    str(tmp_path / "sites" / "alpha" / "privacy-ledger.db"), "--json"),
+                    str(out / "sites" / DEMO_SITES[0] / "privacy-ledger.db"), "--json"),
         capture_output=True, text=True, check=True, cwd=REPO,
     )
     summary = json.loads(shown.stdout.strip().splitlines()[-1])
@@ -160,12 +195,13 @@ def test_hospital_level_federation(tmp_path: Path, processes: list[ManagedProces
     site_card = {g.note.split(":")[0]: g.epsilon for g in whole}
     # The card is written when the round commits, from the replica the sites have sent
     # so far (their last round's entry arrives with their next poll): at most the ledger's.
-    alpha_card = next(v for k, v in site_card.items() if k.startswith("site alpha"))
-    assert 0 < alpha_card <= summary["hospital_level_epsilon"] + 1e-9
+    first_card = next(v for k, v in site_card.items() if k.startswith(f"site {DEMO_SITES[0]}"))
+    assert 0 < first_card <= summary["hospital_level_epsilon"] + 1e-9
     assert json.loads((state / "statistics.json").read_text())["round"] < training_rounds[0][0]
 
 
-def test_demo_hospital_level_row(tmp_path: Path) -> None:
+@FIXED
+def test_demo_hospital_level_row(fixed_v: DemoRun) -> None:
     """`medfed demo --privacy-unit hospital --intermediaries 2`: the federation trains
     with hospital-level DP (two intermediaries per hospital), the table names the row,
     and the report gives each site's hospital-level epsilon (model updates only) next to
@@ -174,9 +210,9 @@ def test_demo_hospital_level_row(tmp_path: Path) -> None:
     Asked to kill a site in round 1 of three, the demo kills nobody (SecAgg+ needs all
     three to unmask: t = 3 at T = 1), says so in one line, prints a line per round, and
     the study finishes with the final model at every site."""
-    result, out = _hospital_demo(tmp_path, seed=3, intermediaries="2", kill_round=1)
+    out = fixed_v.out
     report = json.loads((out / "report.json").read_text())
-    lines = result.stdout.splitlines()
+    lines = fixed_v.stdout.splitlines()
     faults = [line for line in lines if line.startswith("[fault]")]
     assert len(faults) == 1 and faults[0].startswith("[fault] no dropout injected"), faults
     assert "t = 3" in faults[0]
@@ -192,8 +228,8 @@ def test_demo_hospital_level_row(tmp_path: Path) -> None:
     for site in sites:
         assert (out / "sites" / site / "model" / "final.safetensors").read_bytes() == final
     assert report["privacy_unit"] == "hospital"
-    assert "Federated + hospital-level DP" in result.stdout
-    assert "MODEL UPDATES ONLY" in result.stdout
+    assert "Federated + hospital-level DP" in fixed_v.stdout
+    assert "MODEL UPDATES ONLY" in fixed_v.stdout
     for site in DEMO_SITES:
         hospital_eps = report["hospital"]["epsilon"][site]
         unit_eps = report["hospital"]["intermediary_epsilon"][site]
@@ -211,21 +247,15 @@ def test_demo_hospital_level_row(tmp_path: Path) -> None:
                    for e in trained for m in e.mechanisms)
 
 
-# "auto" intermediaries. 300 patients per site: its DP count
-# (std ~34 at the sites' default count epsilon) splits into the largest v (count // 10
-# >= 8) with overwhelming probability, so every site trains the announced v.
-AUTO_STUDY = STUDY.replace('rounds = 1', 'rounds = 2').replace(
-    'unit = "patient"', 'unit = "hospital"\nupdate_clip_norm = 2.0\nintermediaries = "auto"')
-
-
-def test_auto_intermediaries_federation(tmp_path: Path,
-                                        processes: list[ManagedProcess]) -> None:
-    """A real SecAgg+ hospital federation under intermediaries = "auto": round one trains
-    one unit per hospital with the norm coordinate; the coordinator decodes the sum of
-    unit norms, picks v by the authors' rule, logs it, exports it as a gauge and
-    announces it in round two, where every site trains v units and records them."""
-    coordinator = _run_federation(tmp_path, processes, AUTO_STUDY, patients=300)
-    listening = next(e for e in coordinator.lines if e.get("event") == "listening")
+@AUTO
+def test_auto_intermediaries_federation(auto_v: DemoRun) -> None:
+    """A real SecAgg+ hospital federation under intermediaries = "auto" (300 patients a
+    site): round one trains one unit per hospital with the norm coordinate; the
+    coordinator decodes the sum of unit norms, picks v by the authors' rule, logs it,
+    exports it as a gauge and announces it in round two, where every site trains v
+    units and records them."""
+    coordinator = auto_v.demo.coordinator
+    assert coordinator is not None
     completed = {int(e["round_number"]): e for e in coordinator.lines
                  if e.get("event") == "round_completed" and e.get("kind") == "training"
                  and not e.get("evaluation_only")}
@@ -246,15 +276,15 @@ def test_auto_intermediaries_federation(tmp_path: Path,
     assert first in rejected and v == 1
     assert completed[second]["intermediaries"] == v  # announced as chosen
     # Every site trained v units (the decoded weight sum): none was capped by its count.
-    assert completed[second]["units"] == len(SITES) * v
-    assert completed[first]["units"] == len(SITES)
+    assert completed[second]["units"] == len(DEMO_SITES) * v
+    assert completed[first]["units"] == len(DEMO_SITES)
     assert second in chosen  # measured again for a round that would follow
-    with urllib.request.urlopen(
-            f"http://127.0.0.1:{int(listening['metrics_port'])}/metrics", timeout=10) as resp:
-        scraped = resp.read().decode()
+    # Scraped once the second training round completed (InstrumentedDemo.record_round).
+    scraped = auto_v.demo.scraped
+    assert scraped is not None
     assert f"medfed_coordinator_hospital_intermediaries {float(chosen[second])}" in scraped
-    for name in SITES:
-        _, entries = read_ledger(tmp_path / "sites" / name / "privacy-ledger.db")
+    for name in DEMO_SITES:
+        _, entries = read_ledger(auto_v.out / "sites" / name / "privacy-ledger.db")
         trained = {e.round: e for e in entries if e.purpose == "training"}
         assert sorted(trained) == [first, second]
         units = {}
@@ -265,7 +295,7 @@ def test_auto_intermediaries_federation(tmp_path: Path,
         assert units == {first: 1, second: v}
     shown = subprocess.run(
         medfed_argv("ledger", "show", "--ledger",
-                    str(tmp_path / "sites" / "alpha" / "privacy-ledger.db"), "--json"),
+                    str(auto_v.out / "sites" / DEMO_SITES[0] / "privacy-ledger.db"), "--json"),
         capture_output=True, text=True, check=True, cwd=REPO,
     )
     summary = json.loads(shown.stdout.strip().splitlines()[-1])
@@ -276,10 +306,11 @@ def test_auto_intermediaries_federation(tmp_path: Path,
         assert 0 < summary["intermediary_level_epsilon"] < summary["hospital_level_epsilon"]
 
 
-def test_demo_auto_intermediaries_row(tmp_path: Path) -> None:
+@AUTO
+def test_demo_auto_intermediaries_row(auto_v: DemoRun) -> None:
     """`medfed demo --privacy-unit hospital --intermediaries auto` runs end to end: the
     row of the privacy/utility table and each round line name the v of every round."""
-    result, out = _hospital_demo(tmp_path, seed=4, intermediaries="auto")
+    out = auto_v.out
     report = json.loads((out / "report.json").read_text())
     chosen = report["hospital"]["intermediaries_by_round"]
     assert report["hospital"]["intermediaries"] == "auto"
@@ -287,11 +318,11 @@ def test_demo_auto_intermediaries_row(tmp_path: Path) -> None:
     label = "v auto per round " + "/".join(str(v) for v in chosen.values())
     assert any(line.startswith("Federated + hospital-level DP (budget 8; hospital eps ")
                and "per-patient eps " in line and f") + SecAgg+, {label}" in line
-               for line in result.stdout.splitlines())
+               for line in auto_v.stdout.splitlines())
     for number, v in chosen.items():
-        assert f"[round {number}] training" in result.stdout
+        assert f"[round {number}] training" in auto_v.stdout
         assert any(line.startswith(f"[round {number}] ") and line.endswith(f"| v={v}")
-                   for line in result.stdout.splitlines())
+                   for line in auto_v.stdout.splitlines())
     for site in DEMO_SITES:
         _, entries = read_ledger(out / "sites" / site / "privacy-ledger.db")
         units = {e.round: m.units for e in entries if e.purpose == "training"
