@@ -1,22 +1,18 @@
 """`medfed demo` end to end on hospital CSVs (the `--data` path), small and quick:
 real processes, real DP-SGD, SecAgg+, one site killed mid-round and restarted. The CSVs
 have their own column names, a string categorical column, string labels and missing
-values; the demo serves a study drafted from them (`coordinator serve --study`). The
-command runs in this process (the `medfed` parser and `run_parsed`, stdout captured);
-its coordinator and site agents are real processes."""
+values; the demo serves a study drafted from them (`coordinator serve --study`)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from common.cli import build_parser, run_parsed
 from common.errors import StateError
 from common.privacy.ledger import anchor_path_for
 from common.privacy.ledger_verify import verify_ledger
@@ -30,28 +26,27 @@ from tests.study.helpers import write_hospital_csv
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 SITES = ["north", "south", "east", "west"]
+# The killed site's round waits out the consistency-check phase deadline before the
+# survivors unmask without it: 10 s instead of the demo's 30 (the coordinator's
+# documented environment setting, which overrides the demo's coordinator.toml).
+SHORT_PHASES = {**os.environ, "MEDFED_COORDINATOR_DEADLINES__PHASE_SECONDS": "10"}
 
 
-def test_demo_on_csv_folder_writes_report_and_plots(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The killed site's round waits out the consistency-check phase deadline before the
-    # survivors unmask without it: 10 s instead of the demo's 30 (the coordinator's
-    # documented environment setting, which overrides the demo's coordinator.toml; the
-    # coordinator inherits it).
-    monkeypatch.setenv("MEDFED_COORDINATOR_DEADLINES__PHASE_SECONDS", "10")
+def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     for index, site in enumerate(SITES):
         write_hospital_csv(tmp_path / "data" / f"{site}.csv", 300, seed=index + 1)
     out = tmp_path / "run"
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = run_parsed(build_parser("demo").parse_args([
+    result = subprocess.run(
+        medfed_argv(
             "demo", "--data", str(tmp_path / "data"), "--label-column", "Outcome",
             "--patient-column", "Patient-ID", "--out", str(out), "--rounds", "2",
             "--kill-round", "1", "--delta", "1e-3", "--budget-epsilon", "4",
-        ]))
-    printed = stdout.getvalue()
-    assert code == 0, printed[-3000:] + stderr.getvalue()[-3000:]
+        ),
+        cwd=REPO, capture_output=True, text=True, timeout=850, check=False,
+        env=SHORT_PHASES,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["sites"] == sorted(SITES)
     assert report["privacy_unit"] == "patient"
@@ -69,7 +64,7 @@ def test_demo_on_csv_folder_writes_report_and_plots(
     assert rounds[-1]["evaluation_only"] and not rounds[0]["evaluation_only"]
     # The site killed in the first training round after sharing its keys was dropped, and the round
     # still completed with the others.
-    faults = [line for line in printed.splitlines() if line.startswith("[fault]")]
+    faults = [line for line in result.stdout.splitlines() if line.startswith("[fault]")]
     assert faults[0].startswith("[fault] one site will be killed mid-round"), faults
     assert rounds[0]["dropped"] == ["west"]
     assert len(rounds[0]["participants"]) == 4
@@ -91,14 +86,14 @@ def test_demo_on_csv_folder_writes_report_and_plots(
     assert report["threshold"] == model["threshold"]
     assert (out / "auc_by_round.png").stat().st_size > 1000
     assert (out / "epsilon_by_round.png").stat().st_size > 1000
-    assert "Federated + DP" in printed
+    assert "Federated + DP" in result.stdout
     # Epsilon on evaluation apart from training, per site, from each site's ledger
     # (each purpose composed alone, so neither exceeds the composed total).
     for site in SITES:
         purposes = report["final"]["epsilon_by_purpose"][site]
         assert purposes["training"] > 0 and purposes["evaluation"] > 0
         assert max(purposes.values()) <= report["final"]["epsilon"][site] + 1e-9
-    assert "evaluation" in printed and "training" in printed
+    assert "evaluation" in result.stdout and "training" in result.stdout
     # The site's log names the patient count it trains with as the DP count it is.
     log = (out / "logs" / "north.log").read_text()
     assert "(DP count of patients ~" in log
@@ -120,9 +115,9 @@ def test_demo_on_csv_folder_writes_report_and_plots(
         f"membership inference AUC: no DP {audit['no_dp']['attack_auc']:.2f}, "
         f"DP eps=4 {audit['dp']['attack_auc']:.2f}"
     )
-    assert audit["line"] in printed
+    assert audit["line"] in result.stdout
     # Every site holds the same final model as the coordinator, the restarted one too.
-    assert "[fault] west restarted with its ledger" in printed
+    assert "[fault] west restarted with its ledger" in result.stdout
     final = Path(model["path"]).read_bytes()
     for site in SITES:
         assert (out / "sites" / site / "model" / "final.safetensors").read_bytes() == final
