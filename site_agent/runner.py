@@ -11,7 +11,7 @@ from common.config import SiteSettings
 from common.errors import ConfigError, LedgerUnavailable
 from common.metrics_http import serve_metrics
 from common.observer import RoundObserver
-from common.privacy.ledger import LedgerSigner, PrivacyLedger, recovery_hint
+from common.privacy.ledger import LedgerSigner, PrivacyLedger, check_history, recovery_hint
 from common.privacy.signed import CHARGE_RECORD_LEVEL, CHARGE_UNIT
 from common.state_lock import StateLock
 from site_agent.agent import SiteAgent
@@ -105,6 +105,13 @@ def _run_site(
     observer: RoundObserver | None,
 ) -> int:
     metrics = SiteMetrics(settings.site)
+    if hook_factory is build_hook and settings.training.trainer == "dpsgd":
+        # What the ledger's open would refuse without the study's terms, now: a site
+        # whose ledger was lost, shortened or rewritten stops before it loads torch and
+        # Opacus (seconds) and enrols.
+        ledger = settings.state / "privacy-ledger.db"
+        refuse_fresh_ledger_over_history(ledger)
+        check_history(ledger, site_id=settings.site, receipts_dir=settings.privacy.receipts_dir)
     hook = hook_factory(settings)
     metrics.device.labels(device=hook.device).set(1)
     def open_and_attach() -> PrivacyLedger | None:

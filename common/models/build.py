@@ -253,14 +253,18 @@ def initial_model(
     """The study's untrained network, the same at every call for a seed: what
     `coordinator serve --study` starts round 1 from (its initial weights are public).
 
-    Built and checked with Opacus' ModuleValidator (a `ConfigError` naming the layer and
-    the fix) before any round starts. `allowed_factories` defaults to the study's own
+    A hospital's own factory is checked with Opacus' ModuleValidator (a `ConfigError`
+    naming the layer and the fix) before any round starts. A built-in network is not:
+    each is Opacus-valid by construction (tests/training/test_models.py), and every site
+    checks the network it trains, so a coordinator serving one never loads Opacus
+    (seconds of CPU at every start). `allowed_factories` defaults to the study's own
     custom factory: the coordinator's operator wrote the study it serves.
     """
     if allowed_factories is None:
         allowed_factories = (study.model.custom,) if study.model.custom else ()
     torch.manual_seed(seed)
-    return build_for_study(study, allowed_model_factories=allowed_factories)
+    return build_for_study(study, allowed_model_factories=allowed_factories,
+                           check_dp=study.model.custom is not None)
 
 
 def build_from_architecture(

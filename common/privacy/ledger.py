@@ -92,6 +92,7 @@ from common.privacy.mechanisms import (
 )
 from common.privacy.purpose import PURPOSES, Purpose
 from common.privacy.receipts import (
+    FoundReceipt,
     HeadReceipt,
     check_against,
     read_receipts,
@@ -126,6 +127,7 @@ __all__ = [
     "RestoreResult",
     "VerifyReport",
     "anchor_path_for",
+    "check_history",
     "export_ledger",
     "ledger_notes",
     "migrate_hint",
@@ -138,6 +140,50 @@ __all__ = [
 ]
 
 # ----------------------------------------------------------------------- the ledger
+
+
+def _refuse_missing(
+    path: Path, *, anchor_path: Path, anchor: LedgerAnchor | None,
+    receipt: FoundReceipt | None,
+) -> None:
+    """A missing ledger whose receipt or anchor shows history is not started again at
+    zero (LedgerUnavailable naming the file and the way out)."""
+    if receipt is not None and receipt.receipt.entries > 0:
+        raise LedgerUnavailable(
+            path,
+            f"privacy ledger {path} is missing, but the signed head receipt "
+            f"{receipt.where} records {receipt.receipt.entries} entries (epsilon "
+            f"{receipt.receipt.epsilon_spent:.4f}): the site refuses to start again at "
+            "zero spend; " + recovery_hint(path),
+        )
+    if anchor is not None and anchor.seq > 0:
+        raise LedgerUnavailable(
+            path,
+            f"privacy ledger {path} is missing, but its anchor "
+            f"{anchor_path} records {anchor.seq} entries (head "
+            f"{anchor.head_hash[:16]}...): the site refuses to start again at zero "
+            "spend; " + recovery_hint(path),
+        )
+
+
+def check_history(
+    path: str | Path, *, site_id: str, receipts_dir: str | Path | None = None
+) -> None:
+    """The refusals of `PrivacyLedger`'s open that need none of its terms, read-only: a
+    missing ledger whose anchor or head receipt shows history (LedgerUnavailable), a
+    ledger shorter than its anchor or rewritten under it (LedgerForkError). A site
+    checks them at start, before it loads its training (seconds of CPU) and enrols;
+    the open checks them again, with the rest."""
+    ledger_path = Path(path)
+    anchor_path = anchor_path_for(ledger_path)
+    anchor = read_anchor(anchor_path)
+    if not ledger_path.exists():
+        receipt = None if receipts_dir is None else read_receipts(Path(receipts_dir), site_id)
+        _refuse_missing(ledger_path, anchor_path=anchor_path, anchor=anchor, receipt=receipt)
+        return
+    if anchor is not None:
+        _, entries = read_ledger(ledger_path)
+        _check_anchor(ledger_path, anchor, site_id, entries)
 
 
 class PrivacyLedger:
@@ -216,23 +262,9 @@ class PrivacyLedger:
         anchor = read_anchor(self.anchor_path)
         receipt = (None if self.receipts_dir is None
                    else read_receipts(self.receipts_dir, self.site_id))
-        if not self.path.exists() and receipt is not None and receipt.receipt.entries > 0:
-            raise LedgerUnavailable(
-                self.path,
-                f"privacy ledger {self.path} is missing, but the signed head receipt "
-                f"{receipt.where} records {receipt.receipt.entries} entries (epsilon "
-                f"{receipt.receipt.epsilon_spent:.4f}): the site refuses to start again at "
-                "zero spend; " + recovery_hint(self.path),
-            )
         if not self.path.exists():
-            if anchor is not None and anchor.seq > 0:
-                raise LedgerUnavailable(
-                    self.path,
-                    f"privacy ledger {self.path} is missing, but its anchor "
-                    f"{self.anchor_path} records {anchor.seq} entries (head "
-                    f"{anchor.head_hash[:16]}...): the site refuses to start again at zero "
-                    "spend; " + recovery_hint(self.path),
-                )
+            _refuse_missing(self.path, anchor_path=self.anchor_path, anchor=anchor,
+                            receipt=receipt)
             _check_writable(self.path)
             with (
                 _guard(self.path, "creating the ledger"),

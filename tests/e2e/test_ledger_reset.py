@@ -1,10 +1,18 @@
-"""A ledger no one can quietly reset, with real processes over
-mutual TLS: a site that trained a round loses its ledger (deleted; replaced by a shorter
-valid history; replaced by a fresh one over the site's state or over a lost state) and
-is refused each time, by itself or by the
-coordinator's replica with FAILED_PRECONDITION; `medfed ledger export` at the
-coordinator and `medfed ledger restore` at the site recover it, and the site rejoins and
-trains on with its spend intact."""
+"""A ledger no one can quietly reset, and one carried into new terms, with real processes
+over mutual TLS, in one federation (a three-round study):
+
+* a site that trained a round loses its ledger (deleted; replaced by a shorter valid
+  history; replaced by a fresh one over the site's state or over a lost state) and is
+  refused each time, by itself or by the coordinator's replica with FAILED_PRECONDITION;
+  `medfed ledger export` at the coordinator and `medfed ledger restore` at the site
+  recover it, and the site rejoins and trains on with its spend intact;
+* that site then carries its ledger into new terms (`medfed ledger carry`, stopped),
+  starts again, sends its whole carried history, is accepted without an operator at the
+  coordinator (`ledger_carried`) and trains the next round on top of the carried spend.
+
+One federation for both: each part needs a site that trained and left while the others
+wait, and a federation of real DP sites costs a process start of torch and Opacus per
+site."""
 
 from __future__ import annotations
 
@@ -13,9 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from common.pki import load_certificate
-from common.privacy.ledger import anchor_path_for, export_ledger, read_anchor, restore_ledger
+from common.pki import load_certificate, site_paths
+from common.privacy.ledger import (
+    anchor_path_for,
+    export_ledger,
+    ledger_notes,
+    read_anchor,
+    restore_ledger,
+)
 from common.privacy.ledger_verify import verify_ledger
+from common.privacy.replica import export_from_state
 from common.privacy.signed import SignedHistory
 from common.processes import ManagedProcess, medfed_argv
 from tests.e2e.harness import REPO, StudyProcesses, list_members, make_pki
@@ -25,6 +40,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 SITES = ["alpha", "beta", "gamma"]
 REFUSED = 2  # `medfed site run` on a MedfedError: one line on stderr, exit code 2
+NEW_BUDGET = "9"  # the sites' default is 8
 
 
 def medfed(*args: str) -> subprocess.CompletedProcess[str]:
@@ -36,12 +52,12 @@ def last_epsilon(history: SignedHistory) -> float:
     return history.entries[-1].epsilon_after if history.entries else 0.0
 
 
-def test_reset_ledgers_are_refused_and_a_restore_keeps_the_spend(
+def test_reset_ledgers_are_refused_a_restore_keeps_the_spend_and_a_carry_rejoins(
     tmp_path: Path, processes: list[ManagedProcess]
 ) -> None:
     pki = make_pki(tmp_path, SITES)
     study_path = tmp_path / "study.toml"
-    study_path.write_text(study_toml("ledger-reset", rounds=2))
+    study_path.write_text(study_toml("ledger-reset", rounds=3))
     list_members(study_path, pki, SITES)
     files = hospital_csvs(tmp_path, SITES)
     run = StudyProcesses(tmp_path, study=study_path, pki=pki, processes=processes)
@@ -136,11 +152,9 @@ def test_reset_ledgers_are_refused_and_a_restore_keeps_the_spend(
     assert verified.ok and verified.ca_checked and verified.epsilons_recomposed, \
         verified.problems
 
-    # The site rejoins, trains round 2 and the study finishes for everyone.
-    back = site("alpha")
+    # The site rejoins, trains round 2 and leaves again (the coordinator waits for it).
+    back = site("alpha", "--exit-after-rounds", "1")
     assert back.wait_exit(timeout=900) == 0, back.tail(30)
-    for proc in others:
-        assert proc.wait_exit(timeout=300) == 0, proc.tail(30)
     final = export_ledger(ledger)
     assert [e.entry_hash for e in final.entries[: len(trained.entries)]] == [
         e.entry_hash for e in trained.entries
@@ -150,3 +164,50 @@ def test_reset_ledgers_are_refused_and_a_restore_keeps_the_spend(
         max(e.round for e in final.entries),
     ]
     assert last_epsilon(final) > spent  # composed on top of the restored history
+
+    # 5. The site's officer carries the ledger into a new budget, the site stopped; the
+    # coordinator's replica holds its entries.
+    before = final
+    replicated = SignedHistory.from_bytes(export_from_state("alpha", state=state))
+    assert [e.entry_hash for e in replicated.entries] == [e.entry_hash for e in before.entries]
+    spent = before.entries[-1].epsilon_after
+    cert, key = site_paths(pki, "alpha")
+    result = medfed("ledger", "carry", "--ledger", str(ledger), "--budget-epsilon",
+                    NEW_BUDGET, "--cert", str(cert), "--key", str(key))
+    assert result.returncode == 0, result.stderr
+    carried = export_ledger(ledger)
+    assert carried.terms != before.terms
+    assert len(carried.entries) == len(before.entries)
+    assert carried.head_hash != before.head_hash  # what the old replica called a fork
+    assert any(note.startswith("CARRIED: ") for note in ledger_notes(ledger))
+
+    # It starts again with the new budget: accepted, and it trains round 3; the study
+    # finishes for everyone.
+    heard = len(coordinator.lines)
+    again = site("alpha", "--budget-epsilon", NEW_BUDGET)
+    event = coordinator.wait_event("ledger_carried", timeout=600, site="alpha")
+    assert event["old_head"] == before.head_hash and event["new_head"] == carried.head_hash
+    assert event["spent_before"] == pytest.approx(spent)
+    assert again.wait_exit(timeout=900) == 0, again.tail(30)
+    for proc in others:
+        assert proc.wait_exit(timeout=300) == 0, proc.tail(30)
+    # Its first report of the carried head was refused as a fork (the replica held the
+    # old terms); the whole history it then sent was accepted as a carry.
+    events = [line.get("event") for line in coordinator.lines[heard:]
+              if line.get("site") == "alpha" and str(line.get("event", "")).startswith("ledger_")]
+    assert events == ["ledger_fork", "ledger_carried"]
+
+    final = export_ledger(ledger)
+    assert final.terms == carried.terms
+    assert [e.entry_hash for e in final.entries[: len(carried.entries)]] == [
+        e.entry_hash for e in carried.entries
+    ]
+    trained_before = max(e.round for e in before.entries if e.purpose == "training")
+    assert max(e.round for e in final.entries if e.purpose == "training") > trained_before
+    assert final.entries[-1].epsilon_after > spent  # composed on top of the carried spend
+    replica = SignedHistory.from_bytes(export_from_state("alpha", state=state))
+    # The replica holds the carried history and the round-3 entries after it.
+    assert replica.terms == final.terms and len(replica.entries) > len(carried.entries)
+    assert [e.entry_hash for e in replica.entries] == [
+        e.entry_hash for e in final.entries[: len(replica.entries)]
+    ]

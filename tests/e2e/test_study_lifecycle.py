@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -18,14 +18,38 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.status_cli import fetch_status
 from common.tls import MonitorTlsFiles, channel_credentials_from_files
-from tests.e2e.harness import REPO, Federation
+from tests.e2e.conftest import process_tails
+from tests.e2e.harness import REPO, Federation, run_medfed
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+# One federation for the module (one worker under xdist): who may ask for status is
+# asked of the coordinator before its study starts, then the study runs.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240),
+              pytest.mark.xdist_group("study_lifecycle")]
 
 SITES = ["site-a", "site-b", "site-c"]
 SETTINGS = ("--phase-seconds", "60", "--train-seconds", "20", "--selection-seconds", "0.5",
             "--model-dim", "2000", "--min-sites", "3", "--rounds", "1")
 
+
+@pytest.fixture(scope="module")
+def federation(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Federation]:
+    """The coordinator of a one-round study that stays up when it is finished, its PKI
+    holding an `ops` monitor certificate; no site started yet. Everything started is
+    stopped at the end, after printing the end of each process's output if a test of
+    the module failed."""
+    fed = Federation(tmp_path_factory.mktemp("lifecycle"), SITES)
+    failed = request.session.testsfailed
+    try:
+        run_medfed("pki", "issue", "--dir", str(fed.pki), "--monitor", "ops")
+        fed.start_coordinator(*SETTINGS, exit_when_finished=False)
+        yield fed
+    finally:
+        started = fed.processes()
+        if request.session.testsfailed > failed and started:
+            print("\nprocess output at the failure:\n" + process_tails(started))
+        fed.stop()
 
 
 def status_cli(fed: Federation, *args: str, cert: Path, key: Path
@@ -53,11 +77,23 @@ def scrape(port: int) -> str:
         return str(resp.read().decode())
 
 
-def test_status_during_and_after_a_study_that_stays_up(
-    monitored_federation: Callable[[Sequence[str]], Federation],
-) -> None:
-    federation = monitored_federation(SITES)
-    coordinator = federation.start_coordinator(*SETTINGS, exit_when_finished=False)
+def test_only_monitor_certificates_may_ask_for_status(federation: Federation) -> None:
+    """A site certificate is refused (the status names every hospital and its budget),
+    and so is the coordinator's own (server-only) certificate. Asked before the study
+    starts (the next test asks for status during and after it)."""
+    pki = federation.pki
+    site = status_cli(federation, cert=pki / "sites" / "site-a.crt",
+                      key=pki / "sites" / "site-a.key")
+    assert site.returncode != 0
+    assert "monitor certificate" in site.stderr
+    server = status_cli(federation, cert=pki / "coordinator.crt", key=pki / "coordinator.key")
+    assert server.returncode != 0
+    assert "Traceback" not in server.stderr and "medfed: error" in server.stderr
+
+
+def test_status_during_and_after_a_study_that_stays_up(federation: Federation) -> None:
+    coordinator = federation.coordinator
+    assert coordinator is not None
     metrics_port = int(coordinator.wait_event("listening")["metrics_port"])
 
     before = status(federation)
@@ -109,20 +145,3 @@ def test_status_during_and_after_a_study_that_stays_up(
 
     coordinator.stop()
     assert coordinator.proc.returncode == 0
-
-
-def test_only_monitor_certificates_may_ask_for_status(
-    monitored_federation: Callable[[Sequence[str]], Federation],
-) -> None:
-    federation = monitored_federation(SITES)
-    """A site certificate is refused (the status names every hospital and its budget),
-    and so is the coordinator's own (server-only) certificate."""
-    federation.start_coordinator(*SETTINGS, exit_when_finished=False)
-    pki = federation.pki
-    site = status_cli(federation, cert=pki / "sites" / "site-a.crt",
-                      key=pki / "sites" / "site-a.key")
-    assert site.returncode != 0
-    assert "monitor certificate" in site.stderr
-    server = status_cli(federation, cert=pki / "coordinator.crt", key=pki / "coordinator.key")
-    assert server.returncode != 0
-    assert "Traceback" not in server.stderr and "medfed: error" in server.stderr

@@ -21,6 +21,7 @@ from common.privacy.accountant import Segment
 from common.privacy.ledger import (
     PrivacyLedger,
     anchor_path_for,
+    check_history,
     export_ledger,
     read_anchor,
     restore_ledger,
@@ -68,15 +69,20 @@ def test_anchor_follows_every_commit(tmp_path: Path, pki_material: Pki) -> None:
     grow(ledger, range(1, 4))
     anchor = read_anchor(anchor_path_for(ledger.path))
     assert anchor is not None and (anchor.seq, anchor.head_hash) == (3, ledger.head_hash())
+    check_history(ledger.path, site_id="hospital-a")  # the history its anchor records
 
 
 def test_missing_ledger_with_history_is_not_recreated(tmp_path: Path, pki_material: Pki) -> None:
     path = tmp_path / "l"
     grow(open_ledger(path, pki_material.signer_a), range(1, 3))
     path.unlink()
+    # The site's check at start (no terms needed) refuses it as the open does.
+    with pytest.raises(LedgerUnavailable) as checked:
+        check_history(path, site_id="hospital-a")
     with pytest.raises(LedgerUnavailable) as info:
         open_ledger(path, pki_material.signer_a)
     message = str(info.value)
+    assert str(checked.value) == message
     assert str(path) in message and "records 2 entries" in message
     assert "medfed ledger restore" in message and "medfed ledger export" in message
     assert not path.exists()  # nothing recreated at zero
@@ -94,12 +100,16 @@ def test_older_copy_or_rewritten_ledger_is_refused(tmp_path: Path, pki_material:
     Path(f"{path}-wal").unlink(missing_ok=True)
     shutil.copyfile(backup, path)
     with pytest.raises(LedgerForkError, match="holds 2 entries but its anchor records 4"):
+        check_history(path, site_id="hospital-a")
+    with pytest.raises(LedgerForkError, match="holds 2 entries but its anchor records 4"):
         open_ledger(path, pki_material.signer_a)
     # A different (validly signed) history of the same length: a fork.
     path.unlink()
     fork = open_ledger(tmp_path / "fork", pki_material.signer_a)
     grow(fork, range(11, 15))
     shutil.copyfile(tmp_path / "fork", path)
+    with pytest.raises(LedgerForkError, match="rewritten"):
+        check_history(path, site_id="hospital-a")
     with pytest.raises(LedgerForkError, match="rewritten"):
         open_ledger(path, pki_material.signer_a)
 
