@@ -33,7 +33,12 @@ import numpy as np
 
 from common.config import SiteSettings
 from common.errors import ConfigError
-from site_agent.unit_split import site_split_key, split_by_patient
+from site_agent.unit_split import (
+    site_split_key,
+    split_by_patient,
+    training_unit_count,
+    unit_ids,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -99,6 +104,8 @@ class SiteDataset(Protocol):
 
     def split(self, statistics: GlobalStatistics | None) -> UnitSplit: ...
 
+    def training_units(self, *, unit: str) -> int: ...
+
 
 def load_site_study(settings: SiteSettings) -> Study | None:
     """The study in the site's own ``study_file``, if it names one, else the study
@@ -162,6 +169,18 @@ class TableDataset:
             self.table, self.study, statistics, self.settings, dp=self.dp
         )
         return UnitSplit(train, holdout, features, patients)
+
+    def training_units(self, *, unit: str) -> int:
+        """The `unit`s DP-SGD will train on after this site's held-out split, known before
+        the statistics encode the table (a unit's side depends on its id and the site's
+        key alone)."""
+        from site_agent.unit_split import study_record_keys
+
+        ids = self.table.patient_ids
+        return training_unit_count(
+            ids if ids is not None else study_record_keys(self.table),
+            key=site_split_key(self.settings.state),
+            held_out_fraction=self.settings.data.holdout_fraction, unit=unit)
 
 
 def encode_study_table(
@@ -232,3 +251,9 @@ class ImageFolderDataset:
         )
         return UnitSplit(train, holdout, None,
                          train.num_patients if self.has_patients else 0)
+
+    def training_units(self, *, unit: str) -> int:
+        """The `unit`s DP-SGD will train on after this site's held-out split."""
+        return training_unit_count(
+            unit_ids(self.images), key=site_split_key(self.settings.state),
+            held_out_fraction=self.settings.data.holdout_fraction, unit=unit)

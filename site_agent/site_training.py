@@ -22,7 +22,7 @@ import numpy as np
 
 from common.codec import TensorSpec
 from common.config import SiteSettings
-from common.errors import ConfigError, RoundFailed
+from common.errors import ConfigError, DataError, RoundFailed
 from common.privacy.accountant import Segment
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Mechanism
@@ -95,6 +95,37 @@ class TrainingHook(Protocol):
     def table(self) -> TableLike | None:
         """The joined study's table (every row of the site's file), what an approved
         query is answered on; None for an image folder or before joining."""
+
+
+
+def check_training_split(
+    study: Study, dataset: SiteDataset, settings: SiteSettings, *, path: Path
+) -> None:
+    """The cohort rule (`site_agent.data.check_cohort_size`) on the units DP-SGD will
+    actually train on, when a site joins `study`: the held-out split varies around its
+    expected size (each unit is held out with probability data.holdout_fraction), so a
+    site that passed on the expected count could otherwise stop at its first training
+    round and abort that round for every site. Local: nothing is sent. Nothing to check
+    where no DP-SGD runs (hospital-level DP with record_level "none")."""
+    from site_agent.data import check_cohort_size
+
+    if study.privacy.unit == "hospital":
+        unit = study.privacy.record_level
+        if unit == "none":
+            return
+    else:
+        unit = "patient" if dataset.has_patients else "record"
+    units = dataset.training_units(unit=unit)
+    fraction = settings.data.holdout_fraction
+    try:
+        check_cohort_size(units, delta=settings.privacy.delta, unit=unit, file=str(path))
+    except DataError as exc:
+        raise DataError(
+            f"{exc.message} in this site's training split ({units} {unit}s are left once "
+            f"data.holdout_fraction {fraction:g} holds some out for evaluation, by this "
+            f"site's split key): add {unit}s or lower data.holdout_fraction",
+            file=str(path),
+        ) from None
 
 
 class DpTrainingHook:
@@ -193,13 +224,16 @@ class DpTrainingHook:
                 "data.path", "the coordinator runs a study: name this site's file with --data"
             )
         report = check_site_can_join(study, policy, path)
+        dataset = open_site_dataset(study, self.settings, path=path, dp=self.dp)
+        if self.dp:
+            check_training_split(study, dataset, self.settings, path=path)
         self._use_study(study)
         self.statistics = None
         self.train_data = None
         self._trainer = None
         self.joined = True
         self._dp_path = None
-        dataset = self.dataset = open_site_dataset(study, self.settings, path=path, dp=self.dp)
+        self.dataset = dataset
         if self.dp:
             self.privacy_unit = (
                 "hospital" if self.hospital else "patient" if dataset.has_patients else "record"

@@ -479,10 +479,7 @@ class LocalTrainer:
             noise = torch.normal(
                 0.0, std, size=p.shape, generator=self._noise_generator, device=p.device
             )
-            # (clipped + noise) / B, in the noise's buffer where the dtypes agree.
-            summed = clipped[name]
-            total = noise.add_(summed) if noise.dtype == summed.dtype else summed + noise
-            p.grad = total.div_(cfg.batch_size)
+            p.grad = (clipped[name] + noise) / cfg.batch_size
         self._add_proximal_gradient(anchor, mu)
         self._base_step()
         self.optimizer.zero_grad(set_to_none=True)

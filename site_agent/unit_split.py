@@ -150,6 +150,19 @@ def held_out_mask(ids: np.ndarray, *, key: bytes, held_out_fraction: float) -> n
     return held[inverse.reshape(-1)]
 
 
+def training_unit_count(
+    ids: np.ndarray, *, key: bytes, held_out_fraction: float, unit: str
+) -> int:
+    """The units DP-SGD will train on once `split_by_patient` holds some out (`ids`: one
+    unit id per record, as the split reads them): distinct patients on the training side,
+    or its records when the privacy unit is a record (what the trainer counts)."""
+    ids = np.asarray(ids, dtype=object)
+    kept = ~held_out_mask(ids, key=key, held_out_fraction=held_out_fraction)
+    if unit == "patient":
+        return len(set(ids[kept].tolist()))
+    return int(kept.sum())
+
+
 def study_record_keys(table: Any) -> np.ndarray:
     """Unit ids of a study table without a patient column (`site_agent.data.StudyTable`):
     a digest of each record's values as read (numeric columns, level indices, label),

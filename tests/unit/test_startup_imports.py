@@ -4,8 +4,9 @@ loaded two-core machine; the README blocks and the tests start many of them).
 
 Each command runs for real in a fresh interpreter through `common.cli.main`, the entry
 point of the `medfed` script; the interpreter then reports which heavy packages it holds.
-`coordinator serve` itself does import torch and Opacus: it builds the study's round-1
-network and checks it with Opacus' ModuleValidator before it listens.
+`coordinator serve` itself imports torch: it builds the study's round-1 network and
+probes it before it listens; Opacus only for a hospital's own network, which it checks
+with Opacus' ModuleValidator (a built-in network is Opacus-valid by construction).
 """
 
 from __future__ import annotations
