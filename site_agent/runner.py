@@ -28,6 +28,11 @@ def build_hook(settings: SiteSettings) -> TrainingHook:
     return DpTrainingHook(settings, dp=settings.training.trainer == "dpsgd")
 
 
+def ledger_path(settings: SiteSettings) -> Path:
+    """The site's privacy ledger, in its state folder."""
+    return settings.state / "privacy-ledger.db"
+
+
 def open_ledger(settings: SiteSettings, hook: TrainingHook) -> PrivacyLedger | None:
     if hook.privacy_unit == "none":
         return None
@@ -36,7 +41,7 @@ def open_ledger(settings: SiteSettings, hook: TrainingHook) -> PrivacyLedger | N
     # Entries are signed with the site's certificate key; the ledger refuses to open
     # (LedgerUnavailable / LedgerForkError) when it is missing, damaged, older or
     # rewritten while its anchor (state/privacy-ledger.db.anchor) shows history.
-    path = settings.state / "privacy-ledger.db"
+    path = ledger_path(settings)
     refuse_fresh_ledger_over_history(path)
     return PrivacyLedger(
         path,
@@ -109,7 +114,7 @@ def _run_site(
         # What the ledger's open would refuse without the study's terms, now: a site
         # whose ledger was lost, shortened or rewritten stops before it loads torch and
         # Opacus (seconds) and enrols.
-        ledger = settings.state / "privacy-ledger.db"
+        ledger = ledger_path(settings)
         refuse_fresh_ledger_over_history(ledger)
         check_history(ledger, site_id=settings.site, receipts_dir=settings.privacy.receipts_dir)
     hook = hook_factory(settings)

@@ -97,7 +97,6 @@ class TrainingHook(Protocol):
         query is answered on; None for an image folder or before joining."""
 
 
-
 def check_training_split(
     study: Study, dataset: SiteDataset, settings: SiteSettings, *, path: Path
 ) -> None:
