@@ -344,7 +344,6 @@ COMPONENTS: dict[str, tuple[str, ...]] = {
     "malloc_free_kept": ("malloc", "fordblks"),
     "sqlite_memory_used": ("sqlite", "memory_used"),
     "python_traced": ("tracemalloc", "current"),
-    "gc_objects": ("gc", "objects"),
     "python_blocks": ("gc", "allocated_blocks"),
 }
 
@@ -373,7 +372,7 @@ def component_slopes(samples: list[dict[str, Any]]) -> dict[str, dict[str, float
 def component_line(name: str, c: dict[str, float | None]) -> str:
     """One line of the --diagnose summary: first -> last value and the slope."""
     first, last, slope = c["first"] or 0.0, c["last"] or 0.0, c["per_round_second_half"]
-    if name in ("gc_objects", "python_blocks"):
+    if name == "python_blocks":
         per = "n/a" if slope is None else f"{slope:+.3f} /round"
         return f"    {name:<20} {first:>9.0f}    -> {last:>9.0f}    ({per}, second half)"
     per = "n/a" if slope is None else f"{slope / 1024:+.3f} kB/round"

@@ -31,10 +31,8 @@ A throw-away wrapper for measurement only: the product coordinator runs without 
 from __future__ import annotations
 
 import argparse
-import collections
 import ctypes
 import ctypes.util
-import gc
 import json
 import signal
 import sys
@@ -157,12 +155,13 @@ class Probe:
                 "memory_used": self.sqlite.sqlite3_memory_used(),
                 "memory_highwater": self.sqlite.sqlite3_memory_highwater(0),
             }
-        types = collections.Counter(type(o).__name__ for o in gc.get_objects())
         # Blocks of CPython's allocator count every live object, those the collector
         # does not track too (str, bytes, int, dicts of atoms): cheap, unlike tracemalloc.
-        record["gc"] = {"objects": sum(types.values()), "top": types.most_common(15),
-                        "allocated_blocks": sys.getallocatedblocks()}
-        del types
+        # No census by type: gc.get_objects() from this thread holds a reference to
+        # whatever the service's threads are building, and a tuple being built from a
+        # generator must have none (CPython raised "SystemError: bad argument to
+        # internal function" in the measured coordinator's round engine).
+        record["gc"] = {"allocated_blocks": sys.getallocatedblocks()}
         if tracemalloc.is_tracing():
             snapshot = tracemalloc.take_snapshot().filter_traces(
                 (tracemalloc.Filter(False, tracemalloc.__file__),)

@@ -4,6 +4,11 @@ start a coordinator and site agents this way and wait on what they print.
 Each line of stdout/stderr is parsed as JSON when it can be (events on stdout,
 structured logs on stderr) and kept; `wait_for` blocks on a condition over those
 lines, woken by the reader threads (no polling, no sleeps).
+
+A process is started by a launcher: `subprocess.Popen` unless a caller swaps in another
+with `launched_by` (the test suite forks its `python -m` processes from an interpreter
+that has imported torch once, tests/zygote.py). Anything that has a `ChildProcess`'s
+pid, pipes, poll/wait and signals will do.
 """
 
 from __future__ import annotations
@@ -15,11 +20,51 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 Line = dict[str, Any]
+
+
+class ChildProcess(Protocol):
+    """What ManagedProcess needs of a started process (`subprocess.Popen` has it)."""
+
+    pid: int
+    returncode: int | Any
+    stdout: IO[str] | None
+    stderr: IO[str] | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
+Launcher = Callable[[list[str], dict[str, str], "Path | None"], ChildProcess]
+
+
+def popen(argv: list[str], env: dict[str, str], cwd: Path | None) -> subprocess.Popen[str]:
+    """Start `argv` with its stdout and stderr piped back as text."""
+    return subprocess.Popen(  # noqa: S603 - argv is built by us, no shell
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
+    )
+
+
+_launcher: Launcher = popen
+
+
+@contextmanager
+def launched_by(launcher: Launcher) -> Iterator[None]:
+    """Start the ManagedProcesses created inside the block with `launcher`."""
+    global _launcher
+    previous, _launcher = _launcher, launcher
+    try:
+        yield
+    finally:
+        _launcher = previous
 
 
 def medfed_argv(*args: str) -> list[str]:
@@ -46,14 +91,7 @@ class ManagedProcess:
         self._log: IO[str] = open(log_dir / f"{name}.log", "a", encoding="utf-8")  # noqa: SIM115
         self._log_lock = threading.Lock()
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen(  # noqa: S603 - argv is built by us, no shell
-            list(argv),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=cwd,
-            env=full_env,
-        )
+        self.proc: ChildProcess = _launcher(list(argv), full_env, cwd)
         self._threads = [
             threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True),
             threading.Thread(target=self._read, args=(self.proc.stderr,), daemon=True),

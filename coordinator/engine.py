@@ -38,6 +38,7 @@ from common.errors import (
     DatabaseUnavailable,
     MedfedError,
     ProtocolAbort,
+    StateError,
     StudyFailed,
     Unavailable,
 )
@@ -76,6 +77,9 @@ DATABASE_RETRY_MAX_SECONDS = 10.0
 """Backoff between reconnect attempts while the state database is lost (doubling)."""
 
 FAILED_META = "study_failed"
+STUDY_DONE_FOR_QUERIES = (
+    "the study has finished: a query runs as a round before one of the study's rounds "
+    "and none is left (run it while a study still has rounds to go)")
 """State-database key holding why the study failed (absent while it has not)."""
 
 
@@ -190,6 +194,7 @@ class RoundEngine:
                 self.recover()
             except DatabaseUnavailable as exc:
                 await self._ride_out(exc)  # it recovers once the database answers
+            await asyncio.to_thread(queries.reopen, self.settings.state)
             before = self.store.get_meta(FAILED_META)
             if before:
                 log.warning("this study failed before (%s); trying its rounds again", before,
@@ -215,6 +220,11 @@ class RoundEngine:
             )
             self.sessions.close(failure=Unavailable(f"coordinator {what}: retry later"))
             raise
+        try:
+            await asyncio.to_thread(queries.close, self.settings.state, STUDY_DONE_FOR_QUERIES)
+        except (OSError, StateError) as exc:  # the study itself did finish
+            log.warning("could not close the query inbox: %s", exc,
+                        extra={"event": "query_inbox_unwritable", "reason": str(exc)})
         self.finished.set()
         self.metrics.study_finished.set(1)
         self.sessions.close(failure=None)

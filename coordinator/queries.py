@@ -8,6 +8,10 @@ round engine runs it as a release round of its own before the study's next round
 STATE/queries/failed/<sha256>.json. Every inbox file is validated here: its name, its
 size, that it parses as a query of the study being run, that its bytes are canonical
 and hash to its name; anything else is moved to failed/ with the reason, never run.
+A study with no round left can run no query: when it finishes, the engine writes why
+to STATE/queries/closed and fails what waits in the inbox; `medfed query run` reads the
+same file before it submits and while it waits, so no query waits for a round that
+will never come. A coordinator that runs the study's rounds again removes it.
 The coordinator learns only the noisy sum (and keeps it, with each statistic's noise
 std, so the answer can be recomputed: post-processing costs no privacy).
 """
@@ -34,6 +38,7 @@ QUERIES_DIR: Final = "queries"
 INBOX: Final = "inbox"
 ANSWERS: Final = "answers"
 FAILED: Final = "failed"
+CLOSED: Final = "closed"
 SUFFIX: Final = ".query"
 ANSWER_FORMAT: Final = "medfed-query-answer/1"
 MAX_QUERY_BYTES: Final = 1 << 20
@@ -54,6 +59,41 @@ def answer_path(state: Path, sha256: str) -> Path:
 
 def failed_path(state: Path, sha256: str) -> Path:
     return folder(state, FAILED) / f"{sha256}.json"
+
+
+def closed_path(state: Path) -> Path:
+    return Path(state) / QUERIES_DIR / CLOSED
+
+
+def closed_reason(state: Path) -> str | None:
+    """Why this coordinator's study can run no query now, or None while it can."""
+    try:
+        return closed_path(state).read_text(encoding="utf-8").strip() or "closed"
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StateError(f"cannot read {closed_path(state)}: {exc.strerror}") from None
+
+
+def close(state: Path, reason: str) -> list[str]:
+    """No query can run any more (`reason`): say so, and fail each query in the inbox;
+    the SHA-256s failed."""
+    path = closed_path(state)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    atomic_write(path, reason.encode() + b"\n")
+    failed = []
+    box = folder(state, INBOX)
+    for item in sorted(box.glob(f"*{SUFFIX}")) if box.is_dir() else []:
+        match = _NAME.fullmatch(item.name)
+        if match is not None:
+            fail(state, match.group(1), reason)
+            failed.append(match.group(1))
+    return failed
+
+
+def reopen(state: Path) -> None:
+    """The study's rounds run (again): queries may wait for the next one."""
+    closed_path(state).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,9 @@ def wait_for(state: Path, sha256: str, *, timeout: float) -> Path:
     while True:
         if answer.exists():
             return answer
+        closed = queries.closed_reason(state)
+        if closed is not None and queries.inbox_path(state, sha256).exists():
+            queries.fail(state, sha256, closed)
         if failed.exists():
             try:
                 reason = json.loads(failed.read_text(encoding="utf-8")).get("error", "")
@@ -105,6 +108,9 @@ def _run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         raise ConfigError("--query", str(exc)) from None
     payload = query_bytes(query)
+    closed = queries.closed_reason(state)
+    if closed is not None:
+        raise QueryFailed(f"the coordinator cannot run the query: {closed}")
     sha256 = queries.submit(state, payload)
     print(f"query {query.name} (sha256 {sha256}) submitted; waiting for the coordinator",
           file=sys.stderr, flush=True)

@@ -21,14 +21,22 @@ e2e harness already asked of its site processes): with two workers on two cores,
 second intra-op thread per process buys no time and its OpenMP spin-waiting burns CPU
 (tests/privacy/test_privacy_audit_run.py: 54 s of CPU with two threads, 15 s with one).
 A caller's own setting wins.
+
+The `python -m` processes the tests start (coordinators, sites) are forked from one
+interpreter per worker that has imported torch and Opacus already (tests/zygote.py says
+what that does and does not exercise); MEDFED_TEST_FRESH_INTERPRETERS=1 turns it off.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
+
+from common.processes import launched_by
+from tests import zygote
 
 SHARED_SCOPES = frozenset({"module", "class", "package"})
 LONG_MARKS = ("e2e", "slow")
@@ -66,3 +74,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(path))
     # Stable: a file's tests stay together and in their order.
     items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in long_files)
+
+
+@pytest.fixture(scope="session")
+def zygote_server() -> Iterator[zygote.Zygote]:
+    """This worker's zygote (it starts on its first launch)."""
+    forks = zygote.Zygote()
+    yield forks
+    forks.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forked_processes(zygote_server: zygote.Zygote) -> Iterator[None]:
+    """ManagedProcess starts `python -m` processes from this worker's zygote."""
+    if not zygote.enabled():
+        yield
+        return
+    with launched_by(zygote_server.launch):
+        yield

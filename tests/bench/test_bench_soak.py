@@ -33,7 +33,7 @@ def test_probe_sample_splits_this_process_memory(tmp_path: Path) -> None:
     assert sum(kinds.values()) <= rss + (4 << 20)
     assert sample["maps"]["anon_mmap"] == kinds["anon_1m"] + kinds["anon_other"]
     assert sample["malloc"]["uordblks"] > 0
-    assert sample["gc"]["objects"] >= sum(n for _, n in sample["gc"]["top"]) > 0
+    assert sample["gc"]["allocated_blocks"] > 0
 
 
 def test_probe_reads_the_sqlite_library_python_uses(tmp_path: Path) -> None:
@@ -57,16 +57,16 @@ def test_component_slopes_fit_the_second_half_and_skip_the_final_sample() -> Non
     samples = [
         {"seq": i, "rounds_completed": 100 * (i + 1), "final": False,
          "rss": {"VmRSS": 1000 + (10 * 100 * i if i < 5 else 10 * 100 * 4)},
-         "gc": {"objects": 50}}
+         "gc": {"allocated_blocks": 50}}
         for i in range(10)
     ]
     samples.append({"seq": 10, "rounds_completed": 1100, "final": True,
-                    "rss": {"VmRSS": 10**9}, "gc": {"objects": 10**6}})
+                    "rss": {"VmRSS": 10**9}, "gc": {"allocated_blocks": 10**6}})
     slopes = component_slopes(samples)
     # RSS grew 10 bytes/round over the first half and stayed flat over the second.
     assert slopes["rss"]["per_round_second_half"] == pytest.approx(0.0)
     assert slopes["rss"]["first"] == 1000 and slopes["rss"]["last"] == 5000
-    assert slopes["gc_objects"]["per_round_second_half"] == pytest.approx(0.0)
+    assert slopes["python_blocks"]["per_round_second_half"] == pytest.approx(0.0)
     assert "sqlite_memory_used" not in slopes  # not in these samples
 
 

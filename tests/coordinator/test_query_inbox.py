@@ -116,3 +116,25 @@ def test_the_privacy_card_of_a_later_model_names_the_queries_answered_before_it(
     with_queries = PrivacyCard.model_validate({**card, "queries": [
         q.model_dump(mode="json") for q in named]})
     assert PrivacyCard.model_validate(card_json(with_queries)).queries == named
+
+
+def test_a_finished_study_fails_waiting_queries_and_refuses_new_ones_at_once(
+    study: Study, tmp_path: Path,
+) -> None:
+    waiting = queries.submit(tmp_path, payload(study, "waiting"))
+    assert queries.closed_reason(tmp_path) is None
+    assert queries.close(tmp_path, "the study has finished") == [waiting]
+    assert queries.closed_reason(tmp_path) == "the study has finished"
+    with pytest.raises(QueryFailed, match="the study has finished"):
+        wait_for(tmp_path, waiting, timeout=60)  # at once: its failure is written
+    # One that reached the inbox after the study closed (a `query run` racing the last
+    # round) fails as soon as its waiter looks, not after its timeout.
+    late = queries.submit(tmp_path, payload(study, "late"))
+    with pytest.raises(QueryFailed, match="the study has finished"):
+        wait_for(tmp_path, late, timeout=60)
+    assert not queries.inbox_path(tmp_path, late).exists()
+    # A coordinator that runs rounds again takes queries again.
+    queries.reopen(tmp_path)
+    again = queries.submit(tmp_path, payload(study, "again"))
+    with pytest.raises(QueryFailed, match=r"waits in .*inbox"):
+        wait_for(tmp_path, again, timeout=0.3)

@@ -195,8 +195,11 @@ def test_three_hospitals_answer_an_approved_query(
 
     run.start_coordinator()
     out = tmp_path / "answer"
-    asking = readme.start("query-run", readme.command("query-run") + " --timeout 300")
+    asking = readme.start("query-run", readme.command("query-run").rstrip() + " --timeout 300")
     processes.append(asking)
+    # Queries run before a study round: in the inbox before any site can start one.
+    asking.wait_for(lambda line: "submitted" in str(line.get("text", "")), timeout=120,
+                    what="the query submitted")
     # The sites join the study they approved (no --study): the coordinator serves it.
     for site in SITES:
         run.start_site(site, files[site])

@@ -25,11 +25,12 @@ import pytest
 
 from common.config import PrivacySection
 from common.privacy.ledger import LedgerSigner, PrivacyLedger, read_ledger
-from common.processes import ManagedProcess
+from common.processes import ManagedProcess, medfed_argv
 from common.status_cli import fetch_status
-from common.study import load_study
+from common.study import load_study, study_sha256
 from common.tls import MonitorTlsFiles
-from coordinator.engine import FAILED_META
+from coordinator import queries
+from coordinator.engine import FAILED_META, STUDY_DONE_FOR_QUERIES
 from coordinator.store import CoordinatorStore
 from site_agent.dp_release import PURPOSE_EVALUATION, evaluation_mechanism
 from tests.e2e.harness import REPO, StudyProcesses, make_pki, run_medfed
@@ -123,6 +124,16 @@ def test_the_study_init_study_finishes_with_the_final_model_at_every_site(
         # final evaluation's reserve included), never past it.
         spent = max(e.epsilon_after for e in entries)
         assert 0.9 * header.budget_epsilon <= spent <= header.budget_epsilon, (site, spent)
+    # No round is left to run a query before: `medfed query run` says so at once, and
+    # submits nothing (it used to wait out its timeout, 600 s by default).
+    query = tmp_path / "query.toml"
+    query.write_text(f'name = "late"\nstudy_sha256 = "{study_sha256(study)}"\n\n'
+                     '[[statistics]]\nname = "patients"\nkind = "count"\nepsilon = 0.5\n')
+    asked = subprocess.run(
+        medfed_argv("query", "run", "--query", str(query), "--coordinator-state",
+                    str(run.state)), capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert asked.returncode != 0 and STUDY_DONE_FOR_QUERIES in asked.stderr, asked.stderr
+    assert not any(queries.folder(run.state, queries.INBOX).glob("*"))
 
 
 def used_ledger(settings_dir: Path, site: str, *, pki: Path, evaluations: int) -> None:
