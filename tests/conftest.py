@@ -1,6 +1,6 @@
 """Suite-wide collection rules for running on several pytest-xdist workers.
 
-`make test` runs `pytest -n 2 --dist loadgroup` (pyproject.toml): a test goes to whichever
+`make test` runs `pytest -n 3 --dist loadgroup` (pyproject.toml): a test goes to whichever
 worker is free, except that the tests of one file that share a module- or class-scoped
 fixture (a federation, a trained model) form one xdist group and run on the same worker,
 so the fixture is built once, not once per worker. Files with real-process tests (`e2e`
@@ -17,7 +17,7 @@ CI machines), each of them compiled this checkout's modules from source again (a
 
 torch and NumPy's BLAS run one thread per test process (OMP_NUM_THREADS and
 MKL_NUM_THREADS default to 1, for the workers and every process they start, as the
-e2e harness already asked of its site processes): with two workers on two cores, a
+e2e harness already asked of its site processes): with three workers on two cores, a
 second intra-op thread per process buys no time and its OpenMP spin-waiting burns CPU
 (tests/privacy/test_privacy_audit_run.py: 54 s of CPU with two threads, 15 s with one).
 A caller's own setting wins.
