@@ -17,6 +17,12 @@
 #                        name the sites dial and the one the health probe verifies
 #   SITES                site ids (space-separated)
 #   MONITOR              name of the health probe's monitor certificate
+#   STUDY_IN, STUDY_OUT  optional: the study to serve (STUDY_IN, read-only) written to
+#                        STUDY_OUT (the coordinator's --study) with a [[members]] table for
+#                        every site certificate the operator issued (`medfed pki members
+#                        --study`): a site agent joins only a study that names its members
+#                        (policy.allow_open_membership = false, docs/threat-model.md). A
+#                        study that lists [[members]] already is served as it is.
 #   BOOTSTRAP_PKI        1 (default) as above; 0 does nothing (Kubernetes: certificates
 #                        come from Secrets made elsewhere; the coordinator builds the
 #                        initial model from the study it serves)
@@ -70,6 +76,19 @@ for file in ca.crt crl.pem coordinator.crt coordinator.key \
             "monitors/$MONITOR.crt" "monitors/$MONITOR.key"; do
     copy "$PKI_DIR/$file" "$COORDINATOR_PKI_DIR/$file"
 done
+
+if [ -n "${STUDY_IN:-}" ]; then
+    mkdir -p "$(dirname "$STUDY_OUT")"
+    study_tmp="$(dirname "$STUDY_OUT")/.$(basename "$STUDY_OUT").tmp"
+    if grep -q '^\[\[members\]\]' "$STUDY_IN"; then
+        cp "$STUDY_IN" "$study_tmp"
+    else
+        { cat "$STUDY_IN"; echo; medfed pki members --dir "$PKI_DIR" --study; } > "$study_tmp"
+    fi
+    chmod 644 "$study_tmp"
+    mv "$study_tmp" "$STUDY_OUT"
+    echo "bootstrap: $STUDY_OUT is $STUDY_IN with its members"
+fi
 }
 
 if [ "$BOOTSTRAP_PKI" = 1 ]; then

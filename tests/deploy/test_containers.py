@@ -221,13 +221,6 @@ def test_a_study_in_containers(images: dict[str, int], run: dict[str, object],
     mounts = ["-v", f"{operator}:/pki", "-v", f"{coordinator_pki}:/coordinator-pki"]
     for site, folder in hospitals.items():
         mounts += ["-v", f"{folder}:/hospitals/{site}"]
-    engine("run", "--rm", "--network", "none", *HARDENING, *mounts,
-           "-e", f"COORDINATOR_HOSTS=coordinator-{suffix}", "-e", f"SITES={' '.join(SITES)}",
-           "--entrypoint", "medfed-bootstrap", COORDINATOR_IMAGE, timeout=600)
-    for site, folder in hospitals.items():
-        assert sorted(p.name for p in (folder / "sites").iterdir()) == [
-            f"{site}.crt", f"{site}.key"]
-
     # A tiny study: the demo study, one training round, no final evaluation round.
     config = tmp_path / "config"
     config.mkdir()
@@ -237,6 +230,18 @@ def test_a_study_in_containers(images: dict[str, int], run: dict[str, object],
     shutil.copy(REPO / "deploy/config/coordinator.toml", config / "coordinator.toml")
     shutil.copy(REPO / "deploy/config/site.toml", config / "site.toml")
     config.chmod(0o755)
+    # As pki-init in docker-compose.yml: the study the coordinator serves names the
+    # hospitals it signed, so the sites join with their default policy.
+    engine("run", "--rm", "--network", "none", *HARDENING, *mounts,
+           "-v", f"{config}:/config:ro",
+           "-e", f"COORDINATOR_HOSTS=coordinator-{suffix}", "-e", f"SITES={' '.join(SITES)}",
+           "-e", "STUDY_IN=/config/study.toml", "-e", "STUDY_OUT=/coordinator-pki/study.toml",
+           "--entrypoint", "medfed-bootstrap", COORDINATOR_IMAGE, timeout=600)
+    for site, folder in hospitals.items():
+        assert sorted(p.name for p in (folder / "sites").iterdir()) == [
+            f"{site}.crt", f"{site}.key"]
+    served = (coordinator_pki / "study.toml").read_text()
+    assert served.startswith(study) and served.count("[[members]]") == len(SITES)
 
     name = f"coordinator-{suffix}"
     coordinator_state = _own(tmp_path / "coordinator-state")
@@ -245,7 +250,7 @@ def test_a_study_in_containers(images: dict[str, int], run: dict[str, object],
         "-v", f"{coordinator_state}:/state",
         "-e", "MEDFED_COORDINATOR_METRICS_LISTEN=0.0.0.0:9464",
         "-e", f"MEDFED_HEALTH_SERVER_NAME={name}",
-    ], ["--config", "/config/coordinator.toml", "--study", "/config/study.toml",
+    ], ["--config", "/config/coordinator.toml", "--study", "/pki/study.toml",
         "--selection-seconds", "1"], logs)
     coordinator.wait_event("listening", timeout=600)
     assert engine("healthcheck", "run", name, check=False).returncode == 0, "coordinator unhealthy"
@@ -262,8 +267,6 @@ def test_a_study_in_containers(images: dict[str, int], run: dict[str, object],
             "-e", f"MEDFED_SITE_SITE={site}", "-e", f"MEDFED_SITE_COORDINATOR={name}:7443",
             "-e", "MEDFED_SITE_PKI=/pki", "-e", "MEDFED_SITE_METRICS_LISTEN=0.0.0.0:9465",
             "-e", "MEDFED_SITE_DATA__PATH=/data/records.csv",
-            # The demo study predates the keys: no [[members]] (as docker-compose.yml).
-            "-e", "MEDFED_SITE_POLICY__ALLOW_OPEN_MEMBERSHIP=true",
             "-e", "OMP_NUM_THREADS=1",
         ], ["--config", "/config/site.toml", "--once"], logs)
 

@@ -9,6 +9,7 @@ work against a real coordinator process.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import re
 import shutil
@@ -23,8 +24,10 @@ import pydantic
 import pytest
 import yaml
 
+from common import pki
 from common.config import CoordinatorSettings, SiteSettings, load_settings
 from common.processes import ManagedProcess, medfed_argv
+from common.study import load_study
 from tests.e2e.harness import REPO
 
 DEPLOY = REPO / "deploy"
@@ -183,12 +186,19 @@ def test_compose_services_volumes_and_sites() -> None:
     assert coordinator["depends_on"]["pki-init"]["condition"] == (
         "service_completed_successfully"
     )
-    # The coordinator runs the study, mounted as a compose config.
+    # The coordinator runs the study: the compose config as pki-init wrote it into the
+    # coordinator's folder with the hospitals it signed as [[members]] (the sites keep
+    # their default policy: no open membership anywhere).
     command = coordinator["command"]
-    assert command[command.index("--study") + 1] == "/config/study.toml"
-    study_target = {c["source"]: c["target"] for c in coordinator["configs"]}["study"]
-    assert study_target == "/config/study.toml"
+    assert command[command.index("--study") + 1] == "/pki/study.toml"
+    assert "coordinator-pki:/pki:ro" in coordinator["volumes"]
+    pki_init = services["pki-init"]
+    study_target = {c["source"]: c["target"] for c in pki_init["configs"]}["study"]
+    assert pki_init["environment"]["STUDY_IN"] == study_target == "/config/study.toml"
+    assert pki_init["environment"]["STUDY_OUT"] == "/coordinator-pki/study.toml"
+    assert "coordinator-pki:/coordinator-pki" in pki_init["volumes"]
     assert compose["configs"]["study"]["file"] == "./deploy/demo/study.toml"
+    assert "OPEN_MEMBERSHIP" not in COMPOSE.read_text()
     assert "MEDFED_COORDINATOR_MODEL__INIT_FILE" not in coordinator["environment"]
     # Images are the tags `make images` builds.
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -464,11 +474,15 @@ def test_bootstrap_and_healthcheck_against_a_real_coordinator(tmp_path: Path) ->
            "HOSPITALS_DIR": str(hospitals),
            # As in docker-compose.yml: the certificate does NOT name 127.0.0.1.
            "COORDINATOR_HOSTS": "coordinator",
-           "SITES": "paediatric"}
+           "SITES": "paediatric",
+           "STUDY_IN": str(DEPLOY / "demo/study.toml"),
+           "STUDY_OUT": str(coordinator_pki / "study.toml")}
+    served = []
     for run in (1, 2):  # the second run must keep everything
         done = subprocess.run(["sh", str(BOOTSTRAP)], env=env, capture_output=True, text=True,
                               timeout=180, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
+        served.append((coordinator_pki / "study.toml").read_text())
         if run == 1:
             first_ca = (operator / "ca.crt").read_bytes()
             first_key = (hospitals / "paediatric/sites/paediatric.key").read_bytes()
@@ -486,12 +500,19 @@ def test_bootstrap_and_healthcheck_against_a_real_coordinator(tmp_path: Path) ->
     assert keys(hospitals) == {"paediatric/sites/paediatric.key"}
     assert (hospitals / "paediatric/sites/paediatric.crt").is_file()
     assert (hospitals / "paediatric/ca.crt").read_bytes() == first_ca
+    # The served study: the shipped one with the signed hospital as its member, the same
+    # bytes on every run (its SHA-256 is what the sites approve).
+    study = load_study(coordinator_pki / "study.toml")
+    members = pki.site_members(operator, now=dt.datetime.now(dt.UTC))
+    assert {(m.name, m.fingerprint) for m in study.members} == set(members.items())
+    assert served[0] == served[1]
+    assert served[0].startswith((DEPLOY / "demo/study.toml").read_text())
 
     coordinator = ManagedProcess(
         "coordinator",
         medfed_argv("coordinator", "serve", "--config", str(DEPLOY / "config/coordinator.toml"),
                     "--pki", str(coordinator_pki), "--state", str(tmp_path / "state"),
-                    "--study", str(DEPLOY / "demo/study.toml"),
+                    "--study", str(coordinator_pki / "study.toml"),
                     "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"),
         log_dir=tmp_path / "logs", cwd=REPO,
         env={k: "" for k in os.environ if k.startswith("MEDFED_")},
