@@ -89,7 +89,10 @@ def _serve(path: str) -> Launch:
     while True:
         for key, _ in selector.select():
             if key.data == "control":
-                if not os.read(sys.stdin.fileno(), 4096):
+                if not os.read(sys.stdin.fileno(), 4096):  # the worker is gone
+                    listener.close()
+                    os.unlink(path)
+                    os.rmdir(os.path.dirname(path))
                     sys.exit(0)
             elif key.data == "accept":
                 conn, _ = listener.accept()
