@@ -77,10 +77,12 @@ DATABASE_RETRY_MAX_SECONDS = 10.0
 """Backoff between reconnect attempts while the state database is lost (doubling)."""
 
 FAILED_META = "study_failed"
+"""State-database key holding why the study failed (absent while it has not)."""
+
 STUDY_DONE_FOR_QUERIES = (
     "the study has finished: a query runs as a round before one of the study's rounds "
     "and none is left (run it while a study still has rounds to go)")
-"""State-database key holding why the study failed (absent while it has not)."""
+"""Why a finished study fails the queries in its inbox (coordinator.queries.close)."""
 
 
 def declined_for_good(rnd: ActiveRound, *, min_sites: int, kind: str) -> StudyFailed | None:

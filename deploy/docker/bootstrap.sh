@@ -22,7 +22,10 @@
 #                        every site certificate the operator issued (`medfed pki members
 #                        --study`): a site agent joins only a study that names its members
 #                        (policy.allow_open_membership = false, docs/threat-model.md). A
-#                        study that lists [[members]] already is served as it is.
+#                        study that lists [[members]] already is served as it is. Written
+#                        once: an existing STUDY_OUT is kept (the coordinator's state is
+#                        pinned to its SHA-256; a member revoked later stays listed and
+#                        is refused by the CRL this script copies).
 #   BOOTSTRAP_PKI        1 (default) as above; 0 does nothing (Kubernetes: certificates
 #                        come from Secrets made elsewhere; the coordinator builds the
 #                        initial model from the study it serves)
@@ -77,7 +80,9 @@ for file in ca.crt crl.pem coordinator.crt coordinator.key \
     copy "$PKI_DIR/$file" "$COORDINATOR_PKI_DIR/$file"
 done
 
-if [ -n "${STUDY_IN:-}" ]; then
+if [ -n "${STUDY_IN:-}" ] && [ -f "$STUDY_OUT" ]; then
+    echo "bootstrap: $STUDY_OUT exists, keeping the study"
+elif [ -n "${STUDY_IN:-}" ]; then
     mkdir -p "$(dirname "$STUDY_OUT")"
     study_tmp="$(dirname "$STUDY_OUT")/.$(basename "$STUDY_OUT").tmp"
     if grep -q '^\[\[members\]\]' "$STUDY_IN"; then

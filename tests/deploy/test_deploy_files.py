@@ -549,6 +549,17 @@ def test_bootstrap_and_healthcheck_against_a_real_coordinator(tmp_path: Path) ->
         coordinator.stop()
     gone = healthcheck("grpc", *probe, *monitor, *server_cert, "--timeout", "2")
     assert gone.returncode == 1
+    # docs/deploy.md's compose revocation: revoke, then re-run the bootstrap for the CRL.
+    # The served study keeps its bytes (the coordinator's state is pinned to them); the
+    # revoked hospital is refused by the new CRL, not by a rewritten member list.
+    crl = (coordinator_pki / "crl.pem").read_bytes()
+    subprocess.run(medfed_argv("pki", "revoke", "--dir", str(operator), "--site", "paediatric"),
+                   env=env, capture_output=True, text=True, timeout=120, check=True)
+    again = subprocess.run(["sh", str(BOOTSTRAP)], env=env, capture_output=True, text=True,
+                           timeout=180, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert (coordinator_pki / "crl.pem").read_bytes() != crl
+    assert (coordinator_pki / "study.toml").read_text() == served[0]
 
 
 # --------------------------------------------------------------------------- demo study
