@@ -58,11 +58,10 @@ test: $(STAMP_DEV)
 	$(VENV)/bin/ruff check common coordinator site_agent demo bench tests
 	$(VENV)/bin/pytest -q --durations=25
 
-# The shipped images built and run with podman (tests/deploy/test_containers.py; about
-# 28 minutes on two cores the first time, so not part of `make test`).
-# .ci/scripts/container-engine.sh installs podman.
+# The shipped images built and run with podman, alone (tests/deploy/test_containers.py,
+# also part of `make test`; .ci/scripts/install-container-engine.sh installs podman).
 test-containers: $(STAMP_DEV)
-	MEDFED_CONTAINER_TESTS=1 $(VENV)/bin/pytest -q -n 0 -rs --durations=10 tests/deploy/test_containers.py
+	$(VENV)/bin/pytest -q -n 0 -rs --durations=10 tests/deploy/test_containers.py
 
 lint: $(STAMP_DEV)
 	$(VENV)/bin/ruff check common coordinator site_agent demo bench tests

@@ -316,7 +316,7 @@ def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def _digest(metadata: Mapping[str, str], tensors: Mapping[str, np.ndarray]) -> str:
+def metadata_digest(metadata: Mapping[str, str], tensors: Mapping[str, np.ndarray]) -> str:
     hasher = hashlib.sha256()
     hasher.update(_json({k: v for k, v in metadata.items() if k != "medfed.sha256"}).encode())
     for name, value in tensors.items():
@@ -389,7 +389,7 @@ def bundle_bytes(bundle: ModelBundle) -> bytes:
         for name, value in bundle.parameters.items()
     }
     metadata = bundle_metadata(bundle)
-    metadata["medfed.sha256"] = _digest(metadata, tensors)
+    metadata["medfed.sha256"] = metadata_digest(metadata, tensors)
     data: bytes = save(tensors, metadata=metadata)
     return data
 
@@ -406,7 +406,7 @@ def write_bundle(path: str | Path, bundle: ModelBundle) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _header_metadata(data: bytes) -> dict[str, str]:
+def header_metadata(data: bytes) -> dict[str, str]:
     if len(data) < 8:
         raise ValidationError("not a safetensors file (too short)")
     length = int.from_bytes(data[:8], "little")
@@ -434,7 +434,7 @@ def _section(key: str, model: type[BaseModel], text: str) -> Any:
         raise ValidationError(f"{key}: {where}: {err['msg']}") from None
 
 
-def _parameters_layout(text: str) -> list[tuple[str, tuple[int, ...]]]:
+def parameters_layout(text: str) -> list[tuple[str, tuple[int, ...]]]:
     """``medfed.parameters``: ``[{"name": str, "shape": [int, ...]}, ...]``, each dimension a
     JSON integer in 0..MAX_DIMENSION (no strings, floats or 5,000-digit numbers)."""
     expected = "medfed.parameters: expected [{name, shape}, ...]"
@@ -482,7 +482,7 @@ def _bundle_from_bytes(data: bytes) -> ModelBundle:
     from safetensors import SafetensorError
     from safetensors.numpy import load
 
-    metadata = _header_metadata(data)
+    metadata = header_metadata(data)
     missing = [k for k in _KEYS if k not in metadata]
     if missing:
         raise ValidationError(f"{missing[0]}: missing from the bundle's metadata")
@@ -501,7 +501,7 @@ def _bundle_from_bytes(data: bytes) -> ModelBundle:
         statistics = statistics_from_bytes(metadata["medfed.statistics"].encode("utf-8"))
     except ValidationError as exc:
         raise ValidationError(f"medfed.statistics: {exc}") from None
-    layout = _parameters_layout(metadata["medfed.parameters"])
+    layout = parameters_layout(metadata["medfed.parameters"])
     round_text, final_text = metadata["medfed.round"], metadata["medfed.final"]
     if ROUND_TEXT.fullmatch(round_text) is None:
         raise ValidationError(
@@ -521,7 +521,7 @@ def _bundle_from_bytes(data: bytes) -> ModelBundle:
         if tuple(tensors[name].shape) != shape:
             raise ValidationError(f"medfed.parameters: shape of {name!r} differs from its tensor")
     parameters = {name: tensors[name] for name, _ in layout}
-    if _digest(metadata, parameters) != metadata["medfed.sha256"]:
+    if metadata_digest(metadata, parameters) != metadata["medfed.sha256"]:
         raise ValidationError("medfed.sha256: the bundle was modified (digest mismatch)")
     bundle = ModelBundle(
         study=study,

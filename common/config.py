@@ -295,6 +295,11 @@ class CoordinatorSettings(_Settings):
         "local epochs, learning rate, FedProx, server optimizer, histogram bins) come "
         "from it; this file keeps operational settings only",
     )
+    initial_model: Path | None = Field(
+        default=None,
+        description="the study's untrained network as `medfed model init` wrote it, for a "
+        "coordinator without torch (the coordinator image); default: built here",
+    )
     model: TransportModelSection | None = Field(
         default=None, description="transport tests and benchmarks only: a flat model without "
         "a study, for the deterministic sites of `bench.transport_site`"
@@ -314,6 +319,9 @@ class CoordinatorSettings(_Settings):
 
     @model_validator(mode="after")
     def _study_or_model(self) -> CoordinatorSettings:
+        if self.initial_model is not None and self.study is None:
+            raise ValueError("initial_model is the untrained network of a study: serve "
+                             "one with --study study.toml")
         if self.study is not None and self.model is not None:
             raise ValueError(
                 "set a study (--study study.toml) or, for transport tests only, a flat "

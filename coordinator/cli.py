@@ -40,6 +40,11 @@ def register(subparsers: Any, *, observer_factory: ObserverFactory | None = None
         "--study", type=Path,
         help="study.toml: model, features and training settings (`medfed study init`)",
     )
+    serve.add_argument(
+        "--initial-model", type=Path,
+        help="the study's untrained network from `medfed model init` (a coordinator "
+        "without torch, such as the coordinator image; default: built here)",
+    )
     serve.add_argument("--model-dim", type=int,
                        help="transport tests/benchmarks only (bench.transport_site sites): "
                        "a zero-initialised flat model and no study")
@@ -76,6 +81,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         "database_url": args.database_url,
         "rounds": args.rounds,
         "study": args.study,
+        "initial_model": args.initial_model,
         "min_sites": args.min_sites,
         "model": model or None,
         "aggregation": {"secure_aggregation": False} if args.plain else None,

@@ -130,7 +130,8 @@ async def _start(
         key = verifier.verifying_key_for(site_id, certificate_der, now=dt.datetime.now(dt.UTC))
         return VerifyingKey.from_public_key(key)
 
-    study = StudyRun.open(settings.study, settings.state) if settings.study else None
+    study = StudyRun.open(settings.study, settings.state,
+                          initial_model=settings.initial_model) if settings.study else None
     engine = RoundEngine(settings, store, identity=identity, metrics=metrics, study=study,
                          observer=observer)
     server = grpc.aio.server(

@@ -24,6 +24,7 @@ from common.codec import TensorSpec
 from common.config import CoordinatorSettings, TrainingPlanSection
 from common.errors import ConfigError, StateError
 from common.fileio import atomic_write
+from common.models import network_code_installed
 from common.study import (
     GlobalStatistics,
     Study,
@@ -37,9 +38,6 @@ from common.study import (
 )
 
 log = logging.getLogger("medfed.coordinator")
-
-INITIAL_MODEL_SEED = 0
-"""The initial weights are public: every coordinator builds the same ones for a study."""
 
 FINAL_MODEL = "final.safetensors"
 
@@ -63,6 +61,9 @@ class StudyRun:
     last_edges: tuple[np.ndarray, ...] = ()  # the bucket edges of last_histogram
     # The noise indication of last_histogram (NoisyHistogram.metrics), for the bundle.
     last_evaluation: dict[str, float] = field(default_factory=dict)
+    # `--initial-model`: the untrained network `medfed model init` wrote (verified at
+    # open), for a coordinator without torch; None: built here.
+    initial_file: Path | None = None
 
     @property
     def canonical(self) -> bytes:
@@ -85,14 +86,19 @@ class StudyRun:
         return self.model_dir / FINAL_MODEL
 
     @classmethod
-    def open(cls, path: Path, state: Path) -> StudyRun:
+    def open(cls, path: Path, state: Path, *, initial_model: Path | None = None) -> StudyRun:
         """Load `path`; pin it to `state` (refusing another study on the same state) and
-        load statistics already released for it."""
+        load statistics already released for it. `initial_model` (a file `medfed model
+        init` wrote) is verified against the study now, so a wrong one stops the start."""
         study = load_study(path)
         warning = intermediaries_warning(study.privacy)
         if warning is not None:  # hospital-level epsilon v-fold: said at start-up
             log.warning(warning, extra={"event": "hospital_intermediaries_warning"})
-        run = cls(study=study, state=state)
+        run = cls(study=study, state=state, initial_file=initial_model)
+        if initial_model is not None:
+            from common.models.initial_file import read_initial_model
+
+            read_initial_model(initial_model, study)
         state.mkdir(parents=True, exist_ok=True, mode=0o700)
         pinned = state / "study.json"
         if pinned.exists():
@@ -145,7 +151,23 @@ class StudyRun:
         )
 
     def initial_model(self) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
-        """The study's untrained network, flattened in `named_parameters` order."""
+        """The study's untrained network, flattened in `named_parameters` order: read
+        from `initial_file`, else built here (which needs torch)."""
+        from common.models.initial_file import INITIAL_MODEL_SEED, read_initial_model
+
+        if self.initial_file is not None:
+            layout, flat = read_initial_model(self.initial_file, self.study)
+            log.info("round 1 starts from %s (%d parameters)", self.initial_file, flat.size,
+                     extra={"event": "initial_model_file"})
+            return layout, flat
+        if not network_code_installed():
+            raise ConfigError(
+                "initial_model",
+                "this coordinator has no torch to build the study's untrained network: "
+                "make it where torch is installed (the site image, a workstation) with "
+                "`medfed model init --study STUDY --out initial-model.safetensors` and "
+                "start the coordinator with --initial-model initial-model.safetensors",
+            )
         from common.models.build import initial_model
         from common.models.layout import wire_model
 

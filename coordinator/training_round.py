@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from common.codec import TensorSpec
 from common.config import CoordinatorSettings
 from common.errors import AbortReason, ProtocolAbort, ValidationError
 from common.evaluation_edges import round_edges
+from common.models import network_code_installed
 from common.observer import NoObserver, RoundObserver
 from common.privacy.budget import BudgetReport
 from common.privacy.hospital import HospitalTerms
@@ -172,6 +174,7 @@ def apply_update(
         )
         if before is not None and study is not None:
             after = probe(study, model.flat)
+        if before is not None and after is not None:
             log.info("next evaluation edges follow the model: a public probe moved %s "
                      "logits", ", ".join(f"{v:+.3f}" for v in after - before))
     next_edges = decoded.next_histogram_edges(
@@ -184,18 +187,33 @@ def apply_update(
 
 def first_edges(study: Study, flat: np.ndarray, *, bins: int) -> tuple[float, ...]:
     """The first evaluated round's edges, each block's around where a public probe of
-    the model puts its scores (`common.evaluation_edges.probe_edges`)."""
+    the model puts its scores (`common.evaluation_edges.probe_edges`); () (the default
+    layout) without torch."""
     from common.evaluation_edges import probe_edges
 
-    return tuple(float(v) for anchor in probe(study, flat)
-                 for v in probe_edges(float(anchor), bins=bins))
+    anchors = probe(study, flat)
+    if anchors is None:
+        return ()
+    return tuple(float(v) for anchor in anchors for v in probe_edges(float(anchor), bins=bins))
 
 
-def probe(study: Study, flat: np.ndarray) -> np.ndarray:
-    """`common.models.probe.probe_logits` (imports torch: only when a round steps)."""
+def probe(study: Study, flat: np.ndarray) -> np.ndarray | None:
+    """`common.models.probe.probe_logits` (imports torch: only when a round steps), or
+    None where torch is not installed (the coordinator image): the next round's buckets
+    then follow the released histogram alone (`next_edges` without a shift)."""
+    if not network_code_installed():
+        if not _NO_PROBE_SAID.is_set():
+            _NO_PROBE_SAID.set()
+            log.info("no torch here: evaluation buckets follow the released histograms "
+                     "without the public probe of the model",
+                     extra={"event": "evaluation_probe_unavailable"})
+        return None
     from common.models.probe import probe_logits
 
     return probe_logits(study, flat)
+
+
+_NO_PROBE_SAID = threading.Event()
 
 
 def record(

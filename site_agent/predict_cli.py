@@ -1,6 +1,8 @@
-"""``medfed data check``, ``medfed model show|export`` and ``medfed predict``: a hospital's tools.
+"""``medfed data check``, ``medfed model init|show|export`` and ``medfed predict``: a
+hospital's tools, and the operator's `model init` (it needs torch, which the coordinator
+image does not carry; the site image does).
 
-All three run locally, with no coordinator and no network. Registered through the
+All run locally, with no coordinator and no network. Registered through the
 ``medfed.commands`` entry points ``data``, ``model`` and ``predict``.
 """
 
@@ -45,9 +47,23 @@ def register_data(subparsers: Any) -> None:
 
 
 def register_model(subparsers: Any) -> None:
-    """Add ``medfed model show`` and ``medfed model export``."""
-    parser = subparsers.add_parser("model", help="inspect a model bundle (.safetensors)")
+    """Add ``medfed model init``, ``show`` and ``export``."""
+    parser = subparsers.add_parser(
+        "model", help="a study's initial model; inspect or export a model bundle")
     actions = parser.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    init = actions.add_parser(
+        "init",
+        help="write a study's untrained network for `coordinator serve --initial-model`",
+        description="Builds the study's untrained network from the public seed, exactly as "
+        "a coordinator with torch does, and writes it as safetensors bound to the study's "
+        "SHA-256. For a coordinator without torch (the coordinator image): run this where "
+        "torch is (the site image, a workstation) on the study file the coordinator serves, "
+        "members included, then start it with --initial-model FILE.",
+    )
+    init.add_argument("--study", required=True, type=Path,
+                      help="the study the coordinator serves (the same bytes)")
+    init.add_argument("--out", required=True, type=Path, help="the file to write")
+    init.set_defaults(func=_model_init)
     show = actions.add_parser("show", help="print the model card (study, threshold, privacy)")
     show.add_argument("--model", required=True, type=Path)
     show.add_argument("--json", action="store_true", help="one JSON object")
@@ -118,6 +134,20 @@ def _data_check(args: argparse.Namespace) -> int:
         # Column names and levels come from the data file: escapes are shown, not run.
         print(printable("\n".join(format_report(report)), keep="\n"))
     return 0 if report.ok else 1
+
+
+def _model_init(args: argparse.Namespace) -> int:
+    from common.models.build import initial_model
+    from common.models.initial_file import INITIAL_MODEL_SEED, write_initial_model
+    from common.models.layout import wire_model
+
+    study = load_study(args.study)
+    layout, flat = wire_model(initial_model(study, seed=INITIAL_MODEL_SEED))
+    digest = write_initial_model(args.out, study, layout, flat, seed=INITIAL_MODEL_SEED)
+    print(f"initial model of study {study.study.name!r}: {flat.size:,} parameters in "
+          f"{len(layout)} tensors -> {args.out} (content sha256 {digest}, the same on "
+          "every run for this study and torch version)")
+    return 0
 
 
 def _model_show(args: argparse.Namespace) -> int:

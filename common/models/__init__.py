@@ -10,6 +10,8 @@ only by what builds or flattens a network: `common.models.build` and
 `common.models.layout`.
 """
 
+import importlib.util
+
 from common.models.registry import (
     CUSTOM,
     RECORD_FORMAT,
@@ -23,6 +25,16 @@ from common.models.registry import (
     output_units,
 )
 
+
+def network_code_installed() -> bool:
+    """Whether torch is installed here: the coordinator image has none (it serves round 1
+    from `--initial-model` and lays evaluation buckets without the public probe)."""
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except ImportError:  # a finder that refuses it outright
+        return False
+
+
 __all__ = [
     "CUSTOM",
     "RECORD_FORMAT",
@@ -33,5 +45,6 @@ __all__ = [
     "check_params",
     "kind_of",
     "model_names",
+    "network_code_installed",
     "output_units",
 ]

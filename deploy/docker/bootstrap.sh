@@ -27,8 +27,9 @@
 #                        pinned to its SHA-256; a member revoked later stays listed and
 #                        is refused by the CRL this script copies).
 #   BOOTSTRAP_PKI        1 (default) as above; 0 does nothing (Kubernetes: certificates
-#                        come from Secrets made elsewhere; the coordinator builds the
-#                        initial model from the study it serves)
+#                        come from Secrets made elsewhere; an init container writes the
+#                        study's untrained network with the site image's `medfed model
+#                        init`)
 #
 # Each run copies the current crl.pem to the coordinator's folder, so a revocation
 # (`medfed pki revoke --dir PKI_DIR ...`) reaches it by re-running this script.

@@ -183,20 +183,33 @@ def test_compose_services_volumes_and_sites() -> None:
         assert service["depends_on"]["coordinator"]["condition"] == "service_healthy"
         assert "ports" not in service, "site agents open no published port"
     coordinator = services["coordinator"]
-    assert coordinator["depends_on"]["pki-init"]["condition"] == (
-        "service_completed_successfully"
-    )
-    # The coordinator runs the study: the compose config as pki-init wrote it into the
-    # coordinator's folder with the hospitals it signed as [[members]] (the sites keep
-    # their default policy: no open membership anywhere).
+    # The coordinator runs the study: the compose config as pki-init wrote it, with the
+    # hospitals it signed as [[members]] (the sites keep their default policy: no open
+    # membership anywhere), into a volume of its own that holds no key.
     command = coordinator["command"]
-    assert command[command.index("--study") + 1] == "/pki/study.toml"
+    assert command[command.index("--study") + 1] == "/study/study.toml"
     assert "coordinator-pki:/pki:ro" in coordinator["volumes"]
+    assert "coordinator-study:/study:ro" in coordinator["volumes"]
     pki_init = services["pki-init"]
     study_target = {c["source"]: c["target"] for c in pki_init["configs"]}["study"]
     assert pki_init["environment"]["STUDY_IN"] == study_target == "/config/study.toml"
-    assert pki_init["environment"]["STUDY_OUT"] == "/coordinator-pki/study.toml"
-    assert "coordinator-pki:/coordinator-pki" in pki_init["volumes"]
+    assert pki_init["environment"]["STUDY_OUT"] == "/coordinator-study/study.toml"
+    assert "coordinator-study:/coordinator-study" in pki_init["volumes"]
+    # The coordinator image has no torch: model-init (the site image) writes that
+    # study's untrained network beside it, seeing nothing but that volume.
+    model_init = services["model-init"]
+    assert model_init["image"].startswith("medfed-site-agent:")
+    assert model_init["entrypoint"] == ["medfed", "model", "init"]
+    assert model_init["command"] == ["--study", "/study/study.toml",
+                                     "--out", "/study/initial-model.safetensors"]
+    assert model_init["volumes"] == ["coordinator-study:/study"]
+    assert model_init["network_mode"] == "none" and model_init["read_only"] is True
+    assert model_init["depends_on"]["pki-init"]["condition"] == (
+        "service_completed_successfully")
+    assert coordinator["depends_on"] == {
+        "model-init": {"condition": "service_completed_successfully"}}
+    assert command[command.index("--initial-model") + 1] == (
+        "/study/initial-model.safetensors")
     assert compose["configs"]["study"]["file"] == "./deploy/demo/study.toml"
     assert "OPEN_MEMBERSHIP" not in COMPOSE.read_text()
     assert "MEDFED_COORDINATOR_MODEL__INIT_FILE" not in coordinator["environment"]
@@ -336,6 +349,20 @@ def test_kubernetes_coordinator_manifests() -> None:
     )
     assert "/pki" in {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
     coordinator = pod["containers"][0]
+    # The coordinator image has no torch: the site image writes the study's untrained
+    # network into an emptyDir that the coordinator reads, read-only.
+    (model_init,) = pod["initContainers"]
+    assert model_init["image"].startswith("medfed-site-agent:")
+    command = model_init["command"]
+    assert command[:3] == ["medfed", "model", "init"]
+    assert command[command.index("--study") + 1] == "/config/study.toml"
+    written = command[command.index("--out") + 1]
+    args = coordinator["args"]
+    assert args[args.index("--study") + 1] == "/config/study.toml"
+    assert args[args.index("--initial-model") + 1] == written
+    model_mount = {m["mountPath"]: m for m in coordinator["volumeMounts"]}["/model"]
+    assert model_mount["readOnly"] is True and "emptyDir" in volumes[model_mount["name"]]
+    assert written.startswith("/model/")
     for probe in ("readinessProbe", "livenessProbe"):
         assert "medfed-healthcheck" in " ".join(coordinator[probe]["exec"]["command"])
     assert "persistentVolumeClaim" in volumes["state"]
@@ -377,10 +404,15 @@ def test_no_site_identity_is_mounted_into_or_generated_for_the_coordinator() -> 
     coordinator = compose["coordinator"]
     volume_names = {v.split(":")[0] for v in coordinator["volumes"] if not v.startswith("./")}
     # Neither the operator's CA folder nor the hospitals' folders.
-    assert volume_names == {"coordinator-pki", "coordinator-state"}
+    assert volume_names == {"coordinator-pki", "coordinator-study", "coordinator-state"}
     assert "coordinator-pki:/pki:ro" in coordinator["volumes"]
     for site in SITES:
-        assert not any(v.startswith("coordinator-pki") for v in compose[f"site-{site}"]["volumes"])
+        assert not any(v.startswith("coordinator-") for v in compose[f"site-{site}"]["volumes"])
+    # The study volume holds no key: only pki-init (the study) and model-init (its
+    # untrained network) write it, and model-init mounts nothing else.
+    writers = {name for name, svc in compose.items()
+               if any(str(v).startswith("coordinator-study:") for v in svc.get("volumes", []))}
+    assert writers == {"pki-init", "model-init", "coordinator"}
     text = yaml.safe_dump(coordinator)
     assert "sites/" not in text and "/hospitals" not in text
     # The operator folder is mounted by the bootstrap only.

@@ -1,12 +1,15 @@
 """What each role image carries, checked without building it.
 
-The coordinator image copies `common/` and `coordinator/` only, the site images
-`common/` and `site_agent/` only (deploy/docker/*.Dockerfile). Here each role's
+The coordinator image copies `common/` and `coordinator/` only and installs no torch,
+Opacus or MONAI; the site images copy `common/` and `site_agent/` only
+(deploy/docker/*.Dockerfile). Here each role's
 processes run with the other roles' packages made unimportable (a `sitecustomize` that
 refuses them, as an image without those folders would): every module of the role
 imports, its commands parse, the other role's command says it is not installed, and a
-real coordinator serves the demo study with no site agent code. `make -n images` shows
-the build commands and tags, and compose and both Kubernetes sets run those tags.
+real coordinator with neither site agent code nor torch serves the demo study from the
+initial model the site image's `medfed model init` wrote, and says what to do without
+it. `make -n images` shows the build commands and tags, and compose and both
+Kubernetes sets run those tags.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["versi
 SOURCE_PACKAGES = {"common", "coordinator", "site_agent", "bench", "demo"}
 ROLES = {
     # image's Dockerfile: (packages it copies, packages it must not carry)
-    "coordinator.Dockerfile": ({"common", "coordinator"}, ("site_agent", "bench", "demo")),
+    # No network code either: round 1's model comes from `medfed model init`.
+    "coordinator.Dockerfile": ({"common", "coordinator"},
+                               ("site_agent", "bench", "demo", "torch", "opacus", "monai")),
     "site_agent.Dockerfile": ({"common", "site_agent"}, ("coordinator", "bench", "demo")),
     "site_agent.cuda.Dockerfile": ({"common", "site_agent"}, ("coordinator", "bench", "demo")),
 }
@@ -87,7 +92,7 @@ def test_each_image_copies_only_its_roles_packages(name: str) -> None:
 
 def role_env(tmp_path: Path, absent: tuple[str, ...]) -> dict[str, str]:
     folder = tmp_path / "role"
-    folder.mkdir(exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEDFED_")}
     env["PYTHONPATH"] = os.pathsep.join([str(folder), str(REPO)])
@@ -176,24 +181,65 @@ def test_the_site_images_commands_work_without_the_coordinator(tmp_path: Path) -
     assert "'coordinator' is not installed here (no coordinator package)" in missing.stderr
 
 
-@pytest.mark.e2e
-def test_a_coordinator_without_site_agent_serves_the_demo_study(tmp_path: Path) -> None:
-    """The compose demo's coordinator command with the image's packages: it builds the
-    study's initial model and listens."""
+PROBE_WITHOUT_TORCH = """
+import sys
+import numpy as np
+from common.study import load_study
+from coordinator.training_round import first_edges, probe
+study = load_study(sys.argv[1])
+flat = np.zeros(int(sys.argv[2]), dtype=np.float32)
+print(probe(study, flat), first_edges(study, flat, bins=10))
+"""
+
+
+def test_without_torch_evaluation_buckets_follow_the_releases_alone(tmp_path: Path) -> None:
+    """The public probe of the model needs torch: without it the first evaluated round
+    counts with the default layout and later ones follow the release (no crash)."""
     env = role_env(tmp_path, ROLES["coordinator.Dockerfile"][1])
+    done = run_python(env, "-c", PROBE_WITHOUT_TORCH, str(REPO / "deploy/demo/study.toml"), "81")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["None", "()"]
+
+
+def _serve_argv(tmp_path: Path, pki: Path, *extra: str) -> list[str]:
+    return medfed_argv("coordinator", "serve",
+                       "--config", str(REPO / "deploy/config/coordinator.toml"),
+                       "--study", str(REPO / "deploy/demo/study.toml"),
+                       "--pki", str(pki), "--state", str(tmp_path / "state"),
+                       "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", *extra)
+
+
+@pytest.mark.e2e
+def test_a_coordinator_without_site_agent_or_torch_serves_the_demo_study(
+    tmp_path: Path,
+) -> None:
+    """The compose demo's coordinator command with the image's packages: without torch it
+    refuses to start with what to run instead; with the initial model the site image's
+    `medfed model init` wrote it listens."""
+    env = role_env(tmp_path, ROLES["coordinator.Dockerfile"][1])
+    site_env = role_env(tmp_path / "site", ROLES["site_agent.Dockerfile"][1])
     pki = tmp_path / "pki"
     for argv in (["pki", "init", "--dir", str(pki)],
                  ["pki", "issue", "--dir", str(pki), "--coordinator", "coordinator"]):
         done = subprocess.run(medfed_argv(*argv), env=env, capture_output=True, text=True,
                               timeout=180, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
+    refused = subprocess.run(_serve_argv(tmp_path, pki), env=env, capture_output=True,
+                             text=True, timeout=180, cwd=tmp_path)
+    assert refused.returncode != 0
+    assert "no torch" in refused.stderr and "medfed model init" in refused.stderr, (
+        refused.stderr[-2000:])
+    assert "Traceback" not in refused.stderr, refused.stderr[-3000:]
+
+    initial = tmp_path / "initial-model.safetensors"
+    made = subprocess.run(medfed_argv("model", "init", "--study",
+                                      str(REPO / "deploy/demo/study.toml"), "--out",
+                                      str(initial)),
+                          env=site_env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert made.returncode == 0, made.stderr[-3000:]
     coordinator = ManagedProcess(
-        "coordinator",
-        medfed_argv("coordinator", "serve",
-                    "--config", str(REPO / "deploy/config/coordinator.toml"),
-                    "--study", str(REPO / "deploy/demo/study.toml"),
-                    "--pki", str(pki), "--state", str(tmp_path / "state"),
-                    "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"),
+        "coordinator", _serve_argv(tmp_path, pki, "--initial-model", str(initial)),
         log_dir=tmp_path / "logs", cwd=tmp_path, env=env,
     )
     try:
@@ -202,7 +248,7 @@ def test_a_coordinator_without_site_agent_serves_the_demo_study(tmp_path: Path) 
     finally:
         coordinator.stop()
     log = "".join(p.read_text() for p in (tmp_path / "logs").iterdir())
-    assert "site_agent" not in log, log[-3000:]
+    assert "site_agent" not in log and "round 1 starts from" in log, log[-3000:]
 
 
 # --------------------------------------------------------------------------- tags

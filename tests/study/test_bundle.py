@@ -50,10 +50,10 @@ def _metadata_and_tensors(data: bytes) -> tuple[dict[str, str], dict[str, np.nda
 
 
 def _rehash(metadata: dict[str, str], tensors: dict[str, np.ndarray], order: list[str]) -> bytes:
-    from common.bundle import _digest
+    from common.bundle import metadata_digest
 
     ordered = {name: tensors[name] for name in order}
-    metadata = {**metadata, "medfed.sha256": _digest(metadata, ordered)}
+    metadata = {**metadata, "medfed.sha256": metadata_digest(metadata, ordered)}
     return save(tensors, metadata=metadata)
 
 

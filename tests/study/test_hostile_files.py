@@ -57,13 +57,13 @@ def _metadata(data: bytes) -> dict[str, str]:
 def _crafted(bundle: ModelBundle, **edits: str) -> bytes:
     """The bundle with metadata values replaced and its digest recomputed, as an
     attacker who edits the file would (the digest is not a signature)."""
-    from common.bundle import _digest
+    from common.bundle import metadata_digest
 
     data = bundle_bytes(bundle)
     tensors = load(data)
     metadata = {**_metadata(data), **edits}
     ordered = {name: tensors[name] for name in bundle.parameters}
-    metadata["medfed.sha256"] = _digest(metadata, ordered)
+    metadata["medfed.sha256"] = metadata_digest(metadata, ordered)
     return save(tensors, metadata=metadata)  # type: ignore[no-any-return]
 
 

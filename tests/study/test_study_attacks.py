@@ -444,13 +444,13 @@ def _edited_bundle(world: World, key: str, value: str) -> bytes:
     is not a signature: whoever edits the file can recompute it)."""
     from safetensors.numpy import load, save
 
-    from common.bundle import _digest
+    from common.bundle import metadata_digest
 
     data = bundle_bytes(world.bundle)
     length = int.from_bytes(data[:8], "little")
     metadata = {**json.loads(data[8 : 8 + length])["__metadata__"], key: value}
     tensors = load(data)
-    metadata["medfed.sha256"] = _digest(
+    metadata["medfed.sha256"] = metadata_digest(
         metadata, {name: tensors[name] for name in world.bundle.parameters})
     return save(tensors, metadata=metadata)  # type: ignore[no-any-return]
 

@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # Installs the container engine that tests/deploy/test_containers.py builds and runs the
 # images with: Debian's podman (+ buildah, and mmdebstrap for a stand-in base image where
-# python:3.11-slim cannot be pulled). Idempotent and quiet. Not an install-*.sh, so
-# .ci/run does not run it, and `make test` skips the container test: the images' first
-# build takes about 28 minutes on two cores. To run it: run this script by hand, then
-# `make test-containers` (which sets MEDFED_CONTAINER_TESTS=1 for that one file).
+# python:3.11-slim cannot be pulled). Idempotent and quiet; .ci/run runs it (an
+# install-*.sh), so `make test` builds the images and runs a study in containers.
 # Sandboxes without CAP_SYS_RESOURCE cannot raise a container's rlimits past the
 # defaults podman asks for, so a containers.conf sets limits inside the hard limits
 # here (written only when no containers.conf exists). Without apt or root it says what
