@@ -126,6 +126,23 @@ def test_dockerfile_basics(path: Path) -> None:
                          text.replace("\\\n", " "))
 
 
+def _pins(lock: Path) -> dict[str, str]:
+    return dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+) \\$", lock.read_text(), re.M))
+
+
+def test_each_image_installs_what_make_tests_and_the_coordinator_no_network_code() -> None:
+    """Every pin of both images' locks is the dev lock's (what `make test` runs); the
+    coordinator's lock has no torch, Opacus or MONAI (its image builds no network)."""
+    locks = REPO / "requirements"
+    dev = _pins(locks / "dev.lock")
+    for role in ("site", "coordinator"):
+        pins = _pins(locks / f"{role}.lock")
+        assert pins and {name: dev.get(name) for name in pins} == pins, role
+    coordinator = {name.lower() for name in _pins(locks / "coordinator.lock")}
+    assert not coordinator & {"torch", "opacus", "monai", "torchvision"}
+    assert {"torch", "opacus", "monai"} <= {name.lower() for name in _pins(locks / "site.lock")}
+
+
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_bakes_in_no_secrets(path: Path) -> None:
     text = path.read_text()
