@@ -208,8 +208,16 @@ def test_compose_services_volumes_and_sites() -> None:
     assert "coordinator-pki:/pki:ro" in coordinator["volumes"]
     assert "coordinator-study:/study:ro" in coordinator["volumes"]
     pki_init = services["pki-init"]
-    study_target = {c["source"]: c["target"] for c in pki_init["configs"]}["study"]
-    assert pki_init["environment"]["STUDY_IN"] == study_target == "/config/study.toml"
+    # Settings and study bind-mounted read-only (compose `configs` are ignored by
+    # podman-compose and docker-compose 1.x), never a `configs` section.
+    assert "./deploy/demo/study.toml:/config/study.toml:ro" in pki_init["volumes"]
+    assert pki_init["environment"]["STUDY_IN"] == "/config/study.toml"
+    assert "./deploy/config/coordinator.toml:/config/coordinator.toml:ro" in (
+        coordinator["volumes"])
+    for site in SITES:
+        assert "./deploy/config/site.toml:/config/site.toml:ro" in (
+            services[f"site-{site}"]["volumes"])
+    assert "configs" not in compose and not any("configs" in svc for svc in services.values())
     assert pki_init["environment"]["STUDY_OUT"] == "/coordinator-study/study.toml"
     assert "coordinator-study:/coordinator-study" in pki_init["volumes"]
     # The coordinator image has no torch: model-init (the site image) writes that
@@ -227,7 +235,6 @@ def test_compose_services_volumes_and_sites() -> None:
         "model-init": {"condition": "service_completed_successfully"}}
     assert command[command.index("--initial-model") + 1] == (
         "/study/initial-model.safetensors")
-    assert compose["configs"]["study"]["file"] == "./deploy/demo/study.toml"
     assert "OPEN_MEMBERSHIP" not in COMPOSE.read_text()
     assert "MEDFED_COORDINATOR_MODEL__INIT_FILE" not in coordinator["environment"]
     # Images are the tags `make images` builds.
