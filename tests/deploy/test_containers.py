@@ -345,6 +345,23 @@ def _start_with_command(run: dict[str, object], name: str, image: str, args: lis
 
 # --------------------------------------------------------------------------- compose
 
+def _anonymous_volumes(*containers: str) -> list[str]:
+    """The unnamed volumes podman made for the images' VOLUME /state where a container
+    mounts nothing there (compose's one-off jobs, the kube init container): `down` and
+    `kube down` leave them behind."""
+    names = []
+    for name in containers:
+        done = engine("inspect", name, check=False)
+        if done.returncode != 0:
+            continue
+        for mount in json.loads(done.stdout)[0].get("Mounts", []):
+            if mount.get("Type") == "volume" and re.fullmatch(r"[0-9a-f]{64}",
+                                                              mount.get("Name", "")):
+                names.append(mount["Name"])
+    return names
+
+
+
 COMPOSE_SERVICES = ("pki-init", "model-init", "coordinator",
                     *(f"site-{site}" for site in SITES))
 
@@ -402,8 +419,11 @@ def test_the_compose_demo_runs_with_podman_compose(images: dict[str, int],
         assert "round 1 starts from /study/initial-model.safetensors" in text
         assert "study finished" in text
     finally:
+        anonymous = _anonymous_volumes(*(container(s) for s in COMPOSE_SERVICES))
         subprocess.run([*compose, "down", "-v", "-t", "10"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=300)
+        if anonymous:
+            engine("volume", "rm", "-f", *anonymous, check=False)
 
 
 # --------------------------------------------------------------------------- Kubernetes
@@ -469,6 +489,7 @@ def test_the_kubernetes_deployment_runs_under_podman_kube_play(
     played.write_text(yaml.safe_dump_all([pvc, deployment]))
 
     container = f"{name}-pod-0-coordinator"
+    volumes_before = set(engine("volume", "ls", "-q").stdout.split())
     try:
         engine("kube", "play", "--configmap", str(k8s / "configmap.yaml"), str(played),
                timeout=600)
@@ -491,6 +512,12 @@ def test_the_kubernetes_deployment_runs_under_podman_kube_play(
         assert "round 1 starts from /model/initial-model.safetensors" in text, text[-3000:]
     finally:
         engine("kube", "down", str(played), check=False, timeout=180)
-        # The PVC's volume, and the one kube play made for the ConfigMap.
+        # The PVC's volume, the one kube play made for the ConfigMap, and the unnamed
+        # ones podman made for the images' VOLUME /state (the init container, removed
+        # once it ran, can no longer be asked for its own): those no container uses.
         engine("volume", "rm", "-f", f"{name}-state", "medfed-coordinator-config",
                check=False)
+        made = {v for v in engine("volume", "ls", "-q").stdout.split()
+                if v not in volumes_before and re.fullmatch(r"[0-9a-f]{64}", v)}
+        for volume in made:
+            engine("volume", "rm", volume, check=False)  # not -f: never one in use
