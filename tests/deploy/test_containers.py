@@ -21,12 +21,14 @@ under that tag (Debian bookworm's own Python 3.11), and the test says so.
 from __future__ import annotations
 
 import configparser
+import functools
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -138,12 +140,24 @@ def _own(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, int]:
+def images() -> dict[str, int]:
     problem = _engine_problem()
     if problem:
         pytest.skip(problem)
+    return _built_images()
+
+
+@functools.cache
+def _built_images() -> dict[str, int]:
+    """Both images, built once per process: under xdist a worker may tear the module
+    fixture down between this file's tests (seen: three builds in one CI run)."""
     _ensure_base()
-    flags, torch_local = _pip_mounts(tmp_path_factory.mktemp("pip"))
+    with tempfile.TemporaryDirectory() as pip_folder:
+        return _build(Path(pip_folder))
+
+
+def _build(pip_folder: Path) -> dict[str, int]:
+    flags, torch_local = _pip_mounts(pip_folder)
     command = ["make", "--no-print-directory", "images", f"ENGINE={ENGINE}",
                f"IMAGE_BUILD_FLAGS={' '.join(flags)}"]
     if torch_local:
