@@ -6,9 +6,9 @@ fixture (a federation, a trained model) form one xdist group and run on the same
 so the fixture is built once, not once per worker (xdist schedules by the group suffix it
 puts on node ids, which pytest 9 does not take: dev.in pins pytest 8, and
 tests/unit/test_xdist_groups.py fails the day groups are ignored again). Files with
-real-process tests (`e2e`
-or `slow` marks) are handed out first: the long tests start early and the many short ones
-fill in around them, instead of one long test starting last on an otherwise idle machine.
+real-process tests (`e2e` or `slow` marks) are handed out first: the long tests start
+early and the many short ones fill in around them, instead of one long test starting
+last on an otherwise idle machine.
 xdist hands the work out in this order because pyproject.toml passes
 `--no-loadscope-reorder` (by default it re-sorts groups by their number of tests, which
 put fifteen groups of short tests ahead of every single real-process test).
