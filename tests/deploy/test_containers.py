@@ -359,6 +359,7 @@ def _start_with_command(run: dict[str, object], name: str, image: str, args: lis
 
 # --------------------------------------------------------------------------- compose
 
+
 def _anonymous_volumes(*containers: str) -> list[str]:
     """The unnamed volumes podman made for the images' VOLUME /state where a container
     mounts nothing there (compose's one-off jobs, the kube init container): `down` and
@@ -373,7 +374,6 @@ def _anonymous_volumes(*containers: str) -> list[str]:
                                                               mount.get("Name", "")):
                 names.append(mount["Name"])
     return names
-
 
 
 COMPOSE_SERVICES = ("pki-init", "model-init", "coordinator",
