@@ -479,7 +479,7 @@ class LocalTrainer:
             noise = torch.normal(
                 0.0, std, size=p.shape, generator=self._noise_generator, device=p.device
             )
-            p.grad = (clipped[name] + noise) / cfg.batch_size
+            p.grad = noise.add_(clipped[name]).div_(cfg.batch_size)  # in place: no copies
         self._add_proximal_gradient(anchor, mu)
         self._base_step()
         self.optimizer.zero_grad(set_to_none=True)

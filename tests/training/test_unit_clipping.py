@@ -235,3 +235,34 @@ def test_a_clipper_reused_over_steps_of_different_sizes_stays_exact() -> None:
         )
         sums, _ = clipper.clipped_sum(x[perm], y[perm], ids[perm], len(sizes))
         torch.testing.assert_close(_flat(model, sums), reference, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("frozen", ["0.weight", "0.bias", "2.weight", "2.bias"])
+def test_paired_linear_layers_with_a_frozen_weight_or_bias_stay_exact(frozen: str) -> None:
+    """The paired layers' terms are summed together (one gather, one product with a 0/1
+    segment matrix): a layer training its weight alone, or its bias alone, still adds
+    exactly its own trainable parameters' Gram terms. Reference: each patient's gradient
+    of the trainable parameters by autograd, clipped, summed."""
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(),
+                          nn.Linear(16, 1), nn.Flatten(0))
+    dict(model.named_parameters())[frozen].requires_grad_(False)
+    sizes = [3, 1, 5, 2, 4]
+    ids = _ids(sizes)
+    x, y = torch.randn(len(ids), 6) * 2, torch.randint(0, 2, (len(ids),)).float()
+    clip = 0.3
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    loss = TaskLoss("binary", "sum")
+    want = [torch.zeros_like(p) for _, p in trained]
+    for unit in range(len(sizes)):
+        rows = ids == unit
+        grads = torch.autograd.grad(loss(model(x[rows]), y[rows]), [p for _, p in trained])
+        norm = torch.sqrt(sum(g.square().sum() for g in grads))
+        for acc, g in zip(want, grads):
+            acc.add_(g * min(1.0, clip / (float(norm) + 1e-6)))
+    clipper = UnitClipper(model, max_grad_norm=clip, loss_per_record=TaskLoss("binary", "none"))
+    sums, _ = clipper.clipped_sum(x, y, ids, len(sizes))
+    assert frozen not in sums
+    got = torch.cat([sums[name].reshape(-1) for name, _ in trained])
+    torch.testing.assert_close(got, torch.cat([w.reshape(-1) for w in want]),
+                               rtol=1e-4, atol=1e-6)
