@@ -20,7 +20,7 @@ import numpy as np
 
 from common.errors import ConfigError
 from common.models import model_names
-from demo.options import DemoOptions
+from demo.options import HELD_OUT_FRACTION, DemoOptions
 from demo.report import dp_auc_text
 
 if TYPE_CHECKING:
@@ -230,16 +230,35 @@ device = "{self.device}"
         return image_baselines(datasets, demo.o, study=demo.study, device=self.device,
                                keys=demo.split_keys)
 
+    def exact_final(self, demo: Demo, bundle: Path) -> dict[str, Any]:
+        """`DemoTask.exact_final`: every held-out image of every hospital (the sites'
+        own splits), scored by the bundle's network."""
+        from common.bundle import read_bundle
+        from site_agent.predict import load_model, prediction_from_scores
+        from site_agent.trainer import predict_scores
+        from site_agent.unit_split import split_by_patient
+
+        model_bundle = read_bundle(bundle)
+        held_out = _pool([
+            split_by_patient(data, held_out_fraction=HELD_OUT_FRACTION,
+                             key=demo.split_keys[site])[1]
+            for site, data in sorted(self.datasets.items())
+        ])
+        scores = predict_scores(load_model(model_bundle), held_out, batch_size=256)
+        found = prediction_from_scores(model_bundle, scores, held_out.labels).metrics
+        return dict(found or {})
+
     def finish_report(self, demo: Demo, report: dict[str, Any]) -> None:
+        exact = report["final"].get("exact") or {}
         if isinstance(report.get("model"), dict):
             report["model"]["name"] = self.model_name  # the model file the run produced
-            exact = self.exact_held_out_auc(demo, Path(report["model"]["path"]))
-            report["final"]["exact_auc"] = exact
+        if isinstance(exact.get("auc"), float):
+            report["final"]["exact_auc"] = exact["auc"]
             estimate = report["final"].get("auc")
-            demo.say(f"Exact held-out AUC of the final DP model: {exact:.3f} (the demo holds "
-                     "every hospital's images; the federation sees only its DP estimate"
-                     + (f", {dp_auc_text(report['final'])})" if isinstance(estimate, float)
-                        else ")"))
+            demo.say(f"Exact held-out AUC of the final DP model: {exact['auc']:.3f} (the "
+                     "demo holds every hospital's images; the federation sees only its DP "
+                     "estimate" + (f", {dp_auc_text(report['final'])})"
+                                   if isinstance(estimate, float) else ")"))
         report.update(
             task="imaging",
             model_name=self.model_name,
@@ -248,27 +267,6 @@ device = "{self.device}"
             study=str(self.study_path),
         )
         (demo.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
-
-    def exact_held_out_auc(self, demo: Demo, model_path: Path) -> float:
-        """AUC of the model file on every hospital's held-out patients, from the exact
-        scores: the sites' own split (held-out fraction 0.2 under each site's split key),
-        pooled. A check on the demo's DP estimate that only a demo can make."""
-        from common.bundle import read_bundle
-        from common.evaluation import metrics_from_scores
-        from common.models.build import initial_model
-        from common.models.layout import load_flat_parameters
-        from site_agent.trainer import predict_scores
-        from site_agent.unit_split import split_by_patient
-
-        model = initial_model(demo.study, seed=demo.o.seed)
-        flat = np.asarray(read_bundle(model_path).flat(), dtype=np.float32)  # the final bundle
-        load_flat_parameters(model, flat)
-        held_out = _pool([
-            split_by_patient(data, held_out_fraction=0.2, key=demo.split_keys[site])[1]
-            for site, data in sorted(self.datasets.items())
-        ])
-        scores = predict_scores(model, held_out, batch_size=256)
-        return float(metrics_from_scores(scores, held_out.labels).auc)
 
 
 # ------------------------------------------------------------------ baselines

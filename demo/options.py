@@ -9,6 +9,9 @@ from typing import Any
 from common.errors import ConfigError
 
 HISTOGRAM_BINS = 50
+HELD_OUT_FRACTION = 0.2
+"""The demo's sites keep the default `data.holdout_fraction`; the baselines and the final
+model's exact metrics hold out the same patients."""
 AGGREGATION_CLIP = 0.5
 WAIT_NOTE_SECONDS = 30.0
 """With no round event for this long, the demo prints what it is waiting for."""

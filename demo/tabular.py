@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from common.errors import ConfigError
 from demo.hospital import hospital_study
-from demo.options import HISTOGRAM_BINS, DemoOptions
+from demo.options import HELD_OUT_FRACTION, HISTOGRAM_BINS, DemoOptions
 
 if TYPE_CHECKING:
     from demo.run import Demo
@@ -96,6 +96,7 @@ class TabularTask:
 
         study = demo.study
         tables = {s: load_study_table(p, study) for s, p in files.items() if p}
+        self.tables = tables
         preprocess = Preprocessor(study, exact_statistics(tables, study, seed=demo.o.seed))
         datasets = {s: preprocess.site_data(t) for s, t in tables.items()}
         # Without a patient column the sites key each record by its values as read.
@@ -129,6 +130,32 @@ allow_open_membership = false
 max_physical_batch_size = 4096
 device = "cpu"
 """
+
+    def exact_final(self, demo: Demo, bundle: Path) -> dict[str, Any]:
+        """`DemoTask.exact_final`: the bundle scores every site's held-out records as
+        `medfed predict` would (its own DP statistics encode them), pooled."""
+        import numpy as np
+
+        from common.bundle import read_bundle
+        from site_agent.predict import load_model, prediction_from_scores, score_table
+        from site_agent.unit_split import held_out_mask
+
+        model_bundle = read_bundle(bundle)
+        model = load_model(model_bundle)
+        scores: list[np.ndarray] = []
+        labels: list[np.ndarray] = []
+        for site, table in sorted(self.tables.items()):
+            units = (self.units[site] if table.patient_ids is None
+                     else np.asarray(table.patient_ids, dtype=object))
+            held = table.subset(np.flatnonzero(held_out_mask(
+                units, key=demo.split_keys[site], held_out_fraction=HELD_OUT_FRACTION)))
+            if held.labels is None:  # the demo's tables are read with their labels
+                raise ConfigError("--label-column", f"{site}: no labels to evaluate")
+            scores.append(score_table(model, model_bundle, held))
+            labels.append(held.labels)
+        found = prediction_from_scores(model_bundle, np.concatenate(scores),
+                                       np.concatenate(labels)).metrics
+        return dict(found or {})
 
     def finish_report(self, demo: Demo, report: dict[str, Any]) -> None:
         """The tabular report is complete as written."""

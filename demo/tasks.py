@@ -35,5 +35,12 @@ class DemoTask(Protocol):
     def site_config(self, demo: Demo, site: str, data: Path | None) -> str:
         """The site agent's configuration file (TOML)."""
 
+    def exact_final(self, demo: Demo, bundle: Path) -> dict[str, Any]:
+        """The final model bundle's exact metrics on every hospital's held-out patients
+        (the sites' own splits, pooled; at the bundle's decision threshold): only a demo,
+        holding every hospital's data, can compute them. The table shows them beside the
+        exact non-private baselines, so the row says the gap; the federation's own DP
+        estimate follows it."""
+
     def finish_report(self, demo: Demo, report: dict[str, Any]) -> None:
         """Add the task's own figures to the written report (after the table)."""

@@ -406,6 +406,17 @@ class StudyTable:
     def __len__(self) -> int:
         return int(self.rows.shape[0])
 
+    def subset(self, index: np.ndarray) -> StudyTable:
+        """The records at `index`, as read (a copy)."""
+        return replace(
+            self,
+            numeric={name: v[index] for name, v in self.numeric.items()},
+            categorical={name: v[index] for name, v in self.categorical.items()},
+            labels=None if self.labels is None else self.labels[index],
+            patient_ids=None if self.patient_ids is None else self.patient_ids[index],
+            rows=self.rows[index],
+        )
+
     @property
     def num_patients(self) -> int:
         """Distinct patients (records count as patients when there is no id column)."""

@@ -87,7 +87,7 @@ def predict_table(
     specificity, PPV for binary; one-vs-rest AUC per class and accuracy otherwise)."""
     model = load_model(bundle, allowed_factories=allowed_factories)
     scores = score_table(model, bundle, table)
-    return _prediction(bundle, scores, table.labels)
+    return prediction_from_scores(bundle, scores, table.labels)
 
 
 def predict_images(
@@ -100,10 +100,14 @@ def predict_images(
     model = load_model(bundle, allowed_factories=allowed_factories)
     scores = predict_scores(model, images, task=bundle.study.study.task, batch_size=256)
     labelled = images.labels.size > 0 and bool(np.all(images.labels >= 0))
-    return _prediction(bundle, scores, images.labels if labelled else None)
+    return prediction_from_scores(bundle, scores, images.labels if labelled else None)
 
 
-def _prediction(bundle: ModelBundle, scores: np.ndarray, labels: np.ndarray | None) -> Prediction:
+def prediction_from_scores(
+    bundle: ModelBundle, scores: np.ndarray, labels: np.ndarray | None
+) -> Prediction:
+    """Classes and, with `labels`, metrics of `scores` the bundle's network gave, at the
+    bundle's own decision threshold (the operating point a deployment uses)."""
     classes = bundle.study.study.classes
     threshold = 0.5
     if bundle.study.study.task == "binary":

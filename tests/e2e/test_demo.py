@@ -11,15 +11,21 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from common.bundle import read_bundle
 from common.errors import StateError
+from common.evaluation import metrics_from_scores
 from common.privacy.ledger import anchor_path_for
 from common.privacy.ledger_verify import verify_ledger
 from common.processes import ManagedProcess, medfed_argv
 from common.study import load_study
 from demo.options import DemoOptions
 from demo.run import Demo
+from site_agent.data import load_study_table
+from site_agent.predict import predict_table
+from site_agent.unit_split import held_out_mask, site_split_key
 from tests.e2e.harness import REPO
 from tests.study.helpers import write_hospital_csv
 
@@ -87,6 +93,31 @@ def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
     assert (out / "auc_by_round.png").stat().st_size > 1000
     assert (out / "epsilon_by_round.png").stat().st_size > 1000
     assert "Federated + DP" in result.stdout
+    # The DP model's row is exact on the held-out patients, as the baselines are: each
+    # site's split rebuilt here from its own key file, its held-out rows scored with the
+    # bundle as `medfed predict` scores a file.
+    exact = report["final"]["exact"]
+    assert exact["threshold"] == model["threshold"]
+    scores, labels = [], []
+    for site in SITES:
+        table = load_study_table(tmp_path / "data" / f"{site}.csv", study)
+        held = held_out_mask(np.asarray(table.patient_ids, dtype=object),
+                             key=site_split_key(out / "sites" / site), held_out_fraction=0.2)
+        prediction = predict_table(read_bundle(Path(model["path"])),
+                                   table.subset(np.flatnonzero(held)))
+        scores.append(prediction.scores)
+        labels.append(table.labels[held])
+    pooled = metrics_from_scores(np.concatenate(scores), np.concatenate(labels),
+                                 threshold=model["threshold"])
+    assert exact["n"] == sum(len(x) for x in labels)
+    assert exact["auc"] == pytest.approx(pooled.auc, abs=1e-9)
+    assert exact["sensitivity"] == pytest.approx(pooled.sensitivity, abs=1e-9)
+    row = next(line for line in result.stdout.splitlines()
+               if line.startswith("Federated + DP (eps<=4)"))
+    assert f"{exact['auc']:.3f}" in row and f"{exact['specificity']:.3f}" in row
+    gap = exact["auc"] - report["baselines"]["centralized_nodp"]["auc"]
+    assert f"DP model against centralized training without DP: AUC {gap:+.3f}" in result.stdout
+    assert "Federated + DP AUC as the federation reads it: " in result.stdout
     # Epsilon on evaluation apart from training, per site, from each site's ledger
     # (each purpose composed alone, so neither exceeds the composed total).
     for site in SITES:

@@ -94,6 +94,11 @@ def test_imaging_demo_writes_report_with_the_model(tmp_path: Path) -> None:
     # The demo prints the same exact AUC beside its DP estimate (computed on its own).
     assert report["final"]["exact_auc"] == pytest.approx(exact, abs=1e-12)
     assert f"Exact held-out AUC of the final DP model: {exact:.3f}" in printed
+    # ... and in the table's DP row, the gap to centralized training on the line below.
+    row = next(line for line in printed.splitlines() if line.startswith("Federated + DP ("))
+    assert row.split()[-4] == f"{exact:.3f}", row
+    gap = exact - report["baselines"]["centralized_nodp"]["auc"]
+    assert f"DP model against centralized training without DP: AUC {gap:+.3f}" in printed
     # The DP AUC comes with a 95% interval for the exact held-out AUC (DP noise on the
     # released counts plus the buckets' resolution, common.evaluation_interval.auc_interval),
     # printed beside it, and the exact AUC lies in it.
