@@ -58,6 +58,7 @@ from common.noisy_counts import (
     credible_z,
     noise_std_from_negatives,
     relative_noise,
+    widen_by_class,
 )
 
 
@@ -214,11 +215,17 @@ def denoised_histogram(
       ``evaluation_noise_std``, estimated from the negative counts
       (`common.noisy_counts.noise_std_from_negatives`);
     * a score bucket counts only if its count summed over both classes is credibly above
-      the noise (>= z sigma sqrt 2, z = 3.3 for 20 buckets: `credible_z`); outside the
-      hull of such buckets both classes hold 0, inside each count is clamped at 0
-      (Cormode et al., ICDT 2012; common.noisy_counts). Clamping alone gave every empty
-      bucket ~0.4 sigma fake units, which with few held-out positives dragged the ROC and
-      Youden's threshold into buckets holding nothing but noise;
+      the noise (>= z sigma sqrt 2, z = 3.3 for 20 buckets: `credible_z`), or one class's
+      count is on its own (`common.noisy_counts.widen_by_class`: a separating model's
+      end buckets hold one class alone); outside the hull of such buckets both classes
+      hold 0, inside each count is clamped at 0 (Cormode et al., ICDT 2012;
+      common.noisy_counts). Clamping alone gave every empty bucket ~0.4 sigma fake
+      units, which with few held-out positives dragged the ROC and Youden's threshold
+      into buckets holding nothing but noise. A tail beyond the hull whose buckets
+      together are credibly above the noise (>= z sigma sqrt(2k) over k) is kept as one
+      run, each class's signed sum spread over it (`_allocate`, below): a few held-out
+      patients ranked best (or worst) spread over two end buckets no longer read as
+      none;
     * where that hull is one bucket keeping under `HULL_KEEPS` of the released units
       (adaptive edges spread a small cohort so thinly that few buckets clear the cut
       alone: the AUC read 0.500), adjacent buckets are merged into runs, each credibly
@@ -245,9 +252,15 @@ def denoised_histogram(
             support.kept_total < HULL_KEEPS * support.noisy_total
         )
         if not support.empty and not lone_bucket:
+            support = widen_by_class(support, negatives, positives, sigma=sigma)
             inside = slice(support.first, support.last + 1)
             kept[:bins][inside] = np.maximum(negatives[inside], 0)
             kept[bins:][inside] = np.maximum(positives[inside], 0)
+            for tail in (slice(0, support.first), slice(support.last + 1, bins)):
+                totals = (negatives + positives)[tail]
+                if totals.size and totals.sum() >= z * sigma * math.sqrt(2.0 * totals.size):
+                    kept[:bins][tail] = _allocate(negatives[tail], sigma=sigma)
+                    kept[bins:][tail] = _allocate(positives[tail], sigma=sigma)
             smaller = float(min(negatives[inside].sum(), positives[inside].sum()))
             width = support.last - support.first + 1
             worst = max(worst, relative_noise(sigma=sigma, bins=width, total=smaller))
