@@ -11,7 +11,7 @@ Per dataset of `bench.utility_data` (three non-IID hospital CSVs each), one row:
   training median and standardised with the pooled training mean and deviation;
   categorical columns one-hot over the declared levels (a missing value: all zeros).
   Fitted by Newton's method (IRLS) on the mean log-loss with a small ridge
-  (`RIDGE`); exact AUC (Mann-Whitney, ties counted half).
+  (`common.logistic.RIDGE`); exact AUC (Mann-Whitney, ties counted half).
 * **federated, no DP**: the product's own in-process FedAvg baseline, same model and
   rounds (``baselines.federated_nodp`` of the demo's report.json).
 * **federated + DP + SecAgg+**: the real product path, ``medfed demo --data DIR
@@ -46,12 +46,7 @@ from typing import Any
 import numpy as np
 
 from common.errors import ConfigError
-
-RIDGE = 1e-4
-"""L2 penalty of the centralized logistic regression (on the mean log-loss; the
-intercept is not penalised): small enough not to bias it, large enough to keep one-hot
-columns beside the intercept well-posed."""
-
+from common.logistic import fit_logistic
 
 # ----------------------------------------------------------------------------- tables
 
@@ -162,25 +157,6 @@ def encode(table: PooledTable, train: np.ndarray, *,
         for level in levels[name]:
             columns.append(np.array([cell == level for cell in cells], dtype=np.float64))
     return np.column_stack(columns)
-
-
-def fit_logistic(x: np.ndarray, y: np.ndarray, *, ridge: float = RIDGE,
-                 iterations: int = 50, tolerance: float = 1e-10) -> np.ndarray:
-    """Weights minimising mean log-loss + ridge/2 |w|^2 (intercept, column 0, free),
-    by Newton's method; stops when the step is below `tolerance`."""
-    n, d = x.shape
-    penalty = np.full(d, ridge)
-    penalty[0] = 0.0
-    w = np.zeros(d)
-    for _ in range(iterations):
-        p = 1.0 / (1.0 + np.exp(-(x @ w)))
-        gradient = x.T @ (p - y) / n + penalty * w
-        hessian = (x.T * (p * (1 - p))) @ x / n + np.diag(penalty) + 1e-12 * np.eye(d)
-        step = np.linalg.solve(hessian, gradient)
-        w -= step
-        if float(np.max(np.abs(step))) < tolerance:
-            break
-    return w
 
 
 def exact_auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -373,7 +349,7 @@ def measure(name: str, out: Path, *, rounds: int | None, seed: int,
     row.update({
         "rounds": len(training),
         "federated_nodp_auc": report["baselines"]["federated_nodp"]["auc"],
-        "centralized_mlp_nodp_auc": report["baselines"]["centralized_nodp"]["auc"],
+        "demo_centralized_lr_auc": report["baselines"]["centralized_nodp"]["auc"],
         # The study's final model bundle (None when the study left none).
         "dp_auc": by_round.get("final") if (report.get("model") or {}).get(
             "kind") == "final bundle" else None,

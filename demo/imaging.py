@@ -147,6 +147,7 @@ class ImagingTask:
 
     name = "imaging"
     histogram_bins = IMAGING_HISTOGRAM_BINS
+    centralized_label = "Centralized (no DP)"  # the study's network, pooled images
 
     def __init__(self, *, model: str = "cnn", image_size: int = 28, device: str = "auto") -> None:
         if model not in model_names("images"):

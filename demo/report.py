@@ -234,7 +234,7 @@ def print_table(demo: Demo, report: dict[str, Any]) -> None:
     final = report["final"]
     exact = final.get("exact")
     rows = [
-        ("Centralized (no DP)", report["baselines"]["centralized_nodp"]),
+        (demo.task.centralized_label, report["baselines"]["centralized_nodp"]),
         ("Federated (no DP)", report["baselines"]["federated_nodp"]),
         (f"Federated + DP (eps<={demo.o.budget_epsilon:g}) + SecAgg+"
          if "hospital" not in report else

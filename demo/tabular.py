@@ -22,6 +22,7 @@ class TabularTask:
 
     name = "tabular"
     histogram_bins = HISTOGRAM_BINS
+    centralized_label = "Centralized logistic regression (no DP)"
 
     def prepare(self, demo: Demo) -> dict[str, Path | None]:
         """Site ids and their data files (the synthetic cohort's are written here)."""

@@ -19,6 +19,9 @@ class DemoTask(Protocol):
     histogram_bins: int
     """Score bins of the federation's DP evaluation histogram."""
 
+    centralized_label: str
+    """The table's row of the centralized non-private baseline (`baselines`)."""
+
     def prepare(self, demo: Demo) -> dict[str, Path | None]:
         """Write the task's inputs under ``demo.out`` and the study the coordinator
         serves (``demo.served_study``, ``demo.study``); site ids and their data."""

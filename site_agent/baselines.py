@@ -1,9 +1,10 @@
 """Non-private baselines for the demo's privacy/utility table (seed 002's table):
-centralized training on the pooled data, and federated averaging without DP or secure
-aggregation. Both use the same splits and model as the federation; being non-private
-and centralised, they are measured on the exact held-out scores (AUC and Youden's
-operating point, `common.evaluation_threshold.operating_point_metrics_from_scores`). `bins` is
-accepted and unused: no histogram is involved."""
+centralized logistic regression on the pooled data (the reference for tables), and
+federated averaging of the demo's MLP without DP or secure aggregation. Both use the
+federation's splits; being non-private and centralised, they are measured on the exact
+held-out scores (AUC and Youden's operating point,
+`common.evaluation_threshold.operating_point_metrics_from_scores`). `bins` is accepted
+and unused: no histogram is involved."""
 
 from __future__ import annotations
 
@@ -58,9 +59,16 @@ def centralized_nodp(
     datasets: dict[str, SiteData], o: Any, *, keys: dict[str, bytes],
     units: dict[str, Any] | None = None, bins: int | None = None,
 ) -> dict[str, float]:
-    """Every site's training split pooled in one place (what federation avoids); `keys`:
-    each site's split key (and `units`, a site's unit ids when they are not its records'
-    own: `unit_split.split_by_patient`), so the held-out patients are the sites'."""
+    """Logistic regression fitted to convergence (`common.logistic.fit_logistic`,
+    Newton's method) on every site's training split pooled in one place (what federation
+    avoids): the non-private reference a tabular model is judged against. It was the
+    demo's MLP trained for the study's epochs, which on a real cohort (rotterdam,
+    2,846 patients) scored 0.660 against 0.741 for the fitted regression and made the DP
+    model look better than centralized training. `keys`: each site's split key (and
+    `units`, a site's unit ids when they are not its records' own:
+    `unit_split.split_by_patient`), so the held-out patients are the sites'."""
+    from common.logistic import fit_logistic
+
     splits = [split_by_patient(d, held_out_fraction=0.2, key=keys[site],
                                units=(units or {}).get(site))
               for site, d in datasets.items()]
@@ -68,13 +76,13 @@ def centralized_nodp(
     held_out = _pool([h for _, h in splits])
     standardizer = Standardizer.fit(train.features)
     train, held_out = standardizer.transform(train), standardizer.transform(held_out)
-    n_features = train.features.shape[1]
-    trainer = LocalTrainer(lambda: _initial_model(n_features, o.seed), train,
-                           _config(o, epochs=o.rounds * o.local_epochs, records=len(train)),
-                           seed=o.seed)
-    start = flatten_parameters(trainer.model)
-    trainer.train_round(start)
-    return _metrics(trainer.predict(held_out.features), held_out.labels)
+
+    def design(features: np.ndarray) -> np.ndarray:
+        return np.column_stack([np.ones(len(features)), features.astype(np.float64)])
+
+    weights = fit_logistic(design(train.features), train.labels.astype(np.float64))
+    scores = 1.0 / (1.0 + np.exp(-(design(held_out.features) @ weights)))
+    return _metrics(scores, held_out.labels)
 
 
 def federated_nodp(

@@ -115,6 +115,9 @@ def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
     row = next(line for line in result.stdout.splitlines()
                if line.startswith("Federated + DP (eps<=4)"))
     assert f"{exact['auc']:.3f}" in row and f"{exact['specificity']:.3f}" in row
+    # Judged against centralized logistic regression fitted on the pooled training rows.
+    assert any(line.startswith("Centralized logistic regression (no DP)")
+               for line in result.stdout.splitlines())
     gap = exact["auc"] - report["baselines"]["centralized_nodp"]["auc"]
     assert f"DP model against centralized training without DP: AUC {gap:+.3f}" in result.stdout
     assert "Federated + DP AUC as the federation reads it: " in result.stdout
