@@ -109,7 +109,7 @@ class TabularTask:
 
     def baselines(self, demo: Demo, datasets: dict[str, Any]) -> dict[str, dict[str, float]]:
         return compute_baselines(datasets, demo.o, keys=demo.split_keys,
-                                 units=getattr(self, "units", None))
+                                 units=getattr(self, "units", None), study=demo.study)
 
     def site_config(self, demo: Demo, site: str, data: Path | None) -> str:
         o = demo.o
@@ -164,16 +164,17 @@ device = "cpu"
 
 def compute_baselines(
     datasets: dict[str, Any], o: DemoOptions, *, keys: dict[str, bytes],
-    units: dict[str, Any] | None = None,
+    units: dict[str, Any] | None = None, study: Any = None,
 ) -> dict[str, dict[str, float]]:
     """Centralized and federated non-private baselines, in process (no DP, no SecAgg), on
     the sites' own splits (`keys`: each site's split key; `units`: a site's unit ids when
-    not its records' own)."""
+    not its records' own); the federated one trains the served `study`'s network with
+    its settings."""
     from site_agent.baselines import centralized_nodp, federated_nodp
 
     return {
         "centralized_nodp": centralized_nodp(datasets, o, keys=keys, units=units,
                                              bins=HISTOGRAM_BINS),
         "federated_nodp": federated_nodp(datasets, o, keys=keys, units=units,
-                                         bins=HISTOGRAM_BINS),
+                                         bins=HISTOGRAM_BINS, study=study),
     }

@@ -8,7 +8,8 @@ and unused: no histogram is involved."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,6 +22,9 @@ from site_agent.trainer import LocalTrainer, predict_scores
 from site_agent.training_config import TrainingConfig
 from site_agent.training_plan import fit_batch_size
 from site_agent.unit_split import split_by_patient
+
+if TYPE_CHECKING:
+    from common.study import Study
 
 
 def _config(o: Any, *, epochs: int, records: int) -> TrainingConfig:
@@ -88,23 +92,45 @@ def centralized_nodp(
 def federated_nodp(
     datasets: dict[str, SiteData], o: Any, *, keys: dict[str, bytes],
     units: dict[str, Any] | None = None, bins: int | None = None,
+    study: Study | None = None,
 ) -> dict[str, float]:
     """FedAvg (sample-weighted) over the same sites, splits and rounds, without DP or
-    SecAgg."""
+    SecAgg. With `study`: its network from the coordinator's public initial weights and
+    its training settings (rounds, local epochs, learning rate, batch), so the row
+    differs from the DP model's by DP alone (a drafted study trains logistic regression
+    at learning rate 1.0 for its rounds; the demo's MLP settings were another model);
+    without, the demo's MLP and options."""
     prepared = {
         site: prepare_site_split(d, held_out_fraction=0.2, key=keys[site],
                                  units=(units or {}).get(site))
         for site, d in datasets.items()
     }
     n_features = next(iter(prepared.values()))[0].features.shape[1]
-    model = _initial_model(n_features, o.seed)
+    if study is not None:
+        from common.models.build import initial_model
+        from common.models.initial_file import INITIAL_MODEL_SEED
+
+        def factory() -> torch.nn.Module:
+            return initial_model(study, seed=INITIAL_MODEL_SEED)
+
+        settings = dataclasses.replace(o, rounds=study.study.rounds,
+                                   local_epochs=study.training.local_epochs,
+                                   learning_rate=study.training.learning_rate,
+                                   batch_size=study.training.batch_size)
+    else:
+        def factory() -> torch.nn.Module:
+            return _initial_model(n_features, o.seed)
+
+        settings = o
+    model = factory()
     global_flat = flatten_parameters(model)
     trainers = {
-        site: LocalTrainer(lambda: TabularMLP(n_features), train,
-                           _config(o, epochs=o.local_epochs, records=len(train)), seed=o.seed)
+        site: LocalTrainer(factory, train,
+                           _config(settings, epochs=settings.local_epochs, records=len(train)),
+                           seed=o.seed)
         for site, (train, _, _) in prepared.items()
     }
-    for _ in range(o.rounds):
+    for _ in range(settings.rounds):
         total = np.zeros_like(global_flat, dtype=np.float64)
         weight = 0
         for trainer in trainers.values():
