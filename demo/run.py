@@ -233,8 +233,11 @@ phase_seconds = {self.o.phase_seconds}
         datasets, _features = self.task.load_datasets(self, files)
         self.say("[baseline] training centralized and federated non-private baselines ...")
         baselines = self.task.baselines(self, datasets)
+        labels = {"centralized_nodp": self.task.centralized_label,
+                  "federated_nodp": "Federated (no DP)"}
         for name, m in baselines.items():
-            self.say(f"[baseline] {name:<18} AUC {m['auc']:.3f}")
+            self.say(f"[baseline] {labels.get(name, name)}: AUC {m['auc']:.3f} (held-out "
+                     "patients, exact)")
         self.audit = self.privacy_audit(datasets)
         self.terms = federation_terms(len(sites), histogram_bins=self.task.histogram_bins)
         if self.terms.note:
