@@ -254,11 +254,12 @@ def print_table(demo: Demo, report: dict[str, Any]) -> None:
         demo.say(f"{name:<{width}}{values}")
     central = report["baselines"]["centralized_nodp"].get("auc")
     if exact and isinstance(exact.get("auc"), float) and isinstance(central, float):
-        demo.say(f"(every row: exact, on the same held-out patients; the baselines at "
-                 f"Youden's point of their exact scores, the DP model at its bundle's "
-                 f"threshold, {exact['threshold']:.3f}, chosen from the DP evaluation)"
-                 if isinstance(exact.get("threshold"), float) else
-                 "(every row: exact, on the same held-out patients)")
+        chosen = (report.get("model") or {}).get("threshold")
+        where = (f"its bundle's threshold, {chosen:.3f}, chosen from the DP evaluation"
+                 if isinstance(chosen, float) else
+                 "0.5 (its bundle carries no threshold)")
+        demo.say("(every row: exact, on the same held-out patients; the baselines at "
+                 f"Youden's point of their exact scores, the DP model at {where})")
         demo.say(f"DP model against centralized training without DP: AUC "
                  f"{exact['auc'] - central:+.3f} ({exact['auc']:.3f} vs {central:.3f})")
     if isinstance(final.get("auc"), float):
