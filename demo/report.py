@@ -225,6 +225,12 @@ def dp_auc_text(metrics: dict[str, Any]) -> str:
     return f"{auc:.3f}"
 
 
+def baseline_label(demo: Demo, name: str) -> str:
+    """How the table and the [baseline] lines name a baseline of `report["baselines"]`."""
+    return {"centralized_nodp": demo.task.centralized_label,
+            "federated_nodp": "Federated (no DP)"}.get(name, name)
+
+
 def print_table(demo: Demo, report: dict[str, Any]) -> None:
     """The privacy/utility table: the non-private baselines and the DP model, each on
     every hospital's held-out patients, exact (the demo holds every hospital's data); the
@@ -234,8 +240,8 @@ def print_table(demo: Demo, report: dict[str, Any]) -> None:
     final = report["final"]
     exact = final.get("exact")
     rows = [
-        (demo.task.centralized_label, report["baselines"]["centralized_nodp"]),
-        ("Federated (no DP)", report["baselines"]["federated_nodp"]),
+        *((baseline_label(demo, name), report["baselines"][name])
+          for name in ("centralized_nodp", "federated_nodp")),
         (f"Federated + DP (eps<={demo.o.budget_epsilon:g}) + SecAgg+"
          if "hospital" not in report else
          f"Federated + hospital-level DP (budget {demo.o.budget_epsilon:g}; "

@@ -17,7 +17,7 @@ from typing import Any
 from common.errors import StateError
 from common.processes import Line, ManagedProcess, medfed_argv
 from demo.options import WAIT_NOTE_SECONDS, DemoOptions, RoundRow
-from demo.report import dp_auc_text, epsilon_by_site, write_report
+from demo.report import baseline_label, dp_auc_text, epsilon_by_site, write_report
 from demo.tabular import TabularTask
 from demo.tasks import DemoTask
 from demo.terms import dropout_decision, federation_terms
@@ -233,11 +233,8 @@ phase_seconds = {self.o.phase_seconds}
         datasets, _features = self.task.load_datasets(self, files)
         self.say("[baseline] training centralized and federated non-private baselines ...")
         baselines = self.task.baselines(self, datasets)
-        labels = {"centralized_nodp": self.task.centralized_label,
-                  "federated_nodp": "Federated (no DP)"}
         for name, m in baselines.items():
-            self.say(f"[baseline] {labels.get(name, name)}: AUC {m['auc']:.3f} (held-out "
-                     "patients, exact)")
+            self.say(f"[baseline] {baseline_label(self, name)}: AUC {m['auc']:.3f} (exact)")
         self.audit = self.privacy_audit(datasets)
         self.terms = federation_terms(len(sites), histogram_bins=self.task.histogram_bins)
         if self.terms.note:
