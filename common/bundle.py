@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from common.errors import StateError, ValidationError
 from common.evaluation_interval import interval_text
 from common.evaluation_threshold import youden_threshold
-from common.fileio import atomic_write
+from common.fileio import atomic_write, read_parsed
 from common.noisy_counts import NOISE_DOMINATED
 from common.study import (
     FACTORY_PATTERN,
@@ -539,15 +539,7 @@ def _bundle_from_bytes(data: bytes) -> ModelBundle:
 
 def read_bundle(path: str | Path) -> ModelBundle:
     """Read and verify a bundle file; problems name the file and the metadata key."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise StateError(f"cannot read model bundle {path}: {exc.strerror}") from None
-    try:
-        return bundle_from_bytes(data)
-    except ValidationError as exc:
-        raise ValidationError(f"model bundle {path}: {exc}") from None
+    return read_parsed(path, what="model bundle", parse=bundle_from_bytes)
 
 
 def input_description(study: Study) -> str:

@@ -1,4 +1,5 @@
-"""Atomic, durable file replacement: the one way medfed replaces a file on disk.
+"""Atomic, durable file replacement: the one way medfed replaces a file on disk; and
+`read_parsed`, reading a file whose every error names it.
 
 A reader (the coordinator, a restarted site, an operator's tool) sees either the old file
 or the new one, never half a file, and after a crash the new file is there only if it was
@@ -12,11 +13,30 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
-__all__ = ["atomic_open", "atomic_write", "fsync_directory", "replace_durably"]
+from common.errors import StateError, ValidationError
+
+__all__ = ["atomic_open", "atomic_write", "fsync_directory", "read_parsed", "replace_durably"]
+
+T = TypeVar("T")
+
+
+def read_parsed(path: str | Path, *, what: str, parse: Callable[[bytes], T]) -> T:
+    """`parse` of the bytes of `path`, a `what` ("model bundle", "initial model"): a
+    `StateError` naming the file when it cannot be read, the parser's `ValidationError`
+    prefixed with `what` and the file."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise StateError(f"cannot read {what} {path}: {exc.strerror}") from None
+    try:
+        return parse(data)
+    except ValidationError as exc:
+        raise ValidationError(f"{what} {path}: {exc}") from None
 
 
 def fsync_directory(folder: str | Path) -> None:

@@ -38,7 +38,7 @@ import numpy as np
 from common.bundle import header_metadata, metadata_digest, parameters_layout
 from common.codec import TensorSpec
 from common.errors import StateError, ValidationError
-from common.fileio import atomic_write
+from common.fileio import atomic_write, read_parsed
 from common.study import Study, study_sha256
 
 INITIAL_MODEL_FORMAT = "medfed-initial-model/1"
@@ -109,15 +109,8 @@ def read_initial_model(
 ) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
     """The layout and flat float32 vector in `path`, verified against `study`; every
     problem is a `ValidationError` naming the file and the metadata key."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise StateError(f"cannot read initial model {path}: {exc.strerror}") from None
-    try:
-        return initial_model_from_bytes(data, study)
-    except ValidationError as exc:
-        raise ValidationError(f"initial model {path}: {exc}") from None
+    return read_parsed(path, what="initial model",
+                       parse=lambda data: initial_model_from_bytes(data, study))
 
 
 def initial_model_from_bytes(
