@@ -247,7 +247,8 @@ def denoised_histogram(
         part = values[block * 2 * bins : (block + 1) * 2 * bins]
         negatives, positives = part[:bins], part[bins:]
         kept = out[block * 2 * bins : (block + 1) * 2 * bins]
-        support = credible_support(negatives + positives, sigma=sigma * math.sqrt(2.0), z=z)
+        totals = negatives + positives
+        support = credible_support(totals, sigma=sigma * math.sqrt(2.0), z=z)
         lone_bucket = support.first == support.last and (
             support.kept_total < HULL_KEEPS * support.noisy_total
         )
@@ -257,15 +258,15 @@ def denoised_histogram(
             kept[:bins][inside] = np.maximum(negatives[inside], 0)
             kept[bins:][inside] = np.maximum(positives[inside], 0)
             for tail in (slice(0, support.first), slice(support.last + 1, bins)):
-                totals = (negatives + positives)[tail]
-                if totals.size and totals.sum() >= z * sigma * math.sqrt(2.0 * totals.size):
+                run = totals[tail]
+                if run.size and run.sum() >= z * sigma * math.sqrt(2.0 * run.size):
                     kept[:bins][tail] = _allocate(negatives[tail], sigma=sigma)
                     kept[bins:][tail] = _allocate(positives[tail], sigma=sigma)
             smaller = float(min(negatives[inside].sum(), positives[inside].sum()))
             width = support.last - support.first + 1
             worst = max(worst, relative_noise(sigma=sigma, bins=width, total=smaller))
             continue
-        groups = credible_groups(negatives + positives, sigma=sigma, z=z)
+        groups = credible_groups(totals, sigma=sigma, z=z)
         if not groups:
             # Nothing credible: the plain clamp (the best there is), flagged below.
             kept[:] = np.maximum(part, 0)
