@@ -7,6 +7,8 @@
 # defaults podman asks for, so a containers.conf sets limits inside the hard limits
 # here (written only when no containers.conf exists). Without apt or root it says what
 # is missing and exits 0; the container test then skips with that reason.
+# `podman kube play` starts each pod's infra container with catatonit ("finding pause
+# binary: exec: catatonit"): podman only recommends it, so it is installed explicitly.
 # On cgroup v1 / hybrid hosts Debian's crun refuses to start containers ("cgroups in
 # hybrid mode not supported"): there runc is installed and made the runtime.
 set -euo pipefail
@@ -15,6 +17,8 @@ missing=()
 command -v podman >/dev/null 2>&1 || missing+=(podman)
 command -v buildah >/dev/null 2>&1 || missing+=(buildah)
 command -v mmdebstrap >/dev/null 2>&1 || missing+=(mmdebstrap)
+command -v catatonit >/dev/null 2>&1 || [ -x /usr/libexec/podman/catatonit ] \
+    || missing+=(catatonit)
 unified=1
 [ "$(stat -fc %T /sys/fs/cgroup 2>/dev/null)" = cgroup2fs ] || unified=0
 if [ "$unified" = 0 ]; then
