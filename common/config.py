@@ -593,9 +593,15 @@ class SiteSettings(_Settings):
     reconnect: ReconnectSection = ReconnectSection()
     study_file: Path | None = Field(
         default=None,
-        description="study.toml this site agreed to: the only study it joins (another "
-        "study from the coordinator is refused at enrolment); without one, the "
-        "coordinator's study, checked against this site's policy and data",
+        description="study.toml this site agreed to: `site run` starts only when it is "
+        "the study approved under the state folder (`medfed site approve`); the site "
+        "joins that study and no other",
+    )
+    study_sha256: str | None = Field(
+        default=None,
+        description="SHA-256 of the study this hospital's privacy officer approved, as "
+        "`medfed site approve` prints it: `site approve --config` pins only a study file "
+        "with this hash, and `site run` starts only when it is the approved study",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = Field(
@@ -609,6 +615,18 @@ class SiteSettings(_Settings):
     )
 
     _listen = field_validator("coordinator", "metrics_listen")(_check_listen)
+
+    @field_validator("study_sha256", mode="before")
+    @classmethod
+    def _study_sha256(cls, value: object) -> object:
+        # Empty is unset: a compose file passes `${MEDFED_STUDY_SHA256:-}` through.
+        if value is None or value == "":
+            return None
+        if not isinstance(value, str) or re.fullmatch(r"[0-9a-f]{64}", value) is None:
+            raise ValueError("expected the SHA-256 of the study this hospital approved, 64 "
+                             f"lower-case hex digits as `medfed site approve` prints it; got "
+                             f"{value!r}")
+        return value
 
     @model_validator(mode="after")
     def _tls_files(self) -> SiteSettings:

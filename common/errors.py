@@ -4,6 +4,8 @@
 
     MedfedError                      base of everything medfed raises on purpose
     ├── ConfigError                  bad configuration or flag; names the field
+    │   └── StudyNotApproved         the coordinator serves a study this site's state
+    │                                has not approved (`medfed site approve`)
     ├── DataError                    bad site data; names file, row and column
     ├── ValidationError              a malformed message at a trust boundary
     │                                (servicers map it to INVALID_ARGUMENT)
@@ -77,6 +79,15 @@ class ConfigError(MedfedError):
         self.field = field
         self.message = message
         super().__init__(f"{field}: {message}")
+
+
+class StudyNotApproved(ConfigError):
+    """The study the coordinator serves is not the one this site's state approved (or the
+    site approved none): the site sends nothing that depends on it. A `--once` site stops
+    with the message (how to approve); a long-running one waits for the approval."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("approved study", message)
 
 
 class DataError(MedfedError):

@@ -39,6 +39,7 @@ from common.errors import (
     QueryRefused,
     RoundFailed,
     StudyFailed,
+    StudyNotApproved,
     StudyRefused,
     ValidationError,
 )
@@ -185,6 +186,15 @@ class SiteAgent:
                 if self.settings.once:
                     return 0
                 log.info("waiting for the next study (run with --once to exit instead)")
+                self.connection.close()
+                self.stop.wait(NEXT_STUDY_POLL_SECONDS)
+            except StudyNotApproved as exc:
+                # Nothing was sent for the study. `once` stops with how to approve; a
+                # long-running site says it and asks again later, taking up a study
+                # approved meanwhile (the pin is re-read at every enrolment).
+                log.error("%s", exc, extra={"event": "study_not_approved"})
+                if self.settings.once:
+                    raise
                 self.connection.close()
                 self.stop.wait(NEXT_STUDY_POLL_SECONDS)
             except grpc.RpcError as exc:

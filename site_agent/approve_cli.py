@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import re
 import sys
 import tomllib
 from pathlib import Path
@@ -20,6 +21,8 @@ from common.config import SiteSettings, load_settings
 from common.errors import ConfigError, ValidationError
 from common.study import Study, load_study, study_sha256
 from site_agent.approvals import Approvals
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def register(sub: Any) -> None:
@@ -40,6 +43,10 @@ def register(sub: Any) -> None:
                          "or the config's study_file)")
     approve.add_argument("--times", type=int, default=1,
                          help="for a query: how many times it may run (default 1)")
+    approve.add_argument(
+        "--sha256", dest="expect_sha256", metavar="HEX",
+        help="for a study: pin it only if its SHA-256 is HEX, the value the hospital's "
+        "privacy officer read and approved (default: the config's study_sha256, if set)")
     approve.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     approve.set_defaults(func=_approve)
 
@@ -60,16 +67,27 @@ def file_kind(path: Path) -> str:
                       "study_sha256 and [[statistics]])")
 
 
-def _state_and_study(args: argparse.Namespace) -> tuple[Path, Study | None]:
+def _state_and_study(args: argparse.Namespace) -> tuple[Path, Study | None, str | None]:
+    """(state folder, the site's study, the study SHA-256 a study file must have)."""
+    expected = args.expect_sha256
+    if expected is not None and _HEX64.fullmatch(expected) is None:
+        raise ConfigError("--sha256", f"expected the study's SHA-256 as 64 lower-case hex "
+                          f"digits (as `medfed site approve` prints it), got {expected!r}")
     if args.config is not None:
         settings = load_settings(SiteSettings, config_file=args.config, overrides={})
         state = settings.state
         own = load_study(settings.study_file) if settings.study_file is not None else None
+        if expected is None:
+            expected = settings.study_sha256
+        elif settings.study_sha256 is not None and settings.study_sha256 != expected:
+            raise ConfigError("--sha256", f"is {expected}, but the config {args.config} "
+                              f"names study_sha256 {settings.study_sha256}: the site would "
+                              "refuse to start on the pin")
     else:
         state, own = args.state, None
     if args.study is not None:
         own = load_study(args.study)
-    return state, own if own is not None else Approvals(state).study()
+    return state, own if own is not None else Approvals(state).study(), expected
 
 
 def describe_study(study: Study, out: TextIO) -> None:
@@ -141,21 +159,26 @@ def _confirm(args: argparse.Namespace, what: str) -> bool:
 
 def _approve(args: argparse.Namespace) -> int:
     """Each FILE in order (a study approved here is the study of the queries after it)."""
-    state, own = _state_and_study(args)
+    state, own, expected = _state_and_study(args)
     for path in args.files:
-        code = _approve_one(args, path, state, own)
+        code = _approve_one(args, path, state, own, expected)
         if code:
             return code
         own = Approvals(state).study() if args.study is None else own
     return 0
 
 
-def _approve_one(args: argparse.Namespace, path: Path, state: Path, own: Study | None) -> int:
+def _approve_one(args: argparse.Namespace, path: Path, state: Path, own: Study | None,
+                 expected: str | None) -> int:
     approvals = Approvals(state)
     out = sys.stdout
     if file_kind(path) == "study":
         study = load_study(path)
         describe_study(study, out)
+        if expected is not None and study_sha256(study) != expected:
+            # Before any question: this file is not what the privacy officer approved.
+            raise ConfigError(str(path), f"its SHA-256 is {study_sha256(study)}, not the "
+                              f"approved {expected} (--sha256 / study_sha256): not pinned")
         if own is not None and study_sha256(own) != study_sha256(study):
             print(f"NOTE: this replaces the approved study {own.study.name!r}", file=out)
         if not _confirm(args, f"study {study.study.name!r}"):

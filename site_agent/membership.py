@@ -28,6 +28,7 @@ from site_agent.datacheck import site_policy
 from site_agent.metrics import SiteMetrics
 from site_agent.revocation import SiteRevocation
 from site_agent.site_training import TrainingHook
+from site_agent.study_gate import check_served
 
 log = logging.getLogger("medfed.site")
 
@@ -191,14 +192,17 @@ class Membership:
         self.replica_seq = resp.ledger_seq_held
 
     def join(self, resp: pb.EnrollResponse) -> bool:
-        """Check the coordinator's study against this site's policy and data BEFORE
-        any key or update is sent; a mismatch (DataError naming file, row and column, or
-        PrivacyError) ends the agent with that message. True when the ledger opened now."""
+        """Check the coordinator's study against this site's approval, policy and data
+        BEFORE any key or update is sent; a mismatch (StudyNotApproved, DataError naming
+        file, row and column, or PrivacyError) ends the agent with that message. True
+        when the ledger opened now."""
         study = None
         if resp.study_sha256:
             study = study_from_enrolment(bytes(resp.study), announced_sha256=resp.study_sha256)
             if self.study is not None and study_sha256(self.study) != resp.study_sha256:
                 log.info("the coordinator runs a new study: %s", study.study.name)
+            # Before anything else about the study: the approval (StudyNotApproved).
+            check_served(study, self.settings)
             check_members_listed(study, self.settings)
         self.hook.join_study(study, site_policy(self.settings))
         self.study = study

@@ -18,6 +18,7 @@ from site_agent.agent import SiteAgent
 from site_agent.dp_release import COUNT_STATE_FILE
 from site_agent.metrics import SiteMetrics
 from site_agent.site_training import DpTrainingHook, TrainingHook
+from site_agent.study_gate import check_at_start
 
 HookFactory = Callable[[SiteSettings], TrainingHook]
 """How a site agent gets its training from its settings (`build_hook`, or a plug-in's)."""
@@ -109,6 +110,8 @@ def _run_site(
     hook_factory: HookFactory,
     observer: RoundObserver | None,
 ) -> int:
+    # What the site's own settings say it approved, before torch loads or it dials out.
+    check_at_start(settings)
     metrics = SiteMetrics(settings.site)
     if hook_factory is build_hook and settings.training.trainer == "dpsgd":
         # What the ledger's open would refuse without the study's terms, now: a site

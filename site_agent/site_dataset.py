@@ -107,17 +107,6 @@ class SiteDataset(Protocol):
     def training_units(self, *, unit: str) -> int: ...
 
 
-def load_site_study(settings: SiteSettings) -> Study | None:
-    """The study in the site's own ``study_file``, if it names one, else the study
-    approved with `medfed site approve` (STATE/approved/study.json), if any."""
-    from common.study import load_study
-    from site_agent.approvals import Approvals
-
-    if settings.study_file is None:
-        return Approvals(settings.state).study()
-    return load_study(settings.study_file)
-
-
 def open_site_dataset(
     study: Study, settings: SiteSettings, *, path: Path, dp: bool
 ) -> SiteDataset:

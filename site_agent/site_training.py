@@ -34,7 +34,6 @@ from site_agent.site_dataset import (
     SiteDataset,
     TableDataset,
     UnitSplit,
-    load_site_study,
     open_site_dataset,
 )
 from site_agent.site_model import build_site_model, check_layout, layout_of, model_name
@@ -135,7 +134,7 @@ class DpTrainingHook:
     any key or update is sent, and encoded with the federation's global statistics once
     the statistics release produced them (`set_statistics`). A coordinator serving no
     study is refused at enrolment (`join_study(None)`), as is one serving a study other
-    than the site's own `study_file` when it names one.
+    than the one this site approved (`site_agent.study_gate`, at enrolment).
 
     The trainer, and so the noise multiplier, is built at the first round from the
     announced planned rounds and local epochs, with this site's budget as its target
@@ -160,8 +159,6 @@ class DpTrainingHook:
                 "(tests only; leave it unset in production)"
             )
         self.study: Study | None = None
-        # The site's own study file (`study_file`): the only study it will join.
-        self.own_study = load_site_study(settings)
         # The site's data under the joined study (`site_agent.site_dataset`), and its
         # split by unit once made (a table's needs the global statistics).
         self.dataset: SiteDataset | None = None
@@ -178,7 +175,7 @@ class DpTrainingHook:
         # One-vs-rest blocks in the evaluation histogram: the ledger's sensitivity.
         self.histogram_classes = 1
         self._layout: tuple[TensorSpec, ...] | None = None
-        self.model_name = model_name(self.own_study)
+        self.model_name = model_name(None)
         self._trainer: object | None = None
         self._trainer_key: tuple[int, int] | None = None
         # `auto`'s record-level DP path, chosen at join when the dataset `measure_at_join`.
@@ -193,25 +190,16 @@ class DpTrainingHook:
     # ------------------------------------------------------------------ joining
     def join_study(self, study: Study | None, policy: Any) -> None:
         """Check this site's data against `study` (DataError / PrivacyError before
-        anything is sent). Without a study, or with another study than the site's own
-        `study_file`, a ConfigError saying what to pass: this site trains only a study."""
+        anything is sent); the agent let it through only as the study this site approved
+        (`site_agent.study_gate`). Without a study, a ConfigError saying what to pass:
+        this site trains only a study."""
         if study is None:
             raise ConfigError(
                 "study",
                 "the coordinator serves no study, and a site trains only under one: start "
                 "the coordinator with `coordinator serve --study study.toml` (drafted with "
-                "`medfed study init`); this site joins it with --data FILE, and with "
-                "--study study.toml refuses any other study",
-            )
-        if self.own_study is not None and study_sha256(study) != study_sha256(self.own_study):
-            raise ConfigError(
-                "study",
-                f"the coordinator serves study {study.study.name!r} (sha256 "
-                f"{study_sha256(study)[:12]}...), not this site's "
-                + (f"--study {self.settings.study_file}" if self.settings.study_file
-                   else "approved study (medfed site approve)")
-                + f" ({self.own_study.study.name!r}, sha256 "
-                f"{study_sha256(self.own_study)[:12]}...)",
+                "`medfed study init`); each site approves it (`medfed site approve "
+                "study.toml`) and joins it with --data FILE",
             )
         if self.study is not None and study_sha256(self.study) == study_sha256(study):
             return

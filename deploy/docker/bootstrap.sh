@@ -25,7 +25,10 @@
 #                        study that lists [[members]] already is served as it is. Written
 #                        once: an existing STUDY_OUT is kept (the coordinator's state is
 #                        pinned to its SHA-256; a member revoked later stays listed and
-#                        is refused by the CRL this script copies).
+#                        is refused by the CRL this script copies). Each hospital
+#                        receives it too, as the operator sends it (HOSPITALS_DIR/SITE/
+#                        study.toml), for its privacy officer to approve (`medfed site
+#                        approve`: compose's approve-SITE jobs).
 #   BOOTSTRAP_PKI        1 (default) as above; 0 does nothing (Kubernetes: certificates
 #                        come from Secrets made elsewhere; an init container writes the
 #                        study's untrained network with the site image's `medfed model
@@ -94,6 +97,13 @@ elif [ -n "${STUDY_IN:-}" ]; then
     chmod 644 "$study_tmp"
     mv "$study_tmp" "$STUDY_OUT"
     echo "bootstrap: $STUDY_OUT is $STUDY_IN with its members"
+fi
+if [ -n "${STUDY_IN:-}" ]; then
+    # What the operator sends each hospital to approve: the served study, byte for byte.
+    for site in $SITES; do
+        copy "$STUDY_OUT" "$HOSPITALS_DIR/$site/study.toml"
+        chmod 644 "$HOSPITALS_DIR/$site/study.toml"
+    done
 fi
 }
 

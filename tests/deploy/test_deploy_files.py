@@ -199,6 +199,25 @@ def test_compose_services_volumes_and_sites() -> None:
         assert not {v.split(":")[0] for v in service["volumes"]} & others
         assert service["depends_on"]["coordinator"]["condition"] == "service_healthy"
         assert "ports" not in service, "site agents open no published port"
+        # The hospital's approval runs first, into the site's own state volume, from the
+        # study the hospital received (its own volume) and the SHA-256 its officer read.
+        assert service["depends_on"][f"approve-{site}"]["condition"] == (
+            "service_completed_successfully")
+        approve = services[f"approve-{site}"]
+        assert approve["image"] == service["image"]
+        assert approve["entrypoint"] == ["medfed", "site", "approve"]
+        assert approve["command"] == ["/pki/study.toml", "--config", "/config/site.toml",
+                                      "--yes"]
+        assert approve["volumes"] == [f"hospital-{site}:/pki:ro",
+                                      "./deploy/config/site.toml:/config/site.toml:ro",
+                                      f"site-{site}-state:/state"]
+        assert approve["network_mode"] == "none" and approve["read_only"] is True
+        assert approve["depends_on"] == {
+            "pki-init": {"condition": "service_completed_successfully"}}
+        for job in (approve, service):
+            assert job["environment"]["MEDFED_SITE_STUDY_SHA256"] == (
+                "${MEDFED_STUDY_SHA256:-}")
+            assert job["environment"]["MEDFED_SITE_SITE"] == site
     coordinator = services["coordinator"]
     # The coordinator runs the study: the compose config as pki-init wrote it, with the
     # hospitals it signed as [[members]] (the sites keep their default policy: no open

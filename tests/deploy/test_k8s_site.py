@@ -124,9 +124,11 @@ def test_overlay_patches_what_the_base_has() -> None:
         if "path" in patch:
             (doc,) = load(OVERLAY / patch["path"])
             assert (doc["kind"], doc["metadata"]["name"]) in objects
-            env = {e["name"]: e["value"]
-                   for e in doc["spec"]["template"]["spec"]["containers"][0]["env"]}
-            assert env["MEDFED_SITE_SITE"] != "SITE_ID"
+            pod = doc["spec"]["template"]["spec"]
+            for container in (*pod["containers"], *pod["initContainers"]):
+                env = {e["name"]: e["value"] for e in container["env"]}
+                assert env["MEDFED_SITE_SITE"] != "SITE_ID"
+                assert re.fullmatch(r"[0-9a-f]{64}", env["MEDFED_SITE_STUDY_SHA256"])
         else:
             target = objects[(patch["target"]["kind"], patch["target"]["name"])]
             (operation,) = yaml.safe_load(patch["patch"])
@@ -150,6 +152,7 @@ def test_site_settings_in_the_config_map_load(
         monkeypatch.setenv(item["name"], item["value"])
     settings = load_settings(SiteSettings, config_file=path, overrides={})
     assert settings.site == "st-marys"
+    assert settings.study_sha256 is not None
     assert settings.coordinator == "fl.example.org:7443"
     assert settings.metrics_listen.endswith(":9465")
     assert (settings.tls_ca, settings.tls_cert, settings.tls_key) == (
@@ -194,11 +197,18 @@ def _check_walk(steps: list[list[str]], *, namespace: str, secret: dict[str, Any
             keys = {w.split("=", 2)[1] for w in words if w.startswith("--from-file=")}
             assert keys == {i["key"] for i in secret["items"]}
             kinds.append("secret")
+        elif "configmap" in words and "create" in words:
+            assert words[words.index("-n") + 1] == namespace
+            assert words[words.index("configmap") + 1] == "medfed-site-study"
+            assert [w.split("=")[1] for w in words if w.startswith("--from-file=")] == [
+                "study.toml"]
+            kinds.append("study")
         elif words[1] == "apply" and "-k" in words:
             assert (REPO / words[words.index("-k") + 1]).resolve() == applied.resolve()
             kinds.append("apply")
-    # The Secret needs its namespace; the pods need their Secret.
-    assert kinds == ["namespace", "secret", "apply"], kinds
+    # The Secret needs its namespace; the pods need their Secret (and a site's, its study).
+    assert kinds in (["namespace", "secret", "apply"],
+                     ["namespace", "secret", "study", "apply"]), kinds
 
 
 def test_deploy_md_walks_the_site_set_in_order() -> None:
@@ -206,7 +216,9 @@ def test_deploy_md_walks_the_site_set_in_order() -> None:
     section = text.split("### A site on Kubernetes", 1)[1].split("\n#", 1)[0]
     overlay = load(OVERLAY / "kustomization.yaml")[0]
     deployment = base_objects()[("Deployment", "medfed-site-agent")]
-    _check_walk(_kubectl_steps(section), namespace=overlay["namespace"],
+    steps = _kubectl_steps(section)
+    assert any("configmap" in words for words in steps), "the study's ConfigMap"
+    _check_walk(steps, namespace=overlay["namespace"],
                 secret=_secret_volume(deployment), applied=OVERLAY)
 
 
@@ -249,11 +261,12 @@ def _merge(target: Any, patch: Any) -> Any:
     return patch
 
 
-def _pod_containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+def _pod_containers(doc: dict[str, Any], *, init: bool = False) -> list[dict[str, Any]]:
     if doc["kind"] != "Deployment":
         return []
-    containers: list[dict[str, Any]] = doc["spec"]["template"]["spec"]["containers"]
-    return containers
+    pod = doc["spec"]["template"]["spec"]
+    containers: list[dict[str, Any]] = pod["containers"]
+    return [*pod.get("initContainers", []), *containers] if init else containers
 
 
 def render(folder: Path) -> list[dict[str, Any]]:
@@ -283,7 +296,7 @@ def render(folder: Path) -> list[dict[str, Any]]:
     for image in kustomization.get("images", []):
         assert set(image) <= {"name", "newTag"}, image
         for doc in docs:
-            for container in _pod_containers(doc):
+            for container in _pod_containers(doc, init=True):
                 if container["image"].split(":")[0] == image["name"]:
                     container["image"] = f"{image['name']}:{image['newTag']}"
     for patch in kustomization.get("patches", []):
@@ -328,13 +341,31 @@ def test_the_rendered_overlay_is_the_example_hospital() -> None:
         overlay["namespace"]]
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
     (container,) = _pod_containers(deployment)
-    names = [e["name"] for e in container["env"]]
-    assert len(names) == len(set(names)), names  # merged by name, not appended
+    approve, agent = _pod_containers(deployment, init=True)
+    assert agent is container and approve["name"] == "approve-study"
+    hashes = set()
+    for each in (approve, agent):
+        names = [e["name"] for e in each["env"]]
+        assert len(names) == len(set(names)), names  # merged by name, not appended
+        env = {e["name"]: e["value"] for e in each["env"]}
+        assert env["MEDFED_SITE_SITE"] == "st-marys"
+        assert env["MEDFED_SITE_COORDINATOR"] == "fl.example.org:7443"
+        hashes.add(env["MEDFED_SITE_STUDY_SHA256"])
+        assert each["image"] == "medfed-site-agent:" + overlay["images"][0]["newTag"]
+    # The approval and the agent check one hash: the study the officer approved.
+    (approved,) = hashes
+    assert re.fullmatch(r"[0-9a-f]{64}", approved)
     env = {e["name"]: e["value"] for e in container["env"]}
-    assert env["MEDFED_SITE_SITE"] == "st-marys"
-    assert env["MEDFED_SITE_COORDINATOR"] == "fl.example.org:7443"
     assert "OMP_NUM_THREADS" in env  # the base's entries survive the patch
-    assert container["image"] == "medfed-site-agent:" + overlay["images"][0]["newTag"]
+    # The approval pins the study it was handed, into the agent's own state volume.
+    assert approve["command"] == ["medfed", "site", "approve", "/study/study.toml",
+                                  "--config", "/config/site.toml", "--yes"]
+    mounts = {m["mountPath"]: m["name"] for m in approve["volumeMounts"]}
+    agent_mounts = {m["mountPath"]: m["name"] for m in agent["volumeMounts"]}
+    assert mounts["/state"] == agent_mounts["/state"] and mounts["/config"] == (
+        agent_mounts["/config"])
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes[mounts["/study"]]["configMap"]["name"] == "medfed-site-study"
     (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
     cidrs = [peer["ipBlock"]["cidr"] for rule in policy["spec"]["egress"]
              for peer in rule["to"] if "ipBlock" in peer]

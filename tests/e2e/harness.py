@@ -22,7 +22,9 @@ from bench.instrumented import instrumented_argv
 from common import pki
 from common.processes import ManagedProcess, medfed_argv
 from common.status_cli import fetch_status
+from common.study import load_study
 from common.tls import MonitorTlsFiles
+from site_agent.approvals import Approvals
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -216,8 +218,17 @@ class StudyProcesses:
     def site_state(self, site: str) -> Path:
         return self.root / "sites" / site
 
-    def start_site(self, site: str, data: Path, *extra: str) -> ManagedProcess:
-        """`site run --once` on `data`; a site started again logs as SITE-2, SITE-3..."""
+    def approve(self, site: str, study: Path | None = None) -> None:
+        """The hospital's privacy officer approves `study` (default: the served one), as
+        `medfed site approve STUDY --state STATE --yes` pins it."""
+        Approvals(self.site_state(site)).approve_study(load_study(study or self.study))
+
+    def start_site(self, site: str, data: Path, *extra: str,
+                   approved: bool = True) -> ManagedProcess:
+        """`site run --once` on `data`, the served study approved first (`approved`); a
+        site started again logs as SITE-2, SITE-3..."""
+        if approved:
+            self.approve(site)
         self._starts[site] = self._starts.get(site, 0) + 1
         count = self._starts[site]
         proc = ManagedProcess(

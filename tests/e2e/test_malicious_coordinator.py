@@ -30,6 +30,7 @@ from common.study import GlobalStatistics, Study, study_sha256
 from coordinator.bundles import write_round_bundle
 from coordinator.study_run import StudyRun
 from demo.study import exact_statistics, synthetic_demo_study
+from site_agent.approvals import Approvals
 from site_agent.data import load_study_table
 from site_agent.synthetic import generate_cohort, write_site_csvs
 from tests.e2e.harness import REPO
@@ -120,9 +121,13 @@ def model(seed: int) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
 def start_site(world: World, tmp_path: Path) -> Iterator[Callable[..., ManagedProcess]]:
     started: list[ManagedProcess] = []
 
-    def start(site: str, address: str, *, policy: str = "") -> ManagedProcess:
+    def start(site: str, address: str, *, approved: Study | None,
+              policy: str = "") -> ManagedProcess:
         """`site run` with flags only (every setting at its default), and with a config
-        file holding `policy` ([policy] lines) when one is given."""
+        file holding `policy` ([policy] lines) when one is given; `approved`: the study
+        the hospital pinned first (`medfed site approve`), or none."""
+        if approved is not None:
+            Approvals(tmp_path / "state" / site).approve_study(approved)
         config: tuple[str, ...] = ()
         if policy:
             (tmp_path / f"{site}.toml").write_text(f"[policy]\n{policy}\n")
@@ -169,7 +174,7 @@ def test_abort_when_round_has_only_two_sites(
     with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
                               puppets=["evil"], study=world.study,
                               final_model=world.final_model) as double:
-        site = start_site("h1", double.address)
+        site = start_site("h1", double.address, approved=world.study)
         site.wait_log("round 1 aborted: round_too_small", timeout=180)
         assert site.wait_exit(60) == 0
     assert_nothing_after_announcement(double, "h1")
@@ -192,7 +197,7 @@ def test_abort_when_survivor_set_shrinks_below_floor_after_masked_input(
     with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
                               puppets=["evil", "h3", "h4"], withhold=["h4"],
                               study=study, final_model=final) as double:
-        site = start_site("h1", double.address, policy="min_round_sites = 4")
+        site = start_site("h1", double.address, approved=study, policy="min_round_sites = 4")
         site.wait_log("round 1 aborted: survivors_below_floor", timeout=300)
         assert site.wait_exit(60) == 0
     methods = double.record.methods_of("h1")
@@ -242,7 +247,8 @@ def test_divergent_announcements_abort(
     with MaliciousCoordinator(world.pki, stories=stories, server_story=story_a,
                               puppets=["evil"], study=world.study,
                               final_model=world.final_model) as double:
-        sites = {name: start_site(name, double.address) for name in stories}
+        sites = {name: start_site(name, double.address, approved=world.study)
+                 for name in stories}
         for proc in sites.values():
             proc.wait_log("round 1 aborted: bad_signature", timeout=300)
             assert proc.wait_exit(60) == 0
@@ -293,7 +299,8 @@ def test_attack_ca_holder_runs_sybil_round(
                        statistics=statistics)
     with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
                               puppets=list(sybils), study=study, final_model=final) as double:
-        site = start_site("h1", double.address)  # flags only: every setting's default
+        # Flags only (every setting's default), after approving the members' study.
+        site = start_site("h1", double.address, approved=study)
         site.wait_log("round 1 aborted: unknown_member", timeout=300)
         assert site.wait_exit(60) == 0
     methods = set(double.record.methods_of("h1"))
@@ -311,11 +318,12 @@ def test_attack_ca_holder_runs_sybil_round_against_a_site_with_default_settings(
     world: World, start_site: Callable[..., ManagedProcess], tmp_path: Path,
 ) -> None:
     """The CA-holding coordinator serves a study listing no members and runs the
-    floor-sized round {h1, minted1, minted2} with two certificates it minted. h1, started
-    with flags only (no configuration file: policy.allow_open_membership at its
-    default), refuses the study at enrolment, naming the study, the setting and the way
-    out, and stops with exit code 2: it never learns of the round, and the sybils' sum
-    never gets its masked input. A default that let it join would reach the round."""
+    floor-sized round {h1, minted1, minted2} with two certificates it minted. Even with
+    that study approved (its officer overlooked "members NONE LISTED"), h1, started with
+    flags only (no configuration file: policy.allow_open_membership at its default),
+    refuses the study at enrolment, naming the study, the setting and the way out, and
+    stops with exit code 2: it never learns of the round, and the sybils' sum never gets
+    its masked input. A default that let it join would reach the round."""
     sybils = ("minted1", "minted2")
     for sybil in sybils:
         pki.issue_site(world.pki, sybil)  # what a CA holder can always mint
@@ -327,7 +335,7 @@ def test_attack_ca_holder_runs_sybil_round_against_a_site_with_default_settings(
                        statistics=statistics)
     with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
                               puppets=list(sybils), study=STUDY, final_model=final) as double:
-        site = start_site("h1", double.address)
+        site = start_site("h1", double.address, approved=STUDY)
         assert site.wait_exit(300) == 2, site.tail(30)
     site.stop()  # joins its output readers: every line is in
     text = "\n".join(str(line.get("msg", line.get("text", ""))) for line in site.lines)

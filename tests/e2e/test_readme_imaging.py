@@ -22,8 +22,8 @@ from tests.e2e.harness import Readme, readme_blocks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-BLOCKS = ("imaging-model", "imaging-study", "imaging-coordinator", "imaging-site",
-          "imaging-predict")
+BLOCKS = ("imaging-model", "imaging-study", "imaging-coordinator", "imaging-approve",
+          "imaging-site", "imaging-predict")
 PATIENTS = 85
 """Per hospital. Each patient is held out with probability 0.2 (a keyed hash,
 `site_agent.unit_split`): fewer than the 50 patients DP-SGD needs are left to train with
@@ -69,6 +69,9 @@ def test_the_readme_imaging_study_runs_as_written(
     coordinator = readme.start("coordinator", readme.command("imaging-coordinator"))
     processes.append(coordinator)
     coordinator.wait_event("listening", timeout=120)
+    for site in SITES:
+        approved = json.loads(readme.run(readme.command("imaging-approve", site)).splitlines()[-1])
+        assert approved["approved"] == "study"
     sites = {site: readme.start(site, readme.command("imaging-site", site)) for site in SITES}
     processes.extend(sites.values())
     for site, proc in sites.items():

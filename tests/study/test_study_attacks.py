@@ -50,6 +50,7 @@ from common.study import (
     study_sha256,
 )
 from site_agent.agent import SiteAgent
+from site_agent.approvals import Approvals
 from site_agent.data import load_study_table
 from site_agent.metrics import SiteMetrics
 from tests.study.deviating_coordinator import DeviatingStudyCoordinator
@@ -151,7 +152,10 @@ def site(world: World, tmp_path: Path) -> Site:
 
 
 def make_site(world: World, state: Path, *, budget: float) -> Site:
+    """A site whose privacy officer approved the study the double serves (`medfed site
+    approve`): what each attack below deviates from is that study's run."""
     state.mkdir(parents=True, exist_ok=True)
+    Approvals(state).approve_study(world.study)
     ledger = PrivacyLedger(
         state / "privacy-ledger.db", site_id="alpha", budget_epsilon=budget, delta=1e-3,
         privacy_unit="patient", signer=LedgerSigner.from_files(*pki.site_paths(world.pki, "alpha")),

@@ -9,7 +9,6 @@ import pytest
 
 from common.config import CoordinatorSettings, SiteSettings, load_settings
 from common.errors import ConfigError
-from common.study import load_study
 from coordinator.study_run import StudyRun
 from site_agent.datacheck import site_policy
 from site_agent.site_training import DpTrainingHook
@@ -59,22 +58,12 @@ def test_a_different_study_on_the_same_state_is_refused(tmp_path: Path) -> None:
 
 def test_a_site_without_a_study_is_told_what_to_pass(tmp_path: Path) -> None:
     """A DP or non-private site whose coordinator serves no study is refused at enrolment,
-    naming the coordinator's --study; a site with its own study file joins only that."""
+    naming the coordinator's --study (which study it joins is the approval's:
+    tests/study/test_study_gate.py)."""
     settings = _site(tmp_path, path=tmp_path / "own.csv")
     for dp in (True, False):
         with pytest.raises(ConfigError, match=r"coordinator serve --study study\.toml"):
             DpTrainingHook(settings, dp=dp).join_study(None, site_policy(settings))
-    own = tmp_path / "own.toml"
-    own.write_text('[study]\nname = "own"\nrounds = 2\n[data]\nlabel_column = "y"\n'
-                   '[[features]]\nname = "x"\n[privacy]\nunit = "record"\n')
-    other = tmp_path / "other.toml"
-    other.write_text(own.read_text().replace('label_column = "y"', 'label_column = "x2"'))
-    pinned = load_settings(SiteSettings, overrides={
-        "site": "alpha", "coordinator": "127.0.0.1:9", "state": tmp_path, "pki": tmp_path,
-        "data": {"path": tmp_path / "own.csv"}, "study_file": own,
-    })
-    with pytest.raises(ConfigError, match="not this site's --study"):
-        DpTrainingHook(pinned, dp=True).join_study(load_study(other), site_policy(pinned))
 
 
 def test_a_coordinator_model_file_is_refused_naming_study_init(tmp_path: Path) -> None:
