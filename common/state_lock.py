@@ -20,7 +20,8 @@ import socket
 from pathlib import Path
 from types import TracebackType
 
-from common.errors import StateError
+from common.errors import StateError, ValidationError
+from common.parsing import parse_json
 
 LOCK_FILE = ".medfed.lock"
 
@@ -88,8 +89,8 @@ def _read_holder(descriptor: int) -> str:
     phrase when the holder has not written its record yet."""
     try:
         raw = os.pread(descriptor, 4096, 0)
-        record = json.loads(raw.decode("utf-8"))
+        record = parse_json(raw)
         return (f"{record['role']} (pid {int(record['pid'])} on {record['host']}, "
                 f"since {record['started']})")
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValidationError, KeyError, TypeError, ValueError):
         return "another medfed process"
