@@ -355,27 +355,31 @@ def _cmd_ledger_restore(args: argparse.Namespace) -> int:
         if receipt is None:
             raise ConfigError("receipt", f"no head receipt at {file}")
         found.append(receipt)
+    ledger = Path(args.ledger)
     result = restore_ledger(
         history,
-        Path(args.ledger),
+        ledger,
         anchor_path=args.anchor,
         min_seq=args.min_seq,
         ca_certificate=ca,
         site_id=args.site,
         receipts=found,
         accept_lower_bound=args.accept_lower_bound,
+        accept_unverified_head=args.accept_unverified_head,
     )
     for lowered in result.lowered:
         _supersede(Path(lowered.where))
     for note in result.notes:
         print(f"WARNING: {note}", file=sys.stderr)
+    anchor = anchor_path_for(ledger) if args.anchor is None else args.anchor
     proof = (
         f"; checked against the signed head receipt {result.best_receipt.where} "
         f"({result.best_receipt.receipt.entries} entries)"
         if result.best_receipt is not None and not result.lowered
         else "" if result.lowered else
-        "; NO signed head receipt was given (--receipts DIR), so nothing shows the export "
-        "is complete"
+        f"; checked against its anchor {anchor}" if result.anchored else
+        "; its completeness was NOT verified (no signed head receipt, no anchor; "
+        "accepted with --accept-unverified-head)"
     )
     print(
         f"restored {result.seq} signed entries of site {result.site_id} into {args.ledger} "
@@ -568,6 +572,12 @@ def register_ledger(subparsers: Any) -> None:
         "--accept-lower-bound", action="store_true",
         help="restore a history shorter than a signed head receipt anyway (when no "
         "complete copy exists); the ledger records the warning for good")
+    restore.add_argument(
+        "--accept-unverified-head", action="store_true",
+        help="restore a history with no signed head receipt and no anchor to check its "
+        "head against (refused otherwise: nothing shows no entries were dropped from its "
+        "end); only when no receipt exists anywhere. Logged, and the ledger records the "
+        "warning for good")
     restore.set_defaults(func=_cmd_ledger_restore)
 
     backup = commands.add_parser(
