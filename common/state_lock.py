@@ -34,9 +34,10 @@ class StateLock:
         self._descriptor: int | None = descriptor
 
     @classmethod
-    def acquire(cls, folder: Path, *, role: str) -> StateLock:
+    def acquire(cls, folder: Path, *, role: str,
+                advice: str = "stop that one, or give this one another --state") -> StateLock:
         """Hold `folder` for `role` ("coordinator", "site a"), or raise StateError naming
-        the folder and the process that holds it."""
+        the folder, the process that holds it and `advice` (what to do instead)."""
         path = folder / LOCK_FILE
         try:
             descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -52,7 +53,7 @@ class StateLock:
             os.close(descriptor)
             raise StateError(
                 f"state folder {folder} is in use by {holder}: one process per state "
-                "folder (stop that one, or give this one another --state)"
+                f"folder ({advice})"
             ) from None
         except OSError as exc:
             os.close(descriptor)

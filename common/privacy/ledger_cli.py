@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,26 @@ from common.privacy.mechanisms import (
 )
 from common.privacy.purpose import Purpose
 from common.privacy.signed import CHARGE_RECORD_LEVEL, CHARGE_UNIT, CHARGES
+from common.state_lock import StateLock
+
+
+@contextlib.contextmanager
+def site_stopped(ledger: Path, command: str) -> Iterator[None]:
+    """Hold the ledger's folder, the site's state folder, for `medfed ledger COMMAND` as
+    a running site agent holds it (`common.state_lock`): refused (StateError naming the
+    agent) while one runs there, and no agent starts there until the command is done.
+    An agent running beside a carry, migrate or restore would go on recording under the
+    ledger and terms it opened. A missing folder is left to the command to name."""
+    folder = ledger.parent
+    if not folder.is_dir():
+        yield
+        return
+    with StateLock.acquire(
+        folder, role=f"medfed ledger {command}",
+        advice=f"`medfed ledger {command}` needs the site agent stopped: stop it, run the "
+        "command again, then start the site",
+    ):
+        yield
 
 
 def print_json(value: Any) -> None:
@@ -189,19 +210,21 @@ def _print_hospital_figures(summary: dict[str, Any]) -> None:
               "updates at 2S, replace relation)")
 
 
-def _integrity(path: Path) -> VerifyReport:
+def _integrity(path: Path, *, check_budget: bool = True) -> VerifyReport:
     """What `show` checks before printing figures: `ledger verify --hashes-only` plus
     the anchor beside the ledger (header, hash chain, entry count and head, every
-    signature), so a deleted or edited entry never shows as a smaller spend. Linear
-    in the entries; recomposing every epsilon (quadratic) is left to `verify`."""
-    return verify_ledger(path, recompose=False, anchor_path=anchor_path_for(path))
+    signature, no spend above the budget), so a deleted or edited entry never shows as
+    a smaller spend. Linear in the entries; recomposing every epsilon (quadratic) is
+    left to `verify`."""
+    return verify_ledger(path, recompose=False, anchor_path=anchor_path_for(path),
+                         check_budget=check_budget)
 
 
 def _integrity_json(report: VerifyReport) -> dict[str, Any]:
     return {
         "ok": report.ok,
-        "checked": "header, hash chain, entry count and head, signatures, anchor "
-                   "(epsilons are recomposed by `medfed ledger verify`)",
+        "checked": "header, hash chain, entry count and head, signatures, spend within "
+                   "the budget, anchor (epsilons are recomposed by `medfed ledger verify`)",
         "problems": [str(p) for p in report.problems],
     }
 
@@ -356,19 +379,20 @@ def _cmd_ledger_restore(args: argparse.Namespace) -> int:
             raise ConfigError("receipt", f"no head receipt at {file}")
         found.append(receipt)
     ledger = Path(args.ledger)
-    result = restore_ledger(
-        history,
-        ledger,
-        anchor_path=args.anchor,
-        min_seq=args.min_seq,
-        ca_certificate=ca,
-        site_id=args.site,
-        receipts=found,
-        accept_lower_bound=args.accept_lower_bound,
-        accept_unverified_head=args.accept_unverified_head,
-    )
-    for lowered in result.lowered:
-        _supersede(Path(lowered.where))
+    with site_stopped(ledger, "restore"):
+        result = restore_ledger(
+            history,
+            ledger,
+            anchor_path=args.anchor,
+            min_seq=args.min_seq,
+            ca_certificate=ca,
+            site_id=args.site,
+            receipts=found,
+            accept_lower_bound=args.accept_lower_bound,
+            accept_unverified_head=args.accept_unverified_head,
+        )
+        for lowered in result.lowered:
+            _supersede(Path(lowered.where))
     for note in result.notes:
         print(f"WARNING: {note}", file=sys.stderr)
     anchor = anchor_path_for(ledger) if args.anchor is None else args.anchor
@@ -418,7 +442,8 @@ def _cmd_ledger_backup(args: argparse.Namespace) -> int:
     from common.privacy.receipts import sign_receipt
 
     path = Path(args.ledger)
-    report = _integrity(path)
+    # A spend above the budget does not stop a backup: the backup is the evidence.
+    report = _integrity(path, check_budget=False)
     report.raise_if_broken()
     signer = LedgerSigner.from_files(args.cert, args.key)
     history = export_ledger(path)
@@ -434,7 +459,14 @@ def _cmd_ledger_backup(args: argparse.Namespace) -> int:
 
 
 def _cmd_ledger_carry(args: argparse.Namespace) -> int:
-    """New terms for a site's ledger, its spend carried (`common.privacy.carry`)."""
+    """New terms for a site's ledger, its spend carried (`common.privacy.carry`), with
+    the site stopped."""
+    ledger = Path(args.ledger)
+    with site_stopped(ledger, "carry"):
+        return _carry(args, ledger)
+
+
+def _carry(args: argparse.Namespace, ledger: Path) -> int:
     import datetime as dt
     import sqlite3
 
@@ -442,7 +474,6 @@ def _cmd_ledger_carry(args: argparse.Namespace) -> int:
     from common.privacy.receipts import check_against, read_receipts, sign_receipt, write_receipt
     from common.privacy.signed import LedgerTerms
 
-    ledger = Path(args.ledger)
     header, entries = read_ledger(ledger)
     old_terms = LedgerTerms(header.site_id, header.budget_epsilon, header.delta,
                             header.accountant, header.privacy_unit, header.charge)
@@ -499,7 +530,8 @@ def _cmd_ledger_migrate(args: argparse.Namespace) -> int:
     from common.privacy.migrate import migrate_ledger
 
     signer = LedgerSigner.from_files(args.cert, args.key)
-    done = migrate_ledger(Path(args.ledger), signer, anchor_path=args.anchor)
+    with site_stopped(Path(args.ledger), "migrate"):
+        done = migrate_ledger(Path(args.ledger), signer, anchor_path=args.anchor)
     if done is None:
         print(f"ledger {args.ledger}: already format 2 (signed); nothing to migrate")
         return 0

@@ -201,12 +201,15 @@ def verify_ledger(
     recompose: bool = True,
     ca_certificate: x509.Certificate | None = None,
     anchor_path: str | Path | None = None,
+    check_budget: bool = True,
 ) -> VerifyReport:
     """Re-walk a ledger (read-only): header, hash chain, every signature with the
     certificate it names (issued by `ca_certificate` if given) and, when the rest is
     intact and `recompose` is set, every `epsilon_after`. With `anchor_path` (format 2),
     also the anchor file there, if any: it catches what the file alone cannot, a last
     entry deleted together with a header made to match (as the site does on open).
+    With `check_budget`, an entry whose spend is above the ledger's budget is a
+    problem too (`budget_problems`).
 
     LedgerUnavailable if the file is missing, is not a ledger or is a format-1 one (the
     message names `medfed ledger migrate`)."""
@@ -215,10 +218,29 @@ def verify_ledger(
         _check_format(conn, ledger_path)
         report = _check_v2(conn, path=ledger_path, recompose=recompose,
                            ca_certificate=ca_certificate)
-        if anchor_path is None:
-            return report
-        found = _anchor_problems(conn, ledger_path, Path(anchor_path))
+        found: list[LedgerProblem] = []
+        if check_budget and report.ok:
+            found.extend(budget_problems(_terms(_read_header(conn)), _read_entries(conn)))
+        if anchor_path is not None:
+            found.extend(_anchor_problems(conn, ledger_path, Path(anchor_path)))
     return dataclasses.replace(report, problems=report.problems + tuple(found))
+
+
+def budget_problems(terms: LedgerTerms, entries: Sequence[SignedEntry]) -> list[LedgerProblem]:
+    """The first entry whose composed spend is above the ledger's budget. `reserve`
+    refuses such an entry in the transaction that would write it, so one on file was
+    written under other terms (a site agent that went on running beside `medfed ledger
+    carry` with its old budget) or by someone holding the site's key: either way the
+    budget did not hold."""
+    for entry in entries:
+        if entry.epsilon_after > terms.budget_epsilon:
+            return [LedgerProblem(
+                entry.seq,
+                f"the spend after it, epsilon {entry.epsilon_after:.4f}, is above the "
+                f"ledger's budget {terms.budget_epsilon:g}: a release the budget did not "
+                "allow (recorded by a process under other terms, e.g. a site agent that "
+                "kept running beside `medfed ledger carry`)")]
+    return []
 
 
 def _anchor_problems(
