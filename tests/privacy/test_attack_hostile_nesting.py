@@ -1,6 +1,6 @@
 """Files nested 100,000 levels deep where a site reads JSON from disk: a ledger export
 or backup handed over for `medfed ledger restore`, a head receipt, the ledger's anchor,
-a query approval pin. Each is refused with one clear error
+a query approval pin, a query's release count. Each is refused with one clear error
 naming the file (before, `ledger restore` ended in a RecursionError traceback). Real
 files, the real CLI in a subprocess."""
 
@@ -18,6 +18,7 @@ from common.parsing import MAX_DEPTH
 from common.privacy.accountant import Segment
 from common.privacy.ledger import PrivacyLedger, anchor_path_for, export_ledger
 from site_agent.approvals import Approvals
+from site_agent.query_releases import QueryReleases
 from tests.privacy.conftest import Pki
 
 DEEP = 100_000
@@ -66,7 +67,7 @@ def test_attack_deeply_nested_export(tmp_path: Path, pki_material: Pki) -> None:
     assert "nested deeper" in line and not ledger.exists()
 
 
-def test_a_deeply_nested_anchor_or_pin_is_a_clear_error(
+def test_a_deeply_nested_anchor_pin_or_count_is_a_clear_error(
     tmp_path: Path, pki_material: Pki
 ) -> None:
     ledger = PrivacyLedger(tmp_path / "privacy-ledger.db", site_id="hospital-a",
@@ -85,3 +86,9 @@ def test_a_deeply_nested_anchor_or_pin_is_a_clear_error(
     pin.write_bytes(NESTED)
     with pytest.raises(StateError, match="is not JSON"):
         approvals.query(sha256)
+
+    counts = QueryReleases.beside(approvals)
+    counts.folder.mkdir(parents=True)
+    counts.path(sha256).write_bytes(NESTED)
+    with pytest.raises(StateError, match="nested deeper"):
+        counts.count(sha256)
