@@ -21,6 +21,8 @@ unsound.
 
 The privacy unit cannot change: a record-level history says nothing sound about a
 patient (group privacy over an unknown number of records), so that carry is refused.
+Nor can the new budget be below the spend carried into it: the new ledger would record
+more than its budget allows (`ledger verify` fails such a ledger).
 
 The old ledger is kept (the operator moves it aside; `medfed ledger carry` does, in
 place); the new ledger records the old head hash, entry count and spend in its notes,

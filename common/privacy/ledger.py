@@ -194,6 +194,8 @@ class PrivacyLedger:
     The chain and every signature are checked on open (LedgerIntegrityError), and the
     file is compared with its anchor (LedgerForkError if older, shorter or rewritten). A
     missing ledger whose anchor shows history is NOT recreated (LedgerUnavailable).
+    Every `reserve` reads the terms again in its own transaction: a ledger carried or
+    replaced under this process since it opened is refused there (LedgerUnavailable).
 
     `signer` (the site's certificate key + certificate) is needed to record anything;
     without it the ledger can only be read.

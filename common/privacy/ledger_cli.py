@@ -3,9 +3,11 @@
 ``medfed ledger show|verify`` read a site's ledger without changing it (a read-only copy
 reads too), ``medfed ledger export`` (coordinator) writes a site's replicated signed
 history, ``medfed ledger backup`` (site) its own history with a signed head receipt,
-``medfed ledger restore`` (site) rebuilds a lost ledger from either, ``medfed ledger
+``medfed ledger restore`` (site) rebuilds a lost ledger from either (refused, unless
+told to accept it, when no receipt or anchor can check its head), ``medfed ledger
 carry`` moves a ledger's spend under new terms and ``medfed ledger migrate`` turns a
-format-1 ledger into a signed one.
+format-1 ledger into a signed one. The last three hold the site's state folder
+(`site_stopped`): refused while its site agent runs.
 """
 
 from __future__ import annotations
@@ -557,7 +559,8 @@ def register_ledger(subparsers: Any) -> None:
     show.set_defaults(func=_cmd_ledger_show)
 
     verify = commands.add_parser(
-        "verify", help="check the hash chain and recompose every epsilon (exit 1 if broken)"
+        "verify", help="check the hash chain, recompose every epsilon and check that no "
+        "entry's spend is above the budget (exit 1 if broken)"
     )
     verify.add_argument("--ledger", required=True, help="path of the site's ledger file")
     verify.add_argument(
