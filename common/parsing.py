@@ -44,7 +44,8 @@ def parse_json(data: bytes | bytearray | memoryview | str, *, max_depth: int = M
 
 def parse_toml(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
     """The table of the TOML document `data`; ValidationError when it is not UTF-8
-    TOML or nests deeper than `max_depth` (dotted keys nest too)."""
+    TOML or nests deeper than `max_depth` (dotted keys nest too). Its message is the
+    reason alone: callers say "FILE is not valid TOML: REASON"."""
     try:
         text = data if isinstance(data, str) else data.decode("utf-8")
     except UnicodeDecodeError:
@@ -53,10 +54,8 @@ def parse_toml(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> dict[str, An
         value = tomllib.loads(text)
     except RecursionError:
         raise _too_deep(max_depth) from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValidationError(f"not valid TOML: {exc}") from None
-    except ValueError as exc:  # an integer of too many digits
-        raise ValidationError(f"not valid TOML ({exc})") from None
+    except ValueError as exc:  # tomllib.TOMLDecodeError, or an integer of too many digits
+        raise ValidationError(str(exc)) from None
     _check_depth(value, max_depth)
     return value
 

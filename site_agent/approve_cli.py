@@ -51,7 +51,7 @@ def file_kind(path: Path) -> str:
     except OSError as exc:
         raise ConfigError(str(path), f"cannot read: {exc.strerror}") from None
     except ValidationError as exc:
-        raise ConfigError(str(path), str(exc)) from None
+        raise ConfigError(str(path), f"not valid TOML: {exc}") from None
     if isinstance(raw.get("study"), dict):
         return "study"
     if "study_sha256" in raw and "statistics" in raw:

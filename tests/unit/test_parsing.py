@@ -100,7 +100,7 @@ def test_hostile_toml_nesting_is_a_validation_error(document: str) -> None:
 
 
 def test_malformed_toml_is_a_validation_error() -> None:
-    with pytest.raises(ValidationError, match="not valid TOML"):
+    with pytest.raises(ValidationError, match="Invalid value"):
         parse_toml("a = ")
     with pytest.raises(ValidationError, match="not UTF-8"):
         parse_toml(b"\xff")
@@ -112,3 +112,15 @@ def test_pydantic_json_parsing_refuses_hostile_nesting_too() -> None:
     (`model_validate_json`, the global statistics), which has its own recursion limit."""
     with pytest.raises(ValidationError, match="statistics"):
         statistics_from_bytes(b'{"a":' + b"[" * DEEP + b"]" * DEEP + b"}")
+
+
+def test_a_config_file_nested_too_deep_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    """The service's own TOML is read by pydantic-settings (tomllib inside): it is
+    parsed by the helper first, so nesting ends in one error naming the file."""
+    from common.config import SiteSettings, load_settings
+    from common.errors import ConfigError
+
+    config = tmp_path / "site.toml"
+    config.write_text("site = " + "[" * DEEP + "]" * DEEP + "\n")
+    with pytest.raises(ConfigError, match=f"{config} is not valid TOML: nested deeper"):
+        load_settings(SiteSettings, config_file=config, overrides={})
