@@ -30,6 +30,7 @@ from common import pki
 from common.analytics.query import load_query, query_bytes, query_sha256
 from common.analytics.vector import query_length
 from common.errors import ConfigError
+from common.parsing import parse_json
 from common.processes import ManagedProcess, medfed_argv
 from common.study import load_study, study_sha256
 from coordinator import queries
@@ -139,7 +140,7 @@ def run(*, cells: int, patients: int, root: Path, timeout: float) -> dict[str, A
             rounds[kind] = {"round_seconds": event["round_seconds"],
                             "cpu_seconds": event["cpu_seconds"],
                             "survivors": event["survivors"]}
-        answer = json.loads(queries.answer_path(state, sha256).read_text())
+        answer = parse_json(queries.answer_path(state, sha256).read_bytes())
     finally:
         for proc in started:
             proc.stop()

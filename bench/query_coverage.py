@@ -21,7 +21,6 @@ import json
 import statistics
 import sys
 import tempfile
-import tomllib
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from common.analytics.query import Query, check_query_against_study, query_from_
 from common.analytics.vector import noise_sigmas, query_blocks, query_length, site_vector
 from common.crypto.random import system_random
 from common.errors import ConfigError
+from common.parsing import parse_toml
 
 SITES = ("north", "south", "east")
 
@@ -43,7 +43,7 @@ def run(*, draws: int, patients: int, epsilon: float, seed: int, root: Path) -> 
 
     study = followup_study("coverage")
     query: Query = query_from_mapping(
-        tomllib.loads(every_kind_query_toml(study, epsilon=epsilon, name="coverage",
+        parse_toml(every_kind_query_toml(study, epsilon=epsilon, name="coverage",
                                             grid=(0, 30, 60, 90, 180))),
         source="bench")
     check_query_against_study(query, study, source="bench")

@@ -59,7 +59,8 @@ import numpy as np
 
 from bench.instrumented import instrumented_argv
 from common import pki
-from common.errors import ConfigError
+from common.errors import ConfigError, ValidationError
+from common.parsing import parse_json
 from common.secagg.params import ThreatModel, choose_parameters
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,8 +97,8 @@ class _Child:
             with lock:
                 log_file.write(raw)
             try:
-                item = json.loads(raw)
-            except ValueError:
+                item = parse_json(raw)
+            except ValidationError:
                 continue
             if isinstance(item, dict):
                 self.lines.put(item)

@@ -41,6 +41,7 @@ from typing import Any
 
 from common import pki
 from common.errors import ConfigError
+from common.parsing import parse_json
 from common.processes import Line, ManagedProcess, medfed_argv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,7 +196,7 @@ class Soak:
         with self.record.lock:
             rounds = dict(self.record.probe_rounds)
         for raw in self.probe_file.read_text().splitlines():
-            sample = json.loads(raw)
+            sample = parse_json(raw)
             completed, last = rounds.get(int(sample["seq"]), (None, None))
             samples.append({"rounds_completed": completed, "round_number": last, **sample})
         return samples

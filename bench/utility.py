@@ -45,8 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import ConfigError
+from common.errors import ConfigError, ValidationError
 from common.logistic import fit_logistic
+from common.parsing import parse_json
 
 # ----------------------------------------------------------------------------- tables
 
@@ -245,7 +246,7 @@ def run_demo(written: Any, out: Path, *, rounds: int | None, timeout: float) -> 
         tail = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:]
         raise RuntimeError(f"medfed demo exited {completed.returncode}: "
                            f"{' | '.join(tail)} (log: {log})")
-    result: dict[str, Any] = json.loads(report.read_text(encoding="utf-8"))
+    result: dict[str, Any] = parse_json(report.read_bytes())
     return result
 
 
@@ -291,8 +292,8 @@ def local_losses(demo: Path, sites: list[str]) -> dict[str, list[float]]:
         if log.is_file():
             for text in log.read_text(encoding="utf-8", errors="replace").splitlines():
                 try:
-                    line = json.loads(text)
-                except ValueError:
+                    line = parse_json(text)
+                except ValidationError:
                     continue
                 if (isinstance(line, dict) and line.get("event") == "site_round_done"
                         and not line.get("evaluation_only")

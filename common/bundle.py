@@ -43,6 +43,7 @@ from common.evaluation_interval import interval_text
 from common.evaluation_threshold import youden_threshold
 from common.fileio import atomic_write, read_parsed
 from common.noisy_counts import NOISE_DOMINATED
+from common.parsing import parse_json
 from common.study import (
     FACTORY_PATTERN,
     GlobalStatistics,
@@ -413,9 +414,8 @@ def header_metadata(data: bytes) -> dict[str, str]:
     if length > MAX_HEADER_BYTES or 8 + length > len(data):
         raise ValidationError("not a safetensors file (header length out of range)")
     try:
-        header = json.loads(data[8 : 8 + length].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        # RecursionError: nested deeper than the interpreter's stack (a crafted header).
+        header = parse_json(data[8 : 8 + length])
+    except ValidationError:
         raise ValidationError("not a safetensors file (header is not JSON)") from None
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(metadata, dict) or not all(
@@ -439,8 +439,8 @@ def parameters_layout(text: str) -> list[tuple[str, tuple[int, ...]]]:
     JSON integer in 0..MAX_DIMENSION (no strings, floats or 5,000-digit numbers)."""
     expected = "medfed.parameters: expected [{name, shape}, ...]"
     try:
-        items = json.loads(text)
-    except (ValueError, RecursionError):
+        items = parse_json(text)
+    except ValidationError:
         raise ValidationError(f"{expected} (not JSON)") from None
     if not isinstance(items, list) or len(items) > MAX_TENSORS:
         raise ValidationError(f"{expected} (a list of at most {MAX_TENSORS} entries)")

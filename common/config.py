@@ -24,7 +24,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from common.errors import ConfigError
+from common.errors import ConfigError, ValidationError
+from common.parsing import parse_toml
 from common.sqldb import parse_database_url
 
 DEFAULT_COUNT_EPSILON: Final = 0.5
@@ -681,6 +682,15 @@ def load_settings(
     """Build settings from defaults, TOML, environment and flags; errors name the field."""
     if config_file is not None and not config_file.is_file():
         raise ConfigError("config", f"config file {config_file} does not exist")
+    if config_file is not None:
+        # Parsed here first, by the one parser that answers hostile nesting with an
+        # error (common.parsing), before pydantic-settings reads it with tomllib.
+        try:
+            parse_toml(config_file.read_bytes())
+        except ValidationError as exc:
+            raise ConfigError("config", f"{config_file} is not valid TOML: {exc}") from None
+        except OSError as exc:
+            raise ConfigError("config", f"cannot read {config_file}: {exc.strerror}") from None
     token = _TOML_FILE.set(config_file)
     try:
         return cls(**_drop_none(overrides))

@@ -20,6 +20,9 @@ import sys
 import threading
 from typing import IO, Any
 
+from common.errors import ValidationError
+from common.parsing import parse_json
+
 _STANDARD = set(vars(logging.makeLogRecord({})))
 LOG_FORMATS = ("json", "text")
 
@@ -104,9 +107,9 @@ class _JsonStderr:
         """`text` unchanged if it is a JSON object, else a JSON record holding it."""
         if text.startswith("{"):
             try:
-                if isinstance(json.loads(text), dict):
+                if isinstance(parse_json(text), dict):
                     return text
-            except ValueError:
+            except ValidationError:
                 pass
         core = _CORE_LINE.match(text)
         entry = {

@@ -20,6 +20,7 @@ import numpy as np
 from common.codec import TensorSpec, bytes_to_flat, digest, layout_bytes
 from common.errors import StateError, ValidationError
 from common.fileio import atomic_open
+from common.parsing import parse_json
 
 MAGIC = b"MEDFEDM1"
 MAX_HEADER_BYTES = 1 << 20
@@ -135,11 +136,9 @@ def _parse(data: bytes) -> ModelFile:
     if header_len > MAX_HEADER_BYTES or 12 + header_len > len(data):
         raise ValidationError("header length out of range")
     try:
-        header = json.loads(data[12 : 12 + header_len])
-    except (ValueError, RecursionError):
-        # RecursionError: nested deeper than the interpreter's stack (a crafted header);
-        # ValueError also covers a number beyond int()'s 4,300-digit limit.
-        raise ValidationError("header is not JSON within limits") from None
+        header = parse_json(data[12 : 12 + header_len])
+    except ValidationError as exc:
+        raise ValidationError(f"header is not JSON within limits ({exc})") from None
     if not isinstance(header, dict) or header.get("format") != 1:
         raise ValidationError("unsupported model file format")
     layout = _layout_from_json(header.get("layout"))

@@ -25,6 +25,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from common.errors import ValidationError
+from common.parsing import parse_json
+
 Line = dict[str, Any]
 
 
@@ -107,8 +110,8 @@ class ManagedProcess:
                 self._log.write(raw)
                 self._log.flush()
             try:
-                item = json.loads(raw)
-            except ValueError:
+                item = parse_json(raw)
+            except ValidationError:
                 item = None
             line: Line = item if isinstance(item, dict) else {"text": raw.rstrip()}
             with self._cond:

@@ -20,7 +20,8 @@ import socket
 from pathlib import Path
 from types import TracebackType
 
-from common.errors import StateError
+from common.errors import StateError, ValidationError
+from common.parsing import parse_json
 
 LOCK_FILE = ".medfed.lock"
 
@@ -33,9 +34,10 @@ class StateLock:
         self._descriptor: int | None = descriptor
 
     @classmethod
-    def acquire(cls, folder: Path, *, role: str) -> StateLock:
+    def acquire(cls, folder: Path, *, role: str,
+                advice: str = "stop that one, or give this one another --state") -> StateLock:
         """Hold `folder` for `role` ("coordinator", "site a"), or raise StateError naming
-        the folder and the process that holds it."""
+        the folder, the process that holds it and `advice` (what to do instead)."""
         path = folder / LOCK_FILE
         try:
             descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -51,7 +53,7 @@ class StateLock:
             os.close(descriptor)
             raise StateError(
                 f"state folder {folder} is in use by {holder}: one process per state "
-                "folder (stop that one, or give this one another --state)"
+                f"folder ({advice})"
             ) from None
         except OSError as exc:
             os.close(descriptor)
@@ -88,8 +90,8 @@ def _read_holder(descriptor: int) -> str:
     phrase when the holder has not written its record yet."""
     try:
         raw = os.pread(descriptor, 4096, 0)
-        record = json.loads(raw.decode("utf-8"))
+        record = parse_json(raw)
         return (f"{record['role']} (pid {int(record['pid'])} on {record['host']}, "
                 f"since {record['started']})")
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValidationError, KeyError, TypeError, ValueError):
         return "another medfed process"

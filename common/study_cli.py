@@ -362,9 +362,9 @@ def render_study_toml(study: Study) -> str:
 
 
 def _loads(text: str) -> dict[str, Any]:
-    import tomllib
+    from common.parsing import parse_toml
 
-    return tomllib.loads(text)
+    return parse_toml(text)
 
 
 # --------------------------------------------------------------------------- commands

@@ -30,6 +30,7 @@ import numpy as np
 
 from common.errors import ConfigError, StateError, ValidationError
 from common.fileio import atomic_write
+from common.parsing import parse_json
 from common.release import DpRelease, check_plans
 
 log = logging.getLogger("medfed.coordinator")
@@ -198,8 +199,8 @@ def read_answer(path: Path, *, release: DpRelease) -> dict[str, Any]:
     """An answer file, validated against the query it answers (its vector length and
     noise blocks); ValidationError names the file and field."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raw = parse_json(path.read_bytes())
+    except (OSError, ValidationError) as exc:
         raise ValidationError(f"{path}: not a readable answer ({exc})") from None
     fields = {"format", "query_sha256", "query", "round", "contributors", "epsilon",
               "noise_sigmas", "total", "answer"}
@@ -229,11 +230,11 @@ def answered_before(state: Path, round_number: int) -> list[dict[str, Any]]:
         return runs
     for path in sorted(directory.glob("*-round-*.json")):
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
+            raw = parse_json(path.read_bytes())
             run = {"name": raw["query"], "sha256": raw["query_sha256"],
                    "round": raw["round"], "epsilon": raw["epsilon"],
                    "contributors": raw["contributors"]}
-        except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        except (OSError, ValidationError, KeyError, TypeError) as exc:
             log.warning("query answer %s not named on the privacy card: %s", path, exc)
             continue
         if isinstance(run["round"], int) and run["round"] < round_number:

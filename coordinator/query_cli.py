@@ -24,6 +24,7 @@ from typing import Any
 
 from common.errors import ConfigError, MedfedError, StateError, ValidationError
 from common.fileio import atomic_write
+from common.parsing import parse_json
 from coordinator import queries
 
 POLL_SECONDS = 0.2
@@ -82,8 +83,8 @@ def wait_for(state: Path, sha256: str, *, timeout: float) -> Path:
             queries.fail(state, sha256, closed)
         if failed.exists():
             try:
-                reason = json.loads(failed.read_text(encoding="utf-8")).get("error", "")
-            except (OSError, ValueError, AttributeError):
+                reason = parse_json(failed.read_bytes()).get("error", "")
+            except (OSError, ValidationError, AttributeError):
                 reason = f"see {failed}"
             raise QueryFailed(f"the coordinator did not run the query: {reason}")
         if time.monotonic() >= deadline:

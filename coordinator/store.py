@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.errors import ValidationError
+from common.parsing import parse_json
 from common.sqldb import Database
 
 SCHEMA = (
@@ -265,9 +267,9 @@ class CoordinatorStore:
         if raw is None:
             return ()
         try:
-            values = json.loads(raw)
+            values = parse_json(raw)
             return tuple(float(v) for v in values)
-        except (ValueError, TypeError):
+        except (ValidationError, ValueError, TypeError):
             return ()
 
     def rounds(self) -> list[RoundRecord]:
@@ -282,11 +284,11 @@ class CoordinatorStore:
                 status=str(r[1]),
                 started_at=float(r[2]),
                 finished_at=None if r[3] is None else float(r[3]),
-                participants=tuple(json.loads(r[4])),
-                survivors=tuple(json.loads(r[5] or "[]")),
-                dropped=tuple(json.loads(r[6] or "[]")),
+                participants=tuple(parse_json(r[4])),
+                survivors=tuple(parse_json(r[5] or "[]")),
+                dropped=tuple(parse_json(r[6] or "[]")),
                 detail=str(r[7] or ""),
-                metrics=json.loads(r[8] or "{}"),
+                metrics=parse_json(r[8] or "{}"),
             )
             for r in rows
         ]

@@ -22,9 +22,10 @@ import numpy as np
 
 from common.codec import TensorSpec
 from common.config import CoordinatorSettings, TrainingPlanSection
-from common.errors import ConfigError, StateError
+from common.errors import ConfigError, StateError, ValidationError
 from common.fileio import atomic_write
 from common.models import network_code_installed
+from common.parsing import parse_json
 from common.study import (
     GlobalStatistics,
     Study,
@@ -114,11 +115,18 @@ class StudyRun:
             _atomic_write(pinned, run.canonical)
         saved = state / "statistics.json"
         if saved.exists():
-            record = json.loads(saved.read_text())
-            statistics = statistics_from_bytes(record["statistics"].encode())
+            try:
+                record = parse_json(saved.read_bytes())
+                statistics = statistics_from_bytes(str(record["statistics"]).encode())
+                statistics_round = int(record["round"])
+            except (OSError, ValidationError, KeyError, TypeError, ValueError) as exc:
+                raise StateError(
+                    f"{saved} is unreadable ({exc}): it holds the study's released global "
+                    "statistics (the sites release them once per study); restore it from a "
+                    "backup of this state folder") from None
             check_statistics(study, statistics)
             run.statistics = statistics
-            run.statistics_round = int(record["round"])
+            run.statistics_round = statistics_round
         return run
 
     def settings(self, settings: CoordinatorSettings) -> CoordinatorSettings:

@@ -25,6 +25,7 @@ from typing import Any, Final
 
 from common.errors import StateError, ValidationError
 from common.fileio import atomic_write
+from common.parsing import parse_json
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.purpose import Purpose
 from common.study import Study, study_bytes, study_from_bytes, study_sha256
@@ -117,8 +118,8 @@ class Approvals:
         if data is None:
             return None
         try:
-            raw: Any = json.loads(data)
-        except ValueError:
+            raw: Any = parse_json(data)
+        except ValidationError:
             raise StateError(f"{path} is not JSON: approve the query again") from None
         fields = {"format", "name", "sha256", "study_sha256", "times", "approved_at"}
         if not isinstance(raw, dict) or set(raw) != fields or raw["format"] != APPROVAL_FORMAT:

@@ -13,12 +13,12 @@ import datetime as dt
 import json
 import re
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any, TextIO
 
 from common.config import SiteSettings, load_settings
 from common.errors import ConfigError, ValidationError
+from common.parsing import parse_toml
 from common.study import Study, load_study, study_sha256
 from site_agent.approvals import Approvals
 
@@ -54,10 +54,10 @@ def register(sub: Any) -> None:
 def file_kind(path: Path) -> str:
     """"study" or "query", by the TOML's top-level keys."""
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        raw = parse_toml(path.read_bytes())
     except OSError as exc:
         raise ConfigError(str(path), f"cannot read: {exc.strerror}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+    except ValidationError as exc:
         raise ConfigError(str(path), f"not valid TOML: {exc}") from None
     if isinstance(raw.get("study"), dict):
         return "study"

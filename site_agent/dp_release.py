@@ -23,10 +23,11 @@ import numpy as np
 
 from common.config import SitePolicySection
 from common.crypto.random import RandomSource, numpy_generator, system_random
-from common.errors import ConfigError, EvaluationsUsed, StateError
+from common.errors import ConfigError, EvaluationsUsed, StateError, ValidationError
 from common.evaluation_release import EvaluationHistogram
 from common.evaluation_release import evaluation_noise_sites as evaluation_noise_sites
 from common.fileio import atomic_write
+from common.parsing import parse_json
 from common.privacy.accountant import RoundNoisePlan, compose_epsilon, plan_round_noise
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian, Mechanism
@@ -94,10 +95,10 @@ def release_cohort_count(
     path = state / COUNT_STATE_FILE
     if path.exists():
         try:
-            raw = json.loads(path.read_text())
+            raw = parse_json(path.read_bytes())
             return CohortCount(int(raw["noisy_count"]), float(raw["noise_std"]),
                                int(raw["ledger_round"]))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValidationError, ValueError, KeyError, TypeError) as exc:
             raise StateError(
                 f"{path} is unreadable ({exc}): it holds this site's released cohort count; "
                 "restore it from a backup (deleting it would release, and pay for, a new one)"

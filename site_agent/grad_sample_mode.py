@@ -34,8 +34,9 @@ from opacus.optimizers import (
 )
 from torch import nn
 
-from common.errors import ConfigError, StateError
+from common.errors import ConfigError, StateError, ValidationError
 from common.fileio import atomic_write
+from common.parsing import parse_json
 from site_agent.ghost_clipping import (
     GhostLoss,
     GhostModule,
@@ -278,12 +279,12 @@ def _saved_choice(path: Path, key: str) -> tuple[GradSampleMode, dict[str, float
     if not path.exists():
         return None
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = parse_json(path.read_bytes())
         if raw["key"] != key:
             return None
         mode = raw["mode"]
         seconds = {str(m): float(v) for m, v in raw["seconds_per_step"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValidationError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise StateError(
             f"{path} is unreadable ({exc}): it holds this site's measured grad_sample_mode; "
             "delete it to measure again"

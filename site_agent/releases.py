@@ -42,6 +42,7 @@ from site_agent.connection import Heartbeats
 from site_agent.membership import Membership, utcnow
 from site_agent.metrics import SiteMetrics
 from site_agent.phases import SecAggPhases
+from site_agent.query_releases import QueryReleases
 from site_agent.round_timeline import RoundTimeline
 from site_agent.site_training import LocalUpdate, TrainingHook
 from site_agent.statistics_pin import RELEASED_WAY_OUT, StatisticsPin
@@ -131,13 +132,15 @@ class EvaluationRelease:
 def release_vector(
     release: DpRelease, exact: np.ndarray, plan: NoisePlan | Sequence[NoisePlan], *,
     ledger: PrivacyLedger | None, round_number: int, n_sites: int, now: datetime,
-    rng: RandomSource = system_random,
+    rng: RandomSource = system_random, query_releases: QueryReleases | None = None,
 ) -> np.ndarray:
     """The masked-vector plaintext of `release` in round `round_number` of `n_sites`:
     its ledger entry first (write-ahead: each block's `plan.mechanism()` under
     `release.purpose`, naming its query where it answers one), then this site's share
     of each block's noise added to `exact`, then its egress encoding (signed integers
-    in the ring, refused where a sum of `n_sites` could wrap)."""
+    in the ring, refused where a sum of `n_sites` could wrap). A site without a ledger
+    records an approved query's run in `query_releases` first instead (required then:
+    its approval's `times` is counted there)."""
     plans = check_plans(release, [plan] if isinstance(plan, NoisePlan) else plan)
     exact = np.asarray(exact, dtype=np.int64)
     if exact.shape != (release.length,):
@@ -146,11 +149,26 @@ def release_vector(
     if ledger is not None:
         ledger.reserve(round_number, [p.mechanism() for p in plans], now=now,
                        purpose=release.purpose, query=release.ledger_query())
+    else:
+        record_query_release(release, query_releases, round_number=round_number)
     noisy = exact + np.concatenate([p.noise(rng) for p in plans])
     # A release's segment is integers: the quantizer's clip and bits go unused.
     return release.manifest().encode(
         release.encode(noisy), clip=1.0, bits=1, n_sites=n_sites, rng=numpy_generator(rng),
     )
+
+
+def record_query_release(release: DpRelease, query_releases: QueryReleases | None, *,
+                         round_number: int) -> None:
+    """A site without a ledger: an approved query's run counted, durably, before its
+    answer leaves (`site_agent.query_releases`); other releases count nothing here."""
+    query = release.ledger_query()
+    if query is None:
+        return
+    if query_releases is None:
+        raise RoundFailed(f"query {query.name!r}: a site without a privacy ledger counts "
+                          "its query runs in its state folder, and none was given")
+    query_releases.record(query.sha256, round_number)
 
 
 def release_noise_sites(policy: SitePolicySection, study: Study | None) -> int:
@@ -180,12 +198,16 @@ def refuse_unapproved(approvals: Approvals, ledger: PrivacyLedger | None, study:
         raise QueryRefused(
             f"query {approval.name!r} was approved for another study "
             f"({approval.study_sha256[:12]}...) than the one this site joined")
-    released = times_released(ledger, sha256)
+    # The ledger's query entries count the runs; a site without one keeps the count.
+    counts = None if ledger is not None else QueryReleases.beside(approvals)
+    released = times_released(ledger, sha256) if counts is None else counts.count(sha256)
     if released >= approval.times:
         raise QueryRefused(
             f"query {approval.name!r} (sha256 {sha256[:12]}...) already ran {released} "
-            f"time(s) on this site's ledger, as many as its approval allows "
-            f"({approval.times}); approve it again with --times to allow more")
+            "time(s) " + ("on this site's ledger" if counts is None else
+                          f"(counted in {counts.path(sha256)}, this site keeps no ledger)")
+            + f", as many as its approval allows ({approval.times}); approve it again "
+            "with --times to allow more")
 
 
 def prepare_release(
@@ -270,7 +292,8 @@ class RoundRelease:
                 # Ledger entry first (write-ahead), then the noised vector through SecAgg+.
                 vector = release_vector(
                     release, exact, plans, ledger=ledger, round_number=rnd.number,
-                    n_sites=len(rnd.params.participants) if rnd.params else 2, now=utcnow())
+                    n_sites=len(rnd.params.participants) if rnd.params else 2, now=utcnow(),
+                    query_releases=QueryReleases.beside(self.approvals))
                 if ledger is not None:
                     self.membership.budget_pb()
                 self.phases.finish(stub, rnd, client, shares, premask, vector,

@@ -42,7 +42,6 @@ import hashlib
 import itertools
 import json
 import math
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,6 +49,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from common.errors import ValidationError
+from common.parsing import parse_json, parse_toml
 from common.study import (
     NAME_PATTERN,
     Study,
@@ -418,8 +418,8 @@ def load_query(path: str | Path, *, study: Study) -> Query:
     if len(raw) > MAX_QUERY_BYTES:
         raise ValidationError(f"{path}: the query file is larger than {MAX_QUERY_BYTES} bytes")
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        data = parse_toml(raw)
+    except ValidationError as exc:
         raise ValidationError(f"{path}: not valid TOML: {exc}") from None
     query = query_from_mapping(data, source=str(path))
     check_query_against_study(query, study, source=str(path))
@@ -445,9 +445,9 @@ def query_from_bytes(data: bytes, *, study: Study, sha256: str | None = None) ->
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
         raise ValidationError("query bytes do not match the announced query sha256")
     try:
-        parsed = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise ValidationError("query is not UTF-8 JSON") from None
+        parsed = parse_json(data)
+    except ValidationError as exc:
+        raise ValidationError(f"query is not UTF-8 JSON within limits ({exc})") from None
     query = query_from_mapping(parsed)
     if query_bytes(query) != data:
         raise ValidationError("query is not in canonical form")
@@ -533,7 +533,7 @@ def draft_query(study: Study, *, name: str, epsilon: float = 1.0) -> str:
         "# epsilon = 0.25",
     ]
     text = "\n".join(lines) + "\n"
-    query = query_from_mapping(tomllib.loads(text), source="draft")
+    query = query_from_mapping(parse_toml(text), source="draft")
     check_query_against_study(query, study, source="draft")
     return text
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from common.errors import ConfigError
+from common.parsing import parse_json
 
 Kind = Literal["table", "images"]
 """A model's data kind, as a study's ``[data] kind`` names it."""
@@ -159,7 +160,7 @@ def architecture_record(
     record: dict[str, Any] = {
         "format": RECORD_FORMAT,
         "name": spec.canonical_name,
-        "params": json.loads(json.dumps(dict(spec.params))),
+        "params": parse_json(json.dumps(dict(spec.params))),
         "custom": spec.custom,
         "task": task,
         "num_classes": num_classes,

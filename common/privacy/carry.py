@@ -21,6 +21,8 @@ unsound.
 
 The privacy unit cannot change: a record-level history says nothing sound about a
 patient (group privacy over an unknown number of records), so that carry is refused.
+Nor can the new budget be below the spend carried into it: the new ledger would record
+more than its budget allows (`ledger verify` fails such a ledger).
 
 The old ledger is kept (the operator moves it aside; `medfed ledger carry` does, in
 place); the new ledger records the old head hash, entry count and spend in its notes,
@@ -30,6 +32,7 @@ the carry is complete.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -203,8 +206,10 @@ def carry_ledger(
     if not new.parent.is_dir():
         raise LedgerUnavailable(new, f"the folder {new.parent} for the new ledger does not "
                                 "exist (a carry creates no folder)")
+    # Its spend may be above its own budget (a site that ran on beside an earlier carry):
+    # carrying it into a budget that covers that spend is the way forward.
     report = verify_ledger(old, anchor_path=anchor_path_for(old) if old_anchor is None
-                           else old_anchor)
+                           else old_anchor, check_budget=False)
     report.raise_if_broken()
     header, old_entries = read_ledger(old)
     old_terms = LedgerTerms(header.site_id, header.budget_epsilon, header.delta,
@@ -214,6 +219,13 @@ def carry_ledger(
     history = carried_history(old_terms, tuple(old_entries), terms, signer, now=now)
     old_spent = old_entries[-1].epsilon_after if old_entries else 0.0
     spent = history.entries[-1].epsilon_after if history.entries else 0.0
+    if spent > terms.budget_epsilon:
+        raise ConfigError(
+            "budget_epsilon",
+            f"the spend carried into the new terms, epsilon {spent:.4f}, is above the new "
+            f"budget {terms.budget_epsilon:g}: the new ledger would record more spend than "
+            f"its budget allows. Give a budget of at least {math.ceil(spent * 1e4) / 1e4:.4f}"
+            " (one at the spend refuses every further release)")
     note = (
         f"{CARRY_NOTE_PREFIX}opens with the {len(old_entries)} entries of the ledger {old} (terms "
         f"budget={old_terms.budget_epsilon:g}, delta={old_terms.delta:g}, accountant="

@@ -10,13 +10,13 @@ ledger already spent. `main` runs both command groups standalone.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError
+from common.errors import ConfigError, ValidationError
+from common.parsing import parse_json
 from common.privacy.accountant import (
     ACCOUNTANTS,
     Segment,
@@ -99,8 +99,8 @@ def parse_mechanism(text: str) -> Mechanism:
     """
     if text.lstrip().startswith("{"):
         try:
-            return mechanism_from_json_dict(json.loads(text))
-        except (ValueError, ConfigError) as exc:
+            return mechanism_from_json_dict(parse_json(text))
+        except (ValidationError, ConfigError) as exc:
             raise argparse.ArgumentTypeError(f"mechanism {text!r}: {exc}") from None
     parts = text.split(":")
     kind = parts[0]

@@ -194,6 +194,8 @@ class PrivacyLedger:
     The chain and every signature are checked on open (LedgerIntegrityError), and the
     file is compared with its anchor (LedgerForkError if older, shorter or rewritten). A
     missing ledger whose anchor shows history is NOT recreated (LedgerUnavailable).
+    Every `reserve` reads the terms again in its own transaction: a ledger carried or
+    replaced under this process since it opened is refused there (LedgerUnavailable).
 
     `signer` (the site's certificate key + certificate) is needed to record anything;
     without it the ledger can only be read.
@@ -471,6 +473,8 @@ class PrivacyLedger:
         signer = self.signer
         if signer is None:
             raise ConfigError("signer", "recording a spend needs the site's signing key")
+        header = _read_header(conn)
+        self._refuse_other_terms(header)
         entries = _read_entries(conn)
         for existing in entries:
             if existing.round == round_number and existing.purpose == purpose:
@@ -482,7 +486,6 @@ class PrivacyLedger:
                     f"mechanisms ({mechanisms_to_json(existing.mechanisms)} != "
                     f"{mechanisms_to_json(mechanisms)})"
                 )
-        header = _read_header(conn)
         report = self._charge([*self._pairs(entries), (purpose, mechanisms)])
         if report.epsilon > self.budget_epsilon:
             spent = entries[-1].epsilon_after if entries else 0.0
@@ -506,6 +509,26 @@ class PrivacyLedger:
         self._store_certificate(conn)
         _insert_entry(conn, entry)
         return entry, [*entries, entry]
+
+    def _refuse_other_terms(self, header: LedgerHeader) -> None:
+        """The file's terms, read in the write transaction, must still be the ones this
+        process opened it with: a ledger carried (or replaced) by another process since
+        would otherwise be charged, and checked, against this process's stale budget."""
+        stored = _terms(header)
+        if stored == self.terms:
+            return
+        changed = ", ".join(
+            f"{name} {getattr(stored, name)!r} (opened with {getattr(self.terms, name)!r})"
+            for name in ("site_id", "budget_epsilon", "delta", "accountant", "privacy_unit",
+                         "charge") if getattr(stored, name) != getattr(self.terms, name))
+        raise LedgerUnavailable(
+            self.path,
+            f"privacy ledger {self.path} now holds other terms than this process opened it "
+            f"with: {changed or 'another header'}. It was carried (`medfed ledger carry`) "
+            "or replaced while the site ran; nothing was recorded and nothing leaves the "
+            "site. Stop the site, set the site config to the ledger's terms, and start it "
+            "again",
+        )
 
     @staticmethod
     def _pairs(entries: Sequence[SignedEntry]) -> list[tuple[str, Sequence[Mechanism]]]:

@@ -4,7 +4,6 @@ it makes a deleted, truncated, older or forked copy of the ledger refuse to open
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +11,10 @@ from pathlib import Path
 from common.errors import (
     LedgerForkError,
     LedgerUnavailable,
+    ValidationError,
 )
 from common.fileio import atomic_write
+from common.parsing import parse_json
 from common.privacy.ledger_store import ANCHOR_FORMAT, _guard, recovery_hint
 from common.privacy.mechanisms import (
     canonical_json,
@@ -62,7 +63,7 @@ def read_anchor(path: str | Path) -> LedgerAnchor | None:
             anchor_path, f"ledger anchor {anchor_path} is unreadable ({exc.strerror})"
         ) from None
     try:
-        raw = json.loads(data)
+        raw = parse_json(data)
         if not isinstance(raw, dict) or raw.get("format") != ANCHOR_FORMAT:
             raise ValueError("not a ledger anchor")
         seq, head, site = raw["seq"], raw["head_hash"], raw["site_id"]
@@ -70,7 +71,7 @@ def read_anchor(path: str | Path) -> LedgerAnchor | None:
             raise ValueError("bad seq")
         if not (isinstance(head, str) and isinstance(site, str)):
             raise ValueError("bad head_hash or site_id")
-    except (ValueError, KeyError) as exc:
+    except (ValidationError, ValueError, KeyError) as exc:
         raise LedgerUnavailable(
             anchor_path,
             f"ledger anchor {anchor_path} is damaged ({exc}); it is the site's only record "

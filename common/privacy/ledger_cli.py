@@ -3,9 +3,11 @@
 ``medfed ledger show|verify`` read a site's ledger without changing it (a read-only copy
 reads too), ``medfed ledger export`` (coordinator) writes a site's replicated signed
 history, ``medfed ledger backup`` (site) its own history with a signed head receipt,
-``medfed ledger restore`` (site) rebuilds a lost ledger from either, ``medfed ledger
+``medfed ledger restore`` (site) rebuilds a lost ledger from either (refused, unless
+told to accept it, when no receipt or anchor can check its head), ``medfed ledger
 carry`` moves a ledger's spend under new terms and ``medfed ledger migrate`` turns a
-format-1 ledger into a signed one.
+format-1 ledger into a signed one. The last three hold the site's state folder
+(`site_stopped`): refused while its site agent runs.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,26 @@ from common.privacy.mechanisms import (
 )
 from common.privacy.purpose import Purpose
 from common.privacy.signed import CHARGE_RECORD_LEVEL, CHARGE_UNIT, CHARGES
+from common.state_lock import StateLock
+
+
+@contextlib.contextmanager
+def site_stopped(ledger: Path, command: str) -> Iterator[None]:
+    """Hold the ledger's folder, the site's state folder, for `medfed ledger COMMAND` as
+    a running site agent holds it (`common.state_lock`): refused (StateError naming the
+    agent) while one runs there, and no agent starts there until the command is done.
+    An agent running beside a carry, migrate or restore would go on recording under the
+    ledger and terms it opened. A missing folder is left to the command to name."""
+    folder = ledger.parent
+    if not folder.is_dir():
+        yield
+        return
+    with StateLock.acquire(
+        folder, role=f"medfed ledger {command}",
+        advice=f"`medfed ledger {command}` needs the site agent stopped: stop it, run the "
+        "command again, then start the site",
+    ):
+        yield
 
 
 def print_json(value: Any) -> None:
@@ -189,19 +212,21 @@ def _print_hospital_figures(summary: dict[str, Any]) -> None:
               "updates at 2S, replace relation)")
 
 
-def _integrity(path: Path) -> VerifyReport:
+def _integrity(path: Path, *, check_budget: bool = True) -> VerifyReport:
     """What `show` checks before printing figures: `ledger verify --hashes-only` plus
     the anchor beside the ledger (header, hash chain, entry count and head, every
-    signature), so a deleted or edited entry never shows as a smaller spend. Linear
-    in the entries; recomposing every epsilon (quadratic) is left to `verify`."""
-    return verify_ledger(path, recompose=False, anchor_path=anchor_path_for(path))
+    signature, no spend above the budget), so a deleted or edited entry never shows as
+    a smaller spend. Linear in the entries; recomposing every epsilon (quadratic) is
+    left to `verify`."""
+    return verify_ledger(path, recompose=False, anchor_path=anchor_path_for(path),
+                         check_budget=check_budget)
 
 
 def _integrity_json(report: VerifyReport) -> dict[str, Any]:
     return {
         "ok": report.ok,
-        "checked": "header, hash chain, entry count and head, signatures, anchor "
-                   "(epsilons are recomposed by `medfed ledger verify`)",
+        "checked": "header, hash chain, entry count and head, signatures, spend within "
+                   "the budget, anchor (epsilons are recomposed by `medfed ledger verify`)",
         "problems": [str(p) for p in report.problems],
     }
 
@@ -355,27 +380,32 @@ def _cmd_ledger_restore(args: argparse.Namespace) -> int:
         if receipt is None:
             raise ConfigError("receipt", f"no head receipt at {file}")
         found.append(receipt)
-    result = restore_ledger(
-        history,
-        Path(args.ledger),
-        anchor_path=args.anchor,
-        min_seq=args.min_seq,
-        ca_certificate=ca,
-        site_id=args.site,
-        receipts=found,
-        accept_lower_bound=args.accept_lower_bound,
-    )
-    for lowered in result.lowered:
-        _supersede(Path(lowered.where))
+    ledger = Path(args.ledger)
+    with site_stopped(ledger, "restore"):
+        result = restore_ledger(
+            history,
+            ledger,
+            anchor_path=args.anchor,
+            min_seq=args.min_seq,
+            ca_certificate=ca,
+            site_id=args.site,
+            receipts=found,
+            accept_lower_bound=args.accept_lower_bound,
+            accept_unverified_head=args.accept_unverified_head,
+        )
+        for lowered in result.lowered:
+            _supersede(Path(lowered.where))
     for note in result.notes:
         print(f"WARNING: {note}", file=sys.stderr)
+    anchor = anchor_path_for(ledger) if args.anchor is None else args.anchor
     proof = (
         f"; checked against the signed head receipt {result.best_receipt.where} "
         f"({result.best_receipt.receipt.entries} entries)"
         if result.best_receipt is not None and not result.lowered
         else "" if result.lowered else
-        "; NO signed head receipt was given (--receipts DIR), so nothing shows the export "
-        "is complete"
+        f"; checked against its anchor {anchor}" if result.anchored else
+        "; its completeness was NOT verified (no signed head receipt, no anchor; "
+        "accepted with --accept-unverified-head)"
     )
     print(
         f"restored {result.seq} signed entries of site {result.site_id} into {args.ledger} "
@@ -414,7 +444,8 @@ def _cmd_ledger_backup(args: argparse.Namespace) -> int:
     from common.privacy.receipts import sign_receipt
 
     path = Path(args.ledger)
-    report = _integrity(path)
+    # A spend above the budget does not stop a backup: the backup is the evidence.
+    report = _integrity(path, check_budget=False)
     report.raise_if_broken()
     signer = LedgerSigner.from_files(args.cert, args.key)
     history = export_ledger(path)
@@ -430,7 +461,14 @@ def _cmd_ledger_backup(args: argparse.Namespace) -> int:
 
 
 def _cmd_ledger_carry(args: argparse.Namespace) -> int:
-    """New terms for a site's ledger, its spend carried (`common.privacy.carry`)."""
+    """New terms for a site's ledger, its spend carried (`common.privacy.carry`), with
+    the site stopped."""
+    ledger = Path(args.ledger)
+    with site_stopped(ledger, "carry"):
+        return _carry(args, ledger)
+
+
+def _carry(args: argparse.Namespace, ledger: Path) -> int:
     import datetime as dt
     import sqlite3
 
@@ -438,7 +476,6 @@ def _cmd_ledger_carry(args: argparse.Namespace) -> int:
     from common.privacy.receipts import check_against, read_receipts, sign_receipt, write_receipt
     from common.privacy.signed import LedgerTerms
 
-    ledger = Path(args.ledger)
     header, entries = read_ledger(ledger)
     old_terms = LedgerTerms(header.site_id, header.budget_epsilon, header.delta,
                             header.accountant, header.privacy_unit, header.charge)
@@ -495,7 +532,8 @@ def _cmd_ledger_migrate(args: argparse.Namespace) -> int:
     from common.privacy.migrate import migrate_ledger
 
     signer = LedgerSigner.from_files(args.cert, args.key)
-    done = migrate_ledger(Path(args.ledger), signer, anchor_path=args.anchor)
+    with site_stopped(Path(args.ledger), "migrate"):
+        done = migrate_ledger(Path(args.ledger), signer, anchor_path=args.anchor)
     if done is None:
         print(f"ledger {args.ledger}: already format 2 (signed); nothing to migrate")
         return 0
@@ -521,7 +559,8 @@ def register_ledger(subparsers: Any) -> None:
     show.set_defaults(func=_cmd_ledger_show)
 
     verify = commands.add_parser(
-        "verify", help="check the hash chain and recompose every epsilon (exit 1 if broken)"
+        "verify", help="check the hash chain, recompose every epsilon and check that no "
+        "entry's spend is above the budget (exit 1 if broken)"
     )
     verify.add_argument("--ledger", required=True, help="path of the site's ledger file")
     verify.add_argument(
@@ -568,6 +607,12 @@ def register_ledger(subparsers: Any) -> None:
         "--accept-lower-bound", action="store_true",
         help="restore a history shorter than a signed head receipt anyway (when no "
         "complete copy exists); the ledger records the warning for good")
+    restore.add_argument(
+        "--accept-unverified-head", action="store_true",
+        help="restore a history with no signed head receipt and no anchor to check its "
+        "head against (refused otherwise: nothing shows no entries were dropped from its "
+        "end); only when no receipt exists anywhere. Logged, and the ledger records the "
+        "warning for good")
     restore.set_defaults(func=_cmd_ledger_restore)
 
     backup = commands.add_parser(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import sqlite3
 import stat
@@ -20,7 +19,9 @@ from common.errors import (
     LedgerIntegrityError,
     LedgerUnavailable,
     StateError,
+    ValidationError,
 )
+from common.parsing import parse_json
 from common.privacy.mechanisms import (
     canonical_json,
 )
@@ -344,9 +345,9 @@ def _parse_row(row: Sequence[Any]) -> SignedEntry:
     """An entries row -> SignedEntry; ConfigError if the stored copies disagree."""
     seq, round_number, purpose, body, signature, digest = row
     try:
-        raw = json.loads(str(body))
-    except ValueError:
-        raise ConfigError("body", "not JSON") from None
+        raw = parse_json(str(body))
+    except ValidationError as exc:
+        raise ConfigError("body", str(exc)) from None
     if not isinstance(raw, dict):
         raise ConfigError("body", "not a JSON object")
     entry = SignedEntry.from_json_dict(

@@ -201,12 +201,15 @@ def verify_ledger(
     recompose: bool = True,
     ca_certificate: x509.Certificate | None = None,
     anchor_path: str | Path | None = None,
+    check_budget: bool = True,
 ) -> VerifyReport:
     """Re-walk a ledger (read-only): header, hash chain, every signature with the
     certificate it names (issued by `ca_certificate` if given) and, when the rest is
     intact and `recompose` is set, every `epsilon_after`. With `anchor_path` (format 2),
     also the anchor file there, if any: it catches what the file alone cannot, a last
     entry deleted together with a header made to match (as the site does on open).
+    With `check_budget`, an entry whose spend is above the ledger's budget is a
+    problem too (`budget_problems`).
 
     LedgerUnavailable if the file is missing, is not a ledger or is a format-1 one (the
     message names `medfed ledger migrate`)."""
@@ -215,10 +218,29 @@ def verify_ledger(
         _check_format(conn, ledger_path)
         report = _check_v2(conn, path=ledger_path, recompose=recompose,
                            ca_certificate=ca_certificate)
-        if anchor_path is None:
-            return report
-        found = _anchor_problems(conn, ledger_path, Path(anchor_path))
+        found: list[LedgerProblem] = []
+        if check_budget and report.ok:
+            found.extend(budget_problems(_terms(_read_header(conn)), _read_entries(conn)))
+        if anchor_path is not None:
+            found.extend(_anchor_problems(conn, ledger_path, Path(anchor_path)))
     return dataclasses.replace(report, problems=report.problems + tuple(found))
+
+
+def budget_problems(terms: LedgerTerms, entries: Sequence[SignedEntry]) -> list[LedgerProblem]:
+    """The first entry whose composed spend is above the ledger's budget. `reserve`
+    refuses such an entry in the transaction that would write it, so one on file was
+    written under other terms (a site agent that went on running beside `medfed ledger
+    carry` with its old budget) or by someone holding the site's key: either way the
+    budget did not hold."""
+    for entry in entries:
+        if entry.epsilon_after > terms.budget_epsilon:
+            return [LedgerProblem(
+                entry.seq,
+                f"the spend after it, epsilon {entry.epsilon_after:.4f}, is above the "
+                f"ledger's budget {terms.budget_epsilon:g}: a release the budget did not "
+                "allow (recorded by a process under other terms, e.g. a site agent that "
+                "kept running beside `medfed ledger carry`)")]
+    return []
 
 
 def _anchor_problems(
@@ -267,6 +289,7 @@ def restore_ledger(
     site_id: str | None = None,
     receipts: Sequence[FoundReceipt] = (),
     accept_lower_bound: bool = False,
+    accept_unverified_head: bool = False,
 ) -> RestoreResult:
     """Write `history` as a new ledger at `path` after verifying all of it.
 
@@ -277,9 +300,15 @@ def restore_ledger(
     receipt: `receipts` (from the site's receipts folders) and the one the export itself
     carries (a site's own backup); the error names the receipt that proved it. With
     `accept_lower_bound` such a history is restored anyway and the receipts it falls
-    short of are recorded in the ledger as a warning (`RestoreResult.lowered`). Never
-    overwrites an existing ledger. Even a restore matching every receipt proves a LOWER
-    bound only: entries after the newest receipt cannot be known."""
+    short of are recorded in the ledger as a warning (`RestoreResult.lowered`).
+
+    A history checked against no head at all (no receipt, no anchor: a state folder lost
+    with no receipts kept) is refused too, saying what cannot be verified: every entry
+    in it verifies, but nothing shows that none were dropped after its last one. With
+    `accept_unverified_head` it is restored, and the ledger records for good that its
+    completeness was not verified (`RestoreResult.notes`). Never overwrites an existing
+    ledger. Even a restore matching every receipt proves a LOWER bound only: entries
+    after the newest receipt cannot be known."""
     ledger_path = Path(path)
     anchor_file = anchor_path_for(ledger_path) if anchor_path is None else Path(anchor_path)
     if ledger_path.exists():
@@ -333,6 +362,9 @@ def restore_ledger(
                     "--accept-lower-bound (the ledger then records that it is lower than "
                     "the site's own receipt)") from None
             lowered.append((receipt, str(exc)))
+    unverified = anchor is None and not found
+    if unverified and not accept_unverified_head:
+        raise LedgerIntegrityError(unverified_refusal(history, anchor_file))
     notes = [
         f"LOWER THAN A SIGNED HEAD RECEIPT: restored {history.head_seq} entries (head "
         f"{history.head_hash[:16]}...), but the receipt {r.where} records {r.receipt.entries} "
@@ -341,22 +373,59 @@ def restore_ledger(
         f"entries lost ({why})"
         for r, why in lowered
     ]
+    if unverified:
+        notes.append(unverified_note(history))
     write_new_ledger(ledger_path, history, notes=notes)
     restored = LedgerAnchor(history.terms.site_id, history.head_seq, history.head_hash)
     write_anchor(anchor_file, restored)
     return RestoreResult(restored, tuple(r for r, _ in lowered), tuple(notes),
-                         best(found))
+                         best(found), anchored=anchor is not None)
+
+
+UNVERIFIED_NOTE_PREFIX = "COMPLETENESS NOT VERIFIED: "
+"""How the note of a restore accepted with no head to check it against starts."""
+
+
+def unverified_refusal(history: SignedHistory, anchor_file: Path) -> str:
+    """Why a restore with nothing to check the export's head against is refused, and
+    what to do (the CLI's flags are named: this is what an operator reads)."""
+    return (
+        f"nothing shows that this export of site {history.terms.site_id} is complete: "
+        f"its {history.head_seq} entries verify, but a signed history cannot show that "
+        "no entries were dropped after its last one (anyone holding it, the coordinator "
+        "included, can cut it short and the rest still verifies), and there is no signed "
+        "head receipt to check it against (none given with --receipts DIR or --receipt "
+        f"FILE, none inside the export) and no anchor at {anchor_file}. Give the site's "
+        "receipts folder (privacy.receipts_dir, or a copy of it), or restore from the "
+        "site's own `medfed ledger backup` (it carries a receipt). Only if no receipt "
+        "exists anywhere, restore it with --accept-unverified-head: the ledger then "
+        "records for good that its completeness was not verified, and what is left to "
+        "catch a cut-short export is the coordinator's replica (an honest coordinator "
+        "refuses a ledger shorter than it holds when the site enrols) and your own "
+        "records of how far the ledger went (--min-seq N)")
+
+
+def unverified_note(history: SignedHistory) -> str:
+    return (
+        f"{UNVERIFIED_NOTE_PREFIX}restored {history.head_seq} entries (head "
+        f"{history.head_hash[:16]}..., epsilon "
+        f"{history.entries[-1].epsilon_after if history.entries else 0.0:.4f}) with no "
+        "signed head receipt and no anchor to check them against; accepted with "
+        "--accept-unverified-head. Entries recorded after this head, if any, are not in "
+        "this ledger: the spend shown may UNDERSTATE the site's real spend")
 
 
 @dataclass(frozen=True)
 class RestoreResult:
     """What `restore_ledger` wrote: the new anchor, the receipts it was accepted below
-    (empty unless `accept_lower_bound`), the warnings recorded, the best receipt seen."""
+    (empty unless `accept_lower_bound`), the warnings recorded, the best receipt seen,
+    and whether an anchor checked it (`anchored`)."""
 
     anchor: LedgerAnchor
     lowered: tuple[FoundReceipt, ...]
     notes: tuple[str, ...]
     best_receipt: FoundReceipt | None
+    anchored: bool = False
 
     # The anchor's fields, so callers that only need the head read it directly.
     @property

@@ -29,7 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from common.errors import ConfigError
+from common.errors import ConfigError, ValidationError
+from common.parsing import parse_json
 
 if TYPE_CHECKING:
     from common.privacy.ddgauss import DDGaussPlan
@@ -364,9 +365,9 @@ def mechanisms_to_json(mechanisms: tuple[Mechanism, ...] | list[Mechanism]) -> s
 
 def mechanisms_from_json(text: str) -> tuple[Mechanism, ...]:
     try:
-        raw = json.loads(text)
-    except ValueError as exc:
-        raise ConfigError("mechanisms", f"not JSON: {exc}") from None
+        raw = parse_json(text)
+    except ValidationError as exc:
+        raise ConfigError("mechanisms", str(exc)) from None
     if not isinstance(raw, list):
         raise ConfigError("mechanisms", "must be a JSON list")
     return tuple(mechanism_from_json_dict(item) for item in raw)

@@ -28,7 +28,9 @@ from common.errors import (
     LedgerForkError,
     LedgerUnavailable,
     StateError,
+    ValidationError,
 )
+from common.parsing import parse_json
 from common.privacy.accountant import Segment
 from common.privacy.ledger import (
     LedgerAnchor,
@@ -102,7 +104,10 @@ def segments_to_json(segments: Sequence[Segment]) -> str:
 
 
 def segments_from_json(text: str) -> tuple[Segment, ...]:
-    raw = json.loads(text)
+    try:
+        raw = parse_json(text)
+    except ValidationError as exc:
+        raise StateError(f"ledger segments: {exc}") from None
     if not isinstance(raw, list):
         raise StateError("ledger segments are not a JSON list")
     segments = []

@@ -19,7 +19,6 @@ Pure: no clock (a receipt carries its head entry's own time), no OS randomness.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,8 @@ from cryptography import x509
 
 from common.crypto.encoding import encode_fields
 from common.crypto.signing import SigningKey, VerifyingKey
-from common.errors import ConfigError, CryptoError, LedgerForkError, PkiError
+from common.errors import ConfigError, CryptoError, LedgerForkError, PkiError, ValidationError
+from common.parsing import parse_json
 from common.privacy.mechanisms import canonical_json
 from common.privacy.signed import (
     LedgerSigner,
@@ -134,9 +134,9 @@ class HeadReceipt:
     @classmethod
     def from_bytes(cls, data: bytes) -> HeadReceipt:
         try:
-            raw = json.loads(bytes(data).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise ConfigError("receipt", f"not JSON ({exc})") from None
+            raw = parse_json(data)
+        except ValidationError as exc:
+            raise ConfigError("receipt", str(exc)) from None
         return cls.from_json_dict(raw)
 
     def problem(self, *, ca_certificate: x509.Certificate | None = None) -> str | None:

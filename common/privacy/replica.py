@@ -17,7 +17,6 @@ written once (TEXT / BIGINT, base64 for certificates so no BLOB/BYTEA difference
 from __future__ import annotations
 
 import base64
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -27,6 +26,7 @@ from typing import Any, Final
 from cryptography import x509
 
 from common.errors import ConfigError, LedgerForkError, LedgerIntegrityError, ValidationError
+from common.parsing import parse_json
 from common.privacy.carry import check_carry
 from common.privacy.mechanisms import canonical_json
 from common.privacy.signed import (
@@ -134,9 +134,9 @@ class LedgerReplica:
             row = _site_row(cur, site_id)
             if row is None:
                 raise ValidationError(f"the coordinator holds no ledger replica for {site_id!r}")
-            terms = LedgerTerms.from_json_dict(json.loads(str(row[0])))
+            terms = LedgerTerms.from_json_dict(_stored(row[0]))
             entries = tuple(
-                SignedEntry.from_json_dict(json.loads(str(r[0])))
+                SignedEntry.from_json_dict(_stored(r[0]))
                 for r in cur.execute(
                     "SELECT entry_json FROM privacy_replica_entries WHERE site_id = ? "
                     "ORDER BY seq",
@@ -192,10 +192,16 @@ class LedgerReplica:
         * LedgerIntegrityError: a new entry's chain, site or signature does not verify
           (or its certificate is not from the CA);
         * ValidationError: the run starts after the replica's next seq (a gap: send the
-          entries from `head(site_id).entries + 1`), or names another site.
+          entries from `head(site_id).entries + 1`), or names another site, or the
+          bytes are not a signed history at all.
         """
         if isinstance(history, bytes | bytearray):
-            history = SignedHistory.from_bytes(bytes(history))
+            try:
+                history = SignedHistory.from_bytes(bytes(history))
+            except LedgerIntegrityError as exc:
+                # Bytes that do not parse as a signed history (not JSON, nested too
+                # deep, a field missing) are a malformed message: INVALID_ARGUMENT.
+                raise ValidationError(f"ledger history from {site_id}: {exc}") from None
         if history.terms.site_id != site_id:
             raise ValidationError(
                 f"ledger history is for site {history.terms.site_id!r}, not {site_id!r}"
@@ -206,7 +212,7 @@ class LedgerReplica:
             if row is None:
                 stored_terms, count, head = history.terms, 0, history.terms.header_hash
             else:
-                stored_terms = LedgerTerms.from_json_dict(json.loads(str(row[0])))
+                stored_terms = LedgerTerms.from_json_dict(_stored(row[0]))
                 count, head = int(row[1]), str(row[2])
                 if history.terms != stored_terms:
                     return self._carry(cur, site_id, history, stored_terms, head,
@@ -262,7 +268,7 @@ class LedgerReplica:
             "SELECT entry_json FROM privacy_replica_entries WHERE site_id = ? ORDER BY seq",
             (site_id,),
         ).fetchall()
-        old_entries = [SignedEntry.from_json_dict(json.loads(str(r[0]))) for r in rows]
+        old_entries = [SignedEntry.from_json_dict(_stored(r[0])) for r in rows]
         try:
             check_carry(stored_terms, old_entries, history)
         except LedgerForkError as exc:
@@ -382,6 +388,15 @@ def _shrink_message(site_id: str, reported: int, held: int) -> str:
         "its ledger is an older, truncated or reset copy; the site must restore it "
         "(`medfed ledger export --site ...` here, `medfed ledger restore` there)"
     )
+
+
+def _stored(text: object) -> Any:
+    """A JSON column of the replica's tables (written canonical by `extend`): damage
+    is a LedgerIntegrityError, never a RecursionError."""
+    try:
+        return parse_json(str(text))
+    except ValidationError as exc:
+        raise LedgerIntegrityError(f"the ledger replica's stored JSON is damaged ({exc})") from None
 
 
 def _site_row(cur: Statements, site_id: str) -> tuple[Any, ...] | None:

@@ -21,7 +21,6 @@ import base64
 import binascii
 import datetime as dt
 import hashlib
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -32,7 +31,8 @@ from cryptography import x509
 
 from common.crypto.encoding import encode_fields
 from common.crypto.signing import SigningKey, VerifyingKey
-from common.errors import ConfigError, CryptoError, LedgerIntegrityError, PkiError
+from common.errors import ConfigError, CryptoError, LedgerIntegrityError, PkiError, ValidationError
+from common.parsing import parse_json
 from common.privacy.mechanisms import (
     Mechanism,
     Segment,
@@ -399,9 +399,9 @@ class SignedHistory:
     def from_bytes(cls, data: bytes) -> SignedHistory:
         """Strict parse of `to_bytes` output (LedgerIntegrityError if malformed)."""
         try:
-            raw = json.loads(bytes(data).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise LedgerIntegrityError(f"not a ledger export (not JSON: {exc})") from None
+            raw = parse_json(data)
+        except ValidationError as exc:
+            raise LedgerIntegrityError(f"not a ledger export ({exc})") from None
         if not isinstance(raw, dict) or raw.get("format") != EXPORT_FORMAT:
             raise LedgerIntegrityError(f"not a ledger export (format is not {EXPORT_FORMAT})")
         if set(raw) - {"head_receipt"} != {"format", "header", "entries", "certificates"}:

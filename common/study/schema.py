@@ -19,7 +19,6 @@ import hashlib
 import json
 import math
 import re
-import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -30,6 +29,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from common.config import DEFAULT_COUNT_EPSILON, SITE_ID_PATTERN, ServerOptimizerName
 from common.errors import ConfigError, ValidationError
 from common.models import registry as models
+from common.parsing import parse_json, parse_toml
 
 STUDY_FORMAT: Literal[1] = 1
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -570,8 +570,8 @@ def load_study(path: str | Path) -> Study:
     except OSError as exc:
         raise ConfigError("study", f"cannot read study file {path}: {exc.strerror}") from None
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        data = parse_toml(raw)
+    except ValidationError as exc:
         raise ConfigError("study", f"{path} is not valid TOML: {exc}") from None
     return study_from_mapping(data, source=str(path))
 
@@ -599,10 +599,9 @@ def study_from_bytes(data: bytes) -> Study:
     if len(data) > MAX_STUDY_BYTES:
         raise ValidationError("study is too large")
     try:
-        parsed = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        # RecursionError: nested deeper than the interpreter's stack (crafted input).
-        raise ValidationError("study is not UTF-8 JSON") from None
+        parsed = parse_json(data)
+    except ValidationError as exc:
+        raise ValidationError(f"study is not UTF-8 JSON within limits ({exc})") from None
     if not isinstance(parsed, dict):
         raise ValidationError("study must be a JSON object")
     try:

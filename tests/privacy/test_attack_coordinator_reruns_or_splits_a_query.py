@@ -33,7 +33,7 @@ from common.analytics.query import Query, query_bytes, query_from_mapping, query
 from common.analytics.query_release import QUERY_RELEASE, QueryRelease
 from common.analytics.vector import query_length
 from common.config import SitePolicySection
-from common.errors import BudgetExhausted, QueryRefused, RoundFailed, ValidationError
+from common.errors import BudgetExhausted, QueryRefused, RoundFailed, StateError, ValidationError
 from common.privacy.accountant import compose_epsilon
 from common.privacy.ledger import PrivacyLedger, verify_ledger
 from common.privacy.signed import LedgerSigner, QueryRef, SignedEntry
@@ -42,6 +42,7 @@ from common.round import Announcement, VerifiedRound, validate_for_site
 from common.study import Study, study_from_mapping, study_sha256
 from site_agent.approvals import Approvals
 from site_agent.data import StudyTable, load_study_table
+from site_agent.query_releases import QueryReleases
 from site_agent.releases import prepare_release, release_vector
 from tests.secagg.secagg_harness import make_federation, run_round
 from tests.study.helpers import study_mapping, write_hospital_csv
@@ -324,3 +325,77 @@ def test_a_site_dropping_out_of_a_query_round_leaves_the_survivors_sum_answered(
     assert answer.statistic("patients").noise_std == pytest.approx(plan.sigma)
     assert count.low - 6 * plan.sigma <= exact[0] <= count.high + 6 * plan.sigma
     assert abs(count.value - exact[0]) < 6 * plan.sigma
+
+
+class SiteWithoutLedger:
+    """A hospital whose trainer keeps no ledger (`--trainer nonprivate`): its approvals,
+    its query release counts beside them, its data; released as `RoundRelease.run`
+    does."""
+
+    def __init__(self, name: str, root: Path, hospital: Hospital) -> None:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.approvals = Approvals(root / name)
+        self.hospital = hospital
+
+    def release(self, ann: Announcement, study: Study) -> np.ndarray:
+        rnd = validate_for_site(ann, policy=POLICY, site_id=self.name, study=study)
+        release, exact, plans = prepare_release(
+            rnd, study=study, ledger=None, approvals=self.approvals, policy=POLICY,
+            site=self.hospital)
+        return release_vector(release, exact, plans, ledger=None, round_number=rnd.number,
+                              n_sites=len(SITES), now=NOW,
+                              query_releases=QueryReleases.beside(self.approvals))
+
+
+def test_attack_query_reruns_without_a_ledger(
+    study: Study, tmp_path: Path, hospitals: dict[str, Hospital],
+) -> None:
+    """A coordinator re-announces a query approved `--times 1` at a site that keeps no
+    ledger, twenty times: it is answered once (before, 20 of 20: the allowance was
+    counted on ledger entries, of which such a site has none). The count is on disk
+    before the answer leaves, survives a restart, and a damaged count refuses."""
+    site = SiteWithoutLedger("site-000", tmp_path, hospitals["site-000"])
+    query = make_query(study, "rates")
+    sha256 = query_sha256(query)
+    site.approvals.approve_query(name=query.name, sha256=sha256, study=study, times=1,
+                                 now=NOW)
+    answered, refused = 0, []
+    for number in range(50, 70):
+        try:
+            site.release(announce(study, query, number), study)
+            answered += 1
+        except QueryRefused as exc:
+            refused.append(str(exc))
+    assert answered == 1 and len(refused) == 19
+    counts = QueryReleases.beside(site.approvals)
+    assert counts.rounds(sha256) == [50]
+    assert "already ran 1 time(s) (counted in" in refused[0]
+    assert str(counts.path(sha256)) in refused[0]
+
+    # The site restarts (a new process reads the same state folder): still used up.
+    again = SiteWithoutLedger("site-000", tmp_path, hospitals["site-000"])
+    with pytest.raises(QueryRefused, match="already ran 1 time"):
+        again.release(announce(study, query, 80), study)
+    # Approved for three runs: exactly two more.
+    again.approvals.approve_query(name=query.name, sha256=sha256, study=study, times=3,
+                                  now=NOW)
+    again.release(announce(study, query, 81), study)
+    again.release(announce(study, query, 82), study)
+    with pytest.raises(QueryRefused, match="already ran 3 time"):
+        again.release(announce(study, query, 83), study)
+    assert counts.rounds(sha256) == [50, 81, 82]
+
+    # The count cannot be forgotten by damaging it, nor skipped by a caller.
+    counts.path(sha256).write_text("{")
+    with pytest.raises(StateError, match="deleting it would let the query run again"):
+        again.release(announce(study, query, 84), study)
+    counts.path(sha256).unlink()
+    rnd = validate_for_site(announce(study, query, 85), policy=POLICY, site_id="site-000",
+                            study=study)
+    release, exact, plans = prepare_release(
+        rnd, study=study, ledger=None, approvals=again.approvals, policy=POLICY,
+        site=again.hospital)
+    with pytest.raises(RoundFailed, match="counts its query runs"):
+        release_vector(release, exact, plans, ledger=None, round_number=85,
+                       n_sites=len(SITES), now=NOW)

@@ -18,7 +18,12 @@ import pytest
 from common import pki
 from common.errors import LedgerForkError, LedgerIntegrityError, LedgerUnavailable
 from common.privacy.accountant import Segment
-from common.privacy.ledger import PrivacyLedger, export_ledger, restore_ledger
+from common.privacy.ledger import (
+    PrivacyLedger,
+    anchor_path_for,
+    export_ledger,
+    restore_ledger,
+)
 from common.privacy.receipts import HeadReceipt, read_receipts, receipt_path
 from common.privacy.signed import LedgerSigner, SignedHistory
 from tests.privacy.conftest import Pki
@@ -130,7 +135,8 @@ def test_a_truncated_site_backup_is_refused_by_its_own_receipt(
 ) -> None:
     """No receipts folder at hand: the backup the site wrote carries its signed head
     receipt, so dropping entries from it is refused; dropping the receipt as well is the
-    one thing no file alone shows (the restore then says no receipt was checked)."""
+    one thing no file alone shows: the restore refuses it unless told to accept an
+    unverified head, and the ledger then says so."""
     state, _, _ = four_entries(tmp_path, pki_material.signer_a)
     cert, key = pki.site_paths(pki_material.root, "hospital-a")
     backup = tmp_path / "backup.json"
@@ -157,8 +163,13 @@ def test_a_truncated_site_backup_is_refused_by_its_own_receipt(
     del raw["head_receipt"]
     cut.write_text(json.dumps(raw))
     result = run_cli("ledger", "restore", "--from", str(cut), "--ledger", str(ledger))
+    assert result.returncode == 2 and "nothing shows that this export" in result.stderr
+    assert not ledger.exists()
+    result = run_cli("ledger", "restore", "--from", str(cut), "--ledger", str(ledger),
+                     "--accept-unverified-head")
     assert result.returncode == 0, result.stderr
-    assert "NO signed head receipt" in result.stdout
+    assert "completeness was NOT verified" in result.stdout
+    assert "WARNING: COMPLETENESS NOT VERIFIED" in result.stderr
 
 
 def test_accept_lower_bound_restores_and_records_the_warning(
@@ -196,7 +207,7 @@ def test_a_site_whose_state_folder_was_lost_refuses_to_start_at_zero(
         open_ledger(state / "privacy-ledger.db", pki_material.signer_a, receipts)
     # An older copy put back (ledger and anchor alike) is refused too.
     write = state / "privacy-ledger.db"
-    restore_ledger(truncated(full, 2), write)
+    restore_ledger(truncated(full, 2), write, accept_unverified_head=True)
     with pytest.raises(LedgerForkError, match="holds 2 entries"):
         open_ledger(write, pki_material.signer_a, receipts)
 
@@ -215,3 +226,43 @@ def test_a_receipt_from_another_ca_or_site_is_not_trusted(
     with pytest.raises(LedgerIntegrityError, match="not 'hospital-b'"):
         read_receipts(receipts, "hospital-b")
     del full
+
+
+def test_attack_truncated_export_restored_with_defaults(
+    tmp_path: Path, pki_material: Pki
+) -> None:
+    """The shipped defaults (no receipts folder), the whole state folder lost, and an
+    export cut to 1 of its 4 entries (every signature still valid): the restore has
+    nothing to check the head against, says so and refuses; only the explicit override
+    restores it, and the ledger then carries the warning for good."""
+    state = tmp_path / "state"
+    state.mkdir()
+    ledger = state / "privacy-ledger.db"
+    grow(open_ledger(ledger, pki_material.signer_a, None), range(1, 5))
+    full = export_ledger(ledger)
+    lose_state(state)
+    export = tmp_path / "export.json"
+    export.write_bytes(truncated(full, 1).to_bytes())
+
+    with pytest.raises(LedgerIntegrityError, match="nothing shows that this export"):
+        restore_ledger(truncated(full, 1), ledger)
+    result = run_cli("ledger", "restore", "--from", str(export), "--ledger", str(ledger),
+                     "--ca", str(pki_material.ca), "--site", "hospital-a")
+    assert result.returncode == 2, result.stdout
+    assert "Traceback" not in result.stderr
+    assert "nothing shows that this export of site hospital-a is complete" in result.stderr
+    assert "no signed head receipt" in result.stderr and "--receipts DIR" in result.stderr
+    assert "--accept-unverified-head" in result.stderr
+    assert not ledger.exists() and not anchor_path_for(ledger).exists()
+
+    result = run_cli("ledger", "restore", "--from", str(export), "--ledger", str(ledger),
+                     "--ca", str(pki_material.ca), "--site", "hospital-a",
+                     "--accept-unverified-head")
+    assert result.returncode == 0, result.stderr
+    assert "WARNING: COMPLETENESS NOT VERIFIED: restored 1 entries" in result.stderr
+    assert "its completeness was NOT verified" in result.stdout
+    for command in ("show", "verify"):
+        shown = run_cli("ledger", command, "--ledger", str(ledger))
+        assert shown.returncode == 0, shown.stderr
+        assert "WARNING: COMPLETENESS NOT VERIFIED" in shown.stdout
+    assert len(open_ledger(ledger, pki_material.signer_a, None).entries()) == 1
