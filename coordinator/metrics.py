@@ -132,6 +132,12 @@ class CoordinatorMetrics:
             ["site"],
             registry=r,
         )
+        self.metrics_scrapes_refused = Counter(
+            "medfed_coordinator_metrics_scrapes_refused",
+            "Scrapes of /metrics over HTTPS refused for their client certificate (not a "
+            "monitor's, revoked, or the CRL unusable); each is logged as call_refused.",
+            registry=r,
+        )
         self.round_reports_refused = Counter(
             "medfed_coordinator_round_reports_refused",
             "Calls refused because the site's ledger_last_round was far past the "
