@@ -180,6 +180,21 @@ def _python_in(container: str, code: str) -> str:
     return engine("exec", container, "python", "-c", code, timeout=120).stdout
 
 
+# Inside the coordinator's container: GET /metrics from 127.0.0.1:9464 over TLS with the
+# health probe's monitor pair, verifying the server as a name in coordinator.crt.
+_HTTPS_SCRAPE = (
+    "import socket, ssl; "
+    "c = ssl.create_default_context(cafile='/pki/ca.crt'); "
+    "c.load_cert_chain('/pki/monitors/healthcheck.crt', '/pki/monitors/healthcheck.key'); "
+    "s = c.wrap_socket(socket.create_connection(('127.0.0.1', 9464), timeout=10), "
+    "server_hostname='{server_name}'); "
+    "s.sendall(b'GET /metrics HTTP/1.0\\r\\nHost: metrics\\r\\n\\r\\n'); "
+    "reply = b''.join(iter(lambda: s.recv(65536), b'')).decode(); "
+    "assert reply.startswith('HTTP/1.0 200'), reply[:200]; "
+    "print(reply.split('\\r\\n\\r\\n', 1)[1])"
+)
+
+
 def test_role_images_carry_only_their_own_code(images: dict[str, int]) -> None:
     probe = ("import importlib.util as u; "
              "print(sorted(m for m in ('coordinator', 'site_agent', 'bench', 'torch') "
@@ -327,8 +342,8 @@ def test_a_study_in_containers(images: dict[str, int], run: dict[str, object],
     assert "round 1 starts from /study/initial-model.safetensors" in coordinator_log
     assert "evaluation_probe_unavailable" in coordinator_log
 
-    metrics = _python_in(name, "import urllib.request as r; print(r.urlopen("
-                         "'http://127.0.0.1:9464/metrics', timeout=10).read().decode())")
+    # Opened beyond loopback, /metrics is HTTPS for monitor certificates only: the probe's.
+    metrics = _python_in(name, _HTTPS_SCRAPE.format(server_name=name))
     assert re.search(r"^medfed_coordinator_study_finished 1\.0$", metrics, re.M)
     assert re.search(r'^medfed_coordinator_rounds_total\{outcome="completed"\} [1-9]', metrics,
                      re.M)
