@@ -159,6 +159,28 @@ def test_attack_a_stalled_handshake_does_not_hold_other_scrapes(
         assert scrape(served, context)[0] == 200
 
 
+def test_attack_a_connection_flood_holds_no_more_than_its_bound(
+    monitor_pki: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Connections beyond MAX_CONNECTIONS are closed at once, not given a thread each."""
+    monkeypatch.setattr(metrics_http, "HANDSHAKE_SECONDS", 3600.0)
+    monkeypatch.setattr(metrics_http, "MAX_CONNECTIONS", 2)
+    tls = MetricsTls(CoordinatorTlsFiles.from_pki_dir(monitor_pki),
+                     pki.PeerVerifier.from_pki_dir(monitor_pki))
+    server, port = serve_metrics("127.0.0.1:0", CollectorRegistry(), tls=tls)
+    try:
+        stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as third:
+                assert third.recv(1) == b""  # closed by the server, not left waiting
+        finally:
+            for connection in stalled:
+                connection.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_server_certificate_that_is_not_the_coordinators_is_refused_at_start(
     monitor_pki: Path,
 ) -> None:
