@@ -9,6 +9,7 @@ naming the field (``deadlines.phase_seconds: Input should be greater than 0``).
 from __future__ import annotations
 
 import contextvars
+import ipaddress
 import re
 import tomllib
 from collections.abc import Mapping
@@ -45,6 +46,18 @@ def parse_host_port(value: str) -> tuple[str, int]:
     if not match or int(match.group(2)) > 65535:
         raise ValueError(f"expected HOST:PORT, got {value!r}")
     return match.group(1), int(match.group(2))
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether HOST (of ``HOST:PORT``) binds loopback only: ``localhost`` or a loopback
+    address. Any other name, and the wildcard addresses, may reach beyond this machine."""
+    name = host.strip("[]")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 class _Section(BaseModel):
@@ -274,6 +287,14 @@ class CoordinatorSettings(_Settings):
     pki: Path = Field(description="folder with ca.crt, crl.pem, coordinator.crt/.key")
     listen: str = "0.0.0.0:7443"  # public gRPC port (mTLS)
     metrics_listen: str = "127.0.0.1:9464"
+    metrics_tls: bool | Literal["auto"] = Field(
+        default="auto",
+        description="/metrics over HTTPS with the coordinator's certificate, answering only "
+        "a monitor certificate of the federation (checked against ca.crt and crl.pem, as "
+        "the gRPC port checks its callers): auto = whenever metrics_listen is not a "
+        "loopback address; true = always; false = plain HTTP, which beyond loopback is "
+        "an explicit choice the coordinator warns about at start-up",
+    )
     state: Path = Field(description="folder for the state database and checkpoints")
     database_url: str | None = Field(
         default=None,
@@ -317,6 +338,13 @@ class CoordinatorSettings(_Settings):
     )
 
     _listen = field_validator("listen", "metrics_listen")(_check_listen)
+
+    @property
+    def metrics_over_tls(self) -> bool:
+        """Whether /metrics is served over HTTPS (`metrics_tls`; auto: beyond loopback)."""
+        if self.metrics_tls == "auto":
+            return not is_loopback_host(parse_host_port(self.metrics_listen)[0])
+        return bool(self.metrics_tls)
 
     @model_validator(mode="after")
     def _study_or_model(self) -> CoordinatorSettings:

@@ -58,7 +58,8 @@ file, roll back a transaction, tell waiting sites to retry) and re-raise, or to 
 worker thread's error to the thread that waits for it (the site agent's download
 thread). ``except Exception`` appears only at boundaries that must never crash, each
 with its reason on the line: the servicers' last-resort mapping to INTERNAL
-(coordinator/servicer.py), the TLS interceptor's refusal reporter (common/tls.py),
+(coordinator/servicer.py), the TLS interceptor's refusal reporter (common/tls.py)
+and the HTTPS metrics server's (common/metrics_http.py),
 the logging handler (common/logs.py) and the command line's last resort (common/cli.py:
 one error record with the cause and exit code 1, never a traceback per log line).
 """

@@ -32,6 +32,11 @@ def register(subparsers: Any, *, observer_factory: ObserverFactory | None = None
     serve.add_argument("--pki", type=Path, help="folder with ca.crt, crl.pem, coordinator.*")
     serve.add_argument("--listen", help="HOST:PORT of the mTLS gRPC port (port 0: any free)")
     serve.add_argument("--metrics-listen", help="HOST:PORT of the Prometheus /metrics endpoint")
+    serve.add_argument(
+        "--metrics-tls", action=argparse.BooleanOptionalAction, default=None,
+        help="serve /metrics over HTTPS to monitor certificates only (default: whenever "
+        "--metrics-listen is not a loopback address); --no-metrics-tls: plain HTTP",
+    )
     serve.add_argument("--state", type=Path, help="folder for state database and checkpoints")
     serve.add_argument("--database-url", help="sqlite:///... (default: STATE/coordinator.db)")
     serve.add_argument("--rounds", type=int, help="rounds to complete")
@@ -77,6 +82,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         "pki": args.pki,
         "listen": args.listen,
         "metrics_listen": args.metrics_listen,
+        "metrics_tls": args.metrics_tls,
         "state": args.state,
         "database_url": args.database_url,
         "rounds": args.rounds,

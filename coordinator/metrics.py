@@ -88,6 +88,14 @@ class CoordinatorMetrics:
             ["site"],
             registry=r,
         )
+        self.site_last_contact = Gauge(
+            "medfed_coordinator_site_last_contact_timestamp_seconds",
+            "When each site enrolled since the coordinator started last called it (unix "
+            "seconds): a live agent calls at least every minute, and beats every "
+            "heartbeat interval while it waits or takes part in a round.",
+            ["site"],
+            registry=r,
+        )
         self.model_auc = Gauge(
             "medfed_coordinator_model_auc_ratio",
             "AUC of the global model, from securely aggregated score histograms.",
@@ -130,6 +138,12 @@ class CoordinatorMetrics:
             "Calls refused with RESOURCE_EXHAUSTED: the site held too many calls or "
             "request bytes in flight, or all sites' requests the parsing budget.",
             ["site"],
+            registry=r,
+        )
+        self.metrics_scrapes_refused = Counter(
+            "medfed_coordinator_metrics_scrapes_refused",
+            "Scrapes of /metrics over HTTPS refused for their client certificate (not a "
+            "monitor's, revoked, or the CRL unusable); each is logged as call_refused.",
             registry=r,
         )
         self.round_reports_refused = Counter(

@@ -1,5 +1,6 @@
 """Calls the coordinator refuses before any servicer runs (revoked or unknown-status
-certificate, wrong role, no certificate): one warning line and one metric sample each.
+certificate, wrong role, no certificate), and scrapes of /metrics over HTTPS refused
+for their certificate: one warning line and one metric sample each.
 
 `RequireCertificateRole` (common/tls.py) aborts such calls itself, so without this the
 servicer's log and `medfed_coordinator_grpc_requests_total` never saw them: a security
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from cryptography.hazmat.primitives import hashes
 
+from common.metrics_http import METRICS_PATH
 from common.tls import FEDERATION_PREFIX, MONITOR_SERVICE_PREFIX, Refusal
 from coordinator.metrics import CoordinatorMetrics
 
@@ -67,8 +69,13 @@ class RefusalLog:
         self._seen: OrderedDict[tuple[str, str], _Seen] = OrderedDict()
 
     def __call__(self, refusal: Refusal) -> None:
-        method = method_label(refusal.method)
-        self._metrics.grpc_requests.labels(method=method, code=refusal.code.name).inc()
+        if refusal.method == METRICS_PATH:
+            # A scrape of /metrics over HTTPS (common.metrics_http), not a gRPC call.
+            method = METRICS_PATH
+            self._metrics.metrics_scrapes_refused.inc()
+        else:
+            method = method_label(refusal.method)
+            self._metrics.grpc_requests.labels(method=method, code=refusal.code.name).inc()
         cert = refusal.certificate
         fingerprint = cert.fingerprint(hashes.SHA256()).hex() if cert is not None else "none"
         key = (fingerprint, refusal.reason)

@@ -17,17 +17,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.config import CoordinatorSettings
+from common.config import CoordinatorSettings, is_loopback_host, parse_host_port
 from common.convergence import auc_trend, describe_auc_trend
 from common.crypto.signing import VerifyingKey
 from common.errors import ConfigError, StudyFailed
-from common.metrics_http import serve_metrics
+from common.metrics_http import MetricsTls, serve_metrics
 from common.observer import RoundObserver
 from common.pki import COORDINATOR_CERT, CRL_FILE, PeerVerifier, load_ca, load_certificate
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.state_lock import StateLock
-from common.tls import RequireCertificateRole, server_credentials
+from common.tls import CoordinatorTlsFiles, RequireCertificateRole, server_credentials
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.refusals import RefusalLog
@@ -134,11 +134,12 @@ async def _start(
                           initial_model=settings.initial_model) if settings.study else None
     engine = RoundEngine(settings, store, identity=identity, metrics=metrics, study=study,
                          observer=observer)
+    refusals = RefusalLog(metrics)
     server = grpc.aio.server(
         # Per-method certificate roles: sites call Federation, monitors Health/status,
         # revoked certificates nothing (common/tls.py, ACCESS_RULES). Each refusal is
         # logged (rate-limited) and counted: no servicer runs to do it.
-        interceptors=[RequireCertificateRole(verifier, on_refused=RefusalLog(metrics))],
+        interceptors=[RequireCertificateRole(verifier, on_refused=refusals)],
         options=[
             ("grpc.max_receive_message_length", settings.limits.max_message_bytes),
             ("grpc.max_send_message_length", 8 << 20),
@@ -181,7 +182,10 @@ async def _start(
         await server.start()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        metrics_server, metrics_port = serve_metrics(settings.metrics_listen, metrics.registry)
+        metrics_server, metrics_port = serve_metrics(
+            settings.metrics_listen, metrics.registry,
+            tls=metrics_tls(settings, verifier, on_refused=refusals),
+        )
     except BaseException:
         await server.stop(None)
         store.close()
@@ -189,6 +193,24 @@ async def _start(
     return RunningCoordinator(
         server, engine, port, metrics_port, health_servicer, metrics_server=metrics_server
     )
+
+
+def metrics_tls(
+    settings: CoordinatorSettings, verifier: PeerVerifier, *, on_refused: RefusalLog
+) -> MetricsTls | None:
+    """HTTPS for /metrics (`settings.metrics_over_tls`): the coordinator's own pair,
+    monitor certificates only, checked by the gRPC port's `verifier`; None for plain
+    HTTP, with a warning where that reaches beyond loopback (`metrics_tls = false`)."""
+    if settings.metrics_over_tls:
+        return MetricsTls(CoordinatorTlsFiles.from_pki_dir(settings.pki), verifier,
+                          on_refused=on_refused)
+    if not is_loopback_host(parse_host_port(settings.metrics_listen)[0]):
+        log.warning(
+            "/metrics on %s is plain HTTP without authentication (metrics_tls = false): "
+            "anyone who reaches that address reads it", settings.metrics_listen,
+            extra={"event": "metrics_plain_http", "metrics_listen": settings.metrics_listen},
+        )
+    return None
 
 
 async def serve(
@@ -202,10 +224,13 @@ async def serve(
     # One machine-readable line so scripts and tests learn the bound ports.
     print(
         json.dumps({"event": "listening", "port": running.port,
-                    "metrics_port": running.metrics_port}),
+                    "metrics_port": running.metrics_port,
+                    "metrics_tls": settings.metrics_over_tls}),
         flush=True,
     )
-    log.info("coordinator listening on port %d (metrics %d)", running.port, running.metrics_port)
+    log.info("coordinator listening on port %d (metrics %d, %s)", running.port,
+             running.metrics_port,
+             "HTTPS for monitor certificates" if settings.metrics_over_tls else "plain HTTP")
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -102,7 +102,7 @@ class SiteRegistry:
         self.store.record_site(
             site_id, cert_serial=serial, agent_version=version, device=device, now=self.clock()
         )
-        session.last_contact = self.clock()
+        self._contact(session)
         self.record_budget(session, budget)
         self.metrics.sites_enrolled.set(len(self.store.enrolled_sites()))
         self.changed.set()
@@ -118,7 +118,13 @@ class SiteRegistry:
         """Note a call from `site_id` (its last contact, for `medfed status`)."""
         session = self.sites.get(site_id)
         if session is not None:
-            session.last_contact = self.clock()
+            self._contact(session)
+
+    def _contact(self, session: SiteSession) -> None:
+        session.last_contact = self.clock()
+        # The operator's per-site liveness (the hospital's own /metrics stays inside
+        # the hospital): when the site last called, nothing about what it sent.
+        self.metrics.site_last_contact.labels(site=session.site_id).set(session.last_contact)
 
     def session(self, site_id: str) -> SiteSession:
         session = self.sites.get(site_id)

@@ -1,4 +1,9 @@
-"""Prometheus metrics of a site agent (every name prefixed ``medfed_site_``)."""
+"""Prometheus metrics of a site agent (every name prefixed ``medfed_site_``).
+
+They are the hospital's: its own ledger, device and the counts it trained on. The
+hospital's Prometheus scrapes them (deploy/prometheus/site); the consortium operator's
+monitoring reads the coordinator's series only and needs none of these.
+"""
 
 from __future__ import annotations
 
@@ -39,12 +44,16 @@ class SiteMetrics:
         self.epsilon_budget = Gauge("medfed_site_epsilon_budget", "Epsilon budget.", registry=r)
         self.samples_used = Gauge(
             "medfed_site_training_samples",
-            "FedAvg weight of the last round: the DP count of units, never the exact N.",
+            "FedAvg weight of the last round: the DP count of units where the site keeps "
+            "a ledger (DP on), else the exact record count. For the hospital's own "
+            "Prometheus only: the consortium's monitoring never scrapes a site agent.",
             registry=r,
         )
         self.patients_used = Gauge(
             "medfed_site_training_patients",
-            "DP count of training units (0 without a ledger); never the exact N.",
+            "Training units (patients) of the last round: the DP count where the site "
+            "keeps a ledger (DP on), else the exact count. For the hospital's own "
+            "Prometheus only.",
             registry=r,
         )
         self.device = Gauge(

@@ -17,6 +17,12 @@
 #                        name the sites dial and the one the health probe verifies
 #   SITES                site ids (space-separated)
 #   MONITOR              name of the health probe's monitor certificate
+#   PROMETHEUS_PKI_DIR   optional: what the operator's Prometheus mounts to scrape the
+#                        coordinator's /metrics over HTTPS (monitor certificates only):
+#                        ca.crt and the pair of the monitor "prometheus" (issued once,
+#                        `medfed pki issue --monitor prometheus`) as prometheus.crt/.key,
+#                        the key readable by the folder's group (Prometheus runs as its
+#                        own user in that group, docker-compose.yml); no other key
 #   STUDY_IN, STUDY_OUT  optional: the study to serve (STUDY_IN, read-only) written to
 #                        STUDY_OUT (the coordinator's --study) with a [[members]] table for
 #                        every site certificate the operator issued (`medfed pki members
@@ -83,6 +89,20 @@ for file in ca.crt crl.pem coordinator.crt coordinator.key \
             "monitors/$MONITOR.crt" "monitors/$MONITOR.key"; do
     copy "$PKI_DIR/$file" "$COORDINATOR_PKI_DIR/$file"
 done
+
+# The operator's Prometheus: a monitor identity of its own (a revoked one is re-issued
+# by `medfed pki issue --force`, then copied here by the next run).
+if [ -n "${PROMETHEUS_PKI_DIR:-}" ]; then
+    if [ ! -f "$PKI_DIR/monitors/prometheus.crt" ]; then
+        medfed pki issue --dir "$PKI_DIR" --monitor prometheus
+    fi
+    copy "$PKI_DIR/ca.crt" "$PROMETHEUS_PKI_DIR/ca.crt"
+    copy "$PKI_DIR/monitors/prometheus.crt" "$PROMETHEUS_PKI_DIR/prometheus.crt"
+    copy "$PKI_DIR/monitors/prometheus.key" "$PROMETHEUS_PKI_DIR/prometheus.key"
+    chmod 0644 "$PROMETHEUS_PKI_DIR/ca.crt" "$PROMETHEUS_PKI_DIR/prometheus.crt"
+    chmod 0640 "$PROMETHEUS_PKI_DIR/prometheus.key"
+    chmod 0750 "$PROMETHEUS_PKI_DIR"
+fi
 
 if [ -n "${STUDY_IN:-}" ] && [ -f "$STUDY_OUT" ]; then
     echo "bootstrap: $STUDY_OUT exists, keeping the study"

@@ -61,7 +61,9 @@ RUN groupadd --system --gid "${MEDFED_UID}" medfed \
     && useradd --system --uid "${MEDFED_UID}" --gid medfed --home-dir /nonexistent \
        --no-create-home --shell /usr/sbin/nologin medfed \
     && mkdir -p /pki /config /state /study /coordinator-pki /coordinator-study /hospitals \
-    && chown medfed:medfed /pki /state /study /coordinator-pki /coordinator-study /hospitals
+       /prometheus-pki \
+    && chown medfed:medfed /pki /state /study /coordinator-pki /coordinator-study /hospitals \
+       /prometheus-pki
 COPY --from=build /opt/medfed /opt/medfed
 COPY deploy/docker/healthcheck.py /usr/local/bin/medfed-healthcheck
 COPY deploy/docker/bootstrap.sh /usr/local/bin/medfed-bootstrap

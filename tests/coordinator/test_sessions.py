@@ -188,3 +188,33 @@ def test_a_waiting_site_that_stopped_beating_is_not_selectable(tmp_path: Path) -
         assert asyncio.run(scenario()) == [["alpha", "beta"], ["alpha"], ["alpha", "beta"]]
     finally:
         store.close()
+
+
+def test_each_sites_last_contact_is_the_operators_liveness_series(tmp_path: Path) -> None:
+    """`medfed_coordinator_site_last_contact_timestamp_seconds{site}`: set at enrolment
+    and by every later call of that site; a site that never enrolled has no series."""
+    settings = load_settings(
+        CoordinatorSettings,
+        overrides={"pki": tmp_path, "state": tmp_path, "model": {"dim": 8}, "min_sites": 2},
+    )
+    now = [1_000.0]
+    metrics = CoordinatorMetrics()
+    store = CoordinatorStore(f"sqlite:///{tmp_path / 'coordinator.db'}")
+    try:
+        engine = RoundEngine(settings, store, identity=refuse_identity, metrics=metrics,
+                             clock=lambda: now[0])
+
+        def last_contact(site: str) -> float | None:
+            return metrics.registry.get_sample_value(
+                "medfed_coordinator_site_last_contact_timestamp_seconds", {"site": site})
+
+        engine.sites.enroll("alpha", b"", serial="1", version="t", device="cpu",
+                            budget=BudgetReport())
+        assert last_contact("alpha") == 1_000.0
+        now[0] = 1_060.0
+        engine.sessions.touch("alpha")
+        engine.sessions.touch("beta")  # not enrolled: nothing to say about it
+        assert last_contact("alpha") == 1_060.0
+        assert last_contact("beta") is None
+    finally:
+        store.close()

@@ -176,8 +176,29 @@ def _build(pip_folder: Path) -> dict[str, int]:
     return sizes
 
 
+def _study_sha256_of(path: Path) -> str:
+    from common.study import load_study, study_sha256
+
+    return study_sha256(load_study(path))
+
+
 def _python_in(container: str, code: str) -> str:
     return engine("exec", container, "python", "-c", code, timeout=120).stdout
+
+
+# Inside the coordinator's container: GET /metrics from 127.0.0.1:9464 over TLS with the
+# health probe's monitor pair, verifying the server as a name in coordinator.crt.
+_HTTPS_SCRAPE = (
+    "import socket, ssl; "
+    "c = ssl.create_default_context(cafile='/pki/ca.crt'); "
+    "c.load_cert_chain('/pki/monitors/healthcheck.crt', '/pki/monitors/healthcheck.key'); "
+    "s = c.wrap_socket(socket.create_connection(('127.0.0.1', 9464), timeout=10), "
+    "server_hostname='{server_name}'); "
+    "s.sendall(b'GET /metrics HTTP/1.0\\r\\nHost: metrics\\r\\n\\r\\n'); "
+    "reply = b''.join(iter(lambda: s.recv(65536), b'')).decode(); "
+    "assert reply.startswith('HTTP/1.0 200'), reply[:200]; "
+    "print(reply.split('\\r\\n\\r\\n', 1)[1])"
+)
 
 
 def test_role_images_carry_only_their_own_code(images: dict[str, int]) -> None:
@@ -284,15 +305,25 @@ def test_a_study_in_containers(images: dict[str, int], run: dict[str, object],
 
     sites: dict[str, ManagedProcess] = {}
     site_states: dict[str, Path] = {}
+    served_sha256 = _study_sha256_of(coordinator_study / "study.toml")
     for site in SITES:
         site_states[site] = _own(tmp_path / "site-state" / site)
+        identity = ["-e", f"MEDFED_SITE_SITE={site}", "-e", f"MEDFED_SITE_COORDINATOR={name}:7443",
+                    "-e", "MEDFED_SITE_PKI=/pki", "-e", f"MEDFED_SITE_STUDY_SHA256={served_sha256}"]
+        # As compose's approve-SITE job: the hospital's privacy officer pins the study it
+        # received from pki-init (its own folder), checked against the SHA-256 read out.
+        approved = engine("run", "--rm", "--network", "none", *HARDENING,
+                          "-v", f"{hospitals[site]}:/pki:ro", "-v", f"{config}:/config:ro",
+                          "-v", f"{site_states[site]}:/state", *identity,
+                          "--entrypoint", "medfed", SITE_IMAGE, "site", "approve",
+                          "/pki/study.toml", "--config", "/config/site.toml", "--yes",
+                          timeout=600)
+        assert json.loads(approved.stdout.splitlines()[-1])["sha256"] == served_sha256
         sites[site] = _start_with_command(run, f"site-{site}-{suffix}", SITE_IMAGE, [
             # Its own key folder and its own records, both read-only.
             "-v", f"{hospitals[site]}:/pki:ro",
             "-v", f"{REPO / 'deploy/demo/data' / site}:/data:ro",
-            "-v", f"{config}:/config:ro", "-v", f"{site_states[site]}:/state",
-            "-e", f"MEDFED_SITE_SITE={site}", "-e", f"MEDFED_SITE_COORDINATOR={name}:7443",
-            "-e", "MEDFED_SITE_PKI=/pki", "-e", "MEDFED_SITE_METRICS_LISTEN=0.0.0.0:9465",
+            "-v", f"{config}:/config:ro", "-v", f"{site_states[site]}:/state", *identity,
             "-e", "MEDFED_SITE_DATA__PATH=/data/records.csv",
             "-e", "OMP_NUM_THREADS=1",
         # Not --once: a site stays up after the study (as in compose), so each check
@@ -303,10 +334,16 @@ def test_a_study_in_containers(images: dict[str, int], run: dict[str, object],
         proc.wait_event("started", timeout=600)
         container = f"site-{site}-{suffix}"
         assert engine("healthcheck", "run", container, check=False).returncode == 0, site
-        # Prometheus's view: the site's /metrics over the internal network.
-        scraped = _python_in(name, "import urllib.request as r; print(r.urlopen("
-                             f"'http://{container}:9465/metrics', timeout=10).read().decode())")
+        # The hospital's own view (its Prometheus on its own network): the site's
+        # /metrics on the container's loopback, as site.toml binds it; the coordinator's
+        # container on the shared network cannot read a hospital's counts.
+        scraped = _python_in(container, "import urllib.request as r; print(r.urlopen("
+                             "'http://127.0.0.1:9465/metrics', timeout=10).read().decode())")
         assert "medfed_site_epsilon_budget" in scraped
+        unreachable = engine("exec", name, "python", "-c", "import urllib.request as r; "
+                             f"r.urlopen('http://{container}:9465/metrics', timeout=10)",
+                             check=False, timeout=120)
+        assert unreachable.returncode != 0, unreachable.stdout
         mounts_of = {m["Destination"]: m for m in json.loads(
             engine("inspect", container).stdout)[0]["Mounts"]}
         assert mounts_of["/pki"]["Source"] == str(hospitals[site]) and not mounts_of["/pki"]["RW"]
@@ -327,8 +364,8 @@ def test_a_study_in_containers(images: dict[str, int], run: dict[str, object],
     assert "round 1 starts from /study/initial-model.safetensors" in coordinator_log
     assert "evaluation_probe_unavailable" in coordinator_log
 
-    metrics = _python_in(name, "import urllib.request as r; print(r.urlopen("
-                         "'http://127.0.0.1:9464/metrics', timeout=10).read().decode())")
+    # Opened beyond loopback, /metrics is HTTPS for monitor certificates only: the probe's.
+    metrics = _python_in(name, _HTTPS_SCRAPE.format(server_name=name))
     assert re.search(r"^medfed_coordinator_study_finished 1\.0$", metrics, re.M)
     assert re.search(r'^medfed_coordinator_rounds_total\{outcome="completed"\} [1-9]', metrics,
                      re.M)
@@ -377,6 +414,7 @@ def _anonymous_volumes(*containers: str) -> list[str]:
 
 
 COMPOSE_SERVICES = ("pki-init", "model-init", "coordinator",
+                    *(f"approve-{site}" for site in SITES),
                     *(f"site-{site}" for site in SITES))
 
 
@@ -426,9 +464,18 @@ def test_the_compose_demo_runs_with_podman_compose(images: dict[str, int],
             assert keys == [f"/pki/sites/{site}.key"]
         assert engine("healthcheck", "run", container("coordinator"),
                       check=False).returncode == 0
-        for one_off in ("pki-init", "model-init"):
+        for one_off in ("pki-init", "model-init", *(f"approve-{site}" for site in SITES)):
             state = json.loads(engine("inspect", container(one_off)).stdout)[0]["State"]
             assert state["ExitCode"] == 0, one_off
+        served = engine("exec", container("coordinator"), "cat", "/study/study.toml").stdout
+        for site in SITES:
+            # Each hospital's approval pinned the study the coordinator served, and its
+            # summary (members with their key fingerprints) is in the job's log.
+            approval = engine("logs", container(f"approve-{site}")).stdout
+            assert '"approved": "study"' in approval and "members       3 hospitals" in approval
+            received = engine("exec", container(f"site-{site}"), "cat",
+                              "/pki/study.toml").stdout
+            assert received == served
         text = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").iterdir())
         assert "round 1 starts from /study/initial-model.safetensors" in text
         assert "study finished" in text

@@ -74,6 +74,13 @@ def test_grafana_dashboard_is_json_with_panels() -> None:
     compose_grafana = load_yaml(COMPOSE)["services"]["grafana"]
     mounts = {v.split(":")[1] for v in compose_grafana["volumes"] if v.startswith("./")}
     assert provider["providers"][0]["options"]["path"] in mounts
+    # The operator's Grafana provisions the operator's dashboard only: a hospital's
+    # (deploy/grafana/site) belongs to that hospital's own Grafana.
+    sources = {v.split(":")[0] for v in compose_grafana["volumes"] if v.startswith("./")}
+    assert "./deploy/grafana/dashboards" in sources
+    assert not any(source.startswith("./deploy/grafana/site") for source in sources)
+    assert sorted(p.name for p in (DEPLOY / "grafana/dashboards").iterdir()) == [
+        "medfed-federation.json"]
 
 
 # --------------------------------------------------------------------------- Dockerfiles
@@ -270,7 +277,10 @@ def test_compose_services_volumes_and_sites() -> None:
     assert "${GRAFANA_ADMIN_PASSWORD:?" in COMPOSE.read_text()
 
 
-def test_prometheus_scrapes_the_compose_services_on_their_configured_ports() -> None:
+def test_prometheus_scrapes_the_compose_coordinator_over_https_with_its_own_monitor() -> None:
+    """The operator's Prometheus scrapes the coordinator, on its configured port, over
+    HTTPS with the monitor pair pki-init writes into the volume Prometheus mounts; it
+    scrapes no site agent (each hospital scrapes its own)."""
     config = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
     targets = {
         job["job_name"]: {t for sc in job["static_configs"] for t in sc["targets"]}
@@ -278,13 +288,29 @@ def test_prometheus_scrapes_the_compose_services_on_their_configured_ports() -> 
     }
     coordinator_port = tomllib.loads((DEPLOY / "config/coordinator.toml").read_text())[
         "metrics_listen"].rsplit(":", 1)[1]
-    site_port = tomllib.loads((DEPLOY / "config/site.toml").read_text())[
-        "metrics_listen"].rsplit(":", 1)[1]
-    assert targets["medfed-coordinator"] == {f"coordinator:{coordinator_port}"}
-    assert targets["medfed-sites"] == {f"site-{s}:{site_port}" for s in SITES}
-    assert set(load_yaml(COMPOSE)["services"]) >= {
-        t.split(":")[0] for ts in targets.values() for t in ts
-    }
+    assert targets == {"medfed-coordinator": {f"coordinator:{coordinator_port}"}}
+    services = load_yaml(COMPOSE)["services"]
+    assert "coordinator" in services
+    (job,) = config["scrape_configs"]
+    assert job["scheme"] == "https"
+    prometheus, pki_init = services["prometheus"], services["pki-init"]
+    mounted = dict(v.split(":")[:2] for v in prometheus["volumes"])
+    folder = pki_init["environment"]["PROMETHEUS_PKI_DIR"]
+    assert f"prometheus-pki:{folder}" in pki_init["volumes"]
+    assert "prometheus-pki:/pki:ro" in prometheus["volumes"]
+    written = {"ca_file": "ca.crt", "cert_file": "prometheus.crt", "key_file": "prometheus.key"}
+    for key, name in written.items():
+        assert job["tls_config"][key] == f"{mounted['prometheus-pki']}/{name}"
+        assert f'"$PROMETHEUS_PKI_DIR/{name}"' in BOOTSTRAP.read_text()
+    # Only pki-init and Prometheus see that volume; Prometheus reads the key as a member
+    # of the group the images' user (10001) writes it with (0640).
+    users = {name for name, svc in services.items()
+             if any(str(v).startswith("prometheus-pki:") for v in svc.get("volumes", []))}
+    assert users == {"pki-init", "prometheus"}
+    assert prometheus["user"].split(":")[1] == "10001"
+    assert prometheus["depends_on"]["pki-init"]["condition"] == (
+        "service_completed_successfully")
+    assert "/prometheus-pki" in (DEPLOY / "docker/coordinator.Dockerfile").read_text()
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None,
@@ -327,6 +353,9 @@ def test_example_config_validates_and_mentions_every_field(
     settings = load_settings(cls, config_file=path, overrides={})
     # Plain-HTTP metrics on loopback unless a deployment opens them deliberately.
     assert settings.metrics_listen.startswith("127.0.0.1:")
+    if isinstance(settings, CoordinatorSettings):
+        # ... where the coordinator's turn to HTTPS by themselves.
+        assert settings.metrics_tls == "auto"
     lines = path.read_text().splitlines()
     for dotted in documented_fields(cls):
         section, _, name = dotted.rpartition(".")
@@ -359,6 +388,7 @@ def test_kubernetes_config_map_validates(clean_env: None, tmp_path: Path) -> Non
     path.write_text(config_map["data"]["coordinator.toml"])
     settings = load_settings(CoordinatorSettings, config_file=path, overrides={})
     assert settings.listen.endswith(":7443") and settings.metrics_listen.endswith(":9464")
+    assert settings.metrics_over_tls
 
 
 # --------------------------------------------------------------------------- Kubernetes
@@ -513,6 +543,40 @@ def test_probe_verifies_a_name_that_is_in_the_coordinator_certificate() -> None:
         "MEDFED_HEALTH_SERVER_CERT"] == "/pki/coordinator.crt"
 
 
+def _coordinator_settings_as_shipped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> dict[str, CoordinatorSettings]:
+    """The coordinator's settings as each shipped deployment runs them: the example
+    config with compose's environment, and the Kubernetes ConfigMap."""
+    shipped = {}
+    for name, value in load_yaml(COMPOSE)["services"]["coordinator"]["environment"].items():
+        if name.startswith("MEDFED_COORDINATOR_"):
+            monkeypatch.setenv(name, str(value))
+    shipped["compose"] = load_settings(
+        CoordinatorSettings, config_file=DEPLOY / "config/coordinator.toml", overrides={})
+    for name in list(os.environ):
+        if name.startswith("MEDFED_"):
+            monkeypatch.delenv(name)
+    config_map = tmp_path / "coordinator.toml"
+    config_map.write_text(load_yaml(DEPLOY / "k8s/configmap.yaml")["data"]["coordinator.toml"])
+    shipped["kubernetes"] = load_settings(CoordinatorSettings, config_file=config_map,
+                                          overrides={})
+    return shipped
+
+
+def test_attack_the_shipped_coordinator_never_serves_plain_metrics_beyond_loopback(
+    clean_env: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Compose and Kubernetes open the coordinator's metrics beyond loopback, so they
+    serve HTTPS to monitor certificates: no one else on those networks reads them."""
+    from common.config import is_loopback_host, parse_host_port
+
+    shipped = _coordinator_settings_as_shipped(monkeypatch, tmp_path)
+    for where, settings in shipped.items():
+        assert not is_loopback_host(parse_host_port(settings.metrics_listen)[0]), where
+        assert settings.metrics_over_tls, f"{where}: plain-HTTP /metrics beyond loopback"
+
+
 def test_metrics_are_opened_only_on_internal_networks() -> None:
     """Shipped configs bind loopback; where a deployment opens metrics, the port is not
     published (compose) or is limited to the monitoring namespace (Kubernetes)."""
@@ -550,9 +614,11 @@ def test_bootstrap_and_healthcheck_against_a_real_coordinator(tmp_path: Path) ->
            # As in docker-compose.yml: the certificate does NOT name 127.0.0.1.
            "COORDINATOR_HOSTS": "coordinator",
            "SITES": "paediatric",
+           "PROMETHEUS_PKI_DIR": str(tmp_path / "prometheus-pki"),
            "STUDY_IN": str(DEPLOY / "demo/study.toml"),
            "STUDY_OUT": str(coordinator_pki / "study.toml")}
     served = []
+    (tmp_path / "prometheus-pki").mkdir()  # a volume the image made (Dockerfile)
     for run in (1, 2):  # the second run must keep everything
         done = subprocess.run(["sh", str(BOOTSTRAP)], env=env, capture_output=True, text=True,
                               timeout=180, cwd=tmp_path)
@@ -561,6 +627,7 @@ def test_bootstrap_and_healthcheck_against_a_real_coordinator(tmp_path: Path) ->
         if run == 1:
             first_ca = (operator / "ca.crt").read_bytes()
             first_key = (hospitals / "paediatric/sites/paediatric.key").read_bytes()
+            first_scraper = (tmp_path / "prometheus-pki/prometheus.crt").read_bytes()
     assert "keeping the PKI" in done.stdout
     assert (operator / "ca.crt").read_bytes() == first_ca
     assert (hospitals / "paediatric/sites/paediatric.key").read_bytes() == first_key
@@ -569,7 +636,18 @@ def test_bootstrap_and_healthcheck_against_a_real_coordinator(tmp_path: Path) ->
         return {str(p.relative_to(folder)) for p in folder.rglob("*.key")}
 
     # The operator holds no site key; the coordinator no site identity and no CA key.
-    assert keys(operator) == {"ca.key", "coordinator.key", "monitors/healthcheck.key"}
+    assert keys(operator) == {"ca.key", "coordinator.key", "monitors/healthcheck.key",
+                              "monitors/prometheus.key"}
+    # Prometheus: the CA and its own monitor pair, the key readable by the group only.
+    scraper = tmp_path / "prometheus-pki"
+    assert sorted(p.name for p in scraper.iterdir()) == [
+        "ca.crt", "prometheus.crt", "prometheus.key"]
+    assert (scraper / "prometheus.key").stat().st_mode & 0o777 == 0o640
+    assert scraper.stat().st_mode & 0o007 == 0
+    assert (scraper / "ca.crt").read_bytes() == first_ca
+    assert (scraper / "prometheus.crt").read_bytes() == first_scraper  # issued once
+    scraper_cert = pki.load_certificate(scraper / "prometheus.crt")
+    assert pki.certificate_identity(scraper_cert).role is pki.Role.MONITOR
     assert keys(coordinator_pki) == {"coordinator.key", "monitors/healthcheck.key"}
     assert not (coordinator_pki / "sites").exists()
     assert keys(hospitals) == {"paediatric/sites/paediatric.key"}
