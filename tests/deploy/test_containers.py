@@ -582,3 +582,126 @@ def test_the_kubernetes_deployment_runs_under_podman_kube_play(
                 if v not in volumes_before and re.fullmatch(r"[0-9a-f]{64}", v)}
         for volume in made:
             engine("volume", "rm", volume, check=False)  # not -f: never one in use
+
+
+def test_the_kubernetes_site_kit_approves_then_joins_under_podman_kube_play(
+    images: dict[str, int], tmp_path: Path
+) -> None:
+    """deploy/k8s/site's rendered example overlay as `podman kube play` runs it: the init
+    container `approve-study` pins the study ConfigMap in the state volume under the
+    SHA-256 the overlay sets (the one the hospital's privacy officer read out), then the
+    agent container (UID 10001, read-only root file system) enrols with a coordinator
+    serving that study and joins it. The same deviations as the coordinator's pod
+    (restartPolicy Never, the TLS Secret as a hostPath folder laid out as the kubelet
+    mounts it), and three more for this machine: the pod on the host's network (the
+    coordinator is a process here, on 127.0.0.1), the data volume a hostPath folder with
+    the hospital's records, and the metrics port at 0 (several runs share the host)."""
+    import yaml  # type: ignore[import-untyped]
+
+    from common import pki
+    from common.processes import medfed_argv
+    from common.study import load_study, study_bytes, study_sha256
+    from tests.deploy.test_k8s_site import OVERLAY, render
+    from tests.e2e.harness import list_members
+
+    suffix = uuid.uuid4().hex[:8]
+    site = "st-marys"
+    pki_dir = tmp_path / "pki"
+    pki.init_ca(pki_dir)
+    pki.issue_coordinator(pki_dir, ["127.0.0.1", "localhost"])
+    request = pki.request_certificate(tmp_path / "hospital", site)
+    pki.sign_request(pki_dir, request.csr_path)
+    study_path = tmp_path / "study.toml"
+    shutil.copy(REPO / "deploy/demo/study.toml", study_path)
+    list_members(study_path, pki_dir, [site])
+    study = load_study(study_path)
+
+    coordinator = ManagedProcess(
+        "kube-site-coordinator",
+        medfed_argv("coordinator", "serve", "--study", str(study_path), "--pki", str(pki_dir),
+                    "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                    "--state", str(tmp_path / "coordinator-state"), "--min-sites", "3"),
+        log_dir=tmp_path / "logs", cwd=REPO)
+    try:
+        port = int(coordinator.wait_event("listening", timeout=300)["port"])
+        tls = tmp_path / "tls"
+        tls.mkdir()
+        for source, name in ((pki_dir / "ca.crt", "ca.crt"),
+                             (pki.site_paths(pki_dir, site)[0], "site.crt"),
+                             (tmp_path / "hospital" / f"{site}.key", "site.key")):
+            shutil.copy(source, tls / name)
+            _owned_by_root_group_medfed(tls / name, 0o440)
+        _owned_by_root_group_medfed(tls, 0o750)
+
+        docs = render(OVERLAY)
+        (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+        (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
+        (state_claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"
+                          and d["metadata"]["name"] == "medfed-site-state"]
+        name = f"medfed-site-{suffix}"
+        for doc in (deployment, config, state_claim):
+            doc["metadata"].pop("namespace", None)
+        state_claim["metadata"]["name"] = f"{name}-state"
+        deployment["metadata"]["name"] = name
+        config["metadata"]["name"] = f"{name}-config"
+        config["data"]["site.toml"] = config["data"]["site.toml"].replace(
+            'metrics_listen = "0.0.0.0:9465"', 'metrics_listen = "127.0.0.1:0"')
+        study_map = {"apiVersion": "v1", "kind": "ConfigMap",
+                     "metadata": {"name": f"{name}-study"},
+                     "data": {"study.toml": study_path.read_text()}}
+        pod = deployment["spec"]["template"]["spec"]
+        pod["restartPolicy"] = "Never"
+        pod["hostNetwork"] = True
+        for volume in pod["volumes"]:
+            if volume["name"] == "tls":
+                volume.clear()
+                volume.update({"name": "tls", "hostPath": {"path": str(tls),
+                                                           "type": "Directory"}})
+            elif volume["name"] == "data":
+                volume.clear()
+                volume.update({"name": "data", "hostPath": {
+                    "path": str(REPO / "deploy/demo/data/rural"), "type": "Directory"}})
+            elif volume["name"] == "state":
+                volume["persistentVolumeClaim"]["claimName"] = f"{name}-state"
+            elif volume["name"] == "config":
+                volume["configMap"]["name"] = f"{name}-config"
+            elif volume["name"] == "study":
+                assert volume["configMap"]["name"] == "medfed-site-study"
+                volume["configMap"]["name"] = f"{name}-study"
+        (init,) = pod["initContainers"]
+        (agent,) = pod["containers"]
+        for container in (init, agent):
+            for item in container["env"]:
+                if item["name"] == "MEDFED_SITE_COORDINATOR":
+                    item["value"] = f"127.0.0.1:{port}"
+                if item["name"] == "MEDFED_SITE_STUDY_SHA256":
+                    # What the hospital sets in its overlay: the hash its officer read.
+                    item["value"] = study_sha256(study)
+        played = tmp_path / "site.yaml"
+        played.write_text(yaml.safe_dump_all([state_claim, deployment]))
+        maps = tmp_path / "configmaps.yaml"
+        maps.write_text(yaml.safe_dump_all([config, study_map]))
+
+        container = f"{name}-pod-0-site-agent"
+        volumes_before = set(engine("volume", "ls", "-q").stdout.split())
+        try:
+            engine("kube", "play", "--configmap", str(maps), str(played), timeout=600)
+            logs = ManagedProcess("kube-site", [str(ENGINE), "logs", "-f", container],
+                                  log_dir=tmp_path / "logs")
+            joined = logs.wait_event("study_joined", timeout=600)
+            assert joined["records"] > 0
+            pinned = engine("exec", container, "cat", "/state/approved/study.json").stdout
+            assert pinned.encode() == study_bytes(study)
+            inspected = json.loads(engine("inspect", container).stdout)[0]
+            assert inspected["Config"]["User"].split(":")[0] == str(UID)
+            assert inspected["HostConfig"]["ReadonlyRootfs"] is True
+        finally:
+            engine("kube", "down", str(played), check=False, timeout=180)
+            engine("volume", "rm", "-f", f"{name}-state", f"{name}-config", f"{name}-study",
+                   check=False)
+            made = {v for v in engine("volume", "ls", "-q").stdout.split()
+                    if v not in volumes_before and re.fullmatch(r"[0-9a-f]{64}", v)}
+            for volume in made:
+                engine("volume", "rm", volume, check=False)
+    finally:
+        coordinator.stop()
