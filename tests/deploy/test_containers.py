@@ -594,8 +594,9 @@ def test_the_kubernetes_site_kit_approves_then_joins_under_podman_kube_play(
     serving that study and joins it. The same deviations as the coordinator's pod
     (restartPolicy Never, the TLS Secret as a hostPath folder laid out as the kubelet
     mounts it), and three more for this machine: the pod on the host's network (the
-    coordinator is a process here, on 127.0.0.1), the data volume a hostPath folder with
-    the hospital's records, and the metrics port at 0 (several runs share the host)."""
+    coordinator is a process here, on 127.0.0.1; so no port mapping), the data volume a
+    hostPath folder with the hospital's records, and the metrics port at 0 (several runs
+    share the host)."""
     import yaml  # type: ignore[import-untyped]
 
     from common import pki
@@ -670,6 +671,7 @@ def test_the_kubernetes_site_kit_approves_then_joins_under_podman_kube_play(
                 volume["configMap"]["name"] = f"{name}-study"
         (init,) = pod["initContainers"]
         (agent,) = pod["containers"]
+        agent.pop("ports")  # podman maps no port of a pod on the host's network
         for container in (init, agent):
             for item in container["env"]:
                 if item["name"] == "MEDFED_SITE_COORDINATOR":
@@ -679,13 +681,15 @@ def test_the_kubernetes_site_kit_approves_then_joins_under_podman_kube_play(
                     item["value"] = study_sha256(study)
         played = tmp_path / "site.yaml"
         played.write_text(yaml.safe_dump_all([state_claim, deployment]))
-        maps = tmp_path / "configmaps.yaml"
-        maps.write_text(yaml.safe_dump_all([config, study_map]))
+        maps = []
+        for doc in (config, study_map):
+            maps += ["--configmap", str(tmp_path / f"{doc['metadata']['name']}.yaml")]
+            Path(maps[-1]).write_text(yaml.safe_dump(doc))
 
         container = f"{name}-pod-0-site-agent"
         volumes_before = set(engine("volume", "ls", "-q").stdout.split())
         try:
-            engine("kube", "play", "--configmap", str(maps), str(played), timeout=600)
+            engine("kube", "play", *maps, str(played), timeout=600)
             logs = ManagedProcess("kube-site", [str(ENGINE), "logs", "-f", container],
                                   log_dir=tmp_path / "logs")
             joined = logs.wait_event("study_joined", timeout=600)
