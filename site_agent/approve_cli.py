@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from common.config import SiteSettings, load_settings
-from common.errors import ConfigError, ValidationError
+from common.errors import ConfigError, QueryRefused, ValidationError
 from common.study import Study, load_study, study_sha256
 from site_agent.approvals import Approvals
 
@@ -99,9 +99,26 @@ def describe_members(study: Study, out: TextIO) -> None:
         print(f"  - {member.name:<24} {member.fingerprint}", file=out)
 
 
-def describe_query(query: Any, sha256: str, study: Study, out: TextIO) -> None:
+def query_cost_for_site(query: Any, study: Study, config: Path | None) -> Any:
+    """The query's cost against this site's limits (`common.analytics.cost.query_cost`):
+    with `config`, its policy and its ledger's accountant; without, the study's own."""
+    from common.analytics.cost import query_cost
+
+    if config is None:
+        return query_cost(query, study=study, policy=None)
+    from site_agent.datacheck import site_policy
+
+    settings = load_settings(SiteSettings, config_file=config, overrides={})
+    return query_cost(query, study=study, policy=site_policy(settings),
+                      accountant=settings.privacy.accountant)
+
+
+def describe_query(query: Any, sha256: str, study: Study, out: TextIO,
+                   cost: Any = None) -> None:
     """What a privacy officer approves: the study, the cohort, each statistic with its
-    epsilon and the cells it releases."""
+    epsilon and the cells it releases, and what one run charges the site's ledger
+    (`cost`: `common.analytics.cost.QueryCost`, default the study's own terms)."""
+    from common.analytics.cost import query_cost
     from common.analytics.vector import statistic_cells
 
     print(f"query         {query.name} (sha256 {sha256})", file=out)
@@ -114,8 +131,11 @@ def describe_query(query: Any, sha256: str, study: Study, out: TextIO) -> None:
         terms = condition.model_dump(exclude_none=True, exclude={"feature"})
         print(f"cohort        {condition.feature}: "
               + ", ".join(f"{k} {v}" for k, v in sorted(terms.items())), file=out)
-    print(f"epsilon       {query.epsilon:g} in all (delta {study.privacy.delta:g}), on every "
-          "participating site's ledger, each time it runs", file=out)
+    cost = query_cost(query, study=study, policy=None) if cost is None else cost
+    print(f"epsilon       {cost.epsilon_composed:.4g} charged to the ledger of every site "
+          f"that answers, each time it runs (its statistics composed as the ledger composes "
+          f"them, at delta {cost.delta:g}; {query.epsilon:g} summed)", file=out)
+    print(f"round cap     {cost.cap_text()}", file=out)
     for spec in query.statistics:
         cells = statistic_cells(spec, study)
         extra = spec.model_dump(exclude_none=True, exclude={"name", "kind", "epsilon", "by"})
@@ -175,10 +195,19 @@ def _approve_one(args: argparse.Namespace, path: Path, state: Path, own: Study |
     except ValidationError as exc:
         raise ConfigError(str(path), str(exc)) from None
     sha256 = query_sha256(query)
-    describe_query(query, sha256, own, out)
+    cost = query_cost_for_site(query, own, args.config)
+    describe_query(query, sha256, own, out, cost)
     if query.study_sha256 != study_sha256(own):
         raise ConfigError(str(path), f"the query is for study {query.study_sha256[:12]}..., "
                           f"not this site's study {own.study.name!r}")
+    if args.config is None:
+        print("checked       against the study's own limits only: this site's "
+              "policy.max_epsilon_per_round and budget are in its config (--config "
+              "SITE.toml checks them now; `site run` checks them before every run)", file=out)
+    if not cost.ok:
+        # A query the site would decline at its run is not pinned: nothing to approve.
+        raise QueryRefused(f"{path}: query {query.name!r} not approved: "
+                           + "; ".join(cost.problems))
     if not _confirm(args, f"query {query.name!r} ({args.times} run(s))"):
         print("not approved", file=out)
         return 1

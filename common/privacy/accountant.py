@@ -73,6 +73,7 @@ __all__ = [
     "account",
     "clear_composition_caches",
     "compose_epsilon",
+    "epsilon_added",
     "epsilon_after",
     "plan_noise_multiplier",
     "plan_round_noise",
@@ -364,6 +365,23 @@ def epsilon_after(
     """Epsilon the site would have spent after adding `new_segment` to `history`."""
     extra = [new_segment] if isinstance(new_segment, MECHANISM_TYPES) else list(new_segment)
     return compose_epsilon([*history, *extra], delta=delta, accountant=accountant)
+
+
+def epsilon_added(
+    history: Sequence[Mechanism],
+    new: Mechanism | Sequence[Mechanism],
+    *,
+    delta: float,
+    accountant: str = "prv",
+) -> float:
+    """What `new` adds to the site's spend: eps(history + new) - eps(history), both
+    composed over the whole history (never a per-release epsilon summed). The measure of
+    the per-round cap, `max_epsilon_per_round`, for every release a site makes in one
+    round: a training round's plan (`plan_round_noise`), a hospital round, a query or
+    other round release."""
+    after = epsilon_after(history, new, delta=delta, accountant=accountant)
+    before = compose_epsilon(history, delta=delta, accountant=accountant) if history else 0.0
+    return after - before
 
 
 def plan_noise_multiplier(

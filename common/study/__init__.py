@@ -20,6 +20,7 @@ from common.study.global_statistics import (
 from common.study.policy import (
     SitePrivacyPolicy,
     check_study_against_policy,
+    per_round_cap,
     study_round_terms,
 )
 from common.study.schema import (
@@ -92,6 +93,7 @@ __all__ = [
     "intermediaries_warning",
     "load_statistics",
     "load_study",
+    "per_round_cap",
     "statistics_bytes",
     "statistics_from_bytes",
     "study_bytes",

@@ -51,6 +51,27 @@ def study_round_terms(
     return study.privacy.max_colluding_sites, study.privacy.min_round_sites
 
 
+ROUND_CAP_SLACK = 1e-9
+"""Float slack of a per-round cap comparison (compositions are deterministic)."""
+
+
+def per_round_cap(study: Study | None, *, site_cap: float | None) -> tuple[float | None, str]:
+    """The most epsilon one round may add to a site's ledger, and where it comes from:
+    the smaller of the site's ``policy.max_epsilon_per_round`` (`site_cap`) and the
+    study's ``privacy.max_epsilon_per_round``, whichever are set; (None, "") when
+    neither is. Measured as the composed increase of the ledger
+    (`common.privacy.accountant.epsilon_added`)."""
+    caps = ([] if site_cap is None
+            else [(site_cap, "this site's policy.max_epsilon_per_round")])
+    if study is not None and study.privacy.max_epsilon_per_round is not None:
+        caps.append((study.privacy.max_epsilon_per_round,
+                     "the study's privacy.max_epsilon_per_round"))
+    if not caps:
+        return None, ""
+    cap, source = min(caps, key=lambda c: c[0])
+    return cap, source
+
+
 def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
     """Join only if the study's requests are at least as strict as the site's policy.
 
