@@ -638,8 +638,10 @@ def _next_sigma(
             bisect = True
             guess = sigma
         else:
-            guess = s1 * math.exp((math.log(aim) - math.log(max(e1, tiny))) / slope)
-            guess = min(max(guess, s1 / 8), s1 * 8)
+            # A step of at most 8x either way; clamped before exp, which overflows where
+            # epsilon barely falls (a history that alone exceeds the target).
+            exponent = (math.log(aim) - math.log(max(e1, tiny))) / slope
+            guess = s1 * math.exp(min(max(exponent, -math.log(8)), math.log(8)))
     if not math.isfinite(high):
         return guess if guess > low else low * 2
     if bisect:
