@@ -27,7 +27,11 @@ from common.errors import (
     StudyRefused,
     ValidationError,
 )
-from common.evaluation_release import EvaluationHistogram, evaluation_noise_sites
+from common.evaluation_release import (
+    EvaluationHistogram,
+    evaluation_noise_sites,
+    evaluation_noise_std,
+)
 from common.privacy.accountant import epsilon_added
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Mechanism
@@ -104,10 +108,16 @@ class EvaluationRelease:
             return []
         return [self.release(rnd).plan(n_noise=self.noise_sites(rnd)).mechanism()]
 
+    def noise_std(self) -> float:
+        """The study's noise std per summed count (`evaluation_noise_std`): every
+        member adds the same share, whatever its own settings."""
+        return evaluation_noise_std(self.membership.study,
+                                    own=self.settings.privacy.evaluation_noise_std)
+
     def release(self, rnd: VerifiedRound) -> EvaluationHistogram:
         """This round's histogram release (`common.evaluation_release`)."""
         return EvaluationHistogram(
-            noise_std=self.settings.privacy.evaluation_noise_std,
+            noise_std=self.noise_std(),
             bins=rnd.announcement.histogram_bins,
             # A multi-class study's histogram has one block per class (hooks.evaluate).
             classes=int(getattr(self.hook, "histogram_classes", 1)),
@@ -130,7 +140,7 @@ class EvaluationRelease:
         else:
             histogram = dp_release.noised_histogram(
                 self.release(rnd).query(update),
-                noise_std=self.settings.privacy.evaluation_noise_std,
+                noise_std=self.noise_std(),
                 n_noise=self.noise_sites(rnd),
             )
         return dataclasses.replace(update, histogram=histogram)

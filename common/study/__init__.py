@@ -24,6 +24,7 @@ from common.study.policy import (
     study_round_terms,
 )
 from common.study.schema import (
+    DEFAULT_EVALUATION_NOISE_STD,
     FACTORY_PATTERN,
     FINGERPRINT_PATTERN,
     FORMULA_STARTS,
@@ -59,6 +60,7 @@ from common.study.schema import (
 )
 
 __all__ = [
+    "DEFAULT_EVALUATION_NOISE_STD",
     "FACTORY_PATTERN",
     "FINGERPRINT_PATTERN",
     "FORMULA_STARTS",

@@ -37,6 +37,11 @@ class SitePrivacyPolicy:
     min_round_sites: int | None = None
     """This site's round floor (``policy.min_round_sites``): a study whose floor
     max(min_round_sites, T + 2) is lower is refused. None: any."""
+    min_evaluation_noise_std: float | None = None
+    """The least noise std per summed evaluation count this site accepts (its
+    ``privacy.evaluation_noise_std``): a study whose ``privacy.evaluation.noise_std`` is
+    smaller is refused. None: the study's, whatever it is (each evaluation is still
+    charged to the budget at the study's noise)."""
 
 
 def study_round_terms(
@@ -156,6 +161,13 @@ def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
             f"asks {study.max_evaluations} DP evaluations ({study.evaluations_planned_text()}),"
             f" more than this site's policy.max_evaluations = {policy.max_evaluations}: "
             "raise policy.max_evaluations in this site's config, or lower study.rounds"
+        )
+    noise_std = requested.evaluation.noise_std
+    if policy.min_evaluation_noise_std is not None and noise_std < policy.min_evaluation_noise_std:
+        problems.append(
+            f"privacy.evaluation.noise_std = {noise_std:g} adds less noise to the DP "
+            f"evaluation than this site's privacy.evaluation_noise_std = "
+            f"{policy.min_evaluation_noise_std:g} (the least it accepts)"
         )
     factory = study.model.custom
     if factory is not None and factory not in policy.allowed_model_factories:
