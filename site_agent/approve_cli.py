@@ -14,12 +14,16 @@ import json
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from common.config import SiteSettings, load_settings
 from common.errors import ConfigError, QueryRefused, ValidationError
 from common.study import Study, load_study, study_sha256
 from site_agent.approvals import Approvals
+
+if TYPE_CHECKING:
+    from common.analytics.cost import QueryCost
+    from common.analytics.query import Query
 
 
 def register(sub: Any) -> None:
@@ -99,7 +103,7 @@ def describe_members(study: Study, out: TextIO) -> None:
         print(f"  - {member.name:<24} {member.fingerprint}", file=out)
 
 
-def query_cost_for_site(query: Any, study: Study, config: Path | None) -> Any:
+def query_cost_for_site(query: Query, study: Study, config: Path | None) -> QueryCost:
     """The query's cost against this site's limits (`common.analytics.cost.query_cost`):
     with `config`, its policy and its ledger's accountant; without, the study's own."""
     from common.analytics.cost import query_cost
@@ -113,8 +117,8 @@ def query_cost_for_site(query: Any, study: Study, config: Path | None) -> Any:
                       accountant=settings.privacy.accountant)
 
 
-def describe_query(query: Any, sha256: str, study: Study, out: TextIO,
-                   cost: Any = None) -> None:
+def describe_query(query: Query, sha256: str, study: Study, out: TextIO,
+                   cost: QueryCost | None = None) -> None:
     """What a privacy officer approves: the study, the cohort, each statistic with its
     epsilon and the cells it releases, and what one run charges the site's ledger
     (`cost`: `common.analytics.cost.QueryCost`, default the study's own terms)."""
