@@ -196,14 +196,18 @@ class SecAggCard(_Section):
 
 class QueryRun(_Section):
     """A federated DP query the federation answered before this model (`medfed query
-    run`): each participating site's ledger paid `epsilon` for it, already inside
-    sites[].epsilon; named here so a reader of the model knows what else was asked."""
+    run`), already inside sites[].epsilon; named here so a reader of the model knows
+    what else was asked. `epsilon` is the sum of its statistics' epsilons,
+    `epsilon_composed` what each participating site's ledger charged for it (the
+    statistics composed, at the study's delta; None on a card written before it was
+    recorded)."""
 
     name: str = Field(min_length=1, max_length=64)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     round: int = Field(ge=1)
     epsilon: float = Field(ge=0)
     contributors: int = Field(ge=1)
+    epsilon_composed: float | None = Field(default=None, ge=0)
 
 
 class PrivacyCard(_Section):

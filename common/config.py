@@ -384,8 +384,16 @@ class PrivacySection(_Section):
     # The most this site spends on it: a study declares the value every site spends and
     # is refused above this (docs/privacy.md).
     count_epsilon: float = Field(default=DEFAULT_COUNT_EPSILON, gt=0, le=100)
-    # Total noise std on each summed count of an evaluation histogram (split across sites).
-    evaluation_noise_std: float = Field(default=10.0, ge=1.0, le=1e6)
+    # The least noise std per summed count of an evaluation histogram this site accepts.
+    # The study sets the noise every member adds ([privacy.evaluation] noise_std, bound
+    # into every round), so a peer's settings cannot lower what this site's ledger
+    # records; a study asking less than this is refused when the site receives it.
+    evaluation_noise_std: float | None = Field(
+        default=None, ge=1.0, le=1e6,
+        description="the least noise std per summed evaluation count this site accepts: "
+        "a study whose [privacy.evaluation] noise_std is smaller is refused at enrolment "
+        "(the study's value is the noise every member adds); unset: the study's",
+    )
     # A folder (ideally on another volume or machine) where the site keeps a signed
     # receipt of its ledger head after every commit: a lost state folder then cannot be
     # restored from a truncated export (docs/privacy.md, "Head receipts").

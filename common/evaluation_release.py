@@ -4,7 +4,8 @@ block (negatives, positives), one score per privacy unit.
 
 Noise: the distributed discrete Gaussian (Kairouz, Liu & Steinke, ICML 2021) split
 across the round-size floor minus the colluding sites (`evaluation_noise_sites`), so the
-secure sum carries the site's configured `evaluation_noise_std` per count. Sensitivity:
+secure sum carries the study's `privacy.evaluation.noise_std` per count
+(`evaluation_noise_std`). Sensitivity:
 each unit adds one count, so L1 = L2 = 1; with K one-vs-rest blocks (a multi-class
 study, `bins` covering all of them) one count in each block: L1 = K, L2 = sqrt(K).
 The coordinator reads the sum with `common.evaluation` (`denoised_histogram`).
@@ -21,7 +22,19 @@ from common.config import SitePolicySection
 from common.egress import EVALUATION_HISTOGRAM, SEGMENT_KINDS
 from common.privacy.purpose import Purpose
 from common.release import DpRelease, NoisePlan, ReleaseKind, register_release
-from common.study import Study, study_round_terms
+from common.study import DEFAULT_EVALUATION_NOISE_STD, Study, study_round_terms
+
+
+def evaluation_noise_std(study: Study | None, *, own: float | None = None) -> float:
+    """The noise std per summed count of a round's score histogram: the study's
+    ``privacy.evaluation.noise_std``, one value for every member (the study's digest is
+    in every announcement), so a peer configured for less noise cannot make the sum
+    carry less than this site's ledger records. Without a study (no production
+    federation runs without one) this site's own ``privacy.evaluation_noise_std``
+    (`own`), else the default."""
+    if study is not None:
+        return study.privacy.evaluation.noise_std
+    return DEFAULT_EVALUATION_NOISE_STD if own is None else own
 
 
 def evaluation_noise_sites(

@@ -287,6 +287,9 @@ _COMMENTS = {
         "[privacy.evaluation] max_evaluations: DP evaluations asked of every site, one per",
         'training round plus the final evaluation round; "derived" = rounds + 1. A site',
         "whose policy.max_evaluations is smaller refuses the study when it receives it.",
+        "noise_std: the noise std on each summed count of a DP score histogram; every",
+        "member adds its share of it (a site whose privacy.evaluation_noise_std, the least",
+        "it accepts, is larger refuses the study).",
     ],
     "members": [
         "The hospitals of this study: site id and the SHA-256 of its public key, as",

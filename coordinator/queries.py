@@ -182,6 +182,8 @@ def keep_answer(state: Path, release: Any, total: np.ndarray, *, noise_sigmas: l
         "format": ANSWER_FORMAT, "query_sha256": sha256, "query": release.query_def.name,
         "round": round_number, "contributors": contributors,
         "epsilon": float(release.query_def.epsilon),
+        # What each answering site's ledger charged for it (the statistics composed).
+        "epsilon_composed": float(answer.epsilon_composed),
         "noise_sigmas": [float(s) for s in noise_sigmas],
         "total": [int(v) for v in np.asarray(total).reshape(-1)],
         "answer": release.to_json(answer),
@@ -204,7 +206,9 @@ def read_answer(path: Path, *, release: DpRelease) -> dict[str, Any]:
         raise ValidationError(f"{path}: not a readable answer ({exc})") from None
     fields = {"format", "query_sha256", "query", "round", "contributors", "epsilon",
               "noise_sigmas", "total", "answer"}
-    if not isinstance(raw, dict) or set(raw) != fields or raw["format"] != ANSWER_FORMAT:
+    # "epsilon_composed": absent from an answer kept before the figure was recorded.
+    if (not isinstance(raw, dict) or not fields <= set(raw) <= fields | {"epsilon_composed"}
+            or raw["format"] != ANSWER_FORMAT):
         raise ValidationError(f"{path}: not a {ANSWER_FORMAT} file")
     total, sigmas, k = raw["total"], raw["noise_sigmas"], raw["contributors"]
     if (not isinstance(total, list) or len(total) != release.length
@@ -233,6 +237,7 @@ def answered_before(state: Path, round_number: int) -> list[dict[str, Any]]:
             raw = parse_json(path.read_bytes())
             run = {"name": raw["query"], "sha256": raw["query_sha256"],
                    "round": raw["round"], "epsilon": raw["epsilon"],
+                   "epsilon_composed": raw.get("epsilon_composed"),
                    "contributors": raw["contributors"]}
         except (OSError, ValidationError, KeyError, TypeError) as exc:
             log.warning("query answer %s not named on the privacy card: %s", path, exc)

@@ -57,8 +57,9 @@ DECLINE_REASONS = {
         "final evaluation round"
     ),
     pb.DeclineRoundRequest.QUERY_NOT_APPROVED: (
-        "the round's query is not one it approved for this study, or it already ran as "
-        "many times as its approval allows"
+        "the round's query is not one it approved for this study, it already ran as "
+        "many times as its approval allows, or one run adds more epsilon than the "
+        "per-round cap (its policy's or the study's max_epsilon_per_round)"
     ),
 }
 """What the coordinator logs for a site's DeclineRound reason."""

@@ -69,7 +69,7 @@ with as few as the released class totals and the noise allow
 std ~4)."""
 
 DEMO_EVALUATION_NOISE_STD = 2.5
-"""Each site's ``evaluation_noise_std`` (site default 10): the std the sum of the
+"""The demo study's ``[privacy.evaluation] noise_std`` (default 10): the std the sum of the
 n_noise = 2 honest sites' shares carries (`site_agent.dp_release.evaluation_noise_sites`,
 rounds of at least 3 sites with 1 colluding); a round of k sites sums k shares, std
 2.5 sqrt(k / 2) per count, ~4 with all five hospitals. Sized for the demo's held-out
@@ -139,6 +139,7 @@ min_round_sites = {terms.min_round_sites}
 
 [privacy.evaluation]
 histogram_bins = {IMAGING_HISTOGRAM_BINS}
+noise_std = {DEMO_EVALUATION_NOISE_STD}
 """
 
 
@@ -220,7 +221,6 @@ budget_epsilon = {o.budget_epsilon}
 delta = {o.delta}
 accountant = "rdp"
 count_epsilon = {DEMO_COUNT_EPSILON}
-evaluation_noise_std = {DEMO_EVALUATION_NOISE_STD}
 
 [training]
 max_physical_batch_size = 128

@@ -14,13 +14,17 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from common.config import SiteSettings, load_settings
-from common.errors import ConfigError, ValidationError
+from common.errors import ConfigError, QueryRefused, ValidationError
 from common.parsing import parse_toml
 from common.study import Study, load_study, study_sha256
 from site_agent.approvals import Approvals
+
+if TYPE_CHECKING:
+    from common.analytics.cost import QueryCost
+    from common.analytics.query import Query
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -65,6 +69,23 @@ def file_kind(path: Path) -> str:
         return "query"
     raise ConfigError(str(path), "neither a study (a [study] table) nor a query (name, "
                       "study_sha256 and [[statistics]])")
+
+
+def _refused_by_policy(study: Study, config: Path | None) -> str | None:
+    """Why this site's policy (its config) refuses `study`, or None: a study the site
+    would refuse at enrolment is not pinned."""
+    if config is None:
+        return None
+    from common.errors import PrivacyError
+    from common.study import check_study_against_policy
+    from site_agent.datacheck import site_policy
+
+    settings = load_settings(SiteSettings, config_file=config, overrides={})
+    try:
+        check_study_against_policy(study, site_policy(settings))
+    except PrivacyError as exc:
+        return str(exc)
+    return None
 
 
 def _state_and_study(args: argparse.Namespace) -> tuple[Path, Study | None, str | None]:
@@ -117,9 +138,26 @@ def describe_members(study: Study, out: TextIO) -> None:
         print(f"  - {member.name:<24} {member.fingerprint}", file=out)
 
 
-def describe_query(query: Any, sha256: str, study: Study, out: TextIO) -> None:
+def query_cost_for_site(query: Query, study: Study, config: Path | None) -> QueryCost:
+    """The query's cost against this site's limits (`common.analytics.cost.query_cost`):
+    with `config`, its policy and its ledger's accountant; without, the study's own."""
+    from common.analytics.cost import query_cost
+
+    if config is None:
+        return query_cost(query, study=study, policy=None)
+    from site_agent.datacheck import site_policy
+
+    settings = load_settings(SiteSettings, config_file=config, overrides={})
+    return query_cost(query, study=study, policy=site_policy(settings),
+                      accountant=settings.privacy.accountant)
+
+
+def describe_query(query: Query, sha256: str, study: Study, out: TextIO,
+                   cost: QueryCost | None = None) -> None:
     """What a privacy officer approves: the study, the cohort, each statistic with its
-    epsilon and the cells it releases."""
+    epsilon and the cells it releases, and what one run charges the site's ledger
+    (`cost`: `common.analytics.cost.QueryCost`, default the study's own terms)."""
+    from common.analytics.cost import query_cost
     from common.analytics.vector import statistic_cells
 
     print(f"query         {query.name} (sha256 {sha256})", file=out)
@@ -132,8 +170,11 @@ def describe_query(query: Any, sha256: str, study: Study, out: TextIO) -> None:
         terms = condition.model_dump(exclude_none=True, exclude={"feature"})
         print(f"cohort        {condition.feature}: "
               + ", ".join(f"{k} {v}" for k, v in sorted(terms.items())), file=out)
-    print(f"epsilon       {query.epsilon:g} in all (delta {study.privacy.delta:g}), on every "
-          "participating site's ledger, each time it runs", file=out)
+    cost = query_cost(query, study=study, policy=None) if cost is None else cost
+    print(f"epsilon       {cost.epsilon_composed:.4g} charged to the ledger of every site "
+          f"that answers, each time it runs (its statistics composed as the ledger composes "
+          f"them, at delta {cost.delta:g}; {query.epsilon:g} summed)", file=out)
+    print(f"round cap     {cost.cap_text()}", file=out)
     for spec in query.statistics:
         cells = statistic_cells(spec, study)
         extra = spec.model_dump(exclude_none=True, exclude={"name", "kind", "epsilon", "by"})
@@ -179,6 +220,14 @@ def _approve_one(args: argparse.Namespace, path: Path, state: Path, own: Study |
             # Before any question: this file is not what the privacy officer approved.
             raise ConfigError(str(path), f"its SHA-256 is {study_sha256(study)}, not the "
                               f"approved {expected} (--sha256 / study_sha256): not pinned")
+        refusal = _refused_by_policy(study, args.config)
+        if refusal is not None:
+            # The agent would refuse it at enrolment: nothing to approve.
+            raise ConfigError(str(path), f"not pinned: {refusal}")
+        if args.config is None:
+            print("checked       the study's SHA-256 only: this site's policy (epsilon, "
+                  "delta, unit, caps, round floor) is in its config (--config SITE.toml "
+                  "checks it now; `site run` checks it at enrolment)", file=out)
         if own is not None and study_sha256(own) != study_sha256(study):
             print(f"NOTE: this replaces the approved study {own.study.name!r}", file=out)
         if not _confirm(args, f"study {study.study.name!r}"):
@@ -198,10 +247,19 @@ def _approve_one(args: argparse.Namespace, path: Path, state: Path, own: Study |
     except ValidationError as exc:
         raise ConfigError(str(path), str(exc)) from None
     sha256 = query_sha256(query)
-    describe_query(query, sha256, own, out)
+    cost = query_cost_for_site(query, own, args.config)
+    describe_query(query, sha256, own, out, cost)
     if query.study_sha256 != study_sha256(own):
         raise ConfigError(str(path), f"the query is for study {query.study_sha256[:12]}..., "
                           f"not this site's study {own.study.name!r}")
+    if args.config is None:
+        print("checked       against the study's own limits only: this site's "
+              "policy.max_epsilon_per_round and budget are in its config (--config "
+              "SITE.toml checks them now; `site run` checks them before every run)", file=out)
+    if not cost.ok:
+        # A query the site would decline at its run is not pinned: nothing to approve.
+        raise QueryRefused(f"{path}: query {query.name!r} not approved: "
+                           + "; ".join(cost.problems))
     if not _confirm(args, f"query {query.name!r} ({args.times} run(s))"):
         print("not approved", file=out)
         return 1

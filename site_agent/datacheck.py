@@ -234,6 +234,7 @@ def site_policy(settings: SiteSettings) -> SitePrivacyPolicy:
         max_evaluations=settings.policy.max_evaluations,
         max_colluding_sites=settings.policy.max_colluding_sites,
         min_round_sites=settings.policy.min_round_sites,
+        min_evaluation_noise_std=privacy.evaluation_noise_std,
     )
 
 

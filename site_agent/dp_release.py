@@ -33,6 +33,7 @@ from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian, Mechanism
 from common.privacy.purpose import Purpose
 from common.release import NoisePlan
+from common.study import Study, per_round_cap
 
 COUNT_STATE_FILE = "cohort-count.json"
 PURPOSE_COUNT = Purpose.COUNT
@@ -201,13 +202,16 @@ def plan_training_noise(
     history: Sequence[Mechanism] | None = None,
     budget_epsilon: float | None = None,
     study_rounds: int | None = None,
+    study: Study | None = None,
 ) -> RoundNoisePlan:
     """The next round's noise multiplier, from the ledger's composed spend and the
     site's policy (a restart re-plans from the same ledger, so it gets the same answer).
 
     `evaluation`: this round's DP evaluation release; the plan reserves one per
     remaining round and one more for the final evaluation-only round. `study_rounds`:
-    the accepted study's training rounds (`rounds_to_plan`). `history` and
+    the accepted study's training rounds (`rounds_to_plan`). `study`: the accepted
+    study, whose `max_epsilon_per_round` caps the round with the site's own
+    (`per_round_cap`, the cap every release is held to). `history` and
     `budget_epsilon` replace the ledger's whole history and budget (DP-SGD beneath
     hospital-level DP plans on its own path: common.privacy.layered).
     """
@@ -222,7 +226,7 @@ def plan_training_noise(
         sample_rate=sample_rate,
         steps_per_round=steps_per_round,
         remaining_rounds=remaining,
-        max_epsilon_per_round=policy.max_epsilon_per_round,
+        max_epsilon_per_round=per_round_cap(study, site_cap=policy.max_epsilon_per_round)[0],
         accountant=ledger.accountant,
         per_round=evaluation,
         reserved=evaluation,

@@ -23,7 +23,8 @@ from common.privacy import hospital
 from common.privacy.ddgauss import DDGaussPlan
 from common.privacy.mechanisms import DistributedDiscreteGaussian
 from common.round import VerifiedRound, validate_intermediaries
-from common.study import Study
+from common.study import Study, per_round_cap
+from common.study.policy import ROUND_CAP_SLACK
 from site_agent import dp_release
 from site_agent.site_training import LocalUpdate
 
@@ -116,22 +117,18 @@ def check_round_cap(
     site's and the study's `max_epsilon_per_round` when either is set, else what the same
     round costs at the noise multiplier of the site's own plan (`own_noise_multiplier`),
     so a study or a coordinator naming a smaller z cannot spend the budget in one round."""
-    from common.privacy.accountant import compose_epsilon
+    from common.privacy.accountant import epsilon_added
 
     history = ledger.history()
 
     def added(mechanism: DistributedDiscreteGaussian) -> float:
-        before = compose_epsilon(history, delta=ledger.delta, accountant=ledger.accountant)
-        after = compose_epsilon([*history, mechanism], delta=ledger.delta,
-                                accountant=ledger.accountant)
-        return after - (before if history else 0.0)
+        return epsilon_added(history, mechanism, delta=ledger.delta,
+                             accountant=ledger.accountant)
 
     cost = added(planned.mechanism)
-    caps = [c for c in (policy.max_epsilon_per_round,
-                        None if study is None else study.privacy.max_epsilon_per_round)
-            if c is not None]
-    if caps:
-        cap, source = min(caps), "max_epsilon_per_round"
+    capped, capped_by = per_round_cap(study, site_cap=policy.max_epsilon_per_round)
+    if capped is not None:
+        cap, source = capped, capped_by
     else:
         if planned.terms is None:
             raise RoundFailed("a hospital round without its terms")
@@ -143,7 +140,7 @@ def check_round_cap(
         own_mechanism = hospital.mechanism(hospital.site_plan(ring, n_noise=planned.n_noise),
                                            units=planned.units)
         cap, source = added(own_mechanism), f"a round of this site's own plan, z = {own_z:.4g}"
-    if cost > cap + 1e-9:
+    if cost > cap + ROUND_CAP_SLACK:
         raise BudgetExhausted(
             f"hospital round {number} would add epsilon {cost:.4g} to this site's ledger, "
             f"more than the per-round cap {cap:.4g} ({source}): its noise multiplier "

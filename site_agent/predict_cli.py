@@ -217,9 +217,12 @@ def _model_show(args: argparse.Namespace) -> int:
     if card.statistics_release:
         say(f"  statistics release: {card.statistics_release}")
     for query in card.queries:
+        charged = (f"epsilon {query.epsilon:.3g}" if query.epsilon_composed is None else
+                   f"epsilon {query.epsilon_composed:.4g} charged (its statistics composed; "
+                   f"{query.epsilon:.3g} summed)")
         say(f"  query before this model: {query.name} (sha256 {query.sha256[:12]}..., "
-            f"round {query.round}, epsilon {query.epsilon:.3g} on each of "
-            f"{query.contributors} sites, inside their epsilon above)")
+            f"round {query.round}, {charged} on each of {query.contributors} sites, "
+            "inside their epsilon above)")
     for note in card.notes:
         say(f"  note: {note}")
     return 0

@@ -20,8 +20,19 @@ import numpy as np
 from common import egress
 from common.config import SitePolicySection, SiteSettings
 from common.crypto.random import RandomSource, numpy_generator, system_random
-from common.errors import QueryRefused, RoundFailed, StudyRefused, ValidationError
-from common.evaluation_release import EvaluationHistogram, evaluation_noise_sites
+from common.errors import (
+    BudgetExhausted,
+    QueryRefused,
+    RoundFailed,
+    StudyRefused,
+    ValidationError,
+)
+from common.evaluation_release import (
+    EvaluationHistogram,
+    evaluation_noise_sites,
+    evaluation_noise_std,
+)
+from common.privacy.accountant import epsilon_added
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Mechanism
 from common.privacy.purpose import ROUND_PURPOSES
@@ -35,7 +46,8 @@ from common.release import (
     release_for_round,
 )
 from common.round import VerifiedRound
-from common.study import Study, study_round_terms, study_sha256
+from common.study import Study, per_round_cap, study_round_terms, study_sha256
+from common.study.policy import ROUND_CAP_SLACK
 from site_agent import dp_release
 from site_agent.approvals import Approvals, times_released
 from site_agent.connection import Heartbeats
@@ -97,10 +109,16 @@ class EvaluationRelease:
             return []
         return [self.release(rnd).plan(n_noise=self.noise_sites(rnd)).mechanism()]
 
+    def noise_std(self) -> float:
+        """The study's noise std per summed count (`evaluation_noise_std`): every
+        member adds the same share, whatever its own settings."""
+        return evaluation_noise_std(self.membership.study,
+                                    own=self.settings.privacy.evaluation_noise_std)
+
     def release(self, rnd: VerifiedRound) -> EvaluationHistogram:
         """This round's histogram release (`common.evaluation_release`)."""
         return EvaluationHistogram(
-            noise_std=self.settings.privacy.evaluation_noise_std,
+            noise_std=self.noise_std(),
             bins=rnd.announcement.histogram_bins,
             # A multi-class study's histogram has one block per class (hooks.evaluate).
             classes=int(getattr(self.hook, "histogram_classes", 1)),
@@ -123,7 +141,7 @@ class EvaluationRelease:
         else:
             histogram = dp_release.noised_histogram(
                 self.release(rnd).query(update),
-                noise_std=self.settings.privacy.evaluation_noise_std,
+                noise_std=self.noise_std(),
                 n_noise=self.noise_sites(rnd),
             )
         return dataclasses.replace(update, histogram=histogram)
@@ -210,6 +228,33 @@ def refuse_unapproved(approvals: Approvals, ledger: PrivacyLedger | None, study:
             "with --times to allow more")
 
 
+def refuse_over_round_cap(
+    ledger: PrivacyLedger, release: DpRelease, mechanisms: Sequence[Mechanism], *,
+    study: Study, policy: SitePolicySection, round_number: int,
+) -> float | None:
+    """The epsilon `release` adds to the ledger in round `round_number`, composed
+    (eps(ledger + release) - eps(ledger), as training rounds are capped); refused, before
+    anything is written, when it exceeds the per-round cap (`per_round_cap`: the smaller
+    of the site's and the study's `max_epsilon_per_round`). A query is refused with
+    QueryRefused (the site declines that query only, and stays in the study), any other
+    release with BudgetExhausted. None when no cap is set (the budget still applies)."""
+    cap, source = per_round_cap(study, site_cap=policy.max_epsilon_per_round)
+    if cap is None:
+        return None
+    added = epsilon_added(ledger.history(), mechanisms, delta=ledger.delta,
+                          accountant=ledger.accountant)
+    if added > cap + ROUND_CAP_SLACK:
+        named = release.ledger_query()
+        what = (f"query {named.name!r} (sha256 {named.sha256[:12]}...)" if named is not None
+                else f"the {release.name} release")
+        message = (
+            f"{what} would add epsilon {added:.4g} to this site's ledger in round "
+            f"{round_number} (its mechanisms composed with the whole ledger), more than the "
+            f"per-round cap {cap:g} ({source}): declined, nothing charged")
+        raise QueryRefused(message) if named is not None else BudgetExhausted(message)
+    return added
+
+
 def prepare_release(
     rnd: VerifiedRound, *, study: Study, ledger: PrivacyLedger | None, approvals: Approvals,
     policy: SitePolicySection, site: TrainingHook,
@@ -236,7 +281,11 @@ def prepare_release(
     # The study's threat terms: every member adds the same share of the noise.
     plans = check_plans(release, release.plans(n_noise=release_noise_sites(policy, study)))
     if ledger is not None:
-        ledger.require(rnd.number, [p.mechanism() for p in plans], purpose=release.purpose,
+        mechanisms = [p.mechanism() for p in plans]
+        # No release spends more in one round than the cap, as no training round does.
+        refuse_over_round_cap(ledger, release, mechanisms, study=study, policy=policy,
+                              round_number=rnd.number)
+        ledger.require(rnd.number, mechanisms, purpose=release.purpose,
                        what=f"the {release.name} release")
     return release, exact, plans
 

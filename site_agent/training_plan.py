@@ -140,7 +140,7 @@ def round_noise_multiplier(
         announced_rounds=plan.planned_rounds, sample_rate=sample_rate,
         steps_per_round=plan.local_epochs * steps_per_epoch,
         evaluation=evaluation,
-        study_rounds=None if study is None else study.study.rounds,
+        study_rounds=None if study is None else study.study.rounds, study=study,
         **overrides,
     ).noise_multiplier
 

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from common.analytics.cost import ledger_epsilon
 from common.analytics.query import Query, StatisticSpec, query_sha256, steps, value_range
 from common.analytics.vector import block_slices, statistic_cells, strata_labels
 from common.errors import ValidationError
@@ -105,6 +106,13 @@ class QueryAnswer:
     level: float
     statistics: tuple[StatisticAnswer, ...]
     grids: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    epsilon_composed: float = math.nan
+    """What one run charged each answering site's ledger (`common.analytics.cost.
+    ledger_epsilon`, at the study's delta: a site of larger delta was charged less)."""
+
+    @property
+    def epsilon_sum(self) -> float:
+        return math.fsum(s.epsilon for s in self.statistics)
 
     def statistic(self, name: str) -> StatisticAnswer:
         for answer in self.statistics:
@@ -116,7 +124,8 @@ class QueryAnswer:
         return {
             "query": self.query_name, "query_sha256": self.query_sha256,
             "study_sha256": self.study_sha256, "contributors": self.contributors,
-            "level": self.level, "epsilon": math.fsum(s.epsilon for s in self.statistics),
+            "level": self.level, "epsilon": self.epsilon_sum,
+            "epsilon_composed": _num(self.epsilon_composed),
             "statistics": [s.to_json() for s in self.statistics],
         }
 
@@ -195,7 +204,8 @@ class QueryAnswer:
         """The text the operator sees."""
         level = f"{self.level:.0%}"
         lines = [f"query {self.query_name} ({self.query_sha256[:12]}), {self.contributors} "
-                 f"sites, epsilon {math.fsum(s.epsilon for s in self.statistics):g} in all",
+                 f"sites, epsilon {self.epsilon_composed:.4g} charged to each site's ledger "
+                 f"(its statistics composed; {self.epsilon_sum:g} summed)",
                  f"intervals: {level}, for the pooled cohort's exact value, DP noise included;"
                  " * = not credibly above the noise"]
         for answer in self.statistics:
@@ -475,4 +485,5 @@ def answer_query(query: Query, total: np.ndarray, *, study: Study,
         answers.append(StatisticAnswer(spec.name, spec.kind, spec.epsilon, sigma,
                                        tuple(estimates), missing, tuple(notes)))
     return QueryAnswer(query.name, digest, study_sha256(study), contributors, level,
-                       tuple(answers), grids)
+                       tuple(answers), grids,
+                       epsilon_composed=ledger_epsilon(query, study=study))

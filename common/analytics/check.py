@@ -13,16 +13,17 @@ from typing import Any
 
 import numpy as np
 
+from common.analytics.cost import query_cost
 from common.analytics.query import Query, query_sha256, steps
 from common.analytics.vector import (
     QueryBlock,
     block_slices,
     cohort_masks,
     query_blocks,
-    query_epsilon,
     site_vector,
     table_units,
 )
+from common.release import study_noise_sites
 from common.statistics import TableLike
 from common.study import SitePrivacyPolicy, Study, study_sha256
 
@@ -30,10 +31,8 @@ from common.study import SitePrivacyPolicy, Study, study_sha256
 def study_n_noise(study: Study) -> int:
     """Honest sites whose noise a query round's sum is sure to carry at the study's
     round floor: max(min_round_sites, T + 2) - T (T colluding sites know their own
-    noise), as every release plans it."""
-    colluding = study.privacy.max_colluding_sites
-    floor = max(study.privacy.min_round_sites, colluding + 2)
-    return max(1, floor - colluding)
+    noise), as every release plans it (`common.release.study_noise_sites`)."""
+    return study_noise_sites(study)
 
 
 @dataclass(frozen=True)
@@ -52,8 +51,11 @@ class CheckReport:
     """Per statistic: this site's units excluded for a missing value."""
     epsilon_sum: float
     epsilon_composed: float
+    """What the site's ledger charges for one run on its own (`common.analytics.cost`)."""
     delta: float
     problems: tuple[str, ...] = ()
+    cap_text: str = ""
+    """The per-round cap the query is held to, and whether it is within it."""
 
     @property
     def ok(self) -> bool:
@@ -77,6 +79,7 @@ class CheckReport:
             ],
             "epsilon": self.epsilon_sum, "epsilon_composed": self.epsilon_composed,
             "delta": self.delta, "n_noise": self.blocks[0].n_noise if self.blocks else 0,
+            "per_round_cap": self.cap_text,
             "problems": list(self.problems), "released": False,
         }
 
@@ -96,19 +99,23 @@ class CheckReport:
                 f"(sensitivity {block.l2_sensitivity:g}); here {missing} excluded for a "
                 "missing value")
         lines.append(
-            f"  epsilon: {self.epsilon_sum:g} (sum of the statistics'; composed "
-            f"{self.epsilon_composed:.3g}) at delta {self.delta:g}, charged to this site's "
-            "ledger if it answers")
+            f"  epsilon: {self.epsilon_composed:.4g} charged to this site's ledger if it "
+            f"answers (its statistics composed as the ledger composes them; "
+            f"{self.epsilon_sum:g} summed) at delta {self.delta:g}")
+        if self.cap_text:
+            lines.append(f"  per-round cap: {self.cap_text}")
         lines += [f"  problem: {p}" for p in self.problems]
         return "\n".join(lines)
 
 
 def check_query(query: Query, table: TableLike, *, study: Study,
-                policy_or_none: SitePrivacyPolicy | None) -> CheckReport:
+                policy_or_none: SitePrivacyPolicy | None,
+                accountant: str = "prv") -> CheckReport:
     """Run `query` on this site's `table` (all of its file under `study`) without noise
-    or release: the report of the module docstring. With a policy, the query's epsilon
-    and the study's delta are compared with the site's limits (`problems`); the budget
-    left on the ledger is checked when the query runs."""
+    or release: the report of the module docstring. Its cost as the ledger (of
+    `accountant`) charges it is held to the study's per-round cap and, with the site's
+    policy, to the site's cap, budget and delta (`problems`, `common.analytics.cost`);
+    the budget left on the ledger is checked when the query runs."""
     n_noise = study_n_noise(study)
     blocks = query_blocks(query, study=study, n_noise=n_noise)
     vector = site_vector(query, table, study=study)
@@ -120,25 +127,14 @@ def check_query(query: Query, table: TableLike, *, study: Study,
         block = vector[slices[spec.name]]
         scale = block_scale(query, study, spec.name)
         local_missing.append(int(block[-1]) // scale)
-    composed = query_epsilon(query, study=study, n_noise=n_noise)
-    problems = []
-    if policy_or_none is not None:
-        policy = policy_or_none
-        cap = policy.epsilon if policy.max_epsilon_per_round is None else min(
-            policy.epsilon, policy.max_epsilon_per_round)
-        if composed > cap + 1e-12:
-            problems.append(f"the query costs epsilon {composed:.3g}, above this site's "
-                            f"{cap:g} per release")
-        if study.privacy.delta > policy.delta:
-            problems.append(f"the study's delta {study.privacy.delta:g} exceeds this site's "
-                            f"{policy.delta:g}")
+    cost = query_cost(query, study=study, policy=policy_or_none, accountant=accountant)
     return CheckReport(
         query_name=query.name, query_sha256=query_sha256(query),
         study_sha256=study_sha256(study), source=str(getattr(table, "source", "")),
         units=units.count, cohort=int(np.sum(inside)), excluded_missing=int(np.sum(missing)),
         blocks=tuple(blocks), local_missing=tuple(local_missing),
-        epsilon_sum=query.epsilon, epsilon_composed=composed, delta=study.privacy.delta,
-        problems=tuple(problems),
+        epsilon_sum=query.epsilon, epsilon_composed=cost.epsilon_composed, delta=cost.delta,
+        problems=cost.problems, cap_text=cost.cap_text(),
     )
 
 

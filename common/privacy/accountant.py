@@ -73,6 +73,7 @@ __all__ = [
     "account",
     "clear_composition_caches",
     "compose_epsilon",
+    "epsilon_added",
     "epsilon_after",
     "plan_noise_multiplier",
     "plan_round_noise",
@@ -366,6 +367,23 @@ def epsilon_after(
     return compose_epsilon([*history, *extra], delta=delta, accountant=accountant)
 
 
+def epsilon_added(
+    history: Sequence[Mechanism],
+    new: Mechanism | Sequence[Mechanism],
+    *,
+    delta: float,
+    accountant: str = "prv",
+) -> float:
+    """What `new` adds to the site's spend: eps(history + new) - eps(history), both
+    composed over the whole history (never a per-release epsilon summed). The measure of
+    the per-round cap, `max_epsilon_per_round`, for every release a site makes in one
+    round: a training round's plan (`plan_round_noise`), a hospital round, a query or
+    other round release."""
+    after = epsilon_after(history, new, delta=delta, accountant=accountant)
+    before = compose_epsilon(history, delta=delta, accountant=accountant) if history else 0.0
+    return after - before
+
+
 def plan_noise_multiplier(
     *,
     target_epsilon: float,
@@ -620,8 +638,10 @@ def _next_sigma(
             bisect = True
             guess = sigma
         else:
-            guess = s1 * math.exp((math.log(aim) - math.log(max(e1, tiny))) / slope)
-            guess = min(max(guess, s1 / 8), s1 * 8)
+            # A step of at most 8x either way; clamped before exp, which overflows where
+            # epsilon barely falls (a history that alone exceeds the target).
+            exponent = (math.log(aim) - math.log(max(e1, tiny))) / slope
+            guess = s1 * math.exp(min(max(exponent, -math.log(8)), math.log(8)))
     if not math.isfinite(high):
         return guess if guess > low else low * 2
     if bisect:

@@ -20,9 +20,11 @@ from common.study.global_statistics import (
 from common.study.policy import (
     SitePrivacyPolicy,
     check_study_against_policy,
+    per_round_cap,
     study_round_terms,
 )
 from common.study.schema import (
+    DEFAULT_EVALUATION_NOISE_STD,
     FACTORY_PATTERN,
     FINGERPRINT_PATTERN,
     FORMULA_STARTS,
@@ -58,6 +60,7 @@ from common.study.schema import (
 )
 
 __all__ = [
+    "DEFAULT_EVALUATION_NOISE_STD",
     "FACTORY_PATTERN",
     "FINGERPRINT_PATTERN",
     "FORMULA_STARTS",
@@ -92,6 +95,7 @@ __all__ = [
     "intermediaries_warning",
     "load_statistics",
     "load_study",
+    "per_round_cap",
     "statistics_bytes",
     "statistics_from_bytes",
     "study_bytes",

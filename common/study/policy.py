@@ -37,6 +37,11 @@ class SitePrivacyPolicy:
     min_round_sites: int | None = None
     """This site's round floor (``policy.min_round_sites``): a study whose floor
     max(min_round_sites, T + 2) is lower is refused. None: any."""
+    min_evaluation_noise_std: float | None = None
+    """The least noise std per summed evaluation count this site accepts (its
+    ``privacy.evaluation_noise_std``): a study whose ``privacy.evaluation.noise_std`` is
+    smaller is refused. None: the study's, whatever it is (each evaluation is still
+    charged to the budget at the study's noise)."""
 
 
 def study_round_terms(
@@ -49,6 +54,27 @@ def study_round_terms(
     if study is None:
         return max_colluding_sites, min_round_sites
     return study.privacy.max_colluding_sites, study.privacy.min_round_sites
+
+
+ROUND_CAP_SLACK = 1e-9
+"""Float slack of a per-round cap comparison (compositions are deterministic)."""
+
+
+def per_round_cap(study: Study | None, *, site_cap: float | None) -> tuple[float | None, str]:
+    """The most epsilon one round may add to a site's ledger, and where it comes from:
+    the smaller of the site's ``policy.max_epsilon_per_round`` (`site_cap`) and the
+    study's ``privacy.max_epsilon_per_round``, whichever are set; (None, "") when
+    neither is. Measured as the composed increase of the ledger
+    (`common.privacy.accountant.epsilon_added`)."""
+    caps = ([] if site_cap is None
+            else [(site_cap, "this site's policy.max_epsilon_per_round")])
+    if study is not None and study.privacy.max_epsilon_per_round is not None:
+        caps.append((study.privacy.max_epsilon_per_round,
+                     "the study's privacy.max_epsilon_per_round"))
+    if not caps:
+        return None, ""
+    cap, source = min(caps, key=lambda c: c[0])
+    return cap, source
 
 
 def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
@@ -135,6 +161,13 @@ def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
             f"asks {study.max_evaluations} DP evaluations ({study.evaluations_planned_text()}),"
             f" more than this site's policy.max_evaluations = {policy.max_evaluations}: "
             "raise policy.max_evaluations in this site's config, or lower study.rounds"
+        )
+    noise_std = requested.evaluation.noise_std
+    if policy.min_evaluation_noise_std is not None and noise_std < policy.min_evaluation_noise_std:
+        problems.append(
+            f"privacy.evaluation.noise_std = {noise_std:g} adds less noise to the DP "
+            f"evaluation than this site's privacy.evaluation_noise_std = "
+            f"{policy.min_evaluation_noise_std:g} (the least it accepts)"
         )
     factory = study.model.custom
     if factory is not None and factory not in policy.allowed_model_factories:

@@ -48,6 +48,10 @@ class StudyModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+DEFAULT_EVALUATION_NOISE_STD = 10.0
+"""A study's ``privacy.evaluation.noise_std`` when it names none (the sites' own setting
+before the study decided it)."""
+
 MAX_NAME_CHARS = 256
 FORMULA_STARTS = ("=", "+", "-", "@")
 
@@ -259,10 +263,17 @@ class EvaluationSection(StudyModel):
     evaluation-only round one more, so ``"derived"`` (the default) asks for exactly
     ``study.rounds`` + 1 (+ 0 without ``training.final_evaluation``); an explicit number
     must cover them (`Study.evaluations_needed`), or the study is refused.
+
+    ``noise_std``: the std of the distributed discrete Gaussian noise on each summed
+    count of a score histogram. Every member adds its share of it (the study is bound
+    into every round's announcement), so no member's own settings can lower the noise
+    another member's ledger records; a site whose ``privacy.evaluation_noise_std``
+    (the least it accepts) is larger refuses the study.
     """
 
     histogram_bins: int = Field(default=20, ge=2, le=1000)
     max_evaluations: Literal["derived"] | int = "derived"
+    noise_std: float = Field(default=DEFAULT_EVALUATION_NOISE_STD, ge=1.0, le=1e6)
 
     @field_validator("max_evaluations")
     @classmethod
@@ -582,6 +593,11 @@ def study_bytes(study: Study) -> bytes:
     dumped = study.model_dump(mode="json")
     if not study.members:
         del dumped["members"]  # the digest of a study without members is unchanged
+    evaluation = dumped["privacy"]["evaluation"]
+    if evaluation["noise_std"] == DEFAULT_EVALUATION_NOISE_STD:
+        # Left out at its default: a study pinned before the field existed keeps its
+        # digest (its approvals hold), and the bytes still fix the value (absent = 10).
+        del evaluation["noise_std"]
     return json.dumps(
         dumped, sort_keys=True, separators=(",", ":"), ensure_ascii=False
     ).encode("utf-8")

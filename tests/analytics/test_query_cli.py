@@ -121,5 +121,6 @@ def test_check_against_a_sites_policy(files: tuple[Path, Path], tmp_path: Path) 
     strict = SitePrivacyPolicy(epsilon=8.0, delta=1e-6, max_epsilon_per_round=0.2)
     report = check_query(query, table, study=study, policy_or_none=strict)
     assert not report.ok
-    assert any("above this site's 0.2" in p for p in report.problems)
+    assert any("above the per-round cap 0.2 (this site's policy.max_epsilon_per_round)" in p
+               for p in report.problems)
     assert any("delta" in p for p in report.problems)

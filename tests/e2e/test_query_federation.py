@@ -25,6 +25,7 @@ import pytest
 from common.analytics.answer import answer_query
 from common.analytics.query import load_query, query_sha256
 from common.analytics.vector import query_length, site_vector
+from common.privacy.accountant import compose_epsilon
 from common.privacy.ledger import read_ledger
 from common.processes import ManagedProcess
 from common.study import load_study, study_sha256
@@ -249,10 +250,19 @@ def test_three_hospitals_answer_an_approved_query(
     # Every site's ledger holds the query, by name, and `ledger show` lists it.
     for site in SITES:
         ledger = run.site_state(site) / "privacy-ledger.db"
-        _, entries = read_ledger(ledger)
+        header, entries = read_ledger(ledger)
         (entry,) = [e for e in entries if e.purpose == "query"]
         assert entry.query is not None and entry.query.name == "first-questions"
         assert entry.query.sha256 == query_sha256(query) and len(entry.mechanisms) == 4
+        # The epsilon the answer reports is what the site's ledger charged for the query
+        # (its four statistics composed by the ledger's accountant), below their sum;
+        # the entry raised the ledger's spend by no more than that.
+        charged = compose_epsilon(list(entry.mechanisms), delta=header.delta,
+                                  accountant=header.accountant)
+        assert written["answer"]["epsilon_composed"] == pytest.approx(charged, rel=1e-9)
+        assert charged < query.epsilon == written["answer"]["epsilon"]
+        before = max((e.epsilon_after for e in entries if e.seq < entry.seq), default=0.0)
+        assert entry.epsilon_after - before <= charged + 1e-9
     shown = run_medfed("ledger", "show", "--ledger",
                        str(run.site_state(SITES[0]) / "privacy-ledger.db")).stdout
     assert "queries answered" in shown and "first-questions" in shown

@@ -27,7 +27,7 @@ from common.config import PrivacySection
 from common.privacy.ledger import LedgerSigner, PrivacyLedger, read_ledger
 from common.processes import ManagedProcess, medfed_argv
 from common.status_cli import fetch_status
-from common.study import load_study, study_sha256
+from common.study import DEFAULT_EVALUATION_NOISE_STD, load_study, study_sha256
 from common.tls import MonitorTlsFiles
 from coordinator import queries
 from coordinator.engine import FAILED_META, STUDY_DONE_FOR_QUERIES
@@ -109,7 +109,7 @@ def test_the_study_init_study_finishes_with_the_final_model_at_every_site(
     # Every DP evaluation, the first round's included, is read with the noise the sites
     # put on their ledgers (each adds std 10 / sqrt(n_noise = 2) per count; three sum),
     # sent to the replica before the histogram: never an estimate from the release.
-    announced = math.sqrt(len(SITES) * PrivacySection().evaluation_noise_std ** 2 / 2)
+    announced = math.sqrt(len(SITES) * study.privacy.evaluation.noise_std ** 2 / 2)
     for record in records:
         assert record.metrics["auc_noise_std"] == pytest.approx(announced), record
     assert len(completed) == study.max_evaluations  # the training rounds + the final one
@@ -146,7 +146,8 @@ def used_ledger(settings_dir: Path, site: str, *, pki: Path, evaluations: int) -
         signer=LedgerSigner.from_files(pki / "sites" / f"{site}.crt",
                                        pki / "sites" / f"{site}.key"),
     )
-    mechanism = evaluation_mechanism(noise_std=privacy.evaluation_noise_std, n_noise=2, bins=20)
+    mechanism = evaluation_mechanism(noise_std=DEFAULT_EVALUATION_NOISE_STD, n_noise=2,
+                                     bins=20)
     for number in range(1, evaluations + 1):
         ledger.reserve(number, [mechanism], now=dt.datetime.now(dt.UTC),
                        purpose=PURPOSE_EVALUATION)

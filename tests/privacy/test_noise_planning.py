@@ -118,3 +118,18 @@ def test_every_planned_round_with_its_evaluation_and_the_final_evaluation_fits()
            evaluation]
     assert compose_epsilon(run, delta=DELTA, accountant="rdp") > BUDGET
     assert plan.noise_multiplier > blind.noise_multiplier
+
+
+def test_releases_that_alone_exceed_the_budget_leave_no_plan_and_say_so() -> None:
+    """Per-round releases (a study's DP evaluations at little noise) that alone overrun
+    the budget: epsilon barely falls as sigma grows, and the secant's step used to
+    overflow (OverflowError, an "unexpected" crash of the site). Now the search runs
+    to its bound and refuses with ConfigError."""
+    from common.release import NoisePlan
+
+    evaluation = NoisePlan(sigma=1.0, n_noise=2, length=400, l2_sensitivity=1.0,
+                           l1_sensitivity=1.0).mechanism()
+    with pytest.raises(ConfigError, match="unreachable with any noise multiplier"):
+        plan_round_noise(history=[], budget_epsilon=8.0, delta=DELTA, sample_rate=RATE,
+                         steps_per_round=STEPS, remaining_rounds=1, per_round=[evaluation],
+                         reserved=[evaluation])

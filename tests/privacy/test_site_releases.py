@@ -89,6 +89,38 @@ def test_round_spend_never_exceeds_the_sites_cap(tmp_path: Path, pki_material: P
     assert plan.round_epsilon <= 0.5
 
 
+def test_attack_training_skips_the_studys_round_cap(
+    tmp_path: Path, pki_material: Pki
+) -> None:
+    """A study capping rounds at 0.5 and a site that sets no cap of its own: the site's
+    DP-SGD used to plan its round under the site's policy alone (one round spending the
+    budget); the study's cap holds too (`per_round_cap`), as for every release."""
+    from common.study import study_from_mapping
+    from tests.study.helpers import study_mapping
+
+    study = study_from_mapping(study_mapping(max_epsilon_per_round=0.5), source="test")
+    ledger = _ledger(tmp_path / "l.db", pki_material)
+    kwargs = {"policy": SitePolicySection(planned_rounds=1), "announced_rounds": 1,
+              "sample_rate": 0.05, "steps_per_round": 20,
+              "study_rounds": study.study.rounds}
+    assert dp_release.plan_training_noise(ledger, **kwargs).round_epsilon > 0.5
+    plan = dp_release.plan_training_noise(ledger, study=study, **kwargs)
+    assert plan.binding == "max_epsilon_per_round"
+    assert plan.round_epsilon <= 0.5
+    # The site's training hook plans with the study it joined.
+    from site_agent.training_plan import round_noise_multiplier
+
+    settings = SiteSettings(site="hospital-a", coordinator="127.0.0.1:7443",
+                            state=tmp_path / "state", pki=tmp_path / "pki",
+                            policy=SitePolicySection(planned_rounds=1))
+    announced = RoundPlan(round_number=1, planned_rounds=1, local_epochs=1,
+                          learning_rate=0.1, fedprox_mu=0.0, histogram_bins=20, layout=())
+    assert round_noise_multiplier(
+        ledger, settings=settings, plan=announced, sample_rate=0.05, steps_per_epoch=20,
+        evaluation=(), study=study, record_level="none",
+    ) == pytest.approx(plan.noise_multiplier)
+
+
 def test_restart_replans_from_what_the_ledger_shows(tmp_path: Path, pki_material: Pki) -> None:
     path = tmp_path / "l.db"
     ledger = _ledger(path, pki_material)

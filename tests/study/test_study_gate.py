@@ -149,3 +149,20 @@ def test_approve_takes_the_hash_from_the_sites_config(
     code, _, _ = _approve(str(path), "--config", str(config), "--yes", capsys=capsys)
     assert code == 0
     assert Approvals(tmp_path / "state").study() == study
+
+
+def test_approve_with_the_config_refuses_a_study_its_policy_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A study the agent would refuse at enrolment (here: epsilon above the site's
+    budget) is not pinned, naming the policy's reason."""
+    study = _study()
+    path = tmp_path / "study.toml"
+    path.write_text(render_study_toml(study))
+    config = tmp_path / "site.toml"
+    config.write_text(f'site = "alpha"\ncoordinator = "127.0.0.1:9"\npki = "{tmp_path}"\n'
+                      f'state = "{tmp_path / "state"}"\n[privacy]\n'
+                      f"budget_epsilon = {study.privacy.epsilon / 2}\n")
+    code, _, err = _approve(str(path), "--config", str(config), "--yes", capsys=capsys)
+    assert code == 2 and "not pinned" in err and "privacy.epsilon" in err, err
+    assert Approvals(tmp_path / "state").study() is None

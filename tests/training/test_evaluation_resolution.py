@@ -5,9 +5,9 @@ buckets they share one and the histogram AUC reads 0.500 whatever the ranking. T
 next round's buckets follow the band the previous round RELEASED
 (`common.evaluation_edges.next_edges`, post-processing of the noisy sum), travel in the
 announcement, and every site counts with the same ones. Separable classes get an
-operating point between them. Noise below is rounded Gaussian, std 10 per bucket (the
-sites' default ``evaluation_noise_std``), a test fixture standing in for the sites'
-distributed discrete Gaussian.
+operating point between them. Noise below is rounded Gaussian, std 10 per bucket (a
+study's default ``privacy.evaluation.noise_std``), a test fixture standing in for the
+sites' distributed discrete Gaussian.
 """
 
 from __future__ import annotations
