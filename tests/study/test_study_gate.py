@@ -138,7 +138,8 @@ def test_approve_takes_the_hash_from_the_sites_config(
     path.write_text(render_study_toml(other))
     config = tmp_path / "site.toml"
     config.write_text(f'site = "alpha"\ncoordinator = "127.0.0.1:9"\npki = "{tmp_path}"\n'
-                      f'state = "{tmp_path / "state"}"\n')
+                      f'state = "{tmp_path / "state"}"\n[privacy]\n'
+                      f"delta = {study.privacy.delta}\n")
     monkeypatch.setenv("MEDFED_SITE_STUDY_SHA256", study_sha256(study))
     code, _, err = _approve(str(path), "--config", str(config), "--yes", capsys=capsys)
     assert code == 2 and "not the approved" in err
