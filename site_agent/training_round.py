@@ -24,7 +24,7 @@ from common.privacy.accountant import Segment
 from common.privacy.mechanisms import Mechanism
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.round import RoundPlan, VerifiedRound
-from common.study import GlobalStatistics
+from common.study import GlobalStatistics, check_served_weights
 from site_agent import dp_release
 from site_agent import hospital as hospital_round
 from site_agent.connection import Heartbeats
@@ -211,6 +211,10 @@ class TrainingRound:
             # The model downloads while the keys are exchanged (two barriers that
             # wait on the slowest site): neither delays the other.
             global_flat = download.result()
+            # The study's public bound on the served weights, before any ledger entry or
+            # training: a model that large could overflow float32 on chosen records.
+            check_served_weights(global_flat, self.membership.study,
+                                 what=f"the global model of round {rnd.number}")
             timeline.mark("keys_and_model")
             log.debug("round %d: keys exchanged, model downloaded", rnd.number)
             segments: list[Mechanism] = list(planning.result())

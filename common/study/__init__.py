@@ -19,10 +19,12 @@ from common.study.global_statistics import (
 )
 from common.study.policy import (
     SitePrivacyPolicy,
+    check_served_weights,
     check_study_against_policy,
     study_round_terms,
 )
 from common.study.schema import (
+    DEFAULT_MAX_ABS_WEIGHT,
     FACTORY_PATTERN,
     FINGERPRINT_PATTERN,
     FORMULA_STARTS,
@@ -58,6 +60,7 @@ from common.study.schema import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_ABS_WEIGHT",
     "FACTORY_PATTERN",
     "FINGERPRINT_PATTERN",
     "FORMULA_STARTS",
@@ -84,6 +87,7 @@ __all__ = [
     "StudySection",
     "TrainingSection",
     "check_name",
+    "check_served_weights",
     "check_statistics",
     "check_study_against_policy",
     "class_index",
