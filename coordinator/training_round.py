@@ -229,8 +229,10 @@ def first_edges(study: Study, flat: np.ndarray, *, bins: int) -> tuple[float, ..
 
 def probe(study: Study, flat: np.ndarray) -> np.ndarray | None:
     """`common.models.probe.probe_logits` (imports torch: only when a round steps), or
-    None where torch is not installed (the coordinator image): the next round's buckets
-    then follow the released histogram alone (`next_edges` without a shift)."""
+    None where torch is not installed (the coordinator image) or the model's probe
+    logits are not finite (a model that overflows on the public probe inputs): the next
+    round's buckets then follow the released histogram alone (`next_edges` without a
+    shift), or the default layout."""
     if not network_code_installed():
         if not _NO_PROBE_SAID.is_set():
             _NO_PROBE_SAID.set()
@@ -240,7 +242,13 @@ def probe(study: Study, flat: np.ndarray) -> np.ndarray | None:
         return None
     from common.models.probe import probe_logits
 
-    return probe_logits(study, flat)
+    logits = probe_logits(study, flat)
+    if not np.all(np.isfinite(logits)):
+        log.warning("the public probe of the global model gives non-finite logits: "
+                    "evaluation buckets follow the released histograms alone",
+                    extra={"event": "evaluation_probe_not_finite"})
+        return None
+    return logits
 
 
 _NO_PROBE_SAID = threading.Event()
