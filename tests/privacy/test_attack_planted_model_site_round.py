@@ -113,3 +113,4 @@ def test_an_image_that_no_longer_decodes_in_a_round_is_an_all_zero_image(
         offline.load(np.array([1]))
     assert isinstance(in_round.subset(np.array([1])), ImageDataset)
     assert torch.all(in_round.subset(np.array([1])).load(np.array([0])) == 0)
+
