@@ -80,8 +80,9 @@ SITE_FIELDS: Final[dict[str, FieldEntry]] = {
     "WaitForRoundRequest.heartbeats": _f(P, "whether the site beats while this poll is open"),
     "DeclineRoundRequest.round": _f(P, "announced round number"),
     "DeclineRoundRequest.reason": _f(
-        DD, "budget exhausted / evaluations used / query not approved / not ready: "
-        "follows from the ledger (DP mechanisms only) and the site's approvals"
+        DD, "budget exhausted / evaluations used / query not approved / model out of "
+        "bounds / not ready: follows from the ledger (DP mechanisms only), the site's "
+        "approvals, and the served model against the study's public weight bound"
     ),
     "DeclineRoundRequest.budget": _f(DD, "BudgetStatus (below)"),
     "BudgetStatus.epsilon_budget": _f(P, "the site's own configured budget"),
