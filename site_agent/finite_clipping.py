@@ -49,10 +49,20 @@ def usable(squared: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(squared)
 
 
-def zero_unusable_rows(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def rows_to_zero(keep: torch.Tensor) -> torch.Tensor | None:
+    """`keep` when some row is to be zeroed, else None: `zero_unusable_rows` then leaves
+    every tensor as it is (no copy of activations or per-sample gradients in the usual
+    step where every unit is finite)."""
+    return None if bool(keep.all()) else keep
+
+
+def zero_unusable_rows(values: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """`values` [n, ...] with the rows where `keep` [n] is False set to exactly 0 (a
-    multiplication by 0 would leave NaN from an infinite value)."""
-    mask = keep.reshape(-1, *([1] * (values.dim() - 1)))
+    multiplication by 0 would leave NaN from an infinite value); `values` itself when
+    `keep` is None (`rows_to_zero`)."""
+    if keep is None:
+        return values
+    mask = keep.reshape(-1, *([1] * (values.dim() - 1))).to(values.device)
     return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 

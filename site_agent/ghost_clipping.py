@@ -30,7 +30,7 @@ from opacus.utils.tensor_utils import unfold2d
 from torch import nn
 
 from common.errors import ConfigError
-from site_agent.finite_clipping import clip_factors, usable, zero_unusable_rows
+from site_agent.finite_clipping import clip_factors, rows_to_zero, usable, zero_unusable_rows
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class GhostModule(GradSampleModuleFastGradientClipping):  # type: ignore[misc]
         self._per_sample_gradient_norms = squared.clamp_min(0.0).sqrt()
         # As Opacus, min(1, C / (||g_i|| + 1e-6)); a record whose gradient is not
         # finite contributes exactly zero (its rows are zeroed, not multiplied by 0).
-        keep = usable(squared)
+        keep = rows_to_zero(usable(squared))
         coefficients = clip_factors(squared, max_grad_norm=self.max_grad_norm)
         for (layer, activation, _), g in zip(records, grads):
             weighted = zero_unusable_rows(g, keep) * coefficients.to(g.dtype).unsqueeze(1)
@@ -368,11 +368,11 @@ class FiniteClippingMixin:
         squared = torch.zeros(len(samples[0]), dtype=torch.float64, device=device)
         for g in samples:
             squared += g.reshape(len(g), -1).square().sum(dim=-1).to(device, torch.float64)
-        factor, keep = clip_factors(squared, max_grad_norm=self.max_grad_norm), usable(squared)
+        factor = clip_factors(squared, max_grad_norm=self.max_grad_norm)
+        keep = rows_to_zero(usable(squared))
         for p in self.params:
             _check_processed_flag(p.grad_sample)
-            grad_sample = self._get_flat_grad_sample(p).to(p.dtype)
-            grad_sample = zero_unusable_rows(grad_sample, keep.to(grad_sample.device))
+            grad_sample = zero_unusable_rows(self._get_flat_grad_sample(p).to(p.dtype), keep)
             grad = torch.einsum("i,i...", factor.to(grad_sample.device, p.dtype), grad_sample)
             if p.summed_grad is not None:
                 p.summed_grad += grad

@@ -27,7 +27,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from common.errors import ConfigError
-from site_agent.finite_clipping import clip_factors, usable, zero_unusable_rows
+from site_agent.finite_clipping import clip_factors, rows_to_zero, usable, zero_unusable_rows
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -80,7 +80,7 @@ def clipped_unit_sum(
     # Opacus' factor min(1, C / (||g|| + 1e-6)); a unit whose gradient is not finite
     # contributes exactly zero (site_agent.finite_clipping).
     factor = clip_factors(squared, max_grad_norm=max_grad_norm)
-    keep = usable(squared)
+    keep = rows_to_zero(usable(squared))
     return {
         name: torch.einsum("u,u...->...", factor.to(g.dtype), zero_unusable_rows(g, keep))
         for name, g in per_unit.items()

@@ -44,6 +44,7 @@ from torch import nn
 from common.errors import ConfigError
 from site_agent.finite_clipping import (
     clip_factors,
+    rows_to_zero,
     units_within_record_bound,
     usable,
     zero_unusable_rows,
@@ -177,9 +178,11 @@ def _squared_norm(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _row_squares(values: torch.Tensor) -> torch.Tensor:
-    """float64 squared L2 norm of each row of `values` [n, ...] (the reduction in the
-    values' dtype: an overflow there is an infinite norm)."""
-    return _squared_norm(values).to(torch.float64)
+    """float64 squared L2 norm of each row of `values` [n, ...]: the norm reduced in the
+    values' dtype without a temporary of their size (an overflow there is an infinite
+    norm), squared in float64."""
+    norms: torch.Tensor = torch.linalg.vector_norm(values.reshape(values.shape[0], -1), dim=1)
+    return norms.to(torch.float64).square()
 
 
 def _linear_record_squared(layer: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -378,7 +381,7 @@ class UnitClipper:
         factor = torch.where(keep_unit, clip_factors(squared, max_grad_norm=self.max_grad_norm),
                              torch.zeros_like(squared))
         c = factor.index_select(0, unit)
-        keep = keep_unit.index_select(0, unit)
+        keep = rows_to_zero(keep_unit.index_select(0, unit))
         out: dict[str, torch.Tensor] = {}
         for kind, layer, a, g in prepared:
             if kind == "generic":
