@@ -7,8 +7,8 @@ contribution f(g_u) has L2 norm at most C and is computed from that unit's recor
 the public model alone (Abadi et al. 2016, "Deep Learning with Differential Privacy",
 CCS, Sec. 3.1 and the proof of Thm. 1: the noise is calibrated to the bound C, whatever
 maps g_u into the ball; Bu et al. 2023, "Automatic Clipping: Differentially Private Deep
-Learning Made Easier and Stronger", NeurIPS, Sec. 3: any per-sample clipping function
-with ||f(g)|| <= C has the privacy of Abadi's clipping). f(g) = 0 for a non-finite g is
+Learning Made Easier and Stronger", NeurIPS: any per-sample clipping function with
+||f(g)|| <= C has the privacy of Abadi's clipping). f(g) = 0 for a non-finite g is
 such a function. So the clipped sum stays finite, adding or removing one unit still moves
 it by at most C, and the Gaussian noise covers it.
 
