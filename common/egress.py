@@ -80,8 +80,9 @@ SITE_FIELDS: Final[dict[str, FieldEntry]] = {
     "WaitForRoundRequest.heartbeats": _f(P, "whether the site beats while this poll is open"),
     "DeclineRoundRequest.round": _f(P, "announced round number"),
     "DeclineRoundRequest.reason": _f(
-        DD, "budget exhausted / evaluations used / query not approved / not ready: "
-        "follows from the ledger (DP mechanisms only) and the site's approvals"
+        DD, "budget exhausted / evaluations used / query not approved / model out of "
+        "bounds / not ready: follows from the ledger (DP mechanisms only), the site's "
+        "approvals, and the served model against the study's public weight bound"
     ),
     "DeclineRoundRequest.budget": _f(DD, "BudgetStatus (below)"),
     "BudgetStatus.epsilon_budget": _f(P, "the site's own configured budget"),
@@ -283,9 +284,12 @@ class EgressManifest:
     ) -> np.ndarray:
         """The plaintext ring vector of one site: every segment, nothing else.
 
-        Refuses a value for a segment not in the manifest, a missing one, a wrong
-        length, and integers whose sum over `n_sites` could wrap (|v| must stay below
-        half of `max_integer_for_sites`, the signed range)."""
+        Refuses a value for a segment not in the manifest, a missing one, or a wrong
+        length. Integers saturate at +-half of `max_integer_for_sites` (the signed range
+        whose sum over `n_sites` cannot wrap) instead of being refused: they are public
+        values or noised DP releases, so saturating is post-processing, and a count
+        that a site's data pushes past the range is still sent, never a refusal (a
+        dropout the coordinator could read as a fact about the data)."""
         extra = sorted(set(values) - set(self.kinds()))
         missing = sorted(set(self.kinds()) - set(values))
         if extra or missing:
@@ -324,11 +328,7 @@ class EgressManifest:
                 raise ValidationError(
                     f"segment {segment.kind!r}: expected {segment.length} integers"
                 )
-            wide = integers.astype(np.int64)
-            if wide.size and int(np.abs(wide).max()) > limit:
-                raise ValidationError(
-                    f"segment {segment.kind!r}: an integer exceeds +-{limit} for {n_sites} sites"
-                )
+            wide = np.clip(integers.astype(np.int64), -limit, limit)
             part[:] = (wide % (1 << 32)).astype(np.uint32)
         return out
 

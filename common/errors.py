@@ -256,6 +256,12 @@ class RoundFailed(MedfedError):
     """This round cannot go on for this site (the next one may)."""
 
 
+class ModelOutOfBounds(MedfedError):
+    """A global model holds a weight beyond its study's public bound (``[model]
+    max_abs_weight``): a site declines the round before training on it (the check reads
+    the model and the study only, no data), and names the bound and the weight."""
+
+
 class FederationFinished(MedfedError):
     """The coordinator ran all its rounds: the study is complete."""
 

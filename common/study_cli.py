@@ -271,6 +271,8 @@ _COMMENTS = {
         "tables; " + ", ".join(f'"{name}"' for name in model_names("images"))
         + " for images; or",
         'custom = "package.module:factory" instead of name.',
+        "max_abs_weight: the largest |weight| a global model may hold; every site refuses",
+        "a larger one before training on it (an honest run stays far inside the default).",
     ],
     "training": [
         f"Local DP-SGD and the server optimizer ({', '.join(SERVER_OPTIMIZERS)}). Each unit's",

@@ -61,6 +61,10 @@ DECLINE_REASONS = {
         "many times as its approval allows, or one run adds more epsilon than the "
         "per-round cap (its policy's or the study's max_epsilon_per_round)"
     ),
+    pb.DeclineRoundRequest.MODEL_OUT_OF_BOUNDS: (
+        "the round's global model holds a weight beyond the study's model.max_abs_weight, "
+        "so it does not train or evaluate on it"
+    ),
 }
 """What the coordinator logs for a site's DeclineRound reason."""
 
@@ -69,6 +73,7 @@ LASTING_DECLINES = frozenset({
     pb.DeclineRoundRequest.STATISTICS_RELEASED,
     pb.DeclineRoundRequest.EVALUATIONS_USED,
     pb.DeclineRoundRequest.QUERY_NOT_APPROVED,
+    pb.DeclineRoundRequest.MODEL_OUT_OF_BOUNDS,
 })
 """Reasons that do not change by waiting: re-opening the same round for these sites
 would loop (NOT_READY, or no reason, may pass)."""

@@ -172,6 +172,9 @@ def apply_update(
         model.flat = apply_step(
             model.optimizer, model.flat, mean_delta, window=UPDATE_CHUNK_ELEMENTS
         )
+        if study is not None:
+            clamp_to_bound(model.flat, bound=study.model.max_abs_weight,
+                           round_number=ann.round_number)
         if before is not None and study is not None:
             after = probe(study, model.flat)
         if before is not None and after is not None:
@@ -183,6 +186,33 @@ def apply_update(
         model.histogram_edges = next_edges
     return RoundResult(ann.round_number, survivors, rnd.dropped_sites(survivors),
                        mean_delta, decoded.metrics, decoded.histogram, edges=decoded.edges)
+
+
+def clamp_to_bound(flat: np.ndarray, *, bound: float, round_number: int) -> int:
+    """Clamp the next global model into the study's public bound [-bound, bound]
+    (``[model] max_abs_weight``), in place; returns how many weights it moved. Every
+    site refuses a model beyond the bound, so the coordinator never serves one: an
+    honest run stays far inside it (`DEFAULT_MAX_ABS_WEIGHT` says why), and one that
+    reaches it has diverged, which the warning logged here says. Clamping is
+    post-processing of the released sum (no privacy cost), and keeps the study going
+    where failing it would throw away every site's spent budget."""
+    beyond = 0
+    for start in range(0, flat.size, UPDATE_CHUNK_ELEMENTS):
+        window = flat[start : start + UPDATE_CHUNK_ELEMENTS]
+        outside = ~(np.abs(window) <= bound)  # NaN too
+        count = int(np.count_nonzero(outside))
+        if count:
+            beyond += count
+            np.clip(window, -bound, bound, out=window)
+            window[np.isnan(window)] = 0.0
+    if beyond:
+        log.warning("round %d: %d weights of the next global model are beyond the study's "
+                    "model.max_abs_weight = %g and were clamped to it (training diverged: "
+                    "lower training.learning_rate or the server learning rate)",
+                    round_number, beyond, bound,
+                    extra={"event": "model_clamped", "round_number": round_number,
+                           "clamped_weights": beyond})
+    return beyond
 
 
 def first_edges(study: Study, flat: np.ndarray, *, bins: int) -> tuple[float, ...]:
@@ -199,8 +229,10 @@ def first_edges(study: Study, flat: np.ndarray, *, bins: int) -> tuple[float, ..
 
 def probe(study: Study, flat: np.ndarray) -> np.ndarray | None:
     """`common.models.probe.probe_logits` (imports torch: only when a round steps), or
-    None where torch is not installed (the coordinator image): the next round's buckets
-    then follow the released histogram alone (`next_edges` without a shift)."""
+    None where torch is not installed (the coordinator image) or the model's probe
+    logits are not finite (a model that overflows on the public probe inputs): the next
+    round's buckets then follow the released histogram alone (`next_edges` without a
+    shift), or the default layout."""
     if not network_code_installed():
         if not _NO_PROBE_SAID.is_set():
             _NO_PROBE_SAID.set()
@@ -210,7 +242,13 @@ def probe(study: Study, flat: np.ndarray) -> np.ndarray | None:
         return None
     from common.models.probe import probe_logits
 
-    return probe_logits(study, flat)
+    logits = probe_logits(study, flat)
+    if not np.all(np.isfinite(logits)):
+        log.warning("the public probe of the global model gives non-finite logits: "
+                    "evaluation buckets follow the released histograms alone",
+                    extra={"event": "evaluation_probe_not_finite"})
+        return None
+    return logits
 
 
 _NO_PROBE_SAID = threading.Event()

@@ -35,6 +35,7 @@ from common.errors import (
     CryptoError,
     EvaluationsUsed,
     FederationFinished,
+    ModelOutOfBounds,
     ProtocolAbort,
     QueryRefused,
     RoundFailed,
@@ -326,6 +327,19 @@ class SiteAgent:
             stub.DeclineRound(
                 pb.DeclineRoundRequest(
                     round=ann.round, reason=pb.DeclineRoundRequest.EVALUATIONS_USED,
+                    budget=self.budget_pb(),
+                ),
+                timeout=30,
+            )
+        except ModelOutOfBounds as exc:
+            # The served model is beyond the study's public bound: a fact about the
+            # model, not the data, so the site says why (the coordinator logs it).
+            log.error("declining round %d: %s", ann.round, exc,
+                      extra={"event": "model_out_of_bounds", "reason": str(exc)})
+            self.metrics.rounds.labels(outcome="failed").inc()
+            stub.DeclineRound(
+                pb.DeclineRoundRequest(
+                    round=ann.round, reason=pb.DeclineRoundRequest.MODEL_OUT_OF_BOUNDS,
                     budget=self.budget_pb(),
                 ),
                 timeout=30,

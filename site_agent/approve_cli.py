@@ -114,10 +114,15 @@ def _state_and_study(args: argparse.Namespace) -> tuple[Path, Study | None, str 
 def describe_study(study: Study, out: TextIO) -> None:
     p = study.privacy
     print(f"study         {study.study.name} (sha256 {study_sha256(study)})", file=out)
-    print(f"model         {study.model.name or 'default for ' + study.data.kind}", file=out)
+    model = study.model.custom or study.model.name or "default for " + study.data.kind
+    print(f"model         {model}; every served weight within +/-"
+          f"{study.model.max_abs_weight:g}", file=out)
     print(f"rounds        {study.evaluations_planned_text()}", file=out)
+    cap = study.privacy.max_epsilon_per_round
     print(f"privacy       {p.unit}-level DP, epsilon {p.epsilon:g} at delta {p.delta:g}; "
-          f"statistics epsilon {p.statistics_epsilon:g}; at most {p.max_colluding_sites} "
+          f"statistics epsilon {p.statistics_epsilon:g}; per-round cap "
+          f"{'none' if cap is None else format(cap, 'g')}; evaluation noise std "
+          f"{p.evaluation.noise_std:g} per summed count; at most {p.max_colluding_sites} "
           f"colluding sites, rounds of at least {p.min_round_sites} sites", file=out)
     print(f"features      {', '.join(f.name for f in study.features)}", file=out)
     describe_members(study, out)

@@ -9,11 +9,18 @@ shared by the ghost and per-sample-gradient-hook optimizers (`FlatNoiseMixin`).
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
-from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+from opacus.optimizers import (
+    DistributedDPOptimizer,
+    DPOptimizer,
+    DPOptimizerFastGradientClipping,
+)
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from opacus.utils.fast_gradient_clipping_utils import (
     DPLossFastGradientClipping,
     DPTensorFastGradientClipping,
@@ -23,6 +30,9 @@ from opacus.utils.tensor_utils import unfold2d
 from torch import nn
 
 from common.errors import ConfigError
+from site_agent.finite_clipping import clip_factors, rows_to_zero, usable, zero_unusable_rows
+
+logger = logging.getLogger(__name__)
 
 
 def _linear_norm_sample(
@@ -129,7 +139,35 @@ class GhostModule(GradSampleModuleFastGradientClipping):  # type: ignore[misc]
         self.bookkeeping = bool(trainable) and all(type(x) is nn.Linear for x in trainable)
         self._bk_layers: list[nn.Linear] = [x for x in trainable if type(x) is nn.Linear]
         self._bk_records: list[tuple[nn.Linear, torch.Tensor, torch.Tensor]] = []
+        # Two-pass path: which records of the last backward had a finite gradient norm,
+        # and (set when some had not) the ones the trainer runs again (`take_retry`).
+        self.usable_samples: torch.Tensor | None = None
+        self._retry: torch.Tensor | None = None
         super().__init__(m, **kwargs)  # calls add_hooks
+
+    def get_clipping_coef(self) -> torch.Tensor:
+        """Opacus' per-record factor min(1, C / (||g_i|| + 1e-6)), the squared norms
+        summed over the parameters in float64, and 0 for a record whose norm is not
+        finite (site_agent.finite_clipping); `usable_samples` says which records those
+        are."""
+        norms = [param._norm_sample for param in self.trainable_parameters]
+        device = norms[0].device
+        squared = torch.stack(
+            [n.to(device=device, dtype=torch.float64) for n in norms]).square().sum(dim=0)
+        self.per_sample_gradient_norms = squared.clamp_min(0.0).sqrt()
+        self.usable_samples = usable(squared)
+        return clip_factors(squared, max_grad_norm=self.max_grad_norm).to(norms[0].dtype)
+
+    def request_retry(self, usable_samples: torch.Tensor) -> None:
+        """The clipped backward was not run: the physical batch's records where
+        `usable_samples` holds are to be run again on their own (`take_retry`)."""
+        self._retry = usable_samples
+
+    def take_retry(self) -> torch.Tensor | None:
+        """The records (a bool mask over the last physical batch) the trainer must run
+        again alone because others in it had a non-finite gradient, or None; cleared."""
+        retry, self._retry = self._retry, None
+        return retry
 
     def add_hooks(self, **kwargs: Any) -> None:
         """Opacus' hooks, or for book-keeping models one light forward hook per layer.
@@ -169,39 +207,89 @@ class GhostModule(GradSampleModuleFastGradientClipping):  # type: ignore[misc]
         if len(records) != len(self._bk_layers):
             raise ConfigError("grad_sample_mode", "book-keeping saw an incomplete forward pass")
         grads = torch.autograd.grad(loss_per_sample.sum(), [out for _, _, out in records])
-        squared = torch.zeros_like(loss_per_sample, dtype=grads[0].dtype)
+        # Sums of squares in float64 (site_agent.finite_clipping).
+        squared = torch.zeros_like(loss_per_sample, dtype=torch.float64)
         for (layer, activation, _), g in zip(records, grads):
             factor = torch.zeros_like(squared)
             if layer.weight.requires_grad:
-                factor = factor + activation.to(g.dtype).square().sum(dim=1)
+                factor = factor + activation.to(g.dtype).square().sum(dim=1).to(squared.dtype)
             if layer.bias is not None and layer.bias.requires_grad:
                 factor = factor + 1.0
-            squared = squared + g.square().sum(dim=1) * factor
-        norms = squared.sqrt()
-        self._per_sample_gradient_norms = norms
-        coefficients = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)  # as Opacus
+            squared = squared + g.square().sum(dim=1).to(squared.dtype) * factor
+        self._per_sample_gradient_norms = squared.clamp_min(0.0).sqrt()
+        # As Opacus, min(1, C / (||g_i|| + 1e-6)); a record whose gradient is not
+        # finite contributes exactly zero (its rows are zeroed, not multiplied by 0).
+        keep = rows_to_zero(usable(squared))
+        coefficients = clip_factors(squared, max_grad_norm=self.max_grad_norm)
         for (layer, activation, _), g in zip(records, grads):
-            weighted = g * coefficients.unsqueeze(1)
+            weighted = zero_unusable_rows(g, keep) * coefficients.to(g.dtype).unsqueeze(1)
             if layer.weight.requires_grad:
-                layer.weight.grad = weighted.t().mm(activation.to(g.dtype))
+                layer.weight.grad = weighted.t().mm(
+                    zero_unusable_rows(activation.to(g.dtype), keep))
             if layer.bias is not None and layer.bias.requires_grad:
                 layer.bias.grad = weighted.sum(dim=0)
 
 
 class GhostLossTensor(DPTensorFastGradientClipping):  # type: ignore[misc]
-    """Ghost-clipping loss whose backward uses book-keeping when the model allows it."""
+    """Ghost-clipping loss whose backward uses book-keeping when the model allows it.
+
+    Otherwise Opacus' two passes: per-record norms from the first backward, then the
+    backward of sum_i c_i loss_i. When some record's norm is not finite, that second pass
+    is not run on this forward (an unusable record's infinite activation times its zero
+    factor would be NaN in a weight gradient, poisoning the sum): the module asks the
+    trainer to run the usable records again on their own (`GhostModule.take_retry`), which
+    gives exactly the clipped sum with the unusable records contributing zero."""
 
     def backward(self) -> None:
-        if getattr(self.module, "bookkeeping", False):
-            self.module.bookkeeping_backward(self.loss_per_sample)
-        else:
-            super().backward()
+        module = self.module
+        if getattr(module, "bookkeeping", False):
+            module.bookkeeping_backward(self.loss_per_sample)
+            return
+        losses = self.loss_per_sample
+        reduced = losses.mean(dim=0) if self.loss_reduction == "mean" else losses.sum(dim=0)
+        reduced.backward(retain_graph=True)
+        self.optimizer.zero_grad()
+        coefficients = module.get_clipping_coef()
+        kept = getattr(module, "usable_samples", None)
+        if kept is not None and not bool(kept.all()):
+            module.request_retry(kept)
+            return
+        second = (coefficients.to(losses.device) * losses).sum()
+        module.disable_hooks()
+        second.backward()
+        module.enable_hooks()
 
 
 class GhostLoss(DPLossFastGradientClipping):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> DPTensorFastGradientClipping:
         loss = super().__call__(*args, **kwargs)
         return GhostLossTensor(self.module, self.optimizer, loss.loss_per_sample, "mean")
+
+
+def clipped_backward(module: nn.Module, criterion: Callable[..., Any], inputs: torch.Tensor,
+                     labels: torch.Tensor) -> torch.Tensor:
+    """Forward and clipped backward of one physical batch of record-level DP-SGD (the
+    clipped sum left in the parameters' `.grad`); its mean loss. When Opacus' two-pass
+    ghost clipping asks for it (`GhostLossTensor`: some record's gradient norm was not
+    finite), the usable records run again on their own, so the others contribute
+    exactly zero and the sum stays finite (site_agent.finite_clipping)."""
+    loss = criterion(module(inputs), labels)
+    loss.backward()
+    take_retry: Callable[[], torch.Tensor | None] | None = getattr(module, "take_retry", None)
+    kept = take_retry() if take_retry is not None else None
+    if take_retry is not None and kept is not None:
+        logger.warning("a record's gradient is not finite (the served model overflows on "
+                       "it): it contributes zero to this step")
+        index = torch.nonzero(kept.to(inputs.device), as_tuple=False).reshape(-1)
+        if index.numel():
+            again = criterion(module(inputs[index]), labels[index])
+            again.backward()
+        if index.numel() == 0 or take_retry() is not None:
+            for p in module.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+    detached: torch.Tensor = loss.detach()
+    return detached
 
 
 class FlatNoiseMixin:
@@ -259,8 +347,47 @@ class GhostOptimizer(FlatNoiseMixin, DPOptimizerFastGradientClipping):  # type: 
                 p.summed_grad = p.grad.detach().clone()
 
 
-class HooksOptimizer(FlatNoiseMixin, DPOptimizer):  # type: ignore[misc]
-    """Opacus' per-sample-gradient optimizer with the shared flat noise draw."""
+class FiniteClippingMixin:
+    """Opacus' per-sample clipping (`DPOptimizer.clip_and_accumulate`) with the squared
+    norms summed in float64 and a record whose gradient norm is not finite contributing
+    exactly zero (site_agent.finite_clipping): its rows are zeroed before the weighted
+    sum, where Opacus' factor times an infinite gradient would be NaN."""
+
+    params: list[torch.nn.Parameter]
+    max_grad_norm: float
+
+    if TYPE_CHECKING:  # Opacus' DPOptimizer, which the mixin goes with, has these
+        @property
+        def grad_samples(self) -> list[torch.Tensor]: ...
+
+        def _get_flat_grad_sample(self, p: torch.Tensor) -> torch.Tensor: ...
+
+    def clip_and_accumulate(self) -> None:
+        samples = self.grad_samples
+        device = samples[0].device
+        squared = torch.zeros(len(samples[0]), dtype=torch.float64, device=device)
+        for g in samples:
+            squared += g.reshape(len(g), -1).square().sum(dim=-1).to(device, torch.float64)
+        factor = clip_factors(squared, max_grad_norm=self.max_grad_norm)
+        keep = rows_to_zero(usable(squared))
+        for p in self.params:
+            _check_processed_flag(p.grad_sample)
+            grad_sample = zero_unusable_rows(self._get_flat_grad_sample(p).to(p.dtype), keep)
+            grad = torch.einsum("i,i...", factor.to(grad_sample.device, p.dtype), grad_sample)
+            if p.summed_grad is not None:
+                p.summed_grad += grad
+            else:
+                p.summed_grad = grad
+            _mark_as_processed(p.grad_sample)
+
+
+class HooksOptimizer(FlatNoiseMixin, FiniteClippingMixin, DPOptimizer):  # type: ignore[misc]
+    """Opacus' per-sample-gradient optimizer with the shared flat noise draw and finite
+    clipping (`FiniteClippingMixin`)."""
+
+
+class DistributedHooksOptimizer(FiniteClippingMixin, DistributedDPOptimizer):  # type: ignore[misc]
+    """Opacus' distributed per-sample-gradient optimizer with finite clipping."""
 
 
 

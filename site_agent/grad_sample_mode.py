@@ -28,16 +28,14 @@ from typing import Any, Literal
 import torch
 from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.grad_sample import GradSampleModule
-from opacus.optimizers import (
-    DistributedDPOptimizer,
-    DistributedDPOptimizerFastGradientClipping,
-)
+from opacus.optimizers import DistributedDPOptimizerFastGradientClipping
 from torch import nn
 
 from common.errors import ConfigError, StateError, ValidationError
 from common.fileio import atomic_write
 from common.parsing import parse_json
 from site_agent.ghost_clipping import (
+    DistributedHooksOptimizer,
     GhostLoss,
     GhostModule,
     GhostOptimizer,
@@ -347,7 +345,8 @@ def distributed_dp_objects(
     base = base_optimizer(model.parameters(), config)
     objects = _wrapped_dp_objects(
         mode, DPDDP(model), base,
-        optimizer_classes=(DistributedDPOptimizerFastGradientClipping, DistributedDPOptimizer),
+        optimizer_classes=(DistributedDPOptimizerFastGradientClipping,
+                           DistributedHooksOptimizer),
         config=config, noise_multiplier=noise_multiplier,
         expected_batch_size=config.batch_size / world_size, generator=generator,
     )

@@ -9,6 +9,13 @@ patient's rows are for tables: `ImageDataset.patient_ids` plays the role of
 Images are checked when the dataset is opened (headers only: format, channels, DICOM
 pixel data present) and decoded when training touches them, through a bounded LRU
 cache of decoded tensors, so a site with more images than memory still trains.
+A site in a round opens its folder with ``blank_unreadable``: a file that fails to decode
+then (truncated pixel data, a disk error, a file replaced since the site joined) is an
+all-zero image, logged at the site, so the record still contributes its
+clipped gradient and the round goes on. Raising there would stop the site in the middle
+of a round whose sampled batch happened to hold that record: a dropout the coordinator
+could read as a fact about the site's data. Offline commands (`medfed predict`, `data
+check`) keep the error.
 
 Pixel values become float32 in [0, 1]:
   * PNG/JPEG: divided by the format's maximum (255, or 65535 for 16-bit), the same
@@ -25,6 +32,7 @@ Every problem is a `DataError` naming the file (and the CSV row where one applie
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -40,6 +48,8 @@ from site_agent.data import HEADER_ROW, iter_table_rows
 
 if TYPE_CHECKING:
     from common.study import Study
+
+log = logging.getLogger("medfed.site")
 
 PNG_SUFFIXES = (".png", ".jpg", ".jpeg")
 DICOM_SUFFIXES = (".dcm", ".dicom")
@@ -64,6 +74,9 @@ class ImageSpec:
     patient_column: str | None = None
     window: tuple[float, float] | None = None
     cache_bytes: int = DEFAULT_CACHE_BYTES
+    # A site in a round: a file that fails to decode is an all-zero image (module
+    # docstring), not a DataError.
+    blank_unreadable: bool = False
 
     @property
     def size(self) -> tuple[int, int]:
@@ -209,10 +222,15 @@ class ImageDataset:
         if cached is not None:
             return cached
         entry = self.entries[i]
-        if entry.kind == "dicom":
-            array = _decode_dicom(entry.path, self.spec)
-        else:
-            array = _decode_raster(entry.path, self.spec)
+        try:
+            array = (_decode_dicom(entry.path, self.spec) if entry.kind == "dicom"
+                     else _decode_raster(entry.path, self.spec))
+        except DataError as exc:
+            if not self.spec.blank_unreadable:
+                raise
+            log.warning("%s: trained and scored as an all-zero image", exc,
+                        extra={"event": "image_unreadable", "file": str(entry.path)})
+            array = np.zeros(self.shape, dtype=np.float32)
         tensor = torch.from_numpy(array)
         self.cache.put(i, tensor)
         return tensor
@@ -515,8 +533,10 @@ def load_image_folder(
     )
 
 
-def image_spec_for_study(study: Study, *, cache_bytes: int = DEFAULT_CACHE_BYTES) -> ImageSpec:
-    """How an images study's ``[data]`` section reads a site's folder."""
+def image_spec_for_study(study: Study, *, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                         blank_unreadable: bool = False) -> ImageSpec:
+    """How an images study's ``[data]`` section reads a site's folder (`blank_unreadable`:
+    a site in a round, module docstring)."""
     data = study.data
     if data.kind != "images" or data.image_size is None or data.file_column is None:
         raise ConfigError("data.kind", "not an images study (file_column and image_size)")
@@ -528,4 +548,5 @@ def image_spec_for_study(study: Study, *, cache_bytes: int = DEFAULT_CACHE_BYTES
         label_column=data.label_column,
         patient_column=data.patient_column,
         cache_bytes=cache_bytes,
+        blank_unreadable=blank_unreadable,
     )

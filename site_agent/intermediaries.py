@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.errors import ConfigError
 from common.round import RoundPlan
 from site_agent.training_plan import fit_batch_size
 from site_agent.unit_split import canonical_unit_id, unit_ids
@@ -41,11 +40,10 @@ def intermediary_key(site_key: bytes) -> bytes:
 def assign_intermediaries(keys: np.ndarray, *, v: int, site_key: bytes) -> list[np.ndarray]:
     """Record indices of each of v intermediaries, given one unit id per record (a
     patient id, or `record_unit_keys`): every record of a unit in the group
-    `intermediary_of` gives its id. ConfigError when there are fewer units than v."""
+    `intermediary_of` gives its id. A site with fewer units than v gets some empty
+    groups (each a zero update, `train_intermediaries`), never an error: how many
+    patients a site holds must not decide whether it can take part in a round."""
     unique, inverse = np.unique(np.asarray(keys), return_inverse=True)
-    if unique.size < v:
-        raise ConfigError("privacy.intermediaries",
-                          f"{v} intermediaries but only {unique.size} units at this site")
     key = intermediary_key(site_key)
     group_of_unit = np.fromiter((intermediary_of(u, key=key, v=v) for u in unique),
                                 dtype=np.int64, count=unique.size)

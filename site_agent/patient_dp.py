@@ -10,8 +10,9 @@ Differentially Private Recurrent Language Models", Alg. 1 with per-user clipping
    patient brings all their records.
 2. Per-record gradients (torch.func vmap over grad), summed per patient (index_add_):
    g_p = sum_{r in p} grad loss(r).
-3. Clip each per-patient gradient: g_p * min(1, C / ||g_p||). Now adding or removing
-   a patient moves the sum by at most C, whatever their number of encounters.
+3. Clip each per-patient gradient: g_p * min(1, C / ||g_p||), or 0 when g_p is not
+   finite (`site_agent.finite_clipping`). Now adding or removing a patient moves the sum
+   by at most C, whatever their number of encounters.
 4. Sum, add N(0, sigma^2 C^2) noise, divide by the EXPECTED number of patients (not the
    realised one, which would itself depend on the sampled data).
 5. Account with (sigma, q_p, steps): the subsampled Gaussian mechanism over patients.
@@ -26,6 +27,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from common.errors import ConfigError
+from site_agent.finite_clipping import clip_factors, rows_to_zero, usable, zero_unusable_rows
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -72,13 +74,16 @@ def clipped_unit_sum(
     for name, g in per_record.items():
         acc = torch.zeros((num_units, *g.shape[1:]), dtype=g.dtype, device=g.device)
         per_unit[name] = acc.index_add_(0, unit_of_record, g)
-    squared = torch.zeros(num_units, dtype=torch.float32, device=unit_of_record.device)
+    squared = torch.zeros(num_units, dtype=torch.float64, device=unit_of_record.device)
     for g in per_unit.values():
         squared = squared + g.reshape(num_units, -1).pow(2).sum(dim=1).to(squared.dtype)
-    # Same clip factor as Opacus (min(1, C / (||g|| + 1e-6))).
-    factor = (max_grad_norm / (squared.sqrt() + 1e-6)).clamp(max=1.0)
+    # Opacus' factor min(1, C / (||g|| + 1e-6)); a unit whose gradient is not finite
+    # contributes exactly zero (site_agent.finite_clipping).
+    factor = clip_factors(squared, max_grad_norm=max_grad_norm)
+    keep = rows_to_zero(usable(squared))
     return {
-        name: torch.einsum("u,u...->...", factor.to(g.dtype), g) for name, g in per_unit.items()
+        name: torch.einsum("u,u...->...", factor.to(g.dtype), zero_unusable_rows(g, keep))
+        for name, g in per_unit.items()
     }
 
 

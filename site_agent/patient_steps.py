@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from common.errors import ConfigError
+from site_agent.finite_clipping import clip_factors, usable
 from site_agent.patient_dp import LossFn, clipped_unit_sum, per_record_gradients
 from site_agent.task_loss import TaskLoss
 from site_agent.training_config import TrainingConfig
@@ -133,7 +134,8 @@ def _one_large_patient(
     config: TrainingConfig,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One patient with more records than a physical batch: their summed gradient over
-    physical chunks (plain backward passes), clipped to `max_grad_norm`."""
+    physical chunks (plain backward passes), clipped to `max_grad_norm` (zero when it is
+    not finite)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     summed = [torch.zeros_like(p) for _, p in named]
     loss_sum = torch.zeros((), device=summed[0].device)
@@ -146,9 +148,13 @@ def _one_large_patient(
         for acc, g in zip(summed, grads):
             acc.add_(g)
         loss_sum += loss.detach()
-    norm = torch.sqrt(sum((g.double().square().sum() for g in summed), torch.zeros((),
-                      dtype=torch.float64, device=loss_sum.device)))
-    factor = (config.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+    squared = sum((g.double().square().sum() for g in summed),
+                  torch.zeros((), dtype=torch.float64, device=loss_sum.device))
+    # Opacus' factor, or exactly zero for a gradient that is not finite
+    # (site_agent.finite_clipping).
+    factor = clip_factors(squared, max_grad_norm=config.max_grad_norm)
+    if not bool(usable(squared)):
+        return {name: torch.zeros_like(g) for (name, _), g in zip(named, summed)}, loss_sum
     return {name: g * factor.to(g.dtype) for (name, _), g in zip(named, summed)}, loss_sum
 
 

@@ -217,7 +217,10 @@ class ImageFolderDataset:
     def open(cls, study: Study, settings: SiteSettings, *, path: Path) -> ImageFolderDataset:
         from site_agent.imaging import image_spec_for_study, load_image_folder
 
-        return cls(load_image_folder(path, image_spec_for_study(study)), study, settings)
+        # A file that no longer decodes in a round is an all-zero image, not a stop
+        # (`site_agent.imaging`): the site's rounds never depend on it.
+        return cls(load_image_folder(path, image_spec_for_study(study, blank_unreadable=True)),
+                   study, settings)
 
     @property
     def has_patients(self) -> bool:

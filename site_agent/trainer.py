@@ -57,6 +57,7 @@ from common.models.layout import flatten_parameters, load_flat_parameters
 from common.privacy.accountant import Segment, plan_noise_multiplier
 from site_agent.data import SiteData, check_cohort_size
 from site_agent.device import select_device
+from site_agent.ghost_clipping import clipped_backward
 from site_agent.grad_sample_mode import (
     GradSampleChoice,
     base_optimizer,
@@ -414,10 +415,9 @@ class LocalTrainer:
             last = i == len(chunks) - 1
             # BatchMemoryManager protocol: all but the last chunk only clip+accumulate.
             optimizer.signal_skip_step(do_skip=not last)
-            logits = self.trained_module(self._inputs(chunk))
-            loss = self._criterion(logits, self.labels[chunk])
-            loss.backward()
-            total_loss += loss.detach() * int(chunk.numel())
+            total_loss += clipped_backward(self.trained_module, self._criterion,
+                                           self._inputs(chunk), self.labels[chunk]) * int(
+                chunk.numel())
             if last:
                 if optimizer.pre_step():
                     if self.world_size > 1:

@@ -24,7 +24,7 @@ from common.privacy.accountant import Segment
 from common.privacy.mechanisms import Mechanism
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.round import RoundPlan, VerifiedRound
-from common.study import GlobalStatistics
+from common.study import GlobalStatistics, check_served_weights
 from site_agent import dp_release
 from site_agent import hospital as hospital_round
 from site_agent.connection import Heartbeats
@@ -66,18 +66,26 @@ def proc_status_bytes(key: str) -> int:
 
 def encode_update(rnd: VerifiedRound, update: LocalUpdate) -> np.ndarray:
     """The upload, built from the round's egress manifest (common.egress): the
-    segments listed there and nothing else."""
+    segments listed there and nothing else.
+
+    A trained update holding NaN or infinity is sent as zero (logged here, at the site):
+    it is a function of the DP-SGD steps' noised outputs and the public model, so zero is
+    post-processing of them, and a site whose training overflowed still uploads like
+    every other, never a dropout the coordinator could read as a fact about its data."""
     n_sites = len(rnd.params.participants) if rnd.params else 2
     manifest = rnd.announcement.manifest()
     if update.delta.size != manifest.slice_of(egress.MODEL_UPDATE).stop:
         raise RoundFailed("update does not match the model size")
-    if not all_finite(update.delta):
-        raise RoundFailed("update contains NaN or infinity")
+    delta = update.delta
+    if not all_finite(delta):
+        log.warning("round %d: the trained update holds NaN or infinity (the global model "
+                    "overflowed on this site's records): sending a zero update", rnd.number,
+                    extra={"event": "update_not_finite", "round_number": rnd.number})
+        delta = np.zeros(delta.shape, dtype=np.float32)
     weight = min(int(update.num_samples), rnd.announcement.weight_cap)
     # Scale by n_k / cap so FedAvg's weights come out of the secure sum; in place
     # when the hook handed over a writeable delta (no model-sized copy).
     factor = np.float32(weight / rnd.announcement.weight_cap)
-    delta = update.delta
     if delta.flags.writeable and delta.dtype in (np.float32, np.float64):
         scaled = np.multiply(delta, factor, out=delta)
     else:
@@ -203,6 +211,10 @@ class TrainingRound:
             # The model downloads while the keys are exchanged (two barriers that
             # wait on the slowest site): neither delays the other.
             global_flat = download.result()
+            # The study's public bound on the served weights, before any ledger entry or
+            # training: a model that large could overflow float32 on chosen records.
+            check_served_weights(global_flat, self.membership.study,
+                                 what=f"the global model of round {rnd.number}")
             timeline.mark("keys_and_model")
             log.debug("round %d: keys exchanged, model downloaded", rnd.number)
             segments: list[Mechanism] = list(planning.result())

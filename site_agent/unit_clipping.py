@@ -19,6 +19,10 @@ g_u = sum_{i in u} g_i. It needs each unit's gradient NORM, never the unit's gra
   record i's unit, each layer's clipped gradient is (c * G)^T A, from the output
   gradients the norm pass already holds. No second backward pass, and the loss comes
   from the same forward.
+- A unit whose squared norm (accumulated in float64) is NaN or infinite, or one of whose
+  records has a per-layer gradient norm above `MAX_RECORD_GRADIENT_NORM`, contributes
+  exactly zero: its rows are zeroed before the products (`site_agent.finite_clipping`
+  says why zero is a valid clipping function), so the clipped sum is always finite.
 
 The backward runs to the trainable layers' OUTPUTS only (`torch.autograd.grad`), so no
 parameter gradient of the unclipped loss is formed. Exact for every model whose
@@ -38,6 +42,13 @@ from opacus.utils.tensor_utils import unfold2d
 from torch import nn
 
 from common.errors import ConfigError
+from site_agent.finite_clipping import (
+    clip_factors,
+    rows_to_zero,
+    units_within_record_bound,
+    usable,
+    zero_unusable_rows,
+)
 
 _GRAD_SAMPLERS: dict[type, Callable[..., dict[nn.Parameter, torch.Tensor]]] = dict(
     GradSampleModule.GRAD_SAMPLERS
@@ -164,6 +175,35 @@ class _Context:
 
 def _squared_norm(rows: torch.Tensor) -> torch.Tensor:
     return rows.reshape(rows.shape[0], -1).square().sum(dim=1)
+
+
+def _row_squares(values: torch.Tensor) -> torch.Tensor:
+    """float64 squared L2 norm of each row of `values` [n, ...]: the norm reduced in the
+    values' dtype without a temporary of their size (an overflow there is an infinite
+    norm), squared in float64."""
+    norms: torch.Tensor = torch.linalg.vector_norm(values.reshape(values.shape[0], -1), dim=1)
+    return norms.to(torch.float64).square()
+
+
+def _linear_record_squared(layer: nn.Linear, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Each record's own squared gradient norm of the layer, ||g_i||^2 (||a_i||^2 + 1)."""
+    g_sq = _row_squares(g)
+    weight = layer.weight.requires_grad
+    bias = layer.bias is not None and layer.bias.requires_grad
+    a_sq = _row_squares(a) if weight else torch.zeros_like(g_sq)
+    return g_sq * (a_sq + (1.0 if bias else 0.0))
+
+
+def _conv_record_squared(layer: nn.Conv2d, unfolded: torch.Tensor,
+                         g: torch.Tensor) -> torch.Tensor:
+    """An upper bound of each record's own squared gradient norm of the layer:
+    ||G_i||^2 ||A_i||^2 for the weight (Cauchy-Schwarz), plus ||sum_t G_i||^2 (bias)."""
+    out = torch.zeros(g.shape[0], dtype=torch.float64, device=g.device)
+    if layer.weight.requires_grad:
+        out = out + _row_squares(g) * _row_squares(unfolded)
+    if layer.bias is not None and layer.bias.requires_grad:
+        out = out + _row_squares(g.sum(dim=2))
+    return out
 
 
 def _linear_is_paired(a: torch.Tensor, g: torch.Tensor, ctx: _Context) -> bool:
@@ -294,7 +334,10 @@ class UnitClipper:
         outputs = [out for _, _, out in records]
         backprops = torch.autograd.grad(losses.sum(), outputs)
         ctx = _Context(unit, num_units, self._workspace)
-        squared = torch.zeros(num_units, dtype=torch.float32, device=unit.device)
+        # Sums of squares in float64 (site_agent.finite_clipping): per unit, and each
+        # record's largest own per-layer term (the record bound).
+        squared = torch.zeros(num_units, dtype=torch.float64, device=unit.device)
+        record_squared = torch.zeros(ctx.n, dtype=torch.float64, device=unit.device)
         prepared: list[tuple[str, nn.Module, Any, torch.Tensor]] = []
         pair_terms: torch.Tensor | None = None
         for (layer, a, _), g in zip(records, backprops):
@@ -303,9 +346,10 @@ class UnitClipper:
             if kind == "linear" and g.dim() == 2:
                 linear = cast(nn.Linear, layer)
                 a = a.to(g.dtype)
+                own = _linear_record_squared(linear, a, g)
                 if _linear_is_paired(a, g, ctx):
                     # Summed over the paired layers first: one per-unit reduction.
-                    terms = _linear_pair_terms(linear, a, g, ctx)
+                    terms = _linear_pair_terms(linear, a, g, ctx).to(torch.float64)
                     pair_terms = terms if pair_terms is None else pair_terms + terms
                 else:
                     squared += _linear_explicit_squared(linear, a, g, ctx).to(squared.dtype)
@@ -316,25 +360,36 @@ class UnitClipper:
                                     padding=layer.padding, stride=layer.stride,
                                     dilation=layer.dilation)
                 g = g.reshape(g.shape[0], layer.out_channels, -1)
+                own = _conv_record_squared(layer, unfolded, g)
                 squared += _conv_squared(layer, unfolded, g, ctx).to(squared.dtype)
                 prepared.append(("conv", layer, unfolded, g))
             else:
                 samples = _GRAD_SAMPLERS[type(layer)](layer, [a], g)
+                own = torch.zeros(ctx.n, dtype=torch.float64, device=unit.device)
                 for gs in samples.values():
                     squared += _squared_norm(ctx.per_unit(gs)).to(squared.dtype)
+                    own = own + _row_squares(gs)
                 prepared.append(("generic", layer, samples, g))
+            # NaN-propagating maximum: a NaN own term makes its record unusable.
+            record_squared = torch.maximum(record_squared, own)
         if pair_terms is not None:
-            squared += ctx.rows_sum(pair_terms).to(squared.dtype)
+            squared += ctx.rows_sum(pair_terms)
         self._workspace = ctx.workspace
-        # Same clip factor as Opacus (min(1, C / (||g|| + 1e-6))).
-        factor = (self.max_grad_norm / (squared.sqrt() + 1e-6)).clamp(max=1.0)
+        # Opacus' factor min(1, C / (||g|| + 1e-6)); 0 for a unit that is not finite or
+        # holds a record beyond the record bound, whose rows are zeroed exactly.
+        keep_unit = usable(squared) & units_within_record_bound(record_squared, unit, num_units)
+        factor = torch.where(keep_unit, clip_factors(squared, max_grad_norm=self.max_grad_norm),
+                             torch.zeros_like(squared))
         c = factor.index_select(0, unit)
+        keep = rows_to_zero(keep_unit.index_select(0, unit))
         out: dict[str, torch.Tensor] = {}
         for kind, layer, a, g in prepared:
             if kind == "generic":
                 for p, gs in a.items():
-                    out[self.names[id(p)]] = torch.einsum("n,n...->...", c.to(gs.dtype), gs)
+                    out[self.names[id(p)]] = torch.einsum(
+                        "n,n...->...", c.to(gs.dtype), zero_unusable_rows(gs, keep))
                 continue
+            a, g = zero_unusable_rows(a, keep), zero_unusable_rows(g, keep)
             c_g = c.to(g.dtype)
             train_bias = layer.bias is not None and layer.bias.requires_grad
             if kind == "linear":

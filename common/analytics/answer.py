@@ -28,6 +28,10 @@ grid): they account for the DP noise, not for sampling the cohort from a populat
   the statistics release (`common.noisy_counts.credible_z`: z noise stds, Bonferroni
   over the block's cells; Cormode et al., ICDT 2012); a rate or mean when its stratum
   size is not, a survival point when the at-risk count is not.
+* Saturation: each site's entry is capped at `MAX_SITE_VALUE` (`vector.site_vector`).
+  Entries are non-negative counts, so no site can have reached the cap in a cell whose
+  noisy sum is credibly below it; a statistic with a cell that is not is flagged whole,
+  with a note (its sums may be lower bounds, its mean biased).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import csv
 import hashlib
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
@@ -45,7 +49,12 @@ import numpy as np
 
 from common.analytics.cost import ledger_epsilon
 from common.analytics.query import Query, StatisticSpec, query_sha256, steps, value_range
-from common.analytics.vector import block_slices, statistic_cells, strata_labels
+from common.analytics.vector import (
+    MAX_SITE_VALUE,
+    block_slices,
+    statistic_cells,
+    strata_labels,
+)
 from common.errors import ValidationError
 from common.noisy_counts import credible_z
 from common.study import Study, study_sha256
@@ -431,6 +440,15 @@ def _answer_km(spec: StatisticSpec, noisy: np.ndarray, sigma: float, level: floa
     return out
 
 
+def may_be_saturated(block: np.ndarray, sigma: float) -> bool:
+    """Whether some site's entry in `block` (a statistic's noisy secure sum) may have
+    been capped at `MAX_SITE_VALUE`: a cell whose sum is not credibly below the cap
+    (`credible_z` noise stds, Bonferroni over the block's cells). Entries are
+    non-negative, so a site's capped entry puts the whole sum at or above the cap."""
+    cut = credible_z(max(int(block.size), 1)) * sigma
+    return bool(block.size) and bool(np.max(block) >= MAX_SITE_VALUE - cut)
+
+
 def answer_query(query: Query, total: np.ndarray, *, study: Study,
                  noise_sigmas: Sequence[float], contributors: int,
                  level: float = LEVEL) -> QueryAnswer:
@@ -478,6 +496,12 @@ def answer_query(query: Query, total: np.ndarray, *, study: Study,
         missing = count_estimate(float(block[-1]), sigma=sigma, cell="",
                                  quantity="excluded (missing)", cut=credible_z(1),
                                  level=level, scale=scale)
+        if may_be_saturated(block, sigma):
+            estimates = [replace(e, flagged=True) for e in estimates]
+            missing = replace(missing, flagged=True)
+            notes.append(f"a cell's sum is not credibly below one site's cap ({MAX_SITE_VALUE}"
+                         " per entry): a site's count there may be capped, so its sums may "
+                         "be low and its mean biased; ask again at a coarser resolution")
         flagged = sum(e.flagged for e in estimates)
         if flagged:
             notes.append(f"{flagged} of {len(estimates)} values are not credibly above the "

@@ -65,8 +65,10 @@ from common.statistics import TableLike, calibrate_count_sigma, unit_values
 from common.study import Study
 
 MAX_SITE_VALUE = 1 << 28
-"""No entry of one site's vector may exceed this: the masked vector is a signed 32-bit
-ring (`common.egress`), and the sum over sites plus noise must stay inside it."""
+"""The public cap of every entry of one site's vector: an entry beyond it saturates at it
+(`site_vector`). The masked vector is a signed 32-bit ring (`common.egress`), and the sum
+over sites plus noise must stay inside it. Only a mean at a fine resolution over a large
+site reaches it (K = 10,000 steps: about 26,800 patients in one stratum)."""
 
 
 @dataclass(frozen=True)
@@ -387,7 +389,15 @@ def site_vector(query: Query, table: TableLike, *, study: Study) -> np.ndarray:
     """This site's exact int64 query vector (every block in query order) from its
     table: ALL the rows of its file under the study (`site_agent.data.load_study_table`),
     not a training split. Each unit's contribution to each block is within the block's
-    sensitivities."""
+    sensitivities.
+
+    Every entry saturates at the public cap `MAX_SITE_VALUE` instead of refusing the
+    query: a refusal there, before any ledger entry, would tell the coordinator that
+    some count of this site is past the cap (which site answers and which drops out is
+    then an exact count, outside the ledger). Saturation is a contraction (|min(x, c) -
+    min(y, c)| <= |x - y| per entry), so the block's L1 and L2 sensitivities hold
+    unchanged; `common.analytics.answer` flags a statistic whose sum may hold a
+    saturated entry."""
     check_query_against_study(query, study)
     units = table_units(table, study)
     inside, filter_missing = cohort_masks(query, units, study=study)
@@ -395,12 +405,9 @@ def site_vector(query: Query, table: TableLike, *, study: Study) -> np.ndarray:
         statistic_vector(spec, study, units, inside=inside, filter_missing=filter_missing)
         for spec in query.statistics
     ]
-    vector = np.concatenate(parts).astype(np.int64)
-    if vector.size and int(np.abs(vector).max()) > MAX_SITE_VALUE:
-        raise ValidationError(
-            f"query {query.name!r}: an entry of this site's vector exceeds {MAX_SITE_VALUE} "
-            "(too many patients for the declared resolution): use a coarser resolution")
-    return vector
+    vector: np.ndarray = np.concatenate(parts).astype(np.int64)
+    saturated: np.ndarray = np.clip(vector, -MAX_SITE_VALUE, MAX_SITE_VALUE)
+    return saturated
 
 
 def noise_sigmas(blocks: Sequence[QueryBlock], *, contributors: int) -> list[float]:

@@ -40,6 +40,7 @@ from common.codec import TensorSpec
 from common.errors import StateError, ValidationError
 from common.fileio import atomic_write, read_parsed
 from common.study import Study, study_sha256
+from common.study.policy import largest_weight
 
 INITIAL_MODEL_FORMAT = "medfed-initial-model/1"
 INITIAL_MODEL_SEED = 0
@@ -174,6 +175,12 @@ def initial_model_from_bytes(
         start += size
     if not np.all(np.isfinite(flat)):
         raise ValidationError("tensors: contain NaN or infinity")
+    largest = largest_weight(flat)
+    if largest > study.model.max_abs_weight:
+        raise ValidationError(
+            f"tensors: a weight of magnitude {largest:.4g} is beyond the study's "
+            f"model.max_abs_weight = {study.model.max_abs_weight:g} (every site would "
+            "refuse to train on it)")
     return specs, flat
 
 

@@ -256,16 +256,27 @@ def clip_l2(x: np.ndarray, *, clip: float) -> float:
     """In place: scale x down to L2 norm <= clip (no-op when already inside). Returns the
     factor applied, so a caller can report how often clipping bites.
 
+    A vector holding NaN or infinity becomes zero (factor 0): the mechanism needs only
+    that every site's (or unit's) clipped vector has norm <= clip and is computed from
+    its own data (KLS21, Thm. 1 takes any vector in the ball), and zero is in it. So a
+    model update that overflowed is still sent, as zero plus the site's noise share,
+    and never turns into a dropout the coordinator could read.
+
     >>> x = np.array([3.0, 4.0])  # norm 5
     >>> clip_l2(x, clip=2.5), x.tolist()
     (0.5, [1.5, 2.0])
     >>> clip_l2(x, clip=2.5)  # already inside: untouched
     1.0
+    >>> y = np.array([np.inf, 1.0])
+    >>> clip_l2(y, clip=2.5), y.tolist()
+    (0.0, [0.0, 0.0])
     """
     clip = _positive("clip", clip)
-    norm = float(np.sqrt(np.dot(x, x)))
+    with np.errstate(over="ignore", invalid="ignore"):
+        norm = float(np.sqrt(np.dot(x, x)))
     if not math.isfinite(norm):
-        raise ValidationError("update contains NaN or infinity")
+        x[...] = 0.0
+        return 0.0
     factor = min(1.0, clip / norm) if norm > 0 else 1.0
     if factor < 1.0:
         x *= factor

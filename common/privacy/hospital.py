@@ -256,14 +256,17 @@ def rotation_seed(*, round_nonce: bytes, study_sha256: bytes, round_number: int)
 def unit_vector(delta: np.ndarray, *, clip: float, norm_segment: bool) -> np.ndarray:
     """One unit's float64 vector before the DDGauss encoding: the delta itself, or (with
     the norm coordinate) the delta clipped to S followed by c * min(||delta||, S), whose
-    L2 norm is then at most S sqrt(1 + c^2) (module docstring)."""
+    L2 norm is then at most S sqrt(1 + c^2) (module docstring). A delta holding NaN or
+    infinity is a zero vector (norm coordinate 0 too): zero is in the clipping ball, so
+    the unit still contributes, and the site still uploads (`ddgauss.clip_l2`)."""
     flat = np.asarray(delta).reshape(-1)
     if not norm_segment:
         return np.asarray(flat, dtype=np.float64)  # ddgauss_round copies it anyway
     out = np.empty(flat.size + 1, np.float64)
     out[:-1] = flat
     if not np.all(np.isfinite(out[:-1])):
-        raise ValidationError("a unit update holds a non-finite value")
+        out[:] = 0.0
+        return out
     norm = float(np.linalg.norm(out[:-1]))
     if norm > clip:
         out[:-1] *= clip / norm

@@ -19,12 +19,14 @@ from common.study.global_statistics import (
 )
 from common.study.policy import (
     SitePrivacyPolicy,
+    check_served_weights,
     check_study_against_policy,
     per_round_cap,
     study_round_terms,
 )
 from common.study.schema import (
     DEFAULT_EVALUATION_NOISE_STD,
+    DEFAULT_MAX_ABS_WEIGHT,
     FACTORY_PATTERN,
     FINGERPRINT_PATTERN,
     FORMULA_STARTS,
@@ -61,6 +63,7 @@ from common.study.schema import (
 
 __all__ = [
     "DEFAULT_EVALUATION_NOISE_STD",
+    "DEFAULT_MAX_ABS_WEIGHT",
     "FACTORY_PATTERN",
     "FINGERPRINT_PATTERN",
     "FORMULA_STARTS",
@@ -87,6 +90,7 @@ __all__ = [
     "StudySection",
     "TrainingSection",
     "check_name",
+    "check_served_weights",
     "check_statistics",
     "check_study_against_policy",
     "class_index",

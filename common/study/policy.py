@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from common.errors import PrivacyError
-from common.study.schema import UNIT_STRENGTH, PrivacyUnit, Study
+import numpy as np
+
+from common.errors import ModelOutOfBounds, PrivacyError
+from common.study.schema import DEFAULT_MAX_ABS_WEIGHT, UNIT_STRENGTH, PrivacyUnit, Study
 
 
 @dataclass(frozen=True)
@@ -174,3 +176,36 @@ def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
         problems.append(f"model.custom = {factory!r} is not in this site's allowed factories")
     if problems:
         raise PrivacyError("study refused by this site's policy: " + "; ".join(problems))
+
+
+WEIGHT_CHECK_ELEMENTS = 1 << 20
+"""Weights checked per window (`check_served_weights`): no model-sized temporary."""
+
+
+def largest_weight(flat: np.ndarray) -> float:
+    """max |w| over a flat model (NaN when it holds NaN), read window by window."""
+    values = flat.reshape(-1)
+    largest = 0.0
+    for start in range(0, values.size, WEIGHT_CHECK_ELEMENTS):
+        window = values[start : start + WEIGHT_CHECK_ELEMENTS]
+        if window.size:
+            top = float(np.max(np.abs(window)))
+            if top != top:  # NaN
+                return top
+            largest = max(largest, top)
+    return largest
+
+
+def check_served_weights(flat: np.ndarray, study: Study | None, *, what: str) -> None:
+    """ModelOutOfBounds unless every weight of `flat` is finite and within the study's
+    public bound, ``[model] max_abs_weight`` (the default without a study). A site checks
+    every global model it is served before training on it; the bound and the model are
+    public, so declining there says nothing about the site's data. `what` names the
+    model in the message."""
+    bound = study.model.max_abs_weight if study is not None else DEFAULT_MAX_ABS_WEIGHT
+    largest = largest_weight(flat)
+    if not largest <= bound:
+        raise ModelOutOfBounds(
+            f"{what} holds a weight of magnitude {largest:.4g}, beyond the study's "
+            f"model.max_abs_weight = {bound:g}: refusing to train or evaluate on it (a "
+            "model that large can overflow float32 on chosen records)")

@@ -201,11 +201,26 @@ class FeatureSpec(StudyModel):
         return self
 
 
+DEFAULT_MAX_ABS_WEIGHT = 1e6
+"""The default public bound on every weight of a served global model (`[model]
+max_abs_weight`). Trained clinical models hold weights within +-100: inputs are
+standardised or scaled to [0, 1], each DP-SGD step moves a weight by at most the learning
+rate times the clip norm plus noise, and a diverging run is visible in its loss long
+before. 1e6 leaves four orders of magnitude. A model planted to overflow float32 (3.4e38)
+on the records it targets needs far larger weights for the tabular models (the default
+MLP's logits stay below about 1e24 at this bound): sites refuse a model beyond the bound
+before training (`check_served_weights`), and the coordinator never serves one."""
+MAX_ABS_WEIGHT_LIMIT = 1e38
+"""The largest bound a study may declare (float32 itself ends at 3.4e38)."""
+
+
 class ModelSection(StudyModel):
     """``[model]``: which architecture, one of the model registry's (`common.models`).
 
     Exactly one of ``name`` (a built-in) and ``custom`` (``package.module:factory``);
-    neither means ``name = "mlp"``.
+    neither means ``name = "mlp"``. ``max_abs_weight``: the public bound on every weight
+    of a global model the coordinator serves (`DEFAULT_MAX_ABS_WEIGHT` says why 1e6);
+    part of the study's canonical bytes and digest when it is not the default.
     """
 
     name: str | None = None
@@ -214,6 +229,10 @@ class ModelSection(StudyModel):
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     options: dict[str, int | float | str | bool] = Field(
         default_factory=dict, description="keyword arguments passed to a custom factory"
+    )
+    max_abs_weight: float = Field(
+        default=DEFAULT_MAX_ABS_WEIGHT, gt=0, le=MAX_ABS_WEIGHT_LIMIT,
+        description="the largest |weight| a served global model may hold",
     )
 
     @model_validator(mode="before")
@@ -598,6 +617,10 @@ def study_bytes(study: Study) -> bytes:
         # Left out at its default: a study pinned before the field existed keeps its
         # digest (its approvals hold), and the bytes still fix the value (absent = 10).
         del evaluation["noise_std"]
+    if study.model.max_abs_weight == DEFAULT_MAX_ABS_WEIGHT:
+        # Likewise a study keeping the default bound: the default is part of study
+        # format 1 (changing it would take a new format), so these bytes still pin it.
+        del dumped["model"]["max_abs_weight"]
     return json.dumps(
         dumped, sort_keys=True, separators=(",", ":"), ensure_ascii=False
     ).encode("utf-8")

@@ -103,11 +103,12 @@ class Puppet:
 
 @dataclass
 class Record:
-    """Every request the double received: (site, method) in arrival order, and the
-    masked vectors sites uploaded."""
+    """Every request the double received: (site, method) in arrival order, the masked
+    vectors sites uploaded and the reason of each site's DeclineRound."""
 
     calls: list[tuple[str, str]] = field(default_factory=list)
     masked: dict[str, np.ndarray] = field(default_factory=dict)
+    declines: dict[str, int] = field(default_factory=dict)  # site -> DeclineRound reason
 
     def methods_of(self, site: str) -> list[str]:
         return [method for who, method in self.calls if who == site]
@@ -251,7 +252,8 @@ class MaliciousCoordinator(pb_grpc.FederationServicer):
     async def DeclineRound(
         self, request: pb.DeclineRoundRequest, context: Any
     ) -> pb.DeclineRoundResponse:
-        self._caller(context, "DeclineRound")
+        site, _ = self._caller(context, "DeclineRound")
+        self.record.declines[site] = request.reason
         return pb.DeclineRoundResponse()
 
     async def DownloadModel(

@@ -25,7 +25,9 @@ from common.config import CoordinatorSettings
 from common.crypto.random import system_random
 from common.models.build import initial_model
 from common.models.layout import flatten_parameters, model_layout
+from common.privacy.ledger import read_ledger
 from common.processes import ManagedProcess
+from common.proto.medfed.v1 import federation_pb2 as pb
 from common.study import GlobalStatistics, Study, study_sha256
 from coordinator.bundles import write_round_bundle
 from coordinator.study_run import StudyRun
@@ -350,3 +352,37 @@ def test_attack_ca_holder_runs_sybil_round_against_a_site_with_default_settings(
     assert set(double.record.methods_of("h1")) == {"Enroll"}
     assert "h1" not in double.record.masked
     assert not (tmp_path / "state" / "h1" / "debug-updates").exists()
+
+
+def test_attack_coordinator_serves_a_model_beyond_the_weight_bound(
+    world: World, start_site: Callable[..., ManagedProcess], tmp_path: Path,
+) -> None:
+    """The coordinator serves a finite model with a weight of 1e20, far past the study's
+    public bound (`[model] max_abs_weight`, 1e6 by default): a model that large can be
+    planted to overflow float32 on the records it targets. h1 (which pinned the study,
+    `medfed site approve`) checks the downloaded model before any ledger entry or
+    training and declines the round saying why (MODEL_OUT_OF_BOUNDS, which the
+    coordinator logs); no masked input leaves it. The check reads the model and the
+    study only, so declining says nothing about h1's data."""
+    Approvals(tmp_path / "state" / "h1").approve_study(world.study)
+    layout, flat = model(7)
+    flat = flat.copy()
+    flat[3] = 1e20
+    story = make_story(participants=["evil", "h1", "h3"], layout=layout, flat=flat,
+                       nonce=system_random(16), threshold=3, study=world.study,
+                       statistics=world.statistics)
+    with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
+                              puppets=["evil", "h3"], study=world.study,
+                              final_model=world.final_model) as double:
+        site = start_site("h1", double.address)
+        site.wait_log("max_abs_weight", timeout=180)
+        assert site.wait_exit(60) == 0
+    methods = double.record.methods_of("h1")
+    assert "DownloadModel" in methods
+    assert double.record.declines == {"h1": pb.DeclineRoundRequest.MODEL_OUT_OF_BOUNDS}
+    assert not set(methods) & {"UploadMaskedInput", "ConsistencyCheck", "Unmask"}
+    assert "h1" not in double.record.masked
+    assert not (tmp_path / "state" / "h1" / "debug-updates").exists()
+    # Declined before the ledger's write-ahead entries: nothing spent on that model.
+    entries = read_ledger(tmp_path / "state" / "h1" / "privacy-ledger.db")[1]
+    assert not [e for e in entries if e.round == 1]

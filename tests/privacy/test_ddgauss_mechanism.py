@@ -291,15 +291,16 @@ def test_decode_rejects_bad_vectors() -> None:
         ddgauss_encode(np.zeros(11), plan=plan, rotation_seed=SEED, rng=DeterministicRandom(b""))
 
 
-def test_encode_refuses_nan() -> None:
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_update_is_encoded_as_zero_plus_the_same_noise(bad: float) -> None:
+    """Zero is in the clipping ball: the site still sends its noise share, never a
+    refusal (which the coordinator would see as a dropout)."""
     plan = plan_ddgauss(clip=1.0, dim=4, sigma=1.0, n_noise=2)
-    with pytest.raises(ValidationError):
-        ddgauss_encode(
-            np.asarray([0.0, math.nan, 0.0, 0.0]),
-            plan=plan,
-            rotation_seed=SEED,
-            rng=DeterministicRandom(b""),
-        )
+    broken = ddgauss_encode(np.asarray([0.5, bad, 0.0, 0.0]), plan=plan, rotation_seed=SEED,
+                            rng=DeterministicRandom(b"same noise"))
+    zero = ddgauss_encode(np.zeros(4), plan=plan, rotation_seed=SEED,
+                          rng=DeterministicRandom(b"same noise"))
+    assert np.array_equal(broken, zero)
 
 
 # -------------------------------------------------------------------------- accounting

@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from common.errors import ConfigError
 from common.round import RoundPlan
 from site_agent.data import SiteData
 from site_agent.intermediaries import assign_intermediaries, intermediary_key, intermediary_of
@@ -88,9 +87,14 @@ def test_ids_hash_alike_across_dtypes_and_runs() -> None:
     assert ints == strings
 
 
-def test_fewer_units_than_v_is_refused() -> None:
-    with pytest.raises(ConfigError, match="only 3 units"):
-        _groups(np.array(["a", "b", "c"], dtype=object), 4)
+def test_fewer_units_than_v_leaves_groups_empty_instead_of_failing_the_round() -> None:
+    """A hospital with fewer patients than the study's fixed v trains the groups it has
+    and sends zero updates for the empty ones (the weight stays v). Refusing, as it did,
+    failed the round: a dropout that told the coordinator it held fewer than v patients."""
+    groups = _groups(np.array(["a", "b", "c"], dtype=object), 4)
+    assert len(groups) == 4
+    assert sorted(unit for group in groups for unit in group) == ["a", "b", "c"]
+    assert any(not group for group in groups)
 
 
 PINNED = [2, 1, 4, 6, 1, 7, 1, 3]

@@ -187,12 +187,14 @@ class DeclineRoundRequest(_message.Message):
         STATISTICS_RELEASED: _ClassVar[DeclineRoundRequest.Reason]
         EVALUATIONS_USED: _ClassVar[DeclineRoundRequest.Reason]
         QUERY_NOT_APPROVED: _ClassVar[DeclineRoundRequest.Reason]
+        MODEL_OUT_OF_BOUNDS: _ClassVar[DeclineRoundRequest.Reason]
     REASON_UNSPECIFIED: DeclineRoundRequest.Reason
     BUDGET_EXHAUSTED: DeclineRoundRequest.Reason
     NOT_READY: DeclineRoundRequest.Reason
     STATISTICS_RELEASED: DeclineRoundRequest.Reason
     EVALUATIONS_USED: DeclineRoundRequest.Reason
     QUERY_NOT_APPROVED: DeclineRoundRequest.Reason
+    MODEL_OUT_OF_BOUNDS: DeclineRoundRequest.Reason
     ROUND_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
