@@ -364,7 +364,6 @@ def test_attack_coordinator_serves_a_model_beyond_the_weight_bound(
     training and declines the round saying why (MODEL_OUT_OF_BOUNDS, which the
     coordinator logs); no masked input leaves it. The check reads the model and the
     study only, so declining says nothing about h1's data."""
-    Approvals(tmp_path / "state" / "h1").approve_study(world.study)
     layout, flat = model(7)
     flat = flat.copy()
     flat[3] = 1e20
@@ -374,7 +373,7 @@ def test_attack_coordinator_serves_a_model_beyond_the_weight_bound(
     with MaliciousCoordinator(world.pki, stories={"h1": story}, server_story=story,
                               puppets=["evil", "h3"], study=world.study,
                               final_model=world.final_model) as double:
-        site = start_site("h1", double.address)
+        site = start_site("h1", double.address, approved=world.study)
         site.wait_log("max_abs_weight", timeout=180)
         assert site.wait_exit(60) == 0
     methods = double.record.methods_of("h1")
