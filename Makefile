@@ -85,11 +85,11 @@ soak: $(STAMP_RUNTIME)
 
 # Regenerate the committed gRPC/protobuf stubs from protos/.
 proto: $(STAMP_DEV)
-	$(PY) -m common.protogen $(PROTO_OUT)
+	$(PY) -m common.commands.protogen $(PROTO_OUT)
 
 # Fails when the committed stubs drift from the .proto files.
 proto-check: $(STAMP_DEV)
-	$(PY) -m common.protogen --check $(PROTO_OUT)
+	$(PY) -m common.commands.protogen --check $(PROTO_OUT)
 
 # Container images (docker-compose.yml and deploy/k8s use these tags). Settings:
 #   ENGINE       podman or docker (default: podman where installed)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from common.evaluation import metrics_from_scores
+from common.releases.evaluation import metrics_from_scores
 
 
 @dataclass(frozen=True)

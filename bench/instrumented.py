@@ -1,6 +1,6 @@
 """The `medfed` services with test instrumentation: what tests and benchmarks watch in
 a round, kept out of the product (a hospital's configuration cannot make its site write
-a plaintext update anywhere: the product's observer is `common.observer.NoObserver`).
+a plaintext update anywhere: the product's observer is `common.core.observer.NoObserver`).
 
     python -m bench.instrumented coordinator serve ... --debug-write-aggregates
     python -m bench.instrumented site run ... --debug-write-updates
@@ -15,7 +15,7 @@ take every flag of `medfed coordinator serve` / `medfed site run` and these:
                           STATE/aggregates/round-NNNNNN.survivors
 --debug-write-updates     (site) each round's ring vector before its masks, as little-endian
                           uint32 words, to STATE/debug-updates/round-NNNNNN.u32
---debug-pause-after R:P   (site) after phase P of round R (common.observer.PHASES) print
+--debug-pause-after R:P   (site) after phase P of round R (common.core.observer.PHASES) print
                           {"event": "paused", "round": R, "phase": P} on stdout and wait
                           --debug-pause-seconds (default 3600; SIGTERM ends the wait) so a
                           fault test can kill the site there
@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.cli import main_with
-from common.observer import PHASES, ObserverFactory
+from common.commands.cli import main_with
+from common.core.observer import PHASES, ObserverFactory
 from coordinator import cli as coordinator_cli
 from site_agent import cli as site_cli
 
@@ -57,7 +57,7 @@ def instrumented_argv(*args: str) -> list[str]:
 
 
 class Instrumentation:
-    """A `common.observer.RoundObserver` that writes sums and updates under `state` and
+    """A `common.core.observer.RoundObserver` that writes sums and updates under `state` and
     pauses a site after one phase, as its flags say."""
 
     def __init__(

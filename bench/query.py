@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from common import pki
-from common.analytics.query import load_query, query_bytes, query_sha256
-from common.analytics.vector import query_length
-from common.errors import ConfigError
-from common.parsing import parse_json
-from common.processes import ManagedProcess, medfed_argv
+from common.core.errors import ConfigError
+from common.core.parsing import parse_json
+from common.core.processes import ManagedProcess, medfed_argv
+from common.protocol import pki
+from common.releases.analytics.query import load_query, query_bytes, query_sha256
+from common.releases.analytics.vector import query_length
 from common.study import load_study, study_sha256
 from coordinator import queries
 from site_agent.approvals import Approvals
@@ -183,7 +183,7 @@ def register(bench_subparsers: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.cli import main_with
+    from common.commands.cli import main_with
 
     return main_with([lambda sub: register(sub.add_parser("bench").add_subparsers())],
                      ["bench", "query", *(sys.argv[1:] if argv is None else argv)])

@@ -4,7 +4,7 @@ the pooled cohort's exact answer, over repeated noise draws.
 Three hospitals' CSV files (a follow-up cohort: age, sex, lactate with missing values,
 follow-up days, ward, died) are written and read back through the site's own loader
 (`site_agent.data.load_study_table`); each site's exact vector is the product's
-(`common.analytics.vector.site_vector`). Every draw adds each site's share of the
+(`common.releases.analytics.vector.site_vector`). Every draw adds each site's share of the
 distributed discrete Gaussian noise exactly as a site does (`NoisePlan.noise` from the
 OS CSPRNG, `common.crypto.random.system_random`) and answers with the product's
 `answer_query`; an estimate is covered when its interval holds the value the same
@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 
 from bench.analytics_cohort import every_kind_query_toml, followup_study, write_followup_csv
-from common.analytics.answer import answer_query
-from common.analytics.query import Query, check_query_against_study, query_from_mapping
-from common.analytics.vector import noise_sigmas, query_blocks, query_length, site_vector
+from common.core.errors import ConfigError
+from common.core.parsing import parse_toml
 from common.crypto.random import system_random
-from common.errors import ConfigError
-from common.parsing import parse_toml
+from common.releases.analytics.answer import answer_query
+from common.releases.analytics.query import Query, check_query_against_study, query_from_mapping
+from common.releases.analytics.vector import noise_sigmas, query_blocks, query_length, site_vector
 
 SITES = ("north", "south", "east")
 
@@ -126,7 +126,7 @@ def register(bench_subparsers: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.cli import main_with
+    from common.commands.cli import main_with
 
     return main_with([lambda sub: register(sub.add_parser("bench").add_subparsers())],
                      ["bench", "query-coverage", *(sys.argv[1:] if argv is None else argv)])

@@ -58,10 +58,10 @@ from typing import Any, TextIO
 import numpy as np
 
 from bench.instrumented import instrumented_argv
-from common import pki
-from common.errors import ConfigError, ValidationError
-from common.parsing import parse_json
-from common.secagg.params import ThreatModel, choose_parameters
+from common.core.errors import ConfigError, ValidationError
+from common.core.parsing import parse_json
+from common.protocol import pki
+from common.protocol.secagg.params import ThreatModel, choose_parameters
 
 REPO = Path(__file__).resolve().parents[1]
 ROUND_TIMEOUT_MARGIN_SECONDS = 120.0

@@ -36,12 +36,12 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
+from common.core.errors import CertificateRejected, ConfigError
 from common.crypto.random import DeterministicRandom
 from common.crypto.signing import SigningKey, VerifyingKey
-from common.errors import CertificateRejected, ConfigError
-from common.secagg.client import SecAggClient
-from common.secagg.params import SecAggParams, ThreatModel, choose_parameters
-from common.secagg.server import SecAggServer
+from common.protocol.secagg.client import SecAggClient
+from common.protocol.secagg.params import SecAggParams, ThreatModel, choose_parameters
+from common.protocol.secagg.server import SecAggServer
 
 CLIENT_PHASES = ("advertise_keys", "share_keys", "masked_input", "consistency_check", "unmask")
 SERVER_PHASES = (*CLIENT_PHASES,)

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import pki
-from common.errors import ConfigError
-from common.parsing import parse_json
-from common.processes import Line, ManagedProcess, medfed_argv
+from common.core.errors import ConfigError
+from common.core.parsing import parse_json
+from common.core.processes import Line, ManagedProcess, medfed_argv
+from common.protocol import pki
 
 REPO = Path(__file__).resolve().parents[1]
 # A round's whole life in phase deadlines (training, the SecAgg+ phases, selection and

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     command = [w for w in args.command if w != "--"]
     if args.tracemalloc:
         tracemalloc.start(args.tracemalloc)
-    from common import cli
+    from common.commands import cli
 
     probe = Probe(args.out, every=args.every)
     if args.sqlite_heap_limit and probe.sqlite is not None:

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bench import instrumented
-from common.config import SiteSettings
-from common.errors import ConfigError, RoundFailed
+from common.core.config import SiteSettings
+from common.core.errors import ConfigError, RoundFailed
 from common.privacy.accountant import Segment
 from common.privacy.mechanisms import Mechanism
-from common.round import RoundPlan
+from common.rounds.announcement import RoundPlan
 from site_agent.site_training import LocalUpdate
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class DeterministicTestHook:
         self.study = study
 
     def statistics_release(self) -> np.ndarray:
-        from common.statistics import statistics_length
+        from common.releases.statistics import statistics_length
 
         if self.study is None:
             raise RoundFailed("a statistics round needs a study")

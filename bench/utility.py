@@ -11,7 +11,7 @@ Per dataset of `bench.utility_data` (three non-IID hospital CSVs each), one row:
   training median and standardised with the pooled training mean and deviation;
   categorical columns one-hot over the declared levels (a missing value: all zeros).
   Fitted by Newton's method (IRLS) on the mean log-loss with a small ridge
-  (`common.logistic.RIDGE`); exact AUC (Mann-Whitney, ties counted half).
+  (`common.models.logistic_reference.RIDGE`); exact AUC (Mann-Whitney, ties counted half).
 * **federated, no DP**: the product's own in-process FedAvg baseline, same model and
   rounds (``baselines.federated_nodp`` of the demo's report.json).
 * **federated + DP + SecAgg+**: the real product path, ``medfed demo --data DIR
@@ -45,9 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import ConfigError, ValidationError
-from common.logistic import fit_logistic
-from common.parsing import parse_json
+from common.core.errors import ConfigError, ValidationError
+from common.core.parsing import parse_json
+from common.models.logistic_reference import fit_logistic
 
 # ----------------------------------------------------------------------------- tables
 
@@ -124,7 +124,7 @@ def held_back_mask(
 
 def product_holdout_fraction() -> float:
     """The held-out fraction a site of ``medfed demo --data`` uses."""
-    from common.config import SiteDataSection
+    from common.core.config import SiteDataSection
 
     return float(SiteDataSection.model_fields["holdout_fraction"].default)
 
@@ -228,7 +228,7 @@ def write_held_back(written: Any, held_back: np.ndarray, table: PooledTable,
 
 def run_demo(written: Any, out: Path, *, rounds: int | None, timeout: float) -> dict[str, Any]:
     """``medfed demo --data`` on the dataset's folder; its report.json."""
-    from common.processes import medfed_argv
+    from common.core.processes import medfed_argv
 
     argv = medfed_argv("demo", *written.demo_args(), "--out", str(out / "demo"),
                        "--kill-round", "0", "--no-audit")
@@ -252,7 +252,7 @@ def run_demo(written: Any, out: Path, *, rounds: int | None, timeout: float) -> 
 
 def score_bundle(bundle: Path, held_back_csv: Path, labels: np.ndarray, out: Path) -> float:
     """Exact AUC of a model bundle on the held-back rows, scored by `medfed predict`."""
-    from common.processes import medfed_argv
+    from common.core.processes import medfed_argv
 
     scores_csv = out / f"scores-{bundle.stem}.csv"
     completed = subprocess.run(

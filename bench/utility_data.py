@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 
 HOSPITALS: tuple[str, ...] = ("hospital-a", "hospital-b", "hospital-c")
 """Site ids (the CSV stems), youngest tertile's hospital first."""

@@ -15,18 +15,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.core.errors import AbortReason, ProtocolAbort, StateError, ValidationError
 from common.crypto.quantize import dequantize_sum
-from common.egress import EVALUATION_HISTOGRAM, WEIGHT, round_manifest
-from common.errors import AbortReason, ProtocolAbort, StateError, ValidationError
-from common.evaluation import denoised_histogram, multiclass_metrics_from_histogram
-from common.evaluation_edges import block_bins, next_block_edges, round_edges
-from common.evaluation_interval import auc_interval, interval_text
-from common.evaluation_threshold import operating_point_metrics
-from common.round import secagg_params
-from common.secagg import messages as sm
-from common.secagg.client import IdentityVerifier
-from common.secagg.params import ThreatModel, validate_against_threat_model
-from common.secagg.server import SecAggServer
+from common.protocol.secagg import messages as sm
+from common.protocol.secagg.client import IdentityVerifier
+from common.protocol.secagg.params import ThreatModel, validate_against_threat_model
+from common.protocol.secagg.server import SecAggServer
+from common.releases.egress import EVALUATION_HISTOGRAM, WEIGHT, round_manifest
+from common.releases.evaluation import denoised_histogram, multiclass_metrics_from_histogram
+from common.releases.evaluation_edges import block_bins, next_block_edges, round_edges
+from common.releases.evaluation_interval import auc_interval, interval_text
+from common.releases.evaluation_threshold import operating_point_metrics
+from common.rounds.announcement import secagg_params
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.optimizers import weighted_mean
 from coordinator.phases import PLAIN_PHASES, SECURE_PHASES, ActiveRound, PhaseState, RoundPhase
@@ -52,8 +52,9 @@ class DecodedSum:
         after: np.ndarray | None = None,
     ) -> tuple[float, ...] | None:
         """The next round's announced edges, from this round's released histogram
-        (`common.evaluation_edges.next_edges`), as many buckets per block as its class totals
-        and noise allow (`common.evaluation_edges.block_bins`, at most `max_bins`: the
+        (`common.releases.evaluation_edges.next_edges`), as many buckets per block as its class
+        totals
+        and noise allow (`common.releases.evaluation_edges.block_bins`, at most `max_bins`: the
         study's; default: as many as this round's); None when this round evaluated
         nothing. `before`/`after`: a public probe of the model this round evaluated and
         of the model the next round evaluates (`common.models.probe.probe_logits`, one
@@ -101,7 +102,7 @@ def decode_round_sum(
         raise ValidationError("aggregate must be a uint32 vector covering the model")
     # Validates clip, bits and that `count` sums cannot have wrapped (decode_sum's checks).
     dequantize_sum(aggregate[:0], clip=clip, bits=bits, count=count)
-    # The same segment list the sites encoded with (common.egress).
+    # The same segment list the sites encoded with (common.releases.egress).
     manifest = round_manifest(model_elements=model_dim, histogram_bins=histogram_bins)
     integers = manifest.decode_integers(aggregate)
     weight_sum = max(int(integers[WEIGHT][0]), 0)
@@ -142,7 +143,8 @@ def evaluation_metrics(
     """The round's DP evaluation: the summed histogram (it carries the sites' discrete
     Gaussian noise, so counts can be negative) reduced to its credible buckets
     (`denoised_histogram`), AUC and operating point into `metrics` with the noise
-    indication and the AUC's 95% interval (`common.evaluation_interval.auc_interval`, drawn with
+    indication and the AUC's 95% interval
+    (`common.releases.evaluation_interval.auc_interval`, drawn with
     a generator seeded by `interval_seed`: the round number, so anyone holding the
     release recomputes the same interval) beside them, and a warning when the noise
     dominates. `noise_std`: the per-count noise std of the sum as the sites' ledgers

@@ -2,7 +2,7 @@
 (round-NNNNNN.safetensors) and, after the last round, final.safetensors, which
 DownloadFinalModel serves. A bundle carries what a hospital needs to use the model
 without the federation: architecture, preprocessing statistics, decision threshold
-and the privacy card (common/bundle.py)."""
+and the privacy card (common/releases/bundle.py)."""
 
 from __future__ import annotations
 
@@ -13,22 +13,22 @@ from pathlib import Path
 import numpy as np
 import pydantic
 
-from common.bundle import (
+from common.core.codec import TensorSpec
+from common.core.config import CoordinatorSettings
+from common.core.errors import StateError, ValidationError
+from common.models.architecture import architecture_from_study
+from common.privacy.budget import BudgetReport
+from common.releases.bundle import (
     ModelBundle,
     PrivacyCard,
     QueryRun,
     SecAggCard,
     SitePrivacy,
     Threshold,
-    architecture_from_study,
     parameters_from_flat,
     threshold_from_histogram,
     write_bundle,
 )
-from common.codec import TensorSpec
-from common.config import CoordinatorSettings
-from common.errors import StateError, ValidationError
-from common.privacy.budget import BudgetReport
 from coordinator import hospital_sum, queries
 from coordinator.study_run import StudyRun
 

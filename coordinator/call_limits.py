@@ -5,9 +5,9 @@ bodies in parallel: the coordinator's memory grows with them and honest sites' c
 wait behind them. Every Federation call holds a slot of its site's share while it runs,
 and the bytes of its (parsed) request while it runs; a call beyond the site's share,
 or beyond the coordinator's whole request-bytes budget, is refused at once with
-RESOURCE_EXHAUSTED (`common.errors.ResourceExhausted`), counted per site. The other
+RESOURCE_EXHAUSTED (`common.core.errors.ResourceExhausted`), counted per site. The other
 sites' shares are untouched, so they are served. The shares are operator settings
-(`[limits]` of the coordinator's config, `common.config.LimitsSection`; defaults below).
+(`[limits]` of the coordinator's config, `common.core.config.LimitsSection`; defaults below).
 Pure bookkeeping: no grpc, no clock.
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from common.config import LimitsSection
-from common.errors import ResourceExhausted
+from common.core.config import LimitsSection
+from common.core.errors import ResourceExhausted
 
 _DEFAULTS = LimitsSection()
 MAX_CALLS_PER_SITE = _DEFAULTS.max_calls_per_site

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from common.codec import TensorSpec, digest, flat_to_bytes
-from common.config import TransportModelSection
-from common.errors import ConfigError, StateError
-from common.modelfile import ModelFile, flat_layout, read_model_file, write_model_file
+from common.core.codec import TensorSpec, digest, flat_to_bytes
+from common.core.config import TransportModelSection
+from common.core.errors import ConfigError, StateError
+from common.core.modelfile import ModelFile, flat_layout, read_model_file, write_model_file
 from coordinator.optimizers import ServerOptimizer
 from coordinator.store import Checkpoint, CoordinatorStore
 

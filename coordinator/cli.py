@@ -8,9 +8,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from common.config import CoordinatorSettings, load_settings
-from common.logs import configure_logging
-from common.observer import ObserverFactory
+from common.core.config import CoordinatorSettings, load_settings
+from common.core.logs import configure_logging
+from common.core.observer import ObserverFactory
 
 
 def register(subparsers: Any, *, observer_factory: ObserverFactory | None = None) -> None:

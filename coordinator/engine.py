@@ -31,9 +31,9 @@ from functools import partial
 
 import numpy as np
 
-from common.codec import digest
-from common.config import CoordinatorSettings
-from common.errors import (
+from common.core.codec import digest
+from common.core.config import CoordinatorSettings
+from common.core.errors import (
     AbortReason,
     DatabaseUnavailable,
     MedfedError,
@@ -42,11 +42,11 @@ from common.errors import (
     StudyFailed,
     Unavailable,
 )
-from common.observer import NoObserver, RoundObserver
+from common.core.observer import NoObserver, RoundObserver
 from common.privacy.federation import FederationBudgetView
-from common.round import Announcement
-from common.secagg.client import IdentityVerifier
-from common.secagg.params import ROUND_NONCE_BYTES
+from common.protocol.secagg.client import IdentityVerifier
+from common.protocol.secagg.params import ROUND_NONCE_BYTES
+from common.rounds.announcement import Announcement
 from coordinator import (
     hospital_sum,
     queries,
@@ -124,7 +124,7 @@ class RoundEngine:
         observer: RoundObserver | None = None,
     ) -> None:
         self.study = study  # its model and training settings replace the config's
-        # Shown each round's unmasked sum (common.observer); the product's watches nothing.
+        # Shown each round's unmasked sum (common.core.observer); the product's watches nothing.
         self.observer = observer or NoObserver()
         self.settings = settings = study.settings(settings) if study is not None else settings
         self.store = store
@@ -202,7 +202,7 @@ class RoundEngine:
                 log.warning("this study failed before (%s); trying its rounds again", before,
                             extra={"event": "study_failed_before", "reason": before})
             # Once per study, before training: the federated DP statistics release
-            # (common/statistics.py) every site then preprocesses with.
+            # (common/releases/statistics.py) every site then preprocesses with.
             while True:
                 try:
                     if not await self._next_round():

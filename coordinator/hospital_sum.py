@@ -25,20 +25,22 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from common.bundle import GroupGuarantee
-from common.config import AggregationSection
-from common.egress import EVALUATION_HISTOGRAM, HOSPITAL_UPDATE, WEIGHT
-from common.errors import ConfigError, ValidationError
+from common.core.config import AggregationSection
+from common.core.errors import ConfigError, ValidationError
 from common.privacy import hospital
-from common.privacy.hospital import HospitalTerms, announced_terms
+from common.privacy.hospital import HospitalTerms
 from common.privacy.intermediaries import (
     PLAUSIBLE_NORM_SIGMAS,
     next_split_count,
     plausible_norm_sum,
 )
 from common.privacy.replica import LedgerReplica
-from common.round import KIND_HOSPITAL, KIND_TRAINING, Announcement
+from common.releases.bundle import GroupGuarantee
+from common.releases.egress import EVALUATION_HISTOGRAM, HOSPITAL_UPDATE, WEIGHT
+from common.releases.seam import KIND_HOSPITAL, KIND_TRAINING
+from common.rounds.announcement import Announcement, announced_terms
 from common.study import Study
+from common.study.hospital_terms import intermediaries_cap, study_terms
 from coordinator.aggregation import DecodedSum, evaluation_edges, evaluation_metrics
 
 log = logging.getLogger("medfed.coordinator")
@@ -53,9 +55,9 @@ def terms_for(
     if study is not None:
         if study.privacy.unit != "hospital":
             return None
-        terms = hospital.study_terms(study)
+        terms = study_terms(study)
         if terms.norm_segment and intermediaries is not None:
-            cap = hospital.intermediaries_cap(study) or 1
+            cap = intermediaries_cap(study) or 1
             terms = terms.for_round(min(max(intermediaries, 1), cap))
         return terms
     if settings.hospital_clip_norm is None:
@@ -242,7 +244,7 @@ def card_parts(
     `sites[].epsilon` is what each site's budget is charged with."""
     if study.privacy.unit != "hospital":
         return (), ()
-    terms = hospital.study_terms(study)
+    terms = study_terms(study)
     beneath = card_record_level(study)
     guarantees: list[GroupGuarantee] = []
     for site, row in sorted(epsilons.items()):

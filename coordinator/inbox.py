@@ -10,11 +10,11 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from common.errors import AbortReason, ProtocolAbort, StateError, ValidationError
-from common.round import Announcement
-from common.secagg import messages as sm
-from common.secagg.client import IdentityVerifier
-from common.secagg.server import SecAggServer
+from common.core.errors import AbortReason, ProtocolAbort, StateError, ValidationError
+from common.protocol.secagg import messages as sm
+from common.protocol.secagg.client import IdentityVerifier
+from common.protocol.secagg.server import SecAggServer
+from common.rounds.announcement import Announcement
 from coordinator.aggregation import Aggregator, SecureAggregator, aggregator_for
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.phases import ActiveRound, Liveness, PhaseState, RoundPhase

@@ -14,14 +14,14 @@ from collections.abc import Iterable
 
 from cryptography import x509
 
-from common.config import CoordinatorSettings
-from common.errors import LedgerForkError, ValidationError
-from common.pki import load_certificate
+from common.core.config import CoordinatorSettings
+from common.core.errors import LedgerForkError, ValidationError
+from common.core.sqldb import Database
 from common.privacy.budget import BudgetReport
 from common.privacy.mechanisms import DistributedDiscreteGaussian
 from common.privacy.purpose import Purpose
 from common.privacy.replica import LedgerReplica
-from common.sqldb import Database
+from common.protocol.pki import load_certificate
 
 log = logging.getLogger("medfed.coordinator")
 

@@ -104,14 +104,14 @@ class CoordinatorMetrics:
         self.model_auc_interval_low = Gauge(
             "medfed_coordinator_model_auc_interval_low_ratio",
             "Lower end of the 95% interval of the DP AUC "
-            "(common.evaluation_interval.auc_interval): "
+            "(common.releases.evaluation_interval.auc_interval): "
             "the exact held-out AUC lies within it at about that rate.",
             registry=r,
         )
         self.model_auc_interval_high = Gauge(
             "medfed_coordinator_model_auc_interval_high_ratio",
             "Upper end of the 95% interval of the DP AUC "
-            "(common.evaluation_interval.auc_interval).",
+            "(common.releases.evaluation_interval.auc_interval).",
             registry=r,
         )
         self.hospital_intermediaries = Gauge(

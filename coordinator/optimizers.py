@@ -19,8 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
-from common.config import SERVER_OPTIMIZERS, OptimizerSection
-from common.errors import ConfigError, StateError, ValidationError
+from common.core.config import SERVER_OPTIMIZERS, OptimizerSection
+from common.core.errors import ConfigError, StateError, ValidationError
 
 
 def weighted_mean(summed_delta: np.ndarray, summed_weight: float) -> np.ndarray:
@@ -166,7 +166,7 @@ BUILDERS: dict[str, Callable[[OptimizerSection], ServerOptimizer]] = {
     "fedyogi": lambda cfg: FedYogi(lr=cfg.server_lr, beta1=cfg.beta1, beta2=cfg.beta2,
                                    tau=cfg.tau),
 }
-"""One builder per name in `common.config.SERVER_OPTIMIZERS` (the names a study and the
+"""One builder per name in `common.core.config.SERVER_OPTIMIZERS` (the names a study and the
 coordinator config accept)."""
 
 

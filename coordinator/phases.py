@@ -26,8 +26,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.errors import AbortReason, ProtocolAbort, StateError
-from common.round import Announcement
+from common.core.errors import AbortReason, ProtocolAbort, StateError
+from common.rounds.announcement import Announcement
 
 
 class RoundPhase(enum.Enum):

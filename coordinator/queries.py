@@ -28,10 +28,10 @@ from typing import Any, Final
 
 import numpy as np
 
-from common.errors import ConfigError, StateError, ValidationError
-from common.fileio import atomic_write
-from common.parsing import parse_json
-from common.release import DpRelease, check_plans
+from common.core.errors import ConfigError, StateError, ValidationError
+from common.core.fileio import atomic_write
+from common.core.parsing import parse_json
+from common.releases.seam import DpRelease, check_plans
 
 log = logging.getLogger("medfed.coordinator")
 
@@ -138,7 +138,7 @@ def fail(state: Path, sha256: str, reason: str, *, round_number: int | None = No
 def pending(state: Path, study: Any) -> PendingQuery | None:
     """The oldest valid query in the inbox (invalid ones are moved to failed/ with the
     reason), or None."""
-    from common.analytics.query_release import QueryRelease
+    from common.releases.analytics.query_release import QueryRelease
 
     box = folder(state, INBOX)
     try:

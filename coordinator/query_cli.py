@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError, MedfedError, StateError, ValidationError
-from common.fileio import atomic_write
-from common.parsing import parse_json
+from common.core.errors import ConfigError, MedfedError, StateError, ValidationError
+from common.core.fileio import atomic_write
+from common.core.parsing import parse_json
 from coordinator import queries
 
 POLL_SECONDS = 0.2
@@ -96,9 +96,9 @@ def wait_for(state: Path, sha256: str, *, timeout: float) -> Path:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from common.analytics.answer import answer_query
-    from common.analytics.query import load_query, query_bytes
-    from common.analytics.query_release import QueryRelease
+    from common.releases.analytics.answer import answer_query
+    from common.releases.analytics.query import load_query, query_bytes
+    from common.releases.analytics.query_release import QueryRelease
 
     if not 0 < args.timeout <= 86_400:
         raise ConfigError("--timeout", "must be in (0, 86400] seconds")
@@ -140,7 +140,7 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m coordinator.query_cli run ...`` (`medfed query run` without the
     plug-in registry)."""
-    from common.cli import main_with
+    from common.commands.cli import main_with
 
     def register(sub: Any) -> None:
         parser = sub.add_parser("query")

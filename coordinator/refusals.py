@@ -2,7 +2,7 @@
 certificate, wrong role, no certificate), and scrapes of /metrics over HTTPS refused
 for their certificate: one warning line and one metric sample each.
 
-`RequireCertificateRole` (common/tls.py) aborts such calls itself, so without this the
+`RequireCertificateRole` (common/protocol/tls.py) aborts such calls itself, so without this the
 servicer's log and `medfed_coordinator_grpc_requests_total` never saw them: a security
 officer could not tell a revoked hospital still knocking, or a missing CRL refusing
 everyone, from a quiet federation. A site retries with backoff for as long as it runs,
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from cryptography.hazmat.primitives import hashes
 
-from common.metrics_http import METRICS_PATH
-from common.tls import FEDERATION_PREFIX, MONITOR_SERVICE_PREFIX, Refusal
+from common.protocol.metrics_http import METRICS_PATH
+from common.protocol.tls import FEDERATION_PREFIX, MONITOR_SERVICE_PREFIX, Refusal
 from coordinator.metrics import CoordinatorMetrics
 
 log = logging.getLogger("medfed.coordinator.security")
@@ -70,7 +70,7 @@ class RefusalLog:
 
     def __call__(self, refusal: Refusal) -> None:
         if refusal.method == METRICS_PATH:
-            # A scrape of /metrics over HTTPS (common.metrics_http), not a gRPC call.
+            # A scrape of /metrics over HTTPS (common.protocol.metrics_http), not a gRPC call.
             method = METRICS_PATH
             self._metrics.metrics_scrapes_refused.inc()
         else:

@@ -1,7 +1,7 @@
-"""A round that carries one DP release alone (`common.release`), such as the study's
+"""A round that carries one DP release alone (`common.releases.seam`), such as the study's
 statistics round once per study before training: the noisy secure sum of every site's
 contribution (distributed discrete Gaussian, Kairouz, Liu & Steinke, ICML 2021) is
-decoded by the release (`common.release.decode_sum`) and kept: the statistics become
+decoded by the release (`common.releases.seam.decode_sum`) and kept: the statistics become
 the GlobalStatistics every site then preprocesses with, any other release's value is
 written as JSON under STATE/releases/. Such a round
 updates no model and writes no checkpoint."""
@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from common.config import CoordinatorSettings
-from common.egress import STATISTICS
-from common.errors import AbortReason, ProtocolAbort
-from common.fileio import atomic_write
-from common.observer import NoObserver, RoundObserver
-from common.release import (
+from common.core.config import CoordinatorSettings
+from common.core.errors import AbortReason, ProtocolAbort
+from common.core.fileio import atomic_write
+from common.core.observer import NoObserver, RoundObserver
+from common.releases.egress import STATISTICS
+from common.releases.seam import (
     DpRelease,
     build_release,
     decode_sum,
@@ -73,7 +73,7 @@ def decode(
     settings: CoordinatorSettings, observer: RoundObserver | None = None,
 ) -> RoundResult:
     """Decode the release and keep it (worker thread); `observer` is shown the unmasked
-    sum first (`common.observer`)."""
+    sum first (`common.core.observer`)."""
     ann = rnd.announcement
     aggregate = aggregator.result
     if aggregate is None:

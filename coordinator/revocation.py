@@ -16,8 +16,8 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from common.errors import PkiError
-from common.pki import load_crl
+from common.core.errors import PkiError
+from common.protocol.pki import load_crl
 from coordinator.metrics import CoordinatorMetrics
 
 log = logging.getLogger("medfed.coordinator.crl")

@@ -8,8 +8,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from common.evaluation_interval import interval_text
-from common.round import Announcement
+from common.releases.evaluation_interval import interval_text
+from common.rounds.announcement import Announcement
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.phases import ActiveRound, PhaseClosed
 from coordinator.store import CoordinatorStore
@@ -98,7 +98,8 @@ def round_completed(
         if "auc_interval_low" in metrics and "auc_interval_high" in metrics
         else f"{auc:.3f}")
     if auc is not None and "auc_noise_std" in metrics:
-        # common.evaluation.denoised_histogram: how far the DP noise lets the AUC be trusted.
+        # common.releases.evaluation.denoised_histogram: how far the DP noise lets the AUC be
+        # trusted.
         evaluation += (
             f" (noise std {metrics['auc_noise_std']:.3g} per count"
             + (f", {int(metrics['auc_buckets'])} buckets" if "auc_buckets" in metrics else "")

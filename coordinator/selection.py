@@ -6,16 +6,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Container, Iterable, Mapping, Sequence
 
-from common.codec import TensorSpec
-from common.config import AggregationSection, CoordinatorSettings
+from common.core.codec import TensorSpec
+from common.core.config import AggregationSection, CoordinatorSettings
+from common.core.errors import ConfigError
 from common.crypto.quantize import bits_for_sites, max_integer_for_sites
-from common.egress import STATISTICS, round_manifest
-from common.errors import ConfigError
 from common.privacy.budget import BudgetReport
 from common.privacy.federation import has_budget_left
-from common.release import KIND_RELEASE, DpRelease, release_kind
-from common.round import Announcement
-from common.secagg.params import ThreatModel, choose_parameters
+from common.protocol.secagg.params import ThreatModel, choose_parameters
+from common.releases.egress import STATISTICS, round_manifest
+from common.releases.seam import KIND_RELEASE, DpRelease, release_kind
+from common.rounds.announcement import Announcement
 from coordinator import hospital_sum
 from coordinator.study_run import StudyRun
 
@@ -126,7 +126,7 @@ def announcement(
 ) -> Announcement:
     """The announcement of round `number` for `participants`; with `release`, a round
     that carries that DP release alone (no model, no training, the release's vector
-    length; `common.release`), such as the study's statistics round."""
+    length; `common.releases.seam`), such as the study's statistics round."""
     cfg = settings
     model_dim = sum(spec.elements for spec in layout)
     threshold, neighbours = round_parameters(len(participants), cfg.aggregation)
@@ -206,7 +206,7 @@ def query_announcement(
 def announced_bins(settings: CoordinatorSettings, edges: tuple[float, ...]) -> int:
     """A round's ``histogram_bins``: the study's, or as many as the announced edges
     count (one more edge than buckets per block: the last round chose fewer buckets
-    where its noise allowed no more, common.evaluation_edges.evaluation_bins)."""
+    where its noise allowed no more, common.releases.evaluation_edges.evaluation_bins)."""
     if not edges:
         return settings.aggregation.histogram_bins
     classes = settings.aggregation.histogram_classes

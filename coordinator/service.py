@@ -17,17 +17,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.config import CoordinatorSettings, is_loopback_host, parse_host_port
-from common.convergence import auc_trend, describe_auc_trend
+from common.core.config import CoordinatorSettings, is_loopback_host, parse_host_port
+from common.core.errors import ConfigError, StudyFailed
+from common.core.observer import RoundObserver
+from common.core.state_lock import StateLock
 from common.crypto.signing import VerifyingKey
-from common.errors import ConfigError, StudyFailed
-from common.metrics_http import MetricsTls, serve_metrics
-from common.observer import RoundObserver
-from common.pki import COORDINATOR_CERT, CRL_FILE, PeerVerifier, load_ca, load_certificate
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.state_lock import StateLock
-from common.tls import CoordinatorTlsFiles, RequireCertificateRole, server_credentials
+from common.protocol.metrics_http import MetricsTls, serve_metrics
+from common.protocol.pki import COORDINATOR_CERT, CRL_FILE, PeerVerifier, load_ca, load_certificate
+from common.protocol.tls import CoordinatorTlsFiles, RequireCertificateRole, server_credentials
+from common.releases.convergence import auc_trend, describe_auc_trend
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.refusals import RefusalLog
@@ -89,7 +89,7 @@ async def start(
 ) -> RunningCoordinator:
     """Serve `settings` on its ports, holding its state folder (one coordinator per
     folder: a second is refused naming the holder) until `RunningCoordinator.stop`.
-    `observer`: what a test plugs in to watch the rounds (`common.observer`)."""
+    `observer`: what a test plugs in to watch the rounds (`common.core.observer`)."""
     if settings.study is None and settings.model is None:
         raise ConfigError(
             "study", "coordinator serve needs --study study.toml (see `medfed study init`)"
@@ -137,7 +137,7 @@ async def _start(
     refusals = RefusalLog(metrics)
     server = grpc.aio.server(
         # Per-method certificate roles: sites call Federation, monitors Health/status,
-        # revoked certificates nothing (common/tls.py, ACCESS_RULES). Each refusal is
+        # revoked certificates nothing (common/protocol/tls.py, ACCESS_RULES). Each refusal is
         # logged (rate-limited) and counted: no servicer runs to do it.
         interceptors=[RequireCertificateRole(verifier, on_refused=refusals)],
         options=[

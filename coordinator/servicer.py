@@ -21,9 +21,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from google.protobuf.message import DecodeError, Message
 
-from common import wire
-from common.codec import CHUNK_BYTES
-from common.errors import (
+from common.core.codec import CHUNK_BYTES
+from common.core.errors import (
     AbortReason,
     CertificateRejected,
     DatabaseUnavailable,
@@ -33,10 +32,11 @@ from common.errors import (
     Unauthenticated,
     ValidationError,
 )
-from common.pki import PeerVerifier, Role, parse_certificate, public_key_fingerprint
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.tls import current_identity, peer_certificate_pem
+from common.protocol.pki import PeerVerifier, Role, parse_certificate, public_key_fingerprint
+from common.protocol.tls import current_identity, peer_certificate_pem
+from common.rounds import wire
 from coordinator.call_limits import CallLimits
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics

@@ -11,10 +11,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.errors import StateError, StudyFailed, Unavailable
+from common.core.errors import StateError, StudyFailed, Unavailable
 from common.privacy.budget import BudgetReport
 from common.privacy.federation import FederationBudgetView
-from common.round import Announcement
+from common.rounds.announcement import Announcement
 from coordinator import selection
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.store import ROUND_WINDOW, CoordinatorStore

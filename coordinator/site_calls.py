@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from common.privacy.budget import BudgetReport
-from common.round import Announcement
+from common.rounds.announcement import Announcement
 from coordinator.inbox import RoundInbox
 from coordinator.ledger_gate import LedgerGate
 from coordinator.sessions import SiteRegistry

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.status_cli import FAILED_PHASE_PREFIX
+from common.commands.status import FAILED_PHASE_PREFIX
 from coordinator.phases import SILENT_AFTER_INTERVALS, ActiveRound
 from coordinator.sessions import SiteSession
 from coordinator.store import RoundRecord
@@ -64,7 +64,7 @@ class SiteView:
 
 @dataclass(frozen=True)
 class AucReading:
-    """A round's DP AUC with its 95% interval (common.evaluation_interval.auc_interval; the
+    """A round's DP AUC with its 95% interval (common.releases.evaluation_interval.auc_interval; the
     interval NaN for a round recorded without one)."""
 
     round_number: int

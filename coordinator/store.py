@@ -2,7 +2,7 @@
 
 SQLite by default (one file under the state folder, WAL, synchronous=FULL); PostgreSQL
 when `database_url` is ``postgresql://...`` (a highly available coordinator). The SQL is
-written once, portably; `common.sqldb` holds the few dialect differences.
+written once, portably; `common.core.sqldb` holds the few dialect differences.
 
 A round is written as ``in_flight`` before any site hears of it, and ``unmasked`` just
 before its sum is computed in the clear (the intent, written before Unmask closes, so
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.errors import ValidationError
-from common.parsing import parse_json
-from common.sqldb import Database
+from common.core.errors import ValidationError
+from common.core.parsing import parse_json
+from common.core.sqldb import Database
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS meta (

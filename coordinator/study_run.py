@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from common.codec import TensorSpec
-from common.config import CoordinatorSettings, TrainingPlanSection
-from common.errors import ConfigError, StateError, ValidationError
-from common.fileio import atomic_write
+from common.core.codec import TensorSpec
+from common.core.config import CoordinatorSettings, TrainingPlanSection
+from common.core.errors import ConfigError, StateError, ValidationError
+from common.core.fileio import atomic_write
+from common.core.parsing import parse_json
 from common.models import network_code_installed
-from common.parsing import parse_json
 from common.study import (
     GlobalStatistics,
     Study,
@@ -131,7 +131,7 @@ class StudyRun:
 
     def settings(self, settings: CoordinatorSettings) -> CoordinatorSettings:
         """The coordinator's settings with the study's model and training settings."""
-        from common.evaluation_edges import announced_histogram_bins
+        from common.releases.evaluation_edges import announced_histogram_bins
 
         training = self.study.training
         # K one-vs-rest blocks for a multi-class study (site_agent.held_out.held_out_histogram).

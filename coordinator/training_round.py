@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.codec import TensorSpec
-from common.config import CoordinatorSettings
-from common.errors import AbortReason, ProtocolAbort, ValidationError
-from common.evaluation_edges import round_edges
+from common.core.codec import TensorSpec
+from common.core.config import CoordinatorSettings
+from common.core.errors import AbortReason, ProtocolAbort, ValidationError
+from common.core.observer import NoObserver, RoundObserver
 from common.models import network_code_installed
-from common.observer import NoObserver, RoundObserver
 from common.privacy.budget import BudgetReport
 from common.privacy.hospital import HospitalTerms
+from common.releases.evaluation_edges import round_edges
 from coordinator import checkpoints, hospital_sum
 from coordinator.aggregation import UPDATE_CHUNK_ELEMENTS, Aggregator, decode_round_sum
 from coordinator.bundles import write_round_bundle
@@ -60,7 +60,8 @@ class GlobalModel:
     # announces, chosen from the last decoded round; None before any was measured.
     intermediaries: int | None = None
     # The evaluation buckets the next round announces: set from the last released score
-    # histogram (common.evaluation_edges.next_edges); empty before any (the default layout).
+    # histogram (common.releases.evaluation_edges.next_edges); empty before any (the default
+    # layout).
     # Kept in the store with the round that chose them, so a restart goes on with them.
     histogram_edges: tuple[float, ...] = ()
 
@@ -136,7 +137,7 @@ def apply_update(
     the per-count noise of the evaluation histogram as the ledgers record it (None:
     estimated from the release). With a `study`, the next round's evaluation edges
     move with the model (a public probe before and after the step, `next_edges`' shift).
-    `observer` is shown the unmasked sum first (`common.observer`)."""
+    `observer` is shown the unmasked sum first (`common.core.observer`)."""
     observer = observer or NoObserver()
     ann = rnd.announcement
     aggregate = aggregator.result
@@ -217,9 +218,9 @@ def clamp_to_bound(flat: np.ndarray, *, bound: float, round_number: int) -> int:
 
 def first_edges(study: Study, flat: np.ndarray, *, bins: int) -> tuple[float, ...]:
     """The first evaluated round's edges, each block's around where a public probe of
-    the model puts its scores (`common.evaluation_edges.probe_edges`); () (the default
+    the model puts its scores (`common.releases.evaluation_edges.probe_edges`); () (the default
     layout) without torch."""
-    from common.evaluation_edges import probe_edges
+    from common.releases.evaluation_edges import probe_edges
 
     anchors = probe(study, flat)
     if anchors is None:

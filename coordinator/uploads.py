@@ -20,9 +20,9 @@ from typing import Protocol
 
 import numpy as np
 
-from common.codec import ChunkAssembler, SpoolAssembler
-from common.config import LimitsSection
-from common.errors import AbortReason, ProtocolAbort, StateError
+from common.core.codec import ChunkAssembler, SpoolAssembler
+from common.core.config import LimitsSection
+from common.core.errors import AbortReason, ProtocolAbort, StateError
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.phases import ActiveRound, PhaseState, RoundPhase
 

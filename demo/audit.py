@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import MedfedError
+from common.core.errors import MedfedError
 
 AUDIT_PATIENTS = 300
 AUDIT_CANARIES = 100
@@ -66,7 +66,8 @@ def demo_audit(
         # Before any training: the site's own units alone must be enough for DP-SGD.
         check_cohort_size(data.num_patients, delta=delta, unit=unit, file=data.source or None)
         # The trainer (torch, Opacus) only once there is something to train.
-        from site_agent.audit import AuditSettings, run_audit
+        from site_agent.audit import run_audit
+        from site_agent.audit_settings import AuditSettings
 
         for name, target in (("no_dp", None), ("dp", epsilon)):
             settings = AuditSettings(

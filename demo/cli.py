@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.models import model_names
 from demo.options import DemoOptions, validate_options
 from demo.run import Demo

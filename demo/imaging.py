@@ -14,17 +14,15 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.models import model_names
 from demo.options import HELD_OUT_FRACTION, DemoOptions
 from demo.report import dp_auc_text
-
-if TYPE_CHECKING:
-    from demo.run import Demo
+from demo.tasks import Demo
 
 IMAGING_DEFAULTS: dict[str, Any] = {
     "patients_per_site": 240,
@@ -65,7 +63,7 @@ tabular demo's 50 bins, 100 noised counts (std `DEMO_EVALUATION_NOISE_STD` each)
 ~100 held-out scores and the reported AUC is noise; 10 bins keep the noise per count
 comparable to the counts. The most a round counts with: after the first, rounds count
 with as few as the released class totals and the noise allow
-(`common.evaluation_edges.evaluation_bins`: 6-7 for the demo's ~240 held-out patients at
+(`common.releases.evaluation_edges.evaluation_bins`: 6-7 for the demo's ~240 held-out patients at
 std ~4)."""
 
 DEMO_EVALUATION_NOISE_STD = 2.5
@@ -75,13 +73,13 @@ rounds of at least 3 sites with 1 colluding); a round of k sites sums k shares, 
 2.5 sqrt(k / 2) per count, ~4 with all five hospitals. Sized for the demo's held-out
 cohort, ~48 patients a hospital (`IMAGING_DEFAULTS`: 240 patients, the sites' default
 held-out fraction 0.2), ~45 of them positive over the five. Simulated with buckets
-placed on the scores (`common.evaluation_interval.auc_interval`), an AUC-0.98 model's
+placed on the scores (`common.releases.evaluation_interval.auc_interval`), an AUC-0.98 model's
 interval is readable (width < 0.5) in 95% of releases at per-count std 3.95, 7% at
 7.9 (the sites' std 5 before); at 120 patients a site (~23 positives) 57% even at std
 2.5. The DP model's held-out logits sit in a band 0.04-0.16 wide that moves 0.3-1.3
 logits a round; the coordinator serving the study lays the first round's buckets around a
 public probe of the model and moves the later ones with it
-(`common.evaluation_edges.probe_edges`, `next_edges` with a shift). Replayed on a demo
+(`common.releases.evaluation_edges.probe_edges`, `next_edges` with a shift). Replayed on a demo
 run's checkpoints (20 noise draws): the second evaluated round readable in 100%, the
 third 85%, the final 100% (median width 0.19, covering the exact AUC in 95%); at 120
 patients a site (simulated by halving the held-out patients) the final only 35%, so
@@ -234,7 +232,7 @@ device = "{self.device}"
     def exact_final(self, demo: Demo, bundle: Path) -> dict[str, Any]:
         """`DemoTask.exact_final`: every held-out image of every hospital (the sites'
         own splits), scored by the bundle's network."""
-        from common.bundle import read_bundle
+        from common.releases.bundle import read_bundle
         from site_agent.predict import load_model, prediction_from_scores
         from site_agent.trainer import predict_scores
         from site_agent.unit_split import split_by_patient
@@ -286,7 +284,7 @@ def _pool(parts: list[Any]) -> Any:
 
 
 def _metrics(scores: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    from common.evaluation_threshold import operating_point_metrics_from_scores
+    from common.releases.evaluation_threshold import operating_point_metrics_from_scores
 
     # Non-private baselines: AUC and Youden's operating point on the exact scores.
     m = operating_point_metrics_from_scores(scores, labels)

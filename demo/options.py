@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 
 HISTOGRAM_BINS = 50
 HELD_OUT_FRACTION = 0.2

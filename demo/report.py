@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from common.evaluation_interval import interval_text
+from common.releases.evaluation_interval import interval_text
 from demo.hospital import hospital_figures, hospital_report, intermediaries_label
-
-if TYPE_CHECKING:
-    from demo.run import Demo
+from demo.tasks import Demo
 
 
 def write_report(demo: Demo, sites: list[str], baselines: dict[str, dict[str, float]]) -> dict[
@@ -126,7 +124,7 @@ def model_file(demo: Demo) -> dict[str, Any] | None:
     state = demo.out / "coordinator"
     bundle = state / "model" / "final.safetensors"
     if bundle.is_file():
-        from common.bundle import read_bundle
+        from common.releases.bundle import read_bundle
 
         threshold = read_bundle(bundle).threshold.value
         return {"path": str(bundle), "kind": "final bundle",
@@ -216,7 +214,7 @@ def plot(demo: Demo, report: dict[str, Any]) -> None:
 
 def dp_auc_text(metrics: dict[str, Any]) -> str:
     """A DP AUC as the demo prints it: with its 95% interval, or "too noisy to read"
-    (`common.evaluation_interval.interval_text`)."""
+    (`common.releases.evaluation_interval.interval_text`)."""
     auc, low, high = (metrics.get(k) for k in ("auc", "auc_interval_low", "auc_interval_high"))
     if not isinstance(auc, float):
         return "-"

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from common.errors import StateError
-from common.processes import Line, ManagedProcess, medfed_argv
+from common.core.errors import StateError
+from common.core.processes import Line, ManagedProcess, medfed_argv
 from demo.options import WAIT_NOTE_SECONDS, DemoOptions, RoundRow
 from demo.report import baseline_label, dp_auc_text, epsilon_by_site, write_report
 from demo.tabular import TabularTask
@@ -88,7 +88,7 @@ class Demo:
     # ------------------------------------------------------------------ setup
 
     def make_pki(self, sites: list[str]) -> Path:
-        from common.pki import init_ca, issue_coordinator, issue_site
+        from common.protocol.pki import init_ca, issue_coordinator, issue_site
 
         pki = self.out / "pki"
         init_ca(pki)
@@ -104,7 +104,7 @@ class Demo:
         study init --member-from` writes them) and every hospital approves it (`medfed
         site approve`): each site then joins only this study and refuses any round naming
         anyone else, or a member under another key (a CA holder's sybil sites)."""
-        from common.pki import load_certificate, public_key_fingerprint, site_paths
+        from common.protocol.pki import load_certificate, public_key_fingerprint, site_paths
         from common.study import load_study, study_sha256
         from site_agent.approvals import Approvals
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import ConfigError, DataError
+from common.commands.study import TABLE_DEFAULT_LEARNING_RATE, TABLE_DEFAULT_MODEL
+from common.core.errors import ConfigError, DataError
 from common.study import GlobalStatistics, Study, study_from_mapping
-from common.study_cli import TABLE_DEFAULT_LEARNING_RATE, TABLE_DEFAULT_MODEL
 from site_agent.data import is_missing, iter_table_rows
 
 
@@ -138,7 +138,7 @@ def draft_demo_study(
 def exact_statistics(tables: dict[str, Any], study: Study, *, seed: int) -> GlobalStatistics:
     """Noiseless pooled statistics, for the demo's in-process NON-PRIVATE baselines only
     (the federation itself uses the federated DP release)."""
-    from common.statistics import decode_release, encode_release, statistics_length
+    from common.releases.statistics import decode_release, encode_release, statistics_length
 
     rng = np.random.default_rng(seed)
     total = np.zeros(statistics_length(study), dtype=np.int64)

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from demo.hospital import hospital_study
 from demo.options import HELD_OUT_FRACTION, HISTOGRAM_BINS, DemoOptions
-
-if TYPE_CHECKING:
-    from demo.run import Demo
+from demo.tasks import Demo
 
 
 class TabularTask:
@@ -71,7 +69,7 @@ class TabularTask:
 
     def serve_study(self, demo: Demo, study: Any, *, what: str) -> None:
         """Write the study every site is enrolled into; the coordinator serves it."""
-        from common.study_cli import render_study_toml
+        from common.commands.study import render_study_toml
 
         o = demo.o
         if o.privacy_unit == "hospital":
@@ -137,7 +135,7 @@ device = "cpu"
         `medfed predict` would (its own DP statistics encode them), pooled."""
         import numpy as np
 
-        from common.bundle import read_bundle
+        from common.releases.bundle import read_bundle
         from site_agent.predict import load_model, prediction_from_scores, score_table
         from site_agent.unit_split import held_out_mask
 

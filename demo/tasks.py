@@ -4,10 +4,32 @@ configuration. `demo.tabular` and `demo.imaging` are the two tasks."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from demo.run import Demo
+from demo.options import DemoOptions, RoundRow
+from demo.terms import FederationTerms
+
+
+class Demo(Protocol):
+    """What a task and the report read of the running demo (`demo.run.Demo` is the one
+    implementation): its options and output folder, the study it serves, the sites'
+    split keys, the rounds it recorded, and its console."""
+
+    o: DemoOptions
+    out: Path
+    task: DemoTask
+    study: Any
+    served_study: Path | None
+    split_keys: dict[str, bytes]
+    terms: FederationTerms
+    rows: list[RoundRow]
+    aborted: list[dict[str, Any]]
+    audit: dict[str, Any]
+    statistics_round: int | None
+    started: float
+
+    def say(self, text: str) -> None:
+        """One line on the demo's console."""
 
 
 class DemoTask(Protocol):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import AggregationSection, SitePolicySection
-from common.errors import ConfigError
-from common.secagg.params import round_floor
+from common.core.config import AggregationSection, SitePolicySection
+from common.core.errors import ConfigError
+from common.protocol.secagg.params import round_floor
 from demo.options import AGGREGATION_CLIP
 
 

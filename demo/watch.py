@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.processes import Line, ManagedProcess
+from common.core.processes import Line, ManagedProcess
 
 
 def waiting_for(coordinator_lines: list[Line], site_states: dict[str, str]) -> str:

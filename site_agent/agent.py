@@ -23,11 +23,8 @@ from collections.abc import Callable
 
 import grpc
 
-from common import wire
-from common.config import SiteSettings
-from common.convergence import describe_loss_trend, loss_trend
-from common.crypto.signing import SigningKey
-from common.errors import (
+from common.core.config import SiteSettings
+from common.core.errors import (
     STUDY_FAILED_PREFIX,
     BudgetExhausted,
     CertificateRejected,
@@ -44,14 +41,17 @@ from common.errors import (
     StudyRefused,
     ValidationError,
 )
-from common.observer import RoundObserver
-from common.pki import load_certificate, read_private_key_pem, site_id_from_certificate
+from common.core.observer import RoundObserver
+from common.crypto.signing import SigningKey
 from common.privacy.ledger import PrivacyLedger
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.round import validate_for_site
+from common.protocol.pki import load_certificate, read_private_key_pem, site_id_from_certificate
+from common.protocol.tls import SiteTlsFiles
+from common.releases.convergence import describe_loss_trend, loss_trend
+from common.rounds import wire
+from common.rounds.announcement import validate_for_site
 from common.study import Study, check_statistics, statistics_from_bytes
-from common.tls import SiteTlsFiles
 from site_agent.connection import RETRYABLE, Connection, Heartbeats
 from site_agent.final_model import FinalModel
 from site_agent.membership import Membership, utcnow
@@ -85,7 +85,7 @@ class SiteAgent:
         open_ledger: Callable[[], PrivacyLedger | None] | None = None,
         observer: RoundObserver | None = None,
     ) -> None:
-        """`observer`: what a test plugs in to watch the rounds (`common.observer`)."""
+        """`observer`: what a test plugs in to watch the rounds (`common.core.observer`)."""
         self.settings = settings
         self.site_id = settings.site
         self.hook = hook

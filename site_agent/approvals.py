@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from common.errors import StateError, ValidationError
-from common.fileio import atomic_write
-from common.parsing import parse_json
+from common.core.errors import StateError, ValidationError
+from common.core.fileio import atomic_write
+from common.core.parsing import parse_json
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.purpose import Purpose
 from common.study import Study, study_bytes, study_from_bytes, study_sha256

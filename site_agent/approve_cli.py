@@ -16,15 +16,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from common.config import SiteSettings, load_settings
-from common.errors import ConfigError, QueryRefused, ValidationError
-from common.parsing import parse_toml
+from common.core.config import SiteSettings, load_settings
+from common.core.errors import ConfigError, QueryRefused, ValidationError
+from common.core.parsing import parse_toml
 from common.study import Study, load_study, study_sha256
 from site_agent.approvals import Approvals
 
 if TYPE_CHECKING:
-    from common.analytics.cost import QueryCost
-    from common.analytics.query import Query
+    from common.releases.analytics.cost import QueryCost
+    from common.releases.analytics.query import Query
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -76,7 +76,7 @@ def _refused_by_policy(study: Study, config: Path | None) -> str | None:
     would refuse at enrolment is not pinned."""
     if config is None:
         return None
-    from common.errors import PrivacyError
+    from common.core.errors import PrivacyError
     from common.study import check_study_against_policy
     from site_agent.datacheck import site_policy
 
@@ -144,9 +144,9 @@ def describe_members(study: Study, out: TextIO) -> None:
 
 
 def query_cost_for_site(query: Query, study: Study, config: Path | None) -> QueryCost:
-    """The query's cost against this site's limits (`common.analytics.cost.query_cost`):
+    """The query's cost against this site's limits (`common.releases.analytics.cost.query_cost`):
     with `config`, its policy and its ledger's accountant; without, the study's own."""
-    from common.analytics.cost import query_cost
+    from common.releases.analytics.cost import query_cost
 
     if config is None:
         return query_cost(query, study=study, policy=None)
@@ -161,9 +161,9 @@ def describe_query(query: Query, sha256: str, study: Study, out: TextIO,
                    cost: QueryCost | None = None) -> None:
     """What a privacy officer approves: the study, the cohort, each statistic with its
     epsilon and the cells it releases, and what one run charges the site's ledger
-    (`cost`: `common.analytics.cost.QueryCost`, default the study's own terms)."""
-    from common.analytics.cost import query_cost
-    from common.analytics.vector import statistic_cells
+    (`cost`: `common.releases.analytics.cost.QueryCost`, default the study's own terms)."""
+    from common.releases.analytics.cost import query_cost
+    from common.releases.analytics.query import statistic_cells
 
     print(f"query         {query.name} (sha256 {sha256})", file=out)
     if query.description:
@@ -242,7 +242,7 @@ def _approve_one(args: argparse.Namespace, path: Path, state: Path, own: Study |
         print(json.dumps({"approved": "study", "sha256": study_sha256(study),
                           "pin": str(pinned)}), file=out)
         return 0
-    from common.analytics.query import load_query, query_sha256
+    from common.releases.analytics.query import load_query, query_sha256
 
     if own is None:
         raise ConfigError("--study", "a query belongs to a study: approve the study first "

@@ -31,62 +31,27 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
-from common.config import DEFAULT_COUNT_EPSILON
+from common.core.errors import ConfigError, DataError
 from common.crypto.random import DeterministicRandom
-from common.errors import ConfigError, DataError
 from common.models import Task
 from common.models.layout import flatten_parameters
 from common.models.tables.mlp import TabularMLP
 from common.privacy.accountant import account
-from common.privacy.audit import DEFAULT_CONFIDENCE, AuditResult, audit_from_scores
+from common.privacy.audit import AuditResult, audit_from_scores
 from common.privacy.mechanisms import Gaussian
 from common.study import GlobalStatistics, Study
-from site_agent.audit_cli import DEFAULT_CANARIES, DEFAULT_EPOCHS
-from site_agent.audit_cli import main as main
-from site_agent.audit_cli import register as register
+from site_agent.audit_settings import AuditSettings
 from site_agent.data import DatasetSchema, SiteData, Standardizer, load_site_data
 from site_agent.dp_release import gaussian_std_for, noisy_unit_count
 from site_agent.trainer import LocalTrainer
 from site_agent.training_config import TrainingConfig
 
 CANARY_ID_PREFIX = "__medfed_audit_canary_"
-
-
-@dataclass(frozen=True)
-class AuditSettings:
-    """What one audit trains. `epsilon` None = non-private training (the audit's control)."""
-
-    canaries: int = DEFAULT_CANARIES
-    epsilon: float | None = 8.0
-    delta: float = 1e-5
-    epochs: int = DEFAULT_EPOCHS
-    batch_size: int = 128
-    lr: float = 0.1
-    optimizer: Literal["sgd", "adam"] = "sgd"
-    max_grad_norm: float = 1.0
-    canary_radius: float = 10.0
-    canary_records: int = 4
-    confidence: float = DEFAULT_CONFIDENCE
-    accountant: str = "prv"
-    # The DP count of units the training is sized from, as the site releases it.
-    count_epsilon: float = DEFAULT_COUNT_EPSILON
-
-    def __post_init__(self) -> None:
-        if self.canaries < 10:
-            raise ConfigError("canaries", "need at least 10")
-        if self.epsilon is not None and not self.epsilon > 0:
-            raise ConfigError("epsilon", "must be positive (or use --no-dp)")
-        for name in ("epochs", "batch_size", "canary_records"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, "must be >= 1")
-        for name in ("lr", "max_grad_norm", "canary_radius", "count_epsilon"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(name, "must be positive")
 
 
 def _default_model(n_features: int) -> torch.nn.Module:
@@ -331,9 +296,9 @@ def load_audit_data(path: Path, *, label: str, patient: str | None) -> SiteData:
 
 def local_statistics(study: Study, table: Any, *, seed: int) -> GlobalStatistics:
     """Preprocessing statistics of this file alone, through the federation's own release
-    encoding and decoding (common.statistics) but WITHOUT noise: they feed only the
+    encoding and decoding (common.releases.statistics) but WITHOUT noise: they feed only the
     auditor's local run and never leave it (`--statistics` takes the federation's)."""
-    from common.statistics import decode_release, encode_release
+    from common.releases.statistics import decode_release, encode_release
 
     rng = np.random.default_rng(seed)
     total = encode_release(table, study, uniform=rng.random)
@@ -442,8 +407,3 @@ def run_audit_command(args: argparse.Namespace) -> int:
     )
     return 0
 
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main(sys.argv[1:]))

@@ -1,5 +1,5 @@
 """`medfed privacy audit`'s command line: its arguments only, so that `medfed privacy`
-(and `python -m common.privacy.cli ledger ...`, which registers every privacy command)
+(and `python -m common.commands.privacy ledger ...`, which registers every privacy command)
 starts without importing torch and Opacus; the audit itself (site_agent/audit.py) is
 imported when the command runs."""
 
@@ -9,11 +9,11 @@ import argparse
 import math
 from typing import Any
 
-DEFAULT_CANARIES = 200
-DEFAULT_EPOCHS = 60
+from site_agent.audit_settings import DEFAULT_CANARIES, DEFAULT_EPOCHS
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
+    # The audit trains with torch and Opacus: loaded only when the command runs.
     from site_agent.audit import run_audit_command
 
     return run_audit_command(args)
@@ -74,7 +74,7 @@ def register(commands: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m site_agent.audit ...` = `medfed privacy audit ...`."""
-    from common.cli import run_parsed
+    from common.commands.cli import run_parsed
 
     parser = argparse.ArgumentParser(prog="medfed privacy")
     commands = parser.add_subparsers(dest="privacy_command", required=True)

@@ -3,7 +3,7 @@ centralized logistic regression on the pooled data (the reference for tables), a
 federated averaging of the study's network (or the demo's MLP) without DP or secure
 aggregation. Both use the federation's splits; being non-private and centralised, they
 are measured on the exact held-out scores (AUC and Youden's operating point,
-`common.evaluation_threshold.operating_point_metrics_from_scores`). `bins` is accepted
+`common.releases.evaluation_threshold.operating_point_metrics_from_scores`). `bins` is accepted
 and unused: no histogram is involved."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from common.evaluation_threshold import operating_point_metrics_from_scores
 from common.models.layout import flatten_parameters
 from common.models.tables.mlp import TabularMLP
+from common.releases.evaluation_threshold import operating_point_metrics_from_scores
 from site_agent.data import SiteData, Standardizer, prepare_site_split
 from site_agent.trainer import LocalTrainer, predict_scores
 from site_agent.training_config import TrainingConfig
@@ -63,14 +63,14 @@ def centralized_nodp(
     datasets: dict[str, SiteData], o: Any, *, keys: dict[str, bytes],
     units: dict[str, Any] | None = None, bins: int | None = None,
 ) -> dict[str, float]:
-    """Logistic regression fitted to convergence (`common.logistic.fit_logistic`,
+    """Logistic regression fitted to convergence (`common.models.logistic_reference.fit_logistic`,
     Newton's method) on every site's training split pooled in one place (what federation
     avoids): the non-private reference a tabular model is judged against (the demo's
     MLP trained for the study's epochs underfit a real cohort, rotterdam 0.660, and put
     the DP model above centralized training). `keys`: each site's split key (and
     `units`, a site's unit ids when they are not its records' own:
     `unit_split.split_by_patient`), so the held-out patients are the sites'."""
-    from common.logistic import fit_logistic
+    from common.models.logistic_reference import fit_logistic
 
     splits = [split_by_patient(d, held_out_fraction=0.2, key=keys[site],
                                units=(units or {}).get(site))

@@ -10,10 +10,10 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.config import SiteSettings, load_settings
-from common.errors import ConfigError
-from common.logs import configure_logging
-from common.observer import ObserverFactory
+from common.core.config import SiteSettings, load_settings
+from common.core.errors import ConfigError
+from common.core.logs import configure_logging
+from common.core.observer import ObserverFactory
 
 if TYPE_CHECKING:
     from site_agent.runner import HookFactory

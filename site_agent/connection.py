@@ -13,11 +13,11 @@ import time
 
 import grpc
 
-from common.config import SiteSettings
-from common.errors import CertificateRejected
+from common.core.config import SiteSettings
+from common.core.errors import CertificateRejected
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.tls import SiteTlsFiles, channel_credentials_from_files, server_host_names
+from common.protocol.tls import SiteTlsFiles, channel_credentials_from_files, server_host_names
 
 log = logging.getLogger("medfed.site")
 

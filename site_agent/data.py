@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from common.errors import ConfigError, DataError
+from common.core.errors import ConfigError, DataError
 from common.study import (
     GlobalStatistics,
     Study,

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from common.config import SiteDataSection, SiteSettings
-from common.errors import DataError
+from common.core.config import SiteDataSection, SiteSettings
+from common.core.errors import DataError
 from common.study import SitePrivacyPolicy, Study, check_study_against_policy
 from site_agent.data import StudyTable, check_cohort_size, load_study_table, training_units
 

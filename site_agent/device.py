@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 

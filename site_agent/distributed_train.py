@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.models.build import build_for_study
 from common.models.layout import flatten_parameters
 from common.models.tables.mlp import TabularMLP

@@ -6,7 +6,7 @@
 * DP evaluation: one score per privacy unit, a 2 x bins integer histogram noised with
   the distributed discrete Gaussian (Kairouz, Liu & Steinke, ICML 2021) split across the
   round-size floor minus the colluding sites, so the secure sum carries the noise (the
-  release itself: `common.evaluation_release`; its ledger budget rules here).
+  release itself: `common.releases.evaluation_release`; its ledger budget rules here).
 * Noise planning: sigma from the site's remaining budget and its own policy
   (`plan_round_noise`), re-planned every round from what the ledger shows spent.
 """
@@ -21,18 +21,18 @@ from pathlib import Path
 
 import numpy as np
 
-from common.config import SitePolicySection
+from common.core.config import SitePolicySection
+from common.core.errors import ConfigError, EvaluationsUsed, StateError, ValidationError
+from common.core.fileio import atomic_write
+from common.core.parsing import parse_json
 from common.crypto.random import RandomSource, numpy_generator, system_random
-from common.errors import ConfigError, EvaluationsUsed, StateError, ValidationError
-from common.evaluation_release import EvaluationHistogram
-from common.evaluation_release import evaluation_noise_sites as evaluation_noise_sites
-from common.fileio import atomic_write
-from common.parsing import parse_json
 from common.privacy.accountant import RoundNoisePlan, compose_epsilon, plan_round_noise
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian, Mechanism
 from common.privacy.purpose import Purpose
-from common.release import NoisePlan
+from common.releases.evaluation_release import EvaluationHistogram
+from common.releases.evaluation_release import evaluation_noise_sites as evaluation_noise_sites
+from common.releases.seam import NoisePlan
 from common.study import Study, per_round_cap
 
 COUNT_STATE_FILE = "cohort-count.json"

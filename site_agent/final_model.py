@@ -13,12 +13,17 @@ import logging
 import os
 from pathlib import Path
 
-from common.bundle import HEADER_MARGIN_BYTES, bundle_from_bytes, bundle_size_limit, read_bundle
-from common.config import SiteSettings
-from common.errors import MedfedError, ValidationError
-from common.fileio import replace_durably
+from common.core.config import SiteSettings
+from common.core.errors import MedfedError, ValidationError
+from common.core.fileio import replace_durably
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
+from common.releases.bundle import (
+    HEADER_MARGIN_BYTES,
+    bundle_from_bytes,
+    bundle_size_limit,
+    read_bundle,
+)
 from common.study import study_sha256
 from site_agent.site_training import TrainingHook
 from site_agent.statistics_pin import StatisticsPin

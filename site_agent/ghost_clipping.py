@@ -29,7 +29,7 @@ from opacus.utils.module_utils import trainable_modules
 from opacus.utils.tensor_utils import unfold2d
 from torch import nn
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from site_agent.finite_clipping import clip_factors, rows_to_zero, usable, zero_unusable_rows
 
 logger = logging.getLogger(__name__)

@@ -31,9 +31,9 @@ from opacus.grad_sample import GradSampleModule
 from opacus.optimizers import DistributedDPOptimizerFastGradientClipping
 from torch import nn
 
-from common.errors import ConfigError, StateError, ValidationError
-from common.fileio import atomic_write
-from common.parsing import parse_json
+from common.core.errors import ConfigError, StateError, ValidationError
+from common.core.fileio import atomic_write
+from common.core.parsing import parse_json
 from site_agent.ghost_clipping import (
     DistributedHooksOptimizer,
     GhostLoss,

@@ -15,15 +15,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common import egress
-from common.config import SitePolicySection
+from common.core.config import SitePolicySection
+from common.core.errors import BudgetExhausted, RoundFailed
 from common.crypto.random import numpy_generator, system_random
-from common.errors import BudgetExhausted, RoundFailed
 from common.privacy import hospital
 from common.privacy.ddgauss import DDGaussPlan
 from common.privacy.mechanisms import DistributedDiscreteGaussian
-from common.round import VerifiedRound, validate_intermediaries
+from common.releases import egress
+from common.rounds.announcement import VerifiedRound, announced_terms, validate_intermediaries
 from common.study import Study, per_round_cap
+from common.study.hospital_terms import study_terms
 from common.study.policy import ROUND_CAP_SLACK
 from site_agent import dp_release
 from site_agent.site_training import LocalUpdate
@@ -53,18 +54,18 @@ def plan_round(rnd: VerifiedRound, *, study: Study | None,
     """This site's plan for hospital round `rnd`; RoundFailed when the announcement
     does not match the study the site joined (clip S, ring width)."""
     ann = rnd.announcement
-    terms = hospital.announced_terms(ann)
+    terms = announced_terms(ann)
     if study is not None:
         if study.privacy.unit != "hospital":
             raise RoundFailed("a hospital-level round in a study of another privacy unit")
-        expected = hospital.study_terms(study)
+        expected = study_terms(study)
         if (terms.clip, terms.noise_multiplier) != (expected.clip, expected.noise_multiplier):
             raise RoundFailed(
                 f"announced S = {terms.clip:g}, z = {terms.noise_multiplier:g} are not the "
                 f"study's ({expected.clip:g}, {expected.noise_multiplier:g})"
             )
         # v: the study's fixed one, or under "auto" the announced one (its range and
-        # the norm segment were checked by common.round.validate_intermediaries).
+        # the norm segment were checked by common.rounds.announcement.validate_intermediaries).
         validate_intermediaries(ann, study=study)
         terms = expected.for_round(terms.intermediaries) if expected.norm_segment else expected
     # Without a study the announced terms are taken as they come: the ledger records
@@ -94,13 +95,13 @@ def own_noise_multiplier(
 ) -> float:
     """z of this site's own plan for a hospital round: the study's privacy.epsilon (after
     its statistics and count releases and the evaluation reserve) over the study's rounds,
-    whatever z the study or the coordinator names (`hospital.study_terms` with z unset);
+    whatever z the study or the coordinator names (`study_terms` with z unset);
     without a study the site's budget over its planned rounds (raised, never lowered, by
     the announcement)."""
     if study is not None:
         planned = study.model_copy(update={"privacy": study.privacy.model_copy(
             update={"update_noise_multiplier": None})})
-        return hospital.study_terms(planned).noise_multiplier
+        return study_terms(planned).noise_multiplier
     rounds = max(policy.planned_rounds, announced_rounds)
     # The site's hospital-unit ledger charges the per-patient figure (rounds at 2S).
     return hospital.plan_noise_multiplier(

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from common.errors import ConfigError, DataError
+from common.core.errors import ConfigError, DataError
 from site_agent.data import HEADER_ROW, iter_table_rows
 
 if TYPE_CHECKING:

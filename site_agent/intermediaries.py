@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.round import RoundPlan
+from common.rounds.announcement import RoundPlan
 from site_agent.training_plan import fit_batch_size
 from site_agent.unit_split import canonical_unit_id, unit_ids
 

@@ -14,15 +14,15 @@ from collections.abc import Callable
 import grpc
 from cryptography import x509
 
-from common import wire
-from common.config import SiteSettings
+from common.core.config import SiteSettings
+from common.core.errors import AbortReason, ConfigError, LedgerForkError, ProtocolAbort
 from common.crypto.signing import VerifyingKey
-from common.errors import AbortReason, ConfigError, LedgerForkError, ProtocolAbort
-from common.pki import check_roster_certificate, public_key_fingerprint
 from common.privacy.carry import is_carried
 from common.privacy.ledger import PrivacyLedger, ledger_notes, recovery_hint
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
+from common.protocol.pki import check_roster_certificate, public_key_fingerprint
+from common.rounds import wire
 from common.study import Study, study_from_enrolment, study_sha256
 from site_agent.datacheck import site_policy
 from site_agent.metrics import SiteMetrics

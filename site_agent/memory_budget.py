@@ -24,7 +24,7 @@ import torch
 from opacus.utils.module_utils import trainable_modules
 from torch import nn
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from site_agent.training_config import TrainingConfig
 
 logger = logging.getLogger(__name__)

@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.bundle import ModelBundle, bundle_metadata
-from common.errors import ConfigError, StateError
-from common.fileio import atomic_write
+from common.core.errors import ConfigError, StateError
+from common.core.fileio import atomic_write
+from common.releases.bundle import ModelBundle, bundle_metadata
 from common.study import MISSING_SUFFIX, Study, encoded_feature_names, study_sha256
 from site_agent.predict import load_model
 
@@ -327,7 +327,7 @@ def export_model(
 ) -> str:
     """Export the bundle at `model_path` to `out` (written atomically); returns the
     SHA-256 of the written file."""
-    from common.bundle import read_bundle
+    from common.releases.bundle import read_bundle
 
     if format not in EXPORT_FORMATS:
         raise ConfigError("format", f"unknown export format {format!r}; known: onnx")

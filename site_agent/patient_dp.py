@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from site_agent.finite_clipping import clip_factors, rows_to_zero, usable, zero_unusable_rows
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

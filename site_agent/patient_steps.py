@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from site_agent.finite_clipping import clip_factors, usable
 from site_agent.patient_dp import LossFn, clipped_unit_sum, per_record_gradients
 from site_agent.task_loss import TaskLoss

@@ -1,7 +1,7 @@
 """The SecAgg+ phases as a site runs them, for any vector it releases (a model update,
 the statistics): AdvertiseKeys and ShareKeys (the masks expanded meanwhile for small
 uploads), then MaskedInput, ConsistencyCheck and Unmask. The client
-(`common.secagg.client`) verifies every signature and the roster; a round that fails
+(`common.protocol.secagg.client`) verifies every signature and the roster; a round that fails
 here is aborted by the caller and nothing more is revealed.
 """
 
@@ -17,17 +17,17 @@ from functools import partial
 import grpc
 import numpy as np
 
-from common import wire
-from common.config import SiteSettings
+from common.core.config import SiteSettings
+from common.core.errors import AbortReason, ProtocolAbort, RoundFailed
+from common.core.observer import NoObserver, RoundObserver
 from common.crypto.random import system_random
 from common.crypto.signing import SigningKey, VerifyingKey
-from common.errors import AbortReason, ProtocolAbort, RoundFailed
-from common.observer import NoObserver, RoundObserver
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.round import VerifiedRound
-from common.secagg import messages as sm
-from common.secagg.client import SecAggClient
+from common.protocol.secagg import messages as sm
+from common.protocol.secagg.client import SecAggClient
+from common.rounds import wire
+from common.rounds.announcement import VerifiedRound
 from site_agent.connection import Heartbeats
 from site_agent.round_timeline import RoundTimeline
 from site_agent.transfers import upload_stream
@@ -71,7 +71,7 @@ class SecAggPhases:
         observer: RoundObserver | None = None,
     ) -> None:
         self.settings = settings
-        # Shown each update before masking and each phase's end (common.observer); the
+        # Shown each update before masking and each phase's end (common.core.observer); the
         # product's watches nothing.
         self.observer = observer or NoObserver()
         self.signing_key = signing_key

@@ -20,11 +20,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.bundle import Architecture, ModelBundle
-from common.errors import ValidationError
-from common.evaluation import metrics_from_scores
+from common.core.errors import ValidationError
+from common.models.architecture import Architecture
 from common.models.build import build_from_architecture
 from common.models.layout import load_flat_parameters
+from common.releases.bundle import ModelBundle
+from common.releases.evaluation import metrics_from_scores
 from site_agent.data import Preprocessor, StudyTable
 from site_agent.imaging import ImageDataset
 

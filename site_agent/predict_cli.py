@@ -18,10 +18,15 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from common.bundle import bundle_summary, evaluation_auc_text, evaluation_noise_text, read_bundle
-from common.errors import DataError
+from common.core.errors import DataError
+from common.core.text import csv_cell, printable
+from common.releases.bundle import (
+    bundle_summary,
+    evaluation_auc_text,
+    evaluation_noise_text,
+    read_bundle,
+)
 from common.study import load_study
-from common.text import csv_cell, printable
 from site_agent.data import load_study_table
 from site_agent.datacheck import check_data_against_study, format_report
 
@@ -288,7 +293,7 @@ def _write_scores(handle: TextIO, bundle: Any, table: Any, prediction: Any) -> N
     header.extend(["score"] if binary else [f"score_{c}" for c in classes])
     header.append("prediction")
     # Names, labels and patient ids come from the study and the data file: no cell may
-    # start a spreadsheet formula (`common.text.csv_cell`).
+    # start a spreadsheet formula (`common.core.text.csv_cell`).
     writer.writerow([csv_cell(str(cell)) for cell in header])
     for i in range(len(table)):
         row: list[Any] = [csv_cell(_image_name(table, i)) if images else int(table.rows[i])]
@@ -373,7 +378,7 @@ def _fmt(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m site_agent.predict_cli ...``: these plug-ins alone."""
-    from common.cli import main_with
+    from common.commands.cli import main_with
 
     return main_with([register_data, register_model, register_predict], argv)
 

@@ -1,6 +1,6 @@
 """`medfed query check`: run a query offline on this site's own file (cohort size, what
 would be released, the epsilon it costs); nothing is released. A plug-in of
-``medfed.query_commands`` (common.analytics.cli): it reads the site's file with the site
+``medfed.query_commands`` (common.commands.query): it reads the site's file with the site
 agent's loader, which `common` may not import.
 
 With ``--config SITE.toml`` the query is also held to the site's own policy (its
@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.analytics.check import check_query
-from common.analytics.query import load_query
-from common.errors import ConfigError
+from common.core.errors import ConfigError
+from common.releases.analytics.check import check_query
+from common.releases.analytics.query import load_query
 from common.study import SitePrivacyPolicy, load_study
 
 
@@ -40,7 +40,7 @@ def _site(config: Path | None) -> tuple[SitePrivacyPolicy | None, str, Path | No
     """The site's policy, its ledger's accountant and its data file, from `config`."""
     if config is None:
         return None, "prv", None
-    from common.config import SiteSettings, load_settings
+    from common.core.config import SiteSettings, load_settings
     from site_agent.datacheck import site_policy
 
     settings = load_settings(SiteSettings, config_file=config, overrides={})

@@ -19,9 +19,9 @@ import re
 from pathlib import Path
 from typing import Any, Final
 
-from common.errors import StateError, ValidationError
-from common.fileio import atomic_write
-from common.parsing import parse_json
+from common.core.errors import StateError, ValidationError
+from common.core.fileio import atomic_write
+from common.core.parsing import parse_json
 from site_agent.approvals import Approvals
 
 RELEASED_DIR: Final = "released"

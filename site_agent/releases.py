@@ -1,4 +1,4 @@
-"""The DP values a site releases beside its model update (`common.release`): the
+"""The DP values a site releases beside its model update (`common.releases.seam`): the
 evaluation histogram every model round carries (noised here, its ledger entry written
 with the round's training entry) and the releases a round carries alone, the study's
 statistics among them (`RoundRelease`, one generic path for any registered release).
@@ -17,27 +17,27 @@ from datetime import datetime
 
 import numpy as np
 
-from common import egress
-from common.config import SitePolicySection, SiteSettings
-from common.crypto.random import RandomSource, numpy_generator, system_random
-from common.errors import (
+from common.core.config import SitePolicySection, SiteSettings
+from common.core.errors import (
     BudgetExhausted,
     QueryRefused,
     RoundFailed,
     StudyRefused,
     ValidationError,
 )
-from common.evaluation_release import (
-    EvaluationHistogram,
-    evaluation_noise_sites,
-    evaluation_noise_std,
-)
+from common.crypto.random import RandomSource, numpy_generator, system_random
 from common.privacy.accountant import epsilon_added
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Mechanism
 from common.privacy.purpose import ROUND_PURPOSES
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.release import (
+from common.releases import egress
+from common.releases.evaluation_release import (
+    EvaluationHistogram,
+    evaluation_noise_sites,
+    evaluation_noise_std,
+)
+from common.releases.seam import (
     DpRelease,
     NoisePlan,
     build_release,
@@ -45,7 +45,7 @@ from common.release import (
     planned_noise_sites,
     release_for_round,
 )
-from common.round import VerifiedRound
+from common.rounds.announcement import VerifiedRound
 from common.study import Study, per_round_cap, study_round_terms, study_sha256
 from common.study.policy import ROUND_CAP_SLACK
 from site_agent import dp_release
@@ -116,7 +116,7 @@ class EvaluationRelease:
                                     own=self.settings.privacy.evaluation_noise_std)
 
     def release(self, rnd: VerifiedRound) -> EvaluationHistogram:
-        """This round's histogram release (`common.evaluation_release`)."""
+        """This round's histogram release (`common.releases.evaluation_release`)."""
         return EvaluationHistogram(
             noise_std=self.noise_std(),
             bins=rnd.announcement.histogram_bins,
@@ -291,7 +291,7 @@ def prepare_release(
 
 
 class RoundRelease:
-    """A DP release carried alone by its round (`common.release`; the study's statistics
+    """A DP release carried alone by its round (`common.releases.seam`; the study's statistics
     are one): the release its round kind names, built for the joined study, queried on
     this site's data, one ledger entry of its purpose written before anything leaves,
     noise added here in the integer ring, sent through SecAgg+. A round number already

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from common.errors import AbortReason, CertificateRejected, ProtocolAbort, RoundFailed
+from common.core.errors import AbortReason, CertificateRejected, ProtocolAbort, RoundFailed
 
 log = logging.getLogger("medfed.site.revocation")
 

@@ -7,13 +7,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common.config import SiteSettings
-from common.errors import ConfigError, LedgerUnavailable
-from common.metrics_http import serve_metrics
-from common.observer import RoundObserver
+from common.core.config import SiteSettings
+from common.core.errors import ConfigError, LedgerUnavailable
+from common.core.observer import RoundObserver
+from common.core.state_lock import StateLock
 from common.privacy.ledger import LedgerSigner, PrivacyLedger, check_history, recovery_hint
 from common.privacy.signed import CHARGE_RECORD_LEVEL, CHARGE_UNIT
-from common.state_lock import StateLock
+from common.protocol.metrics_http import serve_metrics
 from site_agent.agent import SiteAgent
 from site_agent.dp_release import COUNT_STATE_FILE
 from site_agent.metrics import SiteMetrics
@@ -96,7 +96,7 @@ def run_site(
         raise ConfigError(
             "state", f"cannot create the state folder {settings.state}: {exc.strerror or exc}"
         ) from exc
-    # One agent per state folder: two would fork the ledger (common/state_lock.py).
+    # One agent per state folder: two would fork the ledger (common/core/state_lock.py).
     with StateLock.acquire(settings.state, role=f"site {settings.site}"):
         return _run_site(settings, stop=stop, announce=announce,
                          hook_factory=hook_factory or build_hook, observer=observer)

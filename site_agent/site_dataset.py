@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
-from common.config import SiteSettings
-from common.errors import ConfigError
+from common.core.config import SiteSettings
+from common.core.errors import ConfigError
 from site_agent.unit_split import (
     site_split_key,
     split_by_patient,
@@ -142,9 +142,9 @@ class TableDataset:
         return self.table.patient_ids is not None
 
     def statistics_contribution(self) -> np.ndarray:
-        """The table's encoded statistics release (common/statistics.py)."""
+        """The table's encoded statistics release (common/releases/statistics.py)."""
         from common.crypto.random import numpy_generator, system_random
-        from common.statistics import encode_release
+        from common.releases.statistics import encode_release
 
         gen = numpy_generator(system_random)
         return encode_release(self.table, self.study, uniform=lambda n: gen.random(n))
@@ -228,7 +228,7 @@ class ImageFolderDataset:
 
     def statistics_contribution(self) -> np.ndarray:
         """An images study has no features: its release is the unit count alone."""
-        from common.statistics import statistics_length
+        from common.releases.statistics import statistics_length
 
         units = np.zeros(statistics_length(self.study), dtype=np.int64)
         units[0] = self.images.num_patients

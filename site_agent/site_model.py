@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from common.codec import TensorSpec
-from common.config import SiteSettings
-from common.errors import ConfigError
+from common.core.codec import TensorSpec
+from common.core.config import SiteSettings
+from common.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from common.study import Study

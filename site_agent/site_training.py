@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from common.codec import TensorSpec
-from common.config import SiteSettings
-from common.errors import ConfigError, DataError, RoundFailed
+from common.core.codec import TensorSpec
+from common.core.config import SiteSettings
+from common.core.errors import ConfigError, DataError, RoundFailed
 from common.privacy.accountant import Segment
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Mechanism
-from common.round import RoundPlan
+from common.rounds.announcement import RoundPlan
 from common.study import GlobalStatistics, Study, study_sha256
 from site_agent.held_out import held_out_histogram
 from site_agent.intermediaries import intermediaries_for, train_intermediaries, unit_groups
@@ -50,7 +50,7 @@ from site_agent.unit_split import site_split_key
 
 if TYPE_CHECKING:
     from common.models import Task
-    from common.statistics import TableLike
+    from common.releases.statistics import TableLike
     from common.study import Study
     from site_agent.data import StudyTable
     from site_agent.grad_sample_mode import GradSampleChoice
@@ -247,7 +247,7 @@ class DpTrainingHook:
     @property
     def table(self) -> StudyTable | None:
         """Every row of the site's file as read under the joined study, what a federated
-        query is answered on (`common.analytics`); None for an image folder or before
+        query is answered on (`common.releases.analytics`); None for an image folder or before
         the site joined a study."""
         return self.dataset.table if isinstance(self.dataset, TableDataset) else None
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.errors import StateError, StudyRefused, ValidationError
-from common.fileio import atomic_write
+from common.core.errors import StateError, StudyRefused, ValidationError
+from common.core.fileio import atomic_write
 from common.study import GlobalStatistics, statistics_bytes, statistics_from_bytes
 
 RELEASED_WAY_OUT = (

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.config import SiteSettings
-from common.errors import ConfigError, StudyNotApproved
+from common.core.config import SiteSettings
+from common.core.errors import ConfigError, StudyNotApproved
 from common.study import Study, load_study, study_sha256
 from site_agent.approvals import Approvals
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from site_agent.data import DatasetSchema, SiteData
 
 FEATURES = [

@@ -22,7 +22,7 @@ from typing import Literal
 
 import numpy as np
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 
 Format = Literal["png", "png16", "dicom"]
 

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.errors import DataError
+from common.core.errors import DataError
 from common.models import Task
 from site_agent.patient_dp import LossFn
 from site_agent.training_config import TrainingConfig

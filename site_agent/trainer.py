@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.errors import ConfigError, DataError
+from common.core.errors import ConfigError, DataError
 from common.models import Task
 from common.models.build import check_dp_compatible
 from common.models.layout import flatten_parameters, load_flat_parameters

@@ -8,7 +8,7 @@ from typing import Literal
 
 import numpy as np
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.models import Task, output_units
 from common.privacy.accountant import Segment
 

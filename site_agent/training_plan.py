@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from common.config import SiteSettings
+from common.core.config import SiteSettings
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Mechanism
-from common.round import RoundPlan
+from common.rounds.announcement import RoundPlan
 from site_agent.training_config import TrainingConfig
 
 if TYPE_CHECKING:

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import numpy as np
 
-from common import egress
-from common.codec import all_finite
-from common.config import SiteSettings
-from common.convergence import describe_loss_trend
+from common.core.codec import all_finite
+from common.core.config import SiteSettings
+from common.core.errors import RoundFailed
 from common.crypto.random import numpy_generator, system_random
-from common.errors import RoundFailed
 from common.privacy.accountant import Segment
 from common.privacy.mechanisms import Mechanism
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.round import RoundPlan, VerifiedRound
+from common.releases import egress
+from common.releases.convergence import describe_loss_trend
+from common.rounds.announcement import RoundPlan, VerifiedRound
 from common.study import GlobalStatistics, check_served_weights
 from site_agent import dp_release
 from site_agent import hospital as hospital_round
@@ -65,7 +65,7 @@ def proc_status_bytes(key: str) -> int:
 
 
 def encode_update(rnd: VerifiedRound, update: LocalUpdate) -> np.ndarray:
-    """The upload, built from the round's egress manifest (common.egress): the
+    """The upload, built from the round's egress manifest (common.releases.egress): the
     segments listed there and nothing else.
 
     A trained update holding NaN or infinity is sent as zero (logged here, at the site):

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import numpy as np
 
-from common.codec import (
+from common.core.codec import (
     ChunkAssembler,
     bytes_to_flat,
     check_finite,
@@ -19,10 +19,10 @@ from common.codec import (
     iter_chunks,
     layout_bytes,
 )
-from common.errors import RoundFailed, ValidationError
+from common.core.errors import RoundFailed, ValidationError
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.round import VerifiedRound
+from common.rounds.announcement import VerifiedRound
 from site_agent.round_timeline import RoundTimeline
 
 MAX_MODEL_CHUNK_BYTES = 4 << 20

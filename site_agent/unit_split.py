@@ -30,9 +30,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from common.core.errors import ConfigError, DataError, StateError
+from common.core.fileio import fsync_directory
 from common.crypto.random import RandomSource, system_random
-from common.errors import ConfigError, DataError, StateError
-from common.fileio import fsync_directory
 
 SITE_KEY_FILE = "site-split.key"
 """The site's split key, in its state folder (``--state``)."""

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.processes import launched_by
+from common.core.processes import launched_by
 from tests import zygote
 
 SHARED_SCOPES = frozenset({"module", "class", "package"})

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from common.processes import ChildProcess, popen
+from common.core.processes import ChildProcess, popen
 
 REPO = Path(__file__).resolve().parents[1]
 OFF_ENV = "MEDFED_TEST_FRESH_INTERPRETERS"
@@ -57,7 +57,7 @@ PRELOAD = (
     "site_agent.trainer",
     "site_agent.cli",
     "coordinator.cli",
-    "common.cli",
+    "common.commands.cli",
     "bench.instrumented",
     "bench.transport_site",
 )

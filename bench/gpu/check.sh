@@ -74,7 +74,7 @@ measure() {
   say "$label: medfed $*"
   local tmp
   tmp=$(mktemp)
-  timeout --signal=TERM --kill-after=15 "$limit" "$python" -m common.cli "$@" --json \
+  timeout --signal=TERM --kill-after=15 "$limit" "$python" -m common.commands.cli "$@" --json \
     2>&1 | tee -a "$log" > "$tmp"
   local rc=${PIPESTATUS[0]}
   LABEL=$label RC=$rc CARD=$(card) COMMAND="medfed $*" "$python" - "$tmp" >> "$results" <<'PY'
@@ -118,7 +118,7 @@ part_demo() {
   local out=/tmp/medfed-gpu-demo
   rm -rf "$out"
   say "imaging demo: medfed demo --task imaging --device $device --out $out"
-  timeout --signal=TERM --kill-after=15 300 "$python" -m common.cli demo --task imaging \
+  timeout --signal=TERM --kill-after=15 300 "$python" -m common.commands.cli demo --task imaging \
     --device "$device" --out "$out" 2>&1 | tee -a "$log"
   say "imaging demo: exit status ${PIPESTATUS[0]}"
   [ -f "$out/report.json" ] && cp "$out/report.json" "$OUT/demo-report.json"

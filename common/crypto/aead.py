@@ -11,9 +11,9 @@ from __future__ import annotations
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
+from common.core.errors import CryptoError, ValidationError
 from common.crypto.encoding import encode_fields
 from common.crypto.random import RandomSource
-from common.errors import CryptoError, ValidationError
 
 KEY_BYTES = 32
 NONCE_BYTES = 12

@@ -8,7 +8,7 @@ signed statement be re-read as another. Each field is therefore encoded as
 
 from __future__ import annotations
 
-from common.errors import ValidationError
+from common.core.errors import ValidationError
 
 _TAG_BYTES = b"\x01"
 _TAG_STR = b"\x02"

@@ -11,7 +11,7 @@ import enum
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from common.errors import ValidationError
+from common.core.errors import ValidationError
 
 # RFC 5869 section 2.3: L <= 255 * HashLen.
 _MAX_OUTPUT_LENGTH = 255 * 32

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
+from common.core.errors import CryptoError, ValidationError
 from common.crypto.kdf import KdfInfo, hkdf_sha256
 from common.crypto.random import RandomSource
-from common.errors import CryptoError, ValidationError
 
 KEY_BYTES = 32
 _ALL_ZERO = bytes(KEY_BYTES)

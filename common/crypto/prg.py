@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms
 
-from common.errors import ValidationError
+from common.core.errors import ValidationError
 
 SEED_BYTES = 32
 MASK_CHUNK_ELEMENTS = 1 << 16

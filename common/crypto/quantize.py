@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from common.errors import ValidationError
+from common.core.errors import ValidationError
 
 RING_BITS = 32
 RING_SIZE = 1 << RING_BITS

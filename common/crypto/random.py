@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from common.errors import ValidationError
+from common.core.errors import ValidationError
 
 RandomSource = Callable[[int], bytes]
 """``rng(n)`` returns ``n`` uniformly random bytes."""

@@ -14,8 +14,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+from common.core.errors import CryptoError, ValidationError
 from common.crypto.random import RandomSource
-from common.errors import CryptoError, ValidationError
 
 PRIME = 2**256 + 297
 """The smallest prime above 2**256 (checked by Miller-Rabin in tests/crypto)."""

@@ -14,7 +14,7 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from common.errors import CryptoError, PkiError
+from common.core.errors import CryptoError, PkiError
 
 ED25519 = "ed25519"
 ECDSA_P256_SHA256 = "ecdsa-p256-sha256"

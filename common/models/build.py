@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.models.registry import (
     CUSTOM,
     RECORD_FORMAT,
@@ -29,7 +29,7 @@ from common.models.registry import (
 )
 
 if TYPE_CHECKING:
-    from common.bundle import Architecture
+    from common.models.architecture import Architecture
     from common.study import Study
 
 
@@ -270,7 +270,7 @@ def initial_model(
 def build_from_architecture(
     arch: Architecture, *, allowed_model_factories: Sequence[str] = (), check_dp: bool = True
 ) -> nn.Module:
-    """Rebuild a model bundle's recorded architecture (common.bundle.Architecture)
+    """Rebuild a model bundle's recorded architecture (common.models.architecture.Architecture)
     through the one registry; a custom factory must be installed and allowed.
     `check_dp=False` for a network that only scores (no DP-SGD step will run on it)."""
     if arch.num_outputs == 2:

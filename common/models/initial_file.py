@@ -35,10 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-from common.bundle import header_metadata, metadata_digest, parameters_layout
-from common.codec import TensorSpec
-from common.errors import StateError, ValidationError
-from common.fileio import atomic_write, read_parsed
+from common.core.codec import TensorSpec
+from common.core.errors import StateError, ValidationError
+from common.core.fileio import atomic_write, read_parsed
+from common.core.tensor_file import header_metadata, metadata_digest, parameters_layout
 from common.study import Study, study_sha256
 from common.study.policy import largest_weight
 

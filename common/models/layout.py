@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.codec import TensorSpec
-from common.errors import ValidationError
+from common.core.codec import TensorSpec
+from common.core.errors import ValidationError
 
 
 def model_layout(model: nn.Module) -> tuple[TensorSpec, ...]:

@@ -3,9 +3,9 @@ each class's score on `PROBE_INPUTS` synthetic records (uniform pixels for an im
 study, standard normal features for a table) from the fixed public seed `PROBE_SEED`.
 
 The coordinator lays the first evaluated round's buckets around this probe
-(`common.evaluation_edges.probe_edges`) and moves each later round's by how far it
+(`common.releases.evaluation_edges.probe_edges`) and moves each later round's by how far it
 moved between the model a round evaluated and the model it produced
-(`common.evaluation_edges.next_edges` with a shift): a DP model's held-out scores can
+(`common.releases.evaluation_edges.next_edges` with a shift): a DP model's held-out scores can
 sit in a band a tenth of a logit wide that moves by more than its width from one round
 to the next, so buckets set from the last release alone miss it. The probe reads only the
 public global model and public random inputs: post-processing, no privacy cost (Dwork &

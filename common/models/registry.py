@@ -24,8 +24,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from common.errors import ConfigError
-from common.parsing import parse_json
+from common.core.errors import ConfigError
+from common.core.parsing import parse_json
 
 Kind = Literal["table", "images"]
 """A model's data kind, as a study's ``[data] kind`` names it."""

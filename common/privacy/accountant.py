@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.privacy import prv
 from common.privacy.mechanisms import (
     MECHANISM_TYPES,

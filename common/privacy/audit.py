@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 
 DEFAULT_CONFIDENCE = 0.95
 # Fractions of the m canaries the attacker guesses on (the rest it abstains on).

@@ -1,7 +1,7 @@
 """One site's privacy budget as it is reported: figures only, never data.
 
 The same record all the way: the site's ledger makes it (`PrivacyLedger.status`),
-`common.wire` translates it to and from the protobuf `BudgetStatus` every call
+`common.rounds.wire` translates it to and from the protobuf `BudgetStatus` every call
 carries, the coordinator keeps the latest per site session, and its federation view
 (`common.privacy.federation`) stores it as one row, stamped with when it was recorded.
 """

@@ -39,7 +39,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Final
 
-from common.errors import ConfigError, LedgerForkError, LedgerUnavailable
+from common.core.errors import ConfigError, LedgerForkError, LedgerUnavailable
 from common.privacy.layered import charged
 from common.privacy.ledger_anchor import LedgerAnchor, anchor_path_for, write_anchor
 from common.privacy.ledger_verify import read_ledger, verify_ledger, write_new_ledger

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
+from common.core.errors import ConfigError, PrivacyError, ValidationError
 from common.crypto.random import RandomSource
-from common.errors import ConfigError, PrivacyError, ValidationError
 from common.privacy.rotation import padded_length, rotate, unrotate
 
 SAMPLE_CHUNK = 1 << 20

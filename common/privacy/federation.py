@@ -5,7 +5,7 @@ site's own ledger (`common.privacy.ledger`) stays authoritative, and a site decl
 round its ledger refuses whatever this view says. The view also keeps each site's ledger
 head hash and entry count: an external anchor that makes a rewritten site ledger visible.
 
-It lives in the coordinator's state database (`common.sqldb`: SQLite by default,
+It lives in the coordinator's state database (`common.core.sqldb`: SQLite by default,
 PostgreSQL by URL); the SQL is written once (TEXT / BIGINT / DOUBLE PRECISION,
 INSERT ... ON CONFLICT) and runs on both.
 """
@@ -19,9 +19,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
-from common.errors import ConfigError, StateError
+from common.core.errors import ConfigError, StateError
+from common.core.sqldb import Database, Statements
 from common.privacy.budget import STATUS_EXHAUSTED, BudgetReport
-from common.sqldb import Database, Statements
 
 MIN_REMAINING_EPSILON: Final = 1e-6
 """A site with this little epsilon left (or less) is treated as exhausted: no useful

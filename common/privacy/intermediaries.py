@@ -47,7 +47,7 @@ from typing import Literal
 
 import numpy as np
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 
 SplitMode = Literal["default", "stable", "progressive"]
 SPLIT_MODES: tuple[SplitMode, ...] = ("default", "stable", "progressive")

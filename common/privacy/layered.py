@@ -50,7 +50,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.privacy.accountant import EpsilonReport, account
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Mechanism, Segment
 from common.privacy.purpose import Purpose
@@ -169,7 +169,7 @@ def charged(
       dominates the add/remove composition at S (same releases, each round's sensitivity
       doubled; RDP is increasing in the sensitivity), so the budget caps the per-patient
       guarantee and, with it, the one per unit. The study plans z for it
-      (`common.privacy.hospital.study_terms`).
+      (`common.study.hospital_terms.study_terms`).
     * `CHARGE_UNIT` (the default, every ledger written before the field existed): the
       whole history composed (`account`, each DDGauss round at its add/remove
       sensitivity S). For a hospital-unit ledger that is the unit-level figure, NOT the

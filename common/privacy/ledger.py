@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
-from common.errors import (
+from common.core.errors import (
     BudgetExhausted,
     ConfigError,
     LedgerUnavailable,

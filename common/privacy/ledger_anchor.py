@@ -8,13 +8,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.errors import (
+from common.core.errors import (
     LedgerForkError,
     LedgerUnavailable,
     ValidationError,
 )
-from common.fileio import atomic_write
-from common.parsing import parse_json
+from common.core.fileio import atomic_write
+from common.core.parsing import parse_json
 from common.privacy.ledger_store import ANCHOR_FORMAT, _guard, recovery_hint
 from common.privacy.mechanisms import (
     canonical_json,

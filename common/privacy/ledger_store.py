@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from common.errors import (
+from common.core.errors import (
     ConfigError,
     LedgerIntegrityError,
     LedgerUnavailable,
     StateError,
     ValidationError,
 )
-from common.parsing import parse_json
+from common.core.parsing import parse_json
 from common.privacy.mechanisms import (
     canonical_json,
 )

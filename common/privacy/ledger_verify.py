@@ -13,13 +13,13 @@ from pathlib import Path
 
 from cryptography import x509
 
-from common.errors import (
+from common.core.errors import (
     ConfigError,
     LedgerForkError,
     LedgerIntegrityError,
     LedgerUnavailable,
 )
-from common.fileio import replace_durably
+from common.core.fileio import replace_durably
 from common.privacy.ledger_anchor import (
     LedgerAnchor,
     _check_anchor,

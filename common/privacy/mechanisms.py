@@ -29,8 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from common.errors import ConfigError, ValidationError
-from common.parsing import parse_json
+from common.core.errors import ConfigError, ValidationError
+from common.core.parsing import parse_json
 
 if TYPE_CHECKING:
     from common.privacy.ddgauss import DDGaussPlan

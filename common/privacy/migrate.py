@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from common.errors import (
+from common.core.errors import (
     ConfigError,
     LedgerForkError,
     LedgerUnavailable,
     StateError,
     ValidationError,
 )
-from common.parsing import parse_json
+from common.core.parsing import parse_json
 from common.privacy.accountant import Segment
 from common.privacy.ledger import (
     LedgerAnchor,

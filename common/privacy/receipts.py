@@ -26,10 +26,10 @@ from typing import Any, Final
 
 from cryptography import x509
 
+from common.core.errors import ConfigError, CryptoError, LedgerForkError, PkiError, ValidationError
+from common.core.parsing import parse_json
 from common.crypto.encoding import encode_fields
 from common.crypto.signing import SigningKey, VerifyingKey
-from common.errors import ConfigError, CryptoError, LedgerForkError, PkiError, ValidationError
-from common.parsing import parse_json
 from common.privacy.mechanisms import canonical_json
 from common.privacy.signed import (
     LedgerSigner,
@@ -142,7 +142,7 @@ class HeadReceipt:
     def problem(self, *, ca_certificate: x509.Certificate | None = None) -> str | None:
         """Why this receipt cannot be trusted (None: its signature verifies with its
         certificate, which names its site and, with `ca_certificate`, chains to it)."""
-        from common.pki import check_issued_by
+        from common.protocol.pki import check_issued_by
 
         try:
             certificate = x509.load_der_x509_certificate(self.certificate_der)
@@ -237,7 +237,7 @@ def read_receipt_file(path: str | Path, site_id: str, *,
     """The verified receipt at `path` (None: no file). A receipt that is damaged, for
     another site or does not verify is an error naming the file, never skipped: it may
     be the only record that the site's ledger went further."""
-    from common.errors import LedgerIntegrityError
+    from common.core.errors import LedgerIntegrityError
 
     file = Path(path)
     try:
@@ -273,8 +273,8 @@ def read_receipts(folder: str | Path, site_id: str, *,
 
 def write_receipt(folder: str | Path, receipt: HeadReceipt) -> Path:
     """Atomic, durable replace of the site's receipt in `folder` (which must exist)."""
-    from common.errors import LedgerUnavailable
-    from common.fileio import atomic_write
+    from common.core.errors import LedgerUnavailable
+    from common.core.fileio import atomic_write
 
     where = Path(folder)
     path = receipt_path(where, receipt.site_id)

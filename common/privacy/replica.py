@@ -10,7 +10,7 @@ site's history: a restore verifies every signature. It CAN hand over a truncated
 (every remaining entry still verifies); what refuses that is the site's own signed head
 receipt (`common.privacy.receipts`), which `medfed ledger restore` checks.
 
-Lives in the coordinator's state database (`common.sqldb`: SQLite or PostgreSQL), SQL
+Lives in the coordinator's state database (`common.core.sqldb`: SQLite or PostgreSQL), SQL
 written once (TEXT / BIGINT, base64 for certificates so no BLOB/BYTEA difference).
 """
 
@@ -25,8 +25,9 @@ from typing import Any, Final
 
 from cryptography import x509
 
-from common.errors import ConfigError, LedgerForkError, LedgerIntegrityError, ValidationError
-from common.parsing import parse_json
+from common.core.errors import ConfigError, LedgerForkError, LedgerIntegrityError, ValidationError
+from common.core.parsing import parse_json
+from common.core.sqldb import Database, Statements
 from common.privacy.carry import check_carry
 from common.privacy.mechanisms import canonical_json
 from common.privacy.signed import (
@@ -36,7 +37,6 @@ from common.privacy.signed import (
     check_entries,
     utc_timestamp,
 )
-from common.sqldb import Database, Statements
 
 _SCHEMA: Final = (
     "CREATE TABLE IF NOT EXISTS privacy_replica_sites ("

@@ -19,8 +19,8 @@ import math
 
 import numpy as np
 
+from common.core.errors import ValidationError
 from common.crypto.prg import SEED_BYTES, expand_mask
-from common.errors import ValidationError
 
 CACHE_BLOCK = 1 << 14
 """Elements per cache-resident block (128 KiB of float64) for the short butterfly stages."""

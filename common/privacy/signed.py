@@ -29,10 +29,16 @@ from typing import Any, Final
 
 from cryptography import x509
 
+from common.core.errors import (
+    ConfigError,
+    CryptoError,
+    LedgerIntegrityError,
+    PkiError,
+    ValidationError,
+)
+from common.core.parsing import parse_json
 from common.crypto.encoding import encode_fields
 from common.crypto.signing import SigningKey, VerifyingKey
-from common.errors import ConfigError, CryptoError, LedgerIntegrityError, PkiError, ValidationError
-from common.parsing import parse_json
 from common.privacy.mechanisms import (
     Mechanism,
     Segment,
@@ -341,7 +347,7 @@ def _parse_certificate(der: bytes) -> x509.Certificate:
 
 def certified_site_id(certificate: x509.Certificate) -> str:
     """The site id a certificate names (its medfed://site/ID SAN, equal to its CN)."""
-    from common.pki import site_id_from_certificate
+    from common.protocol.pki import site_id_from_certificate
 
     return site_id_from_certificate(certificate)
 
@@ -443,7 +449,7 @@ def check_entries(
     certificate it names, that certificate naming the ledger's site and, when
     `ca_certificate` is given, having been issued by that CA (validity windows are not
     checked: an entry stays valid after its certificate expired or was replaced)."""
-    from common.pki import check_issued_by
+    from common.protocol.pki import check_issued_by
 
     problems: list[HistoryProblem] = []
     previous = terms.header_hash if start_hash is None else start_hash

@@ -1,6 +1,6 @@
 """The study's global preprocessing statistics: what every site and `predict` apply
 (means, scales, imputation values, clip ranges), produced by the federated DP statistics
-release (`common.statistics`) and checked against the study they were made for."""
+release (`common.releases.statistics`) and checked against the study they were made for."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pydantic
 from pydantic import Field, model_validator
 
-from common.errors import ConfigError, ValidationError
+from common.core.errors import ConfigError, ValidationError
 from common.study.schema import Study, StudyModel, first_problem, study_sha256
 
 
@@ -51,7 +51,7 @@ class GlobalStatistics(StudyModel):
     source: str = Field(min_length=1, max_length=200)
     numeric: dict[str, NumericStatistics] = Field(default_factory=dict)
     categorical: dict[str, CategoricalStatistics] = Field(default_factory=dict)
-    # Where the DP noise swamps a feature's released values (common.statistics
+    # Where the DP noise swamps a feature's released values (common.releases.statistics
     # `release_warnings`): shown by the coordinator and `medfed model show`.
     warnings: tuple[str, ...] = Field(default=(), max_length=200)
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.errors import ModelOutOfBounds, PrivacyError
+from common.core.errors import ModelOutOfBounds, PrivacyError
+from common.study.hospital_terms import intermediaries_cap
 from common.study.schema import DEFAULT_MAX_ABS_WEIGHT, UNIT_STRENGTH, PrivacyUnit, Study
 
 
@@ -129,8 +130,6 @@ def check_study_against_policy(study: Study, policy: SitePrivacyPolicy) -> None:
             f"{count_cap:g} (its privacy.count_epsilon limit for the one DP cohort count)"
         )
     if requested.unit == "hospital" and policy.max_intermediaries is not None:
-        from common.privacy.hospital import intermediaries_cap
-
         most = intermediaries_cap(study) or 1
         if most > policy.max_intermediaries:
             problems.append(

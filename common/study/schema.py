@@ -26,10 +26,10 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from common.config import DEFAULT_COUNT_EPSILON, SITE_ID_PATTERN, ServerOptimizerName
-from common.errors import ConfigError, ValidationError
+from common.core.config import DEFAULT_COUNT_EPSILON, SITE_ID_PATTERN, ServerOptimizerName
+from common.core.errors import ConfigError, ValidationError
+from common.core.parsing import parse_json, parse_toml
 from common.models import registry as models
-from common.parsing import parse_json, parse_toml
 
 STUDY_FORMAT: Literal[1] = 1
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -314,7 +314,7 @@ class StudyPrivacySection(StudyModel):
     # Hospital-level DP: whole-update clip norm S and adaptive intermediaries.
     update_clip_norm: float | None = Field(default=None, gt=0)
     # z: the securely summed update carries discrete Gaussian noise of std z * S per
-    # coordinate. None: planned from epsilon (common.privacy.hospital.study_terms).
+    # coordinate. None: planned from epsilon (common.study.hospital_terms.study_terms).
     update_noise_multiplier: float | None = Field(default=None, gt=0, le=1000)
     # v intermediaries per hospital (Jiang et al., MICCAI 2023). 1 (default): true
     # hospital-level DP, the hospital-level epsilon stays within the budget. v > 1 or

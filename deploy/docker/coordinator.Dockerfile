@@ -40,7 +40,7 @@ COPY coordinator ./coordinator
 RUN /opt/medfed/bin/pip install --no-deps --no-build-isolation . \
     && /opt/medfed/bin/python -m pip uninstall -q -y pip setuptools \
     && find /opt/medfed -depth -type d -name tests -exec rm -rf {} + \
-    && cd / && /opt/medfed/bin/python -c "import coordinator.cli, common.cli" \
+    && cd / && /opt/medfed/bin/python -c "import coordinator.cli, common.commands.cli" \
     && /opt/medfed/bin/python -c "import importlib.util as u, sys; \
 sys.exit(any(u.find_spec(m) for m in \
     ('site_agent', 'bench', 'demo', 'torch', 'opacus', 'monai')))" \

@@ -36,7 +36,7 @@ COPY pyproject.toml README.md ./
 COPY common ./common
 COPY site_agent ./site_agent
 RUN /opt/medfed/bin/pip install --no-deps --no-build-isolation . \
-    && cd / && /opt/medfed/bin/python -c "import site_agent.cli, common.cli" \
+    && cd / && /opt/medfed/bin/python -c "import site_agent.cli, common.commands.cli" \
     && /opt/medfed/bin/python -c "import importlib.util as u, sys; \
 sys.exit(any(u.find_spec(m) for m in ('coordinator', 'bench', 'demo')))" \
     && /opt/medfed/bin/medfed site run --help >/dev/null

@@ -42,7 +42,7 @@ COPY common ./common
 COPY site_agent ./site_agent
 # The site agent only (no coordinator or bench code), as in site_agent.Dockerfile.
 RUN /opt/medfed/bin/pip install --no-deps --no-build-isolation . \
-    && cd / && /opt/medfed/bin/python -c "import site_agent.cli, common.cli" \
+    && cd / && /opt/medfed/bin/python -c "import site_agent.cli, common.commands.cli" \
     && /opt/medfed/bin/python -c "import importlib.util as u, sys; \
 sys.exit(any(u.find_spec(m) for m in ('coordinator', 'bench', 'demo')))"
 

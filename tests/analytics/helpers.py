@@ -13,7 +13,7 @@ from bench.analytics_cohort import SEXES as _SEXES
 from bench.analytics_cohort import WARDS as _WARDS
 from bench.analytics_cohort import every_kind_query_toml
 from bench.analytics_cohort import followup_study as _followup_study
-from common.analytics.query import Query, check_query_against_study, query_from_mapping
+from common.releases.analytics.query import Query, check_query_against_study, query_from_mapping
 from common.study import Study
 from site_agent.data import StudyTable
 

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.analytics.answer import QueryAnswer, answer_query, survival_curve
-from common.analytics.vector import (
+from common.releases.analytics.answer import QueryAnswer, answer_query, survival_curve
+from common.releases.analytics.vector import (
     block_slices,
     noise_sigmas,
     query_blocks,

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.analytics.answer import answer_query
-from common.analytics.vector import site_vector
+from common.releases.analytics.answer import answer_query
+from common.releases.analytics.vector import site_vector
 from tests.analytics.helpers import (
     WARDS,
     Row,

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from common.analytics.check import check_query
-from common.analytics.cli import register
-from common.analytics.query import load_query
-from common.cli import main_with
+from common.commands.cli import main_with
+from common.commands.query import register
+from common.releases.analytics.check import check_query
+from common.releases.analytics.query import load_query
 from common.study import SitePrivacyPolicy, load_study
 from site_agent.data import load_study_table
 from tests.study.helpers import study_toml, write_hospital_csv

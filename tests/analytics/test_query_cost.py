@@ -13,21 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from common import pki
-from common.analytics.answer import answer_query
-from common.analytics.cost import ledger_epsilon, query_cost
-from common.analytics.query import Query, load_query, query_bytes, query_sha256
-from common.analytics.query_release import QUERY_RELEASE, QueryRelease
-from common.bundle import write_bundle
-from common.cli import main
-from common.config import SitePolicySection
+from common.commands.cli import main
+from common.commands.study import render_study_toml
+from common.core.config import SitePolicySection
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Gaussian
 from common.privacy.signed import LedgerSigner
-from common.release import KIND_RELEASE, study_noise_sites, sum_noise_sigmas
-from common.round import Announcement, validate_for_site
+from common.protocol import pki
+from common.releases.analytics.answer import answer_query
+from common.releases.analytics.cost import ledger_epsilon, query_cost
+from common.releases.analytics.query import Query, load_query, query_bytes, query_sha256
+from common.releases.analytics.query_release import QUERY_RELEASE, QueryRelease
+from common.releases.bundle import write_bundle
+from common.releases.seam import KIND_RELEASE, study_noise_sites, sum_noise_sigmas
+from common.rounds.announcement import Announcement, validate_for_site
 from common.study import Study, study_sha256
-from common.study_cli import render_study_toml
 from coordinator import queries
 from coordinator.bundles import queries_before
 from site_agent.approvals import Approvals

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from common.analytics.query import (
+from common.core.errors import ValidationError
+from common.releases.analytics.query import (
     draft_query,
     load_query,
     query_bytes,
@@ -16,7 +17,6 @@ from common.analytics.query import (
     query_from_mapping,
     query_sha256,
 )
-from common.errors import ValidationError
 from common.study import study_sha256
 from tests.analytics.helpers import every_kind_toml, followup_study
 from tests.study.helpers import hospital_study

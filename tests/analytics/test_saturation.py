@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.analytics.answer import answer_query
-from common.analytics.vector import (
+from common.crypto.quantize import max_integer_for_sites
+from common.crypto.random import numpy_generator, system_random
+from common.releases.analytics.answer import answer_query
+from common.releases.analytics.vector import (
     MAX_SITE_VALUE,
     block_slices,
     noise_sigmas,
     query_blocks,
     site_vector,
 )
-from common.crypto.quantize import max_integer_for_sites
-from common.crypto.random import numpy_generator, system_random
-from common.egress import STATISTICS, WEIGHT, EgressManifest, VectorSegment
+from common.releases.egress import STATISTICS, WEIGHT, EgressManifest, VectorSegment
 from common.study import study_sha256
 from tests.analytics.helpers import Row, followup_study, query_of, table_of
 

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.analytics.vector import (
+from common.core.errors import ValidationError
+from common.releases.analytics.vector import (
     block_noise,
     block_plans,
     block_slices,
@@ -21,7 +22,6 @@ from common.analytics.vector import (
     site_vector,
     statistic_cells,
 )
-from common.errors import ValidationError
 from tests.analytics.helpers import (
     NAN,
     SEXES,
@@ -213,8 +213,9 @@ def test_direct_at_risk_counts_would_move_by_the_number_of_intervals() -> None:
 
 
 def test_the_analytics_package_imports_neither_torch_nor_grpc() -> None:
-    code = ("import sys, common.analytics.query, common.analytics.vector, "
-            "common.analytics.answer, common.analytics.check, common.analytics.cli; "
+    code = ("import sys, common.releases.analytics.query, common.releases.analytics.vector, "
+            "common.releases.analytics.answer, common.releases.analytics.check, "
+            "common.commands.query; "
             "print(sorted(m for m in ('torch', 'grpc') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=300)

@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 def test_bench_round_small_federation_is_exact() -> None:
     completed = subprocess.run(
-        [sys.executable, "-m", "common.cli", "bench", "round", "--sites", "3", "--dim", "1000",
+        [sys.executable, "-m", "common.commands.cli", "bench", "round", "--sites", "3",
+         "--dim", "1000",
          "--dropouts", "1", "--rounds", "1", "--json"],
         capture_output=True, text=True, cwd=REPO, timeout=110, check=False,
     )

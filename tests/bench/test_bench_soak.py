@@ -110,7 +110,7 @@ def test_aborts_before_the_first_completed_round_do_not_fail_the_soak() -> None:
 def test_soak_diagnose_pairs_probe_samples_with_rounds(tmp_path: Path) -> None:
     out = tmp_path / "diagnosis.json"
     completed = subprocess.run(
-        [sys.executable, "-m", "common.cli", "bench", "soak", "--sites", "3",
+        [sys.executable, "-m", "common.commands.cli", "bench", "soak", "--sites", "3",
          "--minutes", "0.25", "--kill-every", "10", "--dim", "100",
          "--diagnose", str(out), "--diagnose-every", "3", "--json"],
         capture_output=True, text=True, cwd=REPO, timeout=280, check=False,

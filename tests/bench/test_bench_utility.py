@@ -99,7 +99,8 @@ def test_real_dataset_writer_gives_three_hospital_files_a_study_accepts(tmp_path
     # The metadata is what `medfed study init` needs; every file passes under that study.
     study = tmp_path / "study.toml"
     done = subprocess.run(
-        [sys.executable, "-m", "common.cli", "study", "init", *written.study_init_args(out=study)],
+        [sys.executable, "-m", "common.commands.cli", "study", "init",
+         *written.study_init_args(out=study)],
         capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     from common.study import load_study

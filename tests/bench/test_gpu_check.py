@@ -41,7 +41,7 @@ def test_every_carried_wheel_is_pinned_by_the_dev_lock() -> None:
 @pytest.mark.parametrize("outcome", ["fails", "measures"])
 def test_check_records_a_failure_as_an_error_never_as_a_figure(
         tmp_path: Path, outcome: str) -> None:
-    """check.sh's `round` part, run with a stand-in for `python -m common.cli` that
+    """check.sh's `round` part, run with a stand-in for `python -m common.commands.cli` that
     fails (exit 3) or prints a figure: a failure is recorded with `result: null` and the
     command's last words, a success with the bench's JSON, each labelled with the card."""
     import json

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from common.config import CoordinatorSettings, load_settings
+from common.core.config import CoordinatorSettings, load_settings
+from common.core.errors import CryptoError
 from common.crypto.signing import VerifyingKey
-from common.errors import CryptoError
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.store import CoordinatorStore

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from common.core.errors import ValidationError
 from common.crypto.quantize import decode_sum
-from common.errors import ValidationError
 from coordinator.aggregation import UPDATE_CHUNK_ELEMENTS, decode_round_sum
 from coordinator.optimizers import FedAvg, apply_step, weighted_mean
 
@@ -86,9 +86,9 @@ def test_malformed_aggregate_is_refused(bad: np.ndarray) -> None:
 def test_released_histogram_sets_the_next_rounds_edges() -> None:
     """The coordinator decodes a round's histogram with the edges it announced and
     derives the next round's from the released sum; a site reading those from the
-    next announcement counts the band in many buckets (common.evaluation)."""
-    from common.evaluation import score_histogram
-    from common.evaluation_edges import default_edges, round_edges
+    next announcement counts the band in many buckets (common.releases.evaluation)."""
+    from common.releases.evaluation import score_histogram
+    from common.releases.evaluation_edges import default_edges, round_edges
 
     bins, dim = 20, 16
     rng = np.random.default_rng(9)

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.config import CoordinatorSettings, load_settings
-from common.errors import StateError, ValidationError
+from common.core.config import CoordinatorSettings, load_settings
+from common.core.errors import StateError, ValidationError
 from coordinator.bundles import final_bundle, write_round_bundle
 from coordinator.study_run import StudyRun
 from tests.study.helpers import hospital_study

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.config import CoordinatorSettings, load_settings
-from common.modelfile import flat_layout
+from common.core.config import CoordinatorSettings, load_settings
+from common.core.modelfile import flat_layout
 from coordinator.checkpoints import load_model, prune_checkpoints, write_checkpoint
 from coordinator.optimizers import build_optimizer
 from coordinator.store import CoordinatorStore

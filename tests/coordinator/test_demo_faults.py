@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.errors import ProtocolAbort
-from common.processes import ManagedProcess
-from common.secagg.phases import Phase
+from common.core.errors import ProtocolAbort
+from common.core.processes import ManagedProcess
+from common.protocol.secagg.phases import Phase
 from coordinator.selection import round_parameters
 from demo.options import HISTOGRAM_BINS, DemoOptions
 from demo.run import Demo

@@ -9,12 +9,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from common import wire
-from common.config import AggregationSection, SitePolicySection
-from common.errors import RoundFailed, ValidationError
-from common.modelfile import flat_layout
+from common.core.config import AggregationSection, SitePolicySection
+from common.core.errors import RoundFailed, ValidationError
+from common.core.modelfile import flat_layout
 from common.privacy import hospital
-from common.round import KIND_HOSPITAL, Announcement, validate_for_site
+from common.releases.seam import KIND_HOSPITAL
+from common.rounds import wire
+from common.rounds.announcement import Announcement, validate_for_site
 from coordinator import hospital_sum
 from site_agent import hospital as site_hospital
 from site_agent.site_training import LocalUpdate

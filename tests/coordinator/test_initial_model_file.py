@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.codec import TensorSpec
-from common.errors import StateError, ValidationError
+from common.core.codec import TensorSpec
+from common.core.errors import StateError, ValidationError
+from common.core.processes import medfed_argv
 from common.models.build import initial_model
 from common.models.initial_file import (
     INITIAL_MODEL_SEED,
@@ -28,7 +29,6 @@ from common.models.initial_file import (
     write_initial_model,
 )
 from common.models.layout import wire_model
-from common.processes import medfed_argv
 from common.study import Study, load_study, study_sha256
 from coordinator.study_run import StudyRun
 from tests.e2e.harness import REPO
@@ -150,7 +150,7 @@ def test_nan_or_float64_weights_are_refused(good: tuple[bytes, Study]) -> None:
                             seed=0)
     from safetensors.numpy import save
 
-    from common.bundle import metadata_digest
+    from common.core.tensor_file import metadata_digest
 
     tensors = {"w": np.zeros((2, 2), dtype=np.float64)}
     metadata = {"medfed.format": "medfed-initial-model/1",
@@ -184,7 +184,7 @@ def test_a_missing_file_is_a_state_error_naming_it(tmp_path: Path) -> None:
 
 
 def test_initial_model_without_a_study_is_refused(tmp_path: Path) -> None:
-    from common.config import CoordinatorSettings
+    from common.core.config import CoordinatorSettings
 
     with pytest.raises(ValueError, match="initial_model is the untrained network of a study"):
         CoordinatorSettings(pki=tmp_path, state=tmp_path, initial_model=tmp_path / "x")

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from common import pki
-from common.config import CoordinatorSettings, load_settings
-from common.errors import LedgerForkError, MedfedError
+from common.core.config import CoordinatorSettings, load_settings
+from common.core.errors import LedgerForkError, MedfedError
+from common.core.sqldb import Database
 from common.privacy.budget import BudgetReport
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Gaussian
 from common.privacy.signed import LedgerSigner
-from common.sqldb import Database
+from common.protocol import pki
 from coordinator.ledger_gate import LedgerGate
 
 NOW = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)

@@ -6,7 +6,7 @@ import numpy as np
 import pydantic
 import pytest
 
-from common.config import SERVER_OPTIMIZERS, OptimizerSection
+from common.core.config import SERVER_OPTIMIZERS, OptimizerSection
 from coordinator.optimizers import (
     BUILDERS,
     FedAdam,
@@ -46,7 +46,7 @@ def test_elementwise_step_reuses_the_model_buffer() -> None:
 
 
 def test_every_server_optimizer_a_study_accepts_is_built_and_no_other() -> None:
-    """The names a study/config accept (common.config) and the builders (coordinator)
+    """The names a study/config accept (common.core.config) and the builders (coordinator)
     are one list: a name added on one side only fails here."""
     assert set(BUILDERS) == set(SERVER_OPTIMIZERS)
     for name in SERVER_OPTIMIZERS:

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.config import LimitsSection
-from common.errors import AbortReason, ProtocolAbort, StateError
-from common.modelfile import flat_layout
-from common.round import Announcement
+from common.core.config import LimitsSection
+from common.core.errors import AbortReason, ProtocolAbort, StateError
+from common.core.modelfile import flat_layout
+from common.rounds.announcement import Announcement
 from coordinator.aggregation import PlainAggregator
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.phases import (

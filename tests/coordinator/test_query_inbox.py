@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.analytics.query import query_bytes, query_from_mapping, query_sha256
+from common.releases.analytics.query import query_bytes, query_from_mapping, query_sha256
 from common.study import Study, study_from_mapping, study_sha256
 from coordinator import queries
 from coordinator.query_cli import QueryFailed, wait_for
@@ -85,7 +85,7 @@ def test_the_privacy_card_of_a_later_model_names_the_queries_answered_before_it(
     """A query answered in round 3 is on the card of the model after round 4 (and of
     every later one), not on round 3's or earlier; the card reads back from a real
     bundle's JSON, and a card without queries keeps its stored form."""
-    from common.bundle import PrivacyCard, card_json
+    from common.releases.bundle import PrivacyCard, card_json
     from coordinator.bundles import queries_before
 
     sha = queries.submit(tmp_path, payload(study, "before-training"))

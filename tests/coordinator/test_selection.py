@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import AggregationSection
+from common.core.config import AggregationSection
 from common.privacy.budget import BudgetReport
 from coordinator import selection
 from coordinator.engine import RoundEngine
@@ -121,7 +121,7 @@ def test_engine_follows_corroborated_reports_and_refuses_a_lone_liar(
     """Over the real store: a lone report far ahead is refused (StateError, the site's
     FAILED_PRECONDITION) and not followed; once a second site reports as far, both are
     accepted, the round is numbered after them and the jump survives a reopened store."""
-    from common.errors import StateError
+    from common.core.errors import StateError
     from coordinator.store import ROUND_FLOOR_KEY, CoordinatorStore
 
     def enroll(site: str, last_round: int) -> None:

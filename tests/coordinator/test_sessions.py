@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import CoordinatorSettings, load_settings
-from common.errors import Unavailable
+from common.core.config import CoordinatorSettings, load_settings
+from common.core.errors import Unavailable
 from common.privacy.budget import BudgetReport
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
@@ -83,7 +83,7 @@ def test_a_completed_study_answers_waiting_polls_with_no_round(engine: RoundEngi
 
 
 def test_unknown_site_must_enroll_first(engine: RoundEngine) -> None:
-    from common.errors import StateError
+    from common.core.errors import StateError
 
     with pytest.raises(StateError, match="has not enrolled"):
         asyncio.run(

@@ -8,9 +8,9 @@ import dataclasses
 import time
 from typing import Any
 
+from common.commands.status import render
 from common.privacy.budget import BudgetReport
-from common.round import KIND_STATISTICS, KIND_TRAINING
-from common.status_cli import render
+from common.releases.seam import KIND_STATISTICS, KIND_TRAINING
 from coordinator.phases import ActiveRound, Liveness, RoundPhase
 from coordinator.sessions import SiteSession
 from coordinator.status import (

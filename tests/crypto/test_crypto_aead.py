@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.core.errors import CryptoError, ValidationError
 from common.crypto.aead import NONCE_BYTES, TAG_BYTES, open_sealed, seal, share_associated_data
 from common.crypto.random import DeterministicRandom
-from common.errors import CryptoError, ValidationError
 
 KEY = DeterministicRandom(b"aead-key")(32)
 AD = share_associated_data(sender="site-a", recipient="site-b", round_number=3, session_id=b"s")

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.core.errors import ValidationError
 from common.crypto.encoding import encode_fields
-from common.errors import ValidationError
 
 fields = st.lists(
     st.one_of(st.binary(max_size=12), st.text(max_size=6), st.integers(0, 2**70)), max_size=5

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from common.core.errors import CryptoError, ValidationError
 from common.crypto.kdf import KdfInfo, hkdf_sha256
 from common.crypto.keyagreement import (
     X25519KeyPair,
@@ -17,7 +18,6 @@ from common.crypto.keyagreement import (
     public_key_of,
 )
 from common.crypto.random import DeterministicRandom
-from common.errors import CryptoError, ValidationError
 
 VECTORS = Path(__file__).parent.parent / "vectors"
 

@@ -12,9 +12,9 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.core.errors import ValidationError
 from common.crypto.prg import MASK_CHUNK_ELEMENTS, apply_masks, expand_mask
 from common.crypto.random import DeterministicRandom
-from common.errors import ValidationError
 
 VECTORS = Path(__file__).parent.parent / "vectors"
 seeds = st.lists(st.binary(min_size=32, max_size=32), max_size=4)

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.core.errors import ValidationError
 from common.crypto.prg import apply_masks
 from common.crypto.quantize import (
     MAX_BITS,
@@ -22,7 +23,6 @@ from common.crypto.quantize import (
     quantize,
 )
 from common.crypto.random import DeterministicRandom, numpy_generator
-from common.errors import ValidationError
 
 VECTORS = Path(__file__).parent.parent / "vectors"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from common.core.errors import ValidationError
 from common.crypto.random import DeterministicRandom, numpy_generator, system_random
-from common.errors import ValidationError
 
 
 def test_deterministic_random_is_reproducible_and_streams() -> None:

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.core.errors import CryptoError, ValidationError
 from common.crypto.random import DeterministicRandom
 from common.crypto.shamir import (
     PRIME,
@@ -21,7 +22,6 @@ from common.crypto.shamir import (
     reconstruct_secrets,
     split_secrets,
 )
-from common.errors import CryptoError, ValidationError
 
 VECTORS = Path(__file__).parent.parent / "vectors"
 

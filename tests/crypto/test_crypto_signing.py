@@ -10,8 +10,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed448, x25519
 from cryptography.x509.oid import NameOID
 
+from common.core.errors import CryptoError, PkiError
 from common.crypto.signing import ALGORITHMS, SigningKey, VerifyingKey
-from common.errors import CryptoError, PkiError
 
 
 def _self_signed(key: SigningKey) -> x509.Certificate:

@@ -17,16 +17,16 @@ from pathlib import Path
 import pytest
 
 from bench.transport_site import DeterministicTestHook
-from common import pki
-from common.config import SiteSettings
-from common.errors import StateError, ValidationError
+from common.core.config import SiteSettings
+from common.core.errors import StateError, ValidationError
 from common.privacy.accountant import Segment
 from common.privacy.budget import BudgetReport
 from common.privacy.federation import FederationBudgetView
 from common.privacy.ledger import LedgerSigner, PrivacyLedger, verify_ledger
 from common.proto.medfed.v1 import federation_pb2 as pb
-from common.round import RoundPlan
-from common.wire import budget_from_pb
+from common.protocol import pki
+from common.rounds.announcement import RoundPlan
+from common.rounds.wire import budget_from_pb
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.store import CoordinatorStore
@@ -288,7 +288,7 @@ def test_sites_that_decline_a_kind_of_round_for_good_are_left_out_of_it(
     study fails naming the reason (coordinator/engine.py `leave_out_declined_for_good`)."""
     from dataclasses import replace
 
-    from common.errors import StudyFailed
+    from common.core.errors import StudyFailed
     from coordinator.phases import ActiveRound
     from tests.coordinator.test_phases import announcement
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import DatabaseUnavailable
+from common.core.errors import DatabaseUnavailable
 from tests.db.conftest import _Server
 from tests.db.test_restart_postgres import on_loop
 from tests.network.conftest import (

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import ConfigError, DatabaseUnavailable, StateError
+from common.core.errors import ConfigError, DatabaseUnavailable, StateError
+from common.core.sqldb import POSTGRESQL, SQLITE, Database, parse_database_url, translate
 from common.privacy.budget import BudgetReport
 from common.privacy.federation import FederationBudgetView
-from common.sqldb import POSTGRESQL, SQLITE, Database, parse_database_url, translate
 from coordinator.store import AbandonedRound, Checkpoint, CoordinatorStore
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from common.processes import ManagedProcess
+from common.core.processes import ManagedProcess
 from tests.e2e.harness import REPO
 
 OPT_OUT = "MEDFED_CONTAINER_TESTS"
@@ -514,7 +514,7 @@ def test_the_kubernetes_deployment_runs_under_podman_kube_play(
     container of a pod whose restartPolicy is Always, so the played copy says Never."""
     import yaml  # type: ignore[import-untyped]
 
-    from common.processes import medfed_argv
+    from common.core.processes import medfed_argv
 
     suffix = uuid.uuid4().hex[:8]
     pki = tmp_path / "pki"
@@ -599,8 +599,8 @@ def test_the_kubernetes_site_kit_approves_then_joins_under_podman_kube_play(
     share the host)."""
     import yaml  # type: ignore[import-untyped]
 
-    from common import pki
-    from common.processes import medfed_argv
+    from common.core.processes import medfed_argv
+    from common.protocol import pki
     from common.study import load_study, study_bytes, study_sha256
     from tests.deploy.test_k8s_site import OVERLAY, render
     from tests.e2e.harness import list_members

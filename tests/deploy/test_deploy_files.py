@@ -24,9 +24,9 @@ import pydantic
 import pytest
 import yaml
 
-from common import pki
-from common.config import CoordinatorSettings, SiteSettings, load_settings
-from common.processes import ManagedProcess, medfed_argv
+from common.core.config import CoordinatorSettings, SiteSettings, load_settings
+from common.core.processes import ManagedProcess, medfed_argv
+from common.protocol import pki
 from common.study import load_study
 from tests.e2e.harness import REPO
 
@@ -569,7 +569,7 @@ def test_attack_the_shipped_coordinator_never_serves_plain_metrics_beyond_loopba
 ) -> None:
     """Compose and Kubernetes open the coordinator's metrics beyond loopback, so they
     serve HTTPS to monitor certificates: no one else on those networks reads them."""
-    from common.config import is_loopback_host, parse_host_port
+    from common.core.config import is_loopback_host, parse_host_port
 
     shipped = _coordinator_settings_as_shipped(monkeypatch, tmp_path)
     for where, settings in shipped.items():

@@ -4,7 +4,7 @@ A documented command that fails is a bug. The federation commands of README.md r
 verbatim in tests/e2e/test_readme.py; this cheap check keeps the rest of the docs true:
 each command line in a shell block of README.md or docs/*.md (``$ `` prompts, ``\\``
 continuations, ``[--opt | --other]`` synopses) is parsed, not run, by
-``common.cli.build_parser``; each inline `` `medfed ...` `` mention must name an
+``common.commands.cli.build_parser``; each inline `` `medfed ...` `` mention must name an
 existing subcommand and only options that subcommand has.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import build_parser
+from common.commands.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -145,7 +145,7 @@ def test_the_container_command_without_a_data_file_stops_naming_data_path(
     """deploy.md's container runs `medfed site run --config /config/site.toml`; the
     shipped file leaves data.path commented out. Forgetting it must stop the agent at
     start-up naming the field, not after enrolment."""
-    from common.cli import main
+    from common.commands.cli import main
 
     text = (REPO / "deploy" / "config" / "site.toml").read_text("utf-8")
     assert '\n# path = "/data/encounters.csv"' in text

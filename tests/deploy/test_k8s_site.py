@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from common.config import SiteSettings, load_settings
+from common.core.config import SiteSettings, load_settings
 from tests.e2e.harness import REPO
 
 SITE = REPO / "deploy" / "k8s" / "site"

@@ -37,8 +37,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from common import pki
-from common.processes import ManagedProcess
+from common.core.processes import ManagedProcess
+from common.protocol import pki
 from coordinator.metrics import CoordinatorMetrics
 from site_agent.metrics import SiteMetrics
 from tests.e2e.harness import REPO, Federation, free_port

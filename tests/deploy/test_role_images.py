@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from common.processes import ManagedProcess, medfed_argv
+from common.core.processes import ManagedProcess, medfed_argv
 from tests.e2e.harness import REPO
 
 DOCKER = REPO / "deploy" / "docker"
@@ -146,7 +146,7 @@ def test_every_module_of_a_role_imports_without_the_other_roles(
 
 def test_the_coordinator_images_commands_work_without_site_agent(tmp_path: Path) -> None:
     env = role_env(tmp_path, ROLES["coordinator.Dockerfile"][1])
-    listed = run_python(env, "-m", "common.cli", "--help")
+    listed = run_python(env, "-m", "common.commands.cli", "--help")
     assert listed.returncode == 0, listed.stderr
     commands = subcommands(listed.stdout)
     assert {"coordinator", "pki", "privacy", "ledger", "study", "query", "status"} <= commands
@@ -155,28 +155,28 @@ def test_the_coordinator_images_commands_work_without_site_agent(tmp_path: Path)
     helps = {}
     for argv in (["coordinator", "serve", "--help"], ["privacy", "--help"],
                  ["query", "run", "--help"], ["pki", "--help"], ["ledger", "--help"]):
-        done = run_python(env, "-m", "common.cli", *argv)
+        done = run_python(env, "-m", "common.commands.cli", *argv)
         assert done.returncode == 0, f"{argv}: {done.stderr[-2000:]}"
         helps[argv[0]] = done.stdout
     # site_agent's plug-in: absent, not broken
     assert "audit" not in subcommands(helps["privacy"])
-    missing = run_python(env, "-m", "common.cli", "site", "run", "--help")
+    missing = run_python(env, "-m", "common.commands.cli", "site", "run", "--help")
     assert missing.returncode == 2
     assert "'site' is not installed here (no site_agent package)" in missing.stderr
 
 
 def test_the_site_images_commands_work_without_the_coordinator(tmp_path: Path) -> None:
     env = role_env(tmp_path, ROLES["site_agent.Dockerfile"][1])
-    listed = run_python(env, "-m", "common.cli", "--help")
+    listed = run_python(env, "-m", "common.commands.cli", "--help")
     assert listed.returncode == 0, listed.stderr
     commands = subcommands(listed.stdout)
     assert {"site", "pki", "privacy", "data", "model", "predict", "query"} <= commands
     assert not commands & {"coordinator", "bench", "demo"}
     for argv in (["site", "run", "--help"], ["privacy", "audit", "--help"],
                  ["query", "check", "--help"], ["data", "--help"]):
-        done = run_python(env, "-m", "common.cli", *argv)
+        done = run_python(env, "-m", "common.commands.cli", *argv)
         assert done.returncode == 0, f"{argv}: {done.stderr[-2000:]}"
-    missing = run_python(env, "-m", "common.cli", "coordinator", "serve", "--help")
+    missing = run_python(env, "-m", "common.commands.cli", "coordinator", "serve", "--help")
     assert missing.returncode == 2
     assert "'coordinator' is not installed here (no coordinator package)" in missing.stderr
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.processes import ManagedProcess
+from common.core.processes import ManagedProcess
 from tests.e2e.harness import Federation, run_medfed
 
 TAIL_LINES = 8

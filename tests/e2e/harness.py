@@ -1,7 +1,7 @@
 """Real OS processes for end-to-end tests: a coordinator and site agents over mTLS.
 
 Processes print JSON lines (events on stdout, structured logs on stderr); tests wait on
-conditions over those lines (common.processes.ManagedProcess; no sleeps as sync).
+conditions over those lines (common.core.processes.ManagedProcess; no sleeps as sync).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from bench.instrumented import instrumented_argv
-from common import pki
-from common.processes import ManagedProcess, medfed_argv
-from common.status_cli import fetch_status
+from common.commands.status import fetch_status
+from common.core.processes import ManagedProcess, medfed_argv
+from common.protocol import pki
+from common.protocol.tls import MonitorTlsFiles
 from common.study import load_study
-from common.tls import MonitorTlsFiles
 from site_agent.approvals import Approvals
 
 REPO = Path(__file__).resolve().parents[2]
@@ -272,7 +272,7 @@ class Readme:
         self.blocks = readme_blocks()
         shim = root / "bin" / "medfed"
         shim.parent.mkdir()
-        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m common.cli "$@"\n')
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m common.commands.cli "$@"\n')
         shim.chmod(0o755)
         self.env = {
             "PATH": f"{shim.parent}{os.pathsep}{os.environ.get('PATH', '')}",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from common.processes import Line, ManagedProcess
+from common.core.processes import Line, ManagedProcess
 
 HEARTBEAT_MISSES = 3  # the coordinator's default `deadlines.heartbeat_misses`
 SLACK_SECONDS = 5.0

@@ -29,19 +29,20 @@ import numpy as np
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from common import pki, wire
-from common.codec import CHUNK_BYTES, TensorSpec, digest, flat_to_bytes
+from common.core.codec import CHUNK_BYTES, TensorSpec, digest, flat_to_bytes
+from common.core.errors import MedfedError, ProtocolAbort
 from common.crypto.random import system_random
 from common.crypto.signing import SigningKey, VerifyingKey
-from common.errors import MedfedError, ProtocolAbort
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.round import Announcement, secagg_params
-from common.secagg import messages as sm
-from common.secagg.client import SecAggClient
-from common.secagg.server import SecAggServer
+from common.protocol import pki
+from common.protocol.secagg import messages as sm
+from common.protocol.secagg.client import SecAggClient
+from common.protocol.secagg.server import SecAggServer
+from common.protocol.tls import peer_certificate_pem, server_credentials
+from common.rounds import wire
+from common.rounds.announcement import Announcement, secagg_params
 from common.study import GlobalStatistics, Study, statistics_bytes, study_bytes, study_sha256
-from common.tls import peer_certificate_pem, server_credentials
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,11 @@ from typing import Any
 import pytest
 import yaml  # type: ignore[import-untyped]
 
-from common import pki
+from common.commands.study import render_study_toml
+from common.core.processes import ManagedProcess, medfed_argv
 from common.crypto.random import system_random
-from common.processes import ManagedProcess, medfed_argv
+from common.protocol import pki
 from common.study import Study, study_bytes, study_sha256
-from common.study_cli import render_study_toml
 from demo.study import exact_statistics, synthetic_demo_study
 from site_agent.data import load_study_table
 from site_agent.synthetic import generate_cohort, write_site_csvs

@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.bundle import read_bundle
-from common.errors import StateError
-from common.evaluation import metrics_from_scores
+from common.core.errors import StateError
+from common.core.processes import ManagedProcess, medfed_argv
 from common.privacy.ledger import anchor_path_for
 from common.privacy.ledger_verify import verify_ledger
-from common.processes import ManagedProcess, medfed_argv
+from common.releases.bundle import read_bundle
+from common.releases.evaluation import metrics_from_scores
 from common.study import load_study
 from demo.options import DemoOptions
 from demo.run import Demo

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from common.cli import build_parser, run_parsed
+from common.commands.cli import build_parser, run_parsed
 from common.privacy.ledger import anchor_path_for
 from common.privacy.ledger_verify import verify_ledger
 from demo.run import DEMO_TORCH_THREADS, torch_threads
@@ -27,10 +27,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 def exact_auc_of_final_model(out: Path, report: dict[str, Any]) -> float:
     """AUC of the demo's final global model on every site's held-out patients."""
-    from common.bundle import read_bundle
-    from common.evaluation import metrics_from_scores
     from common.models.build import initial_model
     from common.models.layout import load_flat_parameters
+    from common.releases.bundle import read_bundle
+    from common.releases.evaluation import metrics_from_scores
     from common.study import load_study
     from demo.imaging import _pool
     from site_agent.imaging import image_spec_for_study, load_image_folder
@@ -100,7 +100,8 @@ def test_imaging_demo_writes_report_with_the_model(tmp_path: Path) -> None:
     gap = exact - report["baselines"]["centralized_nodp"]["auc"]
     assert f"DP model against centralized training without DP: AUC {gap:+.3f}" in printed
     # The DP AUC comes with a 95% interval for the exact held-out AUC (DP noise on the
-    # released counts plus the buckets' resolution, common.evaluation_interval.auc_interval),
+    # released counts plus the buckets' resolution,
+    # common.releases.evaluation_interval.auc_interval),
     # printed beside it, and the exact AUC lies in it.
     final = report["final"]
     low, high = final["auc_interval_low"], final["auc_interval_high"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from common.processes import ManagedProcess
+from common.core.processes import ManagedProcess
 from tests.e2e.harness import Federation
 from tests.e2e.test_federation_processes import FAST, SITES, round_statuses
 

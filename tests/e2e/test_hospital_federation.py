@@ -22,13 +22,14 @@ import numpy as np
 import pytest
 
 from bench.instrumented import instrumented_argv
-from common.bundle import read_bundle
-from common.cli import build_parser
+from common.commands.cli import build_parser
+from common.core.processes import Line, ManagedProcess, medfed_argv
 from common.privacy import hospital
 from common.privacy.ledger import read_ledger
 from common.privacy.mechanisms import DistributedDiscreteGaussian
-from common.processes import Line, ManagedProcess, medfed_argv
+from common.releases.bundle import read_bundle
 from common.study import load_study
+from common.study.hospital_terms import study_terms
 from demo.cli import exit_status, tabular_options
 from demo.options import DemoOptions
 from demo.run import Demo
@@ -135,7 +136,7 @@ def test_hospital_level_federation(fixed_v: DemoRun) -> None:
     out = fixed_v.out
     study = load_study(out / "study.toml")
     state = out / "coordinator"
-    terms = hospital.study_terms(study)
+    terms = study_terms(study)
     training_rounds: list[list[int]] = []
     for name in DEMO_SITES:
         _, entries = read_ledger(out / "sites" / name / "privacy-ledger.db")

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from common.bundle import read_bundle
-from common.cli import main_with
+from common.commands.cli import main_with
+from common.core.processes import ManagedProcess
 from common.privacy.ledger import read_ledger
-from common.processes import ManagedProcess
+from common.releases.bundle import read_bundle
 from site_agent.predict_cli import register_data, register_predict
 from site_agent.synthetic_imaging import HOSPITALS, write_site_folder
 from tests.e2e.harness import StudyProcesses, list_members, make_pki

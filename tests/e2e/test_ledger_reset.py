@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from common.pki import load_certificate, site_paths
+from common.core.processes import ManagedProcess, medfed_argv
 from common.privacy.ledger import (
     anchor_path_for,
     export_ledger,
@@ -32,7 +32,7 @@ from common.privacy.ledger import (
 from common.privacy.ledger_verify import verify_ledger
 from common.privacy.replica import export_from_state
 from common.privacy.signed import SignedHistory
-from common.processes import ManagedProcess, medfed_argv
+from common.protocol.pki import load_certificate, site_paths
 from tests.e2e.harness import REPO, StudyProcesses, list_members, make_pki
 from tests.study.helpers import hospital_csvs, study_toml
 

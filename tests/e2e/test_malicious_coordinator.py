@@ -19,15 +19,15 @@ import numpy as np
 import pytest
 
 from bench.instrumented import instrumented_argv
-from common import pki
-from common.codec import TensorSpec
-from common.config import CoordinatorSettings
+from common.core.codec import TensorSpec
+from common.core.config import CoordinatorSettings
+from common.core.processes import ManagedProcess
 from common.crypto.random import system_random
 from common.models.build import initial_model
 from common.models.layout import flatten_parameters, model_layout
 from common.privacy.ledger import read_ledger
-from common.processes import ManagedProcess
 from common.proto.medfed.v1 import federation_pb2 as pb
+from common.protocol import pki
 from common.study import GlobalStatistics, Study, study_sha256
 from coordinator.bundles import write_round_bundle
 from coordinator.study_run import StudyRun

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from common.pki import init_ca, issue_site
-from common.processes import ManagedProcess, medfed_argv
+from common.core.processes import ManagedProcess, medfed_argv
+from common.protocol.pki import init_ca, issue_site
 from tests.e2e.harness import REPO, Federation, make_pki, transport_site_argv
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.core.processes import ManagedProcess
 from common.privacy.ledger import read_ledger
 from common.privacy.mechanisms import DistributedDiscreteGaussian
-from common.processes import ManagedProcess
 from common.study import load_study
 from coordinator.store import CoordinatorStore
 from site_agent.approvals import Approvals

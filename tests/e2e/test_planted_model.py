@@ -33,11 +33,11 @@ import torch
 from PIL import Image
 from torch import nn
 
+from common.core.processes import ManagedProcess
 from common.models.build import initial_model
 from common.models.initial_file import write_initial_model
 from common.models.layout import flatten_parameters, model_layout
 from common.privacy.ledger import read_ledger
-from common.processes import ManagedProcess
 from common.study import Study, encoded_feature_names, load_study
 from site_agent.approvals import Approvals
 from site_agent.imaging import ImageSpec, load_image_folder

@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from common.analytics.answer import answer_query
-from common.analytics.query import load_query, query_sha256
-from common.analytics.vector import query_length, site_vector
+from common.core.processes import ManagedProcess
 from common.privacy.accountant import compose_epsilon
 from common.privacy.ledger import read_ledger
-from common.processes import ManagedProcess
+from common.releases.analytics.answer import answer_query
+from common.releases.analytics.query import load_query, query_sha256
+from common.releases.analytics.vector import query_length, site_vector
 from common.study import load_study, study_sha256
 from site_agent.data import load_study_table
 from tests.e2e.harness import (

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.processes import ManagedProcess
+from common.core.processes import ManagedProcess
 from tests.e2e.harness import README_SITES, Readme, readme_blocks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from common.processes import ManagedProcess
+from common.core.processes import ManagedProcess
 from site_agent.synthetic_imaging import write_site_folder
 from tests.e2e.harness import README_SITES as SITES
 from tests.e2e.harness import Readme, readme_blocks

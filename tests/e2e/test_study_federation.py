@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.core.processes import ManagedProcess
 from common.privacy.ledger import read_ledger
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian
-from common.processes import ManagedProcess
-from common.statistics import statistics_length
+from common.releases.statistics import statistics_length
 from common.study import check_statistics, load_study, statistics_from_bytes
 from site_agent.dp_release import gaussian_std_for
 from tests.e2e.harness import StudyProcesses, list_members, make_pki

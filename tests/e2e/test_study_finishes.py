@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from common.config import PrivacySection
+from common.commands.status import fetch_status
+from common.core.config import PrivacySection
+from common.core.processes import ManagedProcess, medfed_argv
 from common.privacy.ledger import LedgerSigner, PrivacyLedger, read_ledger
-from common.processes import ManagedProcess, medfed_argv
-from common.status_cli import fetch_status
+from common.protocol.tls import MonitorTlsFiles
 from common.study import DEFAULT_EVALUATION_NOISE_STD, load_study, study_sha256
-from common.tls import MonitorTlsFiles
 from coordinator import queries
 from coordinator.engine import FAILED_META, STUDY_DONE_FOR_QUERIES
 from coordinator.store import CoordinatorStore
@@ -193,7 +193,7 @@ def test_a_final_round_every_site_declines_for_good_ends_the_study_saying_why(
     assert status["failed"] == reason and not status["finished"]
     assert status["aborted_rounds"] == 1 and status["eta_seconds"] is None
     text = subprocess.run(
-        [sys.executable, "-m", "common.status_cli", "status", "--coordinator",
+        [sys.executable, "-m", "common.commands.status", "status", "--coordinator",
          f"127.0.0.1:{run.port}", "--tls-ca", str(monitor.ca), "--tls-cert",
          str(monitor.cert), "--tls-key", str(monitor.key)],
         capture_output=True, text=True, cwd=REPO, check=True,

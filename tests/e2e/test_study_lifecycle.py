@@ -16,8 +16,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.status_cli import fetch_status
-from common.tls import MonitorTlsFiles, channel_credentials_from_files
+from common.commands.status import fetch_status
+from common.protocol.tls import MonitorTlsFiles, channel_credentials_from_files
 from tests.e2e.conftest import process_tails
 from tests.e2e.harness import REPO, Federation, run_medfed
 
@@ -55,7 +55,7 @@ def federation(
 def status_cli(fed: Federation, *args: str, cert: Path, key: Path
                ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "common.status_cli", "status",
+        [sys.executable, "-m", "common.commands.status", "status",
          "--coordinator", f"127.0.0.1:{fed.port}", "--tls-ca", str(fed.pki / "ca.crt"),
          "--tls-cert", str(cert), "--tls-key", str(key), *args],
         capture_output=True, text=True, cwd=REPO, check=False,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from common.core.processes import ManagedProcess
 from common.privacy.ledger import read_ledger
-from common.processes import ManagedProcess
 from common.study import load_study, study_sha256
 from site_agent.data import load_study_table
 from site_agent.statistics_pin import StatisticsPin

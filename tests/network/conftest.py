@@ -26,17 +26,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.instrumented import Instrumentation
 from bench.transport_site import DeterministicTestHook
-from common import pki, wire
-from common.codec import CHUNK_BYTES, iter_chunks
-from common.config import CoordinatorSettings, SiteSettings
+from common.core.codec import CHUNK_BYTES, iter_chunks
+from common.core.config import CoordinatorSettings, SiteSettings
+from common.core.errors import CertificateRejected
 from common.crypto.quantize import encode_update
 from common.crypto.random import numpy_generator, system_random
 from common.crypto.signing import SigningKey, VerifyingKey
-from common.errors import CertificateRejected
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.round import secagg_params
-from common.secagg.client import SecAggClient
+from common.protocol import pki
+from common.protocol.secagg.client import SecAggClient
+from common.rounds import wire
+from common.rounds.announcement import secagg_params
 from coordinator.engine import RoundEngine
 from coordinator.service import RunningCoordinator, start
 from site_agent.agent import SiteAgent
@@ -264,7 +265,7 @@ def raw_channel(
 ) -> grpc.Channel:
     """A channel that presents `cert_of`'s certificate unchecked (None: no certificate).
 
-    Bypasses `common.tls` on purpose: a hostile client does not check its own files.
+    Bypasses `common.protocol.tls` on purpose: a hostile client does not check its own files.
     """
     if cert_of is None:
         credentials = grpc.ssl_channel_credentials(root_certificates=pki_layout.ca_pem)

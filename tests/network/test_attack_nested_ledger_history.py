@@ -11,11 +11,11 @@ from pathlib import Path
 
 import grpc
 
-from common import pki
-from common.parsing import MAX_DEPTH
+from common.core.parsing import MAX_DEPTH
 from common.privacy.accountant import Segment
 from common.privacy.ledger import LedgerSigner, PrivacyLedger
 from common.proto.medfed.v1 import federation_pb2 as pb
+from common.protocol import pki
 from tests.network.conftest import InProcessCoordinator, PkiLayout, health_status, raw_stub
 
 SERVING = 1

@@ -2,7 +2,8 @@
 
 A real coordinator (mTLS sockets, SQLite state) runs a round with honest site agents,
 stops, and a new one on the same state announces the next round: its announcement
-carries the edges the last round chose (common.evaluation_edges.next_edges), not the default
+carries the edges the last round chose (common.releases.evaluation_edges.next_edges), not the
+default
 layout a fresh coordinator would start from.
 """
 
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common.evaluation_edges import default_edges, round_edges
 from common.proto.medfed.v1 import federation_pb2 as pb
+from common.releases.evaluation_edges import default_edges, round_edges
 from tests.network.conftest import (
     HISTOGRAM_BINS,
     HonestSites,

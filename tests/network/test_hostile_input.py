@@ -19,11 +19,12 @@ import grpc
 import numpy as np
 import pytest
 
-from common import pki, wire
 from common.crypto.signing import SigningKey
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.secagg.messages import advertise_message
+from common.protocol import pki
+from common.protocol.secagg.messages import advertise_message
+from common.rounds import wire
 from tests.network.conftest import (
     CHUNK_BYTES,
     MAX_CHUNK_BYTES,
@@ -463,7 +464,7 @@ def test_vector_of_wrong_length_is_aborted(live_round: LiveRound) -> None:
     for claimed in (length - 1, length + 1, 0):
         chunks = d.upload_chunks(masked, length=claimed)
         assert status_of(d.stub.UploadMaskedInput, iter(chunks), timeout=10) == ABORTED
-    # A length no vector can have is refused at the boundary (common.wire).
+    # A length no vector can have is refused at the boundary (common.rounds.wire).
     huge = d.upload_chunks(masked, length=2**64 - 1)
     assert status_of(d.stub.UploadMaskedInput, iter(huge), timeout=10) == INVALID_ARGUMENT
     # Header right, data one element short: truncated.

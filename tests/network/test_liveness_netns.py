@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from bench.instrumented import instrumented_argv
-from common.processes import ManagedProcess
+from common.core.processes import ManagedProcess
 from tests.e2e.harness import REPO, transport_site_argv
 from tests.e2e.liveness import assert_liveness_bound
 from tests.network.conftest import read_aggregate, ring_sum

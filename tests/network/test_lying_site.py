@@ -1,6 +1,6 @@
 """A lying site cannot stop the federation, over real mTLS.
 
-Every integer a site sends is range-checked at the boundary (common.wire). The attack
+Every integer a site sends is range-checked at the boundary (common.rounds.wire). The attack
 that used to work: a budget report with ledger_last_round = 2^63 - 1 made the next round
 number overflow SQLite's signed 64-bit integers, and the coordinator died at every
 restart. Now the report is INVALID_ARGUMENT and honest rounds go on with small numbers.
@@ -27,8 +27,8 @@ from typing import Any
 import grpc
 import pytest
 
-from common import wire
 from common.proto.medfed.v1 import federation_pb2 as pb
+from common.rounds import wire
 from coordinator.store import ROUND_WINDOW, CoordinatorStore
 from tests.network.conftest import (
     InProcessCoordinator,

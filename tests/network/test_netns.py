@@ -30,8 +30,8 @@ import numpy as np
 import pytest
 
 from bench.instrumented import instrumented_argv
-from common import pki
-from common.processes import ManagedProcess
+from common.core.processes import ManagedProcess
+from common.protocol import pki
 from tests.e2e.harness import REPO, transport_site_argv
 from tests.network.conftest import read_aggregate, ring_sum
 

@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 import pytest
 
-from common.config import CoordinatorSettings, LimitsSection, load_settings
-from common.errors import ConfigError, ResourceExhausted
+from common.core.config import CoordinatorSettings, LimitsSection, load_settings
+from common.core.errors import ConfigError, ResourceExhausted
 from common.proto.medfed.v1 import federation_pb2 as pb
 from coordinator.call_limits import MAX_CALLS_PER_SITE, CallLimits
 from tests.network.conftest import InProcessCoordinator, PkiLayout, raw_stub, status_of

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import StateError
+from common.core.errors import StateError
 from tests.network.conftest import InProcessCoordinator, PkiLayout, coordinator_settings
 
 

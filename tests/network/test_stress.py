@@ -28,10 +28,10 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common import pki
+from common.core.state_lock import LOCK_FILE
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.state_lock import LOCK_FILE
+from common.protocol import pki
 from tests.network.conftest import (
     InProcessCoordinator,
     PkiLayout,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from common import pki
+from common.protocol import pki
 
 
 @pytest.fixture

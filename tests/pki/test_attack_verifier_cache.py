@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from common import pki
-from common.errors import CertificateRejected
+from common.core.errors import CertificateRejected
+from common.protocol import pki
 
 
 def _site_cert(directory: Path, site_id: str) -> x509.Certificate:

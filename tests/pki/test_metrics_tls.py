@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from common import metrics_http, pki
-from common.config import CoordinatorSettings, TransportModelSection, is_loopback_host
-from common.errors import ConfigError, PkiError
-from common.metrics_http import MetricsTls, serve_metrics
-from common.pki import Role
-from common.tls import CoordinatorTlsFiles, Refusal
+from common.core.config import CoordinatorSettings, TransportModelSection, is_loopback_host
+from common.core.errors import ConfigError, PkiError
+from common.protocol import metrics_http, pki
+from common.protocol.metrics_http import MetricsTls, serve_metrics
+from common.protocol.pki import Role
+from common.protocol.tls import CoordinatorTlsFiles, Refusal
 from coordinator.service import start
 
 
@@ -226,7 +226,7 @@ def test_metrics_tls_from_the_environment(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv("MEDFED_COORDINATOR_METRICS_TLS", "true")
     assert CoordinatorSettings(pki=tmp_path, state=tmp_path).metrics_over_tls
     monkeypatch.setenv("MEDFED_COORDINATOR_METRICS_TLS", "sometimes")
-    from common.config import load_settings
+    from common.core.config import load_settings
 
     with pytest.raises(ConfigError, match="metrics_tls"):
         load_settings(CoordinatorSettings, overrides={"pki": tmp_path, "state": tmp_path})

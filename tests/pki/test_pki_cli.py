@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import pki
+from common.protocol import pki
 
-# `python -m common.pki_cli` registers exactly what the `medfed` entry point registers
+# `python -m common.commands.pki` registers exactly what the `medfed` entry point registers
 # for `pki` (the same `register`), without loading the other plug-ins.
-MEDFED = [sys.executable, "-m", "common.pki_cli"]
+MEDFED = [sys.executable, "-m", "common.commands.pki"]
 
 
 def medfed(*args: str | Path) -> subprocess.CompletedProcess[str]:

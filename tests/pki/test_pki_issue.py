@@ -14,8 +14,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common import pki
-from common.errors import ConfigError, PkiError
+from common.core.errors import ConfigError, PkiError
+from common.protocol import pki
 
 
 def _mode(path: Path) -> int:

@@ -17,16 +17,22 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from common import pki, tls
-from common.errors import AbortReason, CertificateRejected, ConfigError, PkiError, ProtocolAbort
-from common.pki import Role
+from common.core.errors import (
+    AbortReason,
+    CertificateRejected,
+    ConfigError,
+    PkiError,
+    ProtocolAbort,
+)
+from common.protocol import pki, tls
+from common.protocol.pki import Role
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def medfed(*args: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "common.pki_cli", "pki", *map(str, args)],
+        [sys.executable, "-m", "common.commands.pki", "pki", *map(str, args)],
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -12,8 +12,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from common import pki
-from common.errors import CertificateRejected, PkiError
+from common.core.errors import CertificateRejected, PkiError
+from common.protocol import pki
 
 
 def _site_cert(directory: Path, site_id: str) -> x509.Certificate:

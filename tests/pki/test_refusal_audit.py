@@ -22,12 +22,12 @@ from cryptography.hazmat.primitives import hashes
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from common import pki, tls
-from common.config import CoordinatorSettings, TransportModelSection
-from common.errors import ConfigError
+from common.commands.status import fetch_status, refusal_hint
+from common.core.config import CoordinatorSettings, TransportModelSection
+from common.core.errors import ConfigError
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.status_cli import fetch_status, refusal_hint
+from common.protocol import pki, tls
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.refusals import RefusalLog, method_label
 from coordinator.service import start

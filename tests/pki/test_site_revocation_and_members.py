@@ -16,9 +16,15 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from bench.transport_site import DeterministicTestHook
-from common import pki
-from common.config import SitePolicySection, SiteSettings
-from common.errors import AbortReason, CertificateRejected, PkiError, ProtocolAbort, RoundFailed
+from common.core.config import SitePolicySection, SiteSettings
+from common.core.errors import (
+    AbortReason,
+    CertificateRejected,
+    PkiError,
+    ProtocolAbort,
+    RoundFailed,
+)
+from common.protocol import pki
 from site_agent.agent import SiteAgent
 from site_agent.metrics import SiteMetrics
 from site_agent.revocation import SiteRevocation
@@ -155,7 +161,7 @@ def test_site_key_readable_by_others_is_refused_at_start_up(
 def test_pki_members_prints_the_policy_table(pki_dir: Path, now: dt.datetime) -> None:
     pki.revoke_site(pki_dir, "h2", now=now)
     out = subprocess.run(
-        [sys.executable, "-m", "common.cli", "pki", "members", "--dir", str(pki_dir)],
+        [sys.executable, "-m", "common.commands.cli", "pki", "members", "--dir", str(pki_dir)],
         check=True, capture_output=True, text=True, cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     ).stdout
@@ -172,7 +178,8 @@ def test_pki_members_study_prints_members_a_study_lists(pki_dir: Path, now: dt.d
 
     pki.revoke_site(pki_dir, "h2", now=now)
     out = subprocess.run(
-        [sys.executable, "-m", "common.cli", "pki", "members", "--dir", str(pki_dir), "--study"],
+        [sys.executable, "-m", "common.commands.cli", "pki", "members", "--dir", str(pki_dir),
+         "--study"],
         check=True, capture_output=True, text=True, cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     ).stdout

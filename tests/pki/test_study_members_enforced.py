@@ -13,10 +13,10 @@ import pytest
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from bench.transport_site import DeterministicTestHook
-from common import pki
-from common.config import SitePolicySection, SiteSettings
-from common.errors import AbortReason, CertificateRejected, ConfigError, ProtocolAbort
-from common.round import validate_for_site
+from common.core.config import SitePolicySection, SiteSettings
+from common.core.errors import AbortReason, CertificateRejected, ConfigError, ProtocolAbort
+from common.protocol import pki
+from common.rounds.announcement import validate_for_site
 from common.study import Study, study_from_mapping, study_sha256
 from coordinator.servicer import refuse_non_member
 from coordinator.study_run import StudyRun

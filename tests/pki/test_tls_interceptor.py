@@ -23,10 +23,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from common import pki, tls
-from common.config import CoordinatorSettings, TransportModelSection
-from common.errors import CertificateRejected
-from common.pki import Role
+from common.core.config import CoordinatorSettings, TransportModelSection
+from common.core.errors import CertificateRejected
+from common.protocol import pki, tls
+from common.protocol.pki import Role
 from coordinator.service import start
 
 TEST_RULES: Mapping[str, frozenset[Role]] = {

@@ -17,8 +17,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common import pki, tls
-from common.errors import CertificateRejected, ConfigError, PkiError
+from common.core.errors import CertificateRejected, ConfigError, PkiError
+from common.protocol import pki, tls
 
 WHOAMI = "/medfed.test.Identity/WhoAmI"
 

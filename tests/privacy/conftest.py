@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from common import pki
 from common.privacy.signed import LedgerSigner
+from common.protocol import pki
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ def test_ledger_show_and_verify_import_neither_torch_nor_opacus(
         ledger.reserve(number, [Segment(1.2, 0.02, 50)], now=T0 + timedelta(hours=number))
     spent = ledger.spent()
     output, heavy = _run(
-        "from common.cli import main\n"
+        "from common.commands.cli import main\n"
         f"assert main(['ledger', 'show', '--ledger', {str(path)!r}, '--json']) == 0\n"
         f"assert main(['ledger', 'verify', '--ledger', {str(path)!r}]) == 0\n"
     )

@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 
-from common.config import SitePolicySection
-from common.errors import BudgetExhausted
+from common.core.config import SitePolicySection
+from common.core.errors import BudgetExhausted
 from common.privacy import hospital
 from common.privacy.ledger import PrivacyLedger
-from common.round import validate_for_site
+from common.rounds.announcement import validate_for_site
 from common.study import Study, study_from_mapping
+from common.study.hospital_terms import study_terms
 from coordinator import hospital_sum
 from site_agent import hospital as site_hospital
 from tests.privacy.conftest import Pki
@@ -87,7 +88,7 @@ def test_a_study_naming_z_065_cannot_spend_the_budget_in_one_round(
                                       number=1, study=low, policy=policy)
     # The study's own planned z (update_noise_multiplier unset) is within the cap.
     planned = _study()
-    z = hospital.study_terms(planned).noise_multiplier
+    z = study_terms(planned).noise_multiplier
     assert z > 0.65
     site_hospital.check_round_cap(ledger, _planned(z, study=planned, policy=policy),
                                   number=1, study=planned, policy=policy)
@@ -97,7 +98,7 @@ def test_a_study_naming_z_065_cannot_spend_the_budget_in_one_round(
 def test_an_explicit_max_epsilon_per_round_is_the_cap(tmp_path: Path, pki_material: Pki) -> None:
     ledger = _ledger(tmp_path, pki_material)
     study = _study()
-    z = hospital.study_terms(study).noise_multiplier
+    z = study_terms(study).noise_multiplier
     strict = SitePolicySection(max_epsilon_per_round=0.5)
     with pytest.raises(BudgetExhausted, match="max_epsilon_per_round"):
         site_hospital.check_round_cap(ledger, _planned(z, study=study, policy=strict),

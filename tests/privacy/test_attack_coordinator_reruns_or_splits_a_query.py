@@ -28,17 +28,23 @@ from typing import Any
 import numpy as np
 import pytest
 
-from common import pki
-from common.analytics.query import Query, query_bytes, query_from_mapping, query_sha256
-from common.analytics.query_release import QUERY_RELEASE, QueryRelease
-from common.analytics.vector import query_length
-from common.config import SitePolicySection
-from common.errors import BudgetExhausted, QueryRefused, RoundFailed, StateError, ValidationError
+from common.core.config import SitePolicySection
+from common.core.errors import (
+    BudgetExhausted,
+    QueryRefused,
+    RoundFailed,
+    StateError,
+    ValidationError,
+)
 from common.privacy.accountant import compose_epsilon
 from common.privacy.ledger import PrivacyLedger, verify_ledger
 from common.privacy.signed import LedgerSigner, QueryRef, SignedEntry
-from common.release import KIND_RELEASE, decode_sum
-from common.round import Announcement, VerifiedRound, validate_for_site
+from common.protocol import pki
+from common.releases.analytics.query import Query, query_bytes, query_from_mapping, query_sha256
+from common.releases.analytics.query_release import QUERY_RELEASE, QueryRelease
+from common.releases.analytics.vector import query_length
+from common.releases.seam import KIND_RELEASE, decode_sum
+from common.rounds.announcement import Announcement, VerifiedRound, validate_for_site
 from common.study import Study, study_from_mapping, study_sha256
 from site_agent.approvals import Approvals
 from site_agent.data import StudyTable, load_study_table
@@ -300,7 +306,7 @@ def test_a_site_dropping_out_of_a_query_round_leaves_the_survivors_sum_answered(
     survivors' sum, and the answer is read with the two survivors' noise (each site
     planned for n_noise = 2 honest shares, so two survivors carry the full sigma) and
     covers their exact pooled count."""
-    from common.secagg.phases import Phase
+    from common.protocol.secagg.phases import Phase
 
     query = make_query(study, "with-a-dropout")
     approve(sites, study, query)

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from common import pki
-from common.errors import BudgetExhausted, ConfigError
+from common.core.errors import BudgetExhausted, ConfigError
 from common.privacy import hospital, layered
 from common.privacy.accountant import compose_epsilon
 from common.privacy.ledger import PrivacyLedger, read_ledger, verify_ledger
@@ -35,7 +34,9 @@ from common.privacy.signed import (
     LedgerTerms,
     sha256_hex,
 )
+from common.protocol import pki
 from common.study import study_from_mapping
+from common.study.hospital_terms import study_terms
 from site_agent import dp_release
 from tests.privacy.conftest import Pki
 from tests.study.helpers import study_mapping
@@ -110,7 +111,7 @@ def _pairs(ledger: PrivacyLedger) -> Pairs:
 def test_attack_rounds_past_the_plan_never_take_a_patient_past_the_budget(
     tmp_path: Path, pki_material: Pki
 ) -> None:
-    z = hospital.study_terms(_study()).noise_multiplier
+    z = study_terms(_study()).noise_multiplier
     ledger = _open(tmp_path / "ledger.db", pki_material.signer_a, charge=CHARGE_RECORD_LEVEL)
     refused, pending = _spend_until_refused(ledger, z, rounds=200)
     history = _pairs(ledger)
@@ -145,7 +146,7 @@ def test_the_study_plans_z_for_the_per_patient_charge() -> None:
         1 - hospital.EVALUATION_RESERVE)
     rounds = study.study.rounds  # type: ignore[attr-defined]
     at_s = hospital.plan_noise_multiplier(epsilon=left, delta=DELTA, rounds=rounds)
-    z = hospital.study_terms(study).noise_multiplier
+    z = study_terms(study).noise_multiplier
     assert z == pytest.approx(2 * at_s, rel=1e-3)
     # The study's rounds at that z, composed at 2S, fit what the plan gave them.
     per_patient = compose_epsilon([layered.replaced(_round(z))] * rounds,  # type: ignore[arg-type]
@@ -153,7 +154,7 @@ def test_the_study_plans_z_for_the_per_patient_charge() -> None:
     assert per_patient <= left * 1.02
     # DP-SGD beneath bounds a patient on its own path: the rounds stay planned at S.
     beneath = _study(record_level="record", record_epsilon=4.0)
-    assert hospital.study_terms(beneath).noise_multiplier == pytest.approx(at_s, rel=1e-3)
+    assert study_terms(beneath).noise_multiplier == pytest.approx(at_s, rel=1e-3)
 
 
 def _old_ledger(path: Path, signer: LedgerSigner) -> PrivacyLedger:
@@ -214,7 +215,7 @@ def test_a_ledger_written_before_the_term_still_verifies_and_is_carried(
         _open(path, pki_material.signer_a, charge=CHARGE_RECORD_LEVEL)
 
     cert, key = pki.site_paths(pki_material.root, "hospital-a")
-    carry = [sys.executable, "-m", "common.privacy.cli", "ledger", "carry", "--ledger",
+    carry = [sys.executable, "-m", "common.commands.privacy", "ledger", "carry", "--ledger",
              str(path), "--charge", CHARGE_RECORD_LEVEL, "--cert", str(cert), "--key", str(key)]
     # At the per-patient charge the history spent more than the old budget: a carry that
     # kept that budget would record a spend above it, so the budget must be raised.
@@ -234,7 +235,7 @@ def test_a_ledger_written_before_the_term_still_verifies_and_is_carried(
 def test_ledger_show_says_the_per_patient_figure_is_charged(
     tmp_path: Path, pki_material: Pki, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from common.privacy.cli import main as privacy_main
+    from common.commands.privacy import main as privacy_main
 
     ledger = _open(tmp_path / "ledger.db", pki_material.signer_a, charge=CHARGE_RECORD_LEVEL)
     ledger.reserve(1, [_round(2.7)], now=NOW)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import LedgerUnavailable, StateError
-from common.parsing import MAX_DEPTH
+from common.core.errors import LedgerUnavailable, StateError
+from common.core.parsing import MAX_DEPTH
 from common.privacy.accountant import Segment
 from common.privacy.ledger import PrivacyLedger, anchor_path_for, export_ledger
 from site_agent.approvals import Approvals
@@ -27,7 +27,7 @@ NOW = datetime(2026, 3, 1, tzinfo=UTC)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "common.privacy.cli", *args],
+    return subprocess.run([sys.executable, "-m", "common.commands.privacy", *args],
                           capture_output=True, text=True, timeout=120, check=False)
 
 

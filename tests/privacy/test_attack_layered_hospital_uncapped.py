@@ -17,12 +17,13 @@ from typing import Any
 
 import pytest
 
-from common.errors import BudgetExhausted
+from common.core.errors import BudgetExhausted
 from common.privacy import hospital, layered
 from common.privacy.accountant import compose_epsilon, plan_round_noise
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Mechanism
 from common.study import Study, study_from_mapping
+from common.study.hospital_terms import study_terms
 from tests.privacy.conftest import Pki
 from tests.study.helpers import study_mapping
 
@@ -45,7 +46,7 @@ def test_hospital_rounds_beyond_the_study_are_refused_by_the_budget(
     tmp_path: Path, pki_material: Pki
 ) -> None:
     study = layered_study()
-    terms = hospital.study_terms(study)
+    terms = study_terms(study)
     ring = hospital.ring_plan(terms, dim=1000, max_sites=3)
     ddgauss = hospital.mechanism(hospital.site_plan(ring, n_noise=2))
     # What the site's own planner answers when the coordinator announces planned_rounds

@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 
-from common import pki
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.privacy.accountant import Segment
 from common.privacy.carry import carried_history, carry_ledger
 from common.privacy.ledger import (
@@ -32,6 +31,7 @@ from common.privacy.ledger import (
     write_new_ledger,
 )
 from common.privacy.signed import LedgerTerms
+from common.protocol import pki
 from tests.privacy.conftest import Pki
 
 DELTA = 1e-5
@@ -47,10 +47,10 @@ import json
 import sys
 from pathlib import Path
 
-from common.errors import MedfedError
+from common.core.errors import MedfedError
 from common.privacy.accountant import Segment
 from common.privacy.ledger import LedgerSigner, PrivacyLedger
-from common.state_lock import StateLock
+from common.core.state_lock import StateLock
 
 state, cert, key = (Path(arg) for arg in sys.argv[1:4])
 lock = StateLock.acquire(state, role="site hospital-a")
@@ -116,7 +116,7 @@ def site(state: Path, pki_material: Pki) -> Iterator[RunningSite]:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "common.privacy.cli", *args],
+    return subprocess.run([sys.executable, "-m", "common.commands.privacy", *args],
                           capture_output=True, text=True, timeout=300, check=False)
 
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from common.config import SitePolicySection
-from common.errors import AbortReason, ConfigError, PrivacyError, ProtocolAbort
-from common.modelfile import flat_layout
-from common.round import Announcement, validate_for_site
+from common.core.config import SitePolicySection
+from common.core.errors import AbortReason, ConfigError, PrivacyError, ProtocolAbort
+from common.core.modelfile import flat_layout
+from common.rounds.announcement import Announcement, validate_for_site
 from common.study import (
     SitePrivacyPolicy,
     Study,

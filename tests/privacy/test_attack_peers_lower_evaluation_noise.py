@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from common.config import PrivacySection, SiteSettings, load_settings
-from common.errors import ConfigError, PrivacyError
-from common.evaluation_release import EvaluationHistogram, evaluation_noise_std
+from common.core.config import PrivacySection, SiteSettings, load_settings
+from common.core.errors import ConfigError, PrivacyError
 from common.privacy.accountant import compose_epsilon
+from common.releases.evaluation_release import EvaluationHistogram, evaluation_noise_std
 from common.study import (
     DEFAULT_EVALUATION_NOISE_STD,
     SitePrivacyPolicy,

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from common import egress
-from common.config import SitePolicySection
+from common.core.config import SitePolicySection
+from common.core.errors import DataError
+from common.core.modelfile import flat_layout
 from common.crypto.quantize import dequantize_sum
-from common.errors import DataError
-from common.evaluation import score_histogram
-from common.evaluation_edges import default_edges
-from common.modelfile import flat_layout
 from common.models.tables.mlp import TabularMLP
-from common.round import Announcement, RoundPlan, validate_for_site
+from common.releases import egress
+from common.releases.evaluation import score_histogram
+from common.releases.evaluation_edges import default_edges
+from common.rounds.announcement import Announcement, RoundPlan, validate_for_site
 from site_agent.data import SiteData
 from site_agent.held_out import finite_scores, held_out_histogram
 from site_agent.imaging import ImageDataset, image_spec_for_study, load_image_folder

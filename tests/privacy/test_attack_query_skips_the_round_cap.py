@@ -23,20 +23,20 @@ from typing import Any
 import numpy as np
 import pytest
 
-from common import pki
-from common.analytics.cost import ledger_epsilon
-from common.analytics.query import Query, query_bytes, query_from_mapping, query_sha256
-from common.analytics.query_release import QUERY_RELEASE, QueryRelease
-from common.analytics.vector import query_length, query_mechanisms
-from common.cli import main
-from common.config import SitePolicySection
-from common.errors import QueryRefused
+from common.commands.cli import main
+from common.core.config import SitePolicySection
+from common.core.errors import QueryRefused
 from common.privacy.accountant import epsilon_added
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Gaussian
 from common.privacy.signed import LedgerSigner
-from common.release import KIND_RELEASE
-from common.round import Announcement, validate_for_site
+from common.protocol import pki
+from common.releases.analytics.cost import ledger_epsilon
+from common.releases.analytics.query import Query, query_bytes, query_from_mapping, query_sha256
+from common.releases.analytics.query_release import QUERY_RELEASE, QueryRelease
+from common.releases.analytics.vector import query_length, query_mechanisms
+from common.releases.seam import KIND_RELEASE
+from common.rounds.announcement import Announcement, validate_for_site
 from common.study import Study, load_study, study_from_mapping, study_sha256
 from site_agent.approvals import Approvals
 from site_agent.data import StudyTable, load_study_table

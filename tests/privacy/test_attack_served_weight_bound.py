@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.errors import ConfigError, ModelOutOfBounds, ValidationError
-from common.modelfile import flat_layout
+from common.core.errors import ConfigError, ModelOutOfBounds, ValidationError
+from common.core.modelfile import flat_layout
 from common.models.initial_file import read_initial_model, write_initial_model
 from common.study import (
     DEFAULT_MAX_ABS_WEIGHT,

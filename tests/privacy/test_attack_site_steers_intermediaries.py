@@ -17,9 +17,9 @@ import math
 
 import numpy as np
 
-from common.config import SitePolicySection
+from common.core.config import SitePolicySection
 from common.privacy import hospital
-from common.round import Announcement, validate_for_site
+from common.rounds.announcement import Announcement, validate_for_site
 from coordinator import hospital_sum
 from site_agent import hospital as site_hospital
 from site_agent.site_training import LocalUpdate

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.errors import StateError
+from common.core.errors import StateError
 from site_agent.data import SiteData
 from site_agent.imaging import ImageSpec, load_image_folder
 from site_agent.synthetic_imaging import write_site_folder
@@ -161,7 +161,7 @@ def test_a_study_table_without_patient_column_splits_by_its_values_as_read(
     """Under a study without a patient column each record is its unit, keyed by its
     values as read: the split does not move when the federation's statistics (which
     encode the records) change, and the demo's baselines can compute it."""
-    from common.config import SiteSettings
+    from common.core.config import SiteSettings
     from common.study import study_from_mapping
     from site_agent.data import load_study_table
     from site_agent.site_dataset import encode_study_table

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from common import pki
-from common.errors import LedgerForkError, LedgerIntegrityError, LedgerUnavailable
+from common.core.errors import LedgerForkError, LedgerIntegrityError, LedgerUnavailable
 from common.privacy.accountant import Segment
 from common.privacy.ledger import (
     PrivacyLedger,
@@ -26,6 +25,7 @@ from common.privacy.ledger import (
 )
 from common.privacy.receipts import HeadReceipt, read_receipts, receipt_path
 from common.privacy.signed import LedgerSigner, SignedHistory
+from common.protocol import pki
 from tests.privacy.conftest import Pki
 
 DELTA = 1e-5
@@ -45,7 +45,7 @@ def grow(ledger: PrivacyLedger, rounds: range) -> None:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "common.privacy.cli", *args],
+        [sys.executable, "-m", "common.commands.privacy", *args],
         capture_output=True, text=True, timeout=120, check=False,
     )
 

@@ -14,18 +14,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common import wire
-from common.config import AggregationSection, SitePolicySection, SiteSettings
+from common.core.config import AggregationSection, SitePolicySection, SiteSettings
+from common.core.errors import RoundFailed, ValidationError
+from common.core.modelfile import flat_layout
 from common.crypto.random import DeterministicRandom
-from common.errors import RoundFailed, ValidationError
-from common.modelfile import flat_layout
 from common.privacy import hospital
 from common.privacy.accountant import compose_epsilon
 from common.privacy.ddgauss import ddgauss_round
 from common.privacy.intermediaries import expected_noise_norm, split_count, step_bounds
 from common.privacy.ledger import PrivacyLedger
-from common.round import Announcement, RoundPlan, validate_for_site, validate_intermediaries
+from common.rounds import wire
+from common.rounds.announcement import (
+    Announcement,
+    RoundPlan,
+    validate_for_site,
+    validate_intermediaries,
+)
 from common.study import Study, study_from_mapping
+from common.study.hospital_terms import study_terms
 from coordinator import hospital_sum
 from coordinator.store import CoordinatorStore
 from coordinator.training_round import stored_intermediaries
@@ -202,7 +208,7 @@ def test_announced_v_is_checked_against_range_and_study() -> None:
     policy = SitePolicySection()
     auto = _auto_study()
     fixed = _auto_study(intermediaries=3)
-    auto_terms = hospital.study_terms(auto)
+    auto_terms = study_terms(auto)
     assert auto_terms.norm_segment and auto_terms.intermediaries == (
         hospital.AUTO_START_INTERMEDIARIES)
     ann = hospital_sum.announce(_announcement(dim), auto_terms.for_round(5))
@@ -219,7 +225,7 @@ def test_announced_v_is_checked_against_range_and_study() -> None:
         with pytest.raises(ValidationError, match=pattern):
             validate_intermediaries(bad, study=auto)
     # A fixed v must be the study's, with no norm segment.
-    fixed_ann = hospital_sum.announce(_announcement(dim), hospital.study_terms(fixed))
+    fixed_ann = hospital_sum.announce(_announcement(dim), study_terms(fixed))
     assert fixed_ann.hospital_intermediaries == 3 and not fixed_ann.hospital_norm_segment
     validate_for_site(fixed_ann, policy=policy, site_id="alpha", study=fixed)
     with pytest.raises(ValidationError, match="fixed 3"):
@@ -237,7 +243,7 @@ def test_announced_v_is_checked_against_range_and_study() -> None:
     capped = hospital_sum.terms_for(auto, AggregationSection(), intermediaries=99)
     assert capped is not None and capped.intermediaries == hospital.MAX_AUTO_INTERMEDIARIES
     assert hospital_sum.terms_for(fixed, AggregationSection(),
-                                  intermediaries=99) == hospital.study_terms(fixed)
+                                  intermediaries=99) == study_terms(fixed)
 
 
 def test_ledger_epsilons_when_v_varies_per_round() -> None:

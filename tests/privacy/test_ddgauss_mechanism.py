@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from scipy import stats  # type: ignore[import-untyped]
 from scipy.linalg import hadamard  # type: ignore[import-untyped]
 
+from common.core.errors import ConfigError, ValidationError
 from common.crypto.random import DeterministicRandom
-from common.errors import ConfigError, ValidationError
 from common.privacy.ddgauss import (
     NoiseStream,
     clip_l2,

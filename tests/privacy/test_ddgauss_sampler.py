@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from scipy import stats  # type: ignore[import-untyped]
 
+from common.core.errors import ConfigError, ValidationError
 from common.crypto.random import DeterministicRandom
-from common.errors import ConfigError, ValidationError
 from common.privacy.ddgauss import (
     NoiseStream,
     bernoulli_exp,

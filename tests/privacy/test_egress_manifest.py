@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common import egress
+from common.core.errors import ValidationError
 from common.crypto.random import numpy_generator, system_random
-from common.errors import ValidationError
 from common.proto.medfed.v1 import federation_pb2 as pb
+from common.releases import egress, seam
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,8 +63,8 @@ def test_round_vector_is_exactly_its_segments() -> None:
 
 def test_docs_table_is_generated_from_the_manifest() -> None:
     text = (ROOT / "docs" / "privacy.md").read_text()
-    assert egress.docs_section() in text, (
-        "docs/privacy.md's egress table is stale: paste `python -m common.egress` over it"
+    assert seam.docs_section() in text, (
+        "docs/privacy.md's egress table is stale: paste `python -m common.releases.egress` over it"
     )
 
 

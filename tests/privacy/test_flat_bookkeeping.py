@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.config import SitePolicySection
+from common.core.config import SitePolicySection
 from common.privacy import accountant, prv
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian, Mechanism, Segment

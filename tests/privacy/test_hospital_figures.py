@@ -19,14 +19,15 @@ from typing import Any
 
 import pytest
 
+from common.commands.privacy import main as privacy_main
+from common.commands.study import main as study_main
 from common.privacy import hospital
 from common.privacy.accountant import compose_epsilon
-from common.privacy.cli import main as privacy_main
 from common.privacy.ddgauss import DDGaussPlan
 from common.privacy.ledger import PrivacyLedger, verify_ledger
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Mechanism
 from common.study import intermediaries_warning, study_from_mapping, study_sha256
-from common.study_cli import main as study_main
+from common.study.hospital_terms import study_terms
 from coordinator import hospital_sum
 from site_agent import dp_release
 from tests.privacy.conftest import Pki
@@ -147,7 +148,7 @@ def test_the_card_names_all_three(intermediaries: int) -> None:
 def test_model_show_names_all_three(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`medfed model show` on a written bundle prints the three figures under their
     names and labels sites[].epsilon as the budget charge."""
-    from common.bundle import PrivacyCard, SitePrivacy, write_bundle
+    from common.releases.bundle import PrivacyCard, SitePrivacy, write_bundle
     from site_agent.predict_cli import main as predict_main
     from tests.study.helpers import trained_bundle, write_hospital_csv
 
@@ -186,8 +187,8 @@ def test_default_is_one_intermediary_and_more_is_warned(
 ) -> None:
     study = _hospital_study()
     assert study.privacy.intermediaries == 1
-    assert hospital.study_terms(study).intermediaries == 1
-    assert not hospital.study_terms(study).norm_segment
+    assert study_terms(study).intermediaries == 1
+    assert not study_terms(study).norm_segment
     assert intermediaries_warning(study.privacy) is None
     for value, shown in (("auto", "up to 8"), (4, "v = 4")):
         warning = intermediaries_warning(_hospital_study(intermediaries=value).privacy)

@@ -13,7 +13,7 @@ from common.crypto.random import DeterministicRandom
 from common.privacy import hospital
 from common.privacy.ddgauss import ddgauss_decode, ddgauss_encode, ddgauss_round, epsilon_from_rho
 from common.privacy.mechanisms import DistributedDiscreteGaussian
-from common.secagg.phases import Phase
+from common.protocol.secagg.phases import Phase
 from tests.secagg.secagg_harness import make_federation, run_round
 
 CLIP = 2.0

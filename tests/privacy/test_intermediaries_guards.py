@@ -12,10 +12,9 @@ import math
 import numpy as np
 import pytest
 
-from common import egress
-from common.config import SitePolicySection
+from common.core.config import SitePolicySection
+from common.core.modelfile import flat_layout
 from common.crypto.random import DeterministicRandom, numpy_generator, system_random
-from common.modelfile import flat_layout
 from common.privacy import hospital
 from common.privacy.ddgauss import ddgauss_round
 from common.privacy.intermediaries import (
@@ -26,7 +25,8 @@ from common.privacy.intermediaries import (
     split_count,
     step_bounds,
 )
-from common.round import Announcement, validate_for_site
+from common.releases import egress
+from common.rounds.announcement import Announcement, validate_for_site
 from coordinator import hospital_sum
 from coordinator.aggregation import DecodedSum
 from site_agent import hospital as site_hospital

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from common.round import RoundPlan
+from common.rounds.announcement import RoundPlan
 from site_agent.data import SiteData
 from site_agent.intermediaries import assign_intermediaries, intermediary_key, intermediary_of
 from site_agent.unit_split import record_unit_keys

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from common import pki
-from common.errors import BudgetExhausted, ConfigError
+from common.core.errors import BudgetExhausted, ConfigError
 from common.privacy.accountant import Segment, account
 from common.privacy.carry import carry_ledger
 from common.privacy.ledger import PrivacyLedger, ledger_notes, verify_ledger
 from common.privacy.receipts import read_receipts
 from common.privacy.signed import LedgerSigner, LedgerTerms
+from common.protocol import pki
 from tests.privacy.conftest import Pki
 
 DELTA = 1e-5
@@ -53,7 +53,7 @@ def test_a_lowered_budget_starts_at_the_old_spend_and_refuses_accordingly(
 
     cert, key = pki.site_paths(pki_material.root, "hospital-a")
     done = subprocess.run(
-        [sys.executable, "-m", "common.privacy.cli", "ledger", "carry", "--ledger", str(path),
+        [sys.executable, "-m", "common.commands.privacy", "ledger", "carry", "--ledger", str(path),
          "--budget-epsilon", "1.15", "--cert", str(cert), "--key", str(key),
          "--receipts", str(receipts)],
         capture_output=True, text=True, timeout=300, check=False)

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from common import pki
-from common.errors import ConfigError, LedgerIntegrityError, LedgerUnavailable
+from common.core.errors import ConfigError, LedgerIntegrityError, LedgerUnavailable
 from common.privacy import migrate
 from common.privacy.accountant import Segment, compose_epsilon
 from common.privacy.ledger import (
@@ -29,6 +28,7 @@ from common.privacy.ledger import (
     verify_ledger,
 )
 from common.privacy.signed import LedgerSigner
+from common.protocol import pki
 from tests.privacy.conftest import Pki
 
 DELTA = 1e-5
@@ -176,7 +176,7 @@ def test_migrate_command(tmp_path: Path, pki_material: Pki) -> None:
     path = tmp_path / "site.ledger"
     epsilons = write_format1_ledger(path)
     cert, key = pki.site_paths(pki_material.root, "hospital-a")
-    command = [sys.executable, "-m", "common.privacy.cli", "ledger", "migrate",
+    command = [sys.executable, "-m", "common.commands.privacy", "ledger", "migrate",
                "--ledger", str(path), "--cert", str(cert), "--key", str(key)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120,

@@ -40,7 +40,7 @@ def ledger(tmp_path: Path, pki_material: Pki) -> Path:
 
 def show(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "common.privacy.cli", "ledger", "show", "--ledger", str(path),
+        [sys.executable, "-m", "common.commands.privacy", "ledger", "show", "--ledger", str(path),
          *extra],
         capture_output=True, text=True, timeout=120, check=False,
     )

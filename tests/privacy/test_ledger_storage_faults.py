@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import LedgerUnavailable
+from common.core.errors import LedgerUnavailable
 from common.privacy.accountant import Segment
 from common.privacy.ledger import PrivacyLedger, anchor_path_for, export_ledger, verify_ledger
 from tests.privacy.conftest import Pki
@@ -106,7 +106,7 @@ def fill(folder: Path) -> Path:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "common.privacy.cli", "ledger", *args],
+    return subprocess.run([sys.executable, "-m", "common.commands.privacy", "ledger", *args],
                           capture_output=True, text=True, timeout=120, check=False)
 
 

@@ -4,7 +4,7 @@ reaches the federation.
 What a site derives from its data before training, and where each comes from:
 
 * scaler (mean, scale), numeric imputation value, clip range: `GlobalStatistics`, the
-  federated DP statistics release (on every site's ledger, `common.statistics`), or the
+  federated DP statistics release (on every site's ledger, `common.releases.statistics`), or the
   study's declared `range`;
 * categorical vocabulary: the study's declared `levels` (a level not declared is a data
   error, never a new column); its imputation level: `GlobalStatistics` (DP);

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.privacy.accountant import compose_epsilon, plan_noise_multiplier, plan_round_noise
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Gaussian, Segment
@@ -125,7 +125,7 @@ def test_releases_that_alone_exceed_the_budget_leave_no_plan_and_say_so() -> Non
     the budget: epsilon barely falls as sigma grows, and the secant's step used to
     overflow (OverflowError, an "unexpected" crash of the site). Now the search runs
     to its bound and refuses with ConfigError."""
-    from common.release import NoisePlan
+    from common.releases.seam import NoisePlan
 
     evaluation = NoisePlan(sigma=1.0, n_noise=2, length=400, l2_sensitivity=1.0,
                            l1_sensitivity=1.0).mechanism()

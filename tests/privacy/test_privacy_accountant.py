@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from opacus.accountants.utils import get_noise_multiplier
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.privacy.accountant import (
     RDP_ORDERS,
     Segment,

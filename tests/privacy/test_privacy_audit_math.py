@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.privacy.audit import (
     audit_from_scores,
     audit_p_value,

@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.errors import ConfigError
-from site_agent.audit import AuditSettings, main, run_audit
+from common.core.errors import ConfigError
+from site_agent.audit import run_audit
+from site_agent.audit_cli import main
+from site_agent.audit_settings import AuditSettings
 from site_agent.synthetic import generate_cohort, write_site_csvs
 
 SITE = "urban_academic"
@@ -110,8 +112,8 @@ def test_canaries_are_one_unit_each_and_settings_validate() -> None:
 def test_registered_under_medfed_privacy(capsys: pytest.CaptureFixture[str]) -> None:
     from importlib.metadata import entry_points
 
-    from common.privacy.cli import PRIVACY_COMMAND_GROUP
-    from common.privacy.cli import main as privacy_main
+    from common.commands.privacy import PRIVACY_COMMAND_GROUP
+    from common.commands.privacy import main as privacy_main
 
     if not any(ep.name == "audit" for ep in entry_points(group=PRIVACY_COMMAND_GROUP)):
         pytest.skip("entry point not installed: run `pip install -e .` after pyproject.toml")

@@ -1,4 +1,4 @@
-"""`medfed privacy` and `medfed ledger` (run as `python -m common.privacy.cli`)."""
+"""`medfed privacy` and `medfed ledger` (run as `python -m common.commands.privacy`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from common.commands.privacy import main
 from common.privacy.accountant import Segment, account, compose_epsilon
-from common.privacy.cli import main
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian
 from tests.privacy.conftest import Pki
@@ -182,7 +182,8 @@ def test_ledger_commands_in_a_real_process(tmp_path: Path, pki_material: Pki) ->
         0, [Segment(1.0, 0.01, 100)], now=T0
     )
     ok = subprocess.run(
-        [sys.executable, "-m", "common.privacy.cli", "ledger", "verify", "--ledger", str(path)],
+        [sys.executable, "-m", "common.commands.privacy", "ledger", "verify", "--ledger",
+         str(path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -194,7 +195,7 @@ def test_ledger_commands_in_a_real_process(tmp_path: Path, pki_material: Pki) ->
         [
             sys.executable,
             "-m",
-            "common.privacy.cli",
+            "common.commands.privacy",
             "ledger",
             "show",
             "--ledger",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import ConfigError, StateError
+from common.core.errors import ConfigError, StateError
 from common.privacy.accountant import Segment
 from common.privacy.budget import BudgetReport
 from common.privacy.federation import FederationBudgetView

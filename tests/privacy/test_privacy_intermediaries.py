@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.privacy.intermediaries import SplitMode, intermediary_ratio, split_count
 
 

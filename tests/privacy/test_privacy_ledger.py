@@ -16,20 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from common.crypto.encoding import encode_fields
-from common.errors import (
+from common.core.errors import (
     BudgetExhausted,
     ConfigError,
     LedgerIntegrityError,
     LedgerUnavailable,
     StateError,
 )
-from common.pki import load_certificate
+from common.crypto.encoding import encode_fields
 from common.privacy import layered
 from common.privacy.accountant import Segment, compose_epsilon
 from common.privacy.ledger import PrivacyLedger, read_ledger, verify_ledger
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian, canonical_json
 from common.privacy.signed import LedgerSigner, LedgerTerms, SignedEntry
+from common.protocol.pki import load_certificate
 from tests.privacy.conftest import Pki
 
 DELTA = 1e-5
@@ -310,7 +310,7 @@ TAMPERINGS: dict[str, tuple[Callable[[Path], None], str]] = {
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "common.privacy.cli", *args],
+        [sys.executable, "-m", "common.commands.privacy", *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import LedgerForkError, LedgerIntegrityError, LedgerUnavailable
-from common.pki import load_certificate
+from common.core.errors import LedgerForkError, LedgerIntegrityError, LedgerUnavailable
 from common.privacy.accountant import Segment
 from common.privacy.ledger import (
     PrivacyLedger,
@@ -28,6 +27,7 @@ from common.privacy.ledger import (
     verify_ledger,
 )
 from common.privacy.signed import LedgerSigner, SignedHistory
+from common.protocol.pki import load_certificate
 from tests.privacy.conftest import Pki
 
 DELTA = 1e-5
@@ -47,7 +47,7 @@ def grow(ledger: PrivacyLedger, rounds: range) -> None:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "common.privacy.cli", *args],
+        [sys.executable, "-m", "common.commands.privacy", *args],
         capture_output=True, text=True, timeout=120, check=False,
     )
 

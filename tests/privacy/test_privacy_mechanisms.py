@@ -13,7 +13,7 @@ from dp_accounting.pld import PLDAccountant  # type: ignore[import-untyped]
 from dp_accounting.rdp import RdpAccountant  # type: ignore[import-untyped]
 from scipy.stats import norm  # type: ignore[import-untyped]
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.privacy.accountant import (
     RDP_ORDERS,
     Segment,

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import LedgerForkError, LedgerIntegrityError, ValidationError
-from common.pki import load_certificate
+from common.core.errors import LedgerForkError, LedgerIntegrityError, ValidationError
 from common.privacy.accountant import Segment
 from common.privacy.ledger import PrivacyLedger, export_ledger, restore_ledger, verify_ledger
 from common.privacy.mechanisms import Gaussian
 from common.privacy.replica import LedgerReplica
 from common.privacy.signed import LedgerSigner, SignedHistory
+from common.protocol.pki import load_certificate
 from tests.privacy.conftest import Pki
 
 DELTA = 1e-5
@@ -147,7 +147,8 @@ def test_export_from_the_coordinator_state_restores_the_site(
     shutil.move(site_path, lost)  # the site loses its ledger (its anchor stays)
     out = tmp_path / "export.json"
     result = subprocess.run(
-        [sys.executable, "-m", "common.privacy.cli", "ledger", "export", "--site", "hospital-b",
+        [sys.executable, "-m", "common.commands.privacy", "ledger", "export", "--site",
+         "hospital-b",
          "--state", str(state), "--out", str(out)],
         capture_output=True, text=True, timeout=120, check=False,
     )
@@ -158,7 +159,7 @@ def test_export_from_the_coordinator_state_restores_the_site(
     assert export_ledger(site_path).to_bytes() == out.read_bytes()
     assert len(site_ledger(site_path, pki_material.signer_b, site="hospital-b").entries()) == 3
     unknown = subprocess.run(
-        [sys.executable, "-m", "common.privacy.cli", "ledger", "export", "--site", "nobody",
+        [sys.executable, "-m", "common.commands.privacy", "ledger", "export", "--site", "nobody",
          "--database-url", f"sqlite:///{state / 'coordinator.db'}"],
         capture_output=True, text=True, timeout=120, check=False,
     )

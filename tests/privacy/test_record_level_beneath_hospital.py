@@ -15,18 +15,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from common.config import SiteSettings
+from common.commands.privacy import main as privacy_main
+from common.core.config import SiteSettings
+from common.core.errors import BudgetExhausted, ConfigError
 from common.crypto.random import system_random
-from common.errors import BudgetExhausted, ConfigError
 from common.models.build import initial_model
 from common.models.layout import flatten_parameters, model_layout
 from common.privacy import hospital, layered
 from common.privacy.accountant import account, compose_epsilon
-from common.privacy.cli import main as privacy_main
 from common.privacy.ledger import PrivacyLedger, verify_ledger
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian, Mechanism, Segment
-from common.round import RoundPlan
+from common.rounds.announcement import RoundPlan
 from common.study import Study, study_from_mapping
+from common.study.hospital_terms import study_terms
 from site_agent import dp_release
 from site_agent.datacheck import site_policy
 from site_agent.site_dataset import TableDataset
@@ -74,7 +75,7 @@ def run_round(
                      learning_rate=0.1, fedprox_mu=0.0, histogram_bins=10, layout=layout)
     evaluation = [dp_release.evaluation_mechanism(noise_std=5.0, n_noise=2, bins=10)]
     segments: list[Mechanism] = list(hook.planned_segments(plan, evaluation=evaluation))
-    ring = hospital.ring_plan(hospital.study_terms(study), dim=global_flat.size, max_sites=3)
+    ring = hospital.ring_plan(study_terms(study), dim=global_flat.size, max_sites=3)
     site = hospital.site_plan(ring, n_noise=2)
     segments.append(hospital.mechanism(site))
     after = ledger.preview(number, segments, also=[("evaluation", evaluation)])

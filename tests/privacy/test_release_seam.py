@@ -1,9 +1,9 @@
-"""The release seam (common.release) from a newcomer's side: a DP release that exists
+"""The release seam (common.releases.seam) from a newcomer's side: a DP release that exists
 only in this file (a count of patients aged 65 or over) is registered, released by three
 sites through the site's generic path (`site_agent.releases.release_vector`: a real
 signed ledger entry first, then noise from the system CSPRNG, then the egress
 encoding), summed by real SecAgg+ (real X25519/AES-GCM/Shamir, in-process), and decoded
-by the coordinator's generic path (`common.release.decode_sum`, then kept as JSON).
+by the coordinator's generic path (`common.releases.seam.decode_sum`, then kept as JSON).
 Nothing else in the product knows about it."""
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from common import egress, pki, wire
-from common.config import SitePolicySection
-from common.errors import ValidationError
+from common.core.config import SitePolicySection
+from common.core.errors import ValidationError
 from common.privacy.accountant import compose_epsilon
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.signed import LedgerSigner
-from common.release import (
+from common.protocol import pki
+from common.releases import egress
+from common.releases.seam import (
     KIND_RELEASE,
     RELEASES,
     DpRelease,
@@ -37,8 +38,9 @@ from common.release import (
     release_kind,
     sum_noise_sigma,
 )
-from common.round import Announcement, validate_for_site
-from common.statistics import ring_to_signed
+from common.releases.statistics import ring_to_signed
+from common.rounds import wire
+from common.rounds.announcement import Announcement, validate_for_site
 from coordinator.release_round import keep_json
 from site_agent.releases import release_vector
 from tests.secagg.secagg_harness import make_federation, run_round
@@ -227,7 +229,7 @@ def test_the_sum_noise_is_read_from_the_n_noise_every_member_planned_for(
     worth of variance (sigma^2 * 5 / 2), one over 2 survivors exactly sigma^2. Reading it
     as n_noise = K - T (the coordinator's old assumption) understated a 5-site sum's
     noise by a factor 1.41 (intervals too narrow) and overstated a 2-survivor one's."""
-    from common.release import planned_noise_sites, sum_noise_sigmas
+    from common.releases.seam import planned_noise_sites, sum_noise_sigmas
 
     n_noise = planned_noise_sites(min_round_sites=3, max_colluding_sites=1)
     assert n_noise == 2

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import LedgerForkError, LedgerIntegrityError
-from common.pki import load_certificate
+from common.core.errors import LedgerForkError, LedgerIntegrityError
 from common.privacy.accountant import Segment
 from common.privacy.carry import carried_history, carry_ledger
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.replica import LedgerReplica
 from common.privacy.signed import LedgerSigner, LedgerTerms, SignedEntry, SignedHistory
+from common.protocol.pki import load_certificate
 from tests.privacy.conftest import Pki
 
 DELTA = 1e-5

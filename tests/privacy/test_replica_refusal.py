@@ -9,12 +9,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from common import wire
-from common.errors import LedgerForkError
+from common.core.errors import LedgerForkError
+from common.core.sqldb import Database
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Gaussian
 from common.privacy.replica import LedgerReplica
-from common.sqldb import Database
+from common.rounds import wire
 from tests.privacy.conftest import Pki
 
 NOW = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
@@ -26,7 +26,7 @@ def test_reset_ledger_is_refused_as_a_fork(tmp_path: Path, pki_material: Pki) ->
         return PrivacyLedger(folder / "l.db", site_id="hospital-a", budget_epsilon=8.0,
                              delta=1e-5, signer=pki_material.signer_a)
 
-    from common.pki import load_certificate
+    from common.protocol.pki import load_certificate
 
     replica = LedgerReplica(Database(f"sqlite:///{tmp_path / 'state.db'}"),
                             ca_certificate=load_certificate(pki_material.ca))

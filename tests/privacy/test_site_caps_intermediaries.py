@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from common.config import DEFAULT_MAX_INTERMEDIARIES, SitePolicySection, SiteSettings
-from common.errors import PrivacyError, RoundFailed
+from common.core.config import DEFAULT_MAX_INTERMEDIARIES, SitePolicySection, SiteSettings
+from common.core.errors import PrivacyError, RoundFailed
 from common.privacy import hospital
-from common.round import validate_for_site
+from common.rounds.announcement import validate_for_site
 from common.study import SitePrivacyPolicy, check_study_against_policy, study_from_mapping
+from common.study.hospital_terms import study_terms
 from coordinator import hospital_sum
 from site_agent.datacheck import site_policy
 from tests.privacy.test_auto_intermediaries import _announcement, _auto_study
@@ -66,7 +67,7 @@ def test_site_policy_carries_the_configured_cap(tmp_path: Path) -> None:
 def test_a_round_announcing_more_intermediaries_than_the_cap_is_refused() -> None:
     auto = _auto_study()
     dim = 64
-    terms = hospital.study_terms(auto)
+    terms = study_terms(auto)
     within = hospital_sum.announce(_announcement(dim), terms.for_round(4))
     beyond = hospital_sum.announce(_announcement(dim), terms.for_round(5))
     assert (within.hospital_intermediaries, beyond.hospital_intermediaries) == (4, 5)

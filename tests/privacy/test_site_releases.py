@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.codec import TensorSpec
-from common.config import SitePolicySection, SiteSettings
+from common.core.codec import TensorSpec
+from common.core.config import SitePolicySection, SiteSettings
+from common.core.errors import BudgetExhausted
 from common.crypto.random import system_random
-from common.errors import BudgetExhausted
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Gaussian, Segment
-from common.round import RoundPlan
+from common.rounds.announcement import RoundPlan
 from site_agent import dp_release
 from site_agent.datacheck import site_policy
 from site_agent.site_training import DpTrainingHook

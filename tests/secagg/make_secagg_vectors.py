@@ -21,14 +21,14 @@ sys.path.insert(0, str(HERE))
 from secagg_harness import make_federation  # noqa: E402
 
 from common.crypto.random import DeterministicRandom  # noqa: E402
-from common.secagg.graph import neighbourhoods  # noqa: E402
-from common.secagg.messages import (  # noqa: E402
+from common.protocol.secagg.graph import neighbourhoods  # noqa: E402
+from common.protocol.secagg.messages import (  # noqa: E402
     RosterEntry,
     advertise_message,
     survivors_message,
 )
-from common.secagg.params import SecAggParams  # noqa: E402
-from common.secagg.session import session_id  # noqa: E402
+from common.protocol.secagg.params import SecAggParams  # noqa: E402
+from common.protocol.secagg.session import session_id  # noqa: E402
 
 OUTPUT = HERE.parent / "vectors" / "pinned_secagg.json"
 SITES = tuple(f"site-{i:03d}" for i in range(12))

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common.core.errors import CertificateRejected, CryptoError, ValidationError
 from common.crypto.random import DeterministicRandom
 from common.crypto.signing import SigningKey, VerifyingKey
-from common.errors import CertificateRejected, CryptoError, ValidationError
-from common.secagg.client import IdentityVerifier, SecAggClient
-from common.secagg.params import NO_ANNOUNCEMENT_DIGEST, SecAggParams
-from common.secagg.phases import Phase
-from common.secagg.server import SecAggServer
+from common.protocol.secagg.client import IdentityVerifier, SecAggClient
+from common.protocol.secagg.params import NO_ANNOUNCEMENT_DIGEST, SecAggParams
+from common.protocol.secagg.phases import Phase
+from common.protocol.secagg.server import SecAggServer
 
 ALGORITHMS = ("ed25519", "ecdsa-p256-sha256")
 

@@ -1,5 +1,5 @@
 """Both phase tables, every (from, to) pair: the SecAgg+ protocol phases
-(`common.secagg.phases`, moved by `PhaseTracker.advance`) and the coordinator's round
+(`common.protocol.secagg.phases`, moved by `PhaseTracker.advance`) and the coordinator's round
 phases (`coordinator.phases`, moved by `ActiveRound.move_to`). An allowed move lands in
 the new phase; any other raises the documented error and leaves the phase as it was."""
 
@@ -9,8 +9,8 @@ import itertools
 
 import pytest
 
-from common.errors import AbortReason, ProtocolAbort, StateError
-from common.secagg.phases import TERMINAL_PHASES, TRANSITIONS, Phase, PhaseTracker
+from common.core.errors import AbortReason, ProtocolAbort, StateError
+from common.protocol.secagg.phases import TERMINAL_PHASES, TRANSITIONS, Phase, PhaseTracker
 from coordinator import phases as round_phases
 from coordinator.phases import ActiveRound, RoundPhase
 from tests.coordinator.test_phases import announcement

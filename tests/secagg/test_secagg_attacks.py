@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from secagg_harness import Federation, make_federation, random_inputs, run_round
 
+from common.core.errors import AbortReason, CryptoError, ProtocolAbort
 from common.crypto.keyagreement import generate_keypair
 from common.crypto.random import DeterministicRandom
 from common.crypto.signing import VerifyingKey
-from common.errors import AbortReason, CryptoError, ProtocolAbort
-from common.secagg.client import RevealGuard, SecAggClient
-from common.secagg.graph import neighbourhoods
-from common.secagg.messages import (
+from common.protocol.secagg.client import RevealGuard, SecAggClient
+from common.protocol.secagg.graph import neighbourhoods
+from common.protocol.secagg.messages import (
     ConsistencySignatures,
     EncryptedShare,
     Roster,
@@ -30,8 +30,8 @@ from common.secagg.messages import (
     SurvivorList,
     advertise_message,
 )
-from common.secagg.params import DEFAULT_MAX_COLLUDING_SITES, DEFAULT_MIN_ROUND_SITES
-from common.secagg.phases import Phase
+from common.protocol.secagg.params import DEFAULT_MAX_COLLUDING_SITES, DEFAULT_MIN_ROUND_SITES
+from common.protocol.secagg.phases import Phase
 
 VICTIM = "site-000"
 

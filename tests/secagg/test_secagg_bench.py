@@ -8,7 +8,7 @@ import pytest
 
 from bench.secagg import CLIENT_PHASES
 from bench.secagg import main as bench_main
-from common.cli import main as medfed_main
+from common.commands.cli import main as medfed_main
 
 
 @pytest.mark.parametrize(

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.errors import ConfigError
-from common.secagg.graph import adjacency_is_symmetric, neighbourhoods
-from common.secagg.messages import RosterEntry, advertise_message, survivors_message
-from common.secagg.params import (
+from common.core.errors import ConfigError
+from common.protocol.secagg.graph import adjacency_is_symmetric, neighbourhoods
+from common.protocol.secagg.messages import RosterEntry, advertise_message, survivors_message
+from common.protocol.secagg.params import (
     COMPLETE_GRAPH_MAX_SITES,
     NO_ANNOUNCEMENT_DIGEST,
     SecAggParams,
@@ -23,8 +23,8 @@ from common.secagg.params import (
     round_floor,
     validate_against_threat_model,
 )
-from common.secagg.phases import TERMINAL_PHASES, TRANSITIONS, Phase
-from common.secagg.session import session_id
+from common.protocol.secagg.phases import TERMINAL_PHASES, TRANSITIONS, Phase
+from common.protocol.secagg.session import session_id
 
 NONCE = bytes(range(16))
 

@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from secagg_harness import make_federation, plaintext_sum, random_inputs, run_round
 
+from common.core.errors import ProtocolAbort
 from common.crypto.quantize import bits_for_sites, dequantize_sum, quantize
-from common.errors import ProtocolAbort
-from common.secagg.phases import Phase
+from common.protocol.secagg.phases import Phase
 
 DROP_PHASES = [
     Phase.ADVERTISE_KEYS,

@@ -1,4 +1,4 @@
-"""Unmask never yields a silently wrong sum (common/secagg/reconstruction.py).
+"""Unmask never yields a silently wrong sum (common/protocol/secagg/reconstruction.py).
 
 A participant that reveals well-formed but wrong Shamir y-values at Unmask is either
 corrected (enough right shares remain: the sum is exact and the holder is named in
@@ -20,13 +20,13 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from secagg_harness import make_federation, plaintext_sum, random_inputs, run_round
 
-from common import wire
+from common.core.errors import AbortReason, CryptoError, ProtocolAbort, ValidationError
 from common.crypto.random import DeterministicRandom
 from common.crypto.shamir import PRIME, SECRET_BYTES, SHARE_BYTES, split_secrets
-from common.errors import AbortReason, CryptoError, ProtocolAbort, ValidationError
-from common.secagg.messages import ShareKeysOut, UnmaskShares, self_mask_commitment
-from common.secagg.phases import Phase
-from common.secagg.reconstruction import MAX_SUBSETS, blame_radius, reconstruct_checked
+from common.protocol.secagg.messages import ShareKeysOut, UnmaskShares, self_mask_commitment
+from common.protocol.secagg.phases import Phase
+from common.protocol.secagg.reconstruction import MAX_SUBSETS, blame_radius, reconstruct_checked
+from common.rounds import wire
 
 
 def forge_unmask(*forgers: str, value: bytes | None = None):  # type: ignore[no-untyped-def]

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 from secagg_harness import make_federation, plaintext_sum, random_inputs, run_round
 
-from common.errors import AbortReason, CryptoError, ProtocolAbort, ValidationError
-from common.secagg.client import PeerStatus
-from common.secagg.messages import (
+from common.core.errors import AbortReason, CryptoError, ProtocolAbort, ValidationError
+from common.protocol.secagg.client import PeerStatus
+from common.protocol.secagg.messages import (
     ConsistencySignature,
     RevealedShare,
     ShareKind,
     UnmaskShares,
 )
-from common.secagg.phases import Phase
-from common.secagg.server import SiteProgress
+from common.protocol.secagg.phases import Phase
+from common.protocol.secagg.server import SiteProgress
 
 
 def advertise_all(federation, skip=()):  # type: ignore[no-untyped-def]

@@ -23,11 +23,12 @@ import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from common import pki, wire
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.round import Announcement
-from common.tls import peer_certificate_pem, server_credentials
+from common.protocol import pki
+from common.protocol.tls import peer_certificate_pem, server_credentials
+from common.rounds import wire
+from common.rounds.announcement import Announcement
 
 STOP = "the deviating coordinator ends every round here"
 

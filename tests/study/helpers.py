@@ -148,7 +148,7 @@ def noiseless_statistics(study: Study, table: StudyTable) -> GlobalStatistics:
 
 
 def privacy_card(study: Study) -> Any:
-    from common.bundle import GroupGuarantee, PrivacyCard, SecAggCard, SitePrivacy
+    from common.releases.bundle import GroupGuarantee, PrivacyCard, SecAggCard, SitePrivacy
 
     return PrivacyCard(
         unit=study.privacy.unit,
@@ -171,7 +171,8 @@ def trained_bundle(train_csv: Path, *, steps: int = 300) -> Any:
     """A real TabularMLP trained (non-privately, for speed) on one hospital's file."""
     import torch
 
-    from common.bundle import ModelBundle, Threshold, architecture_from_study
+    from common.models.architecture import architecture_from_study
+    from common.releases.bundle import ModelBundle, Threshold
     from site_agent.data import Preprocessor, load_study_table
     from site_agent.predict import build_model
 

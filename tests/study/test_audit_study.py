@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.study import encoded_feature_names, load_study
-from site_agent.audit import AuditSettings, load_study_audit_data, main, run_audit
+from site_agent.audit import load_study_audit_data, run_audit
+from site_agent.audit_cli import main
+from site_agent.audit_settings import AuditSettings
 from tests.study.helpers import study_toml, write_hospital_csv
 
 

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import load, save
 
-from common.bundle import (
+from common.core.errors import StateError, ValidationError
+from common.releases.bundle import (
     Threshold,
     bundle_bytes,
     bundle_from_bytes,
     read_bundle,
     write_bundle,
 )
-from common.errors import StateError, ValidationError
 from site_agent.predict import load_model
 from tests.study.helpers import trained_bundle, write_hospital_csv
 
@@ -50,7 +50,7 @@ def _metadata_and_tensors(data: bytes) -> tuple[dict[str, str], dict[str, np.nda
 
 
 def _rehash(metadata: dict[str, str], tensors: dict[str, np.ndarray], order: list[str]) -> bytes:
-    from common.bundle import metadata_digest
+    from common.core.tensor_file import metadata_digest
 
     ordered = {name: tensors[name] for name in order}
     metadata = {**metadata, "medfed.sha256": metadata_digest(metadata, ordered)}

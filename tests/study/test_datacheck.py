@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import main_with
-from common.errors import DataError
+from common.commands.cli import main_with
+from common.commands.study import render_study_toml
+from common.core.errors import DataError
 from common.study import study_from_mapping
-from common.study_cli import render_study_toml
 from site_agent.data import load_study_table
 from site_agent.datacheck import check_data_against_study
 from site_agent.predict_cli import register_data
@@ -194,8 +194,8 @@ def test_numeric_labels_match_declared_integers(tmp_path: Path) -> None:
 
 
 def test_site_checks_policy_then_data_before_joining(tmp_path: Path) -> None:
-    from common.config import PrivacySection, SiteSettings
-    from common.errors import PrivacyError
+    from common.core.config import PrivacySection, SiteSettings
+    from common.core.errors import PrivacyError
     from common.study import SitePrivacyPolicy
     from site_agent.datacheck import check_site_can_join, site_policy
 

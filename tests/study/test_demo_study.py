@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.errors import DataError
+from common.core.errors import DataError
 from common.study import Study
 from demo.study import draft_demo_study
 from site_agent.data import MISSING_TOKENS, is_missing, load_study_table

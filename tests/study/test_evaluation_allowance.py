@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import main_with
-from common.config import SiteSettings
-from common.errors import ConfigError, PrivacyError, ValidationError
+from common.commands.cli import main_with
+from common.commands.study import register
+from common.core.config import SiteSettings
+from common.core.errors import ConfigError, PrivacyError, ValidationError
 from common.study import (
     Study,
     check_study_against_policy,
@@ -23,7 +24,6 @@ from common.study import (
     study_from_bytes,
     study_from_mapping,
 )
-from common.study_cli import register
 from site_agent.datacheck import site_policy
 from tests.study.helpers import study_mapping
 

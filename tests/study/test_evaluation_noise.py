@@ -13,16 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.bundle import Threshold, read_bundle, threshold_from_histogram, write_bundle
-from common.cli import main_with
-from common.evaluation import (
+from common.commands.cli import main_with
+from common.releases.bundle import Threshold, read_bundle, threshold_from_histogram, write_bundle
+from common.releases.evaluation import (
     denoised_histogram,
     metrics_from_histogram,
     metrics_from_scores,
     score_histogram,
 )
-from common.evaluation_edges import uniform_edges
-from common.evaluation_threshold import youden_threshold
+from common.releases.evaluation_edges import uniform_edges
+from common.releases.evaluation_threshold import youden_threshold
 from site_agent.predict_cli import register_model, register_predict
 from tests.study.helpers import trained_bundle, write_hospital_csv
 
@@ -223,8 +223,9 @@ def test_model_show_describes_an_image_model_input(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An image model's inputs are its channels and size, from the study."""
-    from common.bundle import ModelBundle, architecture_from_study, bundle_summary
+    from common.models.architecture import architecture_from_study
     from common.models.build import initial_model
+    from common.releases.bundle import ModelBundle, bundle_summary
     from common.study import GlobalStatistics, load_study, study_sha256
     from tests.study.helpers import privacy_card
     from tests.training.test_study_hook import images_study

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.bundle import read_bundle, write_bundle
+from common.releases.bundle import read_bundle, write_bundle
 from common.study import study_sha256
 from site_agent.final_model import keep_previous_study_model
 from tests.study.helpers import trained_bundle, write_hospital_csv

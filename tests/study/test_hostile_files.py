@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load, save
 
-from common.bundle import ModelBundle, bundle_bytes, read_bundle, write_bundle
-from common.cli import main_with
-from common.errors import ConfigError, DataError, StateError, ValidationError
-from common.modelfile import MAGIC, ModelFile, flat_layout, read_model_file, write_model_file
+from common.commands.cli import main_with
+from common.commands.study import register as register_study
+from common.core.errors import ConfigError, DataError, StateError, ValidationError
+from common.core.modelfile import MAGIC, ModelFile, flat_layout, read_model_file, write_model_file
+from common.core.text import csv_cell, printable
+from common.releases.bundle import ModelBundle, bundle_bytes, read_bundle, write_bundle
 from common.study import load_study
-from common.study_cli import register as register_study
-from common.text import csv_cell, printable
 from site_agent.imaging import MAX_IMAGE_PIXELS, ImageSpec, load_image_folder
 from site_agent.predict_cli import register_model, register_predict
 from tests.study.helpers import COLUMNS, study_toml, trained_bundle, write_hospital_csv
@@ -57,7 +57,7 @@ def _metadata(data: bytes) -> dict[str, str]:
 def _crafted(bundle: ModelBundle, **edits: str) -> bytes:
     """The bundle with metadata values replaced and its digest recomputed, as an
     attacker who edits the file would (the digest is not a signature)."""
-    from common.bundle import metadata_digest
+    from common.core.tensor_file import metadata_digest
 
     data = bundle_bytes(bundle)
     tensors = load(data)

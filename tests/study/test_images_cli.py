@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.bundle import ModelBundle, Threshold, architecture_from_study, write_bundle
-from common.cli import main_with
+from common.commands.cli import main_with
+from common.models.architecture import architecture_from_study
+from common.releases.bundle import ModelBundle, Threshold, write_bundle
 from common.study import GlobalStatistics, Study, load_study, study_sha256
 from site_agent.predict_cli import register_data, register_predict
 from site_agent.synthetic_imaging import write_site_folder

@@ -15,15 +15,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from common.bundle import (
+from common.commands.cli import main_with
+from common.models.architecture import architecture_from_study
+from common.models.build import initial_model
+from common.releases.bundle import (
     ModelBundle,
     Threshold,
-    architecture_from_study,
     read_bundle,
     write_bundle,
 )
-from common.cli import main_with
-from common.models.build import initial_model
 from common.study import load_study, study_from_mapping, study_sha256
 from site_agent.data import load_study_table
 from site_agent.predict import predict_images, predict_table

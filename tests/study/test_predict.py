@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from common.bundle import write_bundle
-from common.cli import main_with
+from common.commands.cli import main_with
+from common.releases.bundle import write_bundle
 from common.study import study_from_mapping
 from site_agent.predict_cli import register_model, register_predict
 from tests.study.helpers import COLUMNS, study_mapping, trained_bundle, write_hospital_csv
@@ -87,7 +87,8 @@ def test_predict_refuses_bad_data(
 def test_custom_factory_needs_explicit_permission(
     tmp_path: Path, model_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from common.bundle import architecture_from_study, read_bundle
+    from common.models.architecture import architecture_from_study
+    from common.releases.bundle import read_bundle
 
     bundle = read_bundle(model_file)
     mapping = study_mapping()
@@ -133,9 +134,9 @@ def test_model_show(model_file: Path, capsys: pytest.CaptureFixture[str]) -> Non
 def test_initial_model_and_threshold_for_the_coordinator() -> None:
     import numpy as np
 
-    from common.bundle import parameters_from_flat, threshold_from_histogram
     from common.models.build import initial_model
     from common.models.layout import flatten_parameters
+    from common.releases.bundle import parameters_from_flat, threshold_from_histogram
     from tests.study.helpers import hospital_study
 
     study = hospital_study()
@@ -152,8 +153,8 @@ def test_initial_model_and_threshold_for_the_coordinator() -> None:
 
 
 def test_unknown_or_unbuildable_models_are_refused() -> None:
-    from common.bundle import Architecture
-    from common.errors import ConfigError
+    from common.core.errors import ConfigError
+    from common.models.architecture import Architecture
     from site_agent.predict import build_model
 
     # One registry (common.models): the mlp has K outputs for multi-class.

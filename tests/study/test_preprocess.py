@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.errors import ValidationError
+from common.core.errors import ValidationError
 from common.study import (
     CategoricalStatistics,
     GlobalStatistics,
@@ -121,7 +121,7 @@ def test_training_loader_encodes_and_checks_cohort(tmp_path: Path) -> None:
     data = load_site_data_for_study(path, hospital_study(), statistics(), delta=1e-3)
     assert data.features.shape == (160, 8) and data.num_patients == 80
     assert data.feature_names[4] == "Lactate mmol/L__missing"
-    from common.errors import DataError
+    from common.core.errors import DataError
 
     with pytest.raises(DataError, match="delta"):
         load_site_data_for_study(path, hospital_study(), statistics(), delta=0.1)

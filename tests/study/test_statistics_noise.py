@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.statistics import (
+from common.releases.statistics import (
     HISTOGRAM_BINS,
     auto_statistics,
     decode_release,

@@ -11,7 +11,7 @@ import pytest
 
 from common.crypto.random import system_random
 from common.privacy.ddgauss import count_rho, epsilon_from_rho
-from common.statistics import (
+from common.releases.statistics import (
     clipped_sums,
     decode_release,
     encode_release,

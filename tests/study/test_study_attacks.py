@@ -23,22 +23,24 @@ import numpy as np
 import pytest
 
 from bench.transport_site import DeterministicTestHook
-from common import egress, pki
-from common.bundle import ModelBundle, bundle_bytes, bundle_size_limit
-from common.config import SitePolicySection, SiteSettings
+from common.core.config import SitePolicySection, SiteSettings
+from common.core.errors import PrivacyError, StudyRefused, ValidationError
+from common.core.modelfile import flat_layout
 from common.crypto.random import system_random
-from common.errors import PrivacyError, StudyRefused, ValidationError
-from common.modelfile import flat_layout
 from common.privacy.ledger import LedgerSigner, PrivacyLedger
 from common.proto.medfed.v1 import federation_pb2 as pb
-from common.round import KIND_STATISTICS, Announcement
-from common.secagg import round_floor
-from common.statistics import (
+from common.protocol import pki
+from common.protocol.secagg import round_floor
+from common.releases import egress
+from common.releases.bundle import ModelBundle, bundle_bytes, bundle_size_limit
+from common.releases.seam import KIND_STATISTICS
+from common.releases.statistics import (
     l2_squared_sensitivity,
     plan_statistics,
     statistics_layout,
     statistics_length,
 )
+from common.rounds.announcement import Announcement
 from common.study import (
     GlobalStatistics,
     SitePrivacyPolicy,
@@ -448,7 +450,7 @@ def _edited_bundle(world: World, key: str, value: str) -> bytes:
     is not a signature: whoever edits the file can recompute it)."""
     from safetensors.numpy import load, save
 
-    from common.bundle import metadata_digest
+    from common.core.tensor_file import metadata_digest
 
     data = bundle_bytes(world.bundle)
     length = int.from_bytes(data[:8], "little")

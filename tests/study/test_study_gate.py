@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import main
-from common.config import SiteSettings, load_settings
-from common.errors import ConfigError, StudyNotApproved
+from common.commands.cli import main
+from common.commands.study import render_study_toml
+from common.core.config import SiteSettings, load_settings
+from common.core.errors import ConfigError, StudyNotApproved
 from common.study import Study, study_from_mapping, study_sha256
-from common.study_cli import render_study_toml
 from site_agent.approvals import Approvals
 from site_agent.study_gate import check_at_start, check_served
 from tests.study.helpers import study_mapping

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import main_with
+from common.commands.cli import main_with
+from common.commands.study import register
 from common.study import encoded_feature_names, load_study
-from common.study_cli import register
 
 ODD_HEADER = '"Patient ID","Age (yrs)",séx,"lactate ""mmol""","a,b",x.y-z,Outcome\n'
 

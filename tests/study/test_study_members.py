@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from common import pki
-from common.cli import main_with
-from common.errors import ConfigError
+from common.commands.cli import main_with
+from common.commands.study import register, render_study_toml
+from common.core.errors import ConfigError
+from common.protocol import pki
 from common.study import (
     Study,
     load_study,
@@ -23,7 +24,6 @@ from common.study import (
     study_from_mapping,
     study_sha256,
 )
-from common.study_cli import register, render_study_toml
 from tests.study.helpers import study_mapping
 
 A = "a" * 64

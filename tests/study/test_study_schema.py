@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from common.config import DEFAULT_COUNT_EPSILON, PrivacySection
-from common.errors import ConfigError, PrivacyError, ValidationError
+from common.commands.study import render_study_toml
+from common.core.config import DEFAULT_COUNT_EPSILON, PrivacySection
+from common.core.errors import ConfigError, PrivacyError, ValidationError
 from common.study import (
     SitePrivacyPolicy,
     check_study_against_policy,
@@ -22,7 +23,6 @@ from common.study import (
     study_from_mapping,
     study_sha256,
 )
-from common.study_cli import render_study_toml
 from tests.study.helpers import hospital_study, study_mapping
 
 GOOD = """

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import CoordinatorSettings, SiteSettings, load_settings
-from common.errors import ConfigError
+from common.core.config import CoordinatorSettings, SiteSettings, load_settings
+from common.core.errors import ConfigError
 from coordinator.study_run import StudyRun
 from site_agent.datacheck import site_policy
 from site_agent.site_training import DpTrainingHook

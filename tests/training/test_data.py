@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from common.errors import DataError
+from common.core.errors import DataError
 from common.study import Study, study_from_mapping
 from site_agent.data import (
     MIN_PRIVACY_UNITS,

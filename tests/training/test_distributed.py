@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.evaluation import metrics_from_scores
 from common.models.layout import load_flat_parameters
 from common.models.tables.mlp import TabularMLP
 from common.privacy.accountant import Segment
+from common.releases.evaluation import metrics_from_scores
 from site_agent.data import prepare_site_split
 from site_agent.distributed_train import config_from_args
 from site_agent.synthetic import FEATURES, generate_cohort

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.evaluation import (
+from common.releases.evaluation import (
     metrics_from_histogram,
     metrics_from_scores,
     multiclass_metrics_from_histogram,
@@ -16,7 +16,7 @@ from common.evaluation import (
     multiclass_score_histogram,
     score_histogram,
 )
-from common.evaluation_edges import uniform_edges
+from common.releases.evaluation_edges import uniform_edges
 
 
 def _pairs_sharing_a_bucket(scores: np.ndarray, labels: np.ndarray, bins: int) -> float:

@@ -3,7 +3,7 @@
 A DP model's scores may sit in a narrow band (all in [0.42, 0.47]); counted in fixed
 buckets they share one and the histogram AUC reads 0.500 whatever the ranking. The
 next round's buckets follow the band the previous round RELEASED
-(`common.evaluation_edges.next_edges`, post-processing of the noisy sum), travel in the
+(`common.releases.evaluation_edges.next_edges`, post-processing of the noisy sum), travel in the
 announcement, and every site counts with the same ones. Separable classes get an
 operating point between them. Noise below is rounded Gaussian, std 10 per bucket (a
 study's default ``privacy.evaluation.noise_std``), a test fixture standing in for the
@@ -21,9 +21,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.config import SitePolicySection
-from common.errors import ValidationError
-from common.evaluation import (
+from common.core.config import SitePolicySection
+from common.core.errors import ValidationError
+from common.core.modelfile import flat_layout
+from common.releases.evaluation import (
     denoised_histogram,
     metrics_from_histogram,
     metrics_from_scores,
@@ -31,23 +32,22 @@ from common.evaluation import (
     multiclass_score_histogram,
     score_histogram,
 )
-from common.evaluation_edges import (
+from common.releases.evaluation_edges import (
     default_edges,
     next_block_edges,
     next_edges,
     round_edges,
     uniform_edges,
 )
-from common.evaluation_interval import auc_interval
-from common.evaluation_threshold import (
+from common.releases.evaluation_interval import auc_interval
+from common.releases.evaluation_threshold import (
     operating_point_metrics,
     operating_point_metrics_from_scores,
     youden_threshold,
     youden_threshold_from_scores,
 )
-from common.modelfile import flat_layout
-from common.round import Announcement, validate_for_site
-from common.wire import announcement_from_pb, announcement_to_pb
+from common.rounds.announcement import Announcement, validate_for_site
+from common.rounds.wire import announcement_from_pb, announcement_to_pb
 
 BINS = 20
 NOISE_STD = 10.0
@@ -466,8 +466,8 @@ def _evaluate_moving_band(seed: int, *, follow: bool) -> list[tuple[float, float
     3.95 per count, the imaging demo's five sites), the buckets chosen as a coordinator
     chooses them: with the probe (first round around it, later ones following its
     shift) or, `follow` False, from the releases alone."""
-    from common.evaluation_edges import block_bins, probe_edges
-    from common.evaluation_interval import auc_interval
+    from common.releases.evaluation_edges import block_bins, probe_edges
+    from common.releases.evaluation_interval import auc_interval
 
     rng = np.random.default_rng(seed)
     sigma = 3.95
@@ -499,7 +499,7 @@ def test_a_narrow_band_that_moves_every_round_is_read_by_the_final_round() -> No
     (nearly every round reads as too noisy); with the buckets around the public probe of the
     model first and following its moves after, the last round's AUC is readable
     (interval width <= 0.5) and its interval holds the exact AUC."""
-    from common.evaluation_interval import UNREADABLE_WIDTH
+    from common.releases.evaluation_interval import UNREADABLE_WIDTH
 
     followed = [_evaluate_moving_band(seed, follow=True) for seed in range(8)]
     alone = [_evaluate_moving_band(seed, follow=False) for seed in range(8)]

@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from common.errors import ConfigError, DataError
-from common.evaluation import metrics_from_scores, multiclass_metrics_from_scores
+from common.core.errors import ConfigError, DataError
 from common.models.build import build_model
 from common.models.layout import flatten_parameters
+from common.releases.evaluation import metrics_from_scores, multiclass_metrics_from_scores
 from site_agent.imaging import ImageSpec, dicom_window, load_image_folder
 from site_agent.synthetic_imaging import (
     HOSPITALS,

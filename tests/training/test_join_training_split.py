@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.errors import DataError
+from common.core.errors import DataError
 from common.study import load_study
 from site_agent.data import MIN_PRIVACY_UNITS
 from site_agent.datacheck import site_policy

@@ -9,7 +9,7 @@ import pytest
 import torch
 from opacus.validators import ModuleValidator
 
-from common.errors import ConfigError, ValidationError
+from common.core.errors import ConfigError, ValidationError
 from common.models import ModelSpec, architecture_record, kind_of
 from common.models.build import build_from_record, build_model
 from common.models.images.resnet18_gn import ResNet18GN

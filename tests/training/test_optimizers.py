@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from common.errors import ValidationError
+from common.core.errors import ValidationError
 from coordinator.optimizers import FedAdam, FedAvg, FedYogi, weighted_mean
 
 

@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.evaluation import metrics_from_scores
 from common.models.layout import flatten_parameters, load_flat_parameters
 from common.models.tables.mlp import TabularMLP
 from common.privacy.accountant import compose_epsilon
+from common.releases.evaluation import metrics_from_scores
 from site_agent.patient_dp import PatientLevelDPSGD, PatientSampler, clipped_gradient_sum
 from site_agent.synthetic import FEATURES
 from site_agent.trainer import LocalTrainer, predict_scores

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from torch import nn
 
-from common.config import PrivacySection, SiteSettings
-from common.errors import ConfigError, PrivacyError, ValidationError
+from common.core.config import PrivacySection, SiteSettings
+from common.core.errors import ConfigError, PrivacyError, ValidationError
 from common.models.build import initial_model
 from common.models.layout import flatten_parameters, model_layout
-from common.round import RoundPlan
+from common.rounds.announcement import RoundPlan
 from common.study import Study, load_study
 from site_agent.datacheck import site_policy
 from site_agent.grad_sample_mode import MODE_STATE_FILE
@@ -116,7 +116,7 @@ def test_multiclass_images_send_one_block_per_class(tmp_path: Path) -> None:
     study_path = images_study(tmp_path, classes=3)
     hook = joined(site_settings(tmp_path, study_path, folder), study_path, dp=False)
     study = load_study(study_path)
-    from common.evaluation_edges import announced_histogram_bins
+    from common.releases.evaluation_edges import announced_histogram_bins
 
     announced, classes = announced_histogram_bins(4, num_classes=3)
     assert (announced, classes) == (12, 3) and announced_histogram_bins(4, num_classes=2)[1] == 1
@@ -134,7 +134,7 @@ def test_multiclass_images_send_one_block_per_class(tmp_path: Path) -> None:
     # of classes is refused before anything is counted.
     from dataclasses import replace
 
-    from common.evaluation_edges import next_block_edges, round_edges
+    from common.releases.evaluation_edges import next_block_edges, round_edges
 
     following = next_block_edges(histogram, edges=round_edges((), bins=12, blocks=3))
     announced_edges = tuple(float(v) for block in following for v in block)

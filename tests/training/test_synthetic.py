@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.evaluation import metrics_from_scores
+from common.releases.evaluation import metrics_from_scores
 from site_agent.data import load_site_data
 from site_agent.synthetic import (
     FEATURES,

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from common.errors import ConfigError, DataError
-from common.evaluation import metrics_from_scores, multiclass_metrics_from_scores
+from common.core.errors import ConfigError, DataError
 from common.models.build import build_model
 from common.models.layout import flatten_parameters, load_flat_parameters
 from common.models.tables.mlp import TabularMLP
 from common.privacy.accountant import Segment, compose_epsilon
+from common.releases.evaluation import metrics_from_scores, multiclass_metrics_from_scores
 from site_agent.data import SiteData
 from site_agent.device import select_device
 from site_agent.ghost_clipping import conv_ghost_norms

@@ -115,7 +115,7 @@ def test_a_layer_applied_twice_is_refused() -> None:
     model = nn.Sequential(layer, nn.ReLU(), layer)
     clipper = UnitClipper(model, max_grad_norm=1.0,
                           loss_per_record=lambda out, y: out.sum(dim=1) * y)
-    from common.errors import ConfigError
+    from common.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="once per forward"):
         clipper.clipped_sum(torch.randn(4, 3), torch.ones(4), torch.arange(4), 4)
@@ -126,7 +126,7 @@ def test_a_tiny_memory_budget_splits_steps_and_keeps_the_sum() -> None:
     each step into smaller physical batches, and the clipped sum is the unsplit one."""
     import numpy as np
 
-    from common.errors import ConfigError
+    from common.core.errors import ConfigError
     from site_agent.data import SiteData
     from site_agent.memory_budget import estimate_step_memory
     from site_agent.trainer import LocalTrainer
@@ -186,7 +186,7 @@ def test_an_in_place_change_of_a_layer_output_takes_the_reference_path() -> None
     assert trainer.grad_sample_mode == "functorch-per-patient"
     clipper = UnitClipper(factory(), max_grad_norm=1.0,
                           loss_per_record=TaskLoss("binary", "none"))
-    from common.errors import ConfigError
+    from common.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="in-place"):
         clipper.check(torch.zeros(2, 1, 6, 6))

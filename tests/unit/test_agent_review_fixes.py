@@ -15,14 +15,15 @@ import grpc
 import numpy as np
 import pytest
 
-from common import pki, wire
-from common.config import SitePolicySection, SiteSettings
-from common.errors import ConfigError, RoundFailed, ValidationError
-from common.modelfile import flat_layout
+from common.core.config import SitePolicySection, SiteSettings
+from common.core.errors import ConfigError, RoundFailed, ValidationError
+from common.core.modelfile import flat_layout
 from common.privacy.accountant import Segment
 from common.privacy.ledger import LedgerSigner, PrivacyLedger
 from common.proto.medfed.v1 import federation_pb2 as pb
-from common.round import Announcement, RoundPlan, VerifiedRound, validate_for_site
+from common.protocol import pki
+from common.rounds import wire
+from common.rounds.announcement import Announcement, RoundPlan, VerifiedRound, validate_for_site
 from site_agent.agent import SiteAgent
 from site_agent.metrics import SiteMetrics
 from site_agent.site_training import DpTrainingHook, LocalUpdate

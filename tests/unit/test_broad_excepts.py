@@ -1,4 +1,4 @@
-"""common/errors.py says where broad exception handlers are and why; this keeps it true.
+"""common/core/errors.py says where broad exception handlers are and why; this keeps it true.
 
 Every ``except Exception`` in the product carries its reason on the line and is in a
 file the docstring names; every ``except BaseException`` re-raises or hands the error
@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import common.errors
+import common.core.errors
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = [
@@ -39,7 +39,7 @@ def test_no_bare_except() -> None:
 
 
 def test_except_exception_only_where_the_docstring_says_with_a_reason() -> None:
-    doc = common.errors.__doc__ or ""
+    doc = common.core.errors.__doc__ or ""
     offenders = []
     for path, node, line in _handlers():
         if _named(node, "Exception"):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 SCRIPT = textwrap.dedent("""
     import argparse, sys
-    from common.cli import run_parsed
-    from common.logs import configure_logging
+    from common.commands.cli import run_parsed
+    from common.core.logs import configure_logging
 
     def fails(_args):
         if sys.argv[1] == "disk":

@@ -7,10 +7,10 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-import common.cli as cli
-from common.errors import ConfigError
+import common.commands.cli as cli
+from common.core.errors import ConfigError
 
-REAL = EntryPoint(name="pki", value="common.pki_cli:register", group=cli.COMMAND_GROUP)
+REAL = EntryPoint(name="pki", value="common.commands.pki:register", group=cli.COMMAND_GROUP)
 ABSENT = EntryPoint(
     name="coordinator", value="medfed_absent_package.cli:register", group=cli.COMMAND_GROUP
 )

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.codec import (
+from common.core.codec import (
     FINITE_CHECK_ELEMENTS,
     ChunkAssembler,
     TensorSpec,
@@ -19,9 +19,9 @@ from common.codec import (
     flat_to_bytes,
     iter_chunks,
 )
-from common.config import CoordinatorSettings, SiteSettings, load_settings
-from common.errors import ConfigError, StateError, ValidationError
-from common.modelfile import ModelFile, read_model_file, write_model_file
+from common.core.config import CoordinatorSettings, SiteSettings, load_settings
+from common.core.errors import ConfigError, StateError, ValidationError
+from common.core.modelfile import ModelFile, read_model_file, write_model_file
 
 LAYOUT = (TensorSpec("w", "<f4", (3, 4)), TensorSpec("b", "<f4", (4,)))
 

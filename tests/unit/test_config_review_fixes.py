@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from common.config import CoordinatorSettings, load_settings
-from common.errors import ConfigError
-from common.sqldb import parse_database_url
+from common.core.config import CoordinatorSettings, load_settings
+from common.core.errors import ConfigError
+from common.core.sqldb import parse_database_url
 
 
 def coordinator(tmp_path: Path, **overrides: object) -> CoordinatorSettings:

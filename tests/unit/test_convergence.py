@@ -1,4 +1,4 @@
-"""The end-of-study verdict: was the model still improving? (common.convergence)"""
+"""The end-of-study verdict: was the model still improving? (common.releases.convergence)"""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common import convergence
+from common.releases import convergence
 
 
 def test_rising_auc_is_improving_and_flat_is_not() -> None:

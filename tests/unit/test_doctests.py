@@ -9,14 +9,14 @@ import importlib
 import pytest
 
 MATHS_MODULES = (
-    "common.convergence",
-    "common.statistics",
-    "common.noisy_counts",
-    "common.evaluation",
-    "common.evaluation_edges",
-    "common.evaluation_interval",
-    "common.evaluation_threshold",
-    "common.codec",
+    "common.releases.convergence",
+    "common.releases.statistics",
+    "common.releases.noisy_counts",
+    "common.releases.evaluation",
+    "common.releases.evaluation_edges",
+    "common.releases.evaluation_interval",
+    "common.releases.evaluation_threshold",
+    "common.core.codec",
     "common.privacy.accountant",
     "common.privacy.ddgauss",
     "common.privacy.hospital",
@@ -25,7 +25,7 @@ MATHS_MODULES = (
     "common.privacy.mechanisms",
     "common.privacy.recompose",
     "common.privacy.rotation",
-    "common.secagg.reconstruction",
+    "common.protocol.secagg.reconstruction",
 )
 
 
@@ -41,7 +41,7 @@ def test_the_maths_modules_have_examples() -> None:
     }
     with_examples = {name for name, count in attempted.items() if count}
     assert {
-        "common.convergence", "common.statistics", "common.noisy_counts",
+        "common.releases.convergence", "common.releases.statistics", "common.releases.noisy_counts",
         "common.privacy.ddgauss", "common.privacy.intermediaries",
     } <= with_examples
     assert sum(attempted.values()) >= 20

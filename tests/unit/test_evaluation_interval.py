@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.evaluation import metrics_from_histogram, metrics_from_scores, score_histogram
-from common.evaluation_edges import block_bins, default_edges, evaluation_bins, next_edges
-from common.evaluation_interval import UNREADABLE_WIDTH, auc_interval, interval_text
+from common.releases.evaluation import metrics_from_histogram, metrics_from_scores, score_histogram
+from common.releases.evaluation_edges import block_bins, default_edges, evaluation_bins, next_edges
+from common.releases.evaluation_interval import UNREADABLE_WIDTH, auc_interval, interval_text
 
 DISTRIBUTIONS = {
     # (positive logit mean, negative logit mean, logit sd)
@@ -172,7 +172,7 @@ def test_next_edges_takes_the_chosen_bucket_count() -> None:
 def test_the_bundle_carries_the_interval_and_model_show_prints_it() -> None:
     """`threshold_from_histogram` keeps the round's interval; `model show` prints the AUC
     with it, or "too noisy to read" when it is wider than 0.5."""
-    from common.bundle import evaluation_auc_text, threshold_from_histogram
+    from common.releases.bundle import evaluation_auc_text, threshold_from_histogram
 
     edges = default_edges(4)
     hist = np.array([30, 10, 2, 0, 0, 3, 12, 25])

@@ -1,4 +1,4 @@
-"""common.fileio: the one atomic, durable file replacement."""
+"""common.core.fileio: the one atomic, durable file replacement."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.fileio import atomic_open, atomic_write
+from common.core.fileio import atomic_open, atomic_write
 
 
 def test_atomic_write_replaces_and_leaves_no_temporary(tmp_path: Path) -> None:

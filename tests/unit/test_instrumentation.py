@@ -1,7 +1,7 @@
 """Test instrumentation lives outside the product: `medfed` has no flag, setting or
 environment variable that makes a site write its plaintext update (or the coordinator
 its unmasked sum) to disk, or pauses a site; `python -m bench.instrumented` does, through
-the `common.observer.RoundObserver` seam.
+the `common.core.observer.RoundObserver` seam.
 
 That the instrumented processes write the files end to end is what the e2e tests read
 (tests/e2e/test_hospital_federation.py compares each site's `debug-updates` file with
@@ -19,10 +19,10 @@ import pytest
 
 from bench import instrumented
 from bench.instrumented import Instrumentation
-from common.cli import main
-from common.config import REMOVED_SETTINGS, CoordinatorSettings, SiteSettings, load_settings
-from common.errors import ConfigError
-from common.observer import NoObserver, RoundObserver
+from common.commands.cli import main
+from common.core.config import REMOVED_SETTINGS, CoordinatorSettings, SiteSettings, load_settings
+from common.core.errors import ConfigError
+from common.core.observer import NoObserver, RoundObserver
 
 REPO = Path(__file__).resolve().parents[2]
 SITE = {"site": "a", "coordinator": "127.0.0.1:1", "state": "/tmp/state", "pki": "/tmp/pki"}

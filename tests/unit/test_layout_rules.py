@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.models import kind_of, model_names
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,6 +110,150 @@ def test_a_network_is_one_module_named_as_the_study_names_it() -> None:
             if "-" in name:  # one name per network: the module's spelling is not another
                 with pytest.raises(ConfigError, match="unknown model"):
                     kind_of(name.replace("-", "_"))
+
+
+# ----------------------------------------------------------------- common/ in layers
+
+COMMON_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("core", ("common.core", "common.crypto")),
+    ("protocol", ("common.protocol", "common.proto")),
+    ("privacy", ("common.privacy",)),
+    ("study", ("common.study", "common.models")),
+    ("releases", ("common.releases",)),
+    ("rounds", ("common.rounds",)),
+    ("commands", ("common.commands",)),
+)
+"""common/'s floors, ground first (docs/architecture.md): a module imports only modules of
+its own floor or below, at module level, inside functions or for type checking alike."""
+
+
+def _module_name(path: Path, root: Path = REPO) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _floor(module: str) -> int | None:
+    for index, (_, prefixes) in enumerate(COMMON_LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return index
+    return None
+
+
+def _imports_of(path: Path, known: set[str]) -> set[str]:
+    """The product modules `path` imports, wherever the import stands (a `from P import
+    name` counts as P.name where that is a module, else as P)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+        for name in names:
+            parts = name.split(".")
+            while parts and ".".join(parts) not in known:
+                parts.pop()
+            if parts:
+                found.add(".".join(parts))
+    return found
+
+
+def _product_graph(root: Path = REPO,
+                   packages: tuple[str, ...] = PRODUCT) -> dict[str, set[str]]:
+    paths = {_module_name(p, root): p for package in packages
+             for p in sorted((root / package).rglob("*.py")) if "proto" not in p.parts}
+    known = set(paths)
+    return {name: _imports_of(path, known) - {name} for name, path in paths.items()}
+
+
+def test_common_modules_each_stand_on_a_named_floor() -> None:
+    graph = _product_graph()
+    unplaced = sorted(m for m in graph if m.startswith("common.") and _floor(m) is None)
+    assert not unplaced, f"common/ modules on no floor of COMMON_LAYERS: {unplaced}"
+
+
+def test_common_imports_only_its_own_floor_or_below() -> None:
+    upward = []
+    for module, imported in sorted(_product_graph().items()):
+        floor = _floor(module)
+        if floor is None:
+            continue
+        for target in sorted(imported):
+            target_floor = _floor(target)
+            if target_floor is not None and target_floor > floor:
+                upward.append(f"{module} ({COMMON_LAYERS[floor][0]}) -> {target} "
+                              f"({COMMON_LAYERS[target_floor][0]})")
+    assert not upward, "imports up common/'s floors:\n" + "\n".join(upward)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work: list[tuple[str, list[str]]] = [(start, sorted(graph[start]))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, pending = work[-1]
+            if pending:
+                nxt = pending.pop()
+                if nxt not in graph:
+                    continue
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter
+                    counter += 1
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, sorted(graph[nxt])))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_circle_anywhere_in_the_product() -> None:
+    cycles = _cycles(_product_graph())
+    assert not cycles, f"import circles: {cycles}"
+
+
+def test_the_layer_scan_sees_lazy_and_type_checking_imports(tmp_path: Path) -> None:
+    """An import inside a function or under TYPE_CHECKING is an arrow too, and a circle
+    of three is found."""
+    pkg = tmp_path / "common"
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "releases").mkdir()
+    for folder in (pkg, pkg / "core", pkg / "releases"):
+        (folder / "__init__.py").write_text("")
+    (pkg / "core" / "low.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from common.releases import high\n")
+    (pkg / "releases" / "high.py").write_text("def f():\n    from common.core import low\n")
+    graph = _product_graph(tmp_path, ("common",))
+    assert graph["common.core.low"] == {"common.releases.high"}
+    assert graph["common.releases.high"] == {"common.core.low"}
+    assert _cycles(graph) == [["common.core.low", "common.releases.high"]]
 
 
 MAX_CLASS_LINES = 400

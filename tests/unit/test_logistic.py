@@ -1,11 +1,12 @@
-"""The centralized reference fit (common.logistic): Newton's method reaches the optimum
+"""The centralized reference fit (common.models.logistic_reference): Newton's method reaches
+the optimum
 of the penalised mean log-loss, and recovers the weights that generated the labels."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from common.logistic import RIDGE, fit_logistic
+from common.models.logistic_reference import RIDGE, fit_logistic
 
 
 def _data(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,8 +1,8 @@
-"""Every JSON and TOML document the product reads goes through `common.parsing`, which
+"""Every JSON and TOML document the product reads goes through `common.core.parsing`, which
 answers hostile nesting (100,000 levels) with a ValidationError, never RecursionError.
 
 The scan reads the product's source (an AST walk of every call): a new `json.loads`
-anywhere but `common/parsing.py` fails here, so the rule stays true as code is added."""
+anywhere but `common/core/parsing.py` fails here, so the rule stays true as code is added."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import ValidationError
-from common.parsing import MAX_DEPTH, parse_json, parse_toml
+from common.core.errors import ValidationError
+from common.core.parsing import MAX_DEPTH, parse_json, parse_toml
 from common.study import statistics_from_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("common", "coordinator", "site_agent", "demo", "bench")
-HELPER = REPO / "common" / "parsing.py"
+HELPER = REPO / "common" / "core" / "parsing.py"
 # (module, function) pairs that parse text: only the helper may call them.
 PARSERS = {("json", "loads"), ("json", "load"), ("tomllib", "loads"), ("tomllib", "load"),
            ("json", "JSONDecoder"), ("json", "raw_decode")}
@@ -49,7 +49,7 @@ def test_every_json_and_toml_parser_of_the_product_is_the_shared_one() -> None:
         and (calls := _parser_calls(path))
     }
     assert not offenders, (
-        "parse JSON and TOML with common.parsing.parse_json / parse_toml (a clean error "
+        "parse JSON and TOML with common.core.parsing.parse_json / parse_toml (a clean error "
         f"for hostile nesting), not directly: {offenders}")
 
 
@@ -117,8 +117,8 @@ def test_pydantic_json_parsing_refuses_hostile_nesting_too() -> None:
 def test_a_config_file_nested_too_deep_is_a_config_error_naming_it(tmp_path: Path) -> None:
     """The service's own TOML is read by pydantic-settings (tomllib inside): it is
     parsed by the helper first, so nesting ends in one error naming the file."""
-    from common.config import SiteSettings, load_settings
-    from common.errors import ConfigError
+    from common.core.config import SiteSettings, load_settings
+    from common.core.errors import ConfigError
 
     config = tmp_path / "site.toml"
     config.write_text("site = " + "[" * DEEP + "]" * DEEP + "\n")

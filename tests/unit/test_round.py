@@ -1,4 +1,4 @@
-"""`common.round`: the one announcement, its digest, and its wire round trip."""
+"""`common.rounds.announcement`: the one announcement, its digest, and its wire round trip."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ from typing import Any
 import grpc
 import pytest
 
-from common import wire
-from common.codec import TensorSpec
-from common.config import SitePolicySection
-from common.errors import (
+from common.core.codec import TensorSpec
+from common.core.config import SitePolicySection
+from common.core.errors import (
     AbortReason,
     CertificateRejected,
     MedfedError,
@@ -22,8 +21,9 @@ from common.errors import (
     Unavailable,
     ValidationError,
 )
-from common.modelfile import flat_layout
-from common.round import Announcement, validate_for_site
+from common.core.modelfile import flat_layout
+from common.rounds import wire
+from common.rounds.announcement import Announcement, validate_for_site
 
 ANN = Announcement(
     round_number=7, round_nonce=bytes(range(16)), participants=("alpha", "beta", "gamma"),

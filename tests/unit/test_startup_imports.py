@@ -2,7 +2,7 @@
 rebuild a network start without torch and Opacus (about 8 s of CPU per process on a
 loaded two-core machine; the README blocks and the tests start many of them).
 
-Each command runs for real in a fresh interpreter through `common.cli.main`, the entry
+Each command runs for real in a fresh interpreter through `common.commands.cli.main`, the entry
 point of the `medfed` script; the interpreter then reports which heavy packages it holds.
 `coordinator serve` itself imports torch: it builds the study's round-1 network and
 probes it before it listens; Opacus only for a hospital's own network, which it checks
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from common import pki
-from common.bundle import write_bundle
+from common.protocol import pki
+from common.releases.bundle import write_bundle
 from tests.e2e.harness import REPO
 from tests.study.helpers import study_toml, trained_bundle, write_hospital_csv
 
@@ -32,7 +32,7 @@ PROBE = (
     "import atexit, json, sys\n"
     f"atexit.register(lambda: print({MARK!r} + json.dumps(sorted(\n"
     f"    m for m in {WATCHED!r} if m in sys.modules)), file=sys.stderr))\n"
-    "from common.cli import main\n"
+    "from common.commands.cli import main\n"
     "sys.exit(main(sys.argv[1:]))\n"
 )
 
@@ -82,7 +82,7 @@ HELP_COMMANDS = ["coordinator serve", "site run", "ledger show", "ledger verify"
                  "demo", "bench", "predict", "model export", "privacy epsilon", "privacy audit"]
 HELP_PROBE = (
     "import contextlib, io, json, sys\n"
-    "from common.cli import build_parser\n"
+    "from common.commands.cli import build_parser\n"
     "seen = {}\n"
     "for command in json.loads(sys.argv[1]):\n"
     "    words = command.split()\n"
@@ -98,7 +98,7 @@ def test_every_command_parses_its_options_without_torch() -> None:
     interpreter) loads no network code: the coordinator and the site import torch when
     they build their model, `predict` when it scores, not before. `medfed privacy`
     registers its `audit` plug-in (site_agent.audit_cli) without the audit's training
-    code, so `privacy epsilon` and `python -m common.privacy.cli ledger ...` start light."""
+    code, so `privacy epsilon` and `python -m common.commands.privacy ledger ...` start light."""
     result = subprocess.run([sys.executable, "-c", HELP_PROBE, json.dumps(HELP_COMMANDS)],
                             cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr

@@ -1,4 +1,4 @@
-"""One process per state folder (`common.state_lock`), with real processes: a holder
+"""One process per state folder (`common.core.state_lock`), with real processes: a holder
 that is a separate interpreter, killed with SIGKILL to show no stale lock remains."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import StateError
-from common.state_lock import LOCK_FILE, StateLock
+from common.core.errors import StateError
+from common.core.state_lock import LOCK_FILE, StateLock
 
 HOLDER = """
 import sys
 from pathlib import Path
-from common.state_lock import StateLock
+from common.core.state_lock import StateLock
 lock = StateLock.acquire(Path(sys.argv[1]), role="coordinator")
 print("held", flush=True)
 sys.stdin.read()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common.processes import Launcher, ManagedProcess, launched_by, popen
+from common.core.processes import Launcher, ManagedProcess, launched_by, popen
 from tests.zygote import ForkedProcess, Zygote
 
 PROBE = "tests.unit.zygote_probe"

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.models.registry import check_params
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.errors import ConfigError
+from common.core.errors import ConfigError
 from common.models.registry import check_params
 
 

@@ -1,0 +1,3 @@
+"""The ground floor: errors, parsing, files, codecs, logs, processes, the state
+database and the services' settings. Imports nothing else of medfed
+(docs/architecture.md)."""
