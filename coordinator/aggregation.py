@@ -18,7 +18,7 @@ import numpy as np
 from common.core.errors import AbortReason, ProtocolAbort, StateError, ValidationError
 from common.crypto.quantize import dequantize_sum
 from common.protocol.secagg import messages as sm
-from common.protocol.secagg.client import IdentityVerifier
+from common.protocol.secagg.identity import IdentityVerifier
 from common.protocol.secagg.params import ThreatModel, validate_against_threat_model
 from common.protocol.secagg.server import SecAggServer
 from common.releases.egress import EVALUATION_HISTOGRAM, WEIGHT, round_manifest

@@ -44,7 +44,7 @@ from common.core.errors import (
 )
 from common.core.observer import NoObserver, RoundObserver
 from common.privacy.federation import FederationBudgetView
-from common.protocol.secagg.client import IdentityVerifier
+from common.protocol.secagg.identity import IdentityVerifier
 from common.protocol.secagg.params import ROUND_NONCE_BYTES
 from common.rounds.announcement import Announcement
 from coordinator import (

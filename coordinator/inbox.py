@@ -12,7 +12,7 @@ from typing import Any
 
 from common.core.errors import AbortReason, ProtocolAbort, StateError, ValidationError
 from common.protocol.secagg import messages as sm
-from common.protocol.secagg.client import IdentityVerifier
+from common.protocol.secagg.identity import IdentityVerifier
 from common.protocol.secagg.server import SecAggServer
 from common.rounds.announcement import Announcement
 from coordinator.aggregation import Aggregator, SecureAggregator, aggregator_for

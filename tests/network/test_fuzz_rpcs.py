@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from common.crypto.shamir import SHARE_BYTES
 from common.proto.medfed.v1 import federation_pb2 as pb
-from common.protocol.secagg.server import CIPHERTEXT_BYTES
+from common.protocol.secagg.messages import CIPHERTEXT_BYTES
 from tests.network.conftest import (
     InProcessCoordinator,
     PkiLayout,

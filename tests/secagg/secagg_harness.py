@@ -16,7 +16,8 @@ import numpy as np
 from common.core.errors import CertificateRejected, CryptoError, ValidationError
 from common.crypto.random import DeterministicRandom
 from common.crypto.signing import SigningKey, VerifyingKey
-from common.protocol.secagg.client import IdentityVerifier, SecAggClient
+from common.protocol.secagg.client import SecAggClient
+from common.protocol.secagg.identity import IdentityVerifier
 from common.protocol.secagg.params import NO_ANNOUNCEMENT_DIGEST, SecAggParams
 from common.protocol.secagg.phases import Phase
 from common.protocol.secagg.server import SecAggServer

@@ -17,7 +17,8 @@ from common.core.errors import AbortReason, CryptoError, ProtocolAbort
 from common.crypto.keyagreement import generate_keypair
 from common.crypto.random import DeterministicRandom
 from common.crypto.signing import VerifyingKey
-from common.protocol.secagg.client import RevealGuard, SecAggClient
+from common.protocol.secagg.client import SecAggClient
+from common.protocol.secagg.client_reveal import RevealGuard
 from common.protocol.secagg.graph import neighbourhoods
 from common.protocol.secagg.messages import (
     ConsistencySignatures,
@@ -422,7 +423,7 @@ def test_masked_vector_hides_the_input() -> None:
 def _roster_of(federation: Federation) -> tuple:
     server = federation.server
     assert server is not None
-    return tuple(server._roster.values())
+    return server.roster.entries
 
 
 def test_abort_when_server_gathers_confirmations_outside_the_peers_neighbourhood() -> None:

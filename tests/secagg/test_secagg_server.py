@@ -154,7 +154,7 @@ def test_unmask_with_fewer_than_t_share_holders_reveals_nothing() -> None:
     server = federation.server
     assert server is not None
     assert server.phase is Phase.ABORTED
-    assert server._accumulator is None  # the masked sum is discarded too
+    assert server._sum is not None and server._sum.discarded  # the masked sum too
 
 
 def test_per_site_status_records_progress_and_dropout_phase() -> None:

@@ -5,8 +5,9 @@ machines over typed messages: no I/O, no clock, randomness passed in.
 layers translate protobuf <-> the dataclasses of `messages`.
 """
 
-from common.protocol.secagg.client import IdentityVerifier, PeerStatus, SecAggClient
+from common.protocol.secagg.client import PeerStatus, SecAggClient
 from common.protocol.secagg.graph import neighbourhoods
+from common.protocol.secagg.identity import IdentityVerifier
 from common.protocol.secagg.messages import ShareKind
 from common.protocol.secagg.params import (
     ANNOUNCEMENT_DIGEST_BYTES,

@@ -21,6 +21,7 @@ from common.crypto.keyagreement import KEY_BYTES
 from common.crypto.shamir import SHARE_BYTES
 from common.protocol.secagg.graph import NeighbourGraph
 from common.protocol.secagg.messages import (
+    SHARE_PLAINTEXT_BYTES,
     ConsistencySignatures,
     Roster,
     RosterEntry,
@@ -28,7 +29,6 @@ from common.protocol.secagg.messages import (
     SurvivorList,
 )
 
-SHARE_PLAINTEXT_BYTES = 2 * SHARE_BYTES  # self-mask seed share || masking key share
 
 def checked_roster(
     roster: Roster,

@@ -3,9 +3,10 @@
 Bonawitz et al. 2017 (CCS), sec. 4, Rounds 1-2, over SecAgg+ neighbourhoods (Bell et al.
 2020, CCS, sec. 3-4):
 
-* ShareKeys (`encrypted_shares`): the self-mask seed b_u and the masking secret key
-  s_u^SK are Shamir-shared with threshold t among u's closed neighbourhood; each
-  neighbour's share pair is sealed under the AEAD key u agrees with it.
+* ShareKeys (`deal_secrets`, `encrypted_shares`): a fresh self-mask seed b_u and the
+  masking secret key s_u^SK are Shamir-shared with threshold t among u's closed
+  neighbourhood; each neighbour's share pair is sealed under the AEAD key u agrees with
+  it, and u commits to b_u for the coordinator's check at Unmask.
 * MaskedInput (`mask_input`):
       y_u = x_u + PRG(b_u) + sum_{v in N(u) alive, u < v} PRG(s_uv)
                            - sum_{v in N(u) alive, u > v} PRG(s_uv)   (mod 2^32)
@@ -16,17 +17,25 @@ Bonawitz et al. 2017 (CCS), sec. 4, Rounds 1-2, over SecAgg+ neighbourhoods (Bel
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from common.core.errors import AbortReason, CryptoError, ProtocolAbort
 from common.crypto.aead import seal, share_associated_data
-from common.crypto.kdf import KdfInfo
+from common.crypto.kdf import KdfInfo, hkdf_sha256
 from common.crypto.keyagreement import derive_key
 from common.crypto.prg import apply_masks
 from common.crypto.random import RandomSource
-from common.crypto.shamir import split_secrets
-from common.protocol.secagg.messages import EncryptedShare
+from common.crypto.shamir import SECRET_BYTES, split_secrets
+from common.protocol.secagg.messages import EncryptedShare, ShareKeysOut, self_mask_commitment
+from common.protocol.secagg.params import SecAggParams
+from common.protocol.secagg.roster import RoundRoster
+
+
+def self_mask_seed(seed: bytes, *, session: bytes) -> bytes:
+    """PRG seed of the self mask: HKDF(b_u, salt=session id, info=SELF_MASK_SEED)."""
+    return hkdf_sha256(seed, salt=session, info=KdfInfo.SELF_MASK_SEED.value)
 
 
 def agree(private_key: bytes, peer_public_key: bytes, *, session_id: bytes,
@@ -78,6 +87,49 @@ def encrypted_shares(
             ciphertext=seal(key, b"".join(held), associated_data=associated, rng=rng),
         ))
     return own, keys, out
+
+
+@dataclass(frozen=True)
+class DealtSecrets:
+    """What a site keeps from ShareKeys, and the message it sends."""
+
+    own_shares: tuple[bytes, bytes]
+    """Its own shares of its (b_u, s_u^SK): revealed at Unmask like a neighbour's."""
+    share_keys: Mapping[str, bytes]
+    """The AEAD key agreed with each neighbour (it opens their shares too)."""
+    self_mask_seed: bytes
+    """The PRG seed of its self mask, derived from b_u."""
+    message: ShareKeysOut
+
+
+def deal_secrets(
+    params: SecAggParams,
+    *,
+    site_id: str,
+    roster: RoundRoster,
+    encryption_private_key: bytes,
+    masking_private_key: bytes,
+    rng: RandomSource,
+) -> DealtSecrets:
+    """Draw b_u, share it and `masking_private_key` among the closed neighbourhood of
+    `site_id`, seal each neighbour's pair, and commit to b_u."""
+    neighbours = roster.graph[site_id]
+    seed = rng(SECRET_BYTES)
+    own, keys, out = encrypted_shares(
+        (seed, masking_private_key), site_id=site_id,
+        holders=sorted((*neighbours, site_id)), xs=roster.points,
+        encryption_private_key=encryption_private_key,
+        encryption_public_keys={h: roster.entries[h].encryption_public_key for h in neighbours},
+        threshold=params.threshold, round_number=params.round_number,
+        session_id=roster.session_id, rng=rng,
+    )
+    commitment = self_mask_commitment(seed, session_id=roster.session_id, site_id=site_id)
+    return DealtSecrets(
+        own_shares=(own[0], own[1]),
+        share_keys=keys,
+        self_mask_seed=self_mask_seed(seed, session=roster.session_id),
+        message=ShareKeysOut(shares=tuple(out), self_mask_commitment=commitment),
+    )
 
 
 def signed_seeds(site_id: str, seeds: Mapping[str, bytes], peers: Sequence[str]) -> tuple[

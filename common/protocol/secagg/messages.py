@@ -14,13 +14,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.crypto.aead import NONCE_BYTES, TAG_BYTES
 from common.crypto.encoding import encode_fields
-from common.protocol.secagg.params import NO_ANNOUNCEMENT_DIGEST
+from common.crypto.shamir import SHARE_BYTES
+from common.protocol.secagg.params import NO_ANNOUNCEMENT_DIGEST, SecAggParams
 
 ADVERTISE_LABEL = "medfed/v1/advertise"
 SURVIVORS_LABEL = "medfed/v1/survivors"
 SELF_MASK_COMMITMENT_LABEL = "medfed/v1/self-mask-commitment"
 COMMITMENT_BYTES = 32  # SHA-256
+SHARE_PLAINTEXT_BYTES = 2 * SHARE_BYTES  # self-mask seed share || masking key share
+CIPHERTEXT_BYTES = NONCE_BYTES + SHARE_PLAINTEXT_BYTES + TAG_BYTES
+"""Length of every `EncryptedShare.ciphertext`: one sealed share pair."""
 
 
 class ShareKind(enum.Enum):
@@ -171,6 +176,22 @@ def advertise_message(
     )
 
 
+def advertisement_to_sign(
+    params: SecAggParams, *, site_id: str, encryption_public_key: bytes,
+    masking_public_key: bytes,
+) -> bytes:
+    """`advertise_message` for this round: what `site_id` signs (and every verifier
+    checks) for these two public keys."""
+    return advertise_message(
+        round_number=params.round_number,
+        round_nonce=params.round_nonce,
+        site_id=site_id,
+        encryption_public_key=encryption_public_key,
+        masking_public_key=masking_public_key,
+        announcement_digest=params.announcement_digest,
+    )
+
+
 def survivors_message(
     *,
     round_number: int,
@@ -191,6 +212,19 @@ def survivors_message(
         *survivors,
         len(dropped),
         *dropped,
+    )
+
+
+def survivor_list_to_sign(
+    listing: SurvivorList, *, round_number: int, session_id: bytes
+) -> bytes:
+    """`survivors_message` for this list: what every survivor signs in the consistency
+    check (and every verifier checks)."""
+    return survivors_message(
+        round_number=round_number,
+        session_id=session_id,
+        survivors=listing.survivors,
+        dropped=listing.dropped,
     )
 
 

@@ -1,11 +1,13 @@
-"""The SecAgg+ phase enum and its transition table, shared by client and server."""
+"""The SecAgg+ phase enum and its transition table, shared by client and server, and
+the check that a message comes from a site the current phase expects."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Container
 from dataclasses import dataclass
 
-from common.core.errors import AbortReason, ProtocolAbort
+from common.core.errors import AbortReason, ProtocolAbort, ValidationError
 
 
 class Phase(enum.Enum):
@@ -64,3 +66,10 @@ class PhaseTracker:
         if self.phase not in TERMINAL_PHASES:
             self.aborted_in = self.phase
             self.phase = Phase.ABORTED
+
+
+def require_sender(site_id: str, allowed: Container[str], what: str) -> None:
+    """ValidationError unless `site_id` is one of `allowed` (`what` names the set): a
+    message from a site this phase does not expect is refused for that site only."""
+    if not isinstance(site_id, str) or site_id not in allowed:
+        raise ValidationError(f"{site_id!r} is not {what}")
