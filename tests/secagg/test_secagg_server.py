@@ -233,3 +233,28 @@ def test_server_keeps_one_accumulator_not_one_vector_per_site() -> None:
         tracemalloc.stop()
     vector_bytes = dim * 4
     assert vector_bytes <= retained < 2 * vector_bytes
+
+
+def test_attack_upload_cut_part_way_poisons_the_sum_and_aborts_the_round() -> None:
+    """A windowed masked input that stops half-way has already been added in part: the
+    round aborts at close_masked_input and the corrupted sum is never unmasked."""
+    federation = make_federation(4, threshold=3)
+    server = advertise_all(federation)
+    roster = server.close_advertise()
+    for site in federation.clients:
+        server.receive_shares(site, federation.clients[site].receive_roster(roster))
+    inboxes = server.close_shares()
+    inputs = random_inputs(federation.params, 3)
+    for site in ("site-000", "site-001", "site-002"):
+        masked = federation.clients[site].receive_shares(inboxes[site], inputs[site].copy())
+        server.receive_masked_input(site, masked)
+    half = federation.params.vector_length // 2
+    cut = inputs["site-003"][:half].copy()
+    with pytest.raises(ValidationError):
+        server.receive_masked_input_windows("site-003", [cut])
+    with pytest.raises(ProtocolAbort) as caught:
+        server.close_masked_input()
+    assert caught.value.reason is AbortReason.RECONSTRUCTION_FAILED
+    assert server.phase is Phase.ABORTED
+    with pytest.raises(ProtocolAbort):
+        server.close_unmask()
