@@ -26,7 +26,7 @@ from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.protocol.metrics_http import MetricsTls, serve_metrics
 from common.protocol.pki import COORDINATOR_CERT, CRL_FILE, PeerVerifier, load_ca, load_certificate
-from common.protocol.tls import CoordinatorTlsFiles, RequireCertificateRole, server_credentials
+from common.protocol.tls import RequireCertificateRole, TlsFiles, server_credentials
 from common.releases.convergence import auc_trend, describe_auc_trend
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
@@ -202,7 +202,7 @@ def metrics_tls(
     monitor certificates only, checked by the gRPC port's `verifier`; None for plain
     HTTP, with a warning where that reaches beyond loopback (`metrics_tls = false`)."""
     if settings.metrics_over_tls:
-        return MetricsTls(CoordinatorTlsFiles.from_pki_dir(settings.pki), verifier,
+        return MetricsTls(TlsFiles.for_coordinator(settings.pki), verifier,
                           on_refused=on_refused)
     if not is_loopback_host(parse_host_port(settings.metrics_listen)[0]):
         log.warning(

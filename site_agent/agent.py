@@ -46,8 +46,13 @@ from common.crypto.signing import SigningKey
 from common.privacy.ledger import PrivacyLedger
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.protocol.pki import load_certificate, read_private_key_pem, site_id_from_certificate
-from common.protocol.tls import SiteTlsFiles
+from common.protocol.pki import (
+    Role,
+    load_certificate,
+    read_private_key_pem,
+    site_id_from_certificate,
+)
+from common.protocol.tls import TlsFiles
 from common.releases.convergence import describe_loss_trend, loss_trend
 from common.rounds import wire
 from common.rounds.announcement import validate_for_site
@@ -100,8 +105,8 @@ class SiteAgent:
             raise ConfigError(
                 "site", f"is {self.site_id!r} but certificate {cert} names site {certified!r}"
             )
-        self.connection = Connection(settings, SiteTlsFiles(ca=ca, cert=cert, key=key),
-                                     stop=self.stop)
+        files = TlsFiles(role=Role.SITE, ca=ca, cert=cert, key=key)
+        self.connection = Connection(settings, files, stop=self.stop)
         # PkiError (refused at start-up) if group or others can read the key.
         signing_key = SigningKey.from_pem(read_private_key_pem(key))
         ca_cert = load_certificate(ca)

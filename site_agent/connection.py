@@ -17,7 +17,7 @@ from common.core.config import SiteSettings
 from common.core.errors import CertificateRejected
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.protocol.tls import SiteTlsFiles, channel_credentials_from_files, server_host_names
+from common.protocol.tls import TlsFiles, channel_credentials_from_files, server_host_names
 
 log = logging.getLogger("medfed.site")
 
@@ -51,7 +51,7 @@ def tls_failure(exc: grpc.RpcError) -> str | None:
 class Connection:
     """The channel (opened on first use, closed to reconnect) and its backoff."""
 
-    def __init__(self, settings: SiteSettings, tls_files: SiteTlsFiles, *,
+    def __init__(self, settings: SiteSettings, tls_files: TlsFiles, *,
                  stop: threading.Event) -> None:
         self.settings = settings
         self.tls_files = tls_files

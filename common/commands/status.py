@@ -48,9 +48,11 @@ def fetch_status(coordinator: str, *, ca: Path, cert: Path, key: Path,
 
     from common.proto.medfed.v1 import federation_pb2 as pb
     from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-    from common.protocol.tls import MonitorTlsFiles, channel_credentials_from_files
+    from common.protocol.pki import Role
+    from common.protocol.tls import TlsFiles, channel_credentials_from_files
 
-    credentials = channel_credentials_from_files(MonitorTlsFiles(ca=ca, cert=cert, key=key))
+    credentials = channel_credentials_from_files(
+        TlsFiles(role=Role.MONITOR, ca=ca, cert=cert, key=key))
     with grpc.secure_channel(coordinator, credentials) as channel:
         stub = pb_grpc.MonitorStub(channel)  # type: ignore[no-untyped-call]
         try:

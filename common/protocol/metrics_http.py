@@ -35,7 +35,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from common.core.config import parse_host_port
 from common.core.errors import CertificateRejected, ConfigError, PkiError
 from common.protocol.pki import PeerVerifier, Role, parse_certificate
-from common.protocol.tls import CoordinatorTlsFiles, Refusal, load_tls_material
+from common.protocol.tls import Refusal, TlsFiles, load_tls_material
 
 log = logging.getLogger("medfed.metrics")
 
@@ -65,7 +65,7 @@ class MetricsTls:
     clients verified by `verifier` (the one the gRPC port uses), each refused
     certificate handed to `on_refused` (the coordinator logs and counts it)."""
 
-    files: CoordinatorTlsFiles
+    files: TlsFiles
     verifier: PeerVerifier
     on_refused: Callable[[Refusal], None] | None = None
     clock: Callable[[], dt.datetime] = field(default=_utc_now)

@@ -25,6 +25,8 @@ import datetime as dt
 import inspect
 import logging
 import os
+import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,12 +38,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from common.core.errors import CertificateRejected, ConfigError, PkiError
+from common.core.errors import CertificateRejected, PkiError
 from common.protocol.pki import (
     CA_CERT,
     COORDINATOR_CERT,
     COORDINATOR_KEY,
-    CRL_FILE,
     CertificateIdentity,
     PeerVerifier,
     Role,
@@ -49,7 +50,6 @@ from common.protocol.pki import (
     check_issued_by,
     check_validity_window,
     has_extended_key_usage,
-    load_certificate,
     monitor_paths,
     parse_certificate,
     read_private_key_pem,
@@ -72,111 +72,35 @@ class TlsMaterial:
     certificate: x509.Certificate
 
 
-@dataclass(frozen=True)
-class SiteTlsFiles:
-    """What a hospital container mounts: ``--tls-ca``, ``--tls-cert``, ``--tls-key``."""
+@dataclass(frozen=True, kw_only=True)
+class TlsFiles:
+    """The PEM files one party mounts: the federation CA certificate and its own
+    certificate and key, which must carry `role` (a hospital container mounts its
+    three, e.g. ``--tls-ca``, ``--tls-cert``, ``--tls-key``)."""
 
+    role: Role
     ca: Path
     cert: Path
     key: Path
 
     @classmethod
-    def from_pki_dir(cls, directory: str | os.PathLike[str], site_id: str) -> SiteTlsFiles:
+    def for_site(cls, directory: str | os.PathLike[str], site_id: str) -> TlsFiles:
+        """A site's files in a `medfed pki` folder."""
         cert, key = site_paths(directory, site_id)
-        return cls(ca=Path(directory) / CA_CERT, cert=cert, key=key)
-
-
-@dataclass(frozen=True)
-class MonitorTlsFiles:
-    """A monitor's client files (health probe, status dashboard): CA, certificate, key."""
-
-    ca: Path
-    cert: Path
-    key: Path
+        return cls(role=Role.SITE, ca=Path(directory) / CA_CERT, cert=cert, key=key)
 
     @classmethod
-    def from_pki_dir(cls, directory: str | os.PathLike[str], name: str) -> MonitorTlsFiles:
+    def for_monitor(cls, directory: str | os.PathLike[str], name: str) -> TlsFiles:
+        """A monitor's client files (health probe, status dashboard) in a PKI folder."""
         cert, key = monitor_paths(directory, name)
-        return cls(ca=Path(directory) / CA_CERT, cert=cert, key=key)
-
-
-@dataclass(frozen=True)
-class CoordinatorTlsFiles:
-    """What the coordinator mounts: CA certificate, CRL and its own server pair."""
-
-    ca: Path
-    cert: Path
-    key: Path
-    crl: Path
+        return cls(role=Role.MONITOR, ca=Path(directory) / CA_CERT, cert=cert, key=key)
 
     @classmethod
-    def from_pki_dir(cls, directory: str | os.PathLike[str]) -> CoordinatorTlsFiles:
+    def for_coordinator(cls, directory: str | os.PathLike[str]) -> TlsFiles:
+        """The coordinator's server pair in a PKI folder."""
         root = Path(directory)
-        return cls(
-            ca=root / CA_CERT,
-            cert=root / COORDINATOR_CERT,
-            key=root / COORDINATOR_KEY,
-            crl=root / CRL_FILE,
-        )
-
-    def peer_verifier(self) -> PeerVerifier:
-        """The verifier for incoming site certificates (PkiError if CA or CRL is bad)."""
-        return PeerVerifier(load_certificate(self.ca), self.crl)
-
-
-def _pick(
-    field: str, explicit: str | os.PathLike[str] | None, default: Path | None, hint: str
-) -> Path:
-    if explicit is not None:
-        return Path(explicit)
-    if default is not None:
-        return default
-    raise ConfigError(field, hint)
-
-
-def resolve_site_tls_files(
-    *,
-    pki_dir: str | os.PathLike[str] | None,
-    site_id: str | None,
-    ca: str | os.PathLike[str] | None = None,
-    cert: str | os.PathLike[str] | None = None,
-    key: str | os.PathLike[str] | None = None,
-) -> SiteTlsFiles:
-    """Site files from ``--pki D --site ID``, each overridden by ``--tls-ca/-cert/-key``.
-
-    A hospital container that mounts only its three files passes the explicit paths and
-    no PKI directory.
-    """
-    base = (
-        SiteTlsFiles.from_pki_dir(pki_dir, site_id)
-        if pki_dir is not None and site_id is not None
-        else None
-    )
-    hint = "give --pki and --site, or all of --tls-ca, --tls-cert, --tls-key"
-    return SiteTlsFiles(
-        ca=_pick("tls_ca", ca, base.ca if base else None, hint),
-        cert=_pick("tls_cert", cert, base.cert if base else None, hint),
-        key=_pick("tls_key", key, base.key if base else None, hint),
-    )
-
-
-def resolve_coordinator_tls_files(
-    *,
-    pki_dir: str | os.PathLike[str] | None,
-    ca: str | os.PathLike[str] | None = None,
-    cert: str | os.PathLike[str] | None = None,
-    key: str | os.PathLike[str] | None = None,
-    crl: str | os.PathLike[str] | None = None,
-) -> CoordinatorTlsFiles:
-    """Coordinator files from ``--pki D``, each overridden by ``--tls-ca/-cert/-key/-crl``."""
-    base = CoordinatorTlsFiles.from_pki_dir(pki_dir) if pki_dir is not None else None
-    hint = "give --pki, or all of --tls-ca, --tls-cert, --tls-key, --tls-crl"
-    return CoordinatorTlsFiles(
-        ca=_pick("tls_ca", ca, base.ca if base else None, hint),
-        cert=_pick("tls_cert", cert, base.cert if base else None, hint),
-        key=_pick("tls_key", key, base.key if base else None, hint),
-        crl=_pick("tls_crl", crl, base.crl if base else None, hint),
-    )
+        return cls(role=Role.COORDINATOR, ca=root / CA_CERT, cert=root / COORDINATOR_CERT,
+                   key=root / COORDINATOR_KEY)
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -188,11 +112,7 @@ def _read(path: Path, what: str) -> bytes:
         raise PkiError(f"cannot read {what} {path}: {exc.strerror}") from None
 
 
-def load_tls_material(
-    files: SiteTlsFiles | MonitorTlsFiles | CoordinatorTlsFiles,
-    *,
-    now: dt.datetime | None = None,
-) -> TlsMaterial:
+def load_tls_material(files: TlsFiles, *, now: dt.datetime | None = None) -> TlsMaterial:
     """Read and cross-check CA, certificate and key; PkiError saying what is wrong.
 
     `now` defaults to the wall clock: this runs once at service start-up, not inside
@@ -231,13 +151,7 @@ def load_tls_material(
         check_issued_by(cert, ca_cert, what=f"certificate {files.cert}")
     except CertificateRejected as exc:
         raise PkiError(str(exc)) from None
-    expected = (
-        Role.SITE
-        if isinstance(files, SiteTlsFiles)
-        else Role.MONITOR
-        if isinstance(files, MonitorTlsFiles)
-        else Role.COORDINATOR
-    )
+    expected = files.role
     usage = (
         ExtendedKeyUsageOID.SERVER_AUTH
         if expected is Role.COORDINATOR
@@ -269,9 +183,12 @@ ROLE_URI_HINT = {
 
 
 def server_credentials_from_files(
-    files: CoordinatorTlsFiles, *, now: dt.datetime | None = None
+    files: TlsFiles, *, now: dt.datetime | None = None
 ) -> grpc.ServerCredentials:
     """Coordinator credentials: own pair, CA as the only trust root, client certs required."""
+    if files.role is not Role.COORDINATOR:
+        raise PkiError(f"{files.cert}: a server needs the coordinator's files, not a "
+                       f"{files.role.value}'s")
     material = load_tls_material(files, now=now)
     return grpc.ssl_server_credentials(
         [(material.key_pem, material.cert_pem)],
@@ -283,13 +200,16 @@ def server_credentials_from_files(
 def server_credentials(
     pki_dir: str | os.PathLike[str], *, now: dt.datetime | None = None
 ) -> grpc.ServerCredentials:
-    return server_credentials_from_files(CoordinatorTlsFiles.from_pki_dir(pki_dir), now=now)
+    return server_credentials_from_files(TlsFiles.for_coordinator(pki_dir), now=now)
 
 
 def channel_credentials_from_files(
-    files: SiteTlsFiles | MonitorTlsFiles, *, now: dt.datetime | None = None
+    files: TlsFiles, *, now: dt.datetime | None = None
 ) -> grpc.ChannelCredentials:
     """Client credentials: presents the site's (or monitor's) pair, trusts only the CA."""
+    if files.role is Role.COORDINATOR:
+        raise PkiError(f"{files.cert}: a client needs a site's or a monitor's files, not the "
+                       "coordinator's")
     material = load_tls_material(files, now=now)
     return grpc.ssl_channel_credentials(
         root_certificates=material.ca_pem,
@@ -298,28 +218,11 @@ def channel_credentials_from_files(
     )
 
 
-def channel_credentials(
-    pki_dir: str | os.PathLike[str], site_id: str, *, now: dt.datetime | None = None
-) -> grpc.ChannelCredentials:
-    return channel_credentials_from_files(SiteTlsFiles.from_pki_dir(pki_dir, site_id), now=now)
-
-
-def monitor_channel_credentials(
-    pki_dir: str | os.PathLike[str], name: str, *, now: dt.datetime | None = None
-) -> grpc.ChannelCredentials:
-    return channel_credentials_from_files(MonitorTlsFiles.from_pki_dir(pki_dir, name), now=now)
-
-
-def server_host_names(
-    address: str, files: SiteTlsFiles | MonitorTlsFiles, *, timeout: float = 10
-) -> list[str] | None:
+def server_host_names(address: str, files: TlsFiles, *, timeout: float = 10) -> list[str] | None:
     """The DNS names and IP addresses the server at HOST:PORT `address` presents in its
     certificate, read over a TLS connection that checks the chain against our CA but not
     the name: what a "Hostname Verification Check failed" error should tell the operator.
     None when they cannot be read (unreachable, another CA, no SAN)."""
-    import socket
-    import ssl
-
     host, _, port = address.rpartition(":")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname = False  # the name is what we want to learn; the CA still counts

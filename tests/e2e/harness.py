@@ -22,7 +22,7 @@ from bench.instrumented import instrumented_argv
 from common.commands.status import fetch_status
 from common.core.processes import ManagedProcess, medfed_argv
 from common.protocol import pki
-from common.protocol.tls import MonitorTlsFiles
+from common.protocol.tls import TlsFiles
 from common.study import load_study
 from site_agent.approvals import Approvals
 
@@ -123,7 +123,7 @@ class Federation:
     def site_states(self, monitor: str = "ops") -> dict[str, str]:
         """Each site's state as `medfed status` reports it, asked with a monitor
         certificate (`pki issue --monitor`)."""
-        files = MonitorTlsFiles.from_pki_dir(self.pki, monitor)
+        files = TlsFiles.for_monitor(self.pki, monitor)
         status = fetch_status(f"127.0.0.1:{self.port}", ca=files.ca, cert=files.cert,
                               key=files.key, timeout=10)
         return {s["site_id"]: s["state"] for s in status["sites"]}  # type: ignore[attr-defined]

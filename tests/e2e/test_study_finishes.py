@@ -27,7 +27,7 @@ from common.commands.status import fetch_status
 from common.core.config import PrivacySection
 from common.core.processes import ManagedProcess, medfed_argv
 from common.privacy.ledger import LedgerSigner, PrivacyLedger, read_ledger
-from common.protocol.tls import MonitorTlsFiles
+from common.protocol.tls import TlsFiles
 from common.study import DEFAULT_EVALUATION_NOISE_STD, load_study, study_sha256
 from coordinator import queries
 from coordinator.engine import FAILED_META, STUDY_DONE_FOR_QUERIES
@@ -187,7 +187,7 @@ def test_a_final_round_every_site_declines_for_good_ends_the_study_saying_why(
         assert not (run.site_state(site) / "model" / "final.safetensors").exists()
     # The evaluation round was opened once, not again and again.
     assert coordinator.alive
-    monitor = MonitorTlsFiles.from_pki_dir(pki, "ops")
+    monitor = TlsFiles.for_monitor(pki, "ops")
     status = fetch_status(f"127.0.0.1:{run.port}", ca=monitor.ca, cert=monitor.cert,
                           key=monitor.key, timeout=10)
     assert status["failed"] == reason and not status["finished"]

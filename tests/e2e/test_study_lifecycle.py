@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.commands.status import fetch_status
-from common.protocol.tls import MonitorTlsFiles, channel_credentials_from_files
+from common.protocol.tls import TlsFiles, channel_credentials_from_files
 from tests.e2e.conftest import process_tails
 from tests.e2e.harness import REPO, Federation, run_medfed
 
@@ -62,8 +62,8 @@ def status_cli(fed: Federation, *args: str, cert: Path, key: Path
     )
 
 
-def monitor_files(fed: Federation) -> MonitorTlsFiles:
-    return MonitorTlsFiles.from_pki_dir(fed.pki, "ops")
+def monitor_files(fed: Federation) -> TlsFiles:
+    return TlsFiles.for_monitor(fed.pki, "ops")
 
 
 def status(fed: Federation) -> dict[str, object]:

@@ -9,6 +9,7 @@ certificate of the federation, the rule the gRPC port applies to Health and stat
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import logging
 import socket
@@ -26,7 +27,7 @@ from common.core.errors import ConfigError, PkiError
 from common.protocol import metrics_http, pki
 from common.protocol.metrics_http import MetricsTls, serve_metrics
 from common.protocol.pki import Role
-from common.protocol.tls import CoordinatorTlsFiles, Refusal
+from common.protocol.tls import Refusal, TlsFiles
 from coordinator.service import start
 
 
@@ -46,7 +47,7 @@ def served(monitor_pki: Path, refusals: list[Refusal]) -> Iterator[int]:
     """A registry with one gauge behind `serve_metrics(..., tls=...)`: its port."""
     registry = CollectorRegistry()
     Gauge("medfed_test_marker", "A series only a monitor may read.", registry=registry).set(7)
-    tls = MetricsTls(CoordinatorTlsFiles.from_pki_dir(monitor_pki),
+    tls = MetricsTls(TlsFiles.for_coordinator(monitor_pki),
                      pki.PeerVerifier.from_pki_dir(monitor_pki), on_refused=refusals.append)
     server, port = serve_metrics("127.0.0.1:0", registry, tls=tls)
     try:
@@ -165,7 +166,7 @@ def test_attack_a_connection_flood_holds_no_more_than_its_bound(
     """Connections beyond MAX_CONNECTIONS are closed at once, not given a thread each."""
     monkeypatch.setattr(metrics_http, "HANDSHAKE_SECONDS", 3600.0)
     monkeypatch.setattr(metrics_http, "MAX_CONNECTIONS", 2)
-    tls = MetricsTls(CoordinatorTlsFiles.from_pki_dir(monitor_pki),
+    tls = MetricsTls(TlsFiles.for_coordinator(monitor_pki),
                      pki.PeerVerifier.from_pki_dir(monitor_pki))
     server, port = serve_metrics("127.0.0.1:0", CollectorRegistry(), tls=tls)
     try:
@@ -185,9 +186,8 @@ def test_a_server_certificate_that_is_not_the_coordinators_is_refused_at_start(
     monitor_pki: Path,
 ) -> None:
     """The start-up checks of the gRPC port: a pair that does not match fails naming it."""
-    files = CoordinatorTlsFiles.from_pki_dir(monitor_pki)
-    mismatched = CoordinatorTlsFiles(ca=files.ca, crl=files.crl, cert=files.cert,
-                                     key=pki.monitor_paths(monitor_pki, "prometheus")[1])
+    files = TlsFiles.for_coordinator(monitor_pki)
+    mismatched = dataclasses.replace(files, key=pki.monitor_paths(monitor_pki, "prometheus")[1])
     tls = MetricsTls(mismatched, pki.PeerVerifier.from_pki_dir(monitor_pki))
     with pytest.raises(PkiError, match="does not match"):
         serve_metrics("127.0.0.1:0", CollectorRegistry(), tls=tls)

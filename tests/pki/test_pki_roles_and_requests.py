@@ -26,6 +26,7 @@ from common.core.errors import (
 )
 from common.protocol import pki, tls
 from common.protocol.pki import Role
+from tests.pki.credentials import site_credentials
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,7 +78,7 @@ def test_csr_flow_leaves_no_site_key_at_the_operator(tmp_path: Path) -> None:
     os.replace(key, hospital / "sites/st-marys.key")
     (hospital / "sites/st-marys.crt").write_bytes((operator / "sites/st-marys.crt").read_bytes())
     (hospital / "ca.crt").write_bytes((operator / "ca.crt").read_bytes())
-    tls.load_tls_material(tls.SiteTlsFiles.from_pki_dir(hospital, "st-marys"))
+    tls.load_tls_material(tls.TlsFiles.for_site(hospital, "st-marys"))
 
 
 def test_sign_refuses_a_second_valid_certificate_unless_replace(
@@ -226,7 +227,7 @@ def test_key_readable_by_group_or_others_is_refused_at_start_up(
         _owned_by_a_service_user(path)
         path.chmod(mode)
     with pytest.raises(PkiError) as caught:
-        tls.channel_credentials(pki_dir, "h1")
+        site_credentials(pki_dir, "h1")
     assert str(key) in str(caught.value) and f"chmod 600 {key}" in str(caught.value)
     with pytest.raises(PkiError, match="chmod 600"):
         pki.load_private_key_file(key)
@@ -243,30 +244,31 @@ def test_root_owned_key_may_be_group_readable_but_never_world_readable(pki_dir: 
     key = pki_dir / "sites/h1.key"
     os.chown(key, 0, 10001)
     key.chmod(0o440)
-    tls.channel_credentials(pki_dir, "h1")
+    site_credentials(pki_dir, "h1")
     key.chmod(0o444)
     with pytest.raises(PkiError, match="readable by others"):
-        tls.channel_credentials(pki_dir, "h1")
+        site_credentials(pki_dir, "h1")
 
 
 def test_owner_only_keys_are_accepted(pki_dir: Path) -> None:
     key = pki_dir / "sites/h1.key"
     key.chmod(0o400)
-    tls.channel_credentials(pki_dir, "h1")
+    site_credentials(pki_dir, "h1")
     assert pki.read_private_key_pem(key).startswith(b"-----BEGIN PRIVATE KEY-----")
 
 
 def test_tls_material_checks_the_role(pki_dir: Path, now: dt.datetime) -> None:
     pki.issue_monitor(pki_dir, "probe", now=now)
     # A monitor pair presented as a site's (e.g. a mis-mounted probe certificate).
-    files = tls.SiteTlsFiles(
+    files = tls.TlsFiles(
+        role=Role.SITE,
         ca=pki_dir / pki.CA_CERT,
         cert=pki_dir / "monitors/probe.crt",
         key=pki_dir / "monitors/probe.key",
     )
     with pytest.raises(PkiError, match="is a monitor certificate"):
         tls.load_tls_material(files)
-    tls.load_tls_material(tls.MonitorTlsFiles.from_pki_dir(pki_dir, "probe"))
+    tls.load_tls_material(tls.TlsFiles.for_monitor(pki_dir, "probe"))
 
 
 def _fingerprint_in(text: str) -> str:

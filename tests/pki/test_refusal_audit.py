@@ -31,6 +31,7 @@ from common.protocol import pki, tls
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.refusals import RefusalLog, method_label
 from coordinator.service import start
+from tests.pki.credentials import monitor_credentials, site_credentials
 
 SECURITY_LOGGER = "medfed.coordinator.security"
 
@@ -101,14 +102,14 @@ def test_a_revoked_site_is_logged_once_and_counted_every_time(
         try:
             address = f"127.0.0.1:{running.port}"
             async with grpc.aio.secure_channel(
-                address, tls.channel_credentials(monitor_pki, "h1")
+                address, site_credentials(monitor_pki, "h1")
             ) as channel:
                 stub = pb_grpc.FederationStub(channel)  # type: ignore[no-untyped-call]
                 for _ in range(3):
                     enroll = stub.Enroll(pb.EnrollRequest(), timeout=5)
                     assert await code_of(enroll) == grpc.StatusCode.PERMISSION_DENIED
                 assert await code_of(health_check(channel)) == grpc.StatusCode.PERMISSION_DENIED
-            monitor = tls.monitor_channel_credentials(monitor_pki, "ops")
+            monitor = monitor_credentials(monitor_pki, "ops")
             async with grpc.aio.secure_channel(address, monitor) as channel:
                 status = pb_grpc.MonitorStub(channel).Status(  # type: ignore[no-untyped-call]
                     pb.StatusRequest(), timeout=5)
@@ -157,8 +158,8 @@ def test_repeats_are_rate_limited_per_certificate_and_reason(
         address = f"127.0.0.1:{port}"
         try:
             async with (
-                grpc.aio.secure_channel(address, tls.channel_credentials(pki_dir, "h1")) as h1,
-                grpc.aio.secure_channel(address, tls.channel_credentials(pki_dir, "h2")) as h2,
+                grpc.aio.secure_channel(address, site_credentials(pki_dir, "h1")) as h1,
+                grpc.aio.secure_channel(address, site_credentials(pki_dir, "h2")) as h2,
             ):
                 for _ in range(5):
                     assert await code_of(health_check(h1)) == grpc.StatusCode.PERMISSION_DENIED
@@ -186,7 +187,7 @@ def test_missing_crl_is_logged_and_status_names_the_crl_not_the_role(
     """crl.pem deleted under a running coordinator: it refuses everyone (fail closed),
     says why in its log and metric, and `medfed status` with a perfectly good monitor
     certificate points at the CRL, not at "you need a monitor certificate"."""
-    files = tls.MonitorTlsFiles.from_pki_dir(monitor_pki, "ops")
+    files = tls.TlsFiles.for_monitor(monitor_pki, "ops")
 
     async def scenario() -> tuple[str, dict[tuple[str, str], float]]:
         running = await start(settings_for(monitor_pki, tmp_path))

@@ -28,6 +28,7 @@ from common.core.errors import CertificateRejected
 from common.protocol import pki, tls
 from common.protocol.pki import Role
 from coordinator.service import start
+from tests.pki.credentials import monitor_credentials, site_credentials
 
 TEST_RULES: Mapping[str, frozenset[Role]] = {
     "/medfed.test.Identity/": frozenset({Role.SITE}),
@@ -161,7 +162,7 @@ def test_every_rpc_shape_sees_the_certificate_identity(pki_dir: Path) -> None:
     async def scenario() -> None:
         async with (
             guarded_server(pki_dir, rules=TEST_RULES) as address,
-            grpc.aio.secure_channel(address, tls.channel_credentials(pki_dir, "h1")) as channel,
+            grpc.aio.secure_channel(address, site_credentials(pki_dir, "h1")) as channel,
         ):
             assert (
                 await channel.unary_unary("/medfed.test.Identity/WhoAmI")(b"i am h2", timeout=5)
@@ -193,7 +194,7 @@ def test_revoked_site_refused_on_every_rpc_including_health(pki_dir: Path) -> No
     async def scenario() -> None:
         async with (
             guarded_server(pki_dir, rules=TEST_RULES) as address,
-            grpc.aio.secure_channel(address, tls.channel_credentials(pki_dir, "h1")) as channel,
+            grpc.aio.secure_channel(address, site_credentials(pki_dir, "h1")) as channel,
         ):
             stub = health_pb2_grpc.HealthStub(channel)
             await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
@@ -226,7 +227,7 @@ def test_monitor_calls_health_reflection_and_status_but_no_federation_rpc(
     monitor_pki: Path,
 ) -> None:
     async def scenario() -> None:
-        credentials = tls.monitor_channel_credentials(monitor_pki, "probe")
+        credentials = monitor_credentials(monitor_pki, "probe")
         async with (
             guarded_server(monitor_pki) as address,
             grpc.aio.secure_channel(address, credentials) as channel,
@@ -248,7 +249,7 @@ def test_site_calls_federation_and_health_but_not_the_monitor_service(pki_dir: P
     async def scenario() -> None:
         async with (
             guarded_server(pki_dir) as address,
-            grpc.aio.secure_channel(address, tls.channel_credentials(pki_dir, "h2")) as channel,
+            grpc.aio.secure_channel(address, site_credentials(pki_dir, "h2")) as channel,
         ):
             assert await channel.unary_unary("/medfed.v1.Federation/Enroll")(
                 b"", timeout=5
@@ -264,7 +265,7 @@ def test_site_calls_federation_and_health_but_not_the_monitor_service(pki_dir: P
 
 def test_revoked_monitor_refused_for_health_and_reflection(monitor_pki: Path) -> None:
     async def scenario() -> None:
-        credentials = tls.monitor_channel_credentials(monitor_pki, "probe")
+        credentials = monitor_credentials(monitor_pki, "probe")
         async with (
             guarded_server(monitor_pki) as address,
             grpc.aio.secure_channel(address, credentials) as channel,
@@ -277,7 +278,7 @@ def test_revoked_monitor_refused_for_health_and_reflection(monitor_pki: Path) ->
             # The other roles are untouched by a monitor's revocation.
         async with (
             guarded_server(monitor_pki) as address,
-            grpc.aio.secure_channel(address, tls.channel_credentials(monitor_pki, "h1")) as site,
+            grpc.aio.secure_channel(address, site_credentials(monitor_pki, "h1")) as site,
         ):
             assert await _code(_health(site)) == grpc.StatusCode.OK
 
@@ -389,7 +390,7 @@ def test_the_coordinator_installs_the_role_interceptor(
         running = await start(settings)
         try:
             address = f"127.0.0.1:{running.port}"
-            credentials = tls.monitor_channel_credentials(monitor_pki, "probe")
+            credentials = monitor_credentials(monitor_pki, "probe")
             async with grpc.aio.secure_channel(address, credentials) as channel:
                 assert await _code(_health(channel)) == grpc.StatusCode.OK
                 stub = pb_grpc.FederationStub(channel)  # type: ignore[no-untyped-call]

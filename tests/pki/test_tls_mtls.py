@@ -9,16 +9,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
+import pydantic
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.core.errors import CertificateRejected, ConfigError, PkiError
+from common.core.config import SiteSettings
+from common.core.errors import CertificateRejected, PkiError
 from common.protocol import pki, tls
+from tests.pki.credentials import site_credentials
 
 WHOAMI = "/medfed.test.Identity/WhoAmI"
 
@@ -92,7 +97,7 @@ def _raw_creds(
 def test_valid_site_gets_its_own_id_from_the_certificate(pki_dir: Path) -> None:
     async def scenario() -> None:
         async with serving(pki_dir) as address:
-            creds = tls.channel_credentials(pki_dir, "h1")
+            creds = site_credentials(pki_dir, "h1")
             assert await _health(address, creds) == grpc.StatusCode.OK
             assert await _whoami(address, creds) == (grpc.StatusCode.OK, "h1")
 
@@ -126,7 +131,7 @@ def test_site_refuses_coordinator_from_foreign_ca(pki_dir: Path, foreign_dir: Pa
     # A server with a certificate from another CA cannot pose as the coordinator.
     async def scenario() -> None:
         async with serving(foreign_dir) as address:
-            code, _ = await _whoami(address, tls.channel_credentials(pki_dir, "h1"))
+            code, _ = await _whoami(address, site_credentials(pki_dir, "h1"))
             assert code == grpc.StatusCode.UNAVAILABLE
 
     asyncio.run(scenario())
@@ -136,7 +141,7 @@ def test_expired_client_certificate_refused(pki_dir: Path, now: dt.datetime) -> 
     pki.issue_site(pki_dir, "old", validity_days=1, now=now - dt.timedelta(days=3))
     # Our own loader refuses to start with it...
     with pytest.raises(PkiError, match="expired"):
-        tls.channel_credentials(pki_dir, "old")
+        site_credentials(pki_dir, "old")
 
     # ...and a client that presents it anyway is refused by the server.
     async def scenario() -> None:
@@ -153,14 +158,14 @@ def test_expired_client_certificate_refused(pki_dir: Path, now: dt.datetime) -> 
 def test_revoked_after_server_start_is_refused_without_restart(pki_dir: Path) -> None:
     async def scenario() -> None:
         async with serving(pki_dir) as address:
-            creds = tls.channel_credentials(pki_dir, "h1")
+            creds = site_credentials(pki_dir, "h1")
             assert await _whoami(address, creds) == (grpc.StatusCode.OK, "h1")
             pki.revoke_site(pki_dir, "h1")
             code, details = await _whoami(address, creds)
             assert code == grpc.StatusCode.UNAUTHENTICATED
             assert "revoked" in details
             # Other sites keep working on the same server.
-            assert await _whoami(address, tls.channel_credentials(pki_dir, "h2")) == (
+            assert await _whoami(address, site_credentials(pki_dir, "h2")) == (
                 grpc.StatusCode.OK,
                 "h2",
             )
@@ -175,7 +180,7 @@ def test_ed25519_ca_with_p256_leaves_over_mtls(tmp_path: Path) -> None:
 
     async def scenario() -> None:
         async with serving(tmp_path) as address:
-            creds = tls.channel_credentials(tmp_path, "h1")
+            creds = site_credentials(tmp_path, "h1")
             assert await _whoami(address, creds) == (grpc.StatusCode.OK, "h1")
 
     asyncio.run(scenario())
@@ -186,7 +191,7 @@ def test_ed25519_leaf_refused_at_startup_with_reason(tmp_path: Path) -> None:
     pki.issue_site(tmp_path, "h1", algorithm="ed25519")
     pki.issue_coordinator(tmp_path, ["127.0.0.1"], algorithm="ed25519")
     with pytest.raises(PkiError, match="ecdsa-p256"):
-        tls.channel_credentials(tmp_path, "h1")
+        site_credentials(tmp_path, "h1")
     with pytest.raises(PkiError, match="ecdsa-p256"):
         tls.server_credentials(tmp_path)
 
@@ -199,7 +204,8 @@ def test_hospital_container_with_only_its_own_files(pki_dir: Path, tmp_path: Pat
     mount.mkdir()
     for source in (pki_dir / "ca.crt", pki_dir / "sites/h1.crt", pki_dir / "sites/h1.key"):
         shutil.copy(source, mount / source.name)
-    files = tls.SiteTlsFiles(ca=mount / "ca.crt", cert=mount / "h1.crt", key=mount / "h1.key")
+    files = tls.TlsFiles(role=pki.Role.SITE, ca=mount / "ca.crt", cert=mount / "h1.crt",
+                         key=mount / "h1.key")
     material = tls.load_tls_material(files)
     assert pki.site_id_from_certificate(material.certificate) == "h1"
 
@@ -214,24 +220,26 @@ def test_hospital_container_with_only_its_own_files(pki_dir: Path, tmp_path: Pat
 def test_startup_errors_are_specific(pki_dir: Path, foreign_dir: Path) -> None:
     sites = pki_dir / "sites"
     ca = pki_dir / "ca.crt"
-    cases: list[tuple[tls.SiteTlsFiles | tls.CoordinatorTlsFiles, str]] = [
-        (tls.SiteTlsFiles(ca, sites / "h9.crt", sites / "h1.key"), "does not exist"),
-        (tls.SiteTlsFiles(ca, sites / "h1.crt", sites / "h2.key"), "does not match"),
+    site = functools.partial(tls.TlsFiles, role=pki.Role.SITE)
+    cases: list[tuple[tls.TlsFiles, str]] = [
+        (site(ca=ca, cert=sites / "h9.crt", key=sites / "h1.key"), "does not exist"),
+        (site(ca=ca, cert=sites / "h1.crt", key=sites / "h2.key"), "does not match"),
         (
-            tls.SiteTlsFiles(ca, foreign_dir / "sites/h1.crt", foreign_dir / "sites/h1.key"),
+            site(ca=ca, cert=foreign_dir / "sites/h1.crt", key=foreign_dir / "sites/h1.key"),
             "not signed by the federation CA",
         ),
         (
-            tls.SiteTlsFiles(ca, pki_dir / "coordinator.crt", pki_dir / "coordinator.key"),
+            site(ca=ca, cert=pki_dir / "coordinator.crt", key=pki_dir / "coordinator.key"),
             "not a site",
         ),
         (
-            tls.CoordinatorTlsFiles(ca, sites / "h1.crt", sites / "h1.key", pki_dir / "crl.pem"),
+            tls.TlsFiles(role=pki.Role.COORDINATOR, ca=ca, cert=sites / "h1.crt",
+                         key=sites / "h1.key"),
             "not a coordinator",
         ),
-        (tls.SiteTlsFiles(ca, ca, sites / "h1.key"), "does not match"),
+        (site(ca=ca, cert=ca, key=sites / "h1.key"), "does not match"),
         (
-            tls.SiteTlsFiles(sites / "h1.key", sites / "h1.crt", sites / "h1.key"),
+            site(ca=sites / "h1.key", cert=sites / "h1.crt", key=sites / "h1.key"),
             "not a PEM certificate",
         ),
     ]
@@ -243,10 +251,10 @@ def test_startup_errors_are_specific(pki_dir: Path, foreign_dir: Path) -> None:
 def test_not_yet_valid_certificate_refused_at_startup(pki_dir: Path, now: dt.datetime) -> None:
     pki.issue_site(pki_dir, "early", now=now + dt.timedelta(days=2))
     with pytest.raises(PkiError, match="not valid yet"):
-        tls.channel_credentials(pki_dir, "early")
+        site_credentials(pki_dir, "early")
     # Passing `now` lets a caller check a future deployment date.
     assert tls.load_tls_material(
-        tls.SiteTlsFiles.from_pki_dir(pki_dir, "early"), now=now + dt.timedelta(days=3)
+        tls.TlsFiles.for_site(pki_dir, "early"), now=now + dt.timedelta(days=3)
     )
 
 
@@ -261,29 +269,28 @@ def test_authenticate_peer_without_certificate(pki_dir: Path, now: dt.datetime) 
     assert tls.authenticate_peer({"x509_pem_cert": [pem]}, verifier, now=now) == "h2"
 
 
-def test_explicit_tls_flags_override_pki_dir(pki_dir: Path, tmp_path: Path) -> None:
-    from_dir = tls.resolve_site_tls_files(pki_dir=pki_dir, site_id="h1")
-    assert from_dir == tls.SiteTlsFiles.from_pki_dir(pki_dir, "h1")
+def test_explicit_tls_files_override_the_pki_folder(pki_dir: Path, tmp_path: Path) -> None:
+    """`medfed site run`: --tls-ca/--tls-cert/--tls-key win over --pki, whose layout is
+    the one `medfed pki` writes."""
+    base: dict[str, Any] = {"site": "h1", "coordinator": "localhost:7443",
+                            "state": tmp_path / "state"}
+    layout = tls.TlsFiles.for_site(pki_dir, "h1")
+    from_dir = SiteSettings(pki=pki_dir, **base).tls_paths()
+    assert from_dir == (layout.ca, layout.cert, layout.key)
     other_key = tmp_path / "elsewhere.key"
-    overridden = tls.resolve_site_tls_files(pki_dir=pki_dir, site_id="h1", key=other_key)
-    assert overridden.key == other_key and overridden.cert == from_dir.cert
-    mounted = tls.resolve_site_tls_files(
-        pki_dir=None, site_id=None, ca=tmp_path / "ca", cert=tmp_path / "c", key=tmp_path / "k"
-    )
-    assert mounted == tls.SiteTlsFiles(tmp_path / "ca", tmp_path / "c", tmp_path / "k")
-    with pytest.raises(ConfigError) as info:
-        tls.resolve_site_tls_files(pki_dir=None, site_id=None, ca=tmp_path / "ca")
-    assert info.value.field == "tls_cert"
-    with pytest.raises(ConfigError) as info:
-        tls.resolve_coordinator_tls_files(pki_dir=None, ca=tmp_path / "ca")
-    assert info.value.field == "tls_cert"
+    overridden = SiteSettings(pki=pki_dir, tls_key=other_key, **base).tls_paths()
+    assert overridden == (layout.ca, layout.cert, other_key)
+    mounted = SiteSettings(tls_ca=tmp_path / "ca", tls_cert=tmp_path / "c",
+                           tls_key=tmp_path / "k", **base).tls_paths()
+    assert mounted == (tmp_path / "ca", tmp_path / "c", tmp_path / "k")
+    with pytest.raises(pydantic.ValidationError, match="all of tls_ca, tls_cert and tls_key"):
+        SiteSettings(tls_ca=tmp_path / "ca", **base)
 
 
-def test_coordinator_files_give_a_working_verifier(pki_dir: Path, now: dt.datetime) -> None:
-    files = tls.resolve_coordinator_tls_files(pki_dir=pki_dir)
-    assert files.crl == pki_dir / "crl.pem"
-    verifier = files.peer_verifier()
-    assert verifier.verify((pki_dir / "sites/h1.crt").read_bytes(), now=now) == "h1"
-    broken = tls.resolve_coordinator_tls_files(pki_dir=pki_dir, crl=pki_dir / "nope.pem")
-    with pytest.raises(PkiError, match="missing"):
-        broken.peer_verifier()
+def test_credentials_refuse_files_of_the_wrong_side(pki_dir: Path) -> None:
+    """A site's (valid) pair never serves the federation port, nor the coordinator's
+    pair dials it as a client."""
+    with pytest.raises(PkiError, match="coordinator's files"):
+        tls.server_credentials_from_files(tls.TlsFiles.for_site(pki_dir, "h1"))
+    with pytest.raises(PkiError, match="a site's or a monitor's files"):
+        tls.channel_credentials_from_files(tls.TlsFiles.for_coordinator(pki_dir))
