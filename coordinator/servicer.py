@@ -149,8 +149,33 @@ def refuse_non_member(run: StudyRun | None, site_id: str, cert: x509.Certificate
         )
 
 
+async def answer_failure(
+    context: Any, error: Exception, *, method: str, metrics: CoordinatorMetrics | None
+) -> None:
+    """Abort the call with the status `error` maps to, counted and logged: the one place
+    where exceptions become gRPC status codes.
+
+    A MedfedError answers its own code (`wire.status_for`) with its message, except a
+    lost state database: that is the coordinator's own matter (its log names it) and
+    the site hears only that it should retry. Anything else is a bug: INTERNAL, logged
+    with its traceback, and nothing of it reaches the caller.
+    """
+    if isinstance(error, MedfedError):
+        code = wire.status_for(error)
+        log.info("%s -> %s: %s", method, code.name, error)
+        details = ("coordinator state database unavailable: retry later"
+                   if isinstance(error, DatabaseUnavailable) else str(error)[:500])
+    else:
+        code, details = grpc.StatusCode.INTERNAL, "internal error"
+        log.error("%s failed unexpectedly", method, exc_info=error)
+    if metrics is not None:
+        metrics.grpc_requests.labels(method=method, code=code.name).inc()
+    await context.abort(code, details)
+
+
 def rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """Map exceptions to gRPC status codes in one place and count every request."""
+    """A unary (or client-streaming) RPC: the caller's share of calls held, the request
+    parsed, every failure answered by `answer_failure`, every request counted."""
     name = method.__name__
 
     @functools.wraps(method)
@@ -159,25 +184,36 @@ def rpc(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             with self.hold_call(request):
                 require_parsed(request)
                 result = await method(self, request, context)
-        except MedfedError as exc:
-            code = wire.status_for(exc)
-            self.metrics.grpc_requests.labels(method=name, code=code.name).inc()
-            log.info("%s -> %s: %s", name, code.name, exc)
-            # A lost database is the coordinator's own matter (its log names it): the
-            # site hears only that it should retry.
-            details = ("coordinator state database unavailable: retry later"
-                       if isinstance(exc, DatabaseUnavailable) else str(exc)[:500])
-            await context.abort(code, details)
-            raise  # unreachable: abort raises
         except grpc.aio.AbortError:
             raise
-        except Exception:  # last resort: a bug answers INTERNAL, logged, never a crash
-            self.metrics.grpc_requests.labels(method=name, code="INTERNAL").inc()
-            log.exception("%s failed unexpectedly", name)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
-            raise
+        except Exception as exc:  # mapped in one place; a bug answers INTERNAL, never a crash
+            await answer_failure(context, exc, method=name, metrics=self.metrics)
+            raise  # unreachable: abort raises
         self.metrics.grpc_requests.labels(method=name, code="OK").inc()
         return result
+
+    return wrapper
+
+
+def rpc_stream(
+    method: Callable[..., AsyncIterator[T]],
+) -> Callable[..., AsyncIterator[T]]:
+    """A server-streaming RPC: as `rpc`, for failures before and during the stream (the
+    method holds the caller's share itself, around the streaming part only)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def wrapper(self: FederationServicer, request: Any, context: Any) -> AsyncIterator[T]:
+        try:
+            require_parsed(request)
+            async for item in method(self, request, context):
+                yield item
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # mapped in one place; a bug answers INTERNAL, never a crash
+            await answer_failure(context, exc, method=name, metrics=self.metrics)
+            raise  # unreachable: abort raises
+        self.metrics.grpc_requests.labels(method=name, code="OK").inc()
 
     return wrapper
 
@@ -333,62 +369,34 @@ class FederationServicer(pb_grpc.FederationServicer):
         self.engine.sites.heartbeat(self._site(context), request.round)
         return pb.HeartbeatResponse()
 
+    @rpc_stream
     async def DownloadModel(
         self, request: pb.DownloadModelRequest, context: Any
     ) -> AsyncIterator[pb.ModelChunk]:
-        try:
-            require_parsed(request)
-            site_id = self._site(context)
-            # model_chunks checks the caller now and copies one chunk at a time later.
-            chunks = self.engine.inbox.model_chunks(
-                site_id, wire.round_number(request.round), CHUNK_BYTES
-            )
-        except MedfedError as exc:
-            code = wire.status_for(exc)
-            self.metrics.grpc_requests.labels(method="DownloadModel", code=code.name).inc()
-            await context.abort(code, str(exc)[:500])
-            return
-        try:
-            # Bounded concurrent streams: each can hold a flow-control window of
-            # sent-but-unread chunks in gRPC's buffers (large models, many sites).
-            with self.hold_call(request):
-                async with self.engine.inbox.download_slot():
-                    for offset, data in chunks:
-                        yield pb.ModelChunk(offset=offset, data=data)
-        except MedfedError as exc:
-            # The round ended mid-stream (the model is being replaced): a clear status,
-            # not UNKNOWN.
-            code = wire.status_for(exc)
-            self.metrics.grpc_requests.labels(method="DownloadModel", code=code.name).inc()
-            await context.abort(code, str(exc)[:500])
-            return
-        self.metrics.grpc_requests.labels(method="DownloadModel", code="OK").inc()
+        site_id = self._site(context)
+        # model_chunks checks the caller now and copies one chunk at a time later.
+        chunks = self.engine.inbox.model_chunks(
+            site_id, wire.round_number(request.round), CHUNK_BYTES
+        )
+        # Bounded concurrent streams: each can hold a flow-control window of
+        # sent-but-unread chunks in gRPC's buffers (large models, many sites). A round
+        # that ends mid-stream (the model is being replaced) answers its clear status.
+        with self.hold_call(request):
+            async with self.engine.inbox.download_slot():
+                for offset, data in chunks:
+                    yield pb.ModelChunk(offset=offset, data=data)
 
+    @rpc_stream
     async def DownloadFinalModel(
         self, request: pb.DownloadFinalModelRequest, context: Any
     ) -> AsyncIterator[pb.ModelChunk]:
         """The finished study's final model bundle, in chunks."""
-        try:
-            require_parsed(request)
-            self._site(context)
-            data = self.engine.final_model(bytes(request.study_sha256))
-        except MedfedError as exc:
-            code = wire.status_for(exc)
-            self.metrics.grpc_requests.labels(method="DownloadFinalModel", code=code.name).inc()
-            await context.abort(code, str(exc)[:500])
-            return
-        try:
-            with self.hold_call(request):
-                async with self.engine.inbox.download_slot():
-                    for offset in range(0, len(data), CHUNK_BYTES):
-                        yield pb.ModelChunk(offset=offset,
-                                            data=data[offset : offset + CHUNK_BYTES])
-        except MedfedError as exc:
-            code = wire.status_for(exc)
-            self.metrics.grpc_requests.labels(method="DownloadFinalModel", code=code.name).inc()
-            await context.abort(code, str(exc)[:500])
-            return
-        self.metrics.grpc_requests.labels(method="DownloadFinalModel", code="OK").inc()
+        self._site(context)
+        data = self.engine.final_model(bytes(request.study_sha256))
+        with self.hold_call(request):
+            async with self.engine.inbox.download_slot():
+                for offset in range(0, len(data), CHUNK_BYTES):
+                    yield pb.ModelChunk(offset=offset, data=data[offset : offset + CHUNK_BYTES])
 
     @rpc
     async def AdvertiseKeys(
@@ -497,12 +505,9 @@ class MonitorServicer(pb_grpc.MonitorServicer):
         # Counted like the Federation calls (a dashboard polling status is traffic too).
         try:
             response = self._status()
-        except Exception:  # last resort: a bug answers INTERNAL, logged, never a crash
-            if self.metrics is not None:
-                self.metrics.grpc_requests.labels(method="Status", code="INTERNAL").inc()
-            log.exception("Status failed unexpectedly")
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
-            raise
+        except Exception as exc:  # mapped in one place; a bug answers INTERNAL, never a crash
+            await answer_failure(context, exc, method="Status", metrics=self.metrics)
+            raise  # unreachable: abort raises
         if self.metrics is not None:
             self.metrics.grpc_requests.labels(method="Status", code="OK").inc()
         return response
