@@ -98,42 +98,11 @@ def decode(
         raise ValidationError("not a hospital-level round")
     if count < 1:
         raise ValidationError("no hospital contributed")
-    announced = announced_terms(ann)
-    if terms is None:
-        terms = announced
-    elif (terms.clip, terms.noise_multiplier, terms.norm_segment) != (
-            announced.clip, announced.noise_multiplier, announced.norm_segment):
-        raise ValidationError("the round was announced with other hospital-level terms")
-    else:
-        terms = terms.for_round(announced.intermediaries)  # the v this round ran with
-    ring = hospital.ring_plan(terms, dim=ann.model_elements, max_sites=len(ann.participants))
-    manifest = ann.manifest()
-    if aggregate.dtype != np.uint32 or aggregate.size != manifest.vector_length:
-        raise ValidationError("aggregate does not match the hospital round's manifest")
-    seed = hospital.rotation_seed(
-        round_nonce=ann.round_nonce, study_sha256=ann.study_sha256,
-        round_number=ann.round_number,
-    )
-    total, norm_sum = hospital.split_norm_sum(
-        hospital.decode_sum(aggregate[manifest.slice_of(HOSPITAL_UPDATE)], plan=ring,
-                            seed=seed),
-        terms=terms)
-    integers = manifest.decode_integers(aggregate)
+    terms = round_terms(ann, terms)
+    total, norm_sum, integers = decode_ring_sum(aggregate, ann=ann, terms=terms)
     weight_sum = max(int(integers[WEIGHT][0]), 0)
-    # Sites send their unit count (1..v each: a site under "auto" may train fewer than
-    # announced); the sum is range-checked (L3): out of [count, count * v] a site lied,
-    # the mean divides by the nearest bound and the round measures no v.
-    units = min(max(weight_sum, count), count * terms.intermediaries)
+    units = unit_count(weight_sum, count=count, terms=terms, round_number=ann.round_number)
     weight_plausible = units == weight_sum
-    if not weight_plausible:
-        log.warning(
-            "round %d: the summed unit count %d is outside [%d, %d] (%d hospitals, v = "
-            "%d): the mean divides by %d and the round does not choose the next v",
-            ann.round_number, weight_sum, count, count * terms.intermediaries, count,
-            terms.intermediaries, units,
-            extra={"event": "hospital_units_out_of_range", "round_number": ann.round_number,
-                   "weight_sum": weight_sum, "units": units},
-        )
     metrics: dict[str, float] = {
         "contributors": float(count),
         "units": float(units),
@@ -148,34 +117,99 @@ def decode(
     )
     mean = (total / units).astype(np.float32)
     if norm_sum is not None:
-        metrics["unit_norm_sum"] = norm_sum
-        maximum = cap if cap is not None else hospital.MAX_AUTO_INTERMEDIARIES
-        # The norm sum's noise in decoded units: the plan's z S' on the sum, / c.
-        norm_std = terms.noise_multiplier * terms.sensitivity / hospital.NORM_SEGMENT_SCALE
-        measured = weight_plausible and plausible_norm_sum(
-            norm_sum, norm_noise_std=norm_std, units=units, clip=terms.clip)
-        metrics["intermediaries_measured"] = float(measured)
-        if measured:
-            chosen = next_split_count(
-                mean_update=mean,
-                mean_noise_std=terms.noise_multiplier * terms.sensitivity / units,
-                unit_norm_sum=norm_sum, norm_noise_std=norm_std, units=units,
-                clip=terms.clip, hospitals=count, current=terms.intermediaries,
-                maximum=maximum)
-        else:
-            chosen = min(max(terms.intermediaries, 1), maximum)
-            if weight_plausible:
-                log.warning(
-                    "round %d: decoded unit norm sum %.4g is not credibly in [0, %.4g] "
-                    "(%g sigma of its noise, %.4g): no measurement, v stays %d",
-                    ann.round_number, norm_sum, units * terms.clip, PLAUSIBLE_NORM_SIGMAS,
-                    norm_std, chosen,
-                    extra={"event": "intermediaries_measurement_rejected",
-                           "round_number": ann.round_number, "unit_norm_sum": norm_sum,
-                           "next_intermediaries": chosen},
-                )
-        metrics["next_intermediaries"] = float(chosen)
+        metrics.update(next_intermediaries(
+            mean, norm_sum=norm_sum, terms=terms, units=units, count=count,
+            weight_plausible=weight_plausible, round_number=ann.round_number,
+            maximum=cap if cap is not None else hospital.MAX_AUTO_INTERMEDIARIES,
+        ))
     return DecodedSum(mean, weight_sum, metrics, histogram, edges)
+
+
+def round_terms(ann: Announcement, terms: HospitalTerms | None) -> HospitalTerms:
+    """The terms the round ran under: the announced ones, or this federation's `terms`
+    at the announced v once they agree with the announcement (ValidationError if not)."""
+    announced = announced_terms(ann)
+    if terms is None:
+        return announced
+    if (terms.clip, terms.noise_multiplier, terms.norm_segment) != (
+            announced.clip, announced.noise_multiplier, announced.norm_segment):
+        raise ValidationError("the round was announced with other hospital-level terms")
+    return terms.for_round(announced.intermediaries)  # the v this round ran with
+
+
+def decode_ring_sum(
+    aggregate: np.ndarray, *, ann: Announcement, terms: HospitalTerms,
+) -> tuple[np.ndarray, float | None, Mapping[str, np.ndarray]]:
+    """(the noisy sum of the units' updates, the noisy sum of their clipped norms (None
+    without the norm segment), the manifest's integer parts) of the unmasked ring
+    `aggregate` (KLS21 Algorithm 2, `common.privacy.hospital.decode_sum`, with the
+    round's rotation). ValidationError when it does not fit the round's manifest."""
+    ring = hospital.ring_plan(terms, dim=ann.model_elements, max_sites=len(ann.participants))
+    manifest = ann.manifest()
+    if aggregate.dtype != np.uint32 or aggregate.size != manifest.vector_length:
+        raise ValidationError("aggregate does not match the hospital round's manifest")
+    seed = hospital.rotation_seed(
+        round_nonce=ann.round_nonce, study_sha256=ann.study_sha256,
+        round_number=ann.round_number,
+    )
+    total, norm_sum = hospital.split_norm_sum(
+        hospital.decode_sum(aggregate[manifest.slice_of(HOSPITAL_UPDATE)], plan=ring,
+                            seed=seed),
+        terms=terms)
+    return total, norm_sum, manifest.decode_integers(aggregate)
+
+
+def unit_count(weight_sum: int, *, count: int, terms: HospitalTerms, round_number: int) -> int:
+    """The units the mean divides by: the sites' summed unit counts (1..v each: a site
+    under "auto" may train fewer than announced), range-checked (L3). Out of
+    [count, count * v] a site lied: the nearest bound, logged (and the caller then
+    measures no v)."""
+    units = min(max(weight_sum, count), count * terms.intermediaries)
+    if units != weight_sum:
+        log.warning(
+            "round %d: the summed unit count %d is outside [%d, %d] (%d hospitals, v = "
+            "%d): the mean divides by %d and the round does not choose the next v",
+            round_number, weight_sum, count, count * terms.intermediaries, count,
+            terms.intermediaries, units,
+            extra={"event": "hospital_units_out_of_range", "round_number": round_number,
+                   "weight_sum": weight_sum, "units": units},
+        )
+    return units
+
+
+def next_intermediaries(
+    mean: np.ndarray, *, norm_sum: float, terms: HospitalTerms, units: int, count: int,
+    weight_plausible: bool, round_number: int, maximum: int,
+) -> dict[str, float]:
+    """The round's metrics under adaptive intermediaries: the decoded unit norm sum,
+    whether it was a credible measurement, and the v for the next round, chosen by the
+    rule of Jiang et al. (MICCAI 2023, `common.privacy.intermediaries.next_split_count`)
+    from a credible measurement, else the current v (within [1, `maximum`])."""
+    # The norm sum's noise in decoded units: the plan's z S' on the sum, / c.
+    norm_std = terms.noise_multiplier * terms.sensitivity / hospital.NORM_SEGMENT_SCALE
+    measured = weight_plausible and plausible_norm_sum(
+        norm_sum, norm_noise_std=norm_std, units=units, clip=terms.clip)
+    if measured:
+        chosen = next_split_count(
+            mean_update=mean,
+            mean_noise_std=terms.noise_multiplier * terms.sensitivity / units,
+            unit_norm_sum=norm_sum, norm_noise_std=norm_std, units=units,
+            clip=terms.clip, hospitals=count, current=terms.intermediaries,
+            maximum=maximum)
+    else:
+        chosen = min(max(terms.intermediaries, 1), maximum)
+        if weight_plausible:
+            log.warning(
+                "round %d: decoded unit norm sum %.4g is not credibly in [0, %.4g] "
+                "(%g sigma of its noise, %.4g): no measurement, v stays %d",
+                round_number, norm_sum, units * terms.clip, PLAUSIBLE_NORM_SIGMAS,
+                norm_std, chosen,
+                extra={"event": "intermediaries_measurement_rejected",
+                       "round_number": round_number, "unit_norm_sum": norm_sum,
+                       "next_intermediaries": chosen},
+            )
+    return {"unit_norm_sum": norm_sum, "intermediaries_measured": float(measured),
+            "next_intermediaries": float(chosen)}
 
 
 class HospitalEpsilons(NamedTuple):
