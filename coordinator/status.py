@@ -107,10 +107,6 @@ class StudyStatus:
     current_kind: str = ""  # one of ROUND_KINDS while a round is in flight
     auc: AucReading | None = None  # the last completed round's DP AUC, if any
 
-    @property
-    def completed_training_rounds(self) -> int:
-        return min(self.completed_rounds, self.training_rounds)
-
 
 def stopped_beating(session: SiteSession, *, now: float) -> bool:
     """Between rounds: the site's long-poll is open (or just timed out) and promised

@@ -53,24 +53,6 @@ class VerifyingKey:
         """The subject key of an X.509 certificate."""
         return cls.from_public_key(cert.public_key())
 
-    @classmethod
-    def from_certificate_der(cls, der: bytes) -> VerifyingKey:
-        """The subject key of a DER-encoded certificate (PkiError if unparsable)."""
-        try:
-            cert = x509.load_der_x509_certificate(bytes(der))
-        except ValueError as error:
-            raise PkiError("cannot parse DER certificate") from error
-        return cls.from_certificate(cert)
-
-    @classmethod
-    def from_spki_der(cls, der: bytes) -> VerifyingKey:
-        """A DER SubjectPublicKeyInfo (PkiError if unparsable or of another type)."""
-        try:
-            key = serialization.load_der_public_key(bytes(der))
-        except (ValueError, UnsupportedAlgorithm) as error:
-            raise PkiError("cannot parse SubjectPublicKeyInfo") from error
-        return cls.from_public_key(key)
-
     @property
     def algorithm(self) -> str:
         """"ed25519" or "ecdsa-p256-sha256"."""
@@ -148,17 +130,6 @@ class SigningKey:
         if isinstance(self._key, ed25519.Ed25519PrivateKey):
             return self._key.sign(bytes(message))
         return self._key.sign(bytes(message), ec.ECDSA(hashes.SHA256()))
-
-    def private_key_pem(self, password: bytes | None = None) -> bytes:
-        """PKCS#8 PEM, encrypted when `password` is given."""
-        encryption: serialization.KeySerializationEncryption = (
-            serialization.BestAvailableEncryption(password)
-            if password
-            else serialization.NoEncryption()
-        )
-        return self._key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption
-        )
 
     def __repr__(self) -> str:
         return f"SigningKey({self._algorithm}, <private>)"

@@ -148,7 +148,7 @@ def test_status_names_the_statistics_training_and_evaluation_rounds() -> None:
 
     records += [record(4, "completed", 25, 30)]
     done = status(records, None, finished=True)
-    assert (done.completed_rounds, done.total_rounds, done.completed_training_rounds) == (3, 3, 2)
+    assert (done.completed_rounds, done.total_rounds, done.training_rounds) == (3, 3, 2)
     assert render(_as_cli(done)).splitlines()[0] == (
         "federation f: study finished: statistics round completed, 2 of 2 training rounds "
         "completed, final evaluation round completed")

@@ -43,7 +43,7 @@ def make_identity(keys: Mapping[str, VerifyingKey]) -> IdentityVerifier:
         expected = keys.get(site)
         if expected is None or expected.spki_der() != certificate_der:
             raise CertificateRejected(f"certificate does not belong to {site}")
-        return VerifyingKey.from_spki_der(certificate_der)
+        return expected
 
     return identity
 
