@@ -103,6 +103,9 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
 
 
 def _serve(args: argparse.Namespace, *, observer_factory: ObserverFactory | None = None) -> int:
+    # grpc: loaded only to serve; registering the command stays grpc-free, since a grpc
+    # core imported before a fork ignores the child's GRPC_* environment (tests/zygote.py
+    # forks its processes from an interpreter that preloaded this module).
     from coordinator.service import serve
 
     settings = settings_from_args(args)

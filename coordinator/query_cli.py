@@ -22,9 +22,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from common.commands.cli import main_with
 from common.core.errors import ConfigError, MedfedError, StateError, ValidationError
 from common.core.fileio import atomic_write
 from common.core.parsing import parse_json
+from common.releases.analytics.answer import answer_query
+from common.releases.analytics.query import load_query, query_bytes
+from common.releases.analytics.query_release import QueryRelease
+from common.study import Study, study_from_bytes
 from coordinator import queries
 
 POLL_SECONDS = 0.2
@@ -52,10 +59,8 @@ def register_run(sub: Any) -> None:
     run.set_defaults(func=_run)
 
 
-def coordinator_study(state: Path) -> Any:
+def coordinator_study(state: Path) -> Study:
     """The study the coordinator's state folder runs (STATE/study.json)."""
-    from common.study import study_from_bytes
-
     path = state / "study.json"
     try:
         data = path.read_bytes()
@@ -96,10 +101,6 @@ def wait_for(state: Path, sha256: str, *, timeout: float) -> Path:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from common.releases.analytics.answer import answer_query
-    from common.releases.analytics.query import load_query, query_bytes
-    from common.releases.analytics.query_release import QueryRelease
-
     if not 0 < args.timeout <= 86_400:
         raise ConfigError("--timeout", "must be in (0, 86400] seconds")
     state: Path = args.coordinator_state
@@ -118,8 +119,6 @@ def _run(args: argparse.Namespace) -> int:
     path = wait_for(state, sha256, timeout=args.timeout)
     release = QueryRelease(study, query)
     record = queries.read_answer(path, release=release)
-    import numpy as np
-
     answer = answer_query(query, np.asarray(record["total"], dtype=np.int64), study=study,
                           noise_sigmas=[float(s) for s in record["noise_sigmas"]],
                           contributors=int(record["contributors"]))
@@ -140,8 +139,6 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m coordinator.query_cli run ...`` (`medfed query run` without the
     plug-in registry)."""
-    from common.commands.cli import main_with
-
     def register(sub: Any) -> None:
         parser = sub.add_parser("query")
         register_run(parser.add_subparsers(dest="query_command", required=True))
