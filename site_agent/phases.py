@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
@@ -21,11 +20,12 @@ from common.core.config import SiteSettings
 from common.core.errors import AbortReason, ProtocolAbort, RoundFailed
 from common.core.observer import NoObserver, RoundObserver
 from common.crypto.random import system_random
-from common.crypto.signing import SigningKey, VerifyingKey
+from common.crypto.signing import SigningKey
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
 from common.protocol.secagg import messages as sm
 from common.protocol.secagg.client import SecAggClient
+from common.protocol.secagg.identity import IdentityVerifier
 from common.rounds import wire
 from common.rounds.announcement import VerifiedRound
 from site_agent.connection import Heartbeats
@@ -66,7 +66,7 @@ class SecAggPhases:
         settings: SiteSettings,
         *,
         signing_key: SigningKey,
-        identity: Callable[[str, bytes], VerifyingKey],
+        identity: IdentityVerifier,
         stop: threading.Event,
         observer: RoundObserver | None = None,
     ) -> None:
