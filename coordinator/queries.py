@@ -138,7 +138,7 @@ def fail(state: Path, sha256: str, reason: str, *, round_number: int | None = No
 def pending(state: Path, study: Any) -> PendingQuery | None:
     """The oldest valid query in the inbox (invalid ones are moved to failed/ with the
     reason), or None."""
-    from common.releases.analytics.query_release import QueryRelease
+    from common.releases.plugins.query import QueryRelease
 
     box = folder(state, INBOX)
     try:

@@ -30,7 +30,7 @@ from common.core.fileio import atomic_write
 from common.core.parsing import parse_json
 from common.releases.analytics.answer import answer_query
 from common.releases.analytics.query import load_query, query_bytes
-from common.releases.analytics.query_release import QueryRelease
+from common.releases.plugins.query import QueryRelease
 from common.study import Study, study_from_bytes
 from coordinator import queries
 

@@ -6,7 +6,7 @@
 * DP evaluation: one score per privacy unit, a 2 x bins integer histogram noised with
   the distributed discrete Gaussian (Kairouz, Liu & Steinke, ICML 2021) split across the
   round-size floor minus the colluding sites, so the secure sum carries the noise (the
-  release itself: `common.releases.evaluation_release`; its ledger budget rules here).
+  release itself: `common.releases.plugins.evaluation_histogram`; its ledger budget rules here).
 * Noise planning: sigma from the site's remaining budget and its own policy
   (`plan_round_noise`), re-planned every round from what the ledger shows spent.
 """
@@ -30,8 +30,10 @@ from common.privacy.accountant import RoundNoisePlan, compose_epsilon, plan_roun
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import DistributedDiscreteGaussian, Gaussian, Mechanism
 from common.privacy.purpose import Purpose
-from common.releases.evaluation_release import EvaluationHistogram
-from common.releases.evaluation_release import evaluation_noise_sites as evaluation_noise_sites
+from common.releases.plugins.evaluation_histogram import EvaluationHistogram
+from common.releases.plugins.evaluation_histogram import (
+    evaluation_noise_sites as evaluation_noise_sites,
+)
 from common.releases.seam import NoisePlan
 from common.study import Study, per_round_cap
 

@@ -31,8 +31,7 @@ from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Mechanism
 from common.privacy.purpose import ROUND_PURPOSES
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-from common.releases import egress
-from common.releases.evaluation_release import (
+from common.releases.plugins.evaluation_histogram import (
     EvaluationHistogram,
     evaluation_noise_sites,
     evaluation_noise_std,
@@ -116,7 +115,7 @@ class EvaluationRelease:
                                     own=self.settings.privacy.evaluation_noise_std)
 
     def release(self, rnd: VerifiedRound) -> EvaluationHistogram:
-        """This round's histogram release (`common.releases.evaluation_release`)."""
+        """This round's histogram release (`common.releases.plugins.evaluation_histogram`)."""
         return EvaluationHistogram(
             noise_std=self.noise_std(),
             bins=rnd.announcement.histogram_bins,
@@ -325,7 +324,7 @@ class RoundRelease:
         if study is None:
             raise RoundFailed(f"a {rnd.announcement.release} round needs a study")
         kind = release_for_round(rnd.announcement.kind, rnd.announcement.release_name)
-        if kind is not None and kind.name == egress.STATISTICS:
+        if kind is not None and kind.once_per_study:
             self.refuse_statistics_again(study)
         release, exact, plans = prepare_release(
             rnd, study=study, ledger=ledger, approvals=self.approvals,

@@ -20,23 +20,28 @@ writes `plan(...).mechanism()` on its ledger under `purpose` before anything lea
 (write-ahead), adds `plan(...).noise(rng)` from `common.crypto.random`, and encodes with
 `encode`; the coordinator reads the sum with `decode_sum`. A release that runs as a round
 of its own names its round kind (`ReleaseKind.round_kind`); the study's statistics
-(`common.releases.statistics`) are one. The evaluation histogram
-(`common.releases.evaluation_release`)
-rides in every model round's vector instead.
+(`common.releases.plugins.statistics`) are one. The evaluation histogram
+(`common.releases.plugins.evaluation_histogram`) rides in every model round's vector
+instead.
 
-A new release is a query module that subclasses `DpRelease` and calls `register_release`,
-plus its module name in `RELEASE_MODULES` (see docs/architecture.md, "Adding a DP
-release").
+A new release is one module in `common/releases/plugins/` that subclasses `DpRelease` and
+calls `register_release` when imported: `load_releases` imports every module of that
+folder (found by file name, as `common.models.registry` finds networks), so both
+services and the egress docs know it without a list to edit (docs/privacy.md, "Adding a
+DP release").
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+import pkgutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Final
+from functools import cache
+from pathlib import Path
+from typing import Any, ClassVar, Final
 
 import numpy as np
 
@@ -54,19 +59,18 @@ from common.releases.egress import (
     VectorSegment,
     register_segment_kind,
 )
-
-if TYPE_CHECKING:
-    from common.study import Study
+from common.study import Study
 
 __all__ = [
     "KIND_HOSPITAL",
     "KIND_RELEASE",
     "KIND_STATISTICS",
     "KIND_TRAINING",
+    "PLUGINS",
     "PURPOSES",
-    "RELEASE_MODULES",
     "ROUND_KINDS",
     "ROUND_PURPOSES",
+    "DecodedSum",
     "DpRelease",
     "NoisePlan",
     "Purpose",
@@ -74,7 +78,9 @@ __all__ = [
     "build_release",
     "check_plans",
     "decode_sum",
+    "load_releases",
     "planned_noise_sites",
+    "read_sum",
     "register_release",
     "release_for_round",
     "release_kind",
@@ -95,12 +101,8 @@ named on the wire by the announcement's `release`."""
 ROUND_KINDS: Final = (KIND_TRAINING, KIND_STATISTICS, KIND_HOSPITAL, KIND_RELEASE)
 """Every kind a round announcement may name."""
 
-RELEASE_MODULES: Final = (
-    "common.releases.statistics",
-    "common.releases.evaluation_release",
-    "common.releases.analytics.query_release",
-)
-"""The modules that register a release when imported (`release_kind` loads them)."""
+PLUGINS: Final = "common.releases.plugins"
+"""The package whose every module registers one release when imported (`load_releases`)."""
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,9 @@ class ReleaseKind:
     round_kind: str = ""
     """The round kind that carries it alone: `KIND_RELEASE` (the announcement names it),
     "statistics" for the study's statistics, "" when it rides in another round."""
+    once_per_study: bool = False
+    """Released once per study, ever: a site pins what it released and refuses a second
+    round of it (the study's statistics: `site_agent.statistics_pin`)."""
 
 
 RELEASES: Final[dict[str, ReleaseKind]] = {}
@@ -261,15 +266,22 @@ def register_release(kind: ReleaseKind) -> ReleaseKind:
     return kind
 
 
-def _load() -> None:
-    for module in RELEASE_MODULES:
-        importlib.import_module(module)
+@cache
+def load_releases() -> tuple[str, ...]:
+    """Import every module of `PLUGINS` (names starting with ``_`` are helpers), each of
+    which registers its release; their names, in the order loaded. Once per process."""
+    folder = Path(__file__).parent / PLUGINS.rsplit(".", 1)[-1]
+    names = sorted(info.name for info in pkgutil.iter_modules([str(folder)])
+                   if not info.name.startswith("_"))
+    for name in names:
+        importlib.import_module(f"{PLUGINS}.{name}")
+    return tuple(names)
 
 
 def release_kind(name: str) -> ReleaseKind:
     """The registered release `name` (ValidationError when there is none)."""
     if name not in RELEASES:
-        _load()
+        load_releases()
     kind = RELEASES.get(name)
     if kind is None:
         raise ValidationError(f"no DP release named {name!r} is registered")
@@ -279,7 +291,7 @@ def release_kind(name: str) -> ReleaseKind:
 def release_for_round(round_kind: str, name: str = "") -> ReleaseKind | None:
     """The release a round of `round_kind` carries alone, `name` for a `KIND_RELEASE`
     round (None: a model round, or a name registered for no round of its own)."""
-    _load()
+    load_releases()
     if round_kind == KIND_RELEASE:
         kind = RELEASES.get(name)
         return kind if kind is not None and kind.round_kind == KIND_RELEASE else None
@@ -347,28 +359,44 @@ def sum_noise_sigma(release: DpRelease, *, contributors: int, noise_sites: int) 
     return sigmas[0]
 
 
-def decode_sum(
+@dataclass(frozen=True)
+class DecodedSum:
+    """What the coordinator reads of a release's round (`read_sum`): the signed noisy
+    sum, each block's noise std on it, and the release's decoding of the two."""
+
+    total: np.ndarray
+    noise_sigmas: list[float]
+    value: Any
+
+
+def read_sum(
     release: DpRelease, aggregate: np.ndarray, *, contributors: int, noise_sites: int,
     round_number: int,
-) -> Any:
+) -> DecodedSum:
     """The coordinator's side of a release: its segment of the unmasked ring sum, read
     as signed integers (`EgressManifest.decode_integers`), then `release.decode_blocks`
     with each block's noise std."""
     total = release.manifest().decode_integers(aggregate)[release.name]
-    return release.decode_blocks(
-        total,
-        noise_sigmas=sum_noise_sigmas(release, contributors=contributors,
-                                      noise_sites=noise_sites),
-        round_number=round_number, contributors=contributors,
-    )
+    sigmas = sum_noise_sigmas(release, contributors=contributors, noise_sites=noise_sites)
+    value = release.decode_blocks(total, noise_sigmas=sigmas, round_number=round_number,
+                                  contributors=contributors)
+    return DecodedSum(total=total, noise_sigmas=sigmas, value=value)
+
+
+def decode_sum(
+    release: DpRelease, aggregate: np.ndarray, *, contributors: int, noise_sites: int,
+    round_number: int,
+) -> Any:
+    """`read_sum`'s decoded value alone."""
+    return read_sum(release, aggregate, contributors=contributors, noise_sites=noise_sites,
+                    round_number=round_number).value
 
 
 def docs_section() -> str:
     """The egress tables of docs/privacy.md, every registered release's segment included
     (each release module registers its segment when imported: all of them are loaded
     first)."""
-    for module in RELEASE_MODULES:
-        importlib.import_module(module)
+    load_releases()
     return f"{egress.DOCS_BEGIN}\n{egress.render_markdown()}{egress.DOCS_END}\n"
 
 

@@ -1,6 +1,7 @@
 """Federated DP statistics for preprocessing: what every site
 releases once per study, before training, and how the coordinator turns the secure sum
-into the `GlobalStatistics` every site (and `predict`) standardises and imputes with.
+into the `GlobalStatistics` every site (and `predict`) standardises and imputes with
+(the release itself, as the seam runs it: `common.releases.plugins.statistics`).
 
 Each privacy unit (a patient, or a record when the study has no patient column) gives
 ONE value per feature: the mean of its non-missing values (numeric) or its most frequent
@@ -41,24 +42,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from common.core.errors import ConfigError, ValidationError
 from common.privacy.ddgauss import count_rho, epsilon_from_rho
-from common.privacy.purpose import Purpose
-from common.releases.egress import SEGMENT_KINDS, STATISTICS
 from common.releases.noisy_counts import credible_support
-from common.releases.seam import (
-    KIND_STATISTICS,
-    DpRelease,
-    NoisePlan,
-    ReleaseKind,
-    register_release,
-    study_noise_sites,
-    sum_noise_sigma,
-)
+from common.releases.seam import NoisePlan
 from common.study import (
     CategoricalStatistics,
     GlobalStatistics,
@@ -173,23 +164,13 @@ def unit_values(
     return units, numeric, categorical
 
 
-def clipped_sums(table: TableLike, study: Study) -> dict[str, float]:
-    """Noiseless sum over units of each declared-range numeric value clipped into its
-    range (what the release estimates, before rounding and noise): one unit moves it by
-    at most max(|low|, |high|)."""
-    _, numeric, _ = unit_values(table, study)
-    out = {}
-    for spec in study.features:
-        if spec.type == "numeric" and spec.range != "auto":
-            low, high = spec.range
-            values = numeric[spec.name]
-            values = values[~np.isnan(values)]
-            out[spec.name] = float(np.clip(values, low, high).sum())
-    return out
-
-
 def histogram_bin(values: np.ndarray) -> np.ndarray:
-    """Index of each value's fixed log-spaced bin (0 .. HISTOGRAM_BINS - 1)."""
+    """Index of each value's fixed log-spaced bin (0 .. HISTOGRAM_BINS - 1): the open
+    bins at both ends, and the bin around zero in the middle.
+
+    >>> histogram_bin(np.array([-1e6, -2e-3, 0.0, 2e-3, 1e6])).tolist()
+    [0, 24, 25, 26, 50]
+    """
     return np.searchsorted(LOG_EDGES, values, side="right")
 
 
@@ -304,17 +285,6 @@ def plan_statistics(study: Study, *, n_noise: int, epsilon: float | None = None,
 # --------------------------------------------------------------------------- coordinator
 
 
-def ring_to_signed(aggregate: np.ndarray) -> np.ndarray:
-    """The uint32 ring sum of integer vectors (noise may be negative) as int64.
-
-    >>> ring_to_signed(np.array([5, 2**32 - 3], dtype=np.uint32)).tolist()  # 5 and -3
-    [5, -3]
-    """
-    if aggregate.dtype != np.uint32:
-        raise ValidationError("statistics aggregate must be uint32")
-    return aggregate.view(np.int32).astype(np.int64)
-
-
 def _quantile(counts: np.ndarray, q: float) -> float:
     """Quantile of a histogram over LOG_EDGES, linear inside a bin."""
     total = counts.sum()
@@ -350,14 +320,6 @@ def _clipped_std(counts: np.ndarray, *, low: float, high: float) -> float:
     mean = float(np.sum(weights * centres))
     variance = float(np.sum(weights * ((centres - mean) ** 2 + (b - a) ** 2 / 12.0)))
     return math.sqrt(max(variance, 0.0))
-
-
-def release_noise_sigma(study: Study, *, contributors: int) -> float:
-    """Std of the noise on each entry of the secure sum of `contributors` releases, every
-    member having planned for the study's n_noise (`common.releases.seam.sum_noise_sigma` of
-    `StatisticsQuery`)."""
-    return sum_noise_sigma(StatisticsQuery(study), contributors=contributors,
-                           noise_sites=study_noise_sites(study))
 
 
 FALLBACK_LOW = float(LOG_EDGES[0])
@@ -415,9 +377,9 @@ def decode_release(
     total: np.ndarray, study: Study, *, source: str, noise_sigma: float = 0.0
 ) -> GlobalStatistics:
     """GlobalStatistics from the noisy secure sum (int64); `noise_sigma`: the std of the
-    noise on each entry (`release_noise_sigma`; 0 for a noiseless sum). Every estimate is
-    clamped into what its definition allows; where the noise swamps a feature's values
-    the result's `warnings` say so, naming the feature."""
+    noise on each entry (`common.releases.seam.sum_noise_sigma`; 0 for a noiseless
+    sum). Every estimate is clamped into what its definition allows; where the noise
+    swamps a feature's values the result's `warnings` say so, naming the feature."""
     if total.shape != (statistics_length(study),):
         raise ValidationError("statistics sum does not match the study's layout")
     where = {segment.name: segment for segment in statistics_layout(study)}
@@ -476,51 +438,3 @@ class TableLike(Protocol):
     def patient_ids(self) -> np.ndarray | None: ...
 
     def __len__(self) -> int: ...
-
-
-# --------------------------------------------------------------------------- the release
-
-
-class StatisticsQuery(DpRelease):
-    """The study's statistics as a release (`common.releases.seam`): the vector of the module
-    docstring, planned for the study's `privacy.statistics_epsilon`, decoded into the
-    `GlobalStatistics` every site then preprocesses with."""
-
-    name = STATISTICS
-    purpose = Purpose.STATISTICS
-
-    def __init__(self, study: Study) -> None:
-        self.study = study
-
-    @property
-    def length(self) -> int:
-        return statistics_length(self.study)
-
-    def query(self, site: Any) -> np.ndarray:
-        """`site.statistics_release()`: the site's training plan encodes its table (or
-        counts an images study's units) with `encode_release`."""
-        vector = np.asarray(site.statistics_release())
-        if vector.shape != (self.length,):
-            raise ValidationError("statistics vector length differs from this site's study")
-        return vector
-
-    def plan(self, *, n_noise: int) -> StatisticsPlan:
-        return plan_statistics(self.study, n_noise=n_noise)
-
-    def decode(self, total: np.ndarray, *, noise_sigma: float, round_number: int,
-               contributors: int) -> GlobalStatistics:
-        privacy = self.study.privacy
-        source = (
-            f"federated DP release, round {round_number}: {contributors} "
-            f"sites, epsilon {privacy.statistics_epsilon:g}, delta {privacy.delta:g} "
-            "(distributed discrete Gaussian)"
-        )
-        return decode_release(total, self.study, source=source, noise_sigma=noise_sigma)
-
-
-register_release(ReleaseKind(
-    name=STATISTICS, purpose=Purpose.STATISTICS, build=StatisticsQuery,
-    mechanism=SEGMENT_KINDS[STATISTICS].mechanism,
-    description=SEGMENT_KINDS[STATISTICS].description,
-    round_kind=KIND_STATISTICS,
-))

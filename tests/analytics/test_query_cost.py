@@ -23,8 +23,8 @@ from common.protocol import pki
 from common.releases.analytics.answer import answer_query
 from common.releases.analytics.cost import ledger_epsilon, query_cost
 from common.releases.analytics.query import Query, load_query, query_bytes, query_sha256
-from common.releases.analytics.query_release import QUERY_RELEASE, QueryRelease
 from common.releases.bundle import write_bundle
+from common.releases.plugins.query import QUERY_RELEASE, QueryRelease
 from common.releases.seam import KIND_RELEASE, study_noise_sites, sum_noise_sigmas
 from common.rounds.announcement import Announcement, validate_for_site
 from common.study import Study, study_sha256

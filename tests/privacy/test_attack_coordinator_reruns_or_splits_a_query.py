@@ -41,8 +41,8 @@ from common.privacy.ledger import PrivacyLedger, verify_ledger
 from common.privacy.signed import LedgerSigner, QueryRef, SignedEntry
 from common.protocol import pki
 from common.releases.analytics.query import Query, query_bytes, query_from_mapping, query_sha256
-from common.releases.analytics.query_release import QUERY_RELEASE, QueryRelease
 from common.releases.analytics.vector import query_length
+from common.releases.plugins.query import QUERY_RELEASE, QueryRelease
 from common.releases.seam import KIND_RELEASE, decode_sum
 from common.rounds.announcement import Announcement, VerifiedRound, validate_for_site
 from common.study import Study, study_from_mapping, study_sha256

@@ -21,7 +21,7 @@ import pytest
 from common.core.config import PrivacySection, SiteSettings, load_settings
 from common.core.errors import ConfigError, PrivacyError
 from common.privacy.accountant import compose_epsilon
-from common.releases.evaluation_release import EvaluationHistogram, evaluation_noise_std
+from common.releases.plugins.evaluation_histogram import EvaluationHistogram, evaluation_noise_std
 from common.study import (
     DEFAULT_EVALUATION_NOISE_STD,
     SitePrivacyPolicy,

@@ -33,8 +33,8 @@ from common.privacy.signed import LedgerSigner
 from common.protocol import pki
 from common.releases.analytics.cost import ledger_epsilon
 from common.releases.analytics.query import Query, query_bytes, query_from_mapping, query_sha256
-from common.releases.analytics.query_release import QUERY_RELEASE, QueryRelease
 from common.releases.analytics.vector import query_length, query_mechanisms
+from common.releases.plugins.query import QUERY_RELEASE, QueryRelease
 from common.releases.seam import KIND_RELEASE
 from common.rounds.announcement import Announcement, validate_for_site
 from common.study import Study, load_study, study_from_mapping, study_sha256

@@ -38,12 +38,12 @@ from common.releases.seam import (
     release_kind,
     sum_noise_sigma,
 )
-from common.releases.statistics import ring_to_signed
 from common.rounds import wire
 from common.rounds.announcement import Announcement, validate_for_site
 from coordinator.release_round import keep_json
 from site_agent.releases import release_vector
 from tests.secagg.secagg_harness import make_federation, run_round
+from tests.study.helpers import ring_to_signed
 
 NOW = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
 SIGMA = 4.0  # summed noise std per count

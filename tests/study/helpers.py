@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from common.releases.seam import release_kind, study_noise_sites, sum_noise_sigma
+from common.releases.statistics import TableLike, unit_values
 from common.study import (
     CategoricalStatistics,
     GlobalStatistics,
@@ -202,3 +204,37 @@ def trained_bundle(train_csv: Path, *, steps: int = 300) -> Any:
         round=study.study.rounds,
         final=True,
     )
+
+
+# ------------------------------------------------------------- oracles of the release
+
+
+def ring_to_signed(aggregate: np.ndarray) -> np.ndarray:
+    """The uint32 ring sum of integer vectors (noise may be negative) as int64: what
+    `common.releases.egress.EgressManifest.decode_integers` reads, written out."""
+    assert aggregate.dtype == np.uint32
+    return aggregate.view(np.int32).astype(np.int64)
+
+
+def clipped_sums(table: TableLike, study: Study) -> dict[str, float]:
+    """Noiseless sum over units of each declared-range numeric value clipped into its
+    range (what the statistics release estimates, before rounding and noise): one unit
+    moves it by at most max(|low|, |high|)."""
+    _, numeric, _ = unit_values(table, study)
+    out = {}
+    for spec in study.features:
+        if spec.type == "numeric" and spec.range != "auto":
+            low, high = spec.range
+            values = numeric[spec.name]
+            values = values[~np.isnan(values)]
+            out[spec.name] = float(np.clip(values, low, high).sum())
+    return out
+
+
+def release_noise_sigma(study: Study, *, contributors: int) -> float:
+    """Std of the noise on each entry of the secure sum of `contributors` statistics
+    releases, every member having planned for the study's n_noise (the seam's
+    `sum_noise_sigma` of the registered statistics release)."""
+    release = release_kind("statistics").build(study)  # type: ignore[misc]
+    return sum_noise_sigma(release, contributors=contributors,
+                           noise_sites=study_noise_sites(study))

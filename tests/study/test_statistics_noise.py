@@ -18,8 +18,6 @@ from common.releases.statistics import (
     encode_release,
     histogram_bin,
     plan_statistics,
-    release_noise_sigma,
-    ring_to_signed,
     statistics_layout,
     statistics_length,
 )
@@ -31,6 +29,7 @@ from common.study import (
     study_from_mapping,
 )
 from site_agent.data import load_study_table
+from tests.study.helpers import release_noise_sigma, ring_to_signed
 
 SITES = (400, 550, 700)
 COLLUDING = 1

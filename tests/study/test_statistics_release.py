@@ -12,19 +12,24 @@ import pytest
 from common.crypto.random import system_random
 from common.privacy.ddgauss import count_rho, epsilon_from_rho
 from common.releases.statistics import (
-    clipped_sums,
     decode_release,
     encode_release,
     l1_sensitivity,
     l2_squared_sensitivity,
     plan_statistics,
-    ring_to_signed,
     statistics_layout,
     statistics_length,
 )
 from common.study import check_statistics, study_from_mapping
 from site_agent.data import Preprocessor, load_study_table
-from tests.study.helpers import COLUMNS, hospital_study, study_mapping, write_hospital_csv
+from tests.study.helpers import (
+    COLUMNS,
+    clipped_sums,
+    hospital_study,
+    ring_to_signed,
+    study_mapping,
+    write_hospital_csv,
+)
 
 
 def _uniform(seed: int):  # type: ignore[no-untyped-def]

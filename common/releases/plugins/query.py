@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import numpy as np
 
 from common.core.errors import ValidationError
 from common.privacy.purpose import Purpose
 from common.privacy.signed import QueryRef
+from common.releases.analytics.answer import answer_query
+from common.releases.analytics.query import Query, query_from_bytes, query_sha256
+from common.releases.analytics.vector import block_plans, query_length, site_vector
 from common.releases.seam import KIND_RELEASE, DpRelease, NoisePlan, ReleaseKind, register_release
-
-if TYPE_CHECKING:
-    from common.releases.analytics.query import Query
-    from common.study import Study
+from common.study import Study
 
 QUERY_RELEASE: Final = "query"
 """The registered release (and masked-vector segment) of a query round."""
@@ -35,8 +35,6 @@ QUERY_RELEASE: Final = "query"
 def query_from_payload(payload: bytes, *, study: Study) -> Query:
     """The query an announcement carries: canonical bytes (so that their SHA-256 is the
     one a site approved) of a query written for `study`; ValidationError otherwise."""
-    from common.releases.analytics.query import query_from_bytes
-
     try:
         return query_from_bytes(payload, study=study)
     except ValidationError as exc:
@@ -51,8 +49,6 @@ class QueryRelease(DpRelease):
     purpose = Purpose.QUERY
 
     def __init__(self, study: Study, query: Query) -> None:
-        from common.releases.analytics.query import query_sha256
-
         self.study = study
         self.query_def = query
         self.sha256 = query_sha256(query)
@@ -66,15 +62,11 @@ class QueryRelease(DpRelease):
 
     @property
     def length(self) -> int:
-        from common.releases.analytics.vector import query_length
-
         return int(query_length(self.query_def, study=self.study))
 
     def query(self, site: Any) -> np.ndarray:
         """The site's exact vector over every row of its file (`site.table`: the study
         table the site loaded when it joined)."""
-        from common.releases.analytics.vector import site_vector
-
         table = site.table  # site_agent.site_training.TrainingHook.table
         if table is None:
             raise ValidationError("this site holds no study table to answer a query on")
@@ -87,8 +79,6 @@ class QueryRelease(DpRelease):
         return vector
 
     def plans(self, *, n_noise: int) -> list[NoisePlan]:
-        from common.releases.analytics.vector import block_plans
-
         return list(block_plans(self.query_def, study=self.study, n_noise=n_noise))
 
     def plan(self, *, n_noise: int) -> NoisePlan:
@@ -103,8 +93,6 @@ class QueryRelease(DpRelease):
 
     def decode_blocks(self, total: np.ndarray, *, noise_sigmas: Sequence[float],
                       round_number: int, contributors: int) -> Any:
-        from common.releases.analytics.answer import answer_query
-
         del round_number
         return answer_query(self.query_def, np.asarray(total, dtype=np.int64),
                             study=self.study, noise_sigmas=list(noise_sigmas),
