@@ -14,17 +14,16 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 from common.core.config import SiteSettings, load_settings
 from common.core.errors import ConfigError, QueryRefused, ValidationError
 from common.core.parsing import parse_toml
+from common.releases.analytics.cost import QueryCost, query_cost
+from common.releases.analytics.query import Query
+from common.releases.analytics.statistic import kind_of
 from common.study import Study, load_study, study_sha256
 from site_agent.approvals import Approvals
-
-if TYPE_CHECKING:
-    from common.releases.analytics.cost import QueryCost
-    from common.releases.analytics.query import Query
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -146,8 +145,6 @@ def describe_members(study: Study, out: TextIO) -> None:
 def query_cost_for_site(query: Query, study: Study, config: Path | None) -> QueryCost:
     """The query's cost against this site's limits (`common.releases.analytics.cost.query_cost`):
     with `config`, its policy and its ledger's accountant; without, the study's own."""
-    from common.releases.analytics.cost import query_cost
-
     if config is None:
         return query_cost(query, study=study, policy=None)
     from site_agent.datacheck import site_policy
@@ -161,10 +158,8 @@ def describe_query(query: Query, sha256: str, study: Study, out: TextIO,
                    cost: QueryCost | None = None) -> None:
     """What a privacy officer approves: the study, the cohort, each statistic with its
     epsilon and the cells it releases, and what one run charges the site's ledger
-    (`cost`: `common.releases.analytics.cost.QueryCost`, default the study's own terms)."""
-    from common.releases.analytics.cost import query_cost
-    from common.releases.analytics.query import statistic_cells
-
+    (`cost`: `common.releases.analytics.cost.QueryCost`, default the study's own terms);
+    each statistic as its kind describes it (`StatisticKind.describe`)."""
     print(f"query         {query.name} (sha256 {sha256})", file=out)
     if query.description:
         print(f"              {query.description}", file=out)
@@ -181,14 +176,7 @@ def describe_query(query: Query, sha256: str, study: Study, out: TextIO,
           f"them, at delta {cost.delta:g}; {query.epsilon:g} summed)", file=out)
     print(f"round cap     {cost.cap_text()}", file=out)
     for spec in query.statistics:
-        cells = statistic_cells(spec, study)
-        extra = spec.model_dump(exclude_none=True, exclude={"name", "kind", "epsilon", "by"})
-        by = ", ".join(s.feature for s in spec.by)
-        print(f"  - {spec.name}: {spec.kind}"
-              + (f" of {extra.pop('feature')}" if "feature" in extra else "")
-              + (f" by {by}" if by else "")
-              + f", epsilon {spec.epsilon:g}, {len(cells)} cells"
-              + "".join(f", {k} {v}" for k, v in sorted(extra.items())), file=out)
+        print(f"  - {kind_of(spec).describe(spec, study)}", file=out)
 
 
 def _confirm(args: argparse.Namespace, what: str) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -13,7 +13,10 @@ from bench.analytics_cohort import SEXES as _SEXES
 from bench.analytics_cohort import WARDS as _WARDS
 from bench.analytics_cohort import every_kind_query_toml
 from bench.analytics_cohort import followup_study as _followup_study
+from common.privacy.ddgauss import epsilon_from_rho
 from common.releases.analytics.query import Query, check_query_against_study, query_from_mapping
+from common.releases.analytics.vector import block_plans
+from common.releases.seam import NoisePlan
 from common.study import Study
 from site_agent.data import StudyTable
 
@@ -80,3 +83,20 @@ def random_rows(rng: np.random.Generator, n: int, *, prefix: str = "P",
     return rows
 
 
+def block_noise(plans: Sequence[NoisePlan], rng: Callable[[int], bytes]) -> np.ndarray:
+    """A site's noise for a whole query vector (int64), as `site_agent.releases.
+    release_vector` adds it: each block's share (`NoisePlan.noise`) from `rng`,
+    concatenated in block order."""
+    if not plans:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([plan.noise(rng) for plan in plans]).astype(np.int64)
+
+
+def query_epsilon(query: Query, *, study: Study, n_noise: int) -> float:
+    """The query's epsilon at the study's delta with its blocks composed in zCDP (rho
+    adds up: Bun & Steinke, TCC 2016, Lemma 2.3; each block's rho from KLS21 Prop. 14,
+    `DistributedDiscreteGaussian.zcdp_rho`; converted by CKS20 Cor. 13): the oracle the
+    ledger's RDP composition on its grid of orders is checked against."""
+    rho = math.fsum(plan.mechanism().zcdp_rho
+                    for plan in block_plans(query, study=study, n_noise=n_noise))
+    return epsilon_from_rho(rho, study.privacy.delta)

@@ -11,9 +11,9 @@ from dp_accounting.rdp import RdpAccountant  # type: ignore[import-untyped]
 from common.privacy.accountant import RDP_ORDERS, compose_epsilon
 from common.privacy.ddgauss import count_rho, epsilon_from_rho
 from common.privacy.mechanisms import DistributedDiscreteGaussian
-from common.releases.analytics.vector import block_plans, query_blocks, query_epsilon
+from common.releases.analytics.vector import block_plans, query_blocks
 from common.releases.statistics import calibrate_count_sigma, plan_statistics
-from tests.analytics.helpers import every_kind_toml, followup_study, query_of
+from tests.analytics.helpers import every_kind_toml, followup_study, query_epsilon, query_of
 from tests.study.helpers import hospital_study
 
 STUDY = followup_study()

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.releases.analytics.answer import QueryAnswer, answer_query, survival_curve
+from common.releases.analytics.answer import QueryAnswer, answer_query
+from common.releases.analytics.statistics.kaplan_meier import survival_curve
 from common.releases.analytics.vector import (
     block_slices,
     noise_sigmas,

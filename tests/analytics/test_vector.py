@@ -12,21 +12,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.core.errors import ValidationError
+from common.releases.analytics.statistic import statistic_cells
 from common.releases.analytics.vector import (
-    block_noise,
     block_plans,
     block_slices,
     query_blocks,
     query_length,
     query_mechanisms,
     site_vector,
-    statistic_cells,
 )
 from tests.analytics.helpers import (
     NAN,
     SEXES,
     WARDS,
     Row,
+    block_noise,
     every_kind_toml,
     followup_study,
     query_of,

@@ -14,14 +14,15 @@ from typing import Any
 import numpy as np
 
 from common.releases.analytics.cost import query_cost
-from common.releases.analytics.query import Query, query_sha256, steps
+from common.releases.analytics.query import Query, query_sha256
+from common.releases.analytics.statistic import kind_of
+from common.releases.analytics.units import table_units
 from common.releases.analytics.vector import (
     QueryBlock,
     block_slices,
     cohort_masks,
     query_blocks,
     site_vector,
-    table_units,
 )
 from common.releases.seam import study_noise_sites
 from common.releases.statistics import TableLike
@@ -139,9 +140,10 @@ def check_query(query: Query, table: TableLike, *, study: Study,
 
 
 def block_scale(query: Query, study: Study, name: str) -> int:
-    """Integer units per unit counted in a statistic's "missing" cell (K for a mean)."""
+    """Integer units per unit counted in a statistic's "missing" cell (its kind's
+    `missing_scale`: K for a mean)."""
     spec = query.statistic(name)
-    return steps(spec, study) if spec.kind == "mean" else 1
+    return kind_of(spec).missing_scale(spec, study)
 
 
 __all__ = ["CheckReport", "check_query", "study_n_noise"]

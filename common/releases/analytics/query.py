@@ -29,79 +29,46 @@ per-patient sensitivity fixed by the file alone (`common.releases.analytics.vect
     feature = "age"
     bins = [18, 40, 65, 90]   # numeric: declared bin edges
 
-Kinds: ``count``, ``rate`` (outcome by strata), ``mean`` (sum and mean of a numeric
-feature clipped to ``range`` in steps of ``resolution``, optionally by strata),
-``histogram`` (numeric ``bins`` or a categorical feature's levels) and
-``kaplan_meier`` (time feature ``feature``, time ``grid``, event = the outcome).
-See docs/analytics.md.
+Kinds: each is one module of ``common/releases/analytics/statistics/`` (``count``,
+``rate`` (outcome by strata), ``mean`` (sum and mean of a numeric feature clipped to
+``range`` in steps of ``resolution``, optionally by strata), ``histogram`` (numeric
+``bins`` or a categorical feature's levels), ``kaplan_meier`` (time feature ``feature``,
+time ``grid``, event = the outcome)); a statistic's fields and the protocol of its kind
+are `common.releases.analytics.statistic`. See docs/analytics.md.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from common.core.errors import ValidationError
 from common.core.parsing import parse_json, parse_toml
-from common.study import (
-    NAME_PATTERN,
-    Study,
-    check_name,
-    class_index,
-    study_sha256,
+from common.releases.analytics.statistic import (
+    Section,
+    StatisticSpec,
+    StudyCheck,
+    check_range,
+    kind_of,
+    statistic_length,
 )
+from common.study import NAME_PATTERN, Study, study_sha256
 from common.study.schema import FeatureName
 
 QUERY_FORMAT: Literal[1] = 1
-STATISTIC_NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
 MAX_STATISTICS = 64
-MAX_EDGES = 1001
-"""Bin edges or time-grid points a statistic may declare (1000 bins / intervals)."""
 MAX_CELLS = 100_000
 """Entries of one query's whole vector (every statistic's cells together)."""
-MAX_STEPS = 10_000
-"""Most quantisation steps of a clipped sum ((high - low) / resolution): each patient's
-value is at most this many integer units, so the summed vector stays far inside the
-signed 32-bit ring of the masked vector."""
 MAX_QUERY_BYTES = 1 << 20
 
-StatisticKind = Literal["count", "rate", "mean", "histogram", "kaplan_meier"]
-KINDS: tuple[str, ...] = ("count", "rate", "mean", "histogram", "kaplan_meier")
 
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def _edges(value: tuple[float, ...] | None, *, what: str) -> tuple[float, ...] | None:
-    if value is None:
-        return None
-    if not 2 <= len(value) <= MAX_EDGES:
-        raise ValueError(f"{what} must hold 2 to {MAX_EDGES} values")
-    if not all(math.isfinite(v) for v in value):
-        raise ValueError(f"{what} must be finite numbers")
-    if any(b <= a for a, b in itertools.pairwise(value)):
-        raise ValueError(f"{what} must be strictly increasing")
-    return value
-
-
-def _range(value: tuple[float, float] | None) -> tuple[float, float] | None:
-    if value is not None:
-        low, high = value
-        if not (math.isfinite(low) and math.isfinite(high) and low < high):
-            raise ValueError("range must be [low, high] with finite low < high")
-    return value
-
-
-class CohortCondition(_Section):
+class CohortCondition(Section):
     """``[[cohort]]``: one condition of the filter (all must hold). Numeric features:
     ``range = [low, high]`` (both inclusive); categorical: ``levels = [...]`` (declared
     levels). A patient whose value of a filter feature is missing, and who passes every
@@ -114,7 +81,7 @@ class CohortCondition(_Section):
     @field_validator("range")
     @classmethod
     def _finite(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
-        return _range(value)
+        return check_range(value)
 
     @model_validator(mode="after")
     def _one(self) -> CohortCondition:
@@ -126,85 +93,7 @@ class CohortCondition(_Section):
         return self
 
 
-class Stratum(_Section):
-    """``[[statistics.by]]``: one stratifying feature: a categorical feature's declared
-    levels, or a numeric feature cut at ``bins`` (edges; values outside fall into the
-    end bins)."""
-
-    feature: FeatureName
-    bins: tuple[float, ...] | None = None
-
-    @field_validator("bins")
-    @classmethod
-    def _bins(cls, value: tuple[float, ...] | None) -> tuple[float, ...] | None:
-        return _edges(value, what="bins")
-
-
-# Which optional fields each kind takes (the rest must be absent).
-_FIELDS: dict[str, frozenset[str]] = {
-    "count": frozenset(),
-    "rate": frozenset({"by", "outcome"}),
-    "mean": frozenset({"by", "feature", "range", "resolution"}),
-    "histogram": frozenset({"feature", "bins"}),
-    "kaplan_meier": frozenset({"feature", "grid", "outcome"}),
-}
-_OPTIONAL = ("by", "outcome", "feature", "range", "resolution", "bins", "grid")
-
-
-class StatisticSpec(_Section):
-    """``[[statistics]]``: one statistic and its epsilon (module docstring)."""
-
-    name: str = Field(pattern=STATISTIC_NAME_PATTERN)
-    kind: StatisticKind
-    epsilon: float = Field(gt=0, le=100)
-    by: tuple[Stratum, ...] = ()
-    outcome: int | str | None = None
-    feature: FeatureName | None = None
-    range: tuple[float, float] | None = None
-    resolution: float | None = Field(default=None, gt=0)
-    bins: tuple[float, ...] | None = None
-    grid: tuple[float, ...] | None = None
-
-    @field_validator("outcome")
-    @classmethod
-    def _outcome(cls, value: int | str | None) -> int | str | None:
-        if isinstance(value, bool):
-            raise ValueError("outcome is a class label as the study writes it, not a boolean")
-        if isinstance(value, str):
-            check_name(value, what="outcome")
-        return value
-
-    @field_validator("range")
-    @classmethod
-    def _finite(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
-        return _range(value)
-
-    @field_validator("bins")
-    @classmethod
-    def _bins(cls, value: tuple[float, ...] | None) -> tuple[float, ...] | None:
-        return _edges(value, what="bins")
-
-    @field_validator("grid")
-    @classmethod
-    def _grid(cls, value: tuple[float, ...] | None) -> tuple[float, ...] | None:
-        return _edges(value, what="grid")
-
-    @model_validator(mode="after")
-    def _kind_fields(self) -> StatisticSpec:
-        allowed = _FIELDS[self.kind]
-        for field in _OPTIONAL:
-            value = getattr(self, field)
-            present = value != () if field == "by" else value is not None
-            if present and field not in allowed:
-                raise ValueError(f"{field} does not apply to kind = {self.kind!r}")
-        if self.kind in ("mean", "histogram", "kaplan_meier") and self.feature is None:
-            raise ValueError(f"kind = {self.kind!r} needs feature = \"COLUMN\"")
-        if self.kind == "kaplan_meier" and self.grid is None:
-            raise ValueError("kind = 'kaplan_meier' needs grid = [t0, t1, ...] (the time grid)")
-        return self
-
-
-class Query(_Section):
+class Query(Section):
     """A whole query file. `epsilon` is the sum of its statistics' epsilons: what it
     costs at most on a site's ledger (each statistic is one distributed discrete
     Gaussian release; composed in zCDP the total is usually lower)."""
@@ -234,7 +123,7 @@ class Query(_Section):
     @property
     def epsilon(self) -> float:
         """The query's total epsilon: the sum of its statistics' (an upper bound on
-        their composition, `common.releases.analytics.vector.query_epsilon`)."""
+        their composition, `common.releases.analytics.cost.ledger_epsilon`)."""
         return float(math.fsum(s.epsilon for s in self.statistics))
 
     def statistic(self, name: str) -> StatisticSpec:
@@ -251,103 +140,6 @@ def _fail(field: str, message: str, *, source: str) -> ValidationError:
     return ValidationError(f"{source}: {field}: {message}")
 
 
-def outcome_index(spec: StatisticSpec, study: Study) -> int:
-    """The class index of a rate's or survival curve's outcome (default: the binary
-    study's positive class)."""
-    if spec.outcome is None:
-        if study.study.task != "binary":
-            raise ValidationError(
-                f"statistic {spec.name!r}: a multiclass study needs outcome = CLASS")
-        return 1
-    index = class_index(study, str(spec.outcome))
-    if index is None:
-        raise ValidationError(
-            f"statistic {spec.name!r}: outcome {spec.outcome!r} is not one of the study's "
-            f"classes {list(study.study.classes)}")
-    return index
-
-
-def steps(spec: StatisticSpec, study: Study) -> int:
-    """K = (high - low) / resolution of a mean: each patient's clipped value is an
-    integer in 0..K."""
-    low, high = value_range(spec, study)
-    resolution = spec.resolution if spec.resolution is not None else (high - low) / 1000
-    ratio = (high - low) / resolution
-    k = round(ratio)
-    if k < 1 or abs(ratio - k) > 1e-6 * max(k, 1):
-        raise ValidationError(
-            f"statistic {spec.name!r}: (high - low) / resolution = {ratio:g} must be a whole "
-            "number of steps")
-    if k > MAX_STEPS:
-        raise ValidationError(
-            f"statistic {spec.name!r}: {k} steps of resolution; at most {MAX_STEPS}")
-    return k
-
-
-def value_range(spec: StatisticSpec, study: Study) -> tuple[float, float]:
-    """The clip bounds of a mean: the statistic's ``range``, else the study's declared
-    range of the feature."""
-    if spec.range is not None:
-        return spec.range
-    feature = study.feature(spec.feature or "")
-    if feature.range == "auto":
-        raise ValidationError(
-            f"statistic {spec.name!r}: feature {feature.name!r} has range = \"auto\" in the "
-            "study; declare range = [low, high] in the query")
-    return feature.range
-
-
-# --------------------------------------------------------------------------- cells
-
-
-def _bin_labels(edges: Sequence[float], *, closed_last: bool = True) -> list[str]:
-    """``[a, b)`` per bin, the last ``[a, b]`` when `closed_last`."""
-    k = len(edges) - 1
-    return [f"[{edges[i]:g}, {edges[i + 1]:g}{']' if closed_last and i == k - 1 else ')'}"
-            for i in range(k)]
-
-
-def strata_labels(spec: StatisticSpec, study: Study) -> list[str]:
-    """Labels of a statistic's strata, in cell order (the last stratifier varies
-    fastest); one empty label without strata."""
-    labels = [""]
-    for stratum in spec.by:
-        feature = study.feature(stratum.feature)
-        values = (_bin_labels(stratum.bins) if stratum.bins is not None
-                  else list(feature.levels or ()))
-        named = [f"{stratum.feature}={v}" for v in values]
-        labels = [f"{a} & {b}" if a else b for a in labels for b in named]
-    return labels
-
-
-def statistic_cells(spec: StatisticSpec, study: Study) -> tuple[str, ...]:
-    """Labels of a statistic's cells (module docstring's table)."""
-    if spec.kind == "count":
-        return ("cohort", "missing")
-    if spec.kind in ("rate", "mean"):
-        parts = (("with outcome", "without outcome") if spec.kind == "rate"
-                 else ("sum", "complement"))
-        cells = []
-        for stratum in strata_labels(spec, study):
-            prefix = f"{stratum}: " if stratum else ""
-            cells += [prefix + part for part in parts]
-        return (*cells, "missing")
-    if spec.kind == "histogram":
-        feature = study.feature(spec.feature or "")
-        bins = (_bin_labels(spec.bins) if spec.bins is not None
-                else list(feature.levels or ()))
-        return (*bins, "missing")
-    grid = spec.grid or ()
-    cells = []
-    for label in _bin_labels(grid, closed_last=False):
-        cells += [f"{label}: events", f"{label}: censored"]
-    return (*cells, f">= {grid[-1]:g}", "missing")
-
-
-def statistic_length(spec: StatisticSpec, study: Study) -> int:
-    return len(statistic_cells(spec, study))
-
-
 def check_query_against_study(query: Query, study: Study, *, source: str = "query") -> None:
     """Refuse a query that is not for `study` or names what the study does not declare;
     the error names `source` and the field."""
@@ -360,70 +152,33 @@ def check_query_against_study(query: Query, study: Study, *, source: str = "quer
     if study.privacy.unit == "hospital":
         raise _fail("study_sha256", "the study's privacy.unit is 'hospital': queries bound "
                     "one patient's contribution, not a hospital's", source=source)
-    features = {f.name: f for f in study.features}
-
-    def feature(field: str, name: str, kind: str | None = None) -> Any:
-        spec = features.get(name)
-        if spec is None:
-            raise _fail(field, f"{name!r} is not a feature the study declares "
-                        f"({sorted(features)})", source=source)
-        if kind is not None and spec.type != kind:
-            raise _fail(field, f"feature {name!r} is {spec.type}; this needs a {kind} one",
-                        source=source)
-        return spec
-
     for i, condition in enumerate(query.cohort):
-        field = f"cohort[{i}]"
-        spec = feature(f"{field}.feature", condition.feature)
+        check = StudyCheck(study, f"cohort[{i}]", source)
+        spec = check.feature("feature", condition.feature)
         if spec.type == "numeric" and condition.range is None:
-            raise _fail(f"{field}.levels", f"levels apply to categorical features; numeric "
-                        f"feature {spec.name!r} is filtered by range = [low, high]",
-                        source=source)
+            raise check.fail("levels", f"levels apply to categorical features; numeric "
+                             f"feature {spec.name!r} is filtered by range = [low, high]")
         if spec.type == "categorical":
             if condition.levels is None:
-                raise _fail(f"{field}.range", f"range applies to numeric features; "
-                            f"categorical feature {spec.name!r} is filtered by levels = [...]",
-                            source=source)
+                raise check.fail("range", f"range applies to numeric features; "
+                                 f"categorical feature {spec.name!r} is filtered by "
+                                 "levels = [...]")
             unknown = [lv for lv in condition.levels if lv not in (spec.levels or ())]
             if unknown:
-                raise _fail(f"{field}.levels", f"{unknown} are not declared levels of "
-                            f"{spec.name!r} ({list(spec.levels or ())})", source=source)
+                raise check.fail("levels", f"{unknown} are not declared levels of "
+                                 f"{spec.name!r} ({list(spec.levels or ())})")
     total = 0
     for i, stat in enumerate(query.statistics):
-        field = f"statistics[{i}]"
+        check = StudyCheck(study, f"statistics[{i}]", source)
         for j, stratum in enumerate(stat.by):
-            spec = feature(f"{field}.by[{j}].feature", stratum.feature)
+            spec = check.feature(f"by[{j}].feature", stratum.feature)
             if spec.type == "numeric" and stratum.bins is None:
-                raise _fail(f"{field}.by[{j}].bins", f"numeric feature {spec.name!r} needs "
-                            "bins = [edges]", source=source)
+                raise check.fail(f"by[{j}].bins", f"numeric feature {spec.name!r} needs "
+                                 "bins = [edges]")
             if spec.type == "categorical" and stratum.bins is not None:
-                raise _fail(f"{field}.by[{j}].bins", f"categorical feature {spec.name!r} is "
-                            "stratified by its declared levels (no bins)", source=source)
-        if stat.kind in ("rate", "kaplan_meier"):
-            try:
-                outcome_index(stat, study)
-            except ValidationError as exc:
-                raise _fail(f"{field}.outcome", str(exc), source=source) from None
-        if stat.kind == "mean":
-            feature(f"{field}.feature", stat.feature or "", "numeric")
-            try:
-                value_range(stat, study)
-            except ValidationError as exc:
-                raise _fail(f"{field}.range", str(exc), source=source) from None
-            try:
-                steps(stat, study)
-            except ValidationError as exc:
-                raise _fail(f"{field}.resolution", str(exc), source=source) from None
-        if stat.kind == "histogram":
-            spec = feature(f"{field}.feature", stat.feature or "")
-            if spec.type == "numeric" and stat.bins is None:
-                raise _fail(f"{field}.bins", f"numeric feature {spec.name!r} needs "
-                            "bins = [edges]", source=source)
-            if spec.type == "categorical" and stat.bins is not None:
-                raise _fail(f"{field}.bins", f"categorical feature {spec.name!r} is "
-                            "counted by its declared levels (no bins)", source=source)
-        if stat.kind == "kaplan_meier":
-            feature(f"{field}.feature", stat.feature or "", "numeric")
+                raise check.fail(f"by[{j}].bins", f"categorical feature {spec.name!r} is "
+                                 "stratified by its declared levels (no bins)")
+        kind_of(stat).check_against_study(stat, check)
         total += statistic_length(stat, study)
     if total > MAX_CELLS:
         raise _fail("statistics", f"{total} cells in all; at most {MAX_CELLS}", source=source)

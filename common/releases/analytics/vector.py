@@ -1,10 +1,11 @@
 """A query's integer vector: what each site sums under SecAgg+, one block per statistic.
 
 Every privacy unit (a patient; a record when the study has no patient column) is
-reduced to one value per feature first, exactly as the study's statistics release does
-(`common.releases.statistics.unit_values`: the mean of its numeric values, its most frequent
-level) and one outcome (whether any of its records has the outcome class). Then each
-unit lands in at most ONE "slot" of each block, which is what bounds its contribution:
+reduced to one value per feature and one outcome first (`common.releases.analytics.units`).
+Then each unit lands in at most ONE "slot" of each block, which is what bounds its
+contribution: a block is its kind's cells (`StatisticKind.count`, one module per kind in
+``common/releases/analytics/statistics/``, where each kind's table of cells and
+sensitivity is written), then one "missing" cell. The built-in kinds:
 
 =============  ==========================================================  ==========
 kind           cells (in order)                                            one unit
@@ -16,24 +17,16 @@ histogram      per bin (or declared level); then missing                   1
 kaplan_meier   per interval: events, censored; then beyond grid, missing   1
 =============  ==========================================================  ==========
 
-A mean's value x is clipped into the declared [low, high] and quantised to
-q = round((x - low) / resolution) in 0..K, K = (high - low) / resolution; the pair
-(q, K - q) lets the answer read both the stratum's size n = (sum q + sum (K - q)) / K
-and its sum, with the L2 norm of one unit's pair at most K (at q = 0 or K).
-
 Sensitivity (add/remove one unit): a block moves by at most one slot, so
 L1 = L2 = 1 for count, rate, histogram and Kaplan-Meier, and L1 = L2 = K for a mean
-(|q| + |K - q| = K; sqrt(q^2 + (K - q)^2) <= K). The Kaplan-Meier block releases, per
-interval, the units whose time falls in it (with or without the event), never the
-at-risk counts themselves: a unit is at risk in every interval up to its time, so
-releasing at-risk counts directly would move by up to sqrt(k) in L2 over k intervals;
-the answer derives at-risk counts as the sums of the later cells (post-processing).
+(`StatisticKind.sensitivity`).
 
 Missing values: a unit whose value of a feature the statistic needs is missing (a filter
 feature, a stratum, the summed or time feature) is excluded from the statistic and
-counted in its block's "missing" cell, so the answer says how many were excluded with
-DP noise like every other cell. Features declared missing = "error" never are (the
-loader refuses the file).
+counted in its block's "missing" cell (adding `StatisticKind.missing_scale`: K for a
+mean, so the cell moves no more than the block's sensitivity), so the answer says how
+many were excluded with DP noise like every other cell. Features declared
+missing = "error" never are (the loader refuses the file).
 
 Noise: each block is one distributed discrete Gaussian release (Kairouz, Liu & Steinke,
 ICML 2021), its sigma calibrated from the statistic's own epsilon at the study's delta
@@ -43,27 +36,24 @@ by `common.releases.statistics.calibrate_count_sigma`, the calibration of the st
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from common.core.errors import ValidationError
-from common.privacy.ddgauss import epsilon_from_rho
 from common.privacy.mechanisms import DistributedDiscreteGaussian
-from common.releases.analytics.query import (
-    Query,
+from common.releases.analytics.query import Query, check_query_against_study
+from common.releases.analytics.statistic import (
     StatisticSpec,
-    check_query_against_study,
-    outcome_index,
+    kind_of,
     statistic_cells,
     statistic_length,
-    steps,
-    value_range,
 )
+from common.releases.analytics.units import Units, table_units, value_missing
 from common.releases.seam import NoisePlan
-from common.releases.statistics import TableLike, calibrate_count_sigma, unit_values
+from common.releases.statistics import TableLike, calibrate_count_sigma
 from common.study import Study
 
 MAX_SITE_VALUE = 1 << 28
@@ -106,10 +96,7 @@ class QueryBlock:
 
 def statistic_sensitivity(spec: StatisticSpec, study: Study) -> tuple[float, float]:
     """(L1, L2) of one statistic's block for adding or removing one unit."""
-    if spec.kind == "mean":
-        k = float(steps(spec, study))
-        return k, k
-    return 1.0, 1.0
+    return kind_of(spec).sensitivity(spec, study)
 
 
 def query_length(query: Query, *, study: Study) -> int:
@@ -147,27 +134,6 @@ def query_mechanisms(query: Query, *, study: Study,
     return [plan.mechanism() for plan in block_plans(query, study=study, n_noise=n_noise)]
 
 
-def block_noise(plans: Sequence[NoisePlan], rng: Callable[[int], bytes]) -> np.ndarray:
-    """This site's noise for the whole query vector (int64): each block's share
-    (`NoisePlan.noise`) from `rng` (a CSPRNG in production:
-    `common.crypto.random.system_random`), concatenated in block order."""
-    if not plans:
-        return np.zeros(0, dtype=np.int64)
-    return np.concatenate([plan.noise(rng) for plan in plans]).astype(np.int64)
-
-
-def query_epsilon(query: Query, *, study: Study, n_noise: int) -> float:
-    """The query's epsilon at the study's delta with its blocks composed in zCDP (rho
-    adds up: Bun & Steinke, TCC 2016, Lemma 2.3; each block's rho from KLS21 Prop. 14,
-    `DistributedDiscreteGaussian.zcdp_rho`; converted by CKS20 Cor. 13): never above
-    `Query.epsilon`, the sum of the statistics' epsilons. The ledger composes the same
-    mechanisms in RDP on a grid of orders (`common.privacy.accountant`), which agrees
-    to a fraction of a percent (tests/analytics/test_accounting.py)."""
-    rho = math.fsum(plan.mechanism().zcdp_rho
-                    for plan in block_plans(query, study=study, n_noise=n_noise))
-    return epsilon_from_rho(rho, study.privacy.delta)
-
-
 def block_slices(query: Query, *, study: Study) -> dict[str, slice]:
     """Where each statistic's block lies in the query vector."""
     out: dict[str, slice] = {}
@@ -182,39 +148,6 @@ def block_slices(query: Query, *, study: Study) -> dict[str, slice]:
 # --------------------------------------------------------------------------- site side
 
 
-@dataclass(frozen=True)
-class Units:
-    """A site's table reduced to one value per privacy unit (module docstring)."""
-
-    count: int
-    numeric: dict[str, np.ndarray]  # float64, NaN: missing
-    categorical: dict[str, np.ndarray]  # level index, -1: missing
-    labels: np.ndarray | None  # per unit: the set of classes seen, as a bit mask
-
-
-def table_units(table: TableLike, study: Study) -> Units:
-    """One value per unit of each feature (`common.releases.statistics.unit_values`) and the
-    classes each unit's records carry."""
-    count, numeric, categorical = unit_values(table, study)
-    labels = getattr(table, "labels", None)
-    masks = None
-    if labels is not None:
-        if len(study.study.classes) > 62:
-            raise ValidationError("queries read outcomes of studies with at most 62 classes")
-        n = len(table)
-        ids = table.patient_ids
-        index = np.arange(n) if ids is None else np.unique(ids, return_inverse=True)[1].reshape(-1)
-        masks = np.zeros(count, dtype=np.int64)
-        np.bitwise_or.at(masks, index, np.left_shift(1, np.asarray(labels, dtype=np.int64)))
-    return Units(count=count, numeric=numeric, categorical=categorical, labels=masks)
-
-
-def _value_missing(units: Units, name: str) -> np.ndarray:
-    out: np.ndarray = (np.isnan(units.numeric[name]) if name in units.numeric
-                       else units.categorical[name] < 0)
-    return out
-
-
 def cohort_masks(query: Query, units: Units, *, study: Study) -> tuple[np.ndarray, np.ndarray]:
     """(in the cohort, excluded for a missing value): a unit is in when every condition
     holds; excluded for a missing value when none of its known values fails a condition
@@ -222,7 +155,7 @@ def cohort_masks(query: Query, units: Units, *, study: Study) -> tuple[np.ndarra
     fails = np.zeros(units.count, dtype=bool)
     missing = np.zeros(units.count, dtype=bool)
     for condition in query.cohort:
-        absent = _value_missing(units, condition.feature)
+        absent = value_missing(units, condition.feature)
         if condition.range is not None:
             values = units.numeric[condition.feature]
             low, high = condition.range
@@ -238,105 +171,20 @@ def cohort_masks(query: Query, units: Units, *, study: Study) -> tuple[np.ndarra
     return inside, ~fails & missing
 
 
-def _bin_index(values: np.ndarray, edges: Sequence[float]) -> np.ndarray:
-    """Bin of each value over `edges`, values outside falling into the end bins; -1 for
-    NaN."""
-    inner = np.asarray(edges[1:-1], dtype=np.float64)
-    index = np.searchsorted(inner, np.nan_to_num(values), side="right").astype(np.int64)
-    out: np.ndarray = np.where(np.isnan(values), -1, index)
-    return out
-
-
-def _strata_index(spec: StatisticSpec, study: Study, units: Units) -> tuple[np.ndarray, int]:
-    """Each unit's stratum (-1: a stratum value is missing) and the number of strata."""
-    index = np.zeros(units.count, dtype=np.int64)
-    missing = np.zeros(units.count, dtype=bool)
-    total = 1
-    for stratum in spec.by:
-        if stratum.bins is not None:
-            part = _bin_index(units.numeric[stratum.feature], stratum.bins)
-            size = len(stratum.bins) - 1
-        else:
-            part = units.categorical[stratum.feature]
-            size = len(study.feature(stratum.feature).levels or ())
-        missing |= part < 0
-        index = index * size + np.maximum(part, 0)
-        total *= size
-    return np.where(missing, -1, index), total
-
-
-def _has_outcome(spec: StatisticSpec, study: Study, units: Units) -> np.ndarray:
-    if units.labels is None:
-        raise ValidationError(
-            f"statistic {spec.name!r} needs the outcome: the file has no label column "
-            f"{study.data.label_column!r}")
-    out: np.ndarray = (units.labels >> outcome_index(spec, study)) & 1 == 1
-    return out
-
-
-def _count_cells(slot: np.ndarray, length: int) -> np.ndarray:
-    return np.bincount(slot[slot >= 0], minlength=length).astype(np.int64)
-
-
-def quantised(spec: StatisticSpec, study: Study, values: np.ndarray) -> np.ndarray:
-    """q = round((clip(x, low, high) - low) / resolution) in 0..K (NaN stays NaN)."""
-    low, high = value_range(spec, study)
-    k = steps(spec, study)
-    u = (np.clip(values, low, high) - low) / (high - low)
-    out: np.ndarray = np.rint(u * k)
-    return out
-
-
 def statistic_vector(spec: StatisticSpec, study: Study, units: Units, *, inside: np.ndarray,
                      filter_missing: np.ndarray) -> np.ndarray:
-    """One statistic's block for a site's units (module docstring)."""
+    """One statistic's block for a site's units: its kind's cells, then the units excluded
+    for a missing value (a filter value, or one its kind reads) times the kind's
+    `missing_scale` (module docstring)."""
+    kind = kind_of(spec)
+    counts, missing = kind.count(spec, study, units, inside=inside)
     length = statistic_length(spec, study)
-    out = np.zeros(length, dtype=np.int64)
-    missing = filter_missing.copy()
-    if spec.kind == "count":
-        out[0] = int(inside.sum())
-    elif spec.kind in ("rate", "mean"):
-        stratum, _ = _strata_index(spec, study, units)
-        if spec.kind == "mean":
-            x = units.numeric[spec.feature or ""]
-            stratum = np.where(np.isnan(x), -1, stratum)
-        usable = inside & (stratum >= 0)
-        missing |= inside & (stratum < 0)
-        if spec.kind == "rate":
-            outcome = _has_outcome(spec, study, units)
-            slot = np.where(usable, 2 * stratum + np.where(outcome, 0, 1), -1)
-            out[:-1] = _count_cells(slot, length - 1)
-        else:
-            k = steps(spec, study)
-            q = np.where(usable, quantised(spec, study, x), 0).astype(np.int64)
-            where = np.where(usable, stratum, 0)
-            out[0:-1:2] = np.bincount(where, weights=np.where(usable, q, 0),
-                                      minlength=(length - 1) // 2).astype(np.int64)
-            out[1:-1:2] = np.bincount(where, weights=np.where(usable, k - q, 0),
-                                      minlength=(length - 1) // 2).astype(np.int64)
-    elif spec.kind == "histogram":
-        name = spec.feature or ""
-        if spec.bins is not None:
-            slot = _bin_index(units.numeric[name], spec.bins)
-        else:
-            slot = units.categorical[name].astype(np.int64)
-        missing |= inside & (slot < 0)
-        out[:-1] = _count_cells(np.where(inside, slot, -1), length - 1)
-    else:
-        grid = spec.grid or ()
-        t = units.numeric[spec.feature or ""]
-        missing |= inside & np.isnan(t)
-        usable = inside & ~np.isnan(t)
-        intervals = len(grid) - 1
-        interval = np.searchsorted(np.asarray(grid[1:], dtype=np.float64), np.nan_to_num(t),
-                                   side="right")
-        event = _has_outcome(spec, study, units)
-        slot = np.where(interval >= intervals, 2 * intervals,
-                        2 * interval + np.where(event, 0, 1))
-        out[:-1] = _count_cells(np.where(usable, slot, -1), length - 1)
-    scale = steps(spec, study) if spec.kind == "mean" else 1
-    out[-1] = int(missing.sum()) * scale
-    return out
+    counts = np.asarray(counts, dtype=np.int64)
+    if counts.shape != (length - 1,):
+        raise ValidationError(f"statistic {spec.name!r}: {counts.size} counts for its "
+                              f"{length - 1} cells")
+    excluded = int((filter_missing | missing).sum()) * kind.missing_scale(spec, study)
+    return np.concatenate([counts, [excluded]]).astype(np.int64)
 
 
 def site_vector(query: Query, table: TableLike, *, study: Study) -> np.ndarray:
