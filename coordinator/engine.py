@@ -1,10 +1,13 @@
 """The round engine: runs the study round after round, and one round from selection to
-its record; nothing else. Each other concern has its module: sessions and long-polls
-(sessions), calls between rounds (site_calls, ledger_gate), selection and announcements
-(selection), phases, uploads (inbox, uploads), the sum (aggregation), what a round
-leaves behind (training_round, release_round, bundles), restart (recovery), and what
-the operator sees (round_events, status). Dataclasses only (servicer.py speaks
-protobuf); one asyncio event loop, CPU-heavy steps in worker threads.
+its record; nothing else. Which round comes next, what it announces and serves and what
+it does with the sum is the word of its kind (`coordinator.round_kind`: one module per
+kind in coordinator/round_kinds/, the statistics, training, the final evaluation, a
+query): the engine asks the kinds and names none. Each other concern has its module:
+sessions and long-polls (sessions), calls between rounds (site_calls, ledger_gate),
+selection and announcements (selection), phases, uploads (inbox, uploads), the sum
+(aggregation), what a round leaves behind (training_round, release_round, bundles),
+restart (recovery), and what the operator sees (round_events, status). Dataclasses only
+(servicer.py speaks protobuf); one asyncio event loop, CPU-heavy steps in worker threads.
 
 An engine failure (a full disk, a database error) is never reported as a finished
 federation: waiting sites hear UNAVAILABLE and retry; a restarted coordinator resumes.
@@ -28,10 +31,10 @@ import os
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import numpy as np
 
-from common.core.codec import digest
 from common.core.config import CoordinatorSettings
 from common.core.errors import (
     AbortReason,
@@ -45,23 +48,14 @@ from common.core.errors import (
 from common.core.observer import NoObserver, RoundObserver
 from common.privacy.federation import FederationBudgetView
 from common.protocol.secagg.identity import IdentityVerifier
-from common.protocol.secagg.params import ROUND_NONCE_BYTES
-from common.rounds.announcement import Announcement
-from coordinator import (
-    hospital_sum,
-    queries,
-    release_round,
-    round_events,
-    selection,
-    training_round,
-)
-from coordinator.aggregation import Aggregator
+from coordinator import round_events, selection
 from coordinator.bundles import final_bundle
 from coordinator.inbox import RoundInbox
-from coordinator.ledger_gate import LedgerGate, evaluation_noise_std
+from coordinator.ledger_gate import LedgerGate
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.phases import ActiveRound, Liveness, drive, phase_timeout
 from coordinator.recovery import recover
+from coordinator.round_kind import Due, RoundKind, round_kind, round_kinds
 from coordinator.sessions import SiteRegistry
 from coordinator.site_calls import SiteCalls
 from coordinator.status import StudyStatus, study_status
@@ -78,12 +72,6 @@ DATABASE_RETRY_MAX_SECONDS = 10.0
 
 FAILED_META = "study_failed"
 """State-database key holding why the study failed (absent while it has not)."""
-
-STUDY_DONE_FOR_QUERIES = (
-    "the study has finished: a query runs as a round before one of the study's rounds "
-    "and none is left (run it while a study still has rounds to go)")
-"""Why a finished study fails the queries in its inbox (coordinator.queries.close)."""
-
 
 def declined_for_good(rnd: ActiveRound, *, min_sites: int, kind: str) -> StudyFailed | None:
     """The study's failure when EVERY participant of `rnd` (an aborted round, `kind`
@@ -144,6 +132,8 @@ class RoundEngine:
         self.sites = SiteCalls(self.sessions, self.inbox, self.ledgers, clock=clock)
         self.finished = asyncio.Event()  # set only when the whole study completed
         self.failure: StudyFailed | None = None  # set when the study ended unfinished
+        # The kinds of round this engine asks, in their order (coordinator.round_kind).
+        self.kinds = round_kinds()
         # Sites that declined a kind of round ("statistics", "training", "evaluation")
         # for a reason that cannot change, and why: not selected for it again.
         self.declined_kind: dict[str, dict[str, str]] = {}
@@ -162,9 +152,6 @@ class RoundEngine:
     @property
     def total_rounds(self) -> int:
         return self.settings.rounds + (1 if self.settings.training.final_evaluation else 0)
-
-    def is_evaluation_round(self) -> bool:
-        return self.store.completed_rounds() >= self.settings.rounds
 
     def recover(self) -> None:
         """After a crash: abandon the round that was in flight (recovery.py)."""
@@ -196,13 +183,12 @@ class RoundEngine:
                 self.recover()
             except DatabaseUnavailable as exc:
                 await self._ride_out(exc)  # it recovers once the database answers
-            await asyncio.to_thread(queries.reopen, self.settings.state)
+            for kind in self.kinds:
+                await asyncio.to_thread(kind.opening, self)
             before = self.store.get_meta(FAILED_META)
             if before:
                 log.warning("this study failed before (%s); trying its rounds again", before,
                             extra={"event": "study_failed_before", "reason": before})
-            # Once per study, before training: the federated DP statistics release
-            # (common/releases/statistics.py) every site then preprocesses with.
             while True:
                 try:
                     if not await self._next_round():
@@ -222,55 +208,39 @@ class RoundEngine:
             )
             self.sessions.close(failure=Unavailable(f"coordinator {what}: retry later"))
             raise
-        try:
-            await asyncio.to_thread(queries.close, self.settings.state, STUDY_DONE_FOR_QUERIES)
-        except (OSError, StateError) as exc:  # the study itself did finish
-            log.warning("could not close the query inbox: %s", exc,
-                        extra={"event": "query_inbox_unwritable", "reason": str(exc)})
+        for kind in self.kinds:
+            await asyncio.to_thread(kind.closing, self)
         self.finished.set()
         self.metrics.study_finished.set(1)
         self.sessions.close(failure=None)
 
     async def _next_round(self) -> bool:
-        """Run the next round: the statistics round while the study still needs it,
-        then training and evaluation rounds; False once the study is complete."""
-        if self.study is not None and self.study.statistics is None:
-            participants = await self.select_participants(statistics=True)
-            if not await self._run_query(participants):
-                await self._run_round(participants, statistics=True)
-            return True
-        if self.store.completed_rounds() < self.total_rounds:
-            participants = await self.select_participants()
-            if not await self._run_query(participants):
-                await self._run_round(participants)
-            return True
-        return False
-
-    async def _run_query(self, participants: list[str]) -> bool:
-        """An approved query the operator put in the inbox (`coordinator.queries`), run
-        as a release round of its own with `participants` before the study's next round;
-        False when none waits. A query round that cannot complete (sites declined it, too
-        few survived) fails alone, recorded for the operator: never the study, and never
-        retried (the sites that released already paid for it)."""
-        if self.study is None:
+        """Run the next round: the study's first due round (its kinds asked in order:
+        the statistics while the study still needs them, then training and evaluation
+        rounds), or in its place, with the participants selected for it, a round of a
+        kind that runs between the study's rounds (an approved query); False once no
+        round of the study is due."""
+        due = await self.due_study_round()
+        if due is None:
             return False
-        query = await asyncio.to_thread(
-            queries.pending, self.settings.state, self.study.study)
-        if query is None:
-            return False
-        log.info("running query %s (sha256 %s...) with %s", query.name, query.sha256[:12],
-                 ", ".join(participants), extra={"event": "query_round",
-                                                 "query_sha256": query.sha256})
-        rnd = await self._run_round(participants, query=query)
-        if not queries.answer_path(
-                self.settings.state, query.sha256).exists():
-            declined = "; ".join(f"{site}: {reason}" for site, reason in
-                                 sorted(rnd.declined_for_good.items()))
-            queries.fail(self.settings.state, query.sha256,
-                         f"round {rnd.number} did not complete"
-                         + (f" (declined: {declined})" if declined else ""),
-                         round_number=rnd.number)
+        participants = await self.select_participants(kind=due.kind.name)
+        for kind in self.kinds:
+            if kind.in_place_of_study_round:
+                instead = await kind.due(self)
+                if instead is not None:
+                    due = instead
+                    break
+        await self.run_round(participants, due)
         return True
+
+    async def due_study_round(self) -> Due[Any] | None:
+        """The first of the study's own kinds of round with a round due, if any."""
+        for kind in self.kinds:
+            if not kind.in_place_of_study_round:
+                due = await kind.due(self)
+                if due is not None:
+                    return due
+        return None
 
     async def _ride_out(self, lost: DatabaseUnavailable) -> None:
         """The state database was lost (the round in flight, if any, was abandoned):
@@ -307,23 +277,26 @@ class RoundEngine:
                     seconds, self.last_round_number,
                     extra={"event": "database_outage_over", "outage_seconds": round(seconds, 3)})
 
-    def round_kind(self, *, statistics: bool = False) -> str:
-        """The kind of the next round: statistics, training or evaluation."""
-        return "statistics" if statistics else (
-            "evaluation" if self.is_evaluation_round() else "training")
-
     def eligible(self, site_ids: list[str], *, kind: str) -> list[str]:
-        """Sites with budget left that have not declined this kind of round for good."""
+        """Sites with budget left (all of them for a kind that spends none) that have not
+        declined this kind of round for good."""
         declined = self.declined_kind.get(kind, {})
-        with_budget = self.sessions.with_budget(site_ids, evaluation_round=kind == "evaluation")
+        with_budget = self.sessions.with_budget(
+            site_ids, evaluation_round=not round_kind(kind).spends_budget)
         _, outliers = self.sessions.round_ceiling()
         return [s for s in with_budget if s not in declined and s not in outliers]
 
-    async def select_participants(self, *, statistics: bool = False) -> list[str]:
-        """Wait for `min_sites` eligible sites, then briefly for the rest to arrive."""
+    async def select_participants(self, *, kind: str | None = None) -> list[str]:
+        """Wait for `min_sites` sites eligible for a round of `kind` (default: the
+        study's next round), then briefly for the rest to arrive."""
+        if kind is None:
+            due = await self.due_study_round()
+            if due is None:
+                raise StateError("the study is complete: no round is due to select sites for")
+            kind = due.kind.name
         cfg = self.settings
         return await self.sessions.gather(
-            partial(self.eligible, kind=self.round_kind(statistics=statistics)),
+            partial(self.eligible, kind=kind),
             min_sites=cfg.min_sites, max_sites=cfg.limits.max_sites,
             start_timeout=cfg.deadlines.round_start_timeout_seconds,
             grace=cfg.deadlines.selection_seconds,
@@ -342,34 +315,16 @@ class RoundEngine:
             number += 1  # above a jump an old lie caused: those numbers stay used
         return number
 
-    def _announce(self, participants: list[str], *, statistics: bool,
-                  query: queries.PendingQuery | None = None) -> Announcement:
-        if query is not None and self.study is not None:
-            return selection.query_announcement(
-                self.settings, participants, study=self.study,
-                number=self.next_round_number(participants),
-                nonce=self.rng(ROUND_NONCE_BYTES), now=self.clock(), release=query.release,
-                payload=query.payload)
-        payload = self.model.payload()
-        return selection.study_announcement(
-            self.settings, participants, study=self.study,
-            number=self.next_round_number(participants), nonce=self.rng(ROUND_NONCE_BYTES),
-            layout=self.model.layout, model_sha256=digest(payload), model_bytes=len(payload),
-            evaluation_round=self.is_evaluation_round(), statistics=statistics,
-            intermediaries=self.model.intermediaries, now=self.clock(),
-            histogram_edges=self.model.histogram_edges,
-        )
-
-    async def _run_round(self, participants: list[str], *, statistics: bool = False,
-                         query: queries.PendingQuery | None = None) -> ActiveRound:
-        """Run one round and return it (recorded, or ended with its abort). A query round
-        (`query`) that aborts is the query's failure (`_run_query`), not the study's."""
-        ann = self._announce(participants, statistics=statistics, query=query)
+    async def run_round(self, participants: list[str], due: Due[Any]) -> ActiveRound:
+        """Run one round of `due.kind` and return it (recorded, or ended with its abort);
+        the kind then has its word on how it ended (`RoundKind.after`)."""
+        kind: RoundKind[Any] = due.kind
+        ann = kind.announce(self, participants, due.job)
         self.last_secagg = (ann.threshold, ann.neighbours)
         started, cpu_started = time.perf_counter(), time.process_time()
         deadlines = self.settings.deadlines
         rnd, aggregator = self.inbox.open_round(
-            ann, b"" if statistics or query is not None else self.model.payload(),
+            ann, kind.serve(self),
             liveness=Liveness(ann.heartbeat_ms / 1000, deadlines.heartbeat_misses),
             started=started, identity=self.identity, metrics=self.metrics,
             max_colluding_sites=self.settings.aggregation.max_colluding_sites,
@@ -394,10 +349,7 @@ class RoundEngine:
                         # Written before the sum exists: a crash from then on is
                         # reported at the next start as "may have been unmasked".
                         before_sum=partial(self.store.mark_unmasked, ann.round_number))
-            result = await (release_round.complete(
-                rnd, aggregator, run=self.study, settings=self.settings, store=self.store,
-                metrics=self.metrics, clock=self.clock, observer=self.observer,
-            ) if ann.release else self._complete_training(rnd, aggregator))
+            result: RoundResult = await kind.complete(self, rnd, aggregator, due.job)
             rnd.mark("recorded")
             abort = None
         except DatabaseUnavailable:
@@ -420,8 +372,7 @@ class RoundEngine:
             rnd.end(abort=abort)
             self.last_round_number = ann.round_number
             self.inbox.close()
-        if abort is not None and query is None:
-            self.leave_out_declined_for_good(rnd, kind=self.round_kind(statistics=statistics))
+        kind.after(self, rnd, due.job, completed=abort is None)
         return rnd
 
     def leave_out_declined_for_good(self, rnd: ActiveRound, *, kind: str) -> None:
@@ -430,35 +381,11 @@ class RoundEngine:
         out of the next rounds of that kind (they would only decline again)."""
         if not rnd.declined_for_good:
             return
-        name = {"statistics": "the statistics round",
-                "evaluation": "the final evaluation round"}.get(
-            kind, f"training round {self.store.completed_rounds() + 1} of "
-                  f"{self.settings.rounds}")
-        failure = declined_for_good(rnd, min_sites=self.settings.min_sites, kind=name)
+        failure = declined_for_good(rnd, min_sites=self.settings.min_sites,
+                                    kind=round_kind(kind).title(self))
         if failure is not None:
             raise failure
         for site, reason in rnd.declined_for_good.items():
             log.warning("site %s is left out of the %s rounds: %s", site, kind, reason,
                         extra={"event": "site_left_out", "site": site, "reason": reason})
         self.declined_kind.setdefault(kind, {}).update(rnd.declined_for_good)
-
-    async def _complete_training(self, rnd: ActiveRound, aggregator: Aggregator) -> RoundResult:
-        """Step the model with the round's sum (worker thread), then record the round."""
-        result = await asyncio.to_thread(
-            training_round.apply_update, rnd, aggregator, model=self.model,
-            settings=self.settings, hospital_terms=hospital_sum.terms_for(
-                self.study.study if self.study else None, self.settings.aggregation),
-            evaluation_noise_std=evaluation_noise_std(
-                self.ledgers.replica, aggregator.survivors, round_number=rnd.number),
-            study=self.study.study if self.study else None, observer=self.observer,
-        )
-        rnd.mark("updated")
-        training_round.record_and_bundle(
-            result, model=self.model, settings=self.settings, store=self.store,
-            metrics=self.metrics, now=self.clock(), run=self.study,
-            budgets=self.budget_view.snapshot, secagg=self.last_secagg,
-            final=lambda: self.store.completed_rounds() >= self.total_rounds,
-            hospital_epsilons=partial(hospital_sum.replica_epsilons, self.ledgers.replica),
-        )
-        self.last_result = result
-        return result

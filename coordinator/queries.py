@@ -3,8 +3,9 @@
 The operator owns the coordinator's machine: `medfed query run` puts an approved query
 in STATE/queries/inbox/<sha256>.query (its canonical bytes, `query_bytes`), and the
 round engine runs it as a release round of its own before the study's next round
-(`RoundEngine`); the decoded answer is written to STATE/queries/answers/<sha256>.json
-(and kept per round as <sha256>-round-<n>.json), or why it could not run to
+(`coordinator.round_kinds.query`); the decoded answer is written to
+STATE/queries/answers/<sha256>.json (and kept per round as
+<sha256>-round-<n>.json), or why it could not run to
 STATE/queries/failed/<sha256>.json. Every inbox file is validated here: its name, its
 size, that it parses as a query of the study being run, that its bytes are canonical
 and hash to its name; anything else is moved to failed/ with the reason, never run.
@@ -31,6 +32,7 @@ import numpy as np
 from common.core.errors import ConfigError, StateError, ValidationError
 from common.core.fileio import atomic_write
 from common.core.parsing import parse_json
+from common.releases.plugins.query import QueryRelease
 from common.releases.seam import DpRelease, check_plans
 
 log = logging.getLogger("medfed.coordinator")
@@ -138,8 +140,6 @@ def fail(state: Path, sha256: str, reason: str, *, round_number: int | None = No
 def pending(state: Path, study: Any) -> PendingQuery | None:
     """The oldest valid query in the inbox (invalid ones are moved to failed/ with the
     reason), or None."""
-    from common.releases.plugins.query import QueryRelease
-
     box = folder(state, INBOX)
     try:
         entries = sorted(box.iterdir(), key=lambda p: (p.stat().st_mtime, p.name))

@@ -3,7 +3,6 @@ its SecAgg+ parameters and the announcement itself. No I/O, no clock of its own.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Container, Iterable, Mapping, Sequence
 
 from common.core.codec import TensorSpec
@@ -13,7 +12,7 @@ from common.crypto.quantize import bits_for_sites, max_integer_for_sites
 from common.privacy.budget import BudgetReport
 from common.privacy.federation import has_budget_left
 from common.protocol.secagg.params import ThreatModel, choose_parameters
-from common.releases.egress import STATISTICS, round_manifest
+from common.releases.egress import round_manifest
 from common.releases.seam import KIND_RELEASE, DpRelease, release_kind
 from common.rounds.announcement import Announcement
 from coordinator import hospital_sum
@@ -121,34 +120,13 @@ def announcement(
     now: float,
     study_sha256: bytes = b"",
     statistics: bytes = b"",
-    release: DpRelease | None = None,
     histogram_edges: tuple[float, ...] = (),
 ) -> Announcement:
-    """The announcement of round `number` for `participants`; with `release`, a round
-    that carries that DP release alone (no model, no training, the release's vector
-    length; `common.releases.seam`), such as the study's statistics round."""
+    """The announcement of model round `number` for `participants`."""
     cfg = settings
     model_dim = sum(spec.elements for spec in layout)
     threshold, neighbours = round_parameters(len(participants), cfg.aggregation)
     bins = announced_bins(cfg, histogram_edges)
-    if release is not None:
-        kind = release_kind(release.name)
-        return Announcement(
-            round_number=number, round_nonce=nonce, participants=tuple(participants),
-            threshold=threshold, neighbours=neighbours, vector_length=release.length,
-            quantization_bits=bits_for_sites(len(participants)), clip=cfg.aggregation.clip,
-            histogram_bins=cfg.aggregation.histogram_bins,
-            secure_aggregation=cfg.aggregation.secure_aggregation, model_layout=(),
-            model_sha256=b"", model_bytes=0, local_epochs=0,
-            learning_rate=cfg.training.learning_rate, fedprox_mu=cfg.training.fedprox_mu,
-            planned_rounds=cfg.rounds,
-            train_deadline_ms=int((now + cfg.deadlines.train_seconds) * 1000),
-            phase_timeout_ms=int(cfg.deadlines.phase_seconds * 1000), weight_cap=1,
-            max_chunk_bytes=cfg.limits.max_chunk_bytes, study_sha256=study_sha256,
-            kind=kind.round_kind,
-            release_name=kind.name if kind.round_kind == KIND_RELEASE else "",
-            heartbeat_ms=round(cfg.deadlines.heartbeat_seconds * 1000),
-        )
     return Announcement(
         round_number=number,
         round_nonce=nonce,
@@ -182,7 +160,7 @@ def announcement(
     )
 
 
-def query_announcement(
+def release_announcement(
     settings: CoordinatorSettings,
     participants: Sequence[str],
     *,
@@ -191,16 +169,32 @@ def query_announcement(
     nonce: bytes,
     now: float,
     release: DpRelease,
-    payload: bytes,
+    payload: bytes = b"",
 ) -> Announcement:
-    """The announcement of an approved query's release round: the study's hash, the
-    query's exact bytes (`release_payload`, bound into the digest), no model."""
-    ann = announcement(
-        settings, participants, number=number, nonce=nonce, layout=(), model_sha256=b"",
-        model_bytes=0, evaluation_round=False, now=now,
-        study_sha256=bytes.fromhex(study.sha256), release=release,
+    """The announcement of round `number`, which carries `release` alone
+    (`common.releases.seam`: the study's statistics, an approved query): the study's
+    hash, no model and no training, the release's vector length, and the exact bytes it
+    was built from (`payload`, bound into the digest: an approved query's), if any."""
+    cfg = settings
+    threshold, neighbours = round_parameters(len(participants), cfg.aggregation)
+    kind = release_kind(release.name)
+    return Announcement(
+        round_number=number, round_nonce=nonce, participants=tuple(participants),
+        threshold=threshold, neighbours=neighbours, vector_length=release.length,
+        quantization_bits=bits_for_sites(len(participants)), clip=cfg.aggregation.clip,
+        histogram_bins=cfg.aggregation.histogram_bins,
+        secure_aggregation=cfg.aggregation.secure_aggregation, model_layout=(),
+        model_sha256=b"", model_bytes=0, local_epochs=0,
+        learning_rate=cfg.training.learning_rate, fedprox_mu=cfg.training.fedprox_mu,
+        planned_rounds=cfg.rounds,
+        train_deadline_ms=int((now + cfg.deadlines.train_seconds) * 1000),
+        phase_timeout_ms=int(cfg.deadlines.phase_seconds * 1000), weight_cap=1,
+        max_chunk_bytes=cfg.limits.max_chunk_bytes, study_sha256=bytes.fromhex(study.sha256),
+        kind=kind.round_kind,
+        release_name=kind.name if kind.round_kind == KIND_RELEASE else "",
+        release_payload=payload,
+        heartbeat_ms=round(cfg.deadlines.heartbeat_seconds * 1000),
     )
-    return dataclasses.replace(ann, release_payload=payload)
 
 
 def announced_bins(settings: CoordinatorSettings, edges: tuple[float, ...]) -> int:
@@ -232,24 +226,19 @@ def study_announcement(
     model_sha256: bytes,
     model_bytes: int,
     evaluation_round: bool,
-    statistics: bool,
     now: float,
     intermediaries: int | None = None,
     histogram_edges: tuple[float, ...] = (),
 ) -> Announcement:
-    """`announcement` for the study being run (its hash, its statistics release, its
-    hospital-level terms, with the "auto" intermediaries chosen last round and the
-    evaluation buckets set from last round's released histogram);
-    `statistics`: the study's statistics round."""
+    """`announcement` of a model round for the study being run (its hash, its
+    statistics release, its hospital-level terms, with the "auto" intermediaries chosen
+    last round and the evaluation buckets set from last round's released histogram)."""
     ann = announcement(
         settings, participants, number=number, nonce=nonce, layout=layout,
         model_sha256=model_sha256, model_bytes=model_bytes,
         evaluation_round=evaluation_round, now=now,
         study_sha256=bytes.fromhex(study.sha256) if study is not None else b"",
         statistics=study.statistics_bytes if study is not None else b"",
-        release=(
-            study_release(study, STATISTICS) if statistics and study is not None else None
-        ),
         histogram_edges=histogram_edges,
     )
     return hospital_sum.announce(ann, hospital_sum.terms_for(

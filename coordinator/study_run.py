@@ -26,6 +26,8 @@ from common.core.errors import ConfigError, StateError, ValidationError
 from common.core.fileio import atomic_write
 from common.core.parsing import parse_json
 from common.models import network_code_installed
+from common.models.initial_file import INITIAL_MODEL_SEED, read_initial_model
+from common.releases.evaluation_edges import announced_histogram_bins
 from common.study import (
     GlobalStatistics,
     Study,
@@ -97,8 +99,6 @@ class StudyRun:
             log.warning(warning, extra={"event": "hospital_intermediaries_warning"})
         run = cls(study=study, state=state, initial_file=initial_model)
         if initial_model is not None:
-            from common.models.initial_file import read_initial_model
-
             read_initial_model(initial_model, study)
         state.mkdir(parents=True, exist_ok=True, mode=0o700)
         pinned = state / "study.json"
@@ -131,8 +131,6 @@ class StudyRun:
 
     def settings(self, settings: CoordinatorSettings) -> CoordinatorSettings:
         """The coordinator's settings with the study's model and training settings."""
-        from common.releases.evaluation_edges import announced_histogram_bins
-
         training = self.study.training
         # K one-vs-rest blocks for a multi-class study (site_agent.held_out.held_out_histogram).
         bins, classes = announced_histogram_bins(
@@ -161,8 +159,6 @@ class StudyRun:
     def initial_model(self) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
         """The study's untrained network, flattened in `named_parameters` order: read
         from `initial_file`, else built here (which needs torch)."""
-        from common.models.initial_file import INITIAL_MODEL_SEED, read_initial_model
-
         if self.initial_file is not None:
             layout, flat = read_initial_model(self.initial_file, self.study)
             log.info("round 1 starts from %s (%d parameters)", self.initial_file, flat.size,
@@ -176,7 +172,10 @@ class StudyRun:
                 "`medfed model init --study STUDY --out initial-model.safetensors` and "
                 "start the coordinator with --initial-model initial-model.safetensors",
             )
+        # torch: builds the network; loaded only when it is built here.
         from common.models.build import initial_model
+
+        # torch: flattens the network; loaded only when it is built here.
         from common.models.layout import wire_model
 
         return wire_model(initial_model(self.study, seed=INITIAL_MODEL_SEED))

@@ -9,7 +9,6 @@ import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,7 +19,8 @@ from common.core.observer import NoObserver, RoundObserver
 from common.models import network_code_installed
 from common.privacy.budget import BudgetReport
 from common.privacy.hospital import HospitalTerms
-from common.releases.evaluation_edges import round_edges
+from common.releases.evaluation_edges import probe_edges, round_edges
+from common.study import Study
 from coordinator import checkpoints, hospital_sum
 from coordinator.aggregation import UPDATE_CHUNK_ELEMENTS, Aggregator, decode_round_sum
 from coordinator.bundles import write_round_bundle
@@ -29,9 +29,6 @@ from coordinator.optimizers import ServerOptimizer, apply_step, build_optimizer
 from coordinator.phases import ActiveRound
 from coordinator.store import CoordinatorStore
 from coordinator.study_run import StudyRun
-
-if TYPE_CHECKING:
-    from common.study import Study
 
 log = logging.getLogger("medfed.coordinator")
 
@@ -220,8 +217,6 @@ def first_edges(study: Study, flat: np.ndarray, *, bins: int) -> tuple[float, ..
     """The first evaluated round's edges, each block's around where a public probe of
     the model puts its scores (`common.releases.evaluation_edges.probe_edges`); () (the default
     layout) without torch."""
-    from common.releases.evaluation_edges import probe_edges
-
     anchors = probe(study, flat)
     if anchors is None:
         return ()
@@ -241,6 +236,7 @@ def probe(study: Study, flat: np.ndarray) -> np.ndarray | None:
                      "without the public probe of the model",
                      extra={"event": "evaluation_probe_unavailable"})
         return None
+    # torch: common.models.probe builds the network; loaded only where a round steps.
     from common.models.probe import probe_logits
 
     logits = probe_logits(study, flat)

@@ -36,6 +36,8 @@ from typing import Any, Literal
 import numpy as np
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from safetensors import SafetensorError
+from safetensors.numpy import load, save
 
 from common.core.errors import StateError, ValidationError
 from common.core.fileio import atomic_write, read_parsed
@@ -339,8 +341,6 @@ def bundle_metadata(bundle: ModelBundle) -> dict[str, str]:
 
 def bundle_bytes(bundle: ModelBundle) -> bytes:
     """The bundle as safetensors bytes (what `write_bundle` writes and sites download)."""
-    from safetensors.numpy import save
-
     _check_consistent(bundle)
     tensors = {
         name: np.ascontiguousarray(value, dtype=np.float32)
@@ -389,9 +389,6 @@ def bundle_from_bytes(data: bytes) -> ModelBundle:
 
 
 def _bundle_from_bytes(data: bytes) -> ModelBundle:
-    from safetensors import SafetensorError
-    from safetensors.numpy import load
-
     metadata = header_metadata(data)
     missing = [k for k in _KEYS if k not in metadata]
     if missing:

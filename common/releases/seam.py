@@ -33,19 +33,17 @@ DP release").
 
 from __future__ import annotations
 
-import importlib
 import math
-import pkgutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
 import numpy as np
 
 from common.core.errors import ValidationError
+from common.core.plugins import PluginFolder
 from common.privacy.ddgauss import count_noise, count_site_sigma
 from common.privacy.mechanisms import DistributedDiscreteGaussian
 from common.privacy.purpose import PURPOSES, ROUND_PURPOSES, Purpose
@@ -242,7 +240,9 @@ RELEASES: Final[dict[str, ReleaseKind]] = {}
 
 def register_release(kind: ReleaseKind) -> ReleaseKind:
     """Add a release (idempotent for an identical one) and its masked-vector segment:
-    signed integers, protected by DP under its ledger purpose."""
+    signed integers, protected by DP under its ledger purpose. The plug-ins are loaded
+    first, so a release clashing with one of them is refused whichever came first."""
+    load_releases()
     if not isinstance(kind.purpose, Purpose):
         raise ValidationError(f"release {kind.name!r}: unknown ledger purpose {kind.purpose!r}")
     existing = RELEASES.get(kind.name)
@@ -266,16 +266,13 @@ def register_release(kind: ReleaseKind) -> ReleaseKind:
     return kind
 
 
-@cache
+_PLUGIN_FOLDER: Final = PluginFolder(PLUGINS, Path(__file__).parent / "plugins")
+
+
 def load_releases() -> tuple[str, ...]:
     """Import every module of `PLUGINS` (names starting with ``_`` are helpers), each of
     which registers its release; their names, in the order loaded. Once per process."""
-    folder = Path(__file__).parent / PLUGINS.rsplit(".", 1)[-1]
-    names = sorted(info.name for info in pkgutil.iter_modules([str(folder)])
-                   if not info.name.startswith("_"))
-    for name in names:
-        importlib.import_module(f"{PLUGINS}.{name}")
-    return tuple(names)
+    return _PLUGIN_FOLDER.load()
 
 
 def release_kind(name: str) -> ReleaseKind:
@@ -362,10 +359,12 @@ def sum_noise_sigma(release: DpRelease, *, contributors: int, noise_sites: int) 
 @dataclass(frozen=True)
 class DecodedSum:
     """What the coordinator reads of a release's round (`read_sum`): the signed noisy
-    sum, each block's noise std on it, and the release's decoding of the two."""
+    sum of `contributors` sites, each block's noise std on it, and the release's
+    decoding of the two."""
 
     total: np.ndarray
     noise_sigmas: list[float]
+    contributors: int
     value: Any
 
 
@@ -380,7 +379,7 @@ def read_sum(
     sigmas = sum_noise_sigmas(release, contributors=contributors, noise_sites=noise_sites)
     value = release.decode_blocks(total, noise_sigmas=sigmas, round_number=round_number,
                                   contributors=contributors)
-    return DecodedSum(total=total, noise_sigmas=sigmas, value=value)
+    return DecodedSum(total=total, noise_sigmas=sigmas, contributors=contributors, value=value)
 
 
 def decode_sum(

@@ -30,7 +30,8 @@ from common.privacy.ledger import LedgerSigner, PrivacyLedger, read_ledger
 from common.protocol.tls import TlsFiles
 from common.study import DEFAULT_EVALUATION_NOISE_STD, load_study, study_sha256
 from coordinator import queries
-from coordinator.engine import FAILED_META, STUDY_DONE_FOR_QUERIES
+from coordinator.engine import FAILED_META
+from coordinator.round_kinds.query import STUDY_DONE_FOR_QUERIES
 from coordinator.store import CoordinatorStore
 from site_agent.dp_release import PURPOSE_EVALUATION, evaluation_mechanism
 from tests.e2e.harness import REPO, StudyProcesses, make_pki, run_medfed

@@ -34,6 +34,7 @@ from common.releases.seam import (
     Purpose,
     ReleaseKind,
     decode_sum,
+    load_releases,
     register_release,
     release_kind,
     sum_noise_sigma,
@@ -241,3 +242,17 @@ def test_the_sum_noise_is_read_from_the_n_noise_every_member_planned_for(
     draws = np.array([sum(int(plan.noise(np.random.default_rng(1000 * i + k).bytes)[0])
                           for k in range(contributors)) for i in range(3000)])
     assert draws.std() == pytest.approx(sigma, rel=0.06)
+
+
+def test_the_releases_are_the_modules_of_the_plugins_folder_named_as_they_register() -> None:
+    """Both services and the egress docs load the releases from one folder, by file
+    name: a new release is one module there, named as the release it registers."""
+    folder = Path(__file__).resolve().parents[2] / "common/releases/plugins"
+    files = sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
+    assert load_releases() == tuple(files)
+    assert files == ["evaluation_histogram", "query", "statistics"]
+    for name in files:
+        kind = release_kind(name)
+        assert kind.name == name
+        assert egress.SEGMENT_KINDS[name].protection == egress.Protection.DP
+    assert [k.name for k in RELEASES.values() if k.once_per_study] == ["statistics"]

@@ -17,14 +17,11 @@ is one file there and the ``kind`` a query names is checked against what registe
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import math
-import pkgutil
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
@@ -32,6 +29,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from common.core.errors import ValidationError
+from common.core.plugins import PluginFolder
 from common.releases.analytics.estimates import Estimate
 from common.releases.analytics.units import Units
 from common.study import FeatureSpec, Study, check_name
@@ -267,7 +265,10 @@ STATISTIC_KINDS: Final[dict[str, StatisticKind]] = {}
 
 def register_statistic(kind: StatisticKind) -> StatisticKind:
     """Add a kind of statistic (idempotent for one of the same class); a second kind of
-    the same name, or one taking a field `StatisticSpec` does not have, is refused."""
+    the same name, or one taking a field `StatisticSpec` does not have, is refused. The
+    plug-ins are loaded first, so a clash with one of them is refused whichever came
+    first."""
+    _PLUGIN_FOLDER.load()
     existing = STATISTIC_KINDS.get(kind.name)
     if existing is not None and type(existing) is not type(kind):
         raise ValidationError(f"statistic kind {kind.name!r} registered twice, differently")
@@ -279,18 +280,13 @@ def register_statistic(kind: StatisticKind) -> StatisticKind:
     return kind
 
 
-@cache
-def _load_package() -> None:
-    folder = Path(__file__).parent / STATISTICS_PACKAGE.rsplit(".", 1)[-1]
-    for info in sorted(pkgutil.iter_modules([str(folder)]), key=lambda i: i.name):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"{STATISTICS_PACKAGE}.{info.name}")
+_PLUGIN_FOLDER: Final = PluginFolder(STATISTICS_PACKAGE, Path(__file__).parent / "statistics")
 
 
 def load_statistics() -> tuple[str, ...]:
     """The registered kinds' names, sorted, after importing every module of
     `STATISTICS_PACKAGE` (names starting with ``_`` are helpers) once per process."""
-    _load_package()
+    _PLUGIN_FOLDER.load()
     return tuple(sorted(STATISTIC_KINDS))
 
 
