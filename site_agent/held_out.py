@@ -24,10 +24,10 @@ def held_out_histogram(
 ) -> np.ndarray:
     """Held-out score histogram of `model`: 2 * bins counts for a binary study, K
     one-vs-rest blocks of 2 * (bins / K) for K classes (the announced bins cover all
-    blocks: `common.releases.evaluation_edges.bins_per_class`), counted with the round's announced
-    bucket edges (`common.releases.evaluation_edges.round_edges`, checked there). With `per_unit`
-    (patient- or hospital-level privacy) one random encounter of each held-out patient
-    is scored."""
+    blocks: `common.releases.evaluation_edges.announced_histogram_bins`), counted with
+    the round's announced bucket edges (`common.releases.evaluation_edges.round_edges`,
+    checked there). With `per_unit` (patient- or hospital-level privacy) one random
+    encounter of each held-out patient is scored."""
     from common.releases.evaluation import multiclass_score_histogram, score_histogram
     from common.releases.evaluation_edges import round_edges
     from site_agent.dp_release import one_per_unit

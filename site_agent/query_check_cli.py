@@ -14,10 +14,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from common.core.config import SiteSettings, load_settings
 from common.core.errors import ConfigError
 from common.releases.analytics.check import check_query
 from common.releases.analytics.query import load_query
 from common.study import SitePrivacyPolicy, load_study
+from site_agent.data import load_study_table
+from site_agent.datacheck import site_policy
 
 
 def register_check(actions: Any) -> None:
@@ -40,16 +43,11 @@ def _site(config: Path | None) -> tuple[SitePrivacyPolicy | None, str, Path | No
     """The site's policy, its ledger's accountant and its data file, from `config`."""
     if config is None:
         return None, "prv", None
-    from common.core.config import SiteSettings, load_settings
-    from site_agent.datacheck import site_policy
-
     settings = load_settings(SiteSettings, config_file=config, overrides={})
     return site_policy(settings), settings.privacy.accountant, settings.data.path
 
 
 def _check(args: argparse.Namespace) -> int:
-    from site_agent.data import load_study_table
-
     policy, accountant, configured = _site(args.config)
     data: Path | None = args.data if args.data is not None else configured
     if data is None:

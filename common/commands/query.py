@@ -14,6 +14,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+from common.commands.cli import main_with
 from common.core.errors import ConfigError
 from common.releases.analytics.query import draft_query
 from common.study import load_study
@@ -74,8 +75,6 @@ def _init(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m common.commands.query query ...``."""
-    from common.commands.cli import main_with
-
     return main_with([register], argv)
 
 

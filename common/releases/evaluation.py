@@ -338,11 +338,6 @@ def _allocate(noisy: np.ndarray, *, sigma: float) -> np.ndarray:
     return out
 
 
-def clipped_noisy_histogram(summed: np.ndarray, *, blocks: int = 1) -> np.ndarray:
-    """The counts of `denoised_histogram` (negative and noise-only counts set to 0)."""
-    return denoised_histogram(summed, blocks=blocks).counts
-
-
 @dataclass(frozen=True)
 class MulticlassMetrics:
     """One-vs-rest AUC per class (class k's score against "label == k"), and their mean.
@@ -368,13 +363,6 @@ def _check_probabilities(scores: np.ndarray, labels: np.ndarray) -> tuple[np.nda
 def _macro(aucs: list[float]) -> float:
     defined = [a for a in aucs if not math.isnan(a)]
     return float(np.mean(defined)) if defined else math.nan
-
-
-def multiclass_metrics_from_scores(scores: np.ndarray, labels: np.ndarray) -> MulticlassMetrics:
-    """Exact one-vs-rest AUCs of class probabilities [N, K] (centralised baselines)."""
-    s, y = _check_probabilities(scores, labels)
-    aucs = [metrics_from_scores(s[:, k], (y == k).astype(np.int64)).auc for k in range(s.shape[1])]
-    return MulticlassMetrics(tuple(aucs), _macro(aucs), int(y.shape[0]))
 
 
 def multiclass_score_histogram(

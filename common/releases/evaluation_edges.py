@@ -82,13 +82,6 @@ def probe_edges(anchor: float, *, bins: int) -> np.ndarray:
     return out if np.all(np.diff(out) > 0) else default_edges(bins)
 
 
-def uniform_edges(bins: int) -> np.ndarray:
-    """`bins` equal-width buckets on [0, 1] (edges i / bins)."""
-    if bins < 2:
-        raise ConfigError("bins", "must be >= 2")
-    return np.arange(bins + 1, dtype=np.float64) / bins
-
-
 def _sigmoid(z: np.ndarray) -> np.ndarray:
     return np.asarray(1.0 / (1.0 + np.exp(-np.asarray(z, dtype=np.float64))))
 
@@ -292,26 +285,12 @@ def _block_edges(
     return tuple(_check_edges(e) for e in edges)
 
 
-def bins_per_class(announced_bins: int, *, num_classes: int) -> int:
-    """Bins of each one-vs-rest block when a round's histogram carries K classes.
-
-    A multi-class study's coordinator announces ``histogram_bins = bins * K``, so the
-    vector keeps its ``2 * histogram_bins`` integer tail and only the layout inside it
-    (K blocks of `multiclass_score_histogram`) depends on the study both sides hold.
-    """
-    if num_classes <= 2:
-        return announced_bins
-    if announced_bins % num_classes or announced_bins // num_classes < 2:
-        raise ValidationError(
-            f"histogram_bins {announced_bins} is not (bins >= 2) x {num_classes} classes"
-        )
-    return announced_bins // num_classes
-
-
 def announced_histogram_bins(bins: int, *, num_classes: int) -> tuple[int, int]:
     """(aggregation.histogram_bins, aggregation.histogram_classes) for a study's
     ``[privacy.evaluation] histogram_bins`` and class count: K one-vs-rest blocks for
-    K >= 3 classes (`bins_per_class` undoes it), the plain histogram for binary."""
+    K >= 3 classes (the announced bins cover all K blocks, so the vector keeps its
+    ``2 * histogram_bins`` integer tail and only the layout inside it depends on the
+    study both sides hold), the plain histogram for binary."""
     if num_classes <= 2:
         return bins, 1
     return bins * num_classes, num_classes

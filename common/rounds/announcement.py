@@ -30,7 +30,6 @@ from common.releases.evaluation_edges import announced_edge_blocks
 from common.releases.seam import (
     KIND_HOSPITAL,
     KIND_RELEASE,
-    KIND_STATISTICS,
     KIND_TRAINING,
     ROUND_KINDS,
     release_for_round,
@@ -97,10 +96,6 @@ class Announcement:
     release_name: str = ""
     # KIND_RELEASE of a release built from approved bytes (a query): those bytes.
     release_payload: bytes = b""
-
-    @property
-    def is_statistics(self) -> bool:
-        return self.kind == KIND_STATISTICS
 
     @property
     def release(self) -> str:

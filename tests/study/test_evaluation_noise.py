@@ -21,10 +21,10 @@ from common.releases.evaluation import (
     metrics_from_scores,
     score_histogram,
 )
-from common.releases.evaluation_edges import uniform_edges
 from common.releases.evaluation_threshold import youden_threshold
 from site_agent.predict_cli import register_model, register_predict
 from tests.study.helpers import trained_bundle, write_hospital_csv
+from tests.training.helpers import uniform_edges
 
 BINS = 20
 EDGES = uniform_edges(BINS)  # the noise filter's behaviour, measured on equal-width buckets

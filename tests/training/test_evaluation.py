@@ -12,11 +12,10 @@ from common.releases.evaluation import (
     metrics_from_histogram,
     metrics_from_scores,
     multiclass_metrics_from_histogram,
-    multiclass_metrics_from_scores,
     multiclass_score_histogram,
     score_histogram,
 )
-from common.releases.evaluation_edges import uniform_edges
+from tests.training.helpers import multiclass_metrics_from_scores, uniform_edges
 
 
 def _pairs_sharing_a_bucket(scores: np.ndarray, labels: np.ndarray, bins: int) -> float:

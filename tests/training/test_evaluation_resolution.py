@@ -37,7 +37,6 @@ from common.releases.evaluation_edges import (
     next_block_edges,
     next_edges,
     round_edges,
-    uniform_edges,
 )
 from common.releases.evaluation_interval import auc_interval
 from common.releases.evaluation_threshold import (
@@ -48,6 +47,7 @@ from common.releases.evaluation_threshold import (
 )
 from common.rounds.announcement import Announcement, validate_for_site
 from common.rounds.wire import announcement_from_pb, announcement_to_pb
+from tests.training.helpers import uniform_edges
 
 BINS = 20
 NOISE_STD = 10.0

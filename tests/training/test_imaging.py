@@ -14,7 +14,7 @@ from PIL import Image
 from common.core.errors import ConfigError, DataError
 from common.models.build import build_model
 from common.models.layout import flatten_parameters
-from common.releases.evaluation import metrics_from_scores, multiclass_metrics_from_scores
+from common.releases.evaluation import metrics_from_scores
 from site_agent.imaging import ImageSpec, dicom_window, load_image_folder
 from site_agent.synthetic_imaging import (
     HOSPITALS,
@@ -26,6 +26,7 @@ from site_agent.synthetic_imaging import (
 from site_agent.trainer import LocalTrainer
 from site_agent.training_config import TrainingConfig
 from site_agent.unit_split import split_by_patient
+from tests.training.helpers import multiclass_metrics_from_scores
 
 SPEC = ImageSpec(image_size=16, channels=1, patient_column="patient_id")
 

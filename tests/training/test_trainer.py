@@ -11,7 +11,7 @@ from common.models.build import build_model
 from common.models.layout import flatten_parameters, load_flat_parameters
 from common.models.tables.mlp import TabularMLP
 from common.privacy.accountant import Segment, compose_epsilon
-from common.releases.evaluation import metrics_from_scores, multiclass_metrics_from_scores
+from common.releases.evaluation import metrics_from_scores
 from site_agent.data import SiteData
 from site_agent.device import select_device
 from site_agent.ghost_clipping import conv_ghost_norms
@@ -24,6 +24,7 @@ from site_agent.grad_sample_mode import (
 from site_agent.synthetic import FEATURES
 from site_agent.trainer import LocalTrainer, predict_scores
 from site_agent.training_config import TrainingConfig
+from tests.training.helpers import multiclass_metrics_from_scores
 
 ROUNDS = 3
 BASE = TrainingConfig(

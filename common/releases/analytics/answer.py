@@ -129,7 +129,7 @@ class QueryAnswer:
         import matplotlib
 
         matplotlib.use("Agg")
-        # matplotlib: as above.
+        # matplotlib: its plotting interface, once the Agg backend is chosen.
         import matplotlib.pyplot as plt
 
         directory = Path(directory)
