@@ -38,6 +38,7 @@ import numpy as np
 from common.core.config import CoordinatorSettings
 from common.core.errors import (
     AbortReason,
+    ConfigError,
     DatabaseUnavailable,
     MedfedError,
     ProtocolAbort,
@@ -55,7 +56,7 @@ from coordinator.ledger_gate import LedgerGate
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.phases import ActiveRound, Liveness, drive, phase_timeout
 from coordinator.recovery import recover
-from coordinator.round_kind import Due, RoundKind, round_kind, round_kinds
+from coordinator.round_kind import Due, RoundKind, round_kinds
 from coordinator.sessions import SiteRegistry
 from coordinator.site_calls import SiteCalls
 from coordinator.status import StudyStatus, study_status
@@ -277,12 +278,19 @@ class RoundEngine:
                     seconds, self.last_round_number,
                     extra={"event": "database_outage_over", "outage_seconds": round(seconds, 3)})
 
+    def kind(self, name: str) -> RoundKind[Any]:
+        """This engine's kind of round `name` (ConfigError when there is none)."""
+        for kind in self.kinds:
+            if kind.name == name:
+                return kind
+        raise ConfigError("round kind", f"no kind of round named {name!r} is registered")
+
     def eligible(self, site_ids: list[str], *, kind: str) -> list[str]:
         """Sites with budget left (all of them for a kind that spends none) that have not
         declined this kind of round for good."""
         declined = self.declined_kind.get(kind, {})
         with_budget = self.sessions.with_budget(
-            site_ids, evaluation_round=not round_kind(kind).spends_budget)
+            site_ids, evaluation_round=not self.kind(kind).spends_budget)
         _, outliers = self.sessions.round_ceiling()
         return [s for s in with_budget if s not in declined and s not in outliers]
 
@@ -382,7 +390,7 @@ class RoundEngine:
         if not rnd.declined_for_good:
             return
         failure = declined_for_good(rnd, min_sites=self.settings.min_sites,
-                                    kind=round_kind(kind).title(self))
+                                    kind=self.kind(kind).title(self))
         if failure is not None:
             raise failure
         for site, reason in rnd.declined_for_good.items():

@@ -19,6 +19,11 @@ approved query, between two rounds). Each kind is one module of
 ``coordinator/round_kinds/`` that calls `register_round_kind` when imported;
 `round_kinds` imports every module of that folder (found by file name, as
 `common.models.registry` finds networks), so a new kind is one file there.
+
+These are the coordinator's kinds of round, not the announcement's `kind` on the wire
+(training, hospital, statistics, release: `common.rounds.wire`), which a kind's
+announcement sets: a training round is a hospital round on the wire under hospital-level
+DP, and a query round a release round naming its release.
 """
 
 from __future__ import annotations
@@ -183,11 +188,3 @@ def round_kinds() -> tuple[RoundKind[Any], ...]:
     `ROUND_KINDS_PACKAGE` (names starting with ``_`` are helpers) once per process."""
     _PLUGIN_FOLDER.load()
     return tuple(sorted(ROUND_KINDS.values(), key=lambda kind: kind.rank))
-
-
-def round_kind(name: str) -> RoundKind[Any]:
-    """The registered kind `name` (ConfigError when there is none)."""
-    for kind in round_kinds():
-        if kind.name == name:
-            return kind
-    raise ConfigError("round kind", f"no kind of round named {name!r} is registered")

@@ -18,7 +18,7 @@ A release (`DpRelease`) is
 Both services and the ledger handle a release through this module alone: the site
 writes `plan(...).mechanism()` on its ledger under `purpose` before anything leaves
 (write-ahead), adds `plan(...).noise(rng)` from `common.crypto.random`, and encodes with
-`encode`; the coordinator reads the sum with `decode_sum`. A release that runs as a round
+`encode`; the coordinator reads the sum with `read_sum`. A release that runs as a round
 of its own names its round kind (`ReleaseKind.round_kind`); the study's statistics
 (`common.releases.plugins.statistics`) are one. The evaluation histogram
 (`common.releases.plugins.evaluation_histogram`) rides in every model round's vector
@@ -75,7 +75,6 @@ __all__ = [
     "ReleaseKind",
     "build_release",
     "check_plans",
-    "decode_sum",
     "load_releases",
     "planned_noise_sites",
     "read_sum",
@@ -83,7 +82,6 @@ __all__ = [
     "release_for_round",
     "release_kind",
     "study_noise_sites",
-    "sum_noise_sigma",
     "sum_noise_sigmas",
 ]
 
@@ -348,14 +346,6 @@ def sum_noise_sigmas(release: DpRelease, *, contributors: int, noise_sites: int)
     return [plan.sigma * math.sqrt(k / plan.n_noise) for plan in plans]
 
 
-def sum_noise_sigma(release: DpRelease, *, contributors: int, noise_sites: int) -> float:
-    """`sum_noise_sigmas` of a release of one block."""
-    sigmas = sum_noise_sigmas(release, contributors=contributors, noise_sites=noise_sites)
-    if len(sigmas) != 1:
-        raise ValidationError(f"release {release.name!r} has {len(sigmas)} noise blocks")
-    return sigmas[0]
-
-
 @dataclass(frozen=True)
 class DecodedSum:
     """What the coordinator reads of a release's round (`read_sum`): the signed noisy
@@ -380,15 +370,6 @@ def read_sum(
     value = release.decode_blocks(total, noise_sigmas=sigmas, round_number=round_number,
                                   contributors=contributors)
     return DecodedSum(total=total, noise_sigmas=sigmas, contributors=contributors, value=value)
-
-
-def decode_sum(
-    release: DpRelease, aggregate: np.ndarray, *, contributors: int, noise_sites: int,
-    round_number: int,
-) -> Any:
-    """`read_sum`'s decoded value alone."""
-    return read_sum(release, aggregate, contributors=contributors, noise_sites=noise_sites,
-                    round_number=round_number).value
 
 
 def docs_section() -> str:

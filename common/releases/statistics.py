@@ -377,7 +377,7 @@ def decode_release(
     total: np.ndarray, study: Study, *, source: str, noise_sigma: float = 0.0
 ) -> GlobalStatistics:
     """GlobalStatistics from the noisy secure sum (int64); `noise_sigma`: the std of the
-    noise on each entry (`common.releases.seam.sum_noise_sigma`; 0 for a noiseless
+    noise on each entry (`common.releases.seam.sum_noise_sigmas`; 0 for a noiseless
     sum). Every estimate is clamped into what its definition allows; where the noise
     swamps a feature's values the result's `warnings` say so, naming the feature."""
     if total.shape != (statistics_length(study),):

@@ -43,7 +43,7 @@ from common.protocol import pki
 from common.releases.analytics.query import Query, query_bytes, query_from_mapping, query_sha256
 from common.releases.analytics.vector import query_length
 from common.releases.plugins.query import QUERY_RELEASE, QueryRelease
-from common.releases.seam import KIND_RELEASE, decode_sum
+from common.releases.seam import KIND_RELEASE, read_sum
 from common.rounds.announcement import Announcement, VerifiedRound, validate_for_site
 from common.study import Study, study_from_mapping, study_sha256
 from site_agent.approvals import Approvals
@@ -244,8 +244,8 @@ def test_a_cell_of_one_patient_is_only_noise_and_the_ledger_pays_for_it(
     federation_vectors = dict(zip(federation.params.participants, vectors.values(), strict=True))
     total, survivors = run_round(federation, federation_vectors)
     assert len(survivors) == 3
-    answer = decode_sum(release, total, contributors=3, noise_sites=2,
-                        round_number=20)
+    answer = read_sum(release, total, contributors=3, noise_sites=2,
+                      round_number=20).value
     (count,) = [e for e in answer.statistic("patients").estimates]
     # One patient more or less is well inside the noise the coordinator is told of: the
     # noise std is over twice the one patient's contribution. (Where the noisy value and
@@ -322,8 +322,8 @@ def test_a_site_dropping_out_of_a_query_round_leaves_the_survivors_sum_answered(
     total, survivors = run_round(federation, federation_vectors,
                                  dropouts={gone: Phase.MASKED_INPUT})
     assert gone not in survivors and len(survivors) == 2
-    answer = decode_sum(release, total, contributors=2, noise_sites=2,
-                        round_number=30)
+    answer = read_sum(release, total, contributors=2, noise_sites=2,
+                      round_number=30).value
     exact = sum(release.query(hospitals[names[s]]) for s in survivors)
     (count,) = answer.statistic("patients").estimates
     # The two survivors' own noise std: the full sigma of one statistic at n_noise = 2.

@@ -3,7 +3,7 @@ only in this file (a count of patients aged 65 or over) is registered, released 
 sites through the site's generic path (`site_agent.releases.release_vector`: a real
 signed ledger entry first, then noise from the system CSPRNG, then the egress
 encoding), summed by real SecAgg+ (real X25519/AES-GCM/Shamir, in-process), and decoded
-by the coordinator's generic path (`common.releases.seam.decode_sum`, then kept as JSON).
+by the coordinator's generic path (`common.releases.seam.read_sum`, then kept as JSON).
 Nothing else in the product knows about it."""
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from common.releases.seam import (
     NoisePlan,
     Purpose,
     ReleaseKind,
-    decode_sum,
     load_releases,
+    read_sum,
     register_release,
     release_kind,
-    sum_noise_sigma,
+    sum_noise_sigmas,
 )
 from common.rounds import wire
 from common.rounds.announcement import Announcement, validate_for_site
@@ -152,14 +152,14 @@ def test_a_release_of_one_file_runs_the_generic_path(
         assert 0 < entry.epsilon_after < 8.0
 
     # The coordinator's generic decode: the exact signed sum of what the sites sent ...
-    count, noise_sigma = decode_sum(release, total, contributors=3, noise_sites=3,
-                                    round_number=ROUND)
+    count, noise_sigma = read_sum(release, total, contributors=3, noise_sites=3,
+                                  round_number=ROUND).value
     sent = sum(int(ring_to_signed(v)[0]) for v in vectors.values())
     assert count == sent
     # ... which is the true count plus the sites' noise (three shares of variance
     # SIGMA^2 / 3 each: std SIGMA, as the coordinator computes it).
     assert noise_sigma == pytest.approx(SIGMA)
-    assert noise_sigma == sum_noise_sigma(release, contributors=3, noise_sites=3)
+    assert [noise_sigma] == sum_noise_sigmas(release, contributors=3, noise_sites=3)
     assert abs(count - truth) <= 6 * noise_sigma
     # Kept by the coordinator as JSON under its state (no keeper written for it).
     kept = json.loads(keep_json(tmp_path, release, (count, noise_sigma), ROUND).read_text())

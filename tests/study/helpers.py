@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from common.releases.seam import release_kind, study_noise_sites, sum_noise_sigma
+from common.releases.seam import release_kind, study_noise_sites, sum_noise_sigmas
 from common.releases.statistics import TableLike, unit_values
 from common.study import (
     CategoricalStatistics,
@@ -234,7 +234,8 @@ def clipped_sums(table: TableLike, study: Study) -> dict[str, float]:
 def release_noise_sigma(study: Study, *, contributors: int) -> float:
     """Std of the noise on each entry of the secure sum of `contributors` statistics
     releases, every member having planned for the study's n_noise (the seam's
-    `sum_noise_sigma` of the registered statistics release)."""
+    `sum_noise_sigmas` of the registered statistics release, one block)."""
     release = release_kind("statistics").build(study)  # type: ignore[misc]
-    return sum_noise_sigma(release, contributors=contributors,
-                           noise_sites=study_noise_sites(study))
+    (sigma,) = sum_noise_sigmas(release, contributors=contributors,
+                                noise_sites=study_noise_sites(study))
+    return sigma

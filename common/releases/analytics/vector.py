@@ -215,7 +215,7 @@ def site_vector(query: Query, table: TableLike, *, study: Study) -> np.ndarray:
 def noise_sigmas(blocks: Sequence[QueryBlock], *, contributors: int) -> list[float]:
     """Std of the noise on each entry of each block of the secure sum of `contributors`
     site vectors, every site having planned for n_noise honest shares (as
-    `common.releases.seam.sum_noise_sigma`): sigma * sqrt(K / n_noise)."""
+    `common.releases.seam.sum_noise_sigmas`): sigma * sqrt(K / n_noise)."""
     k = max(contributors, 1)
     return [block.sigma * math.sqrt(k / block.n_noise) for block in blocks]
 
