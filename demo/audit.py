@@ -16,6 +16,9 @@ from typing import Any
 import numpy as np
 
 from common.core.errors import MedfedError
+from demo.tasks import Demo
+from site_agent.audit_settings import AuditSettings
+from site_agent.data import SiteData, check_cohort_size
 
 AUDIT_PATIENTS = 300
 AUDIT_CANARIES = 100
@@ -55,8 +58,6 @@ def demo_audit(
     A failure (a site too small for DP training, say) is reported as skipped with its
     reason: the audit illustrates the guarantee, the federation does not depend on it.
     """
-    from site_agent.data import check_cohort_size
-
     site = sorted(datasets)[0]
     started = time.monotonic()
     data = sample_units(datasets[site], units=AUDIT_PATIENTS, seed=seed)
@@ -65,9 +66,8 @@ def demo_audit(
     try:
         # Before any training: the site's own units alone must be enough for DP-SGD.
         check_cohort_size(data.num_patients, delta=delta, unit=unit, file=data.source or None)
-        # The trainer (torch, Opacus) only once there is something to train.
+        # site_agent.audit imports torch and Opacus: loaded only once there is something to train
         from site_agent.audit import run_audit
-        from site_agent.audit_settings import AuditSettings
 
         for name, target in (("no_dp", None), ("dp", epsilon)):
             settings = AuditSettings(
@@ -95,3 +95,22 @@ def demo_audit(
         "line": audit_line(results["no_dp"]["attack_auc"], results["dp"]["attack_auc"], epsilon),
         "seconds": round(time.monotonic() - started, 1),
     }
+
+
+def privacy_audit(demo: Demo, datasets: dict[str, Any]) -> dict[str, Any]:
+    """The demo's audit on one site's records with the study's encoding and model, its
+    lines said; skipped with ``--no-audit`` and on images."""
+    if not demo.o.audit:
+        return skipped("--no-audit")
+    if not all(isinstance(d, SiteData) for d in datasets.values()):
+        return skipped("the audit runs on tables; image data is not audited yet")
+    demo.say("[audit] membership inference on one site's records, without DP and with "
+             f"DP at epsilon {demo.o.budget_epsilon:g} ...")
+    # site_agent.audit imports torch and Opacus: loaded only when the audit runs
+    from site_agent.audit import study_audit_model
+
+    model = study_audit_model(demo.study)  # the study's encoding and model
+    result = demo_audit(datasets, epsilon=demo.o.budget_epsilon, delta=demo.o.delta,
+                        seed=demo.o.seed, model=model)
+    demo.say(f"[audit] {result.get('line') or 'skipped: ' + str(result.get('reason'))}")
+    return result

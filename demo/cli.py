@@ -8,6 +8,7 @@ from typing import Any
 
 from common.core.errors import ConfigError
 from common.models import model_names
+from demo.imaging import IMAGING_DEFAULTS, ImagingTask
 from demo.options import DemoOptions, validate_options
 from demo.run import Demo
 
@@ -97,8 +98,6 @@ def tabular_options(args: argparse.Namespace) -> DemoOptions:
 def _main_imaging(args: argparse.Namespace) -> int:
     """`--task imaging` (demo.imaging): flags left at the tabular defaults take the
     imaging defaults instead."""
-    from demo.imaging import IMAGING_DEFAULTS, ImagingTask
-
     if args.data is not None:
         raise ConfigError("--data", "--task imaging runs on the synthetic imaging cohort")
     defaults = DemoOptions()

@@ -6,6 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from common.privacy.hospital import guarantees
+from common.privacy.ledger import read_ledger
+from common.study import StudyPrivacySection
 from demo.options import DemoOptions
 
 
@@ -32,9 +35,6 @@ def hospital_report(out: Path, sites: list[str], o: DemoOptions) -> dict[str, An
     """Each site's three hospital-mode figures from its own ledger
     (`common.privacy.hospital.guarantees`): hospital-level and intermediary-level (model
     updates only) and per-patient (every release, the updates at 2S)."""
-    from common.privacy.hospital import guarantees
-    from common.privacy.ledger import read_ledger
-
     epsilon: dict[str, float] = {}
     intermediary: dict[str, float] = {}
     per_patient: dict[str, float] = {}
@@ -60,8 +60,6 @@ def hospital_report(out: Path, sites: list[str], o: DemoOptions) -> dict[str, An
 def hospital_study(study: Any, o: DemoOptions) -> Any:
     """The drafted study under hospital-level DP: unit hospital, clip S and
     the intermediaries per hospital; z is planned from the study's epsilon."""
-    from common.study import StudyPrivacySection
-
     privacy = StudyPrivacySection.model_validate({
         **study.privacy.model_dump(), "unit": "hospital",
         "update_clip_norm": o.update_clip_norm, "intermediaries": o.intermediaries,

@@ -20,9 +20,17 @@ import numpy as np
 
 from common.core.errors import ConfigError
 from common.models import model_names
+from common.releases.bundle import read_bundle
+from common.releases.evaluation_threshold import operating_point_metrics_from_scores
+from common.study import load_study
 from demo.options import HELD_OUT_FRACTION, DemoOptions
 from demo.report import dp_auc_text
 from demo.tasks import Demo
+from demo.terms import federation_terms
+from site_agent.synthetic_imaging import HOSPITALS, write_imaging_cohort
+from site_agent.training_config import TrainingConfig
+from site_agent.training_plan import fit_batch_size
+from site_agent.unit_split import split_by_patient
 
 IMAGING_DEFAULTS: dict[str, Any] = {
     "patients_per_site": 240,
@@ -102,8 +110,6 @@ patient diverged). At 0.5 the std is ~8."""
 def study_text(o: DemoOptions, *, model: str, image_size: int) -> str:
     """The demo's images study (binary: lesion or not, patient-level DP), with the threat
     terms every site sizes its noise with (the demo sites' own policy)."""
-    from demo.terms import federation_terms
-
     terms = federation_terms(o.sites, histogram_bins=IMAGING_HISTOGRAM_BINS).policy
     return f"""[study]
 name = "synthetic-lesions"
@@ -160,9 +166,6 @@ class ImagingTask:
         self.study_path = Path("study.toml")  # under the demo's --out once prepared
 
     def prepare(self, demo: Demo) -> dict[str, Path | None]:
-        from common.study import load_study
-        from site_agent.synthetic_imaging import HOSPITALS, write_imaging_cohort
-
         if demo.out.exists():
             shutil.rmtree(demo.out)
         demo.out.mkdir(parents=True)
@@ -192,6 +195,7 @@ class ImagingTask:
     def load_datasets(
         self, demo: Demo, files: dict[str, Path | None]
     ) -> tuple[dict[str, Any], list[str]]:
+        # site_agent.imaging imports torch: loaded only when the imaging demo runs
         from site_agent.imaging import image_spec_for_study, load_image_folder
 
         spec = image_spec_for_study(demo.study)
@@ -200,6 +204,7 @@ class ImagingTask:
 
     def say_model(self, demo: Demo) -> None:
         """The study's network as `coordinator serve --study` builds it (DP-checked)."""
+        # common.models.build imports torch: loaded only when the imaging demo runs
         from common.models.build import initial_model
 
         model = initial_model(demo.study, seed=demo.o.seed)
@@ -232,10 +237,9 @@ device = "{self.device}"
     def exact_final(self, demo: Demo, bundle: Path) -> dict[str, Any]:
         """`DemoTask.exact_final`: every held-out image of every hospital (the sites'
         own splits), scored by the bundle's network."""
-        from common.releases.bundle import read_bundle
+        # site_agent.predict and .trainer import torch: loaded only to score the final model
         from site_agent.predict import load_model, prediction_from_scores
         from site_agent.trainer import predict_scores
-        from site_agent.unit_split import split_by_patient
 
         model_bundle = read_bundle(bundle)
         held_out = _pool([
@@ -272,6 +276,7 @@ device = "{self.device}"
 
 
 def _pool(parts: list[Any]) -> Any:
+    # site_agent.imaging imports torch: loaded only when the imaging demo runs
     from site_agent.imaging import ImageDataset
 
     return ImageDataset(
@@ -284,8 +289,6 @@ def _pool(parts: list[Any]) -> Any:
 
 
 def _metrics(scores: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    from common.releases.evaluation_threshold import operating_point_metrics_from_scores
-
     # Non-private baselines: AUC and Youden's operating point on the exact scores.
     m = operating_point_metrics_from_scores(scores, labels)
     return {"auc": m.auc, "sensitivity": m.sensitivity, "specificity": m.specificity,
@@ -298,14 +301,12 @@ def image_baselines(
 ) -> dict[str, dict[str, float]]:
     """Centralized and FedAvg non-private baselines on the sites' own splits (the same
     held-out patients the federation evaluates on), with the study's model."""
+    # torch and the modules below that import it: loaded only to train the baselines
     import torch
 
     from common.models.build import build_for_study
     from common.models.layout import flatten_parameters, load_flat_parameters
     from site_agent.trainer import LocalTrainer, predict_scores
-    from site_agent.training_config import TrainingConfig
-    from site_agent.training_plan import fit_batch_size
-    from site_agent.unit_split import split_by_patient
 
     splits = {  # each site's own split, under its key
         site: split_by_patient(d, held_out_fraction=0.2, key=keys[site])

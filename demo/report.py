@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -9,7 +10,11 @@ from typing import Any
 
 import numpy as np
 
+from common.privacy.layered import charged
+from common.privacy.ledger import read_ledger
+from common.releases.bundle import read_bundle
 from common.releases.evaluation_interval import interval_text
+from coordinator.store import CoordinatorStore
 from demo.hospital import hospital_figures, hospital_report, intermediaries_label
 from demo.tasks import Demo
 
@@ -17,9 +22,10 @@ from demo.tasks import Demo
 def write_report(demo: Demo, sites: list[str], baselines: dict[str, dict[str, float]]) -> dict[
     str, Any
 ]:
-    final_row = demo.rows[-1] if demo.rows else None
+    rows = demo.follower.rows
+    final_row = rows[-1] if rows else None
     final_metrics = dict(final_row.metrics) if final_row else {}
-    eps = epsilon_by_site(demo, sites)
+    eps = epsilon_by_site(demo.out, sites)
     model = model_file(demo)
     report: dict[str, Any] = {
         "sites": sites,
@@ -39,13 +45,13 @@ def write_report(demo: Demo, sites: list[str], baselines: dict[str, dict[str, fl
                 "epsilon": r.epsilon,
                 "intermediaries": r.intermediaries,
             }
-            for r in demo.rows
+            for r in rows
         ],
-        "aborted_rounds": demo.aborted,
+        "aborted_rounds": demo.follower.aborted,
         "study": str(demo.served_study) if demo.served_study else None,
-        "statistics_round": demo.statistics_round,
+        "statistics_round": demo.follower.statistics_round,
         "evaluation_round": next(
-            (r.round for r in demo.rows if r.evaluation_only), None
+            (r.round for r in rows if r.evaluation_only), None
         ),
         "model": model,
         "threshold": model.get("threshold") if model else None,
@@ -64,7 +70,7 @@ def write_report(demo: Demo, sites: list[str], baselines: dict[str, dict[str, fl
     if demo.o.privacy_unit == "hospital":
         report["hospital"] = hospital_report(demo.out, sites, demo.o)
         report["hospital"]["intermediaries_by_round"] = {
-            str(r.round): r.intermediaries for r in demo.rows
+            str(r.round): r.intermediaries for r in rows
             if r.intermediaries is not None
         }
     if model is not None and model.get("kind") == "final bundle":
@@ -79,9 +85,6 @@ def epsilon_by_purpose(demo: Demo, sites: list[str]) -> dict[str, dict[str, floa
     """Each site's epsilon per ledger purpose (training, evaluation, statistics,
     count), each purpose's entries composed ALONE as the ledger charges them (hospital
     mode: the model updates at 2S, per patient): they do not add up to the total."""
-    from common.privacy.layered import charged
-    from common.privacy.ledger import read_ledger
-
     out: dict[str, dict[str, float]] = {}
     for site in sites:
         path = demo.out / "sites" / site / "privacy-ledger.db"
@@ -102,12 +105,12 @@ def epsilon_by_purpose(demo: Demo, sites: list[str]) -> dict[str, dict[str, floa
     return out
 
 
-def epsilon_by_site(demo: Demo, sites: list[str]) -> dict[str, float]:
-    from common.privacy.ledger import read_ledger
-
+def epsilon_by_site(out: Path, sites: list[str]) -> dict[str, float]:
+    """Each site's epsilon spent so far, from its ledger under the demo's folder `out`
+    (0 before its ledger exists)."""
     spent = {}
     for site in sites:
-        path = demo.out / "sites" / site / "privacy-ledger.db"
+        path = out / "sites" / site / "privacy-ledger.db"
         if not path.exists():
             spent[site] = 0.0
             continue
@@ -119,19 +122,13 @@ def epsilon_by_site(demo: Demo, sites: list[str]) -> dict[str, float]:
 def model_file(demo: Demo) -> dict[str, Any] | None:
     """The model the study produced: the coordinator's final bundle when there is
     one (with its decision threshold), else its latest checkpoint (no threshold)."""
-    import hashlib
-
     state = demo.out / "coordinator"
     bundle = state / "model" / "final.safetensors"
     if bundle.is_file():
-        from common.releases.bundle import read_bundle
-
         threshold = read_bundle(bundle).threshold.value
         return {"path": str(bundle), "kind": "final bundle",
                 "sha256": hashlib.sha256(bundle.read_bytes()).hexdigest(),
                 "threshold": threshold}
-    from coordinator.store import CoordinatorStore
-
     database = state / "coordinator.db"
     if not database.is_file():
         return None
@@ -162,9 +159,11 @@ def _mark_rounds(ax: Any, report: dict[str, Any]) -> None:
 
 
 def plot(demo: Demo, report: dict[str, Any]) -> None:
+    # matplotlib: loaded only for the plots at the end of a run, never by `medfed --help`
     import matplotlib
 
     matplotlib.use("Agg")
+    # matplotlib.pyplot: after the file-only backend is chosen
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 

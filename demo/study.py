@@ -19,8 +19,10 @@ import numpy as np
 
 from common.commands.study import TABLE_DEFAULT_LEARNING_RATE, TABLE_DEFAULT_MODEL
 from common.core.errors import ConfigError, DataError
+from common.releases.statistics import decode_release, encode_release, statistics_length
 from common.study import GlobalStatistics, Study, study_from_mapping
 from site_agent.data import is_missing, iter_table_rows
+from site_agent.synthetic import FEATURES, LABEL, PATIENT_ID
 
 
 def _is_number(cell: str) -> bool:
@@ -138,8 +140,6 @@ def draft_demo_study(
 def exact_statistics(tables: dict[str, Any], study: Study, *, seed: int) -> GlobalStatistics:
     """Noiseless pooled statistics, for the demo's in-process NON-PRIVATE baselines only
     (the federation itself uses the federated DP release)."""
-    from common.releases.statistics import decode_release, encode_release, statistics_length
-
     rng = np.random.default_rng(seed)
     total = np.zeros(statistics_length(study), dtype=np.int64)
     for site in sorted(tables):
@@ -155,8 +155,6 @@ def synthetic_demo_study(
     columns as the generator writes them (all numeric, none missing), declared as a real
     study declares them rather than read from the values; the small MLP the cohort's
     ground truth is learnable by, and the demo's training settings."""
-    from site_agent.synthetic import FEATURES, LABEL, PATIENT_ID
-
     mapping: dict[str, Any] = {
         "study": {"name": name, "rounds": rounds, "task": "binary", "classes": [0, 1]},
         "data": {"label_column": LABEL, "patient_column": PATIENT_ID},

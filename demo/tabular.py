@@ -9,10 +9,18 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from common.commands.study import render_study_toml
 from common.core.errors import ConfigError
+from common.releases.bundle import read_bundle
 from demo.hospital import hospital_study
 from demo.options import HELD_OUT_FRACTION, HISTOGRAM_BINS, DemoOptions
+from demo.study import draft_demo_study, exact_statistics, synthetic_demo_study
 from demo.tasks import Demo
+from site_agent.data import Preprocessor, load_study_table
+from site_agent.synthetic import generate_cohort, site_names, write_site_csvs
+from site_agent.unit_split import held_out_mask, study_record_keys
 
 
 class TabularTask:
@@ -35,9 +43,6 @@ class TabularTask:
                                             f"{o.data}, found {len(files)}")
             self.draft_study(demo, files)
             return dict(files)
-        from demo.study import synthetic_demo_study
-        from site_agent.synthetic import generate_cohort, site_names, write_site_csvs
-
         names = site_names(o.sites)
         folder = demo.out / "cohort"
         written = write_site_csvs(folder, generate_cohort(
@@ -55,8 +60,6 @@ class TabularTask:
 
     def draft_study(self, demo: Demo, files: dict[str, Path]) -> None:
         """`--data DIR`: the study drafted from the files (demo.study)."""
-        from demo.study import draft_demo_study
-
         o = demo.o
         study, notes = draft_demo_study(
             files, name="medfed-demo", label_column=o.label_column,
@@ -69,8 +72,6 @@ class TabularTask:
 
     def serve_study(self, demo: Demo, study: Any, *, what: str) -> None:
         """Write the study every site is enrolled into; the coordinator serves it."""
-        from common.commands.study import render_study_toml
-
         o = demo.o
         if o.privacy_unit == "hospital":
             study = hospital_study(study, o)
@@ -90,17 +91,12 @@ class TabularTask:
         self, demo: Demo, files: dict[str, Path | None]
     ) -> tuple[dict[str, Any], list[str]]:
         """The same records the sites train on, for the in-process baselines."""
-        from demo.study import exact_statistics
-        from site_agent.data import Preprocessor, load_study_table
-
         study = demo.study
         tables = {s: load_study_table(p, study) for s, p in files.items() if p}
         self.tables = tables
         preprocess = Preprocessor(study, exact_statistics(tables, study, seed=demo.o.seed))
         datasets = {s: preprocess.site_data(t) for s, t in tables.items()}
         # Without a patient column the sites key each record by its values as read.
-        from site_agent.unit_split import study_record_keys
-
         self.units = {s: study_record_keys(t) for s, t in tables.items()
                       if t.patient_ids is None}
         return datasets, preprocess.feature_names()
@@ -133,11 +129,8 @@ device = "cpu"
     def exact_final(self, demo: Demo, bundle: Path) -> dict[str, Any]:
         """`DemoTask.exact_final`: the bundle scores every site's held-out records as
         `medfed predict` would (its own DP statistics encode them), pooled."""
-        import numpy as np
-
-        from common.releases.bundle import read_bundle
+        # site_agent.predict imports torch: loaded only to score the final model
         from site_agent.predict import load_model, prediction_from_scores, score_table
-        from site_agent.unit_split import held_out_mask
 
         model_bundle = read_bundle(bundle)
         model = load_model(model_bundle)
@@ -168,6 +161,7 @@ def compute_baselines(
     the sites' own splits (`keys`: each site's split key; `units`: a site's unit ids when
     not its records' own); the federated one trains the served `study`'s network with
     its settings."""
+    # site_agent.baselines imports torch and Opacus: loaded only to train the baselines
     from site_agent.baselines import centralized_nodp, federated_nodp
 
     return {

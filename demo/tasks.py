@@ -10,10 +10,19 @@ from demo.options import DemoOptions, RoundRow
 from demo.terms import FederationTerms
 
 
+class FollowedRounds(Protocol):
+    """The rounds a demo saw (`demo.rounds.RoundFollower`): each completed training or
+    evaluation round, the aborted ones, and the number of the statistics round."""
+
+    rows: list[RoundRow]
+    aborted: list[dict[str, Any]]
+    statistics_round: int | None
+
+
 class Demo(Protocol):
     """What a task and the report read of the running demo (`demo.run.Demo` is the one
     implementation): its options and output folder, the study it serves, the sites'
-    split keys, the rounds it recorded, and its console."""
+    split keys, the rounds it followed, and its console."""
 
     o: DemoOptions
     out: Path
@@ -22,11 +31,12 @@ class Demo(Protocol):
     served_study: Path | None
     split_keys: dict[str, bytes]
     terms: FederationTerms
-    rows: list[RoundRow]
-    aborted: list[dict[str, Any]]
     audit: dict[str, Any]
-    statistics_round: int | None
     started: float
+
+    @property
+    def follower(self) -> FollowedRounds:
+        """The rounds the demo followed."""
 
     def say(self, text: str) -> None:
         """One line on the demo's console."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from common.core.config import AggregationSection, SitePolicySection
 from common.core.errors import ConfigError
 from common.protocol.secagg.params import round_floor
+from coordinator.selection import round_parameters
 from demo.options import AGGREGATION_CLIP
 
 
@@ -62,8 +63,6 @@ def dropout_decision(n_sites: int, *, aggregation: AggregationSection,
     max(min_round_sites, max_colluding_sites + 2)). The killed site is restarted before
     the next round's selection, so the coordinator's min_sites (every site) still holds
     then."""
-    from coordinator.selection import round_parameters
-
     threshold, _neighbours = round_parameters(n_sites, aggregation)
     floor = round_floor(min_round_sites=policy.min_round_sites,
                         max_colluding_sites=max(policy.max_colluding_sites,

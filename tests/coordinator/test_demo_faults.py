@@ -20,7 +20,7 @@ from common.core.processes import ManagedProcess
 from common.protocol.secagg.phases import Phase
 from coordinator.selection import round_parameters
 from demo.options import HISTOGRAM_BINS, DemoOptions
-from demo.run import Demo
+from demo.processes import FederationProcesses
 from demo.terms import dropout_decision, federation_terms
 from demo.watch import waiting_for
 from tests.secagg.secagg_harness import (
@@ -85,7 +85,7 @@ def test_waiting_line_names_the_round_in_flight_or_the_selection() -> None:
 def test_coordinator_failure_names_the_dead_site_and_its_log(tmp_path: Path) -> None:
     """Real processes: a "coordinator" that exits with the selection timeout, a site
     agent that exited with its own error; the message names both and their logs."""
-    demo = Demo(DemoOptions(out=tmp_path / "run"))
+    processes = FederationProcesses(DemoOptions(out=tmp_path / "run"))
     logs = tmp_path / "run" / "logs"
 
     def process(name: str, message: str, code: int) -> ManagedProcess:
@@ -96,17 +96,18 @@ def test_coordinator_failure_names_the_dead_site_and_its_log(tmp_path: Path) -> 
         )
 
     coordinator = process("coordinator", "fewer than min_sites=3 eligible sites for 600 s", 1)
-    demo.procs["north"] = process("north", "cannot read north.csv", 2)
-    demo.procs["south"] = ManagedProcess(
+    processes.site_agents["north"] = process("north", "cannot read north.csv", 2)
+    processes.site_agents["south"] = ManagedProcess(
         "south", [sys.executable, "-c", "import threading; threading.Event().wait()"], log_dir=logs)
     try:
         assert coordinator.wait_exit(timeout=60) == 1
-        assert demo.procs["north"].wait_exit(timeout=60) == 2
-        demo.procs["north"].wait_for(lambda e: "msg" in e, timeout=60, what="its line")
+        assert processes.site_agents["north"].wait_exit(timeout=60) == 2
+        processes.site_agents["north"].wait_for(lambda e: "msg" in e, timeout=60,
+                                                what="its line")
         coordinator.wait_for(lambda e: "msg" in e, timeout=60, what="its line")
-        text = demo.coordinator_failure(coordinator, ["north", "south"])
+        text = processes.coordinator_failure(coordinator, ["north", "south"])
     finally:
-        for proc in (coordinator, *demo.procs.values()):
+        for proc in (coordinator, *processes.site_agents.values()):
             proc.stop()
     assert "fewer than min_sites=3" in text and str(logs / "coordinator.log") in text
     assert "north exited with code 2: cannot read north.csv" in text

@@ -22,7 +22,7 @@ from common.releases.bundle import read_bundle
 from common.releases.evaluation import metrics_from_scores
 from common.study import load_study
 from demo.options import DemoOptions
-from demo.run import Demo
+from demo.processes import FederationProcesses
 from site_agent.data import load_study_table
 from site_agent.predict import predict_table
 from site_agent.unit_split import held_out_mask, site_split_key
@@ -172,7 +172,7 @@ def test_demo_on_csv_folder_writes_report_and_plots(tmp_path: Path) -> None:
 def test_demo_fails_fast_with_the_dead_sites_message(tmp_path: Path) -> None:
     """A site agent that dies (here: its data file does not exist) ends the demo at
     once with that site's own error, instead of a silent wait for the round start."""
-    demo = Demo(DemoOptions(out=tmp_path / "run"))
+    processes = FederationProcesses(DemoOptions(out=tmp_path / "run"))
     pki = tmp_path / "pki"
     subprocess.run(medfed_argv("pki", "init", "--dir", str(pki)), check=True, cwd=REPO,
                    capture_output=True)
@@ -186,12 +186,12 @@ def test_demo_fails_fast_with_the_dead_sites_message(tmp_path: Path) -> None:
                     "--state", str(tmp_path / "north"), "--data", str(missing)),
         log_dir=tmp_path / "logs", cwd=REPO,
     )
-    demo.procs["north"] = site
+    processes.site_agents["north"] = site
     try:
         assert site.wait_exit(timeout=120) != 0
         site.stop()
         with pytest.raises(StateError, match="site north exited with code") as failure:
-            demo.check_sites()
+            processes.check_sites()
         assert str(missing) in str(failure.value)
     finally:
         site.stop()

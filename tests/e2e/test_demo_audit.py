@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from demo.audit import audit_line, demo_audit, sample_units
+from demo.audit import audit_line, demo_audit, privacy_audit, sample_units
 from demo.options import DemoOptions
 from demo.run import Demo
 from site_agent.synthetic import generate_cohort
@@ -15,7 +15,7 @@ from site_agent.synthetic import generate_cohort
 
 def test_no_audit_flag_is_stated_in_the_report(tmp_path: Path) -> None:
     demo = Demo(DemoOptions(out=tmp_path, audit=False, quiet=True))
-    assert demo.privacy_audit({}) == {"skipped": True, "reason": "--no-audit"}
+    assert privacy_audit(demo, {}) == {"skipped": True, "reason": "--no-audit"}
 
 
 def test_sample_keeps_whole_patients_and_small_sites_are_skipped() -> None:

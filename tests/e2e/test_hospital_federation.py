@@ -32,6 +32,8 @@ from common.study import load_study
 from common.study.hospital_terms import study_terms
 from demo.cli import exit_status, tabular_options
 from demo.options import DemoOptions
+from demo.processes import FederationProcesses
+from demo.rounds import RoundFollower
 from demo.run import Demo
 from site_agent.synthetic import generate_cohort, write_site_csvs
 from tests.e2e.harness import REPO
@@ -43,41 +45,55 @@ FIXED = pytest.mark.xdist_group("hospital_demo_fixed_v")
 AUTO = pytest.mark.xdist_group("hospital_demo_auto_v")
 
 
-class InstrumentedDemo(Demo):
-    """`medfed demo` whose coordinator and sites run through `bench.instrumented` (with
-    `debug_writes`: the coordinator writes each round's unmasked ring sum, each site its
-    ring vector before its masks), keeping its coordinator's process, and scraping the
-    coordinator's metrics once the last training round completed (it still serves the
-    final evaluation round then)."""
-
-    def __init__(self, options: DemoOptions, *, debug_writes: bool) -> None:
-        super().__init__(options)
-        self.debug_writes = debug_writes
-        self.coordinator: ManagedProcess | None = None
-        self.scraped: str | None = None
+class InstrumentedProcesses(FederationProcesses):
+    """The demo's coordinator and sites run through `bench.instrumented`: the
+    coordinator writes each round's unmasked ring sum, each site its ring vector before
+    its masks."""
 
     def service_argv(self, *command: str) -> list[str]:
-        if not self.debug_writes:
-            return super().service_argv(*command)
         flag = ("--debug-write-aggregates" if command[0] == "coordinator"
                 else "--debug-write-updates")
         return instrumented_argv(*command, flag)
 
-    def start_coordinator(self, pki: Path, n_sites: int) -> ManagedProcess:
-        self.coordinator = super().start_coordinator(pki, n_sites)
-        return self.coordinator
+
+class ScrapingFollower(RoundFollower):
+    """Follows the rounds, scraping the coordinator's metrics once the last training
+    round completed (it still serves the final evaluation round then)."""
+
+    scraped: str | None = None
 
     def record_round(self, line: Line, sites: list[str]) -> None:
         super().record_round(line, sites)
         trained = [row for row in self.rows if not row.evaluation_only]
         if self.scraped is None and len(trained) == self.o.rounds:
-            assert self.coordinator is not None
-            listening = next(e for e in self.coordinator.lines
-                             if e.get("event") == "listening")
+            coordinator = self.processes.coordinator
+            assert coordinator is not None
+            listening = next(e for e in coordinator.lines if e.get("event") == "listening")
             with urllib.request.urlopen(
                     f"http://127.0.0.1:{int(listening['metrics_port'])}/metrics",
                     timeout=10) as resp:
                 self.scraped = resp.read().decode()
+
+
+class InstrumentedDemo(Demo):
+    """`medfed demo` whose coordinator and sites run through `bench.instrumented` (with
+    `debug_writes`: `InstrumentedProcesses`), scraping the coordinator's metrics after
+    the last training round (`ScrapingFollower`)."""
+
+    def __init__(self, options: DemoOptions, *, debug_writes: bool) -> None:
+        super().__init__(options)
+        if debug_writes:
+            self.processes = InstrumentedProcesses(options)
+        self.scraping = ScrapingFollower(self.processes, options, say=self.say)
+        self.follower = self.scraping
+
+    @property
+    def coordinator(self) -> ManagedProcess | None:
+        return self.processes.coordinator
+
+    @property
+    def scraped(self) -> str | None:
+        return self.scraping.scraped
 
 
 @dataclass
@@ -280,7 +296,7 @@ def test_auto_intermediaries_federation(auto_v: DemoRun) -> None:
     assert completed[second]["units"] == len(DEMO_SITES) * v
     assert completed[first]["units"] == len(DEMO_SITES)
     assert second in chosen  # measured again for a round that would follow
-    # Scraped once the second training round completed (InstrumentedDemo.record_round).
+    # Scraped once the second training round completed (ScrapingFollower.record_round).
     scraped = auto_v.demo.scraped
     assert scraped is not None
     assert f"medfed_coordinator_hospital_intermediaries {float(chosen[second])}" in scraped
