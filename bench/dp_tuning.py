@@ -25,7 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from opacus.accountants.utils import get_noise_multiplier
+from torch.func import functional_call, grad, vmap
 
+from bench.utility_data import DATASETS, write_dataset
 from common.releases.evaluation import metrics_from_scores
 
 
@@ -73,6 +77,7 @@ class Table:
 def load_tables(folder: Path, *, label: str, patient: str, seed: int) -> dict[str, Table]:
     """Each hospital CSV of `folder`, one-hot levels, median-imputed and standardised
     with the pooled statistics; 20% of each hospital's patients held back."""
+    # pandas: an optional extra ('bench'), loaded only when the tables are read
     import pandas as pd
 
     frames = {p.stem: pd.read_csv(p, na_values=["NA", ""]) for p in sorted(folder.glob("*.csv"))}
@@ -106,8 +111,6 @@ def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
 
 def centralized_auc(tables: dict[str, Table]) -> float:
     """Non-private logistic regression on the pooled training rows (L-BFGS)."""
-    import torch
-
     x = torch.tensor(np.vstack([t.x for t in tables.values()]))
     y = torch.tensor(np.concatenate([t.y for t in tables.values()]), dtype=torch.float32)
     torch.manual_seed(0)
@@ -138,10 +141,6 @@ class Outcome:
 def federated(tables: dict[str, Table], setting: Setting, *, epsilon: float, delta: float,
               seed: int) -> Outcome:
     """DP federated averaging over `tables` (module docstring), AUC after every round."""
-    import torch
-    from opacus.accountants.utils import get_noise_multiplier
-    from torch.func import functional_call, grad, vmap
-
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     width = next(iter(tables.values())).x.shape[1]
@@ -229,8 +228,6 @@ def study(folder: Path, *, label: str, patient: str, settings: Sequence[Setting]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from bench.utility_data import DATASETS, write_dataset
-
     parser = argparse.ArgumentParser(prog="python -m bench.dp_tuning", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("datasets", nargs="*", default=list(DATASETS))

@@ -34,15 +34,22 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
+import os
 import statistics
 import sys
+import threading
 import time
 import warnings
 from typing import Any, Literal
 
 import numpy as np
 
-from common.models import model_names
+from common.models import ModelSpec, model_names
+from site_agent.data import SiteData, prepare_site_split
+from site_agent.synthetic import FEATURES, generate_cohort
+from site_agent.synthetic_imaging import in_memory_images
+from site_agent.training_config import TrainingConfig
 
 DEMO_SITE = "urban_academic"
 IMAGE_SITE = "lakeside_university"
@@ -60,8 +67,7 @@ class PeakMemory:
         self.peak = 0
 
     def __enter__(self) -> PeakMemory:
-        import threading
-
+        # torch: loaded only when a benchmark runs, never by `medfed --help`
         import torch
 
         if self.cuda:
@@ -82,6 +88,7 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        # torch: loaded only when a benchmark runs, never by `medfed --help`
         import torch
 
         if self.cuda:
@@ -95,8 +102,6 @@ class PeakMemory:
 
 def _resident_bytes() -> int:
     """This process's resident set size (Linux /proc; 0 where that is unavailable)."""
-    import os
-
     try:
         with open("/proc/self/statm", encoding="ascii") as statm:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -110,9 +115,6 @@ def _image_data(
 ) -> Any:
     """`records` synthetic images in memory (so decoding is not what is timed), with
     their patient ids."""
-    from site_agent.data import SiteData
-    from site_agent.synthetic_imaging import in_memory_images
-
     images, labels, patients = in_memory_images(
         IMAGE_SITE, seed=seed, patients=records, image_size=image_size
     )
@@ -141,17 +143,13 @@ def run(
     `batches` fixes the steps per epoch (records = batches x batch size) so that a
     large model is measured in minutes; the MLP uses the demo site as before.
     """
-    # Imported here, not at module level: every `medfed` command registers the bench
-    # subcommands, and torch + Opacus would add seconds and ~300 MB to each process.
+    # torch, Opacus and the modules below that import them: loaded only when a benchmark
+    # runs (`medfed --help` lists the benchmarks), saving seconds and ~300 MB elsewhere
     import torch
 
-    from common.models import ModelSpec
     from common.models.build import build_model
     from common.models.layout import flatten_parameters
-    from site_agent.data import prepare_site_split
-    from site_agent.synthetic import FEATURES, generate_cohort
     from site_agent.trainer import LocalTrainer
-    from site_agent.training_config import TrainingConfig
 
     if privacy_unit not in PRIVACY_UNITS:
         raise SystemExit(f"--privacy-unit must be one of {', '.join(PRIVACY_UNITS)}")
@@ -328,8 +326,7 @@ def _run_patient(
 ) -> dict[str, Any]:
     """Non-private against patient-level DP-SGD (what `auto` picks on data with a
     patient column), epochs alternated; ratios of seconds per record forwarded."""
-    import math
-
+    # torch and the modules below that import it: loaded only when a benchmark runs
     import torch
 
     from common.models.layout import flatten_parameters

@@ -30,20 +30,18 @@ import json
 import re
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from common.commands.cli import main_with
+from common.core.config import SiteSettings
 from common.core.observer import PHASES, ObserverFactory
 from coordinator import cli as coordinator_cli
 from site_agent import cli as site_cli
-
-if TYPE_CHECKING:
-    from site_agent.runner import HookFactory
+from site_agent.site_training import TrainingHook
 
 AGGREGATES_DIR = "aggregates"
 UPDATES_DIR = "debug-updates"
@@ -144,7 +142,10 @@ def _command(words: Sequence[str]) -> tuple[str, ...]:
     return tuple(word for word in words if not word.startswith("-"))[:2]
 
 
-def main(argv: Sequence[str] | None = None, *, hook_factory: HookFactory | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, *,
+    hook_factory: Callable[[SiteSettings], TrainingHook] | None = None,
+) -> int:
     """`medfed` with the coordinator and site commands instrumented by the flags above;
     `hook_factory`: the sites' training double, if any (`bench.transport_site`)."""
     words = list(sys.argv[1:] if argv is None else argv)

@@ -28,6 +28,7 @@ from common.privacy import accountant as acc
 from common.privacy import prv
 from common.privacy.layered import charged
 from common.privacy.mechanisms import Gaussian, Mechanism, Segment
+from site_agent.dp_release import evaluation_mechanism
 
 DELTA = 1e-5
 BUDGET = 8.0
@@ -36,8 +37,6 @@ BUDGET = 8.0
 def _evaluation(enabled: bool) -> list[Mechanism]:
     if not enabled:
         return []
-    from site_agent.dp_release import evaluation_mechanism
-
     return [evaluation_mechanism(noise_std=10.0, n_noise=2, bins=20)]
 
 

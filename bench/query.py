@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from common.commands.cli import main_with
 from common.core.errors import ConfigError
 from common.core.parsing import parse_json
 from common.core.processes import ManagedProcess, medfed_argv
@@ -183,8 +184,6 @@ def register(bench_subparsers: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.commands.cli import main_with
-
     return main_with([lambda sub: register(sub.add_parser("bench").add_subparsers())],
                      ["bench", "query", *(sys.argv[1:] if argv is None else argv)])
 

@@ -28,19 +28,19 @@ from typing import Any
 import numpy as np
 
 from bench.analytics_cohort import every_kind_query_toml, followup_study, write_followup_csv
+from common.commands.cli import main_with
 from common.core.errors import ConfigError
 from common.core.parsing import parse_toml
 from common.crypto.random import system_random
 from common.releases.analytics.answer import answer_query
 from common.releases.analytics.query import Query, check_query_against_study, query_from_mapping
 from common.releases.analytics.vector import noise_sigmas, query_blocks, query_length, site_vector
+from site_agent.data import load_study_table
 
 SITES = ("north", "south", "east")
 
 
 def run(*, draws: int, patients: int, epsilon: float, seed: int, root: Path) -> dict[str, Any]:
-    from site_agent.data import load_study_table
-
     study = followup_study("coverage")
     query: Query = query_from_mapping(
         parse_toml(every_kind_query_toml(study, epsilon=epsilon, name="coverage",
@@ -126,8 +126,6 @@ def register(bench_subparsers: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.commands.cli import main_with
-
     return main_with([lambda sub: register(sub.add_parser("bench").add_subparsers())],
                      ["bench", "query-coverage", *(sys.argv[1:] if argv is None else argv)])
 

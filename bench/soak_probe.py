@@ -35,12 +35,15 @@ import ctypes
 import ctypes.util
 import json
 import signal
+import sqlite3  # noqa: F401 - loads libsqlite3 into the process, for `_sqlite`
 import sys
 import threading
 import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
+
+from common.commands import cli
 
 _MAPPING_KINDS = ("heap", "arena64m", "anon_1m", "anon_other", "file", "stack_other")
 
@@ -63,8 +66,6 @@ def _libc() -> ctypes.CDLL | None:
 
 def _sqlite() -> ctypes.CDLL | None:
     """The SQLite library the `sqlite3` module is linked against (already loaded)."""
-    import sqlite3  # noqa: F401 - loads libsqlite3 into the process
-
     for line in Path("/proc/self/maps").read_text().splitlines():
         if "libsqlite3" in line:
             lib = ctypes.CDLL(line.split()[-1])
@@ -214,8 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     command = [w for w in args.command if w != "--"]
     if args.tracemalloc:
         tracemalloc.start(args.tracemalloc)
-    from common.commands import cli
-
     probe = Probe(args.out, every=args.every)
     if args.sqlite_heap_limit and probe.sqlite is not None:
         probe.sqlite.sqlite3_soft_heap_limit64.restype = ctypes.c_int64

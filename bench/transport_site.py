@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -30,11 +30,10 @@ from common.core.config import SiteSettings
 from common.core.errors import ConfigError, RoundFailed
 from common.privacy.accountant import Segment
 from common.privacy.mechanisms import Mechanism
+from common.releases.statistics import statistics_length
 from common.rounds.announcement import RoundPlan
+from common.study import GlobalStatistics, Study
 from site_agent.site_training import LocalUpdate
-
-if TYPE_CHECKING:
-    from common.study import GlobalStatistics, Study
 
 TRAIN_SECONDS_ENV = "MEDFED_TRANSPORT_TRAIN_SECONDS"
 
@@ -59,8 +58,6 @@ class DeterministicTestHook:
         self.study = study
 
     def statistics_release(self) -> np.ndarray:
-        from common.releases.statistics import statistics_length
-
         if self.study is None:
             raise RoundFailed("a statistics round needs a study")
         return np.zeros(statistics_length(self.study), dtype=np.int64)

