@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import datetime as dt
 import json
+import sqlite3
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,11 +26,14 @@ from typing import Any
 from common.core.errors import ConfigError, LedgerIntegrityError, MedfedError
 from common.core.state_lock import StateLock
 from common.privacy.accountant import ACCOUNTANTS
+from common.privacy.carry import carry_ledger
+from common.privacy.hospital import guarantees, largest_intermediaries
 from common.privacy.layered import charged
 from common.privacy.ledger import (
     LedgerSigner,
     VerifyReport,
     anchor_path_for,
+    export_ledger,
     ledger_notes,
     read_ledger,
     restore_ledger,
@@ -39,8 +45,25 @@ from common.privacy.mechanisms import (
     mechanism_from_json_dict,
     mechanism_to_json_dict,
 )
+from common.privacy.migrate import migrate_ledger
 from common.privacy.purpose import Purpose
-from common.privacy.signed import CHARGE_RECORD_LEVEL, CHARGE_UNIT, CHARGES
+from common.privacy.receipts import (
+    SUPERSEDED_SUFFIX,
+    check_against,
+    read_receipt_file,
+    read_receipts,
+    sign_receipt,
+    write_receipt,
+)
+from common.privacy.replica import export_from_state
+from common.privacy.signed import (
+    CHARGE_RECORD_LEVEL,
+    CHARGE_UNIT,
+    CHARGES,
+    LedgerTerms,
+    SignedHistory,
+)
+from common.protocol.pki import load_certificate
 
 
 @contextlib.contextmanager
@@ -150,7 +173,6 @@ def _guarantees(header: Any, entries: Any) -> dict[str, Any]:
     DP-SGD path). `spent_epsilon` is what the budget is charged with (`budget_charge`)."""
     if header.privacy_unit != "hospital":
         return {}
-    from common.privacy.hospital import guarantees, largest_intermediaries
 
     pairs = [(e.purpose, e.mechanisms) for e in entries]
     figures = guarantees(pairs, delta=header.delta, accountant=header.accountant)
@@ -310,7 +332,6 @@ def _print_ledger(summary: dict[str, Any]) -> None:
 def _load_ca(path: str | None) -> Any:
     if path is None:
         return None
-    from common.protocol.pki import load_certificate
 
     return load_certificate(path)
 
@@ -341,8 +362,6 @@ def _cmd_ledger_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_ledger_export(args: argparse.Namespace) -> int:
-    from common.privacy.replica import export_from_state
-
     data = export_from_state(args.site, state=args.state, database_url=args.database_url)
     if args.out is None:
         sys.stdout.write(data.decode("ascii") + "\n")
@@ -354,9 +373,6 @@ def _cmd_ledger_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_ledger_restore(args: argparse.Namespace) -> int:
-    from common.privacy.receipts import read_receipt_file, read_receipts
-    from common.privacy.signed import SignedHistory
-
     source = Path(args.source)
     try:
         data = source.read_bytes()
@@ -418,8 +434,6 @@ def _cmd_ledger_restore(args: argparse.Namespace) -> int:
 def _supersede(path: Path) -> None:
     """A receipt an accepted lower restore fell short of: kept beside, no longer read
     (the site would otherwise refuse its restored ledger)."""
-    from common.privacy.receipts import SUPERSEDED_SUFFIX
-
     if not path.is_file():
         return  # the receipt carried by the export itself
     target = path.with_name(path.name + SUPERSEDED_SUFFIX)
@@ -438,11 +452,6 @@ def _supersede(path: Path) -> None:
 
 def _cmd_ledger_backup(args: argparse.Namespace) -> int:
     """The site's own backup: its whole signed history plus a signed head receipt."""
-    import dataclasses
-
-    from common.privacy.ledger import export_ledger, read_ledger
-    from common.privacy.receipts import sign_receipt
-
     path = Path(args.ledger)
     # A spend above the budget does not stop a backup: the backup is the evidence.
     report = _integrity(path, check_budget=False)
@@ -469,13 +478,6 @@ def _cmd_ledger_carry(args: argparse.Namespace) -> int:
 
 
 def _carry(args: argparse.Namespace, ledger: Path) -> int:
-    import datetime as dt
-    import sqlite3
-
-    from common.privacy.carry import carry_ledger
-    from common.privacy.receipts import check_against, read_receipts, sign_receipt, write_receipt
-    from common.privacy.signed import LedgerTerms
-
     header, entries = read_ledger(ledger)
     old_terms = LedgerTerms(header.site_id, header.budget_epsilon, header.delta,
                             header.accountant, header.privacy_unit, header.charge)
@@ -529,8 +531,6 @@ def _carry(args: argparse.Namespace, ledger: Path) -> int:
 
 
 def _cmd_ledger_migrate(args: argparse.Namespace) -> int:
-    from common.privacy.migrate import migrate_ledger
-
     signer = LedgerSigner.from_files(args.cert, args.key)
     with site_stopped(Path(args.ledger), "migrate"):
         done = migrate_ledger(Path(args.ledger), signer, anchor_path=args.anchor)

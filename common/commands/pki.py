@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from common.commands.cli import main_with
 from common.core.errors import ConfigError
 from common.protocol import pki
 
@@ -290,8 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     Useful on an operator machine where only the PKI is needed, and in tests; errors are
     printed the way `common.commands.cli.main` prints them (one line, exit code 2).
     """
-    from common.commands.cli import main_with
-
     return main_with([register], argv)
 
 

@@ -15,6 +15,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+from common.commands.cli import main_with
 from common.commands.ledger import print_json, register_ledger
 from common.core.errors import ConfigError, ValidationError
 from common.core.parsing import parse_json
@@ -273,8 +274,6 @@ def main(argv: list[str] | None = None) -> int:
     Same behaviour as `medfed privacy|ledger ...` (one error line, exit 2, for expected
     failures) without loading the other packages' commands.
     """
-    from common.commands.cli import main_with
-
     return main_with([register_privacy, register_ledger], argv)
 
 

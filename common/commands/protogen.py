@@ -22,7 +22,8 @@ _INIT = '"""Generated from protos/ by `make proto`; do not edit."""\n'
 
 
 def _generate(out: Path) -> None:
-    from grpc_tools import protoc  # dev-only dependency
+    # grpc_tools: a development dependency, loaded only by `make proto`
+    from grpc_tools import protoc
 
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
     include = Path(protoc.__file__).parent / "_proto"

@@ -14,7 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from common.core.errors import ConfigError, Unavailable
+from common.proto.medfed.v1 import federation_pb2 as pb
+from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
+from common.protocol.pki import Role
+from common.protocol.tls import TlsFiles, channel_credentials_from_files
 from common.releases.evaluation_interval import interval_text
 
 FAILED_PHASE_PREFIX = "failed: "
@@ -44,13 +50,6 @@ def register(subparsers: Any) -> None:
 def fetch_status(coordinator: str, *, ca: Path, cert: Path, key: Path,
                  timeout: float) -> dict[str, Any]:
     """The coordinator's status as a plain dict (the `--json` output)."""
-    import grpc
-
-    from common.proto.medfed.v1 import federation_pb2 as pb
-    from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
-    from common.protocol.pki import Role
-    from common.protocol.tls import TlsFiles, channel_credentials_from_files
-
     credentials = channel_credentials_from_files(
         TlsFiles(role=Role.MONITOR, ca=ca, cert=cert, key=key))
     with grpc.secure_channel(coordinator, credentials) as channel:

@@ -17,9 +17,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from common.commands.cli import main_with
 from common.core.config import SERVER_OPTIMIZERS
-from common.core.errors import ConfigError
+from common.core.errors import ConfigError, PkiError
+from common.core.parsing import parse_toml
 from common.models import model_names
+from common.protocol import pki
 from common.study import (
     ModelSection,
     Study,
@@ -112,6 +115,7 @@ def read_header(path: Path) -> list[str]:
     if not path.is_file():
         raise ConfigError("header-from", f"file {path} does not exist")
     if path.suffix.lower() in (".parquet", ".pq"):
+        # pyarrow: loaded only to read a Parquet header, not by every `medfed study`
         import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
         names = list(pq.read_schema(path).names)
@@ -367,8 +371,6 @@ def render_study_toml(study: Study) -> str:
 
 
 def _loads(text: str) -> dict[str, Any]:
-    from common.core.parsing import parse_toml
-
     return parse_toml(text)
 
 
@@ -427,9 +429,6 @@ def _init(args: argparse.Namespace) -> int:
 
 def _members(pairs: Sequence[str], files: Sequence[Path]) -> list[tuple[str, str]]:
     """--member SITE=FINGERPRINT and --member-from CSR_OR_CRT, in the order given."""
-    from common.core.errors import PkiError
-    from common.protocol import pki
-
     out = []
     for item in pairs:
         name, sep, fingerprint = item.partition("=")
@@ -504,8 +503,6 @@ def _check(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m common.commands.study study ...``: this plug-in alone."""
-    from common.commands.cli import main_with
-
     return main_with([register], argv)
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from common.core.errors import ConfigError
+from common.models.architecture import Architecture
 from common.models.registry import (
     CUSTOM,
     RECORD_FORMAT,
@@ -27,10 +28,7 @@ from common.models.registry import (
     module_of,
     output_units,
 )
-
-if TYPE_CHECKING:
-    from common.models.architecture import Architecture
-    from common.study import Study
+from common.study import Study, encoded_feature_names
 
 
 def _need(value: int | None, name: str, model: str) -> int:
@@ -103,6 +101,7 @@ def check_dp_compatible(model: nn.Module) -> None:
 
     Opacus' own errors do not say which layer failed; a hospital's engineer needs that.
     """
+    # opacus: loaded by the DP check alone; `predict`, rebuilding a network, skips its seconds
     from opacus.utils.module_utils import trainable_modules
     from opacus.validators import ModuleValidator
 
@@ -230,8 +229,6 @@ def build_for_study(
     Tables take their input width from the study's encoding unless `in_features` says
     otherwise (a site's own column list); images take channels and size from ``[data]``.
     """
-    from common.study import encoded_feature_names
-
     images = study.data.kind == "images"
     if not images and in_features is None:
         in_features = len(encoded_feature_names(study))

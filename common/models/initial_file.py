@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load, save
 
 from common.core.codec import TensorSpec
 from common.core.errors import StateError, ValidationError
@@ -64,8 +66,6 @@ def _encoded(
     study: Study, layout: Sequence[TensorSpec], flat: np.ndarray, *, seed: int
 ) -> tuple[bytes, str]:
     """The bytes and their content digest (``medfed.sha256``)."""
-    from safetensors.numpy import save
-
     vector = np.ascontiguousarray(flat, dtype="<f4").reshape(-1)
     if vector.size != sum(spec.elements for spec in layout):
         raise ValidationError(f"flat vector has {vector.size} values, the layout needs "
@@ -118,9 +118,6 @@ def initial_model_from_bytes(
     data: bytes, study: Study
 ) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
     """Parse and verify the file's bytes (see `read_initial_model`)."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load
-
     try:
         metadata = header_metadata(data)
     except ValidationError as exc:

@@ -14,16 +14,12 @@ Roth 2014, Prop. 2.1). Imports torch: only the coordinator's round step calls it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from common.models.build import build_for_study
 from common.models.layout import load_flat_parameters
-
-if TYPE_CHECKING:
-    from common.study import Study
+from common.study import Study, encoded_feature_names
 
 PROBE_INPUTS = 32
 PROBE_SEED = 0
@@ -42,8 +38,6 @@ def probe_logits(study: Study, flat: np.ndarray) -> np.ndarray:
         inputs = torch.rand((PROBE_INPUTS, study.data.channels, height, width),
                             generator=generator)
     else:
-        from common.study import encoded_feature_names
-
         features = len(encoded_feature_names(study))
         inputs = torch.randn((PROBE_INPUTS, features), generator=generator)
     with torch.no_grad():

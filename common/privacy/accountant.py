@@ -249,6 +249,7 @@ def _rdp_epsilon(history: CanonicalHistory, delta: float) -> float:
 
 def _pld_epsilon(history: CanonicalHistory, delta: float) -> float:
     """dp_accounting's PLD accountant over Poisson-sampled / plain Gaussian events."""
+    # dp_accounting: loaded only when a history is composed with the "pld" accountant
     import dp_accounting  # type: ignore[import-untyped]
     from dp_accounting.pld import PLDAccountant  # type: ignore[import-untyped]
 

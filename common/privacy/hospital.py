@@ -51,6 +51,8 @@ import numpy as np
 
 from common.core.errors import ConfigError, ValidationError
 from common.crypto.random import RandomSource
+from common.privacy import layered
+from common.privacy.accountant import compose_epsilon
 from common.privacy.ddgauss import (
     DDGaussPlan,
     ddgauss_decode,
@@ -346,8 +348,6 @@ def hospital_level_epsilon(
     entries: Sequence[tuple[str, Sequence[Mechanism]]], *, delta: float, accountant: str,
 ) -> float:
     """Epsilon of the model updates alone (add/remove one hospital), composed in RDP."""
-    from common.privacy.accountant import compose_epsilon
-
     chosen = hospital_level_mechanisms(entries)
     return compose_epsilon(chosen, delta=delta, accountant=accountant) if chosen else 0.0
 
@@ -390,9 +390,6 @@ def guarantees(
 ) -> Guarantees:
     """Hospital-level, intermediary-level and per-patient epsilon of a (purpose,
     mechanisms) history (`Guarantees`), for the ledger, the model card and the demo."""
-    from common.privacy import layered
-    from common.privacy.accountant import compose_epsilon
-
     updates = update_mechanisms(entries)
     whole = hospital_level_epsilon(entries, delta=delta, accountant=accountant)
     split = any(m.units > 1 for m in updates)
@@ -412,8 +409,6 @@ def intermediary_level_epsilon(
     """Epsilon of the model updates per intermediary (add/remove one unit, S), or None
     when no round split its hospital (then it equals the hospital-level one). Not a
     per-patient bound: a patient inside a unit is the replace relation (`guarantees`)."""
-    from common.privacy.accountant import compose_epsilon
-
     chosen = [m for purpose, mechanisms in entries if purpose == Purpose.TRAINING
               for m in mechanisms if isinstance(m, DistributedDiscreteGaussian)]
     if not any(m.units > 1 for m in chosen):

@@ -53,6 +53,7 @@ from common.privacy.signed import (
     SignedEntry,
     SignedHistory,
     check_entries,
+    verify_history,
 )
 
 # One integrity failure in either a ledger file or a signed history: one type for both.
@@ -169,8 +170,6 @@ def history_problems(
     ca_certificate: x509.Certificate | None = None,
 ) -> list[LedgerProblem]:
     """Every problem of a whole exported history (signatures, chain, epsilons)."""
-    from common.privacy.signed import verify_history
-
     problems = list(verify_history(history, ca_certificate=ca_certificate))
     if recompose and not problems:
         problems.extend(_recompose_problems(history.terms, history.entries))

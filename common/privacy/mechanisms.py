@@ -27,13 +27,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from common.core.errors import ConfigError, ValidationError
 from common.core.parsing import parse_json
-
-if TYPE_CHECKING:
-    from common.privacy.ddgauss import DDGaussPlan
+from common.privacy.ddgauss import DDGaussPlan
 
 KIND_SAMPLED_GAUSSIAN: Final = "sampled_gaussian"
 KIND_GAUSSIAN: Final = "gaussian"

@@ -96,7 +96,8 @@ class _Domain:
 
 def _cdf(t: np.ndarray, *, q: float, sigma: float) -> np.ndarray:
     """CDF of the PRV of the Poisson-subsampled Gaussian (Gopi et al. 2021, Prop. B4)."""
-    from scipy import special  # type: ignore[import-untyped]  # imported when used
+    # scipy: loaded only when an epsilon is composed, not by every importer of the ledger
+    from scipy import special  # type: ignore[import-untyped]
 
     t = np.asarray(t, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -130,7 +131,8 @@ class _TruncatedPrv:
         the reference implementation's breakpoints: its shift moves epsilon by up to
         ~1e-6 relative for small q and thousands of steps, and ledgers record epsilons
         the reference computed, which `verify` recomposes within 1e-6 relative."""
-        from scipy import integrate  # type: ignore[import-untyped]  # imported when used
+        # scipy: loaded only when an epsilon is composed, not by every importer of the ledger
+        from scipy import integrate  # type: ignore[import-untyped]
 
         low_exp = int(np.log10(abs(self.t_min)))
         high_exp = int(np.log10(self.t_max))
@@ -163,7 +165,8 @@ def _discretise(prv: _TruncatedPrv, domain: _Domain) -> tuple[np.ndarray, _Domai
 
 def _self_compose(pmf: np.ndarray, domain: _Domain, times: int) -> tuple[np.ndarray, _Domain]:
     """pmf convolved with itself `times` times by FFT, re-centred on the grid."""
-    from scipy import fft  # type: ignore[import-untyped]  # imported when used
+    # scipy: loaded only when an epsilon is composed, not by every importer of the ledger
+    from scipy import fft  # type: ignore[import-untyped]
 
     composed = fft.irfft(fft.rfft(pmf) ** times, n=len(pmf))
     roll = times - 1
@@ -174,7 +177,8 @@ def _self_compose(pmf: np.ndarray, domain: _Domain, times: int) -> tuple[np.ndar
 
 def _convolve_same(left: np.ndarray, right: np.ndarray) -> np.ndarray:
     """Linear convolution of two equal-length pmfs, its central part (length kept)."""
-    from scipy import fft  # type: ignore[import-untyped]  # imported when used
+    # scipy: loaded only when an epsilon is composed, not by every importer of the ledger
+    from scipy import fft  # type: ignore[import-untyped]
 
     n = len(left)
     full_length = 2 * n - 1

@@ -80,7 +80,8 @@ def _log_sum_signed(log_terms: np.ndarray, signs: np.ndarray) -> float:
 def _log_a_integer(q: float, sigma: float, alpha: int) -> float:
     """log(A_alpha) for integer alpha (Mironov, Talwar & Zhang 2019, Section 3.3):
     A_alpha = sum_{i=0}^{alpha} C(alpha, i) q^i (1 - q)^(alpha - i) exp((i^2 - i) / (2 sigma^2))."""
-    from scipy import special  # type: ignore[import-untyped]  # imported when used
+    # scipy: loaded only when an epsilon is composed, not by every importer of the ledger
+    from scipy import special  # type: ignore[import-untyped]
     i = np.arange(alpha + 1, dtype=np.float64)
     with np.errstate(over="ignore"):
         log_binom = np.log(special.binom(alpha, i))
@@ -97,7 +98,8 @@ def _log_a_fractional(q: float, sigma: float, alpha: float) -> float:
     """log(A_alpha) for fractional alpha (Mironov, Talwar & Zhang 2019, Section 3.3):
     the integrals over (-inf, z0] and [z0, inf), z0 = sigma^2 log(1/q - 1) + 1/2, each a
     series in C(alpha, i) (signs alternate past alpha) times a Gaussian tail (erfc)."""
-    from scipy import special  # type: ignore[import-untyped]  # imported when used
+    # scipy: loaded only when an epsilon is composed, not by every importer of the ledger
+    from scipy import special  # type: ignore[import-untyped]
     z0 = sigma**2 * math.log(1 / q - 1) + 0.5
     log_q, log_1q = math.log(q), math.log(1 - q)
     parts0: list[np.ndarray] = []

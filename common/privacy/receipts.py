@@ -19,14 +19,25 @@ Pure: no clock (a receipt carries its head entry's own time), no OS randomness.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
 from cryptography import x509
 
-from common.core.errors import ConfigError, CryptoError, LedgerForkError, PkiError, ValidationError
+from common.core.errors import (
+    ConfigError,
+    CryptoError,
+    LedgerForkError,
+    LedgerIntegrityError,
+    LedgerUnavailable,
+    PkiError,
+    ValidationError,
+)
+from common.core.fileio import atomic_write
 from common.core.parsing import parse_json
 from common.crypto.encoding import encode_fields
 from common.crypto.signing import SigningKey, VerifyingKey
@@ -38,6 +49,7 @@ from common.privacy.signed import (
     certificate_sha256,
     certified_site_id,
 )
+from common.protocol.pki import check_issued_by
 
 RECEIPT_FORMAT: Final = "medfed-ledger-head-receipt/1"
 RECEIPT_SIGNATURE_LABEL: Final = "medfed/v1/ledger-head-receipt"
@@ -75,8 +87,6 @@ class HeadReceipt:
         return encode_fields(RECEIPT_SIGNATURE_LABEL, canonical_json(self.body()))
 
     def to_json_dict(self) -> dict[str, Any]:
-        import base64
-
         return {
             **self.body(),
             "certificate": base64.b64encode(self.certificate_der).decode("ascii"),
@@ -90,9 +100,6 @@ class HeadReceipt:
     def from_json_dict(cls, raw: object) -> HeadReceipt:
         """Strict parse (ConfigError names the field); the signature is NOT checked
         here (`problem` does)."""
-        import base64
-        import binascii
-
         if not isinstance(raw, dict) or raw.get("format") != RECEIPT_FORMAT:
             raise ConfigError("receipt", f"not a head receipt (format {RECEIPT_FORMAT})")
         expected = {"format", "site_id", "entries", "head_hash", "epsilon_spent",
@@ -142,8 +149,6 @@ class HeadReceipt:
     def problem(self, *, ca_certificate: x509.Certificate | None = None) -> str | None:
         """Why this receipt cannot be trusted (None: its signature verifies with its
         certificate, which names its site and, with `ca_certificate`, chains to it)."""
-        from common.protocol.pki import check_issued_by
-
         try:
             certificate = x509.load_der_x509_certificate(self.certificate_der)
             named = certified_site_id(certificate)
@@ -178,8 +183,6 @@ def sign_receipt(
         certificate_der=signer.certificate_der,
     )
     key: SigningKey = signer.signing_key
-    from dataclasses import replace
-
     return replace(receipt, signature=key.sign(receipt.signed_message()))
 
 
@@ -237,8 +240,6 @@ def read_receipt_file(path: str | Path, site_id: str, *,
     """The verified receipt at `path` (None: no file). A receipt that is damaged, for
     another site or does not verify is an error naming the file, never skipped: it may
     be the only record that the site's ledger went further."""
-    from common.core.errors import LedgerIntegrityError
-
     file = Path(path)
     try:
         data = file.read_bytes()
@@ -273,9 +274,6 @@ def read_receipts(folder: str | Path, site_id: str, *,
 
 def write_receipt(folder: str | Path, receipt: HeadReceipt) -> Path:
     """Atomic, durable replace of the site's receipt in `folder` (which must exist)."""
-    from common.core.errors import LedgerUnavailable
-    from common.core.fileio import atomic_write
-
     where = Path(folder)
     path = receipt_path(where, receipt.site_id)
     if not where.is_dir():

@@ -24,10 +24,12 @@ import hashlib
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Final
 
 from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
 
 from common.core.errors import (
     ConfigError,
@@ -47,6 +49,7 @@ from common.privacy.mechanisms import (
     mechanism_to_json_dict,
 )
 from common.privacy.purpose import PURPOSES
+from common.protocol.pki import check_issued_by, site_id_from_certificate
 
 LEDGER_FORMAT: Final = "medfed-privacy-ledger/2"
 EXPORT_FORMAT: Final = "medfed-ledger-export/1"
@@ -315,10 +318,6 @@ class LedgerSigner:
     @classmethod
     def from_files(cls, certificate_path: Any, key_path: Any) -> LedgerSigner:
         """From a site's PEM certificate and PEM private key (as `medfed pki` writes)."""
-        from pathlib import Path
-
-        from cryptography.hazmat.primitives.serialization import Encoding
-
         try:
             pem = Path(certificate_path).read_bytes()
             key_pem = Path(key_path).read_bytes()
@@ -331,8 +330,6 @@ class LedgerSigner:
         return cls(SigningKey.from_pem(key_pem), certificate.public_bytes(Encoding.DER))
 
     def sign(self, entry: SignedEntry) -> SignedEntry:
-        from dataclasses import replace
-
         if entry.cert_sha256 != self.cert_sha256:
             raise ConfigError("signer", "entry names another certificate")
         return replace(entry, signature=self.signing_key.sign(entry.signed_message()))
@@ -347,8 +344,6 @@ def _parse_certificate(der: bytes) -> x509.Certificate:
 
 def certified_site_id(certificate: x509.Certificate) -> str:
     """The site id a certificate names (its medfed://site/ID SAN, equal to its CN)."""
-    from common.protocol.pki import site_id_from_certificate
-
     return site_id_from_certificate(certificate)
 
 
@@ -449,8 +444,6 @@ def check_entries(
     certificate it names, that certificate naming the ledger's site and, when
     `ca_certificate` is given, having been issued by that CA (validity windows are not
     checked: an entry stays valid after its certificate expired or was replaced)."""
-    from common.protocol.pki import check_issued_by
-
     problems: list[HistoryProblem] = []
     previous = terms.header_hash if start_hash is None else start_hash
     checked_certs: dict[str, VerifyingKey | str] = {}

@@ -23,6 +23,7 @@ def build(
     hooks cannot follow a view modified in place."""
     check_params(params, {"num_groups", "dropout_prob"}, "densenet121-gn")
     try:
+        # monai: loaded only when this network is built (MONAI is slow to import)
         from monai.networks.nets.densenet import DenseNet121
     except ImportError as exc:  # pragma: no cover - monai is a declared dependency
         raise ConfigError("model", f"densenet121-gn needs MONAI ({exc})") from exc
