@@ -42,8 +42,9 @@ Usage::
     medfed demo --data bench-data/flchain --label-column death_10y --patient-column id
 
 and from Python ``write_dataset("flchain", Path("bench-data/flchain"))`` returns a
-`WrittenDataset` with the files and what ``medfed study init`` / ``medfed demo --data``
-need (`WrittenDataset.demo_args`, `WrittenDataset.study_init_args`).
+`WrittenDataset` with the files and what ``medfed demo --data`` needs
+(`WrittenDataset.demo_args`) and ``medfed study init`` would declare (its `DatasetInfo`:
+label, patient column, classes, missing values, categorical levels).
 """
 
 from __future__ import annotations
@@ -110,16 +111,6 @@ class WrittenDataset:
         """Arguments of ``medfed demo`` for these files (the demo reads the levels)."""
         return ["--data", str(self.folder), "--label-column", self.info.label_column,
                 "--patient-column", self.info.patient_column]
-
-    def study_init_args(self, *, out: Path) -> list[str]:
-        """Arguments of ``medfed study init`` declaring this dataset's study."""
-        args = ["--out", str(out), "--header-from", str(self.files[HOSPITALS[0]]),
-                "--label-column", self.info.label_column,
-                "--patient-column", self.info.patient_column,
-                "--missing", self.info.missing, "--classes", ",".join(self.info.classes)]
-        for column, levels in self.info.categorical.items():
-            args += ["--categorical", f"{column}={','.join(levels)}"]
-        return args
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready description (files, counts, study metadata)."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from common.privacy.layered import charged
+from common.privacy.layered import charged_by_purpose
 from common.privacy.ledger import read_ledger
 from common.releases.bundle import read_bundle
 from common.releases.evaluation_interval import interval_text
@@ -92,16 +92,9 @@ def epsilon_by_purpose(demo: Demo, sites: list[str]) -> dict[str, dict[str, floa
             out[site] = {}
             continue
         header, entries = read_ledger(path)
-        grouped: dict[str, list[tuple[str, tuple[Any, ...]]]] = {}
-        for entry in entries:
-            purpose = getattr(entry, "purpose", "training")
-            mechanisms = tuple(getattr(entry, "mechanisms", entry.segments))
-            grouped.setdefault(purpose, []).append((purpose, mechanisms))
-        out[site] = {
-            purpose: charged(pairs, delta=header.delta, accountant=header.accountant,
-                             charge=header.charge).epsilon
-            for purpose, pairs in sorted(grouped.items())
-        }
+        out[site] = charged_by_purpose(
+            [(e.purpose, e.mechanisms) for e in entries], delta=header.delta,
+            accountant=header.accountant, charge=header.charge)
     return out
 
 

@@ -28,7 +28,7 @@ from common.core.state_lock import StateLock
 from common.privacy.accountant import ACCOUNTANTS
 from common.privacy.carry import carry_ledger
 from common.privacy.hospital import guarantees, largest_intermediaries
-from common.privacy.layered import charged
+from common.privacy.layered import charged_by_purpose
 from common.privacy.ledger import (
     LedgerSigner,
     VerifyReport,
@@ -40,7 +40,6 @@ from common.privacy.ledger import (
     verify_ledger,
 )
 from common.privacy.mechanisms import (
-    Mechanism,
     describe,
     mechanism_from_json_dict,
     mechanism_to_json_dict,
@@ -105,11 +104,9 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
     header, entries = read_ledger(path)
     rows = []
     previous = 0.0
-    by_purpose: dict[str, list[tuple[str, tuple[Mechanism, ...]]]] = {}
     for entry in entries:
         mechanisms = entry.mechanisms
         purpose = entry.purpose
-        by_purpose.setdefault(purpose, []).append((purpose, mechanisms))
         rows.append(
             {
                 "seq": entry.seq,
@@ -147,11 +144,9 @@ def _ledger_summary(path: Path) -> dict[str, Any]:
         # Each purpose composed ALONE, as the ledger charges (DP-SGD beneath a hospital
         # round: the better path, common.privacy.layered): they do not add up to
         # spent_epsilon.
-        "epsilon_by_purpose": {
-            purpose: charged(pairs, delta=header.delta, accountant=header.accountant,
-                             charge=header.charge).epsilon
-            for purpose, pairs in sorted(by_purpose.items())
-        },
+        "epsilon_by_purpose": charged_by_purpose(
+            [(e.purpose, e.mechanisms) for e in entries], delta=header.delta,
+            accountant=header.accountant, charge=header.charge),
         "entries": rows,
         # The approved queries answered, by name (each entry also in `entries`).
         "queries": [

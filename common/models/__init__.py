@@ -14,11 +14,9 @@ import importlib.util
 
 from common.models.registry import (
     CUSTOM,
-    RECORD_FORMAT,
     Kind,
     ModelSpec,
     Task,
-    architecture_record,
     check_params,
     kind_of,
     model_names,
@@ -37,11 +35,9 @@ def network_code_installed() -> bool:
 
 __all__ = [
     "CUSTOM",
-    "RECORD_FORMAT",
     "Kind",
     "ModelSpec",
     "Task",
-    "architecture_record",
     "check_params",
     "kind_of",
     "model_names",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -21,7 +21,6 @@ from common.core.errors import ConfigError
 from common.models.architecture import Architecture
 from common.models.registry import (
     CUSTOM,
-    RECORD_FORMAT,
     ModelSpec,
     Task,
     kind_of,
@@ -177,32 +176,6 @@ def build_model(
     if check_dp:
         check_dp_compatible(model)
     return model
-
-
-def build_from_record(
-    record: Mapping[str, Any], *, allowed_model_factories: Sequence[str] = ()
-) -> nn.Module:
-    """Rebuild a recorded architecture (`common.models.architecture_record`); a custom
-    factory must be installed and allowed."""
-    if record.get("format") != RECORD_FORMAT:
-        raise ConfigError(
-            "model", f"unsupported architecture record format {record.get('format')!r}"
-        )
-    try:
-        spec = ModelSpec(
-            name=str(record["name"]), params=dict(record["params"]), custom=record["custom"]
-        )
-        return build_model(
-            spec,
-            num_classes=int(record["num_classes"]),
-            task=record["task"],
-            in_features=record["in_features"],
-            in_channels=record["in_channels"],
-            image_size=record["image_size"],
-            allowed_model_factories=allowed_model_factories,
-        )
-    except (KeyError, TypeError) as exc:
-        raise ConfigError("model", f"malformed architecture record: {exc!r}") from exc
 
 
 def spec_from_study(study: Study) -> ModelSpec:

@@ -55,13 +55,6 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _SEED = re.compile(r"[0-9]{1,19}")
 
 
-def initial_model_bytes(
-    study: Study, layout: Sequence[TensorSpec], flat: np.ndarray, *, seed: int
-) -> bytes:
-    """The file's bytes for `study`'s untrained network (`layout` and its flat vector)."""
-    return _encoded(study, layout, flat, seed=seed)[0]
-
-
 def _encoded(
     study: Study, layout: Sequence[TensorSpec], flat: np.ndarray, *, seed: int
 ) -> tuple[bytes, str]:

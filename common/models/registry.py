@@ -16,7 +16,6 @@ running statistics mix samples, which breaks per-sample gradients and DP-SGD);
 
 from __future__ import annotations
 
-import json
 import pkgutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +24,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from common.core.errors import ConfigError
-from common.core.parsing import parse_json
 
 Kind = Literal["table", "images"]
 """A model's data kind, as a study's ``[data] kind`` names it."""
@@ -37,10 +35,6 @@ CUSTOM = "custom"
 
 PACKAGES: dict[Kind, str] = {"table": "tables", "images": "images"}
 """The folder of `common/models` holding each kind's network modules."""
-
-RECORD_FORMAT = 1
-"""Version of `architecture_record`'s layout (bump when a field changes meaning)."""
-
 
 @cache
 def _modules() -> dict[str, tuple[Kind, str]]:
@@ -140,33 +134,3 @@ def output_units(*, task: Task, num_classes: int) -> int:
     raise ConfigError("task", f"unknown task {task!r}; known: binary, multiclass")
 
 
-def architecture_record(
-    spec: ModelSpec | str,
-    *,
-    num_classes: int = 2,
-    task: Task | None = None,
-    in_features: int | None = None,
-    in_channels: int | None = None,
-    image_size: int | Sequence[int] | None = None,
-) -> dict[str, Any]:
-    """JSON-safe description from which `common.models.build.build_from_record` rebuilds
-    the same model (for model bundles: no pickled code, a custom factory is recorded by
-    name)."""
-    if isinstance(spec, str):
-        spec = ModelSpec(name=spec)
-    if task is None:
-        task = "binary" if num_classes == 2 else "multiclass"
-    output_units(task=task, num_classes=num_classes)  # validate now, not at rebuild
-    record: dict[str, Any] = {
-        "format": RECORD_FORMAT,
-        "name": spec.canonical_name,
-        "params": parse_json(json.dumps(dict(spec.params))),
-        "custom": spec.custom,
-        "task": task,
-        "num_classes": num_classes,
-        "in_features": in_features,
-        "in_channels": in_channels,
-        "image_size": image_size if image_size is None or isinstance(image_size, int)
-        else [int(d) for d in image_size],
-    }
-    return record

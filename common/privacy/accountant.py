@@ -205,11 +205,6 @@ def canonical_mechanisms(mechanisms: Iterable[Mechanism]) -> CanonicalHistory:
     return CanonicalHistory(gaussians, ddgauss)
 
 
-def canonical_history(segments: Iterable[Segment]) -> list[tuple[float, float, int]]:
-    """DP-SGD segments merged per (sigma, q), sorted (Gaussians count as q = 1)."""
-    return list(canonical_mechanisms(segments).gaussians)
-
-
 def _prv_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
     """Gopi, Lee & Wutschitz 2021 upper bound (`common.privacy.prv`), refusing meshes
     larger than MAX_PRV_DOMAIN_POINTS."""

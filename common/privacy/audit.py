@@ -125,18 +125,6 @@ def epsilon_lower_bound(
     return low
 
 
-def epsilon_cap(*, r: int, alpha: float = 1.0 - DEFAULT_CONFIDENCE) -> float:
-    """The most r guesses can show (all correct, delta = 0): log(q/(1-q)), q = alpha^(1/r).
-
-    About ln(r / ln(1/alpha)), i.e. ln(r/3) at 95%.
-    """
-    if r < 1:
-        raise ConfigError("guesses", "must be >= 1")
-    _check_alpha(alpha)
-    log_q = math.log(alpha) / r
-    return log_q - math.log(-math.expm1(log_q))
-
-
 def guess_grid(m: int, fractions: Sequence[float] = DEFAULT_GUESS_FRACTIONS) -> list[int]:
     """The fixed abstention levels: even r = round(f * m), each >= 2, distinct."""
     if m < 2:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
@@ -145,20 +145,6 @@ class FederationBudgetView:
                 f"SELECT {_COLUMNS} FROM federation_site_budgets ORDER BY site_id"  # noqa: S608
             ).fetchall()
         return [_to_site_budget(row) for row in rows]
-
-    def eligible_sites(
-        self, candidates: Iterable[str], *, min_remaining: float = MIN_REMAINING_EPSILON
-    ) -> list[str]:
-        """Candidates (order kept) with a reported budget that is not exhausted and has
-        more than `min_remaining` epsilon left. A site that never reported is not
-        selected: the coordinator only opens rounds for sites that report budget left."""
-        _check_min_remaining(min_remaining)
-        by_site = {row.site_id: row for row in self.snapshot()}
-        return [
-            site_id
-            for site_id in candidates
-            if site_id in by_site and has_budget_left(by_site[site_id], min_remaining=min_remaining)
-        ]
 
 
 def has_budget_left(row: BudgetReport, *, min_remaining: float = MIN_REMAINING_EPSILON) -> bool:

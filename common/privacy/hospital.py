@@ -402,15 +402,3 @@ def guarantees(
         dpsgd_path=patient.dpsgd_path, hospital_path=patient.hospital_path,
     )
 
-
-def intermediary_level_epsilon(
-    entries: Sequence[tuple[str, Sequence[Mechanism]]], *, delta: float, accountant: str,
-) -> float | None:
-    """Epsilon of the model updates per intermediary (add/remove one unit, S), or None
-    when no round split its hospital (then it equals the hospital-level one). Not a
-    per-patient bound: a patient inside a unit is the replace relation (`guarantees`)."""
-    chosen = [m for purpose, mechanisms in entries if purpose == Purpose.TRAINING
-              for m in mechanisms if isinstance(m, DistributedDiscreteGaussian)]
-    if not any(m.units > 1 for m in chosen):
-        return None
-    return compose_epsilon(chosen, delta=delta, accountant=accountant)

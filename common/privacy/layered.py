@@ -189,3 +189,18 @@ def charged(
     record = a if a.epsilon <= b.epsilon else b
     unit = account(unit_level(entries), delta=delta, accountant=accountant)
     return record if record.epsilon >= unit.epsilon else unit
+
+
+def charged_by_purpose(
+    entries: Sequence[PurposeMechanisms], *, delta: float, accountant: str,
+    charge: str = CHARGE_UNIT,
+) -> dict[str, float]:
+    """What is spent on what: each purpose's entries composed ALONE and charged as the
+    ledger charges them (`charged`), by purpose name. They do not add up to the whole
+    history's charge, which composes everything (`medfed ledger show`, the demo's
+    report)."""
+    grouped: dict[str, list[PurposeMechanisms]] = {}
+    for purpose, mechanisms in entries:
+        grouped.setdefault(purpose, []).append((purpose, mechanisms))
+    return {purpose: charged(pairs, delta=delta, accountant=accountant, charge=charge).epsilon
+            for purpose, pairs in sorted(grouped.items())}

@@ -343,17 +343,6 @@ class PrivacyLedger:
         entries = self.entries()
         return entries[-1].epsilon_after if entries else 0.0
 
-    def spent_by_purpose(self) -> dict[str, float]:
-        """Epsilon of each purpose's entries composed ALONE (for reports: what is spent
-        on what). These do not add up to `spent()`, which composes everything."""
-        by_purpose: dict[str, list[SignedEntry]] = {}
-        for entry in self.entries():
-            by_purpose.setdefault(entry.purpose, []).append(entry)
-        return {
-            purpose: self._charge(self._pairs(entries)).epsilon
-            for purpose, entries in sorted(by_purpose.items())
-        }
-
     def remaining(self) -> float:
         return max(0.0, self.budget_epsilon - self.spent())
 

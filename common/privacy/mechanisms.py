@@ -29,8 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Final
 
-from common.core.errors import ConfigError, ValidationError
-from common.core.parsing import parse_json
+from common.core.errors import ConfigError
 from common.privacy.ddgauss import DDGaussPlan
 
 KIND_SAMPLED_GAUSSIAN: Final = "sampled_gaussian"
@@ -359,16 +358,6 @@ def mechanism_from_json_dict(raw: object) -> Mechanism:
 def mechanisms_to_json(mechanisms: tuple[Mechanism, ...] | list[Mechanism]) -> str:
     """Canonical text of a list of mechanisms (order kept: it is what the site ran)."""
     return canonical_json([mechanism_to_json_dict(m) for m in mechanisms]).decode("ascii")
-
-
-def mechanisms_from_json(text: str) -> tuple[Mechanism, ...]:
-    try:
-        raw = parse_json(text)
-    except ValidationError as exc:
-        raise ConfigError("mechanisms", str(exc)) from None
-    if not isinstance(raw, list):
-        raise ConfigError("mechanisms", "must be a JSON list")
-    return tuple(mechanism_from_json_dict(item) for item in raw)
 
 
 def describe(mechanism: Mechanism) -> str:

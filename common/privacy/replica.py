@@ -318,17 +318,6 @@ class LedgerReplica:
         )
         return ReplicaHead(site_id, len(entries), new_head, carried)
 
-    def carries(self, site_id: str) -> list[tuple[str, int, str]]:
-        """The carries accepted for `site_id`, oldest first: (old head hash, old entry
-        count, new head hash)."""
-        with self.database.transaction(write=False) as cur:
-            rows = cur.execute(
-                "SELECT old_head_hash, old_entry_count, new_head_hash, carried_at FROM "
-                "privacy_replica_carried WHERE site_id = ? ORDER BY carried_at, old_entry_count",
-                (site_id,),
-            ).fetchall()
-        return [(str(r[0]), int(r[1]), str(r[2])) for r in rows]
-
     @staticmethod
     def _new_entries(
         cur: Statements,

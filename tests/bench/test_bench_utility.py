@@ -24,9 +24,20 @@ from bench.utility import (
     read_sites,
     write_held_back,
 )
-from bench.utility_data import HOSPITALS, DatasetInfo, write_dataset, write_sites
+from bench.utility_data import HOSPITALS, DatasetInfo, WrittenDataset, write_dataset, write_sites
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def study_init_args(written: WrittenDataset, *, out: Path) -> list[str]:
+    """Arguments of ``medfed study init`` declaring the written dataset's study."""
+    info = written.info
+    args = ["--out", str(out), "--header-from", str(written.files[HOSPITALS[0]]),
+            "--label-column", info.label_column, "--patient-column", info.patient_column,
+            "--missing", info.missing, "--classes", ",".join(info.classes)]
+    for column, levels in info.categorical.items():
+        args += ["--categorical", f"{column}={','.join(levels)}"]
+    return args
 
 
 def _read(path: Path) -> tuple[list[str], list[dict[str, str]]]:
@@ -100,7 +111,7 @@ def test_real_dataset_writer_gives_three_hospital_files_a_study_accepts(tmp_path
     study = tmp_path / "study.toml"
     done = subprocess.run(
         [sys.executable, "-m", "common.commands.cli", "study", "init",
-         *written.study_init_args(out=study)],
+         *study_init_args(written, out=study)],
         capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     from common.study import load_study

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +25,6 @@ from common.core.processes import medfed_argv
 from common.models.build import initial_model
 from common.models.initial_file import (
     INITIAL_MODEL_SEED,
-    initial_model_bytes,
     initial_model_from_bytes,
     read_initial_model,
     write_initial_model,
@@ -35,6 +36,16 @@ from tests.e2e.harness import REPO
 from tests.training.test_study_hook import images_study
 
 DEMO_STUDY = REPO / "deploy/demo/study.toml"
+
+
+def initial_model_bytes(
+    study: Study, layout: Sequence[TensorSpec], flat: np.ndarray, *, seed: int
+) -> bytes:
+    """The bytes `write_initial_model` writes for `study`'s untrained network."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "initial-model.safetensors"
+        write_initial_model(path, study, layout, flat, seed=seed)
+        return path.read_bytes()
 
 
 def _rewrite(data: bytes, **metadata: str) -> bytes:

@@ -254,8 +254,8 @@ def test_ledger_epsilons_when_v_varies_per_round() -> None:
     plan = hospital.site_plan(hospital.ring_plan(terms, dim=200, max_sites=3), n_noise=2)
     history = [("training", (hospital.mechanism(plan, units=v),)) for v in (1, 3, 2, 5)]
     whole = hospital.hospital_level_epsilon(history, delta=1e-5, accountant="rdp")
-    per_unit = hospital.intermediary_level_epsilon(history, delta=1e-5, accountant="rdp")
-    assert per_unit is not None and 0 < per_unit < whole
+    per_unit = hospital.guarantees(history, delta=1e-5, accountant="rdp").intermediary
+    assert 0 < per_unit < whole
     lowest = compose_epsilon([hospital.mechanism(plan)] * 4, delta=1e-5, accountant="rdp")
     largest = compose_epsilon([hospital.mechanism(plan, units=5).per_hospital()] * 4,
                               delta=1e-5, accountant="rdp")

@@ -25,7 +25,6 @@ from common.privacy.ddgauss import (
     ddgauss_rdp,
     ddgauss_rho,
     ddgauss_round,
-    discrete_gaussian_variance,
     epsilon_from_rho,
     noise_tau,
     plan_ddgauss,
@@ -33,6 +32,7 @@ from common.privacy.ddgauss import (
     sample_discrete_gaussian,
 )
 from common.privacy.rotation import fwht, padded_length, rotate, unrotate
+from tests.privacy.ddgauss_reference import discrete_gaussian_variance
 
 SEED = bytes(range(32))
 

@@ -19,10 +19,9 @@ from common.privacy.ddgauss import (
     bernoulli_exp,
     count_noise,
     count_site_sigma,
-    discrete_gaussian_pmf,
-    discrete_gaussian_variance,
     sample_discrete_gaussian,
 )
+from tests.privacy.ddgauss_reference import discrete_gaussian_pmf, discrete_gaussian_variance
 
 SIGMAS = [0.5, 1.0, 3.3, 40.0, 1000.0]
 N = 200_000

@@ -213,8 +213,9 @@ def test_units_travel_on_the_ledger_and_old_entries_keep_their_bytes() -> None:
     with pytest.raises(hospital.ConfigError):
         mechanism_from_json_dict({**mechanism_to_json_dict(single), "units": 1})
     pairs = [("training", (split,)), ("evaluation", (single,))]
-    intermediary = hospital.intermediary_level_epsilon(pairs, delta=1e-5, accountant="rdp")
+    intermediary = hospital.guarantees(pairs, delta=1e-5, accountant="rdp").intermediary
     whole = hospital.hospital_level_epsilon(pairs, delta=1e-5, accountant="rdp")
-    assert intermediary is not None and 0 < intermediary < whole
-    assert hospital.intermediary_level_epsilon([("training", (single,))], delta=1e-5,
-                                               accountant="rdp") is None
+    assert 0 < intermediary < whole
+    # No round split its hospital: the intermediary figure is the hospital-level one.
+    unsplit = hospital.guarantees([("training", (single,))], delta=1e-5, accountant="rdp")
+    assert unsplit.intermediary == unsplit.hospital

@@ -16,7 +16,7 @@ from common.privacy.accountant import (
     RDP_ORDERS,
     Segment,
     account,
-    canonical_history,
+    canonical_mechanisms,
     compose_epsilon,
     epsilon_after,
     plan_noise_multiplier,
@@ -78,7 +78,7 @@ def test_history_order_does_not_change_epsilon() -> None:
     forward = compose_epsilon(history, delta=DELTA)
     backward = compose_epsilon(list(reversed(history)), delta=DELTA)
     assert forward == pytest.approx(backward, rel=1e-12)
-    assert canonical_history(history) == [(0.8, 0.01, 200), (1.1, 0.02, 400)]
+    assert list(canonical_mechanisms(history).gaussians) == [(0.8, 0.01, 200), (1.1, 0.02, 400)]
 
 
 def test_empty_history_and_zero_steps_cost_nothing() -> None:

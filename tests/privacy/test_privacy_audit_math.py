@@ -12,7 +12,6 @@ from common.core.errors import ConfigError
 from common.privacy.audit import (
     audit_from_scores,
     audit_p_value,
-    epsilon_cap,
     epsilon_lower_bound,
     guess_grid,
     membership_auc,
@@ -78,6 +77,15 @@ def test_grows_with_accuracy() -> None:
     bounds = [epsilon_lower_bound(m=1000, r=100, v=v, delta=1e-5) for v in range(50, 101, 5)]
     assert all(b2 >= b1 for b1, b2 in itertools.pairwise(bounds))
     assert bounds[-1] > bounds[len(bounds) // 2] > 0
+
+
+def epsilon_cap(*, r: int, alpha: float = 0.05) -> float:
+    """The most r guesses can show (all correct, delta = 0): log(q/(1-q)), q = alpha^(1/r).
+
+    About ln(r / ln(1/alpha)), i.e. ln(r/3) at 95%: the closed form the one-run audit's
+    bound (`epsilon_lower_bound`) must reach when every guess is right."""
+    log_q = math.log(alpha) / r
+    return log_q - math.log(-math.expm1(log_q))
 
 
 def test_all_correct_is_capped_near_ln_r_over_3() -> None:

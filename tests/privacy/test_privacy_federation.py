@@ -11,7 +11,7 @@ import pytest
 from common.core.errors import ConfigError, StateError
 from common.privacy.accountant import Segment
 from common.privacy.budget import BudgetReport
-from common.privacy.federation import FederationBudgetView
+from common.privacy.federation import FederationBudgetView, has_budget_left
 from common.privacy.ledger import PrivacyLedger
 from tests.privacy.conftest import Pki
 
@@ -44,9 +44,9 @@ def test_view_persists_and_selects_only_sites_with_budget(tmp_path: Path) -> Non
     assert rows["c"].status == "exhausted" and rows["a"].status == "active"
     assert rows["b"].remaining_epsilon == pytest.approx(0.1)
     assert rows["a"].updated_at == T0.isoformat()
-    candidates = ["c", "b", "unknown", "a"]
-    assert reopened.eligible_sites(candidates, min_remaining=0.0) == ["b", "a"]
-    assert reopened.eligible_sites(candidates, min_remaining=0.5) == ["a"]
+    reported = ["c", "b", "a"]
+    assert [s for s in reported if has_budget_left(rows[s], min_remaining=0.0)] == ["b", "a"]
+    assert [s for s in reported if has_budget_left(rows[s], min_remaining=0.5)] == ["a"]
 
 
 def test_spend_reported_by_a_site_can_only_grow(tmp_path: Path) -> None:
@@ -73,8 +73,8 @@ def test_view_follows_a_real_ledger_until_it_is_exhausted(
     ledger = PrivacyLedger(tmp_path / "site.ledger", site_id="hospital-a", budget_epsilon=1.0,
                            delta=1e-5, signer=pki_material.signer_a)
     view = FederationBudgetView.sqlite(tmp_path / "federation.db")
-    view.update_site("hospital-a", ledger.status(ROUND), now=T0)
-    assert view.eligible_sites(["hospital-a"], min_remaining=0.0) == ["hospital-a"]
+    first = view.update_site("hospital-a", ledger.status(ROUND), now=T0)
+    assert has_budget_left(first, min_remaining=0.0)
     ledger.reserve(0, ROUND, now=T0)
     ledger.reserve(1, ROUND, now=T0)
     # A third identical round would exceed 1.0: the site reports itself exhausted.
@@ -83,4 +83,4 @@ def test_view_follows_a_real_ledger_until_it_is_exhausted(
     row = view.update_site("hospital-a", status, now=T0)
     assert row.ledger_head == ledger.head_hash() and row.ledger_entries == 2
     assert row.spent_epsilon == pytest.approx(ledger.spent())
-    assert view.eligible_sites(["hospital-a"], min_remaining=0.0) == []
+    assert not has_budget_left(row, min_remaining=0.0)

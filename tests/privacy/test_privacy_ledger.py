@@ -119,7 +119,7 @@ def test_entries_of_every_kind_and_purpose(tmp_path: Path, pki_material: Pki) ->
         assert entries[k - 1].epsilon_after == pytest.approx(
             layered.charged(pairs[:k], delta=DELTA, accountant="prv").epsilon, rel=1e-9)
     assert entries[1].accountant_used == "prv"
-    by_purpose = ledger.spent_by_purpose()
+    by_purpose = layered.charged_by_purpose(pairs, delta=DELTA, accountant="prv")
     assert set(by_purpose) == {"count", "statistics", "training", "evaluation"}
     assert all(eps > 0 for eps in by_purpose.values())
     assert by_purpose["count"] < ledger.spent()

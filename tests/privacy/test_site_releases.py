@@ -14,6 +14,7 @@ from common.core.codec import TensorSpec
 from common.core.config import SitePolicySection, SiteSettings
 from common.core.errors import BudgetExhausted
 from common.crypto.random import system_random
+from common.privacy.layered import charged_by_purpose
 from common.privacy.ledger import PrivacyLedger
 from common.privacy.mechanisms import Gaussian, Segment
 from common.rounds.announcement import RoundPlan
@@ -245,7 +246,10 @@ def test_evaluations_are_ledger_entries_capped_and_paid(tmp_path: Path, pki_mate
         assert dp_release.check_evaluation_allowed(ledger, policy)
         ledger.reserve(round_number, [mechanism], now=NOW, purpose="evaluation")
     assert not dp_release.check_evaluation_allowed(ledger, policy)
-    assert ledger.spent_by_purpose()["evaluation"] > 0
+    spent = charged_by_purpose([(e.purpose, e.mechanisms) for e in ledger.entries()],
+                               delta=ledger.delta, accountant=ledger.accountant,
+                               charge=ledger.charge)
+    assert spent["evaluation"] > 0
     # An evaluation the budget cannot pay is refused (nothing recorded, nothing sent).
     costly = dp_release.evaluation_mechanism(noise_std=1.0, n_noise=1, bins=5)
     with pytest.raises(BudgetExhausted):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -10,8 +11,9 @@ import torch
 from opacus.validators import ModuleValidator
 
 from common.core.errors import ConfigError, ValidationError
-from common.models import ModelSpec, architecture_record, kind_of
-from common.models.build import build_from_record, build_model
+from common.models import ModelSpec, kind_of
+from common.models.architecture import Architecture
+from common.models.build import build_from_architecture, build_model
 from common.models.images.resnet18_gn import ResNet18GN
 from common.models.layout import flatten_parameters, load_flat_parameters, model_layout
 
@@ -156,16 +158,17 @@ def test_custom_factory_needs_the_allow_list_and_round_trips_by_name() -> None:
     torch.manual_seed(0)
     model = build_model(spec, in_channels=1, num_classes=3, allowed_model_factories=[ref])
     assert model(torch.randn(2, 1, 8, 8)).shape == (2, 3)
-    record = architecture_record(spec, in_channels=1, num_classes=3)
-    assert json.loads(json.dumps(record)) == record  # JSON-safe: no pickle in bundles
-    assert record["custom"] == ref and record["task"] == "multiclass"
-    rebuilt = build_from_record(record, allowed_model_factories=[ref])
+    # What a model bundle records: JSON-safe (no pickle in bundles), the factory by name.
+    recorded = _json_round_trip(
+        Architecture(custom=ref, in_channels=1, num_outputs=3, options={"width": 6}))
+    assert recorded.custom == ref and recorded.num_outputs == 3
+    rebuilt = build_from_architecture(recorded, allowed_model_factories=[ref])
     assert model_layout(rebuilt) == model_layout(model)
     with pytest.raises(ConfigError, match="allowed_model_factories"):
-        build_from_record(record)
-    missing = {**record, "custom": "no_such_package.models:net"}
+        build_from_architecture(recorded)
+    missing = recorded.model_copy(update={"custom": "no_such_package.models:net"})
     with pytest.raises(ConfigError, match="cannot import"):
-        build_from_record(missing, allowed_model_factories=[missing["custom"]])
+        build_from_architecture(missing, allowed_model_factories=["no_such_package.models:net"])
     bad = f"{HERE}:not_a_module_factory"
     with pytest.raises(ConfigError, match=r"not an nn\.Module"):
         build_model(ModelSpec(custom=bad), allowed_model_factories=[bad])
@@ -173,15 +176,23 @@ def test_custom_factory_needs_the_allow_list_and_round_trips_by_name() -> None:
         build_model(ModelSpec(custom="nocolon"), allowed_model_factories=["nocolon"])
 
 
+def _json_round_trip(architecture: Architecture) -> Architecture:
+    """The architecture as a model bundle's metadata writes and reads it (JSON)."""
+    written = json.dumps(architecture.model_dump(mode="json"))
+    return Architecture.model_validate(json.loads(written))
+
+
 @pytest.mark.parametrize("name", ["logistic", "mlp", "cnn", "resnet18-gn", "densenet121-gn"])
-def test_architecture_record_rebuilds_registry_models(name: str) -> None:
+def test_a_recorded_architecture_rebuilds_registry_models(name: str) -> None:
     tables = ("mlp", "logistic")
-    dims = {"in_features": 6} if name in tables else {"in_channels": 1, "image_size": 32}
-    record = architecture_record(ModelSpec(name), num_classes=3, **dims)
-    assert record["name"] == name
+    dims: dict[str, Any] = ({"in_features": 6} if name in tables
+                            else {"in_channels": 1, "image_size": (32, 32)})
+    hidden = (64, 32) if name == "mlp" else ()
+    recorded = _json_round_trip(Architecture(name=name, num_outputs=3, hidden=hidden, **dims))
+    assert recorded.name == name
     torch.manual_seed(1)
-    a = build_from_record(record)
-    b = build_model(name, num_classes=3, **dims)
+    a = build_from_architecture(recorded)
+    b = build_model(ModelSpec.from_fields(name=name, hidden=hidden), num_classes=3, **dims)
     assert model_layout(a) == model_layout(b)
 
 
