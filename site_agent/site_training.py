@@ -138,8 +138,9 @@ class DpTrainingHook:
 
     The trainer, and so the noise multiplier, is built at the first round from the
     announced planned rounds and local epochs, with this site's budget as its target
-    epsilon: calibrated once for the whole planned schedule (DESIGN.md "Privacy"); with
-    a ledger attached the site re-plans its noise every round from what it has spent.
+    epsilon: calibrated once for the whole planned schedule (docs/privacy.md, "2. How
+    noise is calibrated"); with a ledger attached the site re-plans its noise every round
+    from what it has spent.
     """
 
     def __init__(self, settings: SiteSettings, *, dp: bool) -> None:

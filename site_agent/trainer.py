@@ -1,10 +1,11 @@
 """Private local training at a site: Opacus DP-SGD (ghost clipping), patient-level DP.
 
-Privacy plan (DESIGN.md "Privacy"): the noise multiplier is calibrated ONCE for the
-whole planned schedule, ``planned_rounds x local steps per round``, with the shared
-accountant, so the site's target epsilon holds at the END of training rather than per
-round. Each round's mechanism is known before it runs (`planned_segments`) so the site
-agent can check its ledger and write the spend ahead of training.
+Privacy plan (docs/privacy.md, "2. How noise is calibrated"): the noise multiplier is
+calibrated ONCE for the whole planned schedule, ``planned_rounds x local steps per
+round``, with the shared accountant, so the site's target epsilon holds at the END of
+training rather than per round. Each round's mechanism is known before it runs
+(`planned_segments`) so the site agent can check its ledger and write the spend ahead of
+training.
 
 Each local step is one Poisson-subsampled Gaussian mechanism (Abadi et al. 2016,
 "Deep Learning with Differential Privacy", Alg. 1): every unit (record or patient) is

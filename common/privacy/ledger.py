@@ -1,9 +1,9 @@
 """Each site's own privacy-budget ledger: SQLite, write-ahead, signed, anchored.
 
-The ledger is authoritative for its site (DESIGN.md "Privacy"): the coordinator is not
-trusted with it, it only keeps a replica (`common.privacy.replica`). Before anything
-private leaves the site, the mechanisms that produced it are committed here
-(write-ahead), so a crash can over-count the spend, never under-count it. A site's ledger
+The ledger is authoritative for its site (docs/privacy.md, "5. The ledger"): the
+coordinator is not trusted with it, it only keeps a replica (`common.privacy.replica`).
+Before anything private leaves the site, the mechanisms that produced it are committed
+here (write-ahead), so a crash can over-count the spend, never under-count it. A site's ledger
 and budget belong to its data for life, across studies.
 
 Format 2 (``medfed-privacy-ledger/2``, see `common.privacy.signed`):

@@ -8,7 +8,7 @@ instead of an opaque handshake failure later.
 
 After the handshake, `authenticate_peer` re-verifies the peer certificate with a
 `PeerVerifier` (CRL, clientAuth, site id) and returns the site id: the caller's
-identity comes from here, never from a message field (DESIGN.md, "Identity and trust").
+identity comes from here, never from a message field (docs/pki.md, "In code").
 The servicer maps `CertificateRejected` to UNAUTHENTICATED in its one error mapper.
 
 `RequireCertificateRole`, installed on the coordinator's server, decides per method

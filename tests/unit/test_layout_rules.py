@@ -1,4 +1,5 @@
-"""The package layout of DESIGN.md, read from the source (an AST scan of every import):
+"""The package layout (docs/architecture.md, "The floors of common/" and "Where each kind
+of change goes"), read from the source (an AST scan of every import):
 `common` imports neither service, `coordinator` imports nothing from `site_agent` (nor
 `site_agent` from `coordinator`), and only `demo`, `bench` and the tests import both.
 `common` and `coordinator` stay torch-free at import: only what builds or flattens a
@@ -123,8 +124,9 @@ COMMON_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rounds", ("common.rounds",)),
     ("commands", ("common.commands",)),
 )
-"""common/'s floors, ground first (docs/architecture.md): a module imports only modules of
-its own floor or below, at module level, inside functions or for type checking alike."""
+"""common/'s floors, ground first (docs/architecture.md, "The floors of common/"): a
+module imports only modules of its own floor or below, at module level, inside functions
+or for type checking alike."""
 
 
 def _module_name(path: Path, root: Path = REPO) -> str:

@@ -26,9 +26,8 @@ Private keys are PKCS#8 PEM, *unencrypted*, written with mode 0600 into a 0700
 directory; a key file readable by others is refused (`load_private_key_file`). Files
 are never overwritten silently.
 
-Identity rule of DESIGN.md ("Identity and trust"): the coordinator takes a caller's
-site id from the verified peer certificate (`PeerVerifier.verify`), never from a
-message field.
+The identity rule (docs/pki.md, "In code"): the coordinator takes a caller's site id
+from the verified peer certificate (`PeerVerifier.verify`), never from a message field.
 
 Checks follow RFC 5280 for the one-level chain we issue (CA -> leaf): issuer name
 and signature (s. 6.1.3 (a)(1)), validity (s. 4.1.2.5), revocation by CRL (s. 5 and

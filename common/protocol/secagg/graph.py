@@ -90,7 +90,7 @@ def neighbour_graph(session_id: bytes, site_ids: Sequence[str], k: int) -> Neigh
     if k % 2:
         raise ConfigError("neighbours", "a Harary graph needs an even degree k")
     # Public randomness (everyone can recompute it), derived like every other key:
-    # its own info label, the session id as salt (DESIGN.md, crypto rules).
+    # its own info label, the session id as salt (docs/crypto.md, "Key derivation").
     seed = hkdf_sha256(session_id, salt=session_id, info=KdfInfo.NEIGHBOUR_GRAPH.value)
     order = _random_permutation(seed, n)
     return NeighbourGraph([sites[i] for i in order], k)
