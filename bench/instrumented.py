@@ -3,11 +3,16 @@ a round, kept out of the product (a hospital's configuration cannot make its sit
 a plaintext update anywhere: the product's observer is `common.core.observer.NoObserver`).
 
     python -m bench.instrumented coordinator serve ... --debug-write-aggregates
+    python -m bench.instrumented coordinator serve ... --model-dim 5000
     python -m bench.instrumented site run ... --debug-write-updates
     python -m bench.instrumented site run ... --debug-pause-after 1:masked_input
 
 take every flag of `medfed coordinator serve` / `medfed site run` and these:
 
+--model-dim D             (coordinator) serve a zero-initialised flat model of D float32
+                          elements and no study, for transport tests and benchmarks whose
+                          sites run the deterministic double (`bench.transport_site`; a
+                          site that trains refuses a coordinator without a study)
 --debug-write-aggregates  (coordinator) each round's unmasked ring sum, as little-endian
                           uint32 words, to STATE/aggregates/round-NNNNNN.u32 (written as a
                           stream: a test may make it a pipe to hold the coordinator between
@@ -37,15 +42,19 @@ from pathlib import Path
 import numpy as np
 
 from common.commands.cli import main_with
+from common.core.codec import TensorSpec
 from common.core.config import SiteSettings
+from common.core.modelfile import flat_layout
 from common.core.observer import PHASES, ObserverFactory
 from coordinator import cli as coordinator_cli
+from coordinator.checkpoints import InitialModel
 from site_agent import cli as site_cli
 from site_agent.site_training import TrainingHook
 
 AGGREGATES_DIR = "aggregates"
 UPDATES_DIR = "debug-updates"
 DEFAULT_PAUSE_SECONDS = 3600.0
+MAX_MODEL_DIM = 1 << 30
 _PAUSE_AT = re.compile(rf"^(\d+):({'|'.join(PHASES)})$")
 
 
@@ -99,6 +108,27 @@ class Instrumentation:
             "\n".join(survivors) + "\n")
 
 
+def flat_model(dim: int) -> InitialModel:
+    """The model a coordinator without a study serves (`--model-dim`): `dim` float32
+    zeros as one flat tensor."""
+
+    def build() -> tuple[tuple[TensorSpec, ...], np.ndarray]:
+        return flat_layout(dim), np.zeros(dim, dtype=np.float32)
+
+    return build
+
+
+def _model_dim(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_MODEL_DIM:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of elements in "
+                                         f"1..{MAX_MODEL_DIM}")
+    return value
+
+
 def _pause_at(text: str) -> tuple[int, str]:
     match = _PAUSE_AT.match(text)
     if match is None:
@@ -122,6 +152,9 @@ def flag_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.instrumented", add_help=False, allow_abbrev=False,
         description="test instrumentation (these flags sit anywhere in the command line)")
+    parser.add_argument("--model-dim", type=_model_dim, metavar="D",
+                        help="coordinator serve: a zero-initialised flat model of D "
+                        "elements and no study (sites: bench.transport_site)")
     parser.add_argument("--debug-write-aggregates", action="store_true",
                         help="coordinator serve: write each round's unmasked ring sum "
                         f"under STATE/{AGGREGATES_DIR}")
@@ -159,6 +192,8 @@ def main(
                   or "--debug-pause-seconds" in words)
     if known.debug_write_aggregates and command != ("coordinator", "serve"):
         flags.error("--debug-write-aggregates is a flag of `coordinator serve`")
+    if known.model_dim is not None and command != ("coordinator", "serve"):
+        flags.error("--model-dim is a flag of `coordinator serve`")
     if site_flags and command != ("site", "run"):
         flags.error("--debug-write-updates and --debug-pause-* are flags of `site run`")
     factory: ObserverFactory = partial(
@@ -166,7 +201,9 @@ def main(
         write_updates=known.debug_write_updates, pause_after=known.debug_pause_after,
         pause_seconds=known.debug_pause_seconds)
     return main_with([
-        partial(coordinator_cli.register, observer_factory=factory),
+        partial(coordinator_cli.register, observer_factory=factory,
+                model_without_study=(flat_model(known.model_dim)
+                                     if known.model_dim is not None else None)),
         partial(site_cli.register, hook_factory=hook_factory, observer_factory=factory),
     ], rest)
 

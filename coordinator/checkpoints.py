@@ -11,27 +11,29 @@ from pathlib import Path
 import numpy as np
 
 from common.core.codec import TensorSpec, digest, flat_to_bytes
-from common.core.config import TransportModelSection
 from common.core.errors import ConfigError, StateError
-from common.core.modelfile import ModelFile, flat_layout, read_model_file, write_model_file
+from common.core.modelfile import ModelFile, read_model_file, write_model_file
 from coordinator.optimizers import ServerOptimizer
 from coordinator.store import Checkpoint, CoordinatorStore
 
 log = logging.getLogger("medfed.coordinator")
 
+InitialModel = Callable[[], tuple[tuple[TensorSpec, ...], np.ndarray]]
+"""Builds the model round 1 starts from: the study's untrained network, or the flat
+model a transport test plugs in by code (`bench.instrumented --model-dim`)."""
+
 
 def load_model(
     store: CoordinatorStore,
-    model: TransportModelSection | None,
     optimizer: ServerOptimizer,
     *,
     state: Path,
-    initial: Callable[[], tuple[tuple[TensorSpec, ...], np.ndarray]] | None = None,
+    initial: InitialModel | None = None,
 ) -> tuple[tuple[TensorSpec, ...], np.ndarray]:
     """Latest good checkpoint if there is one (restoring `optimizer`'s state), else the
-    study's initial model (`initial`) or, for transport tests, the flat model. A
-    checkpoint's recorded path is relative to the state folder `state` (rows written by
-    older versions hold an absolute path, which is read as it is)."""
+    initial model (`initial`). A checkpoint's recorded path is relative to the state
+    folder `state` (rows written by older versions hold an absolute path, which is read
+    as it is)."""
     ckpt = store.latest_checkpoint()
     if ckpt is not None:
         path = state / ckpt.path
@@ -41,11 +43,9 @@ def load_model(
         optimizer.load_state_dict(dict(saved.extras))
         log.info("resuming from checkpoint of round %d", ckpt.round_number)
         return saved.layout, saved.flat
-    if initial is not None:
-        return initial()
-    if model is None:
+    if initial is None:
         raise ConfigError("study", "no study: serve one with --study study.toml")
-    return flat_layout(model.dim), np.zeros(model.dim, dtype=np.float32)
+    return initial()
 
 
 def model_payload(layout: tuple[TensorSpec, ...], flat: np.ndarray) -> bytes | memoryview:

@@ -11,11 +11,15 @@ from typing import Any
 from common.core.config import CoordinatorSettings, load_settings
 from common.core.logs import configure_logging
 from common.core.observer import ObserverFactory
+from coordinator.checkpoints import InitialModel
 
 
-def register(subparsers: Any, *, observer_factory: ObserverFactory | None = None) -> None:
-    """`medfed coordinator ...`. `observer_factory` plugs in what watches the rounds
-    (tests and benchmarks: `bench.instrumented`; the product watches nothing)."""
+def register(subparsers: Any, *, observer_factory: ObserverFactory | None = None,
+             model_without_study: InitialModel | None = None) -> None:
+    """`medfed coordinator ...`. `observer_factory` plugs in what watches the rounds and
+    `model_without_study` the flat model a coordinator serves instead of a study (tests
+    and benchmarks: `bench.instrumented`; the product watches nothing and serves a
+    study)."""
     parser = subparsers.add_parser("coordinator", help="run the federation coordinator")
     sub = parser.add_subparsers(dest="coordinator_command", required=True, metavar="ACTION")
     serve = sub.add_parser(
@@ -50,9 +54,6 @@ def register(subparsers: Any, *, observer_factory: ObserverFactory | None = None
         help="the study's untrained network from `medfed model init` (a coordinator "
         "without torch, such as the coordinator image; default: built here)",
     )
-    serve.add_argument("--model-dim", type=int,
-                       help="transport tests/benchmarks only (bench.transport_site sites): "
-                       "a zero-initialised flat model and no study")
     serve.add_argument(
         "--plain", action="store_true", default=None,
         help="plain FedAvg without secure aggregation (benchmarks only)",
@@ -71,13 +72,11 @@ def register(subparsers: Any, *, observer_factory: ObserverFactory | None = None
     serve.add_argument("--linger-seconds", type=float, default=5.0,
                        help="with --exit-when-finished: keep serving this long after the "
                        "last round so waiting sites hear that the study is finished")
-    serve.set_defaults(func=partial(_serve, observer_factory=observer_factory))
+    serve.set_defaults(func=partial(_serve, observer_factory=observer_factory,
+                                    model_without_study=model_without_study))
 
 
 def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
-    model: dict[str, Any] = {}
-    if args.model_dim is not None:
-        model["dim"] = args.model_dim
     overrides: dict[str, Any] = {
         "pki": args.pki,
         "listen": args.listen,
@@ -89,7 +88,6 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         "study": args.study,
         "initial_model": args.initial_model,
         "min_sites": args.min_sites,
-        "model": model or None,
         "aggregation": {"secure_aggregation": False} if args.plain else None,
         "deadlines": {
             "phase_seconds": args.phase_seconds,
@@ -102,7 +100,8 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
     return load_settings(CoordinatorSettings, config_file=args.config, overrides=overrides)
 
 
-def _serve(args: argparse.Namespace, *, observer_factory: ObserverFactory | None = None) -> int:
+def _serve(args: argparse.Namespace, *, observer_factory: ObserverFactory | None = None,
+           model_without_study: InitialModel | None = None) -> int:
     # grpc: loaded only to serve; registering the command stays grpc-free, since a grpc
     # core imported before a fork ignores the child's GRPC_* environment (tests/zygote.py
     # forks its processes from an interpreter that preloaded this module).
@@ -112,4 +111,5 @@ def _serve(args: argparse.Namespace, *, observer_factory: ObserverFactory | None
     configure_logging("coordinator", settings.log_level, settings.log_format)
     observer = observer_factory(settings.state) if observer_factory is not None else None
     return asyncio.run(serve(settings, exit_when_finished=args.exit_when_finished,
-                             linger_seconds=args.linger_seconds, observer=observer))
+                             linger_seconds=args.linger_seconds, observer=observer,
+                             model_without_study=model_without_study))

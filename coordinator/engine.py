@@ -51,6 +51,7 @@ from common.privacy.federation import FederationBudgetView
 from common.protocol.secagg.identity import IdentityVerifier
 from coordinator import round_events, selection
 from coordinator.bundles import final_bundle
+from coordinator.checkpoints import InitialModel
 from coordinator.inbox import RoundInbox
 from coordinator.ledger_gate import LedgerGate
 from coordinator.metrics import CoordinatorMetrics
@@ -111,8 +112,11 @@ class RoundEngine:
         budget_view: FederationBudgetView | None = None,
         study: StudyRun | None = None,
         observer: RoundObserver | None = None,
+        model_without_study: InitialModel | None = None,
     ) -> None:
         self.study = study  # its model and training settings replace the config's
+        # Without a study: the flat model a transport test plugs in (bench.instrumented).
+        self.model_without_study = model_without_study
         # Shown each round's unmasked sum (common.core.observer); the product's watches nothing.
         self.observer = observer or NoObserver()
         self.settings = settings = study.settings(settings) if study is not None else settings
@@ -138,7 +142,8 @@ class RoundEngine:
         # Sites that declined a kind of round ("statistics", "training", "evaluation")
         # for a reason that cannot change, and why: not selected for it again.
         self.declined_kind: dict[str, dict[str, str]] = {}
-        self.model = GlobalModel.load(store, settings, study)
+        self.model = GlobalModel.load(store, settings, study,
+                                      model_without_study=model_without_study)
         if self.model.intermediaries is not None:  # "auto" v carried over a restart
             metrics.hospital_intermediaries.set(self.model.intermediaries)
         self.last_round_number = 0
@@ -263,7 +268,8 @@ class RoundEngine:
                 self.last_round_number = recover(
                     self.store, self.budget_view, self.metrics, now=self.clock(),
                     cause="a loss of the state database")
-                self.model = GlobalModel.load(self.store, self.settings, self.study)
+                self.model = GlobalModel.load(self.store, self.settings, self.study,
+                                              model_without_study=self.model_without_study)
             except DatabaseUnavailable as again:
                 if time.monotonic() - started >= bound:
                     raise DatabaseUnavailable(

@@ -28,6 +28,7 @@ from common.protocol.metrics_http import MetricsTls, serve_metrics
 from common.protocol.pki import COORDINATOR_CERT, CRL_FILE, PeerVerifier, load_ca, load_certificate
 from common.protocol.tls import RequireCertificateRole, TlsFiles, server_credentials
 from common.releases.convergence import auc_trend, describe_auc_trend
+from coordinator.checkpoints import InitialModel
 from coordinator.engine import RoundEngine
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.refusals import RefusalLog
@@ -85,15 +86,21 @@ def database_url(settings: CoordinatorSettings) -> str:
 
 
 async def start(
-    settings: CoordinatorSettings, *, observer: RoundObserver | None = None
+    settings: CoordinatorSettings, *, observer: RoundObserver | None = None,
+    model_without_study: InitialModel | None = None,
 ) -> RunningCoordinator:
     """Serve `settings` on its ports, holding its state folder (one coordinator per
     folder: a second is refused naming the holder) until `RunningCoordinator.stop`.
-    `observer`: what a test plugs in to watch the rounds (`common.core.observer`)."""
-    if settings.study is None and settings.model is None:
+    `observer`: what a test plugs in to watch the rounds (`common.core.observer`);
+    `model_without_study`: the flat model a transport test serves instead of a study
+    (`bench.instrumented --model-dim`), plugged in by code, never by a setting."""
+    if settings.study is None and model_without_study is None:
         raise ConfigError(
             "study", "coordinator serve needs --study study.toml (see `medfed study init`)"
         )
+    if settings.study is not None and model_without_study is not None:
+        raise ConfigError("study", "a study gives the model: a flat model without a study "
+                          "(transport tests) and a study, not both")
     # Ledger, state database and checkpoints: readable by this service only.
     try:
         settings.state.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -103,7 +110,8 @@ async def start(
         ) from exc
     lock = StateLock.acquire(settings.state, role="coordinator")
     try:
-        running = await _start(settings, observer=observer)
+        running = await _start(settings, observer=observer,
+                               model_without_study=model_without_study)
     except BaseException:
         lock.release()
         raise
@@ -112,7 +120,8 @@ async def start(
 
 
 async def _start(
-    settings: CoordinatorSettings, *, observer: RoundObserver | None
+    settings: CoordinatorSettings, *, observer: RoundObserver | None,
+    model_without_study: InitialModel | None,
 ) -> RunningCoordinator:
     store = CoordinatorStore(database_url(settings))
     verifier = PeerVerifier.from_pki_dir(settings.pki)
@@ -133,7 +142,7 @@ async def _start(
     study = StudyRun.open(settings.study, settings.state,
                           initial_model=settings.initial_model) if settings.study else None
     engine = RoundEngine(settings, store, identity=identity, metrics=metrics, study=study,
-                         observer=observer)
+                         observer=observer, model_without_study=model_without_study)
     refusals = RefusalLog(metrics)
     server = grpc.aio.server(
         # Per-method certificate roles: sites call Federation, monitors Health/status,
@@ -216,11 +225,12 @@ def metrics_tls(
 async def serve(
     settings: CoordinatorSettings, *, exit_when_finished: bool = False,
     linger_seconds: float = 5.0, observer: RoundObserver | None = None,
+    model_without_study: InitialModel | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT. A finished study is not an outage: the coordinator
     stays up (status `finished`, Health SERVING, sites told the federation finished);
     `exit_when_finished` (batch use) exits `linger_seconds` after the last round."""
-    running = await start(settings, observer=observer)
+    running = await start(settings, observer=observer, model_without_study=model_without_study)
     # One machine-readable line so scripts and tests learn the bound ports.
     print(
         json.dumps({"event": "listening", "port": running.port,

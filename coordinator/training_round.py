@@ -64,14 +64,16 @@ class GlobalModel:
 
     @classmethod
     def load(
-        cls, store: CoordinatorStore, settings: CoordinatorSettings, study: StudyRun | None
+        cls, store: CoordinatorStore, settings: CoordinatorSettings, study: StudyRun | None,
+        *, model_without_study: checkpoints.InitialModel | None = None,
     ) -> GlobalModel:
-        """The latest good checkpoint, else the study's (or the config's) initial model;
-        with the v its round chose for the next, so a restart continues with it."""
+        """The latest good checkpoint, else the study's initial model (without a study:
+        `model_without_study`, a transport test's); with the v its round chose for the
+        next, so a restart continues with it."""
         optimizer = build_optimizer(settings.optimizer)
         layout, flat = checkpoints.load_model(
-            store, settings.model, optimizer, state=settings.state,
-            initial=study.initial_model if study is not None else None,
+            store, optimizer, state=settings.state,
+            initial=study.initial_model if study is not None else model_without_study,
         )
         edges = stored_edges(store, settings)
         if not edges and study is not None:

@@ -98,22 +98,6 @@ NO_STUDY_MODEL = (
 )
 
 
-class TransportModelSection(_Section):
-    """TEST ONLY: a zero-initialised flat model and no study, for transport tests and
-    benchmarks whose sites run a deterministic double (`bench.transport_site`; a site
-    that trains refuses a coordinator without a study). Every federation that trains
-    runs a study."""
-
-    dim: int = Field(ge=1, le=1 << 30, description="zero-initialised flat model of this size")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_model_file(cls, data: Any) -> Any:
-        if isinstance(data, Mapping) and "init_file" in data:
-            raise ValueError(NO_STUDY_MODEL)
-        return data
-
-
 class TrainingPlanSection(_Section):
     local_epochs: int = Field(default=1, ge=1, le=1000)
     learning_rate: float = Field(default=0.1, gt=0, le=10)
@@ -322,10 +306,6 @@ class CoordinatorSettings(_Settings):
         description="the study's untrained network as `medfed model init` wrote it, for a "
         "coordinator without torch (the coordinator image); default: built here",
     )
-    model: TransportModelSection | None = Field(
-        default=None, description="transport tests and benchmarks only: a flat model without "
-        "a study, for the deterministic sites of `bench.transport_site`"
-    )
     training: TrainingPlanSection = TrainingPlanSection()
     aggregation: AggregationSection = AggregationSection()
     optimizer: OptimizerSection = OptimizerSection()
@@ -347,15 +327,10 @@ class CoordinatorSettings(_Settings):
         return bool(self.metrics_tls)
 
     @model_validator(mode="after")
-    def _study_or_model(self) -> CoordinatorSettings:
+    def _initial_model_of_a_study(self) -> CoordinatorSettings:
         if self.initial_model is not None and self.study is None:
             raise ValueError("initial_model is the untrained network of a study: serve "
                              "one with --study study.toml")
-        if self.study is not None and self.model is not None:
-            raise ValueError(
-                "set a study (--study study.toml) or, for transport tests only, a flat "
-                "model (--model-dim), not both: the study gives the model"
-            )
         return self
 
     @field_validator("database_url")
@@ -708,6 +683,9 @@ REMOVED_SETTINGS = {
     "debug_write_updates": _TEST_INSTRUMENTATION,
     "debug_pause_after": _TEST_INSTRUMENTATION,
     "debug_pause_seconds": _TEST_INSTRUMENTATION,
+    # `[model] dim` (a flat model without a study) and `[model] init_file`.
+    "model": NO_STUDY_MODEL + "; the flat model of transport tests and benchmarks is "
+    "test instrumentation (`python -m bench.instrumented coordinator serve --model-dim N`)",
 }
 """Settings an older config may still name, and why each is refused."""
 

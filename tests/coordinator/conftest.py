@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.instrumented import flat_model
 from common.core.config import CoordinatorSettings, load_settings
 from common.core.errors import CryptoError
 from common.crypto.signing import VerifyingKey
@@ -24,9 +25,10 @@ def refuse_identity(site_id: str, certificate_der: bytes) -> VerifyingKey:
 def engine(tmp_path: Path) -> Iterator[RoundEngine]:
     settings = load_settings(
         CoordinatorSettings,
-        overrides={"pki": tmp_path, "state": tmp_path, "model": {"dim": 8}, "min_sites": 2},
+        overrides={"pki": tmp_path, "state": tmp_path, "min_sites": 2},
     )
     store = CoordinatorStore(f"sqlite:///{tmp_path / 'coordinator.db'}")
-    built = RoundEngine(settings, store, identity=refuse_identity, metrics=CoordinatorMetrics())
+    built = RoundEngine(settings, store, identity=refuse_identity, metrics=CoordinatorMetrics(),
+                        model_without_study=flat_model(8))
     yield built
     store.close()

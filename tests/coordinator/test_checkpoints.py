@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.instrumented import flat_model
 from common.core.config import CoordinatorSettings, load_settings
 from common.core.modelfile import flat_layout
 from coordinator.checkpoints import load_model, prune_checkpoints, write_checkpoint
@@ -18,7 +19,7 @@ from coordinator.store import CoordinatorStore
 def _settings(tmp_path: Path, **extra: object) -> CoordinatorSettings:
     return load_settings(
         CoordinatorSettings,
-        overrides={"pki": tmp_path, "state": tmp_path, "model": {"dim": 4}, **extra},
+        overrides={"pki": tmp_path, "state": tmp_path, **extra},
     )
 
 
@@ -54,8 +55,8 @@ def test_only_the_newest_files_stay_and_the_model_resumes(tmp_path: Path) -> Non
         assert _on_disk(tmp_path) == ["round-000005.mfm", "round-000006.mfm",
                                       "round-000007.mfm"]
         settings = _settings(tmp_path)
-        _, flat = load_model(store, settings.model, build_optimizer(settings.optimizer),
-                             state=tmp_path)
+        _, flat = load_model(store, build_optimizer(settings.optimizer), state=tmp_path,
+                             initial=flat_model(4))
         assert flat.tolist() == [7.0] * 4
     finally:
         store.close()
@@ -71,8 +72,8 @@ def test_the_checkpoint_the_store_resumes_from_is_never_deleted(tmp_path: Path) 
         _complete_rounds(tmp_path, store, range(3, 6), keep=1, record=False)
         assert _on_disk(tmp_path) == ["round-000002.mfm", "round-000005.mfm"]
         settings = _settings(tmp_path)
-        _, flat = load_model(store, settings.model, build_optimizer(settings.optimizer),
-                             state=tmp_path)
+        _, flat = load_model(store, build_optimizer(settings.optimizer), state=tmp_path,
+                             initial=flat_model(4))
         assert flat.tolist() == [2.0] * 4
     finally:
         store.close()
@@ -118,8 +119,8 @@ def test_a_restart_from_another_working_directory_finds_the_checkpoint(
         assert recorded is not None
         assert recorded.path == Path("checkpoints/round-000001.mfm")
         settings = _settings(absolute)
-        _, flat = load_model(reopened, settings.model, build_optimizer(settings.optimizer),
-                             state=absolute)
+        _, flat = load_model(reopened, build_optimizer(settings.optimizer), state=absolute,
+                             initial=flat_model(4))
         assert flat.tolist() == [1.5] * 4
     finally:
         reopened.close()

@@ -49,7 +49,7 @@ def federation_pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture()
 def gate(federation_pki: Path, tmp_path: Path) -> LedgerGate:
     settings = load_settings(CoordinatorSettings, overrides={
-        "pki": federation_pki, "state": tmp_path, "model": {"dim": 8},
+        "pki": federation_pki, "state": tmp_path,
     })
     return LedgerGate(Database(f"sqlite:///{tmp_path / 'state.db'}"), settings)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.instrumented import flat_model
 from common.core.config import CoordinatorSettings, load_settings
 from common.core.errors import Unavailable
 from common.privacy.budget import BudgetReport
@@ -152,11 +153,12 @@ def test_a_waiting_site_that_stopped_beating_is_not_selectable(tmp_path: Path) -
     now = [1_000.0]
     settings = load_settings(
         CoordinatorSettings,
-        overrides={"pki": tmp_path, "state": tmp_path, "model": {"dim": 8}, "min_sites": 2},
+        overrides={"pki": tmp_path, "state": tmp_path, "min_sites": 2},
     )
     store = CoordinatorStore(f"sqlite:///{tmp_path / 'coordinator.db'}")
     engine = RoundEngine(settings, store, identity=refuse_identity,
-                         metrics=CoordinatorMetrics(), clock=lambda: now[0])
+                         metrics=CoordinatorMetrics(), clock=lambda: now[0],
+                         model_without_study=flat_model(8))
 
     def beat(site: str) -> None:
         engine.sessions.touch(site)  # what the servicer notes for every call
@@ -195,14 +197,14 @@ def test_each_sites_last_contact_is_the_operators_liveness_series(tmp_path: Path
     and by every later call of that site; a site that never enrolled has no series."""
     settings = load_settings(
         CoordinatorSettings,
-        overrides={"pki": tmp_path, "state": tmp_path, "model": {"dim": 8}, "min_sites": 2},
+        overrides={"pki": tmp_path, "state": tmp_path, "min_sites": 2},
     )
     now = [1_000.0]
     metrics = CoordinatorMetrics()
     store = CoordinatorStore(f"sqlite:///{tmp_path / 'coordinator.db'}")
     try:
         engine = RoundEngine(settings, store, identity=refuse_identity, metrics=metrics,
-                             clock=lambda: now[0])
+                             clock=lambda: now[0], model_without_study=flat_model(8))
 
         def last_contact(site: str) -> float | None:
             return metrics.registry.get_sample_value(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.instrumented import flat_model
 from bench.transport_site import DeterministicTestHook
 from common.core.config import SiteSettings
 from common.core.errors import StateError, ValidationError
@@ -33,7 +34,12 @@ from coordinator.store import CoordinatorStore
 from site_agent.agent import SiteAgent
 from site_agent.dp_release import evaluation_mechanism
 from site_agent.metrics import SiteMetrics
-from tests.network.conftest import InProcessCoordinator, PkiLayout, coordinator_settings
+from tests.network.conftest import (
+    MODEL_DIM,
+    InProcessCoordinator,
+    PkiLayout,
+    coordinator_settings,
+)
 
 HEAD = "ab" * 32
 
@@ -72,7 +78,7 @@ def test_selection_follows_the_federation_view(
     async def scenario() -> list[str]:
         engine = RoundEngine(
             settings, store, identity=_refuse_identity,  # type: ignore[arg-type]
-            metrics=metrics,
+            metrics=metrics, model_without_study=flat_model(MODEL_DIM),
         )
         for site_id, budget in reports.items():
             engine.sites.enroll(site_id, b"", serial="1", version="t", device="cpu", budget=budget)
@@ -116,7 +122,7 @@ def test_selection_follows_the_federation_view(
     restarted_store, restarted_metrics = CoordinatorStore(database_url), CoordinatorMetrics()
     RoundEngine(
         settings, restarted_store, identity=_refuse_identity,  # type: ignore[arg-type]
-        metrics=restarted_metrics,
+        metrics=restarted_metrics, model_without_study=flat_model(MODEL_DIM),
     ).recover()
     for site_id, spent_epsilon, budget_epsilon in (("spent", 8.0, 8.0), ("fresh", 1.0, 8.0)):
         labels = {"site": site_id}
@@ -296,7 +302,7 @@ def test_sites_that_decline_a_kind_of_round_for_good_are_left_out_of_it(
                                     min_sites=2)
     store = CoordinatorStore(database_url)
     engine = RoundEngine(settings, store, identity=_refuse_identity,  # type: ignore[arg-type]
-                         metrics=CoordinatorMetrics())
+                         metrics=CoordinatorMetrics(), model_without_study=flat_model(MODEL_DIM))
     sites = ["alpha", "beta", "gamma"]
     for site_id in sites:
         engine.sites.enroll(site_id, b"", serial="1", version="t", device="cpu",

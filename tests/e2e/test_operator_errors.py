@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.instrumented import instrumented_argv
 from common.core.processes import ManagedProcess, medfed_argv
 from common.protocol.pki import init_ca, issue_site
 from tests.e2e.harness import REPO, Federation, make_pki, transport_site_argv
@@ -33,8 +34,8 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]
 
 
 def serve_argv(fed: Federation, *extra: str, state: str = "second") -> list[str]:
-    return medfed_argv("coordinator", "serve", "--pki", str(fed.pki),
-                       "--state", str(fed.root / state), "--model-dim", "100", *extra)
+    return instrumented_argv("coordinator", "serve", "--pki", str(fed.pki),
+                             "--state", str(fed.root / state), "--model-dim", "100", *extra)
 
 
 def run(argv: list[str]) -> subprocess.CompletedProcess[str]:

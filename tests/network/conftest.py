@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.instrumented import Instrumentation
+from bench.instrumented import Instrumentation, flat_model
 from bench.transport_site import DeterministicTestHook
 from common.core.codec import CHUNK_BYTES, iter_chunks
 from common.core.config import CoordinatorSettings, SiteSettings
@@ -107,7 +107,6 @@ def coordinator_settings(
         "state": state,
         "rounds": 1,
         "min_sites": 4,
-        "model": {"dim": MODEL_DIM},
         "aggregation": {"histogram_bins": HISTOGRAM_BINS},
         "deadlines": {
             "selection_seconds": 0.5,
@@ -136,11 +135,13 @@ def thread_stack(thread: threading.Thread) -> str:
 
 
 class InProcessCoordinator:
-    """`coordinator.service.start` on its own event loop in a daemon thread, writing
-    each round's unmasked sum under its state folder (`read_aggregate`)."""
+    """`coordinator.service.start` on its own event loop in a daemon thread, serving a
+    flat model of `model_dim` elements without a study (`bench.instrumented.flat_model`)
+    and writing each round's unmasked sum under its state folder (`read_aggregate`)."""
 
-    def __init__(self, settings: CoordinatorSettings) -> None:
+    def __init__(self, settings: CoordinatorSettings, *, model_dim: int = MODEL_DIM) -> None:
         self.settings = settings
+        self.model = flat_model(model_dim)
         self.observer = Instrumentation(settings.state, write_aggregates=True)
         self.loop = asyncio.new_event_loop()
         self.engine_done = threading.Event()
@@ -177,7 +178,8 @@ class InProcessCoordinator:
 
     async def _serve(self) -> None:
         try:
-            self._running = await start(self.settings, observer=self.observer)
+            self._running = await start(self.settings, observer=self.observer,
+                                        model_without_study=self.model)
             self._stop = asyncio.Event()
             self._engine_task = asyncio.create_task(self._running.engine.run())
             self._engine_task.add_done_callback(lambda _task: self.engine_done.set())
@@ -238,12 +240,14 @@ class InProcessCoordinator:
 def coordinator(
     pki_layout: PkiLayout, tmp_path: Path
 ) -> Iterator[Callable[..., InProcessCoordinator]]:
-    """Factory: `coordinator(**settings_overrides)` starts one; all stop at teardown."""
+    """Factory: `coordinator(model_dim=..., **settings_overrides)` starts one; all stop
+    at teardown."""
     started: list[InProcessCoordinator] = []
 
-    def make(**overrides: Any) -> InProcessCoordinator:
+    def make(*, model_dim: int = MODEL_DIM, **overrides: Any) -> InProcessCoordinator:
         state = tmp_path / f"coordinator-{len(started)}"
-        running = InProcessCoordinator(coordinator_settings(pki_layout, state, **overrides))
+        running = InProcessCoordinator(coordinator_settings(pki_layout, state, **overrides),
+                                       model_dim=model_dim)
         started.append(running.__enter__())
         return running
 

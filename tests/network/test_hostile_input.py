@@ -649,7 +649,7 @@ def test_model_download_held_open_past_the_round_ends_with_a_clear_status(
     """d starts a multi-chunk model download, stops reading, completes the round, then
     reads on: the old round's model is no longer served, with a status, not UNKNOWN."""
     dim = 4 * (CHUNK_BYTES // 4) + 16  # just over four 1 MiB chunks
-    coord = coordinator(model={"dim": dim}, limits={"max_chunk_bytes": CHUNK_BYTES})
+    coord = coordinator(model_dim=dim, limits={"max_chunk_bytes": CHUNK_BYTES})
     d = ScriptedSite(pki_layout, coord.address, "d")
     d.enroll()
     honest = honest_sites(coord.address, ["a", "b", "c"])

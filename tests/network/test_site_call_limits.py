@@ -190,7 +190,7 @@ def test_call_limits_are_settings_with_validated_ranges(monkeypatch: pytest.Monk
     """Defaults are the shares above; the environment overrides them like any setting;
     a share below one largest message, or a budget below one site's share, is refused
     naming the field."""
-    base = {"pki": "pki", "state": "state", "model": {"dim": 4}}
+    base = {"pki": "pki", "state": "state"}
     default = load_settings(CoordinatorSettings, overrides=base).limits
     assert (default.max_calls_per_site, default.max_request_bytes_per_site,
             default.max_request_bytes) == (16, 16 << 20, 256 << 20)

@@ -299,7 +299,7 @@ def test_uploads_staged_on_disk_give_the_exact_sum(
     """With `limits.upload_spool_bytes = 0` every masked vector is staged in a temporary
     file and added to the accumulator window by window (what very large models do, so the
     coordinator's memory does not hold an extra vector per upload): same exact sum."""
-    coord = coordinator(model={"dim": 300_000}, limits={"upload_spool_bytes": 0})
+    coord = coordinator(model_dim=300_000, limits={"upload_spool_bytes": 0})
     sites = ["a", "b", "c", "d"]
     honest = honest_sites(coord.address, sites)
     assert coord.engine_done.wait(120)

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from common.core.config import CoordinatorSettings, TransportModelSection, is_loopback_host
+from bench.instrumented import flat_model
+from common.core.config import CoordinatorSettings, is_loopback_host
 from common.core.errors import ConfigError, PkiError
 from common.protocol import metrics_http, pki
 from common.protocol.metrics_http import MetricsTls, serve_metrics
@@ -248,13 +249,12 @@ def test_the_coordinator_serves_metrics_to_monitors_only_and_counts_refusals(
     settings = CoordinatorSettings(
         pki=monitor_pki, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0",
         metrics_tls=True, state=tmp_path / "state", rounds=1, min_sites=3,
-        model=TransportModelSection(dim=8),
     )
     monitor = client_context(monitor_pki / "ca.crt", pki.monitor_paths(monitor_pki, "prometheus"))
     site = client_context(monitor_pki / "ca.crt", pki.site_paths(monitor_pki, "h2"))
 
     async def scenario() -> None:
-        running = await start(settings)
+        running = await start(settings, model_without_study=flat_model(8))
         try:
             port = running.metrics_port
             assert (await asyncio.to_thread(scrape, port, site))[0] == 403

@@ -22,8 +22,9 @@ from cryptography.hazmat.primitives import hashes
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.instrumented import flat_model
 from common.commands.status import fetch_status, refusal_hint
-from common.core.config import CoordinatorSettings, TransportModelSection
+from common.core.config import CoordinatorSettings
 from common.core.errors import ConfigError
 from common.proto.medfed.v1 import federation_pb2 as pb
 from common.proto.medfed.v1 import federation_pb2_grpc as pb_grpc
@@ -56,7 +57,7 @@ def refusals(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
 def settings_for(pki_dir: Path, tmp_path: Path) -> CoordinatorSettings:
     return CoordinatorSettings(
         pki=pki_dir, listen="127.0.0.1:0", metrics_listen="127.0.0.1:0",
-        state=tmp_path / "state", rounds=1, min_sites=3, model=TransportModelSection(dim=8),
+        state=tmp_path / "state", rounds=1, min_sites=3,
     )
 
 
@@ -98,7 +99,8 @@ def test_a_revoked_site_is_logged_once_and_counted_every_time(
     site_cert, _ = pki.site_paths(monitor_pki, "h1")
 
     async def scenario() -> dict[tuple[str, str], float]:
-        running = await start(settings_for(monitor_pki, tmp_path))
+        running = await start(settings_for(monitor_pki, tmp_path),
+                              model_without_study=flat_model(8))
         try:
             address = f"127.0.0.1:{running.port}"
             async with grpc.aio.secure_channel(
@@ -190,7 +192,8 @@ def test_missing_crl_is_logged_and_status_names_the_crl_not_the_role(
     files = tls.TlsFiles.for_monitor(monitor_pki, "ops")
 
     async def scenario() -> tuple[str, dict[tuple[str, str], float]]:
-        running = await start(settings_for(monitor_pki, tmp_path))
+        running = await start(settings_for(monitor_pki, tmp_path),
+                              model_without_study=flat_model(8))
         try:
             address = f"127.0.0.1:{running.port}"
             (monitor_pki / pki.CRL_FILE).unlink()

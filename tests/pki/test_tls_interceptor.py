@@ -23,7 +23,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from common.core.config import CoordinatorSettings, TransportModelSection
+from bench.instrumented import flat_model
+from common.core.config import CoordinatorSettings
 from common.core.errors import CertificateRejected
 from common.protocol import pki, tls
 from common.protocol.pki import Role
@@ -383,11 +384,10 @@ def test_the_coordinator_installs_the_role_interceptor(
         state=tmp_path / "state",
         rounds=1,
         min_sites=3,
-        model=TransportModelSection(dim=8),
     )
 
     async def scenario() -> None:
-        running = await start(settings)
+        running = await start(settings, model_without_study=flat_model(8))
         try:
             address = f"127.0.0.1:{running.port}"
             credentials = monitor_credentials(monitor_pki, "probe")

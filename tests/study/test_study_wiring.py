@@ -3,12 +3,15 @@ the study; a site trains only under a study, and only its own when it names one.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
+from bench.instrumented import flat_model
 from common.core.config import CoordinatorSettings, SiteSettings, load_settings
 from common.core.errors import ConfigError
+from coordinator.service import start
 from coordinator.study_run import StudyRun
 from site_agent.datacheck import site_policy
 from site_agent.site_training import DpTrainingHook
@@ -23,11 +26,14 @@ def _site(tmp_path: Path, **data: object) -> SiteSettings:
 
 
 def test_a_study_and_a_model_exclude_each_other(tmp_path: Path) -> None:
+    """A flat model without a study (transport tests: `bench.instrumented --model-dim`)
+    beside a study is refused before anything starts: the study gives the model."""
+    settings = load_settings(CoordinatorSettings, overrides={
+        "pki": tmp_path, "state": tmp_path, "study": tmp_path / "study.toml",
+    })
     with pytest.raises(ConfigError, match="not both"):
-        load_settings(CoordinatorSettings, overrides={
-            "pki": tmp_path, "state": tmp_path, "study": tmp_path / "study.toml",
-            "model": {"dim": 10},
-        })
+        asyncio.run(start(settings, model_without_study=flat_model(10)))
+    assert not (tmp_path / "coordinator.db").exists()
 
 
 def test_the_study_gives_rounds_and_training_settings(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from common.core.sqldb import parse_database_url
 
 
 def coordinator(tmp_path: Path, **overrides: object) -> CoordinatorSettings:
-    values: dict[str, object] = {"pki": tmp_path, "state": tmp_path, "model": {"dim": 4}}
+    values: dict[str, object] = {"pki": tmp_path, "state": tmp_path}
     values.update(overrides)
     return load_settings(CoordinatorSettings, overrides=values)
 

@@ -1,7 +1,8 @@
 """Test instrumentation lives outside the product: `medfed` has no flag, setting or
 environment variable that makes a site write its plaintext update (or the coordinator
-its unmasked sum) to disk, or pauses a site; `python -m bench.instrumented` does, through
-the `common.core.observer.RoundObserver` seam.
+its unmasked sum) to disk, pauses a site, or serves a flat model without a study;
+`python -m bench.instrumented` does, through the `common.core.observer.RoundObserver`
+seam and `coordinator.cli.register(model_without_study=...)`.
 
 That the instrumented processes write the files end to end is what the e2e tests read
 (tests/e2e/test_hospital_federation.py compares each site's `debug-updates` file with
@@ -11,6 +12,7 @@ sums them against `aggregates`)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -38,6 +40,7 @@ def test_the_product_commands_have_no_debug_flag(
     shown = capsys.readouterr().out
     assert "--state" in shown  # the help of the command itself
     assert "debug" not in shown
+    assert "--model-dim" not in shown
 
 
 @pytest.mark.parametrize("cls", [SiteSettings, CoordinatorSettings])
@@ -46,10 +49,23 @@ def test_the_settings_have_no_debug_field(cls: type[SiteSettings | CoordinatorSe
     assert not [name for name in cls.model_fields if name in REMOVED_SETTINGS]
 
 
+def _named_settings(text: str) -> set[str]:
+    """Every key and table a TOML text names, commented-out ones included (an example
+    config shows its optional settings as comments)."""
+    names = set()
+    for line in text.splitlines():
+        bare = line.strip().lstrip("#").strip()
+        match = re.match(r"^\[([A-Za-z_][\w.]*)\]|^([A-Za-z_]\w*)\s*=", bare)
+        if match:
+            names.add((match.group(1) or match.group(2)).split(".")[0])
+    return names
+
+
 @pytest.mark.parametrize("name", ["site.toml", "coordinator.toml"])
-def test_the_example_configs_name_no_debug_setting(name: str) -> None:
-    text = (REPO / "deploy" / "config" / name).read_text()
-    assert not [setting for setting in REMOVED_SETTINGS if setting in text]
+def test_the_example_configs_name_no_removed_setting(name: str) -> None:
+    named = _named_settings((REPO / "deploy" / "config" / name).read_text())
+    assert "privacy" in named or "aggregation" in named  # the scan reads the file
+    assert not named & set(REMOVED_SETTINGS)
 
 
 @pytest.mark.parametrize("setting", sorted(REMOVED_SETTINGS))
@@ -60,6 +76,18 @@ def test_an_old_config_setting_one_is_refused_naming_it(tmp_path: Path, setting:
         load_settings(SiteSettings, config_file=config, overrides=SITE)
     assert refused.value.field == setting
     assert "bench.instrumented" in refused.value.message
+
+
+def test_an_old_coordinator_config_with_a_flat_model_is_refused_naming_it(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "coordinator.toml"
+    config.write_text("[model]\ndim = 8\n")
+    with pytest.raises(ConfigError) as refused:
+        load_settings(CoordinatorSettings, config_file=config,
+                      overrides={"pki": tmp_path, "state": tmp_path})
+    assert refused.value.field == "model"
+    assert "bench.instrumented coordinator serve --model-dim" in refused.value.message
 
 
 def test_instrumentation_writes_the_files_tests_read(tmp_path: Path) -> None:
@@ -100,6 +128,8 @@ def test_the_pause_says_so_and_ends_on_stop(capsys: pytest.CaptureFixture[str]) 
     (["pki", "init", "--debug-pause-after", "1:upload"], "flags of `site run`"),
     (["site", "run", "--debug-pause-after", "1:unmask"], "is not ROUND:PHASE"),
     (["site", "run", "--debug-pause-seconds", "0"], "seconds > 0"),
+    (["site", "run", "--model-dim", "8"], "--model-dim is a flag of `coordinator serve`"),
+    (["coordinator", "serve", "--model-dim", "0"], "not a number of elements"),
 ])
 def test_the_instrumented_entry_refuses_a_misplaced_flag(
     argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
@@ -118,4 +148,5 @@ def test_the_instrumented_entry_lists_its_flags_with_the_commands(
     assert done.value.code == 0
     shown = capsys.readouterr().out
     assert "--debug-write-updates" in shown and "--debug-pause-after" in shown
+    assert "--model-dim" in shown
     assert "--coordinator" in shown  # and the product's own flags after them
