@@ -143,10 +143,10 @@ def run(
     `batches` fixes the steps per epoch (records = batches x batch size) so that a
     large model is measured in minutes; the MLP uses the demo site as before.
     """
-    # torch, Opacus and the modules below that import them: loaded only when a benchmark
-    # runs (`medfed --help` lists the benchmarks), saving seconds and ~300 MB elsewhere
+    # torch: loaded only when a benchmark runs (seconds and ~300 MB `medfed --help` skips)
     import torch
 
+    # these import torch and Opacus: loaded only when a benchmark runs
     from common.models.build import build_model
     from common.models.layout import flatten_parameters
     from site_agent.trainer import LocalTrainer
@@ -326,9 +326,10 @@ def _run_patient(
 ) -> dict[str, Any]:
     """Non-private against patient-level DP-SGD (what `auto` picks on data with a
     patient column), epochs alternated; ratios of seconds per record forwarded."""
-    # torch and the modules below that import it: loaded only when a benchmark runs
+    # torch: loaded only when a benchmark runs
     import torch
 
+    # these import torch and Opacus: loaded only when a benchmark runs
     from common.models.layout import flatten_parameters
     from site_agent.trainer import LocalTrainer
 

@@ -301,9 +301,10 @@ def image_baselines(
 ) -> dict[str, dict[str, float]]:
     """Centralized and FedAvg non-private baselines on the sites' own splits (the same
     held-out patients the federation evaluates on), with the study's model."""
-    # torch and the modules below that import it: loaded only to train the baselines
+    # torch: loaded only to train the baselines
     import torch
 
+    # these import torch: loaded only to train the baselines
     from common.models.build import build_for_study
     from common.models.layout import flatten_parameters, load_flat_parameters
     from site_agent.trainer import LocalTrainer, predict_scores
