@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.instrumented import instrumented_argv
 from common.core.errors import ConfigError
 from common.core.parsing import parse_json
-from common.core.processes import Line, ManagedProcess, medfed_argv
+from common.core.processes import Line, ManagedProcess
 from common.protocol import pki
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,7 +173,7 @@ class Soak:
 
     def _coordinator_argv(self, *args: str) -> list[str]:
         if self.diagnose_every is None:
-            return medfed_argv(*args)
+            return instrumented_argv(*args)
         return [
             sys.executable, "-m", "bench.soak_probe", "--out", str(self.probe_file),
             "--every", f"{self.diagnose_every:g}", "--tracemalloc",

@@ -1,7 +1,8 @@
 """The coordinator of `medfed bench soak --diagnose`, with a memory probe beside it.
 
 ``python -m bench.soak_probe --out FILE --every S [--tracemalloc FRAMES] -- ARGS...``
-runs ``medfed ARGS...`` (the coordinator) in this process and, from a daemon thread,
+runs ``python -m bench.instrumented ARGS...`` (the coordinator, with the soak's flat
+model: ``--model-dim``) in this process and, from a daemon thread,
 appends one JSON object per line to FILE every S seconds, so that RSS growth can be
 split between Python objects, the C heap and fragmentation:
 
@@ -43,7 +44,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-from common.commands import cli
+from bench import instrumented
 
 _MAPPING_KINDS = ("heap", "arena64m", "anon_1m", "anon_other", "file", "stack_other")
 
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         probe.sqlite.sqlite3_soft_heap_limit64(args.sqlite_heap_limit)
     signal.signal(signal.SIGUSR2, probe.request_final)
     threading.Thread(target=probe.loop, name="soak-probe", daemon=True).start()
-    return cli.main(command)
+    return instrumented.main(command)
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ def transport_site_argv(*args: str) -> list[str]:
 
 def service_argv(*args: str) -> list[str]:
     """argv of `medfed ARGS`, through `bench.instrumented` where ARGS ask for its test
-    instrumentation (`--debug-*`: the product has no such flags)."""
-    if any(arg.startswith("--debug-") for arg in args):
+    instrumentation (`--debug-*`, `--model-dim`: the product has no such flags)."""
+    if any(arg.startswith("--debug-") or arg == "--model-dim" for arg in args):
         return instrumented_argv(*args)
     return medfed_argv(*args)
 
