@@ -122,7 +122,7 @@ def test_corrupted_model_file_is_refused(tmp_path: Path, corruption: str) -> Non
 
 def test_settings_errors_name_the_field(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
-    config.write_text("rounds = 2\n[model]\ndim = 10\n[deadlines]\nphase_seconds = -1\n")
+    config.write_text("rounds = 2\n[deadlines]\nphase_seconds = -1\n")
     with pytest.raises(ConfigError) as info:
         load_settings(CoordinatorSettings, config_file=config,
                       overrides={"pki": tmp_path, "state": tmp_path})
@@ -131,7 +131,7 @@ def test_settings_errors_name_the_field(tmp_path: Path) -> None:
         load_settings(SiteSettings, overrides={"site": "Bad Id", "coordinator": "h:1",
                                                "state": tmp_path, "pki": tmp_path})
     assert info.value.field == "site"
-    config.write_text("unknown_knob = 1\n[model]\ndim = 10\n")
+    config.write_text("unknown_knob = 1\n")
     with pytest.raises(ConfigError) as info:
         load_settings(CoordinatorSettings, config_file=config,
                       overrides={"pki": tmp_path, "state": tmp_path})
@@ -142,7 +142,7 @@ def test_settings_precedence_flags_over_env_over_toml(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = tmp_path / "c.toml"
-    config.write_text("rounds = 2\nmin_sites = 4\n[model]\ndim = 10\n"
+    config.write_text("rounds = 2\nmin_sites = 4\n"
                       "[deadlines]\ntrain_seconds = 11\nphase_seconds = 12\n")
     monkeypatch.setenv("MEDFED_COORDINATOR_MIN_SITES", "5")
     monkeypatch.setenv("MEDFED_COORDINATOR_DEADLINES__TRAIN_SECONDS", "21")
